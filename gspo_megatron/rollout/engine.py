@@ -1,0 +1,41 @@
+"""The rollout-engine interface shared by the embedded engine and SGLang.
+
+The trainer talks to this class only. Weights arrive as Hugging-Face-named tensors (the exporter in
+``gspo_megatron.models`` yields them), so both engines are fed by the same path.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Iterable, Mapping
+
+import torch
+
+from gspo_megatron.rollout.types import Sample, SamplingParams
+
+
+class RolloutEngine(abc.ABC):
+    """Generates samples from token-id prompts and receives weight updates from the trainer."""
+
+    weight_version: int = 0
+
+    @abc.abstractmethod
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
+        """Return ``params.n`` samples for each prompt, in prompt order."""
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load HF-named tensors (streamed; any subset of the model) and set the weight version."""
+
+    def health(self) -> Mapping[str, object]:
+        """A small status dict; raises if the engine cannot serve."""
+        return {"ok": True, "weight_version": self.weight_version}
+
+    def shutdown(self) -> None:
+        """Release resources (stop servers this engine started). Safe to call twice."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()

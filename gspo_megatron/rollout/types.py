@@ -1,0 +1,76 @@
+"""What every rollout engine takes and returns.
+
+Design decisions:
+- Token ids in, token ids out: prompts are already tokenised by the data layer, so the engine never
+  re-tokenises and the trainer scores exactly the tokens that were sampled.
+- Per-token log-probs are those of the sampling distribution (temperature applied), one per output
+  token, so the trainer can compare them with its own recomputation (train/inference mismatch).
+- Routed experts, when asked for, follow SGLang's layout: int32 [prompt_len + output_len - 1,
+  num_layers, top_k] -- the last sampled token has no row because it was never fed to the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Optional
+
+import torch
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # a stop token / string ended the sample (EOS included)
+    LENGTH = "length"  # max_new_tokens reached
+    ABORT = "abort"  # the engine gave up on the request (server abort, shutdown)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k filtering (SGLang's convention)
+    max_new_tokens: int = 64
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    n: int = 1  # samples per prompt
+    seed: Optional[int] = None
+    return_routed_experts: bool = False
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n (samples per prompt) must be >= 1, got {self.n}")
+
+
+@dataclass
+class Sample:
+    """One generated response to one prompt."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_log_probs: torch.Tensor  # float32 [len(output_ids)], log-prob under the sampling distribution
+    finish_reason: FinishReason
+    routed_experts: Optional[torch.Tensor] = None  # int32 [len(prompt)+len(output)-1, layers, top_k]
+    weight_version: int = 0  # the engine's weight version that produced this sample
+    extra: dict = field(default_factory=dict)  # engine-specific details (e.g. truncated-rollout exit reason)
+
+    def __post_init__(self):
+        if self.output_log_probs.shape != (len(self.output_ids),):
+            raise ValueError(
+                f"output_log_probs has shape {tuple(self.output_log_probs.shape)}, expected "
+                f"({len(self.output_ids)},) -- one log-prob per output token"
+            )
+        if self.routed_experts is not None:
+            rows = len(self.prompt_ids) + len(self.output_ids) - 1
+            if self.routed_experts.dim() != 3 or self.routed_experts.shape[0] != rows:
+                raise ValueError(
+                    f"routed_experts has shape {tuple(self.routed_experts.shape)}, expected "
+                    f"[{rows}, num_layers, top_k] (prompt + output tokens - 1)"
+                )

@@ -1,0 +1,156 @@
+"""Run a function on N gloo ranks on this machine and collect what each rank returns.
+
+Design decisions:
+- Ranks are spawned processes (``torch.multiprocessing`` with the ``spawn`` start method), not
+  torchrun, so a pytest test can call a plain Python function and get per-rank return values back.
+- Each rank's result or traceback travels back over a queue; the first failure is re-raised in the
+  caller with every failing rank's traceback, so a broken rank names itself.
+- Processes are always reaped: on timeout or failure every rank this call started is killed, and
+  only those (no process-group kill of the test runner's siblings).
+- The function must be importable (a module-level function) because spawn pickles it by name.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+class DistributedRunError(RuntimeError):
+    """One or more ranks failed (or the run timed out); the message holds each rank's traceback."""
+
+
+@dataclass(frozen=True)
+class RankContext:
+    rank: int
+    world_size: int
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(rank, world_size, port, fn, args, kwargs, results, threads):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        # gloo must not pick a hostname that resolves to an unreachable address.
+        GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+    )
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        value = fn(RankContext(rank, world_size), *args, **kwargs)
+        results.put((rank, True, value))
+    except BaseException:  # noqa: BLE001 - any failure must reach the caller
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - best effort during teardown
+                pass
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300.0,
+    threads_per_rank: int = 1,
+    **kwargs: Any,
+) -> list[Any]:
+    """Call ``fn(RankContext, *args, **kwargs)`` on ``world_size`` spawned ranks.
+
+    The environment of each rank carries MASTER_ADDR/PORT, RANK and WORLD_SIZE, so the function can
+    call ``torch.distributed.init_process_group("gloo")`` (or the project's layout initialiser).
+    Returns the per-rank return values ordered by rank (values must be picklable; move tensors to
+    CPU). Raises ``DistributedRunError`` with every failing rank's traceback.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(rank, world_size, port, fn, args, kwargs, results, threads_per_rank),
+            daemon=False,
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    collected: dict[int, tuple[bool, Any]] = {}
+    try:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while len(collected) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DistributedRunError(
+                    f"timed out after {timeout:.0f}s; ranks that finished: {sorted(collected)}"
+                    + _format_failures(collected)
+                )
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+                collected[rank] = (ok, value)
+                if not ok:
+                    # One rank failed: its peers are likely blocked in a collective. Give them a
+                    # moment to report their own failure, then stop waiting.
+                    _drain(results, collected, seconds=3.0)
+                    break
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in collected]
+                if dead:
+                    _drain(results, collected, seconds=1.0)
+                    for r in dead:
+                        collected.setdefault(r, (False, f"rank {r} exited with code {procs[r].exitcode}"))
+                    break
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        results.close()
+    failures = {r: v for r, (ok, v) in collected.items() if not ok}
+    if failures or len(collected) < world_size:
+        raise DistributedRunError(
+            f"{len(failures)} of {world_size} ranks failed" + _format_failures(collected)
+        )
+    return [collected[r][1] for r in range(world_size)]
+
+
+def _drain(results, collected, seconds: float) -> None:
+    import time
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            rank, ok, value = results.get(timeout=0.2)
+            collected[rank] = (ok, value)
+        except queue.Empty:
+            continue
+
+
+def _format_failures(collected) -> str:
+    parts = [f"\n--- rank {r} ---\n{v}" for r, (ok, v) in sorted(collected.items()) if not ok]
+    return "".join(parts)
