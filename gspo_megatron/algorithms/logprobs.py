@@ -1,0 +1,187 @@
+"""Token log-probabilities (and entropy) from vocab-parallel logits, without gathering the vocabulary.
+
+Design decisions (compare megatron-core ``tensor_parallel/cross_entropy.py``, which this replaces for
+RL, where we need log pi(y_t) itself, a temperature, and an entropy metric):
+- Logits ``[..., V_local]`` are this rank's contiguous vocabulary shard; shard ``r`` of the TP group
+  holds ids ``[r * V_local, (r + 1) * V_local)`` (megatron's ``VocabUtility`` layout). Targets are
+  global ids. ``tp_group=None`` means no tensor parallelism.
+- All math is fp32 whatever the logits' dtype; the temperature divides the logits first
+  (z = logits / T), so the result is the log-prob under the *sampling* distribution.
+- Each rank reduces its shard to three numbers per token: its local log-sum-exp ``lse_r``, the target
+  logit if it owns the target (else 0), and the local softmax mean ``E_{p_r}[z]`` (entropy only).
+  One all-gather of that ``[tp, N, 3]`` block then gives everything, for all chunks at once:
+      lse      = logsumexp_r lse_r                      (exact; no global max pass needed)
+      log p(y) = z_y - lse
+      H        = lse - sum_r exp(lse_r - lse) E_{p_r}[z]  (since H = lse - E_p[z])
+  That is one collective per call (megatron does three), and nothing of size V crosses ranks.
+- Memory: the forward saves only the logits it was given (a reference, no copy) and the per-token
+  ``lse`` [N]; it never keeps a softmax. The backward recomputes p = exp(z - lse) chunk by chunk and
+  writes d log p(y) / d logits = (onehot(y) - p) / T, scaled by the incoming gradient, straight into
+  the gradient buffer. ``chunk_size`` (tokens along the flattened leading dims) bounds the fp32
+  temporaries of both passes to ``chunk_size x V_local``; ``None`` means one chunk.
+- Entropy is a metric: it is returned detached (no gradient flows through it). An entropy bonus would
+  need d H / dz = -p (log p + H), which this Function does not implement.
+- Targets outside ``[0, V_local * tp)`` (e.g. an ignore index of -100 at padding) get log-prob 0 and
+  zero gradient instead of garbage, so padded positions can never leak NaNs into a masked loss.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+_STATS = 3  # per token and rank: local lse, owned target logit, local E_p[z]
+
+
+def vocab_parallel_log_probs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    tp_group: Optional[dist.ProcessGroup] = None,
+    temperature: float = 1.0,
+    chunk_size: Optional[int] = None,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-prob of ``targets`` under softmax(logits / temperature) over the TP-sharded vocabulary.
+
+    Args:
+        logits: ``[..., V_local]`` this rank's vocabulary shard (any float dtype).
+        targets: ``[...]`` global token ids (int64), same leading shape as ``logits``.
+        tp_group: the tensor-parallel group the vocabulary is split over; None for no TP.
+        temperature: divides the logits before the softmax (> 0).
+        chunk_size: tokens per chunk for the fp32 temporaries; None processes all tokens at once.
+        with_entropy: also return the per-token entropy (detached, fp32).
+
+    Returns ``(log_probs [...] fp32, entropy [...] fp32 or None)``. Every rank of the TP group gets the
+    same values and must call this collectively.
+    """
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree: logits must be "
+            f"targets.shape + (V_local,)"
+        )
+    if not logits.is_floating_point():
+        raise TypeError(f"logits must be floating point, got {logits.dtype}")
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"targets must be integer token ids, got {targets.dtype}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1 or None, got {chunk_size}")
+    log_probs, entropy = _VocabParallelLogProbs.apply(
+        logits, targets, tp_group, float(temperature), chunk_size, with_entropy
+    )
+    return log_probs, (entropy if with_entropy else None)
+
+
+def _shard_info(tp_group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
+    if tp_group is None:
+        return 0, 1
+    return dist.get_rank(group=tp_group), dist.get_world_size(group=tp_group)
+
+
+def _chunks(num_tokens: int, chunk_size: Optional[int]):
+    step = num_tokens if chunk_size is None else chunk_size
+    for start in range(0, num_tokens, max(step, 1)):
+        yield slice(start, min(start + step, num_tokens))
+
+
+def _scaled_fp32(logits_chunk: torch.Tensor, temperature: float, *, writable: bool) -> torch.Tensor:
+    """z = logits / T in fp32; a fresh buffer when ``writable`` (the caller's logits are never touched)."""
+    if logits_chunk.dtype != torch.float32:
+        z = logits_chunk.float()  # the cast already makes a fresh buffer
+    elif temperature != 1.0:
+        return torch.div(logits_chunk, temperature)  # fresh, in one pass
+    elif writable:
+        z = logits_chunk.clone()
+    else:
+        return logits_chunk  # read-only use of fp32 logits at T = 1: no copy at all
+    if temperature != 1.0:
+        z.div_(temperature)
+    return z
+
+
+def _local_stats(z: torch.Tensor, local_targets: torch.Tensor, owned: torch.Tensor, with_entropy: bool):
+    """Per-token [lse_r, owned target logit or 0, E_{p_r}[z] or 0] for one chunk of this shard."""
+    stats = z.new_zeros(z.shape[0], _STATS)
+    lse_local = torch.logsumexp(z, dim=-1)
+    stats[:, 0] = lse_local
+    picked = z.gather(-1, local_targets.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+    stats[:, 1] = torch.where(owned, picked, 0.0)
+    if with_entropy:
+        p_local = (z - lse_local.unsqueeze(-1)).exp_()
+        stats[:, 2] = p_local.mul_(z).sum(-1)  # E_{p_r}[z]
+    return stats
+
+
+def _combine_stats(all_stats: torch.Tensor):
+    """[tp, N, 3] per-rank stats -> (global lse [N], target logit [N], entropy [N])."""
+    lse = torch.logsumexp(all_stats[..., 0], dim=0)
+    target_logit = all_stats[..., 1].sum(0)  # exactly one rank owns each valid target
+    weights = (all_stats[..., 0] - lse).exp()  # share of the partition function held by each rank
+    entropy = lse - (weights * all_stats[..., 2]).sum(0)
+    return lse, target_logit, entropy
+
+
+class _VocabParallelLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, tp_group, temperature, chunk_size, with_entropy):
+        rank, world = _shard_info(tp_group)
+        vocab_local = logits.shape[-1]
+        flat_logits = logits.reshape(-1, vocab_local)
+        flat_targets = targets.reshape(-1).long()
+        local_targets = flat_targets - rank * vocab_local
+        owned = (local_targets >= 0) & (local_targets < vocab_local)
+        valid = (flat_targets >= 0) & (flat_targets < vocab_local * world)
+
+        stats = flat_logits.new_empty(flat_targets.shape[0], _STATS, dtype=torch.float32)
+        for rows in _chunks(flat_targets.shape[0], chunk_size):
+            z = _scaled_fp32(flat_logits[rows], temperature, writable=False)
+            stats[rows] = _local_stats(z, local_targets[rows], owned[rows], with_entropy)
+            del z
+        if world > 1:
+            gathered = [torch.empty_like(stats) for _ in range(world)]
+            dist.all_gather(gathered, stats, group=tp_group)
+            all_stats = torch.stack(gathered)
+        else:
+            all_stats = stats.unsqueeze(0)
+        lse, target_logit, entropy = _combine_stats(all_stats)
+
+        log_probs = torch.where(valid, target_logit - lse, 0.0)
+        ctx.save_for_backward(logits, local_targets, owned, valid, lse)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)
+        return log_probs.view(targets.shape), entropy.view(targets.shape)
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, _grad_entropy):
+        # _grad_entropy is ignored: entropy is a detached metric (see the module docstring).
+        if grad_log_probs is None:
+            return None, None, None, None, None, None
+        logits, local_targets, owned, valid, lse = ctx.saved_tensors
+        temperature = ctx.temperature
+        vocab_local = logits.shape[-1]
+        flat_logits = logits.reshape(-1, vocab_local)
+        # d log p(y) / d logits_j = (1[j = y] - p_j) / T, times the incoming gradient g.
+        scale = torch.where(valid, grad_log_probs.reshape(-1).float(), 0.0) / temperature
+        num_tokens = scale.shape[0]
+        single_chunk = ctx.chunk_size is None or ctx.chunk_size >= num_tokens
+        grad_logits = None if single_chunk and logits.dtype == torch.float32 else torch.empty_like(flat_logits)
+        for rows in _chunks(num_tokens, ctx.chunk_size):
+            grad = _scaled_fp32(flat_logits[rows], temperature, writable=True)
+            grad.sub_(lse[rows].unsqueeze(-1)).exp_()  # p
+            grad.mul_(-scale[rows].unsqueeze(-1))  # -g p / T
+            row_ids = torch.arange(rows.start, rows.stop, device=grad.device) - rows.start
+            target_cols = local_targets[rows].clamp(0, vocab_local - 1)
+            grad.index_put_((row_ids, target_cols), torch.where(owned[rows], scale[rows], 0.0), accumulate=True)
+            if grad_logits is None:
+                grad_logits = grad
+            else:
+                grad_logits[rows].copy_(grad)
+            del grad
+        if grad_logits is None:  # no tokens at all
+            grad_logits = torch.zeros_like(flat_logits)
+        return grad_logits.view(logits.shape), None, None, None, None, None
