@@ -1,0 +1,34 @@
+"""The unit of work every task and dataset hands to the trainer: one prompt and its gold answer.
+
+Design decisions:
+- A record is plain, picklable data (it crosses into reward worker processes).
+- ``prompt`` is the fully rendered text (chat template already applied); ``prompt_ids`` are its
+  tokens, filled in by the task so the trainer feeds exactly the tokens whose length was checked
+  against the context and never re-tokenises.
+- ``metadata`` carries what verifiers need beyond the answer, with two reserved keys:
+  ``stop_strings`` (text of the tokenizer's stop tokens; a response is cut at the first one, and a
+  response that contains none did not terminate) and ``answer_pattern`` (a regex the final answer
+  must match for ``format_ok``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    prompt: str
+    answer: str
+    metadata: dict = field(default_factory=dict)
+    prompt_ids: Optional[tuple[int, ...]] = None
+
+    def __post_init__(self):
+        if not isinstance(self.prompt, str):
+            raise TypeError(f"PromptRecord.prompt must be str, got {type(self.prompt).__name__}")
+        if not isinstance(self.answer, str):
+            raise TypeError(
+                f"PromptRecord.answer must be str, got {type(self.answer).__name__} "
+                f"(convert numbers with str() when loading)"
+            )
