@@ -1,0 +1,187 @@
+"""Build a megatron-core ``GPTModel`` of the Qwen3-MoE family from a ``MoEModelConfig``.
+
+Design decisions:
+- The TransformerConfig is derived here, in one function, from the HF-terms model config and the
+  parallel layout; nothing else constructs one.
+- Layer spec: megatron's own decoder-block spec (it handles the dense/MoE layer pattern and the
+  pipeline-stage slicing). With TransformerEngine installed and CUDA present we use the TE spec
+  unchanged; otherwise the "portable" spec swaps in ``models/layers.py`` norms and SDPA attention.
+- CPU-only choices (allgather dispatcher, sequential experts, CPU initialisation) are config
+  values chosen here, not patches; see ``parallel/cpu_compat.py`` for what has no seam.
+- ``build_model(..., device="meta")`` builds without allocating (for the real 30B shape).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from gspo_megatron.models.config import MoEModelConfig
+from gspo_megatron.parallel.layout import ParallelLayout
+
+
+def transformer_engine_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def resolve_spec_name(requested: str) -> str:
+    """'auto' -> 'te' where TransformerEngine and CUDA exist, else 'portable'."""
+    if requested not in ("auto", "te", "portable"):
+        raise ValueError(f"model.layer_spec must be 'auto', 'te' or 'portable', got {requested!r}")
+    if requested == "auto":
+        return "te" if transformer_engine_available() else "portable"
+    if requested == "te" and not transformer_engine_available():
+        raise RuntimeError(
+            "model.layer_spec=te needs TransformerEngine and CUDA; install the `te` extra on a GPU "
+            "node or use model.layer_spec=portable"
+        )
+    return requested
+
+
+def make_transformer_config(
+    model: MoEModelConfig,
+    layout: ParallelLayout,
+    params_dtype: torch.dtype = torch.float32,
+    initialize: bool = True,
+    recompute: bool = False,
+):
+    from megatron.core.transformer import TransformerConfig
+
+    model.validate()
+    on_gpu = torch.cuda.is_available()
+    moe_layer_freq = [0 if i in set(model.dense_layers) else 1 for i in range(model.num_layers)]
+    moe_kwargs = {}
+    if model.is_moe:
+        moe_kwargs = dict(
+            num_moe_experts=model.num_experts,
+            moe_router_topk=model.top_k,
+            moe_ffn_hidden_size=model.moe_intermediate_size,
+            moe_layer_freq=moe_layer_freq,
+            # Qwen3 with norm_topk_prob: softmax over the k chosen logits == softmax-topk-renormalise.
+            moe_router_pre_softmax=not model.norm_topk_prob,
+            moe_router_score_function="softmax",
+            moe_router_load_balancing_type="aux_loss" if model.router_aux_loss_coef > 0 else "none",
+            moe_aux_loss_coeff=model.router_aux_loss_coef,
+            moe_router_dtype="fp32",
+            moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
+            moe_grouped_gemm=False,
+            moe_permute_fusion=False,
+            moe_shared_expert_intermediate_size=model.shared_expert_intermediate_size or None,
+            moe_shared_expert_gate=bool(model.shared_expert_intermediate_size),
+        )
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_kv_heads,
+        kv_channels=model.head_dim,
+        ffn_hidden_size=model.dense_intermediate_size or model.moe_intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        qk_layernorm=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
+        context_parallel_size=layout.cp,
+        sequence_parallel=layout.use_sequence_parallel,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=initialize,
+        # Micro-batches of one forward-backward call share one padded length (the allgather
+        # dispatcher used on CPU does not support variable lengths).
+        variable_seq_lengths=False,
+        apply_rope_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        deallocate_pipeline_outputs=False,
+        recompute_granularity="full" if recompute else None,
+        recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
+        **moe_kwargs,
+    )
+
+
+def make_block_spec(config, spec_name: str):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    use_te = spec_name == "te"
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+    if use_te:
+        return block
+    from gspo_megatron.models.layers import QKRMSNorm, RMSNorm, SDPACoreAttention
+
+    for layer in block.layer_specs:
+        sub = layer.submodules
+        sub.input_layernorm = RMSNorm
+        sub.pre_mlp_layernorm = RMSNorm
+        attn = sub.self_attention.submodules
+        attn.core_attention = SDPACoreAttention
+        attn.q_layernorm = QKRMSNorm
+        attn.k_layernorm = QKRMSNorm
+    block.layer_norm = RMSNorm
+    return block
+
+
+def build_model(
+    model: MoEModelConfig,
+    layout: ParallelLayout,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    layer_spec: str = "auto",
+    device: Optional[str] = None,
+    pre_process: Optional[bool] = None,
+    post_process: Optional[bool] = None,
+    recompute: bool = False,
+):
+    """Build this rank's pipeline stage of the GPTModel (parallel state must be initialised).
+
+    ``device="meta"`` builds without allocating parameters (and skips initialisation).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    on_meta = device == "meta"
+    config = make_transformer_config(model, layout, params_dtype, initialize=not on_meta, recompute=recompute)
+    spec = make_block_spec(config, resolve_spec_name(layer_spec))
+    if pre_process is None:
+        pre_process = ps.is_pipeline_first_stage()
+    if post_process is None:
+        post_process = ps.is_pipeline_last_stage()
+    kwargs = dict(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=model.vocab_size,
+        max_sequence_length=model.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=model.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=int(model.rope_theta),
+    )
+    if on_meta:
+        with torch.device("meta"):
+            return GPTModel(**kwargs)
+    gpt = GPTModel(**kwargs)
+    if torch.cuda.is_available():
+        gpt = gpt.cuda()
+    return gpt
+
+
+def count_parameters(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())

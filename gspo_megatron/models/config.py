@@ -1,0 +1,209 @@
+"""Model configuration for the Qwen3-MoE family, its presets, and conversion to/from HF configs.
+
+Design decisions:
+- One dataclass in Hugging Face terms (hidden size, experts, top-k, ...); the Megatron
+  TransformerConfig is derived from it in ``models/builder.py`` so there is one source of truth.
+- ``dense_layers`` lists layers whose MLP is dense (HF ``mlp_only_layers``); every other layer is MoE.
+- The router is Qwen3's: softmax over all experts, top-k, renormalised over the k chosen
+  (``norm_topk_prob``), which equals megatron's top-k on logits followed by a softmax over the k.
+- A shared expert is supported by the Megatron model (Qwen2-MoE style, sigmoid-gated) but not by
+  the HF Qwen3-MoE architecture, so exporting such a model to HF is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+
+class ModelConfigError(ValueError):
+    """A model configuration that cannot be built; the message names the field."""
+
+
+@dataclass
+class MoEModelConfig:
+    vocab_size: int = 256
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_attention_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    num_experts: int = 4
+    top_k: int = 2
+    moe_intermediate_size: int = 32
+    norm_topk_prob: bool = True
+    dense_layers: list[int] = field(default_factory=list)
+    dense_intermediate_size: int = 0  # FFN size of dense layers (HF intermediate_size)
+    shared_expert_intermediate_size: int = 0
+    router_aux_loss_coef: float = 0.0
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0 and len(self.dense_layers) < self.num_layers
+
+    def validate(self) -> "MoEModelConfig":
+        positive = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ModelConfigError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ModelConfigError(
+                f"model.num_attention_heads = {self.num_attention_heads} must be a multiple of "
+                f"model.num_kv_heads = {self.num_kv_heads} (grouped-query attention)"
+            )
+        bad = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ModelConfigError(f"model.dense_layers {bad} are outside 0..{self.num_layers - 1}")
+        if self.dense_layers and self.dense_intermediate_size < 1:
+            raise ModelConfigError("model.dense_layers is set but model.dense_intermediate_size is 0")
+        if self.is_moe:
+            if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
+                raise ModelConfigError(
+                    f"model.top_k = {self.top_k} must be in 1..num_experts = {self.num_experts}"
+                )
+            if self.moe_intermediate_size < 1:
+                raise ModelConfigError("model.moe_intermediate_size must be >= 1 for an MoE model")
+        return self
+
+    def parameter_count(self) -> dict[str, int]:
+        """Total and per-token active parameters, computed from the shape (nothing allocated)."""
+        h, layers = self.hidden_size, self.num_layers
+        attn = h * self.head_dim * (self.num_attention_heads * 2 + self.num_kv_heads * 2) + 2 * self.head_dim
+        norms = 2 * h
+        expert = 3 * h * self.moe_intermediate_size
+        shared = 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_intermediate_size else 0)
+        moe_total = self.num_experts * expert + self.num_experts * h + shared
+        moe_active = self.top_k * expert + self.num_experts * h + shared
+        dense = 3 * h * self.dense_intermediate_size
+        n_dense = len(self.dense_layers)
+        n_moe = layers - n_dense
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+        total = embed + layers * (attn + norms) + n_moe * moe_total + n_dense * dense
+        active = embed + layers * (attn + norms) + n_moe * moe_active + n_dense * dense
+        return {"total": total, "active": active}
+
+    # --- Hugging Face interop ---------------------------------------------------------------
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A Qwen3-MoE ``config.json`` dictionary for this model."""
+        if self.shared_expert_intermediate_size:
+            raise ModelConfigError(
+                "the HF Qwen3-MoE architecture has no shared expert; set "
+                "model.shared_expert_intermediate_size=0 to export or serve this model"
+            )
+        return {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.dense_intermediate_size or self.moe_intermediate_size,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.top_k,
+            "norm_topk_prob": self.norm_topk_prob,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": list(self.dense_layers),
+            "router_aux_loss_coef": self.router_aux_loss_coef,
+            "output_router_logits": False,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "torch_dtype": "float32",
+        }
+
+    def to_hf_config(self):
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(**self.to_hf_dict())
+
+    @classmethod
+    def from_hf_dict(cls, hf: Mapping[str, Any]) -> "MoEModelConfig":
+        model_type = hf.get("model_type")
+        if model_type not in ("qwen3_moe", "qwen2_moe"):
+            raise ModelConfigError(
+                f"config.json has model_type={model_type!r}; only Qwen3-MoE (qwen3_moe) and "
+                "Qwen2-MoE (qwen2_moe) checkpoints are supported"
+            )
+        missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if k not in hf]
+        if missing:
+            raise ModelConfigError(f"config.json lacks required fields {missing}")
+        layers = hf["num_hidden_layers"]
+        step = hf.get("decoder_sparse_step", 1) or 1
+        mlp_only = set(hf.get("mlp_only_layers", []) or [])
+        dense = [i for i in range(layers) if i in mlp_only or (i + 1) % step != 0]
+        heads = hf["num_attention_heads"]
+        rope = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_layers=layers,
+            num_attention_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads", heads),
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            num_experts=hf.get("num_experts", 0),
+            top_k=hf.get("num_experts_per_tok", 1),
+            moe_intermediate_size=hf.get("moe_intermediate_size", 0),
+            norm_topk_prob=hf.get("norm_topk_prob", True),
+            dense_layers=dense,
+            dense_intermediate_size=hf.get("intermediate_size", 0) if dense else 0,
+            shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0) or 0,
+            router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.0),
+            rope_theta=float(rope),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        ).validate()
+
+    @classmethod
+    def from_hf_config_file(cls, path: str | Path) -> "MoEModelConfig":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ModelConfigError(f"no Hugging Face config at {path}")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelConfigError(f"{path} is not valid JSON: {exc}") from exc
+        return cls.from_hf_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+PRESETS: dict[str, MoEModelConfig] = {
+    # Trains on 2 CPU cores in minutes: 2 MoE layers, 4 experts, top-2.
+    "tiny": MoEModelConfig(
+        vocab_size=64, hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2,
+        head_dim=16, num_experts=4, top_k=2, moe_intermediate_size=64, max_position_embeddings=256,
+    ),
+    # Qwen3-30B-A3B's shape (config only: build it on the meta device).
+    "qwen3_30b_a3b": MoEModelConfig(
+        vocab_size=151936, hidden_size=2048, num_layers=48, num_attention_heads=32, num_kv_heads=4,
+        head_dim=128, num_experts=128, top_k=8, moe_intermediate_size=768, dense_intermediate_size=0,
+        router_aux_loss_coef=0.001, rope_theta=1_000_000.0, max_position_embeddings=40960,
+    ),
+}
+
+
+def preset(name: str) -> MoEModelConfig:
+    if name not in PRESETS:
+        raise ModelConfigError(f"unknown model preset {name!r}; valid presets: {sorted(PRESETS)}")
+    return MoEModelConfig(**asdict(PRESETS[name]))

@@ -1,0 +1,139 @@
+"""Let megatron-core 0.16.x run on a machine without CUDA (CPU tensors, gloo collectives).
+
+Activated only when ``torch.cuda.is_available()`` is false, by ``enable_cpu_megatron()``; on a GPU
+machine nothing here runs. Measured with megatron-core 0.16.1 and torch 2.13 CPU
+(../shared/REFERENCE.md section 5).
+
+Where megatron-core has a seam we use it instead of patching, elsewhere in the package:
+- core attention: the portable layer spec uses ``models/layers.py:SDPACoreAttention`` (torch SDPA)
+  instead of ``DotProductAttention``, whose global memory buffer allocates on the CUDA device;
+- norms: the portable spec uses ``models/layers.py:RMSNorm``, which supports sequence parallelism
+  (torch's wrapped norm refuses it, and MoE with TP needs it);
+- token dispatcher: ``moe_token_dispatcher_type="allgather"`` on CPU, because the alltoall
+  dispatcher creates ``torch.cuda.Stream`` objects;
+- MoE experts: ``SequentialMLP`` (no grouped-GEMM kernels on CPU);
+- initialisation: ``use_cpu_initialization=True`` in the TransformerConfig.
+
+What has no seam is bridged here, one function per fact, each idempotent:
+1. ``torch.cuda.current_device()`` is used as an allocation device all over megatron-core (router
+   gating, tensor-parallel mappings and layers, p2p communication). It raises without CUDA; we make
+   it return the CPU device. This is process-wide, which is why this module only ever runs in
+   processes with no CUDA at all.
+2. The RNG tracker (``model_parallel_cuda_manual_seed``, ``get_cuda_rng_tracker().fork()``) keeps
+   CUDA generator states. We install a tracker that keeps CPU generator states instead, so forked
+   regions (weight init of TP-sharded layers) still get their own reproducible streams.
+3. megatron-core 0.16.1 BUG: ``moe_utils.py`` imports ``te_general_gemm`` only inside a
+   ``try`` that fails without TransformerEngine, then tests ``te_general_gemm is not None`` in the
+   router GEMM -> ``NameError``. We define the missing name as ``None`` (the intended fallback).
+4. The pipeline schedules allocate ``torch.zeros(..., device="cuda")`` for the token counter and
+   wrap forward in ``torch.autocast("cuda")``; we hand the schedules module a torch namespace whose
+   ``zeros`` maps the literal "cuda" device to CPU and whose ``autocast`` is disabled for "cuda".
+5. ``torch.cuda.synchronize`` / ``current_stream`` are called by p2p communication and
+   ``record_stream`` paths; without CUDA they become no-ops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+
+_ENABLED = False
+
+
+def enable_cpu_megatron() -> None:
+    """Apply every bridge below once per process; a no-op where CUDA is available."""
+    global _ENABLED
+    if _ENABLED or torch.cuda.is_available():
+        return
+    _current_device_is_cpu()
+    _cuda_sync_noops()
+    _define_missing_te_general_gemm()
+    _cpu_rng_tracker()
+    _schedules_without_cuda_literals()
+    _ENABLED = True
+
+
+def _current_device_is_cpu() -> None:
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+
+
+def _cuda_sync_noops() -> None:
+    torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
+    torch.Tensor.record_stream = lambda self, stream: None  # type: ignore[assignment]
+
+
+def _define_missing_te_general_gemm() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _cpu_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """megatron's tracker with CPU generator states standing in for CUDA ones."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            generator = torch.Generator()
+            generator.manual_seed(seed)
+            self.states_[name] = generator.get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            outer = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(outer)
+
+    mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # model_parallel_cuda_manual_seed re-creates the tracker only with force_reset; it also seeds
+    # the (absent) CUDA generator, which torch queues lazily and never runs without CUDA.
+    _original_initialize = mrandom.initialize_rng_tracker
+
+    def initialize_rng_tracker(*args, force_reset: bool = False, **kwargs):
+        if force_reset:
+            mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+            mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+    initialize_rng_tracker.__wrapped__ = _original_initialize  # type: ignore[attr-defined]
+    mrandom.initialize_rng_tracker = initialize_rng_tracker
+
+
+def _schedules_without_cuda_literals() -> None:
+    from megatron.core.pipeline_parallel import schedules
+
+    def zeros(*args, device=None, **kwargs):
+        if device == "cuda":
+            device = "cpu"
+        return torch.zeros(*args, device=device, **kwargs)
+
+    def autocast(device_type, *args, **kwargs):
+        if device_type == "cuda":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type, *args, **kwargs)
+
+    namespace = types.SimpleNamespace(zeros=zeros, autocast=autocast)
+
+    class _TorchForSchedules(types.ModuleType):
+        def __getattr__(self, item):
+            if hasattr(namespace, item):
+                return getattr(namespace, item)
+            return getattr(torch, item)
+
+    schedules.torch = _TorchForSchedules("torch")

@@ -1,0 +1,161 @@
+"""Initialise torch.distributed and megatron-core's parallel state from a ParallelLayout.
+
+``ParallelMesh`` is the one object call sites ask for process groups and ranks. It is created once
+by the trainer (or a test) and passed along; nothing reads a global to find it. It wraps
+megatron-core's ``parallel_state`` because megatron's modules read their groups from there.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from gspo_megatron.parallel.cpu_compat import enable_cpu_megatron
+from gspo_megatron.parallel.layout import LayoutError, ParallelLayout
+
+
+@dataclass
+class ParallelMesh:
+    layout: ParallelLayout
+    device: torch.device
+
+    # --- groups ---------------------------------------------------------------------------
+    @property
+    def tp_group(self):
+        from megatron.core import parallel_state as ps
+
+        return ps.get_tensor_model_parallel_group()
+
+    @property
+    def pp_group(self):
+        from megatron.core import parallel_state as ps
+
+        return ps.get_pipeline_model_parallel_group()
+
+    @property
+    def cp_group(self):
+        from megatron.core import parallel_state as ps
+
+        return ps.get_context_parallel_group()
+
+    @property
+    def dp_group(self):
+        """Data-parallel group (without CP)."""
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_group(with_context_parallel=False)
+
+    @property
+    def dp_cp_group(self):
+        """Ranks that see different tokens of the same model replica: loss denominators reduce here."""
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_group(with_context_parallel=True)
+
+    @property
+    def ep_group(self):
+        from megatron.core import parallel_state as ps
+
+        return ps.get_expert_model_parallel_group()
+
+    @property
+    def etp_group(self):
+        from megatron.core import parallel_state as ps
+
+        return ps.get_expert_tensor_parallel_group()
+
+    # --- ranks ----------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def tp_rank(self) -> int:
+        return dist.get_rank(self.tp_group)
+
+    @property
+    def pp_rank(self) -> int:
+        return dist.get_rank(self.pp_group)
+
+    @property
+    def cp_rank(self) -> int:
+        return dist.get_rank(self.cp_group)
+
+    @property
+    def dp_rank(self) -> int:
+        return dist.get_rank(self.dp_group)
+
+    @property
+    def ep_rank(self) -> int:
+        return dist.get_rank(self.ep_group)
+
+    @property
+    def etp_rank(self) -> int:
+        return dist.get_rank(self.etp_group)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.layout.pp - 1
+
+    @property
+    def last_stage_global_rank(self) -> int:
+        """Global rank of the last pipeline stage in this rank's pipeline."""
+        return dist.get_global_rank(self.pp_group, self.layout.pp - 1)
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0: the one that talks to the rollout engine and writes run files."""
+        return dist.get_rank() == 0
+
+    def destroy(self) -> None:
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def initialize_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: float = 600.0) -> ParallelMesh:
+    """Start torch.distributed (env:// rendezvous from torchrun) and megatron's parallel state.
+
+    NCCL with CUDA, gloo without; on CPU the megatron-core compatibility bridges are enabled first.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    use_cuda = torch.cuda.is_available()
+    if not use_cuda:
+        enable_cpu_megatron()
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        if use_cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    world = dist.get_world_size()
+    if world != layout.world_size:
+        raise LayoutError(
+            f"the layout was validated for world size {layout.world_size} but torch.distributed has "
+            f"{world} ranks; launch with --nproc-per-node x --nnodes = {layout.world_size}"
+        )
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    return ParallelMesh(layout=layout, device=device)
