@@ -1,0 +1,183 @@
+"""Config dataclasses for the reward shapers (Hydra group ``shaping``).
+
+Design decisions:
+- One ``ShapingConfig`` selects a shaper by ``name``; each shaper's options live in the field of
+  the same name (``step_grpo``, ``grsp``, ...), so one YAML per shaper sets ``name`` and overrides its
+  own section. ``none`` has no options. A newly registered shaper adds its section here.
+- Every dataclass validates itself in ``__post_init__`` (run by ``OmegaConf.to_object``), with
+  errors that name the field and the fix. ``ShapingConfig.validate`` also checks that ``name`` is a
+  registered shaper (the shaper modules register on ``import gspo_megatron.shaping``).
+- ``metrics`` configures the diagnostics logged for EVERY shaper (steps, segments per length
+  cluster), so a baseline run (``none``) is measured on the same scale as a shaped run.
+- Plain str fields with checked values, not Literal/Enum, keep the YAML simple.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+def _check_triggers(owner: str, triggers: list[str]) -> None:
+    if not triggers or any(not isinstance(t, str) or not t.strip() for t in triggers):
+        raise ValueError(
+            f"{owner}: trigger words must be a non-empty list of non-empty strings, got {list(triggers)!r}"
+        )
+
+
+def _check_edges(owner: str, edges: list[float]) -> None:
+    values = list(edges)
+    if not values:
+        raise ValueError(f"{owner}.bucket_edges must hold at least one edge (two length clusters)")
+    if any(v <= 0 for v in values) or any(b <= a for a, b in zip(values, values[1:])):
+        raise ValueError(f"{owner}.bucket_edges must be positive and strictly increasing, got {values}")
+
+
+@dataclass
+class StepGRPOConfig:
+    """Step-GRPO reward (arXiv 2604.16890): R = alpha*acc*(1 - beta*tanh((k-mu)/mu)) + (1-alpha)*fmt."""
+
+    alpha: float = 0.9  # weight of the accuracy(+efficiency) term vs the format term
+    beta: float = 0.5  # strength of the step-count efficiency term
+    triggers: list[str] = field(default_factory=lambda: ["Wait", "Alternatively"])
+    case_sensitive: bool = True
+
+    def __post_init__(self):
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"shaping.step_grpo.alpha must be in [0, 1], got {self.alpha}")
+        if not 0.0 <= self.beta <= 1.0:
+            raise ValueError(
+                f"shaping.step_grpo.beta must be in [0, 1] (so a correct response never scores below "
+                f"an incorrect one), got {self.beta}"
+            )
+        _check_triggers("shaping.step_grpo", self.triggers)
+
+
+GRSP_SEGMENTATIONS = ("keyword", "confidence")
+GRSP_WEIGHT_ORDERS = ("descending", "ascending")
+GRSP_APPLY_TO = ("correct", "all")
+
+
+@dataclass
+class GRSPConfig:
+    """GRSP segment penalty (arXiv 2510.09535) -- a RECONSTRUCTION; every constant is a guess to tune."""
+
+    penalty_coef: float = 0.1  # lambda in r_i - lambda * P_i
+    segmentation: str = "keyword"  # "keyword" (text triggers) or "confidence" (log-prob local minima)
+    keywords: list[str] = field(
+        default_factory=lambda: ["Wait", "Alternatively", "Hmm", "However", "But wait"]
+    )
+    case_sensitive: bool = True
+    confidence_window: int = 3  # tokens on each side a boundary must be the minimum of
+    confidence_threshold: float = -1.0  # boundary log-prob must be below this (p < ~0.37)
+    bucket_edges: list[float] = field(default_factory=lambda: [64.0, 256.0])  # tokens; K = len + 1
+    weight_order: str = "descending"  # "descending": short-segment clusters weigh most (paper)
+    cluster_weights: list[float] = field(default_factory=list)  # empty: linear K..1 profile, normalised
+    apply_to: str = "correct"  # "correct": z-score and penalise correct responses only; or "all"
+
+    def __post_init__(self):
+        owner = "shaping.grsp"
+        if self.penalty_coef < 0:
+            raise ValueError(f"{owner}.penalty_coef must be >= 0, got {self.penalty_coef}")
+        for key, allowed in (
+            ("segmentation", GRSP_SEGMENTATIONS),
+            ("weight_order", GRSP_WEIGHT_ORDERS),
+            ("apply_to", GRSP_APPLY_TO),
+        ):
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"{owner}.{key} must be one of {allowed}, got {getattr(self, key)!r}")
+        _check_triggers(owner, self.keywords)
+        if self.confidence_window < 1:
+            raise ValueError(f"{owner}.confidence_window must be >= 1, got {self.confidence_window}")
+        _check_edges(owner, self.bucket_edges)
+        weights = list(self.cluster_weights)
+        if weights:
+            clusters = len(self.bucket_edges) + 1
+            if len(weights) != clusters:
+                raise ValueError(
+                    f"{owner}.cluster_weights has {len(weights)} entries but bucket_edges make "
+                    f"{clusters} clusters; give one weight per cluster or leave it empty"
+                )
+            if any(w < 0 for w in weights):
+                raise ValueError(f"{owner}.cluster_weights must be >= 0, got {weights}")
+            pairs = list(zip(weights, weights[1:]))
+            monotone = all(a >= b for a, b in pairs) if self.weight_order == "descending" else all(
+                a <= b for a, b in pairs
+            )
+            if not monotone:
+                raise ValueError(
+                    f"{owner}.cluster_weights {weights} are not {self.weight_order} (cluster 0 is the "
+                    f"shortest); reorder them or change weight_order"
+                )
+
+    def resolved_weights(self) -> list[float]:
+        """w_k per length cluster (shortest first): the given weights, or K..1 normalised to sum 1."""
+        if self.cluster_weights:
+            return [float(w) for w in self.cluster_weights]
+        clusters = len(self.bucket_edges) + 1
+        total = clusters * (clusters + 1) / 2
+        descending = [(clusters - k) / total for k in range(clusters)]
+        return descending if self.weight_order == "descending" else descending[::-1]
+
+
+@dataclass
+class DAPOOverlongConfig:
+    """DAPO soft overlong punishment (arXiv 2503.14476), added to the reward."""
+
+    max_length: Optional[int] = None  # L_max; None: the group's max_response_length
+    cache_length: int = 4096  # L_cache, the soft-punishment zone before L_max (DAPO: 4096 of 20480)
+
+    def __post_init__(self):
+        if self.cache_length < 1:
+            raise ValueError(f"shaping.dapo_overlong.cache_length must be >= 1, got {self.cache_length}")
+        if self.max_length is not None and self.max_length < self.cache_length:
+            raise ValueError(
+                f"shaping.dapo_overlong.max_length ({self.max_length}) must be >= cache_length "
+                f"({self.cache_length})"
+            )
+
+
+@dataclass
+class KimiLengthConfig:
+    """Kimi k1.5 length reward (arXiv 2501.12599), added to the reward times ``weight``."""
+
+    weight: float = 1.0
+
+    def __post_init__(self):
+        if self.weight < 0:
+            raise ValueError(f"shaping.kimi_length.weight must be >= 0, got {self.weight}")
+
+
+@dataclass
+class ShapingMetricsConfig:
+    """Diagnostics logged for every shaper (keyword steps and segment-length clusters)."""
+
+    triggers: list[str] = field(default_factory=lambda: ["Wait", "Alternatively"])
+    case_sensitive: bool = True
+    bucket_edges: list[float] = field(default_factory=lambda: [64.0, 256.0])
+
+    def __post_init__(self):
+        _check_triggers("shaping.metrics", self.triggers)
+        _check_edges("shaping.metrics", self.bucket_edges)
+
+
+@dataclass
+class ShapingConfig:
+    name: str = "none"  # a registered shaper: none, step_grpo, grsp, dapo_overlong, kimi_length
+    step_grpo: StepGRPOConfig = field(default_factory=StepGRPOConfig)
+    grsp: GRSPConfig = field(default_factory=GRSPConfig)
+    dapo_overlong: DAPOOverlongConfig = field(default_factory=DAPOOverlongConfig)
+    kimi_length: KimiLengthConfig = field(default_factory=KimiLengthConfig)
+    metrics: ShapingMetricsConfig = field(default_factory=ShapingMetricsConfig)
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        from gspo_megatron.shaping.registry import SHAPERS
+
+        SHAPERS.get(self.name)  # raises with the list of valid names
+
+    def shaper_config(self) -> Optional[object]:
+        """The options section of the selected shaper (None for shapers without options)."""
+        return getattr(self, self.name, None)

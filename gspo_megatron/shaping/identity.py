@@ -1,0 +1,13 @@
+"""The ``none`` shaper: the verifier's reward, unchanged (the baseline every shaped run compares to)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from gspo_megatron.shaping.registry import SHAPERS
+from gspo_megatron.shaping.types import ShapedRewards, ShapingGroup
+
+
+@SHAPERS.register("none")
+def no_shaping(group: ShapingGroup, cfg: Optional[object] = None) -> ShapedRewards:
+    return ShapedRewards(rewards=group.rewards.float().clone())
