@@ -1,0 +1,205 @@
+"""In-process rollout engine: transformers' Qwen3-MoE with our own KV-cache decode loop.
+
+Design decisions:
+- The model is ``transformers.Qwen3MoeForCausalLM`` built from a ``Qwen3MoeConfig`` with random init;
+  real weights arrive through ``update_weights`` as HF checkpoint-named tensors (see
+  ``embedded_weights``), the same path that feeds SGLang.
+- Our own decode loop (not ``model.generate``): it gives exact control of sampling, log-probs, stop
+  rules and routing capture. Rows (prompt x sample) are batched with LEFT padding, an attention mask
+  and position ids = (number of real tokens before) so a padded row sees the same positions as alone.
+  Finished rows keep being fed a pad token until the whole chunk finishes; their outputs are ignored.
+- ``use_cache=False`` re-runs the whole sequence each step (reference and benchmark for the cache).
+- Log-probs are log_softmax(logits / T) of the sampled token before top-k/top-p (see ``sampling``).
+- Stop rules (checked in this order after each token): a ``stop_token_ids`` token, a ``stop`` string
+  in the decoded tail (needs ``decode``), then ``max_new_tokens``. The stop token / the tokens that
+  complete a stop string are KEPT in ``output_ids`` (as SGLang's output_ids do), so the trainer
+  scores the token that ended the sample.
+- Routed experts follow SGLang's layout int32 [prompt + output - 1, num_hidden_layers, top_k]. Dense
+  layers are included to keep that shape and hold -1 (no expert); they are captured by forward hooks
+  on each MoE layer's router (``mlp.gate``), whose top-k is the softmax -> top-k the block itself used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Callable, Iterable, Optional
+
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers.cache_utils import DynamicCache
+
+from gspo_megatron.rollout.config import EmbeddedConfig
+from gspo_megatron.rollout.embedded_weights import HfWeightLoader
+from gspo_megatron.rollout.engine import RolloutEngine
+from gspo_megatron.rollout.sampling import row_generators, sample_next_tokens
+from gspo_megatron.rollout.types import FinishReason, Sample, SamplingParams
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_STOP_TAIL_EXTRA_TOKENS = 8  # decode this many tokens beyond the longest stop string's length
+
+
+def build_hf_config(config: EmbeddedConfig) -> Qwen3MoeConfig:
+    """Qwen3MoeConfig from ``model_config_path`` (optional) overridden by ``config.model``."""
+    values = {}
+    if config.model_config_path:
+        path = config.model_config_path
+        path = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        with open(path) as handle:
+            values = json.load(handle)
+    values.update(config.model)
+    return Qwen3MoeConfig(**values)
+
+
+class _RouterCapture:
+    """Forward hooks on every MoE router; collects top-k indices [B, S, k] per layer per forward."""
+
+    def __init__(self, model: Qwen3MoeForCausalLM):
+        self._routers = {i: layer.mlp.gate for i, layer in enumerate(model.model.layers)
+                         if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")}
+        self._num_layers = len(model.model.layers)
+        self._top_k = model.config.num_experts_per_tok
+        self._latest: dict[int, torch.Tensor] = {}
+        self._handles = []
+
+    def __enter__(self):
+        for layer, router in self._routers.items():
+            self._handles.append(router.register_forward_hook(self._hook(layer)))
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _hook(self, layer: int):
+        def record(module, inputs, output):
+            self._latest[layer] = output[2].detach()  # (router_logits, scores, top-k indices)
+        return record
+
+    def take(self, batch: int, last: int) -> torch.Tensor:
+        """int32 [B, last, num_layers, top_k] for the last ``last`` positions of the latest forward."""
+        out = torch.full((batch, last, self._num_layers, self._top_k), -1, dtype=torch.int32)
+        for layer, indices in self._latest.items():
+            out[:, :, layer] = indices.reshape(batch, -1, self._top_k)[:, -last:].to(torch.int32).cpu()
+        self._latest.clear()
+        return out
+
+
+class EmbeddedEngine(RolloutEngine):
+    """Generation with transformers' Qwen3-MoE in the caller's process."""
+
+    def __init__(self, hf_config: Qwen3MoeConfig, config: Optional[EmbeddedConfig] = None,
+                 decode: Optional[Callable[[list[int]], str]] = None):
+        self.config = config if config is not None else EmbeddedConfig()
+        self.decode = decode
+        hf_config._attn_implementation = self.config.attn_implementation
+        self.model = Qwen3MoeForCausalLM(hf_config).to(
+            device=self.config.device, dtype=_DTYPES[self.config.dtype]).eval()
+        self._loader = HfWeightLoader(self.model)
+        self._seed_source = torch.Generator().manual_seed(self.config.seed)
+        self.weight_version = 0
+
+    @classmethod
+    def from_config(cls, config: EmbeddedConfig, decode=None) -> "EmbeddedEngine":
+        return cls(build_hf_config(config), config, decode)
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy HF-named tensors in as they stream; the version is set only after all loaded."""
+        for name, tensor in named_tensors:
+            self._loader.load(name, tensor)
+        self.weight_version = version
+
+    def health(self):
+        return {"ok": True, "weight_version": self.weight_version, "device": self.config.device}
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
+        self._check_request(prompts, params)
+        seed = params.seed if params.seed is not None else int(
+            torch.randint(0, 2**62, (), generator=self._seed_source))
+        rows = [prompt for prompt in prompts for _ in range(params.n)]
+        generators = row_generators(seed, len(rows))
+        samples: list[Sample] = []
+        step = self.config.max_batch_size
+        for start in range(0, len(rows), step):
+            samples += self._generate_chunk(rows[start:start + step], generators[start:start + step], params)
+        return [samples[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+
+    def _check_request(self, prompts, params: SamplingParams) -> None:
+        if params.stop and self.decode is None:
+            raise ValueError("stop strings need a decode(ids) -> str callable: pass decode= to "
+                             "EmbeddedEngine, or use stop_token_ids")
+        vocab = self.model.config.vocab_size
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+            if min(prompt) < 0 or max(prompt) >= vocab:
+                raise ValueError(f"prompt {i} has token ids outside [0, {vocab}) (the model's vocab)")
+
+    @torch.no_grad()
+    def _generate_chunk(self, prompts: list[list[int]], generators, params: SamplingParams) -> list[Sample]:
+        device = self.config.device
+        batch, width = len(prompts), max(len(p) for p in prompts)
+        ids = torch.full((batch, width), self.config.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((batch, width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        outputs = [[] for _ in range(batch)]
+        log_probs = [[] for _ in range(batch)]
+        finish: list[Optional[FinishReason]] = [None] * batch
+        routing_chunks = []
+        cache = DynamicCache(config=self.model.config) if self.config.use_cache else None
+        feed_ids, feed_positions, new_positions = ids, positions, width
+        capture = _RouterCapture(self.model) if params.return_routed_experts else contextlib.nullcontext()
+        with capture:
+            for _ in range(params.max_new_tokens):
+                logits = self.model(input_ids=feed_ids, attention_mask=mask, position_ids=feed_positions,
+                                    past_key_values=cache, use_cache=cache is not None, logits_to_keep=1).logits
+                if params.return_routed_experts:
+                    routing_chunks.append(capture.take(batch, new_positions))
+                tokens, token_log_probs = sample_next_tokens(logits[:, -1], params, generators)
+                self._record(tokens, token_log_probs, outputs, log_probs, finish, params)
+                if all(reason is not None for reason in finish):
+                    break
+                next_ids = torch.where(torch.tensor([r is None for r in finish], device=device), tokens,
+                                       torch.full_like(tokens, self.config.pad_token_id)).unsqueeze(-1)
+                next_positions = positions[:, -1:] + 1
+                ids, positions = torch.cat([ids, next_ids], -1), torch.cat([positions, next_positions], -1)
+                mask = torch.cat([mask, torch.ones_like(next_ids)], -1)
+                feed_ids, feed_positions = (next_ids, next_positions) if cache is not None else (ids, positions)
+                new_positions = 1
+        routing = torch.cat(routing_chunks, dim=1) if routing_chunks else None
+        return [self._sample(prompts[r], outputs[r], log_probs[r], finish[r],
+                             None if routing is None else routing[r, width - len(prompts[r]):])
+                for r in range(batch)]
+
+    def _record(self, tokens, token_log_probs, outputs, log_probs, finish, params: SamplingParams) -> None:
+        for row, (token, log_prob) in enumerate(zip(tokens.tolist(), token_log_probs.tolist())):
+            if finish[row] is not None:
+                continue
+            outputs[row].append(token)
+            log_probs[row].append(log_prob)
+            if token in params.stop_token_ids or self._hit_stop_string(outputs[row], params.stop):
+                finish[row] = FinishReason.STOP
+            elif len(outputs[row]) >= params.max_new_tokens:
+                finish[row] = FinishReason.LENGTH
+
+    def _hit_stop_string(self, output: list[int], stops: tuple[str, ...]) -> bool:
+        if not stops:
+            return False
+        window = max(len(s) for s in stops) + _STOP_TAIL_EXTRA_TOKENS
+        tail = self.decode(output[-window:])
+        return any(stop in tail for stop in stops)
+
+    def _sample(self, prompt, output, log_probs, finish, routing) -> Sample:
+        if routing is not None:
+            routing = routing[: len(prompt) + len(output) - 1].contiguous()
+        return Sample(prompt_ids=list(prompt), output_ids=output,
+                      output_log_probs=torch.tensor(log_probs, dtype=torch.float32), finish_reason=finish,
+                      routed_experts=routing, weight_version=self.weight_version)
