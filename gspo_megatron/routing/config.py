@@ -1,0 +1,59 @@
+"""Configuration of the routing diagnostics (activation volatility, expert load, router entropy).
+
+Design decisions:
+- The diagnostic kinds are a closed set of names (``DIAGNOSTIC_KINDS``); a typo in the config fails
+  at construction with the list of valid names, not silently at step 500.
+- ``max_tokens`` bounds the cost per diagnostic: the trainer samples at most that many valid tokens
+  (``volatility.subsample_token_mask``) before comparing routings. 0 means every valid token.
+- The schedule is a pure function of the step (``is_due``), so every rank agrees on whether a
+  diagnostic runs without communicating.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# What each kind compares (the trainer decides where to call them; routing/volatility.py computes):
+#   update           -- same tokens, router top-k of the policy before vs after one optimizer step
+#   rollout_vs_train -- experts the rollout engine routed to (SGLang routed_experts) vs the
+#                       trainer's top-k for the same tokens (train/inference routing mismatch)
+#   minibatch        -- consecutive mini-batch updates within one RL step (drift across updates)
+DIAGNOSTIC_KINDS: tuple[str, ...] = ("update", "rollout_vs_train", "minibatch")
+
+
+def validate_kind(kind: str) -> str:
+    """Return ``kind`` if it is a known diagnostic kind, else raise naming the valid ones."""
+    if kind not in DIAGNOSTIC_KINDS:
+        raise ValueError(
+            f"unknown routing diagnostic kind {kind!r}; valid kinds: {', '.join(DIAGNOSTIC_KINDS)}"
+        )
+    return kind
+
+
+@dataclass
+class RoutingDiagnosticsConfig:
+    enabled: bool = True
+    every_n_steps: int = 1  # run the diagnostics on steps where step % every_n_steps == 0
+    kinds: list[str] = field(default_factory=lambda: ["update", "rollout_vs_train"])
+    max_tokens: int = 65536  # tokens sampled per diagnostic; 0 = all valid tokens
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        if self.every_n_steps < 1:
+            raise ValueError(
+                f"routing diagnostics every_n_steps must be >= 1, got {self.every_n_steps} "
+                "(set enabled: false to turn the diagnostics off)"
+            )
+        if self.max_tokens < 0:
+            raise ValueError(f"routing diagnostics max_tokens must be >= 0 (0 = all), got {self.max_tokens}")
+        for kind in self.kinds:
+            validate_kind(kind)
+        if len(set(self.kinds)) != len(self.kinds):
+            raise ValueError(f"routing diagnostics kinds contain duplicates: {list(self.kinds)}")
+
+    def is_due(self, step: int, kind: str) -> bool:
+        """Whether diagnostic ``kind`` runs at ``step``."""
+        validate_kind(kind)
+        return self.enabled and kind in self.kinds and step % self.every_n_steps == 0

@@ -1,0 +1,302 @@
+"""Routing diagnostics as pure tensor functions: activation volatility, expert load, router entropy/KL.
+
+Inputs follow one layout everywhere:
+- top-k expert indices: integer ``[N tokens, L layers, k]`` (megatron's router top-k, or SGLang's
+  ``routed_experts`` restricted to the MoE layers);
+- router probabilities: float ``[N, L, E]`` (softmax over all E experts, before top-k);
+- ``token_mask``: optional bool ``[N]`` selecting the valid tokens (padding, prompt, sampling).
+
+Design decisions:
+- Top-k rows are *sets*: the order in which a router lists its k experts carries no meaning, so
+  ``[3, 7]`` and ``[7, 3]`` are the same routing. Rows are assumed to hold k distinct experts (true of
+  any top-k); the intersection size is then a count of pairwise matches.
+- Results that must be combined over micro-batches and data-parallel ranks are kept as integer sums
+  and counts (``RoutingVolatility``, ``ExpertLoad``), so ``merge`` and ``all_reduce`` give exactly
+  the numbers one big batch would (fractions are formed only at the end, never averaged).
+- The intersection is found one column of ``b`` at a time (k passes over ``[N, L, k]`` bools)
+  instead of materialising ``[N, L, k, k]``: 64k tokens x 48 layers x 8 needs ~25 MB of scratch.
+- No ``.item()`` and no host sync: everything stays on the input's device until the caller logs it.
+
+Definitions (activation volatility as measured in GSPO, arXiv 2507.18071, section on MoE training):
+    changed_{n,l} = [ set(a_{n,l}) != set(b_{n,l}) ]
+    overlap_{n,l} = |set(a_{n,l}) cap set(b_{n,l})| / k
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+
+def _check_topk(a: torch.Tensor, name: str) -> None:
+    if a.dim() != 3:
+        raise ValueError(f"{name} must be top-k expert indices [tokens, layers, k], got shape {tuple(a.shape)}")
+    if a.dtype.is_floating_point or a.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integer expert indices, got dtype {a.dtype}")
+
+
+def _check_pair(a: torch.Tensor, b: torch.Tensor) -> None:
+    _check_topk(a, "a")
+    _check_topk(b, "b")
+    if a.shape != b.shape:
+        raise ValueError(
+            f"top-k tensors must describe the same tokens/layers/k, got {tuple(a.shape)} vs {tuple(b.shape)}"
+        )
+
+
+def _check_mask(token_mask: Optional[torch.Tensor], num_tokens: int) -> None:
+    if token_mask is None:
+        return
+    if token_mask.dtype != torch.bool or token_mask.shape != (num_tokens,):
+        raise ValueError(
+            f"token_mask must be bool [{num_tokens}] (one entry per token), "
+            f"got {token_mask.dtype} {tuple(token_mask.shape)}"
+        )
+
+
+def _select(x: torch.Tensor, token_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    return x if token_mask is None else x[token_mask]
+
+
+def _intersection_size(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|set(a_{n,l}) cap set(b_{n,l})| as int64 [N, L], assuming distinct experts within a row."""
+    # found[n, l, i] = a's i-th expert appears anywhere in b's row; OR-accumulated one column of b at
+    # a time so no [N, L, k, k] tensor exists, then a single reduction (3x faster than k sums).
+    found = a == b[..., :1]
+    for j in range(1, b.shape[-1]):
+        found |= a == b[..., j : j + 1]
+    return found.sum(dim=-1)
+
+
+def topk_set_changed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """bool [N, L]: True where the top-k expert *set* differs (the order within a row is ignored)."""
+    _check_pair(a, b)
+    return _intersection_size(a, b) != a.shape[-1]
+
+
+def topk_overlap(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """float32 [N, L]: |A cap B| / k per token and layer (1 = same experts, 0 = disjoint)."""
+    _check_pair(a, b)
+    return _intersection_size(a, b).float() / a.shape[-1]
+
+
+@dataclass
+class RoutingVolatility:
+    """Sums and counts for the volatility between two routings; merge before forming fractions."""
+
+    changed_count: torch.Tensor  # int64 [L]: tokens whose top-k set changed, per layer
+    intersection_count: torch.Tensor  # int64 [L]: sum over tokens of |A cap B|, per layer
+    tokens: torch.Tensor  # int64 []: tokens compared (the same for every layer)
+    top_k: int
+
+    @property
+    def num_layers(self) -> int:
+        return self.changed_count.shape[0]
+
+    @property
+    def changed_frac(self) -> torch.Tensor:
+        """float64 [L]: fraction of tokens whose expert set changed (NaN when no tokens)."""
+        return self.changed_count.double() / self.tokens.double()
+
+    @property
+    def overlap(self) -> torch.Tensor:
+        """float64 [L]: mean |A cap B| / k."""
+        return self.intersection_count.double() / (self.tokens.double() * self.top_k)
+
+    @property
+    def changed_frac_overall(self) -> torch.Tensor:
+        """float64 []: fraction of (token, layer) pairs whose expert set changed."""
+        return self.changed_count.sum().double() / (self.tokens.double() * self.num_layers)
+
+    @property
+    def overlap_overall(self) -> torch.Tensor:
+        return self.intersection_count.sum().double() / (self.tokens.double() * self.num_layers * self.top_k)
+
+    def merge(self, other: "RoutingVolatility") -> "RoutingVolatility":
+        """The volatility of the union of both token sets (exact: sums of counts)."""
+        if (self.num_layers, self.top_k) != (other.num_layers, other.top_k):
+            raise ValueError(
+                "cannot merge volatilities of different shapes: "
+                f"(layers={self.num_layers}, k={self.top_k}) vs (layers={other.num_layers}, k={other.top_k})"
+            )
+        return RoutingVolatility(
+            self.changed_count + other.changed_count,
+            self.intersection_count + other.intersection_count,
+            self.tokens + other.tokens,
+            self.top_k,
+        )
+
+    @staticmethod
+    def merge_all(parts: Iterable["RoutingVolatility"]) -> "RoutingVolatility":
+        parts = list(parts)
+        if not parts:
+            raise ValueError("merge_all needs at least one RoutingVolatility")
+        total = parts[0]
+        for part in parts[1:]:
+            total = total.merge(part)
+        return total
+
+
+def routing_volatility(
+    a: torch.Tensor, b: torch.Tensor, token_mask: Optional[torch.Tensor] = None
+) -> RoutingVolatility:
+    """Compare two routings of the same tokens (e.g. before vs after an update) over the masked tokens."""
+    _check_pair(a, b)
+    _check_mask(token_mask, a.shape[0])
+    a, b = _select(a, token_mask), _select(b, token_mask)
+    top_k = a.shape[-1]
+    intersection = _intersection_size(a, b)  # [N', L]
+    return RoutingVolatility(
+        changed_count=(intersection != top_k).sum(dim=0),
+        intersection_count=intersection.sum(dim=0),
+        tokens=torch.tensor(a.shape[0], dtype=torch.int64, device=a.device),
+        top_k=top_k,
+    )
+
+
+@dataclass
+class ExpertLoad:
+    """Expert assignment counts per layer; mergeable like ``RoutingVolatility``."""
+
+    counts: torch.Tensor  # int64 [L, E]: (token, slot) assignments to each expert
+    tokens: torch.Tensor  # int64 []
+    top_k: int
+
+    @property
+    def fraction(self) -> torch.Tensor:
+        """float64 [L, E]: share of the layer's assignments each expert received (rows sum to 1)."""
+        return self.counts.double() / (self.tokens.double() * self.top_k)
+
+    @property
+    def imbalance(self) -> torch.Tensor:
+        """float64 [L]: max_e load / mean_e load (1 = perfectly balanced, E = one expert takes all)."""
+        counts = self.counts.double()
+        return counts.max(dim=-1).values / counts.mean(dim=-1)
+
+    @property
+    def coefficient_of_variation(self) -> torch.Tensor:
+        """float64 [L]: std_e load / mean_e load (population std over experts)."""
+        counts = self.counts.double()
+        return counts.std(dim=-1, unbiased=False) / counts.mean(dim=-1)
+
+    def merge(self, other: "ExpertLoad") -> "ExpertLoad":
+        if self.counts.shape != other.counts.shape or self.top_k != other.top_k:
+            raise ValueError(
+                f"cannot merge expert loads of different shapes: {tuple(self.counts.shape)}, k={self.top_k} "
+                f"vs {tuple(other.counts.shape)}, k={other.top_k}"
+            )
+        return ExpertLoad(self.counts + other.counts, self.tokens + other.tokens, self.top_k)
+
+
+def expert_load(topk: torch.Tensor, num_experts: int, token_mask: Optional[torch.Tensor] = None) -> ExpertLoad:
+    """Count how often each expert is chosen per layer over the masked tokens."""
+    _check_topk(topk, "topk")
+    _check_mask(token_mask, topk.shape[0])
+    topk = _select(topk, token_mask).long()
+    num_layers = topk.shape[1]
+    if topk.numel() and (topk.min() < 0 or topk.max() >= num_experts):
+        raise ValueError(
+            f"expert indices must lie in [0, {num_experts}), got range "
+            f"[{int(topk.min())}, {int(topk.max())}]; is num_experts right?"
+        )
+    # One bincount over all layers: expert e of layer l lands in bin l * E + e.
+    layer_offset = torch.arange(num_layers, device=topk.device).view(1, num_layers, 1) * num_experts
+    counts = torch.bincount((topk + layer_offset).flatten(), minlength=num_layers * num_experts)
+    return ExpertLoad(
+        counts=counts.view(num_layers, num_experts),
+        tokens=torch.tensor(topk.shape[0], dtype=torch.int64, device=topk.device),
+        top_k=topk.shape[-1],
+    )
+
+
+def _check_probs(p: torch.Tensor, name: str) -> None:
+    if p.dim() != 3 or not p.dtype.is_floating_point:
+        raise ValueError(f"{name} must be float router probabilities [tokens, layers, experts], got "
+                         f"{p.dtype} {tuple(p.shape)}")
+
+
+def _reduce_tokens(per_token: torch.Tensor, token_mask: Optional[torch.Tensor], reduction: str) -> torch.Tensor:
+    per_token = _select(per_token, token_mask)  # [N', L]
+    if reduction == "mean":
+        return per_token.mean(dim=0)
+    if reduction == "sum":
+        return per_token.sum(dim=0)
+    raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+
+
+def router_entropy(
+    probs: torch.Tensor, token_mask: Optional[torch.Tensor] = None, reduction: str = "mean"
+) -> torch.Tensor:
+    """float32 [L]: token-mean (or -sum, for exact merging) of H(p) = -sum_e p_e log p_e (0 log 0 = 0)."""
+    _check_probs(probs, "probs")
+    _check_mask(token_mask, probs.shape[0])
+    probs = probs.float()
+    entropy = -torch.special.xlogy(probs, probs).sum(dim=-1)  # [N, L]
+    return _reduce_tokens(entropy, token_mask, reduction)
+
+
+def router_kl(
+    p: torch.Tensor, q: torch.Tensor, token_mask: Optional[torch.Tensor] = None, reduction: str = "mean"
+) -> torch.Tensor:
+    """float32 [L]: token-mean of KL(p || q) = sum_e p_e (log p_e - log q_e).
+
+    q is floored at the smallest normal float so an expert that q gives (underflowed) zero mass
+    yields a large finite KL rather than inf.
+    """
+    _check_probs(p, "p")
+    _check_probs(q, "q")
+    if p.shape != q.shape:
+        raise ValueError(f"p and q must have the same shape, got {tuple(p.shape)} vs {tuple(q.shape)}")
+    _check_mask(token_mask, p.shape[0])
+    p, q = p.float(), q.float()
+    q = q.clamp_min(torch.finfo(q.dtype).tiny)
+    kl = (torch.special.xlogy(p, p) - torch.special.xlogy(p, q)).sum(dim=-1)  # [N, L]
+    return _reduce_tokens(kl, token_mask, reduction)
+
+
+def subsample_token_mask(
+    token_mask: torch.Tensor, max_tokens: int, generator: Optional[torch.Generator] = None
+) -> torch.Tensor:
+    """A mask keeping at most ``max_tokens`` of the valid tokens, chosen uniformly without replacement.
+
+    ``max_tokens == 0`` keeps every valid token. Pass a seeded generator for reproducible diagnostics.
+    """
+    if token_mask.dtype != torch.bool or token_mask.dim() != 1:
+        raise ValueError(f"token_mask must be a 1-D bool tensor, got {token_mask.dtype} {tuple(token_mask.shape)}")
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 0 (0 = all), got {max_tokens}")
+    valid = token_mask.nonzero().squeeze(-1)
+    if max_tokens == 0 or valid.numel() <= max_tokens:
+        return token_mask.clone()
+    order = torch.randperm(valid.numel(), generator=generator, device="cpu").to(valid.device)
+    keep = torch.zeros_like(token_mask)
+    keep[valid[order[:max_tokens]]] = True
+    return keep
+
+
+def _all_reduce_sum(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """Sum int64 tensors over ``group`` in one collective; returns new tensors, inputs untouched."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    out, start = [], 0
+    for t in tensors:
+        out.append(flat[start : start + t.numel()].view_as(t))
+        start += t.numel()
+    return out
+
+
+def all_reduce_volatility(volatility: RoutingVolatility, group=None) -> RoutingVolatility:
+    """Merge the volatility of every rank in ``group`` (all ranks must pass the same L and k)."""
+    changed, intersection, tokens = _all_reduce_sum(
+        [volatility.changed_count, volatility.intersection_count, volatility.tokens], group
+    )
+    return RoutingVolatility(changed, intersection, tokens, volatility.top_k)
+
+
+def all_reduce_expert_load(load: ExpertLoad, group=None) -> ExpertLoad:
+    """Merge the expert load of every rank in ``group`` (all ranks must pass the same L and E)."""
+    counts, tokens = _all_reduce_sum([load.counts, load.tokens], group)
+    return ExpertLoad(counts, tokens, load.top_k)
