@@ -24,6 +24,7 @@ import random
 from dataclasses import replace
 from typing import Callable
 
+from gspo_megatron.algorithms.registry import Registry
 from gspo_megatron.data.config import TaskConfig
 from gspo_megatron.data.datasets import PromptDataset
 from gspo_megatron.data.records import PromptRecord
@@ -62,14 +63,14 @@ class Task(abc.ABC):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-_TASKS: dict[str, Callable[[TaskConfig, Tokenizer], Task]] = {}
+TASKS: Registry[Callable[[TaskConfig, Tokenizer], Task]] = Registry("task")
 
 
 def register_task(name: str):
+    """Class decorator: registers a Task subclass (any ``(TaskConfig, Tokenizer) -> Task`` factory)."""
+
     def decorator(factory):
-        if name in _TASKS:
-            raise ValueError(f"task {name!r} is already registered; registered tasks: {sorted(_TASKS)}")
-        _TASKS[name] = factory
+        TASKS.register(name, factory)
         factory.name = name
         return factory
 
@@ -77,13 +78,11 @@ def register_task(name: str):
 
 
 def available_tasks() -> list[str]:
-    return sorted(_TASKS)
+    return TASKS.names()
 
 
 def build_task(config: TaskConfig, tokenizer: Tokenizer) -> Task:
-    if config.name not in _TASKS:
-        raise ValueError(f"unknown task {config.name!r}; registered tasks: {available_tasks()}")
-    return _TASKS[config.name](config, tokenizer)
+    return TASKS.get(config.name)(config, tokenizer)
 
 
 class SyntheticDigitTask(Task):

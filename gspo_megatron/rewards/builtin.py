@@ -1,0 +1,135 @@
+"""Built-in reward functions: exact match, think-then-answer, and math-verify.
+
+Design decisions:
+- Responses are the decoded completion WITH its stop token text (decode with
+  ``skip_special_tokens=False``). Each verifier cuts the text at the first of the record's
+  ``metadata["stop_strings"]``; finding none means the sample did not terminate (hit the length
+  limit), which fails ``format_ok`` but does not by itself make a right answer wrong. A record
+  without ``stop_strings`` treats the whole text as terminated.
+- ``reward`` is 1.0 for a correct answer and 0.0 otherwise; format credit is reported in
+  ``format_ok`` and left to the shapers (so the base task reward stays a pure accuracy signal).
+- ``math_verify`` takes the final answer as the LAST ``\\boxed{...}`` (balanced braces) or, without
+  one, the last number in the text; math-verify's parse/verify decide equivalence (``\\frac{1}{2}``
+  equals ``0.5``). ``format_ok`` requires the boxed form.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+from gspo_megatron.data.records import PromptRecord
+from gspo_megatron.rewards.registry import register_reward
+from gspo_megatron.rewards.types import RewardResult
+
+
+def split_at_stop(text: str, record: PromptRecord) -> tuple[str, bool]:
+    """(text before the first stop string, whether a stop string was found)."""
+    stop_strings = [s for s in record.metadata.get("stop_strings", ()) if s]
+    if not stop_strings:
+        return text, True
+    cut = min((i for i in (text.find(s) for s in stop_strings) if i >= 0), default=-1)
+    return (text, False) if cut < 0 else (text[:cut], True)
+
+
+def _answer_shape_ok(answer: str, record: PromptRecord) -> bool:
+    pattern = record.metadata.get("answer_pattern")
+    return bool(answer) and (pattern is None or re.fullmatch(pattern, answer) is not None)
+
+
+def _graded(correct: bool, format_ok: bool) -> RewardResult:
+    return RewardResult(reward=1.0 if correct else 0.0, correct=correct, format_ok=format_ok)
+
+
+@register_reward("exact_match")
+def exact_match(response: str, record: PromptRecord) -> RewardResult:
+    """The whole response before the stop token, stripped, equals the gold answer."""
+    body, terminated = split_at_stop(response, record)
+    answer = body.strip()
+    return _graded(answer == record.answer.strip(), terminated and _answer_shape_ok(answer, record))
+
+
+_THINK_FORMAT = re.compile(r"\s*<think>(?:(?!<think>|</think>).)*</think>\s*answer\s*(.*?)\s*", re.DOTALL)
+
+
+def final_answer_after_thinking(body: str) -> Optional[str]:
+    """The text after the last "</think>" (and after its last "answer" keyword), stripped.
+
+    None when a thinking block was opened and never closed: such a response gave no final answer.
+    """
+    if "</think>" in body:
+        tail = body.rsplit("</think>", 1)[1]
+    elif "<think>" in body:
+        return None
+    else:
+        tail = body
+    if "answer" in tail:
+        tail = tail.rsplit("answer", 1)[1]
+    return tail.strip()
+
+
+@register_reward("think_answer")
+def think_answer(response: str, record: PromptRecord) -> RewardResult:
+    """Correct when the final answer after the thinking block equals the gold answer.
+
+    format_ok: exactly "<think> ... </think> answer <ans>" (one thinking block), the answer has the
+    record's ``answer_pattern``, and the response terminated.
+    """
+    body, terminated = split_at_stop(response, record)
+    answer = final_answer_after_thinking(body)
+    correct = answer is not None and answer == record.answer.strip()
+    shape = _THINK_FORMAT.fullmatch(body)
+    format_ok = terminated and shape is not None and _answer_shape_ok(shape.group(1), record)
+    return _graded(correct, format_ok)
+
+
+def last_boxed(text: str) -> Optional[str]:
+    """Content of the last \\boxed{...} with balanced braces, or None."""
+    start = text.rfind("\\boxed{")
+    while start >= 0:
+        depth, pos = 0, start + len("\\boxed")
+        for pos in range(pos, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[pos], 0)
+            if depth == 0:
+                return text[start + len("\\boxed{") : pos]
+        start = text.rfind("\\boxed{", 0, start)  # unbalanced: try an earlier one
+    return None
+
+
+_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
+
+
+def _parse_math(text: str):
+    from math_verify import parse
+
+    return parse(f"${text}$") or parse(text)
+
+
+def _warm_up_math_verify() -> None:
+    from math_verify import parse, verify
+
+    verify(parse("$1$"), parse("$1$"))
+
+
+@register_reward("math_verify")
+def math_verify(response: str, record: PromptRecord) -> RewardResult:
+    from math_verify import verify
+
+    body, terminated = split_at_stop(response, record)
+    boxed = last_boxed(body)
+    if boxed is not None:
+        candidate = boxed
+    else:
+        numbers = _NUMBER.findall(body)
+        if not numbers:
+            return _graded(False, False)
+        candidate = numbers[-1]
+    gold = _parse_math(record.answer)
+    if not gold:
+        return RewardResult.failed(f"math_verify cannot parse the gold answer {record.answer!r}")
+    predicted = _parse_math(candidate)
+    correct = bool(predicted) and bool(verify(gold, predicted))
+    return _graded(correct, terminated and boxed is not None)
+
+
+math_verify.warm_up = _warm_up_math_verify
