@@ -1,0 +1,277 @@
+"""Policy losses GSPO, GSPO-token and GRPO: pure tensor functions behind one registry and one signature.
+
+    loss_fn(log_probs [B,T], old_log_probs [B,T], advantages [B] or [B,T], response_mask [B,T],
+            ctx: LossContext) -> PolicyLossOutput(loss, metrics)
+
+Design decisions:
+- The returned loss is *minimised* (= -J) and is this micro-batch's contribution to the whole batch:
+  every aggregation divides by the global denominators in ``ctx`` (sequences or valid tokens over all
+  micro-batches and data-parallel ranks), so summing losses and gradients over micro-batches and ranks
+  gives the one-big-batch loss and gradient. Without global denominators the local counts are used.
+- Every sum over a sequence's tokens goes through ``ctx.sequence_sum`` (default: sum over T). Under
+  context parallelism the caller passes the CP reducer from ``reductions.py``; then |y_i|, s_i and
+  per-sequence sums are whole-sequence values on every CP rank while gradients stay local.
+- Ratios are formed in log space, the log-ratio clamped to +-``log_ratio_clamp`` before ``exp``;
+  positions outside the mask are removed with ``where`` (not multiplied by 0), so a -inf log-prob at
+  padding cannot turn into NaN. Sequences with no valid token contribute nothing.
+- "Clipped" means the clip is *active* (the min picks the clipped term and the gradient is zero):
+  high: A > 0 and ratio > 1 + eps_high; low: A < 0 and ratio < 1 - eps_low.
+- GSPO's ratio is already length-normalised per sequence, so GSPO and GSPO-token accept only
+  "seq_mean_token_mean"; a token-weighted aggregation would re-introduce the length bias GSPO removes.
+- Metrics (see ``metrics.py``): clip fractions per token and per sequence, split low/high (per
+  sequence = mean over sequences of the fraction of that sequence's tokens clipped; for GSPO that is
+  the indicator); KL(pi_old || pi_theta) estimated from tokens sampled from pi_old, with r = pi/pi_old:
+  k1 = -log r and k3 = (r - 1) - log r (both unbiased; k3 is >= 0 and lower-variance; both logged);
+  the clipped ratio's mean/min/max (per sequence s_i for GSPO variants, per token w for GRPO);
+  response length. Entropy comes from ``vocab_parallel_log_probs``; add it with ``token_mean_metric``.
+
+References: GSPO, Zheng et al., "Group Sequence Policy Optimization", arXiv 2507.18071;
+GRPO, Shao et al., "DeepSeekMath", arXiv 2402.03300; clip-higher from DAPO, arXiv 2503.14476.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
+
+import torch
+
+from gspo_megatron.algorithms.metrics import extremum_entries, mean_entries
+from gspo_megatron.algorithms.reductions import local_sequence_sum
+from gspo_megatron.algorithms.registry import Registry
+
+AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum")
+SEQUENCE_LEVEL_AGGREGATIONS = ("seq_mean_token_mean",)  # the only ones GSPO's ratio is consistent with
+
+Count = Union[torch.Tensor, float, int, None]
+
+
+@dataclass
+class LossContext:
+    """Everything a policy loss needs besides the tensors; built by the trainer per micro-batch."""
+
+    clip_low: float
+    clip_high: float
+    aggregation: str = "seq_mean_token_mean"
+    global_num_sequences: Count = None  # sequences with >= 1 valid token, whole batch; None: local
+    global_num_tokens: Count = None  # valid tokens, whole batch; None: local
+    log_ratio_clamp: float = 20.0
+    sequence_sum: Callable[[torch.Tensor], torch.Tensor] = field(default=local_sequence_sum)
+
+    def __post_init__(self):
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"unknown aggregation {self.aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
+        if not 0 <= self.clip_low < 1:
+            raise ValueError(f"clip_low must be in [0, 1) (ratio floor is 1 - clip_low), got {self.clip_low}")
+        if not self.clip_high >= 0:
+            raise ValueError(f"clip_high must be >= 0, got {self.clip_high}")
+        if not self.log_ratio_clamp > 0:
+            raise ValueError(f"log_ratio_clamp must be > 0, got {self.log_ratio_clamp}")
+
+
+@dataclass
+class PolicyLossOutput:
+    loss: torch.Tensor  # scalar, to minimise; this micro-batch's share of the whole-batch loss
+    metrics: dict[str, torch.Tensor]  # additive entries, see metrics.py
+
+
+POLICY_LOSSES: Registry[Callable[..., PolicyLossOutput]] = Registry("policy loss")
+
+
+def get_policy_loss(name: str) -> Callable[..., PolicyLossOutput]:
+    return POLICY_LOSSES.get(name)
+
+
+@dataclass
+class _Batch:
+    """Validated inputs plus the per-sequence quantities every loss needs."""
+
+    mask: torch.Tensor  # bool [B, T]
+    log_ratio: torch.Tensor  # [B, T], logp - old_logp at valid tokens, 0 elsewhere (unclamped)
+    lengths: torch.Tensor  # [B] whole-sequence valid-token counts (through ctx.sequence_sum)
+    seq_valid: torch.Tensor  # bool [B], sequences with >= 1 valid token
+    num_sequences: torch.Tensor  # denominators
+    num_tokens: torch.Tensor
+
+
+def _prepare(log_probs, old_log_probs, advantages, response_mask, ctx: LossContext) -> _Batch:
+    if log_probs.dim() != 2 or old_log_probs.shape != log_probs.shape or response_mask.shape != log_probs.shape:
+        raise ValueError(
+            f"log_probs, old_log_probs and response_mask must all be [B, T]; got "
+            f"{tuple(log_probs.shape)}, {tuple(old_log_probs.shape)}, {tuple(response_mask.shape)}"
+        )
+    if advantages.shape not in (log_probs.shape[:1], log_probs.shape):
+        raise ValueError(
+            f"advantages must be [B] or [B, T] = {tuple(log_probs.shape)}, got {tuple(advantages.shape)}"
+        )
+    mask = response_mask.bool()
+    log_ratio = torch.where(mask, log_probs - old_log_probs.detach(), 0.0)
+    with torch.no_grad():
+        lengths = ctx.sequence_sum(mask.to(log_probs.dtype))
+    seq_valid = lengths > 0
+    num_sequences = _denominator(ctx.global_num_sequences, seq_valid.sum())
+    num_tokens = _denominator(ctx.global_num_tokens, lengths.sum())
+    return _Batch(mask, log_ratio, lengths, seq_valid, num_sequences, num_tokens)
+
+
+def _denominator(global_count: Count, local_count: torch.Tensor) -> torch.Tensor:
+    count = local_count if global_count is None else torch.as_tensor(global_count, device=local_count.device)
+    return count.detach().float().clamp_min(1.0)  # an empty batch contributes 0, not NaN
+
+
+def _clipped_objective(ratio, advantages, clip_low: float, clip_high: float):
+    """min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), and where the clip is active (low, high)."""
+    objective = torch.minimum(ratio * advantages, ratio.clamp(1 - clip_low, 1 + clip_high) * advantages)
+    clipped_high = (advantages > 0) & (ratio > 1 + clip_high)
+    clipped_low = (advantages < 0) & (ratio < 1 - clip_low)
+    return objective, clipped_low, clipped_high
+
+
+def _aggregate_tokens(per_token: torch.Tensor, batch: _Batch, ctx: LossContext) -> torch.Tensor:
+    """Sum a per-token objective [B, T] into this micro-batch's share of the whole-batch mean."""
+    seq_sums = ctx.sequence_sum(torch.where(batch.mask, per_token, 0.0))  # sum_t, whole sequence
+    if ctx.aggregation == "seq_mean_token_mean":  # (1/N_seq) sum_i (1/|y_i|) sum_t
+        return (seq_sums / batch.lengths.clamp_min(1)).sum() / batch.num_sequences
+    if ctx.aggregation == "token_mean":  # (1/N_tok) sum_i sum_t
+        return seq_sums.sum() / batch.num_tokens
+    return seq_sums.sum() / batch.num_sequences  # seq_mean_token_sum: (1/N_seq) sum_i sum_t
+
+
+def _require_sequence_aggregation(loss_name: str, ctx: LossContext) -> None:
+    if ctx.aggregation not in SEQUENCE_LEVEL_AGGREGATIONS:
+        raise ValueError(
+            f"{loss_name} cannot use aggregation {ctx.aggregation!r}: GSPO's ratio s_i is already "
+            f"length-normalised per sequence, and weighting sequences by their token counts re-introduces "
+            f"the length bias GSPO removes. Use aggregation='seq_mean_token_mean' (or the grpo loss)."
+        )
+
+
+def _sequence_log_ratio(batch: _Batch, ctx: LossContext) -> torch.Tensor:
+    """log s_i = (1/|y_i|) sum_t (log pi_theta - log pi_old)(y_{i,t}), summed over the whole sequence."""
+    return ctx.sequence_sum(batch.log_ratio) / batch.lengths.clamp_min(1)
+
+
+def _common_metrics(batch: _Batch, ctx: LossContext) -> dict[str, torch.Tensor]:
+    """KL(old || new) estimates per token and response-length statistics."""
+    with torch.no_grad():
+        log_r = batch.log_ratio.detach().clamp(-ctx.log_ratio_clamp, ctx.log_ratio_clamp)
+        k1 = -log_r  # log pi_old - log pi_theta
+        k3 = torch.expm1(log_r) - log_r  # (r - 1) - log r >= 0
+        valid_lengths = torch.where(batch.seq_valid, batch.lengths, 0.0)
+        metrics = {
+            **mean_entries("approx_kl_k1", ctx.sequence_sum(torch.where(batch.mask, k1, 0.0)).sum(), batch.lengths.sum()),
+            **mean_entries("approx_kl_k3", ctx.sequence_sum(torch.where(batch.mask, k3, 0.0)).sum(), batch.lengths.sum()),
+            **mean_entries("response_length", valid_lengths.sum(), batch.seq_valid.sum()),
+            **extremum_entries("response_length", batch.lengths, batch.seq_valid),
+        }
+    return metrics
+
+
+def _clip_metrics_per_sequence(clipped_low, clipped_high, batch: _Batch) -> dict[str, torch.Tensor]:
+    """Clip fractions when clipping is decided per sequence ([B] indicators), as GSPO does."""
+    with torch.no_grad():
+        low, high = clipped_low & batch.seq_valid, clipped_high & batch.seq_valid
+        return {
+            **mean_entries("clip_frac_token_low", (low * batch.lengths).sum(), batch.lengths.sum()),
+            **mean_entries("clip_frac_token_high", (high * batch.lengths).sum(), batch.lengths.sum()),
+            **mean_entries("clip_frac_seq_low", low.sum(), batch.seq_valid.sum()),
+            **mean_entries("clip_frac_seq_high", high.sum(), batch.seq_valid.sum()),
+        }
+
+
+def _clip_metrics_per_token(clipped_low, clipped_high, batch: _Batch, ctx: LossContext) -> dict[str, torch.Tensor]:
+    """Clip fractions when clipping is decided per token ([B, T] indicators)."""
+    metrics = {}
+    with torch.no_grad():
+        for side, clipped in (("low", clipped_low), ("high", clipped_high)):
+            per_seq = ctx.sequence_sum((clipped & batch.mask).float())  # clipped tokens per sequence
+            seq_fraction = torch.where(batch.seq_valid, per_seq / batch.lengths.clamp_min(1), 0.0)
+            metrics.update(mean_entries(f"clip_frac_token_{side}", per_seq.sum(), batch.lengths.sum()))
+            metrics.update(mean_entries(f"clip_frac_seq_{side}", seq_fraction.sum(), batch.seq_valid.sum()))
+    return metrics
+
+
+def _ratio_metrics(ratio: torch.Tensor, select: torch.Tensor, ctx: LossContext) -> dict[str, torch.Tensor]:
+    with torch.no_grad():
+        ratio = ratio.detach()
+        if ratio.dim() == 2:  # per token: sums through the sequence reducer (CP-complete)
+            total = ctx.sequence_sum(torch.where(select, ratio, 0.0)).sum()
+            count = ctx.sequence_sum(select.float()).sum()
+        else:
+            total, count = torch.where(select, ratio, 0.0).sum(), select.sum()
+        return {**mean_entries("ratio", total, count), **extremum_entries("ratio", ratio, select)}
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo_loss(log_probs, old_log_probs, advantages, response_mask, ctx: LossContext) -> PolicyLossOutput:
+    """GSPO (arXiv 2507.18071): one clipped, length-normalised importance ratio per sequence.
+
+        s_i = exp( clamp( (1/|y_i|) sum_t log(pi_theta / pi_old)(y_{i,t}) ) )
+        J   = (1/N_seq) sum_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i);  loss = -J
+    """
+    _require_sequence_aggregation("gspo", ctx)
+    if advantages.dim() != 1:
+        raise ValueError(
+            f"gspo needs one advantage per sequence ([B]), got {tuple(advantages.shape)}; "
+            f"for per-token advantages use loss 'gspo_token'"
+        )
+    batch = _prepare(log_probs, old_log_probs, advantages, response_mask, ctx)
+    log_s = _sequence_log_ratio(batch, ctx).clamp(-ctx.log_ratio_clamp, ctx.log_ratio_clamp)
+    s = log_s.exp()
+    objective, clipped_low, clipped_high = _clipped_objective(s, advantages.detach(), ctx.clip_low, ctx.clip_high)
+    loss = -torch.where(batch.seq_valid, objective, 0.0).sum() / batch.num_sequences
+    metrics = {
+        **_common_metrics(batch, ctx),
+        **_clip_metrics_per_sequence(clipped_low, clipped_high, batch),
+        **_ratio_metrics(s, batch.seq_valid, ctx),
+    }
+    return PolicyLossOutput(loss, metrics)
+
+
+@POLICY_LOSSES.register("gspo_token")
+def gspo_token_loss(log_probs, old_log_probs, advantages, response_mask, ctx: LossContext) -> PolicyLossOutput:
+    """GSPO-token (arXiv 2507.18071, sec. 4.3): GSPO's ratio value with per-token advantages.
+
+        log s_{i,t} = sg[log s_i] + log pi_theta(y_{i,t}) - sg[log pi_theta(y_{i,t})]
+        J = (1/N_seq) sum_i (1/|y_i|) sum_t min(s_{i,t} A_{i,t}, clip(s_{i,t}) A_{i,t})
+    With A_{i,t} = A_i this equals GSPO in value and gradient. Where GSPO's clamp of log s_i is active
+    (its gradient is zero there) the token term is gated off too, so the equality holds everywhere.
+    """
+    _require_sequence_aggregation("gspo_token", ctx)
+    batch = _prepare(log_probs, old_log_probs, advantages, response_mask, ctx)
+    seq_log_ratio = _sequence_log_ratio(batch, ctx).detach()
+    inside_clamp = (seq_log_ratio.abs() <= ctx.log_ratio_clamp).unsqueeze(-1)
+    log_s = seq_log_ratio.clamp(-ctx.log_ratio_clamp, ctx.log_ratio_clamp)
+    token_grad_carrier = torch.where(batch.mask & inside_clamp, log_probs - log_probs.detach(), 0.0)
+    s_token = (log_s.unsqueeze(-1) + token_grad_carrier).exp()
+    token_advantages = advantages.detach() if advantages.dim() == 2 else advantages.detach().unsqueeze(-1)
+    objective, clipped_low, clipped_high = _clipped_objective(s_token, token_advantages, ctx.clip_low, ctx.clip_high)
+    loss = -_aggregate_tokens(objective, batch, ctx)
+    metrics = {
+        **_common_metrics(batch, ctx),
+        **_clip_metrics_per_token(clipped_low, clipped_high, batch, ctx),
+        **_ratio_metrics(log_s.exp(), batch.seq_valid, ctx),
+    }
+    return PolicyLossOutput(loss, metrics)
+
+
+@POLICY_LOSSES.register("grpo")
+def grpo_loss(log_probs, old_log_probs, advantages, response_mask, ctx: LossContext) -> PolicyLossOutput:
+    """GRPO (arXiv 2402.03300) with asymmetric (clip-higher) PPO clipping on every token.
+
+        w_{i,t} = exp( clamp( log pi_theta(y_{i,t}) - log pi_old(y_{i,t}) ) )
+        J = aggregate_{i,t} min(w_{i,t} A_{i,t}, clip(w_{i,t}, 1 - eps_low, 1 + eps_high) A_{i,t})
+    with ``ctx.aggregation`` choosing the sequence-mean of token-means (the paper's form), the global
+    token mean, or the sequence-mean of token sums.
+    """
+    batch = _prepare(log_probs, old_log_probs, advantages, response_mask, ctx)
+    w = batch.log_ratio.clamp(-ctx.log_ratio_clamp, ctx.log_ratio_clamp).exp()
+    token_advantages = advantages.detach() if advantages.dim() == 2 else advantages.detach().unsqueeze(-1)
+    objective, clipped_low, clipped_high = _clipped_objective(w, token_advantages, ctx.clip_low, ctx.clip_high)
+    loss = -_aggregate_tokens(objective, batch, ctx)
+    metrics = {
+        **_common_metrics(batch, ctx),
+        **_clip_metrics_per_token(clipped_low, clipped_high, batch, ctx),
+        **_ratio_metrics(w, batch.mask, ctx),
+    }
+    return PolicyLossOutput(loss, metrics)
