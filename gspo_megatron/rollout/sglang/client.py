@@ -1,0 +1,221 @@
+"""Async HTTP client over one or more SGLang servers: load balancing, retries, dead-server failover.
+
+Design decisions:
+- One ``httpx.AsyncClient`` and one semaphore (``max_concurrency``) for all servers; a request holds
+  the semaphore only while on the wire, never while backing off.
+- Load balancing is least-in-flight (ties: the server that has served fewer requests), which spreads
+  long and short generations better than round robin.
+- Failure classes: 4xx -> ``RequestRejectedError`` at once (our request is wrong, retrying cannot
+  help); 5xx (503 while starting) and timeouts -> retried with exponential backoff
+  (``base * 2**attempt``, capped); connection failures (refused, reset, closed mid-answer) count
+  towards marking the server dead after ``dead_after_failures`` in a row. A request that was on a
+  server that died is re-sent to another server without spending its retry budget; when no server
+  is alive, ``NoServersLeftError`` names every server and its last error.
+- Control calls (weight sync, pause, flush) go to one named server with no failover: every server
+  must take them, so a failure there is an error, not something to route around.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import httpx
+
+
+class SGLangClientError(RuntimeError):
+    """Base class of the client's errors."""
+
+
+class NoServersLeftError(SGLangClientError):
+    """Every server is dead; the message names each one and its last error."""
+
+
+class RequestRejectedError(SGLangClientError):
+    """A server answered 4xx: the request itself is wrong."""
+
+
+class RequestFailedError(SGLangClientError):
+    """A request failed on every retry (5xx, timeouts, malformed JSON)."""
+
+
+@dataclass
+class ServerState:
+    url: str
+    in_flight: int = 0
+    served: int = 0
+    alive: bool = True
+    consecutive_failures: int = 0
+    last_error: Optional[str] = None
+
+
+@dataclass
+class RetryPolicy:
+    max_retries: int = 4
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 15.0
+    dead_after_failures: int = 2
+
+    def backoff(self, attempt: int) -> float:
+        # Exponential backoff: base * 2**attempt, capped.
+        return min(self.backoff_max_s, self.backoff_base_s * (2**attempt))
+
+
+@dataclass
+class ServerPool:
+    """The servers and their load; picks the least-loaded live one."""
+
+    servers: list[ServerState] = field(default_factory=list)
+
+    @classmethod
+    def from_urls(cls, urls: list[str]) -> "ServerPool":
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"server urls contain duplicates: {urls}")
+        return cls([ServerState(url.rstrip("/")) for url in urls])
+
+    def alive(self) -> list[ServerState]:
+        return [server for server in self.servers if server.alive]
+
+    def pick(self) -> ServerState:
+        live = self.alive()
+        if not live:
+            raise NoServersLeftError("no SGLang server is left alive:\n" + self.describe())
+        return min(live, key=lambda server: (server.in_flight, server.served))
+
+    def describe(self) -> str:
+        return "\n".join(
+            f"  {server.url}: {'alive' if server.alive else 'DEAD'}, served {server.served}, "
+            f"last error: {server.last_error or '-'}"
+            for server in self.servers
+        )
+
+
+_CONNECTION_ERRORS = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+
+class SGLangHTTPClient:
+    """Sends JSON requests to a pool of SGLang servers; must be used inside one event loop."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        retry: RetryPolicy,
+        max_concurrency: int = 256,
+        request_timeout_s: float = 1800.0,
+        connect_timeout_s: float = 10.0,
+    ):
+        self.pool = ServerPool.from_urls(urls)
+        self.retry = retry
+        self._semaphore = asyncio.Semaphore(max_concurrency)
+        timeout = httpx.Timeout(request_timeout_s, connect=connect_timeout_s)
+        limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
+        self._http = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def post_balanced(self, path: str, payload: dict[str, Any]) -> Any:
+        """POST to the least-loaded live server; fail over to others when one dies."""
+        attempt = 0
+        while True:
+            server = self.pool.pick()  # raises NoServersLeftError
+            try:
+                return await self._send(server, "POST", path, payload)
+            except _Retryable as failure:
+                if not server.alive:
+                    continue  # the server died under this request: re-send elsewhere, budget intact
+                if attempt >= self.retry.max_retries:
+                    raise RequestFailedError(
+                        f"POST {path} failed {attempt + 1} times; last on {server.url}: {failure}\n"
+                        + self.pool.describe()
+                    ) from None
+                await asyncio.sleep(self.retry.backoff(attempt))
+                attempt += 1
+
+    async def call(self, server: ServerState, method: str, path: str, payload: Optional[dict] = None) -> Any:
+        """Send to one given server, retrying 5xx/timeouts on that server only (control calls)."""
+        attempt = 0
+        while True:
+            try:
+                return await self._send(server, method, path, payload)
+            except _Retryable as failure:
+                if not server.alive or attempt >= self.retry.max_retries:
+                    raise RequestFailedError(
+                        f"{method} {path} on {server.url} failed after {attempt + 1} attempts: {failure}"
+                    ) from None
+                await asyncio.sleep(self.retry.backoff(attempt))
+                attempt += 1
+
+    async def wait_healthy(self, deadline_s: float, poll_interval_s: float) -> None:
+        """Poll every server's /health until it answers 200 (503 and refused connections mean 'not yet')."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + deadline_s
+        for server in self.pool.servers:
+            last = "no answer yet"
+            while True:
+                try:
+                    response = await self._http.get(server.url + "/health")
+                    if response.status_code == 200:
+                        break
+                    last = f"HTTP {response.status_code}"
+                except httpx.TransportError as error:
+                    last = f"{type(error).__name__}: {error}"
+                if loop.time() >= end:
+                    raise SGLangClientError(
+                        f"SGLang server {server.url} not healthy after {deadline_s:.0f}s (last: {last})"
+                    )
+                await asyncio.sleep(poll_interval_s)
+
+    async def _send(self, server: ServerState, method: str, path: str, payload: Optional[dict]) -> Any:
+        async with self._semaphore, _tracked(server):
+            try:
+                response = await self._http.request(method, server.url + path, json=payload)
+            except _CONNECTION_ERRORS as error:
+                self._connection_failed(server, f"{type(error).__name__}: {error or 'connection lost'}")
+                raise _Retryable(server.last_error) from None
+            except httpx.TimeoutException as error:
+                server.last_error = f"timeout ({type(error).__name__})"
+                raise _Retryable(server.last_error) from None
+        server.consecutive_failures = 0
+        if response.status_code >= 500:
+            server.last_error = f"HTTP {response.status_code}: {response.text[:200]}"
+            raise _Retryable(server.last_error)
+        if response.status_code >= 400:
+            raise RequestRejectedError(
+                f"{method} {path} on {server.url} was rejected with HTTP {response.status_code}: "
+                f"{response.text[:500]}"
+            )
+        server.served += 1
+        if not response.content:
+            return None
+        content_type = response.headers.get("content-type", "")
+        if "json" not in content_type:
+            return response.text
+        try:
+            return response.json()
+        except ValueError:
+            raise RequestFailedError(
+                f"{method} {path} on {server.url} answered malformed JSON: {response.text[:200]!r}"
+            ) from None
+
+    def _connection_failed(self, server: ServerState, message: str) -> None:
+        server.last_error = message
+        server.consecutive_failures += 1
+        if server.consecutive_failures >= self.retry.dead_after_failures:
+            server.alive = False
+
+
+class _Retryable(Exception):
+    pass
+
+
+@contextlib.asynccontextmanager
+async def _tracked(server: ServerState):
+    server.in_flight += 1
+    try:
+        yield
+    finally:
+        server.in_flight -= 1

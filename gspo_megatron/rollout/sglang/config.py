@@ -1,0 +1,92 @@
+"""Config of the SGLang rollout engine (launch or attach, HTTP client, weight sync).
+
+Design decisions:
+- One plain dataclass; the lead registers it in Hydra's ConfigStore and ``conf/rollout/sglang.yaml``
+  holds its YAML defaults.
+- ``mode`` is a value ("launch" | "attach"), not a pair of booleans: launch starts and owns the server
+  processes, attach talks to servers somebody else runs and never stops them.
+- The launch command is configurable (default ``python -m sglang.launch_server``) so tests can start
+  the test double with the same code path, and site wrappers (e.g. ``srun``) can be put in front.
+- The routed-experts layout (layers, top-k) is needed to check the decoded buffer strictly; it comes
+  from here or from the checkpoint's ``config.json`` (``num_hidden_layers``, ``num_experts_per_tok``).
+- Weight sync is "distributed" (NCCL broadcast from the trainer into the servers, the fast path) or
+  "disk" (write safetensors, then ``/update_weights_from_disk``; the fallback that always works).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+LAUNCH_MODES = ("launch", "attach")
+WEIGHT_SYNC_MODES = ("distributed", "disk")
+PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's PauseGenerationReqInput.mode
+
+
+@dataclass
+class SGLangConfig:
+    mode: str = "launch"  # launch | attach
+
+    # --- launch mode: `<launch_command> --model-path M --tp N --host H --port P [...] <extra_args>`
+    model_path: Optional[str] = None
+    tp: int = 1  # tensor-parallel size of each server (attach mode: used when /server_info lacks it)
+    num_servers: int = 1
+    host: str = "127.0.0.1"
+    ports: List[int] = field(default_factory=list)  # empty: free ports are picked
+    launch_command: List[str] = field(default_factory=list)  # empty: [python, -m, sglang.launch_server]
+    extra_args: List[str] = field(default_factory=list)  # appended verbatim (e.g. --mem-fraction-static)
+    log_dir: str = "logs/sglang"  # each server's stdout+stderr goes to <log_dir>/server_<i>_<port>.log
+    startup_timeout_s: float = 900.0  # deadline for /health to answer 200
+    health_poll_interval_s: float = 1.0
+    shutdown_grace_s: float = 15.0  # SIGTERM, then SIGKILL of the server's process group
+
+    # --- attach mode
+    urls: List[str] = field(default_factory=list)  # e.g. ["http://10.0.0.5:30000", ...]
+
+    # --- HTTP client
+    max_concurrency: int = 256  # requests in flight over all servers
+    request_timeout_s: float = 1800.0  # one /generate may decode thousands of tokens
+    connect_timeout_s: float = 10.0
+    max_retries: int = 4  # per request, on 5xx / timeouts / connection errors (not on 4xx)
+    backoff_base_s: float = 0.5  # sleep base * 2**attempt, capped by backoff_max_s
+    backoff_max_s: float = 15.0
+    dead_after_failures: int = 2  # consecutive connection failures that mark a server dead
+    abort_retries: int = 1  # an aborted sample is resubmitted this often, then returned as ABORT
+
+    # --- /generate
+    enable_return_routed_experts: bool = False  # launch flag; also needed to ask for routed experts
+    num_hidden_layers: Optional[int] = None  # routed-experts layout; None: read from config.json
+    num_experts_per_tok: Optional[int] = None
+    skip_special_tokens: bool = False  # we consume ids, the text is only for logs
+    no_stop_trim: bool = True
+
+    # --- weight sync
+    weight_sync: str = "distributed"  # distributed | disk
+    weight_bucket_bytes: int = 512 * 1024 * 1024  # bytes broadcast per /update_weights_from_distributed
+    weight_sync_backend: str = "nccl"  # gloo for CPU tests
+    weight_sync_master_address: str = "127.0.0.1"  # an address of the trainer the servers can reach
+    weight_sync_master_port: Optional[int] = None  # None: a free port
+    weight_sync_group_name: str = "gspo_weight_update"
+    weight_sync_timeout_s: float = 600.0
+    disk_sync_dir: str = "checkpoints/sglang_sync"  # disk mode writes <dir>/v<version>/
+    pause_mode: str = "retract"  # in-flight requests are retracted and resume on the new weights
+    bracket_weight_update: bool = True  # /begin_weight_update.../end_weight_update (newer 0.5.x)
+
+    def __post_init__(self):
+        if self.mode not in LAUNCH_MODES:
+            raise ValueError(f"SGLangConfig.mode must be one of {LAUNCH_MODES}, got {self.mode!r}")
+        if self.mode == "launch" and not self.model_path:
+            raise ValueError("SGLangConfig.mode='launch' needs model_path (an HF checkpoint directory)")
+        if self.mode == "attach" and not self.urls:
+            raise ValueError("SGLangConfig.mode='attach' needs urls, e.g. ['http://127.0.0.1:30000']")
+        if self.mode == "launch" and self.ports and len(self.ports) != self.num_servers:
+            raise ValueError(f"ports has {len(self.ports)} entries but num_servers={self.num_servers}")
+        if self.weight_sync not in WEIGHT_SYNC_MODES:
+            raise ValueError(f"weight_sync must be one of {WEIGHT_SYNC_MODES}, got {self.weight_sync!r}")
+        if self.pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {self.pause_mode!r}")
+        for name in ("tp", "num_servers", "max_concurrency", "dead_after_failures", "weight_bucket_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SGLangConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_retries < 0 or self.abort_retries < 0:
+            raise ValueError("max_retries and abort_retries must be >= 0")

@@ -1,0 +1,316 @@
+"""``SGLangEngine``: the RolloutEngine backed by SGLang servers (launched here or attached to).
+
+Design decisions:
+- The async client lives on an event loop this engine runs in its own thread. ``generate`` and
+  ``update_weights`` are plain synchronous calls that work whether or not the caller already runs
+  an event loop (the trainer is synchronous; notebooks and async drivers are not).
+- One ``/generate`` per sample (not SGLang's ``n``): samples then spread over servers by load, each
+  can carry its own seed, and a failed sample is retried alone.
+- Weight sync follows SGLang 0.5.x's bracket on every server: pause_generation -> begin_weight_update
+  -> updates -> end_weight_update -> flush_cache -> continue_generation. ``continue_generation`` is
+  sent even when an update fails, so a server is never left paused; the failure is still raised.
+- Distributed sync: the update group is formed once (first update), then each byte-size bucket is one
+  ``/update_weights_from_distributed`` per server, posted from the loop thread while the caller's
+  thread broadcasts the bucket -- the servers' HTTP handlers block until they have received it.
+- Disk sync (fallback): buckets become safetensors shards plus an index under
+  ``<disk_sync_dir>/v<version>/`` beside copies of the checkpoint's non-weight files, then
+  ``/update_weights_from_disk``. The shards must hold the whole model and the directory must be
+  visible to the servers.
+- The weight version is sent with every update and read back from ``meta_info.weight_version``, so a
+  sample records the version that actually produced it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import threading
+from pathlib import Path
+from typing import Any, Coroutine, Iterable, Mapping, Optional, TypeVar
+
+import torch
+
+from gspo_megatron.rollout.engine import RolloutEngine
+from gspo_megatron.rollout.sglang.client import RetryPolicy, SGLangHTTPClient
+from gspo_megatron.rollout.sglang.config import SGLangConfig
+from gspo_megatron.rollout.sglang.launcher import LaunchedServer, build_launch_command, free_port
+from gspo_megatron.rollout.sglang.protocol import build_generate_request, parse_generate_response
+from gspo_megatron.rollout.sglang.weight_sync import (
+    WeightBroadcaster,
+    bucket_metadata,
+    bucket_named_tensors,
+    open_weight_update_group,
+)
+from gspo_megatron.rollout.types import FinishReason, Sample, SamplingParams
+
+T = TypeVar("T")
+
+
+class WeightSyncError(RuntimeError):
+    """A weight update failed on at least one server (the servers were told to continue anyway)."""
+
+
+class SGLangEngine(RolloutEngine):
+    def __init__(self, config: SGLangConfig):
+        self.config = config
+        self.weight_version = 0
+        self._closed = False
+        self._launched: list[LaunchedServer] = []
+        self._routed_layout = _routed_experts_layout(config)
+        self._update_group = None
+        self._loop = _LoopThread()
+        try:
+            urls = self._launch_servers() if config.mode == "launch" else list(config.urls)
+            retry = RetryPolicy(config.max_retries, config.backoff_base_s, config.backoff_max_s, config.dead_after_failures)
+            self._client: SGLangHTTPClient = self._loop.run(self._make_client(urls, retry))
+            if config.mode == "attach":
+                self._loop.run(self._client.wait_healthy(config.startup_timeout_s, config.health_poll_interval_s))
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
+        if params.return_routed_experts and self._routed_layout is None:
+            raise ValueError(
+                "return_routed_experts needs SGLangConfig.enable_return_routed_experts=true (the server "
+                "flag) and the layout: num_hidden_layers / num_experts_per_tok or a model_path with config.json"
+            )
+        return self._loop.run(self._generate_all(prompts, params))
+
+    async def _generate_all(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
+        tasks = [
+            [asyncio.create_task(self._generate_one(prompt, params, index * params.n + k)) for k in range(params.n)]
+            for index, prompt in enumerate(prompts)
+        ]
+        flat = [task for row in tasks for task in row]
+        try:
+            await asyncio.gather(*flat)
+        except BaseException:
+            for task in flat:
+                task.cancel()
+            await asyncio.gather(*flat, return_exceptions=True)
+            raise
+        return [[task.result() for task in row] for row in tasks]
+
+    async def _generate_one(self, prompt: list[int], params: SamplingParams, sample_index: int) -> Sample:
+        seed = None if params.seed is None else params.seed + sample_index
+        body = build_generate_request(
+            prompt, params, sampling_seed=seed,
+            skip_special_tokens=self.config.skip_special_tokens, no_stop_trim=self.config.no_stop_trim,
+        )
+        layout = self._routed_layout if params.return_routed_experts else None
+        for attempt in range(self.config.abort_retries + 1):
+            response = await self._client.post_balanced("/generate", body)
+            result = parse_generate_response(response, len(prompt), routed_experts_layout=layout)
+            if result.finish_reason is not FinishReason.ABORT:
+                break
+        version = result.weight_version if result.weight_version is not None else self.weight_version
+        return Sample(
+            prompt_ids=list(prompt), output_ids=result.output_ids, output_log_probs=result.output_log_probs,
+            finish_reason=result.finish_reason, routed_experts=result.routed_experts, weight_version=version,
+            extra={"abort_retries": attempt},
+        )
+
+    # ------------------------------------------------------------------ weight sync
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        servers = self._client.pool.alive()
+        self._on_all(servers, "POST", "/pause_generation", {"mode": self.config.pause_mode})
+        failure: Optional[BaseException] = None
+        try:
+            if self.config.bracket_weight_update:
+                self._on_all(servers, "POST", "/begin_weight_update", {})
+            if self.config.weight_sync == "distributed":
+                self._sync_distributed(servers, named_tensors, version)
+            else:
+                self._sync_from_disk(servers, named_tensors, version)
+            if self.config.bracket_weight_update:
+                self._on_all(servers, "POST", "/end_weight_update", {})
+            self._on_all(servers, "POST", "/flush_cache", None)
+        except BaseException as error:  # noqa: BLE001 - re-raised below after un-pausing
+            failure = error
+        finally:
+            try:
+                self._on_all(servers, "POST", "/continue_generation", {})
+            except BaseException as error:  # noqa: BLE001
+                failure = failure or error
+        if failure is not None:
+            raise WeightSyncError(f"weight update to version {version} failed: {failure}") from failure
+        self.weight_version = version
+
+    def _sync_distributed(self, servers, named_tensors, version: int) -> None:
+        config = self.config
+        if self._update_group is None:
+            self._update_group = self._open_update_group(servers)
+        broadcaster = WeightBroadcaster(self._update_group)
+        for bucket in bucket_named_tensors(named_tensors, config.weight_bucket_bytes):
+            body = bucket_metadata(bucket, config.weight_sync_group_name, version)
+            pending = self._loop.submit(self._all(servers, "POST", "/update_weights_from_distributed", body))
+            try:
+                broadcaster.broadcast(bucket)
+            finally:
+                pending.result(timeout=config.weight_sync_timeout_s)
+
+    def _open_update_group(self, servers):
+        config = self.config
+        port = config.weight_sync_master_port or free_port()
+        tp_sizes = self._loop.run(self._server_tp_sizes(servers))
+        world_size = 1 + sum(tp_sizes)
+        offsets = [1 + sum(tp_sizes[:i]) for i in range(len(servers))]
+        requests = [
+            self._client.call(server, "POST", "/init_weights_update_group", {
+                "master_address": config.weight_sync_master_address, "master_port": port,
+                "rank_offset": offset, "world_size": world_size,
+                "group_name": config.weight_sync_group_name, "backend": config.weight_sync_backend,
+            })
+            for server, offset in zip(servers, offsets)
+        ]
+        pending = self._loop.submit(_gather(requests))
+        try:
+            group = open_weight_update_group(
+                config.weight_sync_master_address, port, world_size, rank=0,
+                backend=config.weight_sync_backend, group_name=config.weight_sync_group_name,
+                timeout_s=config.weight_sync_timeout_s,
+            )
+        finally:
+            pending.result(timeout=config.weight_sync_timeout_s)
+        return group
+
+    async def _server_tp_sizes(self, servers) -> list[int]:
+        if self.config.mode == "launch":
+            return [self.config.tp] * len(servers)
+        infos = await _gather([self._client.call(server, "GET", "/server_info") for server in servers])
+        return [int(info.get("tp_size", self.config.tp)) if isinstance(info, dict) else self.config.tp for info in infos]
+
+    def _sync_from_disk(self, servers, named_tensors, version: int) -> None:
+        directory = write_safetensors_checkpoint(
+            named_tensors, Path(self.config.disk_sync_dir) / f"v{version}",
+            template_dir=self.config.model_path, bucket_bytes=self.config.weight_bucket_bytes,
+        )
+        body = {"model_path": str(directory), "weight_version": str(version), "flush_cache": False}
+        self._on_all(servers, "POST", "/update_weights_from_disk", body)
+
+    def _on_all(self, servers, method: str, path: str, payload: Optional[dict]) -> list[Any]:
+        return self._loop.run(self._all(servers, method, path, payload))
+
+    async def _all(self, servers, method: str, path: str, payload: Optional[dict]) -> list[Any]:
+        return await _gather([self._client.call(server, method, path, payload) for server in servers])
+
+    # ------------------------------------------------------------------ lifecycle
+    def health(self) -> Mapping[str, object]:
+        pool = self._client.pool
+        if not pool.alive():
+            raise RuntimeError("no SGLang server is alive:\n" + pool.describe())
+        return {
+            "ok": True, "weight_version": self.weight_version,
+            "servers": {s.url: {"alive": s.alive, "in_flight": s.in_flight, "served": s.served} for s in pool.servers},
+        }
+
+    @property
+    def server_urls(self) -> list[str]:
+        return [server.url for server in self._client.pool.servers]
+
+    @property
+    def launched_servers(self) -> list[LaunchedServer]:
+        return list(self._launched)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        client = getattr(self, "_client", None)
+        if client is not None:
+            self._loop.run(client.aclose())
+        self._loop.close()
+        for server in self._launched:
+            server.stop(self.config.shutdown_grace_s)
+
+    def _launch_servers(self) -> list[str]:
+        config = self.config
+        ports = list(config.ports) or [free_port() for _ in range(config.num_servers)]
+        for index, port in enumerate(ports):
+            command = build_launch_command(
+                config.launch_command, model_path=config.model_path, tp=config.tp, host=config.host, port=port,
+                enable_return_routed_experts=config.enable_return_routed_experts, extra_args=config.extra_args,
+            )
+            server = LaunchedServer(command, f"http://{config.host}:{port}", Path(config.log_dir) / f"server_{index}_{port}.log")
+            self._launched.append(server)
+            server.start()
+        for server in self._launched:  # all start in parallel, then each is waited for
+            server.wait_healthy(config.startup_timeout_s, config.health_poll_interval_s)
+        return [server.url for server in self._launched]
+
+    async def _make_client(self, urls: list[str], retry: RetryPolicy) -> SGLangHTTPClient:
+        config = self.config
+        return SGLangHTTPClient(
+            urls, retry=retry, max_concurrency=config.max_concurrency,
+            request_timeout_s=config.request_timeout_s, connect_timeout_s=config.connect_timeout_s,
+        )
+
+
+def write_safetensors_checkpoint(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], directory: Path, *, template_dir: Optional[str], bucket_bytes: int
+) -> Path:
+    """Write HF-style shards + index into ``directory``, with the template's non-weight files copied."""
+    from safetensors.torch import save_file
+
+    if template_dir is None:
+        raise ValueError("weight_sync='disk' needs SGLangConfig.model_path (its config/tokenizer files are copied)")
+    directory.mkdir(parents=True, exist_ok=True)
+    for source in Path(template_dir).iterdir():
+        if source.is_file() and not source.name.endswith((".safetensors", ".bin", ".pt", ".index.json")):
+            shutil.copy2(source, directory / source.name)
+    shards = list(bucket_named_tensors(named_tensors, bucket_bytes))
+    weight_map = {}
+    for index, bucket in enumerate(shards):
+        filename = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({name: tensor.detach().cpu().contiguous() for name, tensor in bucket}, str(directory / filename))
+        weight_map.update({name: filename for name, _ in bucket})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return directory
+
+
+def _routed_experts_layout(config: SGLangConfig) -> Optional[tuple[int, int]]:
+    if not config.enable_return_routed_experts:
+        return None
+    layers, top_k = config.num_hidden_layers, config.num_experts_per_tok
+    if (layers is None or top_k is None) and config.model_path:
+        path = Path(config.model_path) / "config.json"
+        if path.is_file():
+            hf = json.loads(path.read_text())
+            hf = hf.get("text_config", hf)
+            layers = layers if layers is not None else hf.get("num_hidden_layers")
+            top_k = top_k if top_k is not None else hf.get("num_experts_per_tok")
+    if layers is None or top_k is None:
+        raise ValueError(
+            "enable_return_routed_experts needs the routed-experts layout: set SGLangConfig.num_hidden_layers "
+            "and num_experts_per_tok, or model_path to a checkpoint whose config.json has them"
+        )
+    return int(layers), int(top_k)
+
+
+async def _gather(coroutines: list[Coroutine]) -> list[Any]:
+    return list(await asyncio.gather(*coroutines))
+
+
+class _LoopThread:
+    """An asyncio event loop running in a daemon thread; ``run`` blocks the caller until a coroutine ends."""
+
+    def __init__(self):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="sglang-client-loop", daemon=True)
+        self._thread.start()
+
+    def submit(self, coroutine: Coroutine[Any, Any, T]):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+
+    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return self.submit(coroutine).result()
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()

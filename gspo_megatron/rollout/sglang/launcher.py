@@ -1,0 +1,156 @@
+"""Start an SGLang server process, wait until it is healthy, and stop exactly that process.
+
+Design decisions:
+- The server runs in a new session (``start_new_session=True``), so it leads its own process group;
+  SGLang forks scheduler / detokenizer children into that group, and shutdown signals the group
+  (SIGTERM, then SIGKILL after a grace period). Nothing outside the group is ever signalled, and a
+  group is only signalled if this object created it.
+- stdout and stderr go to one log file per server; start-up failures quote the log's tail, because
+  that is where SGLang explains itself (out of memory, unknown model, bad flag).
+- Health polling has a deadline and also watches the process: a server that exits while we wait is
+  reported at once with its exit code, not after the deadline.
+- ``atexit`` stops the server if the trainer forgets; ``stop()`` is idempotent.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import httpx
+
+
+class ServerLaunchError(RuntimeError):
+    """The server process exited or did not become healthy in time."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that is free right now (the server binds it moments later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def build_launch_command(
+    launch_command: Sequence[str],
+    *,
+    model_path: str,
+    tp: int,
+    host: str,
+    port: int,
+    enable_return_routed_experts: bool,
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    """``python -m sglang.launch_server --model-path M --tp N --host H --port P [...]`` as argv."""
+    command = list(launch_command) or [sys.executable, "-m", "sglang.launch_server"]
+    command += ["--model-path", str(model_path), "--tp", str(tp), "--host", host, "--port", str(port)]
+    if enable_return_routed_experts:
+        command.append("--enable-return-routed-experts")
+    return command + list(extra_args)
+
+
+class LaunchedServer:
+    """One server process this object started; ``url`` is where it listens."""
+
+    def __init__(self, command: Sequence[str], url: str, log_path: Path):
+        self.command = list(command)
+        self.url = url
+        self.log_path = Path(log_path)
+        self._process: Optional[subprocess.Popen] = None
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self._process.pid if self._process else None
+
+    def start(self) -> None:
+        if self._process is not None:
+            raise RuntimeError(f"server {self.url} was already started (pid {self._process.pid})")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"$ {' '.join(self.command)}\n".encode())
+            log.flush()
+            self._process = subprocess.Popen(
+                self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,  # own session and process group: stop() signals only it
+            )
+        atexit.register(self.stop)
+
+    def is_running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def wait_healthy(self, timeout_s: float, poll_interval_s: float = 1.0) -> None:
+        """Poll GET /health until 200; raise with the log's tail on exit or deadline."""
+        deadline = time.monotonic() + timeout_s
+        last = "no answer yet"
+        with httpx.Client(timeout=min(10.0, max(poll_interval_s, 1.0)), trust_env=False) as http:
+            while True:
+                code = self._process.poll() if self._process else None
+                if code is not None:
+                    raise ServerLaunchError(
+                        f"SGLang server {self.url} exited with code {code} during start-up; command: "
+                        f"{' '.join(self.command)}\nlast lines of {self.log_path}:\n{self.log_tail()}"
+                    )
+                try:
+                    response = http.get(self.url + "/health")
+                    if response.status_code == 200:
+                        return
+                    last = f"HTTP {response.status_code}"
+                except httpx.TransportError as error:
+                    last = f"{type(error).__name__}"
+                if time.monotonic() >= deadline:
+                    self.stop()
+                    raise ServerLaunchError(
+                        f"SGLang server {self.url} not healthy after {timeout_s:.0f}s (last: {last}); "
+                        f"raise SGLangConfig.startup_timeout_s if the model is large.\n"
+                        f"last lines of {self.log_path}:\n{self.log_tail()}"
+                    )
+                time.sleep(poll_interval_s)
+
+    def stop(self, grace_s: float = 15.0) -> Optional[int]:
+        """SIGTERM the server's process group, SIGKILL it after ``grace_s``; returns the exit code."""
+        process = self._process
+        if process is None:
+            return None
+        atexit.unregister(self.stop)
+        if process.poll() is None or _group_exists(process.pid):
+            self._signal_group(process, signal.SIGTERM)
+            try:
+                process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+            # Children may outlive the leader; kill whatever is left of the group.
+            self._signal_group(process, signal.SIGKILL)
+            process.wait(timeout=grace_s)
+        return process.returncode
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    @staticmethod
+    def _signal_group(process: subprocess.Popen, sig: int) -> None:
+        # The group id is the pid we started (start_new_session); never signal any other group.
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _group_exists(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
