@@ -1,0 +1,83 @@
+import math
+
+import pytest
+import torch
+
+from gspo_megatron.shaping import ShapingGroup, StepGRPOConfig
+from gspo_megatron.shaping.step_grpo import step_grpo, step_grpo_rewards
+
+
+def make_group(texts, correct, format_ok):
+    size = len(texts)
+    return ShapingGroup(
+        rewards=torch.tensor([float(c) for c in correct]),
+        correct=torch.tensor(correct),
+        format_ok=torch.tensor(format_ok),
+        response_texts=texts,
+        response_lengths=torch.full((size,), 5, dtype=torch.long),
+        max_response_length=16,
+    )
+
+
+def test_hand_computed_group():
+    group = make_group(
+        ["Let x=2. Wait, check. Answer 4", "Answer 4", "Wait. Alternatively. Wait no. 5", "Waiting... 4"],
+        [True, True, False, True],
+        [True, True, True, False],
+    )
+    out = step_grpo(group, StepGRPOConfig())
+    # k = [2, 1, 4, 1]; mu over correct {0, 1, 3} = (2 + 1 + 1) / 3 = 4/3
+    # R0 = 0.9 * (1 - 0.5 tanh(0.5))   + 0.1 = 0.79204728
+    # R1 = 0.9 * (1 - 0.5 tanh(-0.25)) + 0.1 = 1.11021340
+    # R2 = incorrect: 0.1 * fmt            = 0.1
+    # R3 = 0.9 * (1 - 0.5 tanh(-0.25)) + 0  = 1.01021340  ("Waiting" is not a step)
+    assert out.metrics["steps"].tolist() == [2.0, 1.0, 4.0, 1.0]
+    assert out.metrics["correct_steps_mean"].item() == pytest.approx(4 / 3)
+    torch.testing.assert_close(out.rewards, torch.tensor([0.79204728, 1.11021340, 0.1, 1.01021340]))
+
+
+def test_two_correct_symmetric_around_mean():
+    rewards, mu = step_grpo_rewards(
+        torch.tensor([1, 3]), torch.tensor([True, True]), torch.tensor([True, True]), 0.9, 0.5
+    )
+    # mu = 2: 0.9 (1 -+ 0.5 tanh(-+0.5)) + 0.1
+    assert mu.item() == 2.0
+    torch.testing.assert_close(rewards, torch.tensor([1.20795272, 0.79204728]))
+
+
+def test_no_correct_response_gives_format_term_only():
+    group = make_group(["Wait a", "b", ""], [False, False, False], [True, False, True])
+    out = step_grpo(group, StepGRPOConfig())
+    torch.testing.assert_close(out.rewards, torch.tensor([0.1, 0.0, 0.1]))
+    assert math.isnan(out.metrics["correct_steps_mean"].item())
+    assert torch.isfinite(out.rewards).all()
+
+
+def test_one_sample_and_equal_steps_get_the_plain_accuracy_reward():
+    one = step_grpo(make_group(["Wait Wait"], [True], [True]), StepGRPOConfig())
+    torch.testing.assert_close(one.rewards, torch.tensor([1.0]))  # k = mu -> tanh(0) = 0
+    equal = step_grpo(
+        make_group(["Wait x", "y Alternatively", "Wait"], [True, True, False], [False, True, True]),
+        StepGRPOConfig(),
+    )
+    torch.testing.assert_close(equal.rewards, torch.tensor([0.9, 1.0, 0.1]))
+
+
+def test_empty_response_counts_one_step():
+    out = step_grpo(make_group(["", "Wait, Wait"], [True, True], [True, True]), StepGRPOConfig())
+    # k = [1, 3], mu = 2 -> same numbers as the symmetric case.
+    torch.testing.assert_close(out.rewards, torch.tensor([1.20795272, 0.79204728]))
+
+
+def test_custom_triggers_alpha_beta():
+    cfg = StepGRPOConfig(alpha=0.5, beta=1.0, triggers=["Hmm"])
+    out = step_grpo(make_group(["Hmm Hmm Wait", "Wait"], [True, True], [True, False]), cfg)
+    # k = [3, 1], mu = 2: R0 = 0.5 (1 - tanh(0.5)) + 0.5 = 0.76894142; R1 = 0.5 (1 + tanh(0.5)) = 0.73105858
+    torch.testing.assert_close(out.rewards, torch.tensor([0.76894142, 0.73105858]))
+
+
+def test_long_correct_still_beats_incorrect_with_same_format():
+    texts = ["x", "Wait " * 50, "y"]
+    out = step_grpo(make_group(texts, [True, True, False], [True, True, True]), StepGRPOConfig())
+    assert out.rewards[1] > out.rewards[2]
+    assert out.rewards[0] > out.rewards[1]
