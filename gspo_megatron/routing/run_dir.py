@@ -45,6 +45,11 @@ CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 ROUTING_FILE = "routing.jsonl"
 
+# metrics.jsonl keys the report and the comparison read (the trainer may log any others beside them)
+REWARD_KEY = "reward/mean"
+CLIP_FRAC_TOKEN_KEY = "loss/clip_frac_token"
+CLIP_FRAC_SEQ_KEY = "loss/clip_frac_seq"
+
 
 class RunDirError(ValueError):
     """A path is not a readable run directory (missing, not a directory, no metrics.jsonl, corrupt)."""

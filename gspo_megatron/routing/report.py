@@ -1,0 +1,210 @@
+"""Routing report of one run: ``<run>/routing_report.json`` (numbers) and ``routing_report.html`` (plots).
+
+Design decisions:
+- Reads only the run directory (format in ``routing/run_dir.py``), so a report can be written while
+  training runs, after it, or for a run copied off a cluster; no trainer object is needed.
+- Summaries average over *steps* (each diagnostic step weighs the same, as the curves show them);
+  the per-step numbers themselves are exact token-weighted fractions (see ``volatility.py``).
+- The HTML is self-contained: PNGs embedded as base64 data URIs, no scripts, no external assets,
+  so it can be mailed or attached to an issue as one file.
+- JSON output holds only finite numbers: NaN/inf (e.g. a step with no valid tokens) become null.
+- The summary and HTML helpers are shared with ``tools/compare_runs.py``.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from gspo_megatron.routing.config import DIAGNOSTIC_KINDS
+from gspo_megatron.routing.plots import Panel, Series, expert_load_figure, figure_png, line_panels, volatility_figure
+from gspo_megatron.routing.run_dir import (
+    CLIP_FRAC_SEQ_KEY,
+    CLIP_FRAC_TOKEN_KEY,
+    REWARD_KEY,
+    RunData,
+    RunDirError,
+    finite_mean,
+    load_run,
+)
+
+REPORT_JSON = "routing_report.json"
+REPORT_HTML = "routing_report.html"
+
+
+def json_safe(value: Any) -> Any:
+    """Replace non-finite floats by None, recursively (strict JSON has no NaN)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def _layer_mean(run: RunData, kind: str, key: str, records: list[dict]) -> Optional[list[float]]:
+    rows = [r[key] for r in records if key in r]
+    if not rows:
+        return None
+    widths = {len(row) for row in rows}
+    if len(widths) != 1:
+        raise RunDirError(f"{run.path}: routing records of kind {kind!r} disagree on the layer count of {key!r}: {sorted(widths)}")
+    stacked = np.array(rows, dtype=float)
+    with np.errstate(all="ignore"):  # an all-NaN layer stays NaN (-> null) instead of warning
+        means = np.nanmean(np.where(np.isfinite(stacked), stacked, np.nan), axis=0)
+    return [float(m) for m in means]
+
+
+def routing_kind_summary(run: RunData, kind: str) -> dict:
+    """Step-mean volatility per layer and overall for one diagnostic kind."""
+    records = run.routing_records(kind)
+    summary: dict[str, Any] = {
+        "records": len(records),
+        "first_step": records[0]["step"] if records else None,
+        "last_step": records[-1]["step"] if records else None,
+        "tokens": sum(int(r.get("tokens", 0)) for r in records),
+        "changed_frac_overall": finite_mean([r.get("changed_frac_overall") for r in records]),
+        "overlap_overall": finite_mean([r.get("overlap_overall") for r in records]),
+    }
+    for key in ("changed_frac", "overlap", "load_imbalance", "router_entropy", "router_kl"):
+        summary[key] = _layer_mean(run, kind, key, records)
+    return summary
+
+
+def summarize_run(run: RunData) -> dict:
+    """Final reward, clip fractions and per-kind routing volatility of one run."""
+    _, rewards = run.metric_series(REWARD_KEY)
+    _, clip_token = run.metric_series(CLIP_FRAC_TOKEN_KEY)
+    _, clip_seq = run.metric_series(CLIP_FRAC_SEQ_KEY)
+    steps = [r["step"] for r in run.metrics if "step" in r]
+    summary = {
+        "label": run.label,
+        "run_dir": str(run.path),
+        "steps": len(run.metrics),
+        "last_step": max(steps) if steps else None,
+        "final_reward": rewards[-1] if rewards else None,
+        "mean_reward": finite_mean(rewards),
+        "clip_frac_token_mean": finite_mean(clip_token),
+        "clip_frac_token_final": clip_token[-1] if clip_token else None,
+        "clip_frac_seq_mean": finite_mean(clip_seq),
+        "clip_frac_seq_final": clip_seq[-1] if clip_seq else None,
+        "routing": {kind: routing_kind_summary(run, kind) for kind in ordered_kinds(run.routing_kinds())},
+    }
+    return json_safe(summary)
+
+
+def ordered_kinds(kinds) -> list[str]:
+    """Known kinds in their canonical order, then any others (from newer trainers) alphabetically."""
+    kinds = set(kinds)
+    return [k for k in DIAGNOSTIC_KINDS if k in kinds] + sorted(kinds - set(DIAGNOSTIC_KINDS))
+
+
+# ---- HTML helpers (shared with tools/compare_runs.py) ----
+
+def png_img(png: bytes, alt: str) -> str:
+    data = base64.b64encode(png).decode("ascii")
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+
+
+def format_number(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}" if math.isfinite(value) else str(value)
+    return str(value)
+
+
+def html_table(headers: list[str], rows: list[list[Any]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(format_number(cell))}</td>" for cell in row) + "</tr>" for row in rows
+    )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def html_page(title: str, sections: list[tuple[str, str, str]]) -> str:
+    """A standalone page; ``sections`` are (id, heading, inner html)."""
+    style = (
+        "body{font-family:sans-serif;margin:2em;max-width:1200px}"
+        "table{border-collapse:collapse;margin:0.5em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
+        "th{background:#eee}img{max-width:100%}"
+    )
+    parts = [f'<section id="{sid}"><h2>{html.escape(heading)}</h2>{inner}</section>' for sid, heading, inner in sections]
+    return (
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+        f"<style>{style}</style></head><body><h1>{html.escape(title)}</h1>{''.join(parts)}</body></html>\n"
+    )
+
+
+def training_panels(runs: list[RunData]) -> list[Panel]:
+    """Reward and clip-fraction panels, one line per run (token solid, sequence dashed)."""
+    reward = Panel("reward", REWARD_KEY)
+    clip = Panel("clip fraction (token solid, sequence dashed)", "fraction clipped")
+    for index, run in enumerate(runs):
+        color = f"C{index % 10}"
+        reward.series.append(Series(run.label, *run.metric_series(REWARD_KEY), color=color))
+        clip.series.append(Series(f"{run.label} token", *run.metric_series(CLIP_FRAC_TOKEN_KEY), color=color))
+        clip.series.append(Series(f"{run.label} seq", *run.metric_series(CLIP_FRAC_SEQ_KEY), "--", color=color))
+    return [reward, clip]
+
+
+# ---- one run's report ----
+
+def _summary_section(summary: dict) -> str:
+    rows = [[key, summary[key]] for key in (
+        "steps", "last_step", "final_reward", "mean_reward", "clip_frac_token_mean", "clip_frac_token_final",
+        "clip_frac_seq_mean", "clip_frac_seq_final",
+    )]
+    for kind, kind_summary in summary["routing"].items():
+        rows.append([f"{kind}: changed fraction (step mean)", kind_summary["changed_frac_overall"]])
+        rows.append([f"{kind}: overlap (step mean)", kind_summary["overlap_overall"]])
+    return html_table(["quantity", "value"], rows)
+
+
+def _volatility_section(run: RunData, summary: dict) -> str:
+    if not summary["routing"]:
+        return "<p>No routing diagnostics recorded (no routing.jsonl records).</p>"
+    parts = []
+    for kind, kind_summary in summary["routing"].items():
+        parts.append(f"<h3>{html.escape(kind)}</h3>")
+        parts.append(png_img(figure_png(volatility_figure(kind, run.routing_records(kind))), f"volatility {kind}"))
+        changed, overlap = kind_summary["changed_frac"] or [], kind_summary["overlap"] or []
+        rows = [[layer, c, o] for layer, (c, o) in enumerate(zip(changed, overlap))]
+        parts.append(html_table(["layer", "changed fraction (step mean)", "overlap (step mean)"], rows))
+    return "".join(parts)
+
+
+def _expert_load_section(run: RunData) -> str:
+    with_load = [r for r in run.routing if "expert_load" in r]
+    if not with_load:
+        return "<p>No expert-load records.</p>"
+    last = max(with_load, key=lambda r: r.get("step", 0))
+    return png_img(figure_png(expert_load_figure(last)), "expert load heatmap")
+
+
+def write_routing_report(run_dir: str | os.PathLike) -> tuple[Path, Path]:
+    """Write ``routing_report.json`` and ``routing_report.html`` into ``run_dir``; returns both paths."""
+    run = load_run(run_dir)
+    summary = summarize_run(run)
+    json_path, html_path = run.path / REPORT_JSON, run.path / REPORT_HTML
+    json_path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    curves = png_img(figure_png(line_panels(training_panels([run]))), "reward and clip fraction")
+    page = html_page(
+        f"Routing report: {run.label}",
+        [
+            ("summary", "Summary", _summary_section(summary)),
+            ("volatility", "Routing volatility", _volatility_section(run, summary)),
+            ("expert-load", "Expert load (last step)", _expert_load_section(run)),
+            ("training-curves", "Reward and clip fraction", curves),
+        ],
+    )
+    html_path.write_text(page, encoding="utf-8")
+    return json_path, html_path

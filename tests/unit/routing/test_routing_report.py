@@ -1,0 +1,78 @@
+"""Routing report rendered from a synthetic run directory built here."""
+
+import json
+
+import pytest
+
+from gspo_megatron.routing.report import write_routing_report
+from gspo_megatron.routing.run_dir import JsonlLog, RoutingLog
+
+METRICS = [
+    {"step": 0, "reward/mean": 0.1, "loss/clip_frac_token": 0.1, "loss/clip_frac_seq": 0.0},
+    {"step": 1, "reward/mean": 0.2, "loss/clip_frac_token": 0.2, "loss/clip_frac_seq": 0.1},
+    {"step": 2, "reward/mean": 0.3, "loss/clip_frac_token": 0.3, "loss/clip_frac_seq": 0.2},
+    {"step": 3, "reward/mean": 0.5, "loss/clip_frac_token": 0.4, "loss/clip_frac_seq": 0.3},
+]
+
+
+def _routing(step, kind, changed, overlap, load=None):
+    record = {
+        "step": step, "kind": kind, "changed_frac": changed, "overlap": overlap,
+        "changed_frac_overall": sum(changed) / len(changed), "overlap_overall": sum(overlap) / len(overlap),
+        "tokens": 100,
+    }
+    if load is not None:
+        record["expert_load"] = load
+        record["load_imbalance"] = [max(row) * len(row) for row in load]
+    return record
+
+
+def make_run(path, with_routing=True):
+    path.mkdir()
+    (path / "config.yaml").write_text("algorithm:\n  name: gspo\n")
+    with JsonlLog(path / "metrics.jsonl") as log:
+        for record in METRICS:
+            log.append(record)
+    if with_routing:
+        with RoutingLog(path) as log:
+            log.append(_routing(0, "update", [0.1, 0.3], [0.9, 0.8]))
+            log.append(_routing(0, "rollout_vs_train", [0.05, 0.15], [0.95, 0.9]))
+            log.append(_routing(2, "update", [0.3, 0.5], [0.8, 0.7], load=[[0.5, 0.5, 0, 0], [0.25] * 4]))
+    return path
+
+
+def test_report_json_numbers(tmp_path):
+    json_path, _ = write_routing_report(make_run(tmp_path / "run"))
+    summary = json.loads(json_path.read_text())
+    assert summary["label"] == "gspo" and summary["steps"] == 4 and summary["last_step"] == 3
+    assert summary["final_reward"] == pytest.approx(0.5)
+    assert summary["clip_frac_token_mean"] == pytest.approx(0.25)
+    assert summary["clip_frac_seq_mean"] == pytest.approx(0.15)
+    assert summary["clip_frac_seq_final"] == pytest.approx(0.3)
+    update = summary["routing"]["update"]
+    assert update["records"] == 2 and update["tokens"] == 200
+    assert update["changed_frac"] == pytest.approx([0.2, 0.4])
+    assert update["overlap"] == pytest.approx([0.85, 0.75])
+    assert update["changed_frac_overall"] == pytest.approx(0.3)
+    assert update["load_imbalance"] == pytest.approx([2.0, 1.0])
+    assert summary["routing"]["rollout_vs_train"]["changed_frac_overall"] == pytest.approx(0.1)
+    assert list(summary["routing"]) == ["update", "rollout_vs_train"]
+
+
+def test_report_html_is_self_contained_with_sections(tmp_path):
+    _, html_path = write_routing_report(make_run(tmp_path / "run"))
+    page = html_path.read_text()
+    for section in ("summary", "volatility", "expert-load", "training-curves"):
+        assert f'<section id="{section}">' in page
+    # volatility x2 kinds, expert load, training curves
+    assert page.count('src="data:image/png;base64,iVBORw0KGgo') == 4
+    assert "<h3>update</h3>" in page and "<h3>rollout_vs_train</h3>" in page
+    assert "http" not in page.replace("<!DOCTYPE html>", "")  # no external assets
+
+
+def test_report_without_routing(tmp_path):
+    json_path, html_path = write_routing_report(make_run(tmp_path / "run", with_routing=False))
+    assert json.loads(json_path.read_text())["routing"] == {}
+    page = html_path.read_text()
+    assert "No routing diagnostics recorded" in page and "No expert-load records" in page
+    assert page.count("data:image/png;base64,") == 1  # training curves only
