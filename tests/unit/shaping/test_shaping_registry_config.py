@@ -1,0 +1,101 @@
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from gspo_megatron.shaping import SHAPERS, Registry, ShapingConfig, ShapingGroup, StepGRPOConfig
+from gspo_megatron.shaping.identity import no_shaping
+
+CONF_DIR = Path(__file__).resolve().parents[3] / "conf" / "shaping"
+
+
+def test_registry_rejects_duplicates_and_lists_valid_names():
+    registry = Registry("widget")
+    registry.register("a")(len)
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register("a")(str)
+    assert registry.get("a") is len
+    with pytest.raises(ValueError, match=r"unknown widget 'b'; valid names: a"):
+        registry.get("b")
+    with pytest.raises(ValueError, match="non-empty"):
+        registry.register(" ")
+
+
+def test_all_shapers_are_registered_and_duplicates_fail():
+    assert set(SHAPERS.names()) == {"none", "step_grpo", "grsp", "dapo_overlong", "kimi_length"}
+    with pytest.raises(ValueError, match="already registered"):
+        SHAPERS.register("none")(lambda group, cfg: None)
+    assert SHAPERS.get("none") is no_shaping
+
+
+def test_unknown_shaper_name_lists_valid_names():
+    with pytest.raises(ValueError, match="dapo_overlong, grsp, kimi_length, none, step_grpo"):
+        ShapingConfig(name="step_gpro")
+
+
+def test_shaper_config_is_the_section_of_the_same_name():
+    cfg = ShapingConfig(name="step_grpo", step_grpo=StepGRPOConfig(alpha=0.7))
+    assert cfg.shaper_config().alpha == 0.7
+    assert ShapingConfig(name="none").shaper_config() is None
+
+
+@pytest.mark.parametrize("path", sorted(CONF_DIR.glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_yaml_composes_into_the_schema(path):
+    text = path.read_text()
+    assert text.startswith(f"# python -m gspo_megatron.train shaping={path.stem}\n")
+    merged = OmegaConf.merge(OmegaConf.structured(ShapingConfig), OmegaConf.load(path))
+    cfg = OmegaConf.to_object(merged)  # runs every __post_init__ validation
+    assert isinstance(cfg, ShapingConfig) and cfg.name == path.stem
+
+
+def test_all_yaml_files_exist():
+    assert {p.stem for p in CONF_DIR.glob("*.yaml")} == set(SHAPERS.names())
+
+
+def test_yaml_values_are_validated():
+    bad = OmegaConf.merge(OmegaConf.structured(ShapingConfig), {"name": "step_grpo", "step_grpo": {"alpha": 1.5}})
+    with pytest.raises(ValueError, match="alpha"):
+        OmegaConf.to_object(bad)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(beta=1.5), "beta"),
+        (dict(triggers=[]), "trigger words"),
+        (dict(triggers=["Wait", ""]), "trigger words"),
+    ],
+)
+def test_step_grpo_config_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        StepGRPOConfig(**kwargs)
+
+
+def _group_kwargs():
+    return dict(
+        rewards=torch.tensor([1.0, 0.0]),
+        correct=torch.tensor([True, False]),
+        format_ok=torch.tensor([True, True]),
+        response_texts=["a", "b"],
+        response_lengths=torch.tensor([1, 2]),
+        max_response_length=4,
+    )
+
+
+@pytest.mark.parametrize(
+    "override, error, message",
+    [
+        (dict(correct=torch.tensor([1, 0])), TypeError, "correct must be a bool"),
+        (dict(rewards=torch.tensor([1, 0])), TypeError, "rewards must be a float"),
+        (dict(response_texts=["a"]), ValueError, "response_texts has 1"),
+        (dict(response_lengths=torch.tensor([1, 2, 3])), ValueError, "response_lengths has shape"),
+        (dict(response_lengths=torch.tensor([1, -2])), ValueError, ">= 0"),
+        (dict(max_response_length=0), ValueError, "max_response_length"),
+        (dict(token_log_probs=[torch.zeros(1), torch.zeros(3)]), ValueError, r"token_log_probs\[1\]"),
+        (dict(rewards=torch.zeros(0)), ValueError, "non-empty"),
+    ],
+)
+def test_group_validation(override, error, message):
+    with pytest.raises(error, match=message):
+        ShapingGroup(**{**_group_kwargs(), **override})
