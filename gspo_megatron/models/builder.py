@@ -102,6 +102,8 @@ def make_transformer_config(
         # Micro-batches of one forward-backward call share one padded length (the allgather
         # dispatcher used on CPU does not support variable lengths).
         variable_seq_lengths=False,
+        # Gradients are sums of the losses' global-denominator contributions (models/schedule.py).
+        calculate_per_token_loss=True,
         apply_rope_fusion=False,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,

@@ -55,7 +55,9 @@ def _rank_main(rank, world_size, port, fn, args, kwargs, results, threads):
     torch.set_num_threads(threads)
     try:
         value = fn(RankContext(rank, world_size), *args, **kwargs)
-        results.put((rank, True, value))
+        # Tensors are serialised to bytes: a queue would share them through file descriptors that
+        # vanish when this process exits before the parent reads them.
+        results.put((rank, True, _to_bytes(value)))
     except BaseException:  # noqa: BLE001 - any failure must reach the caller
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -110,7 +112,7 @@ def run_distributed(
                 )
             try:
                 rank, ok, value = results.get(timeout=min(remaining, 1.0))
-                collected[rank] = (ok, value)
+                collected[rank] = (ok, _from_bytes(value) if ok else value)
                 if not ok:
                     # One rank failed: its peers are likely blocked in a collective. Give them a
                     # moment to report their own failure, then stop waiting.
@@ -139,6 +141,24 @@ def run_distributed(
     return [collected[r][1] for r in range(world_size)]
 
 
+def _to_bytes(value) -> bytes:
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(data: bytes):
+    import io
+
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
 def _drain(results, collected, seconds: float) -> None:
     import time
 
@@ -146,7 +166,7 @@ def _drain(results, collected, seconds: float) -> None:
     while time.monotonic() < end:
         try:
             rank, ok, value = results.get(timeout=0.2)
-            collected[rank] = (ok, value)
+            collected[rank] = (ok, _from_bytes(value) if ok else value)
         except queue.Empty:
             continue
 

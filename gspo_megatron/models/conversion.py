@@ -1,0 +1,430 @@
+"""Hugging Face <-> Megatron weight conversion for the Qwen3-MoE family, on any parallel layout.
+
+HF names are the *checkpoint* names (what ``save_pretrained`` writes): per-expert
+``model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight`` and separate q/k/v projections.
+
+Design decisions:
+- One table of ``ParamMapping`` rows, built by walking this rank's megatron parameters, drives both
+  directions: which HF tensors make a megatron parameter, how they are fused (QKV interleaved by
+  query group; gate/up stacked) and along which dimension and group they are sharded.
+- Import shards on load: each HF tensor is sliced to this rank's shard *before* fusion, so a rank
+  reads only what it owns from a ``WeightSource`` (a dict, or safetensors files read lazily).
+- Export streams: parameters are produced in "units" (embedding, each layer, head), each unit is
+  gathered over TP/ETP and EP inside its pipeline stage and broadcast from that stage over the
+  pipeline group; receivers know every shape from the model config, so no metadata travels. Units
+  are yielded in buckets of at most ``bucket_bytes``; nothing holds the whole model at once.
+- The same walk exports gradients (``tensor_of=gradient_of``), which is how layout-equivalence
+  tests compare gradients under HF names.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from gspo_megatron.models.config import MoEModelConfig
+
+
+class ConversionError(ValueError):
+    """Weights that do not fit the model (missing names, wrong shapes)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Weight sources
+# --------------------------------------------------------------------------------------------
+class WeightSource:
+    """Read-only access to HF-named full tensors."""
+
+    def keys(self) -> Iterable[str]:
+        raise NotImplementedError
+
+    def get(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class DictSource(WeightSource):
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def keys(self):
+        return self.tensors.keys()
+
+    def get(self, name):
+        if name not in self.tensors:
+            raise ConversionError(f"the HF state dict has no tensor {name!r}")
+        return self.tensors[name]
+
+
+class SafetensorsSource(WeightSource):
+    """A HF model directory (``model.safetensors`` or an index of shards), read tensor by tensor."""
+
+    def __init__(self, directory: str | Path):
+        from safetensors import safe_open
+
+        self.directory = Path(directory)
+        index = self.directory / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        else:
+            single = self.directory / "model.safetensors"
+            if not single.is_file():
+                raise ConversionError(
+                    f"{self.directory} has neither model.safetensors nor model.safetensors.index.json"
+                )
+            with safe_open(str(single), "pt") as handle:
+                weight_map = {k: "model.safetensors" for k in handle.keys()}
+        self.weight_map = weight_map
+        self._open = safe_open
+        self._handles: dict[str, object] = {}
+
+    def keys(self):
+        return self.weight_map.keys()
+
+    def get(self, name):
+        if name not in self.weight_map:
+            raise ConversionError(f"{self.directory} has no tensor {name!r}")
+        file = self.weight_map[name]
+        if file not in self._handles:
+            self._handles[file] = self._open(str(self.directory / file), "pt")
+        return self._handles[file].get_tensor(name)
+
+
+# --------------------------------------------------------------------------------------------
+# The mapping table
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ParamMapping:
+    megatron_name: str
+    hf_names: tuple[str, ...]
+    fusion: str  # "copy" | "qkv" | "gate_up"
+    shard_dim: Optional[int]  # dimension of each HF tensor that is split, None = replicated
+    shard_group: Optional[str]  # "tp" | "etp" | None
+    unit: str  # export unit: "embed", "layer.{g}", "head"
+    expert_local: Optional[int] = None  # local expert index when the parameter is an expert's
+
+
+def unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+
+
+def build_mappings(model, cfg: MoEModelConfig, ep_rank: int = 0, ep_size: int = 1) -> list[ParamMapping]:
+    """One row per megatron parameter of this rank's model chunk."""
+    model = unwrap(model)
+    rows = []
+    experts_per_rank = cfg.num_experts // ep_size if cfg.num_experts else 0
+    for name, _ in model.named_parameters():
+        rows.append(_mapping_for(model, name, cfg, ep_rank * experts_per_rank))
+    return rows
+
+
+def _mapping_for(model, name: str, cfg: MoEModelConfig, first_expert: int) -> ParamMapping:
+    if name == "embedding.word_embeddings.weight":
+        return ParamMapping(name, ("model.embed_tokens.weight",), "copy", 0, "tp", "embed")
+    if name == "output_layer.weight":
+        return ParamMapping(name, ("lm_head.weight",), "copy", 0, "tp", "head")
+    if name == "decoder.final_layernorm.weight":
+        return ParamMapping(name, ("model.norm.weight",), "copy", None, None, "head")
+    match = _LAYER.match(name)
+    if not match:
+        raise ConversionError(f"no HF mapping for megatron parameter {name!r}")
+    local_index, rest = int(match.group(1)), match.group(2)
+    layer = unwrap(model).decoder.layers[local_index].layer_number - 1  # global, 0-based
+    p = f"model.layers.{layer}."
+    unit = f"layer.{layer}"
+    simple = {
+        "input_layernorm.weight": (p + "input_layernorm.weight", None, None),
+        "pre_mlp_layernorm.weight": (p + "post_attention_layernorm.weight", None, None),
+        "self_attention.q_layernorm.weight": (p + "self_attn.q_norm.weight", None, None),
+        "self_attention.k_layernorm.weight": (p + "self_attn.k_norm.weight", None, None),
+        "self_attention.linear_proj.weight": (p + "self_attn.o_proj.weight", 1, "tp"),
+        "mlp.router.weight": (p + "mlp.gate.weight", None, None),
+        "mlp.linear_fc2.weight": (p + "mlp.down_proj.weight", 1, "tp"),
+        "mlp.shared_experts.linear_fc2.weight": (p + "mlp.shared_expert.down_proj.weight", 1, "tp"),
+        "mlp.shared_experts.gate_weight": (p + "mlp.shared_expert_gate.weight", None, None),
+    }
+    if rest in simple:
+        hf, dim, group = simple[rest]
+        return ParamMapping(name, (hf,), "copy", dim, group, unit)
+    if rest == "self_attention.linear_qkv.weight":
+        names = tuple(p + f"self_attn.{x}_proj.weight" for x in "qkv")
+        return ParamMapping(name, names, "qkv", 0, "tp", unit)
+    if rest == "mlp.linear_fc1.weight":
+        return ParamMapping(name, (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), "gate_up", 0, "tp", unit)
+    if rest == "mlp.shared_experts.linear_fc1.weight":
+        names = (p + "mlp.shared_expert.gate_proj.weight", p + "mlp.shared_expert.up_proj.weight")
+        return ParamMapping(name, names, "gate_up", 0, "tp", unit)
+    match = _EXPERT.match(rest)
+    if match:
+        local_expert, which = int(match.group(1)), match.group(2)
+        e = p + f"mlp.experts.{first_expert + local_expert}."
+        if which == "linear_fc1":
+            return ParamMapping(name, (e + "gate_proj.weight", e + "up_proj.weight"), "gate_up", 0, "etp", unit, local_expert)
+        return ParamMapping(name, (e + "down_proj.weight",), "copy", 1, "etp", unit, local_expert)
+    raise ConversionError(f"no HF mapping for megatron parameter {name!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Fusion: HF pieces (already sharded) <-> one megatron tensor
+# --------------------------------------------------------------------------------------------
+def fuse(fusion: str, pieces: list[torch.Tensor], cfg: MoEModelConfig) -> torch.Tensor:
+    if fusion == "copy":
+        return pieces[0]
+    if fusion == "gate_up":
+        return torch.cat(pieces, dim=0)
+    if fusion == "qkv":
+        # megatron interleaves by query group: [g0: q heads of g0, k0, v0 | g1: ...]
+        q, k, v = pieces
+        hd = cfg.head_dim
+        groups = k.shape[0] // hd
+        hidden = q.shape[1]
+        q = q.reshape(groups, -1, hd, hidden)
+        k = k.reshape(groups, 1, hd, hidden)
+        v = v.reshape(groups, 1, hd, hidden)
+        return torch.cat([q, k, v], dim=1).reshape(-1, hidden)
+    raise ValueError(f"unknown fusion {fusion!r}")
+
+
+def split(fusion: str, tensor: torch.Tensor, cfg: MoEModelConfig) -> list[torch.Tensor]:
+    if fusion == "copy":
+        return [tensor]
+    if fusion == "gate_up":
+        return list(tensor.chunk(2, dim=0))
+    if fusion == "qkv":
+        hd = cfg.head_dim
+        q_per_group = cfg.num_attention_heads // cfg.num_kv_heads
+        hidden = tensor.shape[1]
+        grouped = tensor.reshape(-1, q_per_group + 2, hd, hidden)
+        q = grouped[:, :q_per_group].reshape(-1, hidden)
+        k = grouped[:, q_per_group].reshape(-1, hidden)
+        v = grouped[:, q_per_group + 1].reshape(-1, hidden)
+        return [q, k, v]
+    raise ValueError(f"unknown fusion {fusion!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Import
+# --------------------------------------------------------------------------------------------
+def _group_rank_size(mesh, group_name: Optional[str]) -> tuple[int, int]:
+    if group_name is None or mesh is None:
+        return 0, 1
+    group = mesh.tp_group if group_name == "tp" else mesh.etp_group
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def load_hf_weights(model, cfg: MoEModelConfig, source: WeightSource | Mapping[str, torch.Tensor], mesh=None) -> int:
+    """Copy HF-named full tensors into this rank's shards; returns the number of parameters set.
+
+    Every megatron parameter of this rank must be covered; a missing name or a shape that does not
+    match the model config raises ``ConversionError`` naming the tensor.
+    """
+    if not isinstance(source, WeightSource):
+        source = DictSource(source)
+    ep_rank, ep_size = (mesh.ep_rank, mesh.layout.ep) if mesh is not None else (0, 1)
+    params = dict(unwrap(model).named_parameters())
+    expected = hf_shapes(cfg)
+    count = 0
+    with torch.no_grad():
+        for row in build_mappings(model, cfg, ep_rank, ep_size):
+            rank, size = _group_rank_size(mesh, row.shard_group)
+            pieces = []
+            for hf_name in row.hf_names:
+                full = source.get(hf_name)
+                if tuple(full.shape) != expected[hf_name]:
+                    raise ConversionError(
+                        f"{hf_name} has shape {tuple(full.shape)}, the model config expects {expected[hf_name]}"
+                    )
+                pieces.append(full.chunk(size, dim=row.shard_dim)[rank] if row.shard_dim is not None else full)
+            value = fuse(row.fusion, pieces, cfg)
+            target = params[row.megatron_name]
+            if value.shape != target.shape:
+                raise ConversionError(
+                    f"{row.megatron_name}: converted shape {tuple(value.shape)} != parameter shape {tuple(target.shape)}"
+                )
+            target.copy_(value.to(target.dtype))
+            count += 1
+    return count
+
+
+# --------------------------------------------------------------------------------------------
+# Export
+# --------------------------------------------------------------------------------------------
+def hf_shapes(cfg: MoEModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name of the model with its full shape, in export order."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
+    for layer in range(cfg.num_layers):
+        shapes.update(_layer_shapes(cfg, layer))
+    shapes["model.norm.weight"] = (h,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+def _layer_shapes(cfg: MoEModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    h, hd = cfg.hidden_size, cfg.head_dim
+    p = f"model.layers.{layer}."
+    out = {
+        p + "input_layernorm.weight": (h,),
+        p + "self_attn.q_proj.weight": (cfg.num_attention_heads * hd, h),
+        p + "self_attn.k_proj.weight": (cfg.num_kv_heads * hd, h),
+        p + "self_attn.v_proj.weight": (cfg.num_kv_heads * hd, h),
+        p + "self_attn.o_proj.weight": (h, cfg.num_attention_heads * hd),
+        p + "self_attn.q_norm.weight": (hd,),
+        p + "self_attn.k_norm.weight": (hd,),
+        p + "post_attention_layernorm.weight": (h,),
+    }
+    if layer in set(cfg.dense_layers) or not cfg.is_moe:
+        f = cfg.dense_intermediate_size
+        out.update({p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f)})
+        return out
+    out[p + "mlp.gate.weight"] = (cfg.num_experts, h)
+    i = cfg.moe_intermediate_size
+    for e in range(cfg.num_experts):
+        q = p + f"mlp.experts.{e}."
+        out.update({q + "gate_proj.weight": (i, h), q + "up_proj.weight": (i, h), q + "down_proj.weight": (h, i)})
+    if cfg.shared_expert_intermediate_size:
+        s = cfg.shared_expert_intermediate_size
+        q = p + "mlp.shared_expert."
+        out.update({q + "gate_proj.weight": (s, h), q + "up_proj.weight": (s, h), q + "down_proj.weight": (h, s)})
+        out[p + "mlp.shared_expert_gate.weight"] = (1, h)
+    return out
+
+
+def _units(cfg: MoEModelConfig) -> list[str]:
+    return ["embed"] + [f"layer.{layer}" for layer in range(cfg.num_layers)] + ["head"]
+
+
+def _unit_of(hf_name: str) -> str:
+    if hf_name == "model.embed_tokens.weight":
+        return "embed"
+    if hf_name.startswith("model.layers."):
+        return "layer." + hf_name.split(".")[2]
+    return "head"
+
+
+def parameter_data(param: torch.Tensor) -> torch.Tensor:
+    return param.data
+
+
+def gradient_of(param: torch.Tensor) -> torch.Tensor:
+    """The accumulated gradient: megatron DDP's ``main_grad`` when wrapped, else ``.grad``."""
+    grad = getattr(param, "main_grad", None)
+    if grad is None:
+        grad = param.grad
+    if grad is None:
+        return torch.zeros_like(param.data)
+    return grad
+
+
+def export_hf_weights(
+    model,
+    cfg: MoEModelConfig,
+    mesh=None,
+    *,
+    bucket_bytes: int = 64 << 20,
+    tensor_of: Callable[[torch.Tensor], torch.Tensor] = parameter_data,
+    dtype: Optional[torch.dtype] = None,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Yield buckets of (HF name, full tensor) on every rank; collective: all ranks must iterate.
+
+    The shards of each unit are gathered inside its pipeline stage (TP/ETP, then EP), then the
+    full tensors are broadcast from that stage to the other stages.
+    """
+    ep_rank, ep_size = (mesh.ep_rank, mesh.layout.ep) if mesh is not None else (0, 1)
+    params = dict(unwrap(model).named_parameters())
+    rows = build_mappings(model, cfg, ep_rank, ep_size)
+    by_unit: dict[str, list[ParamMapping]] = {}
+    for row in rows:
+        by_unit.setdefault(row.unit, []).append(row)
+    shapes = hf_shapes(cfg)
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for unit in _units(cfg):
+        local = _gather_unit(by_unit.get(unit, []), params, cfg, mesh, ep_size, tensor_of)
+        names = [n for n in shapes if _unit_of(n) == unit]
+        full = _share_across_stages(unit, names, local, shapes, mesh, by_unit, params)
+        for name in names:
+            tensor = full[name] if dtype is None else full[name].to(dtype)
+            bucket.append((name, tensor))
+            size += tensor.numel() * tensor.element_size()
+            if size >= bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def _gather_unit(rows, params, cfg, mesh, ep_size, tensor_of) -> dict[str, torch.Tensor]:
+    """Full HF tensors of one unit, on the ranks of the stage that owns it."""
+    out: dict[str, torch.Tensor] = {}
+    for row in rows:
+        local = tensor_of(params[row.megatron_name]).detach()
+        pieces = split(row.fusion, local, cfg)
+        if row.shard_dim is not None and mesh is not None:
+            group = mesh.tp_group if row.shard_group == "tp" else mesh.etp_group
+            if dist.get_world_size(group) > 1:
+                pieces = [_all_gather_cat(piece, row.shard_dim, group) for piece in pieces]
+        if row.expert_local is not None and ep_size > 1:
+            # expert e lives on EP rank e // experts_per_rank: gather this local slot from every EP rank
+            per_rank = cfg.num_experts // ep_size
+            for which, piece in zip(row.hf_names, pieces):
+                gathered = _all_gather_list(piece, mesh.ep_group)
+                for ep_r, tensor in enumerate(gathered):
+                    global_expert = ep_r * per_rank + row.expert_local
+                    out[_rename_expert(which, global_expert)] = tensor
+        else:
+            out.update(dict(zip(row.hf_names, pieces)))
+    return out
+
+
+def _rename_expert(name: str, expert: int) -> str:
+    return re.sub(r"\.experts\.\d+\.", f".experts.{expert}.", name)
+
+
+def _all_gather_list(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    tensor = tensor.contiguous()
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor, group=group)
+    return parts
+
+
+def _all_gather_cat(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
+    return torch.cat(_all_gather_list(tensor, group), dim=dim)
+
+
+def _share_across_stages(unit, names, local, shapes, mesh, by_unit, params) -> dict[str, torch.Tensor]:
+    if mesh is None or mesh.layout.pp == 1:
+        return local
+    owns = bool(by_unit.get(unit))
+    # Which stage owns the unit: every rank says whether it does, over the pipeline group.
+    flags = torch.tensor([1 if owns else 0], dtype=torch.int64)
+    owners = _all_gather_list(flags, mesh.pp_group)
+    owner_stage = next(i for i, f in enumerate(owners) if int(f.item()))
+    src = dist.get_global_rank(mesh.pp_group, owner_stage)
+    dtype = next(iter(params.values())).dtype
+    out = {}
+    for name in names:
+        tensor = local[name].contiguous() if owns else torch.empty(shapes[name], dtype=dtype)
+        dist.broadcast(tensor, src=src, group=mesh.pp_group)
+        out[name] = tensor
+    return out
+
+
+def export_hf_state_dict(model, cfg: MoEModelConfig, mesh=None, **kwargs) -> dict[str, torch.Tensor]:
+    """The whole model as one HF state dict (tests and small models; prefer the streaming form)."""
+    out: dict[str, torch.Tensor] = {}
+    for bucket in export_hf_weights(model, cfg, mesh, **kwargs):
+        out.update(bucket)
+    return out

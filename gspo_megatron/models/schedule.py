@@ -1,0 +1,96 @@
+"""Run megatron-core's own forward-backward schedule (1F1B with PP, plain without) over micro-batches.
+
+Design decisions:
+- Gradients are SUMS of what the loss callback returns, over micro-batches and data-parallel
+  (x context-parallel) ranks: ``calculate_per_token_loss=True`` makes megatron's DDP sum instead of
+  average and stops the schedule from dividing by the number of micro-batches, and our
+  ``finalize_model_grads`` wrapper drops the token count megatron would divide by. The loss
+  callbacks therefore return each micro-batch's *contribution* to the global objective, already
+  divided by global denominators (see ``algorithms/losses.py``); any layout and any micro-batch
+  split then yields the gradient of one big batch.
+- The loss callback runs on the last pipeline stage only; it receives the vocab-parallel logits
+  [b, s, V/tp] and the micro-batch dict and returns ``(loss, metrics)``; metrics (tensors) come
+  back from this function on the last stage, one dict per micro-batch.
+- Micro-batches of one call share one padded length (the allgather MoE dispatcher used on CPU
+  cannot handle variable lengths, and PP needs the shapes up front).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+
+LossCallback = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
+
+
+def wrap_for_training(model, config, *, grad_reduce_in_fp32: bool = True, bucket_size: Optional[int] = None):
+    """Wrap in megatron's DistributedDataParallel and install grad finalisation on the config."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=grad_reduce_in_fp32,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=False,
+        bucket_size=bucket_size,
+    )
+
+    def finalize_summed_grads(model_chunks, num_tokens=None, pg_collection=None, force_all_reduce=False):
+        # Our losses are already normalised by global denominators: never divide by token count.
+        return finalize_model_grads(model_chunks, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+
+    config.finalize_model_grads_func = finalize_summed_grads
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+
+
+def _forward_step(loss_callback: Optional[LossCallback], data_iterator, model):
+    batch = next(data_iterator)
+    tokens = batch["tokens"]
+    positions = batch.get("position_ids")
+    if positions is None:
+        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+    output = model(tokens, positions, attention_mask=None)
+
+    def loss_func(output_tensor):
+        if loss_callback is None:
+            return output_tensor.sum() * 0.0, torch.tensor(1, dtype=torch.int), {"logits": output_tensor.detach()}
+        loss, metrics = loss_callback(output_tensor, batch)
+        return loss, torch.tensor(1, dtype=torch.int), metrics
+
+    return output, loss_func
+
+
+def run_schedule(
+    model,
+    micro_batches: list[dict],
+    loss_callback: Optional[LossCallback],
+    *,
+    forward_only: bool,
+) -> list[dict]:
+    """Forward (and backward unless ``forward_only``) every micro-batch through megatron's schedule.
+
+    Returns the metric dicts of each micro-batch on the last pipeline stage (empty list elsewhere).
+    All micro-batches must have the same [b, s] shape.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not micro_batches:
+        raise ValueError("run_schedule needs at least one micro-batch")
+    shape = tuple(micro_batches[0]["tokens"].shape)
+    for mb in micro_batches:
+        if tuple(mb["tokens"].shape) != shape:
+            raise ValueError(f"micro-batches must share one padded shape; got {shape} and {tuple(mb['tokens'].shape)}")
+    batch_size, seq_length = shape
+    forward_backward = get_forward_backward_func()
+    results = forward_backward(
+        forward_step_func=partial(_forward_step, loss_callback),
+        data_iterator=iter(micro_batches),
+        model=model,
+        num_microbatches=len(micro_batches),
+        seq_length=seq_length,
+        micro_batch_size=batch_size,
+        forward_only=forward_only,
+    )
+    return list(results or [])

@@ -1,0 +1,493 @@
+"""TEST DOUBLE of an SGLang server: a real HTTP server on 127.0.0.1 that follows SGLang 0.5.x's protocol.
+
+It is not SGLang and runs no model. It exists because SGLang needs a GPU; it lets the client, the
+launcher and weight sync be tested against real sockets, real HTTP and real failures.
+
+What it follows (SGLang 0.5.x ``http_server.py`` / ``io_struct.py``):
+- ``POST /generate`` with ``input_ids``, ``sampling_params``, ``return_logprob``,
+  ``return_routed_experts``; answers ``output_ids`` and ``meta_info`` with ``output_token_logprobs``
+  ([[logprob, token_id, null], ...]), ``finish_reason`` ({"type": stop|length|abort}),
+  ``prompt_tokens``, ``completion_tokens``, ``weight_version`` and, when launched with
+  ``--enable-return-routed-experts`` and asked, ``routed_experts`` (base64 little-endian int32,
+  [prompt + completion - 1, layers, top_k]). Tokens and log-probs are deterministic pseudo-random
+  functions of (input_ids, sampling_seed, weight_version).
+- ``/health``, ``/health_generate``, ``/server_info``, ``/flush_cache``, ``/pause_generation``,
+  ``/continue_generation``, ``/abort_request``, ``/init_weights_update_group``,
+  ``/update_weights_from_distributed``, ``/update_weights_from_disk``, ``/begin_weight_update``,
+  ``/end_weight_update``. Payloads are validated (missing / mistyped fields -> HTTP 400), the call
+  order is recorded, and a weight update outside begin/end is refused, as SGLang 0.5.x wants.
+- With ``join_weight_groups`` it really joins the trainer's update group (gloo or nccl, rank =
+  rank_offset) and receives each broadcast tensor, recording its shape, dtype and sum.
+
+Fault injection (``DoubleFaults``): 503 on the first K health checks or generates, aborted requests,
+dying after N generates (in-flight and new connections are dropped, the listener closes), malformed
+JSON, wrong-size routed experts, log-probs whose token ids disagree with output_ids.
+
+``GET /_double/state`` is the double's own endpoint (not SGLang's) so a test can inspect a double
+that runs in another process. ``python -m gspo_megatron.testing.sglang_double`` accepts
+``sglang.launch_server``'s arguments, so the launcher can start it as a fake ``launch_server``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import json
+import random
+import socket
+import struct
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Optional
+
+_DTYPE_NAMES = {"float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"}
+_PAUSE_MODES = {"abort", "retract", "in_place"}
+_SAMPLING_KEYS = {
+    "temperature", "top_p", "top_k", "min_p", "max_new_tokens", "min_new_tokens", "stop", "stop_token_ids",
+    "no_stop_trim", "skip_special_tokens", "sampling_seed", "ignore_eos", "repetition_penalty",
+    "frequency_penalty", "presence_penalty", "n",
+}
+
+
+@dataclass
+class DoubleFaults:
+    startup_503: int = 0  # /health answers 503 this many times before 200 (server warming up)
+    generate_503: int = 0  # the first N /generate requests answer 503
+    abort_first: int = 0  # the first N /generate requests finish with {"type": "abort"}
+    die_after: Optional[int] = None  # after N /generate answers the server stops serving
+    malformed_json: bool = False  # /generate answers a truncated JSON body
+    wrong_routed_experts: bool = False  # routed_experts has one token row too few
+    mismatched_logprob_ids: bool = False  # output_token_logprobs names other tokens than output_ids
+    generate_delay_s: float = 0.0  # keeps requests in flight (load-balancing and dying tests)
+
+
+class _DoubleHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+@dataclass
+class _WeightState:
+    group: Any = None
+    group_name: Optional[str] = None
+    in_update: bool = False
+    received: dict = field(default_factory=dict)  # name -> {"shape", "dtype", "sum"}
+
+
+class SGLangServerDouble:
+    """A test double of one SGLang server (tp ranks are simulated only in /server_info)."""
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        vocab_size: int = 1000,
+        eos_token_id: int = 2,
+        num_layers: int = 2,
+        top_k: int = 2,
+        num_experts: int = 8,
+        tp_size: int = 1,
+        enable_return_routed_experts: bool = False,
+        faults: Optional[DoubleFaults] = None,
+        join_weight_groups: bool = False,
+        model_path: str = "double-model",
+    ):
+        self.vocab_size, self.eos_token_id = vocab_size, eos_token_id
+        self.num_layers, self.top_k, self.num_experts, self.tp_size = num_layers, top_k, num_experts, tp_size
+        self.enable_return_routed_experts = enable_return_routed_experts
+        self.faults = faults or DoubleFaults()
+        self.join_weight_groups = join_weight_groups
+        self.model_path = model_path
+        self.weight_version = "default"
+        self.calls: list[tuple[str, Any]] = []  # (path, payload) in arrival order
+        self.generate_count = 0  # /generate requests that arrived
+        self.dead = False
+        self.paused = False
+        self._health_calls = 0
+        self._unseeded = 0
+        self._lock = threading.Lock()
+        self._running = threading.Event()
+        self._running.set()
+        self._weights = _WeightState()
+        self._server = _DoubleHTTPServer((host, port), self._handler_class())
+        self._thread: Optional[threading.Thread] = None
+
+    # -------------------------------------------------------------- lifecycle
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    @property
+    def received_weights(self) -> dict:
+        return dict(self._weights.received)
+
+    def paths(self) -> list[str]:
+        with self._lock:
+            return [path for path, _ in self.calls]
+
+    def start(self) -> "SGLangServerDouble":
+        self._thread = threading.Thread(target=self._server.serve_forever, name="sglang-double", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and close the listening socket (new connections are refused)."""
+        self.dead = True
+        self._running.set()  # release paused generates so they can drop their connections
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._server.shutdown()
+            self._thread = None
+        self._server.server_close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def serve_forever(self) -> None:
+        """Serve in the calling thread (the CLI); ``stop`` from another thread ends it."""
+        self._thread = threading.current_thread()
+        self._server.serve_forever()
+
+    # -------------------------------------------------------------- endpoints
+    def _health(self, _body) -> tuple[int, Any]:
+        with self._lock:
+            self._health_calls += 1
+            warming = self._health_calls <= self.faults.startup_503
+        return (503, {"error": "server is starting"}) if warming else (200, None)
+
+    def _server_info(self, _body):
+        return 200, {"tp_size": self.tp_size, "model_path": self.model_path, "weight_version": self.weight_version,
+                     "enable_return_routed_experts": self.enable_return_routed_experts}
+
+    def _generate(self, body):
+        error = _validate_generate(body)
+        if error:
+            return 400, {"error": {"message": error}}
+        with self._lock:
+            self.generate_count += 1
+            index = self.generate_count
+            dying = self.faults.die_after is not None and index > self.faults.die_after
+            unseeded = self._unseeded = self._unseeded + 1
+        if dying:
+            self._die()
+            return None  # drop the connection without an answer
+        if self.faults.generate_delay_s:
+            threading.Event().wait(self.faults.generate_delay_s)
+        self._running.wait()
+        if self.dead:
+            return None
+        if index <= self.faults.generate_503:
+            return 503, {"error": {"message": "temporarily unavailable"}}
+        if self.faults.malformed_json:
+            return 200, '{"output_ids": [1, 2, '  # truncated on purpose
+        return 200, self._sample(body, aborted=index <= self.faults.abort_first, unseeded=unseeded)
+
+    def _sample(self, body: dict, *, aborted: bool, unseeded: int) -> dict:
+        prompt = body["input_ids"]
+        params = body.get("sampling_params") or {}
+        max_new = int(params.get("max_new_tokens", 128))
+        stop_ids = list(params.get("stop_token_ids") or []) or [self.eos_token_id]
+        seed = params.get("sampling_seed")
+        key = json.dumps([prompt, seed if seed is not None else f"unseeded-{unseeded}", self.weight_version])
+        rng = random.Random(hashlib.sha256(key.encode()).hexdigest())
+        length = rng.randint(1, max_new)
+        tokens = [_draw_token(rng, self.vocab_size, set(stop_ids)) for _ in range(length)]
+        if length < max_new:
+            tokens[-1] = stop_ids[0]
+            finish = {"type": "stop", "matched": stop_ids[0]}
+        else:
+            finish = {"type": "length", "length": max_new}
+        if aborted:
+            tokens = tokens[: max(1, length // 2)]
+            finish = {"type": "abort", "message": "Abort before prefill", "status_code": 503}
+        log_probs = [[-4.0 * rng.random(), token, None] for token in tokens]
+        if self.faults.mismatched_logprob_ids:
+            log_probs[0][1] = tokens[0] + 1
+        meta = {
+            "id": hashlib.md5(key.encode()).hexdigest(), "finish_reason": finish, "prompt_tokens": len(prompt),
+            "completion_tokens": len(tokens), "cached_tokens": 0, "weight_version": self.weight_version,
+            "output_token_logprobs": log_probs,
+        }
+        if body.get("return_routed_experts") and self.enable_return_routed_experts:
+            rows = len(prompt) + len(tokens) - 1 - (1 if self.faults.wrong_routed_experts else 0)
+            values = [rng.randrange(self.num_experts) for _ in range(rows * self.num_layers * self.top_k)]
+            meta["routed_experts"] = base64.b64encode(struct.pack(f"<{len(values)}i", *values)).decode()
+        return {"text": "", "output_ids": tokens, "meta_info": meta}
+
+    def _pause(self, body):
+        mode = (body or {}).get("mode", "abort")
+        if mode not in _PAUSE_MODES:
+            return 400, {"error": {"message": f"mode {mode!r} not in {sorted(_PAUSE_MODES)}"}}
+        self.paused = True
+        self._running.clear()
+        return 200, {"message": "Generation paused successfully.", "status": "ok"}
+
+    def _continue(self, _body):
+        self.paused = False
+        self._running.set()
+        return 200, {"message": "Generation continued successfully.", "status": "ok"}
+
+    def _flush_cache(self, _body):
+        return 200, "Cache flushed.\n"
+
+    def _abort_request(self, body):
+        if not isinstance(body, dict) or not ("rid" in body or body.get("abort_all")):
+            return 400, {"error": {"message": "abort_request needs rid or abort_all"}}
+        return 200, None
+
+    def _begin_weight_update(self, _body):
+        if self._weights.in_update:
+            return 400, {"success": False, "message": "a weight update is already open"}
+        self._weights.in_update = True
+        return 200, {"success": True, "message": "begun"}
+
+    def _end_weight_update(self, _body):
+        if not self._weights.in_update:
+            return 400, {"success": False, "message": "end_weight_update without begin_weight_update"}
+        self._weights.in_update = False
+        return 200, {"success": True, "message": "ended"}
+
+    def _init_group(self, body):
+        error = _check_fields(body, {"master_address": str, "master_port": int, "rank_offset": int, "world_size": int})
+        if error:
+            return 400, {"success": False, "message": error}
+        group_name = body.get("group_name", "weight_update_group")
+        if self.join_weight_groups:
+            self._weights.group = _join_group(body, group_name)
+        self._weights.group_name = group_name
+        return 200, {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def _update_distributed(self, body):
+        error = _check_fields(body, {"names": list, "dtypes": list, "shapes": list})
+        if not error and not len(body["names"]) == len(body["dtypes"]) == len(body["shapes"]):
+            error = "names, dtypes and shapes must have the same length"
+        if not error and any(d not in _DTYPE_NAMES for d in body["dtypes"]):
+            error = f"unknown dtype in {body['dtypes']}; valid: {sorted(_DTYPE_NAMES)}"
+        if not error and body.get("group_name", "weight_update_group") != self._weights.group_name:
+            error = f"Group {body.get('group_name')} not in [{self._weights.group_name}]. Call init_weights_update_group first."
+        if not error and not self._weights.in_update:
+            error = "update_weights_from_distributed outside begin_weight_update / end_weight_update"
+        if error:
+            return 400, {"success": False, "message": error}
+        if self._weights.group is not None:
+            self._receive(body)
+        if body.get("weight_version") is not None:
+            self.weight_version = body["weight_version"]
+        return 200, {"success": True, "message": "Succeeded to update parameter online."}
+
+    def _update_from_disk(self, body):
+        error = _check_fields(body, {"model_path": str})
+        path = Path(body["model_path"]) if not error else None
+        if not error and not (path / "config.json").is_file():
+            error = f"{path} has no config.json"
+        shards = sorted(path.glob("*.safetensors")) if path and not error else []
+        if not error and not shards:
+            error = f"{path} has no *.safetensors"
+        if not error and not self._weights.in_update:
+            error = "update_weights_from_disk outside begin_weight_update / end_weight_update"
+        if error:
+            return 400, {"success": False, "message": error, "num_paused_requests": 0}
+        from safetensors import safe_open
+
+        for shard in shards:
+            with safe_open(str(shard), framework="pt") as handle:
+                for name in handle.keys():
+                    tensor = handle.get_tensor(name)
+                    self._weights.received[name] = _describe(tensor)
+        self.model_path = str(path)
+        if body.get("weight_version") is not None:
+            self.weight_version = body["weight_version"]
+        return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+
+    def _state(self, _body):
+        with self._lock:
+            calls = list(self.calls)
+        return 200, {"calls": calls, "generate_count": self.generate_count, "received": self._weights.received,
+                     "weight_version": self.weight_version}
+
+    def _receive(self, body: dict) -> None:
+        import torch
+        import torch.distributed as dist
+
+        for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+            dist.broadcast(tensor, src=0, group=self._weights.group)
+            self._weights.received[name] = _describe(tensor)
+
+    def _die(self) -> None:
+        if not self.dead:
+            self.dead = True
+            threading.Thread(target=self.stop, daemon=True).start()
+
+    _ROUTES = {
+        ("GET", "/health"): "_health", ("GET", "/health_generate"): "_health",
+        ("GET", "/server_info"): "_server_info", ("GET", "/get_server_info"): "_server_info",
+        ("POST", "/generate"): "_generate", ("POST", "/pause_generation"): "_pause",
+        ("POST", "/continue_generation"): "_continue", ("POST", "/flush_cache"): "_flush_cache",
+        ("GET", "/flush_cache"): "_flush_cache", ("POST", "/abort_request"): "_abort_request",
+        ("POST", "/begin_weight_update"): "_begin_weight_update", ("POST", "/end_weight_update"): "_end_weight_update",
+        ("POST", "/init_weights_update_group"): "_init_group",
+        ("POST", "/update_weights_from_distributed"): "_update_distributed",
+        ("POST", "/update_weights_from_disk"): "_update_from_disk", ("GET", "/_double/state"): "_state",
+    }
+
+    def _handler_class(self):
+        double = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # keep test output quiet
+                pass
+
+            def do_GET(self):
+                self._dispatch("GET")
+
+            def do_POST(self):
+                self._dispatch("POST")
+
+            def _dispatch(self, method: str) -> None:
+                if double.dead:
+                    return self._drop()
+                length = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(length) if length else b""
+                try:
+                    body = json.loads(raw) if raw else None
+                except ValueError:
+                    return self._answer(400, {"error": {"message": "request body is not JSON"}})
+                route = double._ROUTES.get((method, self.path.split("?")[0]))
+                if route is None:
+                    return self._answer(404, {"detail": "Not Found"})
+                if route != "_state":
+                    with double._lock:
+                        double.calls.append((self.path, body))
+                result = getattr(double, route)(body)
+                if result is None:
+                    return self._drop()
+                self._answer(*result)
+
+            def _answer(self, status: int, payload: Any) -> None:
+                if payload is None:
+                    data, kind = b"", "text/plain"
+                elif isinstance(payload, str):
+                    data = payload.encode()
+                    kind = "application/json" if payload.startswith("{") else "text/plain; charset=utf-8"
+                else:
+                    data, kind = json.dumps(payload).encode(), "application/json"
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _drop(self) -> None:
+                self.close_connection = True
+                try:
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+        return Handler
+
+
+def _validate_generate(body: Any) -> Optional[str]:
+    if not isinstance(body, dict):
+        return "body must be a JSON object"
+    ids = body.get("input_ids")
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+        return "input_ids must be a non-empty list of token ids"
+    params = body.get("sampling_params") or {}
+    if not isinstance(params, dict):
+        return "sampling_params must be an object"
+    unknown = set(params) - _SAMPLING_KEYS
+    if unknown:
+        return f"unknown sampling_params {sorted(unknown)}"
+    max_new = params.get("max_new_tokens", 128)
+    if not isinstance(max_new, int) or max_new < 1:
+        return f"max_new_tokens must be a positive int, got {max_new!r}"
+    return None
+
+
+def _check_fields(body: Any, fields: dict) -> Optional[str]:
+    if not isinstance(body, dict):
+        return "body must be a JSON object"
+    for name, kind in fields.items():
+        if not isinstance(body.get(name), kind):
+            return f"field {name!r} must be {kind.__name__}, got {body.get(name)!r}"
+    return None
+
+
+def _draw_token(rng: random.Random, vocab_size: int, stop_ids: set) -> int:
+    while True:
+        token = rng.randrange(3, vocab_size)
+        if token not in stop_ids:
+            return token
+
+
+def _describe(tensor) -> dict:
+    return {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
+            "sum": float(tensor.double().sum())}
+
+
+def _join_group(body: dict, group_name: str):
+    """Join the update group the way SGLang's init_custom_process_group does (rank = rank_offset)."""
+    from datetime import timedelta
+
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    timeout = timedelta(seconds=120)
+    url = f"tcp://{body['master_address']}:{body['master_port']}"
+    store, rank, world_size = next(rendezvous(url, body["rank_offset"], body["world_size"], timeout=timeout))
+    store = PrefixStore(group_name, store)
+    backend = Backend(body.get("backend", "nccl"))
+    group, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name, timeout=timeout)
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Serve a double with ``sglang.launch_server``'s arguments (unknown ones are ignored)."""
+    parser = argparse.ArgumentParser(description="SGLang server TEST DOUBLE")
+    parser.add_argument("--model-path", default="double-model")
+    parser.add_argument("--tp", "--tp-size", dest="tp", type=int, default=1)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--enable-return-routed-experts", action="store_true")
+    parser.add_argument("--startup-503", type=int, default=0, help="double only: 503 on the first K /health")
+    parser.add_argument("--die-after", type=int, default=None, help="double only: stop after N /generate")
+    parser.add_argument("--join-weight-groups", action="store_true", help="double only: receive broadcasts")
+    parser.add_argument("--spawn-child", action="store_true", help="double only: fork a child (like SGLang's scheduler)")
+    parser.add_argument("--exit-code", type=int, default=None, help="double only: exit at once with this code")
+    args, unknown = parser.parse_known_args(argv)
+    print(f"[sglang double] args={vars(args)} ignored={unknown}", flush=True)
+    if args.exit_code is not None:
+        print("[sglang double] exiting on purpose", flush=True)
+        sys.exit(args.exit_code)
+    layers, top_k, experts = 2, 2, 8
+    config_path = Path(args.model_path) / "config.json"
+    if config_path.is_file():
+        hf = json.loads(config_path.read_text())
+        layers = hf.get("num_hidden_layers", layers)
+        top_k = hf.get("num_experts_per_tok", top_k)
+        experts = hf.get("num_experts", experts)
+    if args.spawn_child:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        print(f"[sglang double] child pid {child.pid}", flush=True)
+    double = SGLangServerDouble(
+        host=args.host, port=args.port, num_layers=layers, top_k=top_k, num_experts=experts, tp_size=args.tp,
+        enable_return_routed_experts=args.enable_return_routed_experts, join_weight_groups=args.join_weight_groups,
+        faults=DoubleFaults(startup_503=args.startup_503, die_after=args.die_after), model_path=args.model_path,
+    )
+    print(f"[sglang double] serving on {double.url}", flush=True)
+    double.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
