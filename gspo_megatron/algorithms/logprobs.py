@@ -149,12 +149,13 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             all_stats = stats.unsqueeze(0)
         lse, target_logit, entropy = _combine_stats(all_stats)
 
-        log_probs = torch.where(valid, target_logit - lse, 0.0)
+        log_probs = torch.where(valid, target_logit - lse, 0.0).view(targets.shape)
+        entropy = entropy.view(targets.shape)
         ctx.save_for_backward(logits, local_targets, owned, valid, lse)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         ctx.mark_non_differentiable(entropy)
         ctx.set_materialize_grads(False)
-        return log_probs.view(targets.shape), entropy.view(targets.shape)
+        return log_probs, entropy
 
     @staticmethod
     def backward(ctx, grad_log_probs, _grad_entropy):
