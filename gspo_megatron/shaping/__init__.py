@@ -13,7 +13,7 @@ from gspo_megatron.shaping.config import (
     ShapingMetricsConfig,
     StepGRPOConfig,
 )
-from gspo_megatron.shaping.registry import SHAPERS, Registry
+from gspo_megatron.shaping.registry import SHAPERS, UnknownNameError
 from gspo_megatron.shaping.types import ShapedRewards, ShapingGroup, group_from_samples
 
 # Importing the shaper modules registers them.
@@ -25,13 +25,13 @@ __all__ = [
     "DAPOOverlongConfig",
     "GRSPConfig",
     "KimiLengthConfig",
-    "Registry",
     "ShapedBatch",
     "ShapedRewards",
     "ShapingConfig",
     "ShapingGroup",
     "ShapingMetricsConfig",
     "StepGRPOConfig",
+    "UnknownNameError",
     "group_from_samples",
     "shape_batch",
     "shape_group",

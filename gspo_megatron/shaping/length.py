@@ -38,9 +38,8 @@ def dapo_overlong_penalty(lengths: torch.Tensor, max_length: int, cache_length: 
     length = lengths.float()
     soft_start = float(max_length - cache_length)
     soft = (soft_start - length) / cache_length
-    return torch.where(
-        length <= soft_start, torch.zeros_like(length), torch.where(length <= max_length, soft, -torch.ones_like(length))
-    )
+    beyond = torch.where(length <= max_length, soft, -torch.ones_like(length))
+    return torch.where(length <= soft_start, torch.zeros_like(length), beyond)
 
 
 @SHAPERS.register("dapo_overlong")

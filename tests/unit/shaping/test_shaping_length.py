@@ -57,8 +57,10 @@ def test_kimi_length_reward_by_hand():
 
 
 def test_kimi_equal_lengths_and_single_sample_give_zero():
-    torch.testing.assert_close(kimi_length_reward(torch.tensor([7, 7, 7]), torch.ones(3, dtype=torch.bool)), torch.zeros(3))
-    torch.testing.assert_close(kimi_length_reward(torch.tensor([7]), torch.zeros(1, dtype=torch.bool)), torch.zeros(1))
+    all_correct = torch.ones(3, dtype=torch.bool)
+    torch.testing.assert_close(kimi_length_reward(torch.tensor([7, 7, 7]), all_correct), torch.zeros(3))
+    one_incorrect = torch.zeros(1, dtype=torch.bool)
+    torch.testing.assert_close(kimi_length_reward(torch.tensor([7]), one_incorrect), torch.zeros(1))
 
 
 def test_kimi_weight_scales_the_added_reward():

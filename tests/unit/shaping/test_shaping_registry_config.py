@@ -4,22 +4,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from gspo_megatron.shaping import SHAPERS, Registry, ShapingConfig, ShapingGroup, StepGRPOConfig
+from gspo_megatron.shaping import SHAPERS, ShapingConfig, ShapingGroup, StepGRPOConfig, UnknownNameError
 from gspo_megatron.shaping.identity import no_shaping
 
 CONF_DIR = Path(__file__).resolve().parents[3] / "conf" / "shaping"
-
-
-def test_registry_rejects_duplicates_and_lists_valid_names():
-    registry = Registry("widget")
-    registry.register("a")(len)
-    with pytest.raises(ValueError, match="already registered"):
-        registry.register("a")(str)
-    assert registry.get("a") is len
-    with pytest.raises(ValueError, match=r"unknown widget 'b'; valid names: a"):
-        registry.get("b")
-    with pytest.raises(ValueError, match="non-empty"):
-        registry.register(" ")
 
 
 def test_all_shapers_are_registered_and_duplicates_fail():
@@ -27,10 +15,13 @@ def test_all_shapers_are_registered_and_duplicates_fail():
     with pytest.raises(ValueError, match="already registered"):
         SHAPERS.register("none")(lambda group, cfg: None)
     assert SHAPERS.get("none") is no_shaping
+    with pytest.raises(UnknownNameError, match="valid names: dapo_overlong, grsp"):
+        SHAPERS.get("overlong")
 
 
 def test_unknown_shaper_name_lists_valid_names():
-    with pytest.raises(ValueError, match="dapo_overlong, grsp, kimi_length, none, step_grpo"):
+    valid = "dapo_overlong, grsp, kimi_length, none, step_grpo"
+    with pytest.raises(UnknownNameError, match=f"'step_gpro'; valid names: {valid}"):
         ShapingConfig(name="step_gpro")
 
 
@@ -54,7 +45,8 @@ def test_all_yaml_files_exist():
 
 
 def test_yaml_values_are_validated():
-    bad = OmegaConf.merge(OmegaConf.structured(ShapingConfig), {"name": "step_grpo", "step_grpo": {"alpha": 1.5}})
+    override = {"name": "step_grpo", "step_grpo": {"alpha": 1.5}}
+    bad = OmegaConf.merge(OmegaConf.structured(ShapingConfig), override)
     with pytest.raises(ValueError, match="alpha"):
         OmegaConf.to_object(bad)
 
