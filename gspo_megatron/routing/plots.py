@@ -18,6 +18,7 @@ from typing import Optional
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 
 @dataclass
@@ -63,6 +64,7 @@ def line_panels(panels: list[Panel], columns: int = 2) -> Figure:
         else:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
         ax.set_title(panel.title)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("step")
         ax.set_ylabel(panel.ylabel)
         ax.grid(alpha=0.3)
@@ -79,6 +81,7 @@ def volatility_figure(kind: str, records: list[dict]) -> Figure:
     top.plot(steps, [r["changed_frac_overall"] for r in records], "-o", markersize=3, label="expert set changed")
     top.plot(steps, [1 - r["overlap_overall"] for r in records], "--", label="1 - overlap |A cap B|/k")
     top.set_title(f"routing volatility ({kind}), all layers")
+    top.xaxis.set_major_locator(MaxNLocator(integer=True))
     top.set_xlabel("step")
     top.set_ylabel("fraction of tokens")
     top.legend(fontsize=8)
@@ -92,6 +95,7 @@ def volatility_figure(kind: str, records: list[dict]) -> Figure:
         fig.colorbar(image, ax=bottom, label="changed fraction")
     bottom.set_title(f"changed fraction per layer ({kind})")
     bottom.set_xlabel("step")
+    bottom.yaxis.set_major_locator(MaxNLocator(integer=True))
     bottom.set_ylabel("layer")
     fig.tight_layout()
     return fig
@@ -110,6 +114,8 @@ def expert_load_figure(record: dict) -> Figure:
     fig.colorbar(image, ax=ax, label="load x E (1 = balanced)")
     ax.set_title(f"expert load at step {record['step']} ({record['kind']})")
     ax.set_xlabel("expert")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("layer")
     fig.tight_layout()
     return fig

@@ -1,0 +1,85 @@
+"""tools/compare_runs.py on fixture run directories built here (GSPO, GRPO, GRPO + replay)."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gspo_megatron.routing.run_dir import JsonlLog, RoutingLog
+
+TOOL = Path(__file__).resolve().parents[3] / "tools" / "compare_runs.py"
+_spec = importlib.util.spec_from_file_location("compare_runs", TOOL)
+compare_runs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(compare_runs)
+
+
+def make_run(path, algorithm, rewards, clip_token, clip_seq, routing=()):
+    path.mkdir()
+    (path / "config.yaml").write_text(f"algorithm:\n  name: {algorithm}\nseed: 1\n")
+    with JsonlLog(path / "metrics.jsonl") as log:
+        for step, values in enumerate(zip(rewards, clip_token, clip_seq)):
+            log.append({"step": step, "reward/mean": values[0], "loss/clip_frac_token": values[1],
+                        "loss/clip_frac_seq": values[2], "loss/value": 0.0})
+    with RoutingLog(path) as log:
+        for step, kind, changed in routing:
+            log.append({"step": step, "kind": kind, "changed_frac": [changed, changed], "overlap": [0.9, 0.9],
+                        "changed_frac_overall": changed, "overlap_overall": 0.9, "tokens": 10})
+    return path
+
+
+@pytest.fixture
+def runs(tmp_path):
+    return [
+        make_run(tmp_path / "gspo", "gspo", [0.2, 0.6], [0.15, 0.25], [0.1, 0.3],
+                 [(0, "update", 0.1), (1, "update", 0.2), (0, "rollout_vs_train", 0.05)]),
+        make_run(tmp_path / "grpo", "grpo", [0.1, 0.4], [0.001, 0.003], [0.01, 0.03],
+                 [(0, "update", 0.3), (1, "update", 0.5)]),
+        make_run(tmp_path / "grpo_replay", "grpo", [0.1, 0.5], [0.001, 0.001], [0.01, 0.01]),
+    ]
+
+
+def _row(stdout, label):
+    line = next(l for l in stdout.splitlines() if l.startswith(label + " "))
+    return line[len(label):].split()
+
+
+def test_table_numbers_and_files(runs, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    assert compare_runs.main([str(r) for r in runs] + ["--out", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    header = stdout.splitlines()[0].split("  ")
+    assert [h.strip() for h in header if h.strip()] == [
+        "run", "final reward", "clip frac tok", "clip frac seq", "vol update", "vol rollout_vs_train"]
+    assert _row(stdout, "gspo") == ["0.6000", "0.2000", "0.2000", "0.1500", "0.0500"]
+    assert _row(stdout, "grpo (grpo)") == ["0.4000", "0.0020", "0.0200", "0.4000", "-"]
+    assert _row(stdout, "grpo (grpo_replay)") == ["0.5000", "0.0010", "0.0100", "-", "-"]
+
+    assert (out / "comparison.png").read_bytes().startswith(b"\x89PNG")
+    page = (out / "comparison.html").read_text()
+    assert '<section id="table">' in page and '<section id="curves">' in page
+    assert page.count("data:image/png;base64,iVBORw0KGgo") == 1
+    assert "<td>grpo (grpo_replay)</td>" in page and "<td>0.1500</td>" in page
+    summaries = json.loads((out / "comparison.json").read_text())
+    assert [s["label"] for s in summaries] == ["gspo", "grpo (grpo)", "grpo (grpo_replay)"]
+    assert summaries[0]["routing"]["update"]["changed_frac"] == pytest.approx([0.15, 0.15])
+
+
+def test_not_a_run_dir_is_a_clear_error(runs, tmp_path, capsys):
+    empty = tmp_path / "not_a_run"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("x")
+    assert compare_runs.main([str(runs[0]), str(empty), "--out", str(tmp_path / "cmp")]) == 2
+    err = capsys.readouterr().err
+    assert "not_a_run" in err and "no metrics.jsonl" in err and "notes.txt" in err
+    assert not (tmp_path / "cmp").exists()
+
+
+def test_script_entry_point(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(TOOL), str(tmp_path / "missing"), "--out", str(tmp_path / "cmp")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2 and "does not exist" in result.stderr

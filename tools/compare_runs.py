@@ -1,0 +1,118 @@
+"""Compare several training runs side by side (e.g. GSPO vs GRPO vs GRPO + routing replay).
+
+    python tools/compare_runs.py runs/gspo runs/grpo runs/grpo_replay --out runs/comparison
+
+Writes ``OUT/comparison.png`` (reward, clip fraction, routing volatility per diagnostic kind; one
+line per run), ``OUT/comparison.html`` (the table and the figure, self-contained),
+``OUT/comparison.json`` (every run's summary) and prints the table to stdout.
+
+Design decisions:
+- Runs are read through ``gspo_megatron.routing.run_dir`` (the format is documented there) and
+  summarised with the same ``summarize_run`` as the single-run report, so the numbers agree.
+- A run is labelled by ``algorithm.name`` from its config.yaml (else its directory name); runs that
+  share a label (GRPO with and without replay) get their directory name appended.
+- Volatility columns are the step mean of each kind's overall changed fraction; a run that did not
+  record a kind shows "-".
+- ``main(argv)`` returns the exit status (0 ok, 2 bad input) so tests and scripts can call it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Optional
+
+from gspo_megatron.routing.plots import Panel, Series, figure_png, line_panels
+from gspo_megatron.routing.report import format_number, html_page, html_table, ordered_kinds, png_img, summarize_run, training_panels
+from gspo_megatron.routing.run_dir import RunData, RunDirError, load_run
+
+BASE_COLUMNS = ["run", "final reward", "clip frac tok", "clip frac seq"]
+
+
+def load_runs(paths: list[str]) -> list[RunData]:
+    runs = [load_run(path) for path in paths]
+    counts = Counter(run.label for run in runs)
+    for run in runs:
+        if counts[run.label] > 1:
+            run.label = f"{run.label} ({run.path.resolve().name})"
+    return runs
+
+
+def comparison_rows(summaries: list[dict], kinds: list[str]) -> tuple[list[str], list[list]]:
+    headers = BASE_COLUMNS + [f"vol {kind}" for kind in kinds]
+    rows = []
+    for s in summaries:
+        row = [s["label"], s["final_reward"], s["clip_frac_token_mean"], s["clip_frac_seq_mean"]]
+        row += [s["routing"].get(kind, {}).get("changed_frac_overall") for kind in kinds]
+        rows.append(row)
+    return headers, rows
+
+
+def text_table(headers: list[str], rows: list[list]) -> str:
+    cells = [headers] + [[format_number(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def volatility_panels(runs: list[RunData], kinds: list[str]) -> list[Panel]:
+    panels = []
+    for kind in kinds:
+        panel = Panel(f"routing volatility: {kind}", "expert set changed (fraction)")
+        for index, run in enumerate(runs):
+            records = [r for r in run.routing_records(kind) if "changed_frac_overall" in r]
+            panel.series.append(Series(
+                run.label, [r["step"] for r in records], [r["changed_frac_overall"] for r in records],
+                color=f"C{index % 10}",
+            ))
+        panels.append(panel)
+    return panels
+
+
+def compare(paths: list[str], out_dir: str | Path) -> str:
+    """Write the comparison files into ``out_dir`` and return the text table."""
+    runs = load_runs(paths)
+    summaries = [summarize_run(run) for run in runs]
+    # "update" is always plotted (it is the headline diagnostic), even when no run recorded it.
+    kinds = ordered_kinds({"update"} | {k for run in runs for k in run.routing_kinds()})
+    headers, rows = comparison_rows(summaries, kinds)
+    table = text_table(headers, rows)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    png = figure_png(line_panels(training_panels(runs) + volatility_panels(runs, kinds)))
+    (out / "comparison.png").write_bytes(png)
+    (out / "comparison.json").write_text(json.dumps(summaries, indent=2) + "\n", encoding="utf-8")
+    run_list = "<ul>" + "".join(f"<li>{html.escape(s['label'])}: {html.escape(s['run_dir'])}</li>" for s in summaries) + "</ul>"
+    page = html_page(
+        "Run comparison: " + ", ".join(s["label"] for s in summaries),
+        [
+            ("table", "Summary", html_table(headers, rows) + run_list),
+            ("curves", "Reward, clip fraction and routing volatility", png_img(png, "comparison")),
+        ],
+    )
+    (out / "comparison.html").write_text(page, encoding="utf-8")
+    return table
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="compare_runs", description=__doc__.split("\n")[0])
+    parser.add_argument("runs", nargs="+", help="run directories (each holds metrics.jsonl)")
+    parser.add_argument("--out", required=True, help="directory for comparison.{html,png,json}")
+    args = parser.parse_args(argv)
+    try:
+        table = compare(args.runs, args.out)
+    except RunDirError as err:
+        print(f"compare_runs: error: {err}", file=sys.stderr)
+        return 2
+    print(table)
+    print(f"\nwrote {Path(args.out) / 'comparison.html'} and comparison.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
