@@ -1,0 +1,186 @@
+"""Dynamic Truncated Rollout over a scripted test engine (controlled confidence) and the real
+embedded engine (log-probs of kept tokens vs a full forward)."""
+
+import math
+
+import pytest
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from gspo_megatron.rollout.config import EmbeddedConfig, TruncatedRolloutConfig
+from gspo_megatron.rollout.embedded import EmbeddedEngine
+from gspo_megatron.rollout.engine import RolloutEngine
+from gspo_megatron.rollout.truncated import TruncatedRolloutEngine, probe_confidence
+from gspo_megatron.rollout.types import FinishReason, Sample, SamplingParams
+
+CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 <>/|=?!.,:{}\\\n*"
+EOS = len(CHARS)  # one id past the characters
+
+
+def encode(text):
+    return [CHARS.index(c) for c in text]
+
+
+def decode(ids):
+    return "".join(CHARS[i] if i < len(CHARS) else "" for i in ids)
+
+
+class ScriptedEngine(RolloutEngine):
+    """TEST DOUBLE for a real engine: follows the generate() protocol (stop strings / ids kept in the
+    output, max_new_tokens, finish reasons) over a scripted "model":
+    - thinking continues the prompt's plan text from where the response so far left off, token j of
+      the plan having log-prob -0.01 * (j + 1);
+    - a context ending with the probe suffix is a probe: three tokens "42}" whose log-probs are
+      [-7 (first: ignored), log c, log c], c = confidences[key][probe number] (1-based);
+    - once the response contains "</think>", it answers "ANS" then EOS.
+    """
+
+    def __init__(self, plans, confidences, probe_suffix):
+        self.plans, self.confidences, self.probe_suffix = plans, confidences, encode(probe_suffix)
+        self.calls = []
+
+    def update_weights(self, named_tensors, version):
+        self.weight_version = version
+
+    def _continuation(self, prompt, context):
+        plan_key = prompt[0]
+        response = decode(context[len(prompt):])
+        if context[-len(self.probe_suffix):] == self.probe_suffix:
+            c = self.confidences[plan_key][response.count("Wait") + 1]  # the pending trigger is cut
+            return encode("42}"), [-7.0, math.log(c), math.log(c)]
+        if "</think>" in response:
+            return encode("ANS") + [EOS], [-0.5, -0.5, -0.5, -0.5]
+        plan = self.plans[plan_key]
+        assert plan.startswith(response), f"context left the plan: {response!r}"
+        start = len(response)
+        return encode(plan[start:]), [-0.01 * (j + 1) for j in range(start, len(plan))]
+
+    def generate(self, prompts, params):
+        self.calls.append((prompts, params))
+        result = []
+        for index, prompt in enumerate(prompts):
+            group = []
+            for _ in range(params.n):
+                original = prompt[:2]  # test prompts are [plan key, "?"]
+                ids, lps = self._continuation(original, prompt)
+                out, out_lps, finish = [], [], FinishReason.LENGTH
+                for token, lp in zip(ids, lps):
+                    out.append(token)
+                    out_lps.append(lp)
+                    if token in params.stop_token_ids or any(s in decode(out) for s in params.stop):
+                        finish = FinishReason.STOP
+                        break
+                    if len(out) == params.max_new_tokens:
+                        break
+                group.append(Sample(prompt_ids=prompt, output_ids=out, weight_version=self.weight_version,
+                                    output_log_probs=torch.tensor(out_lps), finish_reason=finish))
+            result.append(group)
+        return result
+
+
+CONFIG = TruncatedRolloutConfig(trigger_words=["Wait"], probe_suffix="\n=", close_thinking="\n</think>\n",
+                                probe_max_tokens=20, confidence_threshold=0.95, max_probes=10,
+                                eos_token_ids=[EOS])
+PLAN = "ab Wait cd Wait ef Wait gh</think>"
+
+
+def run(plans, confidences, config=CONFIG, max_new_tokens=200, n=1):
+    engine = ScriptedEngine(plans, confidences, config.probe_suffix)
+    truncated = TruncatedRolloutEngine(engine, config, encode, decode)
+    prompts = [[key, CHARS.index("?")] for key in plans]
+    return truncated.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, n=n)), engine
+
+
+def plan_log_probs(text):
+    return torch.tensor([-0.01 * (j + 1) for j in range(len(text))])
+
+
+def test_probe_confidence_is_geometric_mean_after_first_token():
+    assert probe_confidence(torch.tensor([-9.0, math.log(0.9), math.log(0.4)])) == pytest.approx(0.6)
+    assert probe_confidence(torch.tensor([math.log(0.3)])) == pytest.approx(0.3)
+
+
+def test_confident_exit_on_second_probe_drops_probe_and_trigger():
+    [[sample]], engine = run({0: PLAN}, {0: {1: 0.5, 2: 0.99, 3: 0.99}})
+    assert sample.extra["exit_reason"] == "confident" and sample.extra["num_probes"] == 2
+    assert sample.extra["probe_confidences"] == pytest.approx([0.5, 0.99])
+    text = decode(sample.output_ids)
+    # first trigger restored (probe 1 not confident), second trigger dropped, thinking closed, answer
+    assert text == "ab Wait cd \n</think>\nANS" and sample.output_ids[-1] == EOS
+    assert "42}" not in text and "=" not in text  # probe tokens and suffix never kept
+    forced = sample.extra["forced_mask"]
+    assert forced.tolist() == [False] * 11 + [True] * 10 + [False] * 4
+    torch.testing.assert_close(sample.output_log_probs[:11], plan_log_probs("ab Wait cd "))
+    assert (sample.output_log_probs[forced] == 0).all()
+    assert sample.finish_reason == FinishReason.STOP
+    probe_calls = [params for _, params in engine.calls if params.temperature == 0]
+    assert len(probe_calls) == 2 and all(p.max_new_tokens == 20 for p in probe_calls)
+
+
+def test_never_confident_stops_probing_at_max_probes():
+    config = TruncatedRolloutConfig(**{**CONFIG.__dict__, "max_probes": 2})
+    [[sample]], _ = run({0: PLAN}, {0: {1: 0.9, 2: 0.2, 3: 0.99}}, config)
+    assert sample.extra["exit_reason"] == "max_probes" and sample.extra["num_probes"] == 2
+    assert decode(sample.output_ids) == PLAN + "ANS"  # third Wait not probed: triggers off after 2
+    torch.testing.assert_close(sample.output_log_probs[:len(PLAN)], plan_log_probs(PLAN))
+    assert not sample.extra["forced_mask"].any()
+
+
+def test_natural_end_without_triggers_and_batching_of_mixed_samples():
+    plans = {0: "abc</think>", 1: PLAN, 2: "xy Wait z</think>"}
+    confidences = {0: {}, 1: {1: 0.1, 2: 0.1, 3: 0.97}, 2: {1: 0.3}}
+    result, _ = run(plans, confidences, n=2)
+    for group, (reason, probes, text) in zip(result, [
+            ("natural_end", 0, "abc</think>ANS"),
+            ("confident", 3, "ab Wait cd Wait ef \n</think>\nANS"),
+            ("natural_end", 1, "xy Wait z</think>ANS")]):
+        assert len(group) == 2
+        for sample in group:
+            assert (sample.extra["exit_reason"], sample.extra["num_probes"], decode(sample.output_ids)) == (
+                reason, probes, text)
+
+
+def test_length_exit_counts_the_whole_output_budget():
+    [[sample]], _ = run({0: PLAN}, {0: {1: 0.1, 2: 0.1}}, max_new_tokens=12)
+    assert sample.extra["exit_reason"] == "length" and sample.finish_reason == FinishReason.LENGTH
+    assert decode(sample.output_ids) == PLAN[:12] and sample.extra["num_probes"] == 1
+
+
+def test_over_the_embedded_engine_kept_log_probs_match_a_full_forward():
+    """Real model: whatever the exits, kept sampled tokens carry log_softmax(logits / T) of the final
+    sequence and routed experts equal the full forward's router top-k."""
+    hf_config = dict(vocab_size=len(CHARS) + 1, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                     num_experts=4, num_experts_per_tok=2, max_position_embeddings=128)
+    torch.manual_seed(4)
+    source = Qwen3MoeForCausalLM(Qwen3MoeConfig(**hf_config)).eval()
+    with torch.no_grad():  # large random weights: peaked next-token distributions
+        for name, parameter in source.named_parameters():
+            parameter.uniform_(0.5, 1.5) if name.endswith("norm.weight") else parameter.normal_(0.0, 0.35)
+    engine = EmbeddedEngine(Qwen3MoeConfig(**hf_config), EmbeddedConfig(), decode)
+    engine.update_weights(source.state_dict().items(), version=3)
+    config = TruncatedRolloutConfig(trigger_words=[], trigger_token_ids=list(range(0, 60, 3)),
+                                    end_think="", end_think_token_ids=[CHARS.index("|")],
+                                    probe_suffix="=", close_thinking="|", probe_max_tokens=4,
+                                    confidence_threshold=0.3, max_probes=3, eos_token_ids=[EOS])
+    truncated = TruncatedRolloutEngine(engine, config, encode, decode)
+    prompts = [encode("abc"), encode("hello")]
+    params = SamplingParams(temperature=0.8, max_new_tokens=24, n=3, seed=11, return_routed_experts=True)
+    reasons, probe_counts = set(), []
+    for prompt, group in zip(prompts, truncated.generate(prompts, params)):
+        for sample in group:
+            reasons.add(sample.extra["exit_reason"])
+            probe_counts.append(sample.extra["num_probes"])
+            assert sample.extra["num_probes"] <= 3 and sample.weight_version == 3
+            ids = torch.tensor([prompt + sample.output_ids])
+            with torch.no_grad():
+                out = source(input_ids=ids, output_router_logits=True)
+            full = torch.log_softmax(out.logits[0].float() / 0.8, -1)[len(prompt) - 1:-1]
+            expected = full.gather(-1, torch.tensor(sample.output_ids)[:, None]).squeeze(-1)
+            sampled = ~sample.extra["forced_mask"]
+            torch.testing.assert_close(sample.output_log_probs[sampled], expected[sampled], atol=1e-5, rtol=1e-5)
+            for layer, logits in enumerate(out.router_logits):
+                top = torch.softmax(logits.float(), -1).topk(2, dim=-1).indices[:-1]
+                assert torch.equal(sample.routed_experts[:, layer].long(), top)
+    # fixed seeds: both the confident exit (forced closing token) and a restored trigger occur
+    assert "confident" in reasons and max(probe_counts) >= 2
