@@ -57,7 +57,10 @@ def line_panels(panels: list[Panel], columns: int = 2) -> Figure:
         drawn = False
         for series in panel.series:
             if series.steps:
-                ax.plot(series.steps, series.values, series.linestyle, color=series.color, label=series.label)
+                # markers keep single-step (or sparse) series visible; dense curves stay plain lines
+                marker = "o" if len(series.steps) <= 60 else None
+                ax.plot(series.steps, series.values, series.linestyle, color=series.color, label=series.label,
+                        marker=marker, markersize=3)
                 drawn = True
         if drawn:
             ax.legend(fontsize=8)
