@@ -25,11 +25,15 @@ What has no seam is bridged here, one function per fact, each idempotent:
 3. megatron-core 0.16.1 BUG: ``moe_utils.py`` imports ``te_general_gemm`` only inside a
    ``try`` that fails without TransformerEngine, then tests ``te_general_gemm is not None`` in the
    router GEMM -> ``NameError``. We define the missing name as ``None`` (the intended fallback).
-4. The pipeline schedules allocate ``torch.zeros(..., device="cuda")`` for the token counter and
-   wrap forward in ``torch.autocast("cuda")``; we hand the schedules module a torch namespace whose
-   ``zeros`` maps the literal "cuda" device to CPU and whose ``autocast`` is disabled for "cuda".
+4. The pipeline schedules (token counter, ``torch.autocast("cuda")``), the optimizer wrappers
+   (loss-scale and found-inf tensors), grad clipping (norm all-reduce buffer) and the local
+   multi-tensor l2-norm fallback in ``megatron.core.utils`` allocate with the
+   literal ``device="cuda"``. Each of those three modules gets a torch namespace whose factories
+   (zeros/ones/empty/tensor) map "cuda" to CPU and whose ``autocast("cuda")`` is a no-op.
 5. ``torch.cuda.synchronize`` / ``current_stream`` are called by p2p communication and
    ``record_stream`` paths; without CUDA they become no-ops.
+6. ``clip_grad_by_total_norm_fp32`` asserts every grad is a ``torch.cuda.FloatTensor``; the
+   optimizer module gets a version that scales fp32 CPU grads in place by the same coefficient.
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ def enable_cpu_megatron() -> None:
     _cuda_sync_noops()
     _define_missing_te_general_gemm()
     _cpu_rng_tracker()
-    _schedules_without_cuda_literals()
+    _cuda_literals_to_cpu()
+    _clip_grads_on_cpu()
     _ENABLED = True
 
 
@@ -115,25 +120,60 @@ def _cpu_rng_tracker() -> None:
     mrandom.initialize_rng_tracker = initialize_rng_tracker
 
 
-def _schedules_without_cuda_literals() -> None:
+def _cuda_literals_to_cpu() -> None:
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
     from megatron.core.pipeline_parallel import schedules
 
-    def zeros(*args, device=None, **kwargs):
-        if device == "cuda":
+    for module in (schedules, optimizer, clip_grads, utils):
+        module.torch = _TorchWithoutCudaLiterals("torch")
+
+
+def _on_cpu(factory):
+    def call(*args, device=None, **kwargs):
+        if device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda"):
             device = "cpu"
-        return torch.zeros(*args, device=device, **kwargs)
+        return factory(*args, device=device, **kwargs)
 
-    def autocast(device_type, *args, **kwargs):
-        if device_type == "cuda":
-            return contextlib.nullcontext()
-        return torch.autocast(device_type, *args, **kwargs)
+    return call
 
-    namespace = types.SimpleNamespace(zeros=zeros, autocast=autocast)
 
-    class _TorchForSchedules(types.ModuleType):
-        def __getattr__(self, item):
-            if hasattr(namespace, item):
-                return getattr(namespace, item)
-            return getattr(torch, item)
+def _autocast(device_type, *args, **kwargs):
+    if device_type == "cuda":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, *args, **kwargs)
 
-    schedules.torch = _TorchForSchedules("torch")
+
+_OVERRIDES = {
+    "zeros": _on_cpu(torch.zeros),
+    "ones": _on_cpu(torch.ones),
+    "empty": _on_cpu(torch.empty),
+    "tensor": _on_cpu(torch.tensor),
+    "autocast": _autocast,
+}
+
+
+class _TorchWithoutCudaLiterals(types.ModuleType):
+    """The torch namespace as seen by a megatron module whose code says ``device="cuda"``."""
+
+    def __getattr__(self, item):
+        if item in _OVERRIDES:
+            return _OVERRIDES[item]
+        return getattr(torch, item)
+
+
+def _clip_grads_on_cpu() -> None:
+    from megatron.core.optimizer import optimizer
+
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        # Same rule as megatron: scale by max_norm / (total_norm + 1e-6) when that is < 1.
+        clip_coeff = max_norm / (total_norm + 1.0e-6)
+        if clip_coeff >= 1.0:
+            return
+        attr = "decoupled_grad" if use_decoupled_grad else "grad"
+        for param in parameters:
+            grad = getattr(param, attr, None)
+            if grad is not None:
+                grad.detach().mul_(clip_coeff)
+
+    optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
