@@ -27,24 +27,23 @@ def sampling_log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor
 
 
 def filter_top_k_top_p(scaled_logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Set logits outside the top-k / nucleus to -inf (top-k first, then top-p, as SGLang does).
+    """Set logits outside the top-k and outside the nucleus to -inf, following SGLang's sampler.
 
-    top-p keeps the smallest prefix of the descending-sorted tokens whose probability mass reaches
-    ``top_p`` (Holtzman et al. 2020); the most likely token is always kept. Ties at the k-th value are
-    all kept.
+    Nucleus (Holtzman et al. 2020): sort tokens by probability; drop a token when the mass of the
+    tokens ranked strictly above it already exceeds ``top_p``. As in SGLang, that mass is measured on
+    the temperature-scaled distribution BEFORE top-k (not renormalised after it), and top-k is then
+    intersected; the most likely token is always kept. Ties at the k-th value are all kept.
     """
     logits = scaled_logits
-    vocab = logits.shape[-1]
-    if 0 < top_k < vocab:
-        kth_value = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth_value, float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of strictly better tokens
-        drop_sorted = mass_before >= top_p  # already reached top_p without this token
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of better-ranked tokens
+        drop = torch.zeros_like(mass_before, dtype=torch.bool).scatter(-1, order, mass_before > top_p)
         logits = logits.masked_fill(drop, float("-inf"))
+    if 0 < top_k < logits.shape[-1]:
+        kth_value = torch.topk(scaled_logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(scaled_logits < kth_value, float("-inf"))
     return logits
 
 
