@@ -49,7 +49,8 @@ def exact_match(response: str, record: PromptRecord) -> RewardResult:
     return _graded(answer == record.answer.strip(), terminated and _answer_shape_ok(answer, record))
 
 
-_THINK_FORMAT = re.compile(r"\s*<think>(?:(?!<think>|</think>).)*</think>\s*answer\s*(.*?)\s*", re.DOTALL)
+_NO_THINK_TAG = r"(?:(?!</?think>).)"
+_THINK_FORMAT = re.compile(rf"\s*<think>{_NO_THINK_TAG}*</think>\s*answer\s*({_NO_THINK_TAG}*?)\s*", re.DOTALL)
 
 
 def final_answer_after_thinking(body: str) -> Optional[str]:

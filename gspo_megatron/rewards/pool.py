@@ -19,6 +19,7 @@ Design decisions:
 from __future__ import annotations
 
 import multiprocessing
+import signal
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -44,6 +45,8 @@ def call_reward(fn: RewardFn, response: str, record: PromptRecord) -> RewardResu
 
 
 def _worker_main(conn: Connection, reward_name: str) -> None:
+    # Ctrl-C is the trainer's to handle: it closes the pool; workers must not die mid-reply on it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         fn = resolve_reward(reward_name)
         warm_up = getattr(fn, "warm_up", None)
@@ -108,6 +111,11 @@ class RewardPool:
         self._start_failures = 0
         if not self.config.in_process:
             self._context = multiprocessing.get_context(self.config.start_method)
+            if self.config.start_method == "forkserver":
+                # The fork server imports this package once (torch included, via the shared
+                # Registry), so each new worker forks from it in milliseconds instead of
+                # re-importing. Only takes effect if this process's fork server is not running yet.
+                self._context.set_forkserver_preload(["gspo_megatron.rewards"])
             self._workers = [self._new_worker() for _ in range(self.config.num_workers)]
 
     def _new_worker(self) -> _Worker:
