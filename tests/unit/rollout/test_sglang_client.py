@@ -1,0 +1,176 @@
+"""SGLangEngine in attach mode against real HTTP test doubles (gspo_megatron.testing.sglang_double)."""
+
+import pytest
+
+from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine
+from gspo_megatron.rollout.sglang.client import NoServersLeftError, RequestFailedError, RequestRejectedError
+from gspo_megatron.rollout.sglang.protocol import ProtocolError
+from gspo_megatron.rollout.types import FinishReason, SamplingParams
+from gspo_megatron.testing.sglang_double import DoubleFaults, SGLangServerDouble
+
+
+@pytest.fixture
+def doubles():
+    started = []
+
+    def make(**kwargs):
+        double = SGLangServerDouble(**kwargs).start()
+        started.append(double)
+        return double
+
+    yield make
+    for double in started:
+        double.stop()
+
+
+def _engine(urls, **overrides):
+    settings = dict(mode="attach", urls=urls, health_poll_interval_s=0.01, backoff_base_s=0.01, backoff_max_s=0.05,
+                    startup_timeout_s=10.0, request_timeout_s=10.0)
+    settings.update(overrides)
+    return SGLangEngine(SGLangConfig(**settings))
+
+
+PARAMS = SamplingParams(max_new_tokens=6, n=2, seed=100)
+
+
+def test_startup_503s_are_waited_out(doubles):
+    double = doubles(faults=DoubleFaults(startup_503=3))
+    with _engine([double.url]) as engine:
+        assert double.paths() == ["/health"] * 4  # three 503s, then 200
+        samples = engine.generate([[11, 12, 13]], PARAMS)
+    assert len(samples) == 1 and len(samples[0]) == 2
+    sample = samples[0][0]
+    assert sample.prompt_ids == [11, 12, 13]
+    assert sample.output_log_probs.shape == (len(sample.output_ids),)
+    assert (sample.output_log_probs <= 0).all()
+    assert sample.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+    if sample.finish_reason is FinishReason.STOP:
+        assert sample.output_ids[-1] == 2  # the double's EOS
+    else:
+        assert len(sample.output_ids) == 6
+
+
+def test_attach_deadline_names_the_server(doubles):
+    double = doubles(faults=DoubleFaults(startup_503=10_000))
+    with pytest.raises(RuntimeError, match=rf"{double.url} not healthy .*HTTP 503"):
+        _engine([double.url], startup_timeout_s=0.2)
+
+
+def test_seeds_make_samples_reproducible_and_distinct(doubles):
+    double = doubles()
+    with _engine([double.url]) as engine:
+        first = engine.generate([[1, 2], [3, 4]], PARAMS)
+        second = engine.generate([[1, 2], [3, 4]], PARAMS)
+    assert [[s.output_ids for s in row] for row in first] == [[s.output_ids for s in row] for row in second]
+    seeds = [call[1]["sampling_params"]["sampling_seed"] for call in double.calls if call[0] == "/generate"][:4]
+    assert sorted(seeds) == [100, 101, 102, 103]  # seed + prompt_index * n + k
+    assert first[0][0].output_ids != first[0][1].output_ids
+
+
+def test_generate_503_is_retried_with_backoff(doubles):
+    double = doubles(faults=DoubleFaults(generate_503=2))
+    with _engine([double.url], max_concurrency=1) as engine:
+        samples = engine.generate([[5, 6]], SamplingParams(max_new_tokens=4))
+    assert double.generate_count == 3 and len(samples[0][0].output_ids) >= 1
+
+
+def test_5xx_beyond_the_retry_budget_fails_clearly(doubles):
+    double = doubles(faults=DoubleFaults(generate_503=100))
+    with _engine([double.url], max_retries=2) as engine, pytest.raises(RequestFailedError, match="failed 3 times.*HTTP 503"):
+        engine.generate([[5, 6]], SamplingParams(max_new_tokens=4))
+    assert double.generate_count == 3
+
+
+def test_aborted_sample_is_resubmitted_then_reported(doubles):
+    double = doubles(faults=DoubleFaults(abort_first=1))
+    with _engine([double.url], max_concurrency=1, abort_retries=1) as engine:
+        sample = engine.generate([[5, 6]], SamplingParams(max_new_tokens=4))[0][0]
+    assert sample.finish_reason is not FinishReason.ABORT and sample.extra["abort_retries"] == 1
+    assert double.generate_count == 2
+
+    double = doubles(faults=DoubleFaults(abort_first=5))
+    with _engine([double.url], max_concurrency=1, abort_retries=1) as engine:
+        sample = engine.generate([[5, 6]], SamplingParams(max_new_tokens=4))[0][0]
+    assert sample.finish_reason is FinishReason.ABORT
+    assert double.generate_count == 2  # first try + one resubmission, then reported as ABORT
+
+
+def test_server_dying_mid_batch_fails_over(doubles):
+    dying = doubles(faults=DoubleFaults(die_after=2, generate_delay_s=0.05))
+    healthy = doubles(faults=DoubleFaults(generate_delay_s=0.05))
+    with _engine([dying.url, healthy.url], max_concurrency=2) as engine:
+        samples = engine.generate([[1], [2], [3], [4]], SamplingParams(max_new_tokens=4, n=3, seed=0))
+        state = engine.health()["servers"]
+    assert all(len(row) == 3 for row in samples) and len(samples) == 4
+    assert state[dying.url]["alive"] is False and state[healthy.url]["alive"] is True
+    # It answered at most its 2 requests before dying (one may be dropped in flight); the rest moved.
+    assert 1 <= state[dying.url]["served"] <= 2 and dying.generate_count >= 3
+    assert state[dying.url]["served"] + state[healthy.url]["served"] == 12
+
+
+def test_all_servers_dead_names_them(doubles):
+    first = doubles(faults=DoubleFaults(die_after=1))
+    second = doubles(faults=DoubleFaults(die_after=1))
+    with _engine([first.url, second.url], max_concurrency=2) as engine:
+        with pytest.raises(NoServersLeftError) as error:
+            engine.generate([[1], [2], [3]], SamplingParams(max_new_tokens=3, n=2))
+        with pytest.raises(RuntimeError, match="no SGLang server is alive"):
+            engine.health()
+    message = str(error.value)
+    assert f"{first.url}: DEAD" in message and f"{second.url}: DEAD" in message
+    assert "last error: " in message and "last error: -" not in message
+
+
+def test_two_servers_share_the_load(doubles):
+    a = doubles(faults=DoubleFaults(generate_delay_s=0.05))
+    b = doubles(faults=DoubleFaults(generate_delay_s=0.05))
+    with _engine([a.url, b.url]) as engine:
+        engine.generate([[1, 2, 3]] * 4, SamplingParams(max_new_tokens=4, n=2))
+    assert a.generate_count == 4 and b.generate_count == 4
+
+
+def test_malformed_json_is_an_error(doubles):
+    double = doubles(faults=DoubleFaults(malformed_json=True))
+    with _engine([double.url]) as engine, pytest.raises(RequestFailedError, match="malformed JSON"):
+        engine.generate([[1]], SamplingParams(max_new_tokens=3))
+
+
+def test_mismatched_logprob_token_ids_are_an_error(doubles):
+    double = doubles(faults=DoubleFaults(mismatched_logprob_ids=True))
+    with _engine([double.url]) as engine, pytest.raises(ProtocolError, match="do not belong"):
+        engine.generate([[1]], SamplingParams(max_new_tokens=3))
+
+
+def test_routed_experts_round_trip_and_wrong_size(doubles):
+    double = doubles(enable_return_routed_experts=True, num_layers=3, top_k=2, num_experts=4)
+    params = SamplingParams(max_new_tokens=5, return_routed_experts=True, seed=1)
+    with _engine([double.url], enable_return_routed_experts=True, num_hidden_layers=3, num_experts_per_tok=2) as engine:
+        sample = engine.generate([[1, 2, 3, 4]], params)[0][0]
+    assert sample.routed_experts.shape == (4 + len(sample.output_ids) - 1, 3, 2)
+    assert sample.routed_experts.min() >= 0 and sample.routed_experts.max() < 4
+
+    wrong = doubles(enable_return_routed_experts=True, num_layers=3, top_k=2, faults=DoubleFaults(wrong_routed_experts=True))
+    with _engine([wrong.url], enable_return_routed_experts=True, num_hidden_layers=3, num_experts_per_tok=2) as engine:
+        with pytest.raises(ProtocolError, match="expected .* layers, top_k 2"):
+            engine.generate([[1, 2, 3, 4]], params)
+
+
+def test_routed_experts_need_the_flag_and_layout(doubles):
+    double = doubles()
+    with _engine([double.url]) as engine, pytest.raises(ValueError, match="enable_return_routed_experts"):
+        engine.generate([[1]], SamplingParams(return_routed_experts=True))
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        _engine([double.url], enable_return_routed_experts=True)
+    # attach to a server launched without the flag: the answer lacks routed_experts
+    with _engine([double.url], enable_return_routed_experts=True, num_hidden_layers=2, num_experts_per_tok=2) as engine:
+        with pytest.raises(ProtocolError, match="--enable-return-routed-experts"):
+            engine.generate([[1]], SamplingParams(return_routed_experts=True))
+
+
+def test_bad_request_is_rejected_without_retries(doubles):
+    double = doubles()
+    with _engine([double.url]) as engine:
+        client = engine._client
+        with pytest.raises(RequestRejectedError, match="HTTP 400.*input_ids"):
+            engine._loop.run(client.post_balanced("/generate", {"input_ids": []}))
+    assert double.paths().count("/generate") == 1
