@@ -8,11 +8,13 @@ RL, where we need log pi(y_t) itself, a temperature, and an entropy metric):
 - All math is fp32 whatever the logits' dtype; the temperature divides the logits first
   (z = logits / T), so the result is the log-prob under the *sampling* distribution.
 - Each rank reduces its shard to three numbers per token: its local log-sum-exp ``lse_r``, the target
-  logit if it owns the target (else 0), and the local softmax mean ``E_{p_r}[z]`` (entropy only).
+  logit if it owns the target (else 0), and the entropy ``h_r`` of its local softmax (entropy only).
   One all-gather of that ``[tp, N, 3]`` block then gives everything, for all chunks at once:
       lse      = logsumexp_r lse_r                      (exact; no global max pass needed)
       log p(y) = z_y - lse
-      H        = lse - sum_r exp(lse_r - lse) E_{p_r}[z]  (since H = lse - E_p[z])
+      H        = sum_r w_r (h_r - log w_r),  w_r = exp(lse_r - lse)
+  (the entropy of a mixture of disjoint supports: every term is >= 0, so unlike lse - E_p[z] there is
+  no cancellation of large numbers when the distribution is peaked)
   That is one collective per call (megatron does three), and nothing of size V crosses ranks.
 - Memory: the forward saves only the logits it was given (a reference, no copy) and the per-token
   ``lse`` [N]; it never keeps a softmax. The backward recomputes p = exp(z - lse) chunk by chunk and
@@ -32,7 +34,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-_STATS = 3  # per token and rank: local lse, owned target logit, local E_p[z]
+_STATS = 3  # per token and rank: local lse, owned target logit, local entropy
 
 
 def vocab_parallel_log_probs(
@@ -104,15 +106,15 @@ def _scaled_fp32(logits_chunk: torch.Tensor, temperature: float, *, writable: bo
 
 
 def _local_stats(z: torch.Tensor, local_targets: torch.Tensor, owned: torch.Tensor, with_entropy: bool):
-    """Per-token [lse_r, owned target logit or 0, E_{p_r}[z] or 0] for one chunk of this shard."""
+    """Per-token [lse_r, owned target logit or 0, local entropy h_r or 0] for one chunk of this shard."""
     stats = z.new_zeros(z.shape[0], _STATS)
     lse_local = torch.logsumexp(z, dim=-1)
     stats[:, 0] = lse_local
     picked = z.gather(-1, local_targets.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
     stats[:, 1] = torch.where(owned, picked, 0.0)
     if with_entropy:
-        p_local = (z - lse_local.unsqueeze(-1)).exp_()
-        stats[:, 2] = p_local.mul_(z).sum(-1)  # E_{p_r}[z]
+        log_p_local = z - lse_local.unsqueeze(-1)
+        stats[:, 2] = -(log_p_local.exp() * log_p_local).sum(-1)  # h_r = -sum p_r log p_r
     return stats
 
 
@@ -120,8 +122,8 @@ def _combine_stats(all_stats: torch.Tensor):
     """[tp, N, 3] per-rank stats -> (global lse [N], target logit [N], entropy [N])."""
     lse = torch.logsumexp(all_stats[..., 0], dim=0)
     target_logit = all_stats[..., 1].sum(0)  # exactly one rank owns each valid target
-    weights = (all_stats[..., 0] - lse).exp()  # share of the partition function held by each rank
-    entropy = lse - (weights * all_stats[..., 2]).sum(0)
+    log_weights = all_stats[..., 0] - lse  # log share of the partition function held by each rank
+    entropy = (log_weights.exp() * (all_stats[..., 2] - log_weights)).sum(0)
     return lse, target_logit, entropy
 
 
