@@ -22,6 +22,7 @@ Design decisions:
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 from typing import Callable, Iterable, Optional
@@ -94,6 +95,7 @@ class EmbeddedEngine(RolloutEngine):
                  decode: Optional[Callable[[list[int]], str]] = None):
         self.config = config if config is not None else EmbeddedConfig()
         self.decode = decode
+        hf_config = copy.deepcopy(hf_config)  # the attention choice below must not leak to the caller
         hf_config._attn_implementation = self.config.attn_implementation
         self.model = Qwen3MoeForCausalLM(hf_config).to(
             device=self.config.device, dtype=_DTYPES[self.config.dtype]).eval()

@@ -204,3 +204,22 @@ def test_update_weights_rejects_bad_names_and_shapes(source, name, shape, error,
     with pytest.raises(error, match=match):
         engine.update_weights([(name, torch.zeros(shape))], version=9)
     assert engine.weight_version == 1
+
+
+def test_tied_embeddings_round_trip_and_config_file(tmp_path):
+    """A tied checkpoint omits lm_head.weight on disk; the engine built from its config.json still
+    reproduces the logits, and either name updates the shared matrix."""
+    source = peaked_source_model(tiny_config(tie_word_embeddings=True), seed=5)
+    source.tie_weights()
+    source.save_pretrained(tmp_path)
+    engine = EmbeddedEngine.from_config(EmbeddedConfig(model_config_path=str(tmp_path)))
+    assert engine.model.config.tie_word_embeddings and engine.model.config.num_experts == 4
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as handle:
+        assert "lm_head.weight" not in handle.keys()
+        engine.update_weights(((n, handle.get_tensor(n)) for n in handle.keys()), version=1)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.equal(engine.model(input_ids=ids).logits, source(input_ids=ids).logits)
+    new_head = torch.randn(VOCAB, 32)
+    engine.update_weights([("lm_head.weight", new_head)], version=2)
+    assert torch.equal(engine.model.model.embed_tokens.weight, new_head)
