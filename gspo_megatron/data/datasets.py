@@ -114,7 +114,10 @@ class PromptDataset:
 
     def _load(self, stop_strings: list[str]) -> list[PromptRecord]:
         fmt = _resolve_format(self.path, self.config.format)
-        rows = _read_jsonl(self.path, self.config.on_bad_utf8, self.stats) if fmt == "jsonl" else _read_parquet(self.path)
+        if fmt == "jsonl":
+            rows = _read_jsonl(self.path, self.config.on_bad_utf8, self.stats)
+        else:
+            rows = _read_parquet(self.path)
         records = []
         for where, row in rows:
             self.stats.rows += 1
