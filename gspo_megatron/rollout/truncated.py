@@ -27,8 +27,8 @@ Design decisions:
 - ``max_new_tokens`` is the budget of the whole returned output (kept thinking + closing + answer).
 - ``extra["exit_reason"]`` says how THINKING ended: "confident" (a probe passed), "natural_end" (the
   model closed thinking or ended the response itself, probes left), "max_probes" (it did so after all
-  probes were spent), "length" (budget ran out while thinking), "abort" (the engine aborted). ``finish_reason`` is the usual one of
-  the last generated piece. ``extra["num_probes"]`` and ``extra["probe_confidences"]`` are recorded.
+  probes were spent), "length" (budget ran out while thinking), "abort" (the engine aborted).
+  ``finish_reason`` is the usual one of the last generated piece. ``extra["num_probes"]`` and ``extra["probe_confidences"]`` are recorded.
 - Routed experts, when asked for, come from the last non-probe call: its prompt + output is a prefix
   cover of the final sequence, so its rows (sliced) are the final sequence's routing.
 - Rounds are batched: all samples in the same phase go to the engine in one ``generate`` call. With
