@@ -133,7 +133,9 @@ class SGLangServerDouble:
             return [path for path, _ in self.calls]
 
     def start(self) -> "SGLangServerDouble":
-        self._thread = threading.Thread(target=self._server.serve_forever, name="sglang-double", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="sglang-double", daemon=True
+        )
         self._thread.start()
         return self
 

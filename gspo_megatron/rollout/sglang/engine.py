@@ -40,6 +40,7 @@ from gspo_megatron.rollout.sglang.weight_sync import (
     WeightBroadcaster,
     bucket_metadata,
     bucket_named_tensors,
+    close_weight_update_group,
     open_weight_update_group,
 )
 from gspo_megatron.rollout.types import FinishReason, Sample, SamplingParams
@@ -223,6 +224,9 @@ class SGLangEngine(RolloutEngine):
         if client is not None:
             self._loop.run(client.aclose())
         self._loop.close()
+        if self._update_group is not None:
+            close_weight_update_group(self._update_group)
+            self._update_group = None
         for server in self._launched:
             server.stop(self.config.shutdown_grace_s)
 

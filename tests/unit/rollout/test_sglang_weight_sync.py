@@ -1,0 +1,119 @@
+"""Weight sync: byte-size buckets, the 0.5.x call bracket, disk fallback, and a real gloo broadcast."""
+
+import json
+import sys
+
+import httpx
+import pytest
+import torch
+
+from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine, WeightSyncError
+from gspo_megatron.rollout.sglang.weight_sync import bucket_metadata, bucket_named_tensors
+from gspo_megatron.rollout.types import SamplingParams
+from gspo_megatron.testing.sglang_double import SGLangServerDouble
+
+BRACKET_HEAD = ["/pause_generation", "/begin_weight_update"]
+BRACKET_TAIL = ["/end_weight_update", "/flush_cache", "/continue_generation"]
+
+
+def test_buckets_by_bytes_in_order():
+    a, b, c, d = torch.zeros(10), torch.zeros(5), torch.zeros(20), torch.zeros(1)  # 40, 20, 80, 4 bytes
+    buckets = list(bucket_named_tensors([("a", a), ("b", b), ("c", c), ("d", d)], bucket_bytes=64))
+    assert [[name for name, _ in bucket] for bucket in buckets] == [["a", "b"], ["c"], ["d"]]  # c is oversize: alone
+    half = torch.zeros(16, dtype=torch.bfloat16)  # 32 bytes
+    assert len(list(bucket_named_tensors([("x", half), ("y", half)], bucket_bytes=64))) == 1
+    with pytest.raises(ValueError):
+        list(bucket_named_tensors([("a", a)], bucket_bytes=0))
+
+
+def test_bucket_metadata_is_sglang_update_weights_from_distributed():
+    bucket = [("w", torch.zeros(2, 3, dtype=torch.bfloat16)), ("b", torch.zeros(3))]
+    assert bucket_metadata(bucket, "g", 7) == {
+        "names": ["w", "b"], "dtypes": ["bfloat16", "float32"], "shapes": [[2, 3], [3]], "group_name": "g",
+        "flush_cache": False, "weight_version": "7",
+    }
+
+
+def _model_dir(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_experts_per_tok": 2}))
+    (model / "tokenizer.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"old weights, must not be copied")
+    return model
+
+
+def test_disk_sync_call_order_files_and_version(tmp_path):
+    double = SGLangServerDouble().start()
+    try:
+        config = SGLangConfig(mode="attach", urls=[double.url], weight_sync="disk", model_path=str(_model_dir(tmp_path)),
+                              disk_sync_dir=str(tmp_path / "sync"), weight_bucket_bytes=64, health_poll_interval_s=0.01)
+        tensors = [("layer.0.w", torch.arange(12.0).reshape(3, 4)), ("layer.0.b", torch.ones(4)), ("head", torch.ones(2))]
+        with SGLangEngine(config) as engine:
+            engine.update_weights(iter(tensors), version=5)
+            sample = engine.generate([[1, 2]], SamplingParams(max_new_tokens=3))[0][0]
+        paths = [p for p in double.paths() if p not in ("/health", "/generate")]
+        assert paths == BRACKET_HEAD + ["/update_weights_from_disk"] + BRACKET_TAIL
+        disk_call = [body for path, body in double.calls if path == "/update_weights_from_disk"][0]
+        out = tmp_path / "sync" / "v5"
+        assert disk_call == {"model_path": str(out), "weight_version": "5", "flush_cache": False}
+        # 48 + 16 = 64 bytes fill shard 1 exactly, 8 go to shard 2; config/tokenizer copied, old weights not
+        assert sorted(p.name for p in out.iterdir()) == [
+            "config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+            "model.safetensors.index.json", "tokenizer.json"]
+        index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+        assert index == {"layer.0.w": "model-00001-of-00002.safetensors", "layer.0.b": "model-00001-of-00002.safetensors",
+                         "head": "model-00002-of-00002.safetensors"}
+        assert double.received_weights["layer.0.w"]["sum"] == 66.0
+        assert engine.weight_version == 5 and sample.weight_version == 5  # read back from meta_info
+    finally:
+        double.stop()
+
+
+def test_failed_update_still_continues_generation(tmp_path):
+    double = SGLangServerDouble().start()
+    try:
+        # Without the begin/end bracket the double (like SGLang 0.5.x) refuses the update.
+        config = SGLangConfig(mode="attach", urls=[double.url], weight_sync="disk", model_path=str(_model_dir(tmp_path)),
+                              disk_sync_dir=str(tmp_path / "sync"), bracket_weight_update=False, health_poll_interval_s=0.01)
+        with SGLangEngine(config) as engine:
+            with pytest.raises(WeightSyncError, match="version 3 failed.*outside begin_weight_update"):
+                engine.update_weights([("w", torch.ones(2))], version=3)
+            assert engine.weight_version == 0
+            assert double.paths()[-1] == "/continue_generation" and not double.paused
+    finally:
+        double.stop()
+
+
+def test_distributed_sync_broadcasts_into_two_servers(tmp_path):
+    """Two launched doubles join a real gloo group with the trainer (ranks 1 and 2 of 3)."""
+    model = _model_dir(tmp_path)
+    config = SGLangConfig(
+        mode="launch", model_path=str(model), num_servers=2, launch_command=[sys.executable, "-m", "gspo_megatron.testing.sglang_double"],
+        extra_args=["--join-weight-groups"], log_dir=str(tmp_path / "logs"), health_poll_interval_s=0.05,
+        weight_sync_backend="gloo", weight_sync_group_name="test_two_servers", weight_bucket_bytes=64,
+        weight_sync_timeout_s=60.0, shutdown_grace_s=5.0,
+    )
+    tensors = [("a", torch.arange(10.0)), ("b", torch.full((2, 2), 2.0, dtype=torch.bfloat16)), ("c", torch.arange(20.0))]
+    with SGLangEngine(config) as engine:
+        engine.update_weights(tensors, version=1)
+        engine.update_weights([("a", torch.ones(10))], version=2)
+        samples = engine.generate([[1, 2]], SamplingParams(max_new_tokens=3, n=2))
+        states = [httpx.get(url + "/_double/state", trust_env=False).json() for url in engine.server_urls]
+    assert all(sample.weight_version == 2 for sample in samples[0])
+    offsets = []
+    for state in states:
+        paths = [path for path, _ in state["calls"] if path not in ("/health", "/generate")]
+        assert paths == (BRACKET_HEAD + ["/init_weights_update_group"] + ["/update_weights_from_distributed"] * 2
+                         + BRACKET_TAIL + BRACKET_HEAD + ["/update_weights_from_distributed"] + BRACKET_TAIL)
+        init = [body for path, body in state["calls"] if path == "/init_weights_update_group"][0]
+        assert init["world_size"] == 3 and init["backend"] == "gloo" and init["group_name"] == "test_two_servers"
+        offsets.append(init["rank_offset"])
+        updates = [body for path, body in state["calls"] if path == "/update_weights_from_distributed"]
+        assert [u["names"] for u in updates] == [["a", "b"], ["c"], ["a"]]  # 40 + 8 bytes, then 80 alone
+        received = state["received"]
+        assert received["a"] == {"shape": [10], "dtype": "float32", "sum": 10.0}  # the version-2 values
+        assert received["b"] == {"shape": [2, 2], "dtype": "bfloat16", "sum": 8.0}
+        assert received["c"]["sum"] == 190.0
+        assert state["weight_version"] == "2"
+    assert sorted(offsets) == [1, 2]
