@@ -27,7 +27,15 @@ from pathlib import Path
 from typing import Optional
 
 from gspo_megatron.routing.plots import Panel, Series, figure_png, line_panels
-from gspo_megatron.routing.report import format_number, html_page, html_table, ordered_kinds, png_img, summarize_run, training_panels
+from gspo_megatron.routing.report import (
+    format_number,
+    html_page,
+    html_table,
+    ordered_kinds,
+    png_img,
+    summarize_run,
+    training_panels,
+)
 from gspo_megatron.routing.run_dir import RunData, RunDirError, load_run
 
 BASE_COLUMNS = ["run", "final reward", "clip frac tok", "clip frac seq"]
@@ -87,7 +95,8 @@ def compare(paths: list[str], out_dir: str | Path) -> str:
     png = figure_png(line_panels(training_panels(runs) + volatility_panels(runs, kinds)))
     (out / "comparison.png").write_bytes(png)
     (out / "comparison.json").write_text(json.dumps(summaries, indent=2) + "\n", encoding="utf-8")
-    run_list = "<ul>" + "".join(f"<li>{html.escape(s['label'])}: {html.escape(s['run_dir'])}</li>" for s in summaries) + "</ul>"
+    items = "".join(f"<li>{html.escape(s['label'])}: {html.escape(s['run_dir'])}</li>" for s in summaries)
+    run_list = f"<ul>{items}</ul>"
     page = html_page(
         "Run comparison: " + ", ".join(s["label"] for s in summaries),
         [

@@ -56,7 +56,9 @@ def _layer_mean(run: RunData, kind: str, key: str, records: list[dict]) -> Optio
         return None
     widths = {len(row) for row in rows}
     if len(widths) != 1:
-        raise RunDirError(f"{run.path}: routing records of kind {kind!r} disagree on the layer count of {key!r}: {sorted(widths)}")
+        raise RunDirError(
+            f"{run.path}: routing records of kind {kind!r} disagree on the layer count of {key!r}: {sorted(widths)}"
+        )
     stacked = np.array(rows, dtype=float)
     with np.errstate(all="ignore"):  # an all-NaN layer stays NaN (-> null) instead of warning
         means = np.nanmean(np.where(np.isfinite(stacked), stacked, np.nan), axis=0)
@@ -137,7 +139,9 @@ def html_page(title: str, sections: list[tuple[str, str, str]]) -> str:
         "table{border-collapse:collapse;margin:0.5em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
         "th{background:#eee}img{max-width:100%}"
     )
-    parts = [f'<section id="{sid}"><h2>{html.escape(heading)}</h2>{inner}</section>' for sid, heading, inner in sections]
+    parts = [
+        f'<section id="{sid}"><h2>{html.escape(heading)}</h2>{inner}</section>' for sid, heading, inner in sections
+    ]
     return (
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
         f"<style>{style}</style></head><body><h1>{html.escape(title)}</h1>{''.join(parts)}</body></html>\n"
@@ -208,3 +212,24 @@ def write_routing_report(run_dir: str | os.PathLike) -> tuple[Path, Path]:
     )
     html_path.write_text(page, encoding="utf-8")
     return json_path, html_path
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m gspo_megatron.routing.report RUN_DIR``: (re)write the report of a run directory."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m gspo_megatron.routing.report", description=main.__doc__)
+    parser.add_argument("run_dir")
+    args = parser.parse_args(argv)
+    try:
+        json_path, html_path = write_routing_report(args.run_dir)
+    except RunDirError as err:
+        print(f"routing report: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {json_path} and {html_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

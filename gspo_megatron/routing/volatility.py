@@ -15,7 +15,9 @@ Design decisions:
   the numbers one big batch would (fractions are formed only at the end, never averaged).
 - The intersection is found one column of ``b`` at a time (k passes over ``[N, L, k]`` bools)
   instead of materialising ``[N, L, k, k]``: 64k tokens x 48 layers x 8 needs ~25 MB of scratch.
-- No ``.item()`` and no host sync: everything stays on the input's device until the caller logs it.
+- Results stay tensors on the input's device until the caller logs them; ``routing_volatility``
+  never syncs with the host (``expert_load``'s index range check and ``subsample_token_mask`` do,
+  once per call). Cost, measured on 1 shared CPU thread: 64k tokens x 48 layers x k=8 in ~0.35-0.65 s.
 
 Definitions (activation volatility as measured in GSPO, arXiv 2507.18071, section on MoE training):
     changed_{n,l} = [ set(a_{n,l}) != set(b_{n,l}) ]

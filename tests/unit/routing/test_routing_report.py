@@ -76,3 +76,12 @@ def test_report_without_routing(tmp_path):
     page = html_path.read_text()
     assert "No routing diagnostics recorded" in page and "No expert-load records" in page
     assert page.count("data:image/png;base64,") == 1  # training curves only
+
+
+def test_report_cli(tmp_path, capsys):
+    from gspo_megatron.routing.report import main
+
+    assert main([str(make_run(tmp_path / "run"))]) == 0
+    assert (tmp_path / "run" / "routing_report.html").is_file()
+    assert main([str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
