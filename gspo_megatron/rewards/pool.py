@@ -10,7 +10,8 @@ Design decisions:
   only after importing the verifier and running its ``warm_up``, so a restart's import time never
   eats into a sample's budget.
 - Workers start with ``forkserver`` (or ``spawn``), never ``fork``: the trainer holds threads and
-  process groups that must not be duplicated.
+  process groups that must not be duplicated. The fork server preloads this package, so replacing a
+  worker takes milliseconds, not a fresh import of torch (which the shared Registry pulls in).
 - Exceptions raised by the verifier are caught inside the worker (the worker lives on); the same
   guard runs on the in-process fast path, which has no timeout and is meant for the built-in,
   pure-Python verifiers.
@@ -206,7 +207,8 @@ class RewardPool:
         if self._start_failures >= self.config.max_start_failures:
             raise RuntimeError(
                 f"reward workers failed to start {self._start_failures} times in a row ({reason}); "
-                f"check that {self.reward_name!r} imports cleanly in a fresh process"
+                f"check that {self.reward_name!r} imports cleanly in a fresh process, and that the main "
+                f"script is importable (a file with an `if __name__ == '__main__':` guard, not stdin)"
             )
 
     def close(self) -> None:
