@@ -1,0 +1,35 @@
+import dataclasses
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from gspo_megatron.rollout.sglang.config import SGLangConfig
+
+YAML = Path(__file__).resolve().parents[3] / "conf" / "rollout" / "sglang.yaml"
+
+
+def test_yaml_defaults_match_the_dataclass():
+    values = OmegaConf.to_container(OmegaConf.load(YAML))["sglang"]
+    assert set(values) == {f.name for f in dataclasses.fields(SGLangConfig)}
+    values["model_path"] = "/some/checkpoint"
+    built = SGLangConfig(**values)
+    reference = SGLangConfig(model_path="/some/checkpoint")
+    assert built == reference  # the YAML repeats the dataclass defaults, no drift
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(mode="remote"), "mode must be one of"),
+        (dict(mode="launch"), "needs model_path"),
+        (dict(mode="attach"), "needs urls"),
+        (dict(mode="attach", urls=["http://x"], weight_sync="nfs"), "weight_sync must be one of"),
+        (dict(mode="attach", urls=["http://x"], pause_mode="stop"), "pause_mode must be one of"),
+        (dict(model_path="/m", num_servers=2, ports=[1]), "num_servers=2"),
+        (dict(mode="attach", urls=["http://x"], max_concurrency=0), "max_concurrency must be >= 1"),
+    ],
+)
+def test_invalid_configs_name_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SGLangConfig(**kwargs)
