@@ -174,6 +174,22 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
     return records
 
 
+def drop_records_from_step(path: str | os.PathLike, step: int) -> int:
+    """Keep only records with ``step`` < ``step`` (resume from a checkpoint at ``step``); returns how many remain.
+
+    Call it for metrics.jsonl *and* routing.jsonl on resume, before reopening the logs, so the files
+    hold what an uninterrupted run would have written (no duplicated steps in report averages).
+    """
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept = [r for r in read_jsonl(path) if r.get("step", 0) < step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+    os.replace(tmp, path)  # atomic: a crash here leaves the old file or the new one, never half
+    return len(kept)
+
+
 @dataclass
 class RunData:
     """Everything read from one run directory."""

@@ -86,3 +86,14 @@ def test_load_run_label_and_errors(tmp_path):
     loaded = load_run(run)
     assert loaded.label == "gspo" and loaded.routing == []
     assert loaded.metric_series("reward/mean") == ([0], [1.0])
+
+
+def test_drop_records_from_step_for_resume(tmp_path):
+    from gspo_megatron.routing.run_dir import drop_records_from_step
+
+    with RoutingLog(tmp_path) as log:
+        for step in range(4):
+            log.log(step, "update", volatility=routing_volatility(A, B))
+    assert drop_records_from_step(tmp_path / "routing.jsonl", 2) == 2
+    assert [r["step"] for r in read_jsonl(tmp_path / "routing.jsonl")] == [0, 1]
+    assert drop_records_from_step(tmp_path / "absent.jsonl", 2) == 0
