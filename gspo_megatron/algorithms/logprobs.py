@@ -7,11 +7,12 @@ RL, where we need log pi(y_t) itself, a temperature, and an entropy metric):
   global ids. ``tp_group=None`` means no tensor parallelism.
 - All math is fp32 whatever the logits' dtype; the temperature divides the logits first
   (z = logits / T), so the result is the log-prob under the *sampling* distribution.
-- Each rank reduces its shard to three numbers per token: its local log-sum-exp ``lse_r``, the target
-  logit if it owns the target (else 0), and the entropy ``h_r`` of its local softmax (entropy only).
-  One all-gather of that ``[tp, N, 3]`` block then gives everything, for all chunks at once:
-      lse      = logsumexp_r lse_r                      (exact; no global max pass needed)
-      log p(y) = z_y - lse
+- Each rank reduces its shard to four numbers per token: its local max ``m_r``, its log-sum-exp
+  relative to it ``lse_r - m_r``, the target logit relative to it ``z_y - m_r`` (used from the rank that
+  owns y), and the entropy ``h_r`` of its local softmax (entropy only). One all-gather of that
+  ``[tp, N, 4]`` block then gives everything, for all chunks at once (M = max_r m_r):
+      lse      = M + logsumexp_r (lse_r - M)            (exact; no second pass over the vocabulary)
+      log p(y) = (z_y - m_owner) + (m_owner - M) - (lse - M)
       H        = sum_r w_r (h_r - log w_r),  w_r = exp(lse_r - lse)
   (the entropy of a mixture of disjoint supports: every term is >= 0, so unlike lse - E_p[z] there is
   no cancellation of large numbers when the distribution is peaked)
@@ -34,7 +35,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-_STATS = 3  # per token and rank: local lse, owned target logit, local entropy
+_STATS = 4  # per token and rank: local max, local lse - max, target logit - max, local entropy
 
 
 def vocab_parallel_log_probs(
@@ -105,26 +106,41 @@ def _scaled_fp32(logits_chunk: torch.Tensor, temperature: float, *, writable: bo
     return z
 
 
-def _local_stats(z: torch.Tensor, local_targets: torch.Tensor, owned: torch.Tensor, with_entropy: bool):
-    """Per-token [lse_r, owned target logit or 0, local entropy h_r or 0] for one chunk of this shard."""
+def _local_stats(z: torch.Tensor, local_targets: torch.Tensor, with_entropy: bool) -> torch.Tensor:
+    """Per-token [m_r, lse_r - m_r, z_y - m_r, h_r] for one chunk of this shard.
+
+    Everything is kept relative to the local max m_r (as log_softmax does), so the small numbers that
+    matter -- log p of a confident token, the entropy of a peaked distribution -- are never rounded
+    at the scale of the logits themselves.
+    """
     stats = z.new_zeros(z.shape[0], _STATS)
-    lse_local = torch.logsumexp(z, dim=-1)
-    stats[:, 0] = lse_local
-    picked = z.gather(-1, local_targets.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
-    stats[:, 1] = torch.where(owned, picked, 0.0)
+    local_max = z.amax(dim=-1, keepdim=True)
+    shifted = z - local_max  # <= 0, exact near the max
+    stats[:, 0] = local_max.squeeze(-1)
+    stats[:, 2] = shifted.gather(-1, local_targets.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
     if with_entropy:
-        log_p_local = z - lse_local.unsqueeze(-1)
-        stats[:, 2] = -(log_p_local.exp() * log_p_local).sum(-1)  # h_r = -sum p_r log p_r
+        exp_shifted = shifted.exp()
+        sum_exp = exp_shifted.sum(-1, keepdim=True)
+        stats[:, 1] = sum_exp.log().squeeze(-1)
+        log_p_local = shifted.sub_(stats[:, 1:2])
+        stats[:, 3] = -(exp_shifted.div_(sum_exp).mul_(log_p_local)).sum(-1)  # h_r = -sum p_r log p_r
+    else:
+        stats[:, 1] = shifted.exp_().sum(-1).log()
     return stats
 
 
-def _combine_stats(all_stats: torch.Tensor):
-    """[tp, N, 3] per-rank stats -> (global lse [N], target logit [N], entropy [N])."""
-    lse = torch.logsumexp(all_stats[..., 0], dim=0)
-    target_logit = all_stats[..., 1].sum(0)  # exactly one rank owns each valid target
-    log_weights = all_stats[..., 0] - lse  # log share of the partition function held by each rank
-    entropy = (log_weights.exp() * (all_stats[..., 2] - log_weights)).sum(0)
-    return lse, target_logit, entropy
+def _combine_stats(all_stats: torch.Tensor, flat_targets: torch.Tensor, vocab_local: int):
+    """[tp, N, 4] per-rank stats -> (lse [N], log p(y) [N], entropy [N]); see the module docstring."""
+    global_max = all_stats[..., 0].amax(dim=0)  # M
+    rel_lse = all_stats[..., 0] - global_max + all_stats[..., 1]  # lse_r - M
+    log_norm = torch.logsumexp(rel_lse, dim=0)  # lse - M
+    owner = (flat_targets // vocab_local).clamp(0, all_stats.shape[0] - 1).unsqueeze(0)
+    owner_stats = all_stats.gather(0, owner.unsqueeze(-1).expand(1, -1, all_stats.shape[-1])).squeeze(0)
+    # log p(y) = z_y - lse = (z_y - m_owner) + (m_owner - M) - (lse - M)
+    log_probs = owner_stats[:, 2] + (owner_stats[:, 0] - global_max) - log_norm
+    log_weights = rel_lse - log_norm  # log share of the partition function held by each rank
+    entropy = (log_weights.exp() * (all_stats[..., 3] - log_weights)).sum(0)
+    return global_max + log_norm, log_probs, entropy
 
 
 class _VocabParallelLogProbs(torch.autograd.Function):
@@ -141,7 +157,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         stats = flat_logits.new_empty(flat_targets.shape[0], _STATS, dtype=torch.float32)
         for rows in _chunks(flat_targets.shape[0], chunk_size):
             z = _scaled_fp32(flat_logits[rows], temperature, writable=False)
-            stats[rows] = _local_stats(z, local_targets[rows], owned[rows], with_entropy)
+            stats[rows] = _local_stats(z, local_targets[rows], with_entropy)
             del z
         if world > 1:
             gathered = [torch.empty_like(stats) for _ in range(world)]
@@ -149,9 +165,9 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             all_stats = torch.stack(gathered)
         else:
             all_stats = stats.unsqueeze(0)
-        lse, target_logit, entropy = _combine_stats(all_stats)
+        lse, log_probs, entropy = _combine_stats(all_stats, flat_targets, vocab_local)
 
-        log_probs = torch.where(valid, target_logit - lse, 0.0).view(targets.shape)
+        log_probs = torch.where(valid, log_probs, 0.0).view(targets.shape)
         entropy = entropy.view(targets.shape)
         ctx.save_for_backward(logits, local_targets, owned, valid, lse)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
