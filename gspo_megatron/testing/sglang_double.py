@@ -107,6 +107,8 @@ class SGLangServerDouble:
         self.weight_version = "default"
         self.calls: list[tuple[str, Any]] = []  # (path, payload) in arrival order
         self.generate_count = 0  # /generate requests that arrived
+        self.max_in_flight = 0  # most /generate requests handled at once
+        self._in_flight = 0
         self.dead = False
         self.paused = False
         self._health_calls = 0
@@ -182,9 +184,16 @@ class SGLangServerDouble:
         if dying:
             self._die()
             return None  # drop the connection without an answer
-        if self.faults.generate_delay_s:
-            threading.Event().wait(self.faults.generate_delay_s)
-        self._running.wait()
+        with self._lock:
+            self._in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self._in_flight)
+        try:
+            if self.faults.generate_delay_s:
+                threading.Event().wait(self.faults.generate_delay_s)
+            self._running.wait()
+        finally:
+            with self._lock:
+                self._in_flight -= 1
         if self.dead:
             return None
         if index <= self.faults.generate_503:

@@ -174,3 +174,28 @@ def test_bad_request_is_rejected_without_retries(doubles):
         with pytest.raises(RequestRejectedError, match="HTTP 400.*input_ids"):
             engine._loop.run(client.post_balanced("/generate", {"input_ids": []}))
     assert double.paths().count("/generate") == 1
+
+
+def test_concurrency_limit_holds_over_all_servers(doubles):
+    a = doubles(faults=DoubleFaults(generate_delay_s=0.02))
+    b = doubles(faults=DoubleFaults(generate_delay_s=0.02))
+    with _engine([a.url, b.url], max_concurrency=1) as engine:
+        engine.generate([[1]] * 3, SamplingParams(max_new_tokens=2, n=2))
+    assert a.max_in_flight == 1 and b.max_in_flight == 1 and a.generate_count + b.generate_count == 6
+    c = doubles(faults=DoubleFaults(generate_delay_s=0.1))
+    with _engine([c.url], max_concurrency=3) as engine:
+        engine.generate([[1]] * 6, SamplingParams(max_new_tokens=2))
+    assert c.max_in_flight == 3
+
+
+def test_sync_generate_works_inside_a_running_event_loop(doubles):
+    import asyncio
+
+    double = doubles()
+
+    async def driver():
+        with _engine([double.url]) as engine:
+            return engine.generate([[1, 2]], SamplingParams(max_new_tokens=3))
+
+    samples = asyncio.run(driver())
+    assert len(samples[0][0].output_ids) >= 1
