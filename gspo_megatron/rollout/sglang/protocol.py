@@ -7,7 +7,9 @@ Design decisions:
 - ``meta_info.output_token_logprobs`` is ``[[logprob, token_id, text|null], ...]`` (SGLang 0.5.x,
   ``TokenizerManager.convert_logprob_style``). Its token ids must equal ``output_ids`` one for one: a
   disagreement means the log-probs belong to other tokens, which would silently corrupt the ratio
-  pi_theta / pi_old, so it is an error, not a warning.
+  pi_theta / pi_old, so it is an error, not a warning. SGLang's log-probs are log-softmax of the
+  temperature-scaled logits (top-p/top-k truncation not renormalised in), unless the server runs with
+  SGLANG_RETURN_ORIGINAL_LOGPROB=1 (then: before temperature); the trainer must score the same way.
 - ``meta_info.routed_experts`` is base64 of little-endian int32, shape
   [prompt + completion - 1, num_hidden_layers, num_experts_per_tok] (REFERENCE.md section 3). The size
   is checked against that exact shape; a wrong size names both sizes instead of reshaping garbage.
