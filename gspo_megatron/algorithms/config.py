@@ -47,6 +47,7 @@ class AlgorithmConfig:
     normalize_std: bool = True  # divide advantages by the group's reward std (False: Dr.GRPO)
     advantage_eps: float = 1e-6
     logprob_chunk_size: Optional[int] = None  # tokens per chunk in vocab_parallel_log_probs; None: one
+    routing_replay: str = "none"  # none | old_policy | rollout (R3); see gspo_megatron/routing/replay.py
 
 
 def validate_algorithm_config(cfg: AlgorithmConfig) -> None:

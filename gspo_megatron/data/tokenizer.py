@@ -59,19 +59,28 @@ class SymbolTokenizer:
     LETTERS = tuple("abcdefghijklmnopqrstuvwxyz")
     WORDS = ("Wait", "Alternatively", "answer", "step", "max", "sum", "mod", "reverse", "copy")
 
-    def __init__(self):
-        self._tokens: tuple[str, ...] = (
-            self.SPECIAL_TOKENS + self.DIGITS + self.PUNCTUATION + self.LETTERS + self.WORDS
-        )
+    def __init__(self, padded_vocab_size: int | None = None):
+        """``padded_vocab_size``: the model's vocabulary (>= the 65 symbols). Megatron models round
+        the vocabulary up for tensor parallelism, so a policy can sample the extra ids; they decode
+        to reserved ``<unused_i>`` tokens (never produced by ``encode``), which no verifier accepts."""
+        symbols = self.SPECIAL_TOKENS + self.DIGITS + self.PUNCTUATION + self.LETTERS + self.WORDS
+        if padded_vocab_size is not None and padded_vocab_size < len(symbols):
+            raise ValueError(
+                f"padded_vocab_size={padded_vocab_size} is smaller than the {len(symbols)} symbols; "
+                f"the model's vocab_size must be >= {len(symbols)}"
+            )
+        reserved = tuple(f"<unused_{i}>" for i in range((padded_vocab_size or len(symbols)) - len(symbols)))
+        self._tokens: tuple[str, ...] = symbols + reserved
         self._ids = {token: i for i, token in enumerate(self._tokens)}
         if len(self._ids) != len(self._tokens):
             raise AssertionError("SymbolTokenizer vocabulary has duplicate tokens")
-        self._longest = max(len(t) for t in self._tokens)
+        self._longest = max(len(t) for t in symbols)
         self.vocab_size = len(self._tokens)
         self.pad_token_id = self._ids[self.PAD]
         self.eos_token_id = self._ids[self.EOS]
         self.stop_token_ids = (self.eos_token_id,)
-        self._special_ids = frozenset(self._ids[t] for t in self.SPECIAL_TOKENS)
+        self._special_ids = frozenset(self._ids[t] for t in self.SPECIAL_TOKENS + reserved)
+        self._encodable = {t: i for t, i in self._ids.items() if t not in reserved}
 
     @property
     def tokens(self) -> tuple[str, ...]:
@@ -86,7 +95,7 @@ class SymbolTokenizer:
         ids, pos = [], 0
         while pos < len(text):
             for length in range(min(self._longest, len(text) - pos), 0, -1):
-                token_id = self._ids.get(text[pos : pos + length])
+                token_id = self._encodable.get(text[pos : pos + length])
                 if token_id is not None:
                     ids.append(token_id)
                     pos += length
@@ -171,10 +180,10 @@ class HFTokenizer:
         return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def build_tokenizer(kind: str, path: str | None = None) -> Tokenizer:
-    """``kind='symbol'`` -> SymbolTokenizer; ``kind='hf'`` -> HFTokenizer(path)."""
+def build_tokenizer(kind: str, path: str | None = None, model_vocab_size: int | None = None) -> Tokenizer:
+    """``kind='symbol'`` -> SymbolTokenizer padded to the model's vocabulary; ``kind='hf'`` -> HFTokenizer(path)."""
     if kind == "symbol":
-        return SymbolTokenizer()
+        return SymbolTokenizer(model_vocab_size)
     if kind == "hf":
         if not path:
             raise ValueError("tokenizer.kind=hf needs tokenizer.path (a local model directory)")

@@ -71,6 +71,8 @@ def make_transformer_config(
             moe_permute_fusion=False,
             moe_shared_expert_intermediate_size=model.shared_expert_intermediate_size or None,
             moe_shared_expert_gate=bool(model.shared_expert_intermediate_size),
+            # Gives every router a RouterReplay: idle unless an action is set (routing/replay.py).
+            moe_enable_routing_replay=True,
         )
     return TransformerConfig(
         num_layers=model.num_layers,

@@ -45,8 +45,10 @@ def wrap_for_training(model, config, *, grad_reduce_in_fp32: bool = True, bucket
     return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
 
 
-def _forward_step(loss_callback: Optional[LossCallback], data_iterator, model):
+def _forward_step(loss_callback: Optional[LossCallback], before_forward, data_iterator, model):
     batch = next(data_iterator)
+    if before_forward is not None:
+        before_forward()
     tokens = batch["tokens"]
     positions = batch.get("position_ids")
     if positions is None:
@@ -68,11 +70,13 @@ def run_schedule(
     loss_callback: Optional[LossCallback],
     *,
     forward_only: bool,
+    before_forward: Optional[Callable[[], None]] = None,
 ) -> list[dict]:
     """Forward (and backward unless ``forward_only``) every micro-batch through megatron's schedule.
 
     Returns the metric dicts of each micro-batch on the last pipeline stage (empty list elsewhere).
-    All micro-batches must have the same [b, s] shape.
+    All micro-batches must have the same [b, s] shape. ``before_forward`` runs before each
+    micro-batch's forward, in micro-batch order (routing replay sets its targets there).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -85,7 +89,7 @@ def run_schedule(
     batch_size, seq_length = shape
     forward_backward = get_forward_backward_func()
     results = forward_backward(
-        forward_step_func=partial(_forward_step, loss_callback),
+        forward_step_func=partial(_forward_step, loss_callback, before_forward),
         data_iterator=iter(micro_batches),
         model=model,
         num_microbatches=len(micro_batches),

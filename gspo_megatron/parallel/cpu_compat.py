@@ -28,7 +28,7 @@ What has no seam is bridged here, one function per fact, each idempotent:
 4. The pipeline schedules (token counter, ``torch.autocast("cuda")``), the optimizer wrappers
    (loss-scale and found-inf tensors), grad clipping (norm all-reduce buffer) and the local
    multi-tensor l2-norm fallback in ``megatron.core.utils`` allocate with the
-   literal ``device="cuda"``. Each of those three modules gets a torch namespace whose factories
+   literal ``device="cuda"``. Each of those modules gets a torch namespace whose factories
    (zeros/ones/empty/tensor) map "cuda" to CPU and whose ``autocast("cuda")`` is a no-op.
 5. ``torch.cuda.synchronize`` / ``current_stream`` are called by p2p communication and
    ``record_stream`` paths; without CUDA they become no-ops.

@@ -72,13 +72,17 @@ class SGLangConfig:
     pause_mode: str = "retract"  # in-flight requests are retracted and resume on the new weights
     bracket_weight_update: bool = True  # /begin_weight_update.../end_weight_update (newer 0.5.x)
 
-    def __post_init__(self):
-        if self.mode not in LAUNCH_MODES:
-            raise ValueError(f"SGLangConfig.mode must be one of {LAUNCH_MODES}, got {self.mode!r}")
+    def require_targets(self) -> None:
+        """What the engine needs to reach servers; checked when the engine starts, not at construction,
+        so the config can sit unused (and incomplete) in a run that uses the embedded engine."""
         if self.mode == "launch" and not self.model_path:
             raise ValueError("SGLangConfig.mode='launch' needs model_path (an HF checkpoint directory)")
         if self.mode == "attach" and not self.urls:
             raise ValueError("SGLangConfig.mode='attach' needs urls, e.g. ['http://127.0.0.1:30000']")
+
+    def __post_init__(self):
+        if self.mode not in LAUNCH_MODES:
+            raise ValueError(f"SGLangConfig.mode must be one of {LAUNCH_MODES}, got {self.mode!r}")
         if self.mode == "launch" and self.ports and len(self.ports) != self.num_servers:
             raise ValueError(f"ports has {len(self.ports)} entries but num_servers={self.num_servers}")
         if self.weight_sync not in WEIGHT_SYNC_MODES:

@@ -54,6 +54,7 @@ class WeightSyncError(RuntimeError):
 
 class SGLangEngine(RolloutEngine):
     def __init__(self, config: SGLangConfig):
+        config.require_targets()
         self.config = config
         self.weight_version = 0
         self._closed = False

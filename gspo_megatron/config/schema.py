@@ -1,0 +1,118 @@
+"""The typed schema of a training run, composed from each component's own config dataclass.
+
+Design decisions:
+- Components own their config dataclasses (``algorithms/config.py``, ``shaping/config.py``, ...);
+  this module only adds the sections that belong to the trainer and composes them into one
+  ``TrainConfig``. Hydra validates YAML against it (unknown keys, wrong types fail at compose time).
+- The rollout section names its engine (``embedded`` or ``sglang``) and carries the sampling
+  parameters shared by both, plus each engine's own block.
+- ``MISSING`` is used nowhere: every default runs the tiny model on CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from gspo_megatron.algorithms.config import AlgorithmConfig
+from gspo_megatron.data.config import TaskConfig, TokenizerConfig
+from gspo_megatron.models.config import MoEModelConfig
+from gspo_megatron.rewards.config import RewardConfig
+from gspo_megatron.rollout.config import EmbeddedConfig, TruncatedRolloutConfig
+from gspo_megatron.rollout.sglang.config import SGLangConfig
+from gspo_megatron.routing.config import RoutingDiagnosticsConfig
+from gspo_megatron.shaping.config import ShapingConfig
+
+
+@dataclass
+class ModelSection(MoEModelConfig):
+    preset: Optional[str] = None  # documentation of where the numbers came from ("tiny", ...)
+    hf_checkpoint: Optional[str] = None  # a local HF Qwen3-MoE directory to start from
+    layer_spec: str = "auto"  # auto | te | portable
+    dtype: str = "float32"  # float32 | bfloat16 (bf16 needs a GPU)
+    init_seed: int = 1234  # random init when no checkpoint is given
+    init_std: float = 0.02
+
+
+@dataclass
+class ParallelSection:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: Optional[int] = None
+    cp: int = 1
+    sequence_parallel: Optional[bool] = None  # None: on exactly when tp > 1
+
+
+@dataclass
+class RolloutSection:
+    engine: str = "embedded"  # embedded | sglang
+    group_size: int = 8  # responses per prompt (G)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 8
+    eval_temperature: float = 0.0
+    truncated: bool = False  # dynamic truncated rollout (Step-GRPO), training rollouts only
+    return_routed_experts: bool = False  # set automatically when R3 replay needs them
+    embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    truncation: TruncatedRolloutConfig = field(default_factory=TruncatedRolloutConfig)
+
+
+@dataclass
+class OptimizerSection:
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 2
+    decay_style: str = "cosine"  # constant | linear | cosine
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+
+
+@dataclass
+class TrainerSection:
+    steps: int = 40  # RL steps (one rollout each)
+    prompts_per_step: int = 16
+    updates_per_rollout: int = 2  # mini-batches (optimizer steps) per rollout: ratio != 1 after the first
+    micro_batch_size: int = 32  # sequences per micro-batch per data-parallel rank
+    seed: int = 1234
+    eval_every: int = 10  # 0: never
+    eval_prompts: int = 64
+    recompute_activations: bool = False
+
+
+@dataclass
+class CheckpointSection:
+    save_every: int = 0  # 0: only at the end
+    keep_last: int = 2
+    resume: bool = False
+
+
+@dataclass
+class LoggingSection:
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "gspo-megatron"
+    progress: bool = True
+
+
+@dataclass
+class TrainConfig:
+    run_dir: Optional[str] = None  # None: Hydra's output directory
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    shaping: ShapingConfig = field(default_factory=ShapingConfig)
+    routing: RoutingDiagnosticsConfig = field(default_factory=RoutingDiagnosticsConfig)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)

@@ -1,0 +1,163 @@
+"""Routing Replay on megatron-core's own ``RouterReplay`` (the GSPO paper's GRPO baseline on MoE).
+
+Modes (``algorithm.routing_replay``):
+- ``none``: routers choose freely in every forward;
+- ``old_policy``: the old-log-prob pass RECORDs each MoE layer's top-k indices per micro-batch;
+  every training forward of that batch REPLAYs them, so pi_theta and pi_old use the same experts;
+- ``rollout`` (R3): the experts the rollout engine used (``Sample.routed_experts``) are replayed in
+  the old-log-prob pass and in every training forward.
+
+Design decisions:
+- ``RoutingReplay`` owns the ``RouterReplay`` instances of *this* model (captured when the model is
+  built), not megatron's process-global list, so two models in one process cannot mix.
+- Recording appends per forward instead of overwriting (an instance-level override of
+  ``record_indices``), because megatron keeps only the last call and a schedule runs many
+  micro-batches. Forwards on one pipeline stage run in micro-batch order under both schedules, so
+  the n-th recorded entry belongs to the n-th micro-batch.
+- Bookkeeping is exact and checked: every recorded entry must be consumed exactly once by the
+  training forwards of its batch (``assert_fully_consumed``).
+- Indices are kept in megatron's token order: the router sees this rank's [s_local * b] tokens
+  sequence-first (s_local = s / tp under sequence parallelism).
+- Router fusion bypasses ``RouterReplay`` and is rejected together with replay.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+REPLAY_MODES = ("none", "old_policy", "rollout")
+
+
+class ReplayError(RuntimeError):
+    pass
+
+
+def validate_replay_mode(mode: str, *, router_fusion: bool = False, recompute: bool = False, pp: int = 1) -> None:
+    if mode not in REPLAY_MODES:
+        raise ValueError(f"algorithm.routing_replay={mode!r} is unknown; valid: {', '.join(REPLAY_MODES)}")
+    if mode != "none" and router_fusion:
+        raise ValueError("routing replay cannot be combined with router fusion (the fused kernel bypasses RouterReplay)")
+    if mode != "none" and recompute and pp > 1:
+        raise ValueError(
+            "routing replay with activation recompute needs pp=1 (the 1F1B schedule recomputes a "
+            "micro-batch after later forwards have replaced its replay targets)"
+        )
+
+
+class RoutingReplay:
+    """The RouterReplay instances of one model chunk, in layer order."""
+
+    def __init__(self, instances: list):
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        self.instances = list(instances)
+        self.action = RouterReplayAction
+        self._recorded: list[list[torch.Tensor]] = [[] for _ in self.instances]
+        self._targets: list[list[torch.Tensor]] = []  # per micro-batch: one tensor per layer
+        self._consumed = 0
+        for layer, instance in enumerate(self.instances):
+            instance.record_indices = self._recorder(layer)
+
+    @classmethod
+    def capture_new_instances(cls, before: int) -> "RoutingReplay":
+        """The instances megatron created since the global list had ``before`` entries."""
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        return cls(RouterReplay.global_router_replay_instances[before:])
+
+    @staticmethod
+    def instance_count() -> int:
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        return len(RouterReplay.global_router_replay_instances)
+
+    def _recorder(self, layer: int):
+        def record(topk_indices: torch.Tensor) -> None:
+            self._recorded[layer].append(topk_indices.detach().clone())
+
+        return record
+
+    # --- recording -----------------------------------------------------------------------
+    def start_recording(self) -> None:
+        self._recorded = [[] for _ in self.instances]
+        for instance in self.instances:
+            instance.clear_indices()
+            instance.set_router_replay_action(self.action.RECORD)
+
+    def recorded(self) -> list[list[torch.Tensor]]:
+        """recorded[micro_batch][layer] -> int [tokens, k]."""
+        per_layer = self._recorded
+        counts = {len(x) for x in per_layer}
+        if len(counts) > 1:
+            raise ReplayError(f"layers recorded different numbers of forwards: {sorted(counts)}")
+        n = counts.pop() if counts else 0
+        return [[per_layer[layer][mb] for layer in range(len(self.instances))] for mb in range(n)]
+
+    # --- replaying -----------------------------------------------------------------------
+    def load_targets(self, per_micro_batch: list[list[torch.Tensor]]) -> None:
+        """Queue replay targets: one list (one tensor per MoE layer) per upcoming forward."""
+        for targets in per_micro_batch:
+            if len(targets) != len(self.instances):
+                raise ReplayError(f"{len(targets)} replay tensors for {len(self.instances)} MoE layers")
+        self._targets = list(per_micro_batch)
+        self._consumed = 0
+        for instance in self.instances:
+            instance.clear_indices()
+            instance.set_router_replay_action(self.action.REPLAY_FORWARD)
+
+    def before_forward(self) -> None:
+        """Called by the forward step: point every layer at the next micro-batch's targets."""
+        if not self._targets:
+            return
+        if self._consumed >= len(self._targets):
+            raise ReplayError(
+                f"forward {self._consumed + 1} has no replay targets: only {len(self._targets)} were recorded"
+            )
+        for instance, target in zip(self.instances, self._targets[self._consumed]):
+            instance.set_target_indices(target)
+        self._consumed += 1
+
+    def assert_fully_consumed(self) -> None:
+        if self._targets and self._consumed != len(self._targets):
+            raise ReplayError(f"{len(self._targets)} replay targets queued but {self._consumed} forwards consumed them")
+
+    def stop(self) -> None:
+        for instance in self.instances:
+            instance.clear_indices()
+            instance.clear_router_replay_action()
+        self._targets = []
+        self._consumed = 0
+
+
+def rollout_targets(routed: torch.Tensor, moe_layers: list[int], tp_rank: int, tp_size: int,
+                    sequence_parallel: bool) -> list[torch.Tensor]:
+    """Engine routed experts [b, s, all_layers, k] -> per MoE layer [s_local * b, k] in megatron order."""
+    if routed.dim() != 4:
+        raise ReplayError(f"routed experts must be [batch, seq, layers, k], got {tuple(routed.shape)}")
+    b, s = routed.shape[:2]
+    out = []
+    for layer in moe_layers:
+        per_token = routed[:, :, layer, :].transpose(0, 1)  # [s, b, k] sequence-first
+        if sequence_parallel and tp_size > 1:
+            per_token = per_token.chunk(tp_size, dim=0)[tp_rank]
+        indices = per_token.reshape(-1, per_token.shape[-1]).long()
+        if (indices < 0).any():
+            raise ReplayError(f"routed experts of MoE layer {layer} contain negative ids (a dense layer?)")
+        out.append(indices)
+    return out
+
+
+def moe_layer_indices(model_config) -> list[int]:
+    dense = set(model_config.dense_layers)
+    return [i for i in range(model_config.num_layers) if i not in dense] if model_config.is_moe else []
+
+
+def layer_topk_to_tensor(per_layer: list[torch.Tensor], batch: int) -> Optional[torch.Tensor]:
+    """[tokens, k] per layer in megatron order (s-major) -> [b, s, layers, k]."""
+    if not per_layer:
+        return None
+    stacked = torch.stack(per_layer, dim=1)  # [s*b, L, k]
+    s = stacked.shape[0] // batch
+    return stacked.reshape(s, batch, *stacked.shape[1:]).transpose(0, 1)

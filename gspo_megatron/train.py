@@ -1,0 +1,52 @@
+"""Entry point: ``python -m gspo_megatron.train [overrides]``, ``gspo-train``, or under torchrun.
+
+Compose the Hydra config, validate it once, build the trainer, train, clean up.
+"""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from gspo_megatron.config.store import register_configs
+
+register_configs()
+
+
+def run(cfg: DictConfig, run_dir: str) -> str:
+    """Train with an already composed config; returns the summary text (driver) or ''."""
+    from pathlib import Path
+
+    from gspo_megatron.config.validate import validate_config
+    from gspo_megatron.trainer.setup import build, world_size_from_env
+    from gspo_megatron.trainer.trainer import RLTrainer
+
+    import logging
+
+    logging.getLogger("megatron").setLevel(logging.WARNING)  # it lists every parameter at INFO
+    typed = OmegaConf.to_object(cfg)
+    validate_config(typed, world_size_from_env())
+    components = build(typed, Path(run_dir), OmegaConf.to_yaml(cfg, resolve=True))
+    try:
+        summary = RLTrainer(components).train()
+    finally:
+        if components.rollout is not None:
+            components.rollout.rewards.close()
+        if components.engine is not None:
+            components.engine.shutdown()
+        components.mesh.destroy()
+    return summary
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    run_dir = cfg.run_dir or HydraConfig.get().runtime.output_dir
+    summary = run(cfg, run_dir)
+    if summary:
+        print(summary)
+
+
+if __name__ == "__main__":
+    main()

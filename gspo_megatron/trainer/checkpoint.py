@@ -1,0 +1,98 @@
+"""Atomic, resumable checkpoints with megatron-core distributed checkpointing.
+
+Layout: ``<run>/checkpoints/step_000010/`` holding ``model_optim/`` (megatron ``dist_checkpointing``:
+model and optimizer, sharded by whatever layout wrote them) and ``trainer_state.pt`` (step,
+scheduler, task position, per-rank RNG states, metric history), plus ``<run>/checkpoints/latest``
+naming the newest complete checkpoint.
+
+Atomicity: everything is written into ``step_000010.partial`` and renamed into place only after
+every rank finished writing; ``latest`` is replaced with ``os.replace`` after that. A crash at any
+point leaves the previous checkpoint and ``latest`` untouched; leftover ``.partial`` directories
+are removed on the next save. Old checkpoints beyond ``keep_last`` are deleted only after the new
+one is complete.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+STATE_FILE = "trainer_state.pt"
+MODEL_DIR = "model_optim"
+
+
+def checkpoint_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def latest_checkpoint(run_dir: str | Path) -> Optional[Path]:
+    root = checkpoint_root(run_dir)
+    pointer = root / "latest"
+    if not pointer.is_file():
+        return None
+    path = root / pointer.read_text().strip()
+    if not (path / STATE_FILE).is_file():
+        raise RuntimeError(f"{pointer} names {path.name}, which is not a complete checkpoint")
+    return path
+
+
+def _sharded_state(model, optimizer, is_loading: bool):
+    model_sd = model.sharded_state_dict()
+    return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+
+
+def save_checkpoint(run_dir, step: int, model, optimizer, trainer_state: dict, keep_last: int, is_driver: bool) -> Path:
+    from megatron.core import dist_checkpointing
+
+    root = checkpoint_root(run_dir)
+    final = root / f"step_{step:06d}"
+    partial = root / f"step_{step:06d}.partial"
+    if is_driver:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob("*.partial"):
+            shutil.rmtree(stale)
+        (partial / MODEL_DIR).mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(partial / MODEL_DIR))
+    rng = {"torch": torch.get_rng_state()}
+    states = [None] * dist.get_world_size() if is_driver else None
+    dist.gather_object(rng, states, dst=0)
+    if is_driver:
+        torch.save({**trainer_state, "step": step, "rng_per_rank": states}, partial / STATE_FILE)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        tmp_pointer = root / "latest.tmp"
+        tmp_pointer.write_text(final.name)
+        os.replace(tmp_pointer, root / "latest")
+        _prune(root, keep_last)
+    dist.barrier()
+    return final
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    if keep_last < 1:
+        return
+    complete = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".partial"))
+    for old in complete[:-keep_last]:
+        shutil.rmtree(old)
+
+
+def load_checkpoint(path: Path, model, optimizer) -> dict:
+    """Restore model and optimizer in place (any layout); returns the trainer state dict."""
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(path / MODEL_DIR))
+    model.load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    state = torch.load(path / STATE_FILE, weights_only=False)
+    rank = dist.get_rank()
+    per_rank = state.get("rng_per_rank") or []
+    if rank < len(per_rank) and per_rank[rank] is not None:
+        torch.set_rng_state(per_rank[rank]["torch"])
+    return state

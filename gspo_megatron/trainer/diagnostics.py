@@ -1,0 +1,156 @@
+"""Routing bookkeeping of one RL step: old-policy routing, replay targets and volatility diagnostics.
+
+What is measured (``routing.kinds``; the math is ``routing/volatility.py``):
+- ``update``: the routing of the old-policy pass vs a recording pass over the same tokens right after
+  the first optimizer step of the step -- the GSPO paper's "experts that change after one gradient
+  update" (about 10% per update for Qwen3-30B-A3B);
+- ``minibatch``: the same recording pass after update m vs after update m-1 (drift across updates);
+- ``rollout_vs_train``: the experts the rollout engine used vs the trainer's old-policy routing of
+  the same tokens (MoE layers only; SGLang/embedded rows include dense layers).
+
+Counts are merged exactly over micro-batches, data-parallel ranks and (under sequence parallelism)
+tensor-parallel ranks; pipeline stages contribute their own layers, concatenated in stage order.
+Only the driver writes ``routing.jsonl``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from gspo_megatron.routing.volatility import (
+    RoutingVolatility,
+    all_reduce_expert_load,
+    all_reduce_volatility,
+    expert_load,
+    routing_volatility,
+)
+
+
+class RoutingDiagnostics:
+    def __init__(self, config, components, mesh):
+        self.config = config
+        self.c = components
+        self.mesh = mesh
+        self.old: list[list[torch.Tensor]] = []  # per old-pass micro-batch: per layer [tokens, k]
+        self.old_masks: list[torch.Tensor] = []
+        self.previous: Optional[list] = None
+        self.step_records: list[tuple[str, RoutingVolatility, object]] = []
+        self.current_step = 0
+
+    # --- old-policy routing --------------------------------------------------------------------
+    def remember_old_routing(self, recorded: Optional[list], micro_batches: list[dict]) -> None:
+        self.old = recorded or []
+        self.old_masks = [_token_mask(mb, self.mesh) for mb in micro_batches]
+        self.step_records = []
+        self.previous = None
+
+    def old_routing_for(self, first: int, count: int) -> list[list[torch.Tensor]]:
+        if first + count > len(self.old):
+            raise RuntimeError(
+                f"old-policy replay needs recorded routing for micro-batches {first}..{first + count - 1} "
+                f"but only {len(self.old)} were recorded"
+            )
+        return self.old[first : first + count]
+
+    # --- diagnostics ---------------------------------------------------------------------------
+    def due(self, kind: str, step: int) -> bool:
+        return self.c.replay is not None and self.config.is_due(step, kind)
+
+    def rollout_vs_train(self, step: int, micro_batches: list[dict], targets_of) -> None:
+        """Engine routing (per micro-batch, megatron order) vs the recorded old-policy routing."""
+        if not self.due("rollout_vs_train", step) or not self.old or "routed_experts" not in micro_batches[0]:
+            return
+        parts = []
+        for mb, recorded, mask in zip(micro_batches, self.old, self.old_masks):
+            engine = torch.stack(targets_of(mb), dim=1)
+            trainer = torch.stack(recorded, dim=1)
+            parts.append(routing_volatility(engine, trainer, mask))
+        self.step_records.append(("rollout_vs_train", RoutingVolatility.merge_all(parts), None))
+
+    def after_update(self, update: int, step: int, first_micro_batches: list[dict], old_offset: int) -> None:
+        """Recording pass over the first mini-batch after optimizer step ``update``."""
+        want_update = update == 0 and self.due("update", step)
+        want_minibatch = self.due("minibatch", step) and self.c.cfg.trainer.updates_per_rollout > 1
+        if not (want_update or want_minibatch) or not self.old:
+            return
+        from gspo_megatron.models.schedule import run_schedule
+
+        replay = self.c.replay
+        replay.start_recording()
+        run_schedule(self.c.model, first_micro_batches, None, forward_only=True)
+        now = replay.recorded()
+        replay.stop()
+        masks = self.old_masks[old_offset : old_offset + len(first_micro_batches)]
+        if want_update:
+            base = self.old[old_offset : old_offset + len(first_micro_batches)]
+            self.step_records.append(("update", _compare(base, now, masks), _load(now, masks, self.c)))
+        if want_minibatch and self.previous is not None:
+            self.step_records.append(("minibatch", _compare(self.previous, now, masks), None))
+        self.previous = now
+
+    def finish_step(self, step: int) -> dict[str, float]:
+        """Reduce this step's records over ranks, write routing.jsonl (driver), return scalars."""
+        metrics: dict[str, float] = {}
+        for kind, volatility, load in self.step_records:
+            volatility = self._reduce(volatility)
+            load = self._reduce_load(load) if load is not None else None
+            metrics[f"routing/{kind}_changed_frac"] = float(volatility.changed_frac_overall)
+            metrics[f"routing/{kind}_overlap"] = float(volatility.overlap_overall)
+            if self.mesh.is_driver and self.c.routing_log is not None:
+                self.c.routing_log.log(step, kind, volatility=volatility, load=load)
+        self.step_records = []
+        return metrics
+
+    def _groups(self):
+        groups = [self.mesh.dp_group]
+        if self.mesh.layout.use_sequence_parallel:
+            groups.append(self.mesh.tp_group)
+        return groups
+
+    def _reduce(self, volatility: RoutingVolatility) -> RoutingVolatility:
+        for group in self._groups():
+            volatility = all_reduce_volatility(volatility, group)
+        if self.mesh.layout.pp > 1:
+            parts = [None] * self.mesh.layout.pp
+            dist.all_gather_object(parts, volatility, group=self.mesh.pp_group)
+            volatility = RoutingVolatility(
+                torch.cat([p.changed_count for p in parts]), torch.cat([p.intersection_count for p in parts]),
+                parts[0].tokens, parts[0].top_k,
+            )
+        return volatility
+
+    def _reduce_load(self, load):
+        for group in self._groups():
+            load = all_reduce_expert_load(load, group)
+        if self.mesh.layout.pp > 1:
+            parts = [None] * self.mesh.layout.pp
+            dist.all_gather_object(parts, load, group=self.mesh.pp_group)
+            load = type(load)(torch.cat([p.counts for p in parts]), parts[0].tokens, parts[0].top_k)
+        return load
+
+
+def _compare(before: list, after: list, masks: list) -> RoutingVolatility:
+    parts = [
+        routing_volatility(torch.stack(a, dim=1), torch.stack(b, dim=1), m)
+        for a, b, m in zip(before, after, masks)
+    ]
+    return RoutingVolatility.merge_all(parts)
+
+
+def _load(routing: list, masks: list, components):
+    parts = [expert_load(torch.stack(r, dim=1), components.cfg.model.num_experts, m) for r, m in zip(routing, masks)]
+    total = parts[0]
+    for part in parts[1:]:
+        total = total.merge(part)
+    return total
+
+
+def _token_mask(micro_batch: dict, mesh) -> torch.Tensor:
+    """bool [s_local * b] in megatron's token order: real (non-padding) input tokens."""
+    mask = micro_batch["input_mask"].bool().transpose(0, 1)  # [s, b]
+    if mesh.layout.use_sequence_parallel and mesh.layout.tp > 1:
+        mask = mask.chunk(mesh.layout.tp, dim=0)[mesh.tp_rank]
+    return mask.reshape(-1)

@@ -1,0 +1,72 @@
+"""Loss-head callbacks for megatron's schedule: token log-probs and the policy loss.
+
+Runs on the last pipeline stage, on vocab-parallel logits [b, s, V/tp]. The math lives in
+``gspo_megatron.algorithms``; this module only plumbs: which tensors of the micro-batch feed it,
+which denominators and groups it uses, and which metrics come back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gspo_megatron.algorithms.config import AlgorithmConfig, make_loss_context
+from gspo_megatron.algorithms.logprobs import vocab_parallel_log_probs
+from gspo_megatron.algorithms.losses import get_policy_loss
+from gspo_megatron.algorithms.metrics import mean_entries, token_mean_metric
+from gspo_megatron.algorithms.reductions import context_parallel_sequence_sum_fn
+
+
+@dataclass
+class LogProbHead:
+    """Forward-only: per-token log-probs of the targets (old policy, or a reference pass)."""
+
+    tp_group: object
+    temperature: float
+    chunk_size: int | None = None
+
+    def __call__(self, logits: torch.Tensor, batch: dict):
+        with torch.no_grad():
+            log_probs, entropy = vocab_parallel_log_probs(
+                logits, batch["targets"], tp_group=self.tp_group, temperature=self.temperature,
+                chunk_size=self.chunk_size, with_entropy=True,
+            )
+        return logits.new_zeros(()), {"log_probs": log_probs, "entropy": entropy, "row_start": batch["row_start"]}
+
+
+@dataclass
+class PolicyLossHead:
+    """The policy-gradient loss of one micro-batch, normalised by whole-mini-batch denominators."""
+
+    algorithm: AlgorithmConfig
+    tp_group: object
+    cp_group: object
+    temperature: float
+    global_num_sequences: torch.Tensor
+    global_num_tokens: torch.Tensor
+
+    def __post_init__(self):
+        self.loss_fn = get_policy_loss(self.algorithm.loss)
+        self.sequence_sum = context_parallel_sequence_sum_fn(self.cp_group)
+
+    def __call__(self, logits: torch.Tensor, batch: dict):
+        log_probs, entropy = vocab_parallel_log_probs(
+            logits, batch["targets"], tp_group=self.tp_group, temperature=self.temperature,
+            chunk_size=self.algorithm.logprob_chunk_size, with_entropy=True,
+        )
+        ctx = make_loss_context(
+            self.algorithm,
+            global_num_sequences=self.global_num_sequences,
+            global_num_tokens=self.global_num_tokens,
+            sequence_sum=self.sequence_sum,
+        )
+        mask = batch["response_mask"]
+        out = self.loss_fn(log_probs, batch["old_log_probs"], batch["advantages"], mask, ctx)
+        metrics = dict(out.metrics)
+        metrics.update(token_mean_metric("entropy", entropy, mask, self.sequence_sum))
+        # The losses of all micro-batches and ranks add up to the mini-batch loss; a count equal to
+        # this micro-batch's share of the sequences makes the merged "mean" that total.
+        share = torch.as_tensor(float(mask.shape[0])) / self.global_num_sequences
+        metrics.update(mean_entries("loss/policy", out.loss.detach(), share))
+        return out.loss, metrics

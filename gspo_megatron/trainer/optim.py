@@ -1,0 +1,49 @@
+"""megatron-core's optimizer and LR/weight-decay scheduler, built from the optimizer section.
+
+The distributed optimizer is used where it works (CUDA); on CPU megatron refuses CPU tensors in it,
+so the plain (replicated-state) optimizer is used there. Gradient clipping is megatron's, by global
+norm over all model-parallel ranks (on CPU through the bridge in ``parallel/cpu_compat.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def build_optimizer(ddp_model, section, total_updates: int):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    on_gpu = torch.cuda.is_available()
+    bf16 = ddp_model.config.bf16
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=section.lr,
+        min_lr=section.min_lr,
+        weight_decay=section.weight_decay,
+        adam_beta1=section.adam_beta1,
+        adam_beta2=section.adam_beta2,
+        adam_eps=section.adam_eps,
+        clip_grad=section.clip_grad,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=on_gpu,
+    )
+    optimizer = get_megatron_optimizer(config, [ddp_model])
+    if section.decay_style not in ("constant", "linear", "cosine"):
+        raise ValueError(f"optimizer.decay_style must be constant, linear or cosine, got {section.decay_style!r}")
+    warmup = min(section.warmup_steps, max(total_updates - 1, 0))
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if warmup else section.lr,
+        max_lr=section.lr,
+        min_lr=section.min_lr if section.decay_style != "constant" else section.lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=max(total_updates, warmup + 1),
+        lr_decay_style=section.decay_style,
+        start_wd=section.weight_decay,
+        end_wd=section.weight_decay,
+        wd_incr_steps=max(total_updates, 1),
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler

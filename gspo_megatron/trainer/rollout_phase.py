@@ -1,0 +1,116 @@
+"""The driver's half of an RL step: prompts -> samples -> rewards -> shaped rewards -> advantages.
+
+Runs on the driver rank only (it owns the engine, the task and the reward pool); the resulting
+``RolloutBatch`` is broadcast to every rank by the trainer.
+
+Sampling seeds are a pure function of (run seed, step), so a resumed run draws the same samples as
+an uninterrupted one without saving any engine state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gspo_megatron.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from gspo_megatron.algorithms.config import AlgorithmConfig, make_advantage_context
+from gspo_megatron.data.records import PromptRecord
+from gspo_megatron.rewards.pool import RewardPool
+from gspo_megatron.rollout.engine import RolloutEngine
+from gspo_megatron.rollout.types import SamplingParams
+from gspo_megatron.shaping.apply import shape_batch
+from gspo_megatron.shaping.config import ShapingConfig
+from gspo_megatron.shaping.types import group_from_samples
+from gspo_megatron.trainer.batch import RolloutBatch, pack_samples
+
+
+class RewardFunctionError(RuntimeError):
+    """Every sample's reward call failed: the reward function itself is broken."""
+
+
+@dataclass
+class RolloutPhase:
+    engine: RolloutEngine
+    task: object  # gspo_megatron.data.tasks.Task
+    tokenizer: object
+    rewards: RewardPool
+    algorithm: AlgorithmConfig
+    shaping: ShapingConfig
+    sampling: SamplingParams
+    seed: int
+    pad_token_id: int
+    generate_fn: object = None  # optional: a truncated-rollout wrapper with the engine's generate signature
+
+    def run(self, step: int, prompts_per_step: int) -> tuple[RolloutBatch, dict[str, float]]:
+        records = self.task.next_batch(prompts_per_step)
+        params = _with_seed(self.sampling, self.seed * 1_000_003 + step)
+        generate = self.generate_fn or self.engine.generate
+        grouped = generate([list(r.prompt_ids) for r in records], params)
+        samples = [s for group in grouped for s in group]
+        texts = [self.tokenizer.decode(s.output_ids) for s in samples]
+        scored = self._score(texts, [r for r, g in zip(records, grouped) for _ in g])
+        rewards = torch.tensor([r.reward for r in scored], dtype=torch.float32)
+        correct = torch.tensor([r.correct for r in scored])
+        format_ok = torch.tensor([r.format_ok for r in scored])
+
+        g = params.n
+        groups = [
+            group_from_samples(samples[i : i + g], rewards[i : i + g], correct[i : i + g],
+                               format_ok[i : i + g], texts[i : i + g], params.max_new_tokens)
+            for i in range(0, len(samples), g)
+        ]
+        shaped = shape_batch(groups, self.shaping)
+        shaped_rewards = torch.cat([s.rewards for s in shaped.groups]).float()
+        estimator = ADVANTAGE_ESTIMATORS.get(self.algorithm.advantage_estimator)
+        advantage = estimator(shaped_rewards, make_advantage_context(self.algorithm, g))
+        batch = pack_samples(samples, advantage.advantages, rewards, shaped_rewards, self.pad_token_id,
+                             with_routed_experts=params.return_routed_experts)
+        metrics = {
+            "reward/mean": rewards.mean(),
+            "reward/std": rewards.std() if rewards.numel() > 1 else torch.zeros(()),
+            "reward/accuracy": correct.float().mean(),
+            "reward/format_ok": format_ok.float().mean(),
+            "reward/shaped_mean": shaped_rewards.mean(),
+            "reward/errors": torch.tensor(float(sum(r.error is not None for r in scored))),
+            "advantage/zero_variance_group_frac": advantage.stats["zero_variance_group_frac"],
+            "response/length_mean": batch.response_lengths.float().mean(),
+            "response/length_max": batch.response_lengths.float().max(),
+            "response/truncated_frac": torch.tensor(
+                sum(s.finish_reason.value == "length" for s in samples) / len(samples)),
+        }
+        for key, value in shaped.metrics.items():
+            if value.numel() == 1:
+                metrics[f"shaping/{key}"] = value
+        exit_reasons = [s.extra.get("exit_reason") for s in samples if "exit_reason" in s.extra]
+        for reason in sorted(set(exit_reasons)):
+            metrics[f"truncation/exit_{reason}_frac"] = torch.tensor(exit_reasons.count(reason) / len(samples))
+        return batch, {k: float(v) for k, v in metrics.items()}
+
+    def _score(self, texts: list[str], records: list[PromptRecord]):
+        scored = self.rewards.score(texts, records)
+        errors = [r.error for r in scored if r.error is not None]
+        if errors and len(errors) == len(scored):
+            raise RewardFunctionError(
+                f"the reward function {self.rewards.reward_name!r} failed on all {len(scored)} samples; "
+                f"first error: {errors[0]}"
+            )
+        return scored
+
+    def evaluate(self, records: list[PromptRecord], params: SamplingParams) -> dict[str, float]:
+        """Greedy (or configured) pass@1 and mean response length on held-out prompts."""
+        grouped = self.engine.generate([list(r.prompt_ids) for r in records], params)
+        samples = [group[0] for group in grouped]
+        texts = [self.tokenizer.decode(s.output_ids) for s in samples]
+        scored = self.rewards.score(texts, records)
+        return {
+            "eval/pass@1": sum(r.correct for r in scored) / len(scored),
+            "eval/reward_mean": sum(r.reward for r in scored) / len(scored),
+            "eval/response_length": sum(len(s.output_ids) for s in samples) / len(samples),
+        }
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, seed=seed % (2**31 - 1))

@@ -1,0 +1,136 @@
+"""What a run writes for people: metrics JSONL, TensorBoard, optional wandb, progress, summary.
+
+Only the driver rank writes. The run-directory format is ``routing/run_dir.py``'s (shared with the
+report and comparison tools). On resume, metrics past the checkpoint's step are cut from
+``metrics.jsonl`` so the file holds one line per step, as an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Optional
+
+from gspo_megatron.routing.run_dir import CONFIG_FILE, METRICS_FILE, JsonlLog, drop_records_from_step, read_jsonl
+
+PHASES = ("rollout", "old_logp", "update", "weight_sync")
+
+
+class RunLog:
+    def __init__(self, run_dir: Path, total_steps: int, *, tensorboard: bool, wandb_project: Optional[str],
+                 progress: bool, config_yaml: str, resume_step: int = 0):
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / CONFIG_FILE).write_text(config_yaml)
+        # Keep what steps 1..resume_step wrote (nothing on a fresh run), as an uninterrupted run would.
+        drop_records_from_step(run_dir / METRICS_FILE, resume_step + 1)
+        self.metrics = JsonlLog(run_dir / METRICS_FILE)
+        self.history: list[dict] = read_jsonl(run_dir / METRICS_FILE) if resume_step else []
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        self.wandb = None
+        if wandb_project:
+            import wandb  # optional extra
+
+            self.wandb = wandb.init(project=wandb_project, dir=str(run_dir), config={"run_dir": str(run_dir)})
+        self.bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=resume_step, desc="RL steps", unit="step", dynamic_ncols=True)
+        self.started = time.monotonic()
+
+    def log_step(self, step: int, metrics: dict) -> None:
+        record = {"step": step, **{k: _number(v) for k, v in metrics.items()}}
+        self.metrics.append(record)
+        self.history.append(record)
+        if self.tb is not None:
+            for key, value in record.items():
+                if key != "step" and value is not None and math.isfinite(value):
+                    self.tb.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(record, step=step)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(
+                reward=f"{record.get('reward/mean', float('nan')):.3f}",
+                clip=f"{record.get('loss/clip_frac_seq', float('nan')):.3f}",
+                t_roll=f"{record.get('time/rollout', 0):.1f}s",
+                t_upd=f"{record.get('time/update', 0):.1f}s",
+            )
+
+    def close(self) -> str:
+        """Write the reward-curve PNG and return the one-screen summary text."""
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        self.metrics.close()
+        plot = self._plot()
+        return summary_text(self.history, time.monotonic() - self.started, plot)
+
+    def _plot(self) -> Optional[Path]:
+        if not self.history:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        steps = [r["step"] for r in self.history]
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+        for key, label in (("reward/mean", "train reward"), ("eval/pass@1", "eval pass@1")):
+            pts = [(r["step"], r[key]) for r in self.history if r.get(key) is not None]
+            if pts:
+                axes[0].plot(*zip(*pts), marker="o" if key.startswith("eval") else None, label=label)
+        axes[0].set_xlabel("step")
+        axes[0].set_title("reward")
+        axes[0].legend()
+        axes[1].plot(steps, [r.get("response/length_mean") for r in self.history], label="response length")
+        axes[1].set_xlabel("step")
+        axes[1].set_title("tokens per response")
+        fig.tight_layout()
+        path = self.run_dir / "reward_curve.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+
+def _number(value) -> Optional[float]:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def summary_text(history: list[dict], wall_s: float, plot: Optional[Path]) -> str:
+    if not history:
+        return "no steps were run"
+
+    def window(key: str, first: bool) -> float:
+        values = [r[key] for r in history if r.get(key) is not None]
+        if not values:
+            return float("nan")
+        part = values[: max(1, len(values) // 5)] if first else values[-max(1, len(values) // 5):]
+        return sum(part) / len(part)
+
+    lines = [
+        "=" * 64,
+        f"gspo-megatron run summary: {len(history)} steps in {wall_s / 60:.1f} min",
+        f"  reward/mean       first 20%: {window('reward/mean', True):.3f}   last 20%: {window('reward/mean', False):.3f}",
+        f"  response length   first 20%: {window('response/length_mean', True):.2f}   last 20%: {window('response/length_mean', False):.2f}",
+        f"  clip frac (seq)   mean: {window('loss/clip_frac_seq', False):.4f}   (token) {window('loss/clip_frac_token', False):.4f}",
+    ]
+    evals = [r for r in history if r.get("eval/pass@1") is not None]
+    if evals:
+        lines.append(f"  eval pass@1       first: {evals[0]['eval/pass@1']:.3f}   last: {evals[-1]['eval/pass@1']:.3f}")
+    if plot is not None:
+        lines.append(f"  reward curve: {plot}")
+    lines.append("=" * 64)
+    return "\n".join(lines)

@@ -1,0 +1,167 @@
+"""Build everything a run needs from a validated ``TrainConfig``: the one place that wires layers.
+
+The driver (global rank 0) also builds the rollout engine, the task and the reward pool; other ranks
+leave those as None. Weights: from a local HF checkpoint when ``model.hf_checkpoint`` is set, else a
+seeded random init that is identical for any layout (drawn in HF names, then sharded on load).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from gspo_megatron.config.schema import TrainConfig
+from gspo_megatron.data.tasks import build_task
+from gspo_megatron.data.tokenizer import build_tokenizer
+from gspo_megatron.models.builder import build_model
+from gspo_megatron.models.conversion import SafetensorsSource, hf_shapes, load_hf_weights
+from gspo_megatron.models.schedule import wrap_for_training
+from gspo_megatron.parallel.layout import ParallelLayout
+from gspo_megatron.parallel.mesh import ParallelMesh, initialize_parallel
+from gspo_megatron.rewards.pool import RewardPool
+from gspo_megatron.rollout.types import SamplingParams
+from gspo_megatron.routing.replay import RoutingReplay
+from gspo_megatron.routing.run_dir import ROUTING_FILE, RoutingLog, drop_records_from_step
+from gspo_megatron.trainer.optim import build_optimizer
+from gspo_megatron.trainer.rollout_phase import RolloutPhase
+from gspo_megatron.trainer.run_log import RunLog
+
+
+@dataclass
+class Components:
+    cfg: TrainConfig
+    mesh: ParallelMesh
+    run_dir: Path
+    config_yaml: str
+    model_chunk: torch.nn.Module  # the unwrapped GPTModel stage
+    ddp: torch.nn.Module
+    model: list  # [ddp] as megatron's schedules want it
+    optimizer: object
+    scheduler: object
+    replay: Optional[RoutingReplay]
+    stage_moe_layers: list[int]
+    weight_bucket_bytes: int
+    engine: object = None
+    task: object = None
+    rollout: Optional[RolloutPhase] = None
+    run_log: Optional[RunLog] = None
+    routing_log: Optional[RoutingLog] = None
+
+
+def layout_from_config(cfg: TrainConfig, world_size: int) -> ParallelLayout:
+    p = cfg.parallel
+    return ParallelLayout(tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, cp=p.cp,
+                          sequence_parallel=p.sequence_parallel, world_size=world_size)
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def random_hf_weights(cfg: TrainConfig) -> dict[str, torch.Tensor]:
+    """Seeded init in HF names: normal(0, init_std) for matrices, ones for norms (any layout alike)."""
+    generator = torch.Generator().manual_seed(cfg.model.init_seed)
+    weights = {}
+    for name, shape in hf_shapes(cfg.model).items():
+        if name.endswith("norm.weight"):
+            weights[name] = torch.ones(shape)
+        else:
+            weights[name] = torch.randn(shape, generator=generator) * cfg.model.init_std
+    return weights
+
+
+def stage_moe_layers(model_chunk) -> list[int]:
+    """Global indices of this stage's MoE layers, in the order their routers were built."""
+    layers = []
+    for layer in model_chunk.decoder.layers:
+        if hasattr(layer.mlp, "router"):
+            layers.append(layer.layer_number - 1)
+    return layers
+
+
+def build(cfg: TrainConfig, run_dir: Path, config_yaml: str, world_size: Optional[int] = None) -> Components:
+    layout = layout_from_config(cfg, world_size or world_size_from_env()).validate(cfg.model)
+    mesh = initialize_parallel(layout, seed=cfg.trainer.seed)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
+    instances_before = RoutingReplay.instance_count()
+    model_chunk = build_model(cfg.model, layout, params_dtype=dtype, layer_spec=cfg.model.layer_spec,
+                              recompute=cfg.trainer.recompute_activations)
+    replay = RoutingReplay.capture_new_instances(instances_before) if cfg.model.is_moe else None
+    source = SafetensorsSource(cfg.model.hf_checkpoint) if cfg.model.hf_checkpoint else random_hf_weights(cfg)
+    load_hf_weights(model_chunk, cfg.model, source, mesh)
+    ddp = wrap_for_training(model_chunk, model_chunk.config)
+    total_updates = cfg.trainer.steps * cfg.trainer.updates_per_rollout
+    optimizer, scheduler = build_optimizer(ddp, cfg.optimizer, total_updates)
+    components = Components(
+        cfg=cfg, mesh=mesh, run_dir=run_dir, config_yaml=config_yaml, model_chunk=model_chunk, ddp=ddp,
+        model=[ddp], optimizer=optimizer, scheduler=scheduler, replay=replay,
+        stage_moe_layers=stage_moe_layers(model_chunk),
+        weight_bucket_bytes=cfg.rollout.sglang.weight_bucket_bytes,
+    )
+    if mesh.is_driver:
+        _build_driver_side(components)
+    return components
+
+
+def _build_driver_side(c: Components) -> None:
+    cfg = c.cfg
+    tokenizer = build_tokenizer(cfg.tokenizer.kind, cfg.tokenizer.path, model_vocab_size=cfg.model.vocab_size)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {cfg.model.vocab_size}; "
+            "raise model.vocab_size (a multiple of parallel.tp)"
+        )
+    c.task = build_task(cfg.task, tokenizer)
+    c.engine = _build_engine(cfg, tokenizer)
+    sampling = SamplingParams(
+        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+        max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=tuple(tokenizer.stop_token_ids),
+        n=cfg.rollout.group_size,
+        return_routed_experts=cfg.rollout.return_routed_experts or cfg.algorithm.routing_replay == "rollout"
+        or "rollout_vs_train" in cfg.routing.kinds,
+    )
+    generate_fn = None
+    if cfg.rollout.truncated:
+        from gspo_megatron.rollout.truncated import TruncatedRolloutEngine
+
+        generate_fn = TruncatedRolloutEngine(c.engine, cfg.rollout.truncation, tokenizer.encode, tokenizer.decode).generate
+    c.rollout = RolloutPhase(
+        engine=c.engine, task=c.task, tokenizer=tokenizer,
+        rewards=RewardPool(cfg.task.reward or c.task.reward, cfg.reward),
+        algorithm=cfg.algorithm, shaping=cfg.shaping, sampling=sampling, seed=cfg.trainer.seed,
+        pad_token_id=tokenizer.pad_token_id, generate_fn=generate_fn,
+    )
+    resume_step = _resume_step(c)
+    c.run_log = RunLog(
+        c.run_dir, cfg.trainer.steps, tensorboard=cfg.logging.tensorboard,
+        wandb_project=cfg.logging.wandb_project if cfg.logging.wandb else None,
+        progress=cfg.logging.progress, config_yaml=c.config_yaml, resume_step=resume_step,
+    )
+    drop_records_from_step(c.run_dir / ROUTING_FILE, resume_step + 1)
+    if cfg.routing.enabled and cfg.model.is_moe:
+        c.routing_log = RoutingLog(c.run_dir)
+
+
+def _resume_step(c: Components) -> int:
+    from gspo_megatron.trainer.checkpoint import latest_checkpoint
+
+    if not c.cfg.checkpoint.resume:
+        return 0
+    path = latest_checkpoint(c.run_dir)
+    return int(path.name.split("_")[-1]) if path is not None else 0
+
+
+def _build_engine(cfg: TrainConfig, tokenizer):
+    if cfg.rollout.engine == "embedded":
+        from gspo_megatron.rollout.embedded import EmbeddedEngine
+
+        return EmbeddedEngine(cfg.model.to_hf_config(), cfg.rollout.embedded, decode=tokenizer.decode)
+    if cfg.rollout.engine == "sglang":
+        from gspo_megatron.rollout.sglang.engine import SGLangEngine
+
+        return SGLangEngine(cfg.rollout.sglang)
+    raise ValueError(f"rollout.engine={cfg.rollout.engine!r} is unknown; valid: embedded, sglang")
