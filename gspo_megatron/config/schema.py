@@ -75,7 +75,8 @@ class OptimizerSection:
 
 @dataclass
 class TrainerSection:
-    steps: int = 40  # RL steps (one rollout each)
+    steps: int = 200  # RL steps (one rollout each); the LR schedule spans all of them
+    stop_after_steps: Optional[int] = None  # end the process early (a time-boxed or preempted job); resume later
     prompts_per_step: int = 16
     updates_per_rollout: int = 2  # mini-batches (optimizer steps) per rollout: ratio != 1 after the first
     micro_batch_size: int = 32  # sequences per micro-batch per data-parallel rank

@@ -48,13 +48,14 @@ class RLTrainer:
         cfg = self.cfg
         self._maybe_resume()
         self.sync_weights()
-        while self.step < cfg.trainer.steps:
+        last = cfg.trainer.steps if cfg.trainer.stop_after_steps is None else min(cfg.trainer.steps, cfg.trainer.stop_after_steps)
+        while self.step < last:
             metrics = self.train_step()
             self.step += 1
             if self.c.run_log is not None:
                 self.c.run_log.log_step(self.step, metrics)
             every = cfg.checkpoint.save_every
-            if (every and self.step % every == 0) or self.step == cfg.trainer.steps:
+            if (every and self.step % every == 0) or self.step == last:
                 self.save()
         summary = self.c.run_log.close() if self.c.run_log is not None else ""
         if self.mesh.is_driver:

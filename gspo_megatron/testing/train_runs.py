@@ -1,0 +1,33 @@
+"""Run the real training entry point in spawned ranks (isolated from the test process)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+FAST = [
+    "trainer.steps=2", "trainer.prompts_per_step=4", "rollout.group_size=4", "trainer.micro_batch_size=4",
+    "trainer.eval_every=0", "logging.progress=false", "logging.tensorboard=false",
+]
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return hydra_compose("config", overrides=list(overrides))
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def train_worker(ctx, overrides: list[str], run_dir: str):
+    """One rank of a training run; returns the metrics the driver wrote (rank 0) or []."""
+    from gspo_megatron.train import run
+
+    run(compose(overrides), run_dir)
+    return read_metrics(run_dir) if ctx.rank == 0 else []
