@@ -153,7 +153,8 @@ class MoEModelConfig:
             num_attention_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads", heads),
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            num_experts=hf.get("num_experts", 0),
+            # transformers >= 5 writes num_local_experts (num_experts is its attribute alias)
+            num_experts=hf.get("num_experts", hf.get("num_local_experts", 0)) or 0,
             top_k=hf.get("num_experts_per_tok", 1),
             moe_intermediate_size=hf.get("moe_intermediate_size", 0),
             norm_topk_prob=hf.get("norm_topk_prob", True),
