@@ -24,6 +24,10 @@ def run(cfg: DictConfig, run_dir: str) -> str:
     import logging
 
     logging.getLogger("megatron").setLevel(logging.WARNING)  # it lists every parameter at INFO
+    if cfg.model.hf_checkpoint:  # the weights decide the model's shape, not the model YAML
+        from gspo_megatron.models.hf_checkpoint import hf_shape_fields
+
+        cfg = OmegaConf.merge(cfg, {"model": hf_shape_fields(cfg.model.hf_checkpoint)})
     typed = OmegaConf.to_object(cfg)
     validate_config(typed, world_size_from_env())
     components = build(typed, Path(run_dir), OmegaConf.to_yaml(cfg, resolve=True))

@@ -27,7 +27,7 @@ from gspo_megatron.shaping.config import ShapingConfig
 @dataclass
 class ModelSection(MoEModelConfig):
     preset: Optional[str] = None  # documentation of where the numbers came from ("tiny", ...)
-    hf_checkpoint: Optional[str] = None  # a local HF Qwen3-MoE directory to start from
+    hf_checkpoint: Optional[str] = None  # a local HF Qwen3-MoE directory to start from; its config.json sets the shape
     layer_spec: str = "auto"  # auto | te | portable
     dtype: str = "float32"  # float32 | bfloat16 (bf16 needs a GPU)
     init_seed: int = 1234  # random init when no checkpoint is given
@@ -91,6 +91,8 @@ class CheckpointSection:
     save_every: int = 0  # 0: only at the end
     keep_last: int = 2
     resume: bool = False
+    export_hf: bool = False  # write the policy as a HF checkpoint to <run>/hf_export/ at the end
+    export_hf_every: int = 0  # also every N steps (0: only at the end); each export replaces the last
 
 
 @dataclass

@@ -57,6 +57,11 @@ class RLTrainer:
             every = cfg.checkpoint.save_every
             if (every and self.step % every == 0) or self.step == last:
                 self.save()
+            export_every = cfg.checkpoint.export_hf_every
+            if cfg.checkpoint.export_hf and export_every and self.step % export_every == 0 and self.step != last:
+                self.export_hf()
+        if cfg.checkpoint.export_hf:
+            self.export_hf()
         summary = self.c.run_log.close() if self.c.run_log is not None else ""
         if self.mesh.is_driver:
             from gspo_megatron.routing.report import write_routing_report
@@ -243,6 +248,14 @@ class RLTrainer:
         }
         return save_checkpoint(self.c.run_dir, self.step, self.c.model_chunk, self.c.optimizer, state,
                                self.cfg.checkpoint.keep_last, self.mesh.is_driver)
+
+    def export_hf(self) -> Path:
+        """The policy as a HF checkpoint in ``<run>/hf_export/`` (collective; replaced atomically)."""
+        from gspo_megatron.models.hf_checkpoint import save_hf_checkpoint
+
+        tokenizer = self.cfg.tokenizer
+        return save_hf_checkpoint(self.c.model_chunk, self.cfg.model, self.mesh, Path(self.c.run_dir) / "hf_export",
+                                  tokenizer_dir=tokenizer.path if tokenizer.kind == "hf" else None)
 
     def _maybe_resume(self) -> None:
         if not self.cfg.checkpoint.resume:
