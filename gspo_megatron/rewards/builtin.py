@@ -69,6 +69,23 @@ def final_answer_after_thinking(body: str) -> Optional[str]:
     return tail.strip()
 
 
+_DIGIT_RUN = re.compile(r"\d+")
+
+
+@register_reward("last_number")
+def last_number(response: str, record: PromptRecord) -> RewardResult:
+    """Correct when the last run of digits before the stop token equals the gold answer.
+
+    Free-form responses (e.g. "3 Wait 8<eos>") may reason, hesitate or restate; only the final
+    number counts -- the verifiable-answer convention of math RL, in the symbol alphabet. format_ok:
+    the response terminated and contains a number.
+    """
+    body, terminated = split_at_stop(response, record)
+    numbers = _DIGIT_RUN.findall(body)
+    correct = bool(numbers) and numbers[-1] == record.answer.strip()
+    return _graded(correct, terminated and bool(numbers))
+
+
 @register_reward("think_answer")
 def think_answer(response: str, record: PromptRecord) -> RewardResult:
     """Correct when the final answer after the thinking block equals the gold answer.

@@ -111,3 +111,24 @@ def test_resolve_reward_names_and_imports():
         resolve_reward("import:gspo_megatron.rewards.builtin:nope")
     with pytest.raises(ValueError, match="must look like"):
         resolve_reward("import:gspo_megatron.rewards.builtin")
+
+
+@pytest.mark.parametrize(
+    "response, correct, format_ok",
+    [
+        ("8<eos>", True, True),
+        ("3 Wait 8<eos>", True, True),  # the final number counts
+        ("8 Wait 3<eos>", False, True),
+        ("83<eos>", False, True),  # a different number, not a prefix match
+        ("Wait 8", True, False),  # right answer, never terminated
+        ("Wait<eos>", False, False),
+        ("8<eos>9", True, True),  # text after the stop token is ignored
+    ],
+)
+def test_last_number(response, correct, format_ok):
+    from gspo_megatron.data.records import PromptRecord
+    from gspo_megatron.rewards.registry import resolve_reward
+
+    record = PromptRecord("max 381=", "8", {"stop_strings": ["<eos>"]})
+    result = resolve_reward("last_number")(response, record)
+    assert (result.correct, result.format_ok, result.reward) == (correct, format_ok, 1.0 if correct else 0.0)

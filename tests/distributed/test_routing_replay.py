@@ -1,0 +1,149 @@
+"""Routing Replay on megatron's RouterReplay: replayed training forwards route exactly as recorded.
+
+After a real optimizer step (large LR, so routing moves), a training forward with replay uses the
+recorded old-policy experts for every token (volatility 0); without replay the experts change.
+Rollout replay (R3) makes the trainer use exactly the experts given to it, under EP=2 and PP=2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gspo_megatron.testing.distributed import run_distributed
+from gspo_megatron.testing.model_fixtures import fixed_batch, random_hf_state, tiny_test_config
+
+pytestmark = pytest.mark.distributed
+
+
+def _routing_used(model_chunk):
+    """Hooks on every router: the top-k sets it actually used, per forward, as sorted indices."""
+    used = []
+
+    def hook(module, inputs, output):
+        _, routing_map = output
+        used.append(routing_map.nonzero()[:, 1].reshape(routing_map.shape[0], -1))
+
+    handles = [layer.mlp.router.register_forward_hook(hook) for layer in model_chunk.decoder.layers]
+    return used, handles
+
+
+def _setup(layout_kwargs, seed=3):
+    from gspo_megatron.models.builder import build_model
+    from gspo_megatron.models.conversion import load_hf_weights
+    from gspo_megatron.models.schedule import wrap_for_training
+    from gspo_megatron.parallel.layout import ParallelLayout
+    from gspo_megatron.parallel.mesh import initialize_parallel
+    from gspo_megatron.routing.replay import RoutingReplay
+
+    cfg = tiny_test_config()
+    layout = ParallelLayout(**layout_kwargs).validate(cfg)
+    mesh = initialize_parallel(layout, seed=11)
+    before = RoutingReplay.instance_count()
+    model = build_model(cfg, layout)
+    replay = RoutingReplay.capture_new_instances(before)
+    load_hf_weights(model, cfg, random_hf_state(cfg, seed=seed), mesh)
+    ddp = wrap_for_training(model, model.config)
+    return cfg, layout, mesh, model, ddp, replay
+
+
+def _micro_batches(cfg, layout, mesh):
+    inputs, targets, weights = fixed_batch(cfg)
+    rows = inputs.shape[0] // layout.dp
+    sl = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
+    return [{"tokens": inputs[sl][i : i + 1], "targets": targets[sl][i : i + 1], "weights": weights[sl][i : i + 1]}
+            for i in range(rows)]
+
+
+def old_policy_replay_worker(ctx, use_replay: bool):
+    from megatron.core import tensor_parallel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from gspo_megatron.models.schedule import run_schedule
+    from gspo_megatron.routing.volatility import routing_volatility
+
+    cfg, layout, mesh, model, ddp, replay = _setup(dict(world_size=1))
+    mbs = _micro_batches(cfg, layout, mesh)
+    # 1. old-policy pass records the routing of every micro-batch
+    replay.start_recording()
+    run_schedule([ddp], mbs, None, forward_only=True)
+    old = replay.recorded()
+    replay.stop()
+    # 2. one real optimizer step with a large learning rate: routing would move
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.05, clip_grad=0.0), [ddp])
+
+    def loss(logits, batch):
+        logp = -tensor_parallel.vocab_parallel_cross_entropy(logits.float(), batch["targets"])
+        return -(batch["weights"] * logp).sum() / 48, {}
+
+    ddp.zero_grad_buffer()
+    run_schedule([ddp], mbs, loss, forward_only=False)
+    optimizer.step()
+    # 3. the training forward, with or without replay, observed through router hooks
+    used, handles = _routing_used(model)
+    before = None
+    if use_replay:
+        replay.load_targets(old)
+        before = replay.before_forward
+    ddp.zero_grad_buffer()
+    run_schedule([ddp], mbs, loss, forward_only=False, before_forward=before)
+    if use_replay:
+        replay.assert_fully_consumed()
+        replay.stop()
+    for handle in handles:
+        handle.remove()
+    layers = len(model.decoder.layers)
+    now = [used[i * layers : (i + 1) * layers] for i in range(len(mbs))]
+    changed = sum(
+        routing_volatility(torch.stack(o, 1).sort(-1).values, torch.stack(n, 1)).changed_count.sum().item()
+        for o, n in zip(old, now)
+    )
+    identical = all(torch.equal(o_l.sort(-1).values, n_l) for o, n in zip(old, now) for o_l, n_l in zip(o, n))
+    mesh.destroy()
+    return {"changed": changed, "identical": identical}
+
+
+def test_replayed_training_forward_routes_exactly_as_recorded():
+    (result,) = run_distributed(old_policy_replay_worker, 1, True)
+    assert result["identical"] and result["changed"] == 0
+
+
+def test_without_replay_routing_moves_after_an_update():
+    (result,) = run_distributed(old_policy_replay_worker, 1, False)
+    assert result["changed"] > 0 and not result["identical"]
+
+
+def rollout_replay_worker(ctx, layout_kwargs):
+    """R3: the engine's routed experts (here: a fixed random routing) are what the trainer uses."""
+    from gspo_megatron.models.schedule import run_schedule
+    from gspo_megatron.routing.replay import rollout_targets
+
+    cfg, layout, mesh, model, ddp, replay = _setup(layout_kwargs)
+    mbs = _micro_batches(cfg, layout, mesh)
+    generator = torch.Generator().manual_seed(5)
+    # an "engine" routing [b, s, layers, k]: k distinct experts per token, all layers MoE
+    engine = [torch.stack([torch.randperm(cfg.num_experts, generator=generator)[: cfg.top_k]
+                           for _ in range(mb["tokens"].numel() * cfg.num_layers)]).reshape(
+        *mb["tokens"].shape, cfg.num_layers, cfg.top_k) for mb in mbs]
+    stage_layers = [layer.layer_number - 1 for layer in model.decoder.layers]
+    targets = [rollout_targets(r, stage_layers, mesh.tp_rank, layout.tp, layout.use_sequence_parallel) for r in engine]
+    used, handles = _routing_used(model)
+    replay.load_targets(targets)
+    run_schedule([ddp], mbs, None, forward_only=True, before_forward=replay.before_forward)
+    replay.assert_fully_consumed()
+    replay.stop()
+    for handle in handles:
+        handle.remove()
+    layers = len(model.decoder.layers)
+    ok = all(
+        torch.equal(used[i * layers + j], targets[i][j].sort(-1).values)
+        for i in range(len(mbs)) for j in range(layers)
+    )
+    mesh.destroy()
+    return ok
+
+
+@pytest.mark.parametrize("layout", [dict(world_size=1), dict(ep=2, world_size=2), dict(pp=2, world_size=2)],
+                         ids=["one_rank", "ep2", "pp2"])
+def test_rollout_replay_uses_the_engine_routing(layout):
+    assert all(run_distributed(rollout_replay_worker, layout["world_size"], layout))

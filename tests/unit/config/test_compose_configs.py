@@ -1,0 +1,85 @@
+"""Every YAML in conf/ composes against the schema, converts to typed objects and validates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+from omegaconf.errors import ValidationError
+
+from gspo_megatron.config.store import register_configs
+from gspo_megatron.config.validate import ConfigError, validate_config
+from gspo_megatron.parallel.layout import LayoutError
+from gspo_megatron.testing.train_runs import CONF_DIR, compose
+
+register_configs()
+GROUPS = ["algorithm", "model", "parallel", "rollout", "task", "shaping"]
+OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((Path(CONF_DIR) / g).glob("*.yaml"))]
+EXPERIMENTS = [p.stem for p in sorted((Path(CONF_DIR) / "experiment").glob("*.yaml"))]
+# options that only make sense together with others (the rest of the defaults stays)
+NEEDS = {
+    ("rollout", "sglang"): ["rollout.sglang.model_path=/ckpt"],
+    ("task", "jsonl_math"): ["task.dataset.path=/data/math.jsonl", "tokenizer.kind=hf", "tokenizer.path=/tok"],
+    ("task", "reasoning_max_digit"): ["rollout.max_new_tokens=24"],
+}
+
+
+
+@pytest.mark.parametrize("group, option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_every_group_option_composes_and_validates(group, option):
+    overrides = [f"{group}={option}"] + NEEDS.get((group, option), [])
+    if group == "parallel" and option == "tp4_ep8":
+        overrides.append("model=qwen3_30b_a3b")
+    cfg = compose(overrides)
+    typed = OmegaConf.to_object(cfg)
+    world = typed.parallel.tp * typed.parallel.pp * typed.parallel.cp * typed.parallel.ep
+    validate_config(typed, world)
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes_and_validates(experiment):
+    typed = OmegaConf.to_object(compose([f"+experiment={experiment}"]))
+    p = typed.parallel
+    validate_config(typed, p.tp * p.pp * p.cp * p.ep)
+
+
+def test_unknown_key_fails_at_compose_time():
+    with pytest.raises(ConfigCompositionException, match="learning_rate"):
+        compose(["trainer.learning_rate=0.1"])
+
+
+def test_wrong_type_fails_at_compose_time():
+    with pytest.raises((ConfigCompositionException, ValidationError)):
+        compose(["trainer.steps=many"])
+
+
+def test_invalid_layout_names_the_numbers():
+    typed = OmegaConf.to_object(compose(["parallel.tp=3"]))
+    with pytest.raises(LayoutError, match=r"tp\*pp\*cp = 3\*1\*1 = 3 does not divide the world size 4"):
+        validate_config(typed, 4)
+
+
+def test_mini_batches_must_split_over_data_parallel_ranks():
+    typed = OmegaConf.to_object(compose(["trainer.prompts_per_step=3", "rollout.group_size=3", "trainer.updates_per_rollout=1"]))
+    with pytest.raises(ConfigError, match="not divisible by the data-parallel size 2"):
+        validate_config(typed, 2)
+
+
+def test_gspo_rejects_token_sum_aggregation():
+    typed = OmegaConf.to_object(compose(["algorithm.aggregation=token_mean"]))
+    with pytest.raises(ValueError, match="length bias"):
+        validate_config(typed, 1)
+
+
+def test_rollout_replay_with_sglang_needs_routed_experts():
+    typed = OmegaConf.to_object(compose(["algorithm=grpo_rollout_routing_replay", "rollout=sglang",
+                                         "rollout.sglang.model_path=/ckpt"]))
+    with pytest.raises(ConfigError, match="enable_return_routed_experts=true"):
+        validate_config(typed, 1)
+
+
+def test_unknown_group_option_lists_choices():
+    with pytest.raises(ConfigCompositionException, match="gspo"):
+        compose(["algorithm=gpso"])
