@@ -8,6 +8,7 @@ megatron-core's ``parallel_state`` because megatron's modules read their groups 
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -123,6 +124,13 @@ class ParallelMesh:
             dist.destroy_process_group()
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def initialize_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: float = 600.0) -> ParallelMesh:
     """Start torch.distributed (env:// rendezvous from torchrun) and megatron's parallel state.
 
@@ -135,10 +143,8 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: flo
     if not use_cuda:
         enable_cpu_megatron()
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
+        if "WORLD_SIZE" not in os.environ:  # a plain `python -m ...` run: one rank on a free local port
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
+
+from gspo_megatron.parallel.mesh import free_port
 
 
 class DistributedRunError(RuntimeError):
@@ -30,13 +31,6 @@ class DistributedRunError(RuntimeError):
 class RankContext:
     rank: int
     world_size: int
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rank_main(rank, world_size, port, fn, args, kwargs, results, threads):

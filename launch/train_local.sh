@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Single node, any number of ranks, any Hydra overrides appended:
+#   bash launch/train_local.sh                       # 1 rank: the default GSPO run on the tiny MoE
+#   NPROC=2 bash launch/train_local.sh parallel=tp2  # 2 ranks, tensor parallel
+#   NPROC=4 bash launch/train_local.sh parallel=tp2_ep2 algorithm=grpo_routing_replay
+# NPROC must be a multiple of tp*pp*cp (the rest is data parallelism). On CPU the ranks use gloo.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+NPROC=${NPROC:-1}
+if [ "$NPROC" = 1 ]; then
+  exec python3 -m gspo_megatron.train "$@"
+fi
+exec torchrun --standalone --nproc-per-node "$NPROC" -m gspo_megatron.train "$@"
