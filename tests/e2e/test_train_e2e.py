@@ -67,3 +67,20 @@ def test_default_run_learns(tmp_path):
     assert last > first + 0.1, f"reward did not rise: first 10 steps {first:.3f}, last 10 {last:.3f}"
     assert (tmp_path / "reward_curve.png").is_file() and (tmp_path / "routing_report.html").is_file()
     assert read_metrics(tmp_path) == metrics
+
+
+@pytest.mark.distributed
+def test_launch_script_runs_torchrun_with_overrides(tmp_path):
+    """The documented single-node launcher, two ranks, Hydra overrides appended."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, NPROC="2", OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    cmd = ["bash", str(repo / "launch" / "train_local.sh"), "parallel=tp2", f"run_dir={tmp_path}", *FAST]
+    done = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _check_run(read_metrics(tmp_path), 2)
+    assert "tp: 2" in (tmp_path / "config.yaml").read_text()
