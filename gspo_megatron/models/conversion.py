@@ -146,6 +146,9 @@ def _mapping_for(model, name: str, cfg: MoEModelConfig, first_expert: int) -> Pa
     simple = {
         "input_layernorm.weight": (p + "input_layernorm.weight", None, None),
         "pre_mlp_layernorm.weight": (p + "post_attention_layernorm.weight", None, None),
+        # TE spec: the pre-attention norm (and a dense MLP's pre-norm) is fused into the next linear
+        "self_attention.linear_qkv.layer_norm_weight": (p + "input_layernorm.weight", None, None),
+        "mlp.linear_fc1.layer_norm_weight": (p + "post_attention_layernorm.weight", None, None),
         "self_attention.q_layernorm.weight": (p + "self_attn.q_norm.weight", None, None),
         "self_attention.k_layernorm.weight": (p + "self_attn.k_norm.weight", None, None),
         "self_attention.linear_proj.weight": (p + "self_attn.o_proj.weight", 1, "tp"),
