@@ -126,7 +126,7 @@ def write_hf_checkpoint(
         for bucket in buckets:
             for name, tensor in bucket:
                 writer.add(name, tensor)
-                dtype = dtype or tensor.dtype
+                dtype = tensor.dtype if dtype is None else dtype
         writer.close()
         config = hf_config_dict(cfg, dtype)
         (partial / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
