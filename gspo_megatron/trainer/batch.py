@@ -11,7 +11,7 @@ Design decisions:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 import torch
@@ -32,7 +32,6 @@ class RolloutBatch:
     response_lengths: torch.Tensor  # long [N]
     routed_experts: Optional[torch.Tensor] = None  # int [N, S-1, layers, k] from the engine (R3)
     old_log_probs: Optional[torch.Tensor] = None  # float [N, S-1], filled by the trainer
-    extras: dict = field(default_factory=dict)
 
     @property
     def num_sequences(self) -> int:
@@ -73,6 +72,10 @@ def pack_samples(
         # target index j scores token j+1: response tokens p..p+r-1 are targets p-1..p+r-2
         mask[i, p - 1 : p + r - 1] = 1.0
         input_mask[i, : p + r - 1] = 1.0  # the last token is never fed (SGLang's routed rows alike)
+        if "forced_mask" in sample.extra:
+            # tokens the truncated rollout inserted (closing the thinking block) were not sampled by
+            # the policy: they are context, not actions -- no loss, no log-prob comparison
+            mask[i, p - 1 : p + r - 1] *= 1.0 - sample.extra["forced_mask"].float()
         rollout_logp[i, p - 1 : p + r - 1] = sample.output_log_probs.float()
         if with_routed_experts:
             if sample.routed_experts is None:

@@ -1,9 +1,12 @@
 """Routing bookkeeping of one RL step: old-policy routing, replay targets and volatility diagnostics.
 
 What is measured (``routing.kinds``; the math is ``routing/volatility.py``):
-- ``update``: the routing of the old-policy pass vs a recording pass over the same tokens right after
-  the first optimizer step of the step -- the GSPO paper's "experts that change after one gradient
-  update" (about 10% per update for Qwen3-30B-A3B);
+- ``update``: the routing of the old-policy pass vs the routing of the same tokens right after the
+  first optimizer step of the step -- the GSPO paper's "experts that change after one gradient
+  update" (about 10% per update for Qwen3-30B-A3B). Without replay and with >= 2 updates this is
+  free: the second mini-batch's training forward is recorded (it runs after exactly one step).
+  Otherwise (replayed forwards do not route freely) a forward-only recording pass over the first
+  mini-batch runs after the first step;
 - ``minibatch``: the same recording pass after update m vs after update m-1 (drift across updates);
 - ``rollout_vs_train``: the experts the rollout engine used vs the trainer's old-policy routing of
   the same tokens (MoE layers only; SGLang/embedded rows include dense layers).
@@ -70,9 +73,19 @@ class RoutingDiagnostics:
             parts.append(routing_volatility(engine, trainer, mask))
         self.step_records.append(("rollout_vs_train", RoutingVolatility.merge_all(parts), None))
 
-    def after_update(self, update: int, step: int, first_micro_batches: list[dict], old_offset: int) -> None:
-        """Recording pass over the first mini-batch after optimizer step ``update``."""
-        want_update = update == 0 and self.due("update", step)
+    def records_training_forward(self, update: int, step: int) -> bool:
+        """Whether update ``update``'s training forward is the free "update" measurement."""
+        return update == 1 and self.c.cfg.algorithm.routing_replay == "none" and self.due("update", step)
+
+    def from_training_forward(self, recorded: list, old_offset: int) -> None:
+        masks = self.old_masks[old_offset : old_offset + len(recorded)]
+        base = self.old[old_offset : old_offset + len(recorded)]
+        self.step_records.append(("update", _compare(base, recorded, masks), _load(recorded, masks, self.c)))
+
+    def after_update(self, update: int, step: int, first_micro_batches: list[dict]) -> None:
+        """Recording pass over the first mini-batch after optimizer step ``update``, when needed."""
+        free = self.c.cfg.algorithm.routing_replay == "none" and self.c.cfg.trainer.updates_per_rollout > 1
+        want_update = update == 0 and self.due("update", step) and not free
         want_minibatch = self.due("minibatch", step) and self.c.cfg.trainer.updates_per_rollout > 1
         if not (want_update or want_minibatch) or not self.old:
             return
@@ -83,9 +96,9 @@ class RoutingDiagnostics:
         run_schedule(self.c.model, first_micro_batches, None, forward_only=True)
         now = replay.recorded()
         replay.stop()
-        masks = self.old_masks[old_offset : old_offset + len(first_micro_batches)]
+        masks = self.old_masks[: len(first_micro_batches)]
         if want_update:
-            base = self.old[old_offset : old_offset + len(first_micro_batches)]
+            base = self.old[: len(first_micro_batches)]
             self.step_records.append(("update", _compare(base, now, masks), _load(now, masks, self.c)))
         if want_minibatch and self.previous is not None:
             self.step_records.append(("minibatch", _compare(self.previous, now, masks), None))

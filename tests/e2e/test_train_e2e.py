@@ -84,3 +84,17 @@ def test_launch_script_runs_torchrun_with_overrides(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     _check_run(read_metrics(tmp_path), 2)
     assert "tp: 2" in (tmp_path / "config.yaml").read_text()
+
+
+def test_truncated_rollout_and_step_grpo_shaping(tmp_path):
+    overrides = FAST + [
+        "task.reward=last_number", "rollout.max_new_tokens=8", "shaping=step_grpo",
+        "rollout.truncated=true", "rollout.truncation.probe_suffix=' answer '",
+        "rollout.truncation.close_thinking=' </think> '", "rollout.truncation.max_probes=2",
+    ]
+    (metrics,) = run_distributed(train_worker, 1, overrides, str(tmp_path), timeout=600)
+    _check_run(metrics, 2)
+    exits = [k for k in metrics[0] if k.startswith("truncation/exit_")]
+    assert exits, "the truncated rollout must report its exit reasons"
+    assert sum(metrics[0][k] for k in exits) == pytest.approx(1.0)
+    assert "shaping/step_grpo/correct_steps_mean" in metrics[0] or "shaping/steps_per_response" in metrics[0]
