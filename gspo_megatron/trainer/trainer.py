@@ -125,7 +125,7 @@ class RLTrainer:
             self.diagnostics.rollout_vs_train(self.step, flat, self._rollout_targets)
         batch.old_log_probs = self._gather_rows(outputs, flat, "log_probs", batch)
         mask = batch.response_mask
-        sums = train_inference_mismatch(batch.old_log_probs, batch.rollout_log_probs, mask * _not_forced(batch))
+        sums = train_inference_mismatch(batch.old_log_probs, batch.rollout_log_probs, mask)
         out = {k: float(v) for k, v in finalize_mismatch(sums).items()}
         entropy = self._gather_rows(outputs, flat, "entropy", batch)
         out["policy/entropy_old"] = float((entropy * mask).sum() / mask.sum().clamp_min(1))
@@ -171,9 +171,14 @@ class RLTrainer:
                 global_num_tokens=mask.sum(),
             )
             before = self._replay_for_update(offset, mbs)
+            record = self.diagnostics.records_training_forward(update, self.step)
+            if record:
+                self.c.replay.start_recording()
             self.c.ddp.zero_grad_buffer()
             self.c.optimizer.zero_grad()
             outputs = run_schedule(self.c.model, mbs, head, forward_only=False, before_forward=before)
+            if record:
+                self.diagnostics.from_training_forward(self.c.replay.recorded(), offset)
             if self.c.replay is not None:
                 self.c.replay.assert_fully_consumed()
                 self.c.replay.stop()
@@ -184,7 +189,7 @@ class RLTrainer:
             grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
             for out in outputs:
                 merged = merge_metrics(merged, {k: v for k, v in out.items() if "/" in k})
-            self.diagnostics.after_update(update, self.step, self._parts[0], 0)
+            self.diagnostics.after_update(update, self.step, self._parts[0])
             offset += len(mbs)
         metrics = self._reduce_loss_metrics(merged)
         metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
@@ -273,12 +278,6 @@ class RLTrainer:
         self.step = int(state["step"])
         if self.mesh.is_driver:
             print(f"[gspo] resumed from {path} at step {self.step}")
-
-
-def _not_forced(batch: RolloutBatch) -> torch.Tensor:
-    """Tokens the engine inserted rather than sampled (truncated rollout) have no sampling log-prob."""
-    forced = batch.extras.get("forced_mask")
-    return torch.ones_like(batch.response_mask) if forced is None else 1.0 - forced
 
 
 class _timed:
