@@ -37,11 +37,25 @@ def fixed_batch(cfg: MoEModelConfig, batch: int = 4, seq: int = 12, seed: int = 
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), weights
 
 
-def model_layout_worker(ctx, cfg: MoEModelConfig, state: dict, layout_kwargs: dict):
-    """Build the layout, load ``state``, run forward+backward of a weighted log-likelihood loss.
+def policy_inputs(log_probs: torch.Tensor, seed: int = 5, noise: float = 1e-4) -> dict:
+    """Old log-probs near ``log_probs`` (ratios well inside GSPO's clip range), advantages, a
+    response mask with a different length per row."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, seq = log_probs.shape
+    mask = torch.zeros(batch, seq)
+    for row in range(batch):
+        mask[row, 3 + row : seq - row % 2] = 1.0
+    old = log_probs + noise * (2 * torch.rand(batch, seq, generator=generator) - 1)
+    return {"old_log_probs": old, "advantages": torch.randn(batch, generator=generator), "response_mask": mask}
 
-    Returns this rank's exported weights, the log-probs it holds (last stage, by dp rank) and the
-    gradients gathered to HF names.
+
+def model_layout_worker(ctx, cfg: MoEModelConfig, state: dict, layout_kwargs: dict, policy: dict | None = None):
+    """Build the layout, load ``state``, run forward+backward of a loss through megatron's schedule.
+
+    The loss is a weighted log-likelihood, or -- with ``policy`` = {"loss": name, "old_log_probs",
+    "advantages", "response_mask"} -- the trainer's own policy-loss head with global denominators.
+    Returns this rank's exported weights, the log-probs it holds (last stage, by dp rank), its loss
+    contribution and the gradients gathered to HF names.
     """
     from megatron.core import tensor_parallel
 
@@ -63,9 +77,12 @@ def model_layout_worker(ctx, cfg: MoEModelConfig, state: dict, layout_kwargs: di
     rows = inputs.shape[0] // layout.dp
     sl = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
     per_micro = max(1, rows // 2)
+    per_row = {"weights": weights}
+    if policy is not None:
+        per_row.update({k: policy[k] for k in ("old_log_probs", "advantages", "response_mask")})
     micro_batches = [
         {"tokens": inputs[sl][i : i + per_micro], "targets": targets[sl][i : i + per_micro],
-         "weights": weights[sl][i : i + per_micro]}
+         **{k: v[sl][i : i + per_micro] for k, v in per_row.items()}}
         for i in range(0, rows, per_micro)
     ]
 
@@ -74,6 +91,9 @@ def model_layout_worker(ctx, cfg: MoEModelConfig, state: dict, layout_kwargs: di
         logp = -tensor_parallel.vocab_parallel_cross_entropy(logits.float(), batch["targets"])
         loss = -(batch["weights"] * logp).sum() / total_tokens
         return loss, {"log_probs": logp.detach(), "loss": loss.detach()}
+
+    if policy is not None:
+        loss_callback = _policy_callback(policy, mesh)
 
     metrics = run_schedule([ddp], micro_batches, loss_callback, forward_only=False)
     grads = export_hf_state_dict(model, cfg, mesh, tensor_of=gradient_of)
@@ -84,3 +104,26 @@ def model_layout_worker(ctx, cfg: MoEModelConfig, state: dict, layout_kwargs: di
         loss = sum(m["loss"] for m in metrics)
     mesh.destroy()
     return {"exported": exported, "log_probs": log_probs, "grads": grads, "loss": loss}
+
+
+def _policy_callback(policy: dict, mesh):
+    from gspo_megatron.algorithms.config import AlgorithmConfig
+    from gspo_megatron.trainer.loss_head import PolicyLossHead
+
+    clip = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.28)}[policy["loss"]]
+    mask = policy["response_mask"]
+    head = PolicyLossHead(
+        AlgorithmConfig(name=policy["loss"], loss=policy["loss"], clip_low=clip[0], clip_high=clip[1]),
+        mesh.tp_group, None, 1.0,
+        global_num_sequences=(mask.sum(1) > 0).sum().float(), global_num_tokens=mask.sum(),
+    )
+
+    def callback(logits, batch):
+        loss, metrics = head(logits, batch)
+        from gspo_megatron.algorithms.logprobs import vocab_parallel_log_probs
+
+        with torch.no_grad():
+            logp, _ = vocab_parallel_log_probs(logits, batch["targets"], tp_group=mesh.tp_group)
+        return loss, {"log_probs": logp, "loss": loss.detach()}
+
+    return callback
