@@ -132,10 +132,10 @@ class MoEModelConfig:
     @classmethod
     def from_hf_dict(cls, hf: Mapping[str, Any]) -> "MoEModelConfig":
         model_type = hf.get("model_type")
-        if model_type not in ("qwen3_moe", "qwen2_moe"):
+        if model_type != "qwen3_moe":
             raise ModelConfigError(
-                f"config.json has model_type={model_type!r}; only Qwen3-MoE (qwen3_moe) and "
-                "Qwen2-MoE (qwen2_moe) checkpoints are supported"
+                f"config.json has model_type={model_type!r}; only Qwen3-MoE (qwen3_moe) checkpoints are "
+                "supported (Qwen2-MoE has q/k/v biases and no q/k norms, which this builder does not make)"
             )
         missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if k not in hf]
         if missing:

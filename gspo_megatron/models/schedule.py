@@ -47,6 +47,8 @@ def wrap_for_training(model, config, *, grad_reduce_in_fp32: bool = True, bucket
 
 def _forward_step(loss_callback: Optional[LossCallback], before_forward, data_iterator, model):
     batch = next(data_iterator)
+    device = next(model.parameters()).device
+    batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     if before_forward is not None:
         before_forward()
     tokens = batch["tokens"]

@@ -75,7 +75,8 @@ class RoutingReplay:
 
     def _recorder(self, layer: int):
         def record(topk_indices: torch.Tensor) -> None:
-            self._recorded[layer].append(topk_indices.detach().clone())
+            # kept on the CPU: small ([tokens, k] ints), compared and re-sent as replay targets later
+            self._recorded[layer].append(topk_indices.detach().to("cpu", copy=True))
 
         return record
 

@@ -124,8 +124,13 @@ class RoutingDiagnostics:
         return groups
 
     def _reduce(self, volatility: RoutingVolatility) -> RoutingVolatility:
+        device = self.mesh.device  # NCCL reduces device tensors only
+        volatility = RoutingVolatility(volatility.changed_count.to(device), volatility.intersection_count.to(device),
+                                       volatility.tokens.to(device), volatility.top_k)
         for group in self._groups():
             volatility = all_reduce_volatility(volatility, group)
+        volatility = RoutingVolatility(volatility.changed_count.cpu(), volatility.intersection_count.cpu(),
+                                       volatility.tokens.cpu(), volatility.top_k)
         if self.mesh.layout.pp > 1:
             parts = [None] * self.mesh.layout.pp
             dist.all_gather_object(parts, volatility, group=self.mesh.pp_group)
@@ -136,8 +141,10 @@ class RoutingDiagnostics:
         return volatility
 
     def _reduce_load(self, load):
+        load = type(load)(load.counts.to(self.mesh.device), load.tokens.to(self.mesh.device), load.top_k)
         for group in self._groups():
             load = all_reduce_expert_load(load, group)
+        load = type(load)(load.counts.cpu(), load.tokens.cpu(), load.top_k)
         if self.mesh.layout.pp > 1:
             parts = [None] * self.mesh.layout.pp
             dist.all_gather_object(parts, load, group=self.mesh.pp_group)

@@ -57,8 +57,8 @@ class PolicyLossHead:
         )
         ctx = make_loss_context(
             self.algorithm,
-            global_num_sequences=self.global_num_sequences,
-            global_num_tokens=self.global_num_tokens,
+            global_num_sequences=self.global_num_sequences.to(logits.device),
+            global_num_tokens=self.global_num_tokens.to(logits.device),
             sequence_sum=self.sequence_sum,
         )
         mask = batch["response_mask"]
@@ -67,6 +67,6 @@ class PolicyLossHead:
         metrics.update(token_mean_metric("entropy", entropy, mask, self.sequence_sum))
         # The losses of all micro-batches and ranks add up to the mini-batch loss; a count equal to
         # this micro-batch's share of the sequences makes the merged "mean" that total.
-        share = torch.as_tensor(float(mask.shape[0])) / self.global_num_sequences
+        share = torch.as_tensor(float(mask.shape[0]), device=logits.device) / ctx.global_num_sequences
         metrics.update(mean_entries("loss/policy", out.loss.detach(), share))
         return out.loss, metrics

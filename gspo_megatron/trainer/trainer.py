@@ -137,7 +137,7 @@ class RLTrainer:
 
     def _gather_rows(self, outputs: list[dict], flat: list[dict], key: str, batch: RolloutBatch) -> torch.Tensor:
         """Per-token values of this rank's rows (last stage) -> the whole batch on every rank."""
-        full = torch.zeros(batch.num_sequences, batch.tokens.shape[1] - 1)
+        full = torch.zeros(batch.num_sequences, batch.tokens.shape[1] - 1, device=self.mesh.device)
         for out in outputs:
             start = out["row_start"]
             full[start : start + out[key].shape[0]] = out[key].float()
@@ -146,7 +146,7 @@ class RLTrainer:
             dist.all_reduce(full, group=self.mesh.dp_group)
         if self.mesh.layout.pp > 1:
             dist.broadcast(full, src=self.mesh.last_stage_global_rank, group=self.mesh.pp_group)
-        return full
+        return full.cpu()
 
     def _rollout_targets(self, micro_batch: dict) -> list[torch.Tensor]:
         from gspo_megatron.routing.replay import rollout_targets
