@@ -1,0 +1,66 @@
+"""Bad input gets a clear error, and the run directory is never left corrupt."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gspo_megatron.testing.distributed import DistributedRunError, run_distributed
+from gspo_megatron.testing.train_runs import FAST, train_worker
+
+pytestmark = pytest.mark.e2e
+
+
+def _assert_not_corrupt(run_dir):
+    """Either nothing was written, or what was written parses and no partial checkpoint exists."""
+    if not run_dir.exists():
+        return
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        for line in metrics.read_text().splitlines():
+            json.loads(line)
+    checkpoints = run_dir / "checkpoints"
+    if checkpoints.exists():
+        assert not list(checkpoints.glob("*.partial"))
+
+
+def _dataset_overrides(path):
+    return FAST + ["task.name=jsonl", f"task.dataset.path={path}", "task.reward=last_number",
+                   "task.dataset.apply_chat_template=false"]
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [("", "empty"), ('{"prompt": "max 12=", "answer": "2"}\n{"prompt": "max 3\n', r"prompts.jsonl:2: malformed JSON"),
+     ('{"question": "max 12=", "answer": "2"}\n', "prompt")],
+    ids=["empty", "malformed_json", "missing_field"],
+)
+def test_bad_task_file(tmp_path, content, message):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(content)
+    run_dir = tmp_path / "run"
+    with pytest.raises(DistributedRunError, match=message):
+        run_distributed(train_worker, 1, _dataset_overrides(data), str(run_dir))
+    _assert_not_corrupt(run_dir)
+
+
+def test_dataset_task_trains(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"max {n}=", "answer": max(str(n))}) + "\n" for n in range(100, 140)))
+    (metrics,) = run_distributed(train_worker, 1, _dataset_overrides(data), str(tmp_path / "run"))
+    assert len(metrics) == 2
+
+
+def test_reward_function_that_raises(tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = FAST + ["task.reward=import:gspo_megatron.testing.reward_doubles:always_raises"]
+    with pytest.raises(DistributedRunError, match="failed on all .* samples.*broken on purpose"):
+        run_distributed(train_worker, 1, overrides, str(run_dir))
+    _assert_not_corrupt(run_dir)
+    assert not (run_dir / "checkpoints").exists()
+
+
+def test_missing_checkpoint_directory_is_named(tmp_path):
+    with pytest.raises(DistributedRunError, match="no Hugging Face config at .*config.json"):
+        run_distributed(train_worker, 1, FAST + [f"model.hf_checkpoint={tmp_path}"], str(tmp_path / "run"))
