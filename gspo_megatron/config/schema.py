@@ -83,6 +83,7 @@ class TrainerSection:
     seed: int = 1234
     eval_every: int = 10  # 0: never
     eval_prompts: int = 64
+    eval_samples: int = 1  # k: > 1 adds mean@k and pass@k (set rollout.eval_temperature > 0)
     recompute_activations: bool = False
 
 

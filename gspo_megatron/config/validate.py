@@ -30,6 +30,11 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
     for name in ("steps", "prompts_per_step", "updates_per_rollout", "micro_batch_size"):
         if getattr(t, name) < 1:
             raise ConfigError(f"trainer.{name} must be >= 1, got {getattr(t, name)}")
+    if t.eval_samples > 1 and cfg.rollout.eval_temperature == 0:
+        raise ConfigError(
+            f"trainer.eval_samples={t.eval_samples} with greedy decoding (rollout.eval_temperature=0) gives "
+            "k identical samples; set rollout.eval_temperature > 0 or trainer.eval_samples=1"
+        )
     if cfg.rollout.group_size < 2:
         raise ConfigError(
             f"rollout.group_size={cfg.rollout.group_size}: group-relative advantages need >= 2 responses per prompt"

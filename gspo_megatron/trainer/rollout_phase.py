@@ -98,16 +98,22 @@ class RolloutPhase:
         return scored
 
     def evaluate(self, records: list[PromptRecord], params: SamplingParams) -> dict[str, float]:
-        """Greedy (or configured) pass@1 and mean response length on held-out prompts."""
+        """pass@1 (first sample), mean@k and pass@k over ``params.n`` samples, and response length."""
         grouped = self.engine.generate([list(r.prompt_ids) for r in records], params)
-        samples = [group[0] for group in grouped]
+        samples = [s for group in grouped for s in group]
         texts = [self.tokenizer.decode(s.output_ids) for s in samples]
-        scored = self.rewards.score(texts, records)
-        return {
-            "eval/pass@1": sum(r.correct for r in scored) / len(scored),
+        scored = self.rewards.score(texts, [r for r, g in zip(records, grouped) for _ in g])
+        k = params.n
+        correct = torch.tensor([r.correct for r in scored], dtype=torch.float32).reshape(len(records), k)
+        metrics = {
+            "eval/pass@1": float(correct[:, 0].mean()),
             "eval/reward_mean": sum(r.reward for r in scored) / len(scored),
             "eval/response_length": sum(len(s.output_ids) for s in samples) / len(samples),
         }
+        if k > 1:
+            metrics[f"eval/mean@{k}"] = float(correct.mean())
+            metrics[f"eval/pass@{k}"] = float(correct.amax(dim=1).mean())
+        return metrics
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

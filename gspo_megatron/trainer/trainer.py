@@ -234,12 +234,10 @@ class RLTrainer:
     def _evaluate(self) -> dict:
         payload = [None]
         if self.mesh.is_driver:
-            from gspo_megatron.rollout.types import SamplingParams
-
             records = self.c.task.eval_records(self.cfg.trainer.eval_prompts)
-            params = replace(self.c.rollout.sampling, n=1, temperature=self.cfg.rollout.eval_temperature,
+            params = replace(self.c.rollout.sampling, n=self.cfg.trainer.eval_samples,
+                             temperature=self.cfg.rollout.eval_temperature,
                              seed=self.cfg.trainer.seed, return_routed_experts=False)
-            assert isinstance(params, SamplingParams)
             payload = [self.c.rollout.evaluate(records, params)]
         dist.broadcast_object_list(payload, src=0)
         return payload[0]
