@@ -34,11 +34,7 @@ def run(cfg: DictConfig, run_dir: str) -> str:
     try:
         summary = RLTrainer(components).train()
     finally:
-        if components.rollout is not None:
-            components.rollout.rewards.close()
-        if components.engine is not None:
-            components.engine.shutdown()
-        components.mesh.destroy()
+        components.close()
     return summary
 
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from gspo_megatron.algorithms import LossContext, get_policy_loss, vocab_parallel_log_probs
+from gspo_megatron.testing.memory import peak_bytes
 
 
 def _inputs(args):
@@ -72,39 +73,6 @@ def _timed(fn, device):
     return elapsed
 
 
-def _peak_bytes(fn, device) -> int:
-    if device == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        grad = fn()
-        torch.cuda.synchronize()
-        del grad
-        return torch.cuda.max_memory_allocated() - base
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        grad = fn()
-        del grad
-    allocations = []  # (time, signed bytes) of every allocation and free the CPU allocator reported
-
-    def walk(node):
-        if type(node.extra_fields).__name__ == "_ExtraFields_Allocation":
-            allocations.append((node.start_time_ns, node.extra_fields.alloc_size))
-        for child in node.children:
-            walk(child)
-
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root)
-    if not allocations:
-        raise RuntimeError("the profiler recorded no allocations; this torch build cannot measure CPU memory")
-    live = peak = 0
-    for _, delta in sorted(allocations):
-        live += delta
-        peak = max(peak, live)
-    return peak
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -132,7 +100,7 @@ def main(argv=None) -> None:
     for _ in range(args.repeats):
         for name, fn in paths.items():
             times[name].append(_timed(fn, args.device))
-    peaks = {name: _peak_bytes(fn, args.device) for name, fn in paths.items()}
+    peaks = {name: peak_bytes(fn, args.device) for name, fn in paths.items()}
 
     copy_bytes = args.tokens * args.vocab * 4
     print(

@@ -30,6 +30,7 @@ import argparse
 import statistics
 import time
 from dataclasses import asdict
+from gspo_megatron.testing.memory import peak_bytes
 
 LAYOUTS = {
     "single": dict(world_size=1),
@@ -89,42 +90,10 @@ def bench_worker(ctx, cfg, state: dict, layout_kwargs: dict, batch: int, seq: in
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step ends when the slowest rank ends
         if i >= warmup:
             times.append(float(elapsed))
-    peak = _step_peak_bytes(step, device)
+    peak = peak_bytes(step, device)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     mesh.destroy()
     return {"times": times, "peak_bytes": peak, "param_bytes": param_bytes, "tokens": total_tokens}
-
-
-def _step_peak_bytes(step, device) -> int:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        return torch.cuda.max_memory_allocated() - base
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = []
-
-    def walk(node):
-        if type(node.extra_fields).__name__ == "_ExtraFields_Allocation":
-            events.append((node.start_time_ns, node.extra_fields.alloc_size))
-        for child in node.children:
-            walk(child)
-
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root)
-    if not events:
-        raise RuntimeError("the profiler recorded no allocations; this torch build cannot measure CPU memory")
-    live = peak = 0
-    for _, delta in sorted(events):
-        live += delta
-        peak = max(peak, live)
-    return peak
 
 
 def run_layout(name: str, cfg, state: dict, args) -> dict:

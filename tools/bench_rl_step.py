@@ -83,11 +83,7 @@ def bench_worker(ctx, overrides: list[str], run_dir: str) -> list[dict]:
     try:
         trainer.train()
     finally:
-        if components.rollout is not None:
-            components.rollout.rewards.close()
-        if components.engine is not None:
-            components.engine.shutdown()
-        components.mesh.destroy()
+        components.close()
     if ctx.rank != 0:
         return []
     steps = []

@@ -51,6 +51,14 @@ class Components:
     run_log: Optional[RunLog] = None
     routing_log: Optional[RoutingLog] = None
 
+    def close(self) -> None:
+        """Stop what the run started: reward workers, the engine (and servers it launched), groups."""
+        if self.rollout is not None:
+            self.rollout.rewards.close()
+        if self.engine is not None:
+            self.engine.shutdown()
+        self.mesh.destroy()
+
 
 def layout_from_config(cfg: TrainConfig, world_size: int) -> ParallelLayout:
     p = cfg.parallel

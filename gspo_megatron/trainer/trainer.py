@@ -73,10 +73,12 @@ class RLTrainer:
         timings: dict[str, float] = {}
         with _timed(timings, "rollout"):
             batch, metrics = self._rollout()
+        parts = partition(batch, self.cfg.trainer.updates_per_rollout, self.cfg.trainer.micro_batch_size,
+                          self.mesh.layout.dp, self.mesh.dp_rank)
         with _timed(timings, "old_logp"):
-            old_metrics = self._old_log_probs(batch)
+            old_metrics = self._old_log_probs(batch, parts)
         with _timed(timings, "update"):
-            update_metrics = self._policy_updates(batch)
+            update_metrics = self._policy_updates(batch, parts)
         with _timed(timings, "weight_sync"):
             self.sync_weights()
         metrics.update(old_metrics)
@@ -98,13 +100,16 @@ class RLTrainer:
         batch, metrics = payload[0]
         return batch, dict(metrics)
 
-    def _old_log_probs(self, batch: RolloutBatch) -> dict:
-        """pi_old log-probs (and the routing they used) for every row, on every rank."""
+    def _old_log_probs(self, batch: RolloutBatch, parts: list[list[dict]]) -> dict:
+        """pi_old log-probs (and the routing they used) for every row, on every rank.
+
+        Runs over exactly the micro-batches the updates will use (``parts``, flattened), so what it
+        records per micro-batch lines up with the replaying forwards; it adds ``old_log_probs`` to
+        each of those micro-batches.
+        """
         cfg, mesh, replay = self.cfg, self.mesh, self.c.replay
         mode = cfg.algorithm.routing_replay
-        self._parts = partition(batch, cfg.trainer.updates_per_rollout, cfg.trainer.micro_batch_size,
-                                mesh.layout.dp, mesh.dp_rank)
-        flat = [mb for part in self._parts for mb in part]
+        flat = [mb for part in parts for mb in part]
         head = LogProbHead(mesh.tp_group, cfg.rollout.temperature, cfg.algorithm.logprob_chunk_size)
         before = None
         if replay is not None:
@@ -156,13 +161,13 @@ class RLTrainer:
             self.mesh.layout.tp, self.mesh.layout.use_sequence_parallel,
         )
 
-    def _policy_updates(self, batch: RolloutBatch) -> dict:
+    def _policy_updates(self, batch: RolloutBatch, parts: list[list[dict]]) -> dict:
         cfg, mesh = self.cfg, self.mesh
         per_update = batch.num_sequences // cfg.trainer.updates_per_rollout
         merged = None
         grad_norms = []
         offset = 0
-        for update, mbs in enumerate(self._parts):
+        for update, mbs in enumerate(parts):
             mask = batch.response_mask[update * per_update : (update + 1) * per_update]
             head = PolicyLossHead(
                 cfg.algorithm, mesh.tp_group, None if mesh.layout.cp == 1 else mesh.cp_group,
@@ -189,7 +194,7 @@ class RLTrainer:
             grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
             for out in outputs:
                 merged = merge_metrics(merged, {k: v for k, v in out.items() if "/" in k})
-            self.diagnostics.after_update(update, self.step, self._parts[0])
+            self.diagnostics.after_update(update, self.step, parts[0])
             offset += len(mbs)
         metrics = self._reduce_loss_metrics(merged)
         metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
