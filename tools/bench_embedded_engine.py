@@ -1,5 +1,6 @@
-"""Benchmark the embedded rollout engine: decode tokens/s with and without the KV cache, and the time
-of ``update_weights`` for a full checkpoint-named state dict.
+"""Benchmark the embedded rollout engine: decode tokens/s with and without the KV cache, the time
+of ``update_weights`` for a full checkpoint-named state dict, and the trainer's whole weight sync
+(Megatron ``export_hf_weights`` streamed into ``update_weights``) for the same model on one rank.
 
     python tools/bench_embedded_engine.py --hidden 64 --layers 2 --experts 4 --batch 8 --new-tokens 64
 
@@ -72,6 +73,34 @@ def checkpoint_tensors(args) -> dict[str, torch.Tensor]:
         return load_file(f"{directory}/model.safetensors")
 
 
+def weight_sync_seconds(args, tensors: dict[str, torch.Tensor], engine: EmbeddedEngine) -> tuple[float, float]:
+    """(export only, export -> update_weights) for a one-rank Megatron model of the same shape."""
+    from gspo_megatron.models.builder import build_model
+    from gspo_megatron.models.config import MoEModelConfig
+    from gspo_megatron.models.conversion import export_hf_weights, load_hf_weights
+    from gspo_megatron.parallel.layout import ParallelLayout
+    from gspo_megatron.parallel.mesh import initialize_parallel
+
+    cfg = MoEModelConfig.from_hf_dict(hf_config(args).to_dict())
+    layout = ParallelLayout(world_size=1).validate(cfg)
+    mesh = initialize_parallel(layout)
+    try:
+        model = build_model(cfg, layout)
+        load_hf_weights(model, cfg, tensors, mesh)
+
+        def export_only():
+            for _ in export_hf_weights(model, cfg, mesh):
+                pass
+
+        def sync():
+            buckets = export_hf_weights(model, cfg, mesh)
+            engine.update_weights((item for bucket in buckets for item in bucket), version=3)
+
+        return best_time(export_only, args.repeats), best_time(sync, args.repeats)
+    finally:
+        mesh.destroy()
+
+
 def main():
     args = parse_args()
     torch.set_num_threads(args.threads)
@@ -93,8 +122,12 @@ def main():
     megabytes = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
     print(f"update_weights: {len(tensors)} tensors, {megabytes:.2f} MiB in {update_seconds * 1e3:.2f} ms "
           f"({megabytes / update_seconds:.0f} MiB/s)")
+    export_s, sync_s = weight_sync_seconds(args, tensors, engine)
+    print(f"megatron export_hf_weights: {export_s * 1e3:.2f} ms; export -> update_weights (the trainer's "
+          f"weight sync): {sync_s * 1e3:.2f} ms")
     print(f"KV cache speed-up: {rates[True] / rates[False]:.2f}x; update_weights costs "
-          f"{update_seconds * rates[True] / args.batch:.2f} cached decode steps")
+          f"{update_seconds * rates[True] / args.batch:.2f} cached decode steps; the whole weight sync "
+          f"{sync_s * rates[True] / args.batch:.2f}")
 
 
 if __name__ == "__main__":

@@ -40,8 +40,10 @@ def test_two_gloo_ranks(tmp_path, layout, world):
 
 
 @pytest.mark.distributed
-def test_rollout_replay_under_expert_parallelism(tmp_path):
-    overrides = FAST + ["parallel=ep2", "algorithm=grpo_rollout_routing_replay"]
+@pytest.mark.parametrize("layout", ["ep2", "pp2"])
+def test_rollout_replay_under_model_parallelism(tmp_path, layout):
+    """R3 end to end with the embedded engine's routed experts, under EP=2 and PP=2."""
+    overrides = FAST + [f"parallel={layout}", "algorithm=grpo_rollout_routing_replay"]
     results = run_distributed(train_worker, 2, overrides, str(tmp_path), timeout=900)
     _check_run(results[0], 2)
 
