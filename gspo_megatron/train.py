@@ -5,6 +5,9 @@ Compose the Hydra config, validate it once, build the trainer, train, clean up.
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
@@ -15,13 +18,9 @@ register_configs()
 
 def run(cfg: DictConfig, run_dir: str) -> str:
     """Train with an already composed config; returns the summary text (driver) or ''."""
-    from pathlib import Path
-
     from gspo_megatron.config.validate import validate_config
     from gspo_megatron.trainer.setup import build, world_size_from_env
     from gspo_megatron.trainer.trainer import RLTrainer
-
-    import logging
 
     logging.getLogger("megatron").setLevel(logging.WARNING)  # it lists every parameter at INFO
     if cfg.model.hf_checkpoint:  # the weights decide the model's shape, not the model YAML
