@@ -8,6 +8,16 @@ from gspo_megatron.models.config import MoEModelConfig
 from gspo_megatron.models.conversion import export_hf_state_dict, gradient_of, hf_shapes, load_hf_weights
 
 
+# The layouts every equivalence test compares with one rank (4 ranks at most: 2 cores).
+EQUIVALENCE_LAYOUTS = {
+    "tp2": dict(tp=2, world_size=2),
+    "pp2": dict(pp=2, world_size=2),
+    "ep2": dict(ep=2, world_size=2),
+    "tp2_ep2": dict(tp=2, ep=2, world_size=4),
+    "dp2": dict(world_size=2),
+}
+
+
 def tiny_test_config(**overrides) -> MoEModelConfig:
     """2 MoE layers, 4 experts top-2, GQA 4q/2kv heads; divisible by tp=2, ep=2, pp=2."""
     values = dict(

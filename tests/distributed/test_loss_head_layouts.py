@@ -11,17 +11,16 @@ import pytest
 import torch
 
 from gspo_megatron.testing.distributed import run_distributed
-from gspo_megatron.testing.model_fixtures import model_layout_worker, policy_inputs, random_hf_state, tiny_test_config
+from gspo_megatron.testing.model_fixtures import (
+    EQUIVALENCE_LAYOUTS,
+    model_layout_worker,
+    policy_inputs,
+    random_hf_state,
+    tiny_test_config,
+)
 
 pytestmark = pytest.mark.distributed
 
-LAYOUTS = {
-    "tp2": dict(tp=2, world_size=2),
-    "pp2": dict(pp=2, world_size=2),
-    "ep2": dict(ep=2, world_size=2),
-    "tp2_ep2": dict(tp=2, ep=2, world_size=4),
-    "dp2": dict(world_size=2),
-}
 
 
 @pytest.fixture(scope="module", params=["gspo", "grpo"])
@@ -34,11 +33,11 @@ def reference(request):
     return cfg, state, policy, single
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", list(EQUIVALENCE_LAYOUTS))
 def test_policy_loss_and_gradients_match_one_rank(reference, name):
     cfg, state, policy, single = reference
-    world = LAYOUTS[name]["world_size"]
-    results = run_distributed(model_layout_worker, world, cfg, state, LAYOUTS[name], policy, timeout=600)
+    world = EQUIVALENCE_LAYOUTS[name]["world_size"]
+    results = run_distributed(model_layout_worker, world, cfg, state, EQUIVALENCE_LAYOUTS[name], policy, timeout=600)
     # loss contributions of the last-stage ranks of all data-parallel slices add up to the whole loss
     total = {}
     for result in results:

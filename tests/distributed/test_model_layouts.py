@@ -12,6 +12,7 @@ import torch
 
 from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.model_fixtures import (
+    EQUIVALENCE_LAYOUTS,
     model_layout_worker,
     random_hf_state,
     tiny_test_config,
@@ -19,13 +20,6 @@ from gspo_megatron.testing.model_fixtures import (
 
 pytestmark = pytest.mark.distributed
 
-LAYOUTS = {
-    "tp2": dict(tp=2, world_size=2),
-    "pp2": dict(pp=2, world_size=2),
-    "ep2": dict(ep=2, world_size=2),
-    "tp2_ep2": dict(tp=2, ep=2, world_size=4),
-    "dp2": dict(world_size=2),
-}
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +30,10 @@ def reference():
     return cfg, state, single
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", list(EQUIVALENCE_LAYOUTS))
 def test_layout_matches_single_rank(reference, name):
     cfg, state, single = reference
-    results = run_distributed(model_layout_worker, LAYOUTS[name]["world_size"], cfg, state, LAYOUTS[name], timeout=600)
+    results = run_distributed(model_layout_worker, EQUIVALENCE_LAYOUTS[name]["world_size"], cfg, state, EQUIVALENCE_LAYOUTS[name], timeout=600)
     # Round trip: every rank exports exactly the weights it was given.
     for result in results:
         assert result["exported"].keys() == state.keys()
