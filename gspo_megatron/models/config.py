@@ -190,10 +190,11 @@ class MoEModelConfig:
 
 
 PRESETS: dict[str, MoEModelConfig] = {
-    # Trains on 2 CPU cores in minutes: 2 MoE layers, 4 experts, top-2.
+    # Trains on 2 CPU cores in minutes: 2 MoE layers, 4 experts, top-2 (conf/model/tiny.yaml alike).
     "tiny": MoEModelConfig(
-        vocab_size=64, hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2,
+        vocab_size=80, hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2,
         head_dim=16, num_experts=4, top_k=2, moe_intermediate_size=64, max_position_embeddings=256,
+        rope_theta=10000.0,
     ),
     # Qwen3-30B-A3B's shape (config only: build it on the meta device).
     "qwen3_30b_a3b": MoEModelConfig(

@@ -83,3 +83,14 @@ def test_rollout_replay_with_sglang_needs_routed_experts():
 def test_unknown_group_option_lists_choices():
     with pytest.raises(ConfigCompositionException, match="gspo"):
         compose(["algorithm=gpso"])
+
+
+def test_model_yamls_equal_the_code_presets():
+    from dataclasses import fields
+
+    from gspo_megatron.models.config import MoEModelConfig, preset
+
+    for name in ("tiny", "qwen3_30b_a3b"):
+        model = OmegaConf.to_object(compose([f"model={name}"])).model
+        for f in fields(MoEModelConfig):
+            assert getattr(model, f.name) == getattr(preset(name), f.name), f"model/{name}.yaml: {f.name} drifted"
