@@ -1,0 +1,119 @@
+"""Supervised warm start: teach the tiny MoE a *verbose* reasoning format, export it as an HF checkpoint.
+
+    python tools/sft_warmstart.py --out checkpoints/tiny_verbose_reasoner
+    python -m gspo_megatron.train --multirun +experiment=shaping_from_sft \
+        model.hf_checkpoint=checkpoints/tiny_verbose_reasoner
+
+Why: the efficiency shapers (Step-GRPO, GRSP) act on a policy that *already reasons verbosely* --
+the papers start from reasoning models that hesitate ("Wait ...") more than they need to. A tiny
+model trained from scratch never produces that structure, so there is nothing to shorten. This tool
+fits the tiny model, with megatron's own schedule and optimizer, to responses of the
+``reasoning_max_digit`` task that re-check their answer a random number of times:
+
+    "<think> step 3 step 8 step 8 Wait 8 Wait 8 </think> answer 8"   (0..--max-waits re-checks)
+
+Every re-check is correct but useless, so a shaper that counts steps or short segments can shorten
+the responses without losing accuracy, while plain GSPO has no reason to. The loss is the mean
+negative log-likelihood of the response tokens (the prompt is context only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+
+
+def verbose_response(record, rng: random.Random, max_waits: int) -> str:
+    """The task's reference reasoning with 0..max_waits extra re-checks of the answer."""
+    thinking = record.metadata["reference_response"].split(" </think>")[0]
+    head = thinking.rsplit(" Wait ", 1)[0]  # the steps, without the reference's single re-check
+    waits = "".join(f" Wait {record.answer}" for _ in range(rng.randint(0, max_waits)))
+    return f"{head}{waits} </think> answer {record.answer}"
+
+
+def build_batch(records, tokenizer, rng, max_waits: int):
+    """Right-padded [b, s] inputs/targets and a mask over the response targets (EOS included)."""
+    import torch
+
+    rows = []
+    for record in records:
+        response = tokenizer.encode(verbose_response(record, rng, max_waits)) + [tokenizer.eos_token_id]
+        rows.append((list(record.prompt_ids), response))
+    width = max(len(p) + len(r) for p, r in rows)
+    tokens = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width - 1)
+    for i, (prompt, response) in enumerate(rows):
+        tokens[i, : len(prompt) + len(response)] = torch.tensor(prompt + response)
+        mask[i, len(prompt) - 1 : len(prompt) + len(response) - 1] = 1.0
+    return {"tokens": tokens[:, :-1].contiguous(), "targets": tokens[:, 1:].contiguous(), "mask": mask}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="HF checkpoint directory to write")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--max-waits", type=int, default=3)
+    parser.add_argument("--digits", type=int, default=3, help="digits per problem (task min = max)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for the model, e.g. model.hidden_size=128")
+    args = parser.parse_args(argv)
+
+    import torch
+    from omegaconf import OmegaConf
+
+    from gspo_megatron.algorithms.logprobs import vocab_parallel_log_probs
+    from gspo_megatron.config.schema import OptimizerSection
+    from gspo_megatron.config.store import register_configs
+    from gspo_megatron.data.config import TaskConfig
+    from gspo_megatron.data.tasks import build_task
+    from gspo_megatron.data.tokenizer import build_tokenizer
+    from gspo_megatron.models.builder import build_model
+    from gspo_megatron.models.conversion import load_hf_weights
+    from gspo_megatron.models.hf_checkpoint import save_hf_checkpoint
+    from gspo_megatron.models.schedule import run_schedule, wrap_for_training
+    from gspo_megatron.parallel.layout import ParallelLayout
+    from gspo_megatron.parallel.mesh import initialize_parallel
+    from gspo_megatron.testing.train_runs import compose
+    from gspo_megatron.trainer.optim import build_optimizer
+    from gspo_megatron.trainer.setup import random_hf_weights
+
+    register_configs()
+    cfg = OmegaConf.to_object(compose(["model=tiny", *args.overrides]))
+    layout = ParallelLayout(world_size=1).validate(cfg.model)
+    mesh = initialize_parallel(layout, seed=args.seed)
+    try:
+        tokenizer = build_tokenizer("symbol", model_vocab_size=cfg.model.vocab_size)
+        task = build_task(TaskConfig(name="reasoning_max_digit", seed=args.seed, min_digits=args.digits,
+                                     max_digits=args.digits), tokenizer)
+        model = build_model(cfg.model, layout)
+        load_hf_weights(model, cfg.model, random_hf_weights(cfg), mesh)
+        ddp = wrap_for_training(model, model.config)
+        optimizer, scheduler = build_optimizer(ddp, OptimizerSection(lr=args.lr, min_lr=args.lr / 10, warmup_steps=10),
+                                               args.steps)
+        rng = random.Random(args.seed)
+
+        def nll(logits, batch):
+            logp, _ = vocab_parallel_log_probs(logits, batch["targets"], tp_group=mesh.tp_group)
+            loss = -(logp * batch["mask"]).sum() / batch["mask"].sum()
+            return loss, {"nll": loss.detach()}
+
+        for step in range(1, args.steps + 1):
+            batch = build_batch(task.next_batch(args.batch), tokenizer, rng, args.max_waits)
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            (out,) = run_schedule([ddp], [batch], nll, forward_only=False)
+            optimizer.step()
+            scheduler.step(increment=1)
+            if step % 25 == 0 or step == 1:
+                print(f"step {step:4d}  response NLL per token {float(out['nll']):.4f}", flush=True)
+        save_hf_checkpoint(model, cfg.model, mesh, Path(args.out))
+        print(f"wrote {args.out}")
+    finally:
+        mesh.destroy()
+
+
+if __name__ == "__main__":
+    main()
