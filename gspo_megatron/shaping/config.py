@@ -169,6 +169,10 @@ class ShapingConfig:
     dapo_overlong: DAPOOverlongConfig = field(default_factory=DAPOOverlongConfig)
     kimi_length: KimiLengthConfig = field(default_factory=KimiLengthConfig)
     metrics: ShapingMetricsConfig = field(default_factory=ShapingMetricsConfig)
+    # Ramp the shaping in over the first N RL steps: r = raw + min(1, step/N) * (shaped - raw).
+    # Kimi k1.5 warms its length reward up this way; without it the length term can win before
+    # the policy has learned to be correct (measured: kimi_length collapses to an immediate <eos>).
+    warmup_steps: int = 0
 
     def __post_init__(self):
         self.validate()
@@ -177,6 +181,12 @@ class ShapingConfig:
         from gspo_megatron.shaping.registry import SHAPERS
 
         SHAPERS.get(self.name)  # raises with the list of valid names
+        if self.warmup_steps < 0:
+            raise ValueError(f"shaping.warmup_steps must be >= 0, got {self.warmup_steps}")
+
+    def strength(self, step: int) -> float:
+        """The share of the shaping applied at RL step ``step`` (0-based): 1 after the warm-up."""
+        return 1.0 if self.warmup_steps == 0 else min(1.0, step / self.warmup_steps)
 
     def shaper_config(self) -> Optional[object]:
         """The options section of the selected shaper (None for shapers without options)."""

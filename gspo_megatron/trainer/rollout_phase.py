@@ -62,6 +62,7 @@ class RolloutPhase:
         ]
         shaped = shape_batch(groups, self.shaping)
         shaped_rewards = torch.cat([s.rewards for s in shaped.groups]).float()
+        shaped_rewards = rewards + self.shaping.strength(step) * (shaped_rewards - rewards)
         estimator = ADVANTAGE_ESTIMATORS.get(self.algorithm.advantage_estimator)
         advantage = estimator(shaped_rewards, make_advantage_context(self.algorithm, g))
         batch = pack_samples(samples, advantage.advantages, rewards, shaped_rewards, self.pad_token_id,
@@ -72,6 +73,7 @@ class RolloutPhase:
             "reward/accuracy": correct.float().mean(),
             "reward/format_ok": format_ok.float().mean(),
             "reward/shaped_mean": shaped_rewards.mean(),
+            "reward/shaping_strength": torch.tensor(self.shaping.strength(step)),
             "reward/errors": torch.tensor(float(sum(r.error is not None for r in scored))),
             "advantage/zero_variance_group_frac": advantage.stats["zero_variance_group_frac"],
             "response/length_mean": batch.response_lengths.float().mean(),

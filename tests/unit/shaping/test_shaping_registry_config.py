@@ -91,3 +91,13 @@ def _group_kwargs():
 def test_group_validation(override, error, message):
     with pytest.raises(error, match=message):
         ShapingGroup(**{**_group_kwargs(), **override})
+
+
+def test_shaping_warmup_ramps_linearly():
+    from gspo_megatron.shaping.config import ShapingConfig
+
+    ramp = ShapingConfig(name="kimi_length", warmup_steps=4)
+    assert [ramp.strength(step) for step in (0, 1, 2, 4, 10)] == [0.0, 0.25, 0.5, 1.0, 1.0]
+    assert ShapingConfig(name="kimi_length").strength(0) == 1.0
+    with pytest.raises(ValueError, match="warmup_steps must be >= 0"):
+        ShapingConfig(warmup_steps=-1)
