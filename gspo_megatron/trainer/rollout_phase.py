@@ -67,6 +67,13 @@ class RolloutPhase:
         advantage = estimator(shaped_rewards, make_advantage_context(self.algorithm, g))
         batch = pack_samples(samples, advantage.advantages, rewards, shaped_rewards, self.pad_token_id,
                              with_routed_experts=params.return_routed_experts)
+        metrics = self._metrics(step, samples, scored, shaped, advantage, batch)
+        return batch, {k: float(v) for k, v in metrics.items()}
+
+    def _metrics(self, step, samples, scored, shaped, advantage, batch: RolloutBatch) -> dict:
+        rewards, shaped_rewards = batch.rewards, batch.shaped_rewards
+        correct = torch.tensor([r.correct for r in scored])
+        format_ok = torch.tensor([r.format_ok for r in scored])
         metrics = {
             "reward/mean": rewards.mean(),
             "reward/std": rewards.std() if rewards.numel() > 1 else torch.zeros(()),
@@ -87,7 +94,7 @@ class RolloutPhase:
         exit_reasons = [s.extra.get("exit_reason") for s in samples if "exit_reason" in s.extra]
         for reason in sorted(set(exit_reasons)):
             metrics[f"truncation/exit_{reason}_frac"] = torch.tensor(exit_reasons.count(reason) / len(samples))
-        return batch, {k: float(v) for k, v in metrics.items()}
+        return metrics
 
     def _score(self, texts: list[str], records: list[PromptRecord]):
         scored = self.rewards.score(texts, records)
