@@ -28,8 +28,16 @@ if ! have_torch; then
     "$PYTHON" -m pip install -q "torch==${TORCH_VERSION}"
   else
     echo "[setup] no GPU: installing the CPU build torch==${TORCH_VERSION}"
-    # On the project's machines the CPU wheel of this exact version lies on disk, and pip takes it.
-    "$PYTHON" -m pip install -q "torch==${TORCH_VERSION}"
+    # A torch wheel the machine already holds (pip's find-links) is used as is, its dependencies
+    # from PyPI; otherwise PyTorch's CPU index, since PyPI's Linux torch wheels are CUDA builds.
+    probe=$(mktemp -d)
+    if "$PYTHON" -m pip download -q --no-deps --no-index -d "$probe" "torch==${TORCH_VERSION}" >/dev/null 2>&1; then
+      "$PYTHON" -m pip install -q "torch==${TORCH_VERSION}"
+    else
+      "$PYTHON" -m pip install -q "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu \
+        --extra-index-url https://pypi.org/simple
+    fi
+    rm -rf "$probe"
   fi
 fi
 
