@@ -11,6 +11,10 @@ What is measured (``routing.kinds``; the math is ``routing/volatility.py``):
 - ``rollout_vs_train``: the experts the rollout engine used vs the trainer's old-policy routing of
   the same tokens (MoE layers only; SGLang/embedded rows include dense layers).
 
+Under rollout replay (R3) the old-policy pass replays the engine's routing instead of recording
+one, so there is no free routing to compare against: R3 runs log no routing diagnostics
+(``rollout_vs_train`` would be 0 by construction).
+
 Counts are merged exactly over micro-batches, data-parallel ranks and (under sequence parallelism)
 tensor-parallel ranks; pipeline stages contribute their own layers, concatenated in stage order.
 Only the driver writes ``routing.jsonl``.
@@ -41,7 +45,6 @@ class RoutingDiagnostics:
         self.old_masks: list[torch.Tensor] = []
         self.previous: Optional[list] = None
         self.step_records: list[tuple[str, RoutingVolatility, object]] = []
-        self.current_step = 0
 
     # --- old-policy routing --------------------------------------------------------------------
     def remember_old_routing(self, recorded: Optional[list], micro_batches: list[dict]) -> None:
