@@ -17,6 +17,7 @@ from typing import Optional
 from gspo_megatron.algorithms.config import AlgorithmConfig
 from gspo_megatron.data.config import TaskConfig, TokenizerConfig
 from gspo_megatron.models.config import MoEModelConfig
+from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.rewards.config import RewardConfig
 from gspo_megatron.rollout.config import EmbeddedConfig, TruncatedRolloutConfig
 from gspo_megatron.rollout.sglang.config import SGLangConfig
@@ -42,6 +43,10 @@ class ParallelSection:
     etp: Optional[int] = None
     cp: int = 1
     sequence_parallel: Optional[bool] = None  # None: on exactly when tp > 1
+
+    def layout(self, world_size: int) -> ParallelLayout:
+        return ParallelLayout(tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, cp=self.cp,
+                              sequence_parallel=self.sequence_parallel, world_size=world_size)
 
 
 @dataclass

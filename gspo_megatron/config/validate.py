@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from gspo_megatron.algorithms.config import validate_algorithm_config
 from gspo_megatron.config.schema import TrainConfig
-from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.routing.replay import validate_replay_mode
 
 
@@ -22,10 +21,7 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
     cfg.task.validate()
     cfg.tokenizer.validate()
     cfg.reward.validate()
-    p = cfg.parallel
-    layout = ParallelLayout(tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, cp=p.cp, sequence_parallel=p.sequence_parallel,
-                            world_size=world_size)
-    layout.validate(cfg.model)
+    layout = cfg.parallel.layout(world_size).validate(cfg.model)
     t = cfg.trainer
     for name in ("steps", "prompts_per_step", "updates_per_rollout", "micro_batch_size"):
         if getattr(t, name) < 1:

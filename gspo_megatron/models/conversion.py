@@ -347,6 +347,9 @@ def export_hf_weights(
     """
     ep_rank, ep_size = (mesh.ep_rank, mesh.layout.ep) if mesh is not None else (0, 1)
     params = dict(unwrap(model).named_parameters())
+    # what non-owning pipeline stages allocate to receive: the exported tensors' dtype (e.g. fp32
+    # main grads of bf16 parameters), identical on every rank
+    wire_dtype = tensor_of(next(iter(params.values()))).dtype
     rows = build_mappings(model, cfg, ep_rank, ep_size)
     by_unit: dict[str, list[ParamMapping]] = {}
     for row in rows:
@@ -357,7 +360,7 @@ def export_hf_weights(
     for unit in _units(cfg):
         local = _gather_unit(by_unit.get(unit, []), params, cfg, mesh, ep_size, tensor_of)
         names = [n for n in shapes if _unit_of(n) == unit]
-        full = _share_across_stages(unit, names, local, shapes, mesh, by_unit, params)
+        full = _share_across_stages(unit, names, local, shapes, mesh, by_unit, wire_dtype)
         for name in names:
             tensor = full[name] if dtype is None else full[name].to(dtype)
             bucket.append((name, tensor))
@@ -407,19 +410,18 @@ def _all_gather_cat(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
     return torch.cat(_all_gather_list(tensor, group), dim=dim)
 
 
-def _share_across_stages(unit, names, local, shapes, mesh, by_unit, params) -> dict[str, torch.Tensor]:
+def _share_across_stages(unit, names, local, shapes, mesh, by_unit, wire_dtype) -> dict[str, torch.Tensor]:
     if mesh is None or mesh.layout.pp == 1:
         return local
     owns = bool(by_unit.get(unit))
     # Which stage owns the unit: every rank says whether it does, over the pipeline group.
-    flags = torch.tensor([1 if owns else 0], dtype=torch.int64)
+    flags = torch.tensor([1 if owns else 0], dtype=torch.int64, device=mesh.device)
     owners = _all_gather_list(flags, mesh.pp_group)
     owner_stage = next(i for i, f in enumerate(owners) if int(f.item()))
     src = dist.get_global_rank(mesh.pp_group, owner_stage)
-    dtype = next(iter(params.values())).dtype
     out = {}
     for name in names:
-        tensor = local[name].contiguous() if owns else torch.empty(shapes[name], dtype=dtype)
+        tensor = local[name].contiguous() if owns else torch.empty(shapes[name], dtype=wire_dtype, device=mesh.device)
         dist.broadcast(tensor, src=src, group=mesh.pp_group)
         out[name] = tensor
     return out

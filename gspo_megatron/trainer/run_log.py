@@ -14,9 +14,6 @@ from typing import Optional
 
 from gspo_megatron.routing.run_dir import CONFIG_FILE, METRICS_FILE, JsonlLog, drop_records_from_step, read_jsonl
 
-PHASES = ("rollout", "old_logp", "update", "weight_sync")
-
-
 class RunLog:
     def __init__(self, run_dir: Path, total_steps: int, *, tensorboard: bool, wandb_project: Optional[str],
                  progress: bool, config_yaml: str, resume_step: int = 0):

@@ -20,7 +20,6 @@ from gspo_megatron.data.tokenizer import build_tokenizer
 from gspo_megatron.models.builder import build_model
 from gspo_megatron.models.conversion import SafetensorsSource, hf_shapes, load_hf_weights
 from gspo_megatron.models.schedule import wrap_for_training
-from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.parallel.mesh import ParallelMesh, initialize_parallel
 from gspo_megatron.rewards.pool import RewardPool
 from gspo_megatron.rollout.types import SamplingParams
@@ -60,12 +59,6 @@ class Components:
         self.mesh.destroy()
 
 
-def layout_from_config(cfg: TrainConfig, world_size: int) -> ParallelLayout:
-    p = cfg.parallel
-    return ParallelLayout(tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, cp=p.cp,
-                          sequence_parallel=p.sequence_parallel, world_size=world_size)
-
-
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -92,7 +85,7 @@ def stage_moe_layers(model_chunk) -> list[int]:
 
 
 def build(cfg: TrainConfig, run_dir: Path, config_yaml: str, world_size: Optional[int] = None) -> Components:
-    layout = layout_from_config(cfg, world_size or world_size_from_env()).validate(cfg.model)
+    layout = cfg.parallel.layout(world_size or world_size_from_env()).validate(cfg.model)
     mesh = initialize_parallel(layout, seed=cfg.trainer.seed)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
     instances_before = RoutingReplay.instance_count()
