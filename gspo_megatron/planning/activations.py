@@ -1,0 +1,121 @@
+"""Activation and loss-head memory of one micro-batch on one rank: what autograd keeps for backward.
+
+Design decisions:
+- Counted tensor by tensor from what each op of this project's layer stack saves (portable spec:
+  ``models/layers.py`` RMSNorm and SDPA attention, megatron's column/row-parallel linears with
+  sequence parallelism, the allgather token dispatcher and ``SequentialMLP`` experts), in elements
+  per token, then times the activation width. The same counts are used for the TE spec on GPU; TE's
+  fused norm and flash attention save a little less (no repeated K/V heads), so GPU numbers err high.
+- Notation per layer: T tokens of the micro-batch on this rank (after CP), T_sp = T / tp with
+  sequence parallelism, h hidden, Q = heads*d/tp, K = kv_heads*d/tp, F = moe_ffn/etp, E experts,
+  k top-k, N = T_sp * etp * k expert rows (tokens the allgather dispatcher routes to this rank's
+  experts, on average; routing imbalance moves the real number).
+- RMSNorm (fp32 math): saves its input, the normalised x and its output: 3 T_sp h (fp32 inputs).
+- Attention: fused QKV output T(Q + 2K) stays alive through the q/k-norm views; q/k norms add
+  normalised + output 2T(Q + K); RoPE'd queries TQ; K and V repeated to all query heads 2TQ (GQA;
+  TK without GQA); SDPA output TQ and its [s, b, hQ] copy TQ; log-sum-exp T*heads/tp fp32.
+- MoE: router logits, scores and top-k probabilities ~3 T_sp E fp32; experts keep the permuted
+  tokens N h, fc1 output 2NF, SiLU output NF, gated product NF and the expert outputs before the
+  probability weighting N h.
+- Dense MLP (a dense layer, or the shared expert): input is the norm output; fc1 2TF', SiLU TF',
+  product TF' with F' = ffn/tp.
+- Loss head (last stage): the logits [T, V/tp] fp32 and, during backward, their gradient of the same
+  size (``algorithms/logprobs.py`` writes it in place: no further full-vocabulary workspace). The
+  output layer's backward then makes the gradient contiguous (GPTModel returned the logits
+  transposed) while the first copy is still referenced, and allocates its weight gradient
+  [V/tp, h] before DDP adds it to the grad buffer: 2 T V/tp + h V/tp at that moment.
+- Full recompute (``trainer.recompute_activations``) keeps only each layer's input T_sp h and
+  rebuilds one layer at a time in backward: layers * T_sp h + one layer's activations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gspo_megatron.models.config import MoEModelConfig
+from gspo_megatron.parallel.layout import ParallelLayout
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    sequences: int  # sequences per micro-batch
+    seq_len: int  # padded tokens per sequence
+
+    @property
+    def tokens(self) -> int:
+        return self.sequences * self.seq_len
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    per_layer: list[int]  # saved bytes of each layer of this stage, one micro-batch
+    boundary: int  # embedding output / final norm saved tensors
+    loss_head: int  # logits + their gradient (last stage only)
+    recompute_per_layer: int  # what one layer keeps under full recompute
+
+    def total(self, recompute: bool = False) -> int:
+        if not self.per_layer:
+            return self.boundary + self.loss_head
+        if recompute:
+            return self.recompute_per_layer * len(self.per_layer) + max(self.per_layer) + self.boundary + self.loss_head
+        return sum(self.per_layer) + self.boundary + self.loss_head
+
+
+def attention_elements(model: MoEModelConfig, layout: ParallelLayout, tokens: int) -> float:
+    tp = layout.tp
+    sp_tokens = tokens / tp if layout.use_sequence_parallel else tokens
+    q = model.num_attention_heads * model.head_dim / tp
+    kv = model.num_kv_heads * model.head_dim / tp
+    gqa = model.num_kv_heads != model.num_attention_heads
+    norm = 3 * sp_tokens * model.hidden_size
+    qkv = tokens * (q + 2 * kv)
+    qk_norms = 2 * tokens * (q + kv)
+    rope_q = tokens * q
+    repeated_kv = 2 * tokens * q if gqa else tokens * kv
+    output = 2 * tokens * q
+    lse = tokens * model.num_attention_heads / tp
+    return norm + qkv + qk_norms + rope_q + repeated_kv + output + lse
+
+
+def moe_elements(model: MoEModelConfig, layout: ParallelLayout, tokens: int) -> float:
+    tp, etp = layout.tp, layout.expert_tp
+    sp_tokens = tokens / tp if layout.use_sequence_parallel else tokens
+    h = model.hidden_size
+    norm = 3 * sp_tokens * h
+    router = 3 * sp_tokens * model.num_experts
+    rows = sp_tokens * etp * model.top_k
+    ffn = model.moe_intermediate_size / etp
+    experts = rows * (2 * h + 4 * ffn)
+    shared = dense_mlp_elements(model.shared_expert_intermediate_size / tp, tokens)
+    return norm + router + experts + shared
+
+
+def dense_mlp_elements(ffn_per_rank: float, tokens: int) -> float:
+    return 4 * tokens * ffn_per_rank if ffn_per_rank else 0.0
+
+
+def activation_bytes(model: MoEModelConfig, layout: ParallelLayout, micro: MicroBatch, pp_rank: int,
+                     width: int = FP32) -> ActivationBytes:
+    """Bytes one rank of stage ``pp_rank`` keeps for the backward of one micro-batch."""
+    from gspo_megatron.planning.parameters import stage_layers
+
+    tokens = micro.tokens / layout.cp
+    sp_tokens = tokens / layout.tp if layout.use_sequence_parallel else tokens
+    h = model.hidden_size
+    dense = set(model.dense_layers)
+    per_layer = []
+    for i in stage_layers(model, layout, pp_rank):
+        attention = attention_elements(model, layout, tokens)
+        if i in dense:
+            norm = 3 * sp_tokens * h
+            mlp = norm + dense_mlp_elements(model.dense_intermediate_size / layout.tp, tokens)
+        else:
+            mlp = moe_elements(model, layout, tokens)
+        per_layer.append(int((attention + mlp) * width))
+    last = pp_rank == layout.pp - 1
+    boundary = int(3 * sp_tokens * h * width) if last else 0
+    vocab = model.vocab_size / layout.tp
+    loss_head = int((2 * tokens * vocab + h * vocab) * FP32) if last else 0
+    return ActivationBytes(per_layer, boundary, loss_head, int(sp_tokens * h * width))

@@ -1,0 +1,87 @@
+"""Step-time estimate of one optimizer step: matmul FLOPs at an assumed fraction of the bf16 peak,
+exposed communication on the link each group spans, and the 1F1B pipeline bubble.
+
+Design decisions (all stated, all approximate; nothing here was timed on a GPU):
+- FLOPs per token and layer on one rank: 2 x (the weights it multiplies) for the linears, with
+  experts counted for the rows this rank actually computes (T_sp * etp * k rows of 6 h F), plus
+  causal attention 2 * 2 * (s/2) * heads/tp * d. Backward = 2 x forward; full recompute adds one
+  forward.
+- Communication is *not* overlapped with compute (megatron can overlap DP reduction and, with the
+  alltoall dispatcher, some EP traffic; the trainer here runs with overlap_grad_reduce=False), so
+  the estimate is an upper bound on the communication share.
+- A group uses NVLink when all its ranks sit in one node (megatron's rank order: tp fastest, then
+  cp, dp, pp; the expert mesh etp, ep, expert-dp, pp), else InfiniBand.
+- Pipeline: (m + pp - 1) micro-batch slots for m micro-batches (the 1F1B bubble), each as long as
+  the slowest stage's forward + backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gspo_megatron.models.config import MoEModelConfig
+from gspo_megatron.parallel.layout import ParallelLayout
+from gspo_megatron.planning.activations import MicroBatch
+from gspo_megatron.planning.comm import Traffic
+from gspo_megatron.planning.hardware import GPUSpec
+from gspo_megatron.planning.parameters import stage_layers
+
+
+def forward_flops(model: MoEModelConfig, layout: ParallelLayout, micro: MicroBatch, pp_rank: int) -> float:
+    """Forward matmul FLOPs of one micro-batch on one rank of stage ``pp_rank``."""
+    tp, etp = layout.tp, layout.expert_tp
+    h, d = model.hidden_size, model.head_dim
+    tokens = micro.tokens / layout.cp
+    sp_tokens = tokens / tp if layout.use_sequence_parallel else tokens
+    q, kv = model.num_attention_heads * d / tp, model.num_kv_heads * d / tp
+    dense = set(model.dense_layers)
+    flops = 0.0
+    for i in stage_layers(model, layout, pp_rank):
+        flops += 2 * tokens * h * (q + 2 * kv) + 2 * tokens * q * h  # qkv + output projection
+        flops += 2 * 2 * tokens * (micro.seq_len / 2) * q  # causal scores + weighted values
+        if i in dense or not model.is_moe:
+            flops += 6 * tokens * h * model.dense_intermediate_size / tp
+            continue
+        flops += 2 * sp_tokens * h * model.num_experts  # router
+        flops += 6 * sp_tokens * etp * model.top_k * h * model.moe_intermediate_size / etp
+        flops += 6 * tokens * h * model.shared_expert_intermediate_size / tp
+    if pp_rank == layout.pp - 1:
+        flops += 2 * tokens * h * model.vocab_size / tp
+    return flops
+
+
+def group_bandwidth(kind: str, layout: ParallelLayout, gpu: GPUSpec) -> float:
+    """Link bandwidth (bytes/s, after efficiency) of the group a traffic kind runs on."""
+    tp, cp, dp, etp, ep = layout.tp, layout.cp, layout.dp, layout.expert_tp, layout.ep
+    span = {"tp": tp, "cp": tp * cp, "dp": tp * cp * dp, "ep": tp * ep, "etp": etp,
+            "dp_expert": layout.world_size // layout.pp, "pp": layout.world_size}[kind]
+    link = gpu.nvlink_bandwidth if span <= gpu.gpus_per_node else gpu.ib_bandwidth
+    return link * gpu.link_efficiency
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_s: float
+    comm_s: dict[str, float]
+    bubble_fraction: float
+    total_s: float
+    tokens_per_s_per_gpu: float
+
+
+def step_time(model: MoEModelConfig, layout: ParallelLayout, micro: MicroBatch, micro_batches: int,
+              traffic_by_stage: list[Traffic], gpu: GPUSpec, recompute: bool = False) -> StepTime:
+    """Seconds per optimizer step (``micro_batches`` per data-parallel rank)."""
+    per_stage = []
+    for pp_rank in range(layout.pp):
+        fwd = forward_flops(model, layout, micro, pp_rank)
+        per_stage.append(fwd * (4 if recompute else 3) / (gpu.bf16_tflops * 1e12 * gpu.mfu))
+    slowest = max(range(layout.pp), key=lambda r: per_stage[r])
+    traffic = traffic_by_stage[slowest]
+    comm = {kind: traffic.wire_bytes(kind) / group_bandwidth(kind, layout, gpu) for kind in traffic.group_size}
+    per_micro_comm = sum(v for k, v in comm.items() if not k.startswith("dp")) / micro_batches
+    dp_comm = sum(v for k, v in comm.items() if k.startswith("dp"))
+    slots = micro_batches + layout.pp - 1
+    total = slots * (per_stage[slowest] + per_micro_comm) + dp_comm
+    tokens = micro.tokens * micro_batches * layout.dp
+    return StepTime(per_stage[slowest] * micro_batches, comm, (layout.pp - 1) / slots, total,
+                    tokens / total / layout.world_size)

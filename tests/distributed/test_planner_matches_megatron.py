@@ -1,0 +1,114 @@
+"""The planner's per-rank model-state bytes equal what megatron-core allocates, on every layout of the
+equivalence suite (``testing/model_fixtures.py:EQUIVALENCE_LAYOUTS``), with and without the
+distributed optimizer.
+
+Counted on each rank from real tensors: the parameters of the built model, the DDP buffers
+(``grad_data`` always, ``param_data`` with the distributed optimizer), fp32 and bf16 weights, and
+the Adam state torch allocates after one optimizer step (fp32, no distributed optimizer). megatron's
+distributed optimizer and its bf16 optimizer refuse CPU tensors at construction, so for those the
+owned shard is counted with megatron's own shard map (``DistributedOptimizer._build_gbuf_range_map``,
+the function its constructor allocates from). One gloo launch per world size runs every layout.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gspo_megatron.parallel.layout import ParallelLayout
+from gspo_megatron.planning.parameters import state_bytes
+from gspo_megatron.testing.distributed import run_distributed
+from gspo_megatron.testing.model_fixtures import EQUIVALENCE_LAYOUTS, tiny_test_config
+
+pytestmark = pytest.mark.distributed
+
+FP32 = 4
+
+
+def _measure_state(mesh_layout, cfg, dtype: torch.dtype, distributed_optimizer: bool) -> dict:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from gspo_megatron.models.builder import build_model
+
+    model = build_model(cfg, mesh_layout, params_dtype=dtype, layer_spec="portable")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    ddp = DistributedDataParallel(
+        config=model.config,
+        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                 use_distributed_optimizer=distributed_optimizer),
+        module=model,
+    )
+    buffers = ddp.buffers + ddp.expert_parallel_buffers
+    grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers)
+    param_buffers = sum(b.param_data.numel() * b.param_data.element_size()
+                        for b in buffers if b.param_data is not None)
+    if distributed_optimizer:
+        optimizer = 0
+        for b in buffers:
+            master = FP32 if b.param_dtype != torch.float32 else 0
+            for bucket_map in DistributedOptimizer._build_gbuf_range_map(b)[(b.param_dtype, b.grad_dtype)]:
+                owned = sum(r["param"].size for r in bucket_map["param_map"].values())
+                optimizer += owned * (2 * FP32 + master)
+        weights = param_buffers  # parameters are views into the param buffer now
+    elif dtype == torch.float32:
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3), [ddp])
+        opt.step()  # torch's Adam allocates its moments on the first step
+        optimizer = sum(
+            t.numel() * t.element_size()
+            for inner in opt.chained_optimizers
+            for state in inner.optimizer.state.values()
+            for t in state.values() if torch.is_tensor(t) and t.dim() > 0
+        )
+    else:
+        optimizer = None  # megatron's bf16 optimizer refuses CPU tensors (checked by the GPU tier)
+    return {"parameters": weights, "gradients": grads, "param_buffers": param_buffers, "optimizer": optimizer}
+
+
+def state_worker(ctx, cfg, layouts: dict) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from gspo_megatron.parallel.mesh import initialize_parallel
+
+    out = {}
+    for name, kwargs in layouts.items():
+        layout = ParallelLayout(**kwargs).validate(cfg)
+        mesh = initialize_parallel(layout, seed=5)
+        ranks = {"pp": mesh.pp_rank, "dp": mesh.dp_rank, "edp": ps.get_expert_data_parallel_rank()}
+        for dtype in (torch.float32, torch.bfloat16):
+            for dist_opt in (False, True):
+                out[(name, str(dtype), dist_opt)] = dict(_measure_state(layout, cfg, dtype, dist_opt), **ranks)
+        ps.destroy_model_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured():
+    cfg = tiny_test_config()
+    by_world: dict[int, dict] = {}
+    for name, kwargs in EQUIVALENCE_LAYOUTS.items():
+        by_world.setdefault(kwargs["world_size"], {})[name] = kwargs
+    results = {}
+    for world, layouts in by_world.items():
+        results[world] = run_distributed(state_worker, world, cfg, layouts, timeout=600)
+    return cfg, results
+
+
+@pytest.mark.parametrize("name", list(EQUIVALENCE_LAYOUTS))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_state_bytes_equal_megatron(measured, name, dtype, distributed_optimizer):
+    cfg, results = measured
+    kwargs = EQUIVALENCE_LAYOUTS[name]
+    layout = ParallelLayout(**kwargs).validate(cfg)
+    for rank, per_rank in enumerate(results[kwargs["world_size"]]):
+        got = per_rank[(name, f"torch.{dtype}", distributed_optimizer)]
+        predicted = state_bytes(cfg, layout, got["pp"], dtype=dtype, distributed_optimizer=distributed_optimizer,
+                                dp_rank=got["dp"], expert_dp_rank=got["edp"])
+        where = f"{name} rank {rank} {dtype} distributed_optimizer={distributed_optimizer}"
+        assert predicted.parameters == got["parameters"], where
+        assert predicted.gradients == got["gradients"], where
+        assert predicted.param_buffers == got["param_buffers"], where
+        if got["optimizer"] is not None:
+            assert predicted.optimizer == got["optimizer"], where

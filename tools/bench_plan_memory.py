@@ -1,0 +1,89 @@
+"""Measured vs predicted activation + loss-head memory of one forward-backward (the planner's check).
+
+    python tools/bench_plan_memory.py                    # the tiny preset and a medium shape, one rank
+    python tools/bench_plan_memory.py --recompute        # with full activation recompute
+
+One rank (world 1, fp32, portable spec, CPU). The model and megatron's DDP grad buffers are built
+first; the window measured is one call of megatron's forward-backward schedule on one micro-batch
+with the project's vocab-parallel log-prob loss, so what it allocates is the activations autograd
+keeps, the loss head's logits and gradient, and transients (``testing/memory.py:peak_bytes``: CPU
+allocator events replayed in time order; on CUDA the allocator's peak). The prediction is
+``planning/activations.py:activation_bytes(...).total()``. Prints both and their ratio; exits 1 if
+any ratio leaves [1/1.2, 1.2].
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from gspo_megatron.models.config import MoEModelConfig, preset
+from gspo_megatron.planning.activations import MicroBatch, activation_bytes
+from gspo_megatron.testing.memory import peak_bytes
+
+TOLERANCE = 1.2
+
+SHAPES = {
+    "tiny": (lambda: preset("tiny"), MicroBatch(sequences=8, seq_len=128)),
+    "medium": (
+        lambda: MoEModelConfig(
+            vocab_size=8192, hidden_size=256, num_layers=4, num_attention_heads=8, num_kv_heads=2,
+            head_dim=32, num_experts=16, top_k=4, moe_intermediate_size=128, max_position_embeddings=512,
+        ).validate(),
+        MicroBatch(sequences=4, seq_len=256),
+    ),
+}
+
+
+def measure(model_cfg: MoEModelConfig, micro: MicroBatch, recompute: bool) -> int:
+    from gspo_megatron.algorithms.logprobs import vocab_parallel_log_probs
+    from gspo_megatron.models.builder import build_model
+    from gspo_megatron.models.schedule import run_schedule, wrap_for_training
+    from gspo_megatron.parallel.layout import ParallelLayout
+    from gspo_megatron.parallel.mesh import initialize_parallel
+
+    layout = ParallelLayout(world_size=1).validate(model_cfg)
+    mesh = initialize_parallel(layout, seed=3)
+    try:
+        model = build_model(model_cfg, layout, layer_spec="portable", recompute=recompute)
+        ddp = wrap_for_training(model, model.config)
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, model_cfg.vocab_size, (micro.sequences, micro.seq_len + 1), generator=gen)
+        batch = [{"tokens": tokens[:, :-1].contiguous(), "targets": tokens[:, 1:].contiguous()}]
+
+        def loss(logits, mb):
+            logp, _ = vocab_parallel_log_probs(logits, mb["targets"], tp_group=None)
+            value = -logp.sum() / micro.tokens
+            return value, {}
+
+        return peak_bytes(lambda: run_schedule([ddp], batch, loss, forward_only=False), "cpu")
+    finally:
+        mesh.destroy()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--recompute", action="store_true")
+    args = parser.parse_args(argv)
+    from gspo_megatron.parallel.layout import ParallelLayout
+
+    worst = 1.0
+    for name in args.shapes:
+        make, micro = SHAPES[name]
+        cfg = make()
+        predicted = activation_bytes(cfg, ParallelLayout(world_size=1), micro, pp_rank=0).total(args.recompute)
+        measured = measure(cfg, micro, args.recompute)
+        ratio = predicted / measured
+        worst = max(worst, ratio, 1 / ratio)
+        print(f"{name:7s} tokens={micro.tokens:5d} recompute={args.recompute!s:5s} measured={measured / 2**20:8.2f} MiB "
+              f"predicted={predicted / 2**20:8.2f} MiB predicted/measured={ratio:.3f}")
+    ok = worst <= TOLERANCE
+    print(f"worst factor {worst:.3f} ({'within' if ok else 'OUTSIDE'} the {TOLERANCE:.1f}x tolerance)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
