@@ -98,8 +98,8 @@ def step_traffic(model: MoEModelConfig, layout: ParallelLayout, micro: MicroBatc
             per_mb.add("etp", "all_gather", etp, 2 * rows * etp * h * width)
             per_mb.add("etp", "reduce_scatter", etp, 2 * rows * etp * h * width)
         else:
-            per_mb.add("ep", "all_gather", tp * ep, 2 * sp_tokens * tp * ep * h * width)
-            per_mb.add("ep", "reduce_scatter", tp * ep, 2 * sp_tokens * tp * ep * h * width)
+            per_mb.add("tp_ep", "all_gather", tp * ep, 2 * sp_tokens * tp * ep * h * width)
+            per_mb.add("tp_ep", "reduce_scatter", tp * ep, 2 * sp_tokens * tp * ep * h * width)
     if layout.cp > 1:
         kv = 2 * tokens * model.num_kv_heads * model.head_dim / tp * width
         per_mb.add("cp", "send_recv", layout.cp, len(layers) * 3 * (layout.cp - 1) * kv)

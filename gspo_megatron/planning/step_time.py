@@ -53,7 +53,7 @@ def forward_flops(model: MoEModelConfig, layout: ParallelLayout, micro: MicroBat
 def group_bandwidth(kind: str, layout: ParallelLayout, gpu: GPUSpec) -> float:
     """Link bandwidth (bytes/s, after efficiency) of the group a traffic kind runs on."""
     tp, cp, dp, etp, ep = layout.tp, layout.cp, layout.dp, layout.expert_tp, layout.ep
-    span = {"tp": tp, "cp": tp * cp, "dp": tp * cp * dp, "ep": tp * ep, "etp": etp,
+    span = {"tp": tp, "cp": tp * cp, "dp": tp * cp * dp, "ep": etp * ep, "etp": etp, "tp_ep": tp * ep,
             "dp_expert": layout.world_size // layout.pp, "pp": layout.world_size}[kind]
     link = gpu.nvlink_bandwidth if span <= gpu.gpus_per_node else gpu.ib_bandwidth
     return link * gpu.link_efficiency

@@ -1,0 +1,205 @@
+"""Plan a layout: per-rank memory, per-step traffic and step time; enumerate and rank layouts.
+
+Design decisions:
+- A layout is refused by the trainer's own checks: ``config/validate.py:validate_config`` on a
+  ``TrainConfig`` carrying the model, the parallel section and a batch of the planned size (which
+  runs ``ParallelLayout.validate`` and the batch-divisibility rules), so the planner can never
+  recommend what the trainer would reject.
+- Memory of a rank = weights + grad buffers + optimizer state (``parameters.py``, exact for
+  megatron-core 0.16) + the larger of the training activations and the old-log-prob forward. 1F1B
+  keeps up to ``pp - stage`` micro-batches in flight on a stage, so stage 0 usually peaks. R3's
+  replayed experts are int64 [T_sp, k] per MoE layer and micro-batch, held for the whole step.
+- The worst stage's numbers are reported (ranks of one stage are alike up to the expert-dp shard).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from gspo_megatron.models.config import MoEModelConfig
+from gspo_megatron.parallel.layout import ParallelLayout
+from gspo_megatron.planning.activations import FP32, MicroBatch, activation_bytes
+from gspo_megatron.planning.comm import Traffic, step_traffic, weight_sync_bytes
+from gspo_megatron.planning.hardware import GPUSpec
+from gspo_megatron.planning.parameters import DTYPE_BYTES, StateBytes, stage_layers, state_bytes
+from gspo_megatron.planning.step_time import StepTime, step_time
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    seq_len: int = 8192  # padded tokens per sequence (prompt + response)
+    micro_batch_tokens: int = 8192  # tokens per micro-batch per data-parallel rank
+    global_batch_tokens: int = 2**20  # tokens per optimizer step (one mini-batch)
+    group_size: int = 8  # responses per prompt (the trainer's batch rules use it)
+    dtype: str = "bfloat16"
+    distributed_optimizer: bool = True
+    optimizer_offload: bool = False  # Adam state + master weights in host memory (megatron's CPU Adam)
+    recompute: bool = False
+    routing_replay: str = "none"  # none | old | rollout (R3 keeps the engine's experts)
+    dispatcher: str = "alltoall"  # alltoall on GPU; allgather is what the CPU build uses
+
+    @property
+    def micro(self) -> MicroBatch:
+        return MicroBatch(self.micro_batch_tokens // self.seq_len, self.seq_len)
+
+
+@dataclass
+class MemoryRow:
+    state: StateBytes
+    activations: int
+    loss_head: int
+    old_log_prob_pass: int
+    routing_replay: int
+    optimizer_on_gpu: bool = True
+
+    @property
+    def total(self) -> int:
+        """GPU bytes at the step's peak (optimizer state excluded when it is offloaded)."""
+        train = self.activations + self.loss_head
+        state = self.state.total - (0 if self.optimizer_on_gpu else self.state.optimizer)
+        return state + max(train, self.old_log_prob_pass) + self.routing_replay
+
+
+@dataclass
+class Plan:
+    layout: ParallelLayout
+    micro_batches: int
+    memory: MemoryRow  # the worst stage
+    worst_stage: int
+    traffic: Traffic
+    time: StepTime
+    sync_bytes: float
+    fits: bool
+    problems: list[str] = field(default_factory=list)
+
+
+class PlanError(ValueError):
+    """A layout the trainer would refuse, or a batch that does not split over it."""
+
+
+def check_with_trainer_rules(model: MoEModelConfig, layout: ParallelLayout, options: PlanOptions) -> None:
+    """Run the trainer's validation on a config of this model, layout and batch size."""
+    from gspo_megatron.config.schema import ModelSection, ParallelSection, TrainConfig
+    from gspo_megatron.config.validate import validate_config
+
+    sequences = options.global_batch_tokens // options.seq_len
+    if sequences % options.group_size:
+        raise PlanError(f"{sequences} sequences per step do not form groups of {options.group_size}")
+    cfg = TrainConfig()
+    cfg.model = ModelSection(**model.to_dict(), dtype=options.dtype)
+    cfg.parallel = ParallelSection(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, cp=layout.cp,
+                                   sequence_parallel=layout.sequence_parallel)
+    cfg.rollout.group_size = options.group_size
+    cfg.trainer.prompts_per_step = sequences // options.group_size
+    cfg.trainer.updates_per_rollout = 1
+    cfg.trainer.recompute_activations = options.recompute
+    cfg.algorithm.routing_replay = options.routing_replay
+    if options.routing_replay == "rollout":
+        cfg.rollout.engine = "sglang"
+        cfg.rollout.sglang.enable_return_routed_experts = True
+    try:
+        validate_config(cfg, layout.world_size)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from exc
+
+
+def micro_batches_per_rank(layout: ParallelLayout, options: PlanOptions) -> int:
+    if options.micro_batch_tokens % options.seq_len:
+        raise PlanError(f"micro_batch_tokens={options.micro_batch_tokens} is not a multiple of "
+                        f"seq_len={options.seq_len}")
+    per_rank = options.global_batch_tokens // layout.dp
+    if per_rank % options.micro_batch_tokens or per_rank == 0:
+        raise PlanError(f"{options.global_batch_tokens} tokens per step over dp={layout.dp} is "
+                        f"{per_rank} per rank, not a multiple of micro_batch_tokens={options.micro_batch_tokens}")
+    return per_rank // options.micro_batch_tokens
+
+
+def memory_of_stage(model: MoEModelConfig, layout: ParallelLayout, options: PlanOptions, pp_rank: int,
+                    micro_batches: int) -> MemoryRow:
+    width = DTYPE_BYTES[options.dtype]
+    state = state_bytes(model, layout, pp_rank, dtype=options.dtype,
+                        distributed_optimizer=options.distributed_optimizer)
+    act = activation_bytes(model, layout, options.micro, pp_rank, width=width)
+    in_flight = min(layout.pp - pp_rank, micro_batches)
+    layers = act.total(options.recompute) - act.loss_head
+    tokens = options.micro.tokens / layout.cp
+    sp_tokens = tokens / layout.tp if layout.use_sequence_parallel else tokens
+    old_pass = int(tokens * model.vocab_size / layout.tp * FP32) + (max(act.per_layer) if act.per_layer else 0)
+    replay = 0
+    if options.routing_replay != "none" and model.is_moe:
+        moe = [i for i in stage_layers(model, layout, pp_rank) if i not in set(model.dense_layers)]
+        replay = int(micro_batches * len(moe) * sp_tokens * model.top_k * 8)
+    return MemoryRow(state, layers * in_flight, act.loss_head, old_pass, replay, not options.optimizer_offload)
+
+
+def plan_layout(model: MoEModelConfig, layout: ParallelLayout, options: PlanOptions, gpu: GPUSpec) -> Plan:
+    """Everything the planner predicts for one layout; raises PlanError if the trainer would refuse it."""
+    check_with_trainer_rules(model, layout, options)
+    micro_batches = micro_batches_per_rank(layout, options)
+    rows = [memory_of_stage(model, layout, options, r, micro_batches) for r in range(layout.pp)]
+    worst = max(range(layout.pp), key=lambda r: rows[r].total)
+    width = DTYPE_BYTES[options.dtype]
+    traffic = [step_traffic(model, layout, options.micro, micro_batches, pp_rank=r, width=width,
+                            dispatcher=options.dispatcher, distributed_optimizer=options.distributed_optimizer,
+                            dtype=options.dtype) for r in range(layout.pp)]
+    time = step_time(model, layout, options.micro, micro_batches, traffic, gpu, options.recompute)
+    fits = rows[worst].total <= gpu.usable_memory_bytes
+    problems = [] if fits else [f"needs {rows[worst].total / GiB:.1f} GiB > {gpu.usable_memory_bytes / GiB:.1f} GiB"]
+    return Plan(layout, micro_batches, rows[worst], worst, traffic[worst], time,
+                weight_sync_bytes(model, width), fits, problems)
+
+
+def _divisors(n: int, limit: Optional[int] = None) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0 and (limit is None or d <= limit)]
+
+
+def candidate_layouts(model: MoEModelConfig, gpus: int, gpu: GPUSpec, max_cp: int = 2) -> list[ParallelLayout]:
+    """Every (tp <= node, pp, ep, etp in {1, tp}, cp <= max_cp) layout of ``gpus`` ranks that
+    ``ParallelLayout.validate`` accepts for this model."""
+    out = []
+    for tp in _divisors(gpus, gpu.gpus_per_node):
+        for cp in _divisors(gpus // tp, max_cp):
+            for pp in _divisors(gpus // (tp * cp)):
+                experts = model.num_experts if model.is_moe else 1
+                for ep in _divisors(experts):
+                    for etp in sorted({1, tp}):
+                        layout = ParallelLayout(tp=tp, pp=pp, ep=ep, etp=None if etp == tp else etp, cp=cp,
+                                                world_size=gpus)
+                        try:
+                            out.append(layout.validate(model))
+                        except ValueError:
+                            continue
+    return out
+
+
+def rank_layouts(model: MoEModelConfig, gpus: int, options: PlanOptions, gpu: GPUSpec,
+                 max_cp: int = 2) -> tuple[list[Plan], int]:
+    """Feasible plans that fit, fastest first, and how many valid layouts did not fit in memory."""
+    fitting, too_big = [], 0
+    for layout in candidate_layouts(model, gpus, gpu, max_cp):
+        try:
+            plan = plan_layout(model, layout, options, gpu)
+        except PlanError:
+            continue
+        if plan.fits:
+            fitting.append(plan)
+        else:
+            too_big += 1
+    fitting.sort(key=lambda p: p.time.total_s)
+    return fitting, too_big
+
+
+def layout_name(layout: ParallelLayout) -> str:
+    parts = [f"tp{layout.tp}"]
+    if layout.pp > 1:
+        parts.append(f"pp{layout.pp}")
+    if layout.cp > 1:
+        parts.append(f"cp{layout.cp}")
+    parts.append(f"ep{layout.ep}")
+    if layout.etp is not None and layout.etp != layout.tp:
+        parts.append(f"etp{layout.etp}")
+    parts.append(f"dp{layout.dp}")
+    return "_".join(parts)
