@@ -68,12 +68,12 @@ def table_row(plan: Plan) -> str:
     m, t = plan.memory, plan.time
     return (f"| {layout_name(plan.layout)} | {plan.micro_batches} | {gib(m.state.parameters)} | {gib(m.state.gradients)} | "
             f"{gib(m.state.optimizer)} | {gib(m.activations)} | {gib(m.loss_head)} | {gib(m.total)} | "
-            f"{t.total_s:.1f} | {t.bubble_fraction:.0%} | {t.tokens_per_s_per_gpu:,.0f} |")
+            f"{t.total_s:.1f} | {t.bubble_fraction:.0%} | {t.tokens_per_s_per_gpu:,.0f} | {'yes' if plan.fits else 'no'} |")
 
 
 TABLE_HEAD = (
     "| layout | micro-batches | weights GiB | grads GiB | optimizer GiB | activations GiB | loss head GiB | "
-    "peak GiB | step s | bubble | tokens/s/GPU |\n|---|---|---|---|---|---|---|---|---|---|---|"
+    "peak GiB | step s | bubble | tokens/s/GPU | fits |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -152,9 +152,11 @@ def main(argv=None) -> int:
         print_detail(plan)
         return 0
     plans, too_big = rank_layouts(model, args.gpus, options, gpu, args.max_cp)
-    print(f"{len(plans)} layouts fit, {too_big} valid layouts do not fit in memory; fastest first:")
+    print(f"{len(plans)} layouts fit in {gib(gpu.usable_memory_bytes)} GiB, {len(too_big)} valid layouts do not; "
+          "fitting ones fastest first, then the smallest that do not fit:")
     print(TABLE_HEAD)
-    for plan in plans[: args.top]:
+    shown = plans[: args.top] + too_big[: max(0, args.top - len(plans))]
+    for plan in shown:
         print(table_row(plan))
     return 0 if plans else 1
 

@@ -13,11 +13,16 @@ Design decisions:
 - MoE dispatch: with the ``alltoall`` dispatcher (GPU) each of the T_sp*k routed rows of h crosses the
   EP group in dispatch and combine, forward and backward (4 all-to-alls of T_sp k h). With the
   ``allgather`` dispatcher (CPU) the tokens of the whole TP x EP group are all-gathered forward and
-  reduce-scattered back, and the reverse in backward (4 collectives of [T_sp tp ep, h]).
+  reduce-scattered back, and the reverse in backward (4 collectives of [T_sp tp ep, h]), plus the
+  gathered routing probabilities (fp32, gathered and their gradient scattered) and routing map (bool).
+- With sequence parallelism the first stage reduce-scatters the embedding output (and all-gathers its
+  gradient); the last stage's output layer is a column-parallel linear (AG forward, AG + RS backward).
 - PP: each micro-batch sends its [T_sp, h] activation forward and its gradient backward per stage
   boundary. DP: one all-reduce of every grad buffer per step (reduce-scatter + param all-gather with
   the distributed optimizer), payload = the padded buffer. CP: ring attention passes each rank's K and
   V around the CP ring, cp - 1 hops forward, twice that backward (dK, dV too).
+- Per step, ``finalize_model_grads`` all-reduces over TP the fp32 gradients of parameters every TP
+  rank holds whole (norms and routers under sequence parallelism; q/k norms always).
 - Weight sync (trainer -> rollout engine): every parameter once per step in bf16, from the ranks that
   own it; counted as the whole model divided over the ranks that hold distinct shards.
 """
@@ -29,7 +34,7 @@ from dataclasses import dataclass, field
 from gspo_megatron.models.config import MoEModelConfig
 from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.planning.activations import MicroBatch
-from gspo_megatron.planning.parameters import rank_buffers
+from gspo_megatron.planning.parameters import rank_buffers, stage_parameters
 
 FP32 = 4
 
@@ -89,6 +94,9 @@ def step_traffic(model: MoEModelConfig, layout: ParallelLayout, micro: MicroBatc
         if pp_rank == layout.pp - 1:  # output layer (column parallel): AG fwd, AG + RS bwd
             per_mb.add("tp", "all_gather", tp, 2 * tokens * h * width)
             per_mb.add("tp", "reduce_scatter", tp, tokens * h * width)
+        if pp_rank == 0:  # embedding output reduce-scattered to the sequence shards; AG of its grad
+            per_mb.add("tp", "reduce_scatter", tp, tokens * h * width)
+            per_mb.add("tp", "all_gather", tp, tokens * h * width)
     if pp_rank == layout.pp - 1:  # vocab-parallel log-prob statistics: [tp, T, 4] fp32
         per_mb.add("tp", "all_gather", tp, tp * tokens * 4 * FP32)
     for _ in moe_layers:
@@ -97,9 +105,12 @@ def step_traffic(model: MoEModelConfig, layout: ParallelLayout, micro: MicroBatc
             per_mb.add("ep", "all_to_all", ep, 4 * rows * h * width)
             per_mb.add("etp", "all_gather", etp, 2 * rows * etp * h * width)
             per_mb.add("etp", "reduce_scatter", etp, 2 * rows * etp * h * width)
-        else:
-            per_mb.add("tp_ep", "all_gather", tp * ep, 2 * sp_tokens * tp * ep * h * width)
-            per_mb.add("tp_ep", "reduce_scatter", tp * ep, 2 * sp_tokens * tp * ep * h * width)
+        else:  # hidden AG + combine RS forward, the reverse backward; probs (fp32) and routing map (bool)
+            gathered = sp_tokens * tp * ep
+            per_mb.add("tp_ep", "all_gather", tp * ep, 2 * gathered * h * width)
+            per_mb.add("tp_ep", "reduce_scatter", tp * ep, 2 * gathered * h * width)
+            per_mb.add("tp_ep", "all_gather", tp * ep, gathered * model.num_experts * (FP32 + 1))
+            per_mb.add("tp_ep", "reduce_scatter", tp * ep, gathered * model.num_experts * FP32)
     if layout.cp > 1:
         kv = 2 * tokens * model.num_kv_heads * model.head_dim / tp * width
         per_mb.add("cp", "send_recv", layout.cp, len(layers) * 3 * (layout.cp - 1) * kv)
@@ -107,6 +118,12 @@ def step_traffic(model: MoEModelConfig, layout: ParallelLayout, micro: MicroBatc
     per_mb.add("pp", "send_recv", layout.pp, 2 * boundaries * sp_tokens * h * width)
     for (kind, collective), payload in per_mb.payload.items():
         traffic.add(kind, collective, per_mb.group_size[kind], payload * micro_batches)
+    # finalize_model_grads: one all-reduce over TP of the fp32 grads of the sequence-parallel
+    # parameters (norms, routers, shared-expert gates) and of the q/k norms
+    replicated = [p for p in stage_parameters(model, layout, pp_rank)
+                  if p.norm and ("q_layernorm" in p.name or "k_layernorm" in p.name or layout.use_sequence_parallel)
+                  or layout.use_sequence_parallel and p.name.endswith(("router.weight", "gate_weight"))]
+    traffic.add("tp", "all_reduce", tp, sum(p.numel for p in replicated) * FP32)
     for buffer in rank_buffers(model, layout, pp_rank, distributed_optimizer, dtype):
         kind = "dp_expert" if buffer.expert else "dp"
         grads = buffer.numel * FP32

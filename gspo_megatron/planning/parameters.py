@@ -42,8 +42,23 @@ def stage_layers(model: MoEModelConfig, layout: ParallelLayout, pp_rank: int) ->
     return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
 
 
+_CACHE: dict[tuple, object] = {}  # the ranking tool asks for the same stage many times
+
+
+def _cached(key: tuple, build):
+    if key not in _CACHE:
+        if len(_CACHE) > 4096:
+            _CACHE.clear()
+        _CACHE[key] = build()
+    return _CACHE[key]
+
+
 def stage_parameters(model: MoEModelConfig, layout: ParallelLayout, pp_rank: int) -> list[ParamSpec]:
     """The parameters one rank of pipeline stage ``pp_rank`` holds, in ``named_parameters()`` order."""
+    return _cached(("params", repr(model), layout, pp_rank), lambda: _stage_parameters(model, layout, pp_rank))
+
+
+def _stage_parameters(model: MoEModelConfig, layout: ParallelLayout, pp_rank: int) -> list[ParamSpec]:
     h, d, tp, etp = model.hidden_size, model.head_dim, layout.tp, layout.expert_tp
     expert_buffer = layout.ep > 1
     first, last = pp_rank == 0, pp_rank == layout.pp - 1
@@ -174,6 +189,12 @@ def rank_buffers(model: MoEModelConfig, layout: ParallelLayout, pp_rank: int, di
     """Megatron's buffers for one rank: megatron groups a stage's parameters by
     (expert?, parameter dtype) in first-appearance order; dense buffers reduce over dp*cp, expert
     buffers (ep > 1) over expert-dp."""
+    key = ("buffers", repr(model), layout, pp_rank, distributed_optimizer, dtype, bucket_size)
+    return _cached(key, lambda: _rank_buffers(model, layout, pp_rank, distributed_optimizer, dtype, bucket_size))
+
+
+def _rank_buffers(model: MoEModelConfig, layout: ParallelLayout, pp_rank: int, distributed_optimizer: bool,
+                  dtype: str, bucket_size: int | None) -> list[BufferLayout]:
     groups: dict[tuple[bool, int], list[ParamSpec]] = {}
     for param in stage_parameters(model, layout, pp_rank):
         groups.setdefault((param.expert, param_width(param, dtype)), []).append(param)

@@ -176,19 +176,17 @@ def candidate_layouts(model: MoEModelConfig, gpus: int, gpu: GPUSpec, max_cp: in
 
 
 def rank_layouts(model: MoEModelConfig, gpus: int, options: PlanOptions, gpu: GPUSpec,
-                 max_cp: int = 2) -> tuple[list[Plan], int]:
-    """Feasible plans that fit, fastest first, and how many valid layouts did not fit in memory."""
-    fitting, too_big = [], 0
+                 max_cp: int = 2) -> tuple[list[Plan], list[Plan]]:
+    """Plans the trainer accepts: those that fit, fastest first; those that do not, smallest first."""
+    fitting, too_big = [], []
     for layout in candidate_layouts(model, gpus, gpu, max_cp):
         try:
             plan = plan_layout(model, layout, options, gpu)
         except PlanError:
             continue
-        if plan.fits:
-            fitting.append(plan)
-        else:
-            too_big += 1
+        (fitting if plan.fits else too_big).append(plan)
     fitting.sort(key=lambda p: p.time.total_s)
+    too_big.sort(key=lambda p: p.memory.total)
     return fitting, too_big
 
 

@@ -18,11 +18,15 @@ import torch
 from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.planning.parameters import state_bytes
 from gspo_megatron.testing.distributed import run_distributed
-from gspo_megatron.testing.model_fixtures import EQUIVALENCE_LAYOUTS, tiny_test_config
+from gspo_megatron.planning.activations import MicroBatch
+from gspo_megatron.planning.comm import step_traffic
+from gspo_megatron.testing.model_fixtures import EQUIVALENCE_LAYOUTS, fixed_batch, tiny_test_config
 
 pytestmark = pytest.mark.distributed
 
 FP32 = 4
+SEQ_LEN = 12
+MICRO_BATCHES = 2
 
 
 def _measure_state(mesh_layout, cfg, dtype: torch.dtype, distributed_optimizer: bool) -> dict:
@@ -66,6 +70,40 @@ def _measure_state(mesh_layout, cfg, dtype: torch.dtype, distributed_optimizer: 
     return {"parameters": weights, "gradients": grads, "param_buffers": param_buffers, "optimizer": optimizer}
 
 
+def _measure_traffic(layout, cfg, mesh) -> dict:
+    """Payload bytes per (group, collective) of one forward-backward step (2 micro-batches) and the
+    gradient reduction, counted through gloo."""
+    from megatron.core import parallel_state as ps
+
+    from gspo_megatron.algorithms.logprobs import vocab_parallel_log_probs
+    from gspo_megatron.models.builder import build_model
+    from gspo_megatron.models.schedule import run_schedule, wrap_for_training
+    from gspo_megatron.testing.collectives import count_collectives
+
+    model = build_model(cfg, layout, layer_spec="portable")
+    ddp = wrap_for_training(model, model.config)
+    ddp.zero_grad_buffer()
+    inputs, targets, _ = fixed_batch(cfg, batch=4, seq=SEQ_LEN)
+    rows = inputs.shape[0] // layout.dp
+    per_micro = rows // MICRO_BATCHES
+    start = mesh.dp_rank * rows
+    micro_batches = [{"tokens": inputs[start + i : start + i + per_micro],
+                      "targets": targets[start + i : start + i + per_micro]}
+                     for i in range(0, rows, per_micro)]
+
+    def loss(logits, batch):
+        logp, _ = vocab_parallel_log_probs(logits, batch["targets"], tp_group=mesh.tp_group)
+        return -logp.sum() / inputs.numel(), {}
+
+    groups = {"tp": mesh.tp_group, "pp": mesh.pp_group, "dp": ps.get_data_parallel_group(with_context_parallel=True,
+              partial_data_parallel=True), "tp_ep": ps.get_expert_tensor_and_model_parallel_group(),
+              "dp_expert": ps.get_expert_data_parallel_group(partial_expert_data_parallel=True),
+              "dp_full": ps.get_data_parallel_group(with_context_parallel=True)}
+    with count_collectives(groups) as counter:
+        run_schedule([ddp], micro_batches, loss, forward_only=False)
+    return {"payload": counter.payload, "per_micro": per_micro}
+
+
 def state_worker(ctx, cfg, layouts: dict) -> dict:
     from megatron.core import parallel_state as ps
 
@@ -79,6 +117,7 @@ def state_worker(ctx, cfg, layouts: dict) -> dict:
         for dtype in (torch.float32, torch.bfloat16):
             for dist_opt in (False, True):
                 out[(name, str(dtype), dist_opt)] = dict(_measure_state(layout, cfg, dtype, dist_opt), **ranks)
+        out[(name, "traffic")] = dict(_measure_traffic(layout, cfg, mesh), **ranks)
         ps.destroy_model_parallel()
     return out
 
@@ -112,3 +151,19 @@ def test_state_bytes_equal_megatron(measured, name, dtype, distributed_optimizer
         assert predicted.param_buffers == got["param_buffers"], where
         if got["optimizer"] is not None:
             assert predicted.optimizer == got["optimizer"], where
+
+
+@pytest.mark.parametrize("name", list(EQUIVALENCE_LAYOUTS))
+def test_communication_equals_gloo_payloads(measured, name):
+    """Every byte handed to a collective in one training step (forward, backward, gradient
+    reduction) is predicted, per group and collective, on every rank."""
+    cfg, results = measured
+    kwargs = EQUIVALENCE_LAYOUTS[name]
+    layout = ParallelLayout(**kwargs).validate(cfg)
+    for rank, per_rank in enumerate(results[kwargs["world_size"]]):
+        got = per_rank[(name, "traffic")]
+        predicted = step_traffic(cfg, layout, MicroBatch(got["per_micro"], SEQ_LEN), MICRO_BATCHES,
+                                 pp_rank=got["pp"], width=FP32, dispatcher="allgather",
+                                 distributed_optimizer=False, dtype="float32")
+        measured_payload = {key: float(value) for key, value in got["payload"].items()}
+        assert measured_payload == predicted.payload, f"{name} rank {rank}"
