@@ -116,6 +116,7 @@ def main(argv=None) -> int:
     parser.add_argument("--recompute", action="store_true", help="full activation recompute")
     parser.add_argument("--routing-replay", choices=["none", "old", "rollout"], default="none")
     parser.add_argument("--dispatcher", choices=["alltoall", "allgather"], default="alltoall")
+    parser.add_argument("--layer-spec", choices=["te", "portable"], default="te")
     parser.add_argument("--max-cp", type=int, default=2, help="largest cp tried when ranking")
     parser.add_argument("--top", type=int, default=5)
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
@@ -138,7 +139,8 @@ def main(argv=None) -> int:
                           global_batch_tokens=args.global_batch_tokens, group_size=args.group_size, dtype=args.dtype,
                           distributed_optimizer=not args.no_distributed_optimizer,
                           optimizer_offload=args.optimizer_offload, recompute=args.recompute,
-                          routing_replay=args.routing_replay, dispatcher=args.dispatcher)
+                          routing_replay=args.routing_replay, dispatcher=args.dispatcher,
+                          layer_spec=args.layer_spec)
     counts = model.parameter_count()
     print(f"model {args.model}: {counts['total'] / 1e9:.2f}B parameters, {counts['active'] / 1e9:.2f}B active; "
           f"{args.gpus} GPUs; {options}")

@@ -6,6 +6,9 @@ Design decisions:
   sequence parallelism, the allgather token dispatcher and ``SequentialMLP`` experts), in elements
   per token, then times the activation width. The same counts are used for the TE spec on GPU; TE's
   fused norm and flash attention save a little less (no repeated K/V heads), so GPU numbers err high.
+- ``spec="te"`` (TransformerEngine + flash attention, the GPU default) differs only in attention:
+  flash attention saves K and V unrepeated (2TK instead of 2TQ) and writes its output in the layout
+  the projection reads (no TQ copy). Only the portable spec is measured here (no GPU).
 - Notation per layer: T tokens of the micro-batch on this rank (after CP), T_sp = T / tp with
   sequence parallelism, h hidden, Q = heads*d/tp, K = kv_heads*d/tp, F = moe_ffn/etp, E experts,
   k top-k, N = T_sp * etp * k expert rows (tokens the allgather dispatcher routes to this rank's
@@ -63,7 +66,7 @@ class ActivationBytes:
         return sum(self.per_layer) + self.boundary + self.loss_head
 
 
-def attention_elements(model: MoEModelConfig, layout: ParallelLayout, tokens: int) -> float:
+def attention_elements(model: MoEModelConfig, layout: ParallelLayout, tokens: int, spec: str = "portable") -> float:
     tp = layout.tp
     sp_tokens = tokens / tp if layout.use_sequence_parallel else tokens
     q = model.num_attention_heads * model.head_dim / tp
@@ -73,8 +76,13 @@ def attention_elements(model: MoEModelConfig, layout: ParallelLayout, tokens: in
     qkv = tokens * (q + 2 * kv)
     qk_norms = 2 * tokens * (q + kv)
     rope_q = tokens * q
-    repeated_kv = 2 * tokens * q if gqa else tokens * kv
-    output = 2 * tokens * q
+    if spec not in ("portable", "te"):
+        raise ValueError(f"spec must be 'portable' or 'te', got {spec!r}")
+    if spec == "te":
+        repeated_kv, output = 2 * tokens * kv, tokens * q
+    else:
+        repeated_kv = 2 * tokens * q if gqa else tokens * kv
+        output = 2 * tokens * q
     lse = tokens * model.num_attention_heads / tp
     return norm + qkv + qk_norms + rope_q + repeated_kv + output + lse
 
@@ -97,7 +105,7 @@ def dense_mlp_elements(ffn_per_rank: float, tokens: int) -> float:
 
 
 def activation_bytes(model: MoEModelConfig, layout: ParallelLayout, micro: MicroBatch, pp_rank: int,
-                     width: int = FP32) -> ActivationBytes:
+                     width: int = FP32, spec: str = "portable") -> ActivationBytes:
     """Bytes one rank of stage ``pp_rank`` keeps for the backward of one micro-batch."""
     from gspo_megatron.planning.parameters import stage_layers
 
@@ -107,7 +115,7 @@ def activation_bytes(model: MoEModelConfig, layout: ParallelLayout, micro: Micro
     dense = set(model.dense_layers)
     per_layer = []
     for i in stage_layers(model, layout, pp_rank):
-        attention = attention_elements(model, layout, tokens)
+        attention = attention_elements(model, layout, tokens, spec)
         if i in dense:
             norm = 3 * sp_tokens * h
             mlp = norm + dense_mlp_elements(model.dense_intermediate_size / layout.tp, tokens)

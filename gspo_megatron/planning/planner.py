@@ -40,6 +40,7 @@ class PlanOptions:
     recompute: bool = False
     routing_replay: str = "none"  # none | old | rollout (R3 keeps the engine's experts)
     dispatcher: str = "alltoall"  # alltoall on GPU; allgather is what the CPU build uses
+    layer_spec: str = "te"  # te on GPU; portable is what the CPU build uses (and what is measured)
 
     @property
     def micro(self) -> MicroBatch:
@@ -122,7 +123,7 @@ def memory_of_stage(model: MoEModelConfig, layout: ParallelLayout, options: Plan
     width = DTYPE_BYTES[options.dtype]
     state = state_bytes(model, layout, pp_rank, dtype=options.dtype,
                         distributed_optimizer=options.distributed_optimizer)
-    act = activation_bytes(model, layout, options.micro, pp_rank, width=width)
+    act = activation_bytes(model, layout, options.micro, pp_rank, width=width, spec=options.layer_spec)
     in_flight = min(layout.pp - pp_rank, micro_batches)
     layers = act.total(options.recompute) - act.loss_head
     tokens = options.micro.tokens / layout.cp
