@@ -25,7 +25,9 @@ from pathlib import Path
 from gspo_megatron.models.config import MoEModelConfig, PRESETS, preset
 from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.planning.hardware import GB, GPUS, gpu_spec
-from gspo_megatron.planning.planner import GiB, Plan, PlanError, PlanOptions, layout_name, plan_layout, rank_layouts
+from gspo_megatron.planning.planner import (
+    GiB, Plan, PlanError, PlanOptions, layout_name, plan_layout, rank_layouts,
+)
 
 LAYOUT_PART = re.compile(r"^(tp|pp|ep|etp|cp|dp)(\d+)$")
 
@@ -56,7 +58,8 @@ def parse_layout(name: str, gpus: int) -> ParallelLayout:
     dp = sizes.pop("dp", None)
     layout = ParallelLayout(world_size=gpus, **sizes)
     if dp is not None and layout.tp * layout.pp * layout.cp * dp != gpus:
-        raise SystemExit(f"LAYOUT {name!r}: tp*pp*cp*dp = {layout.tp * layout.pp * layout.cp * dp} != --gpus {gpus}")
+        product = layout.tp * layout.pp * layout.cp * dp
+        raise SystemExit(f"LAYOUT {name!r}: tp*pp*cp*dp = {product} != --gpus {gpus}")
     return layout
 
 
@@ -66,9 +69,11 @@ def gib(n: float) -> str:
 
 def table_row(plan: Plan) -> str:
     m, t = plan.memory, plan.time
-    return (f"| {layout_name(plan.layout)} | {plan.micro_batches} | {gib(m.state.parameters)} | {gib(m.state.gradients)} | "
+    return (f"| {layout_name(plan.layout)} | {plan.micro_batches} | {gib(m.state.parameters)} | "
+            f"{gib(m.state.gradients)} | "
             f"{gib(m.state.optimizer)} | {gib(m.activations)} | {gib(m.loss_head)} | {gib(m.total)} | "
-            f"{t.total_s:.1f} | {t.bubble_fraction:.0%} | {t.tokens_per_s_per_gpu:,.0f} | {'yes' if plan.fits else 'no'} |")
+            f"{t.total_s:.1f} | {t.bubble_fraction:.0%} | {t.tokens_per_s_per_gpu:,.0f} | "
+            f"{'yes' if plan.fits else 'no'} |")
 
 
 TABLE_HEAD = (
@@ -79,20 +84,23 @@ TABLE_HEAD = (
 
 def print_detail(plan: Plan) -> None:
     m = plan.memory
-    print(f"layout {layout_name(plan.layout)}: {plan.micro_batches} micro-batches per dp rank, worst stage {plan.worst_stage}")
+    print(f"layout {layout_name(plan.layout)}: {plan.micro_batches} micro-batches per dp rank, "
+          f"worst stage {plan.worst_stage}")
     print("per-rank memory (GiB), worst stage:")
     for label, value in [("weights (bf16; param buffer with dist. opt.)", m.state.parameters),
                          ("gradient buffers (fp32)", m.state.gradients),
-                         ("optimizer (Adam moments + fp32 master)" + ("" if m.optimizer_on_gpu else ", offloaded"),
-                          m.state.optimizer),
-                         ("activations (micro-batches in flight)", m.activations), ("loss head (logits + grad)", m.loss_head),
+                         ("optimizer (Adam moments + fp32 master)"
+                          + ("" if m.optimizer_on_gpu else ", offloaded"), m.state.optimizer),
+                         ("activations (micro-batches in flight)", m.activations),
+                         ("loss head (logits + grad)", m.loss_head),
                          ("old-log-prob forward (not concurrent)", m.old_log_prob_pass),
                          ("routing replay buffers", m.routing_replay), ("peak total", m.total)]:
         print(f"  {label:48s} {gib(value):>8s}")
     print("per-step communication per rank (payload GB, wire GB, seconds):")
     for kind in sorted(plan.traffic.group_size):
         payload = plan.traffic.by_kind()[kind]
-        print(f"  {kind:10s} group {plan.traffic.group_size[kind]:3d}  {payload / GB:9.2f} {plan.traffic.wire_bytes(kind) / GB:9.2f} "
+        wire = plan.traffic.wire_bytes(kind)
+        print(f"  {kind:10s} group {plan.traffic.group_size[kind]:3d}  {payload / GB:9.2f} {wire / GB:9.2f} "
               f"{plan.time.comm_s[kind]:8.3f}")
     print(f"  weight sync trainer -> engine: {plan.sync_bytes / GB:.1f} GB per step (bf16, whole model)")
     t = plan.time
@@ -101,7 +109,8 @@ def print_detail(plan: Plan) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model")
     parser.add_argument("layout", nargs="?", default="rank")
     parser.add_argument("--gpus", type=int, default=8)
@@ -136,13 +145,15 @@ def main(argv=None) -> int:
                    gpus_per_node=args.gpus_per_node, mfu=args.mfu, link_efficiency=args.link_efficiency)
     model = load_model(args.model)
     options = PlanOptions(seq_len=args.seq_len, micro_batch_tokens=args.micro_batch_tokens,
-                          global_batch_tokens=args.global_batch_tokens, group_size=args.group_size, dtype=args.dtype,
+                          global_batch_tokens=args.global_batch_tokens, group_size=args.group_size,
+                          dtype=args.dtype,
                           distributed_optimizer=not args.no_distributed_optimizer,
                           optimizer_offload=args.optimizer_offload, recompute=args.recompute,
                           routing_replay=args.routing_replay, dispatcher=args.dispatcher,
                           layer_spec=args.layer_spec)
     counts = model.parameter_count()
-    print(f"model {args.model}: {counts['total'] / 1e9:.2f}B parameters, {counts['active'] / 1e9:.2f}B active; "
+    print(f"model {args.model}: {counts['total'] / 1e9:.2f}B parameters, "
+          f"{counts['active'] / 1e9:.2f}B active; "
           f"{args.gpus} GPUs; {options}")
     print(f"assumptions: {gpu.describe()}")
     if args.layout != "rank":
@@ -154,7 +165,8 @@ def main(argv=None) -> int:
         print_detail(plan)
         return 0
     plans, too_big = rank_layouts(model, args.gpus, options, gpu, args.max_cp)
-    print(f"{len(plans)} layouts fit in {gib(gpu.usable_memory_bytes)} GiB, {len(too_big)} valid layouts do not; "
+    print(f"{len(plans)} layouts fit in {gib(gpu.usable_memory_bytes)} GiB, "
+          f"{len(too_big)} valid layouts do not; "
           "fitting ones fastest first, then the smallest that do not fit:")
     print(TABLE_HEAD)
     shown = plans[: args.top] + too_big[: max(0, args.top - len(plans))]

@@ -62,11 +62,13 @@ class ActivationBytes:
         if not self.per_layer:
             return self.boundary + self.loss_head
         if recompute:
-            return self.recompute_per_layer * len(self.per_layer) + max(self.per_layer) + self.boundary + self.loss_head
+            kept = self.recompute_per_layer * len(self.per_layer) + max(self.per_layer)
+            return kept + self.boundary + self.loss_head
         return sum(self.per_layer) + self.boundary + self.loss_head
 
 
-def attention_elements(model: MoEModelConfig, layout: ParallelLayout, tokens: int, spec: str = "portable") -> float:
+def attention_elements(model: MoEModelConfig, layout: ParallelLayout, tokens: int,
+                       spec: str = "portable") -> float:
     tp = layout.tp
     sp_tokens = tokens / tp if layout.use_sequence_parallel else tokens
     q = model.num_attention_heads * model.head_dim / tp

@@ -120,9 +120,10 @@ def step_traffic(model: MoEModelConfig, layout: ParallelLayout, micro: MicroBatc
         traffic.add(kind, collective, per_mb.group_size[kind], payload * micro_batches)
     # finalize_model_grads: one all-reduce over TP of the fp32 grads of the sequence-parallel
     # parameters (norms, routers, shared-expert gates) and of the q/k norms
+    sp = layout.use_sequence_parallel
     replicated = [p for p in stage_parameters(model, layout, pp_rank)
-                  if p.norm and ("q_layernorm" in p.name or "k_layernorm" in p.name or layout.use_sequence_parallel)
-                  or layout.use_sequence_parallel and p.name.endswith(("router.weight", "gate_weight"))]
+                  if p.norm and ("q_layernorm" in p.name or "k_layernorm" in p.name or sp)
+                  or sp and p.name.endswith(("router.weight", "gate_weight"))]
     traffic.add("tp", "all_reduce", tp, sum(p.numel for p in replicated) * FP32)
     for buffer in rank_buffers(model, layout, pp_rank, distributed_optimizer, dtype):
         kind = "dp_expert" if buffer.expert else "dp"

@@ -40,7 +40,8 @@ class GPUSpec:
         return (
             f"{self.name}: bf16 {self.bf16_tflops:.0f} TFLOP/s dense (mfu {self.mfu:.0%}), "
             f"HBM {self.memory_bytes / GB:.0f} GB ({self.usable_memory_fraction:.0%} usable), "
-            f"NVLink {self.nvlink_bandwidth / GB:.0f} GB/s/dir, IB {self.ib_bandwidth / GB:.0f} GB/s/dir per GPU "
+            f"NVLink {self.nvlink_bandwidth / GB:.0f} GB/s/dir, "
+            f"IB {self.ib_bandwidth / GB:.0f} GB/s/dir per GPU "
             f"(link efficiency {self.link_efficiency:.0%}), {self.gpus_per_node} GPUs/node"
         )
 

@@ -55,7 +55,8 @@ def _cached(key: tuple, build):
 
 def stage_parameters(model: MoEModelConfig, layout: ParallelLayout, pp_rank: int) -> list[ParamSpec]:
     """The parameters one rank of pipeline stage ``pp_rank`` holds, in ``named_parameters()`` order."""
-    return _cached(("params", repr(model), layout, pp_rank), lambda: _stage_parameters(model, layout, pp_rank))
+    key = ("params", repr(model), layout, pp_rank)
+    return _cached(key, lambda: _stage_parameters(model, layout, pp_rank))
 
 
 def _stage_parameters(model: MoEModelConfig, layout: ParallelLayout, pp_rank: int) -> list[ParamSpec]:
@@ -190,7 +191,8 @@ def rank_buffers(model: MoEModelConfig, layout: ParallelLayout, pp_rank: int, di
     (expert?, parameter dtype) in first-appearance order; dense buffers reduce over dp*cp, expert
     buffers (ep > 1) over expert-dp."""
     key = ("buffers", repr(model), layout, pp_rank, distributed_optimizer, dtype, bucket_size)
-    return _cached(key, lambda: _rank_buffers(model, layout, pp_rank, distributed_optimizer, dtype, bucket_size))
+    return _cached(key, lambda: _rank_buffers(model, layout, pp_rank, distributed_optimizer, dtype,
+                                              bucket_size))
 
 
 def _rank_buffers(model: MoEModelConfig, layout: ParallelLayout, pp_rank: int, distributed_optimizer: bool,
@@ -202,7 +204,8 @@ def _rank_buffers(model: MoEModelConfig, layout: ParallelLayout, pp_rank: int, d
     out = []
     for expert, width in ordered:
         dp = layout.expert_dp if expert else layout.dp * layout.cp
-        out.append(buffer_layout(groups[(expert, width)], dp, distributed_optimizer, bucket_size, width, expert))
+        params = groups[(expert, width)]
+        out.append(buffer_layout(params, dp, distributed_optimizer, bucket_size, width, expert))
     return out
 
 

@@ -114,7 +114,8 @@ def micro_batches_per_rank(layout: ParallelLayout, options: PlanOptions) -> int:
     per_rank = options.global_batch_tokens // layout.dp
     if per_rank % options.micro_batch_tokens or per_rank == 0:
         raise PlanError(f"{options.global_batch_tokens} tokens per step over dp={layout.dp} is "
-                        f"{per_rank} per rank, not a multiple of micro_batch_tokens={options.micro_batch_tokens}")
+                        f"{per_rank} per rank, not a multiple of "
+                        f"micro_batch_tokens={options.micro_batch_tokens}")
     return per_rank // options.micro_batch_tokens
 
 
@@ -128,12 +129,14 @@ def memory_of_stage(model: MoEModelConfig, layout: ParallelLayout, options: Plan
     layers = act.total(options.recompute) - act.loss_head
     tokens = options.micro.tokens / layout.cp
     sp_tokens = tokens / layout.tp if layout.use_sequence_parallel else tokens
-    old_pass = int(tokens * model.vocab_size / layout.tp * FP32) + (max(act.per_layer) if act.per_layer else 0)
+    logits = int(tokens * model.vocab_size / layout.tp * FP32)
+    old_pass = logits + (max(act.per_layer) if act.per_layer else 0)
     replay = 0
     if options.routing_replay != "none" and model.is_moe:
         moe = [i for i in stage_layers(model, layout, pp_rank) if i not in set(model.dense_layers)]
         replay = int(micro_batches * len(moe) * sp_tokens * model.top_k * 8)
-    return MemoryRow(state, layers * in_flight, act.loss_head, old_pass, replay, not options.optimizer_offload)
+    return MemoryRow(state, layers * in_flight, act.loss_head, old_pass, replay,
+                     optimizer_on_gpu=not options.optimizer_offload)
 
 
 def plan_layout(model: MoEModelConfig, layout: ParallelLayout, options: PlanOptions, gpu: GPUSpec) -> Plan:
@@ -144,11 +147,13 @@ def plan_layout(model: MoEModelConfig, layout: ParallelLayout, options: PlanOpti
     worst = max(range(layout.pp), key=lambda r: rows[r].total)
     width = DTYPE_BYTES[options.dtype]
     traffic = [step_traffic(model, layout, options.micro, micro_batches, pp_rank=r, width=width,
-                            dispatcher=options.dispatcher, distributed_optimizer=options.distributed_optimizer,
+                            dispatcher=options.dispatcher,
+                            distributed_optimizer=options.distributed_optimizer,
                             dtype=options.dtype) for r in range(layout.pp)]
     time = step_time(model, layout, options.micro, micro_batches, traffic, gpu, options.recompute)
     fits = rows[worst].total <= gpu.usable_memory_bytes
-    problems = [] if fits else [f"needs {rows[worst].total / GiB:.1f} GiB > {gpu.usable_memory_bytes / GiB:.1f} GiB"]
+    problems = [] if fits else [
+        f"needs {rows[worst].total / GiB:.1f} GiB > {gpu.usable_memory_bytes / GiB:.1f} GiB"]
     return Plan(layout, micro_batches, rows[worst], worst, traffic[worst], time,
                 weight_sync_bytes(model, width), fits, problems)
 
@@ -157,7 +162,8 @@ def _divisors(n: int, limit: Optional[int] = None) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0 and (limit is None or d <= limit)]
 
 
-def candidate_layouts(model: MoEModelConfig, gpus: int, gpu: GPUSpec, max_cp: int = 2) -> list[ParallelLayout]:
+def candidate_layouts(model: MoEModelConfig, gpus: int, gpu: GPUSpec,
+                      max_cp: int = 2) -> list[ParallelLayout]:
     """Every (tp <= node, pp, ep, etp in {1, tp}, cp <= max_cp) layout of ``gpus`` ranks that
     ``ParallelLayout.validate`` accepts for this model."""
     out = []

@@ -77,7 +77,8 @@ def step_time(model: MoEModelConfig, layout: ParallelLayout, micro: MicroBatch, 
         per_stage.append(fwd * (4 if recompute else 3) / (gpu.bf16_tflops * 1e12 * gpu.mfu))
     slowest = max(range(layout.pp), key=lambda r: per_stage[r])
     traffic = traffic_by_stage[slowest]
-    comm = {kind: traffic.wire_bytes(kind) / group_bandwidth(kind, layout, gpu) for kind in traffic.group_size}
+    comm = {kind: traffic.wire_bytes(kind) / group_bandwidth(kind, layout, gpu)
+            for kind in traffic.group_size}
     per_micro_comm = sum(v for k, v in comm.items() if not k.startswith("dp")) / micro_batches
     dp_comm = sum(v for k, v in comm.items() if k.startswith("dp"))
     slots = micro_batches + layout.pp - 1

@@ -84,7 +84,8 @@ def count_collectives(groups: dict):
             counter.add(op.group, "send_recv", _bytes(op.tensor))
         return originals["batch_isend_irecv"](ops)
 
-    patched = dict(all_reduce=all_reduce, all_gather=all_gather, all_gather_into_tensor=all_gather_into_tensor,
+    patched = dict(all_reduce=all_reduce, all_gather=all_gather,
+                   all_gather_into_tensor=all_gather_into_tensor,
                    reduce_scatter_tensor=reduce_scatter_tensor, all_to_all_single=all_to_all_single,
                    broadcast=broadcast, batch_isend_irecv=batch_isend_irecv)
     aliases = []

@@ -95,10 +95,12 @@ def _measure_traffic(layout, cfg, mesh) -> dict:
         logp, _ = vocab_parallel_log_probs(logits, batch["targets"], tp_group=mesh.tp_group)
         return -logp.sum() / inputs.numel(), {}
 
-    groups = {"tp": mesh.tp_group, "pp": mesh.pp_group, "dp": ps.get_data_parallel_group(with_context_parallel=True,
-              partial_data_parallel=True), "tp_ep": ps.get_expert_tensor_and_model_parallel_group(),
-              "dp_expert": ps.get_expert_data_parallel_group(partial_expert_data_parallel=True),
-              "dp_full": ps.get_data_parallel_group(with_context_parallel=True)}
+    groups = {  # the groups megatron's DDP reduces over are the "partial" (intra-instance) ones
+        "tp": mesh.tp_group, "pp": mesh.pp_group,
+        "dp": ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True),
+        "tp_ep": ps.get_expert_tensor_and_model_parallel_group(),
+        "dp_expert": ps.get_expert_data_parallel_group(partial_expert_data_parallel=True),
+    }
     with count_collectives(groups) as counter:
         run_schedule([ddp], micro_batches, loss, forward_only=False)
     return {"payload": counter.payload, "per_micro": per_micro}
@@ -116,7 +118,8 @@ def state_worker(ctx, cfg, layouts: dict) -> dict:
         ranks = {"pp": mesh.pp_rank, "dp": mesh.dp_rank, "edp": ps.get_expert_data_parallel_rank()}
         for dtype in (torch.float32, torch.bfloat16):
             for dist_opt in (False, True):
-                out[(name, str(dtype), dist_opt)] = dict(_measure_state(layout, cfg, dtype, dist_opt), **ranks)
+                state = _measure_state(layout, cfg, dtype, dist_opt)
+                out[(name, str(dtype), dist_opt)] = dict(state, **ranks)
         out[(name, "traffic")] = dict(_measure_traffic(layout, cfg, mesh), **ranks)
         ps.destroy_model_parallel()
     return out
@@ -143,7 +146,8 @@ def test_state_bytes_equal_megatron(measured, name, dtype, distributed_optimizer
     layout = ParallelLayout(**kwargs).validate(cfg)
     for rank, per_rank in enumerate(results[kwargs["world_size"]]):
         got = per_rank[(name, f"torch.{dtype}", distributed_optimizer)]
-        predicted = state_bytes(cfg, layout, got["pp"], dtype=dtype, distributed_optimizer=distributed_optimizer,
+        predicted = state_bytes(cfg, layout, got["pp"], dtype=dtype,
+                                distributed_optimizer=distributed_optimizer,
                                 dp_rank=got["dp"], expert_dp_rank=got["edp"])
         where = f"{name} rank {rank} {dtype} distributed_optimizer={distributed_optimizer}"
         assert predicted.parameters == got["parameters"], where
