@@ -82,7 +82,7 @@ TABLE_HEAD = (
 )
 
 
-def print_detail(plan: Plan) -> None:
+def print_detail(plan: Plan, gpu) -> None:
     m = plan.memory
     print(f"layout {layout_name(plan.layout)}: {plan.micro_batches} micro-batches per dp rank, "
           f"worst stage {plan.worst_stage}")
@@ -102,7 +102,10 @@ def print_detail(plan: Plan) -> None:
         wire = plan.traffic.wire_bytes(kind)
         print(f"  {kind:10s} group {plan.traffic.group_size[kind]:3d}  {payload / GB:9.2f} {wire / GB:9.2f} "
               f"{plan.time.comm_s[kind]:8.3f}")
-    print(f"  weight sync trainer -> engine: {plan.sync_bytes / GB:.1f} GB per step (bf16, whole model)")
+    # Each of the world's ranks sends its distinct shard; the slowest link bounds it.
+    sync_s = plan.sync_bytes / plan.layout.world_size / (gpu.ib_bandwidth * gpu.link_efficiency)
+    print(f"  weight sync trainer -> engine: {plan.sync_bytes / GB:.1f} GB per step (bf16, whole model); "
+          f"~{sync_s:.2f} s if every rank streams its share over InfiniBand (not in the step time)")
     t = plan.time
     print(f"step: {t.total_s:.2f} s (compute {t.compute_s:.2f} s, bubble {t.bubble_fraction:.0%}), "
           f"{t.tokens_per_s_per_gpu:,.0f} tokens/s/GPU; fits: {plan.fits} {' '.join(plan.problems)}")
@@ -162,7 +165,7 @@ def main(argv=None) -> int:
         except (PlanError, ValueError) as exc:
             print(f"refused: {exc}")
             return 2
-        print_detail(plan)
+        print_detail(plan, gpu)
         return 0
     plans, too_big = rank_layouts(model, args.gpus, options, gpu, args.max_cp)
     print(f"{len(plans)} layouts fit in {gib(gpu.usable_memory_bytes)} GiB, "
