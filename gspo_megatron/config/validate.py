@@ -9,6 +9,7 @@ from __future__ import annotations
 from gspo_megatron.algorithms.config import validate_algorithm_config
 from gspo_megatron.config.schema import TrainConfig
 from gspo_megatron.routing.replay import validate_replay_mode
+from gspo_megatron.shaping.triggers import check_shared_triggers
 
 
 class ConfigError(ValueError):
@@ -62,6 +63,11 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
             "algorithm.routing_replay=rollout (R3) needs the engine's routed experts: set "
             "rollout.sglang.enable_return_routed_experts=true"
         )
+    if cfg.rollout.truncated:
+        try:
+            check_shared_triggers(cfg.shaping, cfg.rollout.truncation.trigger_words)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     prompt_budget = cfg.model.max_position_embeddings - cfg.rollout.max_new_tokens
     if prompt_budget < 1:
         raise ConfigError(

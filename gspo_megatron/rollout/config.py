@@ -39,23 +39,59 @@ class EmbeddedConfig:
 
 @dataclass
 class TruncatedRolloutConfig:
-    """Dynamic Truncated Rollout (Step-GRPO, arXiv 2604.16890); training rollouts only."""
+    """Dynamic Truncated Rollout (Step-GRPO, arXiv 2604.16890; DEER arXiv 2504.15895); training only.
 
+    Defaults follow DEER's released code (BugSmith/DEER ``vllm-deer*.py``) except where marked CHOICE.
+    """
+
+    # CHOICE: the Step-GRPO paper names "Wait" and "Alternatively"; DEER's code uses "Wait" alone
+    # (``--points 1``). Set [Wait] for the released code. Matched as whole words, the rule step
+    # counting uses (gspo_megatron/shaping/segmentation.py); must equal shaping.step_grpo.triggers.
     trigger_words: List[str] = field(default_factory=lambda: ["Wait", "Alternatively"])
     trigger_token_ids: List[int] = field(default_factory=list)  # extra triggers as single token ids
     end_think: str = "</think>"  # the model closing its thinking block ends the probing phase
     end_think_token_ids: List[int] = field(default_factory=list)  # same, as token ids
-    probe_suffix: str = "\n\n**Final Answer**\n\\boxed{"  # answer-inducing text appended for a probe
+    # DEER's answer-inducing text ends at "\boxed", so the probe's first token is the "{" it makes
+    # near-certain, and ``probe_skip_tokens=1`` leaves it out of the confidence. A suffix that already
+    # ends in "{" must set probe_skip_tokens=0 (checked), or the first ANSWER token would be skipped.
+    probe_suffix: str = "\n**Final Answer**\n\\boxed"
+    probe_skip_tokens: int = 1
     probe_max_tokens: int = 20  # greedy probe answer length
-    close_thinking: str = "\n</think>\n\n"  # inserted after a confident probe, before the answer
+    probe_stop_at_end_think: bool = True  # the probe stops when it closes thinking (DEER: stop ["</think>"])
+    # DEER's Qwen3 rule (vllm-deer-qwen3.py): a probe that does not close thinking within
+    # probe_max_tokens has confidence 0 (Qwen3 is over-confident otherwise). Set true for Qwen3.
+    probe_require_end_think: bool = False
+    close_thinking: str = "\n</think>\n\n"  # inserted after an exit, before the answer
     confidence_threshold: float = 0.95  # exit when the probe's confidence is strictly above this
     max_probes: int = 10
+    # Forced answer: thinking may use floor(think_ratio * max_new_tokens) tokens; at that limit the
+    # block is closed and the answer sampled in the rest (DEER --think_ratio 0.9). 1.0: off (a response
+    # that runs out then ends with no answer, exit "length").
+    think_ratio: float = 0.9
+    # Repetition exit (DEER --rep): a thinking chunk (the text between triggers) whose set of words
+    # equals the previous chunk's counts one repeat (never reset); at this many, thinking is closed
+    # and the answer sampled. 0: off (DEER's default; it uses 3 when on).
+    repetition_exit: int = 0
     eos_token_ids: List[int] = field(default_factory=list)  # end of the whole response
 
     def __post_init__(self):
+        owner = "rollout.truncation"
         if not self.trigger_words and not self.trigger_token_ids:
-            raise ValueError("TruncatedRolloutConfig needs trigger_words or trigger_token_ids")
+            raise ValueError(f"{owner} needs trigger_words or trigger_token_ids")
         if not 0.0 < self.confidence_threshold < 1.0:
-            raise ValueError(f"confidence_threshold must be in (0, 1), got {self.confidence_threshold}")
+            raise ValueError(f"{owner}.confidence_threshold must be in (0, 1), got {self.confidence_threshold}")
         if self.max_probes < 0 or self.probe_max_tokens < 1:
-            raise ValueError("max_probes must be >= 0 and probe_max_tokens >= 1")
+            raise ValueError(f"{owner}: max_probes must be >= 0 and probe_max_tokens >= 1")
+        if self.probe_skip_tokens < 0:
+            raise ValueError(f"{owner}.probe_skip_tokens must be >= 0, got {self.probe_skip_tokens}")
+        if self.probe_suffix.endswith("{") and self.probe_skip_tokens > 0:
+            raise ValueError(
+                f"{owner}.probe_suffix ends with '{{', so the probe's first token is already the answer, "
+                f"but probe_skip_tokens={self.probe_skip_tokens} would leave it out of the confidence; "
+                f"set probe_skip_tokens=0, or end the suffix at '\\boxed' (DEER)")
+        if self.probe_require_end_think and not (self.end_think or self.end_think_token_ids):
+            raise ValueError(f"{owner}.probe_require_end_think needs end_think or end_think_token_ids")
+        if not 0.0 < self.think_ratio <= 1.0:
+            raise ValueError(f"{owner}.think_ratio must be in (0, 1], got {self.think_ratio}")
+        if self.repetition_exit < 0:
+            raise ValueError(f"{owner}.repetition_exit must be >= 0 (0: off), got {self.repetition_exit}")

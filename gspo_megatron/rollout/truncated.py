@@ -1,18 +1,28 @@
-"""Dynamic Truncated Rollout (Step-GRPO, arXiv 2604.16890) on top of any ``RolloutEngine``.
+"""Dynamic Truncated Rollout (Step-GRPO, arXiv 2604.16890, after DEER arXiv 2504.15895) over any engine.
 
-Thinking is generated segment by segment; a segment ends at a trigger word ("Wait", "Alternatively")
-or at the end of thinking. At a trigger the model is probed: an answer-inducing suffix is appended and
-a short greedy answer (<= ``probe_max_tokens``) generated. Its confidence is
+Thinking is generated chunk by chunk; a chunk ends at a trigger word or at the end of thinking. At a
+trigger the model is probed: the answer-inducing suffix is appended and a short greedy answer
+(<= ``probe_max_tokens``, stopping when it closes thinking) generated. Its confidence is
 
-    c = exp( (1 / (m - 1)) * sum_{j=2..m} log p_top1(probe token j) )      (geometric mean, first token
-                                                                          excluded; m = 1 uses it)
+    c = exp( (1 / (m - s)) * sum_{j=s+1..m} log p_top1(probe token j) )   (geometric mean; the first
+                                                                         s = probe_skip_tokens tokens
+                                                                         excluded unless m <= s)
 
 and because the probe is greedy, each probe token IS the top-1 token, whose probability is
-exp(log-prob at temperature 1) -- exactly what engines report for temperature 0. If c > threshold
-the probe is discarded, the thinking block is closed and the final answer sampled; otherwise the
-trigger word is restored and thinking continues, for at most ``max_probes`` probes.
+exp(log-prob at temperature 1) -- exactly what engines report for temperature 0. With the Qwen3 rule
+(``probe_require_end_think``) a probe that did not close thinking has c = 0. If c > threshold the probe
+is discarded, the trigger dropped, the thinking block closed and the final answer sampled; otherwise
+the trigger is restored and thinking continues, for at most ``max_probes`` probes.
+
+Exits besides a confident probe (DEER's released code): thinking reaching ``think_ratio`` of the
+budget is closed and answered ("think_budget", DEER's answer forcing); ``repetition_exit`` chunks whose
+word sets equal the previous chunk's close it too ("repetition").
 
 Design decisions:
+- Trigger words are matched with the rule step counting uses (``shaping.segmentation``: whole words,
+  case-sensitive), on the text generated so far: engines stop as soon as a trigger's text appears, so
+  a stop inside a word ("Await", "Waiting" as one token) is not a trigger and thinking simply goes on
+  (no probe). A trigger at the very end of the text counts (its next character is not generated yet).
 - Uses only ``engine.generate`` (a wrapper engine: ``update_weights``/``health``/``shutdown``
   delegate), so it works over the embedded engine and SGLang alike. It relies on the convention both
   follow: tokens that complete a stop string / the stop token stay in ``output_ids``.
@@ -21,14 +31,14 @@ Design decisions:
   caller's sampling params, conditioned on exactly the prefix it has in the final sequence (probes
   are discarded, and a restored trigger is the very tokens that were sampled there), so its log-prob
   is the sampling distribution's log-prob in the final context -- what the trainer recomputes.
-- The closing text after a confident probe is inserted, not sampled: its log-probs are 0.0 (the
-  procedure emits it with probability 1) and ``extra["forced_mask"]`` marks it so the trainer can
-  exclude it from rollout-vs-trainer log-prob comparisons.
+- The closing text after an exit is inserted, not sampled: its log-probs are 0.0 (the procedure emits
+  it with probability 1) and ``extra["forced_mask"]`` marks it; the trainer masks it out of the loss.
 - ``max_new_tokens`` is the budget of the whole returned output (kept thinking + closing + answer).
-- ``extra["exit_reason"]`` says how THINKING ended: "confident" (a probe passed), "natural_end" (the
-  model closed thinking or ended the response itself, probes left), "max_probes" (it did so after all
-  probes were spent), "length" (budget ran out while thinking), "abort" (the engine aborted).
-  ``finish_reason`` is the usual one of the last generated piece. ``extra["num_probes"]`` and ``extra["probe_confidences"]`` are recorded.
+- ``extra["exit_reason"]`` says how THINKING ended: "confident" (a probe passed), "think_budget"
+  (forced answer), "repetition", "natural_end" (the model closed thinking or ended the response itself,
+  probes left), "max_probes" (it did so after all probes were spent), "length" (the whole budget ran
+  out while thinking), "abort" (the engine aborted). ``finish_reason`` is the usual one of the last
+  generated piece. ``extra["num_probes"]`` and ``extra["probe_confidences"]`` are recorded.
 - Routed experts, when asked for, come from the last non-probe call: its prompt + output is a prefix
   cover of the final sequence, so its rows (sliced) are the final sequence's routing.
 - Rounds are batched: all samples in the same phase go to the engine in one ``generate`` call. With
@@ -47,15 +57,23 @@ import torch
 from gspo_megatron.rollout.config import TruncatedRolloutConfig
 from gspo_megatron.rollout.engine import RolloutEngine
 from gspo_megatron.rollout.types import FinishReason, Sample, SamplingParams
+from gspo_megatron.shaping.segmentation import trigger_matches
 
 THINK, PROBE, ANSWER, DONE = "think", "probe", "answer", "done"
 _SEED_STRIDE = 1_000_003
 
 
-def probe_confidence(probe_log_probs: torch.Tensor) -> float:
-    """Geometric mean of the probe tokens' top-1 probabilities, first token excluded (if others exist)."""
-    used = probe_log_probs[1:] if probe_log_probs.numel() > 1 else probe_log_probs
+def probe_confidence(probe_log_probs: torch.Tensor, skip: int = 1) -> float:
+    """Geometric mean of the probe tokens' top-1 probabilities, the first ``skip`` excluded (if others exist)."""
+    if probe_log_probs.numel() == 0:
+        return 0.0
+    used = probe_log_probs[skip:] if probe_log_probs.numel() > skip else probe_log_probs
     return math.exp(float(used.double().mean()))
+
+
+def same_words(previous: Optional[str], current: str) -> bool:
+    """DEER's repetition test (``seq_rep_n``, n = 1): the two chunks use exactly the same set of words."""
+    return previous is not None and set(previous.split()) == set(current.split())
 
 
 @dataclass
@@ -71,6 +89,9 @@ class _Trace:
     exit_reason: Optional[str] = None
     finish: FinishReason = FinishReason.LENGTH
     probes: int = 0
+    think_budget: int = 0  # tokens thinking may use before the answer is forced
+    repeats: int = 0
+    last_chunk: Optional[str] = None
     confidences: list[float] = field(default_factory=list)
     pending_trigger: Optional[tuple[list[int], list[float]]] = None
     cover: Optional[Sample] = None  # last non-probe call, for routed experts and weight version
@@ -78,6 +99,10 @@ class _Trace:
     @property
     def remaining(self) -> int:
         return self.budget - len(self.ids)
+
+    @property
+    def think_left(self) -> int:
+        return self.think_budget - len(self.ids)
 
     def keep(self, ids, log_probs, forced=False) -> None:
         self.ids += list(ids)
@@ -110,11 +135,13 @@ class TruncatedRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ protocol
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
-        traces = [_Trace(list(p), params.max_new_tokens) for p in prompts for _ in range(params.n)]
+        budget = params.max_new_tokens
+        think_budget = budget if self.config.think_ratio >= 1.0 else int(self.config.think_ratio * budget)
+        traces = [_Trace(list(p), budget, think_budget=think_budget) for p in prompts for _ in range(params.n)]
         self._calls = 0
         probing = self.config.max_probes > 0
         first = self._call(prompts, self._think_params(params, probing=probing, n=params.n,
-                                                       max_new=params.max_new_tokens))
+                                                       max_new=think_budget))
         for trace, segment in zip(traces, [s for group in first for s in group]):
             self._after_think(trace, segment, params)
         while any(t.phase != DONE for t in traces):
@@ -125,9 +152,8 @@ class TruncatedRolloutEngine(RolloutEngine):
     def _round(self, traces: list[_Trace], params: SamplingParams) -> None:
         probing = [t for t in traces if t.phase == PROBE]
         if probing:
-            probe_params = SamplingParams(temperature=0.0, max_new_tokens=self.config.probe_max_tokens,
-                                          stop_token_ids=self._end_ids(params))
-            results = self._call([t.prompt + t.ids + self.probe_suffix_ids for t in probing], probe_params)
+            results = self._call([t.prompt + t.ids + self.probe_suffix_ids for t in probing],
+                                 self._probe_params(params))
             for trace, group in zip(probing, results):
                 self._after_probe(trace, group[0])
         for phase, probes_left in ((THINK, True), (THINK, False), (ANSWER, None)):
@@ -135,56 +161,86 @@ class TruncatedRolloutEngine(RolloutEngine):
                 probes_left is None or (t.probes < self.config.max_probes) == probes_left)]
             if not group:
                 continue
-            max_new = max(t.remaining for t in group)
-            call_params = (self._think_params(params, probes_left, 1, max_new) if phase == THINK
-                           else dataclasses.replace(params, n=1, max_new_tokens=max_new,
-                                                    stop_token_ids=self._end_ids(params)))
+            if phase == THINK:
+                call_params = self._think_params(params, probes_left, 1, max(t.think_left for t in group))
+            else:
+                call_params = dataclasses.replace(params, n=1, max_new_tokens=max(t.remaining for t in group),
+                                                  stop_token_ids=self._end_ids(params))
             results = self._call([t.prompt + t.ids for t in group], call_params)
             for trace, result in zip(group, results):
                 (self._after_think if phase == THINK else self._after_answer)(trace, result[0], params)
 
     def _after_think(self, trace: _Trace, segment: Sample, params: SamplingParams) -> None:
-        ids, log_probs, finish = self._clip(trace, segment)
+        ids, log_probs, finish = self._clip(trace, segment, trace.think_left)
         trace.cover, trace.finish = segment, finish
-        trigger_tokens = self._trailing_trigger_tokens(ids) if finish == FinishReason.STOP else 0
+        stopped = finish == FinishReason.STOP
+        trigger_tokens = self._trailing_trigger_tokens(ids) if stopped else 0
+        cut = len(ids) - trigger_tokens
+        if self._repetition_exit(trace, ids[:cut]):
+            trace.keep(ids[:cut], log_probs[:cut])
+            self._force_answer(trace, "repetition")
+            return
         if trigger_tokens and trace.probes < self.config.max_probes:
-            cut = len(ids) - trigger_tokens
             trace.keep(ids[:cut], log_probs[:cut])
             trace.pending_trigger = (ids[cut:], log_probs[cut:])
             trace.phase = PROBE
             return
         trace.keep(ids, log_probs)
-        if finish != FinishReason.STOP:
-            trace.exit_reason, trace.phase = "length", DONE  # LENGTH (or an engine ABORT)
-            if finish == FinishReason.ABORT:
-                trace.exit_reason = "abort"
-            return
-        spent = 0 < self.config.max_probes <= trace.probes
-        trace.exit_reason = "max_probes" if spent else "natural_end"
-        ended_thinking = self._ends_thinking(ids)
-        trace.phase = ANSWER if ended_thinking and trace.remaining > 0 else DONE
+        if finish == FinishReason.ABORT:
+            trace.exit_reason, trace.phase = "abort", DONE
+        elif stopped and self._ends_thinking(ids):
+            trace.exit_reason = self._natural_exit(trace)
+            trace.phase = ANSWER if trace.remaining > 0 else DONE
+        elif stopped and not self._inside_word_stop(ids, params):  # the response ended (EOS / a caller's stop)
+            trace.exit_reason, trace.phase = self._natural_exit(trace), DONE
+        elif trace.think_left > 0:  # a trigger's text inside a word ("Waiting"): not a trigger
+            trace.phase = THINK
+        elif trace.think_budget < trace.budget:
+            self._force_answer(trace, "think_budget")
+        else:
+            trace.exit_reason, trace.finish, trace.phase = "length", FinishReason.LENGTH, DONE
 
     def _after_probe(self, trace: _Trace, probe: Sample) -> None:
         trace.probes += 1
-        confidence = probe_confidence(probe.output_log_probs)
+        confidence = probe_confidence(probe.output_log_probs, self.config.probe_skip_tokens)
+        if self.config.probe_require_end_think and not self._ends_thinking(probe.output_ids):
+            confidence = 0.0  # DEER's Qwen3 rule: the probe must close thinking to count
         trace.confidences.append(confidence)
         trigger_ids, trigger_log_probs = trace.pending_trigger
         trace.pending_trigger = None
         if confidence > self.config.confidence_threshold:
-            trace.exit_reason = "confident"
-            if trace.remaining > len(self.close_ids):  # room for the closing text and an answer
-                trace.keep(self.close_ids, [0.0] * len(self.close_ids), forced=True)
-                trace.phase = ANSWER
-            else:
-                trace.exit_reason, trace.finish, trace.phase = "length", FinishReason.LENGTH, DONE
+            self._force_answer(trace, "confident")
             return
         trace.keep(trigger_ids, trigger_log_probs)
-        trace.phase = THINK if trace.remaining > 0 else DONE
-        if trace.phase == DONE:
-            trace.exit_reason, trace.finish = "length", FinishReason.LENGTH
+        if trace.think_left > 0:
+            trace.phase = THINK
+        elif trace.think_budget < trace.budget:
+            self._force_answer(trace, "think_budget")
+        else:
+            trace.exit_reason, trace.finish, trace.phase = "length", FinishReason.LENGTH, DONE
+
+    def _force_answer(self, trace: _Trace, reason: str) -> None:
+        """Close thinking (inserted, forced tokens) and sample the answer, if the budget leaves room."""
+        if trace.remaining > len(self.close_ids):
+            trace.keep(self.close_ids, [0.0] * len(self.close_ids), forced=True)
+            trace.exit_reason, trace.phase = reason, ANSWER
+        else:
+            trace.exit_reason, trace.finish, trace.phase = "length", FinishReason.LENGTH, DONE
+
+    def _natural_exit(self, trace: _Trace) -> str:
+        return "max_probes" if 0 < self.config.max_probes <= trace.probes else "natural_end"
+
+    def _repetition_exit(self, trace: _Trace, chunk_ids: list[int]) -> bool:
+        """Count a repeat when this chunk's words equal the previous chunk's; True at the configured limit."""
+        if self.config.repetition_exit == 0:
+            return False
+        chunk = self.decode(chunk_ids)
+        trace.repeats += same_words(trace.last_chunk, chunk)
+        trace.last_chunk = chunk
+        return trace.repeats >= self.config.repetition_exit
 
     def _after_answer(self, trace: _Trace, answer: Sample, params: SamplingParams) -> None:
-        ids, log_probs, finish = self._clip(trace, answer)
+        ids, log_probs, finish = self._clip(trace, answer, trace.remaining)
         trace.keep(ids, log_probs)
         trace.cover, trace.finish, trace.phase = answer, finish, DONE
 
@@ -203,25 +259,46 @@ class TruncatedRolloutEngine(RolloutEngine):
             stop_ids += tuple(self.config.trigger_token_ids)
         return dataclasses.replace(params, n=n, max_new_tokens=max_new, stop=stops, stop_token_ids=stop_ids)
 
+    def _probe_params(self, params: SamplingParams) -> SamplingParams:
+        stop_ids, stops = self._end_ids(params), ()
+        if self.config.probe_stop_at_end_think:
+            stop_ids += tuple(self.config.end_think_token_ids)
+            stops = (self.config.end_think,) if self.config.end_think else ()
+        return SamplingParams(temperature=0.0, max_new_tokens=self.config.probe_max_tokens,
+                              stop=stops, stop_token_ids=stop_ids)
+
     def _end_ids(self, params: SamplingParams) -> tuple[int, ...]:
         return tuple(params.stop_token_ids) + tuple(self.config.eos_token_ids)
 
     @staticmethod
-    def _clip(trace: _Trace, piece: Sample):
-        """A piece's ids/log-probs cut to the trace's remaining budget (the call used the group's max)."""
+    def _clip(trace: _Trace, piece: Sample, limit: int):
+        """A piece's ids/log-probs cut to ``limit`` tokens (the call used the group's largest limit)."""
         ids, log_probs = piece.output_ids, piece.output_log_probs.tolist()
-        if len(ids) > trace.remaining:
-            return ids[:trace.remaining], log_probs[:trace.remaining], FinishReason.LENGTH
+        if len(ids) > limit:
+            return ids[:limit], log_probs[:limit], FinishReason.LENGTH
         return ids, log_probs, piece.finish_reason
 
+    def _tail(self, ids: list[int]) -> str:
+        longest = max(map(len, self.config.trigger_words), default=0)
+        return self.decode(ids[-(longest + 8):])
+
     def _trailing_trigger_tokens(self, ids: list[int]) -> int:
-        """How many trailing tokens form the trigger that stopped the segment (0: not a trigger)."""
+        """How many trailing tokens form the whole-word trigger that stopped the chunk (0: none)."""
         if ids and ids[-1] in self.config.trigger_token_ids:
             return 1
-        words = self.config.trigger_words
-        if not words or not any(w in self.decode(ids[-(max(map(len, words)) + 8):]) for w in words):
+        if not self.config.trigger_words or not self._ends_with_trigger(self._tail(ids)):
             return 0
-        return next(m for m in range(1, len(ids) + 1) if any(w in self.decode(ids[-m:]) for w in words))
+        return next(m for m in range(1, len(ids) + 1) if self._ends_with_trigger(self.decode(ids[-m:])))
+
+    def _ends_with_trigger(self, text: str) -> bool:
+        return any(m.end() == len(text) for m in trigger_matches(text, self.config.trigger_words))
+
+    def _inside_word_stop(self, ids: list[int], params: SamplingParams) -> bool:
+        """The chunk stopped on a trigger's text that is not a whole word ("Await", "Waiting")."""
+        if not self.config.trigger_words or (ids and ids[-1] in self._end_ids(params)):
+            return False
+        tail = self._tail(ids)
+        return any(word in tail for word in self.config.trigger_words)
 
     def _ends_thinking(self, ids: list[int]) -> bool:
         if ids and ids[-1] in self.config.end_think_token_ids:

@@ -30,13 +30,16 @@ class ScriptedEngine(RolloutEngine):
     output, max_new_tokens, finish reasons) over a scripted "model":
     - thinking continues the prompt's plan text from where the response so far left off, token j of
       the plan having log-prob -0.01 * (j + 1);
-    - a context ending with the probe suffix is a probe: three tokens "42}" whose log-probs are
-      [-7 (first: ignored), log c, log c], c = confidences[key][probe number] (1-based);
+    - a context ending with the probe suffix (DEER's, ending at "\\boxed") is a probe: "{42}</think>"
+      whose first token "{" has log-prob -7 (left out by probe_skip_tokens=1) and every other log c,
+      c = confidences[key][probe number] (1-based); plans in ``open_probes`` never close thinking
+      in the probe ("{42}}}}..." up to the probe budget);
     - once the response contains "</think>", it answers "ANS" then EOS.
     """
 
-    def __init__(self, plans, confidences, probe_suffix):
+    def __init__(self, plans, confidences, probe_suffix, open_probes=()):
         self.plans, self.confidences, self.probe_suffix = plans, confidences, encode(probe_suffix)
+        self.open_probes = set(open_probes)
         self.calls = []
 
     def update_weights(self, named_tensors, version):
@@ -47,7 +50,8 @@ class ScriptedEngine(RolloutEngine):
         response = decode(context[len(prompt):])
         if context[-len(self.probe_suffix):] == self.probe_suffix:
             c = self.confidences[plan_key][response.count("Wait") + 1]  # the pending trigger is cut
-            return encode("42}"), [-7.0, math.log(c), math.log(c)]
+            text = "{42" + "}" * 30 if plan_key in self.open_probes else "{42}</think>"
+            return encode(text), [-7.0] + [math.log(c)] * (len(text) - 1)
         if "</think>" in response:
             return encode("ANS") + [EOS], [-0.5, -0.5, -0.5, -0.5]
         plan = self.plans[plan_key]
@@ -78,14 +82,14 @@ class ScriptedEngine(RolloutEngine):
         return result
 
 
-CONFIG = TruncatedRolloutConfig(trigger_words=["Wait"], probe_suffix="\n=", close_thinking="\n</think>\n",
+CONFIG = TruncatedRolloutConfig(trigger_words=["Wait"], probe_suffix="\n\\boxed", close_thinking="\n</think>\n",
                                 probe_max_tokens=20, confidence_threshold=0.95, max_probes=10,
-                                eos_token_ids=[EOS])
+                                think_ratio=1.0, eos_token_ids=[EOS])
 PLAN = "ab Wait cd Wait ef Wait gh</think>"
 
 
-def run(plans, confidences, config=CONFIG, max_new_tokens=200, n=1):
-    engine = ScriptedEngine(plans, confidences, config.probe_suffix)
+def run(plans, confidences, config=CONFIG, max_new_tokens=200, n=1, open_probes=()):
+    engine = ScriptedEngine(plans, confidences, config.probe_suffix, open_probes)
     truncated = TruncatedRolloutEngine(engine, config, encode, decode)
     prompts = [[key, CHARS.index("?")] for key in plans]
     return truncated.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, n=n)), engine
@@ -95,9 +99,22 @@ def plan_log_probs(text):
     return torch.tensor([-0.01 * (j + 1) for j in range(len(text))])
 
 
-def test_probe_confidence_is_geometric_mean_after_first_token():
+def with_config(**changes):
+    return TruncatedRolloutConfig(**{**CONFIG.__dict__, **changes})
+
+
+def test_probe_confidence_is_geometric_mean_after_the_skipped_tokens():
     assert probe_confidence(torch.tensor([-9.0, math.log(0.9), math.log(0.4)])) == pytest.approx(0.6)
     assert probe_confidence(torch.tensor([math.log(0.3)])) == pytest.approx(0.3)
+    assert probe_confidence(torch.tensor([math.log(0.5), math.log(0.5)]), skip=0) == pytest.approx(0.5)
+
+
+def test_probe_suffix_and_first_token_rule_must_agree():
+    """A suffix ending in "{" makes the first probe token an answer token: skipping it is refused."""
+    with pytest.raises(ValueError, match="probe_skip_tokens"):
+        TruncatedRolloutConfig(probe_suffix="\\boxed{", probe_skip_tokens=1)
+    assert TruncatedRolloutConfig(probe_suffix="\\boxed{", probe_skip_tokens=0).probe_skip_tokens == 0
+    assert TruncatedRolloutConfig().probe_suffix.endswith("\\boxed")  # DEER's: the "{" is what is skipped
 
 
 def test_confident_exit_on_second_probe_drops_probe_and_trigger():
@@ -107,7 +124,7 @@ def test_confident_exit_on_second_probe_drops_probe_and_trigger():
     text = decode(sample.output_ids)
     # first trigger restored (probe 1 not confident), second trigger dropped, thinking closed, answer
     assert text == "ab Wait cd \n</think>\nANS" and sample.output_ids[-1] == EOS
-    assert "42}" not in text and "=" not in text  # probe tokens and suffix never kept
+    assert "42}" not in text and "boxed" not in text  # probe tokens and suffix never kept
     forced = sample.extra["forced_mask"]
     assert forced.tolist() == [False] * 11 + [True] * 10 + [False] * 4
     torch.testing.assert_close(sample.output_log_probs[:11], plan_log_probs("ab Wait cd "))
@@ -115,10 +132,11 @@ def test_confident_exit_on_second_probe_drops_probe_and_trigger():
     assert sample.finish_reason == FinishReason.STOP
     probe_calls = [params for _, params in engine.calls if params.temperature == 0]
     assert len(probe_calls) == 2 and all(p.max_new_tokens == 20 for p in probe_calls)
+    assert all(p.stop == ("</think>",) for p in probe_calls)  # the probe stops when it closes thinking
 
 
 def test_never_confident_stops_probing_at_max_probes():
-    config = TruncatedRolloutConfig(**{**CONFIG.__dict__, "max_probes": 2})
+    config = with_config(max_probes=2)
     [[sample]], _ = run({0: PLAN}, {0: {1: 0.9, 2: 0.2, 3: 0.99}}, config)
     assert sample.extra["exit_reason"] == "max_probes" and sample.extra["num_probes"] == 2
     assert decode(sample.output_ids) == PLAN + "ANS"  # third Wait not probed: triggers off after 2
@@ -144,6 +162,47 @@ def test_length_exit_counts_the_whole_output_budget():
     [[sample]], _ = run({0: PLAN}, {0: {1: 0.1, 2: 0.1}}, max_new_tokens=12)
     assert sample.extra["exit_reason"] == "length" and sample.finish_reason == FinishReason.LENGTH
     assert decode(sample.output_ids) == PLAN[:12] and sample.extra["num_probes"] == 1
+
+
+def test_strict_qwen3_rule_a_probe_that_does_not_close_thinking_has_confidence_zero():
+    plans, confidences = {0: PLAN, 1: PLAN}, {0: {1: 0.99}, 1: {1: 0.99, 2: 0.99, 3: 0.99}}
+    loose, _ = run(plans, confidences, open_probes={1})
+    assert [g[0].extra["exit_reason"] for g in loose] == ["confident", "confident"]
+    strict, _ = run(plans, confidences, with_config(probe_require_end_think=True), open_probes={1})
+    assert strict[0][0].extra["exit_reason"] == "confident"  # its probe closed thinking
+    open_sample = strict[1][0]
+    assert open_sample.extra["probe_confidences"][0] == 0.0 and open_sample.extra["exit_reason"] != "confident"
+
+
+def test_forced_answer_at_the_thinking_budget():
+    """think_ratio 0.5 of 30 tokens: thinking stops at 15 tokens, is closed (forced) and answered."""
+    [[sample]], _ = run({0: PLAN}, {0: {1: 0.1, 2: 0.1, 3: 0.1}}, with_config(think_ratio=0.5),
+                        max_new_tokens=30)
+    assert sample.extra["exit_reason"] == "think_budget" and sample.finish_reason == FinishReason.STOP
+    assert decode(sample.output_ids) == PLAN[:15] + "\n</think>\nANS" and sample.output_ids[-1] == EOS
+    assert sample.extra["forced_mask"].tolist() == [False] * 15 + [True] * 10 + [False] * 4
+    # without the forced answer (think_ratio 1) the same budget ends mid-thinking with no answer
+    [[plain]], _ = run({0: PLAN}, {0: {1: 0.1, 2: 0.1, 3: 0.1}}, max_new_tokens=30)
+    assert plain.extra["exit_reason"] == "length" and "ANS" not in decode(plain.output_ids)
+
+
+def test_repetition_exit_after_chunks_with_the_same_words():
+    plan = "ab Wait ab Wait ab Wait ab Wait cd</think>"
+    [[sample]], _ = run({0: plan}, {0: {k: 0.1 for k in range(1, 6)}}, with_config(repetition_exit=2))
+    assert sample.extra["exit_reason"] == "repetition" and sample.extra["num_probes"] == 2
+    assert decode(sample.output_ids) == "ab Wait ab Wait ab \n</think>\nANS"
+    [[off]], _ = run({0: plan}, {0: {k: 0.1 for k in range(1, 6)}})
+    assert off.extra["exit_reason"] == "natural_end" and off.extra["num_probes"] == 4
+
+
+def test_trigger_text_inside_a_word_is_not_a_trigger_in_rollout_or_step_counting():
+    """One matching rule: "Await" stops the engine (stop strings are substrings) but is no trigger."""
+    from gspo_megatron.shaping.segmentation import count_trigger_words
+
+    plan = "ab Await cd Wait ef</think>"
+    [[sample]], _ = run({0: plan}, {0: {1: 0.1}})
+    assert decode(sample.output_ids) == plan + "ANS" and sample.extra["exit_reason"] == "natural_end"
+    assert sample.extra["num_probes"] == 1 == count_trigger_words(plan, CONFIG.trigger_words)
 
 
 def test_over_the_embedded_engine_kept_log_probs_match_a_full_forward():

@@ -1,0 +1,33 @@
+"""One trigger list for Dynamic Truncated Rollout and step counting, checked once at start-up.
+
+Design decision: the rollout probes at the trigger words ``rollout.truncation.trigger_words`` and the
+shapers count steps with ``shaping.step_grpo.triggers`` / ``shaping.metrics.triggers``. Both use one
+matching rule (whole words, case-sensitive; ``shaping.segmentation.trigger_matches``), so with
+``rollout.truncated=true`` the lists must be equal: otherwise a word could cause a probe and an exit
+yet count no step (or the reverse). The check names every key and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from gspo_megatron.shaping.config import ShapingConfig
+
+
+def check_shared_triggers(shaping: ShapingConfig, rollout_triggers: Sequence[str]) -> None:
+    """Raise ``ValueError`` when a step-counting trigger list differs from the rollout's."""
+    lists = {"shaping.metrics.triggers": (shaping.metrics.triggers, shaping.metrics.case_sensitive)}
+    if shaping.name == "step_grpo":
+        lists["shaping.step_grpo.triggers"] = (shaping.step_grpo.triggers, shaping.step_grpo.case_sensitive)
+    wanted = sorted(rollout_triggers)
+    for key, (triggers, case_sensitive) in lists.items():
+        if sorted(triggers) != wanted:
+            raise ValueError(
+                f"rollout.truncated=true probes at rollout.truncation.trigger_words={list(rollout_triggers)} "
+                f"but {key}={list(triggers)} counts steps: one trigger list serves both; set them equal"
+            )
+        if not case_sensitive:
+            raise ValueError(
+                f"rollout.truncated=true matches triggers case-sensitively (engine stop strings); set "
+                f"{key.rsplit('.', 1)[0]}.case_sensitive=true"
+            )
