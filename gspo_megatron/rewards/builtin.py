@@ -11,6 +11,9 @@ Design decisions:
 - ``math_verify`` takes the final answer as the LAST ``\\boxed{...}`` (balanced braces) or, without
   one, the last number in the text; math-verify's parse/verify decide equivalence (``\\frac{1}{2}``
   equals ``0.5``). ``format_ok`` requires the boxed form.
+- ``math_verify_boxed`` is Step-GRPO's outcome (arXiv 2604.16890): acc = the last ``\\boxed{...}``
+  verifies (no box: wrong; no last-number fallback), fmt = a box exists -- whether or not the
+  response terminated. ``shaping.step_grpo.outcome=boxed`` selects it for math tasks.
 """
 
 from __future__ import annotations
@@ -151,3 +154,21 @@ def math_verify(response: str, record: PromptRecord) -> RewardResult:
 
 
 math_verify.warm_up = _warm_up_math_verify
+
+
+@register_reward("math_verify_boxed")
+def math_verify_boxed(response: str, record: PromptRecord) -> RewardResult:
+    """Step-GRPO's acc/fmt: only a boxed answer is graded; format_ok = a box exists (terminated or not)."""
+    from math_verify import verify
+
+    boxed = last_boxed(split_at_stop(response, record)[0])
+    if boxed is None:
+        return _graded(False, False)
+    gold = _parse_math(record.answer)
+    if not gold:
+        return RewardResult.failed(f"math_verify cannot parse the gold answer {record.answer!r}")
+    predicted = _parse_math(boxed)
+    return _graded(bool(predicted) and bool(verify(gold, predicted)), True)
+
+
+math_verify_boxed.warm_up = _warm_up_math_verify

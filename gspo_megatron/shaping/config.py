@@ -33,16 +33,29 @@ def _check_edges(owner: str, edges: list[float]) -> None:
         raise ValueError(f"{owner}.bucket_edges must be positive and strictly increasing, got {values}")
 
 
+STEP_GRPO_OUTCOMES = ("boxed", "verifier")
+# task verifier -> the verifier that grades as Step-GRPO defines acc/fmt (boxed answer)
+BOXED_OUTCOME_REWARDS = {"math_verify": "math_verify_boxed"}
+
+
 @dataclass
 class StepGRPOConfig:
     """Step-GRPO reward (arXiv 2604.16890): R = alpha*acc*(1 - beta*tanh((k-mu)/mu)) + (1-alpha)*fmt."""
 
     alpha: float = 0.9  # weight of the accuracy(+efficiency) term vs the format term
     beta: float = 0.5  # strength of the step-count efficiency term
+    # CHOICE: Step-GRPO names "Wait" and "Alternatively"; DEER's released code uses "Wait" alone.
     triggers: list[str] = field(default_factory=lambda: ["Wait", "Alternatively"])
     case_sensitive: bool = True
+    # acc/fmt. "boxed" (the method): on tasks whose verifier has a boxed variant (math_verify ->
+    # math_verify_boxed) acc grades the last \boxed{} and fmt = 1 when a box exists; other tasks keep
+    # their verifier. "verifier": the task verifier's correct/format_ok as they are (math_verify also
+    # accepts the last number without a box, and its format_ok requires termination).
+    outcome: str = "boxed"
 
     def __post_init__(self):
+        if self.outcome not in STEP_GRPO_OUTCOMES:
+            raise ValueError(f"shaping.step_grpo.outcome must be one of {STEP_GRPO_OUTCOMES}, got {self.outcome!r}")
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"shaping.step_grpo.alpha must be in [0, 1], got {self.alpha}")
         if not 0.0 <= self.beta <= 1.0:
@@ -173,20 +186,33 @@ class ShapingConfig:
     # Kimi k1.5 warms its length reward up this way; without it the length term can win before
     # the policy has learned to be correct (measured: kimi_length collapses to an immediate <eos>).
     warmup_steps: int = 0
+    # "reward": shape the reward, then the advantage estimator (the papers). "advantage": normalise the
+    # task reward, then add the centred shaping term -- keeps lambda/beta's scale in all-correct groups,
+    # where std normalisation erases it (see shaping/combine.py; or set algorithm.normalize_std=false).
+    combine: str = "reward"
 
     def __post_init__(self):
         self.validate()
 
     def validate(self) -> None:
+        from gspo_megatron.shaping.combine import SHAPING_COMBINES
         from gspo_megatron.shaping.registry import SHAPERS
 
         SHAPERS.get(self.name)  # raises with the list of valid names
+        if self.combine not in SHAPING_COMBINES:
+            raise ValueError(f"shaping.combine must be one of {SHAPING_COMBINES}, got {self.combine!r}")
         if self.warmup_steps < 0:
             raise ValueError(f"shaping.warmup_steps must be >= 0, got {self.warmup_steps}")
 
     def strength(self, step: int) -> float:
         """The share of the shaping applied at RL step ``step`` (0-based): 1 after the warm-up."""
         return 1.0 if self.warmup_steps == 0 else min(1.0, step / self.warmup_steps)
+
+    def reward_name(self, task_reward: str) -> str:
+        """The verifier to score with: Step-GRPO's boxed acc/fmt where the task has one, else the task's."""
+        if self.name == "step_grpo" and self.step_grpo.outcome == "boxed":
+            return BOXED_OUTCOME_REWARDS.get(task_reward, task_reward)
+        return task_reward
 
     def shaper_config(self) -> Optional[object]:
         """The options section of the selected shaper (None for shapers without options)."""

@@ -20,6 +20,7 @@ from gspo_megatron.rewards.pool import RewardPool
 from gspo_megatron.rollout.engine import RolloutEngine
 from gspo_megatron.rollout.types import SamplingParams
 from gspo_megatron.shaping.apply import shape_batch
+from gspo_megatron.shaping.combine import shaped_advantages
 from gspo_megatron.shaping.config import ShapingConfig
 from gspo_megatron.shaping.types import group_from_samples
 from gspo_megatron.trainer.batch import RolloutBatch, pack_samples
@@ -64,7 +65,9 @@ class RolloutPhase:
         shaped_rewards = torch.cat([s.rewards for s in shaped.groups]).float()
         shaped_rewards = rewards + self.shaping.strength(step) * (shaped_rewards - rewards)
         estimator = ADVANTAGE_ESTIMATORS.get(self.algorithm.advantage_estimator)
-        advantage = estimator(shaped_rewards, make_advantage_context(self.algorithm, g))
+        context = make_advantage_context(self.algorithm, g)
+        advantage = shaped_advantages(rewards, shaped_rewards, lambda r: estimator(r, context), g,
+                                      self.shaping.combine)
         batch = pack_samples(samples, advantage.advantages, rewards, shaped_rewards, self.pad_token_id,
                              with_routed_experts=params.return_routed_experts)
         metrics = self._metrics(step, samples, scored, shaped, advantage, batch)
@@ -94,6 +97,12 @@ class RolloutPhase:
         exit_reasons = [s.extra.get("exit_reason") for s in samples if "exit_reason" in s.extra]
         for reason in sorted(set(exit_reasons)):
             metrics[f"truncation/exit_{reason}_frac"] = torch.tensor(exit_reasons.count(reason) / len(samples))
+        if exit_reasons:  # inserted (forced) tokens, and how many the loss mask actually leaves out
+            metrics["truncation/forced_tokens"] = torch.tensor(
+                float(sum(int(s.extra["forced_mask"].sum()) for s in samples)))
+            metrics["truncation/loss_masked_tokens"] = batch.response_lengths.sum() - batch.response_mask.sum()
+            metrics["truncation/probes_mean"] = torch.tensor(
+                sum(s.extra["num_probes"] for s in samples) / len(samples))
         return metrics
 
     def _score(self, texts: list[str], records: list[PromptRecord]):

@@ -132,7 +132,7 @@ def _build_driver_side(c: Components) -> None:
         generate_fn = TruncatedRolloutEngine(c.engine, cfg.rollout.truncation, tokenizer.encode, tokenizer.decode).generate
     c.rollout = RolloutPhase(
         engine=c.engine, task=c.task, tokenizer=tokenizer,
-        rewards=RewardPool(cfg.task.reward or c.task.reward, cfg.reward),
+        rewards=RewardPool(cfg.shaping.reward_name(cfg.task.reward or c.task.reward), cfg.reward),
         algorithm=cfg.algorithm, shaping=cfg.shaping, sampling=sampling, seed=cfg.trainer.seed,
         pad_token_id=tokenizer.pad_token_id, generate_fn=generate_fn,
     )

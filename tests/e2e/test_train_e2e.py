@@ -89,14 +89,24 @@ def test_launch_script_runs_torchrun_with_overrides(tmp_path):
 
 
 def test_truncated_rollout_and_step_grpo_shaping(tmp_path):
+    """DTR inside the trainer: every digit is a trigger and any probe is confident, so samples exit at
+    their first digit; the inserted closing tokens are counted and left out of the loss mask."""
     overrides = FAST + [
         "task.reward=last_number", "rollout.max_new_tokens=8", "shaping=step_grpo",
         "rollout.truncated=true", "rollout.truncation.probe_suffix=' answer '",
-        "rollout.truncation.close_thinking=' </think> '", "rollout.truncation.max_probes=2",
+        "rollout.truncation.probe_skip_tokens=0", "rollout.truncation.close_thinking=' </think> '",
+        "rollout.truncation.max_probes=2", "rollout.truncation.confidence_threshold=1e-9",
+        "rollout.truncation.trigger_token_ids=[4,5,6,7,8,9,10,11,12,13]",
     ]
     (metrics,) = run_distributed(train_worker, 1, overrides, str(tmp_path), timeout=600)
     _check_run(metrics, 2)
-    exits = [k for k in metrics[0] if k.startswith("truncation/exit_")]
-    assert exits, "the truncated rollout must report its exit reasons"
-    assert sum(metrics[0][k] for k in exits) == pytest.approx(1.0)
+    for m in metrics:
+        exits = [k for k in m if k.startswith("truncation/exit_")]
+        assert sum(m[k] for k in exits) == pytest.approx(1.0)
+        assert m["truncation/exit_confident_frac"] > 0.2  # a digit in 8 tokens is likely; each exits
+        assert m["truncation/probes_mean"] > 0.2
+        # 3 closing tokens (" ", "</think>", " ") per forced exit, all masked out of the loss
+        forced_exits = sum(m.get(f"truncation/exit_{r}_frac", 0.0) for r in ("confident", "think_budget"))
+        assert m["truncation/forced_tokens"] == pytest.approx(3 * 16 * forced_exits) and forced_exits > 0
+        assert m["truncation/loss_masked_tokens"] == m["truncation/forced_tokens"]
     assert "shaping/step_grpo/correct_steps_mean" in metrics[0] or "shaping/steps_per_response" in metrics[0]

@@ -81,3 +81,47 @@ def test_long_correct_still_beats_incorrect_with_same_format():
     out = step_grpo(make_group(texts, [True, True, False], [True, True, True]), StepGRPOConfig())
     assert out.rewards[1] > out.rewards[2]
     assert out.rewards[0] > out.rewards[1]
+
+
+MATH_RECORD = dict(stop_strings=["<|im_end|>"])
+
+
+def _score(reward_fn, texts, gold="4"):
+    from gspo_megatron.data.records import PromptRecord
+
+    results = [reward_fn(t, PromptRecord("q", gold, dict(MATH_RECORD))) for t in texts]
+    return (torch.tensor([r.correct for r in results]), torch.tensor([r.format_ok for r in results]))
+
+
+def test_boxed_outcome_grades_the_box_and_fmt_is_box_exists_even_when_truncated():
+    """Step-GRPO's acc/fmt: a truncated response with a right box scores fully; a right bare number
+    does not count (math_verify, the 'verifier' option, accepts it and wants termination for fmt)."""
+    from gspo_megatron.rewards.builtin import math_verify, math_verify_boxed
+
+    texts = [
+        "2+2 Wait \\boxed{4}<|im_end|>",  # terminated, boxed, right
+        "2+2 gives \\boxed{4} and then I kept going Wait",  # truncated (no stop), boxed, right
+        "2+2 = 4<|im_end|>",  # right number, no box
+        "2+2 Wait Wait",  # truncated, nothing
+    ]
+    correct, fmt = _score(math_verify_boxed, texts)
+    assert correct.tolist() == [True, True, False, False] and fmt.tolist() == [True, True, False, False]
+    v_correct, v_fmt = _score(math_verify, texts)
+    assert v_correct.tolist() == [True, True, True, False] and v_fmt.tolist() == [True, False, False, False]
+    group = ShapingGroup(rewards=correct.float(), correct=correct, format_ok=fmt, response_texts=texts,
+                         response_lengths=torch.tensor([6, 12, 5, 4]), max_response_length=12)
+    shaped = step_grpo(group, StepGRPOConfig()).rewards
+    # k = [2, 2, 1, 3]; mu = 2 over the two correct: both get alpha * 1 + (1 - alpha) = 1.0
+    torch.testing.assert_close(shaped, torch.tensor([1.0, 1.0, 0.0, 0.0]))
+
+
+def test_boxed_outcome_is_the_default_for_step_grpo_on_math_tasks_only():
+    from gspo_megatron.shaping import ShapingConfig
+
+    assert ShapingConfig(name="step_grpo").reward_name("math_verify") == "math_verify_boxed"
+    assert ShapingConfig(name="step_grpo").reward_name("think_answer") == "think_answer"
+    verifier = ShapingConfig(name="step_grpo", step_grpo=StepGRPOConfig(outcome="verifier"))
+    assert verifier.reward_name("math_verify") == "math_verify"
+    assert ShapingConfig(name="grsp").reward_name("math_verify") == "math_verify"
+    with pytest.raises(ValueError, match="shaping.step_grpo.outcome"):
+        StepGRPOConfig(outcome="box")
