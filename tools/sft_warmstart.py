@@ -56,7 +56,8 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--max-waits", type=int, default=3)
-    parser.add_argument("--digits", type=int, default=3, help="digits per problem (task min = max)")
+    parser.add_argument("--digits", type=int, default=3, help="most digits per problem (task max_digits)")
+    parser.add_argument("--min-digits", type=int, default=None, help="fewest digits (default: --digits)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for the model, e.g. model.hidden_size=128")
     args = parser.parse_args(argv)
@@ -86,8 +87,8 @@ def main(argv=None) -> None:
     mesh = initialize_parallel(layout, seed=args.seed)
     try:
         tokenizer = build_tokenizer("symbol", model_vocab_size=cfg.model.vocab_size)
-        task = build_task(TaskConfig(name="reasoning_max_digit", seed=args.seed, min_digits=args.digits,
-                                     max_digits=args.digits), tokenizer)
+        task = build_task(TaskConfig(name="reasoning_max_digit", seed=args.seed,
+                                     min_digits=args.min_digits or args.digits, max_digits=args.digits), tokenizer)
         model = build_model(cfg.model, layout)
         load_hf_weights(model, cfg.model, random_hf_weights(cfg), mesh)
         ddp = wrap_for_training(model, model.config)

@@ -94,6 +94,8 @@ class RolloutPhase:
         for key, value in shaped.metrics.items():
             if value.numel() == 1:
                 metrics[f"shaping/{key}"] = value
+            elif value.dim() == 1:  # per length cluster (segments_per_cluster): one scalar per cluster
+                metrics.update({f"shaping/{key}/{k}": v for k, v in enumerate(value)})
         exit_reasons = [s.extra.get("exit_reason") for s in samples if "exit_reason" in s.extra]
         for reason in sorted(set(exit_reasons)):
             metrics[f"truncation/exit_{reason}_frac"] = torch.tensor(exit_reasons.count(reason) / len(samples))

@@ -1,0 +1,58 @@
+"""The shipped shaping study exercises what it claims: GRSP's length clusters are populated by the
+warm-started policy's responses, and those responses fit the rollout budget."""
+
+import importlib.util
+import random
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from gspo_megatron.config.store import register_configs
+from gspo_megatron.data.tasks import build_task
+from gspo_megatron.data.tokenizer import build_tokenizer
+from gspo_megatron.shaping.segmentation import cluster_counts, keyword_segment_lengths
+from gspo_megatron.testing.train_runs import compose
+
+TOOLS = Path(__file__).resolve().parents[3] / "tools"
+register_configs()
+
+
+def _tool(name):
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _warm_start_arg(flag):
+    args = _tool("shaping_study").WARM_START
+    return int(args[args.index(flag) + 1])
+
+
+def test_warm_started_responses_populate_every_grsp_length_cluster_of_the_shipped_study():
+    cfg = OmegaConf.to_object(compose(["+experiment=shaping_from_sft", "shaping=grsp"]))
+    assert (_warm_start_arg("--min-digits"), _warm_start_arg("--digits")) == (
+        cfg.task.min_digits, cfg.task.max_digits), "the warm start must train on the study's problems"
+    tokenizer = build_tokenizer("symbol", model_vocab_size=cfg.model.vocab_size)
+    task = build_task(cfg.task, tokenizer)
+    verbose_response = _tool("sft_warmstart").verbose_response
+    rng = random.Random(0)
+    texts = [verbose_response(r, rng, _warm_start_arg("--max-waits")) for r in task.next_batch(200)]
+    lengths = [len(tokenizer.encode(t)) + 1 for t in texts]  # + EOS
+    assert max(lengths) <= cfg.rollout.max_new_tokens, "warm-started responses would be cut off"
+    for edges in (cfg.shaping.grsp.bucket_edges, cfg.shaping.metrics.bucket_edges):
+        segments = [keyword_segment_lengths(t, n, cfg.shaping.grsp.keywords) for t, n in zip(texts, lengths)]
+        per_cluster = cluster_counts(segments, edges).sum(0)
+        populated = int((per_cluster > 0).sum())
+        assert populated == len(edges) + 1, f"clusters {per_cluster.tolist()} for edges {list(edges)}"
+        assert bool((per_cluster >= 0.05 * per_cluster.sum()).all()), "a cluster holds < 5% of segments"
+
+
+def test_the_study_turns_on_dynamic_truncated_rollout_for_step_grpo():
+    arms = _tool("shaping_study").ARMS
+    assert "rollout.truncated=true" in arms["step_grpo_dtr"] and "shaping=step_grpo" in arms["step_grpo_dtr"]
+    cfg = OmegaConf.to_object(compose(["+experiment=shaping_from_sft", *arms["step_grpo_dtr"]]))
+    tokenizer = build_tokenizer("symbol", model_vocab_size=cfg.model.vocab_size)
+    for text in (cfg.rollout.truncation.probe_suffix, cfg.rollout.truncation.close_thinking):
+        assert tokenizer.encode(text)  # the symbol alphabet can express the probe and the closing
+    assert cfg.rollout.group_size == 5  # Step-GRPO's group size
