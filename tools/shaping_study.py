@@ -62,7 +62,8 @@ def main(argv=None) -> int:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every arm")
     args = parser.parse_args(argv)
 
-    from gspo_megatron.shaping.report import aggregate, read_metrics, relative_to_baseline, render_markdown, summarize_run
+    from gspo_megatron.shaping.report import (
+        aggregate, read_metrics, relative_to_baseline, render_markdown, summarize_run)
 
     out = (REPO / args.out).resolve()
     (out / "runs").mkdir(parents=True, exist_ok=True)
@@ -78,7 +79,8 @@ def main(argv=None) -> int:
             if not _finished(run_dir, args.steps):
                 print(f"train {arm} seed {seed} -> {run_dir}", flush=True)
                 _run([sys.executable, "-m", "gspo_megatron.train", "+experiment=shaping_from_sft",
-                      f"model.hf_checkpoint={checkpoint}", f"trainer.seed={seed}", f"trainer.steps={args.steps}",
+                      f"model.hf_checkpoint={checkpoint}", f"trainer.seed={seed}",
+                      f"trainer.steps={args.steps}",
                       f"run_dir={run_dir}", *ARMS[arm], *args.overrides], out / f"{arm}_s{seed}.log")
             arms.setdefault(arm, []).append(summarize_run(read_metrics(run_dir), args.last_steps))
     stats = {arm: aggregate(runs) for arm, runs in arms.items()}

@@ -79,7 +79,8 @@ class TruncatedRolloutConfig:
         if not self.trigger_words and not self.trigger_token_ids:
             raise ValueError(f"{owner} needs trigger_words or trigger_token_ids")
         if not 0.0 < self.confidence_threshold < 1.0:
-            raise ValueError(f"{owner}.confidence_threshold must be in (0, 1), got {self.confidence_threshold}")
+            raise ValueError(
+                f"{owner}.confidence_threshold must be in (0, 1), got {self.confidence_threshold}")
         if self.max_probes < 0 or self.probe_max_tokens < 1:
             raise ValueError(f"{owner}: max_probes must be >= 0 and probe_max_tokens >= 1")
         if self.probe_skip_tokens < 0:

@@ -64,7 +64,7 @@ _SEED_STRIDE = 1_000_003
 
 
 def probe_confidence(probe_log_probs: torch.Tensor, skip: int = 1) -> float:
-    """Geometric mean of the probe tokens' top-1 probabilities, the first ``skip`` excluded (if others exist)."""
+    """Geometric mean of the probe tokens' top-1 probabilities, the first ``skip`` left out (if more exist)."""
     if probe_log_probs.numel() == 0:
         return 0.0
     used = probe_log_probs[skip:] if probe_log_probs.numel() > skip else probe_log_probs
@@ -137,7 +137,8 @@ class TruncatedRolloutEngine(RolloutEngine):
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
         budget = params.max_new_tokens
         think_budget = budget if self.config.think_ratio >= 1.0 else int(self.config.think_ratio * budget)
-        traces = [_Trace(list(p), budget, think_budget=think_budget) for p in prompts for _ in range(params.n)]
+        traces = [_Trace(list(p), budget, think_budget=think_budget)
+                  for p in prompts for _ in range(params.n)]
         self._calls = 0
         probing = self.config.max_probes > 0
         first = self._call(prompts, self._think_params(params, probing=probing, n=params.n,
@@ -191,7 +192,7 @@ class TruncatedRolloutEngine(RolloutEngine):
         elif stopped and self._ends_thinking(ids):
             trace.exit_reason = self._natural_exit(trace)
             trace.phase = ANSWER if trace.remaining > 0 else DONE
-        elif stopped and not self._inside_word_stop(ids, params):  # the response ended (EOS / a caller's stop)
+        elif stopped and not self._inside_word_stop(ids, params):  # the response ended (EOS, a stop)
             trace.exit_reason, trace.phase = self._natural_exit(trace), DONE
         elif trace.think_left > 0:  # a trigger's text inside a word ("Waiting"): not a trigger
             trace.phase = THINK

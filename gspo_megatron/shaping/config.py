@@ -55,7 +55,8 @@ class StepGRPOConfig:
 
     def __post_init__(self):
         if self.outcome not in STEP_GRPO_OUTCOMES:
-            raise ValueError(f"shaping.step_grpo.outcome must be one of {STEP_GRPO_OUTCOMES}, got {self.outcome!r}")
+            raise ValueError(
+                f"shaping.step_grpo.outcome must be one of {STEP_GRPO_OUTCOMES}, got {self.outcome!r}")
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"shaping.step_grpo.alpha must be in [0, 1], got {self.alpha}")
         if not 0.0 <= self.beta <= 1.0:

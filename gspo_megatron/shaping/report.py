@@ -101,7 +101,8 @@ def _cell(stat: dict | None, digits: int = 3) -> str:
 
 def render_markdown(arms: dict[str, dict], relative: dict[str, dict], notes: list[str]) -> str:
     """The report table: one row per arm, seed mean ± sample std, and the change vs baseline."""
-    columns = sorted({k for stats in arms.values() for k in stats}, key=lambda k: (k.startswith("segments"), k))
+    names = {k for stats in arms.values() for k in stats}
+    columns = sorted(names, key=lambda k: (k.startswith("segments"), k))
     lines = ["| arm | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 1)]
     for arm, stats in arms.items():
         lines.append(f"| {arm} | " + " | ".join(_cell(stats.get(c)) for c in columns) + " |")

@@ -82,7 +82,8 @@ class ScriptedEngine(RolloutEngine):
         return result
 
 
-CONFIG = TruncatedRolloutConfig(trigger_words=["Wait"], probe_suffix="\n\\boxed", close_thinking="\n</think>\n",
+CONFIG = TruncatedRolloutConfig(trigger_words=["Wait"], probe_suffix="\n\\boxed",
+                                close_thinking="\n</think>\n",
                                 probe_max_tokens=20, confidence_threshold=0.95, max_probes=10,
                                 think_ratio=1.0, eos_token_ids=[EOS])
 PLAN = "ab Wait cd Wait ef Wait gh</think>"
@@ -171,7 +172,8 @@ def test_strict_qwen3_rule_a_probe_that_does_not_close_thinking_has_confidence_z
     strict, _ = run(plans, confidences, with_config(probe_require_end_think=True), open_probes={1})
     assert strict[0][0].extra["exit_reason"] == "confident"  # its probe closed thinking
     open_sample = strict[1][0]
-    assert open_sample.extra["probe_confidences"][0] == 0.0 and open_sample.extra["exit_reason"] != "confident"
+    assert open_sample.extra["probe_confidences"][0] == 0.0
+    assert open_sample.extra["exit_reason"] != "confident"
 
 
 def test_forced_answer_at_the_thinking_budget():

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from gspo_megatron.shaping.report import aggregate, read_metrics, relative_to_baseline, render_markdown, summarize_run
+from gspo_megatron.shaping.report import (
+    aggregate, read_metrics, relative_to_baseline, render_markdown, summarize_run)
 
 
 def _run(tokens, accuracy, eval_accuracy):

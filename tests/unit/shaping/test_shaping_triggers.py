@@ -11,7 +11,8 @@ register_configs()
 
 
 def _validate(overrides):
-    typed = OmegaConf.to_object(compose(["task=reasoning_max_digit", "rollout.max_new_tokens=24", *overrides]))
+    base = ["task=reasoning_max_digit", "rollout.max_new_tokens=24"]
+    typed = OmegaConf.to_object(compose(base + list(overrides)))
     validate_config(typed, 1)
 
 
