@@ -36,7 +36,9 @@ def test_verbose_response_adds_only_correct_rechecks():
 
 
 def _sft_worker(ctx, out: str):
-    sft_warmstart.main(["--out", out, "--steps", "200"])
+    import shaping_study  # the warm start of +experiment=shaping_from_sft
+
+    sft_warmstart.main(["--out", out, "--steps", "200", *shaping_study.WARM_START])
 
 
 def test_warm_started_policy_trains_with_the_shapers(tmp_path):
