@@ -298,8 +298,10 @@ class TruncatedRolloutEngine(RolloutEngine):
         """The chunk stopped on a trigger's text that is not a whole word ("Await", "Waiting")."""
         if not self.config.trigger_words or (ids and ids[-1] in self._end_ids(params)):
             return False
-        tail = self._tail(ids)
-        return any(word in tail for word in self.config.trigger_words)
+        tail, last_token = self._tail(ids), len(self.decode(ids[-1:]))
+        # the stop string must end inside the last token (an older, restored trigger does not count)
+        ends = [tail.rfind(word) + len(word) for word in self.config.trigger_words if word in tail]
+        return any(end > len(tail) - last_token for end in ends)
 
     def _ends_thinking(self, ids: list[int]) -> bool:
         if ids and ids[-1] in self.config.end_think_token_ids:
