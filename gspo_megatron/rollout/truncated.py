@@ -194,7 +194,7 @@ class TruncatedRolloutEngine(RolloutEngine):
             trace.phase = ANSWER if trace.remaining > 0 else DONE
         elif stopped and not self._inside_word_stop(ids, params):  # the response ended (EOS, a stop)
             trace.exit_reason, trace.phase = self._natural_exit(trace), DONE
-        elif trace.think_left > 0:  # a trigger's text inside a word ("Waiting"): not a trigger
+        elif stopped and trace.think_left > 0:  # a trigger's text inside a word ("Waiting"): go on
             trace.phase = THINK
         elif trace.think_budget < trace.budget:
             self._force_answer(trace, "think_budget")
