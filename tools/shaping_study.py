@@ -87,7 +87,9 @@ def main(argv=None) -> int:
     relative = relative_to_baseline(stats)
     notes = [
         f"command: python tools/shaping_study.py --out {args.out} --steps {args.steps} --seeds "
-        f"{' '.join(map(str, args.seeds))} {' '.join(args.overrides)}".rstrip(),
+        f"{' '.join(map(str, args.seeds))} --warm-start-steps {args.warm_start_steps} -- "
+        f"{' '.join(args.overrides)}".rstrip(" -"),
+        f"warm start: tools/sft_warmstart.py --steps {args.warm_start_steps} {' '.join(WARM_START)}",
         f"per run: mean over its last {args.last_steps} training steps; eval_* = its last evaluation "
         "(held-out prompts, plain decoding); ± is the sample std over seeds",
         "arms: " + "; ".join(f"{a}: {' '.join(ARMS[a])}" for a in arms),
