@@ -13,7 +13,8 @@
    mean ± sample std of rollout tokens, keyword steps, segments per length cluster, accuracy, DTR
    exits, and the last evaluation; the change vs baseline beside the papers' claims.
 
-Runs go to ``OUT/runs/<arm>_s<seed>``; extra Hydra overrides after ``--`` apply to every arm.
+Runs go to ``OUT/runs/<arm>_s<seed>`` (their metrics.jsonl copied to ``OUT/metrics/``, logs beside);
+extra Hydra overrides after ``--`` apply to every arm.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -82,7 +84,10 @@ def main(argv=None) -> int:
                       f"model.hf_checkpoint={checkpoint}", f"trainer.seed={seed}",
                       f"trainer.steps={args.steps}",
                       f"run_dir={run_dir}", *ARMS[arm], *args.overrides], out / f"{arm}_s{seed}.log")
-            arms.setdefault(arm, []).append(summarize_run(read_metrics(run_dir), args.last_steps))
+            metrics = read_metrics(run_dir)
+            (out / "metrics").mkdir(exist_ok=True)  # the runs' step logs, kept beside the report
+            shutil.copyfile(run_dir / "metrics.jsonl", out / "metrics" / f"{arm}_s{seed}.jsonl")
+            arms.setdefault(arm, []).append(summarize_run(metrics, args.last_steps))
     stats = {arm: aggregate(runs) for arm, runs in arms.items()}
     relative = relative_to_baseline(stats)
     notes = [
