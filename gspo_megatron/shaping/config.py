@@ -82,8 +82,12 @@ class GRSPConfig:
         default_factory=lambda: ["Wait", "Alternatively", "Hmm", "However", "But wait"]
     )
     case_sensitive: bool = True
-    confidence_window: int = 3  # tokens on each side a boundary must be the minimum of
-    confidence_threshold: float = -1.0  # boundary log-prob must be below this (p < ~0.37)
+    # Calibrated against keyword boundaries on the warm-started tiny model (tools/
+    # calibrate_confidence_segmentation.py -> reports/shaping_study/confidence_calibration.json):
+    # window 1, threshold -0.1 agree best (F1 0.49: recall 1.0, precision 0.32, +-1 token); the old
+    # guess (3, -1.0) had F1 0.05. A larger model has other log-prob scales: re-run the tool on it.
+    confidence_window: int = 1  # tokens on each side a boundary must be the minimum of
+    confidence_threshold: float = -0.1  # boundary log-prob must be below this (p < ~0.90)
     bucket_edges: list[float] = field(default_factory=lambda: [64.0, 256.0])  # tokens; K = len + 1
     weight_order: str = "descending"  # "descending": short-segment clusters weigh most (paper)
     cluster_weights: list[float] = field(default_factory=list)  # empty: linear K..1 profile, normalised
