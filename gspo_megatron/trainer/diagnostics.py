@@ -115,6 +115,7 @@ class RoutingDiagnostics:
             load = self._reduce_load(load) if load is not None else None
             metrics[f"routing/{kind}_changed_frac"] = float(volatility.changed_frac_overall)
             metrics[f"routing/{kind}_overlap"] = float(volatility.overlap_overall)
+            metrics[f"routing/{kind}_changed_any_frac"] = float(volatility.changed_any_frac)
             if self.mesh.is_driver and self.c.routing_log is not None:
                 self.c.routing_log.log(step, kind, volatility=volatility, load=load)
         self.step_records = []
@@ -127,19 +128,17 @@ class RoutingDiagnostics:
         return groups
 
     def _reduce(self, volatility: RoutingVolatility) -> RoutingVolatility:
-        device = self.mesh.device  # NCCL reduces device tensors only
-        volatility = RoutingVolatility(volatility.changed_count.to(device), volatility.intersection_count.to(device),
-                                       volatility.tokens.to(device), volatility.top_k)
+        volatility = _moved(volatility, self.mesh.device)  # NCCL reduces device tensors only
         for group in self._groups():
             volatility = all_reduce_volatility(volatility, group)
-        volatility = RoutingVolatility(volatility.changed_count.cpu(), volatility.intersection_count.cpu(),
-                                       volatility.tokens.cpu(), volatility.top_k)
+        volatility = _moved(volatility, "cpu")
         if self.mesh.layout.pp > 1:
             parts = [None] * self.mesh.layout.pp
             dist.all_gather_object(parts, volatility, group=self.mesh.pp_group)
+            # "changed in any layer" is an OR over tokens across stages: not recoverable from counts
             volatility = RoutingVolatility(
                 torch.cat([p.changed_count for p in parts]), torch.cat([p.intersection_count for p in parts]),
-                parts[0].tokens, parts[0].top_k,
+                parts[0].tokens, parts[0].top_k, torch.tensor(-1, dtype=torch.int64),
             )
         return volatility
 
@@ -153,6 +152,11 @@ class RoutingDiagnostics:
             dist.all_gather_object(parts, load, group=self.mesh.pp_group)
             load = type(load)(torch.cat([p.counts for p in parts]), parts[0].tokens, parts[0].top_k)
         return load
+
+
+def _moved(volatility: RoutingVolatility, device) -> RoutingVolatility:
+    return RoutingVolatility(volatility.changed_count.to(device), volatility.intersection_count.to(device),
+                             volatility.tokens.to(device), volatility.top_k, volatility.changed_any_count.to(device))
 
 
 def _compare(before: list, after: list, masks: list) -> RoutingVolatility:
