@@ -12,8 +12,9 @@ What is measured (``routing.kinds``; the math is ``routing/volatility.py``):
   the same tokens (MoE layers only; SGLang/embedded rows include dense layers).
 
 Under rollout replay (R3) the old-policy pass replays the engine's routing instead of recording
-one, so there is no free routing to compare against: R3 runs log no routing diagnostics
-(``rollout_vs_train`` would be 0 by construction).
+one, so there is no free routing for ``update``/``minibatch``; ``rollout_vs_train`` compares the
+engine's experts with the ones the replaying forward actually routed with (observed in megatron's
+top-k), so an R3 run measures -- rather than assumes -- that replay removed the routing mismatch.
 
 Counts are merged exactly over micro-batches, data-parallel ranks and (under sequence parallelism)
 tensor-parallel ranks; pipeline stages contribute their own layers, concatenated in stage order.
@@ -65,12 +66,12 @@ class RoutingDiagnostics:
     def due(self, kind: str, step: int) -> bool:
         return self.c.replay is not None and self.config.is_due(step, kind)
 
-    def rollout_vs_train(self, step: int, micro_batches: list[dict], targets_of) -> None:
-        """Engine routing (per micro-batch, megatron order) vs the recorded old-policy routing."""
-        if not self.due("rollout_vs_train", step) or not self.old or "routed_experts" not in micro_batches[0]:
+    def rollout_vs_train(self, step: int, micro_batches: list[dict], targets_of, trainer_routing: list) -> None:
+        """Engine routing (per micro-batch, megatron order) vs the routing of the old-log-prob pass."""
+        if not self.due("rollout_vs_train", step) or not trainer_routing or "routed_experts" not in micro_batches[0]:
             return
         parts = []
-        for mb, recorded, mask in zip(micro_batches, self.old, self.old_masks):
+        for mb, recorded, mask in zip(micro_batches, trainer_routing, self.old_masks):
             engine = torch.stack(targets_of(mb), dim=1)
             trainer = torch.stack(recorded, dim=1)
             parts.append(routing_volatility(engine, trainer, mask))

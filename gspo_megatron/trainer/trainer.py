@@ -113,8 +113,8 @@ class RLTrainer:
         head = LogProbHead(mesh.tp_group, cfg.rollout.temperature, cfg.algorithm.logprob_chunk_size)
         before = None
         if replay is not None:
-            if mode == "rollout":
-                replay.load_targets([self._rollout_targets(mb) for mb in flat])
+            if mode == "rollout":  # observed: what the trainer routed with, for rollout_vs_train
+                replay.load_targets([self._rollout_targets(mb) for mb in flat], observe=True)
                 before = replay.before_forward
             else:
                 replay.start_recording()
@@ -122,12 +122,10 @@ class RLTrainer:
         if replay is not None:
             if mode == "rollout":
                 replay.assert_fully_consumed()
-                recorded = None
-            else:
-                recorded = replay.recorded()
+            recorded = replay.recorded()
             replay.stop()
-            self.diagnostics.remember_old_routing(recorded, flat)
-            self.diagnostics.rollout_vs_train(self.step, flat, self._rollout_targets)
+            self.diagnostics.remember_old_routing(None if mode == "rollout" else recorded, flat)
+            self.diagnostics.rollout_vs_train(self.step, flat, self._rollout_targets, recorded)
         batch.old_log_probs = self._gather_rows(outputs, flat, "log_probs", batch)
         mask = batch.response_mask
         sums = train_inference_mismatch(batch.old_log_probs, batch.rollout_log_probs, mask)
