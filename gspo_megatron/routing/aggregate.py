@@ -8,8 +8,9 @@
 Design decisions:
 - Generic: nothing here knows about routing or algorithms. A group is the set of runs whose
   resolved ``config.yaml`` agree on every key except the seed keys (``trainer.seed`` by default) and
-  bookkeeping (``run_dir``); its label names the keys that differ *between groups*, so a sweep over
-  ``algorithm`` x ``trainer.updates_per_rollout`` gets labels like ``grpo upr=4`` without being told.
+  bookkeeping (``run_dir``); its label names the keys that differ *between groups* (keys that only
+  follow an earlier one, like ``algorithm.loss`` after ``algorithm.name``, are left out), so a sweep
+  over ``algorithm`` x ``trainer.updates_per_rollout`` gets labels like ``grpo upr=4`` untold.
   Any metric key of ``metrics.jsonl`` (shaping, rewards, routing scalars) aggregates the same way.
 - A sweep directory (Hydra's ``multirun/<date>``) is expanded into its run subdirectories; files in
   it or given on the command line (``multirun.yaml`` from a shell glob) are not runs and are skipped,
@@ -110,8 +111,16 @@ def group_runs(runs: list[RunData], seed_keys: Iterable[str] = DEFAULT_SEED_KEYS
     flat = [{k: v for k, v in flatten_config(run.config).items() if k not in skip} for run in runs]
     keys = sorted({k for f in flat for k in f})
     varying = [k for k in keys if len({repr(f.get(k)) for f in flat}) > 1]
-    # the algorithm first, then the other swept keys in name order
+    # the algorithm first, then the other swept keys in name order; a key that only follows an
+    # earlier one (algorithm.loss follows algorithm.name) splits nothing further and is left out
     varying.sort(key=lambda k: (k != "algorithm.name", k))
+    defining: list[str] = []
+    for key in varying:
+        before = {tuple(repr(f.get(k)) for k in defining) for f in flat}
+        after = {tuple(repr(f.get(k)) for k in defining + [key]) for f in flat}
+        if len(after) > len(before):
+            defining.append(key)
+    varying = defining
     groups: dict[tuple, RunGroup] = {}
     for run, values in zip(runs, flat):
         settings = {k: values.get(k) for k in varying}

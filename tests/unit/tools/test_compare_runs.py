@@ -151,3 +151,17 @@ def test_aggregation_is_generic_over_any_metric_key(sweep):
     assert stat.values == [6.0, 8.0] and stat.mean == pytest.approx(7.0)
     steps, mean, std = metric_curve(groups["gspo"], "shaping/custom")
     assert steps == [1, 2] and mean == pytest.approx([2.0, 7.0]) and std == pytest.approx([0.0, 1.4142135])
+
+
+def test_keys_that_follow_the_algorithm_do_not_split_or_label_groups(tmp_path):
+    from gspo_megatron.routing.aggregate import group_runs, load_runs_from
+
+    for index, (name, loss, upr) in enumerate([("gspo", "gspo", 1), ("grpo", "grpo", 1), ("gspo", "gspo", 4),
+                                               ("grpo", "grpo", 4)]):
+        run = tmp_path / str(index)
+        run.mkdir()
+        (run / "config.yaml").write_text(
+            f"algorithm:\n  name: {name}\n  loss: {loss}\ntrainer:\n  updates_per_rollout: {upr}\n")
+        (run / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
+    labels = [g.label for g in group_runs(load_runs_from([tmp_path]))]
+    assert labels == ["gspo upr=1", "grpo upr=1", "gspo upr=4", "grpo upr=4"]
