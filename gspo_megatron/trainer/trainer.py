@@ -15,6 +15,8 @@ on its slice of every mini-batch, and loss denominators are counts of the whole 
 
 from __future__ import annotations
 
+import math
+
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -214,8 +216,10 @@ class RLTrainer:
         payload = [None]
         if merged is not None:
             reduced = all_reduce_metrics(merged, self.mesh.dp_group) if self.mesh.layout.dp > 1 else merged
+            # a response-length bucket with no response this step is left out (not logged as NaN)
             final = {f"loss/{k}" if not k.startswith(("loss/", "entropy")) else k: float(v)
-                     for k, v in finalize_metrics(reduced).items()}
+                     for k, v in finalize_metrics(reduced).items()
+                     if not (k.startswith("ratio_var_") and math.isnan(float(v)))}
             for unit in ("token", "seq"):  # the run-dir format's headline clip fractions
                 final[f"loss/clip_frac_{unit}"] = final[f"loss/clip_frac_{unit}_low"] + final[f"loss/clip_frac_{unit}_high"]
             payload = [final]
