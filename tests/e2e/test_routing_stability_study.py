@@ -25,13 +25,15 @@ def _mean(values):
     return sum(values) / len(values)
 
 
+@pytest.mark.timeout(1800)  # 8 short runs in one process; minutes on a quiet machine
 def test_study_miniature_report_matches_the_runs(tmp_path):
     sweep = tmp_path / "multirun"
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     command = [
         sys.executable, "-m", "gspo_megatron.train", "--multirun", "+experiment=routing_stability_quick",
         "model=tiny", "trainer.steps=2", "trainer.seed=1,2", "trainer.prompts_per_step=4", "rollout.group_size=4",
-        "trainer.micro_batch_size=2", "rollout.max_new_tokens=6", "trainer.eval_every=2", "trainer.eval_prompts=4",
+        "trainer.updates_per_rollout=2", "trainer.micro_batch_size=8", "rollout.max_new_tokens=6",
+        "trainer.eval_every=2", "trainer.eval_prompts=4",
         f"hydra.sweep.dir={sweep}",
     ]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
@@ -45,7 +47,7 @@ def test_study_miniature_report_matches_the_runs(tmp_path):
     assert report.returncode == 0, report.stderr[-3000:]
     study = json.loads((out / "study.json").read_text())
     groups = {g["label"]: g for g in study["groups"]}
-    assert set(groups) == set(ALGORITHMS)  # seeds pooled, one group per algorithm (upr fixed at 8)
+    assert set(groups) == set(ALGORITHMS)  # seeds pooled, one group per algorithm (upr fixed)
 
     for algorithm, group in groups.items():
         assert len(group["runs"]) == 2
