@@ -25,7 +25,7 @@ Design decisions:
 - Replay keeps the router learning: megatron gathers the replayed experts' gate scores from the
   live *dense* router scores (``scores.gather(1, replayed)``, before any top-k masking), so a
   replayed expert outside the live top-k still gets a gate weight and a gradient
-  (tests/unit/routing/test_replay_router_gradient.py checks both).
+  (tests/distributed/test_routing_replay.py::test_replay_keeps_router_learning checks both).
 """
 
 from __future__ import annotations
