@@ -1,10 +1,16 @@
-"""Compare several training runs side by side (e.g. GSPO vs GRPO vs GRPO + routing replay).
+"""Compare training runs side by side, and aggregate a sweep's seeds (e.g. the routing-stability study).
 
     python tools/compare_runs.py runs/gspo runs/grpo runs/grpo_replay --out runs/comparison
+    python tools/compare_runs.py multirun/<date> --out reports/routing_stability     # a whole sweep
 
+Arguments are run directories or sweep directories (Hydra's ``multirun/<date>``: expanded into its
+runs); files such as ``multirun.yaml`` (matched by ``multirun/<date>/*``) are skipped with a note.
 Writes ``OUT/comparison.png`` (reward, clip fraction, routing volatility per diagnostic kind; one
 line per run), ``OUT/comparison.html`` (the table and the figure, self-contained),
-``OUT/comparison.json`` (every run's summary) and prints the table to stdout.
+``OUT/comparison.json`` (every run's summary), and the seed-aggregated study report
+``OUT/study.html`` / ``OUT/study.json`` (runs grouped by config, mean ± std over ``--seed-key``;
+curves with seed bands, per-layer volatility, ratio dispersion by length, "paper vs ours" table;
+``gspo_megatron/routing/study_report.py``), and prints both tables to stdout.
 
 Design decisions:
 - Runs are read through ``gspo_megatron.routing.run_dir`` (the format is documented there) and
@@ -26,17 +32,20 @@ from collections import Counter
 from pathlib import Path
 from typing import Optional
 
+from gspo_megatron.routing.aggregate import DEFAULT_SEED_KEYS, expand_run_paths, group_runs
 from gspo_megatron.routing.plots import Panel, Series, figure_png, line_panels
 from gspo_megatron.routing.report import (
     format_number,
     html_page,
     html_table,
+    json_safe,
     ordered_kinds,
     png_img,
     summarize_run,
     training_panels,
 )
 from gspo_megatron.routing.run_dir import RunData, RunDirError, load_run
+from gspo_megatron.routing.study_report import study_report
 
 BASE_COLUMNS = ["run", "final reward", "clip frac tok", "clip frac seq"]
 
@@ -82,9 +91,14 @@ def volatility_panels(runs: list[RunData], kinds: list[str]) -> list[Panel]:
     return panels
 
 
-def compare(paths: list[str], out_dir: str | Path) -> str:
-    """Write the comparison files into ``out_dir`` and return the text table."""
-    runs = load_runs(paths)
+def compare(paths: list[str], out_dir: str | Path, seed_keys=DEFAULT_SEED_KEYS) -> str:
+    """Write the comparison and study files into ``out_dir`` and return the text tables."""
+    run_paths, skipped = expand_run_paths(paths)
+    for path in skipped:
+        print(f"compare_runs: skipping {path} (not a run directory)", file=sys.stderr)
+    if not run_paths:
+        raise RunDirError(f"no run directories among {paths}")
+    runs = load_runs([str(p) for p in run_paths])
     summaries = [summarize_run(run) for run in runs]
     # "update" is always plotted (it is the headline diagnostic), even when no run recorded it.
     kinds = ordered_kinds({"update"} | {k for run in runs for k in run.routing_kinds()})
@@ -105,21 +119,26 @@ def compare(paths: list[str], out_dir: str | Path) -> str:
         ],
     )
     (out / "comparison.html").write_text(page, encoding="utf-8")
-    return table
+    summary, study_page, study_text = study_report(group_runs(runs, seed_keys), [str(p) for p in skipped])
+    (out / "study.json").write_text(json.dumps(json_safe(summary), indent=2) + "\n", encoding="utf-8")
+    (out / "study.html").write_text(study_page, encoding="utf-8")
+    return table + "\n\nseed-aggregated (study.html):\n" + study_text
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="compare_runs", description=__doc__.split("\n")[0])
-    parser.add_argument("runs", nargs="+", help="run directories (each holds metrics.jsonl)")
-    parser.add_argument("--out", required=True, help="directory for comparison.{html,png,json}")
+    parser.add_argument("runs", nargs="+", help="run directories (each holds metrics.jsonl) or sweep directories")
+    parser.add_argument("--out", required=True, help="directory for comparison.{html,png,json} and study.{html,json}")
+    parser.add_argument("--seed-key", action="append", default=None,
+                        help=f"config key whose runs are seeds of one group (repeatable; default {DEFAULT_SEED_KEYS})")
     args = parser.parse_args(argv)
     try:
-        table = compare(args.runs, args.out)
+        table = compare(args.runs, args.out, tuple(args.seed_key or DEFAULT_SEED_KEYS))
     except RunDirError as err:
         print(f"compare_runs: error: {err}", file=sys.stderr)
         return 2
     print(table)
-    print(f"\nwrote {Path(args.out) / 'comparison.html'} and comparison.png")
+    print(f"\nwrote {Path(args.out) / 'comparison.html'}, comparison.png and study.html")
     return 0
 
 

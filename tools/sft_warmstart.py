@@ -1,8 +1,10 @@
-"""Supervised warm start: teach the tiny MoE a *verbose* reasoning format, export it as an HF checkpoint.
+"""Supervised warm start: teach a model preset a *verbose* reasoning format, export it as an HF checkpoint.
 
     python tools/sft_warmstart.py --out checkpoints/tiny_verbose_reasoner
     python -m gspo_megatron.train --multirun +experiment=shaping_from_sft \
         model.hf_checkpoint=checkpoints/tiny_verbose_reasoner
+    python tools/sft_warmstart.py --model small_moe --out checkpoints/small_moe_reasoner   # any preset
+    python -m gspo_megatron.train +experiment=multi_token_demo model.hf_checkpoint=checkpoints/small_moe_reasoner
 
 Why: the efficiency shapers (Step-GRPO, GRSP) act on a policy that *already reasons verbosely* --
 the papers start from reasoning models that hesitate ("Wait ...") more than they need to. A tiny
@@ -59,6 +61,7 @@ def main(argv=None) -> None:
     parser.add_argument("--digits", type=int, default=3, help="most digits per problem (task max_digits)")
     parser.add_argument("--min-digits", type=int, default=None, help="fewest digits (default: --digits)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default="tiny", help="model preset (conf/model/<name>.yaml), e.g. small_moe")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for the model, e.g. model.hidden_size=128")
     args = parser.parse_args(argv)
 
@@ -82,7 +85,7 @@ def main(argv=None) -> None:
     from gspo_megatron.trainer.setup import random_hf_weights
 
     register_configs()
-    cfg = OmegaConf.to_object(compose(["model=tiny", *args.overrides]))
+    cfg = OmegaConf.to_object(compose([f"model={args.model}", *args.overrides]))
     layout = ParallelLayout(world_size=1).validate(cfg.model)
     mesh = initialize_parallel(layout, seed=args.seed)
     try:

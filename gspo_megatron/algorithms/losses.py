@@ -23,7 +23,8 @@ Design decisions:
   the indicator); KL(pi_old || pi_theta) estimated from tokens sampled from pi_old, with r = pi/pi_old:
   k1 = -log r and k3 = (r - 1) - log r (both unbiased; k3 is >= 0 and lower-variance; both logged);
   the clipped ratio's mean/min/max (per sequence s_i for GSPO variants, per token w for GRPO);
-  response length. Entropy comes from ``vocab_parallel_log_probs``; add it with ``token_mean_metric``.
+  response length; token- vs sequence-ratio dispersion by response length (``ratio_dispersion.py``).
+  Entropy comes from ``vocab_parallel_log_probs``; add it with ``token_mean_metric``.
 
 References: GSPO, Zheng et al., "Group Sequence Policy Optimization", arXiv 2507.18071;
 GRPO, Shao et al., "DeepSeekMath", arXiv 2402.03300; clip-higher from DAPO, arXiv 2503.14476.
@@ -37,6 +38,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from gspo_megatron.algorithms.metrics import extremum_entries, mean_entries
+from gspo_megatron.algorithms.ratio_dispersion import ratio_dispersion_metrics
 from gspo_megatron.algorithms.reductions import local_sequence_sum
 from gspo_megatron.algorithms.registry import Registry
 
@@ -163,6 +165,8 @@ def _common_metrics(batch: _Batch, ctx: LossContext) -> dict[str, torch.Tensor]:
             **mean_entries("approx_kl_k3", ctx.sequence_sum(torch.where(batch.mask, k3, 0.0)).sum(), batch.lengths.sum()),
             **mean_entries("response_length", valid_lengths.sum(), batch.seq_valid.sum()),
             **extremum_entries("response_length", batch.lengths, batch.seq_valid),
+            **ratio_dispersion_metrics(batch.log_ratio, batch.mask, batch.lengths, ctx.sequence_sum,
+                                       ctx.log_ratio_clamp),
         }
     return metrics
 

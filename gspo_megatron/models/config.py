@@ -196,6 +196,14 @@ PRESETS: dict[str, MoEModelConfig] = {
         head_dim=16, num_experts=4, top_k=2, moe_intermediate_size=64, max_position_embeddings=256,
         rope_theta=10000.0,
     ),
+    # A miniature of fine-grained production MoEs (Qwen3 / DeepSeek style: many small experts, top-4 of 32,
+    # 6 MoE layers) that still trains on CPU: the shape the routing-stability study runs on
+    # (conf/model/small_moe.yaml alike; the shape was chosen by measurement, see conf/experiment/routing_stability.yaml).
+    "small_moe": MoEModelConfig(
+        vocab_size=80, hidden_size=128, num_layers=6, num_attention_heads=4, num_kv_heads=2,
+        head_dim=32, num_experts=32, top_k=4, moe_intermediate_size=32, max_position_embeddings=256,
+        rope_theta=10000.0,
+    ),
     # Qwen3-30B-A3B's shape (config only: build it on the meta device).
     "qwen3_30b_a3b": MoEModelConfig(
         vocab_size=151936, hidden_size=2048, num_layers=48, num_attention_heads=32, num_kv_heads=4,

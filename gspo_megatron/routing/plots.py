@@ -28,6 +28,7 @@ class Series:
     values: list[float]
     linestyle: str = "-"
     color: Optional[str] = None
+    band: Optional[tuple[list[float], list[float]]] = None  # (lower, upper) per step: a seed spread
 
 
 @dataclass
@@ -35,6 +36,7 @@ class Panel:
     title: str
     ylabel: str
     series: list[Series] = field(default_factory=list)
+    xlabel: str = "step"
 
 
 def figure_png(fig: Figure, dpi: int = 100) -> bytes:
@@ -61,6 +63,8 @@ def line_panels(panels: list[Panel], columns: int = 2) -> Figure:
                 marker = "o" if len(series.steps) <= 60 else None
                 ax.plot(series.steps, series.values, series.linestyle, color=series.color, label=series.label,
                         marker=marker, markersize=3)
+                if series.band is not None:
+                    ax.fill_between(series.steps, *series.band, color=ax.lines[-1].get_color(), alpha=0.2)
                 drawn = True
         if drawn:
             ax.legend(fontsize=8)
@@ -68,7 +72,7 @@ def line_panels(panels: list[Panel], columns: int = 2) -> Figure:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
         ax.set_title(panel.title)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("step")
+        ax.set_xlabel(panel.xlabel)
         ax.set_ylabel(panel.ylabel)
         ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -19,6 +19,13 @@ Design decisions:
 - Indices are kept in megatron's token order: the router sees this rank's [s_local * b] tokens
   sequence-first (s_local = s / tp under sequence parallelism).
 - Router fusion bypasses ``RouterReplay`` and is rejected together with replay.
+- A replaying forward can also be *observed* (``load_targets(..., observe=True)``): the indices
+  megatron's top-k actually returned to the dispatcher are recorded like a RECORD pass, so the
+  engine-vs-trainer routing of an R3 forward is measured (0 when replay works), not assumed.
+- Replay keeps the router learning: megatron gathers the replayed experts' gate scores from the
+  live *dense* router scores (``scores.gather(1, replayed)``, before any top-k masking), so a
+  replayed expert outside the live top-k still gets a gate weight and a gradient
+  (tests/distributed/test_routing_replay.py::test_replay_keeps_router_learning checks both).
 """
 
 from __future__ import annotations
@@ -57,8 +64,10 @@ class RoutingReplay:
         self._recorded: list[list[torch.Tensor]] = [[] for _ in self.instances]
         self._targets: list[list[torch.Tensor]] = []  # per micro-batch: one tensor per layer
         self._consumed = 0
+        self._observe = False
         for layer, instance in enumerate(self.instances):
             instance.record_indices = self._recorder(layer)
+            instance.get_replay_topk = self._observed_topk(layer, instance.get_replay_topk)
 
     @classmethod
     def capture_new_instances(cls, before: int) -> "RoutingReplay":
@@ -80,6 +89,15 @@ class RoutingReplay:
 
         return record
 
+    def _observed_topk(self, layer: int, replay_topk):
+        def topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+            probs, indices = replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+            if self._observe and self.instances[layer].router_replay_action == self.action.REPLAY_FORWARD:
+                self._recorded[layer].append(indices.detach().to("cpu", copy=True))
+            return probs, indices
+
+        return topk
+
     # --- recording -----------------------------------------------------------------------
     def start_recording(self) -> None:
         self._recorded = [[] for _ in self.instances]
@@ -97,13 +115,18 @@ class RoutingReplay:
         return [[per_layer[layer][mb] for layer in range(len(self.instances))] for mb in range(n)]
 
     # --- replaying -----------------------------------------------------------------------
-    def load_targets(self, per_micro_batch: list[list[torch.Tensor]]) -> None:
-        """Queue replay targets: one list (one tensor per MoE layer) per upcoming forward."""
+    def load_targets(self, per_micro_batch: list[list[torch.Tensor]], observe: bool = False) -> None:
+        """Queue replay targets: one list (one tensor per MoE layer) per upcoming forward.
+
+        ``observe``: record the indices the replaying forwards actually routed with (``recorded()``).
+        """
         for targets in per_micro_batch:
             if len(targets) != len(self.instances):
                 raise ReplayError(f"{len(targets)} replay tensors for {len(self.instances)} MoE layers")
         self._targets = list(per_micro_batch)
         self._consumed = 0
+        self._observe = observe
+        self._recorded = [[] for _ in self.instances]
         for instance in self.instances:
             instance.clear_indices()
             instance.set_router_replay_action(self.action.REPLAY_FORWARD)
@@ -130,6 +153,7 @@ class RoutingReplay:
             instance.clear_router_replay_action()
         self._targets = []
         self._consumed = 0
+        self._observe = False
 
 
 def rollout_targets(routed: torch.Tensor, moe_layers: list[int], tp_rank: int, tp_size: int,

@@ -75,6 +75,7 @@ def routing_kind_summary(run: RunData, kind: str) -> dict:
         "tokens": sum(int(r.get("tokens", 0)) for r in records),
         "changed_frac_overall": finite_mean([r.get("changed_frac_overall") for r in records]),
         "overlap_overall": finite_mean([r.get("overlap_overall") for r in records]),
+        "changed_any_frac": finite_mean([r.get("changed_any_frac") for r in records]),
     }
     for key in ("changed_frac", "overlap", "load_imbalance", "router_entropy", "router_kl"):
         summary[key] = _layer_mean(run, kind, key, records)
@@ -170,6 +171,7 @@ def _summary_section(summary: dict) -> str:
     for kind, kind_summary in summary["routing"].items():
         rows.append([f"{kind}: changed fraction (step mean)", kind_summary["changed_frac_overall"]])
         rows.append([f"{kind}: overlap (step mean)", kind_summary["overlap_overall"]])
+        rows.append([f"{kind}: tokens changed in >= 1 layer (step mean)", kind_summary["changed_any_frac"]])
     return html_table(["quantity", "value"], rows)
 
 

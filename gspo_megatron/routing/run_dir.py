@@ -11,6 +11,7 @@ Layout of one run directory (the trainer writes it from rank 0 only; everything 
                           {"step": int, "kind": "update" | "rollout_vs_train" | "minibatch",
                            "changed_frac": [L], "overlap": [L],
                            "changed_frac_overall": float, "overlap_overall": float, "tokens": int,
+                           "changed_any_frac": float (token-level: experts differ in >= 1 layer),
                            "expert_load": [[L x E]], "load_imbalance": [L], "load_cv": [L],
                            "router_entropy": [L], "router_kl": [L]}
                           (the last four are present only when the trainer measured them)
@@ -127,6 +128,7 @@ def routing_record(
             overlap=volatility.overlap,
             changed_frac_overall=volatility.changed_frac_overall,
             overlap_overall=volatility.overlap_overall,
+            changed_any_frac=volatility.changed_any_frac,
             tokens=volatility.tokens,
         )
     if load is not None:

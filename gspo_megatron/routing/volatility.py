@@ -22,6 +22,10 @@ Design decisions:
 Definitions (activation volatility as measured in GSPO, arXiv 2507.18071, section on MoE training):
     changed_{n,l} = [ set(a_{n,l}) != set(b_{n,l}) ]
     overlap_{n,l} = |set(a_{n,l}) cap set(b_{n,l})| / k
+    changed_any_n = OR_l changed_{n,l}   (token-level: the experts differ in at least one layer)
+Per-layer fractions understate what a token sees: with p changed per layer, independent over L
+layers, 1 - (1 - p)^L of the tokens differ somewhere (Megatron-LM's R3 work: ~10% per layer
+compounding into ~94% of tokens). ``changed_any_frac`` is that token-level number, measured.
 """
 
 from __future__ import annotations
@@ -93,6 +97,10 @@ class RoutingVolatility:
     intersection_count: torch.Tensor  # int64 [L]: sum over tokens of |A cap B|, per layer
     tokens: torch.Tensor  # int64 []: tokens compared (the same for every layer)
     top_k: int
+    # int64 []: tokens whose set changed in at least one of these layers. Pipeline stages hold
+    # disjoint layers, and an OR over stages cannot be formed from per-stage counts: the diagnostics
+    # log it as NaN (unknown) when pp > 1 rather than a wrong number.
+    changed_any_count: torch.Tensor
 
     @property
     def num_layers(self) -> int:
@@ -114,6 +122,13 @@ class RoutingVolatility:
         return self.changed_count.sum().double() / (self.tokens.double() * self.num_layers)
 
     @property
+    def changed_any_frac(self) -> torch.Tensor:
+        """float64 []: fraction of tokens whose expert set differs in at least one layer (NaN: unknown,
+        a negative count, as after gathering pipeline stages)."""
+        frac = self.changed_any_count.double() / self.tokens.double()
+        return torch.where(self.changed_any_count < 0, torch.full_like(frac, float("nan")), frac)
+
+    @property
     def overlap_overall(self) -> torch.Tensor:
         return self.intersection_count.sum().double() / (self.tokens.double() * self.num_layers * self.top_k)
 
@@ -129,6 +144,7 @@ class RoutingVolatility:
             self.intersection_count + other.intersection_count,
             self.tokens + other.tokens,
             self.top_k,
+            self.changed_any_count + other.changed_any_count,
         )
 
     @staticmethod
@@ -151,11 +167,13 @@ def routing_volatility(
     a, b = _select(a, token_mask), _select(b, token_mask)
     top_k = a.shape[-1]
     intersection = _intersection_size(a, b)  # [N', L]
+    changed = intersection != top_k  # [N', L]
     return RoutingVolatility(
-        changed_count=(intersection != top_k).sum(dim=0),
+        changed_count=changed.sum(dim=0),
         intersection_count=intersection.sum(dim=0),
         tokens=torch.tensor(a.shape[0], dtype=torch.int64, device=a.device),
         top_k=top_k,
+        changed_any_count=changed.any(dim=1).sum(),
     )
 
 
@@ -292,10 +310,11 @@ def _all_reduce_sum(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
 
 def all_reduce_volatility(volatility: RoutingVolatility, group=None) -> RoutingVolatility:
     """Merge the volatility of every rank in ``group`` (all ranks must pass the same L and k)."""
-    changed, intersection, tokens = _all_reduce_sum(
-        [volatility.changed_count, volatility.intersection_count, volatility.tokens], group
+    changed, intersection, tokens, changed_any = _all_reduce_sum(
+        [volatility.changed_count, volatility.intersection_count, volatility.tokens, volatility.changed_any_count],
+        group,
     )
-    return RoutingVolatility(changed, intersection, tokens, volatility.top_k)
+    return RoutingVolatility(changed, intersection, tokens, volatility.top_k, changed_any)
 
 
 def all_reduce_expert_load(load: ExpertLoad, group=None) -> ExpertLoad:

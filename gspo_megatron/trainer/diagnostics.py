@@ -12,8 +12,9 @@ What is measured (``routing.kinds``; the math is ``routing/volatility.py``):
   the same tokens (MoE layers only; SGLang/embedded rows include dense layers).
 
 Under rollout replay (R3) the old-policy pass replays the engine's routing instead of recording
-one, so there is no free routing to compare against: R3 runs log no routing diagnostics
-(``rollout_vs_train`` would be 0 by construction).
+one, so there is no free routing for ``update``/``minibatch``; ``rollout_vs_train`` compares the
+engine's experts with the ones the replaying forward actually routed with (observed in megatron's
+top-k), so an R3 run measures -- rather than assumes -- that replay removed the routing mismatch.
 
 Counts are merged exactly over micro-batches, data-parallel ranks and (under sequence parallelism)
 tensor-parallel ranks; pipeline stages contribute their own layers, concatenated in stage order.
@@ -65,12 +66,12 @@ class RoutingDiagnostics:
     def due(self, kind: str, step: int) -> bool:
         return self.c.replay is not None and self.config.is_due(step, kind)
 
-    def rollout_vs_train(self, step: int, micro_batches: list[dict], targets_of) -> None:
-        """Engine routing (per micro-batch, megatron order) vs the recorded old-policy routing."""
-        if not self.due("rollout_vs_train", step) or not self.old or "routed_experts" not in micro_batches[0]:
+    def rollout_vs_train(self, step: int, micro_batches: list[dict], targets_of, trainer_routing: list) -> None:
+        """Engine routing (per micro-batch, megatron order) vs the routing of the old-log-prob pass."""
+        if not self.due("rollout_vs_train", step) or not trainer_routing or "routed_experts" not in micro_batches[0]:
             return
         parts = []
-        for mb, recorded, mask in zip(micro_batches, self.old, self.old_masks):
+        for mb, recorded, mask in zip(micro_batches, trainer_routing, self.old_masks):
             engine = torch.stack(targets_of(mb), dim=1)
             trainer = torch.stack(recorded, dim=1)
             parts.append(routing_volatility(engine, trainer, mask))
@@ -115,6 +116,7 @@ class RoutingDiagnostics:
             load = self._reduce_load(load) if load is not None else None
             metrics[f"routing/{kind}_changed_frac"] = float(volatility.changed_frac_overall)
             metrics[f"routing/{kind}_overlap"] = float(volatility.overlap_overall)
+            metrics[f"routing/{kind}_changed_any_frac"] = float(volatility.changed_any_frac)
             if self.mesh.is_driver and self.c.routing_log is not None:
                 self.c.routing_log.log(step, kind, volatility=volatility, load=load)
         self.step_records = []
@@ -127,19 +129,17 @@ class RoutingDiagnostics:
         return groups
 
     def _reduce(self, volatility: RoutingVolatility) -> RoutingVolatility:
-        device = self.mesh.device  # NCCL reduces device tensors only
-        volatility = RoutingVolatility(volatility.changed_count.to(device), volatility.intersection_count.to(device),
-                                       volatility.tokens.to(device), volatility.top_k)
+        volatility = _moved(volatility, self.mesh.device)  # NCCL reduces device tensors only
         for group in self._groups():
             volatility = all_reduce_volatility(volatility, group)
-        volatility = RoutingVolatility(volatility.changed_count.cpu(), volatility.intersection_count.cpu(),
-                                       volatility.tokens.cpu(), volatility.top_k)
+        volatility = _moved(volatility, "cpu")
         if self.mesh.layout.pp > 1:
             parts = [None] * self.mesh.layout.pp
             dist.all_gather_object(parts, volatility, group=self.mesh.pp_group)
+            # "changed in any layer" is an OR over tokens across stages: not recoverable from counts
             volatility = RoutingVolatility(
                 torch.cat([p.changed_count for p in parts]), torch.cat([p.intersection_count for p in parts]),
-                parts[0].tokens, parts[0].top_k,
+                parts[0].tokens, parts[0].top_k, torch.tensor(-1, dtype=torch.int64),
             )
         return volatility
 
@@ -153,6 +153,11 @@ class RoutingDiagnostics:
             dist.all_gather_object(parts, load, group=self.mesh.pp_group)
             load = type(load)(torch.cat([p.counts for p in parts]), parts[0].tokens, parts[0].top_k)
         return load
+
+
+def _moved(volatility: RoutingVolatility, device) -> RoutingVolatility:
+    return RoutingVolatility(volatility.changed_count.to(device), volatility.intersection_count.to(device),
+                             volatility.tokens.to(device), volatility.top_k, volatility.changed_any_count.to(device))
 
 
 def _compare(before: list, after: list, masks: list) -> RoutingVolatility:

@@ -15,6 +15,8 @@ on its slice of every mini-batch, and loss denominators are counts of the whole 
 
 from __future__ import annotations
 
+import math
+
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -113,8 +115,8 @@ class RLTrainer:
         head = LogProbHead(mesh.tp_group, cfg.rollout.temperature, cfg.algorithm.logprob_chunk_size)
         before = None
         if replay is not None:
-            if mode == "rollout":
-                replay.load_targets([self._rollout_targets(mb) for mb in flat])
+            if mode == "rollout":  # observed: what the trainer routed with, for rollout_vs_train
+                replay.load_targets([self._rollout_targets(mb) for mb in flat], observe=True)
                 before = replay.before_forward
             else:
                 replay.start_recording()
@@ -122,12 +124,10 @@ class RLTrainer:
         if replay is not None:
             if mode == "rollout":
                 replay.assert_fully_consumed()
-                recorded = None
-            else:
-                recorded = replay.recorded()
+            recorded = replay.recorded()
             replay.stop()
-            self.diagnostics.remember_old_routing(recorded, flat)
-            self.diagnostics.rollout_vs_train(self.step, flat, self._rollout_targets)
+            self.diagnostics.remember_old_routing(None if mode == "rollout" else recorded, flat)
+            self.diagnostics.rollout_vs_train(self.step, flat, self._rollout_targets, recorded)
         batch.old_log_probs = self._gather_rows(outputs, flat, "log_probs", batch)
         mask = batch.response_mask
         sums = train_inference_mismatch(batch.old_log_probs, batch.rollout_log_probs, mask)
@@ -216,8 +216,10 @@ class RLTrainer:
         payload = [None]
         if merged is not None:
             reduced = all_reduce_metrics(merged, self.mesh.dp_group) if self.mesh.layout.dp > 1 else merged
+            # a response-length bucket with no response this step is left out (not logged as NaN)
             final = {f"loss/{k}" if not k.startswith(("loss/", "entropy")) else k: float(v)
-                     for k, v in finalize_metrics(reduced).items()}
+                     for k, v in finalize_metrics(reduced).items()
+                     if not (k.startswith("ratio_var_") and math.isnan(float(v)))}
             for unit in ("token", "seq"):  # the run-dir format's headline clip fractions
                 final[f"loss/clip_frac_{unit}"] = final[f"loss/clip_frac_{unit}_low"] + final[f"loss/clip_frac_{unit}_high"]
             payload = [final]

@@ -51,6 +51,21 @@ def test_volatility_per_layer_and_overall():
     assert float(v.changed_frac_overall) == pytest.approx(3 / 6)
     assert float(v.overlap_overall) == pytest.approx(4 / 6)
     assert int(v.tokens) == 3
+    # token-level: every token changed in some layer (t0 in L1, t1 in L0, t2 in L1), though per
+    # layer only 1/3 and 2/3 did -- the per-layer figure understates what a token sees
+    assert int(v.changed_any_count) == 3 and float(v.changed_any_frac) == 1.0
+
+
+def test_changed_any_counts_a_token_once_however_many_layers_changed():
+    a = torch.tensor([[[0, 1], [0, 1], [0, 1]], [[0, 1], [0, 1], [0, 1]], [[0, 1], [0, 1], [0, 1]]])
+    b = a.clone()
+    b[0, :, 0] = 5  # token 0 changed in all three layers
+    b[1, 2, 1] = 7  # token 1 changed in the last layer only; token 2 unchanged
+    v = routing_volatility(a, b)
+    assert v.changed_count.tolist() == [1, 1, 2]
+    assert int(v.changed_any_count) == 2 and float(v.changed_any_frac) == pytest.approx(2 / 3)
+    unknown = RoutingVolatility(v.changed_count, v.intersection_count, v.tokens, v.top_k, torch.tensor(-1))
+    assert math.isnan(float(unknown.changed_any_frac))
 
 
 def test_volatility_respects_token_mask():
@@ -60,6 +75,7 @@ def test_volatility_respects_token_mask():
     assert float(v.changed_frac_overall) == pytest.approx(0.5)
     assert float(v.overlap_overall) == pytest.approx(0.75)
     assert int(v.tokens) == 2
+    assert float(v.changed_any_frac) == pytest.approx(1.0)
 
 
 def test_merge_of_two_halves_equals_whole():
@@ -74,6 +90,7 @@ def test_merge_of_two_halves_equals_whole():
     )
     assert torch.equal(halves.changed_count, whole.changed_count)
     assert torch.equal(halves.intersection_count, whole.intersection_count)
+    assert int(halves.changed_any_count) == int(whole.changed_any_count)
     assert int(halves.tokens) == int(whole.tokens) == int(mask.sum())
     # and not the mean of the halves' fractions (the halves have different token counts)
     assert 0 < float(whole.changed_frac_overall) < 1

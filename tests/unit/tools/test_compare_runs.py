@@ -83,3 +83,85 @@ def test_script_entry_point(tmp_path):
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2 and "does not exist" in result.stderr
+
+
+def make_seeded_run(path, algorithm, seed, upr, rewards, update_changed, changed_any):
+    """A run of a sweep: config with algorithm, seed and updates_per_rollout, as Hydra writes it."""
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(
+        f"run_dir: {path}\nalgorithm:\n  name: {algorithm}\ntrainer:\n  seed: {seed}\n  updates_per_rollout: {upr}\n")
+    with JsonlLog(path / "metrics.jsonl") as log:
+        for step, reward in enumerate(rewards, start=1):
+            log.append({"step": step, "reward/mean": reward, "loss/clip_frac_token": 0.01 * step,
+                        "shaping/custom": 10.0 * reward})
+    with RoutingLog(path) as log:
+        for step, (changed, any_layer) in enumerate(zip(update_changed, changed_any), start=1):
+            log.append({"step": step, "kind": "update", "changed_frac": [changed, changed], "overlap": [0.9, 0.9],
+                        "changed_frac_overall": changed, "overlap_overall": 0.9, "changed_any_frac": any_layer,
+                        "tokens": 10})
+    return path
+
+
+@pytest.fixture
+def sweep(tmp_path):
+    root = tmp_path / "multirun" / "2026-11-23_20-00-00"
+    make_seeded_run(root / "0_grpo_upr1_seed1", "grpo", 1, 1, [0.1, 0.3], [0.1, 0.2], [0.3, 0.4])
+    make_seeded_run(root / "1_grpo_upr1_seed2", "grpo", 2, 1, [0.2, 0.5], [0.3, 0.4], [0.5, 0.6])
+    make_seeded_run(root / "2_gspo_upr1_seed1", "gspo", 1, 1, [0.2, 0.6], [0.0, 0.1], [0.0, 0.2])
+    make_seeded_run(root / "3_gspo_upr1_seed2", "gspo", 2, 1, [0.2, 0.8], [0.1, 0.1], [0.2, 0.2])
+    (root / "multirun.yaml").write_text("hydra: {}\n")
+    return root
+
+
+def test_a_shell_glob_over_a_sweep_skips_multirun_yaml(sweep, tmp_path, capsys):
+    """Regression: `compare_runs.py multirun/<date>/*` stopped at multirun.yaml ('is a file, not a run')."""
+    entries = sorted(str(p) for p in sweep.iterdir())
+    assert compare_runs.main(entries + ["--out", str(tmp_path / "cmp")]) == 0
+    assert "skipping" in capsys.readouterr().err and (tmp_path / "cmp" / "study.html").is_file()
+
+
+def test_sweep_directory_groups_by_config_and_aggregates_seeds(sweep, tmp_path):
+    out = tmp_path / "cmp"
+    assert compare_runs.main([str(sweep), "--out", str(out)]) == 0
+    study = json.loads((out / "study.json").read_text())
+    assert study["skipped"] == [str(sweep / "multirun.yaml")]
+    groups = {g["label"]: g for g in study["groups"]}
+    assert set(groups) == {"grpo", "gspo"}  # only the algorithm differs between groups; seeds pooled
+    grpo = groups["grpo"]["stats"]
+    assert grpo["final reward"]["values"] == [0.3, 0.5]
+    assert grpo["final reward"]["mean"] == pytest.approx(0.4)
+    assert grpo["final reward"]["std"] == pytest.approx(0.1414213, rel=1e-5)  # sample std of 0.3, 0.5
+    assert grpo["mean reward"]["mean"] == pytest.approx((0.2 + 0.35) / 2)
+    assert grpo["experts changed / update"]["mean"] == pytest.approx((0.15 + 0.35) / 2)
+    assert grpo["tokens changed in >= 1 layer / update"]["mean"] == pytest.approx((0.35 + 0.55) / 2)
+    assert groups["gspo"]["layers"]["update"] == pytest.approx([0.075, 0.075])
+    claims = {c["claim"][:18]: c for c in study["paper_vs_ours"]}
+    assert "GSPO clips ~100x m" in claims  # present, with what was measured
+    assert claims["~10% of the activa"]["verdict"].startswith("reproduced")  # 0.25 >= 5%
+    assert claims["GRPO needs Routing"]["verdict"].startswith("not measured")
+    page = (out / "study.html").read_text()
+    assert '<section id="paper-vs-ours">' in page and page.count("data:image/png;base64,") == 2
+
+
+def test_aggregation_is_generic_over_any_metric_key(sweep):
+    from gspo_megatron.routing.aggregate import group_runs, load_runs_from, metric_curve, metric_stat
+
+    groups = {g.label: g for g in group_runs(load_runs_from([sweep]))}
+    stat = metric_stat(groups["gspo"], "shaping/custom", reduce="final")
+    assert stat.values == [6.0, 8.0] and stat.mean == pytest.approx(7.0)
+    steps, mean, std = metric_curve(groups["gspo"], "shaping/custom")
+    assert steps == [1, 2] and mean == pytest.approx([2.0, 7.0]) and std == pytest.approx([0.0, 1.4142135])
+
+
+def test_keys_that_follow_the_algorithm_do_not_split_or_label_groups(tmp_path):
+    from gspo_megatron.routing.aggregate import group_runs, load_runs_from
+
+    for index, (name, loss, upr) in enumerate([("gspo", "gspo", 1), ("grpo", "grpo", 1), ("gspo", "gspo", 4),
+                                               ("grpo", "grpo", 4)]):
+        run = tmp_path / str(index)
+        run.mkdir()
+        (run / "config.yaml").write_text(
+            f"algorithm:\n  name: {name}\n  loss: {loss}\ntrainer:\n  updates_per_rollout: {upr}\n")
+        (run / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
+    labels = [g.label for g in group_runs(load_runs_from([tmp_path]))]
+    assert labels == ["gspo upr=1", "grpo upr=1", "gspo upr=4", "grpo upr=4"]

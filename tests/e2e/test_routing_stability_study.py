@@ -1,0 +1,73 @@
+"""A 2-step miniature of the whole routing-stability study: the real sweep command (all four
+algorithms, 2 seeds, bf16 engine) on the tiny model, then ``tools/compare_runs.py`` on the sweep
+directory; the report's aggregated numbers are checked against the runs' own metrics files."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gspo_megatron.routing.run_dir import read_jsonl
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+ALGORITHMS = ["gspo", "grpo", "grpo_routing_replay", "grpo_rollout_routing_replay"]
+
+
+def _mean(values):
+    return sum(values) / len(values)
+
+
+@pytest.mark.timeout(1800)  # 8 short runs in one process; minutes on a quiet machine
+def test_study_miniature_report_matches_the_runs(tmp_path):
+    sweep = tmp_path / "multirun"
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    command = [
+        sys.executable, "-m", "gspo_megatron.train", "--multirun", "+experiment=routing_stability_quick",
+        "model=tiny", "trainer.steps=2", "trainer.seed=1,2", "trainer.prompts_per_step=4", "rollout.group_size=4",
+        "trainer.updates_per_rollout=2", "trainer.micro_batch_size=8", "rollout.max_new_tokens=6",
+        "trainer.eval_every=2", "trainer.eval_prompts=4",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = sorted(p for p in sweep.iterdir() if p.is_dir())
+    assert len(runs) == 8 and (sweep / "multirun.yaml").is_file()
+
+    out = tmp_path / "report"
+    report = subprocess.run([sys.executable, str(ROOT / "tools" / "compare_runs.py"), str(sweep), "--out", str(out)],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert report.returncode == 0, report.stderr[-3000:]
+    study = json.loads((out / "study.json").read_text())
+    groups = {g["label"]: g for g in study["groups"]}
+    assert set(groups) == set(ALGORITHMS)  # seeds pooled, one group per algorithm (upr fixed)
+
+    for algorithm, group in groups.items():
+        assert len(group["runs"]) == 2
+        metrics = [read_jsonl(Path(run) / "metrics.jsonl") for run in group["runs"]]
+        final_rewards = [m[-1]["reward/mean"] for m in metrics]
+        assert group["stats"]["final reward"]["mean"] == pytest.approx(_mean(final_rewards))
+        clip = [_mean([r["loss/clip_frac_token"] for r in m]) for m in metrics]
+        assert group["stats"]["clip frac token"]["mean"] == pytest.approx(_mean(clip))
+        mismatch = [_mean([r["mismatch/abs_log_prob_diff_mean"] for r in m]) for m in metrics]
+        assert group["stats"]["log-prob mismatch"]["mean"] == pytest.approx(_mean(mismatch))
+        assert group["stats"]["log-prob mismatch"]["mean"] > 0  # the bf16 engine differs from the trainer
+        engine = [_mean([r["routing/rollout_vs_train_changed_frac"] for r in m]) for m in metrics]
+        assert group["stats"]["engine vs trainer changed"]["mean"] == pytest.approx(_mean(engine))
+        if algorithm == "grpo_rollout_routing_replay":
+            assert group["stats"]["engine vs trainer changed"]["mean"] == 0.0
+        else:  # free routing after one update, from the trainer's own per-step metric
+            update = [_mean([r["routing/update_changed_frac"] for r in m]) for m in metrics]
+            assert group["stats"]["experts changed / update"]["mean"] == pytest.approx(_mean(update))
+            spread = group["stats"]["experts changed / update"]["std"]
+            expected = math.sqrt(sum((u - _mean(update)) ** 2 for u in update))  # n - 1 = 1
+            assert spread == pytest.approx(expected, abs=1e-12)
+    assert len(study["paper_vs_ours"]) == 4 and all(row["verdict"] for row in study["paper_vs_ours"])
+    assert (out / "study.html").read_text().count('id="paper-vs-ours"') == 1
