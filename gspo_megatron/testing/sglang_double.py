@@ -63,6 +63,7 @@ class DoubleFaults:
     mismatched_logprob_ids: bool = False  # output_token_logprobs names other tokens than output_ids
     generate_delay_s: float = 0.0  # keeps requests in flight (load-balancing and dying tests)
     fail_distributed_updates: int = 0  # the first N /update_weights_from_distributed answer 400
+    fail_disk_updates: int = 0  # the first N /update_weights_from_disk answer 400
 
 
 class _DoubleHTTPServer(ThreadingHTTPServer):
@@ -110,6 +111,7 @@ class SGLangServerDouble:
         self.version = version
         self.pause_mode: Optional[str] = None
         self._distributed_failures = 0
+        self._disk_failures = 0
         self.weight_version = "default"
         self.calls: list[tuple[str, Any]] = []  # (path, payload) in arrival order
         self.generate_count = 0  # /generate requests that arrived
@@ -307,13 +309,13 @@ class SGLangServerDouble:
             error = f"Group {body.get('group_name')} not in [{self._weights.group_name}]. Call init_weights_update_group first."
         if not error and not self._weights.in_update:
             error = "update_weights_from_distributed outside begin_weight_update / end_weight_update"
-        if not error and self._distributed_failures < self.faults.fail_distributed_updates:
-            self._distributed_failures += 1
-            error = "injected fault: update_weights_from_distributed failed"
         if error:
             return 400, {"success": False, "message": error}
         if self._weights.group is not None:
             self._receive(body)
+        if self._distributed_failures < self.faults.fail_distributed_updates:
+            self._distributed_failures += 1  # received, then the weight loader fails (e.g. a name it lacks)
+            return 400, {"success": False, "message": "injected fault: loading the received weights failed"}
         if body.get("weight_version") is not None:
             self.weight_version = body["weight_version"]
         return 200, {"success": True, "message": "Succeeded to update parameter online."}
@@ -326,6 +328,9 @@ class SGLangServerDouble:
         shards = sorted(path.glob("*.safetensors")) if path and not error else []
         if not error and not shards:
             error = f"{path} has no *.safetensors"
+        if not error and self._disk_failures < self.faults.fail_disk_updates:
+            self._disk_failures += 1
+            error = "injected fault: loading the checkpoint failed"
         if error:
             return 400, {"success": False, "message": error, "num_paused_requests": 0}
         from safetensors import safe_open
@@ -496,6 +501,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--die-after", type=int, default=None, help="double only: stop after N /generate")
     parser.add_argument("--join-weight-groups", action="store_true", help="double only: receive broadcasts")
     parser.add_argument("--spawn-child", action="store_true", help="double only: fork a child (like SGLang's scheduler)")
+    parser.add_argument("--fail-distributed-updates", type=int, default=0, help="double only: fail N updates")
     parser.add_argument("--exit-code", type=int, default=None, help="double only: exit at once with this code")
     args, unknown = parser.parse_known_args(argv)
     print(f"[sglang double] args={vars(args)} ignored={unknown}", flush=True)
@@ -515,7 +521,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     double = SGLangServerDouble(
         host=args.host, port=args.port, num_layers=layers, top_k=top_k, num_experts=experts, tp_size=args.tp,
         enable_return_routed_experts=args.enable_return_routed_experts, join_weight_groups=args.join_weight_groups,
-        faults=DoubleFaults(startup_503=args.startup_503, die_after=args.die_after), model_path=args.model_path,
+        faults=DoubleFaults(startup_503=args.startup_503, die_after=args.die_after,
+                            fail_distributed_updates=args.fail_distributed_updates), model_path=args.model_path,
         deterministic_inference=args.enable_deterministic_inference,
     )
     print(f"[sglang double] serving on {double.url}", flush=True)
