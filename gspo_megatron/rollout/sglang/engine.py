@@ -156,9 +156,9 @@ class SGLangEngine(RolloutEngine):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         servers = self._client.pool.alive()
         named_tensors = list(named_tensors)  # a retry through the disk path reads them again
-        self._on_all(servers, "POST", "/pause_generation", {"mode": self.config.pause_mode})
         failure: Optional[BaseException] = None
         try:
+            self._on_all(servers, "POST", "/pause_generation", {"mode": self.config.pause_mode})
             if self.config.weight_sync == "distributed":
                 try:
                     self._in_session(servers, lambda: self._sync_distributed(servers, named_tensors, version))
