@@ -14,12 +14,19 @@ What it follows (SGLang 0.5.x ``http_server.py`` / ``io_struct.py``):
 - ``/health``, ``/health_generate``, ``/server_info``, ``/flush_cache``, ``/pause_generation``,
   ``/continue_generation``, ``/abort_request``, ``/init_weights_update_group``,
   ``/update_weights_from_distributed``, ``/update_weights_from_disk``, ``/begin_weight_update``,
-  ``/end_weight_update``. Payloads are validated (missing / mistyped fields -> HTTP 400), the call
-  order is recorded, and a weight update outside begin/end is refused, as SGLang 0.5.x wants.
+  ``/end_weight_update``, ``/destroy_weights_update_group``. ``/generate`` bodies are accepted or
+  refused exactly as SGLang 0.5.23 does (``sglang_double_rules``; tests/contract compares the two on a
+  table of bodies); control payloads are validated (missing / mistyped fields -> HTTP 400); the call
+  order is recorded. State SGLang keeps is modelled: a distributed update outside begin/end is refused
+  (the disk path has no session check), a second begin while a session is open is refused, a group
+  name cannot be initialised twice until destroyed, ``/flush_cache`` answers 400 while requests run
+  (an ``in_place`` pause keeps them running), an aborted non-streaming request answers HTTP 503, and
+  ``sampling_seed`` acts only with ``deterministic_inference`` (``--enable-deterministic-inference``).
 - With ``join_weight_groups`` it really joins the trainer's update group (gloo or nccl, rank =
   rank_offset) and receives each broadcast tensor, recording its shape, dtype and sum.
 
 Fault injection (``DoubleFaults``): 503 on the first K health checks or generates, aborted requests,
+failing distributed or disk weight updates,
 dying after N generates (in-flight and new connections are dropped, the listener closes), malformed
 JSON, wrong-size routed experts, log-probs whose token ids disagree with output_ids.
 
