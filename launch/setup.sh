@@ -47,5 +47,20 @@ if ! "$PYTHON" -c "import gspo_megatron, megatron.core, hydra, transformers, pyt
   echo "[setup] installing gspo-megatron (editable) with its test extra"
   "$PYTHON" -m pip install -q -e ".[test]"
 fi
+# Contract tier (tests/contract): SGLang's own request classes, validators, argument parser and HTTP app,
+# imported without CUDA. Pure-Python dependencies through pip's resolver; SGLang and the packages that
+# declare a CUDA torch with --no-deps (requirements/sglang-contract-nodeps.txt says why each is there).
+# A machine with a real SGLang install keeps it. GSPO_SKIP_SGLANG_CONTRACT=1 skips the install, and the
+# tier then skips too; without that variable a missing SGLang fails the tier.
+if [ "${GSPO_SKIP_SGLANG_CONTRACT:-0}" != 1 ] && { [ "${GSPO_REINSTALL:-0}" = 1 ] || ! "$PYTHON" - <<'PY' 2>/dev/null
+import warnings
+warnings.simplefilter("ignore")
+import fastapi, starlette, sglang.srt.entrypoints.http_server, sglang.srt.server_args
+PY
+}; then
+  echo "[setup] installing the SGLang contract tier (SGLang without CUDA: requirements/sglang-contract*.txt)"
+  "$PYTHON" -m pip install -q -r requirements/sglang-contract.txt
+  "$PYTHON" -m pip install -q --no-deps -r requirements/sglang-contract-nodeps.txt
+fi
 echo "[setup] ready: torch $("$PYTHON" -c 'import torch; print(torch.__version__)')," \
      "megatron-core $("$PYTHON" -c 'import megatron.core as m; print(m.__version__)')"

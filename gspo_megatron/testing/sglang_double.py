@@ -14,12 +14,19 @@ What it follows (SGLang 0.5.x ``http_server.py`` / ``io_struct.py``):
 - ``/health``, ``/health_generate``, ``/server_info``, ``/flush_cache``, ``/pause_generation``,
   ``/continue_generation``, ``/abort_request``, ``/init_weights_update_group``,
   ``/update_weights_from_distributed``, ``/update_weights_from_disk``, ``/begin_weight_update``,
-  ``/end_weight_update``. Payloads are validated (missing / mistyped fields -> HTTP 400), the call
-  order is recorded, and a weight update outside begin/end is refused, as SGLang 0.5.x wants.
+  ``/end_weight_update``, ``/destroy_weights_update_group``. ``/generate`` bodies are accepted or
+  refused exactly as SGLang 0.5.23 does (``sglang_double_rules``; tests/contract compares the two on a
+  table of bodies); control payloads are validated (missing / mistyped fields -> HTTP 400); the call
+  order is recorded. State SGLang keeps is modelled: a distributed update outside begin/end is refused
+  (the disk path has no session check), a second begin while a session is open is refused, a group
+  name cannot be initialised twice until destroyed, ``/flush_cache`` answers 400 while requests run
+  (an ``in_place`` pause keeps them running), an aborted non-streaming request answers HTTP 503, and
+  ``sampling_seed`` acts only with ``deterministic_inference`` (``--enable-deterministic-inference``).
 - With ``join_weight_groups`` it really joins the trainer's update group (gloo or nccl, rank =
   rank_offset) and receives each broadcast tensor, recording its shape, dtype and sum.
 
 Fault injection (``DoubleFaults``): 503 on the first K health checks or generates, aborted requests,
+failing distributed or disk weight updates,
 dying after N generates (in-flight and new connections are dropped, the listener closes), malformed
 JSON, wrong-size routed experts, log-probs whose token ids disagree with output_ids.
 
@@ -45,13 +52,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Optional
 
+from gspo_megatron.testing.sglang_double_rules import generate_body_error
+
+SGLANG_VERSION = "0.5.23"  # what /server_info reports (the version whose behaviour the double follows)
 _DTYPE_NAMES = {"float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"}
 _PAUSE_MODES = {"abort", "retract", "in_place"}
-_SAMPLING_KEYS = {
-    "temperature", "top_p", "top_k", "min_p", "max_new_tokens", "min_new_tokens", "stop", "stop_token_ids",
-    "no_stop_trim", "skip_special_tokens", "sampling_seed", "ignore_eos", "repetition_penalty",
-    "frequency_penalty", "presence_penalty", "n",
-}
 
 
 @dataclass
@@ -64,6 +69,8 @@ class DoubleFaults:
     wrong_routed_experts: bool = False  # routed_experts has one token row too few
     mismatched_logprob_ids: bool = False  # output_token_logprobs names other tokens than output_ids
     generate_delay_s: float = 0.0  # keeps requests in flight (load-balancing and dying tests)
+    fail_distributed_updates: int = 0  # the first N /update_weights_from_distributed answer 400
+    fail_disk_updates: int = 0  # the first N /update_weights_from_disk answer 400
 
 
 class _DoubleHTTPServer(ThreadingHTTPServer):
@@ -97,6 +104,8 @@ class SGLangServerDouble:
         faults: Optional[DoubleFaults] = None,
         join_weight_groups: bool = False,
         model_path: str = "double-model",
+        deterministic_inference: bool = False,
+        version: str = SGLANG_VERSION,
     ):
         self.vocab_size, self.eos_token_id = vocab_size, eos_token_id
         self.num_layers, self.top_k, self.num_experts, self.tp_size = num_layers, top_k, num_experts, tp_size
@@ -104,6 +113,12 @@ class SGLangServerDouble:
         self.faults = faults or DoubleFaults()
         self.join_weight_groups = join_weight_groups
         self.model_path = model_path
+        # SGLang honours sampling_seed only when launched with --enable-deterministic-inference.
+        self.deterministic_inference = deterministic_inference
+        self.version = version
+        self.pause_mode: Optional[str] = None
+        self._distributed_failures = 0
+        self._disk_failures = 0
         self.weight_version = "default"
         self.calls: list[tuple[str, Any]] = []  # (path, payload) in arrival order
         self.generate_count = 0  # /generate requests that arrived
@@ -170,10 +185,11 @@ class SGLangServerDouble:
 
     def _server_info(self, _body):
         return 200, {"tp_size": self.tp_size, "model_path": self.model_path, "weight_version": self.weight_version,
-                     "enable_return_routed_experts": self.enable_return_routed_experts}
+                     "enable_return_routed_experts": self.enable_return_routed_experts, "version": self.version,
+                     "enable_deterministic_inference": self.deterministic_inference}
 
     def _generate(self, body):
-        error = _validate_generate(body)
+        error = generate_body_error(body)
         if error:
             return 400, {"error": {"message": error}}
         with self._lock:
@@ -200,28 +216,31 @@ class SGLangServerDouble:
             return 503, {"error": {"message": "temporarily unavailable"}}
         if self.faults.malformed_json:
             return 200, '{"output_ids": [1, 2, '  # truncated on purpose
-        return 200, self._sample(body, aborted=index <= self.faults.abort_first, unseeded=unseeded)
+        sample = self._sample(body, aborted=index <= self.faults.abort_first, unseeded=unseeded)
+        if sample["meta_info"]["finish_reason"]["type"] == "abort":
+            return 503, sample  # non-streaming SGLang answers an aborted request with HTTP 503
+        return 200, sample
 
     def _sample(self, body: dict, *, aborted: bool, unseeded: int) -> dict:
         prompt = body["input_ids"]
         params = body.get("sampling_params") or {}
-        max_new = int(params.get("max_new_tokens", 128))
+        max_new = int(params.get("max_new_tokens") if params.get("max_new_tokens") is not None else 128)
         stop_ids = list(params.get("stop_token_ids") or []) or [self.eos_token_id]
-        seed = params.get("sampling_seed")
+        seed = params.get("sampling_seed") if self.deterministic_inference else None
         key = json.dumps([prompt, seed if seed is not None else f"unseeded-{unseeded}", self.weight_version])
         rng = random.Random(hashlib.sha256(key.encode()).hexdigest())
-        length = rng.randint(1, max_new)
+        length = rng.randint(1, max_new) if max_new else 0
         tokens = [_draw_token(rng, self.vocab_size, set(stop_ids)) for _ in range(length)]
-        if length < max_new:
+        if 0 < length < max_new:
             tokens[-1] = stop_ids[0]
             finish = {"type": "stop", "matched": stop_ids[0]}
         else:
             finish = {"type": "length", "length": max_new}
         if aborted:
-            tokens = tokens[: max(1, length // 2)]
+            tokens = tokens[: max(1, length // 2)] if tokens else tokens
             finish = {"type": "abort", "message": "Abort before prefill", "status_code": 503}
         log_probs = [[-4.0 * rng.random(), token, None] for token in tokens]
-        if self.faults.mismatched_logprob_ids:
+        if self.faults.mismatched_logprob_ids and tokens:
             log_probs[0][1] = tokens[0] + 1
         meta = {
             "id": hashlib.md5(key.encode()).hexdigest(), "finish_reason": finish, "prompt_tokens": len(prompt),
@@ -229,7 +248,7 @@ class SGLangServerDouble:
             "output_token_logprobs": log_probs,
         }
         if body.get("return_routed_experts") and self.enable_return_routed_experts:
-            rows = len(prompt) + len(tokens) - 1 - (1 if self.faults.wrong_routed_experts else 0)
+            rows = max(0, len(prompt) + len(tokens) - 1 - (1 if self.faults.wrong_routed_experts else 0))
             values = [rng.randrange(self.num_experts) for _ in range(rows * self.num_layers * self.top_k)]
             meta["routed_experts"] = base64.b64encode(struct.pack(f"<{len(values)}i", *values)).decode()
         return {"text": "", "output_ids": tokens, "meta_info": meta}
@@ -239,15 +258,23 @@ class SGLangServerDouble:
         if mode not in _PAUSE_MODES:
             return 400, {"error": {"message": f"mode {mode!r} not in {sorted(_PAUSE_MODES)}"}}
         self.paused = True
+        self.pause_mode = mode
         self._running.clear()
         return 200, {"message": "Generation paused successfully.", "status": "ok"}
 
     def _continue(self, _body):
         self.paused = False
+        self.pause_mode = None
         self._running.set()
         return 200, {"message": "Generation continued successfully.", "status": "ok"}
 
     def _flush_cache(self, _body):
+        # SGLang flushes only with an empty running batch: a pause in mode in_place keeps requests in
+        # it (retract and abort take them out), and an unpaused server is running whatever is in flight.
+        with self._lock:
+            running = self._in_flight > 0 and self.pause_mode not in ("retract", "abort")
+        if running:
+            return 400, "Flush cache failed: there are running requests.\n"
         return 200, "Cache flushed.\n"
 
     def _abort_request(self, body):
@@ -257,7 +284,7 @@ class SGLangServerDouble:
 
     def _begin_weight_update(self, _body):
         if self._weights.in_update:
-            return 400, {"success": False, "message": "a weight update is already open"}
+            return 400, {"success": False, "message": "a weight-update session is already open"}
         self._weights.in_update = True
         return 200, {"success": True, "message": "begun"}
 
@@ -272,6 +299,8 @@ class SGLangServerDouble:
         if error:
             return 400, {"success": False, "message": error}
         group_name = body.get("group_name", "weight_update_group")
+        if self._weights.group_name == group_name:
+            return 400, {"success": False, "message": f"Process group {group_name} already exists."}
         if self.join_weight_groups:
             self._weights.group = _join_group(body, group_name)
         self._weights.group_name = group_name
@@ -291,6 +320,9 @@ class SGLangServerDouble:
             return 400, {"success": False, "message": error}
         if self._weights.group is not None:
             self._receive(body)
+        if self._distributed_failures < self.faults.fail_distributed_updates:
+            self._distributed_failures += 1  # received, then the weight loader fails (e.g. a name it lacks)
+            return 400, {"success": False, "message": "injected fault: loading the received weights failed"}
         if body.get("weight_version") is not None:
             self.weight_version = body["weight_version"]
         return 200, {"success": True, "message": "Succeeded to update parameter online."}
@@ -303,8 +335,9 @@ class SGLangServerDouble:
         shards = sorted(path.glob("*.safetensors")) if path and not error else []
         if not error and not shards:
             error = f"{path} has no *.safetensors"
-        if not error and not self._weights.in_update:
-            error = "update_weights_from_disk outside begin_weight_update / end_weight_update"
+        if not error and self._disk_failures < self.faults.fail_disk_updates:
+            self._disk_failures += 1
+            error = "injected fault: loading the checkpoint failed"
         if error:
             return 400, {"success": False, "message": error, "num_paused_requests": 0}
         from safetensors import safe_open
@@ -319,11 +352,27 @@ class SGLangServerDouble:
             self.weight_version = body["weight_version"]
         return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
 
+    def _destroy_group(self, body):
+        group_name = (body or {}).get("group_name", "weight_update_group")
+        if self._weights.group_name != group_name:
+            return 400, {"success": False, "message": f"Group {group_name} not in [{self._weights.group_name}]"}
+        if self._weights.group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group(self._weights.group)
+        self._weights.group, self._weights.group_name = None, None
+        return 200, {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    @property
+    def session_open(self) -> bool:
+        return self._weights.in_update
+
     def _state(self, _body):
         with self._lock:
             calls = list(self.calls)
         return 200, {"calls": calls, "generate_count": self.generate_count, "received": self._weights.received,
-                     "weight_version": self.weight_version}
+                     "weight_version": self.weight_version, "session_open": self._weights.in_update,
+                     "group_name": self._weights.group_name}
 
     def _receive(self, body: dict) -> None:
         import torch
@@ -347,6 +396,7 @@ class SGLangServerDouble:
         ("GET", "/flush_cache"): "_flush_cache", ("POST", "/abort_request"): "_abort_request",
         ("POST", "/begin_weight_update"): "_begin_weight_update", ("POST", "/end_weight_update"): "_end_weight_update",
         ("POST", "/init_weights_update_group"): "_init_group",
+        ("POST", "/destroy_weights_update_group"): "_destroy_group",
         ("POST", "/update_weights_from_distributed"): "_update_distributed",
         ("POST", "/update_weights_from_disk"): "_update_from_disk", ("GET", "/_double/state"): "_state",
     }
@@ -408,24 +458,6 @@ class SGLangServerDouble:
         return Handler
 
 
-def _validate_generate(body: Any) -> Optional[str]:
-    if not isinstance(body, dict):
-        return "body must be a JSON object"
-    ids = body.get("input_ids")
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
-        return "input_ids must be a non-empty list of token ids"
-    params = body.get("sampling_params") or {}
-    if not isinstance(params, dict):
-        return "sampling_params must be an object"
-    unknown = set(params) - _SAMPLING_KEYS
-    if unknown:
-        return f"unknown sampling_params {sorted(unknown)}"
-    max_new = params.get("max_new_tokens", 128)
-    if not isinstance(max_new, int) or max_new < 1:
-        return f"max_new_tokens must be a positive int, got {max_new!r}"
-    return None
-
-
 def _check_fields(body: Any, fields: dict) -> Optional[str]:
     if not isinstance(body, dict):
         return "body must be a JSON object"
@@ -467,14 +499,16 @@ def main(argv: Optional[list[str]] = None) -> None:
     """Serve a double with ``sglang.launch_server``'s arguments (unknown ones are ignored)."""
     parser = argparse.ArgumentParser(description="SGLang server TEST DOUBLE")
     parser.add_argument("--model-path", default="double-model")
-    parser.add_argument("--tp", "--tp-size", dest="tp", type=int, default=1)
+    parser.add_argument("--tp-size", dest="tp", type=int, default=1)  # SGLang has no --tp (an abbreviation)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--enable-return-routed-experts", action="store_true")
+    parser.add_argument("--enable-deterministic-inference", action="store_true")
     parser.add_argument("--startup-503", type=int, default=0, help="double only: 503 on the first K /health")
     parser.add_argument("--die-after", type=int, default=None, help="double only: stop after N /generate")
     parser.add_argument("--join-weight-groups", action="store_true", help="double only: receive broadcasts")
     parser.add_argument("--spawn-child", action="store_true", help="double only: fork a child (like SGLang's scheduler)")
+    parser.add_argument("--fail-distributed-updates", type=int, default=0, help="double only: fail N updates")
     parser.add_argument("--exit-code", type=int, default=None, help="double only: exit at once with this code")
     args, unknown = parser.parse_known_args(argv)
     print(f"[sglang double] args={vars(args)} ignored={unknown}", flush=True)
@@ -494,7 +528,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     double = SGLangServerDouble(
         host=args.host, port=args.port, num_layers=layers, top_k=top_k, num_experts=experts, tp_size=args.tp,
         enable_return_routed_experts=args.enable_return_routed_experts, join_weight_groups=args.join_weight_groups,
-        faults=DoubleFaults(startup_503=args.startup_503, die_after=args.die_after), model_path=args.model_path,
+        faults=DoubleFaults(startup_503=args.startup_503, die_after=args.die_after,
+                            fail_distributed_updates=args.fail_distributed_updates), model_path=args.model_path,
+        deterministic_inference=args.enable_deterministic_inference,
     )
     print(f"[sglang double] serving on {double.url}", flush=True)
     double.serve_forever()

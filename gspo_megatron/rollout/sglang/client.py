@@ -149,12 +149,15 @@ class SGLangHTTPClient:
                 await asyncio.sleep(self.retry.backoff(attempt))
                 attempt += 1
 
-    async def wait_healthy(self, deadline_s: float, poll_interval_s: float) -> None:
-        """Poll every server's /health until it answers 200 (503 and refused connections mean 'not yet')."""
+    async def wait_healthy(self, deadline_s: float, poll_interval_s: float, progress_every_s: float = 10.0) -> None:
+        """Poll every server's /health until it answers 200 (503 and refused connections mean 'not yet');
+        print a line per server every ``progress_every_s`` while waiting."""
         loop = asyncio.get_running_loop()
-        end = loop.time() + deadline_s
+        start = loop.time()
+        end = start + deadline_s
         for server in self.pool.servers:
             last = "no answer yet"
+            next_report = loop.time() + progress_every_s
             while True:
                 try:
                     response = await self._http.get(server.url + "/health")
@@ -165,8 +168,13 @@ class SGLangHTTPClient:
                     last = f"{type(error).__name__}: {error}"
                 if loop.time() >= end:
                     raise SGLangClientError(
-                        f"SGLang server {server.url} not healthy after {deadline_s:.0f}s (last: {last})"
+                        f"SGLang server {server.url} not healthy after {deadline_s:.0f}s (last: {last}); "
+                        f"check the URL, or raise SGLangConfig.attach_timeout_s if the server is still loading"
                     )
+                if loop.time() >= next_report:
+                    print(f"[sglang] waiting for {server.url}/health: {loop.time() - start:.0f}s of "
+                          f"{deadline_s:.0f}s, last: {last}", flush=True)
+                    next_report += progress_every_s
                 await asyncio.sleep(poll_interval_s)
 
     async def _send(self, server: ServerState, method: str, path: str, payload: Optional[dict]) -> Any:
@@ -180,6 +188,9 @@ class SGLangHTTPClient:
                 server.last_error = f"timeout ({type(error).__name__})"
                 raise _Retryable(server.last_error) from None
         server.consecutive_failures = 0
+        if response.status_code == 503 and _is_abort(response):
+            server.served += 1
+            return response.json()  # a non-streaming abort is a 503 carrying the partial sample
         if response.status_code >= 500:
             server.last_error = f"HTTP {response.status_code}: {response.text[:200]}"
             raise _Retryable(server.last_error)
@@ -210,6 +221,16 @@ class SGLangHTTPClient:
 
 class _Retryable(Exception):
     pass
+
+
+def _is_abort(response: httpx.Response) -> bool:
+    try:
+        body = response.json()
+    except ValueError:
+        return False
+    meta = body.get("meta_info") if isinstance(body, dict) else None
+    reason = meta.get("finish_reason") if isinstance(meta, dict) else None
+    return isinstance(reason, dict) and reason.get("type") == "abort"
 
 
 @contextlib.asynccontextmanager

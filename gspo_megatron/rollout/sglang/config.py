@@ -27,7 +27,7 @@ PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's PauseGenerationReqInp
 class SGLangConfig:
     mode: str = "launch"  # launch | attach
 
-    # --- launch mode: `<launch_command> --model-path M --tp N --host H --port P [...] <extra_args>`
+    # --- launch mode: `<launch_command> --model-path M --tp-size N --host H --port P [...] <extra_args>`
     model_path: Optional[str] = None
     tp: int = 1  # tensor-parallel size of each server (attach mode: used when /server_info lacks it)
     num_servers: int = 1
@@ -42,6 +42,8 @@ class SGLangConfig:
 
     # --- attach mode
     urls: List[str] = field(default_factory=list)  # e.g. ["http://10.0.0.5:30000", ...]
+    attach_timeout_s: float = 60.0  # running servers answer /health at once; a dead URL fails fast
+    progress_every_s: float = 10.0  # a waiting message per server this often while /health is not 200
 
     # --- HTTP client
     max_concurrency: int = 256  # requests in flight over all servers
@@ -55,6 +57,9 @@ class SGLangConfig:
 
     # --- /generate
     enable_return_routed_experts: bool = False  # launch flag; also needed to ask for routed experts
+    # SGLang honours sampling_seed only under --enable-deterministic-inference (slower kernels); without
+    # it the seed is not sent and samples are not reproducible. Attach mode reads it from /server_info.
+    enable_deterministic_inference: bool = False
     num_hidden_layers: Optional[int] = None  # routed-experts layout; None: read from config.json
     num_experts_per_tok: Optional[int] = None
     skip_special_tokens: bool = False  # we consume ids, the text is only for logs
@@ -68,7 +73,8 @@ class SGLangConfig:
     weight_sync_master_port: Optional[int] = None  # None: a free port
     weight_sync_group_name: str = "gspo_weight_update"
     weight_sync_timeout_s: float = 600.0
-    disk_sync_dir: str = "checkpoints/sglang_sync"  # disk mode writes <dir>/v<version>/
+    disk_sync_dir: str = "checkpoints/sglang_sync"  # writes <dir>/v<version>/ (absolute; older v* removed)
+    fallback_to_disk: bool = True  # a failed distributed update is retried through the disk path
     pause_mode: str = "retract"  # in-flight requests are retracted and resume on the new weights
     bracket_weight_update: bool = True  # /begin_weight_update.../end_weight_update (newer 0.5.x)
 
@@ -89,6 +95,8 @@ class SGLangConfig:
             raise ValueError(f"weight_sync must be one of {WEIGHT_SYNC_MODES}, got {self.weight_sync!r}")
         if self.pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {self.pause_mode!r}")
+        if self.attach_timeout_s <= 0 or self.progress_every_s <= 0:
+            raise ValueError("SGLangConfig.attach_timeout_s and progress_every_s must be > 0")
         for name in ("tp", "num_servers", "max_concurrency", "dead_after_failures", "weight_bucket_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SGLangConfig.{name} must be >= 1, got {getattr(self, name)}")

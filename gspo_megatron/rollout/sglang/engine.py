@@ -7,25 +7,37 @@ Design decisions:
 - One ``/generate`` per sample (not SGLang's ``n``): samples then spread over servers by load, each
   can carry its own seed, and a failed sample is retried alone.
 - Weight sync follows SGLang 0.5.x's bracket on every server: pause_generation -> begin_weight_update
-  -> updates -> end_weight_update -> flush_cache -> continue_generation. ``continue_generation`` is
-  sent even when an update fails, so a server is never left paused; the failure is still raised.
-- Distributed sync: the update group is formed once (first update), then each byte-size bucket is one
-  ``/update_weights_from_distributed`` per server, posted from the loop thread while the caller's
-  thread broadcasts the bucket -- the servers' HTTP handlers block until they have received it.
-- Disk sync (fallback): buckets become safetensors shards plus an index under
-  ``<disk_sync_dir>/v<version>/`` beside copies of the checkpoint's non-weight files, then
-  ``/update_weights_from_disk``. The shards must hold the whole model and the directory must be
-  visible to the servers.
-- The weight version is sent with every update and read back from ``meta_info.weight_version``, so a
-  sample records the version that actually produced it.
+  -> updates -> end_weight_update -> flush_cache -> continue_generation. A fault never leaves a server
+  unusable: the session is ended (SGLang refuses every later begin while one is open), the update group
+  is torn down, a distributed update is retried through the disk path (``fallback_to_disk``), and
+  ``continue_generation`` is always sent; a failure that remains is raised.
+- The flush is skipped under ``pause_mode=in_place``: paused requests stay in SGLang's running batch and
+  its flush answers 400 while the batch is not empty (those requests keep their KV cache by design).
+- Distributed sync: the update group is formed on the first update and re-formed whenever the set of
+  live servers changes (a dead server would otherwise hang every broadcast); each byte-size bucket is
+  one ``/update_weights_from_distributed`` per server, posted from the loop thread while the caller's
+  thread broadcasts the bucket -- the servers' HTTP handlers block until they have received it. The
+  group is destroyed on the servers at shutdown, so a later run can form one with the same name.
+- Disk sync: buckets become safetensors shards plus an index under ``<disk_sync_dir>/v<version>/``
+  (an absolute path: the server resolves a relative one against its own cwd) beside copies of the
+  checkpoint's non-weight files, then ``/update_weights_from_disk``; older ``v*`` directories are
+  removed once the servers hold the new version. The directory must be visible to the servers.
+- Every server's SGLang version is checked against ``version.SUPPORTED_SGLANG`` at start-up.
+- Seeds: SGLang honours ``sampling_seed`` only under ``--enable-deterministic-inference``; without it
+  no seed is sent and a warning says samples are not reproducible.
+- The weight version is sent with every update and read back from ``meta_info.weight_version``; a
+  sample retracted across an update records the OLDEST version among ``meta_info.weight_versions``
+  (its spans are kept in ``Sample.extra``), so staleness is never under-counted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import threading
+import warnings
 from pathlib import Path
 from typing import Any, Coroutine, Iterable, Mapping, Optional, TypeVar
 
@@ -36,6 +48,7 @@ from gspo_megatron.rollout.sglang.client import RetryPolicy, SGLangHTTPClient
 from gspo_megatron.rollout.sglang.config import SGLangConfig
 from gspo_megatron.rollout.sglang.launcher import LaunchedServer, build_launch_command, free_port
 from gspo_megatron.rollout.sglang.protocol import build_generate_request, parse_generate_response
+from gspo_megatron.rollout.sglang.version import check_sglang_version
 from gspo_megatron.rollout.sglang.weight_sync import (
     WeightBroadcaster,
     bucket_metadata,
@@ -61,16 +74,30 @@ class SGLangEngine(RolloutEngine):
         self._launched: list[LaunchedServer] = []
         self._routed_layout = _routed_experts_layout(config)
         self._update_group = None
+        self._group_urls: tuple[str, ...] = ()  # the servers the update group was formed with
+        self._seeds_honoured = config.enable_deterministic_inference
         self._loop = _LoopThread()
         try:
             urls = self._launch_servers() if config.mode == "launch" else list(config.urls)
             retry = RetryPolicy(config.max_retries, config.backoff_base_s, config.backoff_max_s, config.dead_after_failures)
             self._client: SGLangHTTPClient = self._loop.run(self._make_client(urls, retry))
             if config.mode == "attach":
-                self._loop.run(self._client.wait_healthy(config.startup_timeout_s, config.health_poll_interval_s))
+                self._loop.run(self._client.wait_healthy(
+                    config.attach_timeout_s, config.health_poll_interval_s, config.progress_every_s))
+            self._inspect_servers()
         except BaseException:
             self.shutdown()
             raise
+
+    def _inspect_servers(self) -> None:
+        """Check each server's SGLang version; in attach mode learn whether seeds are honoured."""
+        servers = self._client.pool.servers
+        infos = self._on_all(servers, "GET", "/server_info", None)
+        for server, info in zip(servers, infos):
+            info = info if isinstance(info, dict) else {}
+            check_sglang_version(info.get("version"), server.url)
+        if self.config.mode == "attach":
+            self._seeds_honoured = all(isinstance(i, dict) and i.get("enable_deterministic_inference") for i in infos)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
@@ -78,6 +105,12 @@ class SGLangEngine(RolloutEngine):
             raise ValueError(
                 "return_routed_experts needs SGLangConfig.enable_return_routed_experts=true (the server "
                 "flag) and the layout: num_hidden_layers / num_experts_per_tok or a model_path with config.json"
+            )
+        if params.seed is not None and not self._seeds_honoured:
+            warnings.warn(
+                "SamplingParams.seed is ignored: SGLang honours sampling_seed only when the server runs with "
+                "--enable-deterministic-inference (SGLangConfig.enable_deterministic_inference=true); samples "
+                "are not reproducible", RuntimeWarning, stacklevel=2,
             )
         return self._loop.run(self._generate_all(prompts, params))
 
@@ -97,7 +130,7 @@ class SGLangEngine(RolloutEngine):
         return [[task.result() for task in row] for row in tasks]
 
     async def _generate_one(self, prompt: list[int], params: SamplingParams, sample_index: int) -> Sample:
-        seed = None if params.seed is None else params.seed + sample_index
+        seed = None if params.seed is None or not self._seeds_honoured else params.seed + sample_index
         body = build_generate_request(
             prompt, params, sampling_seed=seed,
             skip_special_tokens=self.config.skip_special_tokens, no_stop_trim=self.config.no_stop_trim,
@@ -108,28 +141,38 @@ class SGLangEngine(RolloutEngine):
             result = parse_generate_response(response, len(prompt), routed_experts_layout=layout)
             if result.finish_reason is not FinishReason.ABORT:
                 break
-        version = result.weight_version if result.weight_version is not None else self.weight_version
+        oldest = result.oldest_weight_version
+        version = oldest if oldest is not None else self.weight_version
+        extra: dict[str, Any] = {"abort_retries": attempt}
+        if len(result.weight_versions) > 1:
+            extra["weight_versions"] = [list(span) for span in result.weight_versions]
         return Sample(
             prompt_ids=list(prompt), output_ids=result.output_ids, output_log_probs=result.output_log_probs,
             finish_reason=result.finish_reason, routed_experts=result.routed_experts, weight_version=version,
-            extra={"abort_retries": attempt},
+            extra=extra,
         )
 
     # ------------------------------------------------------------------ weight sync
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         servers = self._client.pool.alive()
-        self._on_all(servers, "POST", "/pause_generation", {"mode": self.config.pause_mode})
+        named_tensors = list(named_tensors)  # a retry through the disk path reads them again
         failure: Optional[BaseException] = None
         try:
-            if self.config.bracket_weight_update:
-                self._on_all(servers, "POST", "/begin_weight_update", {})
+            self._on_all(servers, "POST", "/pause_generation", {"mode": self.config.pause_mode})
             if self.config.weight_sync == "distributed":
-                self._sync_distributed(servers, named_tensors, version)
+                try:
+                    self._in_session(servers, lambda: self._sync_distributed(servers, named_tensors, version))
+                except Exception as error:  # noqa: BLE001 - the group is in an unknown state
+                    self._drop_update_group()
+                    if not (self.config.fallback_to_disk and self.config.model_path):
+                        raise
+                    warnings.warn(f"distributed weight update to version {version} failed ({error}); "
+                                  f"retrying through the disk path", RuntimeWarning, stacklevel=2)
+                    self._in_session(servers, lambda: self._sync_from_disk(servers, named_tensors, version))
             else:
-                self._sync_from_disk(servers, named_tensors, version)
-            if self.config.bracket_weight_update:
-                self._on_all(servers, "POST", "/end_weight_update", {})
-            self._on_all(servers, "POST", "/flush_cache", None)
+                self._in_session(servers, lambda: self._sync_from_disk(servers, named_tensors, version))
+            if self.config.pause_mode != "in_place":  # in_place requests stay running: SGLang refuses
+                self._on_all(servers, "POST", "/flush_cache", None)
         except BaseException as error:  # noqa: BLE001 - re-raised below after un-pausing
             failure = error
         finally:
@@ -140,10 +183,49 @@ class SGLangEngine(RolloutEngine):
         if failure is not None:
             raise WeightSyncError(f"weight update to version {version} failed: {failure}") from failure
         self.weight_version = version
+        _remove_older_versions(self._disk_sync_root(), keep=f"v{version}")
+
+    def _in_session(self, servers, update) -> None:
+        """Run ``update`` inside begin/end_weight_update; the session is ended even when it fails."""
+        if not self.config.bracket_weight_update:
+            return update()
+        self._on_all(servers, "POST", "/begin_weight_update", {})
+        try:
+            update()
+        except BaseException:
+            self._best_effort(servers, "/end_weight_update", {})
+            raise
+        self._on_all(servers, "POST", "/end_weight_update", {})
+
+    def _best_effort(self, servers, path: str, payload: Optional[dict]) -> None:
+        """Send a clean-up call to every server; failures are reported as warnings, not raised."""
+        async def one(server):
+            try:
+                await self._client.call(server, "POST", path, payload)
+            except Exception as error:  # noqa: BLE001
+                warnings.warn(f"{path} on {server.url} failed during clean-up: {error}", RuntimeWarning)
+        self._loop.run(_gather([one(server) for server in servers]))
+
+    def _drop_update_group(self) -> None:
+        """Destroy the update group on the servers that are still alive, then locally."""
+        if self._update_group is None and not self._group_urls:
+            return
+        alive = [server for server in self._client.pool.alive() if server.url in self._group_urls]
+        self._best_effort(alive, "/destroy_weights_update_group", {"group_name": self.config.weight_sync_group_name})
+        if self._update_group is not None:
+            try:
+                close_weight_update_group(self._update_group)
+            except Exception as error:  # noqa: BLE001 - a half-formed group may refuse; it is dropped anyway
+                warnings.warn(f"closing the local weight-update group failed: {error}", RuntimeWarning)
+        self._update_group, self._group_urls = None, ()
 
     def _sync_distributed(self, servers, named_tensors, version: int) -> None:
         config = self.config
+        urls = tuple(server.url for server in servers)
+        if self._update_group is not None and urls != self._group_urls:
+            self._drop_update_group()  # a server died or came back: the old group cannot broadcast
         if self._update_group is None:
+            self._group_urls = urls
             self._update_group = self._open_update_group(servers)
         broadcaster = WeightBroadcaster(self._update_group)
         for bucket in bucket_named_tensors(named_tensors, config.weight_bucket_bytes):
@@ -187,11 +269,14 @@ class SGLangEngine(RolloutEngine):
 
     def _sync_from_disk(self, servers, named_tensors, version: int) -> None:
         directory = write_safetensors_checkpoint(
-            named_tensors, Path(self.config.disk_sync_dir) / f"v{version}",
+            named_tensors, self._disk_sync_root() / f"v{version}",
             template_dir=self.config.model_path, bucket_bytes=self.config.weight_bucket_bytes,
         )
         body = {"model_path": str(directory), "weight_version": str(version), "flush_cache": False}
         self._on_all(servers, "POST", "/update_weights_from_disk", body)
+
+    def _disk_sync_root(self) -> Path:
+        return Path(self.config.disk_sync_dir).expanduser().resolve()
 
     def _on_all(self, servers, method: str, path: str, payload: Optional[dict]) -> list[Any]:
         return self._loop.run(self._all(servers, method, path, payload))
@@ -223,11 +308,9 @@ class SGLangEngine(RolloutEngine):
         self._closed = True
         client = getattr(self, "_client", None)
         if client is not None:
+            self._drop_update_group()  # attached servers outlive us: free the group name for the next run
             self._loop.run(client.aclose())
         self._loop.close()
-        if self._update_group is not None:
-            close_weight_update_group(self._update_group)
-            self._update_group = None
         for server in self._launched:
             server.stop(self.config.shutdown_grace_s)
 
@@ -237,7 +320,8 @@ class SGLangEngine(RolloutEngine):
         for index, port in enumerate(ports):
             command = build_launch_command(
                 config.launch_command, model_path=config.model_path, tp=config.tp, host=config.host, port=port,
-                enable_return_routed_experts=config.enable_return_routed_experts, extra_args=config.extra_args,
+                enable_return_routed_experts=config.enable_return_routed_experts,
+                enable_deterministic_inference=config.enable_deterministic_inference, extra_args=config.extra_args,
             )
             server = LaunchedServer(command, f"http://{config.host}:{port}", Path(config.log_dir) / f"server_{index}_{port}.log")
             self._launched.append(server)
@@ -274,6 +358,15 @@ def write_safetensors_checkpoint(
         weight_map.update({name: filename for name, _ in bucket})
     (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return directory
+
+
+def _remove_older_versions(root: Path, keep: str) -> None:
+    """Delete ``root/v<N>`` directories other than ``keep`` (only names this engine writes)."""
+    if not root.is_dir():
+        return
+    for child in root.iterdir():
+        if child.is_dir() and child.name != keep and re.fullmatch(r"v\d+", child.name):
+            shutil.rmtree(child, ignore_errors=True)
 
 
 def _routed_experts_layout(config: SGLangConfig) -> Optional[tuple[int, int]]:

@@ -46,13 +46,18 @@ def build_launch_command(
     host: str,
     port: int,
     enable_return_routed_experts: bool,
+    enable_deterministic_inference: bool = False,
     extra_args: Sequence[str] = (),
 ) -> list[str]:
-    """``python -m sglang.launch_server --model-path M --tp N --host H --port P [...]`` as argv."""
+    """``python -m sglang.launch_server --model-path M --tp-size N --host H --port P [...]`` as argv.
+
+    ``--tp-size`` is SGLang's flag; ``--tp`` works only as an argparse abbreviation of it."""
     command = list(launch_command) or [sys.executable, "-m", "sglang.launch_server"]
-    command += ["--model-path", str(model_path), "--tp", str(tp), "--host", host, "--port", str(port)]
+    command += ["--model-path", str(model_path), "--tp-size", str(tp), "--host", host, "--port", str(port)]
     if enable_return_routed_experts:
         command.append("--enable-return-routed-experts")
+    if enable_deterministic_inference:
+        command.append("--enable-deterministic-inference")
     return command + list(extra_args)
 
 

@@ -41,6 +41,15 @@ class GenerateResult:
     finish_reason: FinishReason
     routed_experts: Optional[torch.Tensor]  # int32 [prompt + output - 1, layers, top_k]
     weight_version: Optional[int]  # meta_info.weight_version when the server reports an integer
+    # meta_info.weight_versions: (version, first token, end token) spans when a retracted sample was
+    # generated under several weight versions; empty when it was one version.
+    weight_versions: tuple[tuple[Optional[int], int, int], ...] = ()
+
+    @property
+    def oldest_weight_version(self) -> Optional[int]:
+        """The oldest version any token of this sample was sampled under (what staleness must count)."""
+        versions = [version for version, _, _ in self.weight_versions if version is not None]
+        return min(versions) if versions else self.weight_version
 
 
 def build_generate_request(
@@ -99,7 +108,8 @@ def parse_generate_response(
             )
         layers, top_k = routed_experts_layout
         routed = decode_routed_experts(encoded, prompt_len + len(output_ids) - 1, layers, top_k)
-    return GenerateResult(output_ids, log_probs, finish_reason, routed, _weight_version(meta))
+    return GenerateResult(output_ids, log_probs, finish_reason, routed, _weight_version(meta),
+                          _weight_version_spans(meta.get("weight_versions")))
 
 
 def decode_output_logprobs(entries: Any, output_ids: list[int]) -> torch.Tensor:
@@ -170,6 +180,21 @@ def _int_list(value: Any, name: str) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise ProtocolError(f"/generate answer field {name!r} = {_short(value)}, expected a list of token ids")
     return value
+
+
+def _weight_version_spans(value: Any) -> tuple[tuple[Optional[int], int, int], ...]:
+    """SGLang's [{"version", "start", "end"}, ...] (utils/weight_versions.py) -> ((version, start, end), ...)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(span, dict) for span in value):
+        raise ProtocolError(f"meta_info.weight_versions = {_short(value)}, expected a list of spans")
+    spans = []
+    for span in value:
+        start, end = span.get("start"), span.get("end")
+        if not isinstance(start, int) or not isinstance(end, int):
+            raise ProtocolError(f"meta_info.weight_versions span {span!r} lacks integer start/end")
+        spans.append((_weight_version({"weight_version": span.get("version")}), start, end))
+    return tuple(spans)
 
 
 def _weight_version(meta: dict) -> Optional[int]:

@@ -49,9 +49,11 @@ def _wait_gone(pid, seconds=5.0):
 
 def test_launch_command_argv():
     argv = build_launch_command([], model_path="/m", tp=2, host="127.0.0.1", port=31000,
-                                enable_return_routed_experts=True, extra_args=["--mem-fraction-static", "0.5"])
-    assert argv == [sys.executable, "-m", "sglang.launch_server", "--model-path", "/m", "--tp", "2", "--host",
-                    "127.0.0.1", "--port", "31000", "--enable-return-routed-experts", "--mem-fraction-static", "0.5"]
+                                enable_return_routed_experts=True, enable_deterministic_inference=True,
+                                extra_args=["--mem-fraction-static", "0.5"])
+    assert argv == [sys.executable, "-m", "sglang.launch_server", "--model-path", "/m", "--tp-size", "2", "--host",
+                    "127.0.0.1", "--port", "31000", "--enable-return-routed-experts",
+                    "--enable-deterministic-inference", "--mem-fraction-static", "0.5"]
 
 
 def test_launch_generate_and_shutdown_only_own_processes(tmp_path):

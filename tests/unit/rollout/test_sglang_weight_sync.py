@@ -10,7 +10,7 @@ import torch
 from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine, WeightSyncError
 from gspo_megatron.rollout.sglang.weight_sync import bucket_metadata, bucket_named_tensors
 from gspo_megatron.rollout.types import SamplingParams
-from gspo_megatron.testing.sglang_double import SGLangServerDouble
+from gspo_megatron.testing.sglang_double import DoubleFaults, SGLangServerDouble
 
 BRACKET_HEAD = ["/pause_generation", "/begin_weight_update"]
 BRACKET_TAIL = ["/end_weight_update", "/flush_cache", "/continue_generation"]
@@ -52,7 +52,7 @@ def test_disk_sync_call_order_files_and_version(tmp_path):
         with SGLangEngine(config) as engine:
             engine.update_weights(iter(tensors), version=5)
             sample = engine.generate([[1, 2]], SamplingParams(max_new_tokens=3))[0][0]
-        paths = [p for p in double.paths() if p not in ("/health", "/generate")]
+        paths = [p for p in double.paths() if p not in ("/health", "/generate", "/server_info")]
         assert paths == BRACKET_HEAD + ["/update_weights_from_disk"] + BRACKET_TAIL
         disk_call = [body for path, body in double.calls if path == "/update_weights_from_disk"][0]
         out = tmp_path / "sync" / "v5"
@@ -70,17 +70,32 @@ def test_disk_sync_call_order_files_and_version(tmp_path):
         double.stop()
 
 
-def test_failed_update_still_continues_generation(tmp_path):
+def test_failed_update_ends_the_session_and_the_server_stays_usable(tmp_path):
+    """Behaviour 3: SGLang refuses every begin_weight_update while a session is open."""
+    double = SGLangServerDouble(faults=DoubleFaults(fail_disk_updates=1)).start()
+    try:
+        config = SGLangConfig(mode="attach", urls=[double.url], weight_sync="disk", model_path=str(_model_dir(tmp_path)),
+                              disk_sync_dir=str(tmp_path / "sync"), health_poll_interval_s=0.01)
+        with SGLangEngine(config) as engine:
+            with pytest.raises(WeightSyncError, match="version 3 failed.*loading the checkpoint failed"):
+                engine.update_weights([("w", torch.ones(2))], version=3)
+            assert engine.weight_version == 0 and not double.session_open
+            assert double.paths()[-2:] == ["/end_weight_update", "/continue_generation"] and not double.paused
+            engine.update_weights([("w", torch.ones(2))], version=4)  # the next update is accepted
+            assert engine.weight_version == 4
+    finally:
+        double.stop()
+
+
+def test_disk_update_needs_no_session_as_in_sglang(tmp_path):
+    """Behaviour 5: SGLang's disk path has no session check; the double no longer refuses it."""
     double = SGLangServerDouble().start()
     try:
-        # Without the begin/end bracket the double (like SGLang 0.5.x) refuses the update.
         config = SGLangConfig(mode="attach", urls=[double.url], weight_sync="disk", model_path=str(_model_dir(tmp_path)),
                               disk_sync_dir=str(tmp_path / "sync"), bracket_weight_update=False, health_poll_interval_s=0.01)
         with SGLangEngine(config) as engine:
-            with pytest.raises(WeightSyncError, match="version 3 failed.*outside begin_weight_update"):
-                engine.update_weights([("w", torch.ones(2))], version=3)
-            assert engine.weight_version == 0
-            assert double.paths()[-1] == "/continue_generation" and not double.paused
+            engine.update_weights([("w", torch.ones(2))], version=3)
+            assert engine.weight_version == 3 and double.paths()[-1] == "/continue_generation"
     finally:
         double.stop()
 
@@ -103,7 +118,7 @@ def test_distributed_sync_broadcasts_into_two_servers(tmp_path):
     assert all(sample.weight_version == 2 for sample in samples[0])
     offsets = []
     for state in states:
-        paths = [path for path, _ in state["calls"] if path not in ("/health", "/generate")]
+        paths = [path for path, _ in state["calls"] if path not in ("/health", "/generate", "/server_info")]
         assert paths == (BRACKET_HEAD + ["/init_weights_update_group"] + ["/update_weights_from_distributed"] * 2
                          + BRACKET_TAIL + BRACKET_HEAD + ["/update_weights_from_distributed"] + BRACKET_TAIL)
         init = [body for path, body in state["calls"] if path == "/init_weights_update_group"][0]

@@ -1,0 +1,112 @@
+"""Contract tier: the project's SGLang wire format checked against SGLang's own code, without a GPU.
+
+SGLang 0.5.x imports without CUDA when installed as ``requirements/sglang-contract*.txt`` say
+(``launch/setup.sh`` does it). Its FastAPI app is driven with Starlette's TestClient: a body that passes
+the app's validation reaches the (absent) tokenizer manager and answers 500; an invalid one 400/422.
+The checks the tokenizer manager would run next (``SamplingParams.normalize``/``verify``,
+``GenerateReqInput.normalize_batch_and_arguments``) are run here directly.
+
+If SGLang cannot be imported the tier FAILS, so CI can never pass by silently skipping it; set
+``GSPO_SKIP_SGLANG_CONTRACT=1`` only where the contract dependencies are intentionally absent.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import pytest
+
+SKIP_ENV = "GSPO_SKIP_SGLANG_CONTRACT"
+VOCAB_SIZE = 1000  # the double's vocabulary; SamplingParams.verify only uses it for logit_bias
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "tests/contract" in str(item.fspath):
+            item.add_marker(pytest.mark.contract)
+
+
+@dataclass
+class Verdict:
+    accepted: bool
+    reason: str
+
+
+class SGLangReference:
+    """SGLang's own validators and HTTP app, imported once per session (the import takes seconds)."""
+
+    def __init__(self):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import sglang
+            from sglang.srt.entrypoints import http_server
+            from sglang.srt.managers import io_struct
+            from sglang.srt.sampling.sampling_params import SamplingParams
+            from sglang.srt.server_args import prepare_server_args
+        from starlette.testclient import TestClient
+
+        self.version = sglang.__version__
+        self.io_struct = io_struct
+        self.SamplingParams = SamplingParams
+        self.prepare_server_args = prepare_server_args
+        self.app = http_server.app
+        self.client = TestClient(http_server.app, raise_server_exceptions=False)
+        self.tokenizer = _word_level_tokenizer()
+
+    def post(self, path: str, body: Any) -> Verdict:
+        """The app's verdict: 400/422 = refused by validation; 500 = passed it (no tokenizer manager)."""
+        response = self.client.post(path, json=body)
+        if response.status_code in (400, 422):
+            return Verdict(False, f"HTTP {response.status_code}: {response.text[:300]}")
+        if response.status_code != 500:
+            raise AssertionError(f"unexpected HTTP {response.status_code} from SGLang's app: {response.text[:300]}")
+        return Verdict(True, "passed the app's validation")
+
+    def generate_verdict(self, body: Any) -> Verdict:
+        """Accepted by the app AND by what the tokenizer manager checks before scheduling."""
+        verdict = self.post("/generate", body)
+        if not verdict.accepted:
+            return verdict
+        try:
+            request = self.io_struct.GenerateReqInput(**body)
+            request.normalize_batch_and_arguments()
+            params = self.SamplingParams(**(body.get("sampling_params") or {}))
+            params.normalize(self.tokenizer)  # a served model has a tokenizer (no --skip-tokenizer-init)
+            params.verify(VOCAB_SIZE)
+        except (ValueError, TypeError) as error:
+            return Verdict(False, f"{type(error).__name__}: {error}")
+        return verdict
+
+
+def _word_level_tokenizer():
+    """A real (tiny, in-memory) Hugging Face tokenizer: SamplingParams.normalize encodes stop strings."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", eos_token="</s>")
+
+
+_REFERENCE: Optional[SGLangReference] = None
+
+
+@pytest.fixture(scope="session")
+def sglang_reference() -> SGLangReference:
+    global _REFERENCE
+    if _REFERENCE is None:
+        try:
+            _REFERENCE = SGLangReference()
+        except ImportError as error:
+            if os.environ.get(SKIP_ENV) == "1":
+                pytest.skip(f"SGLang contract deps intentionally absent ({SKIP_ENV}=1): {error}")
+            pytest.fail(
+                f"SGLang cannot be imported ({error}); install the contract tier with `bash launch/setup.sh` "
+                f"(requirements/sglang-contract*.txt), or set {SKIP_ENV}=1 where it is intentionally absent",
+                pytrace=False,
+            )
+    return _REFERENCE

@@ -1,0 +1,144 @@
+"""Behaviours a real SGLang 0.5.23 server would break, proven against the double that now models them:
+seeds without deterministic inference, flush under an in_place pause, aborts as HTTP 503, unsupported
+versions, weight-version spans, and the attach wait."""
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine
+from gspo_megatron.rollout.sglang.protocol import parse_generate_response
+from gspo_megatron.rollout.sglang.version import UnsupportedSGLangError
+from gspo_megatron.rollout.types import SamplingParams
+from gspo_megatron.testing.sglang_double import DoubleFaults, SGLangServerDouble
+
+
+@pytest.fixture
+def doubles():
+    started = []
+
+    def make(**kwargs):
+        double = SGLangServerDouble(**kwargs).start()
+        started.append(double)
+        return double
+
+    yield make
+    for double in started:
+        double.stop()
+
+
+def _engine(urls, **overrides):
+    settings = dict(mode="attach", urls=urls, health_poll_interval_s=0.01, backoff_base_s=0.01, backoff_max_s=0.05,
+                    request_timeout_s=10.0)
+    settings.update(overrides)
+    return SGLangEngine(SGLangConfig(**settings))
+
+
+def test_seed_is_not_sent_to_a_server_without_deterministic_inference(doubles):
+    """Behaviour 1: SGLang ignores sampling_seed then; claiming reproducibility would be false."""
+    double = doubles()
+    with _engine([double.url]) as engine:
+        with pytest.warns(RuntimeWarning, match="enable-deterministic-inference"):
+            first = engine.generate([[1, 2]], SamplingParams(max_new_tokens=8, seed=5))
+            second = engine.generate([[1, 2]], SamplingParams(max_new_tokens=8, seed=5))
+    bodies = [body for path, body in double.calls if path == "/generate"]
+    assert all("sampling_seed" not in body["sampling_params"] for body in bodies)
+    assert first[0][0].output_ids != second[0][0].output_ids  # as a real non-deterministic server behaves
+
+
+def test_seed_is_sent_and_honoured_with_deterministic_inference(doubles):
+    double = doubles(deterministic_inference=True)
+    with _engine([double.url]) as engine:
+        first = engine.generate([[1, 2]], SamplingParams(max_new_tokens=8, seed=5))
+        second = engine.generate([[1, 2]], SamplingParams(max_new_tokens=8, seed=5))
+    assert first[0][0].output_ids == second[0][0].output_ids
+
+
+@pytest.mark.parametrize("pause_mode", ["in_place", "retract"])
+def test_weight_update_under_load_succeeds(doubles, tmp_path, pause_mode):
+    """Behaviour 2: after an in_place pause the running batch is not empty and SGLang's flush answers 400."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    double = doubles(faults=DoubleFaults(generate_delay_s=0.3))
+    with _engine([double.url], weight_sync="disk", model_path=str(model), disk_sync_dir=str(tmp_path / "sync"),
+                 pause_mode=pause_mode) as engine:
+        import torch
+
+        results = []
+        worker = threading.Thread(target=lambda: results.append(
+            engine.generate([[1, 2], [3]], SamplingParams(max_new_tokens=4))))
+        worker.start()
+        deadline = time.monotonic() + 10
+        while double.generate_count < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        engine.update_weights([("w", torch.ones(2))], version=1)
+        worker.join(timeout=30)
+    assert engine.weight_version == 1 and len(results[0]) == 2
+    flushed = "/flush_cache" in double.paths()
+    assert flushed == (pause_mode != "in_place")
+
+
+def test_double_flush_refuses_while_requests_run(doubles):
+    double = doubles(faults=DoubleFaults(generate_delay_s=0.5))
+    with httpx.Client(base_url=double.url, trust_env=False, timeout=10) as http:
+        worker = threading.Thread(target=lambda: http.post("/generate", json={"input_ids": [1]}))
+        worker.start()
+        while double.generate_count < 1:
+            time.sleep(0.01)
+        assert http.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+        assert http.post("/flush_cache").status_code == 400
+        assert http.post("/continue_generation", json={}).status_code == 200
+        worker.join()
+        assert http.post("/flush_cache").status_code == 200
+
+
+def test_double_answers_a_non_streaming_abort_with_503(doubles):
+    """Behaviour 5: non-streaming SGLang answers an aborted request with HTTP 503 (the body still says abort)."""
+    double = doubles(faults=DoubleFaults(abort_first=1))
+    response = httpx.post(double.url + "/generate", json={"input_ids": [1, 2]}, trust_env=False)
+    assert response.status_code == 503 and response.json()["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+@pytest.mark.parametrize("version", ["0.5.22", "0.6.0", "default"])
+def test_unsupported_server_version_is_refused_at_attach(doubles, version):
+    double = doubles(version=version)
+    with pytest.raises(UnsupportedSGLangError, match=rf"{double.url} reports version '{version}'.*>=0.5.23,<0.6"):
+        _engine([double.url])
+
+
+def test_retracted_sample_records_its_oldest_weight_version():
+    body = {"output_ids": [5, 6, 7], "meta_info": {
+        "output_token_logprobs": [[-0.1, 5, None], [-0.2, 6, None], [-0.3, 7, None]],
+        "finish_reason": {"type": "length", "length": 3}, "weight_version": "4",
+        "weight_versions": [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 3}]}}
+    result = parse_generate_response(body, prompt_len=2)
+    assert result.weight_version == 4 and result.oldest_weight_version == 3
+    assert result.weight_versions == ((3, 0, 2), (4, 2, 3))
+
+
+def test_attach_to_a_dead_url_reports_progress_and_fails_fast(capsys):
+    with socket_port() as port:
+        url = f"http://127.0.0.1:{port}"
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"{url} not healthy after 1s.*attach_timeout_s"):
+        _engine([url], attach_timeout_s=0.6, progress_every_s=0.2)
+    assert time.monotonic() - start < 30
+    assert f"waiting for {url}/health" in capsys.readouterr().out
+    assert SGLangConfig().attach_timeout_s <= 120  # a short default, not the 900 s launch deadline
+
+
+class socket_port:
+    """A port nothing listens on (bound, then released)."""
+
+    def __enter__(self):
+        import socket
+
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        return self._sock.getsockname()[1]
+
+    def __exit__(self, *exc):
+        self._sock.close()

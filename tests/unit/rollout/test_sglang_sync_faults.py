@@ -1,0 +1,104 @@
+"""Weight-sync faults leave the servers usable: the update group is destroyed at shutdown (a second run
+can form it again), re-formed when the server set changes, a failed distributed update falls back to
+the disk path; disk-sync paths are absolute and old versions are removed. Real gloo groups with doubles
+running as separate processes (as SGLang servers would)."""
+
+import json
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine, WeightSyncError
+from gspo_megatron.rollout.sglang.launcher import LaunchedServer, free_port
+from gspo_megatron.testing.sglang_double import SGLangServerDouble
+
+DOUBLE = [sys.executable, "-m", "gspo_megatron.testing.sglang_double"]
+
+
+def _model_dir(tmp_path: Path) -> Path:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_experts_per_tok": 2}))
+    return model
+
+
+@pytest.fixture
+def servers(tmp_path):
+    started = []
+
+    def start(*extra):
+        port = free_port()
+        server = LaunchedServer(DOUBLE + ["--port", str(port), "--join-weight-groups", *extra],
+                                f"http://127.0.0.1:{port}", tmp_path / f"double_{port}.log")
+        server.start()
+        server.wait_healthy(60, 0.05)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop(5)
+
+
+def _state(url):
+    return httpx.get(url + "/_double/state", trust_env=False).json()
+
+
+def _config(urls, tmp_path, **overrides):
+    settings = dict(mode="attach", urls=urls, health_poll_interval_s=0.05, weight_sync_backend="gloo",
+                    weight_sync_group_name="faults", weight_sync_timeout_s=60.0, backoff_base_s=0.01,
+                    backoff_max_s=0.05, model_path=str(_model_dir(tmp_path)), disk_sync_dir=str(tmp_path / "sync"))
+    settings.update(overrides)
+    return SGLangConfig(**settings)
+
+
+def test_second_run_can_form_the_group_again_and_a_failed_update_falls_back_to_disk(servers, tmp_path):
+    """Behaviour 4 (attach never destroyed the group) and a fault in a distributed update."""
+    server = servers("--fail-distributed-updates", "1")
+    config = _config([server.url], tmp_path)
+    with SGLangEngine(config) as engine:
+        with pytest.warns(RuntimeWarning, match="retrying through the disk path"):
+            engine.update_weights([("a", torch.arange(4.0))], version=1)
+        assert engine.weight_version == 1
+        engine.update_weights([("a", torch.ones(4))], version=2)  # the group is formed again, distributed
+    state = _state(server.url)
+    paths = [path for path, _ in state["calls"]]
+    assert paths.count("/init_weights_update_group") == 2 and paths[-1] == "/destroy_weights_update_group"
+    assert "/update_weights_from_disk" in paths and not state["session_open"]
+    assert state["weight_version"] == "2" and state["received"]["a"]["sum"] == 4.0
+    with SGLangEngine(config) as engine:  # a second run against the same server, same group name
+        engine.update_weights([("a", torch.full((4,), 2.0))], version=3)
+    assert _state(server.url)["received"]["a"]["sum"] == 8.0
+
+
+def test_group_is_reformed_when_a_server_dies(servers, tmp_path):
+    """Issue 12 item 7: one dead server must not break every later distributed update."""
+    first, second = servers(), servers()
+    with SGLangEngine(_config([first.url, second.url], tmp_path, max_retries=0, fallback_to_disk=False)) as engine:
+        engine.update_weights([("a", torch.ones(3))], version=1)
+        second.stop(5)
+        with pytest.raises(WeightSyncError, match=second.url):
+            engine.update_weights([("a", torch.ones(3))], version=2)
+        engine.update_weights([("a", torch.full((3,), 3.0))], version=3)
+    inits = [body for path, body in _state(first.url)["calls"] if path == "/init_weights_update_group"]
+    assert [init["world_size"] for init in inits] == [3, 2]  # trainer + 2 servers, then trainer + survivor
+    assert _state(first.url)["received"]["a"]["sum"] == 9.0
+
+
+def test_disk_sync_path_is_absolute_and_old_versions_are_removed(tmp_path, monkeypatch):
+    double = SGLangServerDouble().start()
+    try:
+        monkeypatch.chdir(tmp_path)
+        config = _config([double.url], tmp_path, weight_sync="disk", disk_sync_dir="relative/sync")
+        with SGLangEngine(config) as engine:
+            engine.update_weights([("w", torch.ones(2))], version=1)
+            engine.update_weights([("w", torch.ones(2))], version=2)
+        paths = [body["model_path"] for path, body in double.calls if path == "/update_weights_from_disk"]
+        root = (tmp_path / "relative" / "sync").resolve()
+        assert paths == [str(root / "v1"), str(root / "v2")]
+        assert sorted(p.name for p in root.iterdir()) == ["v2"]
+    finally:
+        double.stop()
