@@ -15,12 +15,14 @@ Design decisions:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from gspo_megatron.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageContext
+from gspo_megatron.algorithms.kl import KL_ESTIMATORS
 from gspo_megatron.algorithms.losses import (
     AGGREGATIONS,
     POLICY_LOSSES,
@@ -48,6 +50,10 @@ class AlgorithmConfig:
     advantage_eps: float = 1e-6
     logprob_chunk_size: Optional[int] = None  # tokens per chunk in vocab_parallel_log_probs; None: one
     routing_replay: str = "none"  # none | old_policy | rollout (R3); see gspo_megatron/routing/replay.py
+    entropy_coef: float = 0.0  # loss -= entropy_coef * aggregated entropy (verl entropy_coeff)
+    kl_coef: float = 0.0  # loss += kl_coef * aggregated KL to a frozen reference; 0 skips the reference
+    kl_estimator: str = "k3"  # k1 | k2 | k3 (algorithms/kl.py; verl kl_loss_type, TRL's beta term = k3)
+    kl_reference: Optional[str] = None  # a local HF checkpoint dir; None: the policy's initial weights
 
 
 def validate_algorithm_config(cfg: AlgorithmConfig) -> None:
@@ -75,6 +81,19 @@ def validate_algorithm_config(cfg: AlgorithmConfig) -> None:
         raise ValueError(f"algorithm.log_ratio_clamp must be > 0, got {cfg.log_ratio_clamp}")
     if cfg.advantage_eps < 0:
         raise ValueError(f"algorithm.advantage_eps must be >= 0, got {cfg.advantage_eps}")
+    if not math.isfinite(cfg.entropy_coef):
+        raise ValueError(f"algorithm.entropy_coef must be finite, got {cfg.entropy_coef}")
+    if not (math.isfinite(cfg.kl_coef) and cfg.kl_coef >= 0):
+        raise ValueError(f"algorithm.kl_coef must be >= 0 (0 turns the reference KL off), got {cfg.kl_coef}")
+    if cfg.kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(
+            f"algorithm.kl_estimator={cfg.kl_estimator!r} is unknown; valid: {', '.join(KL_ESTIMATORS.names())}"
+        )
+    if cfg.kl_reference is not None and cfg.kl_coef == 0:
+        raise ValueError(
+            f"algorithm.kl_reference={cfg.kl_reference!r} is set but algorithm.kl_coef=0 never uses it; "
+            "set algorithm.kl_coef > 0 or drop kl_reference"
+        )
     if cfg.logprob_chunk_size is not None and cfg.logprob_chunk_size < 1:
         raise ValueError(f"algorithm.logprob_chunk_size must be >= 1 or null, got {cfg.logprob_chunk_size}")
 

@@ -25,8 +25,12 @@ RL, where we need log pi(y_t) itself, a temperature, and an entropy metric):
   to ``chunk_size x V_local``; ``None`` means one chunk. One workspace is reused across chunks, and
   every step is an in-place op on it: fresh large allocations cost page faults that outweigh the exp.
   Measured with ``tools/bench_loss_head.py`` (4096 x 32k, CPU): peak = the gradient alone for fp32.
-- Entropy is a metric: it is returned detached (no gradient flows through it). An entropy bonus would
-  need d H / dz = -p (log p + H), which this Function does not implement.
+- Entropy is returned detached (a metric) unless ``entropy_grad=True`` (an entropy bonus). Then the
+  backward adds d H / dz_j = -p_j (log p_j + H) times the entropy's incoming gradient g_H, in the same
+  chunked pass as the log-prob gradient g:
+      d/d logits_j = (1/T) [ g 1[j = y] - p_j (g + g_H (log p_j + H)) ]
+  H and lse are global over the TP group, so each rank writes its own shard's exact gradient. That
+  path needs one extra fp32 chunk (p beside log p); the plain path is unchanged.
 - Targets outside ``[0, V_local * tp)`` (e.g. an ignore index of -100 at padding) get log-prob 0 and
   zero gradient instead of garbage, so padded positions can never leak NaNs into a masked loss.
 """
@@ -49,6 +53,7 @@ def vocab_parallel_log_probs(
     temperature: float = 1.0,
     chunk_size: Optional[int] = None,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-prob of ``targets`` under softmax(logits / temperature) over the TP-sharded vocabulary.
 
@@ -58,7 +63,8 @@ def vocab_parallel_log_probs(
         tp_group: the tensor-parallel group the vocabulary is split over; None for no TP.
         temperature: divides the logits before the softmax (> 0).
         chunk_size: tokens per chunk for the fp32 temporaries; None processes all tokens at once.
-        with_entropy: also return the per-token entropy (detached, fp32).
+        with_entropy: also return the per-token entropy (fp32; detached unless ``entropy_grad``).
+        entropy_grad: let gradients flow through the entropy (for an entropy bonus in the loss).
 
     Returns ``(log_probs [...] fp32, entropy [...] fp32 or None)``. Every rank of the TP group gets the
     same values and must call this collectively.
@@ -76,8 +82,10 @@ def vocab_parallel_log_probs(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1 or None, got {chunk_size}")
+    if entropy_grad and not with_entropy:
+        raise ValueError("entropy_grad=True needs with_entropy=True")
     log_probs, entropy = _VocabParallelLogProbs.apply(
-        logits, targets, tp_group, float(temperature), chunk_size, with_entropy
+        logits, targets, tp_group, float(temperature), chunk_size, with_entropy, entropy_grad
     )
     return log_probs, (entropy if with_entropy else None)
 
@@ -142,7 +150,7 @@ def _combine_stats(all_stats: torch.Tensor, flat_targets: torch.Tensor, vocab_lo
 
 class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, tp_group, temperature, chunk_size, with_entropy):
+    def forward(ctx, logits, targets, tp_group, temperature, chunk_size, with_entropy, entropy_grad):
         rank, world = _shard_info(tp_group)
         vocab_local = logits.shape[-1]
         flat_logits = logits.reshape(-1, vocab_local)
@@ -172,41 +180,54 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         lse, log_probs, entropy = _combine_stats(all_stats, flat_targets, vocab_local)
 
         log_probs = torch.where(valid, log_probs, 0.0).view(targets.shape)
+        ctx.save_for_backward(logits, local_targets, owned, valid, lse, entropy.detach().clone())
         entropy = entropy.view(targets.shape)
-        ctx.save_for_backward(logits, local_targets, owned, valid, lse)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        ctx.mark_non_differentiable(entropy)
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
         ctx.set_materialize_grads(False)
         return log_probs, entropy
 
     @staticmethod
-    def backward(ctx, grad_log_probs, _grad_entropy):
-        # _grad_entropy is ignored: entropy is a detached metric (see the module docstring).
-        if grad_log_probs is None:
-            return None, None, None, None, None, None
-        logits, local_targets, owned, valid, lse = ctx.saved_tensors
+    def backward(ctx, grad_log_probs, grad_entropy):
+        # grad_entropy is None unless entropy_grad=True and the entropy reached the loss.
+        no_grads = (None,) * 6
+        if grad_log_probs is None and grad_entropy is None:
+            return (None,) + no_grads
+        logits, local_targets, owned, valid, lse, entropy = ctx.saved_tensors
         temperature = ctx.temperature
         vocab_local = logits.shape[-1]
         flat_logits = logits.reshape(-1, vocab_local)
+        num_tokens = flat_logits.shape[0]
+        if grad_log_probs is None:
+            grad_log_probs = flat_logits.new_zeros(num_tokens, dtype=torch.float32)
         # d log p(y) / d logits_j = (1[j = y] - p_j) / T, times the incoming gradient g.
         scale = torch.where(valid, grad_log_probs.reshape(-1).float(), 0.0) / temperature
-        num_tokens = scale.shape[0]
+        entropy_scale = None if grad_entropy is None else grad_entropy.reshape(-1).float()
         grad_logits = torch.empty_like(flat_logits)
         # fp32 logits: the gradient buffer itself is the workspace; otherwise one fp32 chunk is reused.
         in_place = logits.dtype == torch.float32
         rows_per_chunk = max(min(ctx.chunk_size or num_tokens, num_tokens), 1)
         workspace = None if in_place else flat_logits.new_empty(rows_per_chunk, vocab_local, dtype=torch.float32)
+        probs = None if entropy_scale is None else flat_logits.new_empty(rows_per_chunk, vocab_local, dtype=torch.float32)
         for rows in _chunks(num_tokens, ctx.chunk_size):
-            grad = grad_logits[rows] if in_place else workspace[: rows.stop - rows.start]
+            n = rows.stop - rows.start
+            grad = grad_logits[rows] if in_place else workspace[:n]
             grad.copy_(flat_logits[rows])
             grad.sub_((lse[rows] * temperature).unsqueeze(-1))  # x - T lse
             if temperature != 1.0:
-                grad.mul_(1.0 / temperature)
-            grad.exp_()  # p = exp(x / T - lse)
-            grad.mul_(-scale[rows].unsqueeze(-1))  # -g p / T
-            row_ids = torch.arange(rows.stop - rows.start, device=grad.device)
+                grad.mul_(1.0 / temperature)  # log p = x / T - lse
+            if entropy_scale is None:
+                grad.exp_()  # p
+                grad.mul_(-scale[rows].unsqueeze(-1))  # -g p / T
+            else:
+                p = torch.exp(grad, out=probs[:n])
+                grad.add_(entropy[rows].unsqueeze(-1)).mul_(entropy_scale[rows].unsqueeze(-1))  # g_H (log p + H)
+                grad.add_(scale[rows].unsqueeze(-1) * temperature)  # + g
+                grad.mul_(p).mul_(-1.0 / temperature)  # -p (g + g_H (log p + H)) / T
+            row_ids = torch.arange(n, device=grad.device)
             target_cols = local_targets[rows].clamp(0, vocab_local - 1)
             grad.index_put_((row_ids, target_cols), torch.where(owned[rows], scale[rows], 0.0), accumulate=True)
             if not in_place:
                 grad_logits[rows].copy_(grad)
-        return grad_logits.view(logits.shape), None, None, None, None, None
+        return (grad_logits.view(logits.shape),) + no_grads

@@ -96,6 +96,28 @@ class _Batch:
     num_tokens: torch.Tensor
 
 
+def _mask_and_counts(response_mask: torch.Tensor, ctx: LossContext, dtype: torch.dtype):
+    """(bool mask, whole-sequence lengths [B], valid sequences [B], N_seq, N_tok) of ``response_mask``."""
+    mask = response_mask.bool()
+    with torch.no_grad():
+        lengths = ctx.sequence_sum(mask.to(dtype))
+    seq_valid = lengths > 0
+    num_sequences = _denominator(ctx.global_num_sequences, seq_valid.sum())
+    num_tokens = _denominator(ctx.global_num_tokens, lengths.sum())
+    return mask, lengths, seq_valid, num_sequences, num_tokens
+
+
+def aggregate_tokens(per_token: torch.Tensor, response_mask: torch.Tensor, ctx: LossContext) -> torch.Tensor:
+    """This micro-batch's share of the whole-batch mean of a per-token term [B, T], aggregated like the
+    policy loss (``ctx.aggregation``, global denominators); for regularisers such as KL and entropy."""
+    if per_token.shape != response_mask.shape:
+        raise ValueError(f"per_token {tuple(per_token.shape)} and response_mask {tuple(response_mask.shape)} differ")
+    mask, lengths, seq_valid, num_sequences, num_tokens = _mask_and_counts(response_mask, ctx, per_token.dtype)
+    empty = torch.zeros_like(per_token)
+    batch = _Batch(mask, empty, lengths, seq_valid, num_sequences, num_tokens)
+    return _aggregate_tokens(per_token, batch, ctx)
+
+
 def _prepare(log_probs, old_log_probs, advantages, response_mask, ctx: LossContext) -> _Batch:
     if log_probs.dim() != 2 or old_log_probs.shape != log_probs.shape or response_mask.shape != log_probs.shape:
         raise ValueError(
@@ -106,13 +128,8 @@ def _prepare(log_probs, old_log_probs, advantages, response_mask, ctx: LossConte
         raise ValueError(
             f"advantages must be [B] or [B, T] = {tuple(log_probs.shape)}, got {tuple(advantages.shape)}"
         )
-    mask = response_mask.bool()
+    mask, lengths, seq_valid, num_sequences, num_tokens = _mask_and_counts(response_mask, ctx, log_probs.dtype)
     log_ratio = torch.where(mask, log_probs - old_log_probs.detach(), 0.0)
-    with torch.no_grad():
-        lengths = ctx.sequence_sum(mask.to(log_probs.dtype))
-    seq_valid = lengths > 0
-    num_sequences = _denominator(ctx.global_num_sequences, seq_valid.sum())
-    num_tokens = _denominator(ctx.global_num_tokens, lengths.sum())
     return _Batch(mask, log_ratio, lengths, seq_valid, num_sequences, num_tokens)
 
 

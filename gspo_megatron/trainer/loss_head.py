@@ -1,4 +1,5 @@
-"""Loss-head callbacks for megatron's schedule: token log-probs and the policy loss.
+"""Loss-head callbacks for megatron's schedule: token log-probs and the policy loss (plus the
+entropy bonus and reference KL when their coefficients are non-zero).
 
 Runs on the last pipeline stage, on vocab-parallel logits [b, s, V/tp]. The math lives in
 ``gspo_megatron.algorithms``; this module only plumbs: which tensors of the micro-batch feed it,
@@ -16,6 +17,7 @@ from gspo_megatron.algorithms.logprobs import vocab_parallel_log_probs
 from gspo_megatron.algorithms.losses import get_policy_loss
 from gspo_megatron.algorithms.metrics import mean_entries, token_mean_metric
 from gspo_megatron.algorithms.reductions import context_parallel_sequence_sum_fn
+from gspo_megatron.algorithms.regularizers import entropy_bonus, kl_penalty
 
 
 @dataclass
@@ -51,9 +53,10 @@ class PolicyLossHead:
         self.sequence_sum = context_parallel_sequence_sum_fn(self.cp_group)
 
     def __call__(self, logits: torch.Tensor, batch: dict):
+        algorithm = self.algorithm
         log_probs, entropy = vocab_parallel_log_probs(
             logits, batch["targets"], tp_group=self.tp_group, temperature=self.temperature,
-            chunk_size=self.algorithm.logprob_chunk_size, with_entropy=True,
+            chunk_size=algorithm.logprob_chunk_size, with_entropy=True, entropy_grad=algorithm.entropy_coef != 0,
         )
         ctx = make_loss_context(
             self.algorithm,
@@ -69,4 +72,15 @@ class PolicyLossHead:
         # this micro-batch's share of the sequences makes the merged "mean" that total.
         share = torch.as_tensor(float(mask.shape[0]), device=logits.device) / ctx.global_num_sequences
         metrics.update(mean_entries("loss/policy", out.loss.detach(), share))
-        return out.loss, metrics
+        loss = out.loss
+        if algorithm.entropy_coef != 0:
+            term = entropy_bonus(entropy, mask, ctx, algorithm.entropy_coef)
+            metrics.update(mean_entries("loss/entropy_term", term.detach(), share))
+            loss = loss + term
+        if algorithm.kl_coef != 0:
+            term, kl_metrics = kl_penalty(log_probs, batch.get("ref_log_probs"), mask, ctx,
+                                          algorithm.kl_coef, algorithm.kl_estimator)
+            metrics.update(kl_metrics)
+            metrics.update(mean_entries("loss/kl_term", term.detach(), share))
+            loss = loss + term
+        return loss, metrics

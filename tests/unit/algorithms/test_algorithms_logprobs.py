@@ -103,3 +103,36 @@ def test_peaked_large_logits_keep_entropy_and_log_probs_precise():
     ref, ref_entropy = _reference(logits, targets, 1.0)
     torch.testing.assert_close(entropy.double(), ref_entropy, atol=1e-6, rtol=0)
     torch.testing.assert_close(log_probs.double(), ref, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.parametrize("chunk_size", [None, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_entropy_gradient_matches_autograd_of_log_softmax(temperature, chunk_size, dtype):
+    logits = (3 * torch.randn(3, 5, 17)).to(dtype).requires_grad_()
+    targets = torch.randint(0, 17, (3, 5))
+    targets[0, 0] = -100  # the entropy of a padded position still has a gradient; its log-prob has none
+    w_logp, w_ent = torch.randn(3, 5), torch.randn(3, 5)
+    log_probs, entropy = vocab_parallel_log_probs(
+        logits, targets, temperature=temperature, chunk_size=chunk_size, with_entropy=True, entropy_grad=True
+    )
+    assert entropy.requires_grad
+    ((log_probs * w_logp).sum() + (entropy * w_ent).sum()).backward()
+    ref_logits = logits.detach().double().requires_grad_()
+    ref, ref_entropy = _reference(ref_logits, targets, temperature)
+    ((ref * w_logp).sum() + (ref_entropy * w_ent).sum()).backward()
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(logits.grad.double(), ref_logits.grad, **tol)
+
+
+def test_entropy_gradient_hand_computed_two_token_vocab():
+    # p = [1/4, 3/4], H = -(1/4 ln 1/4 + 3/4 ln 3/4); dH/dz_j = -p_j (ln p_j + H)
+    logits = torch.tensor([[0.0, torch.log(torch.tensor(3.0)).item()]], requires_grad=True)
+    _, entropy = vocab_parallel_log_probs(logits, torch.tensor([1]), with_entropy=True, entropy_grad=True)
+    entropy.sum().backward()
+    h = -(0.25 * torch.log(torch.tensor(0.25)) + 0.75 * torch.log(torch.tensor(0.75)))
+    torch.testing.assert_close(entropy, h.reshape(1))
+    expected = torch.tensor([[-0.25 * (torch.log(torch.tensor(0.25)) + h), -0.75 * (torch.log(torch.tensor(0.75)) + h)]])
+    torch.testing.assert_close(logits.grad, expected)
+    with pytest.raises(ValueError, match="entropy_grad=True needs with_entropy=True"):
+        vocab_parallel_log_probs(logits, torch.tensor([1]), entropy_grad=True)
