@@ -47,6 +47,7 @@ def make_transformer_config(
     params_dtype: torch.dtype = torch.float32,
     initialize: bool = True,
     recompute: bool = False,
+    routing_replay: bool = True,
 ):
     from megatron.core.transformer import TransformerConfig
 
@@ -72,7 +73,9 @@ def make_transformer_config(
             moe_shared_expert_intermediate_size=model.shared_expert_intermediate_size or None,
             moe_shared_expert_gate=bool(model.shared_expert_intermediate_size),
             # Gives every router a RouterReplay: idle unless an action is set (routing/replay.py).
-            moe_enable_routing_replay=True,
+            # A frozen reference model passes False: its routers have none, so they can never record
+            # or replay (megatron's RouterReplay instances live in one process-global list).
+            moe_enable_routing_replay=routing_replay,
         )
     return TransformerConfig(
         num_layers=model.num_layers,
@@ -150,16 +153,21 @@ def build_model(
     pre_process: Optional[bool] = None,
     post_process: Optional[bool] = None,
     recompute: bool = False,
+    routing_replay: bool = True,
+    initialize: bool = True,
 ):
     """Build this rank's pipeline stage of the GPTModel (parallel state must be initialised).
 
     ``device="meta"`` builds without allocating parameters (and skips initialisation).
+    ``routing_replay=False`` builds routers without megatron's RouterReplay (a reference model);
+    ``initialize=False`` skips the random initialisation (weights are loaded afterwards).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
     on_meta = device == "meta"
-    config = make_transformer_config(model, layout, params_dtype, initialize=not on_meta, recompute=recompute)
+    config = make_transformer_config(model, layout, params_dtype, initialize=initialize and not on_meta,
+                                     recompute=recompute, routing_replay=routing_replay)
     spec = make_block_spec(config, resolve_spec_name(layer_spec))
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage()

@@ -26,6 +26,7 @@ from gspo_megatron.rollout.types import SamplingParams
 from gspo_megatron.routing.replay import RoutingReplay
 from gspo_megatron.routing.run_dir import ROUTING_FILE, RoutingLog, drop_records_from_step
 from gspo_megatron.trainer.optim import build_optimizer
+from gspo_megatron.trainer.reference_model import ReferenceModel
 from gspo_megatron.trainer.rollout_phase import RolloutPhase
 from gspo_megatron.trainer.run_log import RunLog
 
@@ -49,6 +50,7 @@ class Components:
     rollout: Optional[RolloutPhase] = None
     run_log: Optional[RunLog] = None
     routing_log: Optional[RoutingLog] = None
+    reference: Optional[ReferenceModel] = None  # frozen KL reference; None unless algorithm.kl_coef > 0
 
     def close(self) -> None:
         """Stop what the run started: reward workers, the engine (and servers it launched), groups."""
@@ -94,6 +96,7 @@ def build(cfg: TrainConfig, run_dir: Path, config_yaml: str, world_size: Optiona
     replay = RoutingReplay.capture_new_instances(instances_before) if cfg.model.is_moe else None
     source = SafetensorsSource(cfg.model.hf_checkpoint) if cfg.model.hf_checkpoint else random_hf_weights(cfg)
     load_hf_weights(model_chunk, cfg.model, source, mesh)
+    reference = ReferenceModel.build(cfg, layout, mesh, source, dtype) if cfg.algorithm.kl_coef > 0 else None
     ddp = wrap_for_training(model_chunk, model_chunk.config)
     total_updates = cfg.trainer.steps * cfg.trainer.updates_per_rollout
     optimizer, scheduler = build_optimizer(ddp, cfg.optimizer, total_updates)
@@ -101,7 +104,7 @@ def build(cfg: TrainConfig, run_dir: Path, config_yaml: str, world_size: Optiona
         cfg=cfg, mesh=mesh, run_dir=run_dir, config_yaml=config_yaml, model_chunk=model_chunk, ddp=ddp,
         model=[ddp], optimizer=optimizer, scheduler=scheduler, replay=replay,
         stage_moe_layers=stage_moe_layers(model_chunk),
-        weight_bucket_bytes=cfg.rollout.sglang.weight_bucket_bytes,
+        weight_bucket_bytes=cfg.rollout.sglang.weight_bucket_bytes, reference=reference,
     )
     if mesh.is_driver:
         _build_driver_side(components)

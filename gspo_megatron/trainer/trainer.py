@@ -4,6 +4,7 @@ One step, top to bottom (``train_step``):
     rollout -> reward -> shaped reward -> advantages      (driver rank: ``RolloutPhase``)
     -> broadcast the batch to every rank
     -> old log-probs: Megatron forward over the batch      (routing recorded / replayed if on)
+    -> reference log-probs when algorithm.kl_coef > 0      (frozen model; its routers never replay)
     -> k mini-batch policy updates through megatron's schedule and optimizer
     -> weight sync: streamed HF-named export -> engine.update_weights
     -> metrics, routing diagnostics, evaluation, checkpoint
@@ -79,6 +80,9 @@ class RLTrainer:
                           self.mesh.layout.dp, self.mesh.dp_rank)
         with _timed(timings, "old_logp"):
             old_metrics = self._old_log_probs(batch, parts)
+        if self.c.reference is not None:  # algorithm.kl_coef > 0: frozen reference, routers never replay
+            with _timed(timings, "ref_logp"):
+                self.c.reference.attach_log_probs([mb for part in parts for mb in part])
         with _timed(timings, "update"):
             update_metrics = self._policy_updates(batch, parts)
         with _timed(timings, "weight_sync"):

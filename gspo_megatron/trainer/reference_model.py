@@ -1,0 +1,63 @@
+"""The frozen reference policy of the KL term (``algorithm.kl_coef > 0``): a second model, same layout.
+
+Design decisions:
+- Built only when ``algorithm.kl_coef > 0``; with coefficient 0 nothing is built and no reference
+  forward runs (the trainer holds ``None``).
+- Weights: the policy's *initial* weights (the same source the policy was loaded from -- its HF
+  checkpoint or the seeded random init -- so a resumed run keeps the same reference), or the HF
+  checkpoint ``algorithm.kl_reference``. Loaded with the policy's own sharding code, so every layout
+  (TP/PP/EP/CP) evaluates it exactly like the policy.
+- Its routers are built without megatron's ``RouterReplay`` (``moe_enable_routing_replay=False``):
+  megatron keeps RouterReplay instances in one process-global list, and a second model that added
+  its own would either shift what "global" record/replay calls touch or consume the policy's replay
+  targets. Without an instance a router cannot record or replay, whatever the policy's replay mode
+  (R2/R3); the reference always routes freely, as the reference policy would on its own.
+- Frozen: no DDP wrapper, no optimizer, parameters ``requires_grad=False``, forward-only passes.
+- Memory (per rank): one extra copy of this rank's parameter shard in ``model.dtype`` (4 bytes per
+  parameter in fp32, 2 in bf16) -- no gradients, no optimizer state; the policy itself holds params +
+  fp32 grads + two Adam moments (16 bytes per parameter with fp32 params), so the reference adds
+  ~25% of the policy's static memory at fp32 (~12.5% with bf16 params and fp32 optimizer state,
+  master weights included). Activations of its forward-only pass are transient, the same size as the
+  old-log-prob pass's.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from gspo_megatron.models.builder import build_model
+from gspo_megatron.models.conversion import SafetensorsSource, load_hf_weights
+from gspo_megatron.models.schedule import run_schedule
+from gspo_megatron.trainer.loss_head import LogProbHead
+
+
+class ReferenceModel:
+    """A frozen GPTModel stage whose routers have no RouterReplay; adds ``ref_log_probs`` to micro-batches."""
+
+    def __init__(self, model_chunk: torch.nn.Module, tp_group, temperature: float, chunk_size: Optional[int]):
+        self.model_chunk = model_chunk
+        self.head = LogProbHead(tp_group, temperature, chunk_size)
+        model_chunk.eval()
+        for param in model_chunk.parameters():
+            param.requires_grad_(False)
+
+    @classmethod
+    def build(cls, cfg, layout, mesh, policy_source, dtype: torch.dtype) -> "ReferenceModel":
+        """``policy_source``: where the policy's initial weights came from (used unless kl_reference is set)."""
+        source = SafetensorsSource(cfg.algorithm.kl_reference) if cfg.algorithm.kl_reference else policy_source
+        chunk = build_model(cfg.model, layout, params_dtype=dtype, layer_spec=cfg.model.layer_spec,
+                            routing_replay=False, initialize=False)
+        load_hf_weights(chunk, cfg.model, source, mesh)
+        return cls(chunk, mesh.tp_group, cfg.rollout.temperature, cfg.algorithm.logprob_chunk_size)
+
+    def attach_log_probs(self, micro_batches: list[dict]) -> None:
+        """Forward every micro-batch through the reference; on the last pipeline stage (where the loss
+        head runs) each micro-batch dict gets ``ref_log_probs`` [b, s]. Collective over the stage group."""
+        with torch.no_grad():
+            outputs = run_schedule([self.model_chunk], micro_batches, self.head, forward_only=True)
+        if outputs and len(outputs) != len(micro_batches):
+            raise RuntimeError(f"reference pass returned {len(outputs)} outputs for {len(micro_batches)} micro-batches")
+        for mb, out in zip(micro_batches, outputs):
+            mb["ref_log_probs"] = out["log_probs"]

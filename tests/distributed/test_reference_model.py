@@ -1,0 +1,91 @@
+"""The frozen reference model: its routers never record or replay, whatever the policy's replay does.
+
+Megatron keeps RouterReplay instances in one process-global list; a second model must neither add
+to it nor consume the policy's recorded (R2) or engine (R3) routing. Checked on one rank and PP=2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gspo_megatron.testing.distributed import run_distributed
+from gspo_megatron.testing.model_fixtures import fixed_batch, random_hf_state, tiny_test_config
+
+pytestmark = pytest.mark.distributed
+
+
+def reference_worker(ctx, layout_kwargs):
+    from gspo_megatron.models.builder import build_model
+    from gspo_megatron.models.conversion import load_hf_weights
+    from gspo_megatron.models.schedule import run_schedule
+    from gspo_megatron.parallel.layout import ParallelLayout
+    from gspo_megatron.parallel.mesh import initialize_parallel
+    from gspo_megatron.routing.replay import RoutingReplay, rollout_targets
+    from gspo_megatron.trainer.loss_head import LogProbHead
+    from gspo_megatron.trainer.reference_model import ReferenceModel
+
+    cfg = tiny_test_config()
+    layout = ParallelLayout(**layout_kwargs).validate(cfg)
+    mesh = initialize_parallel(layout, seed=11)
+    state = random_hf_state(cfg, seed=3)
+    before = RoutingReplay.instance_count()
+    policy = build_model(cfg, layout)
+    replay = RoutingReplay.capture_new_instances(before)
+    load_hf_weights(policy, cfg, state, mesh)
+    count_with_policy = RoutingReplay.instance_count()
+    reference_chunk = build_model(cfg, layout, routing_replay=False, initialize=False)
+    load_hf_weights(reference_chunk, cfg, state, mesh)
+    reference = ReferenceModel(reference_chunk, mesh.tp_group, 1.0, None)
+    result = {"instances_added_by_reference": RoutingReplay.instance_count() - count_with_policy,
+              "reference_routers_with_replay": sum(
+                  getattr(layer.mlp, "router", None) is not None and layer.mlp.router.router_replay is not None
+                  for layer in reference_chunk.decoder.layers)}
+
+    inputs, targets, _ = fixed_batch(cfg)
+    mbs = [{"tokens": inputs[i : i + 2], "targets": targets[i : i + 2], "row_start": i} for i in (0, 2)]
+    head = LogProbHead(mesh.tp_group, 1.0)
+
+    def policy_log_probs(before_forward=None):
+        outs = run_schedule([policy], mbs, head, forward_only=True, before_forward=before_forward)
+        return [o["log_probs"] for o in outs]
+
+    free = policy_log_probs()
+    # R2: the reference forward runs while the policy records; only the policy's forwards are recorded
+    replay.start_recording()
+    reference.attach_log_probs(mbs)
+    policy_log_probs()
+    reference.attach_log_probs(mbs)
+    recorded = replay.recorded()
+    replay.stop()
+    result["recorded_forwards"] = len(recorded)
+    result["ref_equals_free_policy"] = all(torch.equal(mb.get("ref_log_probs", f), f) for mb, f in zip(mbs, free))
+    # R3: engine routing queued for the policy; the reference forward neither consumes nor uses it
+    generator = torch.Generator().manual_seed(5)
+    stage_layers = [layer.layer_number - 1 for layer in policy.decoder.layers]
+    forced = [rollout_targets(
+        torch.stack([torch.randperm(cfg.num_experts, generator=generator)[: cfg.top_k]
+                     for _ in range(mb["tokens"].numel() * cfg.num_layers)]).reshape(
+            *mb["tokens"].shape, cfg.num_layers, cfg.top_k),
+        stage_layers, mesh.tp_rank, layout.tp, layout.use_sequence_parallel) for mb in mbs]
+    replay.load_targets(forced)
+    for mb in mbs:
+        mb.pop("ref_log_probs", None)
+    reference.attach_log_probs(mbs)
+    replayed = policy_log_probs(replay.before_forward)
+    replay.assert_fully_consumed()  # raises if the reference had taken any of the targets
+    replay.stop()
+    result["r3_ref_equals_free_policy"] = all(torch.equal(mb.get("ref_log_probs", f), f) for mb, f in zip(mbs, free))
+    result["r3_policy_moved"] = any(not torch.equal(r, f) for r, f in zip(replayed, free)) if free else True
+    result["has_outputs"] = bool(free) == ("ref_log_probs" in mbs[0])
+    mesh.destroy()
+    return result
+
+
+@pytest.mark.parametrize("layout", [dict(world_size=1), dict(pp=2, world_size=2)], ids=["one_rank", "pp2"])
+def test_reference_routers_never_record_or_replay(layout):
+    for result in run_distributed(reference_worker, layout["world_size"], layout):
+        assert result["instances_added_by_reference"] == 0 and result["reference_routers_with_replay"] == 0
+        assert result["recorded_forwards"] == 2  # the policy's two micro-batches, nothing from the reference
+        assert result["ref_equals_free_policy"] and result["r3_ref_equals_free_policy"]
+        assert result["r3_policy_moved"] and result["has_outputs"]
