@@ -63,7 +63,8 @@ def model_layout_worker(ctx, cfg: MoEModelConfig, state: dict, layout_kwargs: di
     """Build the layout, load ``state``, run forward+backward of a loss through megatron's schedule.
 
     The loss is a weighted log-likelihood, or -- with ``policy`` = {"loss": name, "old_log_probs",
-    "advantages", "response_mask"} -- the trainer's own policy-loss head with global denominators.
+    "advantages", "response_mask"} -- the trainer's own policy-loss head with global denominators
+    (optionally with "entropy_coef", "kl_coef", "kl_estimator" and per-row "ref_log_probs").
     Returns this rank's exported weights, the log-probs it holds (last stage, by dp rank), its loss
     contribution and the gradients gathered to HF names.
     """
@@ -89,7 +90,8 @@ def model_layout_worker(ctx, cfg: MoEModelConfig, state: dict, layout_kwargs: di
     per_micro = max(1, rows // 2)
     per_row = {"weights": weights}
     if policy is not None:
-        per_row.update({k: policy[k] for k in ("old_log_probs", "advantages", "response_mask")})
+        per_row.update({k: policy[k] for k in ("old_log_probs", "advantages", "response_mask", "ref_log_probs")
+                        if k in policy})
     micro_batches = [
         {"tokens": inputs[sl][i : i + per_micro], "targets": targets[sl][i : i + per_micro],
          **{k: v[sl][i : i + per_micro] for k, v in per_row.items()}}
@@ -122,8 +124,9 @@ def _policy_callback(policy: dict, mesh):
 
     clip = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.28)}[policy["loss"]]
     mask = policy["response_mask"]
+    regularizers = {k: policy[k] for k in ("entropy_coef", "kl_coef", "kl_estimator") if k in policy}
     head = PolicyLossHead(
-        AlgorithmConfig(name=policy["loss"], loss=policy["loss"], clip_low=clip[0], clip_high=clip[1]),
+        AlgorithmConfig(name=policy["loss"], loss=policy["loss"], clip_low=clip[0], clip_high=clip[1], **regularizers),
         mesh.tp_group, None, 1.0,
         global_num_sequences=(mask.sum(1) > 0).sum().float(), global_num_tokens=mask.sum(),
     )
