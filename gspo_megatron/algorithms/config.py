@@ -23,6 +23,7 @@ import torch
 
 from gspo_megatron.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageContext
 from gspo_megatron.algorithms.kl import KL_ESTIMATORS
+from gspo_megatron.algorithms.mismatch_correction import MISMATCH_MODES
 from gspo_megatron.algorithms.losses import (
     AGGREGATIONS,
     POLICY_LOSSES,
@@ -54,6 +55,8 @@ class AlgorithmConfig:
     kl_coef: float = 0.0  # loss += kl_coef * aggregated KL to a frozen reference; 0 skips the reference
     kl_estimator: str = "k3"  # k1 | k2 | k3 (algorithms/kl.py; verl kl_loss_type, TRL's beta term = k3)
     kl_reference: Optional[str] = None  # a local HF checkpoint dir; None: the policy's initial weights
+    mismatch_correction: str = "none"  # none | token_truncate | token_mask | sequence_truncate | sequence_mask
+    mismatch_cap: float = 2.0  # C in min(pi_old / pi_rollout, C) (algorithms/mismatch_correction.py)
 
 
 def validate_algorithm_config(cfg: AlgorithmConfig) -> None:
@@ -94,6 +97,17 @@ def validate_algorithm_config(cfg: AlgorithmConfig) -> None:
             f"algorithm.kl_reference={cfg.kl_reference!r} is set but algorithm.kl_coef=0 never uses it; "
             "set algorithm.kl_coef > 0 or drop kl_reference"
         )
+    if cfg.mismatch_correction not in MISMATCH_MODES:
+        raise ValueError(
+            f"algorithm.mismatch_correction={cfg.mismatch_correction!r} is unknown; valid: {', '.join(MISMATCH_MODES)}"
+        )
+    if cfg.mismatch_correction.startswith("token_") and cfg.loss == "gspo":
+        raise ValueError(
+            f"algorithm.mismatch_correction={cfg.mismatch_correction} gives per-token weights, but loss=gspo has one "
+            "ratio per sequence; use sequence_truncate/sequence_mask with gspo (or loss=gspo_token / grpo)"
+        )
+    if not cfg.mismatch_cap >= 1.0:
+        raise ValueError(f"algorithm.mismatch_cap must be >= 1 (a cap on pi_old / pi_rollout), got {cfg.mismatch_cap}")
     if cfg.logprob_chunk_size is not None and cfg.logprob_chunk_size < 1:
         raise ValueError(f"algorithm.logprob_chunk_size must be >= 1 or null, got {cfg.logprob_chunk_size}")
 

@@ -35,6 +35,7 @@ from gspo_megatron.trainer.batch import RolloutBatch, partition
 from gspo_megatron.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from gspo_megatron.trainer.diagnostics import RoutingDiagnostics
 from gspo_megatron.trainer.loss_head import LogProbHead, PolicyLossHead
+from gspo_megatron.trainer.mismatch_phase import correct_mismatch
 
 
 class RLTrainer:
@@ -80,6 +81,8 @@ class RLTrainer:
                           self.mesh.layout.dp, self.mesh.dp_rank)
         with _timed(timings, "old_logp"):
             old_metrics = self._old_log_probs(batch, parts)
+        if self.cfg.algorithm.mismatch_correction != "none":  # importance weights pi_old / pi_rollout
+            old_metrics.update(correct_mismatch(batch, parts, self.cfg.algorithm))
         if self.c.reference is not None:  # algorithm.kl_coef > 0: frozen reference, routers never replay
             with _timed(timings, "ref_logp"):
                 self.c.reference.attach_log_probs([mb for part in parts for mb in part])

@@ -26,3 +26,16 @@ def test_reference_kl_and_entropy_bonus_under_rollout_replay(tmp_path):
     # reference (routing freely); by step 2 it has moved
     assert metrics[0]["loss/kl_ref"] == 0.0 and metrics[0]["loss/ratio/max"] == pytest.approx(1.0, abs=1e-6)
     assert metrics[1]["loss/kl_ref"] > 0
+
+
+def test_mismatch_correction_with_the_bf16_engine(tmp_path):
+    """A bf16 engine samples, the fp32 trainer scores: token weights min(pi_old / pi_rollout, C) vary."""
+    cap = 1.0  # bf16 vs fp32 moves rho by ~1e-3 either way: a cap of 1 truncates some tokens, not all
+    overrides = FAST + ["algorithm=grpo", "rollout.embedded.dtype=bfloat16",
+                        "algorithm.mismatch_correction=token_truncate", f"algorithm.mismatch_cap={cap}"]
+    (metrics,) = run_distributed(train_worker, 1, overrides, str(tmp_path), timeout=600)
+    for m in metrics:
+        assert m["mismatch/abs_log_prob_diff_mean"] > 0
+        assert 0 < m["mismatch_is/truncated_frac"] < 1
+        assert m["mismatch_is/weight_min"] < 1 and m["mismatch_is/weight_max"] == cap
+        assert math.isfinite(m["loss/policy"])

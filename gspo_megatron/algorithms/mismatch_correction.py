@@ -1,0 +1,75 @@
+"""Train/inference mismatch correction: truncated or masked importance weights pi_old / pi_rollout.
+
+The engine samples from pi_rollout (its kernels, precision, routing), the trainer's pi_old scores the
+same tokens slightly differently; the policy gradient is estimated off-policy by that gap. The
+correction re-weights each token (or sequence) by the importance ratio, capped at C
+(Yao et al., "Your efficient RL framework secretly brings you off-policy RL training", 2025: TIS;
+verl ``rollout_is``, TRL ``vllm_importance_sampling_*``, slime ``--use-tis``):
+
+    token_truncate     w_{i,t} = min(rho_{i,t}, C),          rho_{i,t} = pi_old(y_{i,t}) / pi_rollout(y_{i,t})
+    token_mask         w_{i,t} = rho_{i,t} if rho_{i,t} <= C else 0
+    sequence_truncate  w_i = min(rho_i, C),  rho_i = exp( (1/|y_i|) sum_t log rho_{i,t} )  (length-normalised,
+    sequence_mask      w_i = rho_i if rho_i <= C else 0                              GSPO's own form of ratio)
+
+Design decisions:
+- The weight multiplies the advantage: with w >= 0, min(r w A, clip(r) w A) = w min(r A, clip(r) A),
+  so every policy loss is weighted exactly without a new loss signature; the clip indicators keep
+  their sign (A w and A agree) except where w = 0, where nothing is clipped or learned. Weights are
+  constants (no gradient); the loss denominators are unchanged (a masked token still counts, as in
+  TRL and verl's truncate mode), so masking lowers the step's weight rather than re-normalising it.
+- Token-level weights give per-token advantages, which ``gspo`` (one ratio per sequence) cannot use:
+  pair token modes with ``grpo`` or ``gspo_token``, sequence modes with any loss.
+- log rho is clamped to +-``clamp`` before exp (as the losses clamp their log-ratios).
+- Metrics: the weights' mean / min / max over valid tokens (token modes) or sequences (sequence
+  modes), the fraction truncated or masked, and the mean raw ratio rho before the cap.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MISMATCH_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def mismatch_weights(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    mode: str,
+    cap: float,
+    clamp: float = 20.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Importance weights ([B, T] for token modes, 0 off the mask; [B] for sequence modes) and metrics."""
+    if mode not in MISMATCH_MODES or mode == "none":
+        raise ValueError(f"mismatch correction mode {mode!r} is not a correction; valid: {', '.join(MISMATCH_MODES[1:])}")
+    if not cap >= 1.0:
+        raise ValueError(f"the importance-weight cap must be >= 1, got {cap}")
+    mask = response_mask.bool()
+    log_rho = torch.where(mask, old_log_probs.double() - rollout_log_probs.double(), 0.0)
+    level, action = mode.split("_")
+    if level == "token":
+        select = mask
+    else:
+        lengths = mask.sum(-1)
+        log_rho = log_rho.sum(-1) / lengths.clamp_min(1)  # (1/|y_i|) sum_t log rho_{i,t}
+        select = lengths > 0
+    rho = log_rho.clamp(-clamp, clamp).exp()
+    beyond = rho > cap
+    weights = rho.clamp(max=cap) if action == "truncate" else torch.where(beyond, 0.0, rho)
+    weights = torch.where(select, weights, 0.0)
+    count = select.sum().clamp_min(1)
+    metrics = {
+        "weight_mean": weights.sum() / count,
+        "weight_min": torch.where(select, weights, torch.inf).min() if select.any() else torch.tensor(float("nan")),
+        "weight_max": torch.where(select, weights, -torch.inf).max() if select.any() else torch.tensor(float("nan")),
+        {"truncate": "truncated_frac", "mask": "masked_frac"}[action]: (beyond & select).sum() / count,
+        "ratio_mean": torch.where(select, rho, 0.0).sum() / count,
+    }
+    return weights.float(), {f"mismatch_is/{k}": v.float() for k, v in metrics.items()}
+
+
+def weighted_advantages(advantages: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """A [B] times weights [B] -> [B]; times weights [B, T] -> per-token advantages [B, T]."""
+    if weights.dim() == 1:
+        return advantages * weights
+    return advantages.unsqueeze(-1) * weights if advantages.dim() == 1 else advantages * weights
