@@ -57,6 +57,8 @@ class AlgorithmConfig:
     kl_reference: Optional[str] = None  # a local HF checkpoint dir; None: the policy's initial weights
     mismatch_correction: str = "none"  # none | token_truncate | token_mask | sequence_truncate | sequence_mask
     mismatch_cap: float = 2.0  # C in min(pi_old / pi_rollout, C) (algorithms/mismatch_correction.py)
+    dynamic_sampling: bool = False  # DAPO: drop zero-variance groups, draw more (trainer/dynamic_sampling.py)
+    dynamic_sampling_max_extra_rounds: int = 4  # bound on extra generation rounds per step
 
 
 def validate_algorithm_config(cfg: AlgorithmConfig) -> None:
@@ -108,6 +110,10 @@ def validate_algorithm_config(cfg: AlgorithmConfig) -> None:
         )
     if not cfg.mismatch_cap >= 1.0:
         raise ValueError(f"algorithm.mismatch_cap must be >= 1 (a cap on pi_old / pi_rollout), got {cfg.mismatch_cap}")
+    if cfg.dynamic_sampling_max_extra_rounds < 0:
+        raise ValueError(
+            f"algorithm.dynamic_sampling_max_extra_rounds must be >= 0, got {cfg.dynamic_sampling_max_extra_rounds}"
+        )
     if cfg.logprob_chunk_size is not None and cfg.logprob_chunk_size < 1:
         raise ValueError(f"algorithm.logprob_chunk_size must be >= 1 or null, got {cfg.logprob_chunk_size}")
 

@@ -19,11 +19,21 @@ from gspo_megatron.data.records import PromptRecord
 from gspo_megatron.rewards.pool import RewardPool
 from gspo_megatron.rollout.engine import RolloutEngine
 from gspo_megatron.rollout.types import SamplingParams
-from gspo_megatron.shaping.apply import shape_batch
+from gspo_megatron.shaping.apply import shape_batch, shape_group
 from gspo_megatron.shaping.combine import shaped_advantages
 from gspo_megatron.shaping.config import ShapingConfig
 from gspo_megatron.shaping.types import group_from_samples
 from gspo_megatron.trainer.batch import RolloutBatch, pack_samples
+from gspo_megatron.trainer.dynamic_sampling import collect_informative_groups
+
+
+@dataclass
+class DrawnGroup:
+    """One prompt's responses from a generation round, scored, with their shaping view."""
+
+    samples: list
+    scored: list
+    shaping: object  # shaping.types.ShapingGroup
 
 
 class RewardFunctionError(RuntimeError):
@@ -44,8 +54,47 @@ class RolloutPhase:
     generate_fn: object = None  # optional: a truncated-rollout wrapper with the engine's generate signature
 
     def run(self, step: int, prompts_per_step: int) -> tuple[RolloutBatch, dict[str, float]]:
-        records = self.task.next_batch(prompts_per_step)
-        params = _with_seed(self.sampling, self.seed * 1_000_003 + step)
+        extra_metrics: dict[str, float] = {}
+        if self.algorithm.dynamic_sampling:  # DAPO: only groups with reward variance, more rounds if short
+            collected = collect_informative_groups(
+                lambda round_index: self._draw(step, round_index, prompts_per_step),
+                lambda group: self._has_reward_variance(group, step),
+                prompts_per_step, self.algorithm.dynamic_sampling_max_extra_rounds,
+            )
+            drawn, extra_metrics = collected.groups, collected.metrics()
+        else:
+            drawn = self._draw(step, 0, prompts_per_step)
+        samples = [s for group in drawn for s in group.samples]
+        scored = [r for group in drawn for r in group.scored]
+        rewards = torch.tensor([r.reward for r in scored], dtype=torch.float32)
+        g = self.sampling.n
+        shaped = shape_batch([group.shaping for group in drawn], self.shaping)
+        shaped_rewards = torch.cat([s.rewards for s in shaped.groups]).float()
+        shaped_rewards = rewards + self.shaping.strength(step) * (shaped_rewards - rewards)
+        estimator = ADVANTAGE_ESTIMATORS.get(self.algorithm.advantage_estimator)
+        context = make_advantage_context(self.algorithm, g)
+        advantage = shaped_advantages(rewards, shaped_rewards, lambda r: estimator(r, context), g,
+                                      self.shaping.combine)
+        batch = pack_samples(samples, advantage.advantages, rewards, shaped_rewards, self.pad_token_id,
+                             with_routed_experts=self.sampling.return_routed_experts)
+        metrics = self._metrics(step, samples, scored, shaped, advantage, batch)
+        return batch, {**{k: float(v) for k, v in metrics.items()}, **extra_metrics}
+
+    def _has_reward_variance(self, group: "DrawnGroup", step: int) -> bool:
+        """Whether the rewards the advantages will see (shaping mixed in at this step's strength) differ
+        within the group; exact equality, as ``advantage/zero_variance_group_frac`` counts it."""
+        rewards = group.shaping.rewards.float()
+        shaped = shape_group(group.shaping, self.shaping).rewards.float()
+        mixed = rewards + self.shaping.strength(step) * (shaped - rewards)
+        if self.shaping.combine == "advantage":  # A = normalised task reward + centred shaping term
+            return _varies(rewards) or _varies(mixed - rewards)
+        return _varies(mixed)
+
+    def _draw(self, step: int, round_index: int, prompts: int) -> list["DrawnGroup"]:
+        """One generation round: ``prompts`` new prompts -> scored groups. Round 0 uses the step's seed;
+        extra rounds (dynamic sampling) offset it, so a resumed run redraws exactly the same samples."""
+        records = self.task.next_batch(prompts)
+        params = _with_seed(self.sampling, self.seed * 1_000_003 + step + round_index * 2**24)
         generate = self.generate_fn or self.engine.generate
         grouped = generate([list(r.prompt_ids) for r in records], params)
         samples = [s for group in grouped for s in group]
@@ -54,24 +103,13 @@ class RolloutPhase:
         rewards = torch.tensor([r.reward for r in scored], dtype=torch.float32)
         correct = torch.tensor([r.correct for r in scored])
         format_ok = torch.tensor([r.format_ok for r in scored])
-
         g = params.n
-        groups = [
-            group_from_samples(samples[i : i + g], rewards[i : i + g], correct[i : i + g],
-                               format_ok[i : i + g], texts[i : i + g], params.max_new_tokens)
+        return [
+            DrawnGroup(samples[i : i + g], scored[i : i + g], group_from_samples(
+                samples[i : i + g], rewards[i : i + g], correct[i : i + g], format_ok[i : i + g],
+                texts[i : i + g], params.max_new_tokens))
             for i in range(0, len(samples), g)
         ]
-        shaped = shape_batch(groups, self.shaping)
-        shaped_rewards = torch.cat([s.rewards for s in shaped.groups]).float()
-        shaped_rewards = rewards + self.shaping.strength(step) * (shaped_rewards - rewards)
-        estimator = ADVANTAGE_ESTIMATORS.get(self.algorithm.advantage_estimator)
-        context = make_advantage_context(self.algorithm, g)
-        advantage = shaped_advantages(rewards, shaped_rewards, lambda r: estimator(r, context), g,
-                                      self.shaping.combine)
-        batch = pack_samples(samples, advantage.advantages, rewards, shaped_rewards, self.pad_token_id,
-                             with_routed_experts=params.return_routed_experts)
-        metrics = self._metrics(step, samples, scored, shaped, advantage, batch)
-        return batch, {k: float(v) for k, v in metrics.items()}
 
     def _metrics(self, step, samples, scored, shaped, advantage, batch: RolloutBatch) -> dict:
         rewards, shaped_rewards = batch.rewards, batch.shaped_rewards
@@ -134,6 +172,10 @@ class RolloutPhase:
             metrics[f"eval/mean@{k}"] = float(correct.mean())
             metrics[f"eval/pass@{k}"] = float(correct.amax(dim=1).mean())
         return metrics
+
+
+def _varies(values: torch.Tensor) -> bool:
+    return bool(values.max() > values.min())
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

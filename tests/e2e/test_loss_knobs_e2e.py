@@ -39,3 +39,17 @@ def test_mismatch_correction_with_the_bf16_engine(tmp_path):
         assert 0 < m["mismatch_is/truncated_frac"] < 1
         assert m["mismatch_is/weight_min"] < 1 and m["mismatch_is/weight_max"] == cap
         assert math.isfinite(m["loss/policy"])
+
+
+def test_dynamic_sampling_keeps_full_batches(tmp_path):
+    """Zero-variance groups are dropped and replaced: the batch keeps prompts_per_step groups."""
+    overrides = FAST + ["algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_max_extra_rounds=2"]
+    (metrics,) = run_distributed(train_worker, 1, overrides, str(tmp_path), timeout=600)
+    for m in metrics:
+        assert 0 <= m["dynamic_sampling/extra_rounds"] <= 2
+        assert m["dynamic_sampling/drawn_groups"] == 4 * (1 + m["dynamic_sampling/extra_rounds"])
+        # padding happens only when the rounds ran out
+        assert m["dynamic_sampling/padded_groups"] == 0 or m["dynamic_sampling/extra_rounds"] == 2
+        zero_variance = m["advantage/zero_variance_group_frac"]
+        assert zero_variance == m["dynamic_sampling/padded_groups"] / 4
+        assert math.isfinite(m["loss/policy"])
