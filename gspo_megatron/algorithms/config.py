@@ -59,6 +59,10 @@ class AlgorithmConfig:
     mismatch_cap: float = 2.0  # C in min(pi_old / pi_rollout, C) (algorithms/mismatch_correction.py)
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups, draw more (trainer/dynamic_sampling.py)
     dynamic_sampling_max_extra_rounds: int = 4  # bound on extra generation rounds per step
+    adaptive_clip_target: Optional[float] = None  # target clipped fraction; None: fixed eps (adaptive_clip.py)
+    adaptive_clip_rate: float = 0.2  # log-space gain: eps moves by at most exp(rate) per step
+    adaptive_clip_min_scale: float = 0.25  # eps stays within [min_scale, max_scale] x the configured eps
+    adaptive_clip_max_scale: float = 4.0
 
 
 def validate_algorithm_config(cfg: AlgorithmConfig) -> None:
@@ -114,8 +118,28 @@ def validate_algorithm_config(cfg: AlgorithmConfig) -> None:
         raise ValueError(
             f"algorithm.dynamic_sampling_max_extra_rounds must be >= 0, got {cfg.dynamic_sampling_max_extra_rounds}"
         )
+    _validate_adaptive_clip(cfg)
     if cfg.logprob_chunk_size is not None and cfg.logprob_chunk_size < 1:
         raise ValueError(f"algorithm.logprob_chunk_size must be >= 1 or null, got {cfg.logprob_chunk_size}")
+
+
+def _validate_adaptive_clip(cfg: AlgorithmConfig) -> None:
+    if cfg.adaptive_clip_target is None:
+        return
+    if not 0 < cfg.adaptive_clip_target < 1:
+        raise ValueError(f"algorithm.adaptive_clip_target must be in (0, 1) (a clipped fraction), got {cfg.adaptive_clip_target}")
+    if not cfg.adaptive_clip_rate > 0:
+        raise ValueError(f"algorithm.adaptive_clip_rate must be > 0, got {cfg.adaptive_clip_rate}")
+    if not 0 < cfg.adaptive_clip_min_scale <= 1 <= cfg.adaptive_clip_max_scale:
+        raise ValueError(
+            f"algorithm.adaptive_clip_min_scale={cfg.adaptive_clip_min_scale} and adaptive_clip_max_scale="
+            f"{cfg.adaptive_clip_max_scale} must satisfy 0 < min_scale <= 1 <= max_scale"
+        )
+    if cfg.clip_low * cfg.adaptive_clip_max_scale >= 1:
+        raise ValueError(
+            f"algorithm.clip_low * adaptive_clip_max_scale = {cfg.clip_low * cfg.adaptive_clip_max_scale} "
+            "would put the ratio floor 1 - eps_low at or below 0; lower adaptive_clip_max_scale"
+        )
 
 
 def make_loss_context(

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.algorithms.adaptive_clip import AdaptiveClipController
 from gspo_megatron.algorithms.metrics import finalize_metrics, merge_metrics
 from gspo_megatron.algorithms.reductions import all_reduce_metrics
 from gspo_megatron.models.conversion import export_hf_weights
@@ -46,6 +47,7 @@ class RLTrainer:
         self.mesh = components.mesh
         self.step = 0
         self.diagnostics = RoutingDiagnostics(self.cfg.routing, components, self.mesh)
+        self.clip_controller = AdaptiveClipController.from_config(self.cfg.algorithm)  # None: fixed eps
 
     # ------------------------------------------------------------------ main loop
     def train(self) -> str:
@@ -92,6 +94,8 @@ class RLTrainer:
             self.sync_weights()
         metrics.update(old_metrics)
         metrics.update(update_metrics)
+        if self.clip_controller is not None:
+            metrics.update(self.clip_controller.update(update_metrics.get(self.clip_controller.metric, float("nan"))))
         metrics.update(self.diagnostics.finish_step(self.step + 1))
         eval_every = self.cfg.trainer.eval_every
         if eval_every and (self.step + 1) % eval_every == 0:
@@ -177,7 +181,8 @@ class RLTrainer:
         for update, mbs in enumerate(parts):
             mask = batch.response_mask[update * per_update : (update + 1) * per_update]
             head = PolicyLossHead(
-                cfg.algorithm, mesh.tp_group, None if mesh.layout.cp == 1 else mesh.cp_group,
+                cfg.algorithm if self.clip_controller is None else self.clip_controller.apply(cfg.algorithm),
+                mesh.tp_group, None if mesh.layout.cp == 1 else mesh.cp_group,
                 cfg.rollout.temperature,
                 global_num_sequences=(mask.sum(1) > 0).sum().float(),
                 global_num_tokens=mask.sum(),
@@ -262,6 +267,7 @@ class RLTrainer:
             "scheduler": self.c.scheduler.state_dict(),
             "task": self.c.task.state_dict() if self.mesh.is_driver else None,
             "config": self.c.config_yaml,
+            "clip_controller": self.clip_controller.state_dict() if self.clip_controller else None,
         }
         return save_checkpoint(self.c.run_dir, self.step, self.c.model_chunk, self.c.optimizer, state,
                                self.cfg.checkpoint.keep_last, self.mesh.is_driver)
@@ -288,6 +294,8 @@ class RLTrainer:
         if self.mesh.is_driver and state.get("task") is not None:
             self.c.task.load_state_dict(state["task"])
         self.step = int(state["step"])
+        if self.clip_controller is not None and state.get("clip_controller") is not None:
+            self.clip_controller.load_state_dict(state["clip_controller"])
         if self.mesh.is_driver:
             print(f"[gspo] resumed from {path} at step {self.step}")
 

@@ -53,3 +53,16 @@ def test_dynamic_sampling_keeps_full_batches(tmp_path):
         zero_variance = m["advantage/zero_variance_group_frac"]
         assert zero_variance == m["dynamic_sampling/padded_groups"] / 4
         assert math.isfinite(m["loss/policy"])
+
+
+def test_adaptive_clip_follows_its_rule_step_by_step(tmp_path):
+    rate, target = 0.5, 0.05
+    overrides = FAST + ["trainer.steps=3", f"algorithm.adaptive_clip_target={target}", f"algorithm.adaptive_clip_rate={rate}"]
+    (metrics,) = run_distributed(train_worker, 1, overrides, str(tmp_path), timeout=600)
+    assert metrics[0]["clip/eps_low"] == pytest.approx(3e-4) and metrics[0]["clip/eps_high"] == pytest.approx(4e-4)
+    for before, after in zip(metrics, metrics[1:]):
+        assert before["clip/measured"] == before["loss/clip_frac_seq"]
+        error = max(-1.0, min(1.0, (before["clip/measured"] - target) / target))
+        expected = min(4.0, max(0.25, before["clip/scale"] * math.exp(rate * error)))
+        assert after["clip/scale"] == pytest.approx(expected, rel=1e-9)
+        assert after["clip/eps_low"] == pytest.approx(3e-4 * expected, rel=1e-9)

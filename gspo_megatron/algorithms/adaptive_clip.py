@@ -1,0 +1,79 @@
+"""Adaptive clipping: steer the clip range toward a target clipped fraction, step by step.
+
+GSPO's clip range (3e-4 / 4e-4 in the paper) depends on response length and task, and the paper
+names "automatic or adaptive clipping strategies" an open question. This controller is the simplest
+answer, a multiplicative (log-space) proportional controller -- the same shape as PPO's adaptive-KL
+controller (Schulman et al. 2017; Ziegler et al. 2019):
+
+    e_k     = clamp( (f_k - f*) / f*, -1, 1 )            f_k: the step's clipped fraction, f* the target
+    scale  <- clamp( scale * exp(rate * e_k), lo, hi )
+    eps_low = scale * eps_low_0,  eps_high = scale * eps_high_0
+
+More clipping than the target widens the range (fewer ratios leave it), less narrows it; the error is
+relative to the target and bounded, so one wild step moves eps by at most a factor exp(rate).
+
+Design decisions:
+- One scale for both sides keeps the configured low/high asymmetry (clip-higher); the controlled
+  fraction is their sum.
+- The measured fraction is per sequence for the sequence-level losses (gspo, gspo_token: a
+  sequence is clipped as a whole) and per token for grpo, as the trainer logs them
+  (``loss/clip_frac_seq`` / ``loss/clip_frac_token``). With several updates per rollout it is the
+  step's mean over updates (the first update of a step is on-policy and clips nothing).
+- Bounds are multiples of the configured eps, so they read the same for GSPO and GRPO.
+- The state is one float; it is checkpointed so a resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
+
+SEQUENCE_LEVEL_LOSSES = ("gspo", "gspo_token")
+
+
+@dataclass
+class AdaptiveClipController:
+    clip_low: float  # configured eps_low_0
+    clip_high: float  # configured eps_high_0
+    target: float  # f*, in (0, 1)
+    rate: float  # log-space gain
+    min_scale: float
+    max_scale: float
+    metric: str  # the trainer metric it reads
+    scale: float = 1.0
+
+    @classmethod
+    def from_config(cls, cfg) -> Optional["AdaptiveClipController"]:
+        """None unless ``cfg.adaptive_clip_target`` is set (``cfg`` is an ``AlgorithmConfig``)."""
+        if cfg.adaptive_clip_target is None:
+            return None
+        unit = "seq" if cfg.loss in SEQUENCE_LEVEL_LOSSES else "token"
+        return cls(cfg.clip_low, cfg.clip_high, cfg.adaptive_clip_target, cfg.adaptive_clip_rate,
+                   cfg.adaptive_clip_min_scale, cfg.adaptive_clip_max_scale, f"loss/clip_frac_{unit}")
+
+    @property
+    def eps(self) -> tuple[float, float]:
+        return self.scale * self.clip_low, self.scale * self.clip_high
+
+    def apply(self, algorithm):
+        """The algorithm config with this step's eps (``dataclasses.replace``; the original is untouched)."""
+        low, high = self.eps
+        return replace(algorithm, clip_low=low, clip_high=high)
+
+    def update(self, clipped_fraction: float) -> dict[str, float]:
+        """Move the scale after a step that clipped ``clipped_fraction``; returns the step's metrics
+        (the eps that step used, the fraction, the target), then adapts for the next step."""
+        low, high = self.eps
+        metrics = {"clip/eps_low": low, "clip/eps_high": high, "clip/target": self.target,
+                   "clip/measured": clipped_fraction, "clip/scale": self.scale}
+        if math.isfinite(clipped_fraction):  # an empty step (no valid tokens) leaves eps alone
+            error = max(-1.0, min(1.0, (clipped_fraction - self.target) / self.target))
+            self.scale = min(self.max_scale, max(self.min_scale, self.scale * math.exp(self.rate * error)))
+        return metrics
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
