@@ -60,6 +60,8 @@ class RolloutSection:
     eval_temperature: float = 0.0
     truncated: bool = False  # dynamic truncated rollout (Step-GRPO), training rollouts only
     return_routed_experts: bool = False  # set automatically when R3 replay needs them
+    async_rollout: bool = False  # generate step k+1 while step k trains (trainer/async_rollout.py)
+    max_staleness: int = 1  # policy versions a sample may lag in async mode: 0 (= synchronous) or 1
     embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     truncation: TruncatedRolloutConfig = field(default_factory=TruncatedRolloutConfig)

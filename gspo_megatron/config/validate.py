@@ -68,6 +68,11 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
             check_shared_triggers(cfg.shaping, cfg.rollout.truncation.trigger_words)
         except ValueError as error:
             raise ConfigError(str(error)) from None
+    if cfg.rollout.max_staleness not in (0, 1):
+        raise ConfigError(
+            f"rollout.max_staleness={cfg.rollout.max_staleness}: one-step asynchronous rollout supports 0 "
+            "(synchronous) or 1"
+        )
     prompt_budget = cfg.model.max_position_embeddings - cfg.rollout.max_new_tokens
     if prompt_budget < 1:
         raise ConfigError(

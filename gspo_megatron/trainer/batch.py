@@ -32,6 +32,7 @@ class RolloutBatch:
     response_lengths: torch.Tensor  # long [N]
     routed_experts: Optional[torch.Tensor] = None  # int [N, S-1, layers, k] from the engine (R3)
     old_log_probs: Optional[torch.Tensor] = None  # float [N, S-1], filled by the trainer
+    policy_versions: Optional[torch.Tensor] = None  # long [N]: the engine weight version of each sample
 
     @property
     def num_sequences(self) -> int:
@@ -98,6 +99,7 @@ def pack_samples(
         prompt_lengths=torch.tensor([len(s.prompt_ids) for s in samples]),
         response_lengths=torch.tensor([len(s.output_ids) for s in samples]),
         routed_experts=routed,
+        policy_versions=torch.tensor([s.weight_version for s in samples], dtype=torch.long),
     )
 
 

@@ -32,6 +32,7 @@ from gspo_megatron.algorithms.reductions import all_reduce_metrics
 from gspo_megatron.models.conversion import export_hf_weights
 from gspo_megatron.models.schedule import run_schedule
 from gspo_megatron.rollout.mismatch import finalize_mismatch, train_inference_mismatch
+from gspo_megatron.trainer.async_rollout import RolloutScheduler
 from gspo_megatron.trainer.batch import RolloutBatch, partition
 from gspo_megatron.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from gspo_megatron.trainer.diagnostics import RoutingDiagnostics
@@ -48,13 +49,21 @@ class RLTrainer:
         self.step = 0
         self.diagnostics = RoutingDiagnostics(self.cfg.routing, components, self.mesh)
         self.clip_controller = AdaptiveClipController.from_config(self.cfg.algorithm)  # None: fixed eps
+        self.scheduler = None  # the driver's rollout schedule (synchronous or one step ahead)
+        if self.mesh.is_driver:
+            rollout = self.cfg.rollout
+            self.scheduler = RolloutScheduler(
+                lambda step: components.rollout.run(step, self.cfg.trainer.prompts_per_step),
+                rollout.max_staleness if rollout.async_rollout else 0, self._last_step(),
+                versions_of=lambda batch: batch.policy_versions.tolist(),
+            )
 
     # ------------------------------------------------------------------ main loop
     def train(self) -> str:
         cfg = self.cfg
         self._maybe_resume()
-        self.sync_weights()
-        last = cfg.trainer.steps if cfg.trainer.stop_after_steps is None else min(cfg.trainer.steps, cfg.trainer.stop_after_steps)
+        self.sync_weights(version=self.step)
+        last = self._last_step()
         while self.step < last:
             metrics = self.train_step()
             self.step += 1
@@ -74,6 +83,10 @@ class RLTrainer:
 
             write_routing_report(self.c.run_dir)
         return summary
+
+    def _last_step(self) -> int:
+        t = self.cfg.trainer
+        return t.steps if t.stop_after_steps is None else min(t.steps, t.stop_after_steps)
 
     def train_step(self) -> dict[str, float]:
         timings: dict[str, float] = {}
@@ -108,7 +121,8 @@ class RLTrainer:
     def _rollout(self) -> tuple[RolloutBatch, dict]:
         payload = [None]
         if self.mesh.is_driver:
-            payload = [self.c.rollout.run(self.step, self.cfg.trainer.prompts_per_step)]
+            payload = [self.scheduler.take(self.step)]
+            self.scheduler.start_next(self.step + 1)  # async: generates on the current weights meanwhile
         dist.broadcast_object_list(payload, src=0)
         batch, metrics = payload[0]
         return batch, dict(metrics)
@@ -239,9 +253,12 @@ class RLTrainer:
             dist.broadcast_object_list(payload, src=self.mesh.last_stage_global_rank, group=self.mesh.pp_group)
         return payload[0] or {}
 
-    def sync_weights(self) -> None:
-        """Stream the policy's HF-named weights into the rollout engine (collective on all ranks)."""
-        version = self.step + 1
+    def sync_weights(self, version: Optional[int] = None) -> None:
+        """Stream the policy's HF-named weights into the rollout engine (collective on all ranks).
+        ``version``: optimizer steps trained into the weights (default: after this step's update)."""
+        version = self.step + 1 if version is None else version
+        if self.scheduler is not None:
+            self.scheduler.before_weight_sync()  # an in-flight generation finishes on the old weights
         buckets = export_hf_weights(self.c.model_chunk, self.cfg.model, self.mesh,
                                     bucket_bytes=self.c.weight_bucket_bytes)
         if self.mesh.is_driver:
@@ -268,6 +285,7 @@ class RLTrainer:
             "task": self.c.task.state_dict() if self.mesh.is_driver else None,
             "config": self.c.config_yaml,
             "clip_controller": self.clip_controller.state_dict() if self.clip_controller else None,
+            "rollout_scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
         }
         return save_checkpoint(self.c.run_dir, self.step, self.c.model_chunk, self.c.optimizer, state,
                                self.cfg.checkpoint.keep_last, self.mesh.is_driver)
@@ -293,6 +311,8 @@ class RLTrainer:
         self.c.scheduler.load_state_dict(state["scheduler"])
         if self.mesh.is_driver and state.get("task") is not None:
             self.c.task.load_state_dict(state["task"])
+        if self.scheduler is not None and state.get("rollout_scheduler") is not None:
+            self.scheduler.load_state_dict(state["rollout_scheduler"])
         self.step = int(state["step"])
         if self.clip_controller is not None and state.get("clip_controller") is not None:
             self.clip_controller.load_state_dict(state["clip_controller"])
