@@ -55,11 +55,12 @@ class AlgorithmConfig:
     kl_coef: float = 0.0  # loss += kl_coef * aggregated KL to a frozen reference; 0 skips the reference
     kl_estimator: str = "k3"  # k1 | k2 | k3 (algorithms/kl.py; verl kl_loss_type, TRL's beta term = k3)
     kl_reference: Optional[str] = None  # a local HF checkpoint dir; None: the policy's initial weights
-    mismatch_correction: str = "none"  # none | token_truncate | token_mask | sequence_truncate | sequence_mask
+    # none | token_truncate | token_mask | sequence_truncate | sequence_mask
+    mismatch_correction: str = "none"
     mismatch_cap: float = 2.0  # C in min(pi_old / pi_rollout, C) (algorithms/mismatch_correction.py)
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups, draw more (trainer/dynamic_sampling.py)
     dynamic_sampling_max_extra_rounds: int = 4  # bound on extra generation rounds per step
-    adaptive_clip_target: Optional[float] = None  # target clipped fraction; None: fixed eps (adaptive_clip.py)
+    adaptive_clip_target: Optional[float] = None  # target clipped fraction; None: fixed eps
     adaptive_clip_rate: float = 0.2  # log-space gain: eps moves by at most exp(rate) per step
     adaptive_clip_min_scale: float = 0.25  # eps stays within [min_scale, max_scale] x the configured eps
     adaptive_clip_max_scale: float = 4.0
@@ -113,7 +114,7 @@ def validate_algorithm_config(cfg: AlgorithmConfig) -> None:
             "ratio per sequence; use sequence_truncate/sequence_mask with gspo (or loss=gspo_token / grpo)"
         )
     if not cfg.mismatch_cap >= 1.0:
-        raise ValueError(f"algorithm.mismatch_cap must be >= 1 (a cap on pi_old / pi_rollout), got {cfg.mismatch_cap}")
+        raise ValueError(f"algorithm.mismatch_cap must be >= 1 (caps pi_old / pi_rollout), got {cfg.mismatch_cap}")
     if cfg.dynamic_sampling_max_extra_rounds < 0:
         raise ValueError(
             f"algorithm.dynamic_sampling_max_extra_rounds must be >= 0, got {cfg.dynamic_sampling_max_extra_rounds}"
@@ -127,7 +128,8 @@ def _validate_adaptive_clip(cfg: AlgorithmConfig) -> None:
     if cfg.adaptive_clip_target is None:
         return
     if not 0 < cfg.adaptive_clip_target < 1:
-        raise ValueError(f"algorithm.adaptive_clip_target must be in (0, 1) (a clipped fraction), got {cfg.adaptive_clip_target}")
+        raise ValueError(
+            f"algorithm.adaptive_clip_target must be in (0, 1) (a clipped fraction), got {cfg.adaptive_clip_target}")
     if not cfg.adaptive_clip_rate > 0:
         raise ValueError(f"algorithm.adaptive_clip_rate must be > 0, got {cfg.adaptive_clip_rate}")
     if not 0 < cfg.adaptive_clip_min_scale <= 1 <= cfg.adaptive_clip_max_scale:

@@ -42,6 +42,7 @@ def reference_kl(
 ) -> torch.Tensor:
     """Per-token KL(pi_theta || pi_ref) estimate [B, T]; gradient flows through ``log_probs`` only."""
     if log_probs.shape != ref_log_probs.shape:
-        raise ValueError(f"log_probs {tuple(log_probs.shape)} and ref_log_probs {tuple(ref_log_probs.shape)} differ")
+        raise ValueError(
+            f"log_probs {tuple(log_probs.shape)} and ref_log_probs {tuple(ref_log_probs.shape)} differ")
     log_ratio = (log_probs - ref_log_probs.detach()).clamp(-clamp, clamp)
     return KL_ESTIMATORS.get(estimator)(log_ratio)

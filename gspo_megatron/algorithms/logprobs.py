@@ -209,7 +209,9 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         in_place = logits.dtype == torch.float32
         rows_per_chunk = max(min(ctx.chunk_size or num_tokens, num_tokens), 1)
         workspace = None if in_place else flat_logits.new_empty(rows_per_chunk, vocab_local, dtype=torch.float32)
-        probs = None if entropy_scale is None else flat_logits.new_empty(rows_per_chunk, vocab_local, dtype=torch.float32)
+        probs = None  # p beside log p, for the entropy gradient only
+        if entropy_scale is not None:
+            probs = flat_logits.new_empty(rows_per_chunk, vocab_local, dtype=torch.float32)
         for rows in _chunks(num_tokens, ctx.chunk_size):
             n = rows.stop - rows.start
             grad = grad_logits[rows] if in_place else workspace[:n]
@@ -222,7 +224,8 @@ class _VocabParallelLogProbs(torch.autograd.Function):
                 grad.mul_(-scale[rows].unsqueeze(-1))  # -g p / T
             else:
                 p = torch.exp(grad, out=probs[:n])
-                grad.add_(entropy[rows].unsqueeze(-1)).mul_(entropy_scale[rows].unsqueeze(-1))  # g_H (log p + H)
+                grad.add_(entropy[rows].unsqueeze(-1))
+                grad.mul_(entropy_scale[rows].unsqueeze(-1))  # g_H (log p + H)
                 grad.add_(scale[rows].unsqueeze(-1) * temperature)  # + g
                 grad.mul_(p).mul_(-1.0 / temperature)  # -p (g + g_H (log p + H)) / T
             row_ids = torch.arange(n, device=grad.device)

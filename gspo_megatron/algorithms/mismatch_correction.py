@@ -41,7 +41,8 @@ def mismatch_weights(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Importance weights ([B, T] for token modes, 0 off the mask; [B] for sequence modes) and metrics."""
     if mode not in MISMATCH_MODES or mode == "none":
-        raise ValueError(f"mismatch correction mode {mode!r} is not a correction; valid: {', '.join(MISMATCH_MODES[1:])}")
+        raise ValueError(
+            f"mismatch correction mode {mode!r} is not a correction; valid: {', '.join(MISMATCH_MODES[1:])}")
     if not cap >= 1.0:
         raise ValueError(f"the importance-weight cap must be >= 1, got {cap}")
     mask = response_mask.bool()
@@ -58,10 +59,11 @@ def mismatch_weights(
     weights = rho.clamp(max=cap) if action == "truncate" else torch.where(beyond, 0.0, rho)
     weights = torch.where(select, weights, 0.0)
     count = select.sum().clamp_min(1)
+    nan = torch.tensor(float("nan"))
     metrics = {
         "weight_mean": weights.sum() / count,
-        "weight_min": torch.where(select, weights, torch.inf).min() if select.any() else torch.tensor(float("nan")),
-        "weight_max": torch.where(select, weights, -torch.inf).max() if select.any() else torch.tensor(float("nan")),
+        "weight_min": torch.where(select, weights, torch.inf).min() if select.any() else nan,
+        "weight_max": torch.where(select, weights, -torch.inf).max() if select.any() else nan,
         {"truncate": "truncated_frac", "mask": "masked_frac"}[action]: (beyond & select).sum() / count,
         "ratio_mean": torch.where(select, rho, 0.0).sum() / count,
     }

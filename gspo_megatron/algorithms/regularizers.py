@@ -21,7 +21,9 @@ from gspo_megatron.algorithms.losses import LossContext, aggregate_tokens
 from gspo_megatron.algorithms.metrics import token_mean_metric
 
 
-def entropy_bonus(entropy: torch.Tensor, response_mask: torch.Tensor, ctx: LossContext, coef: float) -> torch.Tensor:
+def entropy_bonus(
+    entropy: torch.Tensor, response_mask: torch.Tensor, ctx: LossContext, coef: float
+) -> torch.Tensor:
     """-coef * agg_t H_t: minimising it raises the entropy (coef > 0)."""
     return -coef * aggregate_tokens(torch.where(response_mask.bool(), entropy, 0.0), response_mask, ctx)
 

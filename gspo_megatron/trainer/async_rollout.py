@@ -11,8 +11,9 @@ Design decisions:
   weight update: every sample of a batch comes from one policy version, and with R3 the routed
   experts it carries (and the trainer replays) are exactly those that stale policy used.
 - Staleness is counted in versions: the trainer syncs the weights after k trained steps as version
-  k; a batch generated on version v and trained at step k (0-based) is k - v stale. The bound is enforced (``StalenessError``), not assumed, and every sample's version comes
-  from the engine (``Sample.weight_version``).
+  k; a batch generated on version v and trained at step k (0-based) is k - v stale. The bound is
+  enforced (``StalenessError``), not assumed, and every sample's version comes from the engine
+  (``Sample.weight_version``).
 - ``max_staleness=0`` never starts a thread: the synchronous schedule, step for step.
 - The rollout's own log-probs stay in the batch (``rollout_log_probs``) and are what the mismatch
   correction weighs against, so a stale batch is corrected like an inference mismatch.
@@ -50,7 +51,8 @@ class RolloutScheduler:
     def __init__(self, produce: Callable[[int], tuple[Any, dict]], max_staleness: int, last_step: int,
                  versions_of: Callable[[Any], list[int]]):
         if max_staleness not in (0, 1):
-            raise ValueError(f"max_staleness must be 0 or 1 (one-step asynchronous rollout), got {max_staleness}")
+            raise ValueError(
+                f"max_staleness must be 0 or 1 (one-step asynchronous rollout), got {max_staleness}")
         self.produce = produce
         self.max_staleness = max_staleness
         self.last_step = last_step
@@ -123,4 +125,5 @@ class RolloutScheduler:
             raise RuntimeError(f"background rollout for step {pending.step} failed") from pending.error
         generation = pending.finished - pending.started
         overlap = max(0.0, generation - waited) / generation if generation > 0 else 0.0
-        self._ready = (pending.step, pending.result, {"async/generation_s": generation, "async/overlap_frac": overlap})
+        timing = {"async/generation_s": generation, "async/overlap_frac": overlap}
+        self._ready = (pending.step, pending.result, timing)

@@ -11,7 +11,9 @@ from gspo_megatron.algorithms.mismatch_correction import mismatch_weights, weigh
 from gspo_megatron.trainer.batch import RolloutBatch
 
 
-def correct_mismatch(batch: RolloutBatch, parts: list[list[dict]], algorithm: AlgorithmConfig) -> dict[str, float]:
+def correct_mismatch(
+    batch: RolloutBatch, parts: list[list[dict]], algorithm: AlgorithmConfig
+) -> dict[str, float]:
     """Re-weight the advantages of every micro-batch in ``parts``; returns the weights' metrics."""
     if batch.old_log_probs is None:
         raise RuntimeError("mismatch correction needs the old log-probs: run the old-log-prob pass first")

@@ -45,8 +45,9 @@ class ReferenceModel:
 
     @classmethod
     def build(cls, cfg, layout, mesh, policy_source, dtype: torch.dtype) -> "ReferenceModel":
-        """``policy_source``: where the policy's initial weights came from (used unless kl_reference is set)."""
-        source = SafetensorsSource(cfg.algorithm.kl_reference) if cfg.algorithm.kl_reference else policy_source
+        """``policy_source``: where the policy's initial weights came from (unless kl_reference is set)."""
+        path = cfg.algorithm.kl_reference
+        source = SafetensorsSource(path) if path else policy_source
         chunk = build_model(cfg.model, layout, params_dtype=dtype, layer_spec=cfg.model.layer_spec,
                             routing_replay=False, initialize=False)
         load_hf_weights(chunk, cfg.model, source, mesh)
@@ -58,6 +59,7 @@ class ReferenceModel:
         with torch.no_grad():
             outputs = run_schedule([self.model_chunk], micro_batches, self.head, forward_only=True)
         if outputs and len(outputs) != len(micro_batches):
-            raise RuntimeError(f"reference pass returned {len(outputs)} outputs for {len(micro_batches)} micro-batches")
+            raise RuntimeError(
+                f"reference pass returned {len(outputs)} outputs for {len(micro_batches)} micro-batches")
         for mb, out in zip(micro_batches, outputs):
             mb["ref_log_probs"] = out["log_probs"]
