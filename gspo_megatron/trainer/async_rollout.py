@@ -19,8 +19,9 @@ Design decisions:
   correction weighs against, so a stale batch is corrected like an inference mismatch.
 - A batch prefetched when a checkpoint is written is part of the checkpoint (``state_dict``), so a
   resumed run trains exactly the batch the uninterrupted run would have.
-- Generation and training share the driver's CPU/GPU: ``async/overlap_frac`` (the share of the
-  generation that ran while training, not while the trainer waited for it) says what was gained.
+- Generation and training share the driver's CPU/GPU: ``time/generation_overlap_frac`` (the share
+  of the generation that ran while training, not while the trainer waited for it) says what was
+  gained. Timings are under ``time/`` (they differ run to run); staleness is under ``async/``.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ class RolloutScheduler:
         else:
             started = time.perf_counter()
             result, metrics = self.produce(step)
-            timing = {"async/generation_s": time.perf_counter() - started, "async/overlap_frac": 0.0}
+            elapsed = time.perf_counter() - started
+            timing = {"time/generation": elapsed, "time/generation_overlap_frac": 0.0}
         versions = self.versions_of(result)
         staleness = [step - v for v in versions]
         if max(staleness) > self.max_staleness or min(staleness) < 0:
@@ -125,5 +127,5 @@ class RolloutScheduler:
             raise RuntimeError(f"background rollout for step {pending.step} failed") from pending.error
         generation = pending.finished - pending.started
         overlap = max(0.0, generation - waited) / generation if generation > 0 else 0.0
-        timing = {"async/generation_s": generation, "async/overlap_frac": overlap}
+        timing = {"time/generation": generation, "time/generation_overlap_frac": overlap}
         self._ready = (pending.step, pending.result, timing)

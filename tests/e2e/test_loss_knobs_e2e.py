@@ -78,7 +78,7 @@ def test_async_rollout_staleness_bound_with_rollout_replay(tmp_path):
     assert [m["async/staleness_max"] for m in metrics] == [0.0, 1.0, 1.0]
     assert [m["async/policy_version_min"] for m in metrics] == [0.0, 0.0, 1.0]
     for m in metrics:
-        assert 0.0 <= m["async/overlap_frac"] <= 1.0 and math.isfinite(m["loss/policy"])
+        assert 0.0 <= m["time/generation_overlap_frac"] <= 1.0 and math.isfinite(m["loss/policy"])
     # step 3 trains version-2 weights on version-1 samples (step 1 ran at warm-up LR 0, so versions 0
     # and 1 hold the same weights): pi_old now differs from the stale rollout's log-probs
     assert metrics[0]["mismatch/abs_log_prob_diff_mean"] < 1e-4 < metrics[2]["mismatch/abs_log_prob_diff_mean"]
