@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -98,6 +99,11 @@ def validate_algorithm_config(cfg: AlgorithmConfig) -> None:
     if cfg.kl_estimator not in KL_ESTIMATORS:
         raise ValueError(
             f"algorithm.kl_estimator={cfg.kl_estimator!r} is unknown; valid: {', '.join(KL_ESTIMATORS.names())}"
+        )
+    if cfg.kl_reference is not None and not Path(cfg.kl_reference).is_dir():
+        raise ValueError(
+            f"algorithm.kl_reference={cfg.kl_reference!r} is not a directory; point it at a local HF "
+            "checkpoint (config.json + safetensors) or set it to null for the policy's initial weights"
         )
     if cfg.kl_reference is not None and cfg.kl_coef == 0:
         raise ValueError(
