@@ -28,6 +28,18 @@ def test_reference_kl_and_entropy_bonus_under_rollout_replay(tmp_path):
     assert metrics[1]["loss/kl_ref"] > 0
 
 
+def test_reference_from_a_hf_checkpoint(tmp_path):
+    """kl_reference names a trained policy's HF export: at step 1 (warm-up LR 0, policy = initial
+    weights) the KL is already > 0, where the default reference (initial weights) gives exactly 0."""
+    trained = tmp_path / "trained"
+    run_distributed(train_worker, 1, FAST + ["checkpoint.export_hf=true", "algorithm.entropy_coef=0.05"],
+                    str(trained), timeout=600)
+    overrides = FAST + ["trainer.steps=1", "algorithm.kl_coef=0.1",
+                        f"algorithm.kl_reference={trained / 'hf_export'}"]
+    (metrics,) = run_distributed(train_worker, 1, overrides, str(tmp_path / "with_reference"), timeout=600)
+    assert metrics[0]["loss/kl_ref"] > 0
+
+
 def test_mismatch_correction_with_the_bf16_engine(tmp_path):
     """A bf16 engine samples, the fp32 trainer scores: token weights min(pi_old / pi_rollout, C) vary."""
     cap = 1.0  # bf16 vs fp32 moves rho by ~1e-3 either way: a cap of 1 truncates some tokens, not all
