@@ -49,10 +49,10 @@ class RLTrainer:
         self.step = 0
         self.diagnostics = RoutingDiagnostics(self.cfg.routing, components, self.mesh)
         self.clip_controller = AdaptiveClipController.from_config(self.cfg.algorithm)  # None: fixed eps
-        self.scheduler = None  # the driver's rollout schedule (synchronous or one step ahead)
+        self.rollouts = None  # the driver's rollout schedule (synchronous or one step ahead)
         if self.mesh.is_driver:
             rollout = self.cfg.rollout
-            self.scheduler = RolloutScheduler(
+            self.rollouts = RolloutScheduler(
                 lambda step: components.rollout.run(step, self.cfg.trainer.prompts_per_step),
                 rollout.max_staleness if rollout.async_rollout else 0, self._last_step(),
                 versions_of=lambda batch: batch.policy_versions.tolist(),
@@ -107,8 +107,9 @@ class RLTrainer:
             self.sync_weights()
         metrics.update(old_metrics)
         metrics.update(update_metrics)
-        if self.clip_controller is not None:
-            metrics.update(self.clip_controller.update(update_metrics.get(self.clip_controller.metric, float("nan"))))
+        if self.clip_controller is not None:  # adapts eps for the next step from this step's clip fraction
+            clipped = update_metrics.get(self.clip_controller.metric, float("nan"))
+            metrics.update(self.clip_controller.update(clipped))
         metrics.update(self.diagnostics.finish_step(self.step + 1))
         eval_every = self.cfg.trainer.eval_every
         if eval_every and (self.step + 1) % eval_every == 0:
@@ -121,8 +122,8 @@ class RLTrainer:
     def _rollout(self) -> tuple[RolloutBatch, dict]:
         payload = [None]
         if self.mesh.is_driver:
-            payload = [self.scheduler.take(self.step)]
-            self.scheduler.start_next(self.step + 1)  # async: generates on the current weights meanwhile
+            payload = [self.rollouts.take(self.step)]
+            self.rollouts.start_next(self.step + 1)  # async: generates on the current weights meanwhile
         dist.broadcast_object_list(payload, src=0)
         batch, metrics = payload[0]
         return batch, dict(metrics)
@@ -257,8 +258,8 @@ class RLTrainer:
         """Stream the policy's HF-named weights into the rollout engine (collective on all ranks).
         ``version``: optimizer steps trained into the weights (default: after this step's update)."""
         version = self.step + 1 if version is None else version
-        if self.scheduler is not None:
-            self.scheduler.before_weight_sync()  # an in-flight generation finishes on the old weights
+        if self.rollouts is not None:
+            self.rollouts.before_weight_sync()  # an in-flight generation finishes on the old weights
         buckets = export_hf_weights(self.c.model_chunk, self.cfg.model, self.mesh,
                                     bucket_bytes=self.c.weight_bucket_bytes)
         if self.mesh.is_driver:
@@ -285,7 +286,7 @@ class RLTrainer:
             "task": self.c.task.state_dict() if self.mesh.is_driver else None,
             "config": self.c.config_yaml,
             "clip_controller": self.clip_controller.state_dict() if self.clip_controller else None,
-            "rollout_scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "rollout_scheduler": self.rollouts.state_dict() if self.rollouts is not None else None,
         }
         return save_checkpoint(self.c.run_dir, self.step, self.c.model_chunk, self.c.optimizer, state,
                                self.cfg.checkpoint.keep_last, self.mesh.is_driver)
@@ -311,8 +312,8 @@ class RLTrainer:
         self.c.scheduler.load_state_dict(state["scheduler"])
         if self.mesh.is_driver and state.get("task") is not None:
             self.c.task.load_state_dict(state["task"])
-        if self.scheduler is not None and state.get("rollout_scheduler") is not None:
-            self.scheduler.load_state_dict(state["rollout_scheduler"])
+        if self.rollouts is not None and state.get("rollout_scheduler") is not None:
+            self.rollouts.load_state_dict(state["rollout_scheduler"])
         self.step = int(state["step"])
         if self.clip_controller is not None and state.get("clip_controller") is not None:
             self.clip_controller.load_state_dict(state["clip_controller"])
