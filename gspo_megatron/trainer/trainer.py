@@ -54,7 +54,9 @@ class RLTrainer:
             rollout = self.cfg.rollout
             self.rollouts = RolloutScheduler(
                 lambda step: components.rollout.run(step, self.cfg.trainer.prompts_per_step),
-                rollout.max_staleness if rollout.async_rollout else 0, self._last_step(),
+                # bounded by trainer.steps, not stop_after_steps: a job stopped early still prefetches
+                # (and checkpoints) the batch the uninterrupted run would train next
+                rollout.max_staleness if rollout.async_rollout else 0, self.cfg.trainer.steps,
                 versions_of=lambda batch: batch.policy_versions.tolist(),
             )
 

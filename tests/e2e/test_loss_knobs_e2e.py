@@ -103,3 +103,16 @@ def test_async_rollout_with_staleness_zero_is_the_synchronous_run(tmp_path):
         same = {k: v for k, v in a.items() if not k.startswith(("time/", "async/"))}
         assert same == {k: v for k, v in b.items() if not k.startswith(("time/", "async/"))}
         assert b["async/staleness_max"] == 0.0
+
+
+def test_async_rollout_resume_continues_exactly(tmp_path):
+    """The batch prefetched when the checkpoint is written is part of it: a resumed async run trains
+    exactly what the uninterrupted one did."""
+    base = FAST + ["trainer.steps=4", "rollout.async_rollout=true", "algorithm.entropy_coef=0.01"]
+    (full,) = run_distributed(train_worker, 1, base + ["checkpoint.save_every=2"], str(tmp_path / "full"))
+    run_distributed(train_worker, 1, base + ["trainer.stop_after_steps=2"], str(tmp_path / "resumed"))
+    (resumed,) = run_distributed(train_worker, 1, base + ["checkpoint.resume=true"], str(tmp_path / "resumed"))
+    assert len(full) == len(resumed) == 4 and resumed[2]["async/staleness_max"] == 1.0
+    for a, b in zip(full, resumed):
+        same = {k: a[k] for k in a if not k.startswith("time/")}
+        assert same == {k: b[k] for k in b if not k.startswith("time/")}, f"step {a['step']} differs after resume"
