@@ -87,3 +87,44 @@ def test_staleness_bound_is_enforced_and_zero_means_synchronous():
         scheduler.take(1)  # the engine still holds version 0: one step stale
     with pytest.raises(ValueError, match="max_staleness must be 0 or 1"):
         _scheduler(engine, max_staleness=2)
+
+
+def test_with_the_sglang_engine_the_update_waits_for_the_in_flight_generation(tmp_path):
+    """Against the SGLang test double: the prefetch's requests finish before the weight update
+    begins, and their samples carry the old version read back from meta_info."""
+    import json
+    import time
+
+    from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine
+    from gspo_megatron.testing.sglang_double import DoubleFaults, SGLangServerDouble
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_experts_per_tok": 2}))
+    double = SGLangServerDouble(faults=DoubleFaults(generate_delay_s=0.2)).start()
+    try:
+        config = SGLangConfig(mode="attach", urls=[double.url], weight_sync="disk", model_path=str(model),
+                              disk_sync_dir=str(tmp_path / "sync"), health_poll_interval_s=0.01)
+        tensors = [("w", torch.ones(2))]
+        params = SamplingParams(max_new_tokens=3, n=2, seed=1)
+        with SGLangEngine(config) as engine:
+            engine.update_weights(iter(tensors), version=0)
+            finished = []
+
+            def produce(step):
+                out = engine.generate([[1, 2], [3, 4]], params)  # ~0.2 s per request in the double
+                finished.append(time.perf_counter())
+                return out, {}
+
+            scheduler = RolloutScheduler(produce, 1, 10,
+                                         versions_of=lambda out: [s.weight_version for g in out for s in g])
+            scheduler.take(0)
+            scheduler.start_next(1)
+            scheduler.before_weight_sync()
+            update_started = time.perf_counter()
+            engine.update_weights(iter(tensors), version=1)
+            samples, metrics = scheduler.take(1)
+        assert finished[-1] <= update_started  # the prefetch finished before the update began
+        assert all(s.weight_version == 0 for g in samples for s in g) and metrics["async/staleness_max"] == 1.0
+    finally:
+        double.stop()
