@@ -6,6 +6,9 @@
 - ``SDPACoreAttention``: megatron's core-attention interface ([s, b, heads, dim] in, [s, b, hidden]
   out) on ``torch.nn.functional.scaled_dot_product_attention`` with a causal mask and grouped-query
   heads. Megatron's local ``DotProductAttention`` allocates from a CUDA memory buffer.
+  Under context parallelism (cp > 1) each rank holds a load-balanced share of the sequence; keys and
+  values are all-gathered over the CP group and the causal mask compares global positions
+  (``parallel/context_parallel.py``); the K/V gradients flow back to the ranks that own them.
 """
 
 from __future__ import annotations
@@ -13,9 +16,12 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+
+from gspo_megatron.parallel.context_parallel import causal_mask_for_rank, gather_keys_values
 
 
 class RMSNorm(torch.nn.Module):
@@ -46,11 +52,11 @@ class SDPACoreAttention(MegatronModule):
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise NotImplementedError(
-                "context parallelism needs TransformerEngine attention (TE layer spec); the portable "
-                "spec supports cp=1 only"
-            )
+        self.cp_size = config.context_parallel_size
+        if self.cp_size > 1:
+            from megatron.core import parallel_state as ps
+
+            self.cp_group = pg_collection.cp if pg_collection is not None else ps.get_context_parallel_group()
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -59,17 +65,26 @@ class SDPACoreAttention(MegatronModule):
                 packed_seq_params=None):
         if packed_seq_params is not None:
             raise NotImplementedError("packed sequences need the TE layer spec")
+        mask_type = attn_mask_type or self.attn_mask_type
+        causal = mask_type == AttnMaskType.causal and attention_mask is None
+        mask = None
+        if attention_mask is not None:
+            if self.cp_size > 1:
+                raise NotImplementedError("the portable context-parallel attention supports causal masks only")
+            mask = ~attention_mask.bool()  # megatron: True = masked out; SDPA: True = attend
+        if self.cp_size > 1:
+            # keys/values of the whole sequence (rank-major chunks); causal mask by global positions
+            key, value = (gather_keys_values(t, self.cp_group) for t in (key, value))
+            if causal:
+                rank = dist.get_rank(group=self.cp_group)
+                mask = causal_mask_for_rank(query.shape[0], self.cp_size, rank, device=query.device)
+                causal = False
         # [s, b, n, d] -> [b, n, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if k.shape[1] != q.shape[1]:  # grouped-query attention: repeat each KV head for its queries
             repeat = q.shape[1] // k.shape[1]
             k = k.repeat_interleave(repeat, dim=1)
             v = v.repeat_interleave(repeat, dim=1)
-        mask_type = attn_mask_type or self.attn_mask_type
-        causal = mask_type == AttnMaskType.causal and attention_mask is None
-        mask = None
-        if attention_mask is not None:
-            mask = ~attention_mask.bool()  # megatron: True = masked out; SDPA: True = attend
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal,
             dropout_p=self.dropout if self.training else 0.0, scale=self.softmax_scale,

@@ -11,6 +11,9 @@ Design decisions:
 - The loss callback runs on the last pipeline stage only; it receives the vocab-parallel logits
   [b, s, V/tp] and the micro-batch dict and returns ``(loss, metrics)``; metrics (tensors) come
   back from this function on the last stage, one dict per micro-batch.
+- Context parallelism: ``_forward_step`` hands every micro-batch to
+  ``parallel/context_parallel.split_micro_batch`` (the one place the sequence is split), so the
+  model and the loss callback see this CP rank's share of every per-token tensor.
 - Micro-batches of one call share one padded length (the allgather MoE dispatcher used on CPU
   cannot handle variable lengths, and PP needs the shapes up front).
 """
@@ -21,6 +24,8 @@ from functools import partial
 from typing import Callable, Optional
 
 import torch
+
+from gspo_megatron.parallel.context_parallel import chunk_positions, split_micro_batch
 
 LossCallback = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
 
@@ -46,15 +51,20 @@ def wrap_for_training(model, config, *, grad_reduce_in_fp32: bool = True, bucket
 
 
 def _forward_step(loss_callback: Optional[LossCallback], before_forward, data_iterator, model):
+    from megatron.core import parallel_state as ps
+
     batch = next(data_iterator)
     device = next(model.parameters()).device
     batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    cp_size, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    seq_len = batch["tokens"].shape[1]
+    batch = split_micro_batch(batch, cp_size, cp_rank)
     if before_forward is not None:
         before_forward()
     tokens = batch["tokens"]
     positions = batch.get("position_ids")
-    if positions is None:
-        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+    if positions is None:  # global positions of this rank's tokens (RoPE splits its own table alike)
+        positions = chunk_positions(seq_len, cp_size, cp_rank, device=tokens.device).unsqueeze(0).expand_as(tokens)
     output = model(tokens, positions, attention_mask=None)
 
     def loss_func(output_tensor):
@@ -77,7 +87,8 @@ def run_schedule(
     """Forward (and backward unless ``forward_only``) every micro-batch through megatron's schedule.
 
     Returns the metric dicts of each micro-batch on the last pipeline stage (empty list elsewhere).
-    All micro-batches must have the same [b, s] shape. ``before_forward`` runs before each
+    All micro-batches must have the same [b, s] shape (the whole sequence; megatron's schedule
+    divides ``seq_length`` by the CP size for its pipeline shapes). ``before_forward`` runs before each
     micro-batch's forward, in micro-batch order (routing replay sets its targets there).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func

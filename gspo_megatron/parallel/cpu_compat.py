@@ -34,6 +34,9 @@ What has no seam is bridged here, one function per fact, each idempotent:
    ``record_stream`` paths; without CUDA they become no-ops.
 6. ``clip_grad_by_total_norm_fp32`` asserts every grad is a ``torch.cuda.FloatTensor``; the
    optimizer module gets a version that scales fp32 CPU grads in place by the same coefficient.
+7. Context parallelism: ``rope_utils.get_pos_emb_on_this_cp_rank`` builds its chunk index with
+   ``pin_memory=True`` and ``.cuda()``. ``rotary_pos_embedding`` (which imported it by name) gets
+   the same load-balanced split from ``parallel/context_parallel.split_sequence`` on CPU.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ def enable_cpu_megatron() -> None:
     _cpu_rng_tracker()
     _cuda_literals_to_cpu()
     _clip_grads_on_cpu()
+    _rotary_cp_split_on_cpu()
     _ENABLED = True
 
 
@@ -177,3 +181,15 @@ def _clip_grads_on_cpu() -> None:
                 grad.detach().mul_(clip_coeff)
 
     optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+
+
+def _rotary_cp_split_on_cpu() -> None:
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
+
+    from gspo_megatron.parallel.context_parallel import split_sequence
+
+    def get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        # chunks r and 2*cp-1-r of the rotary table, exactly megatron's index_select
+        return split_sequence(pos_emb, cp_group.size(), cp_group.rank(), seq_dim=seq_dim)
+
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank

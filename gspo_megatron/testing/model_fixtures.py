@@ -15,6 +15,11 @@ EQUIVALENCE_LAYOUTS = {
     "ep2": dict(ep=2, world_size=2),
     "tp2_ep2": dict(tp=2, ep=2, world_size=4),
     "dp2": dict(world_size=2),
+    # context parallel: each rank holds a load-balanced half of every sequence
+    "cp2": dict(cp=2, world_size=2),
+    "tp2_cp2": dict(tp=2, cp=2, world_size=4),
+    "cp2_ep2": dict(cp=2, ep=2, world_size=2),
+    "pp2_cp2": dict(pp=2, cp=2, world_size=4),
 }
 
 
@@ -72,6 +77,7 @@ def model_layout_worker(ctx, cfg: MoEModelConfig, state: dict, layout_kwargs: di
 
     from gspo_megatron.models.builder import build_model
     from gspo_megatron.models.schedule import run_schedule, wrap_for_training
+    from gspo_megatron.parallel.context_parallel import gather_sequence
     from gspo_megatron.parallel.layout import ParallelLayout
     from gspo_megatron.parallel.mesh import initialize_parallel
 
@@ -98,11 +104,13 @@ def model_layout_worker(ctx, cfg: MoEModelConfig, state: dict, layout_kwargs: di
         for i in range(0, rows, per_micro)
     ]
 
+    cp_group = mesh.cp_group if layout.cp > 1 else None
+
     def loss_callback(logits, batch):
-        # logits [b, s, V/tp]; megatron's vocab-parallel CE gives -log p(target) per token.
+        # logits [b, s / cp, V/tp]; megatron's vocab-parallel CE gives -log p(target) per token.
         logp = -tensor_parallel.vocab_parallel_cross_entropy(logits.float(), batch["targets"])
-        loss = -(batch["weights"] * logp).sum() / total_tokens
-        return loss, {"log_probs": logp.detach(), "loss": loss.detach()}
+        loss = -(batch["weights"] * logp).sum() / total_tokens  # this CP rank's tokens' share
+        return loss, {"log_probs": gather_sequence(logp.detach(), cp_group), "loss": loss.detach()}
 
     if policy is not None:
         loss_callback = _policy_callback(policy, mesh)
@@ -120,14 +128,16 @@ def model_layout_worker(ctx, cfg: MoEModelConfig, state: dict, layout_kwargs: di
 
 def _policy_callback(policy: dict, mesh):
     from gspo_megatron.algorithms.config import AlgorithmConfig
+    from gspo_megatron.parallel.context_parallel import gather_sequence
     from gspo_megatron.trainer.loss_head import PolicyLossHead
 
     clip = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.28)}[policy["loss"]]
     mask = policy["response_mask"]
     regularizers = {k: policy[k] for k in ("entropy_coef", "kl_coef", "kl_estimator") if k in policy}
+    cp_group = mesh.cp_group if mesh.layout.cp > 1 else None
     head = PolicyLossHead(
         AlgorithmConfig(name=policy["loss"], loss=policy["loss"], clip_low=clip[0], clip_high=clip[1], **regularizers),
-        mesh.tp_group, None, 1.0,
+        mesh.tp_group, cp_group, 1.0,
         global_num_sequences=(mask.sum(1) > 0).sum().float(), global_num_tokens=mask.sum(),
     )
 
@@ -137,6 +147,6 @@ def _policy_callback(policy: dict, mesh):
 
         with torch.no_grad():
             logp, _ = vocab_parallel_log_probs(logits, batch["targets"], tp_group=mesh.tp_group)
-        return loss, {"log_probs": logp, "loss": loss.detach()}
+        return loss, {"log_probs": gather_sequence(logp, cp_group), "loss": loss.detach()}
 
     return callback

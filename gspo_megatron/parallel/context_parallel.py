@@ -1,0 +1,108 @@
+"""Context parallelism (CP) without TransformerEngine: the sequence split, its inverse, the K/V gather.
+
+Design decisions:
+- megatron-core's load-balanced split (``megatron.core.utils.get_batch_on_this_cp_rank``): the
+  sequence is cut into 2*CP equal chunks and CP rank r holds chunks r and 2*CP-1-r, so every rank
+  has the same causal-attention work. Global positions held by rank r (chunk length c = S/(2*CP)):
+      [r*c, (r+1)*c) ++ [(2*CP-1-r)*c, (2*CP-r)*c)
+  megatron's RotaryEmbedding applies the same split to the rotary table itself, so no position ids
+  need to travel with the tokens.
+- ONE place splits a micro-batch (``split_micro_batch``): every tensor whose dim 1 is the token dim
+  (tokens, targets, masks, log-probs, routed experts [b, s, layers, k]) is split alike; per-row
+  tensors ([b]) and non-tensors pass through. ``gather_sequence`` is its inverse (all-gather over
+  the CP group, then put the chunks back in sequence order).
+- Attention: ``gather_keys_values`` all-gathers K/V over the CP group (at this scale a gather is
+  simpler than a ring). Its backward sums every rank's K/V gradient and returns each rank the part
+  that belongs to its own tokens: all-reduce + slice (gloo has no reduce-scatter on CPU).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def chunk_positions(seq_len: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
+    """Global token positions [S / CP] held by ``cp_rank``, in the order the rank holds them."""
+    if seq_len % (2 * cp_size):
+        raise ValueError(
+            f"sequence length {seq_len} is not divisible by 2*cp = {2 * cp_size}; pad the batch to a "
+            "multiple of 2*parallel.cp (trainer pads with trainer.pad_to_multiple)"
+        )
+    c = seq_len // (2 * cp_size)
+    first = torch.arange(cp_rank * c, (cp_rank + 1) * c, device=device)
+    second = torch.arange((2 * cp_size - 1 - cp_rank) * c, (2 * cp_size - cp_rank) * c, device=device)
+    return torch.cat([first, second])
+
+
+def split_sequence(x: torch.Tensor, cp_size: int, cp_rank: int, seq_dim: int = 1) -> torch.Tensor:
+    """This CP rank's load-balanced share of ``x`` along ``seq_dim``."""
+    if cp_size == 1:
+        return x
+    index = chunk_positions(x.shape[seq_dim], cp_size, cp_rank, device=x.device)
+    return x.index_select(seq_dim, index).contiguous()
+
+
+def split_micro_batch(batch: dict, cp_size: int, cp_rank: int) -> dict:
+    """Split every per-token tensor of a schedule micro-batch (dim 1 = the token dim of ``tokens``)."""
+    if cp_size == 1:
+        return batch
+    seq_len = batch["tokens"].shape[1]
+    out = {}
+    for key, value in batch.items():
+        per_token = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == seq_len
+        out[key] = split_sequence(value, cp_size, cp_rank) if per_token else value
+    return out
+
+
+def gather_sequence(local: torch.Tensor, cp_group: Optional[dist.ProcessGroup], seq_dim: int = 1) -> torch.Tensor:
+    """Inverse of ``split_sequence``: every rank's share -> the whole sequence, on every CP rank."""
+    cp_size = 1 if cp_group is None else dist.get_world_size(group=cp_group)
+    if cp_size == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(cp_size)]
+    dist.all_gather(parts, local.contiguous(), group=cp_group)
+    gathered = torch.cat(parts, dim=seq_dim)
+    seq_len = gathered.shape[seq_dim]
+    positions = torch.cat([chunk_positions(seq_len, cp_size, r, device=local.device) for r in range(cp_size)])
+    order = torch.argsort(positions)  # gathered[..., j] holds global position positions[j]
+    return gathered.index_select(seq_dim, order)
+
+
+class _GatherKeysValues(torch.autograd.Function):
+    """[s_local, ...] on each rank -> [cp * s_local, ...] (rank-major); backward: sum, keep own part."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, cp_group) -> torch.Tensor:
+        ctx.cp_group = cp_group
+        ctx.rank = dist.get_rank(group=cp_group)
+        ctx.length = local.shape[0]
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group=cp_group))]
+        dist.all_gather(parts, local.contiguous(), group=cp_group)
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # d loss / d K_r = sum over every rank's queries that attended to K_r
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.cp_group)
+        return grad[ctx.rank * ctx.length : (ctx.rank + 1) * ctx.length], None
+
+
+def gather_keys_values(local: torch.Tensor, cp_group) -> torch.Tensor:
+    """All-gather a sequence-first tensor over the CP group (rank-major order), gradient to owners."""
+    return _GatherKeysValues.apply(local, cp_group)
+
+
+def causal_mask_for_rank(local_len: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
+    """Bool [s_local, cp * s_local]: True where this rank's query may attend the gathered key.
+
+    Query i sits at global position q_pos[i]; gathered key j (rank-major) at k_pos[j];
+    causal attention allows k_pos <= q_pos.
+    """
+    seq_len = local_len * cp_size
+    q_pos = chunk_positions(seq_len, cp_size, cp_rank, device=device)
+    k_pos = torch.cat([chunk_positions(seq_len, cp_size, r, device=device) for r in range(cp_size)])
+    return k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
