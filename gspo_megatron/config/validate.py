@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from gspo_megatron.algorithms.config import validate_algorithm_config
 from gspo_megatron.config.schema import TrainConfig
+from gspo_megatron.parallel.context_parallel import validate_context_parallel
 from gspo_megatron.routing.replay import validate_replay_mode
 from gspo_megatron.shaping.triggers import check_shared_triggers
 
@@ -23,6 +24,7 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
     cfg.tokenizer.validate()
     cfg.reward.validate()
     layout = cfg.parallel.layout(world_size).validate(cfg.model)
+    validate_context_parallel(layout.cp, cfg.model.max_position_embeddings)
     t = cfg.trainer
     for name in ("steps", "prompts_per_step", "updates_per_rollout", "micro_batch_size"):
         if getattr(t, name) < 1:

@@ -7,7 +7,8 @@ Design decisions:
       [r*c, (r+1)*c) ++ [(2*CP-1-r)*c, (2*CP-r)*c)
   megatron's RotaryEmbedding applies the same split to the rotary table itself, so no position ids
   need to travel with the tokens.
-- ONE place splits a micro-batch (``split_micro_batch``): every tensor whose dim 1 is the token dim
+- The trainer right-pads each rollout batch to a length divisible by 2*CP
+  (``pad_for_context_parallel``); ONE place splits a micro-batch (``split_micro_batch``): every tensor whose dim 1 is the token dim
   (tokens, targets, masks, log-probs, routed experts [b, s, layers, k]) is split alike; per-row
   tensors ([b]) and non-tensors pass through. ``gather_sequence`` is its inverse (all-gather over
   the CP group, then put the chunks back in sequence order).
@@ -18,10 +19,23 @@ Design decisions:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from gspo_megatron.parallel.layout import LayoutError
+
+
+def validate_context_parallel(cp_size: int, max_position_embeddings: int) -> None:
+    """Start-up check: padded rows (length a multiple of 2*CP) must stay within the model's positions."""
+    if cp_size > 1 and max_position_embeddings % (2 * cp_size):
+        raise LayoutError(
+            f"parallel.cp={cp_size} splits every sequence into 2*cp = {2 * cp_size} chunks, so rows are padded "
+            f"to a multiple of {2 * cp_size}; model.max_position_embeddings={max_position_embeddings} is not "
+            f"one: set it to a multiple of {2 * cp_size} (e.g. {max_position_embeddings // (2 * cp_size) * 2 * cp_size})"
+        )
 
 
 def chunk_positions(seq_len: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
@@ -29,7 +43,7 @@ def chunk_positions(seq_len: int, cp_size: int, cp_rank: int, device=None) -> to
     if seq_len % (2 * cp_size):
         raise ValueError(
             f"sequence length {seq_len} is not divisible by 2*cp = {2 * cp_size}; pad the batch to a "
-            "multiple of 2*parallel.cp (trainer pads with trainer.pad_to_multiple)"
+            "multiple of 2*parallel.cp (the trainer does: pad_for_context_parallel)"
         )
     c = seq_len // (2 * cp_size)
     first = torch.arange(cp_rank * c, (cp_rank + 1) * c, device=device)
@@ -43,6 +57,28 @@ def split_sequence(x: torch.Tensor, cp_size: int, cp_rank: int, seq_dim: int = 1
         return x
     index = chunk_positions(x.shape[seq_dim], cp_size, cp_rank, device=x.device)
     return x.index_select(seq_dim, index).contiguous()
+
+
+def pad_for_context_parallel(batch, cp_size: int):
+    """A ``RolloutBatch`` whose model-input length S-1 is right-padded to a multiple of 2*CP.
+
+    Padding goes at the end of every row with zero masks (token id 0, log-probs 0, experts 0):
+    under causal attention no real token attends to it, so real tokens' outputs are unchanged.
+    """
+    if cp_size == 1:
+        return batch
+    inputs = batch.tokens.shape[1] - 1
+    pad = -inputs % (2 * cp_size)
+    if pad == 0:
+        return batch
+    values = {}
+    for f in dataclasses.fields(batch):
+        value = getattr(batch, f.name)
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] in (inputs, inputs + 1):
+            shape = (value.shape[0], pad, *value.shape[2:])
+            value = torch.cat([value, value.new_zeros(shape)], dim=1)
+        values[f.name] = value
+    return dataclasses.replace(batch, **values)
 
 
 def split_micro_batch(batch: dict, cp_size: int, cp_rank: int) -> dict:

@@ -124,6 +124,8 @@ class RoutingDiagnostics:
 
     def _groups(self):
         groups = [self.mesh.dp_group]
+        if self.mesh.layout.cp > 1:  # CP ranks hold different tokens of the same rows
+            groups.append(self.mesh.cp_group)
         if self.mesh.layout.use_sequence_parallel:
             groups.append(self.mesh.tp_group)
         return groups
@@ -178,7 +180,8 @@ def _load(routing: list, masks: list, components):
 
 def _token_mask(micro_batch: dict, mesh) -> torch.Tensor:
     """bool [s_local * b] in megatron's token order: real (non-padding) input tokens."""
-    mask = micro_batch["input_mask"].bool().transpose(0, 1)  # [s, b]
+    mask = split_sequence(micro_batch["input_mask"], mesh.layout.cp, mesh.cp_rank if mesh.layout.cp > 1 else 0)
+    mask = mask.bool().transpose(0, 1)  # [s, b]
     if mesh.layout.use_sequence_parallel and mesh.layout.tp > 1:
         mask = mask.chunk(mesh.layout.tp, dim=0)[mesh.tp_rank]
     return mask.reshape(-1)

@@ -18,6 +18,7 @@ from gspo_megatron.algorithms.losses import get_policy_loss
 from gspo_megatron.algorithms.metrics import mean_entries, token_mean_metric
 from gspo_megatron.algorithms.reductions import context_parallel_sequence_sum_fn
 from gspo_megatron.algorithms.regularizers import entropy_bonus, kl_penalty
+from gspo_megatron.parallel.context_parallel import gather_sequence
 
 
 @dataclass
@@ -27,6 +28,7 @@ class LogProbHead:
     tp_group: object
     temperature: float
     chunk_size: int | None = None
+    cp_group: object = None  # context parallel: the rank's share of each row -> whole rows
 
     def __call__(self, logits: torch.Tensor, batch: dict):
         with torch.no_grad():
@@ -34,6 +36,7 @@ class LogProbHead:
                 logits, batch["targets"], tp_group=self.tp_group, temperature=self.temperature,
                 chunk_size=self.chunk_size, with_entropy=True,
             )
+            log_probs, entropy = (gather_sequence(t, self.cp_group) for t in (log_probs, entropy))
         return logits.new_zeros(()), {"log_probs": log_probs, "entropy": entropy, "row_start": batch["row_start"]}
 
 

@@ -31,6 +31,7 @@ from gspo_megatron.algorithms.metrics import finalize_metrics, merge_metrics
 from gspo_megatron.algorithms.reductions import all_reduce_metrics
 from gspo_megatron.models.conversion import export_hf_weights
 from gspo_megatron.models.schedule import run_schedule
+from gspo_megatron.parallel.context_parallel import pad_for_context_parallel, split_sequence
 from gspo_megatron.rollout.mismatch import finalize_mismatch, train_inference_mismatch
 from gspo_megatron.trainer.async_rollout import RolloutScheduler
 from gspo_megatron.trainer.batch import RolloutBatch, partition
@@ -94,6 +95,7 @@ class RLTrainer:
         timings: dict[str, float] = {}
         with _timed(timings, "rollout"):
             batch, metrics = self._rollout()
+        batch = pad_for_context_parallel(batch, self.mesh.layout.cp)
         parts = partition(batch, self.cfg.trainer.updates_per_rollout, self.cfg.trainer.micro_batch_size,
                           self.mesh.layout.dp, self.mesh.dp_rank)
         with _timed(timings, "old_logp"):
@@ -140,7 +142,8 @@ class RLTrainer:
         cfg, mesh, replay = self.cfg, self.mesh, self.c.replay
         mode = cfg.algorithm.routing_replay
         flat = [mb for part in parts for mb in part]
-        head = LogProbHead(mesh.tp_group, cfg.rollout.temperature, cfg.algorithm.logprob_chunk_size)
+        head = LogProbHead(mesh.tp_group, cfg.rollout.temperature, cfg.algorithm.logprob_chunk_size,
+                           cp_group=mesh.cp_group if mesh.layout.cp > 1 else None)
         before = None
         if replay is not None:
             if mode == "rollout":  # observed: what the trainer routed with, for rollout_vs_train
@@ -184,8 +187,10 @@ class RLTrainer:
     def _rollout_targets(self, micro_batch: dict) -> list[torch.Tensor]:
         from gspo_megatron.routing.replay import rollout_targets
 
+        cp = self.mesh.layout.cp
+        routed = split_sequence(micro_batch["routed_experts"], cp, self.mesh.cp_rank if cp > 1 else 0)
         return rollout_targets(
-            micro_batch["routed_experts"], self.c.stage_moe_layers, self.mesh.tp_rank,
+            routed, self.c.stage_moe_layers, self.mesh.tp_rank,
             self.mesh.layout.tp, self.mesh.layout.use_sequence_parallel,
         )
 
@@ -244,7 +249,10 @@ class RLTrainer:
         """Sum/min/max over micro-batches (done) and data-parallel ranks, then to the driver."""
         payload = [None]
         if merged is not None:
-            reduced = all_reduce_metrics(merged, self.mesh.dp_group) if self.mesh.layout.dp > 1 else merged
+            layout = self.mesh.layout
+            # sums are CP-complete already (sequence sums); token min/max also span the CP group
+            reduced = merged if layout.dp * layout.cp == 1 else all_reduce_metrics(
+                merged, self.mesh.dp_group, extremum_group=self.mesh.dp_cp_group)
             # a response-length bucket with no response this step is left out (not logged as NaN)
             final = {f"loss/{k}" if not k.startswith(("loss/", "entropy")) else k: float(v)
                      for k, v in finalize_metrics(reduced).items()

@@ -28,7 +28,8 @@ def test_default_config_is_valid_on_one_rank():
 
 @pytest.mark.parametrize(
     "parallel, world",
-    [(dict(tp=2), 2), (dict(pp=2), 2), (dict(ep=2), 2), (dict(tp=2, ep=2), 4), (dict(), 4)],
+    [(dict(tp=2), 2), (dict(pp=2), 2), (dict(ep=2), 2), (dict(tp=2, ep=2), 4), (dict(), 4),
+     (dict(cp=2), 2), (dict(tp=2, cp=2), 4), (dict(cp=2, ep=2), 2), (dict(pp=2, cp=2), 4)],
 )
 def test_test_layouts_are_valid(parallel, world):
     cfg = TrainConfig()
@@ -55,6 +56,13 @@ def test_layout_must_fit_the_model():
     cfg = TrainConfig()
     cfg.parallel.ep = 3  # 4 experts
     refused(cfg, 3, "model.num_experts = 4", "parallel.ep = 3", error=LayoutError)
+
+
+def test_context_parallel_needs_positions_divisible_by_two_cp():
+    cfg = TrainConfig()
+    cfg.parallel.cp = 2
+    cfg.model.max_position_embeddings = 250  # rows are padded to a multiple of 2*cp = 4
+    refused(cfg, 2, "parallel.cp=2", "model.max_position_embeddings=250", "multiple of 4", error=LayoutError)
 
 
 def test_layout_sequence_parallel_rule_reaches_validate_config():
