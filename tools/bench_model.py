@@ -3,6 +3,7 @@
     python tools/bench_model.py                                  # tiny preset, all layouts
     python tools/bench_model.py --layouts single tp2 --batch 16 --seq 128 --repeats 5
     python tools/bench_model.py --preset tiny --hidden-size 256  # a wider model
+    python tools/bench_model.py --layouts single cp2 --batch 2 --micro-batches 1 --seq 2048  # long sequence
 
 Every layout is a separate set of spawned ranks (``run_distributed``; gloo on CPU, NCCL on CUDA)
 that builds the same model from the same HF-named weights and runs megatron's schedule (1F1B under
@@ -38,6 +39,8 @@ LAYOUTS = {
     "pp2": dict(pp=2, world_size=2),
     "ep2": dict(ep=2, world_size=2),
     "tp2_ep2": dict(tp=2, ep=2, world_size=4),
+    # context parallel: each rank holds half of every sequence (--seq divisible by 2*cp)
+    "cp2": dict(cp=2, world_size=2),
 }
 
 
