@@ -157,10 +157,15 @@ class RoutingReplay:
 
 
 def rollout_targets(routed: torch.Tensor, moe_layers: list[int], tp_rank: int, tp_size: int,
-                    sequence_parallel: bool) -> list[torch.Tensor]:
-    """Engine routed experts [b, s, all_layers, k] -> per MoE layer [s_local * b, k] in megatron order."""
+                    sequence_parallel: bool, cp_size: int = 1, cp_rank: int = 0) -> list[torch.Tensor]:
+    """Engine routed experts [b, s, all_layers, k] -> per MoE layer [s_local * b, k] in megatron order.
+
+    Under context parallelism the rows are first cut like the tokens (``split_sequence``)."""
+    from gspo_megatron.parallel.context_parallel import split_sequence
+
     if routed.dim() != 4:
         raise ReplayError(f"routed experts must be [batch, seq, layers, k], got {tuple(routed.shape)}")
+    routed = split_sequence(routed, cp_size, cp_rank)
     b, s = routed.shape[:2]
     out = []
     for layer in moe_layers:

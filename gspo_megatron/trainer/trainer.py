@@ -31,7 +31,7 @@ from gspo_megatron.algorithms.metrics import finalize_metrics, merge_metrics
 from gspo_megatron.algorithms.reductions import all_reduce_metrics
 from gspo_megatron.models.conversion import export_hf_weights
 from gspo_megatron.models.schedule import run_schedule
-from gspo_megatron.parallel.context_parallel import pad_for_context_parallel, split_sequence
+from gspo_megatron.parallel.context_parallel import pad_for_context_parallel
 from gspo_megatron.rollout.mismatch import finalize_mismatch, train_inference_mismatch
 from gspo_megatron.trainer.async_rollout import RolloutScheduler
 from gspo_megatron.trainer.batch import RolloutBatch, partition
@@ -187,11 +187,10 @@ class RLTrainer:
     def _rollout_targets(self, micro_batch: dict) -> list[torch.Tensor]:
         from gspo_megatron.routing.replay import rollout_targets
 
-        cp = self.mesh.layout.cp
-        routed = split_sequence(micro_batch["routed_experts"], cp, self.mesh.cp_rank if cp > 1 else 0)
+        layout = self.mesh.layout
         return rollout_targets(
-            routed, self.c.stage_moe_layers, self.mesh.tp_rank,
-            self.mesh.layout.tp, self.mesh.layout.use_sequence_parallel,
+            micro_batch["routed_experts"], self.c.stage_moe_layers, self.mesh.tp_rank,
+            layout.tp, layout.use_sequence_parallel, layout.cp, self.mesh.cp_rank if layout.cp > 1 else 0,
         )
 
     def _policy_updates(self, batch: RolloutBatch, parts: list[list[dict]]) -> dict:

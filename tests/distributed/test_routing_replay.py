@@ -55,14 +55,14 @@ def _micro_batches(cfg, layout, mesh):
             for i in range(rows)]
 
 
-def old_policy_replay_worker(ctx, use_replay: bool):
+def old_policy_replay_worker(ctx, use_replay: bool, layout_kwargs: dict | None = None):
     from megatron.core import tensor_parallel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from gspo_megatron.models.schedule import run_schedule
     from gspo_megatron.routing.volatility import routing_volatility
 
-    cfg, layout, mesh, model, ddp, replay = _setup(dict(world_size=1))
+    cfg, layout, mesh, model, ddp, replay = _setup(layout_kwargs or dict(world_size=1))
     mbs = _micro_batches(cfg, layout, mesh)
     # 1. old-policy pass records the routing of every micro-batch
     replay.start_recording()
@@ -108,6 +108,12 @@ def test_replayed_training_forward_routes_exactly_as_recorded():
     assert result["identical"] and result["changed"] == 0
 
 
+def test_replayed_training_forward_routes_as_recorded_under_context_parallelism():
+    """R2 with each CP rank holding half of every sequence: the replay covers exactly its tokens."""
+    results = run_distributed(old_policy_replay_worker, 2, True, dict(cp=2, world_size=2))
+    assert all(r["identical"] and r["changed"] == 0 for r in results)
+
+
 def test_without_replay_routing_moves_after_an_update():
     (result,) = run_distributed(old_policy_replay_worker, 1, False)
     assert result["changed"] > 0 and not result["identical"]
@@ -126,7 +132,8 @@ def rollout_replay_worker(ctx, layout_kwargs):
                            for _ in range(mb["tokens"].numel() * cfg.num_layers)]).reshape(
         *mb["tokens"].shape, cfg.num_layers, cfg.top_k) for mb in mbs]
     stage_layers = [layer.layer_number - 1 for layer in model.decoder.layers]
-    targets = [rollout_targets(r, stage_layers, mesh.tp_rank, layout.tp, layout.use_sequence_parallel) for r in engine]
+    targets = [rollout_targets(r, stage_layers, mesh.tp_rank, layout.tp, layout.use_sequence_parallel,
+                               layout.cp, mesh.cp_rank) for r in engine]
     used, handles = _routing_used(model)
     replay.load_targets(targets)
     run_schedule([ddp], mbs, None, forward_only=True, before_forward=replay.before_forward)
@@ -143,8 +150,8 @@ def rollout_replay_worker(ctx, layout_kwargs):
     return ok
 
 
-@pytest.mark.parametrize("layout", [dict(world_size=1), dict(ep=2, world_size=2), dict(pp=2, world_size=2)],
-                         ids=["one_rank", "ep2", "pp2"])
+@pytest.mark.parametrize("layout", [dict(world_size=1), dict(ep=2, world_size=2), dict(pp=2, world_size=2),
+                                    dict(cp=2, ep=2, world_size=2)], ids=["one_rank", "ep2", "pp2", "cp2_ep2"])
 def test_rollout_replay_uses_the_engine_routing(layout):
     assert all(run_distributed(rollout_replay_worker, layout["world_size"], layout))
 

@@ -40,9 +40,10 @@ def test_two_gloo_ranks(tmp_path, layout, world):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["ep2", "pp2"])
+@pytest.mark.parametrize("layout", ["ep2", "pp2", "cp2"])
 def test_rollout_replay_under_model_parallelism(tmp_path, layout):
-    """R3 end to end with the embedded engine's routed experts, under EP=2 and PP=2."""
+    """R3 end to end with the embedded engine's routed experts, under EP=2, PP=2 and CP=2 (the trainer's
+    rows padded to 2*cp and split across ranks, old log-probs gathered back)."""
     overrides = FAST + [f"parallel={layout}", "algorithm=grpo_rollout_routing_replay"]
     results = run_distributed(train_worker, 2, overrides, str(tmp_path), timeout=900)
     _check_run(results[0], 2)
