@@ -8,8 +8,9 @@ Design decisions:
   The forward value is the full sum; d out / d local = 1. The loss built from ``out`` is the same on
   every CP rank, and each rank's gradient is exactly the part of the single-rank gradient that belongs
   to its tokens, so the per-rank gradients summed over CP ranks equal the single-rank gradient.
-  (megatron's DDP *averages* grads over the dp x cp group; the caller that wires this in scales the
-  loss by cp_size, as megatron's own GPT loss does, to turn that average back into a sum.)
+  This project's DDP *sums* grads over the dp x cp group (``calculate_per_token_loss=True``, see
+  ``models/schedule.py``), so no cp_size scaling is needed; under megatron's default averaging the
+  loss would have to be scaled by cp_size, as megatron's own GPT loss does.
 - The loss value is therefore replicated over CP ranks: log it from one CP rank, and reduce metric
   *sums* over data-parallel ranks only. Token-level min/max are local to a CP slice, so reduce those
   over the CP group too (``extremum_group``); min/max are idempotent, replication does not hurt them.
