@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.parallel.context_parallel import split_sequence
 from gspo_megatron.routing.volatility import (
     RoutingVolatility,
     all_reduce_expert_load,
