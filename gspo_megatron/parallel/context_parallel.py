@@ -40,6 +40,8 @@ def validate_context_parallel(cp_size: int, max_position_embeddings: int) -> Non
 
 def chunk_positions(seq_len: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
     """Global token positions [S / CP] held by ``cp_rank``, in the order the rank holds them."""
+    if cp_size == 1:  # no split: any length
+        return torch.arange(seq_len, device=device)
     if seq_len % (2 * cp_size):
         raise ValueError(
             f"sequence length {seq_len} is not divisible by 2*cp = {2 * cp_size}; pad the batch to a "

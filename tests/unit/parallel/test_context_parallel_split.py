@@ -25,6 +25,12 @@ def test_chunk_positions_are_megatrons_load_balanced_chunks():
     assert sorted(held.tolist()) == list(range(24))
 
 
+def test_without_context_parallelism_any_length_is_whole():
+    assert chunk_positions(7, 1, 0).tolist() == list(range(7))  # odd lengths are fine at cp=1
+    x = torch.arange(7).view(1, 7)
+    assert split_micro_batch({"tokens": x}, 1, 0)["tokens"] is x
+
+
 def test_split_refuses_lengths_not_divisible_by_two_cp():
     with pytest.raises(ValueError, match="not divisible by 2\\*cp = 4"):
         chunk_positions(10, 2, 0)
