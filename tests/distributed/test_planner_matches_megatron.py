@@ -27,6 +27,9 @@ pytestmark = pytest.mark.distributed
 FP32 = 4
 SEQ_LEN = 12
 MICRO_BATCHES = 2
+# The planner models TE's ring context-parallel attention; the CPU runs use the portable one, which
+# all-gathers K/V (parallel/context_parallel.py) -- different traffic -- so CP layouts are left out here.
+LAYOUTS = {name: kwargs for name, kwargs in EQUIVALENCE_LAYOUTS.items() if kwargs.get("cp", 1) == 1}
 
 
 def _measure_state(mesh_layout, cfg, dtype: torch.dtype, distributed_optimizer: bool) -> dict:
@@ -129,7 +132,7 @@ def state_worker(ctx, cfg, layouts: dict) -> dict:
 def measured():
     cfg = tiny_test_config()
     by_world: dict[int, dict] = {}
-    for name, kwargs in EQUIVALENCE_LAYOUTS.items():
+    for name, kwargs in LAYOUTS.items():
         by_world.setdefault(kwargs["world_size"], {})[name] = kwargs
     results = {}
     for world, layouts in by_world.items():
@@ -137,12 +140,12 @@ def measured():
     return cfg, results
 
 
-@pytest.mark.parametrize("name", list(EQUIVALENCE_LAYOUTS))
+@pytest.mark.parametrize("name", list(LAYOUTS))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("distributed_optimizer", [False, True])
 def test_state_bytes_equal_megatron(measured, name, dtype, distributed_optimizer):
     cfg, results = measured
-    kwargs = EQUIVALENCE_LAYOUTS[name]
+    kwargs = LAYOUTS[name]
     layout = ParallelLayout(**kwargs).validate(cfg)
     for rank, per_rank in enumerate(results[kwargs["world_size"]]):
         got = per_rank[(name, f"torch.{dtype}", distributed_optimizer)]
@@ -157,12 +160,12 @@ def test_state_bytes_equal_megatron(measured, name, dtype, distributed_optimizer
             assert predicted.optimizer == got["optimizer"], where
 
 
-@pytest.mark.parametrize("name", list(EQUIVALENCE_LAYOUTS))
+@pytest.mark.parametrize("name", list(LAYOUTS))
 def test_communication_equals_gloo_payloads(measured, name):
     """Every byte handed to a collective in one training step (forward, backward, gradient
     reduction) is predicted, per group and collective, on every rank."""
     cfg, results = measured
-    kwargs = EQUIVALENCE_LAYOUTS[name]
+    kwargs = LAYOUTS[name]
     layout = ParallelLayout(**kwargs).validate(cfg)
     for rank, per_rank in enumerate(results[kwargs["world_size"]]):
         got = per_rank[(name, "traffic")]
