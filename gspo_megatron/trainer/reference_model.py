@@ -38,7 +38,11 @@ class ReferenceModel:
 
     def __init__(self, model_chunk: torch.nn.Module, tp_group, temperature: float, chunk_size: Optional[int]):
         self.model_chunk = model_chunk
-        self.head = LogProbHead(tp_group, temperature, chunk_size)
+        from megatron.core import parallel_state as ps
+
+        # under context parallelism the head gathers each rank's share back into whole rows
+        cp_group = ps.get_context_parallel_group() if ps.get_context_parallel_world_size() > 1 else None
+        self.head = LogProbHead(tp_group, temperature, chunk_size, cp_group=cp_group)
         model_chunk.eval()
         for param in model_chunk.parameters():
             param.requires_grad_(False)
