@@ -6,6 +6,7 @@ Compose the Hydra config, validate it once, build the trainer, train, clean up.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import hydra
@@ -19,6 +20,7 @@ register_configs()
 def run(cfg: DictConfig, run_dir: str) -> str:
     """Train with an already composed config; returns the summary text (driver) or ''."""
     from gspo_megatron.config.validate import validate_config
+    from gspo_megatron.trainer.run_dir_owner import claim_run_dir
     from gspo_megatron.trainer.setup import build, world_size_from_env
     from gspo_megatron.trainer.trainer import RLTrainer
 
@@ -29,12 +31,23 @@ def run(cfg: DictConfig, run_dir: str) -> str:
         cfg = OmegaConf.merge(cfg, {"model": hf_shape_fields(cfg.model.hf_checkpoint)})
     typed = OmegaConf.to_object(cfg)
     validate_config(typed, world_size_from_env())
-    components = build(typed, Path(run_dir), OmegaConf.to_yaml(cfg, resolve=True))
+    config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+    # the driver owns the run directory: lock it, and refuse a wrong fresh start or resume before building
+    claim = claim_run_dir(Path(run_dir), typed.checkpoint, config_yaml) if _is_driver_process() else None
     try:
-        summary = RLTrainer(components).train()
+        components = build(typed, Path(run_dir), config_yaml)
+        try:
+            summary = RLTrainer(components).train()
+        finally:
+            components.close()
     finally:
-        components.close()
+        if claim is not None:
+            claim.release()
     return summary
+
+
+def _is_driver_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

@@ -31,3 +31,21 @@ def train_worker(ctx, overrides: list[str], run_dir: str):
 
     run(compose(overrides), run_dir)
     return read_metrics(run_dir) if ctx.rank == 0 else []
+
+
+def train_command(overrides: list[str], run_dir: str | Path) -> list[str]:
+    """The real command line of a training run (``python -m gspo_megatron.train``) into ``run_dir``."""
+    import sys
+
+    return [sys.executable, "-m", "gspo_megatron.train", f"run_dir={run_dir}", *overrides]
+
+
+def run_training(overrides: list[str], run_dir: str | Path, timeout: float = 600):
+    """Run training to the end in a child process; returns the ``CompletedProcess`` (text output)."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    return subprocess.run(train_command(overrides, run_dir), env=env, capture_output=True, text=True,
+                          timeout=timeout)

@@ -9,7 +9,11 @@ Atomicity: everything is written into ``step_000010.partial`` and renamed into p
 every rank finished writing; ``latest`` is replaced with ``os.replace`` after that. A crash at any
 point leaves the previous checkpoint and ``latest`` untouched; leftover ``.partial`` directories
 are removed on the next save. Old checkpoints beyond ``keep_last`` are deleted only after the new
-one is complete.
+one is complete, and only this run's: each checkpoint names its run in ``run_id`` (a resumed run
+keeps its id), so checkpoints a run found in its directory are never pruned by it.
+
+Trainer state is plain data (numbers, strings, tensors) and is loaded with ``weights_only=True``:
+a checkpoint file cannot run code.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch.distributed as dist
 
 STATE_FILE = "trainer_state.pt"
 MODEL_DIR = "model_optim"
+RUN_ID_FILE = "run_id"
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -46,7 +51,13 @@ def _sharded_state(model, optimizer, is_loading: bool):
     return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
 
 
-def save_checkpoint(run_dir, step: int, model, optimizer, trainer_state: dict, keep_last: int, is_driver: bool) -> Path:
+def read_trainer_state(path: Path) -> dict:
+    """A checkpoint's trainer state (plain data only: ``weights_only`` loading)."""
+    return torch.load(path / STATE_FILE, weights_only=True)
+
+
+def save_checkpoint(run_dir, step: int, model, optimizer, trainer_state: dict, keep_last: int, is_driver: bool,
+                    run_id: str = "") -> Path:
     from megatron.core import dist_checkpointing
 
     root = checkpoint_root(run_dir)
@@ -63,22 +74,30 @@ def save_checkpoint(run_dir, step: int, model, optimizer, trainer_state: dict, k
     states = [None] * dist.get_world_size() if is_driver else None
     dist.gather_object(rng, states, dst=0)
     if is_driver:
-        torch.save({**trainer_state, "step": step, "rng_per_rank": states}, partial / STATE_FILE)
+        torch.save({**trainer_state, "step": step, "rng_per_rank": states, "run_id": run_id}, partial / STATE_FILE)
+        (partial / RUN_ID_FILE).write_text(run_id)
         if final.exists():
             shutil.rmtree(final)
         os.replace(partial, final)
         tmp_pointer = root / "latest.tmp"
         tmp_pointer.write_text(final.name)
         os.replace(tmp_pointer, root / "latest")
-        _prune(root, keep_last)
+        _prune(root, keep_last, run_id)
     dist.barrier()
     return final
 
 
-def _prune(root: Path, keep_last: int) -> None:
+def checkpoint_run_id(path: Path) -> str:
+    """The run that wrote a checkpoint ('' for checkpoints written before runs had ids)."""
+    marker = path / RUN_ID_FILE
+    return marker.read_text().strip() if marker.is_file() else ""
+
+
+def _prune(root: Path, keep_last: int, run_id: str) -> None:
     if keep_last < 1:
         return
-    complete = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".partial"))
+    complete = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".partial")
+                      and checkpoint_run_id(p) == run_id)
     for old in complete[:-keep_last]:
         shutil.rmtree(old)
 
@@ -90,7 +109,7 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
     loaded = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(path / MODEL_DIR))
     model.load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])
-    state = torch.load(path / STATE_FILE, weights_only=False)
+    state = read_trainer_state(path)
     rank = dist.get_rank()
     per_rank = state.get("rng_per_rank") or []
     if rank < len(per_rank) and per_rank[rank] is not None:

@@ -19,7 +19,7 @@ class RunLog:
                  progress: bool, config_yaml: str, resume_step: int = 0):
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / CONFIG_FILE).write_text(config_yaml)
+        self.config_yaml = config_yaml  # written by ``write_config`` once a resumed checkpoint has loaded
         # Keep what steps 1..resume_step wrote (nothing on a fresh run), as an uninterrupted run would.
         drop_records_from_step(run_dir / METRICS_FILE, resume_step + 1)
         self.metrics = JsonlLog(run_dir / METRICS_FILE)
@@ -40,6 +40,9 @@ class RunLog:
 
             self.bar = tqdm(total=total_steps, initial=resume_step, desc="RL steps", unit="step", dynamic_ncols=True)
         self.started = time.monotonic()
+
+    def write_config(self) -> None:
+        (self.run_dir / CONFIG_FILE).write_text(self.config_yaml)
 
     def log_step(self, step: int, metrics: dict) -> None:
         record = {"step": step, **{k: _number(v) for k, v in metrics.items()}}

@@ -39,6 +39,7 @@ from gspo_megatron.trainer.checkpoint import latest_checkpoint, load_checkpoint,
 from gspo_megatron.trainer.diagnostics import RoutingDiagnostics
 from gspo_megatron.trainer.loss_head import LogProbHead, PolicyLossHead
 from gspo_megatron.trainer.mismatch_phase import correct_mismatch
+from gspo_megatron.trainer.run_dir_owner import RunDirError, new_run_id, resume_mode
 
 
 class RLTrainer:
@@ -48,6 +49,7 @@ class RLTrainer:
         self.cfg = components.cfg
         self.mesh = components.mesh
         self.step = 0
+        self.run_id = new_run_id()  # a resumed run takes its checkpoint's id (pruning is per run)
         self.diagnostics = RoutingDiagnostics(self.cfg.routing, components, self.mesh)
         self.clip_controller = AdaptiveClipController.from_config(self.cfg.algorithm)  # None: fixed eps
         self.rollouts = None  # the driver's rollout schedule (synchronous or one step ahead)
@@ -65,6 +67,8 @@ class RLTrainer:
     def train(self) -> str:
         cfg = self.cfg
         self._maybe_resume()
+        if self.c.run_log is not None:  # only now: a refused or failed resume leaves config.yaml alone
+            self.c.run_log.write_config()
         self.sync_weights(version=self.step)
         last = self._last_step()
         while self.step < last:
@@ -298,7 +302,7 @@ class RLTrainer:
             "rollout_scheduler": self.rollouts.state_dict() if self.rollouts is not None else None,
         }
         return save_checkpoint(self.c.run_dir, self.step, self.c.model_chunk, self.c.optimizer, state,
-                               self.cfg.checkpoint.keep_last, self.mesh.is_driver)
+                               self.cfg.checkpoint.keep_last, self.mesh.is_driver, run_id=self.run_id)
 
     def export_hf(self) -> Path:
         """The policy as a HF checkpoint in ``<run>/hf_export/`` (collective; replaced atomically)."""
@@ -310,14 +314,16 @@ class RLTrainer:
                                   tokenizer_dir=tokenizer.path if tokenizer.kind == "hf" else None)
 
     def _maybe_resume(self) -> None:
-        if not self.cfg.checkpoint.resume:
+        mode = resume_mode(self.cfg.checkpoint.resume)
+        if mode == "false":
             return
         path = latest_checkpoint(self.c.run_dir)
         if path is None:
-            if self.mesh.is_driver:
-                print(f"[gspo] resume=true but {self.c.run_dir}/checkpoints has no checkpoint: starting fresh")
+            if mode == "true":
+                raise RunDirError(f"checkpoint.resume=true but {self.c.run_dir}/checkpoints holds no checkpoint")
             return
         state = load_checkpoint(path, self.c.model_chunk, self.c.optimizer)
+        self.run_id = state.get("run_id", "")
         self.c.scheduler.load_state_dict(state["scheduler"])
         if self.mesh.is_driver and state.get("task") is not None:
             self.c.task.load_state_dict(state["task"])

@@ -1,0 +1,83 @@
+"""Resume checks what it resumes: the checkpoint's config against the new one, key by key.
+
+Design decisions:
+- Both configs are the resolved YAML a run writes (``config.yaml``; the checkpoint keeps its own
+  copy), flattened to dotted keys, so a difference is named exactly (``optimizer.lr: 0.001 -> 0.1``).
+- Three kinds of key. Free: deployment and bookkeeping that do not change what is trained (where
+  files go, logging, checkpoint cadence, the parallel layout, which checkpoints reshard across,
+  reward workers, engine deployment, diagnostics). Fixed: the model's shape (``model.*``), which
+  no checkpoint of another shape can fill. Everything else (algorithm, optimizer, task, steps,
+  rollout sampling, ...) refuses unless named in ``checkpoint.resume_allow_changes`` (a key, or
+  a section ending in '.'), so a changed run is a decision, never an accident.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+FREE_KEYS = (
+    "run_dir", "logging.", "checkpoint.", "parallel.", "reward.", "routing.", "rollout.sglang.",
+    "rollout.embedded.", "trainer.stop_after_steps", "trainer.eval_every", "trainer.eval_prompts", "trainer.eval_samples",
+    "trainer.micro_batch_size",
+    "trainer.recompute_activations", "model.hf_checkpoint", "model.preset",
+)
+FIXED_KEYS = ("model.",)
+
+
+class ResumeConfigError(RuntimeError):
+    """The new config differs from the checkpoint's in keys that may not change silently."""
+
+
+def _matches(key: str, patterns: Iterable[str]) -> bool:
+    return any(key == p or (p.endswith(".") and key.startswith(p)) for p in patterns)
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def config_differences(saved_yaml: str, new_yaml: str) -> dict[str, tuple[Any, Any]]:
+    """Dotted key -> (saved value, new value) for every key whose value differs (or exists on one side)."""
+    from omegaconf import OmegaConf
+
+    saved = flatten(OmegaConf.to_container(OmegaConf.create(saved_yaml), resolve=True))
+    new = flatten(OmegaConf.to_container(OmegaConf.create(new_yaml), resolve=True))
+    missing = object()
+    return {k: (saved.get(k), new.get(k)) for k in sorted(set(saved) | set(new))
+            if saved.get(k, missing) != new.get(k, missing)}
+
+
+def validate_allow_list(allowed: Iterable[str]) -> None:
+    for key in allowed:
+        if _matches(key, FIXED_KEYS) or key.startswith("model"):
+            raise ResumeConfigError(
+                f"checkpoint.resume_allow_changes names {key!r}: the model's shape cannot change on resume"
+            )
+
+
+def check_resume_config(saved_yaml: str, new_yaml: str, allowed: Iterable[str], checkpoint: str) -> list[str]:
+    """Raise ``ResumeConfigError`` listing every refused difference; return the accepted ones as text."""
+    allowed = list(allowed)
+    validate_allow_list(allowed)
+    refused, accepted = [], []
+    for key, (old, new) in config_differences(saved_yaml, new_yaml).items():
+        line = f"{key}: {old!r} -> {new!r}"
+        if _matches(key, FREE_KEYS) or (not _matches(key, FIXED_KEYS) and _matches(key, allowed)):
+            accepted.append(line)
+        else:
+            refused.append(line)
+    if refused:
+        fixed = [line for line in refused if _matches(line.split(":")[0], FIXED_KEYS)]
+        hint = ("the model's shape cannot change on resume; " if fixed else "") + (
+            "to change the others deliberately, list them in checkpoint.resume_allow_changes=[...]"
+        )
+        raise ResumeConfigError(
+            f"refusing to resume {checkpoint}: the config differs from the checkpoint's in "
+            f"{len(refused)} key(s):\n  " + "\n  ".join(refused) + f"\n{hint}"
+        )
+    return accepted

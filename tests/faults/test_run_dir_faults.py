@@ -1,0 +1,119 @@
+"""Fault injection on run-directory ownership and resume: nothing a previous or concurrent run wrote is lost.
+
+One real 2-step run (module fixture) provides a run directory; each test copies it and points another
+real training process at it. Refusals happen before the model is built, so they cost a process start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+import torch
+
+from gspo_megatron.testing.train_runs import FAST, read_metrics, run_training, train_command
+from gspo_megatron.trainer.checkpoint import checkpoint_run_id, latest_checkpoint
+from gspo_megatron.trainer.run_dir_owner import LOCK_FILE
+
+pytestmark = [pytest.mark.faults, pytest.mark.e2e]
+
+BASE = FAST + ["checkpoint.save_every=1", "checkpoint.keep_last=1"]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    done = run_training(BASE, run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir
+
+
+def _copy(run_dir, tmp_path):
+    target = tmp_path / "run"
+    shutil.copytree(run_dir, target)
+    return target
+
+
+def _snapshot(run_dir) -> dict:
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def test_fresh_run_into_a_used_run_dir_is_refused_and_touches_nothing(finished_run, tmp_path):
+    run_dir = _copy(finished_run, tmp_path)
+    before = _snapshot(run_dir)
+    done = run_training(BASE, run_dir)
+    assert done.returncode != 0
+    assert "already holds a run" in done.stderr and "checkpoint.overwrite=true" in done.stderr
+    assert _snapshot(run_dir) == before
+
+
+def test_overwrite_prunes_only_its_own_checkpoints(finished_run, tmp_path):
+    """The previous run's newest checkpoint sorts after the new run's: it must not evict them."""
+    run_dir = _copy(finished_run, tmp_path)
+    root = run_dir / "checkpoints"
+    os.replace(root / "step_000002", root / "step_000010")  # the old run got further than the new one will
+    (root / "latest").write_text("step_000010")
+    done = run_training(BASE + ["checkpoint.overwrite=true"], run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    latest = latest_checkpoint(run_dir)
+    assert latest is not None and latest.name == "step_000002"
+    assert (root / "step_000010").is_dir(), "the previous run's checkpoint was pruned by the new run"
+    assert checkpoint_run_id(root / "step_000010") != checkpoint_run_id(latest)
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2]
+
+
+def test_resume_true_with_nothing_to_resume_is_an_error(tmp_path):
+    done = run_training(BASE + ["checkpoint.resume=true"], tmp_path / "typo")
+    assert done.returncode != 0 and "holds no checkpoint" in done.stderr
+    assert not (tmp_path / "typo" / "metrics.jsonl").exists()
+
+
+def test_resume_with_a_changed_algorithm_is_refused_with_the_keys(finished_run, tmp_path):
+    run_dir = _copy(finished_run, tmp_path)
+    before = _snapshot(run_dir)
+    done = run_training(BASE + ["checkpoint.resume=true", "algorithm=grpo", "optimizer.lr=0.1"], run_dir)
+    assert done.returncode != 0
+    assert "algorithm.name: 'gspo' -> 'grpo'" in done.stderr and "optimizer.lr: 0.001 -> 0.1" in done.stderr
+    assert _snapshot(run_dir) == before  # config.yaml included: nothing is written before the load
+
+
+def test_resume_with_allowed_change_continues(finished_run, tmp_path):
+    run_dir = _copy(finished_run, tmp_path)
+    refused = run_training(BASE + ["checkpoint.resume=true", "trainer.steps=3"], run_dir)
+    assert refused.returncode != 0 and "trainer.steps: 2 -> 3" in refused.stderr
+    done = run_training(BASE + ["checkpoint.resume=auto", "trainer.steps=3",
+                                "checkpoint.resume_allow_changes=[trainer.steps]"], run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3]
+    assert "steps: 3" in (run_dir / "config.yaml").read_text()
+    assert not (run_dir / LOCK_FILE).exists()
+
+
+def test_two_runs_into_one_run_dir(tmp_path):
+    """The second run is refused while the first runs; the first finishes with everything intact."""
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    first = subprocess.Popen(train_command(BASE + ["trainer.steps=3"], run_dir), env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / LOCK_FILE).exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        second = run_training(BASE + ["trainer.steps=3"], run_dir)
+        assert second.returncode != 0 and f"in use by pid {first.pid}" in second.stderr
+        out, err = first.communicate(timeout=600)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert first.returncode == 0, err[-3000:]
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3]
+    latest = latest_checkpoint(run_dir)
+    assert latest.name == "step_000003" and not list((run_dir / "checkpoints").glob("*.partial"))
+    state = torch.load(latest / "trainer_state.pt", weights_only=True)
+    assert state["step"] == 3 and json.dumps(state["config"])
+    assert not (run_dir / LOCK_FILE).exists()

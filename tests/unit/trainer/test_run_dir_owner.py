@@ -1,0 +1,99 @@
+"""The run-directory lock and the fresh/resume rules, on real files and real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from gspo_megatron.trainer.run_dir_owner import (
+    LOCK_FILE, RunDirError, RunDirLock, check_fresh_start, claim_run_dir, resume_mode,
+)
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_lock_is_exclusive_and_released(tmp_path):
+    lock = RunDirLock.acquire(tmp_path)
+    holder = json.loads((tmp_path / LOCK_FILE).read_text())
+    assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
+    with pytest.raises(RunDirError, match=f"in use by pid {os.getpid()}"):
+        RunDirLock.acquire(tmp_path)
+    lock.release()
+    assert not (tmp_path / LOCK_FILE).exists()
+    RunDirLock.acquire(tmp_path).release()
+
+
+def test_lock_held_by_a_live_process_of_this_host_is_respected(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": holder.pid, "start": None}))
+        with pytest.raises(RunDirError, match=f"pid {holder.pid}"):
+            RunDirLock.acquire(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": _dead_pid(), "start": "1"}))
+    lock = RunDirLock.acquire(tmp_path)
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.release()
+
+
+def test_reused_pid_makes_a_lock_stale(tmp_path):
+    """Our own pid with another start time: the process that wrote the lock is gone."""
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "start": "-1"}))
+    RunDirLock.acquire(tmp_path).release()
+
+
+def test_lock_from_another_host_is_never_taken_over(tmp_path):
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"host": "elsewhere", "pid": _dead_pid(), "start": "1"}))
+    with pytest.raises(RunDirError, match="on host elsewhere"):
+        RunDirLock.acquire(tmp_path)
+
+
+def test_release_leaves_a_lock_that_is_not_ours(tmp_path):
+    lock = RunDirLock.acquire(tmp_path)
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"host": "elsewhere", "pid": 1, "start": None}))
+    lock.release()
+    assert (tmp_path / LOCK_FILE).exists()
+
+
+def test_fresh_start_rules(tmp_path):
+    (tmp_path / ".hydra").mkdir()  # Hydra's own files do not make a run
+    check_fresh_start(tmp_path, overwrite=False)
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(RunDirError, match=r"already holds a run \(metrics.jsonl\)"):
+        check_fresh_start(tmp_path, overwrite=False)
+    check_fresh_start(tmp_path, overwrite=True)
+
+
+@pytest.mark.parametrize("value, mode", [(True, "true"), ("True", "true"), (False, "false"), ("auto", "auto")])
+def test_resume_modes(value, mode):
+    assert resume_mode(value) == mode
+
+
+def test_unknown_resume_mode_is_named():
+    with pytest.raises(RunDirError, match="checkpoint.resume='sometimes'"):
+        resume_mode("sometimes")
+
+
+def test_claim_refuses_resume_without_checkpoint_and_unlocks(tmp_path):
+    section = SimpleNamespace(resume="true", overwrite=False, resume_allow_changes=[])
+    with pytest.raises(RunDirError, match="holds no checkpoint.*resume=auto"):
+        claim_run_dir(tmp_path, section, "a: 1\n")
+    assert not (tmp_path / LOCK_FILE).exists()
+    claim = claim_run_dir(tmp_path, SimpleNamespace(resume="auto", overwrite=False, resume_allow_changes=[]), "")
+    assert claim.resume_from is None
+    claim.release()
