@@ -19,7 +19,9 @@ register_configs()
 
 def run(cfg: DictConfig, run_dir: str) -> str:
     """Train with an already composed config; returns the summary text (driver) or ''."""
-    from gspo_megatron.config.validate import validate_config
+    import torch
+
+    from gspo_megatron.config.validate import validate_config, validate_for_machine
     from gspo_megatron.trainer.run_dir_owner import claim_run_dir
     from gspo_megatron.trainer.setup import build, world_size_from_env
     from gspo_megatron.trainer.trainer import RLTrainer
@@ -31,6 +33,7 @@ def run(cfg: DictConfig, run_dir: str) -> str:
         cfg = OmegaConf.merge(cfg, {"model": hf_shape_fields(cfg.model.hf_checkpoint)})
     typed = OmegaConf.to_object(cfg)
     validate_config(typed, world_size_from_env())
+    validate_for_machine(typed, torch.cuda.is_available())
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     # the driver owns the run directory: lock it, and refuse a wrong fresh start or resume before building
     claim = claim_run_dir(Path(run_dir), typed.checkpoint, config_yaml) if _is_driver_process() else None

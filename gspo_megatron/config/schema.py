@@ -92,6 +92,8 @@ class TrainerSection:
     eval_prompts: int = 64
     eval_samples: int = 1  # k: > 1 adds mean@k and pass@k (set rollout.eval_temperature > 0)
     recompute_activations: bool = False
+    on_nonfinite: str = "skip"  # skip | stop: a non-finite loss or gradient drops the update, or ends the run
+    max_consecutive_nonfinite: int = 3  # skipped updates in a row that end the run with a diagnosis
 
 
 @dataclass

@@ -50,12 +50,21 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
             f"each mini-batch has {per_update} sequences, not divisible by the data-parallel size {layout.dp} "
             f"(world {world_size} / (tp*pp*cp)); change trainer.prompts_per_step or the layout"
         )
+    per_rank = per_update // layout.dp
+    if t.micro_batch_size < per_rank and per_rank % t.micro_batch_size:
+        raise ConfigError(
+            f"trainer.micro_batch_size={t.micro_batch_size} does not divide the {per_rank} sequences each "
+            f"data-parallel rank gets per mini-batch (megatron's schedule needs equal micro-batches); "
+            f"choose a divisor of {per_rank}"
+        )
+    _validate_run_safety(cfg)
     if cfg.rollout.engine not in ("embedded", "sglang"):
         raise ConfigError(f"rollout.engine={cfg.rollout.engine!r} is unknown; valid: embedded, sglang")
     if cfg.rollout.engine == "embedded" and cfg.model.shared_expert_intermediate_size:
         raise ConfigError("the embedded engine (HF Qwen3-MoE) has no shared expert; set model.shared_expert_intermediate_size=0")
     if cfg.model.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype must be float32 or bfloat16, got {cfg.model.dtype!r}")
+    _validate_routed_experts_source(cfg)
     validate_replay_mode(cfg.algorithm.routing_replay, recompute=t.recompute_activations, pp=layout.pp)
     if cfg.algorithm.routing_replay != "none" and not cfg.model.is_moe:
         raise ConfigError("algorithm.routing_replay needs an MoE model (model.num_experts > 0)")
@@ -82,3 +91,50 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
             f"model.max_position_embeddings={cfg.model.max_position_embeddings}"
         )
     return cfg
+
+
+def validate_for_machine(cfg: TrainConfig, cuda_available: bool) -> None:
+    """Rules that depend on this machine, not on the config alone (run at start-up, after ``validate_config``)."""
+    if cfg.model.dtype == "bfloat16" and not cuda_available:
+        raise ConfigError("model.dtype=bfloat16 needs a GPU (megatron's bf16 path is CUDA-only); "
+                          "use model.dtype=float32 on CPU")
+
+
+def _validate_run_safety(cfg: TrainConfig) -> None:
+    """Checkpoint cadence, resume mode and the non-finite policy."""
+    from gspo_megatron.trainer.nonfinite import POLICIES
+    from gspo_megatron.trainer.resume_check import validate_allow_list
+    from gspo_megatron.trainer.run_dir_owner import resume_mode
+
+    c = cfg.checkpoint
+    for name in ("save_every", "keep_last", "export_hf_every"):
+        if getattr(c, name) < 0:
+            raise ConfigError(f"checkpoint.{name} must be >= 0 (0: {_ZERO_MEANS[name]}), got {getattr(c, name)}")
+    try:
+        resume_mode(c.resume)
+        validate_allow_list(c.resume_allow_changes)
+    except RuntimeError as error:
+        raise ConfigError(str(error)) from None
+    if cfg.trainer.on_nonfinite not in POLICIES:
+        raise ConfigError(f"trainer.on_nonfinite={cfg.trainer.on_nonfinite!r} is unknown; valid: {list(POLICIES)}")
+    if cfg.trainer.max_consecutive_nonfinite < 1:
+        raise ConfigError(f"trainer.max_consecutive_nonfinite must be >= 1, got {cfg.trainer.max_consecutive_nonfinite}")
+
+
+_ZERO_MEANS = {"save_every": "only at the end", "keep_last": "keep all", "export_hf_every": "only at the end"}
+
+
+def _validate_routed_experts_source(cfg: TrainConfig) -> None:
+    """Whatever needs the engine's routed experts needs SGLang launched to return them."""
+    if cfg.rollout.engine != "sglang" or cfg.rollout.sglang.enable_return_routed_experts:
+        return
+    wants = []
+    if cfg.rollout.return_routed_experts:
+        wants.append("rollout.return_routed_experts=true")
+    if cfg.model.is_moe and cfg.routing.enabled and "rollout_vs_train" in cfg.routing.kinds:
+        wants.append("routing.kinds contains rollout_vs_train")
+    if wants:
+        raise ConfigError(
+            f"{' and '.join(wants)} needs the engine's routed experts: set "
+            "rollout.sglang.enable_return_routed_experts=true (or drop rollout_vs_train from routing.kinds)"
+        )

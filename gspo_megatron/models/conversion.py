@@ -61,6 +61,19 @@ class DictSource(WeightSource):
         return self.tensors[name]
 
 
+def _open_shard(path: Path):
+    """``safe_open`` with errors that name the file (safetensors' own name none)."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise ConversionError(f"{path} is missing (named by the checkpoint's index)")
+    try:
+        return safe_open(str(path), "pt")
+    except Exception as error:  # SafetensorError: truncated, corrupt header, not safetensors
+        raise ConversionError(f"{path} is not a readable safetensors file ({error}); re-download or "
+                              "re-export the checkpoint") from error
+
+
 class SafetensorsSource(WeightSource):
     """A HF model directory (``model.safetensors`` or an index of shards), read tensor by tensor."""
 
@@ -77,9 +90,12 @@ class SafetensorsSource(WeightSource):
                 raise ConversionError(
                     f"{self.directory} has neither model.safetensors nor model.safetensors.index.json"
                 )
-            with safe_open(str(single), "pt") as handle:
+            with _open_shard(single) as handle:
                 weight_map = {k: "model.safetensors" for k in handle.keys()}
         self.weight_map = weight_map
+        for file in sorted(set(weight_map.values())):  # a missing or truncated shard fails here, named
+            with _open_shard(self.directory / file):
+                pass
         self._open = safe_open
         self._handles: dict[str, object] = {}
 

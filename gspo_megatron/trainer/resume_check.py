@@ -9,6 +9,8 @@ Design decisions:
   no checkpoint of another shape can fill. Everything else (algorithm, optimizer, task, steps,
   rollout sampling, ...) refuses unless named in ``checkpoint.resume_allow_changes`` (a key, or
   a section ending in '.'), so a changed run is a decision, never an accident.
+- A key only one side has comes from another version of the code (a setting added or removed): it
+  is accepted and reported, since the user did not choose it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,14 @@ FREE_KEYS = (
     "trainer.recompute_activations", "model.hf_checkpoint", "model.preset",
 )
 FIXED_KEYS = ("model.",)
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "<absent>"
+
+
+ABSENT = _Absent()  # a key one side's schema does not have (the code gained or lost a setting)
 
 
 class ResumeConfigError(RuntimeError):
@@ -47,9 +57,8 @@ def config_differences(saved_yaml: str, new_yaml: str) -> dict[str, tuple[Any, A
 
     saved = flatten(OmegaConf.to_container(OmegaConf.create(saved_yaml), resolve=True))
     new = flatten(OmegaConf.to_container(OmegaConf.create(new_yaml), resolve=True))
-    missing = object()
-    return {k: (saved.get(k), new.get(k)) for k in sorted(set(saved) | set(new))
-            if saved.get(k, missing) != new.get(k, missing)}
+    return {k: (saved.get(k, ABSENT), new.get(k, ABSENT)) for k in sorted(set(saved) | set(new))
+            if saved.get(k, ABSENT) != new.get(k, ABSENT)}
 
 
 def validate_allow_list(allowed: Iterable[str]) -> None:
@@ -67,7 +76,8 @@ def check_resume_config(saved_yaml: str, new_yaml: str, allowed: Iterable[str], 
     refused, accepted = [], []
     for key, (old, new) in config_differences(saved_yaml, new_yaml).items():
         line = f"{key}: {old!r} -> {new!r}"
-        if _matches(key, FREE_KEYS) or (not _matches(key, FIXED_KEYS) and _matches(key, allowed)):
+        schema_change = old is ABSENT or new is ABSENT  # another code version, not another choice
+        if schema_change or _matches(key, FREE_KEYS) or (not _matches(key, FIXED_KEYS) and _matches(key, allowed)):
             accepted.append(line)
         else:
             refused.append(line)

@@ -39,6 +39,7 @@ from gspo_megatron.trainer.checkpoint import latest_checkpoint, load_checkpoint,
 from gspo_megatron.trainer.diagnostics import RoutingDiagnostics
 from gspo_megatron.trainer.loss_head import LogProbHead, PolicyLossHead
 from gspo_megatron.trainer.mismatch_phase import correct_mismatch
+from gspo_megatron.trainer.nonfinite import NonFiniteError, NonFiniteGuard, parameters_finite
 from gspo_megatron.trainer.run_dir_owner import RunDirError, new_run_id, resume_mode
 
 
@@ -62,6 +63,7 @@ class RLTrainer:
                 rollout.max_staleness if rollout.async_rollout else 0, self.cfg.trainer.steps,
                 versions_of=lambda batch: batch.policy_versions.tolist(),
             )
+        self.nonfinite = NonFiniteGuard(self.cfg.trainer.on_nonfinite, self.cfg.trainer.max_consecutive_nonfinite)
 
     # ------------------------------------------------------------------ main loop
     def train(self) -> str:
@@ -224,10 +226,7 @@ class RLTrainer:
             if self.c.replay is not None:
                 self.c.replay.assert_fully_consumed()
                 self.c.replay.stop()
-            ok, grad_norm, _ = self.c.optimizer.step()
-            if not ok:
-                raise FloatingPointError(f"optimizer step {self.step}/{update} was skipped (non-finite gradients)")
-            self.c.scheduler.step(increment=1)
+            grad_norm = self._guarded_optimizer_step(outputs, f"step {self.step + 1} update {update}")
             grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
             for out in outputs:
                 merged = merge_metrics(merged, {k: v for k, v in out.items() if "/" in k})
@@ -235,7 +234,23 @@ class RLTrainer:
             offset += len(mbs)
         metrics = self._reduce_loss_metrics(merged)
         metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics.update(self.nonfinite.step_metrics())
         return metrics
+
+    def _guarded_optimizer_step(self, outputs: list[dict], where: str):
+        """Step optimizer and LR schedule only when loss and gradients are finite on every rank."""
+        losses = [v for out in outputs for k, v in out.items() if "/" in k and torch.is_tensor(v)]
+        problem = self.nonfinite.check(losses, self.c.ddp)
+        grad_norm = None
+        if problem is None:
+            stepped, grad_norm, _ = self.c.optimizer.step()
+            problem = self.nonfinite.after_step(stepped, grad_norm)
+            if stepped:
+                self.c.scheduler.step(increment=1)
+        if problem is not None and self.mesh.is_driver:
+            print(f"[gspo] {where}: {problem}; update skipped (trainer.on_nonfinite={self.nonfinite.policy})")
+        self.nonfinite.record(problem, where)
+        return grad_norm if problem is None else float("nan")
 
     def _replay_for_update(self, offset: int, mbs: list[dict]):
         replay = self.c.replay
@@ -294,6 +309,9 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
+        if not parameters_finite(self.c.model_chunk):  # collective: every rank refuses together
+            raise NonFiniteError(f"step {self.step}: the parameters hold non-finite values; refusing to write "
+                                 "a checkpoint (the latest one is untouched)")
         state = {
             "scheduler": self.c.scheduler.state_dict(),
             "task": self.c.task.state_dict() if self.mesh.is_driver else None,

@@ -1,16 +1,17 @@
 """Fault injection on run-directory ownership and resume: nothing a previous or concurrent run wrote is lost.
 
-One real 2-step run (module fixture) provides a run directory; each test copies it and points another
-real training process at it. Refusals happen before the model is built, so they cost a process start.
+One real 2-step run (module fixture, with a second run started into its directory while it runs)
+provides a run directory; each test copies it and points another real training process at it. Refusals happen before the model is built, so they cost a process start.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,17 +25,52 @@ pytestmark = [pytest.mark.faults, pytest.mark.e2e]
 BASE = FAST + ["checkpoint.save_every=1", "checkpoint.keep_last=1"]
 
 
+@dataclass
+class FinishedRun:
+    run_dir: Path
+    first: subprocess.CompletedProcess
+    second: subprocess.CompletedProcess  # started into the same run_dir while the first was running
+    first_pid: int
+
+
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
+def finished_run(tmp_path_factory) -> FinishedRun:
+    """A 2-step run, and a second run started into its run_dir while it ran (two runs, one run_dir)."""
     run_dir = tmp_path_factory.mktemp("finished") / "run"
-    done = run_training(BASE, run_dir)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return run_dir
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    first = subprocess.Popen(train_command(BASE, run_dir), env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / LOCK_FILE).exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        second = run_training(BASE, run_dir)
+        out, err = first.communicate(timeout=600)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    return FinishedRun(run_dir, subprocess.CompletedProcess(first.args, first.returncode, out, err), second,
+                       first.pid)
+
+
+def test_two_runs_into_one_run_dir(finished_run):
+    """The second run is refused while the first runs; the first finishes with everything intact."""
+    run_dir = finished_run.run_dir
+    assert finished_run.second.returncode != 0
+    assert f"in use by pid {finished_run.first_pid}" in finished_run.second.stderr
+    assert finished_run.first.returncode == 0, finished_run.first.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2]
+    latest = latest_checkpoint(run_dir)
+    assert latest.name == "step_000002" and not list((run_dir / "checkpoints").glob("*.partial"))
+    assert torch.load(latest / "trainer_state.pt", weights_only=True)["step"] == 2
+    assert not (run_dir / LOCK_FILE).exists()
 
 
 def _copy(run_dir, tmp_path):
     target = tmp_path / "run"
-    shutil.copytree(run_dir, target)
+    shutil.copytree(run_dir.run_dir, target)
     return target
 
 
@@ -90,30 +126,4 @@ def test_resume_with_allowed_change_continues(finished_run, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3]
     assert "steps: 3" in (run_dir / "config.yaml").read_text()
-    assert not (run_dir / LOCK_FILE).exists()
-
-
-def test_two_runs_into_one_run_dir(tmp_path):
-    """The second run is refused while the first runs; the first finishes with everything intact."""
-    run_dir = tmp_path / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    first = subprocess.Popen(train_command(BASE + ["trainer.steps=3"], run_dir), env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 300
-        while not (run_dir / LOCK_FILE).exists() and first.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        second = run_training(BASE + ["trainer.steps=3"], run_dir)
-        assert second.returncode != 0 and f"in use by pid {first.pid}" in second.stderr
-        out, err = first.communicate(timeout=600)
-    finally:
-        if first.poll() is None:
-            first.kill()
-            first.wait()
-    assert first.returncode == 0, err[-3000:]
-    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3]
-    latest = latest_checkpoint(run_dir)
-    assert latest.name == "step_000003" and not list((run_dir / "checkpoints").glob("*.partial"))
-    state = torch.load(latest / "trainer_state.pt", weights_only=True)
-    assert state["step"] == 3 and json.dumps(state["config"])
     assert not (run_dir / LOCK_FILE).exists()

@@ -75,7 +75,8 @@ def test_gspo_rejects_token_sum_aggregation():
 
 def test_rollout_replay_with_sglang_needs_routed_experts():
     typed = OmegaConf.to_object(compose(["algorithm=grpo_rollout_routing_replay", "rollout=sglang",
-                                         "rollout.sglang.model_path=/ckpt"]))
+                                         "rollout.sglang.model_path=/ckpt",
+                                         "rollout.sglang.enable_return_routed_experts=false"]))
     with pytest.raises(ConfigError, match="enable_return_routed_experts=true"):
         validate_config(typed, 1)
 

@@ -50,3 +50,8 @@ def test_model_shape_can_never_change():
         check_resume_config(SAVED, new, [], "ckpt")
     with pytest.raises(ResumeConfigError, match="shape cannot change"):
         check_resume_config(SAVED, new, ["model.num_experts"], "ckpt")
+
+
+def test_keys_of_another_code_version_are_accepted():
+    new = SAVED.replace("micro_batch_size: 4}", "micro_batch_size: 4, on_nonfinite: skip}")
+    assert check_resume_config(SAVED, new, [], "ckpt") == ["trainer.on_nonfinite: <absent> -> 'skip'"]

@@ -1,0 +1,102 @@
+"""Non-finite loss and gradients: detected on every rank before the optimizer steps, never applied.
+
+Design decisions:
+- The check does not rely on ``optimizer.step()`` reporting failure: megatron's FP32 optimizer never
+  does (only the loss-scaled fp16/bf16 path looks for infs). Before each optimizer step every rank
+  checks its own loss values and its own gradient buffers; one all-reduce (MAX over the world) makes
+  every rank take the same decision, so model-parallel shards never diverge.
+- Gradient buffers are checked through their sum: a NaN or inf anywhere makes the sum non-finite,
+  and the sum needs no buffer-sized temporary (one read of the gradients, like the norm megatron
+  computes anyway). A finite buffer whose sum overflows fp32 (|sum| > 3e38) is flagged too: such
+  gradients are garbage either way.
+- ``trainer.on_nonfinite=skip`` drops the update (no optimizer or LR-scheduler step, as megatron does
+  for a loss-scaler skip) and counts it in the step's metrics; ``trainer.max_consecutive_nonfinite``
+  skips in a row stop the run with a diagnosis. ``stop`` stops at the first one. Stopping raises
+  before the step's checkpoint, so ``latest`` keeps naming the last good checkpoint.
+- Non-finite rewards never reach this point: the reward pool scores them as failed samples.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+POLICIES = ("skip", "stop")
+
+
+class NonFiniteError(FloatingPointError):
+    """Training produced non-finite values and the policy (or the streak) says stop."""
+
+
+def _all_finite(values: Iterable[torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(v.detach().float().sum())) for v in values)
+
+
+def local_gradient_tensors(ddp) -> list[torch.Tensor]:
+    """This rank's gradient storage: megatron DDP's contiguous buffers (dense and expert)."""
+    return [buffer.grad_data for buffer in ddp.buffers + ddp.expert_parallel_buffers]
+
+
+def _any_rank(flags: list[bool]) -> list[bool]:
+    """Element-wise OR over every rank (one all-reduce)."""
+    tensor = torch.tensor([float(f) for f in flags])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in tensor.tolist()]
+
+
+def parameters_finite(model: torch.nn.Module) -> bool:
+    """True when every rank's parameters are finite (collective)."""
+    (bad,) = _any_rank([not _all_finite(p for p in model.parameters())])
+    return not bad
+
+
+@dataclass
+class NonFiniteGuard:
+    policy: str = "skip"
+    max_consecutive: int = 3
+    consecutive: int = 0
+    skipped_in_step: int = 0
+
+    def check(self, loss_values: Iterable[torch.Tensor], ddp) -> Optional[str]:
+        """Collective: None when loss and gradients are finite on every rank, else what was not."""
+        bad_loss, bad_grad = _any_rank([not _all_finite(loss_values),
+                                        not _all_finite(local_gradient_tensors(ddp))])
+        found = [name for name, bad in (("loss", bad_loss), ("gradients", bad_grad)) if bad]
+        return " and ".join(found) + " non-finite" if found else None
+
+    @staticmethod
+    def after_step(stepped: bool, grad_norm) -> Optional[str]:
+        """What the optimizer itself reported: a skipped step (loss-scaled path) or a non-finite norm."""
+        if not stepped:
+            return "optimizer skipped the step (non-finite gradients)"
+        if grad_norm is not None and not math.isfinite(float(grad_norm)):
+            return f"gradient norm {float(grad_norm)}"
+        return None
+
+    def record(self, problem: Optional[str], where: str) -> None:
+        """Count a finding (or a clean update); raise ``NonFiniteError`` when the run must stop."""
+        if problem is None:
+            self.consecutive = 0
+            return
+        self.consecutive += 1
+        self.skipped_in_step += 1
+        advice = ("the latest checkpoint is untouched; lower optimizer.lr or optimizer.clip_grad, or check "
+                  "the rewards and advantages of the failing step")
+        if self.policy == "stop":
+            raise NonFiniteError(f"{where}: {problem} (trainer.on_nonfinite=stop); {advice}")
+        if self.consecutive >= self.max_consecutive:
+            raise NonFiniteError(
+                f"{where}: {problem}; {self.consecutive} consecutive updates skipped "
+                f"(trainer.max_consecutive_nonfinite={self.max_consecutive}); {advice}"
+            )
+
+    def step_metrics(self) -> dict[str, float]:
+        metrics = {"nonfinite/skipped_updates": float(self.skipped_in_step),
+                   "nonfinite/consecutive": float(self.consecutive)}
+        self.skipped_in_step = 0
+        return metrics
