@@ -49,3 +49,14 @@ def run_training(overrides: list[str], run_dir: str | Path, timeout: float = 600
     env.pop("WORLD_SIZE", None)
     return subprocess.run(train_command(overrides, run_dir), env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def checkpoint_tensors(checkpoint: str | Path, scratch: str | Path) -> dict:
+    """Every tensor of a trainer checkpoint's ``model_optim`` (read without a process group)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = Path(scratch) / "checkpoint.pt"
+    dcp_to_torch_save(str(Path(checkpoint) / "model_optim"), str(out))
+    state = torch.load(out, weights_only=False)  # our own file, written just now
+    return {k: v for k, v in state.items() if torch.is_tensor(v)}

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.algorithms.adaptive_clip import AdaptiveClipController
-from gspo_megatron.algorithms.metrics import finalize_metrics, merge_metrics
+from gspo_megatron.algorithms.metrics import SUM, finalize_metrics, merge_metrics
 from gspo_megatron.algorithms.reductions import all_reduce_metrics
 from gspo_megatron.models.conversion import export_hf_weights
 from gspo_megatron.models.schedule import run_schedule
@@ -239,7 +239,8 @@ class RLTrainer:
 
     def _guarded_optimizer_step(self, outputs: list[dict], where: str):
         """Step optimizer and LR schedule only when loss and gradients are finite on every rank."""
-        losses = [v for out in outputs for k, v in out.items() if "/" in k and torch.is_tensor(v)]
+        # sums only: empty min/max selections are +-inf by design (algorithms/metrics.py)
+        losses = [v for out in outputs for k, v in out.items() if k.endswith(SUM) and torch.is_tensor(v)]
         problem = self.nonfinite.check(losses, self.c.ddp)
         grad_norm = None
         if problem is None:
