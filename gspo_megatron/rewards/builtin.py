@@ -44,7 +44,7 @@ def _graded(correct: bool, format_ok: bool) -> RewardResult:
     return RewardResult(reward=1.0 if correct else 0.0, correct=correct, format_ok=format_ok)
 
 
-@register_reward("exact_match")
+@register_reward("exact_match", trivial=True)
 def exact_match(response: str, record: PromptRecord) -> RewardResult:
     """The whole response before the stop token, stripped, equals the gold answer."""
     body, terminated = split_at_stop(response, record)
@@ -75,7 +75,7 @@ def final_answer_after_thinking(body: str) -> Optional[str]:
 _DIGIT_RUN = re.compile(r"\d+")
 
 
-@register_reward("last_number")
+@register_reward("last_number", trivial=True)
 def last_number(response: str, record: PromptRecord) -> RewardResult:
     """Correct when the last run of digits before the stop token equals the gold answer.
 
@@ -89,7 +89,7 @@ def last_number(response: str, record: PromptRecord) -> RewardResult:
     return _graded(correct, terminated and bool(numbers))
 
 
-@register_reward("think_answer")
+@register_reward("think_answer", trivial=True)
 def think_answer(response: str, record: PromptRecord) -> RewardResult:
     """Correct when the final answer after the thinking block equals the gold answer.
 

@@ -13,41 +13,54 @@ Design decisions:
   process groups that must not be duplicated. The fork server preloads this package, so replacing a
   worker takes milliseconds, not a fresh import of torch (which the shared Registry pulls in).
 - Exceptions raised by the verifier are caught inside the worker (the worker lives on); the same
-  guard runs on the in-process fast path, which has no timeout and is meant for the built-in,
-  pure-Python verifiers.
+  guard runs on the in-process fast path, which has no timeout and is taken by default only for
+  the built-ins registered as trivial (pure string checks); ``import:`` rewards and math-verify
+  run in workers unless ``reward.in_process=true`` says otherwise.
+- Every failure costs its one sample (reward 0) and carries its kind (``FAILURE_KINDS``): raised,
+  wrong type (checked inside the guard, conversion included), NaN/inf, timeout, death.
 """
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import signal
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Optional, Sequence
 
 from gspo_megatron.data.records import PromptRecord
 from gspo_megatron.rewards.config import RewardConfig
-from gspo_megatron.rewards.registry import RewardFn, resolve_reward
-from gspo_megatron.rewards.types import RewardResult
+from gspo_megatron.rewards.registry import RewardFn, is_trivial_reward, resolve_reward
+from gspo_megatron.rewards.types import FAILURE_KINDS, RewardResult
 
 
 def call_reward(fn: RewardFn, response: str, record: PromptRecord) -> RewardResult:
-    """Call a verifier; exceptions and wrong return types become a failed (0-reward) result."""
+    """Call a verifier; every way it can fail becomes a failed (0-reward) result of its kind."""
     try:
         result = fn(response, record)
     except Exception as error:  # the verifier's bug costs this sample only
-        return RewardResult.failed(f"verifier raised {type(error).__name__}: {error}")
+        return RewardResult.failed(f"verifier raised {type(error).__name__}: {error}", "raised")
     if not isinstance(result, RewardResult):
-        return RewardResult.failed(f"verifier returned {type(result).__name__}, expected RewardResult")
+        return RewardResult.failed(f"verifier returned {type(result).__name__}, expected RewardResult", "bad_type")
+    try:  # inside the guard: a RewardResult holding a string or an array must not crash the caller
+        reward, correct, format_ok = float(result.reward), bool(result.correct), bool(result.format_ok)
+    except Exception as error:
+        return RewardResult.failed(f"verifier returned a RewardResult with a non-number ({error})", "bad_type")
+    if not math.isfinite(reward):
+        return RewardResult.failed(f"verifier returned reward {reward}", "nonfinite")
     error = None if result.error is None else str(result.error)
-    return RewardResult(float(result.reward), bool(result.correct), bool(result.format_ok), error)
+    failure = None if error is None else (result.failure or "verifier")
+    return RewardResult(reward, correct, format_ok, error, failure)
 
 
 def _worker_main(conn: Connection, reward_name: str) -> None:
-    # Ctrl-C is the trainer's to handle: it closes the pool; workers must not die mid-reply on it.
+    # Ctrl-C and SIGTERM are the trainer's to handle: it closes the pool (workers must not die
+    # mid-reply on a signal sent to the whole process group).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         fn = resolve_reward(reward_name)
         warm_up = getattr(fn, "warm_up", None)
@@ -72,6 +85,7 @@ def _worker_main(conn: Connection, reward_name: str) -> None:
 class PoolStats:
     scored: int = 0
     errors: int = 0  # samples whose result carries an error (raised, bad return, timeout, crash, ...)
+    failures: dict = field(default_factory=lambda: {kind: 0 for kind in FAILURE_KINDS})  # errors per kind
     timeouts: int = 0
     crashes: int = 0  # the worker process died during a call
     restarts: int = 0
@@ -110,7 +124,9 @@ class RewardPool:
         self.stats = PoolStats()
         self._workers: list[_Worker] = []
         self._start_failures = 0
-        if not self.config.in_process:
+        in_process = self.config.in_process
+        self.in_process = is_trivial_reward(reward_name) if in_process is None else in_process
+        if not self.in_process:
             self._context = multiprocessing.get_context(self.config.start_method)
             if self.config.start_method == "forkserver":
                 # The fork server imports this package once (torch included, via the shared
@@ -130,7 +146,7 @@ class RewardPool:
     def score(self, responses: Sequence[str], records: Sequence[PromptRecord]) -> list[RewardResult]:
         if len(responses) != len(records):
             raise ValueError(f"{len(responses)} responses but {len(records)} records; pass one record per response")
-        if self.config.in_process:
+        if self.in_process:
             results = [call_reward(self._fn, r, rec) for r, rec in zip(responses, records)]
         else:
             if not self._workers:
@@ -138,6 +154,9 @@ class RewardPool:
             results = self._score_in_workers(responses, records)
         self.stats.scored += len(results)
         self.stats.errors += sum(r.error is not None for r in results)
+        for result in results:
+            if result.failure is not None:
+                self.stats.failures[result.failure] += 1
         return results
 
     def _score_in_workers(self, responses, records) -> list[RewardResult]:
@@ -176,7 +195,7 @@ class RewardPool:
             worker.process.join(timeout=10)
             code = worker.process.exitcode
             if worker.state == "busy":
-                results[worker.task] = RewardResult.failed(f"verifier process died (exit code {code})")
+                results[worker.task] = RewardResult.failed(f"verifier process died (exit code {code})", "died")
                 self.stats.crashes += 1
             else:
                 self._start_failed(f"worker died while starting (exit code {code})")
@@ -193,7 +212,7 @@ class RewardPool:
     def _expire(self, worker: _Worker, results: list[Optional[RewardResult]]) -> None:
         if worker.state == "busy":
             results[worker.task] = RewardResult.failed(
-                f"verifier timed out after {self.config.timeout_s} s (reward.timeout_s)"
+                f"verifier timed out after {self.config.timeout_s} s (reward.timeout_s)", "timeout"
             )
             self.stats.timeouts += 1
         else:

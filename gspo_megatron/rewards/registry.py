@@ -22,11 +22,24 @@ RewardFn = Callable[[str, PromptRecord], RewardResult]
 
 REWARDS: Registry[RewardFn] = Registry("reward function")
 IMPORT_PREFIX = "import:"
+_TRIVIAL: set[str] = set()  # built-ins that are pure string checks: safe to call in the trainer process
 
 
-def register_reward(name: str):
-    """Decorator: ``@register_reward("exact_match")``."""
+def register_reward(name: str, *, trivial: bool = False):
+    """Decorator: ``@register_reward("exact_match", trivial=True)``.
+
+    ``trivial``: a pure-Python check that cannot hang or crash; by default (``reward.in_process``
+    unset) only these run in the trainer process, every other verifier in workers with a timeout.
+    """
+    if trivial:
+        _TRIVIAL.add(name)
     return REWARDS.register(name)
+
+
+def is_trivial_reward(name: str) -> bool:
+    import gspo_megatron.rewards.builtin  # noqa: F401  (registers the built-ins)
+
+    return name in _TRIVIAL
 
 
 def available_rewards() -> list[str]:

@@ -2,7 +2,8 @@
 
 ``reward`` is the task reward before any shaping; ``correct`` and ``format_ok`` are kept apart because
 shapers weigh them separately (Step-GRPO's R = alpha * acc * (...) + (1 - alpha) * fmt).
-``error`` is set when the verifier failed (exception, timeout, crash); the sample then scores 0.
+``error`` is set when the verifier failed; the sample then scores 0, and ``failure`` names the kind
+(one of ``FAILURE_KINDS``) so every kind is counted apart in the step's metrics.
 """
 
 from __future__ import annotations
@@ -11,13 +12,22 @@ from dataclasses import dataclass
 from typing import Optional
 
 
+# verifier: the verifier itself reported an error; raised: it raised; bad_type: it returned something
+# that is not a RewardResult of numbers; nonfinite: a NaN/inf reward; timeout / died: its worker
+# process hung past reward.timeout_s / died during the call.
+FAILURE_KINDS = ("verifier", "raised", "bad_type", "nonfinite", "timeout", "died")
+
+
 @dataclass(frozen=True)
 class RewardResult:
     reward: float
     correct: bool
     format_ok: bool
     error: Optional[str] = None
+    failure: Optional[str] = None  # one of FAILURE_KINDS when error is set
 
     @classmethod
-    def failed(cls, error: str) -> "RewardResult":
-        return cls(reward=0.0, correct=False, format_ok=False, error=error)
+    def failed(cls, error: str, kind: str = "verifier") -> "RewardResult":
+        if kind not in FAILURE_KINDS:
+            raise ValueError(f"unknown reward failure kind {kind!r}; valid: {FAILURE_KINDS}")
+        return cls(reward=0.0, correct=False, format_ok=False, error=error, failure=kind)

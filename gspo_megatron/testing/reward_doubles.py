@@ -5,3 +5,28 @@ from __future__ import annotations
 
 def always_raises(response, record):
     raise RuntimeError("this verifier is broken on purpose")
+
+
+def misbehaves_by_digit(response, record):
+    """max_digit's exact match, except that the first character of the response picks a failure:
+    0 raises, 1 returns a string reward, 2 NaN, 3 inf, 4 hangs, 5 kills its process."""
+    import math
+    import os
+    import signal
+    import time
+
+    from gspo_megatron.rewards.builtin import exact_match
+    from gspo_megatron.rewards.types import RewardResult
+
+    first = response.strip()[:1]
+    if first == "0":
+        raise ValueError("verifier bug")
+    if first == "1":
+        return RewardResult(reward="high", correct=True, format_ok=True)
+    if first in ("2", "3"):
+        return RewardResult(reward=math.nan if first == "2" else math.inf, correct=False, format_ok=True)
+    if first == "4":
+        time.sleep(3600)
+    if first == "5":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return exact_match(response, record)

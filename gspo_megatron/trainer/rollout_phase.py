@@ -17,6 +17,7 @@ from gspo_megatron.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from gspo_megatron.algorithms.config import AlgorithmConfig, make_advantage_context
 from gspo_megatron.data.records import PromptRecord
 from gspo_megatron.rewards.pool import RewardPool
+from gspo_megatron.rewards.types import FAILURE_KINDS
 from gspo_megatron.rollout.engine import RolloutEngine
 from gspo_megatron.rollout.types import SamplingParams
 from gspo_megatron.shaping.apply import shape_batch, shape_group
@@ -123,6 +124,8 @@ class RolloutPhase:
             "reward/shaped_mean": shaped_rewards.mean(),
             "reward/shaping_strength": torch.tensor(self.shaping.strength(step)),
             "reward/errors": torch.tensor(float(sum(r.error is not None for r in scored))),
+            **{f"reward/errors/{kind}": torch.tensor(float(sum(r.failure == kind for r in scored)))
+               for kind in FAILURE_KINDS},
             "advantage/zero_variance_group_frac": advantage.stats["zero_variance_group_frac"],
             "response/length_mean": batch.response_lengths.float().mean(),
             "response/length_max": batch.response_lengths.float().max(),

@@ -46,3 +46,20 @@ def _refuse_to_start():
 
 
 fails_on_import_in_worker.warm_up = _refuse_to_start
+
+
+def misbehaves_by_response(response, record):
+    """The response names the failure: raise, type, string, nan, inf, hang, die; anything else scores."""
+    if response == "raise":
+        raise ValueError("verifier bug")
+    if response == "type":
+        return {"reward": 1.0}
+    if response == "string":
+        return RewardResult(reward="high", correct=True, format_ok=True)
+    if response in ("nan", "inf"):
+        return RewardResult(reward=float(response), correct=False, format_ok=True)
+    if response == "hang":
+        time.sleep(3600)
+    if response == "die":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _ok(response, record)
