@@ -131,10 +131,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _init_single_process(backend: str, timeout_s: float) -> None:
+    """One rank: an in-process store instead of a TCPStore (which listens on every interface), and
+    gloo's own sockets on the loopback interface unless the user chose one: nothing to reach from outside."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo reads its interface only from here
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=timedelta(seconds=timeout_s))
+
+
 def initialize_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: float = 600.0) -> ParallelMesh:
     """Start torch.distributed (env:// rendezvous from torchrun) and megatron's parallel state.
 
     NCCL with CUDA, gloo without; on CPU the megatron-core compatibility bridges are enabled first.
+    A single-process run (no ``WORLD_SIZE``, or 1) opens no port reachable from other machines.
     """
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -143,11 +152,13 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: flo
     if not use_cuda:
         enable_cpu_megatron()
     if not dist.is_initialized():
-        if "WORLD_SIZE" not in os.environ:  # a plain `python -m ...` run: one rank on a free local port
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+        backend = "nccl" if use_cuda else "gloo"
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            _init_single_process(backend, timeout_s)
+        else:
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     world = dist.get_world_size()
     if world != layout.world_size:
         raise LayoutError(
