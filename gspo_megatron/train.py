@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 
 import hydra
@@ -23,6 +24,7 @@ def run(cfg: DictConfig, run_dir: str) -> str:
 
     from gspo_megatron.config.validate import validate_config, validate_for_machine
     from gspo_megatron.trainer.run_dir_owner import claim_run_dir
+    from gspo_megatron.trainer.signals import SignalWatch
     from gspo_megatron.trainer.setup import build, world_size_from_env
     from gspo_megatron.trainer.trainer import RLTrainer
 
@@ -38,11 +40,12 @@ def run(cfg: DictConfig, run_dir: str) -> str:
     # the driver owns the run directory: lock it, and refuse a wrong fresh start or resume before building
     claim = claim_run_dir(Path(run_dir), typed.checkpoint, config_yaml) if _is_driver_process() else None
     try:
-        components = build(typed, Path(run_dir), config_yaml)
-        try:
-            summary = RLTrainer(components).train()
-        finally:
-            components.close()
+        with SignalWatch() as signals:  # SIGTERM/SIGINT: finish the step, save, stop (trainer/signals.py)
+            components = build(typed, Path(run_dir), config_yaml)
+            try:
+                summary = RLTrainer(components, signals).train()
+            finally:
+                components.close()  # reward workers, the engine and the servers it launched, groups
     finally:
         if claim is not None:
             claim.release()
@@ -57,8 +60,14 @@ def _is_driver_process() -> bool:
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    from gspo_megatron.trainer.signals import TrainingInterrupted
+
     run_dir = cfg.run_dir or HydraConfig.get().runtime.output_dir
-    summary = run(cfg, run_dir)
+    try:
+        summary = run(cfg, run_dir)
+    except TrainingInterrupted as stop:
+        print(f"[gspo] {stop}", file=sys.stderr, flush=True)
+        sys.exit(stop.exit_code)
     if summary:
         print(summary)
 

@@ -54,11 +54,15 @@ class Components:
 
     def close(self) -> None:
         """Stop what the run started: reward workers, the engine (and servers it launched), groups."""
-        if self.rollout is not None:
-            self.rollout.rewards.close()
-        if self.engine is not None:
-            self.engine.shutdown()
-        self.mesh.destroy()
+        try:
+            if self.rollout is not None:
+                self.rollout.rewards.close()
+        finally:
+            try:
+                if self.engine is not None:
+                    self.engine.shutdown()
+            finally:
+                self.mesh.destroy()
 
 
 def world_size_from_env() -> int:

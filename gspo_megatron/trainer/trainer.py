@@ -17,7 +17,7 @@ on its slice of every mini-batch, and loss denominators are counts of the whole 
 from __future__ import annotations
 
 import math
-
+import signal
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -41,12 +41,15 @@ from gspo_megatron.trainer.loss_head import LogProbHead, PolicyLossHead
 from gspo_megatron.trainer.mismatch_phase import correct_mismatch
 from gspo_megatron.trainer.nonfinite import NonFiniteError, NonFiniteGuard, parameters_finite
 from gspo_megatron.trainer.run_dir_owner import RunDirError, new_run_id, resume_mode
+from gspo_megatron.trainer.signals import SignalWatch, TrainingInterrupted
 
 
 class RLTrainer:
-    def __init__(self, components):
-        """``components`` is a ``trainer.setup.Components`` (built by ``trainer.setup.build``)."""
+    def __init__(self, components, signals: Optional[SignalWatch] = None):
+        """``components`` is a ``trainer.setup.Components`` (built by ``trainer.setup.build``);
+        ``signals``, if given, is looked at between steps (SIGTERM/SIGINT: save and stop)."""
         self.c = components
+        self.signals = signals
         self.cfg = components.cfg
         self.mesh = components.mesh
         self.step = 0
@@ -79,11 +82,13 @@ class RLTrainer:
             if self.c.run_log is not None:
                 self.c.run_log.log_step(self.step, metrics)
             every = cfg.checkpoint.save_every
+            saved = None
             if (every and self.step % every == 0) or self.step == last:
-                self.save()
+                saved = self.save()
             export_every = cfg.checkpoint.export_hf_every
             if cfg.checkpoint.export_hf and export_every and self.step % export_every == 0 and self.step != last:
                 self.export_hf()
+            self._stop_if_signalled(saved)
         if cfg.checkpoint.export_hf:
             self.export_hf()
         summary = self.c.run_log.close() if self.c.run_log is not None else ""
@@ -96,6 +101,18 @@ class RLTrainer:
     def _last_step(self) -> int:
         t = self.cfg.trainer
         return t.steps if t.stop_after_steps is None else min(t.steps, t.stop_after_steps)
+
+    def _stop_if_signalled(self, saved: Optional[Path]) -> None:
+        """Collective: when any rank got SIGTERM/SIGINT, save (unless just saved) and raise."""
+        signum = self.signals.agreed_signal() if self.signals is not None else 0
+        if not signum:
+            return
+        if self.cfg.checkpoint.save_on_signal:
+            saved = saved or self.save()
+            outcome = f"checkpoint {saved}; continue with checkpoint.resume=true"
+        else:
+            outcome = "no checkpoint written (checkpoint.save_on_signal=false)"
+        raise TrainingInterrupted(signum, f"stopped by {signal.Signals(signum).name} after step {self.step}; {outcome}")
 
     def train_step(self) -> dict[str, float]:
         timings: dict[str, float] = {}

@@ -1,0 +1,67 @@
+"""SIGTERM / SIGINT: finish the current step, save, stop what the run started, exit non-zero.
+
+Design decisions:
+- Schedulers send SIGTERM some time before SIGKILL. The first signal only sets a flag; the trainer
+  looks at it between steps, so a step (and a checkpoint being written) is never cut in half. Ranks
+  agree through one all-reduce per step (a signal may reach only some ranks), then save together
+  (``checkpoint.save_on_signal``) and raise ``TrainingInterrupted``.
+- A second signal abandons the step at once (``TrainingInterrupted`` raised from the handler): the
+  user asked twice. Either way the entry point's ``finally`` stops reward workers and the rollout
+  engine (which stops the servers it launched) and releases the run directory.
+- Exit status 128 + signal number (143 for SIGTERM, 130 for SIGINT), as a shell reports a process
+  killed by that signal, with one line saying why and what was saved.
+- Handlers are installed only in the main thread (Python's rule) and the previous ones restored.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+WATCHED = (signal.SIGTERM, signal.SIGINT)
+
+
+class TrainingInterrupted(Exception):
+    def __init__(self, signum: int, reason: str):
+        super().__init__(reason)
+        self.signum = signum
+        self.exit_code = 128 + signum
+
+
+class SignalWatch:
+    """Context manager: records the first SIGTERM/SIGINT; a second one interrupts immediately."""
+
+    def __init__(self):
+        self.signum: Optional[int] = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "SignalWatch":
+        if threading.current_thread() is threading.main_thread():
+            for signum in WATCHED:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+    def _handle(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.signum is not None:
+            raise TrainingInterrupted(signum, f"{name} received twice: abandoned the current step")
+        self.signum = signum
+        print(f"[gspo] {name} received: finishing the current step, then saving and stopping "
+              f"(send it again to stop at once)", file=sys.stderr, flush=True)
+
+    def agreed_signal(self) -> int:
+        """Collective over all ranks: the signal any rank received (0 if none)."""
+        flag = torch.tensor([self.signum or 0])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())

@@ -1,0 +1,105 @@
+"""SIGTERM mid-run and SIGKILL mid-save on real training processes: nothing written so far is lost."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from gspo_megatron.testing.train_runs import FAST, checkpoint_tensors, read_metrics, run_training, train_command
+from gspo_megatron.trainer.checkpoint import latest_checkpoint, read_trainer_state
+from gspo_megatron.trainer.run_dir_owner import LOCK_FILE
+
+pytestmark = [pytest.mark.faults, pytest.mark.e2e]
+
+# an import: reward runs in worker processes: the run has helpers to stop
+WORKER_REWARD = "task.reward=import:gspo_megatron.rewards.builtin:exact_match"
+
+
+def _start(overrides, run_dir) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    return subprocess.Popen(train_command(overrides, run_dir), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(condition, process: subprocess.Popen, timeout: float = 600, poll: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, f"the run ended early: {process.stderr.read()[-3000:]}"
+        assert time.monotonic() < deadline, "timed out waiting for the run"
+        time.sleep(poll)
+
+
+def _descendants(pid: int) -> set[int]:
+    found, todo = set(), [pid]
+    while todo:
+        current = todo.pop()
+        for task in Path(f"/proc/{current}/task").glob("*"):
+            children = (task / "children").read_text().split() if (task / "children").exists() else []
+            for child in map(int, children):
+                if child not in found:
+                    found.add(child)
+                    todo.append(child)
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def test_sigterm_mid_run_saves_stops_helpers_and_exits_nonzero(tmp_path):
+    run_dir = tmp_path / "run"
+    run = _start(FAST + ["trainer.steps=20", WORKER_REWARD, "routing.enabled=false"], run_dir)
+    try:
+        _wait_for(lambda: len(read_metrics(run_dir)) >= 1, run)
+        helpers = _descendants(run.pid)
+        assert helpers, "the reward workers should be running"
+        run.send_signal(signal.SIGTERM)
+        out, err = run.communicate(timeout=600)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert run.returncode == 128 + signal.SIGTERM, err[-3000:]
+    reason = [line for line in err.splitlines() if "stopped by SIGTERM" in line]
+    assert len(reason) == 1 and "continue with checkpoint.resume=true" in reason[0]
+    steps = [m["step"] for m in read_metrics(run_dir)]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) < 20
+    latest = latest_checkpoint(run_dir)
+    assert latest is not None and read_trainer_state(latest)["step"] == steps[-1]
+    assert not list((run_dir / "checkpoints").glob("*.partial")) and not (run_dir / LOCK_FILE).exists()
+    time.sleep(1)
+    assert not [pid for pid in helpers if _running(pid)], "helper processes outlived the run"
+
+
+def test_sigkill_during_a_save_then_resume(tmp_path):
+    """Killed at a random moment of a checkpoint write: ``latest`` stays complete, resume finishes the run."""
+    run_dir = tmp_path / "run"
+    overrides = FAST + ["trainer.steps=3", "checkpoint.save_every=1", "checkpoint.keep_last=2", "routing.enabled=false"]
+    run = _start(overrides, run_dir)
+    try:
+        _wait_for(lambda: any((run_dir / "checkpoints").glob("step_000002.partial")), run, poll=0.01)
+        time.sleep(random.Random(os.getpid()).uniform(0.0, 0.3))
+        run.kill()
+        run.wait()
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    latest = latest_checkpoint(run_dir)
+    assert latest is not None and latest.name in ("step_000001", "step_000002")
+    assert checkpoint_tensors(latest, tmp_path)  # readable, complete
+    done = run_training(overrides + ["checkpoint.resume=auto"], run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3]
+    assert latest_checkpoint(run_dir).name == "step_000003"
