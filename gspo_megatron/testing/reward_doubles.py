@@ -30,3 +30,13 @@ def misbehaves_by_digit(response, record):
     if first == "5":
         os.kill(os.getpid(), signal.SIGKILL)
     return exact_match(response, record)
+
+
+def varied_by_response(response, record):
+    """A reward in [0, 1) that differs between responses (a checksum of the text): every group has
+    reward variance, so every step has a gradient even before the policy can solve the task."""
+    import zlib
+
+    from gspo_megatron.rewards.types import RewardResult
+
+    return RewardResult(reward=(zlib.crc32(response.encode()) % 97) / 97, correct=False, format_ok=True)

@@ -15,8 +15,13 @@ pytestmark = [pytest.mark.faults, pytest.mark.e2e]
 
 def test_exploding_run_skips_then_stops_and_keeps_a_finite_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
-    overrides = FAST + ["trainer.steps=4", "optimizer.lr=1e20", "checkpoint.save_every=1", "checkpoint.keep_last=1",
-                        "trainer.max_consecutive_nonfinite=2", "routing.enabled=false"]
+    overrides = FAST + [
+        "trainer.steps=4", "optimizer.lr=1e20", "optimizer.warmup_steps=0", "optimizer.decay_style=constant",
+        "checkpoint.save_every=1", "checkpoint.keep_last=1", "trainer.max_consecutive_nonfinite=2",
+        "routing.enabled=false", "reward.in_process=true",
+        # rewards that vary within every group: a gradient from step 1 on
+        "task.reward=import:gspo_megatron.testing.reward_doubles:varied_by_response",
+    ]
     done = run_training(overrides, run_dir)
     assert done.returncode != 0, "a run whose loss is NaN must not exit 0"
     assert "consecutive updates skipped" in done.stderr and "non-finite" in done.stderr
