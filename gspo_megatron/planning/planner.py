@@ -96,6 +96,7 @@ def check_with_trainer_rules(model: MoEModelConfig, layout: ParallelLayout, opti
     cfg.rollout.group_size = options.group_size
     cfg.trainer.prompts_per_step = sequences // options.group_size
     cfg.trainer.updates_per_rollout = 1
+    cfg.trainer.micro_batch_size = max(1, options.micro_batch_tokens // options.seq_len)
     cfg.trainer.recompute_activations = options.recompute
     cfg.algorithm.routing_replay = options.routing_replay
     if options.routing_replay == "rollout":
