@@ -52,8 +52,12 @@ def _sharded_state(model, optimizer, is_loading: bool):
 
 
 def read_trainer_state(path: Path) -> dict:
-    """A checkpoint's trainer state (plain data only: ``weights_only`` loading)."""
-    return torch.load(path / STATE_FILE, weights_only=True)
+    """A checkpoint's trainer state (plain data only: ``weights_only`` loading; the one class allowed
+    is the prefetched ``RolloutBatch`` of an asynchronous rollout, a dataclass of tensors)."""
+    from gspo_megatron.trainer.batch import RolloutBatch
+
+    with torch.serialization.safe_globals([RolloutBatch]):
+        return torch.load(path / STATE_FILE, weights_only=True)
 
 
 def save_checkpoint(run_dir, step: int, model, optimizer, trainer_state: dict, keep_last: int, is_driver: bool,
