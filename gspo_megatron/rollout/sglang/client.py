@@ -95,6 +95,13 @@ class ServerPool:
 _CONNECTION_ERRORS = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
 
 
+def _is_torn_down_socket(error: AttributeError) -> bool:
+    """A server that dies while httpcore opens a connection can surface as anyio's SocketStream asking a
+    socket that is already gone (``'NoneType' object has no attribute 'getpeername'``, seen with anyio
+    4.16 / httpcore 1.0.9): that is a lost connection, not a bug of ours."""
+    return "NoneType" in str(error) and ("getpeername" in str(error) or "getsockname" in str(error))
+
+
 class SGLangHTTPClient:
     """Sends JSON requests to a pool of SGLang servers; must be used inside one event loop."""
 
@@ -183,6 +190,11 @@ class SGLangHTTPClient:
                 response = await self._http.request(method, server.url + path, json=payload)
             except _CONNECTION_ERRORS as error:
                 self._connection_failed(server, f"{type(error).__name__}: {error or 'connection lost'}")
+                raise _Retryable(server.last_error) from None
+            except AttributeError as error:
+                if not _is_torn_down_socket(error):
+                    raise
+                self._connection_failed(server, f"connection lost while opening it ({error})")
                 raise _Retryable(server.last_error) from None
             except httpx.TimeoutException as error:
                 server.last_error = f"timeout ({type(error).__name__})"

@@ -200,3 +200,27 @@ def test_sync_generate_works_inside_a_running_event_loop(doubles):
 
     samples = asyncio.run(driver())
     assert len(samples[0][0].output_ids) >= 1
+
+
+def test_a_socket_torn_down_while_connecting_counts_as_a_dead_server(doubles):
+    # anyio 4.16 / httpcore 1.0.9: a server dying during connection set-up raises AttributeError
+    # ('NoneType' object has no attribute 'getpeername') from the transport; it must fail over like
+    # any lost connection instead of escaping as a crash (seen flaky in test_all_servers_dead_names_them).
+    import httpx
+
+    class TornDown(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request):
+            raise AttributeError("'NoneType' object has no attribute 'getpeername'")
+
+    dying, live = doubles(), doubles()
+    with _engine([dying.url, live.url], max_concurrency=2) as engine:
+        client = engine._client
+        real = client._http
+        client._http = httpx.AsyncClient(mounts={dying.url: TornDown()}, trust_env=False)
+        try:
+            samples = engine.generate([[1], [2]], SamplingParams(max_new_tokens=2))
+        finally:
+            engine._loop.run(client._http.aclose())
+            client._http = real
+        assert len(samples) == 2
+        assert "connection lost" in (client.pool.servers[0].last_error or "")
