@@ -6,21 +6,7 @@ from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine
 from gspo_megatron.rollout.sglang.client import NoServersLeftError, RequestFailedError, RequestRejectedError
 from gspo_megatron.rollout.sglang.protocol import ProtocolError
 from gspo_megatron.rollout.types import FinishReason, SamplingParams
-from gspo_megatron.testing.sglang_double import DoubleFaults, SGLangServerDouble
-
-
-@pytest.fixture
-def doubles():
-    started = []
-
-    def make(**kwargs):
-        double = SGLangServerDouble(**kwargs).start()
-        started.append(double)
-        return double
-
-    yield make
-    for double in started:
-        double.stop()
+from gspo_megatron.testing.sglang_double import DoubleFaults
 
 
 def _engine(urls, **overrides):

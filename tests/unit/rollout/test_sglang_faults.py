@@ -12,21 +12,7 @@ from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine
 from gspo_megatron.rollout.sglang.protocol import parse_generate_response
 from gspo_megatron.rollout.sglang.version import UnsupportedSGLangError
 from gspo_megatron.rollout.types import SamplingParams
-from gspo_megatron.testing.sglang_double import DoubleFaults, SGLangServerDouble
-
-
-@pytest.fixture
-def doubles():
-    started = []
-
-    def make(**kwargs):
-        double = SGLangServerDouble(**kwargs).start()
-        started.append(double)
-        return double
-
-    yield make
-    for double in started:
-        double.stop()
+from gspo_megatron.testing.sglang_double import DoubleFaults
 
 
 def _engine(urls, **overrides):
