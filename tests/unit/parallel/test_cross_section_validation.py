@@ -113,6 +113,7 @@ def test_embedded_engine_refuses_a_shared_expert():
     cfg.model.shared_expert_intermediate_size = 32
     refused(cfg, 1, "embedded engine", "shared_expert_intermediate_size=0")
     cfg.rollout.engine = "sglang"  # the Megatron side supports it; only the HF engine lacks it
+    cfg.rollout.sglang.enable_return_routed_experts = True  # what the default diagnostics need
     validate_config(cfg, 1)
 
 

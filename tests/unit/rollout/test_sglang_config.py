@@ -12,10 +12,13 @@ YAML = Path(__file__).resolve().parents[3] / "conf" / "rollout" / "sglang.yaml"
 def test_yaml_defaults_match_the_dataclass():
     values = OmegaConf.to_container(OmegaConf.load(YAML))["sglang"]
     assert set(values) == {f.name for f in dataclasses.fields(SGLangConfig)}
+    # One deliberate difference: the trainer's YAML asks for routed experts, which its default routing
+    # diagnostics (rollout_vs_train) need -- start-up validation refuses sglang runs without them.
+    assert values.pop("enable_return_routed_experts") is True
     values["model_path"] = "/some/checkpoint"
     built = SGLangConfig(**values)
     reference = SGLangConfig(model_path="/some/checkpoint")
-    assert built == reference  # the YAML repeats the dataclass defaults, no drift
+    assert built == reference  # otherwise the YAML repeats the dataclass defaults, no drift
 
 
 @pytest.mark.parametrize(
