@@ -196,10 +196,8 @@ class TruncatedRolloutEngine(RolloutEngine):
             trace.exit_reason, trace.phase = self._natural_exit(trace), DONE
         elif stopped and trace.think_left > 0:  # a trigger's text inside a word ("Waiting"): go on
             trace.phase = THINK
-        elif trace.think_budget < trace.budget:
-            self._force_answer(trace, "think_budget")
         else:
-            trace.exit_reason, trace.finish, trace.phase = "length", FinishReason.LENGTH, DONE
+            self._out_of_thinking_budget(trace)
 
     def _after_probe(self, trace: _Trace, probe: Sample) -> None:
         trace.probes += 1
@@ -215,7 +213,12 @@ class TruncatedRolloutEngine(RolloutEngine):
         trace.keep(trigger_ids, trigger_log_probs)
         if trace.think_left > 0:
             trace.phase = THINK
-        elif trace.think_budget < trace.budget:
+        else:
+            self._out_of_thinking_budget(trace)
+
+    def _out_of_thinking_budget(self, trace: _Trace) -> None:
+        """Force the answer if the thinking budget is below the whole budget, else end at the length limit."""
+        if trace.think_budget < trace.budget:
             self._force_answer(trace, "think_budget")
         else:
             trace.exit_reason, trace.finish, trace.phase = "length", FinishReason.LENGTH, DONE
