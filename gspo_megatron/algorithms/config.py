@@ -33,6 +33,9 @@ from gspo_megatron.algorithms.reductions import local_sequence_sum
 # (clip_low, clip_high) from the papers: GSPO arXiv 2507.18071; GRPO with DAPO's clip-higher.
 RECOMMENDED_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.28)}
 _SEQUENCE_LEVEL_LOSSES = ("gspo", "gspo_token")
+# Where pi_old comes from. ``rollout``: the engine's sampling log-probs (GSPO arXiv 2507.18071 §4.3:
+# sequence-level likelihoods tolerate the engine/trainer precision gap) -- no old-log-prob forward.
+OLD_LOG_PROB_SOURCES = ("trainer", "rollout")
 
 
 @dataclass
@@ -48,6 +51,7 @@ class AlgorithmConfig:
     advantage_eps: float = 1e-6
     logprob_chunk_size: Optional[int] = None  # tokens per chunk in vocab_parallel_log_probs; None: one
     routing_replay: str = "none"  # none | old_policy | rollout (R3); see gspo_megatron/routing/replay.py
+    old_log_probs: str = "trainer"  # pi_old from: trainer (a forward pass) | rollout (the engine's log-probs)
 
 
 def validate_algorithm_config(cfg: AlgorithmConfig) -> None:
@@ -75,6 +79,17 @@ def validate_algorithm_config(cfg: AlgorithmConfig) -> None:
         raise ValueError(f"algorithm.log_ratio_clamp must be > 0, got {cfg.log_ratio_clamp}")
     if cfg.advantage_eps < 0:
         raise ValueError(f"algorithm.advantage_eps must be >= 0, got {cfg.advantage_eps}")
+    if cfg.old_log_probs not in OLD_LOG_PROB_SOURCES:
+        raise ValueError(
+            f"algorithm.old_log_probs={cfg.old_log_probs!r} is unknown; valid: {', '.join(OLD_LOG_PROB_SOURCES)}"
+        )
+    if cfg.old_log_probs == "rollout" and cfg.routing_replay == "old_policy":
+        raise ValueError(
+            "algorithm.old_log_probs=rollout skips the trainer's old-policy forward, but "
+            "routing_replay=old_policy replays the routing recorded in exactly that forward; use "
+            "routing_replay=rollout (R3: the engine's routing, which produced the engine's log-probs) "
+            "or none, or set algorithm.old_log_probs=trainer"
+        )
     if cfg.logprob_chunk_size is not None and cfg.logprob_chunk_size < 1:
         raise ValueError(f"algorithm.logprob_chunk_size must be >= 1 or null, got {cfg.logprob_chunk_size}")
 

@@ -31,6 +31,7 @@ from gspo_megatron.rollout.mismatch import finalize_mismatch, train_inference_mi
 from gspo_megatron.trainer.batch import RolloutBatch, partition
 from gspo_megatron.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from gspo_megatron.trainer.diagnostics import RoutingDiagnostics
+from gspo_megatron.trainer.engine_old_log_probs import use_engine_log_probs
 from gspo_megatron.trainer.loss_head import LogProbHead, PolicyLossHead
 
 
@@ -110,6 +111,9 @@ class RLTrainer:
         cfg, mesh, replay = self.cfg, self.mesh, self.c.replay
         mode = cfg.algorithm.routing_replay
         flat = [mb for part in parts for mb in part]
+        if cfg.algorithm.old_log_probs == "rollout":
+            self.diagnostics.remember_old_routing(None, flat)
+            return use_engine_log_probs(batch, flat)
         head = LogProbHead(mesh.tp_group, cfg.rollout.temperature, cfg.algorithm.logprob_chunk_size)
         before = None
         if replay is not None:
@@ -183,7 +187,8 @@ class RLTrainer:
             self.c.optimizer.zero_grad()
             outputs = run_schedule(self.c.model, mbs, head, forward_only=False, before_forward=before)
             if record:
-                self.diagnostics.from_training_forward(self.c.replay.recorded(), offset)
+                self.diagnostics.from_training_forward(self.c.replay.recorded(), offset, mbs, self._rollout_targets,
+                                                        self.step)
             if self.c.replay is not None:
                 self.c.replay.assert_fully_consumed()
                 self.c.replay.stop()
