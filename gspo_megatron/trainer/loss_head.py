@@ -32,7 +32,7 @@ class LogProbHead:
                 logits, batch["targets"], tp_group=self.tp_group, temperature=self.temperature,
                 chunk_size=self.chunk_size, with_entropy=True,
             )
-        return logits.new_zeros(()), {"log_probs": log_probs, "entropy": entropy, "row_start": batch["row_start"]}
+        return logits.new_zeros(()), {"log_probs": log_probs, "entropy": entropy, "rows": batch["rows"]}
 
 
 @dataclass

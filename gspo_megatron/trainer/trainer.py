@@ -33,6 +33,7 @@ from gspo_megatron.trainer.checkpoint import latest_checkpoint, load_checkpoint,
 from gspo_megatron.trainer.diagnostics import RoutingDiagnostics
 from gspo_megatron.trainer.engine_old_log_probs import use_engine_log_probs
 from gspo_megatron.trainer.loss_head import LogProbHead, PolicyLossHead
+from gspo_megatron.trainer.micro_batches import sequence_multiple, step_padded_fraction
 
 
 class RLTrainer:
@@ -74,8 +75,10 @@ class RLTrainer:
         timings: dict[str, float] = {}
         with _timed(timings, "rollout"):
             batch, metrics = self._rollout()
-        parts = partition(batch, self.cfg.trainer.updates_per_rollout, self.cfg.trainer.micro_batch_size,
-                          self.mesh.layout.dp, self.mesh.dp_rank)
+        t, layout = self.cfg.trainer, self.mesh.layout
+        parts = partition(batch, t.updates_per_rollout, t.micro_batch_size, layout.dp, self.mesh.dp_rank,
+                          t.micro_batch_tokens, sequence_multiple(layout))
+        metrics["batch/padded_token_frac"] = step_padded_fraction(batch, parts, layout.dp)
         with _timed(timings, "old_logp"):
             old_metrics = self._old_log_probs(batch, parts)
         with _timed(timings, "update"):
@@ -140,16 +143,14 @@ class RLTrainer:
         out["policy/entropy_old"] = float((entropy * mask).sum() / mask.sum().clamp_min(1))
         # the update micro-batches carry the old log-probs from here on
         for mb in flat:
-            rows = slice(mb["row_start"], mb["row_start"] + mb["tokens"].shape[0])
-            mb["old_log_probs"] = batch.old_log_probs[rows]
+            mb["old_log_probs"] = batch.old_log_probs[mb["rows"], : mb["tokens"].shape[1]]
         return out
 
     def _gather_rows(self, outputs: list[dict], flat: list[dict], key: str, batch: RolloutBatch) -> torch.Tensor:
         """Per-token values of this rank's rows (last stage) -> the whole batch on every rank."""
         full = torch.zeros(batch.num_sequences, batch.tokens.shape[1] - 1, device=self.mesh.device)
         for out in outputs:
-            start = out["row_start"]
-            full[start : start + out[key].shape[0]] = out[key].float()
+            full[out["rows"].to(full.device), : out[key].shape[1]] = out[key].float()
         # data-parallel ranks hold disjoint rows: a sum assembles them
         if self.mesh.layout.dp > 1 and self.mesh.is_last_stage:
             dist.all_reduce(full, group=self.mesh.dp_group)

@@ -47,6 +47,16 @@ def test_engine_log_probs_as_old_policy(tmp_path):
     assert abs(metrics[0]["loss/ratio/max"] - 1.0) > 1e-5 or abs(metrics[0]["loss/ratio/min"] - 1.0) > 1e-5
 
 
+def test_token_budget_micro_batches(tmp_path):
+    """trainer.micro_batch_tokens through the trainer: old log-probs gathered back by row match the
+    engine's (rows were reordered and cut per micro-batch), and the padded fraction is reported."""
+    overrides = FAST + ["trainer.micro_batch_tokens=24", "rollout.max_new_tokens=6", "rollout.temperature=2.0"]
+    (metrics,) = run_distributed(train_worker, 1, overrides, str(tmp_path), timeout=600)
+    _check_run(metrics, 2)
+    for m in metrics:
+        assert 0 <= m["batch/padded_token_frac"] < 1
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout, world", [("tp2", 2), ("ep2", 2), ("pp2", 2)])
 def test_two_gloo_ranks(tmp_path, layout, world):
