@@ -57,13 +57,15 @@ def bench_worker(ctx, args) -> dict:
         for n in lengths
     ]
     n = len(samples)
-    batch = pack_samples(samples, torch.randn(n, generator=generator), torch.rand(n), torch.rand(n), pad_token_id=0)
+    batch = pack_samples(samples, torch.randn(n, generator=generator), torch.rand(n), torch.rand(n),
+                         pad_token_id=0)
     batch.old_log_probs = batch.rollout_log_probs
     mask = batch.response_mask
     head = PolicyLossHead(AlgorithmConfig(), mesh.tp_group, None, 1.0,
                           global_num_sequences=(mask.sum(1) > 0).sum().float(), global_num_tokens=mask.sum())
     variants = {"padded": None, "budget": args.budget}
-    parts = {name: partition(batch, 1, args.micro_batch_size, 1, 0, budget) for name, budget in variants.items()}
+    parts = {name: partition(batch, 1, args.micro_batch_size, 1, 0, budget)
+             for name, budget in variants.items()}
     seconds = {name: [] for name in variants}
     for round_ in range(args.rounds + 1):  # round 0 warms up
         for name, part in parts.items():
@@ -105,7 +107,8 @@ def main(argv=None) -> None:
         print(f"{label:<24} micro-batches {result['micro_batches'][name]:>3}  padded-token fraction "
               f"{result['padded_frac'][name]:.3f}  update {mean[name]:.3f} s (rounds: "
               f"{', '.join(f'{s:.3f}' for s in result['seconds'][name])})")
-    print(f"update time padded / budget: {mean['padded'] / mean['budget']:.2f}x (interleaved, {args.rounds} rounds)")
+    ratio = mean["padded"] / mean["budget"]
+    print(f"update time padded / budget: {ratio:.2f}x (interleaved, {args.rounds} rounds)")
 
 
 if __name__ == "__main__":

@@ -81,7 +81,8 @@ def validate_algorithm_config(cfg: AlgorithmConfig) -> None:
         raise ValueError(f"algorithm.advantage_eps must be >= 0, got {cfg.advantage_eps}")
     if cfg.old_log_probs not in OLD_LOG_PROB_SOURCES:
         raise ValueError(
-            f"algorithm.old_log_probs={cfg.old_log_probs!r} is unknown; valid: {', '.join(OLD_LOG_PROB_SOURCES)}"
+            f"algorithm.old_log_probs={cfg.old_log_probs!r} is unknown; "
+            f"valid: {', '.join(OLD_LOG_PROB_SOURCES)}"
         )
     if cfg.old_log_probs == "rollout" and cfg.routing_replay == "old_policy":
         raise ValueError(

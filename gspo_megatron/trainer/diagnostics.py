@@ -92,7 +92,8 @@ class RoutingDiagnostics:
         if self.c.cfg.algorithm.routing_replay != "none":
             return False
         if self._engine_old_policy:
-            return update == 0 and any(self.due(kind, step) for kind in ("update", "minibatch", "rollout_vs_train"))
+            kinds = ("update", "minibatch", "rollout_vs_train")
+            return update == 0 and any(self.due(kind, step) for kind in kinds)
         return update == 1 and self.due("update", step)
 
     def from_training_forward(self, recorded: list, old_offset: int, micro_batches: list[dict], targets_of,

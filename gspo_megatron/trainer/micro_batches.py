@@ -71,7 +71,8 @@ def _rounded(width: int, multiple: int, max_width: int | None) -> int:
 
 
 def _plan(stripes: list[list[int]], first_row: int, width: int) -> MicroBatchPlan:
-    return MicroBatchPlan(rows=torch.tensor(stripes, dtype=torch.long).t().contiguous() + first_row, width=width)
+    rows = torch.tensor(stripes, dtype=torch.long).t().contiguous() + first_row
+    return MicroBatchPlan(rows=rows, width=width)
 
 
 def step_padded_fraction(batch, parts: list[list[dict]], dp_size: int) -> float:

@@ -188,8 +188,8 @@ class RLTrainer:
             self.c.optimizer.zero_grad()
             outputs = run_schedule(self.c.model, mbs, head, forward_only=False, before_forward=before)
             if record:
-                self.diagnostics.from_training_forward(self.c.replay.recorded(), offset, mbs, self._rollout_targets,
-                                                        self.step)
+                self.diagnostics.from_training_forward(self.c.replay.recorded(), offset, mbs,
+                                                        self._rollout_targets, self.step)
             if self.c.replay is not None:
                 self.c.replay.assert_fully_consumed()
                 self.c.replay.stop()

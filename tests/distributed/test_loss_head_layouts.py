@@ -58,7 +58,8 @@ def test_token_budget_micro_batches_match_one_rank(reference, name):
     cfg, state, policy, single = reference
     world = EQUIVALENCE_LAYOUTS[name]["world_size"]
     budgeted = {**policy, "micro_batch_tokens": 11}
-    results = run_distributed(model_layout_worker, world, cfg, state, EQUIVALENCE_LAYOUTS[name], budgeted, timeout=600)
+    results = run_distributed(model_layout_worker, world, cfg, state, EQUIVALENCE_LAYOUTS[name], budgeted,
+                              timeout=600)
     total = {}
     for result in results:
         for dp_rank in result["log_probs"]:
@@ -66,4 +67,5 @@ def test_token_budget_micro_batches_match_one_rank(reference, name):
     torch.testing.assert_close(sum(total.values()), single["loss"], rtol=1e-5, atol=1e-7)
     for result in results:
         for key, grad in single["grads"].items():
-            torch.testing.assert_close(result["grads"][key], grad, rtol=1e-4, atol=1e-7, msg=lambda m: f"{key}: {m}")
+            torch.testing.assert_close(result["grads"][key], grad, rtol=1e-4, atol=1e-7,
+                                       msg=lambda m: f"{key}: {m}")

@@ -43,14 +43,16 @@ def test_engine_log_probs_as_old_policy(tmp_path):
     for m in metrics:
         assert math.isfinite(m["loss/policy"]) and math.isfinite(m["grad_norm"])
         assert "mismatch/abs_log_prob_diff_mean" not in m  # it would compare pi_old with itself
-        assert 0 <= m["routing/update_changed_frac"] <= 1 and 0 <= m["routing/rollout_vs_train_changed_frac"] <= 1
+        assert 0 <= m["routing/update_changed_frac"] <= 1
+        assert 0 <= m["routing/rollout_vs_train_changed_frac"] <= 1
     assert abs(metrics[0]["loss/ratio/max"] - 1.0) > 1e-5 or abs(metrics[0]["loss/ratio/min"] - 1.0) > 1e-5
 
 
 def test_token_budget_micro_batches(tmp_path):
     """trainer.micro_batch_tokens through the trainer: old log-probs gathered back by row match the
     engine's (rows were reordered and cut per micro-batch), and the padded fraction is reported."""
-    overrides = FAST + ["trainer.micro_batch_tokens=24", "rollout.max_new_tokens=6", "rollout.temperature=2.0"]
+    overrides = FAST + ["trainer.micro_batch_tokens=24", "rollout.max_new_tokens=6",
+                        "rollout.temperature=2.0"]
     (metrics,) = run_distributed(train_worker, 1, overrides, str(tmp_path), timeout=600)
     _check_run(metrics, 2)
     for m in metrics:

@@ -49,7 +49,8 @@ def test_partition_with_budget_covers_every_row_once_cut_to_its_own_longest_row(
         for update, part in enumerate(parts):
             for j, mb in enumerate(part):
                 rows = mb["rows"]
-                assert all(update * 4 <= r < (update + 1) * 4 for r in rows.tolist())  # stays in its mini-batch
+                # stays in its mini-batch
+                assert all(update * 4 <= r < (update + 1) * 4 for r in rows.tolist())
                 width = mb["tokens"].shape[1]
                 same_index.setdefault((update, j), []).append((rows, tuple(mb["tokens"].shape)))
                 assert mb["tokens"].shape[0] * width <= 12 or mb["tokens"].shape[0] == 1
@@ -62,7 +63,8 @@ def test_partition_with_budget_covers_every_row_once_cut_to_its_own_longest_row(
     assert sorted(seen) == list(range(len(lengths)))
     lengths_all = batch.prompt_lengths + batch.response_lengths
     for entries in same_index.values():
-        assert len(entries) == dp_size and len({shape for _, shape in entries}) == 1  # one shape on every rank
+        # one shape on every rank
+        assert len(entries) == dp_size and len({shape for _, shape in entries}) == 1
         longest = max(int(lengths_all[rows].max()) for rows, _ in entries)
         assert entries[0][1][1] == longest - 1  # padded only to the micro-batch's longest row
 
