@@ -37,6 +37,9 @@ from gspo_megatron.algorithms.reductions import local_sequence_sum
 # (clip_low, clip_high) from the papers: GSPO arXiv 2507.18071; GRPO with DAPO's clip-higher.
 RECOMMENDED_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.28)}
 _SEQUENCE_LEVEL_LOSSES = ("gspo", "gspo_token")
+# Where pi_old comes from. ``rollout``: the engine's sampling log-probs (GSPO arXiv 2507.18071 §4.3:
+# sequence-level likelihoods tolerate the engine/trainer precision gap) -- no old-log-prob forward.
+OLD_LOG_PROB_SOURCES = ("trainer", "rollout")
 
 
 @dataclass
@@ -65,6 +68,7 @@ class AlgorithmConfig:
     adaptive_clip_rate: float = 0.2  # log-space gain: eps moves by at most exp(rate) per step
     adaptive_clip_min_scale: float = 0.25  # eps stays within [min_scale, max_scale] x the configured eps
     adaptive_clip_max_scale: float = 4.0
+    old_log_probs: str = "trainer"  # pi_old from: trainer (a forward pass) | rollout (the engine's log-probs)
 
 
 def validate_algorithm_config(cfg: AlgorithmConfig) -> None:
@@ -126,6 +130,24 @@ def validate_algorithm_config(cfg: AlgorithmConfig) -> None:
             f"algorithm.dynamic_sampling_max_extra_rounds must be >= 0, got {cfg.dynamic_sampling_max_extra_rounds}"
         )
     _validate_adaptive_clip(cfg)
+    if cfg.old_log_probs not in OLD_LOG_PROB_SOURCES:
+        raise ValueError(
+            f"algorithm.old_log_probs={cfg.old_log_probs!r} is unknown; "
+            f"valid: {', '.join(OLD_LOG_PROB_SOURCES)}"
+        )
+    if cfg.old_log_probs == "rollout" and cfg.routing_replay == "old_policy":
+        raise ValueError(
+            "algorithm.old_log_probs=rollout skips the trainer's old-policy forward, but "
+            "routing_replay=old_policy replays the routing recorded in exactly that forward; use "
+            "routing_replay=rollout (R3: the engine's routing, which produced the engine's log-probs) "
+            "or none, or set algorithm.old_log_probs=trainer"
+        )
+    if cfg.old_log_probs == "rollout" and cfg.mismatch_correction != "none":
+        raise ValueError(
+            f"algorithm.mismatch_correction={cfg.mismatch_correction} weighs by pi_old / pi_rollout, which is "
+            "exactly 1 when algorithm.old_log_probs=rollout takes pi_old from the engine; set "
+            "mismatch_correction=none or old_log_probs=trainer"
+        )
     if cfg.logprob_chunk_size is not None and cfg.logprob_chunk_size < 1:
         raise ValueError(f"algorithm.logprob_chunk_size must be >= 1 or null, got {cfg.logprob_chunk_size}")
 

@@ -29,6 +29,10 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
     for name in ("steps", "prompts_per_step", "updates_per_rollout", "micro_batch_size"):
         if getattr(t, name) < 1:
             raise ConfigError(f"trainer.{name} must be >= 1, got {getattr(t, name)}")
+    if t.micro_batch_tokens is not None and t.micro_batch_tokens < 1:
+        raise ConfigError(
+            f"trainer.micro_batch_tokens must be >= 1 or null (off), got {t.micro_batch_tokens}"
+        )
     if t.eval_samples > 1 and cfg.rollout.eval_temperature == 0:
         raise ConfigError(
             f"trainer.eval_samples={t.eval_samples} with greedy decoding (rollout.eval_temperature=0) gives "

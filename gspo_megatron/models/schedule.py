@@ -16,6 +16,8 @@ Design decisions:
   model and the loss callback see this CP rank's share of every per-token tensor.
 - Micro-batches of one call share one padded length (the allgather MoE dispatcher used on CPU
   cannot handle variable lengths, and PP needs the shapes up front).
+- Micro-batches of one call may differ in shape (token budgets); then megatron's
+  ``variable_seq_lengths`` is on for the call, so pipeline stages exchange shapes.
 """
 
 from __future__ import annotations
@@ -89,25 +91,33 @@ def run_schedule(
     Returns the metric dicts of each micro-batch on the last pipeline stage (empty list elsewhere).
     All micro-batches must have the same [b, s] shape (the whole sequence; megatron's schedule
     divides ``seq_length`` by the CP size for its pipeline shapes). ``before_forward`` runs before each
+    Micro-batches may differ in [b, s] (see the module notes). ``before_forward`` runs before each
     micro-batch's forward, in micro-batch order (routing replay sets its targets there).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
 
     if not micro_batches:
         raise ValueError("run_schedule needs at least one micro-batch")
-    shape = tuple(micro_batches[0]["tokens"].shape)
-    for mb in micro_batches:
-        if tuple(mb["tokens"].shape) != shape:
-            raise ValueError(f"micro-batches must share one padded shape; got {shape} and {tuple(mb['tokens'].shape)}")
-    batch_size, seq_length = shape
-    forward_backward = get_forward_backward_func()
-    results = forward_backward(
-        forward_step_func=partial(_forward_step, loss_callback, before_forward),
-        data_iterator=iter(micro_batches),
-        model=model,
-        num_microbatches=len(micro_batches),
-        seq_length=seq_length,
-        micro_batch_size=batch_size,
-        forward_only=forward_only,
-    )
+    shapes = {tuple(mb["tokens"].shape) for mb in micro_batches}
+    batch_size, seq_length = max(shapes, key=lambda shape: shape[0] * shape[1])
+    config = get_model_config(model[0] if isinstance(model, list) else model)
+    fixed = config.variable_seq_lengths
+    # Different shapes in one call (token-budget micro-batches): pipeline stages exchange each
+    # tensor's shape first. Set here rather than at build time because megatron refuses the flag with
+    # the allgather dispatcher in general; the token-budget plan gives micro-batch j one shape on
+    # every rank (trainer/micro_batches.py), which is all that dispatcher's all-gathers need.
+    config.variable_seq_lengths = fixed or len(shapes) > 1
+    try:
+        results = get_forward_backward_func()(
+            forward_step_func=partial(_forward_step, loss_callback, before_forward),
+            data_iterator=iter(micro_batches),
+            model=model,
+            num_microbatches=len(micro_batches),
+            seq_length=seq_length,
+            micro_batch_size=batch_size,
+            forward_only=forward_only,
+        )
+    finally:
+        config.variable_seq_lengths = fixed
     return list(results or [])

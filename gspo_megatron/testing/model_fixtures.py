@@ -103,6 +103,10 @@ def model_layout_worker(ctx, cfg: MoEModelConfig, state: dict, layout_kwargs: di
          **{k: v[sl][i : i + per_micro] for k, v in per_row.items()}}
         for i in range(0, rows, per_micro)
     ]
+    budget = (policy or {}).get("micro_batch_tokens")
+    if budget is not None:
+        micro_batches = _token_budget_micro_batches(inputs, targets, per_row, policy["response_mask"], budget,
+                                                    layout, mesh.dp_rank)
 
     cp_group = mesh.cp_group if layout.cp > 1 else None
 
@@ -119,11 +123,35 @@ def model_layout_worker(ctx, cfg: MoEModelConfig, state: dict, layout_kwargs: di
     grads = export_hf_state_dict(model, cfg, mesh, tensor_of=gradient_of)
     log_probs = {}
     loss = torch.tensor(0.0)
-    if metrics:
+    if metrics and budget is not None:  # rows in plan order, each micro-batch cut to its own width
+        full = torch.zeros(inputs.shape)
+        for mb, m in zip(micro_batches, metrics):
+            full[mb["rows"], : m["log_probs"].shape[1]] = m["log_probs"]
+        log_probs[mesh.dp_rank] = full
+    elif metrics:
         log_probs[mesh.dp_rank] = torch.cat([m["log_probs"] for m in metrics], dim=0)
+    if metrics:
         loss = sum(m["loss"] for m in metrics)
     mesh.destroy()
     return {"exported": exported, "log_probs": log_probs, "grads": grads, "loss": loss}
+
+
+def _token_budget_micro_batches(inputs, targets, per_row: dict, mask, budget: int, layout, dp_rank: int):
+    """The trainer's token-budget plan over the fixed batch: a row's length ends at its last
+    response target (+1 for the shifted input, +1 for the target)."""
+    from gspo_megatron.trainer.micro_batches import sequence_multiple, token_budget_plan
+
+    positions = torch.arange(mask.shape[1]).expand_as(mask)
+    lengths = torch.where(mask > 0, positions, torch.zeros_like(positions)).max(dim=1).values + 2
+    plans = token_budget_plan(lengths, 0, layout.dp, budget, multiple=sequence_multiple(layout),
+                              max_width=inputs.shape[1] + 1)
+    out = []
+    for plan in plans:
+        rows, fed = plan.rows[dp_rank], plan.width - 1
+        item = {"tokens": inputs[rows, :fed], "targets": targets[rows, :fed], "rows": rows}
+        item.update({k: v[rows, :fed] if v.dim() > 1 else v[rows] for k, v in per_row.items()})
+        out.append(item)
+    return out
 
 
 def _policy_callback(policy: dict, mesh):

@@ -6,7 +6,9 @@ Design decisions:
   (routed experts to the S-1 *inputs*, which is the same index: row t is the token fed at t).
 - The batch is identical on every rank (the driver broadcasts it); each data-parallel rank takes a
   contiguous slice of every mini-batch, so denominators are simple global counts.
-- All micro-batches of one schedule call share the padded length S-1 of the whole rollout batch.
+- Without ``trainer.micro_batch_tokens`` all micro-batches share the padded length S-1 of the whole
+  rollout batch; with it each is cut to its own longest row (``micro_batches.py``). Micro-batches
+  name their rows by global index (``rows``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Optional
 import torch
 
 from gspo_megatron.rollout.types import Sample
+from gspo_megatron.trainer.micro_batches import token_budget_plan
 
 
 @dataclass
@@ -103,11 +106,13 @@ def pack_samples(
     )
 
 
-def partition(batch: RolloutBatch, updates: int, micro_batch_size: int, dp_size: int, dp_rank: int) -> list[list[dict]]:
+def partition(batch: RolloutBatch, updates: int, micro_batch_size: int, dp_size: int, dp_rank: int,
+              micro_batch_tokens: Optional[int] = None, seq_multiple: int = 1) -> list[list[dict]]:
     """This rank's micro-batches, per mini-batch (one mini-batch per optimizer update).
 
     The old-log-prob pass runs over exactly these micro-batches (flattened), so whatever it records
-    per micro-batch (log-probs, routing) lines up with the training forwards that replay it.
+    per micro-batch (log-probs, routing) lines up with the training forwards that replay it. With
+    ``micro_batch_tokens`` the rows are packed by length under that budget (``micro_batches.py``).
     """
     if batch.num_sequences % updates:
         raise ValueError(
@@ -117,10 +122,19 @@ def partition(batch: RolloutBatch, updates: int, micro_batch_size: int, dp_size:
     per_update = batch.num_sequences // updates
     out = []
     for update in range(updates):
+        first = update * per_update
+        if micro_batch_tokens is not None:
+            data_parallel_slice(per_update, dp_size, dp_rank)  # the same divisibility check
+            lengths = (batch.prompt_lengths + batch.response_lengths)[first : first + per_update]
+            plans = token_budget_plan(lengths, first, dp_size, micro_batch_tokens, multiple=seq_multiple,
+                                      max_width=batch.tokens.shape[1])
+            out.append([micro_batch(batch, plan.rows[dp_rank], plan.width) for plan in plans])
+            continue
         rows = data_parallel_slice(per_update, dp_size, dp_rank)
-        start = update * per_update + rows.start
-        local = batch.rows(slice(start, update * per_update + rows.stop))
-        out.append(micro_batches(local, micro_batch_size, row_start=start))
+        start = first + rows.start
+        out.append([micro_batch(batch, torch.arange(i, min(i + micro_batch_size, first + rows.stop)),
+                                batch.tokens.shape[1])
+                    for i in range(start, first + rows.stop, micro_batch_size)])
     return out
 
 
@@ -137,17 +151,13 @@ def data_parallel_slice(num_rows: int, dp_size: int, dp_rank: int) -> slice:
 MICRO_BATCH_KEYS = ("response_mask", "input_mask", "advantages", "old_log_probs", "rollout_log_probs", "routed_experts")
 
 
-def micro_batches(batch: RolloutBatch, micro_batch_size: int, row_start: int = 0) -> list[dict]:
-    """Schedule inputs: ``tokens`` (inputs), ``targets``, the per-row fields that are set, and
-    ``row_start``: the global row index of the micro-batch's first row."""
-    out = []
-    for start in range(0, batch.num_sequences, micro_batch_size):
-        part = batch.rows(slice(start, start + micro_batch_size))
-        item = {"tokens": part.tokens[:, :-1].contiguous(), "targets": part.tokens[:, 1:].contiguous(),
-                "row_start": row_start + start}
-        for key in MICRO_BATCH_KEYS:
-            value = getattr(part, key)
-            if value is not None:
-                item[key] = value
-        out.append(item)
-    return out
+def micro_batch(batch: RolloutBatch, rows: torch.Tensor, width: int) -> dict:
+    """Schedule inputs of the batch rows ``rows`` (global indices) cut to ``width`` tokens:
+    ``tokens`` (inputs), ``targets``, the per-row fields that are set, and ``rows``."""
+    tokens = batch.tokens[rows, :width]
+    item = {"tokens": tokens[:, :-1].contiguous(), "targets": tokens[:, 1:].contiguous(), "rows": rows}
+    for key in MICRO_BATCH_KEYS:
+        value = getattr(batch, key)
+        if value is not None:
+            item[key] = value[rows, : width - 1] if value.dim() > 1 else value[rows]
+    return item

@@ -11,6 +11,10 @@ What is measured (``routing.kinds``; the math is ``routing/volatility.py``):
 - ``rollout_vs_train``: the experts the rollout engine used vs the trainer's old-policy routing of
   the same tokens (MoE layers only; SGLang/embedded rows include dense layers).
 
+With pi_old from the engine (``algorithm.old_log_probs=rollout``) no old-policy pass runs: the first
+update's training forward (before any optimizer step) is recorded as the old policy's routing of
+the first mini-batch, and every kind compares against that.
+
 Under rollout replay (R3) the old-policy pass replays the engine's routing instead of recording
 one, so there is no free routing for ``update``/``minibatch``; ``rollout_vs_train`` compares the
 engine's experts with the ones the replaying forward actually routed with (observed in megatron's
@@ -49,6 +53,11 @@ class RoutingDiagnostics:
         self.step_records: list[tuple[str, RoutingVolatility, object]] = []
 
     # --- old-policy routing --------------------------------------------------------------------
+    @property
+    def _engine_old_policy(self) -> bool:
+        """pi_old is the engine's (``algorithm.old_log_probs=rollout``): no old-policy pass runs."""
+        return self.c.cfg.algorithm.old_log_probs == "rollout"
+
     def remember_old_routing(self, recorded: Optional[list], micro_batches: list[dict]) -> None:
         self.old = recorded or []
         self.old_masks = [_token_mask(mb, self.mesh) for mb in micro_batches]
@@ -79,17 +88,30 @@ class RoutingDiagnostics:
         self.step_records.append(("rollout_vs_train", RoutingVolatility.merge_all(parts), None))
 
     def records_training_forward(self, update: int, step: int) -> bool:
-        """Whether update ``update``'s training forward is the free "update" measurement."""
-        return update == 1 and self.c.cfg.algorithm.routing_replay == "none" and self.due("update", step)
+        """Whether update ``update``'s training forward is recorded: the free "update" measurement
+        (update 1), or -- with pi_old from the engine, when no old-policy pass ran -- the old
+        policy's routing of the first mini-batch (update 0, before any optimizer step)."""
+        if self.c.cfg.algorithm.routing_replay != "none":
+            return False
+        if self._engine_old_policy:
+            kinds = ("update", "minibatch", "rollout_vs_train")
+            return update == 0 and any(self.due(kind, step) for kind in kinds)
+        return update == 1 and self.due("update", step)
 
-    def from_training_forward(self, recorded: list, old_offset: int) -> None:
+    def from_training_forward(self, recorded: list, old_offset: int, micro_batches: list[dict], targets_of,
+                              step: int) -> None:
+        if self._engine_old_policy:
+            self.old = recorded  # the old policy's routing of the first mini-batch
+            self.rollout_vs_train(step, micro_batches, targets_of)
+            return
         masks = self.old_masks[old_offset : old_offset + len(recorded)]
         base = self.old[old_offset : old_offset + len(recorded)]
         self.step_records.append(("update", _compare(base, recorded, masks), _load(recorded, masks, self.c)))
 
     def after_update(self, update: int, step: int, first_micro_batches: list[dict]) -> None:
         """Recording pass over the first mini-batch after optimizer step ``update``, when needed."""
-        free = self.c.cfg.algorithm.routing_replay == "none" and self.c.cfg.trainer.updates_per_rollout > 1
+        free = (self.c.cfg.algorithm.routing_replay == "none" and self.c.cfg.trainer.updates_per_rollout > 1
+                and not self._engine_old_policy)
         want_update = update == 0 and self.due("update", step) and not free
         want_minibatch = self.due("minibatch", step) and self.c.cfg.trainer.updates_per_rollout > 1
         if not (want_update or want_minibatch) or not self.old:

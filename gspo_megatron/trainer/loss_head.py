@@ -37,7 +37,7 @@ class LogProbHead:
                 chunk_size=self.chunk_size, with_entropy=True,
             )
             log_probs, entropy = (gather_sequence(t, self.cp_group) for t in (log_probs, entropy))
-        return logits.new_zeros(()), {"log_probs": log_probs, "entropy": entropy, "row_start": batch["row_start"]}
+        return logits.new_zeros(()), {"log_probs": log_probs, "entropy": entropy, "rows": batch["rows"]}
 
 
 @dataclass

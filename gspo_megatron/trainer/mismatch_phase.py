@@ -21,6 +21,10 @@ def correct_mismatch(
                                         algorithm.mismatch_correction, algorithm.mismatch_cap,
                                         algorithm.log_ratio_clamp)
     for mb in (mb for part in parts for mb in part):
-        rows = slice(mb["row_start"], mb["row_start"] + mb["tokens"].shape[0])
-        mb["advantages"] = weighted_advantages(batch.advantages[rows], weights[rows])
+        # token-budget micro-batches hold any rows, cut to their own width
+        rows, width = mb["rows"], mb["tokens"].shape[1]
+        advantages, row_weights = batch.advantages[rows], weights[rows]
+        advantages = advantages[:, :width] if advantages.dim() > 1 else advantages
+        row_weights = row_weights[:, :width] if row_weights.dim() > 1 else row_weights
+        mb["advantages"] = weighted_advantages(advantages, row_weights)
     return {key: float(value) for key, value in metrics.items()}

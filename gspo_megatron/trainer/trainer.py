@@ -37,11 +37,13 @@ from gspo_megatron.trainer.async_rollout import RolloutScheduler
 from gspo_megatron.trainer.batch import RolloutBatch, partition
 from gspo_megatron.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from gspo_megatron.trainer.diagnostics import RoutingDiagnostics
+from gspo_megatron.trainer.engine_old_log_probs import use_engine_log_probs
 from gspo_megatron.trainer.loss_head import LogProbHead, PolicyLossHead
 from gspo_megatron.trainer.mismatch_phase import correct_mismatch
 from gspo_megatron.trainer.nonfinite import NonFiniteError, NonFiniteGuard, parameters_finite
 from gspo_megatron.trainer.run_dir_owner import RunDirError, new_run_id, resume_mode
 from gspo_megatron.trainer.signals import SignalWatch, TrainingInterrupted
+from gspo_megatron.trainer.micro_batches import sequence_multiple, step_padded_fraction
 
 
 class RLTrainer:
@@ -119,8 +121,10 @@ class RLTrainer:
         with _timed(timings, "rollout"):
             batch, metrics = self._rollout()
         batch = pad_for_context_parallel(batch, self.mesh.layout.cp)
-        parts = partition(batch, self.cfg.trainer.updates_per_rollout, self.cfg.trainer.micro_batch_size,
-                          self.mesh.layout.dp, self.mesh.dp_rank)
+        t, layout = self.cfg.trainer, self.mesh.layout
+        parts = partition(batch, t.updates_per_rollout, t.micro_batch_size, layout.dp, self.mesh.dp_rank,
+                          t.micro_batch_tokens, sequence_multiple(layout))
+        metrics["batch/padded_token_frac"] = step_padded_fraction(batch, parts, layout.dp)
         with _timed(timings, "old_logp"):
             old_metrics = self._old_log_probs(batch, parts)
         if self.cfg.algorithm.mismatch_correction != "none":  # importance weights pi_old / pi_rollout
@@ -165,6 +169,9 @@ class RLTrainer:
         cfg, mesh, replay = self.cfg, self.mesh, self.c.replay
         mode = cfg.algorithm.routing_replay
         flat = [mb for part in parts for mb in part]
+        if cfg.algorithm.old_log_probs == "rollout":
+            self.diagnostics.remember_old_routing(None, flat)
+            return use_engine_log_probs(batch, flat)
         head = LogProbHead(mesh.tp_group, cfg.rollout.temperature, cfg.algorithm.logprob_chunk_size,
                            cp_group=mesh.cp_group if mesh.layout.cp > 1 else None)
         before = None
@@ -190,16 +197,14 @@ class RLTrainer:
         out["policy/entropy_old"] = float((entropy * mask).sum() / mask.sum().clamp_min(1))
         # the update micro-batches carry the old log-probs from here on
         for mb in flat:
-            rows = slice(mb["row_start"], mb["row_start"] + mb["tokens"].shape[0])
-            mb["old_log_probs"] = batch.old_log_probs[rows]
+            mb["old_log_probs"] = batch.old_log_probs[mb["rows"], : mb["tokens"].shape[1]]
         return out
 
     def _gather_rows(self, outputs: list[dict], flat: list[dict], key: str, batch: RolloutBatch) -> torch.Tensor:
         """Per-token values of this rank's rows (last stage) -> the whole batch on every rank."""
         full = torch.zeros(batch.num_sequences, batch.tokens.shape[1] - 1, device=self.mesh.device)
         for out in outputs:
-            start = out["row_start"]
-            full[start : start + out[key].shape[0]] = out[key].float()
+            full[out["rows"].to(full.device), : out[key].shape[1]] = out[key].float()
         # data-parallel ranks hold disjoint rows: a sum assembles them
         if self.mesh.layout.dp > 1 and self.mesh.is_last_stage:
             dist.all_reduce(full, group=self.mesh.dp_group)
@@ -239,7 +244,8 @@ class RLTrainer:
             self.c.optimizer.zero_grad()
             outputs = run_schedule(self.c.model, mbs, head, forward_only=False, before_forward=before)
             if record:
-                self.diagnostics.from_training_forward(self.c.replay.recorded(), offset)
+                self.diagnostics.from_training_forward(self.c.replay.recorded(), offset, mbs,
+                                                        self._rollout_targets, self.step)
             if self.c.replay is not None:
                 self.c.replay.assert_fully_consumed()
                 self.c.replay.stop()

@@ -140,7 +140,7 @@ def _right_padded_micro_batches(samples: list[dict], multiple: int):
         valid[row, : len(sequence) - 1] = True
     half = len(samples) // 2
     micro_batches = [
-        {"tokens": tokens[i : i + half], "targets": targets[i : i + half], "row_start": i}
+        {"tokens": tokens[i : i + half], "targets": targets[i : i + half], "rows": torch.arange(i, i + half)}
         for i in range(0, len(samples), half)
     ]
     return micro_batches, valid

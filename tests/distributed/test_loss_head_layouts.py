@@ -72,3 +72,24 @@ def _check_layout(reference, name, grad_atol=1e-7):
     for result in results:
         for key, grad in single["grads"].items():
             torch.testing.assert_close(result["grads"][key], grad, rtol=1e-4, atol=grad_atol, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("name", ["pp2", "ep2"])
+def test_token_budget_micro_batches_match_one_rank(reference, name):
+    """trainer.micro_batch_tokens: rows sorted by length, each micro-batch cut to its own longest row
+    (widths differ inside one schedule call: pipeline stages exchange shapes); EP's all-gathers span
+    the two data-parallel ranks. Same loss and gradients as one rank padded to the whole batch."""
+    cfg, state, policy, single = reference
+    world = EQUIVALENCE_LAYOUTS[name]["world_size"]
+    budgeted = {**policy, "micro_batch_tokens": 11}
+    results = run_distributed(model_layout_worker, world, cfg, state, EQUIVALENCE_LAYOUTS[name], budgeted,
+                              timeout=600)
+    total = {}
+    for result in results:
+        for dp_rank in result["log_probs"]:
+            total[dp_rank] = result["loss"]
+    torch.testing.assert_close(sum(total.values()), single["loss"], rtol=1e-5, atol=1e-7)
+    for result in results:
+        for key, grad in single["grads"].items():
+            torch.testing.assert_close(result["grads"][key], grad, rtol=1e-4, atol=1e-7,
+                                       msg=lambda m: f"{key}: {m}")

@@ -43,7 +43,7 @@ def reference_worker(ctx, layout_kwargs):
                   for layer in reference_chunk.decoder.layers)}
 
     inputs, targets, _ = fixed_batch(cfg)
-    mbs = [{"tokens": inputs[i : i + 2], "targets": targets[i : i + 2], "row_start": i} for i in (0, 2)]
+    mbs = [{"tokens": inputs[i : i + 2], "targets": targets[i : i + 2], "rows": torch.arange(i, i + 2)} for i in (0, 2)]
     head = LogProbHead(mesh.tp_group, 1.0)
 
     def policy_log_probs(before_forward=None):

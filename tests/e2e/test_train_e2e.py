@@ -32,6 +32,33 @@ def test_each_algorithm_on_one_rank(tmp_path, algorithm):
         assert (tmp_path / "routing.jsonl").is_file()
 
 
+def test_engine_log_probs_as_old_policy(tmp_path):
+    """old_log_probs=rollout: pi_old is the engine's. A bf16 engine makes them differ from the trainer's
+    fp32 log-probs, so the first (otherwise on-policy) update's ratio is not 1; routing diagnostics
+    still come from the old policy (the first update's forward)."""
+    overrides = FAST + ["algorithm.old_log_probs=rollout", "rollout.embedded.dtype=bfloat16",
+                        "trainer.updates_per_rollout=2", "trainer.micro_batch_size=2"]
+    (metrics,) = run_distributed(train_worker, 1, overrides, str(tmp_path), timeout=600)
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert math.isfinite(m["loss/policy"]) and math.isfinite(m["grad_norm"])
+        assert "mismatch/abs_log_prob_diff_mean" not in m  # it would compare pi_old with itself
+        assert 0 <= m["routing/update_changed_frac"] <= 1
+        assert 0 <= m["routing/rollout_vs_train_changed_frac"] <= 1
+    assert abs(metrics[0]["loss/ratio/max"] - 1.0) > 1e-5 or abs(metrics[0]["loss/ratio/min"] - 1.0) > 1e-5
+
+
+def test_token_budget_micro_batches(tmp_path):
+    """trainer.micro_batch_tokens through the trainer: old log-probs gathered back by row match the
+    engine's (rows were reordered and cut per micro-batch), and the padded fraction is reported."""
+    overrides = FAST + ["trainer.micro_batch_tokens=24", "rollout.max_new_tokens=6",
+                        "rollout.temperature=2.0"]
+    (metrics,) = run_distributed(train_worker, 1, overrides, str(tmp_path), timeout=600)
+    _check_run(metrics, 2)
+    for m in metrics:
+        assert 0 <= m["batch/padded_token_frac"] < 1
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout, world", [("tp2", 2), ("ep2", 2), ("pp2", 2)])
 def test_two_gloo_ranks(tmp_path, layout, world):

@@ -48,11 +48,11 @@ def test_split_matches_megatron_get_batch_on_this_cp_rank():
 
 def test_split_micro_batch_splits_per_token_tensors_only():
     batch = {"tokens": torch.arange(8).view(1, 8), "advantages": torch.tensor([0.5]),
-             "routed_experts": torch.arange(8 * 2 * 2).view(1, 8, 2, 2), "row_start": 4}
+             "routed_experts": torch.arange(8 * 2 * 2).view(1, 8, 2, 2), "rows": torch.tensor([4])}
     local = split_micro_batch(batch, 2, 1)
     assert local["tokens"].tolist() == [[2, 3, 4, 5]]
     assert torch.equal(local["routed_experts"], batch["routed_experts"][:, 2:6])
-    assert torch.equal(local["advantages"], batch["advantages"]) and local["row_start"] == 4
+    assert torch.equal(local["advantages"], batch["advantages"]) and torch.equal(local["rows"], batch["rows"])
 
 
 def test_causal_mask_is_the_full_causal_mask_at_held_positions():

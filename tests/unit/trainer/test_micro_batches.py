@@ -1,0 +1,78 @@
+"""Token-budget micro-batches: the plan by hand, and partition() cutting the real batch by it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gspo_megatron.rollout.types import Sample
+from gspo_megatron.trainer.batch import pack_samples, partition
+from gspo_megatron.trainer.micro_batches import step_padded_fraction, token_budget_plan
+
+
+def test_plan_by_hand():
+    # sorted longest first: rows 0(10) 4(9) | 2(7) 5(4) | 1(3) 3(2); stripes of dp=2 rows
+    lengths = torch.tensor([10, 3, 7, 2, 9, 4])
+    plans = token_budget_plan(lengths, first_row=100, dp_size=2, budget=16)
+    # 2 stripes at width 10 would feed 2 * 9 = 18 > 16 tokens; at width 7: 2 * 6 = 12 <= 16
+    assert [p.width for p in plans] == [10, 7]
+    assert plans[0].rows.tolist() == [[100], [104]]
+    assert plans[1].rows.tolist() == [[102, 101], [105, 103]]
+
+
+def test_plan_rounds_the_fed_length_and_keeps_over_budget_rows_alone():
+    plans = token_budget_plan(torch.tensor([9, 6, 5, 2]), 0, 1, budget=4, multiple=4, max_width=10)
+    # fed lengths 8, 5, 4, 1 -> rounded 8, 8, 4, 4 (capped at the batch width 10 -> fed 9)
+    assert [(p.rows.tolist(), p.width) for p in plans] == [([[0]], 9), ([[1]], 9), ([[2]], 5), ([[3]], 5)]
+    with pytest.raises(ValueError, match="micro_batch_tokens must be >= 1"):
+        token_budget_plan(torch.tensor([3, 4]), 0, 1, budget=0)
+
+
+def _batch(lengths: list[int], prompt: int = 2) -> "RolloutBatch":  # noqa: F821
+    samples = [
+        Sample(prompt_ids=list(range(1, prompt + 1)), output_ids=[5 + (i + j) % 7 for j in range(n)],
+               output_log_probs=-torch.rand(n), finish_reason="stop")
+        for i, n in enumerate(lengths)
+    ]
+    n = len(samples)
+    return pack_samples(samples, torch.randn(n), torch.rand(n), torch.rand(n), pad_token_id=0)
+
+
+@pytest.mark.parametrize("dp_size", [1, 2])
+def test_partition_with_budget_covers_every_row_once_cut_to_its_own_longest_row(dp_size):
+    lengths = [1, 30, 2, 3, 2, 28, 1, 4]  # long-tailed responses
+    batch = _batch(lengths)
+    seen = []
+    same_index: dict[tuple[int, int], list] = {}  # (update, micro-batch) -> (rows, width) per rank
+    for rank in range(dp_size):
+        parts = partition(batch, 2, 4, dp_size, rank, micro_batch_tokens=12)
+        for update, part in enumerate(parts):
+            for j, mb in enumerate(part):
+                rows = mb["rows"]
+                # stays in its mini-batch
+                assert all(update * 4 <= r < (update + 1) * 4 for r in rows.tolist())
+                width = mb["tokens"].shape[1]
+                same_index.setdefault((update, j), []).append((rows, tuple(mb["tokens"].shape)))
+                assert mb["tokens"].shape[0] * width <= 12 or mb["tokens"].shape[0] == 1
+                torch.testing.assert_close(mb["targets"], batch.tokens[rows, 1 : width + 1])
+                torch.testing.assert_close(mb["response_mask"], batch.response_mask[rows, :width])
+                torch.testing.assert_close(mb["advantages"], batch.advantages[rows])
+                # nothing real was cut off
+                assert batch.response_mask[rows, width:].sum() == 0
+                seen += rows.tolist()
+    assert sorted(seen) == list(range(len(lengths)))
+    lengths_all = batch.prompt_lengths + batch.response_lengths
+    for entries in same_index.values():
+        # one shape on every rank
+        assert len(entries) == dp_size and len({shape for _, shape in entries}) == 1
+        longest = max(int(lengths_all[rows].max()) for rows, _ in entries)
+        assert entries[0][1][1] == longest - 1  # padded only to the micro-batch's longest row
+
+
+def test_budget_cuts_the_padded_fraction():
+    batch = _batch([1, 30, 2, 3, 2, 28, 1, 4])
+    padded = step_padded_fraction(batch, partition(batch, 2, 4, 1, 0), 1)
+    budgeted = step_padded_fraction(batch, partition(batch, 2, 4, 1, 0, micro_batch_tokens=32), 1)
+    assert 0 <= budgeted < padded < 1
+    # by hand: real inputs = sum(prompt + response - 1) = 8 + 71 = 79 of 8 * 31 = 248 fed without a budget
+    assert padded == pytest.approx(1 - 79 / 248)
