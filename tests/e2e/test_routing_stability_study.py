@@ -31,7 +31,7 @@ def test_study_miniature_report_matches_the_runs(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     command = [
         sys.executable, "-m", "gspo_megatron.train", "--multirun", "+experiment=routing_stability_quick",
-        "model=tiny", "trainer.steps=2", "trainer.seed=1,2", "trainer.prompts_per_step=4", "rollout.group_size=4",
+        "model=tiny", "model.hf_checkpoint=null", "trainer.steps=2", "trainer.seed=1,2", "trainer.prompts_per_step=4", "rollout.group_size=4",
         "trainer.updates_per_rollout=2", "trainer.micro_batch_size=8", "rollout.max_new_tokens=6",
         "trainer.eval_every=2", "trainer.eval_prompts=4",
         f"hydra.sweep.dir={sweep}",
