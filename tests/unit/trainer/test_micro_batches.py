@@ -76,3 +76,25 @@ def test_budget_cuts_the_padded_fraction():
     assert 0 <= budgeted < padded < 1
     # by hand: real inputs = sum(prompt + response - 1) = 8 + 71 = 79 of 8 * 31 = 248 fed without a budget
     assert padded == pytest.approx(1 - 79 / 248)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+def test_mismatch_correction_follows_the_rows_and_width_of_budget_micro_batches(mode):
+    """correct_mismatch weighs each micro-batch's rows (any rows, cut to their own width) exactly as
+    the whole batch is weighed: per-token weights are cut to the micro-batch's width."""
+    from gspo_megatron.algorithms.config import AlgorithmConfig
+    from gspo_megatron.algorithms.mismatch_correction import mismatch_weights, weighted_advantages
+    from gspo_megatron.trainer.mismatch_phase import correct_mismatch
+
+    batch = _batch([1, 30, 2, 3, 2, 28, 1, 4])
+    batch.old_log_probs = batch.rollout_log_probs + 0.3 * torch.randn_like(batch.rollout_log_probs)
+    algorithm = AlgorithmConfig(loss="grpo", mismatch_correction=mode, mismatch_cap=1.5)
+    parts = partition(batch, 2, 4, 1, 0, micro_batch_tokens=12)
+    correct_mismatch(batch, parts, algorithm)
+    weights, _ = mismatch_weights(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, mode,
+                                  1.5, algorithm.log_ratio_clamp)
+    whole = weighted_advantages(batch.advantages, weights)
+    for mb in (mb for part in parts for mb in part):
+        expected = whole[mb["rows"]]
+        expected = expected[:, : mb["tokens"].shape[1]] if expected.dim() > 1 else expected
+        torch.testing.assert_close(mb["advantages"], expected)
