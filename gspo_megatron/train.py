@@ -24,8 +24,8 @@ def run(cfg: DictConfig, run_dir: str) -> str:
 
     from gspo_megatron.config.validate import validate_config, validate_for_machine
     from gspo_megatron.trainer.run_dir_owner import claim_run_dir
-    from gspo_megatron.trainer.signals import SignalWatch
     from gspo_megatron.trainer.setup import build, world_size_from_env
+    from gspo_megatron.trainer.signals import SignalWatch
     from gspo_megatron.trainer.trainer import RLTrainer
 
     logging.getLogger("megatron").setLevel(logging.WARNING)  # it lists every parameter at INFO

@@ -46,12 +46,19 @@ def parse_args():
 
 
 def hf_config(args) -> Qwen3MoeConfig:
-    return Qwen3MoeConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                          moe_intermediate_size=args.moe_intermediate, num_hidden_layers=args.layers,
-                          num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                          head_dim=args.hidden // args.heads, num_experts=args.experts,
-                          num_experts_per_tok=args.top_k,
-                          max_position_embeddings=args.prompt_len + args.new_tokens + 8)
+    return Qwen3MoeConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        moe_intermediate_size=args.moe_intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.hidden // args.heads,
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        max_position_embeddings=args.prompt_len + args.new_tokens + 8,
+    )
 
 
 def best_time(fn, repeats: int) -> float:
@@ -110,24 +117,34 @@ def main():
     tensors = checkpoint_tensors(args)
     rates = {}
     for use_cache in (True, False):
-        engine = EmbeddedEngine(hf_config(args), EmbeddedConfig(use_cache=use_cache, device=args.device,
-                                                                dtype=args.dtype, max_batch_size=args.batch))
+        engine = EmbeddedEngine(
+            hf_config(args),
+            EmbeddedConfig(use_cache=use_cache, device=args.device, dtype=args.dtype, max_batch_size=args.batch),
+        )
         engine.update_weights(tensors.items(), version=1)
         engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_new_tokens=2))  # warm-up
-        seconds = best_time(lambda: engine.generate(prompts, params), args.repeats)
+        seconds = best_time(lambda engine=engine: engine.generate(prompts, params), args.repeats)
         rates[use_cache] = args.batch * args.new_tokens / seconds
-        print(f"use_cache={use_cache!s:5}  {rates[use_cache]:10.1f} tokens/s  ({seconds:.3f} s for "
-              f"{args.batch} x {args.new_tokens} tokens)")
+        print(
+            f"use_cache={use_cache!s:5}  {rates[use_cache]:10.1f} tokens/s  ({seconds:.3f} s for "
+            f"{args.batch} x {args.new_tokens} tokens)"
+        )
     update_seconds = best_time(lambda: engine.update_weights(tensors.items(), version=2), args.repeats)
     megabytes = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
-    print(f"update_weights: {len(tensors)} tensors, {megabytes:.2f} MiB in {update_seconds * 1e3:.2f} ms "
-          f"({megabytes / update_seconds:.0f} MiB/s)")
+    print(
+        f"update_weights: {len(tensors)} tensors, {megabytes:.2f} MiB in {update_seconds * 1e3:.2f} ms "
+        f"({megabytes / update_seconds:.0f} MiB/s)"
+    )
     export_s, sync_s = weight_sync_seconds(args, tensors, engine)
-    print(f"megatron export_hf_weights: {export_s * 1e3:.2f} ms; export -> update_weights (the trainer's "
-          f"weight sync): {sync_s * 1e3:.2f} ms")
-    print(f"KV cache speed-up: {rates[True] / rates[False]:.2f}x; update_weights costs "
-          f"{update_seconds * rates[True] / args.batch:.2f} cached decode steps; the whole weight sync "
-          f"{sync_s * rates[True] / args.batch:.2f}")
+    print(
+        f"megatron export_hf_weights: {export_s * 1e3:.2f} ms; export -> update_weights (the trainer's "
+        f"weight sync): {sync_s * 1e3:.2f} ms"
+    )
+    print(
+        f"KV cache speed-up: {rates[True] / rates[False]:.2f}x; update_weights costs "
+        f"{update_seconds * rates[True] / args.batch:.2f} cached decode steps; the whole weight sync "
+        f"{sync_s * rates[True] / args.batch:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -115,7 +115,8 @@ def main(argv=None) -> None:
         )
     ours, ref = paths
     print(
-        f"ratio ours / cross_entropy: time (median) {statistics.median(times[ours]) / statistics.median(times[ref]):.2f}x, "
+        "ratio ours / cross_entropy: "
+        f"time (median) {statistics.median(times[ours]) / statistics.median(times[ref]):.2f}x, "
         f"time (min) {min(times[ours]) / min(times[ref]):.2f}x, peak memory {peaks[ours] / peaks[ref]:.2f}x"
     )
 

@@ -31,6 +31,7 @@ import argparse
 import statistics
 import time
 from dataclasses import asdict
+
 from gspo_megatron.testing.memory import peak_bytes
 
 LAYOUTS = {
@@ -44,8 +45,9 @@ LAYOUTS = {
 }
 
 
-def bench_worker(ctx, cfg, state: dict, layout_kwargs: dict, batch: int, seq: int, micro_batches: int,
-                 warmup: int, repeats: int) -> dict:
+def bench_worker(
+    ctx, cfg, state: dict, layout_kwargs: dict, batch: int, seq: int, micro_batches: int, warmup: int, repeats: int
+) -> dict:
     import torch
     import torch.distributed as dist
     from megatron.core import tensor_parallel
@@ -103,9 +105,20 @@ def run_layout(name: str, cfg, state: dict, args) -> dict:
     from gspo_megatron.testing.distributed import run_distributed
 
     layout = LAYOUTS[name]
-    results = run_distributed(bench_worker, layout["world_size"], cfg, state, layout, args.batch, args.seq,
-                              args.micro_batches, args.warmup, args.repeats, timeout=args.timeout,
-                              threads_per_rank=args.threads_per_rank)
+    results = run_distributed(
+        bench_worker,
+        layout["world_size"],
+        cfg,
+        state,
+        layout,
+        args.batch,
+        args.seq,
+        args.micro_batches,
+        args.warmup,
+        args.repeats,
+        timeout=args.timeout,
+        threads_per_rank=args.threads_per_rank,
+    )
     step_time = statistics.median(results[0]["times"])  # already the max over ranks
     return {
         "layout": name,
@@ -157,15 +170,19 @@ def main(argv=None) -> None:
     for name in args.layouts:
         dp = LAYOUTS[name]["world_size"] // (LAYOUTS[name].get("tp", 1) * LAYOUTS[name].get("pp", 1))
         if args.batch % (dp * args.micro_batches):
-            parser.error(f"--batch {args.batch} must split into {dp} data-parallel ranks x {args.micro_batches} "
-                         f"micro-batches (layout {name})")
+            parser.error(
+                f"--batch {args.batch} must split into {dp} data-parallel ranks x {args.micro_batches} "
+                f"micro-batches (layout {name})"
+            )
     if "single" in args.layouts:  # the baseline first
         args.layouts = ["single"] + [n for n in args.layouts if n != "single"]
     state = random_hf_state(cfg, seed=0)
     counts = cfg.parameter_count()
-    print(f"model {args.preset}: {counts['total']:,} parameters ({counts['active']:,} active), "
-          f"batch {args.batch} x {args.seq} tokens, {args.micro_batches} micro-batches/dp rank, "
-          f"{args.threads_per_rank} thread(s)/rank, median of {args.repeats}")
+    print(
+        f"model {args.preset}: {counts['total']:,} parameters ({counts['active']:,} active), "
+        f"batch {args.batch} x {args.seq} tokens, {args.micro_batches} micro-batches/dp rank, "
+        f"{args.threads_per_rank} thread(s)/rank, median of {args.repeats}"
+    )
     rows = []
     for name in args.layouts:
         rows.append(run_layout(name, cfg, state, args))

@@ -29,8 +29,16 @@ SHAPES = {
     "tiny": (lambda: preset("tiny"), MicroBatch(sequences=8, seq_len=128)),
     "medium": (
         lambda: MoEModelConfig(
-            vocab_size=8192, hidden_size=256, num_layers=4, num_attention_heads=8, num_kv_heads=2,
-            head_dim=32, num_experts=16, top_k=4, moe_intermediate_size=128, max_position_embeddings=512,
+            vocab_size=8192,
+            hidden_size=256,
+            num_layers=4,
+            num_attention_heads=8,
+            num_kv_heads=2,
+            head_dim=32,
+            num_experts=16,
+            top_k=4,
+            moe_intermediate_size=128,
+            max_position_embeddings=512,
         ).validate(),
         MicroBatch(sequences=4, seq_len=256),
     ),
@@ -64,8 +72,7 @@ def measure(model_cfg: MoEModelConfig, micro: MicroBatch) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     args = parser.parse_args(argv)
     from gspo_megatron.parallel.layout import ParallelLayout
@@ -78,8 +85,10 @@ def main(argv=None) -> int:
         measured = measure(cfg, micro)
         ratio = predicted / measured
         worst = max(worst, ratio, 1 / ratio)
-        print(f"{name:7s} tokens={micro.tokens:5d} measured={measured / 2**20:8.2f} MiB "
-              f"predicted={predicted / 2**20:8.2f} MiB predicted/measured={ratio:.3f}")
+        print(
+            f"{name:7s} tokens={micro.tokens:5d} measured={measured / 2**20:8.2f} MiB "
+            f"predicted={predicted / 2**20:8.2f} MiB predicted/measured={ratio:.3f}"
+        )
     ok = worst <= TOLERANCE
     print(f"worst factor {worst:.3f} ({'within' if ok else 'OUTSIDE'} the {TOLERANCE:.1f}x tolerance)")
     return 0 if ok else 1

@@ -126,8 +126,11 @@ def main(argv=None) -> None:
     if args.steps < 1:
         parser.error("--steps must be >= 1")
     overrides = [
-        f"trainer.steps={args.steps}", "trainer.eval_every=0", "logging.progress=false",
-        "logging.tensorboard=false", *args.overrides,
+        f"trainer.steps={args.steps}",
+        "trainer.eval_every=0",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        *args.overrides,
     ]
     with tempfile.TemporaryDirectory(prefix="bench_rl_step_") as tmp:
         run_dir = args.run_dir or tmp

@@ -22,10 +22,9 @@ import time
 
 
 def timed_worker(ctx, overrides: list[str], run_dir: str) -> list[float]:
+    import gspo_megatron.trainer.trainer as trainer_module
     from gspo_megatron.testing.train_runs import compose
     from gspo_megatron.train import run
-
-    import gspo_megatron.trainer.trainer as trainer_module
 
     durations: list[float] = []
     original = trainer_module.RLTrainer.train_step
@@ -48,8 +47,13 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    base = [f"trainer.steps={args.steps}", "trainer.eval_every=0", "logging.progress=false",
-            "logging.tensorboard=false", *args.overrides]
+    base = [
+        f"trainer.steps={args.steps}",
+        "trainer.eval_every=0",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        *args.overrides,
+    ]
     variants = {
         "diagnostics off": base + ["routing.enabled=false"],
         "diagnostics every step": base + ["routing.enabled=true", "routing.every_n_steps=1"],

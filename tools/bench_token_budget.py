@@ -41,9 +41,16 @@ def bench_worker(ctx, args) -> dict:
     from gspo_megatron.trainer.loss_head import PolicyLossHead
     from gspo_megatron.trainer.micro_batches import step_padded_fraction
 
-    cfg = tiny_test_config(hidden_size=args.hidden, num_layers=args.layers, vocab_size=256, num_experts=8,
-                           top_k=2, moe_intermediate_size=args.hidden, head_dim=16,
-                           max_position_embeddings=args.prompt + args.max_response + 8)
+    cfg = tiny_test_config(
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        vocab_size=256,
+        num_experts=8,
+        top_k=2,
+        moe_intermediate_size=args.hidden,
+        head_dim=16,
+        max_position_embeddings=args.prompt + args.max_response + 8,
+    )
     layout = ParallelLayout(world_size=1).validate(cfg)
     mesh = initialize_parallel(layout, seed=3)
     model = build_model(cfg, layout)
@@ -51,21 +58,28 @@ def bench_worker(ctx, args) -> dict:
     generator = torch.Generator().manual_seed(1)
     lengths = long_tailed_lengths(args.rows, args.min_response, args.max_response, seed=2)
     samples = [
-        Sample(prompt_ids=torch.randint(1, 256, (args.prompt,), generator=generator).tolist(),
-               output_ids=torch.randint(1, 256, (n,), generator=generator).tolist(),
-               output_log_probs=-torch.rand(n, generator=generator), finish_reason="stop")
+        Sample(
+            prompt_ids=torch.randint(1, 256, (args.prompt,), generator=generator).tolist(),
+            output_ids=torch.randint(1, 256, (n,), generator=generator).tolist(),
+            output_log_probs=-torch.rand(n, generator=generator),
+            finish_reason="stop",
+        )
         for n in lengths
     ]
     n = len(samples)
-    batch = pack_samples(samples, torch.randn(n, generator=generator), torch.rand(n), torch.rand(n),
-                         pad_token_id=0)
+    batch = pack_samples(samples, torch.randn(n, generator=generator), torch.rand(n), torch.rand(n), pad_token_id=0)
     batch.old_log_probs = batch.rollout_log_probs
     mask = batch.response_mask
-    head = PolicyLossHead(AlgorithmConfig(), mesh.tp_group, None, 1.0,
-                          global_num_sequences=(mask.sum(1) > 0).sum().float(), global_num_tokens=mask.sum())
+    head = PolicyLossHead(
+        AlgorithmConfig(),
+        mesh.tp_group,
+        None,
+        1.0,
+        global_num_sequences=(mask.sum(1) > 0).sum().float(),
+        global_num_tokens=mask.sum(),
+    )
     variants = {"padded": None, "budget": args.budget}
-    parts = {name: partition(batch, 1, args.micro_batch_size, 1, 0, budget)
-             for name, budget in variants.items()}
+    parts = {name: partition(batch, 1, args.micro_batch_size, 1, 0, budget) for name, budget in variants.items()}
     seconds = {name: [] for name in variants}
     for round_ in range(args.rounds + 1):  # round 0 warms up
         for name, part in parts.items():
@@ -99,14 +113,18 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     (result,) = run_distributed(bench_worker, 1, args, timeout=3600)
     lengths = sorted(result["lengths"])
-    print(f"{args.rows} rows, prompt {args.prompt}, responses {lengths[0]}..{lengths[-1]} tokens "
-          f"(median {lengths[len(lengths) // 2]}), hidden {args.hidden}, {args.layers} layers")
+    print(
+        f"{args.rows} rows, prompt {args.prompt}, responses {lengths[0]}..{lengths[-1]} tokens "
+        f"(median {lengths[len(lengths) // 2]}), hidden {args.hidden}, {args.layers} layers"
+    )
     mean = {name: statistics.fmean(s) for name, s in result["seconds"].items()}
     for name in ("padded", "budget"):
         label = "padded to longest row" if name == "padded" else f"token budget {args.budget}"
-        print(f"{label:<24} micro-batches {result['micro_batches'][name]:>3}  padded-token fraction "
-              f"{result['padded_frac'][name]:.3f}  update {mean[name]:.3f} s (rounds: "
-              f"{', '.join(f'{s:.3f}' for s in result['seconds'][name])})")
+        print(
+            f"{label:<24} micro-batches {result['micro_batches'][name]:>3}  padded-token fraction "
+            f"{result['padded_frac'][name]:.3f}  update {mean[name]:.3f} s (rounds: "
+            f"{', '.join(f'{s:.3f}' for s in result['seconds'][name])})"
+        )
     ratio = mean["padded"] / mean["budget"]
     print(f"update time padded / budget: {ratio:.2f}x (interleaved, {args.rounds} rounds)")
 

@@ -65,12 +65,16 @@ def main(argv=None) -> int:
     engine = EmbeddedEngine(hf_config, EmbeddedConfig(), tokenizer.decode)
     engine.update_weights(model.state_dict().items(), version=0)
     records = task.eval_records(args.prompts)
-    params = SamplingParams(temperature=1.0, max_new_tokens=cfg.rollout.max_new_tokens, n=args.samples,
-                            stop_token_ids=tuple(tokenizer.stop_token_ids), seed=args.seed)
+    params = SamplingParams(
+        temperature=1.0,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        n=args.samples,
+        stop_token_ids=tuple(tokenizer.stop_token_ids),
+        seed=args.seed,
+    )
     samples = [s for group in engine.generate([list(r.prompt_ids) for r in records], params) for s in group]
     keyword_ids = {tokenizer.token_id(k) for k in cfg.shaping.grsp.keywords if k in tokenizer.tokens}
-    references = [[t for t, token in enumerate(s.output_ids) if token in keyword_ids and t > 0]
-                  for s in samples]
+    references = [[t for t, token in enumerate(s.output_ids) if token in keyword_ids and t > 0] for s in samples]
 
     grid = []
     for window in (1, 2, 3, 4, 6):
@@ -81,12 +85,25 @@ def main(argv=None) -> int:
                 a, m = boundary_matches(found, ref, args.tolerance)
                 agree, matched = agree + a, matched + m
                 predicted, reference = predicted + len(found), reference + len(ref)
-            grid.append({"window": window, "threshold": threshold, "confidence_boundaries": predicted,
-                         "keyword_boundaries": reference, **f1(agree, predicted, matched, reference)})
+            grid.append(
+                {
+                    "window": window,
+                    "threshold": threshold,
+                    "confidence_boundaries": predicted,
+                    "keyword_boundaries": reference,
+                    **f1(agree, predicted, matched, reference),
+                }
+            )
     best = max(grid, key=lambda g: (g["f1"], g["precision"]))
-    result = {"checkpoint": str(args.checkpoint), "responses": len(samples), "tolerance": args.tolerance,
-              "keywords": list(cfg.shaping.grsp.keywords), "best": best, "grid": grid,
-              "mean_response_tokens": sum(len(s.output_ids) for s in samples) / len(samples)}
+    result = {
+        "checkpoint": str(args.checkpoint),
+        "responses": len(samples),
+        "tolerance": args.tolerance,
+        "keywords": list(cfg.shaping.grsp.keywords),
+        "best": best,
+        "grid": grid,
+        "mean_response_tokens": sum(len(s.output_ids) for s in samples) / len(samples),
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps({"best": best, "responses": len(samples)}, indent=2))

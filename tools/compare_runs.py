@@ -30,7 +30,6 @@ import json
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Optional
 
 from gspo_megatron.routing.aggregate import DEFAULT_SEED_KEYS, expand_run_paths, group_runs
 from gspo_megatron.routing.plots import Panel, Series, figure_png, line_panels
@@ -83,10 +82,14 @@ def volatility_panels(runs: list[RunData], kinds: list[str]) -> list[Panel]:
         panel = Panel(f"routing volatility: {kind}", "expert set changed (fraction)")
         for index, run in enumerate(runs):
             records = [r for r in run.routing_records(kind) if "changed_frac_overall" in r]
-            panel.series.append(Series(
-                run.label, [r["step"] for r in records], [r["changed_frac_overall"] for r in records],
-                color=f"C{index % 10}",
-            ))
+            panel.series.append(
+                Series(
+                    run.label,
+                    [r["step"] for r in records],
+                    [r["changed_frac_overall"] for r in records],
+                    color=f"C{index % 10}",
+                )
+            )
         panels.append(panel)
     return panels
 
@@ -125,12 +128,16 @@ def compare(paths: list[str], out_dir: str | Path, seed_keys=DEFAULT_SEED_KEYS) 
     return table + "\n\nseed-aggregated (study.html):\n" + study_text
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="compare_runs", description=__doc__.split("\n")[0])
     parser.add_argument("runs", nargs="+", help="run directories (each holds metrics.jsonl) or sweep directories")
     parser.add_argument("--out", required=True, help="directory for comparison.{html,png,json} and study.{html,json}")
-    parser.add_argument("--seed-key", action="append", default=None,
-                        help=f"config key whose runs are seeds of one group (repeatable; default {DEFAULT_SEED_KEYS})")
+    parser.add_argument(
+        "--seed-key",
+        action="append",
+        default=None,
+        help=f"config key whose runs are seeds of one group (repeatable; default {DEFAULT_SEED_KEYS})",
+    )
     args = parser.parse_args(argv)
     try:
         table = compare(args.runs, args.out, tuple(args.seed_key or DEFAULT_SEED_KEYS))

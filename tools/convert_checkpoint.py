@@ -23,23 +23,28 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 TRAINER_MODEL_DIR = "model_optim"
 TRAINER_STATE = "trainer_state.pt"
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="direction", required=True)
     to_mcore = sub.add_parser("hf-to-mcore", help="HF directory -> megatron distributed checkpoint")
     to_mcore.add_argument("--hf-dir", required=True, help="directory with config.json and safetensors")
     to_hf = sub.add_parser("mcore-to-hf", help="megatron distributed checkpoint -> HF directory")
-    to_hf.add_argument("--mcore-dir", required=True,
-                       help="a directory written by hf-to-mcore, or a trainer checkpoint (checkpoints/step_N)")
-    to_hf.add_argument("--hf-config", default=None,
-                       help="config.json (or its directory) giving the shape; default: found next to the checkpoint")
+    to_hf.add_argument(
+        "--mcore-dir",
+        required=True,
+        help="a directory written by hf-to-mcore, or a trainer checkpoint (checkpoints/step_N)",
+    )
+    to_hf.add_argument(
+        "--hf-config",
+        default=None,
+        help="config.json (or its directory) giving the shape; default: found next to the checkpoint",
+    )
     to_hf.add_argument("--tokenizer-dir", default=None, help="copy tokenizer files from here into the export")
     to_hf.add_argument("--shard-bytes", type=int, default=2 << 30)
     for p in (to_mcore, to_hf):
@@ -92,7 +97,7 @@ def hf_to_mcore(args) -> Path:
     return out
 
 
-def resolve_mcore_checkpoint(mcore_dir: str | Path, hf_config: Optional[str]):
+def resolve_mcore_checkpoint(mcore_dir: str | Path, hf_config: str | None):
     """(dist_checkpointing directory, MoEModelConfig) for a converted or a trainer checkpoint."""
     from gspo_megatron.models.config import MoEModelConfig
 
@@ -137,7 +142,7 @@ def mcore_to_hf(args) -> Path:
     return out
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     import logging
 
     logging.getLogger("megatron").setLevel(logging.WARNING)

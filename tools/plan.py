@@ -22,11 +22,17 @@ import re
 import sys
 from pathlib import Path
 
-from gspo_megatron.models.config import MoEModelConfig, PRESETS, preset
+from gspo_megatron.models.config import PRESETS, MoEModelConfig, preset
 from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.planning.hardware import GB, GPUS, gpu_spec
 from gspo_megatron.planning.planner import (
-    GiB, Plan, PlanError, PlanOptions, layout_name, plan_layout, rank_layouts,
+    GiB,
+    Plan,
+    PlanError,
+    PlanOptions,
+    layout_name,
+    plan_layout,
+    rank_layouts,
 )
 
 LAYOUT_PART = re.compile(r"^(tp|pp|ep|etp|cp|dp)(\d+)$")
@@ -44,8 +50,9 @@ def load_model(spec: str) -> MoEModelConfig:
     if Path(spec).exists():
         return MoEModelConfig.from_hf_config_file(spec)
     shipped = sorted(p.stem for p in SHIPPED.glob("*.json"))
-    raise SystemExit(f"MODEL {spec!r} is neither a preset ({sorted(PRESETS)}), a shipped shape ({shipped}) "
-                     "nor a config.json path")
+    raise SystemExit(
+        f"MODEL {spec!r} is neither a preset ({sorted(PRESETS)}), a shipped shape ({shipped}) nor a config.json path"
+    )
 
 
 def parse_layout(name: str, gpus: int) -> ParallelLayout:
@@ -69,11 +76,13 @@ def gib(n: float) -> str:
 
 def table_row(plan: Plan) -> str:
     m, t = plan.memory, plan.time
-    return (f"| {layout_name(plan.layout)} | {plan.micro_batches} | {gib(m.state.parameters)} | "
-            f"{gib(m.state.gradients)} | "
-            f"{gib(m.state.optimizer)} | {gib(m.activations)} | {gib(m.loss_head)} | {gib(m.total)} | "
-            f"{t.total_s:.1f} | {t.bubble_fraction:.0%} | {t.tokens_per_s_per_gpu:,.0f} | "
-            f"{'yes' if plan.fits else 'no'} |")
+    return (
+        f"| {layout_name(plan.layout)} | {plan.micro_batches} | {gib(m.state.parameters)} | "
+        f"{gib(m.state.gradients)} | "
+        f"{gib(m.state.optimizer)} | {gib(m.activations)} | {gib(m.loss_head)} | {gib(m.total)} | "
+        f"{t.total_s:.1f} | {t.bubble_fraction:.0%} | {t.tokens_per_s_per_gpu:,.0f} | "
+        f"{'yes' if plan.fits else 'no'} |"
+    )
 
 
 TABLE_HEAD = (
@@ -84,36 +93,45 @@ TABLE_HEAD = (
 
 def print_detail(plan: Plan, gpu) -> None:
     m = plan.memory
-    print(f"layout {layout_name(plan.layout)}: {plan.micro_batches} micro-batches per dp rank, "
-          f"worst stage {plan.worst_stage}")
+    print(
+        f"layout {layout_name(plan.layout)}: {plan.micro_batches} micro-batches per dp rank, "
+        f"worst stage {plan.worst_stage}"
+    )
     print("per-rank memory (GiB), worst stage:")
-    for label, value in [("weights (bf16; param buffer with dist. opt.)", m.state.parameters),
-                         ("gradient buffers (fp32)", m.state.gradients),
-                         ("optimizer (Adam moments + fp32 master)"
-                          + ("" if m.optimizer_on_gpu else ", offloaded"), m.state.optimizer),
-                         ("activations (micro-batches in flight)", m.activations),
-                         ("loss head (logits + grad)", m.loss_head),
-                         ("old-log-prob forward (not concurrent)", m.old_log_prob_pass),
-                         ("routing replay buffers", m.routing_replay), ("peak total", m.total)]:
+    for label, value in [
+        ("weights (bf16; param buffer with dist. opt.)", m.state.parameters),
+        ("gradient buffers (fp32)", m.state.gradients),
+        ("optimizer (Adam moments + fp32 master)" + ("" if m.optimizer_on_gpu else ", offloaded"), m.state.optimizer),
+        ("activations (micro-batches in flight)", m.activations),
+        ("loss head (logits + grad)", m.loss_head),
+        ("old-log-prob forward (not concurrent)", m.old_log_prob_pass),
+        ("routing replay buffers", m.routing_replay),
+        ("peak total", m.total),
+    ]:
         print(f"  {label:48s} {gib(value):>8s}")
     print("per-step communication per rank (payload GB, wire GB, seconds):")
     for kind in sorted(plan.traffic.group_size):
         payload = plan.traffic.by_kind()[kind]
         wire = plan.traffic.wire_bytes(kind)
-        print(f"  {kind:10s} group {plan.traffic.group_size[kind]:3d}  {payload / GB:9.2f} {wire / GB:9.2f} "
-              f"{plan.time.comm_s[kind]:8.3f}")
+        print(
+            f"  {kind:10s} group {plan.traffic.group_size[kind]:3d}  {payload / GB:9.2f} {wire / GB:9.2f} "
+            f"{plan.time.comm_s[kind]:8.3f}"
+        )
     # Each of the world's ranks sends its distinct shard; the slowest link bounds it.
     sync_s = plan.sync_bytes / plan.layout.world_size / (gpu.ib_bandwidth * gpu.link_efficiency)
-    print(f"  weight sync trainer -> engine: {plan.sync_bytes / GB:.1f} GB per step (bf16, whole model); "
-          f"~{sync_s:.2f} s if every rank streams its share over InfiniBand (not in the step time)")
+    print(
+        f"  weight sync trainer -> engine: {plan.sync_bytes / GB:.1f} GB per step (bf16, whole model); "
+        f"~{sync_s:.2f} s if every rank streams its share over InfiniBand (not in the step time)"
+    )
     t = plan.time
-    print(f"step: {t.total_s:.2f} s (compute {t.compute_s:.2f} s, bubble {t.bubble_fraction:.0%}), "
-          f"{t.tokens_per_s_per_gpu:,.0f} tokens/s/GPU; fits: {plan.fits} {' '.join(plan.problems)}")
+    print(
+        f"step: {t.total_s:.2f} s (compute {t.compute_s:.2f} s, bubble {t.bubble_fraction:.0%}), "
+        f"{t.tokens_per_s_per_gpu:,.0f} tokens/s/GPU; fits: {plan.fits} {' '.join(plan.problems)}"
+    )
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model")
     parser.add_argument("layout", nargs="?", default="rank")
     parser.add_argument("--gpus", type=int, default=8)
@@ -143,21 +161,36 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     scale = lambda v: None if v is None else v * GB  # noqa: E731
-    gpu = gpu_spec(args.gpu, bf16_tflops=args.bf16_tflops, memory_bytes=scale(args.memory_gb),
-                   nvlink_bandwidth=scale(args.nvlink_gbps), ib_bandwidth=scale(args.ib_gbps),
-                   gpus_per_node=args.gpus_per_node, mfu=args.mfu, link_efficiency=args.link_efficiency)
+    gpu = gpu_spec(
+        args.gpu,
+        bf16_tflops=args.bf16_tflops,
+        memory_bytes=scale(args.memory_gb),
+        nvlink_bandwidth=scale(args.nvlink_gbps),
+        ib_bandwidth=scale(args.ib_gbps),
+        gpus_per_node=args.gpus_per_node,
+        mfu=args.mfu,
+        link_efficiency=args.link_efficiency,
+    )
     model = load_model(args.model)
-    options = PlanOptions(seq_len=args.seq_len, micro_batch_tokens=args.micro_batch_tokens,
-                          global_batch_tokens=args.global_batch_tokens, group_size=args.group_size,
-                          dtype=args.dtype,
-                          distributed_optimizer=not args.no_distributed_optimizer,
-                          optimizer_offload=args.optimizer_offload, recompute=args.recompute,
-                          routing_replay=args.routing_replay, dispatcher=args.dispatcher,
-                          layer_spec=args.layer_spec)
+    options = PlanOptions(
+        seq_len=args.seq_len,
+        micro_batch_tokens=args.micro_batch_tokens,
+        global_batch_tokens=args.global_batch_tokens,
+        group_size=args.group_size,
+        dtype=args.dtype,
+        distributed_optimizer=not args.no_distributed_optimizer,
+        optimizer_offload=args.optimizer_offload,
+        recompute=args.recompute,
+        routing_replay=args.routing_replay,
+        dispatcher=args.dispatcher,
+        layer_spec=args.layer_spec,
+    )
     counts = model.parameter_count()
-    print(f"model {args.model}: {counts['total'] / 1e9:.2f}B parameters, "
-          f"{counts['active'] / 1e9:.2f}B active; "
-          f"{args.gpus} GPUs; {options}")
+    print(
+        f"model {args.model}: {counts['total'] / 1e9:.2f}B parameters, "
+        f"{counts['active'] / 1e9:.2f}B active; "
+        f"{args.gpus} GPUs; {options}"
+    )
     print(f"assumptions: {gpu.describe()}")
     if args.layout != "rank":
         try:
@@ -168,9 +201,11 @@ def main(argv=None) -> int:
         print_detail(plan, gpu)
         return 0
     plans, too_big = rank_layouts(model, args.gpus, options, gpu, args.max_cp)
-    print(f"{len(plans)} layouts fit in {gib(gpu.usable_memory_bytes)} GiB, "
-          f"{len(too_big)} valid layouts do not; "
-          "fitting ones fastest first, then the smallest that do not fit:")
+    print(
+        f"{len(plans)} layouts fit in {gib(gpu.usable_memory_bytes)} GiB, "
+        f"{len(too_big)} valid layouts do not; "
+        "fitting ones fastest first, then the smallest that do not fit:"
+    )
     print(TABLE_HEAD)
     shown = plans[: args.top] + too_big[: max(0, args.top - len(plans))]
     for plan in shown:

@@ -65,7 +65,6 @@ def main(argv=None) -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for the model, e.g. model.hidden_size=128")
     args = parser.parse_args(argv)
 
-    import torch
     from omegaconf import OmegaConf
 
     from gspo_megatron.algorithms.logprobs import vocab_parallel_log_probs
@@ -90,13 +89,21 @@ def main(argv=None) -> None:
     mesh = initialize_parallel(layout, seed=args.seed)
     try:
         tokenizer = build_tokenizer("symbol", model_vocab_size=cfg.model.vocab_size)
-        task = build_task(TaskConfig(name="reasoning_max_digit", seed=args.seed,
-                                     min_digits=args.min_digits or args.digits, max_digits=args.digits), tokenizer)
+        task = build_task(
+            TaskConfig(
+                name="reasoning_max_digit",
+                seed=args.seed,
+                min_digits=args.min_digits or args.digits,
+                max_digits=args.digits,
+            ),
+            tokenizer,
+        )
         model = build_model(cfg.model, layout)
         load_hf_weights(model, cfg.model, random_hf_weights(cfg), mesh)
         ddp = wrap_for_training(model, model.config)
-        optimizer, scheduler = build_optimizer(ddp, OptimizerSection(lr=args.lr, min_lr=args.lr / 10, warmup_steps=10),
-                                               args.steps)
+        optimizer, scheduler = build_optimizer(
+            ddp, OptimizerSection(lr=args.lr, min_lr=args.lr / 10, warmup_steps=10), args.steps
+        )
         rng = random.Random(args.seed)
 
         def nll(logits, batch):

@@ -65,25 +65,51 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from gspo_megatron.shaping.report import (
-        aggregate, read_metrics, relative_to_baseline, render_markdown, summarize_run)
+        aggregate,
+        read_metrics,
+        relative_to_baseline,
+        render_markdown,
+        summarize_run,
+    )
 
     out = (REPO / args.out).resolve()
     (out / "runs").mkdir(parents=True, exist_ok=True)
     checkpoint = (REPO / args.checkpoint).resolve()
     if not (checkpoint / "config.json").is_file():
         print(f"warm start -> {checkpoint}", flush=True)
-        _run([sys.executable, "tools/sft_warmstart.py", "--out", str(checkpoint), "--steps",
-              str(args.warm_start_steps), *WARM_START], out / "warm_start.log")
+        _run(
+            [
+                sys.executable,
+                "tools/sft_warmstart.py",
+                "--out",
+                str(checkpoint),
+                "--steps",
+                str(args.warm_start_steps),
+                *WARM_START,
+            ],
+            out / "warm_start.log",
+        )
     arms: dict[str, list[dict]] = {}
     for arm in args.arms:
         for seed in args.seeds:
             run_dir = out / "runs" / f"{arm}_s{seed}"
             if not _finished(run_dir, args.steps):
                 print(f"train {arm} seed {seed} -> {run_dir}", flush=True)
-                _run([sys.executable, "-m", "gspo_megatron.train", "+experiment=shaping_from_sft",
-                      f"model.hf_checkpoint={checkpoint}", f"trainer.seed={seed}",
-                      f"trainer.steps={args.steps}",
-                      f"run_dir={run_dir}", *ARMS[arm], *args.overrides], out / f"{arm}_s{seed}.log")
+                _run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "gspo_megatron.train",
+                        "+experiment=shaping_from_sft",
+                        f"model.hf_checkpoint={checkpoint}",
+                        f"trainer.seed={seed}",
+                        f"trainer.steps={args.steps}",
+                        f"run_dir={run_dir}",
+                        *ARMS[arm],
+                        *args.overrides,
+                    ],
+                    out / f"{arm}_s{seed}.log",
+                )
             metrics = read_metrics(run_dir)
             (out / "metrics").mkdir(exist_ok=True)  # the runs' step logs, kept beside the report
             shutil.copyfile(run_dir / "metrics.jsonl", out / "metrics" / f"{arm}_s{seed}.jsonl")
@@ -99,8 +125,9 @@ def main(argv=None) -> int:
         "(held-out prompts, plain decoding); ± is the sample std over seeds",
         "arms: " + "; ".join(f"{a}: {' '.join(ARMS[a])}" for a in arms),
     ]
-    (out / "report.json").write_text(json.dumps({"arms": stats, "relative": relative, "notes": notes,
-                                                  "runs": arms}, indent=2))
+    (out / "report.json").write_text(
+        json.dumps({"arms": stats, "relative": relative, "notes": notes, "runs": arms}, indent=2)
+    )
     report = render_markdown(stats, relative, notes)
     (out / "report.md").write_text(report)
     print(report)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Optional
 
 SEQUENCE_LEVEL_LOSSES = ("gspo", "gspo_token")
 
@@ -44,13 +43,20 @@ class AdaptiveClipController:
     scale: float = 1.0
 
     @classmethod
-    def from_config(cls, cfg) -> Optional["AdaptiveClipController"]:
+    def from_config(cls, cfg) -> AdaptiveClipController | None:
         """None unless ``cfg.adaptive_clip_target`` is set (``cfg`` is an ``AlgorithmConfig``)."""
         if cfg.adaptive_clip_target is None:
             return None
         unit = "seq" if cfg.loss in SEQUENCE_LEVEL_LOSSES else "token"
-        return cls(cfg.clip_low, cfg.clip_high, cfg.adaptive_clip_target, cfg.adaptive_clip_rate,
-                   cfg.adaptive_clip_min_scale, cfg.adaptive_clip_max_scale, f"loss/clip_frac_{unit}")
+        return cls(
+            cfg.clip_low,
+            cfg.clip_high,
+            cfg.adaptive_clip_target,
+            cfg.adaptive_clip_rate,
+            cfg.adaptive_clip_min_scale,
+            cfg.adaptive_clip_max_scale,
+            f"loss/clip_frac_{unit}",
+        )
 
     @property
     def eps(self) -> tuple[float, float]:
@@ -65,8 +71,13 @@ class AdaptiveClipController:
         """Move the scale after a step that clipped ``clipped_fraction``; returns the step's metrics
         (the eps that step used, the fraction, the target), then adapts for the next step."""
         low, high = self.eps
-        metrics = {"clip/eps_low": low, "clip/eps_high": high, "clip/target": self.target,
-                   "clip/measured": clipped_fraction, "clip/scale": self.scale}
+        metrics = {
+            "clip/eps_low": low,
+            "clip/eps_high": high,
+            "clip/target": self.target,
+            "clip/measured": clipped_fraction,
+            "clip/scale": self.scale,
+        }
         if math.isfinite(clipped_fraction):  # an empty step (no valid tokens) leaves eps alone
             error = max(-1.0, min(1.0, (clipped_fraction - self.target) / self.target))
             self.scale = min(self.max_scale, max(self.min_scale, self.scale * math.exp(self.rate * error)))

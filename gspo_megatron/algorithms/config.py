@@ -16,15 +16,14 @@ Design decisions:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 
 from gspo_megatron.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageContext
 from gspo_megatron.algorithms.kl import KL_ESTIMATORS
-from gspo_megatron.algorithms.mismatch_correction import MISMATCH_MODES
 from gspo_megatron.algorithms.losses import (
     AGGREGATIONS,
     POLICY_LOSSES,
@@ -32,6 +31,7 @@ from gspo_megatron.algorithms.losses import (
     Count,
     LossContext,
 )
+from gspo_megatron.algorithms.mismatch_correction import MISMATCH_MODES
 from gspo_megatron.algorithms.reductions import local_sequence_sum
 
 # (clip_low, clip_high) from the papers: GSPO arXiv 2507.18071; GRPO with DAPO's clip-higher.
@@ -53,18 +53,18 @@ class AlgorithmConfig:
     advantage_estimator: str = "group_relative"  # an ADVANTAGE_ESTIMATORS name
     normalize_std: bool = True  # divide advantages by the group's reward std (False: Dr.GRPO)
     advantage_eps: float = 1e-6
-    logprob_chunk_size: Optional[int] = None  # tokens per chunk in vocab_parallel_log_probs; None: one
+    logprob_chunk_size: int | None = None  # tokens per chunk in vocab_parallel_log_probs; None: one
     routing_replay: str = "none"  # none | old_policy | rollout (R3); see gspo_megatron/routing/replay.py
     entropy_coef: float = 0.0  # loss -= entropy_coef * aggregated entropy (verl entropy_coeff)
     kl_coef: float = 0.0  # loss += kl_coef * aggregated KL to a frozen reference; 0 skips the reference
     kl_estimator: str = "k3"  # k1 | k2 | k3 (algorithms/kl.py; verl kl_loss_type, TRL's beta term = k3)
-    kl_reference: Optional[str] = None  # a local HF checkpoint dir; None: the policy's initial weights
+    kl_reference: str | None = None  # a local HF checkpoint dir; None: the policy's initial weights
     # none | token_truncate | token_mask | sequence_truncate | sequence_mask
     mismatch_correction: str = "none"
     mismatch_cap: float = 2.0  # C in min(pi_old / pi_rollout, C) (algorithms/mismatch_correction.py)
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups, draw more (trainer/dynamic_sampling.py)
     dynamic_sampling_max_extra_rounds: int = 4  # bound on extra generation rounds per step
-    adaptive_clip_target: Optional[float] = None  # target clipped fraction; None: fixed eps
+    adaptive_clip_target: float | None = None  # target clipped fraction; None: fixed eps
     adaptive_clip_rate: float = 0.2  # log-space gain: eps moves by at most exp(rate) per step
     adaptive_clip_min_scale: float = 0.25  # eps stays within [min_scale, max_scale] x the configured eps
     adaptive_clip_max_scale: float = 4.0
@@ -132,8 +132,7 @@ def validate_algorithm_config(cfg: AlgorithmConfig) -> None:
     _validate_adaptive_clip(cfg)
     if cfg.old_log_probs not in OLD_LOG_PROB_SOURCES:
         raise ValueError(
-            f"algorithm.old_log_probs={cfg.old_log_probs!r} is unknown; "
-            f"valid: {', '.join(OLD_LOG_PROB_SOURCES)}"
+            f"algorithm.old_log_probs={cfg.old_log_probs!r} is unknown; valid: {', '.join(OLD_LOG_PROB_SOURCES)}"
         )
     if cfg.old_log_probs == "rollout" and cfg.routing_replay == "old_policy":
         raise ValueError(
@@ -157,7 +156,8 @@ def _validate_adaptive_clip(cfg: AlgorithmConfig) -> None:
         return
     if not 0 < cfg.adaptive_clip_target < 1:
         raise ValueError(
-            f"algorithm.adaptive_clip_target must be in (0, 1) (a clipped fraction), got {cfg.adaptive_clip_target}")
+            f"algorithm.adaptive_clip_target must be in (0, 1) (a clipped fraction), got {cfg.adaptive_clip_target}"
+        )
     if not cfg.adaptive_clip_rate > 0:
         raise ValueError(f"algorithm.adaptive_clip_rate must be > 0, got {cfg.adaptive_clip_rate}")
     if not 0 < cfg.adaptive_clip_min_scale <= 1 <= cfg.adaptive_clip_max_scale:

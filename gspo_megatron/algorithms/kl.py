@@ -13,7 +13,7 @@ exp(-d); where the clamp is active the term has no gradient.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -42,7 +42,6 @@ def reference_kl(
 ) -> torch.Tensor:
     """Per-token KL(pi_theta || pi_ref) estimate [B, T]; gradient flows through ``log_probs`` only."""
     if log_probs.shape != ref_log_probs.shape:
-        raise ValueError(
-            f"log_probs {tuple(log_probs.shape)} and ref_log_probs {tuple(ref_log_probs.shape)} differ")
+        raise ValueError(f"log_probs {tuple(log_probs.shape)} and ref_log_probs {tuple(ref_log_probs.shape)} differ")
     log_ratio = (log_probs - ref_log_probs.detach()).clamp(-clamp, clamp)
     return KL_ESTIMATORS.get(estimator)(log_ratio)

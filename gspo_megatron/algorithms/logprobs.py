@@ -37,8 +37,6 @@ RL, where we need log pi(y_t) itself, a temperature, and an entropy metric):
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
@@ -49,12 +47,12 @@ def vocab_parallel_log_probs(
     logits: torch.Tensor,
     targets: torch.Tensor,
     *,
-    tp_group: Optional[dist.ProcessGroup] = None,
+    tp_group: dist.ProcessGroup | None = None,
     temperature: float = 1.0,
-    chunk_size: Optional[int] = None,
+    chunk_size: int | None = None,
     with_entropy: bool = False,
     entropy_grad: bool = False,
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of ``targets`` under softmax(logits / temperature) over the TP-sharded vocabulary.
 
     Args:
@@ -90,13 +88,13 @@ def vocab_parallel_log_probs(
     return log_probs, (entropy if with_entropy else None)
 
 
-def _shard_info(tp_group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
+def _shard_info(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
     if tp_group is None:
         return 0, 1
     return dist.get_rank(group=tp_group), dist.get_world_size(group=tp_group)
 
 
-def _chunks(num_tokens: int, chunk_size: Optional[int]):
+def _chunks(num_tokens: int, chunk_size: int | None):
     step = num_tokens if chunk_size is None else chunk_size
     for start in range(0, num_tokens, max(step, 1)):
         yield slice(start, min(start + step, num_tokens))
@@ -113,7 +111,7 @@ def _shifted_into(workspace: torch.Tensor, logits_chunk: torch.Tensor, temperatu
     return local_max.squeeze(-1)
 
 
-def _local_stats(shifted: torch.Tensor, local_targets: torch.Tensor, scratch: Optional[torch.Tensor]) -> torch.Tensor:
+def _local_stats(shifted: torch.Tensor, local_targets: torch.Tensor, scratch: torch.Tensor | None) -> torch.Tensor:
     """Per-token [lse_r - m_r, z_y - m_r, h_r or 0] of one chunk, from ``shifted`` = z - m_r.
 
     Everything is kept relative to the local max m_r (as log_softmax does), so the small numbers that

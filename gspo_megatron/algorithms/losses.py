@@ -32,8 +32,8 @@ GRPO, Shao et al., "DeepSeekMath", arXiv 2402.03300; clip-higher from DAPO, arXi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
 
 import torch
 
@@ -45,7 +45,7 @@ from gspo_megatron.algorithms.registry import Registry
 AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum")
 SEQUENCE_LEVEL_AGGREGATIONS = ("seq_mean_token_mean",)  # the only ones GSPO's ratio is consistent with
 
-Count = Union[torch.Tensor, float, int, None]
+Count = torch.Tensor | float | int | None
 
 
 @dataclass
@@ -125,9 +125,7 @@ def _prepare(log_probs, old_log_probs, advantages, response_mask, ctx: LossConte
             f"{tuple(log_probs.shape)}, {tuple(old_log_probs.shape)}, {tuple(response_mask.shape)}"
         )
     if advantages.shape not in (log_probs.shape[:1], log_probs.shape):
-        raise ValueError(
-            f"advantages must be [B] or [B, T] = {tuple(log_probs.shape)}, got {tuple(advantages.shape)}"
-        )
+        raise ValueError(f"advantages must be [B] or [B, T] = {tuple(log_probs.shape)}, got {tuple(advantages.shape)}")
     mask, lengths, seq_valid, num_sequences, num_tokens = _mask_and_counts(response_mask, ctx, log_probs.dtype)
     log_ratio = torch.where(mask, log_probs - old_log_probs.detach(), 0.0)
     return _Batch(mask, log_ratio, lengths, seq_valid, num_sequences, num_tokens)
@@ -178,12 +176,17 @@ def _common_metrics(batch: _Batch, ctx: LossContext) -> dict[str, torch.Tensor]:
         k3 = torch.expm1(log_r) - log_r  # (r - 1) - log r >= 0
         valid_lengths = torch.where(batch.seq_valid, batch.lengths, 0.0)
         metrics = {
-            **mean_entries("approx_kl_k1", ctx.sequence_sum(torch.where(batch.mask, k1, 0.0)).sum(), batch.lengths.sum()),
-            **mean_entries("approx_kl_k3", ctx.sequence_sum(torch.where(batch.mask, k3, 0.0)).sum(), batch.lengths.sum()),
+            **mean_entries(
+                "approx_kl_k1", ctx.sequence_sum(torch.where(batch.mask, k1, 0.0)).sum(), batch.lengths.sum()
+            ),
+            **mean_entries(
+                "approx_kl_k3", ctx.sequence_sum(torch.where(batch.mask, k3, 0.0)).sum(), batch.lengths.sum()
+            ),
             **mean_entries("response_length", valid_lengths.sum(), batch.seq_valid.sum()),
             **extremum_entries("response_length", batch.lengths, batch.seq_valid),
-            **ratio_dispersion_metrics(batch.log_ratio, batch.mask, batch.lengths, ctx.sequence_sum,
-                                       ctx.log_ratio_clamp),
+            **ratio_dispersion_metrics(
+                batch.log_ratio, batch.mask, batch.lengths, ctx.sequence_sum, ctx.log_ratio_clamp
+            ),
         }
     return metrics
 
@@ -227,8 +230,8 @@ def _ratio_metrics(ratio: torch.Tensor, select: torch.Tensor, ctx: LossContext) 
 def gspo_loss(log_probs, old_log_probs, advantages, response_mask, ctx: LossContext) -> PolicyLossOutput:
     """GSPO (arXiv 2507.18071): one clipped, length-normalised importance ratio per sequence.
 
-        s_i = exp( clamp( (1/|y_i|) sum_t log(pi_theta / pi_old)(y_{i,t}) ) )
-        J   = (1/N_seq) sum_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i);  loss = -J
+    s_i = exp( clamp( (1/|y_i|) sum_t log(pi_theta / pi_old)(y_{i,t}) ) )
+    J   = (1/N_seq) sum_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i);  loss = -J
     """
     _require_sequence_aggregation("gspo", ctx)
     if advantages.dim() != 1:

@@ -14,7 +14,7 @@ Design decisions:
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 import torch
 
@@ -27,9 +27,7 @@ def reduction_of(key: str) -> str:
     for suffix, op in ((SUM, "sum"), (COUNT, "sum"), (MIN, "min"), (MAX, "max")):
         if key.endswith(suffix):
             return op
-    raise ValueError(
-        f"metric key {key!r} has no reduction suffix; end it with one of {', '.join(_SUFFIXES)}"
-    )
+    raise ValueError(f"metric key {key!r} has no reduction suffix; end it with one of {', '.join(_SUFFIXES)}")
 
 
 def mean_entries(name: str, total: torch.Tensor, count: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -66,7 +64,7 @@ def token_mean_metric(
 
 
 def merge_metrics(
-    accumulated: Optional[Mapping[str, torch.Tensor]], new: Mapping[str, torch.Tensor]
+    accumulated: Mapping[str, torch.Tensor] | None, new: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """Combine two metric dicts entry by entry (sum / min / max by suffix); ``accumulated`` may be None."""
     if accumulated is None:

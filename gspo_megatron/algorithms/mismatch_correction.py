@@ -42,7 +42,8 @@ def mismatch_weights(
     """Importance weights ([B, T] for token modes, 0 off the mask; [B] for sequence modes) and metrics."""
     if mode not in MISMATCH_MODES or mode == "none":
         raise ValueError(
-            f"mismatch correction mode {mode!r} is not a correction; valid: {', '.join(MISMATCH_MODES[1:])}")
+            f"mismatch correction mode {mode!r} is not a correction; valid: {', '.join(MISMATCH_MODES[1:])}"
+        )
     if not cap >= 1.0:
         raise ValueError(f"the importance-weight cap must be >= 1, got {cap}")
     mask = response_mask.bool()

@@ -17,17 +17,17 @@ Sums over a sequence go through ``sequence_sum`` (the CP reducer under context p
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
 from gspo_megatron.algorithms.metrics import mean_entries
 
 # Response-length buckets (inclusive; None: no upper bound). One-token answers fall in the first.
-LENGTH_BUCKETS: tuple[tuple[int, Optional[int]], ...] = ((1, 4), (5, 16), (17, 64), (65, None))
+LENGTH_BUCKETS: tuple[tuple[int, int | None], ...] = ((1, 4), (5, 16), (17, 64), (65, None))
 
 
-def bucket_name(low: int, high: Optional[int]) -> str:
+def bucket_name(low: int, high: int | None) -> str:
     return f"len_{low}_{high}" if high is not None else f"len_{low}_up"
 
 
@@ -45,7 +45,8 @@ def ratio_dispersion_metrics(
         w = log_w.exp()
         lengths = lengths.detach().float()
         log_s = (sequence_sum(torch.where(mask, log_w, 0.0)) / lengths.clamp_min(1)).clamp(
-            -log_ratio_clamp, log_ratio_clamp)
+            -log_ratio_clamp, log_ratio_clamp
+        )
         s = log_s.exp()  # [B]
         token_sq = sequence_sum(torch.where(mask, (w - 1) ** 2, 0.0))  # [B]: sum_t (w - 1)^2
         gap = sequence_sum(torch.where(mask, (w - s.unsqueeze(-1)).abs(), 0.0))  # [B]: sum_t |w - s|
@@ -54,8 +55,6 @@ def ratio_dispersion_metrics(
         for low, high in LENGTH_BUCKETS:
             in_bucket = valid & (lengths >= low) & (lengths <= (high if high is not None else float("inf")))
             name = bucket_name(low, high)
-            metrics.update(mean_entries(f"ratio_var_token/{name}", token_sq[in_bucket].sum(),
-                                        lengths[in_bucket].sum()))
-            metrics.update(mean_entries(f"ratio_var_seq/{name}", ((s - 1) ** 2)[in_bucket].sum(),
-                                        in_bucket.sum()))
+            metrics.update(mean_entries(f"ratio_var_token/{name}", token_sq[in_bucket].sum(), lengths[in_bucket].sum()))
+            metrics.update(mean_entries(f"ratio_var_seq/{name}", ((s - 1) ** 2)[in_bucket].sum(), in_bucket.sum()))
     return metrics

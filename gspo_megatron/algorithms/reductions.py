@@ -21,7 +21,7 @@ Design decisions:
 from __future__ import annotations
 
 import functools
-from typing import Callable, Mapping, Optional
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -36,8 +36,8 @@ def local_sequence_sum(x: torch.Tensor) -> torch.Tensor:
 
 def context_parallel_sequence_sum(
     x: torch.Tensor,
-    mask: Optional[torch.Tensor] = None,
-    cp_group: Optional[dist.ProcessGroup] = None,
+    mask: torch.Tensor | None = None,
+    cp_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Full-sequence sum of ``x`` over the CP group, with gradient for this rank's tokens only.
 
@@ -60,7 +60,7 @@ def context_parallel_sequence_sum(
     return local + (total - local.detach())
 
 
-def context_parallel_sequence_sum_fn(cp_group: Optional[dist.ProcessGroup]) -> Callable[[torch.Tensor], torch.Tensor]:
+def context_parallel_sequence_sum_fn(cp_group: dist.ProcessGroup | None) -> Callable[[torch.Tensor], torch.Tensor]:
     """The ``LossContext.sequence_sum`` for a CP group (the plain local sum when ``cp_group`` is None)."""
     if cp_group is None:
         return local_sequence_sum
@@ -69,9 +69,9 @@ def context_parallel_sequence_sum_fn(cp_group: Optional[dist.ProcessGroup]) -> C
 
 def all_reduce_metrics(
     metrics: Mapping[str, torch.Tensor],
-    group: Optional[dist.ProcessGroup] = None,
+    group: dist.ProcessGroup | None = None,
     *,
-    extremum_group: Optional[dist.ProcessGroup] = None,
+    extremum_group: dist.ProcessGroup | None = None,
 ) -> dict[str, torch.Tensor]:
     """Reduce a metric dict over ``group`` (sums/counts) and ``extremum_group`` (min/max; default ``group``).
 

@@ -11,7 +11,8 @@ Design decisions:
 
 from __future__ import annotations
 
-from typing import Callable, Generic, Iterator, TypeVar, overload
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar, overload
 
 T = TypeVar("T")
 

@@ -12,8 +12,6 @@ The KL term also returns its token-mean value as a metric (the entropy is logged
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from gspo_megatron.algorithms.kl import reference_kl
@@ -21,16 +19,14 @@ from gspo_megatron.algorithms.losses import LossContext, aggregate_tokens
 from gspo_megatron.algorithms.metrics import token_mean_metric
 
 
-def entropy_bonus(
-    entropy: torch.Tensor, response_mask: torch.Tensor, ctx: LossContext, coef: float
-) -> torch.Tensor:
+def entropy_bonus(entropy: torch.Tensor, response_mask: torch.Tensor, ctx: LossContext, coef: float) -> torch.Tensor:
     """-coef * agg_t H_t: minimising it raises the entropy (coef > 0)."""
     return -coef * aggregate_tokens(torch.where(response_mask.bool(), entropy, 0.0), response_mask, ctx)
 
 
 def kl_penalty(
     log_probs: torch.Tensor,
-    ref_log_probs: Optional[torch.Tensor],
+    ref_log_probs: torch.Tensor | None,
     response_mask: torch.Tensor,
     ctx: LossContext,
     coef: float,

@@ -12,7 +12,6 @@ Design decisions:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from gspo_megatron.algorithms.config import AlgorithmConfig
 from gspo_megatron.data.config import TaskConfig, TokenizerConfig
@@ -27,8 +26,8 @@ from gspo_megatron.shaping.config import ShapingConfig
 
 @dataclass
 class ModelSection(MoEModelConfig):
-    preset: Optional[str] = None  # documentation of where the numbers came from ("tiny", ...)
-    hf_checkpoint: Optional[str] = None  # a local HF Qwen3-MoE directory to start from; its config.json sets the shape
+    preset: str | None = None  # documentation of where the numbers came from ("tiny", ...)
+    hf_checkpoint: str | None = None  # a local HF Qwen3-MoE directory to start from; its config.json sets the shape
     layer_spec: str = "auto"  # auto | te | portable
     dtype: str = "float32"  # float32 | bfloat16 (bf16 needs a GPU)
     init_seed: int = 1234  # random init when no checkpoint is given
@@ -40,13 +39,20 @@ class ParallelSection:
     tp: int = 1
     pp: int = 1
     ep: int = 1
-    etp: Optional[int] = None
+    etp: int | None = None
     cp: int = 1
-    sequence_parallel: Optional[bool] = None  # None: on exactly when tp > 1
+    sequence_parallel: bool | None = None  # None: on exactly when tp > 1
 
     def layout(self, world_size: int) -> ParallelLayout:
-        return ParallelLayout(tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, cp=self.cp,
-                              sequence_parallel=self.sequence_parallel, world_size=world_size)
+        return ParallelLayout(
+            tp=self.tp,
+            pp=self.pp,
+            ep=self.ep,
+            etp=self.etp,
+            cp=self.cp,
+            sequence_parallel=self.sequence_parallel,
+            world_size=world_size,
+        )
 
 
 @dataclass
@@ -83,13 +89,13 @@ class OptimizerSection:
 @dataclass
 class TrainerSection:
     steps: int = 200  # RL steps (one rollout each); the LR schedule spans all of them
-    stop_after_steps: Optional[int] = None  # end the process early (a time-boxed or preempted job); resume later
+    stop_after_steps: int | None = None  # end the process early (a time-boxed or preempted job); resume later
     prompts_per_step: int = 16
     updates_per_rollout: int = 2  # mini-batches (optimizer steps) per rollout: ratio != 1 after the first
     micro_batch_size: int = 32  # sequences per micro-batch per data-parallel rank
     # token budget per micro-batch per data-parallel rank: rows sorted by length, each micro-batch
     # padded to its own longest row (trainer/micro_batches.py); replaces micro_batch_size. null: off
-    micro_batch_tokens: Optional[int] = None
+    micro_batch_tokens: int | None = None
     seed: int = 1234
     eval_every: int = 10  # 0: never
     eval_prompts: int = 64
@@ -121,7 +127,7 @@ class LoggingSection:
 
 @dataclass
 class TrainConfig:
-    run_dir: Optional[str] = None  # None: Hydra's output directory
+    run_dir: str | None = None  # None: Hydra's output directory
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)

@@ -30,9 +30,7 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
         if getattr(t, name) < 1:
             raise ConfigError(f"trainer.{name} must be >= 1, got {getattr(t, name)}")
     if t.micro_batch_tokens is not None and t.micro_batch_tokens < 1:
-        raise ConfigError(
-            f"trainer.micro_batch_tokens must be >= 1 or null (off), got {t.micro_batch_tokens}"
-        )
+        raise ConfigError(f"trainer.micro_batch_tokens must be >= 1 or null (off), got {t.micro_batch_tokens}")
     if t.eval_samples > 1 and cfg.rollout.eval_temperature == 0:
         raise ConfigError(
             f"trainer.eval_samples={t.eval_samples} with greedy decoding (rollout.eval_temperature=0) gives "
@@ -65,15 +63,20 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
     if cfg.rollout.engine not in ("embedded", "sglang"):
         raise ConfigError(f"rollout.engine={cfg.rollout.engine!r} is unknown; valid: embedded, sglang")
     if cfg.rollout.engine == "embedded" and cfg.model.shared_expert_intermediate_size:
-        raise ConfigError("the embedded engine (HF Qwen3-MoE) has no shared expert; set model.shared_expert_intermediate_size=0")
+        raise ConfigError(
+            "the embedded engine (HF Qwen3-MoE) has no shared expert; set model.shared_expert_intermediate_size=0"
+        )
     if cfg.model.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype must be float32 or bfloat16, got {cfg.model.dtype!r}")
     _validate_routed_experts_source(cfg)
     validate_replay_mode(cfg.algorithm.routing_replay, recompute=t.recompute_activations, pp=layout.pp)
     if cfg.algorithm.routing_replay != "none" and not cfg.model.is_moe:
         raise ConfigError("algorithm.routing_replay needs an MoE model (model.num_experts > 0)")
-    if cfg.algorithm.routing_replay == "rollout" and cfg.rollout.engine == "sglang" \
-            and not cfg.rollout.sglang.enable_return_routed_experts:
+    if (
+        cfg.algorithm.routing_replay == "rollout"
+        and cfg.rollout.engine == "sglang"
+        and not cfg.rollout.sglang.enable_return_routed_experts
+    ):
         raise ConfigError(
             "algorithm.routing_replay=rollout (R3) needs the engine's routed experts: set "
             "rollout.sglang.enable_return_routed_experts=true"
@@ -100,8 +103,9 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
 def validate_for_machine(cfg: TrainConfig, cuda_available: bool) -> None:
     """Rules that depend on this machine, not on the config alone (run at start-up, after ``validate_config``)."""
     if cfg.model.dtype == "bfloat16" and not cuda_available:
-        raise ConfigError("model.dtype=bfloat16 needs a GPU (megatron's bf16 path is CUDA-only); "
-                          "use model.dtype=float32 on CPU")
+        raise ConfigError(
+            "model.dtype=bfloat16 needs a GPU (megatron's bf16 path is CUDA-only); use model.dtype=float32 on CPU"
+        )
 
 
 def _validate_run_safety(cfg: TrainConfig) -> None:
@@ -122,7 +126,9 @@ def _validate_run_safety(cfg: TrainConfig) -> None:
     if cfg.trainer.on_nonfinite not in POLICIES:
         raise ConfigError(f"trainer.on_nonfinite={cfg.trainer.on_nonfinite!r} is unknown; valid: {list(POLICIES)}")
     if cfg.trainer.max_consecutive_nonfinite < 1:
-        raise ConfigError(f"trainer.max_consecutive_nonfinite must be >= 1, got {cfg.trainer.max_consecutive_nonfinite}")
+        raise ConfigError(
+            f"trainer.max_consecutive_nonfinite must be >= 1, got {cfg.trainer.max_consecutive_nonfinite}"
+        )
 
 
 _ZERO_MEANS = {"save_every": "only at the end", "keep_last": "keep all", "export_hf_every": "only at the end"}

@@ -7,7 +7,18 @@ from gspo_megatron.data.tasks import Task, available_tasks, build_task, register
 from gspo_megatron.data.tokenizer import HFTokenizer, SymbolTokenizer, Tokenizer, build_tokenizer
 
 __all__ = [
-    "DatasetConfig", "DatasetStats", "HFTokenizer", "PromptDataset", "PromptRecord", "SymbolTokenizer",
-    "Task", "TaskConfig", "Tokenizer", "TokenizerConfig", "available_tasks", "build_task",
-    "build_tokenizer", "register_task",
+    "DatasetConfig",
+    "DatasetStats",
+    "HFTokenizer",
+    "PromptDataset",
+    "PromptRecord",
+    "SymbolTokenizer",
+    "Task",
+    "TaskConfig",
+    "Tokenizer",
+    "TokenizerConfig",
+    "available_tasks",
+    "build_task",
+    "build_tokenizer",
+    "register_task",
 ]

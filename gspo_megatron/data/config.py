@@ -10,7 +10,6 @@ Design decisions:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 TOKENIZER_KINDS = ("hf", "symbol")
 DATASET_FORMATS = ("auto", "jsonl", "parquet")
@@ -20,7 +19,7 @@ BAD_UTF8_POLICIES = ("error", "skip")
 @dataclass
 class TokenizerConfig:
     kind: str = "symbol"  # "symbol" (built-in, synthetic tasks) or "hf" (local directory)
-    path: Optional[str] = None  # local model/tokenizer directory for kind=hf
+    path: str | None = None  # local model/tokenizer directory for kind=hf
 
     def validate(self) -> None:
         if self.kind not in TOKENIZER_KINDS:
@@ -31,13 +30,13 @@ class TokenizerConfig:
 
 @dataclass
 class DatasetConfig:
-    path: Optional[str] = None  # local .jsonl or .parquet file
+    path: str | None = None  # local .jsonl or .parquet file
     format: str = "auto"  # auto: from the file suffix
     prompt_field: str = "prompt"  # dotted paths reach nested fields, e.g. "reward_model.ground_truth"
     answer_field: str = "answer"
     metadata_fields: list[str] = field(default_factory=list)  # copied into PromptRecord.metadata
     apply_chat_template: bool = True
-    system_prompt: Optional[str] = None  # prepended as a system message when rendering chat
+    system_prompt: str | None = None  # prepended as a system message when rendering chat
     prompt_suffix: str = ""  # appended to text prompts, e.g. an instruction to box the answer
     max_prompt_tokens: int = 1024  # longer prompts are dropped (counted in stats)
     shuffle: bool = True
@@ -50,9 +49,7 @@ class DatasetConfig:
         if self.format not in DATASET_FORMATS:
             raise ValueError(f"dataset.format={self.format!r} is unknown; valid: {list(DATASET_FORMATS)}")
         if self.on_bad_utf8 not in BAD_UTF8_POLICIES:
-            raise ValueError(
-                f"dataset.on_bad_utf8={self.on_bad_utf8!r} is unknown; valid: {list(BAD_UTF8_POLICIES)}"
-            )
+            raise ValueError(f"dataset.on_bad_utf8={self.on_bad_utf8!r} is unknown; valid: {list(BAD_UTF8_POLICIES)}")
         if self.max_prompt_tokens < 1:
             raise ValueError(f"dataset.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
         for name in ("prompt_field", "answer_field"):
@@ -67,7 +64,7 @@ class TaskConfig:
     min_digits: int = 3  # synthetic tasks: digits per problem, drawn uniformly in [min, max]
     max_digits: int = 5
     eval_seed: int = 1_000_003  # synthetic held-out stream; must differ from seed
-    reward: Optional[str] = None  # reward function name; None: the task's default
+    reward: str | None = None  # reward function name; None: the task's default
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
 
     def validate(self) -> None:

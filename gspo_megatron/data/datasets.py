@@ -20,9 +20,10 @@ from __future__ import annotations
 import json
 import logging
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from gspo_megatron.data.config import DatasetConfig
 from gspo_megatron.data.records import PromptRecord

@@ -14,7 +14,6 @@ Design decisions:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -22,7 +21,7 @@ class PromptRecord:
     prompt: str
     answer: str
     metadata: dict = field(default_factory=dict)
-    prompt_ids: Optional[tuple[int, ...]] = None
+    prompt_ids: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if not isinstance(self.prompt, str):

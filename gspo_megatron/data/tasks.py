@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import abc
 import random
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable
 
 from gspo_megatron.algorithms.registry import Registry
 from gspo_megatron.data.config import TaskConfig

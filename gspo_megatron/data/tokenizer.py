@@ -20,11 +20,12 @@ Design decisions:
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, Sequence, Union, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 ChatMessages = Sequence[dict]
-PromptInput = Union[str, ChatMessages]
+PromptInput = str | ChatMessages
 
 
 @runtime_checkable
@@ -44,9 +45,7 @@ class Tokenizer(Protocol):
 def _check_messages(messages: ChatMessages) -> None:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            raise ValueError(
-                f"chat message {i} must be a dict with 'role' and 'content', got {message!r}"
-            )
+            raise ValueError(f"chat message {i} must be a dict with 'role' and 'content', got {message!r}")
 
 
 class SymbolTokenizer:
@@ -130,7 +129,7 @@ class SymbolTokenizer:
 class HFTokenizer:
     """A Hugging Face tokenizer loaded from a local directory (never from the hub)."""
 
-    def __init__(self, local_dir: Union[str, Path]):
+    def __init__(self, local_dir: str | Path):
         path = Path(local_dir)
         if not path.is_dir():
             raise FileNotFoundError(

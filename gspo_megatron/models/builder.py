@@ -14,7 +14,6 @@ Design decisions:
 from __future__ import annotations
 
 import importlib.util
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -149,9 +148,9 @@ def build_model(
     *,
     params_dtype: torch.dtype = torch.float32,
     layer_spec: str = "auto",
-    device: Optional[str] = None,
-    pre_process: Optional[bool] = None,
-    post_process: Optional[bool] = None,
+    device: str | None = None,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
     recompute: bool = False,
     routing_replay: bool = True,
     initialize: bool = True,
@@ -166,8 +165,14 @@ def build_model(
     from megatron.core.models.gpt import GPTModel
 
     on_meta = device == "meta"
-    config = make_transformer_config(model, layout, params_dtype, initialize=initialize and not on_meta,
-                                     recompute=recompute, routing_replay=routing_replay)
+    config = make_transformer_config(
+        model,
+        layout,
+        params_dtype,
+        initialize=initialize and not on_meta,
+        recompute=recompute,
+        routing_replay=routing_replay,
+    )
     spec = make_block_spec(config, resolve_spec_name(layer_spec))
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage()

@@ -13,9 +13,10 @@ Design decisions:
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 
 class ModelConfigError(ValueError):
@@ -47,7 +48,7 @@ class MoEModelConfig:
     def is_moe(self) -> bool:
         return self.num_experts > 0 and len(self.dense_layers) < self.num_layers
 
-    def validate(self) -> "MoEModelConfig":
+    def validate(self) -> MoEModelConfig:
         positive = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim")
         for name in positive:
             if getattr(self, name) < 1:
@@ -64,9 +65,7 @@ class MoEModelConfig:
             raise ModelConfigError("model.dense_layers is set but model.dense_intermediate_size is 0")
         if self.is_moe:
             if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
-                raise ModelConfigError(
-                    f"model.top_k = {self.top_k} must be in 1..num_experts = {self.num_experts}"
-                )
+                raise ModelConfigError(f"model.top_k = {self.top_k} must be in 1..num_experts = {self.num_experts}")
             if self.moe_intermediate_size < 1:
                 raise ModelConfigError("model.moe_intermediate_size must be >= 1 for an MoE model")
         return self
@@ -130,7 +129,7 @@ class MoEModelConfig:
         return Qwen3MoeConfig(**self.to_hf_dict())
 
     @classmethod
-    def from_hf_dict(cls, hf: Mapping[str, Any]) -> "MoEModelConfig":
+    def from_hf_dict(cls, hf: Mapping[str, Any]) -> MoEModelConfig:
         model_type = hf.get("model_type")
         if model_type != "qwen3_moe":
             raise ModelConfigError(
@@ -169,7 +168,7 @@ class MoEModelConfig:
         ).validate()
 
     @classmethod
-    def from_hf_config_file(cls, path: str | Path) -> "MoEModelConfig":
+    def from_hf_config_file(cls, path: str | Path) -> MoEModelConfig:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
@@ -192,23 +191,50 @@ class MoEModelConfig:
 PRESETS: dict[str, MoEModelConfig] = {
     # Trains on 2 CPU cores in minutes: 2 MoE layers, 4 experts, top-2 (conf/model/tiny.yaml alike).
     "tiny": MoEModelConfig(
-        vocab_size=80, hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2,
-        head_dim=16, num_experts=4, top_k=2, moe_intermediate_size=64, max_position_embeddings=256,
+        vocab_size=80,
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        num_experts=4,
+        top_k=2,
+        moe_intermediate_size=64,
+        max_position_embeddings=256,
         rope_theta=10000.0,
     ),
     # A miniature of fine-grained production MoEs (Qwen3 / DeepSeek style: many small experts, top-4 of 32,
     # 6 MoE layers) that still trains on CPU: the shape the routing-stability study runs on
-    # (conf/model/small_moe.yaml alike; the shape was chosen by measurement, see conf/experiment/routing_stability.yaml).
+    # (conf/model/small_moe.yaml alike; the shape was chosen by measurement, see
+    # conf/experiment/routing_stability.yaml).
     "small_moe": MoEModelConfig(
-        vocab_size=80, hidden_size=128, num_layers=6, num_attention_heads=4, num_kv_heads=2,
-        head_dim=32, num_experts=32, top_k=4, moe_intermediate_size=32, max_position_embeddings=256,
+        vocab_size=80,
+        hidden_size=128,
+        num_layers=6,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        num_experts=32,
+        top_k=4,
+        moe_intermediate_size=32,
+        max_position_embeddings=256,
         rope_theta=10000.0,
     ),
     # Qwen3-30B-A3B's shape (config only: build it on the meta device).
     "qwen3_30b_a3b": MoEModelConfig(
-        vocab_size=151936, hidden_size=2048, num_layers=48, num_attention_heads=32, num_kv_heads=4,
-        head_dim=128, num_experts=128, top_k=8, moe_intermediate_size=768, dense_intermediate_size=0,
-        router_aux_loss_coef=0.001, rope_theta=1_000_000.0, max_position_embeddings=40960,
+        vocab_size=151936,
+        hidden_size=2048,
+        num_layers=48,
+        num_attention_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        num_experts=128,
+        top_k=8,
+        moe_intermediate_size=768,
+        dense_intermediate_size=0,
+        router_aux_loss_coef=0.001,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=40960,
     ),
 }
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -70,8 +70,9 @@ def _open_shard(path: Path):
     try:
         return safe_open(str(path), "pt")
     except Exception as error:  # SafetensorError: truncated, corrupt header, not safetensors
-        raise ConversionError(f"{path} is not a readable safetensors file ({error}); re-download or "
-                              "re-export the checkpoint") from error
+        raise ConversionError(
+            f"{path} is not a readable safetensors file ({error}); re-download or re-export the checkpoint"
+        ) from error
 
 
 class SafetensorsSource(WeightSource):
@@ -119,10 +120,10 @@ class ParamMapping:
     megatron_name: str
     hf_names: tuple[str, ...]
     fusion: str  # "copy" | "qkv" | "gate_up"
-    shard_dim: Optional[int]  # dimension of each HF tensor that is split, None = replicated
-    shard_group: Optional[str]  # "tp" | "etp" | None
+    shard_dim: int | None  # dimension of each HF tensor that is split, None = replicated
+    shard_group: str | None  # "tp" | "etp" | None
     unit: str  # export unit: "embed", "layer.{g}", "head"
-    expert_local: Optional[int] = None  # local expert index when the parameter is an expert's
+    expert_local: int | None = None  # local expert index when the parameter is an expert's
 
 
 def unwrap(model):
@@ -189,7 +190,9 @@ def _mapping_for(model, name: str, cfg: MoEModelConfig, first_expert: int) -> Pa
         local_expert, which = int(match.group(1)), match.group(2)
         e = p + f"mlp.experts.{first_expert + local_expert}."
         if which == "linear_fc1":
-            return ParamMapping(name, (e + "gate_proj.weight", e + "up_proj.weight"), "gate_up", 0, "etp", unit, local_expert)
+            return ParamMapping(
+                name, (e + "gate_proj.weight", e + "up_proj.weight"), "gate_up", 0, "etp", unit, local_expert
+            )
         return ParamMapping(name, (e + "down_proj.weight",), "copy", 1, "etp", unit, local_expert)
     raise ConversionError(f"no HF mapping for megatron parameter {name!r}")
 
@@ -235,7 +238,7 @@ def split(fusion: str, tensor: torch.Tensor, cfg: MoEModelConfig) -> list[torch.
 # --------------------------------------------------------------------------------------------
 # Import
 # --------------------------------------------------------------------------------------------
-def _group_rank_size(mesh, group_name: Optional[str]) -> tuple[int, int]:
+def _group_rank_size(mesh, group_name: str | None) -> tuple[int, int]:
     if group_name is None or mesh is None:
         return 0, 1
     group = mesh.tp_group if group_name == "tp" else mesh.etp_group
@@ -269,7 +272,8 @@ def load_hf_weights(model, cfg: MoEModelConfig, source: WeightSource | Mapping[s
             target = params[row.megatron_name]
             if value.shape != target.shape:
                 raise ConversionError(
-                    f"{row.megatron_name}: converted shape {tuple(value.shape)} != parameter shape {tuple(target.shape)}"
+                    f"{row.megatron_name}: converted shape {tuple(value.shape)} "
+                    f"!= parameter shape {tuple(target.shape)}"
                 )
             target.copy_(value.to(target.dtype))
             count += 1
@@ -281,7 +285,7 @@ def load_hf_weights(model, cfg: MoEModelConfig, source: WeightSource | Mapping[s
 # --------------------------------------------------------------------------------------------
 def hf_shapes(cfg: MoEModelConfig) -> dict[str, tuple[int, ...]]:
     """Every HF tensor name of the model with its full shape, in export order."""
-    h, hd = cfg.hidden_size, cfg.head_dim
+    h = cfg.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
     for layer in range(cfg.num_layers):
         shapes.update(_layer_shapes(cfg, layer))
@@ -306,7 +310,9 @@ def _layer_shapes(cfg: MoEModelConfig, layer: int) -> dict[str, tuple[int, ...]]
     }
     if layer in set(cfg.dense_layers) or not cfg.is_moe:
         f = cfg.dense_intermediate_size
-        out.update({p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f)})
+        out.update(
+            {p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f)}
+        )
         return out
     out[p + "mlp.gate.weight"] = (cfg.num_experts, h)
     i = cfg.moe_intermediate_size
@@ -354,7 +360,7 @@ def export_hf_weights(
     *,
     bucket_bytes: int = 64 << 20,
     tensor_of: Callable[[torch.Tensor], torch.Tensor] = parameter_data,
-    dtype: Optional[torch.dtype] = None,
+    dtype: torch.dtype | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield buckets of (HF name, full tensor) on every rank; collective: all ranks must iterate.
 

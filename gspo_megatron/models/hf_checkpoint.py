@@ -24,8 +24,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any
 
 import torch
 
@@ -36,9 +37,17 @@ INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 # Files a tokenizer directory may hold (tokenizers, sentencepiece, BPE, chat template).
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt", "chat_template.jinja",
-    "chat_template.json", "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "vocab.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
 )
 DEFAULT_SHARD_BYTES = 2 << 30
 
@@ -110,7 +119,7 @@ def write_hf_checkpoint(
     out_dir: str | Path,
     *,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
-    tokenizer_dir: Optional[str | Path] = None,
+    tokenizer_dir: str | Path | None = None,
 ) -> Path:
     """Driver side of ``save_hf_checkpoint``: write HF-named buckets as a checkpoint directory."""
     out = Path(out_dir)
@@ -146,8 +155,8 @@ def save_hf_checkpoint(
     out_dir: str | Path,
     *,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
-    dtype: Optional[torch.dtype] = None,
-    tokenizer_dir: Optional[str | Path] = None,
+    dtype: torch.dtype | None = None,
+    tokenizer_dir: str | Path | None = None,
     bucket_bytes: int = 64 << 20,
 ) -> Path:
     """Write this (possibly sharded) model as a HF checkpoint at ``out_dir``; collective on all ranks.
@@ -160,7 +169,7 @@ def save_hf_checkpoint(
     distributed = mesh is not None and dist.is_initialized()
     is_driver = not distributed or dist.get_rank() == 0
     buckets = export_hf_weights(model_chunk, cfg, mesh, bucket_bytes=min(bucket_bytes, shard_bytes), dtype=dtype)
-    error: Optional[BaseException] = None
+    error: BaseException | None = None
     if is_driver:
         try:
             write_hf_checkpoint(buckets, cfg, out_dir, shard_bytes=shard_bytes, tokenizer_dir=tokenizer_dir)

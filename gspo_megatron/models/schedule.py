@@ -22,8 +22,8 @@ Design decisions:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Callable, Optional
 
 import torch
 
@@ -32,7 +32,7 @@ from gspo_megatron.parallel.context_parallel import chunk_positions, split_micro
 LossCallback = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
 
 
-def wrap_for_training(model, config, *, grad_reduce_in_fp32: bool = True, bucket_size: Optional[int] = None):
+def wrap_for_training(model, config, *, grad_reduce_in_fp32: bool = True, bucket_size: int | None = None):
     """Wrap in megatron's DistributedDataParallel and install grad finalisation on the config."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -52,7 +52,7 @@ def wrap_for_training(model, config, *, grad_reduce_in_fp32: bool = True, bucket
     return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
 
 
-def _forward_step(loss_callback: Optional[LossCallback], before_forward, data_iterator, model):
+def _forward_step(loss_callback: LossCallback | None, before_forward, data_iterator, model):
     from megatron.core import parallel_state as ps
 
     batch = next(data_iterator)
@@ -81,10 +81,10 @@ def _forward_step(loss_callback: Optional[LossCallback], before_forward, data_it
 def run_schedule(
     model,
     micro_batches: list[dict],
-    loss_callback: Optional[LossCallback],
+    loss_callback: LossCallback | None,
     *,
     forward_only: bool,
-    before_forward: Optional[Callable[[], None]] = None,
+    before_forward: Callable[[], None] | None = None,
 ) -> list[dict]:
     """Forward (and backward unless ``forward_only``) every micro-batch through megatron's schedule.
 

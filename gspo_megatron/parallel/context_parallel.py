@@ -8,7 +8,8 @@ Design decisions:
   megatron's RotaryEmbedding applies the same split to the rotary table itself, so no position ids
   need to travel with the tokens.
 - The trainer right-pads each rollout batch to a length divisible by 2*CP
-  (``pad_for_context_parallel``); ONE place splits a micro-batch (``split_micro_batch``): every tensor whose dim 1 is the token dim
+  (``pad_for_context_parallel``); ONE place splits a micro-batch (``split_micro_batch``): every
+  tensor whose dim 1 is the token dim
   (tokens, targets, masks, log-probs, routed experts [b, s, layers, k]) is split alike; per-row
   tensors ([b]) and non-tensors pass through. ``gather_sequence`` is its inverse (all-gather over
   the CP group, then put the chunks back in sequence order).
@@ -20,7 +21,6 @@ Design decisions:
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,8 @@ def validate_context_parallel(cp_size: int, max_position_embeddings: int) -> Non
         raise LayoutError(
             f"parallel.cp={cp_size} splits every sequence into 2*cp = {2 * cp_size} chunks, so rows are padded "
             f"to a multiple of {2 * cp_size}; model.max_position_embeddings={max_position_embeddings} is not "
-            f"one: set it to a multiple of {2 * cp_size} (e.g. {max_position_embeddings // (2 * cp_size) * 2 * cp_size})"
+            f"one: set it to a multiple of {2 * cp_size} "
+            f"(e.g. {max_position_embeddings // (2 * cp_size) * 2 * cp_size})"
         )
 
 
@@ -95,7 +96,7 @@ def split_micro_batch(batch: dict, cp_size: int, cp_rank: int) -> dict:
     return out
 
 
-def gather_sequence(local: torch.Tensor, cp_group: Optional[dist.ProcessGroup], seq_dim: int = 1) -> torch.Tensor:
+def gather_sequence(local: torch.Tensor, cp_group: dist.ProcessGroup | None, seq_dim: int = 1) -> torch.Tensor:
     """Inverse of ``split_sequence``: every rank's share -> the whole sequence, on every CP rank."""
     cp_size = 1 if cp_group is None else dist.get_world_size(group=cp_group)
     if cp_size == 1:

@@ -13,7 +13,6 @@ Design decisions:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 
 class LayoutError(ValueError):
@@ -25,9 +24,9 @@ class ParallelLayout:
     tp: int = 1  # tensor parallel
     pp: int = 1  # pipeline parallel
     ep: int = 1  # expert parallel
-    etp: Optional[int] = None  # expert tensor parallel; None = same as tp
+    etp: int | None = None  # expert tensor parallel; None = same as tp
     cp: int = 1  # context parallel
-    sequence_parallel: Optional[bool] = None  # None = on exactly when tp > 1
+    sequence_parallel: bool | None = None  # None = on exactly when tp > 1
     world_size: int = 1
 
     @property
@@ -46,7 +45,7 @@ class ParallelLayout:
     def expert_dp(self) -> int:
         return self.world_size // (self.expert_tp * self.ep * self.pp)
 
-    def validate(self, model=None) -> "ParallelLayout":
+    def validate(self, model=None) -> ParallelLayout:
         """Raise LayoutError on the first conflict; ``model`` is an optional MoEModelConfig."""
         for name in ("tp", "pp", "ep", "cp", "world_size"):
             value = getattr(self, name)

@@ -135,8 +135,7 @@ def _init_single_process(backend: str, timeout_s: float) -> None:
     """One rank: an in-process store instead of a TCPStore (which listens on every interface), and
     gloo's own sockets on the loopback interface unless the user chose one: nothing to reach from outside."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo reads its interface only from here
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=timeout_s))
 
 
 def initialize_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: float = 600.0) -> ParallelMesh:

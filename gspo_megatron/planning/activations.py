@@ -67,8 +67,7 @@ class ActivationBytes:
         return sum(self.per_layer) + self.boundary + self.loss_head
 
 
-def attention_elements(model: MoEModelConfig, layout: ParallelLayout, tokens: int,
-                       spec: str = "portable") -> float:
+def attention_elements(model: MoEModelConfig, layout: ParallelLayout, tokens: int, spec: str = "portable") -> float:
     tp = layout.tp
     sp_tokens = tokens / tp if layout.use_sequence_parallel else tokens
     q = model.num_attention_heads * model.head_dim / tp
@@ -106,8 +105,14 @@ def dense_mlp_elements(ffn_per_rank: float, tokens: int) -> float:
     return 4 * tokens * ffn_per_rank if ffn_per_rank else 0.0
 
 
-def activation_bytes(model: MoEModelConfig, layout: ParallelLayout, micro: MicroBatch, pp_rank: int,
-                     width: int = FP32, spec: str = "portable") -> ActivationBytes:
+def activation_bytes(
+    model: MoEModelConfig,
+    layout: ParallelLayout,
+    micro: MicroBatch,
+    pp_rank: int,
+    width: int = FP32,
+    spec: str = "portable",
+) -> ActivationBytes:
     """Bytes one rank of stage ``pp_rank`` keeps for the backward of one micro-batch."""
     from gspo_megatron.planning.parameters import stage_layers
 

@@ -72,9 +72,18 @@ class Traffic:
         return sum(p * WIRE_FACTOR[c](n) for (k, c), p in self.payload.items() if k == kind)
 
 
-def step_traffic(model: MoEModelConfig, layout: ParallelLayout, micro: MicroBatch, micro_batches: int, *,
-                 pp_rank: int = 0, width: int = 2, dispatcher: str = "alltoall",
-                 distributed_optimizer: bool = True, dtype: str = "bfloat16") -> Traffic:
+def step_traffic(
+    model: MoEModelConfig,
+    layout: ParallelLayout,
+    micro: MicroBatch,
+    micro_batches: int,
+    *,
+    pp_rank: int = 0,
+    width: int = 2,
+    dispatcher: str = "alltoall",
+    distributed_optimizer: bool = True,
+    dtype: str = "bfloat16",
+) -> Traffic:
     """What one rank of stage ``pp_rank`` moves in one optimizer step of ``micro_batches`` micro-batches."""
     from gspo_megatron.planning.parameters import stage_layers
 
@@ -121,9 +130,14 @@ def step_traffic(model: MoEModelConfig, layout: ParallelLayout, micro: MicroBatc
     # finalize_model_grads: one all-reduce over TP of the fp32 grads of the sequence-parallel
     # parameters (norms, routers, shared-expert gates) and of the q/k norms
     sp = layout.use_sequence_parallel
-    replicated = [p for p in stage_parameters(model, layout, pp_rank)
-                  if p.norm and ("q_layernorm" in p.name or "k_layernorm" in p.name or sp)
-                  or sp and p.name.endswith(("router.weight", "gate_weight"))]
+    replicated = [
+        p
+        for p in stage_parameters(model, layout, pp_rank)
+        if p.norm
+        and ("q_layernorm" in p.name or "k_layernorm" in p.name or sp)
+        or sp
+        and p.name.endswith(("router.weight", "gate_weight"))
+    ]
     traffic.add("tp", "all_reduce", tp, sum(p.numel for p in replicated) * FP32)
     for buffer in rank_buffers(model, layout, pp_rank, distributed_optimizer, dtype):
         kind = "dp_expert" if buffer.expert else "dp"

@@ -47,10 +47,22 @@ class GPUSpec:
 
 
 GPUS: dict[str, GPUSpec] = {
-    "h100": GPUSpec("H100 SXM", bf16_tflops=989.0, memory_bytes=80 * GB, hbm_bandwidth=3.35e12,
-                    nvlink_bandwidth=450 * GB, ib_bandwidth=50 * GB),
-    "h200": GPUSpec("H200 SXM", bf16_tflops=989.0, memory_bytes=141 * GB, hbm_bandwidth=4.8e12,
-                    nvlink_bandwidth=450 * GB, ib_bandwidth=50 * GB),
+    "h100": GPUSpec(
+        "H100 SXM",
+        bf16_tflops=989.0,
+        memory_bytes=80 * GB,
+        hbm_bandwidth=3.35e12,
+        nvlink_bandwidth=450 * GB,
+        ib_bandwidth=50 * GB,
+    ),
+    "h200": GPUSpec(
+        "H200 SXM",
+        bf16_tflops=989.0,
+        memory_bytes=141 * GB,
+        hbm_bandwidth=4.8e12,
+        nvlink_bandwidth=450 * GB,
+        ib_bandwidth=50 * GB,
+    ),
 }
 
 

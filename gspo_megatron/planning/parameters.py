@@ -117,8 +117,14 @@ class BufferLayout:
     expert: bool = False
 
 
-def buffer_layout(params: list[ParamSpec], dp: int, distributed_optimizer: bool,
-                  bucket_size: int | None = None, width: int = FP32, expert: bool = False) -> BufferLayout:
+def buffer_layout(
+    params: list[ParamSpec],
+    dp: int,
+    distributed_optimizer: bool,
+    bucket_size: int | None = None,
+    width: int = FP32,
+    expert: bool = False,
+) -> BufferLayout:
     """Replays ``_ParamAndGradBuffer.__init__``: parameters in reverse order, padding as megatron pads."""
 
     def pad(n: int, divisor: int) -> int:
@@ -185,18 +191,29 @@ def param_width(param: ParamSpec, dtype: str) -> int:
     return FP32 if param.norm else DTYPE_BYTES[dtype]
 
 
-def rank_buffers(model: MoEModelConfig, layout: ParallelLayout, pp_rank: int, distributed_optimizer: bool,
-                 dtype: str = "float32", bucket_size: int | None = None) -> list[BufferLayout]:
+def rank_buffers(
+    model: MoEModelConfig,
+    layout: ParallelLayout,
+    pp_rank: int,
+    distributed_optimizer: bool,
+    dtype: str = "float32",
+    bucket_size: int | None = None,
+) -> list[BufferLayout]:
     """Megatron's buffers for one rank: megatron groups a stage's parameters by
     (expert?, parameter dtype) in first-appearance order; dense buffers reduce over dp*cp, expert
     buffers (ep > 1) over expert-dp."""
     key = ("buffers", repr(model), layout, pp_rank, distributed_optimizer, dtype, bucket_size)
-    return _cached(key, lambda: _rank_buffers(model, layout, pp_rank, distributed_optimizer, dtype,
-                                              bucket_size))
+    return _cached(key, lambda: _rank_buffers(model, layout, pp_rank, distributed_optimizer, dtype, bucket_size))
 
 
-def _rank_buffers(model: MoEModelConfig, layout: ParallelLayout, pp_rank: int, distributed_optimizer: bool,
-                  dtype: str, bucket_size: int | None) -> list[BufferLayout]:
+def _rank_buffers(
+    model: MoEModelConfig,
+    layout: ParallelLayout,
+    pp_rank: int,
+    distributed_optimizer: bool,
+    dtype: str,
+    bucket_size: int | None,
+) -> list[BufferLayout]:
     groups: dict[tuple[bool, int], list[ParamSpec]] = {}
     for param in stage_parameters(model, layout, pp_rank):
         groups.setdefault((param.expert, param_width(param, dtype)), []).append(param)
@@ -209,9 +226,17 @@ def _rank_buffers(model: MoEModelConfig, layout: ParallelLayout, pp_rank: int, d
     return out
 
 
-def state_bytes(model: MoEModelConfig, layout: ParallelLayout, pp_rank: int, *, dtype: str = "bfloat16",
-                distributed_optimizer: bool, dp_rank: int = 0, expert_dp_rank: int = 0,
-                bucket_size: int | None = None) -> StateBytes:
+def state_bytes(
+    model: MoEModelConfig,
+    layout: ParallelLayout,
+    pp_rank: int,
+    *,
+    dtype: str = "bfloat16",
+    distributed_optimizer: bool,
+    dp_rank: int = 0,
+    expert_dp_rank: int = 0,
+    bucket_size: int | None = None,
+) -> StateBytes:
     """Exact bytes of one rank's weights, gradient buffers and Adam state (megatron-core 0.16)."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")

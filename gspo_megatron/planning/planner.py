@@ -15,7 +15,6 @@ Design decisions:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from gspo_megatron.models.config import MoEModelConfig
 from gspo_megatron.parallel.layout import ParallelLayout
@@ -91,8 +90,14 @@ def check_with_trainer_rules(model: MoEModelConfig, layout: ParallelLayout, opti
         raise PlanError(f"{sequences} sequences per step do not form groups of {options.group_size}")
     cfg = TrainConfig()
     cfg.model = ModelSection(**model.to_dict(), dtype=options.dtype)
-    cfg.parallel = ParallelSection(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, cp=layout.cp,
-                                   sequence_parallel=layout.sequence_parallel)
+    cfg.parallel = ParallelSection(
+        tp=layout.tp,
+        pp=layout.pp,
+        ep=layout.ep,
+        etp=layout.etp,
+        cp=layout.cp,
+        sequence_parallel=layout.sequence_parallel,
+    )
     cfg.rollout.group_size = options.group_size
     cfg.trainer.prompts_per_step = sequences // options.group_size
     cfg.trainer.updates_per_rollout = 1
@@ -110,21 +115,26 @@ def check_with_trainer_rules(model: MoEModelConfig, layout: ParallelLayout, opti
 
 def micro_batches_per_rank(layout: ParallelLayout, options: PlanOptions) -> int:
     if options.micro_batch_tokens % options.seq_len:
-        raise PlanError(f"micro_batch_tokens={options.micro_batch_tokens} is not a multiple of "
-                        f"seq_len={options.seq_len}")
+        raise PlanError(
+            f"micro_batch_tokens={options.micro_batch_tokens} is not a multiple of seq_len={options.seq_len}"
+        )
     per_rank = options.global_batch_tokens // layout.dp
     if per_rank % options.micro_batch_tokens or per_rank == 0:
-        raise PlanError(f"{options.global_batch_tokens} tokens per step over dp={layout.dp} is "
-                        f"{per_rank} per rank, not a multiple of "
-                        f"micro_batch_tokens={options.micro_batch_tokens}")
+        raise PlanError(
+            f"{options.global_batch_tokens} tokens per step over dp={layout.dp} is "
+            f"{per_rank} per rank, not a multiple of "
+            f"micro_batch_tokens={options.micro_batch_tokens}"
+        )
     return per_rank // options.micro_batch_tokens
 
 
-def memory_of_stage(model: MoEModelConfig, layout: ParallelLayout, options: PlanOptions, pp_rank: int,
-                    micro_batches: int) -> MemoryRow:
+def memory_of_stage(
+    model: MoEModelConfig, layout: ParallelLayout, options: PlanOptions, pp_rank: int, micro_batches: int
+) -> MemoryRow:
     width = DTYPE_BYTES[options.dtype]
-    state = state_bytes(model, layout, pp_rank, dtype=options.dtype,
-                        distributed_optimizer=options.distributed_optimizer)
+    state = state_bytes(
+        model, layout, pp_rank, dtype=options.dtype, distributed_optimizer=options.distributed_optimizer
+    )
     act = activation_bytes(model, layout, options.micro, pp_rank, width=width, spec=options.layer_spec)
     in_flight = min(layout.pp - pp_rank, micro_batches)
     layers = act.total(options.recompute) - act.loss_head
@@ -136,8 +146,9 @@ def memory_of_stage(model: MoEModelConfig, layout: ParallelLayout, options: Plan
     if options.routing_replay != "none" and model.is_moe:
         moe = [i for i in stage_layers(model, layout, pp_rank) if i not in set(model.dense_layers)]
         replay = int(micro_batches * len(moe) * sp_tokens * model.top_k * 8)
-    return MemoryRow(state, layers * in_flight, act.loss_head, old_pass, replay,
-                     optimizer_on_gpu=not options.optimizer_offload)
+    return MemoryRow(
+        state, layers * in_flight, act.loss_head, old_pass, replay, optimizer_on_gpu=not options.optimizer_offload
+    )
 
 
 def plan_layout(model: MoEModelConfig, layout: ParallelLayout, options: PlanOptions, gpu: GPUSpec) -> Plan:
@@ -147,24 +158,33 @@ def plan_layout(model: MoEModelConfig, layout: ParallelLayout, options: PlanOpti
     rows = [memory_of_stage(model, layout, options, r, micro_batches) for r in range(layout.pp)]
     worst = max(range(layout.pp), key=lambda r: rows[r].total)
     width = DTYPE_BYTES[options.dtype]
-    traffic = [step_traffic(model, layout, options.micro, micro_batches, pp_rank=r, width=width,
-                            dispatcher=options.dispatcher,
-                            distributed_optimizer=options.distributed_optimizer,
-                            dtype=options.dtype) for r in range(layout.pp)]
+    traffic = [
+        step_traffic(
+            model,
+            layout,
+            options.micro,
+            micro_batches,
+            pp_rank=r,
+            width=width,
+            dispatcher=options.dispatcher,
+            distributed_optimizer=options.distributed_optimizer,
+            dtype=options.dtype,
+        )
+        for r in range(layout.pp)
+    ]
     time = step_time(model, layout, options.micro, micro_batches, traffic, gpu, options.recompute)
     fits = rows[worst].total <= gpu.usable_memory_bytes
-    problems = [] if fits else [
-        f"needs {rows[worst].total / GiB:.1f} GiB > {gpu.usable_memory_bytes / GiB:.1f} GiB"]
-    return Plan(layout, micro_batches, rows[worst], worst, traffic[worst], time,
-                weight_sync_bytes(model, width), fits, problems)
+    problems = [] if fits else [f"needs {rows[worst].total / GiB:.1f} GiB > {gpu.usable_memory_bytes / GiB:.1f} GiB"]
+    return Plan(
+        layout, micro_batches, rows[worst], worst, traffic[worst], time, weight_sync_bytes(model, width), fits, problems
+    )
 
 
-def _divisors(n: int, limit: Optional[int] = None) -> list[int]:
+def _divisors(n: int, limit: int | None = None) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0 and (limit is None or d <= limit)]
 
 
-def candidate_layouts(model: MoEModelConfig, gpus: int, gpu: GPUSpec,
-                      max_cp: int = 2) -> list[ParallelLayout]:
+def candidate_layouts(model: MoEModelConfig, gpus: int, gpu: GPUSpec, max_cp: int = 2) -> list[ParallelLayout]:
     """Every (tp <= node, pp, ep, etp in {1, tp}, cp <= max_cp) layout of ``gpus`` ranks that
     ``ParallelLayout.validate`` accepts for this model."""
     out = []
@@ -174,8 +194,9 @@ def candidate_layouts(model: MoEModelConfig, gpus: int, gpu: GPUSpec,
                 experts = model.num_experts if model.is_moe else 1
                 for ep in _divisors(experts):
                     for etp in sorted({1, tp}):
-                        layout = ParallelLayout(tp=tp, pp=pp, ep=ep, etp=None if etp == tp else etp, cp=cp,
-                                                world_size=gpus)
+                        layout = ParallelLayout(
+                            tp=tp, pp=pp, ep=ep, etp=None if etp == tp else etp, cp=cp, world_size=gpus
+                        )
                         try:
                             out.append(layout.validate(model))
                         except ValueError:
@@ -183,8 +204,9 @@ def candidate_layouts(model: MoEModelConfig, gpus: int, gpu: GPUSpec,
     return out
 
 
-def rank_layouts(model: MoEModelConfig, gpus: int, options: PlanOptions, gpu: GPUSpec,
-                 max_cp: int = 2) -> tuple[list[Plan], list[Plan]]:
+def rank_layouts(
+    model: MoEModelConfig, gpus: int, options: PlanOptions, gpu: GPUSpec, max_cp: int = 2
+) -> tuple[list[Plan], list[Plan]]:
     """Plans the trainer accepts: those that fit, fastest first; those that do not, smallest first."""
     fitting, too_big = [], []
     for layout in candidate_layouts(model, gpus, gpu, max_cp):

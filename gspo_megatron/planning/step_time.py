@@ -53,8 +53,16 @@ def forward_flops(model: MoEModelConfig, layout: ParallelLayout, micro: MicroBat
 def group_bandwidth(kind: str, layout: ParallelLayout, gpu: GPUSpec) -> float:
     """Link bandwidth (bytes/s, after efficiency) of the group a traffic kind runs on."""
     tp, cp, dp, etp, ep = layout.tp, layout.cp, layout.dp, layout.expert_tp, layout.ep
-    span = {"tp": tp, "cp": tp * cp, "dp": tp * cp * dp, "ep": etp * ep, "etp": etp, "tp_ep": tp * ep,
-            "dp_expert": layout.world_size // layout.pp, "pp": layout.world_size}[kind]
+    span = {
+        "tp": tp,
+        "cp": tp * cp,
+        "dp": tp * cp * dp,
+        "ep": etp * ep,
+        "etp": etp,
+        "tp_ep": tp * ep,
+        "dp_expert": layout.world_size // layout.pp,
+        "pp": layout.world_size,
+    }[kind]
     link = gpu.nvlink_bandwidth if span <= gpu.gpus_per_node else gpu.ib_bandwidth
     return link * gpu.link_efficiency
 
@@ -68,8 +76,15 @@ class StepTime:
     tokens_per_s_per_gpu: float
 
 
-def step_time(model: MoEModelConfig, layout: ParallelLayout, micro: MicroBatch, micro_batches: int,
-              traffic_by_stage: list[Traffic], gpu: GPUSpec, recompute: bool = False) -> StepTime:
+def step_time(
+    model: MoEModelConfig,
+    layout: ParallelLayout,
+    micro: MicroBatch,
+    micro_batches: int,
+    traffic_by_stage: list[Traffic],
+    gpu: GPUSpec,
+    recompute: bool = False,
+) -> StepTime:
     """Seconds per optimizer step (``micro_batches`` per data-parallel rank)."""
     per_stage = []
     for pp_rank in range(layout.pp):
@@ -77,12 +92,12 @@ def step_time(model: MoEModelConfig, layout: ParallelLayout, micro: MicroBatch, 
         per_stage.append(fwd * (4 if recompute else 3) / (gpu.bf16_tflops * 1e12 * gpu.mfu))
     slowest = max(range(layout.pp), key=lambda r: per_stage[r])
     traffic = traffic_by_stage[slowest]
-    comm = {kind: traffic.wire_bytes(kind) / group_bandwidth(kind, layout, gpu)
-            for kind in traffic.group_size}
+    comm = {kind: traffic.wire_bytes(kind) / group_bandwidth(kind, layout, gpu) for kind in traffic.group_size}
     per_micro_comm = sum(v for k, v in comm.items() if not k.startswith("dp")) / micro_batches
     dp_comm = sum(v for k, v in comm.items() if k.startswith("dp"))
     slots = micro_batches + layout.pp - 1
     total = slots * (per_stage[slowest] + per_micro_comm) + dp_comm
     tokens = micro.tokens * micro_batches * layout.dp
-    return StepTime(per_stage[slowest] * micro_batches, comm, (layout.pp - 1) / slots, total,
-                    tokens / total / layout.world_size)
+    return StepTime(
+        per_stage[slowest] * micro_batches, comm, (layout.pp - 1) / slots, total, tokens / total / layout.world_size
+    )

@@ -4,11 +4,23 @@ from gspo_megatron.rewards import builtin  # noqa: F401  (registers the built-in
 from gspo_megatron.rewards.config import RewardConfig
 from gspo_megatron.rewards.pool import PoolStats, RewardPool, call_reward
 from gspo_megatron.rewards.registry import (
-    REWARDS, RewardFn, available_rewards, register_reward, resolve_reward,
+    REWARDS,
+    RewardFn,
+    available_rewards,
+    register_reward,
+    resolve_reward,
 )
 from gspo_megatron.rewards.types import RewardResult
 
 __all__ = [
-    "REWARDS", "PoolStats", "RewardConfig", "RewardFn", "RewardPool", "RewardResult",
-    "available_rewards", "call_reward", "register_reward", "resolve_reward",
+    "REWARDS",
+    "PoolStats",
+    "RewardConfig",
+    "RewardFn",
+    "RewardPool",
+    "RewardResult",
+    "available_rewards",
+    "call_reward",
+    "register_reward",
+    "resolve_reward",
 ]

@@ -19,7 +19,6 @@ Design decisions:
 from __future__ import annotations
 
 import re
-from typing import Optional
 
 from gspo_megatron.data.records import PromptRecord
 from gspo_megatron.rewards.registry import register_reward
@@ -56,7 +55,7 @@ _NO_THINK_TAG = r"(?:(?!</?think>).)"
 _THINK_FORMAT = re.compile(rf"\s*<think>{_NO_THINK_TAG}*</think>\s*answer\s*({_NO_THINK_TAG}*?)\s*", re.DOTALL)
 
 
-def final_answer_after_thinking(body: str) -> Optional[str]:
+def final_answer_after_thinking(body: str) -> str | None:
     """The text after the last "</think>" (and after its last "answer" keyword), stripped.
 
     None when a thinking block was opened and never closed: such a response gave no final answer.
@@ -104,12 +103,12 @@ def think_answer(response: str, record: PromptRecord) -> RewardResult:
     return _graded(correct, format_ok)
 
 
-def last_boxed(text: str) -> Optional[str]:
+def last_boxed(text: str) -> str | None:
     """Content of the last \\boxed{...} with balanced braces, or None."""
     start = text.rfind("\\boxed{")
     while start >= 0:
-        depth, pos = 0, start + len("\\boxed")
-        for pos in range(pos, len(text)):
+        depth = 0
+        for pos in range(start + len("\\boxed"), len(text)):
             depth += {"{": 1, "}": -1}.get(text[pos], 0)
             if depth == 0:
                 return text[start + len("\\boxed{") : pos]

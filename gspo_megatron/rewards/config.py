@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 START_METHODS = ("forkserver", "spawn")
 
@@ -12,7 +11,7 @@ START_METHODS = ("forkserver", "spawn")
 class RewardConfig:
     # None: in the trainer process only for trivial built-ins (string checks), else in workers with a
     # timeout; true forces the fast path (no timeout!), false forces workers
-    in_process: Optional[bool] = None
+    in_process: bool | None = None
     num_workers: int = 2  # worker processes when not in_process
     timeout_s: float = 10.0  # per call; a call past it scores 0 and its worker is replaced
     startup_timeout_s: float = 120.0  # a worker must import and warm up within this

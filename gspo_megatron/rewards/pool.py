@@ -27,9 +27,9 @@ import multiprocessing
 import signal
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Optional, Sequence
 
 from gspo_megatron.data.records import PromptRecord
 from gspo_megatron.rewards.config import RewardConfig
@@ -99,7 +99,7 @@ class _Worker:
         child_end.close()  # so the parent sees EOF when the worker dies
         self.conn = parent_end
         self.state = "starting"  # starting -> idle <-> busy
-        self.task: Optional[int] = None
+        self.task: int | None = None
         self.deadline = time.monotonic() + startup_timeout_s
 
     def assign(self, index: int, response: str, record: PromptRecord, timeout_s: float) -> None:
@@ -160,7 +160,7 @@ class RewardPool:
         return results
 
     def _score_in_workers(self, responses, records) -> list[RewardResult]:
-        results: list[Optional[RewardResult]] = [None] * len(responses)
+        results: list[RewardResult | None] = [None] * len(responses)
         pending = deque(range(len(responses)))
         while pending or any(w.state == "busy" for w in self._workers):
             for worker in [w for w in self._workers if w.state == "idle"]:
@@ -175,7 +175,7 @@ class RewardPool:
             self._collect(results)
         return results  # type: ignore[return-value]
 
-    def _collect(self, results: list[Optional[RewardResult]]) -> None:
+    def _collect(self, results: list[RewardResult | None]) -> None:
         """Wait for the first message or deadline, then handle replies, crashes and timeouts."""
         waiting = [w for w in self._workers if w.state in ("starting", "busy")]
         if not waiting:
@@ -188,7 +188,7 @@ class RewardPool:
             elif time.monotonic() >= worker.deadline:
                 self._expire(worker, results)
 
-    def _receive(self, worker: _Worker, results: list[Optional[RewardResult]]) -> None:
+    def _receive(self, worker: _Worker, results: list[RewardResult | None]) -> None:
         try:
             message = worker.conn.recv()
         except (EOFError, OSError):
@@ -209,16 +209,14 @@ class RewardPool:
             self._start_failures = 0
         worker.state, worker.task = "idle", None
 
-    def _expire(self, worker: _Worker, results: list[Optional[RewardResult]]) -> None:
+    def _expire(self, worker: _Worker, results: list[RewardResult | None]) -> None:
         if worker.state == "busy":
             results[worker.task] = RewardResult.failed(
                 f"verifier timed out after {self.config.timeout_s} s (reward.timeout_s)", "timeout"
             )
             self.stats.timeouts += 1
         else:
-            self._start_failed(
-                f"worker not ready within reward.startup_timeout_s={self.config.startup_timeout_s} s"
-            )
+            self._start_failed(f"worker not ready within reward.startup_timeout_s={self.config.startup_timeout_s} s")
         self._replace(worker)
 
     def _start_failed(self, reason: str) -> None:

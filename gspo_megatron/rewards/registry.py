@@ -12,7 +12,7 @@ Design decisions:
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 from gspo_megatron.algorithms.registry import Registry, UnknownNameError
 from gspo_megatron.data.records import PromptRecord
@@ -47,7 +47,7 @@ def available_rewards() -> list[str]:
 
 
 def _import_reward(spec: str) -> RewardFn:
-    target = spec[len(IMPORT_PREFIX):]
+    target = spec[len(IMPORT_PREFIX) :]
     module_name, sep, function_name = target.partition(":")
     if not sep or not module_name or not function_name:
         raise ValueError(f"reward {spec!r} must look like 'import:package.module:function'")

@@ -9,8 +9,6 @@ shapers weigh them separately (Step-GRPO's R = alpha * acc * (...) + (1 - alpha)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
-
 
 # verifier: the verifier itself reported an error; raised: it raised; bad_type: it returned something
 # that is not a RewardResult of numbers; nonfinite: a NaN/inf reward; timeout / died: its worker
@@ -23,11 +21,11 @@ class RewardResult:
     reward: float
     correct: bool
     format_ok: bool
-    error: Optional[str] = None
-    failure: Optional[str] = None  # one of FAILURE_KINDS when error is set
+    error: str | None = None
+    failure: str | None = None  # one of FAILURE_KINDS when error is set
 
     @classmethod
-    def failed(cls, error: str, kind: str = "verifier") -> "RewardResult":
+    def failed(cls, error: str, kind: str = "verifier") -> RewardResult:
         if kind not in FAILURE_KINDS:
             raise ValueError(f"unknown reward failure kind {kind!r}; valid: {FAILURE_KINDS}")
         return cls(reward=0.0, correct=False, format_ok=False, error=error, failure=kind)

@@ -13,15 +13,15 @@ Design decisions:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 
 @dataclass
 class EmbeddedConfig:
     """The transformers-based rollout engine that runs inside the trainer process."""
 
-    model: Dict[str, Any] = field(default_factory=dict)  # Qwen3MoeConfig kwargs (override the file)
-    model_config_path: Optional[str] = None  # HF checkpoint dir or config.json; None: `model` only
+    model: dict[str, Any] = field(default_factory=dict)  # Qwen3MoeConfig kwargs (override the file)
+    model_config_path: str | None = None  # HF checkpoint dir or config.json; None: `model` only
     dtype: str = "float32"  # float32 | bfloat16 | float16
     device: str = "cpu"
     max_batch_size: int = 32  # rows (prompt x sample) decoded together; more are split into chunks
@@ -47,10 +47,10 @@ class TruncatedRolloutConfig:
     # CHOICE: the Step-GRPO paper names "Wait" and "Alternatively"; DEER's code uses "Wait" alone
     # (``--points 1``). Set [Wait] for the released code. Matched as whole words, the rule step
     # counting uses (gspo_megatron/shaping/segmentation.py); must equal shaping.step_grpo.triggers.
-    trigger_words: List[str] = field(default_factory=lambda: ["Wait", "Alternatively"])
-    trigger_token_ids: List[int] = field(default_factory=list)  # extra triggers as single token ids
+    trigger_words: list[str] = field(default_factory=lambda: ["Wait", "Alternatively"])
+    trigger_token_ids: list[int] = field(default_factory=list)  # extra triggers as single token ids
     end_think: str = "</think>"  # the model closing its thinking block ends the probing phase
-    end_think_token_ids: List[int] = field(default_factory=list)  # same, as token ids
+    end_think_token_ids: list[int] = field(default_factory=list)  # same, as token ids
     # DEER's answer-inducing text ends at "\boxed", so the probe's first token is the "{" it makes
     # near-certain, and ``probe_skip_tokens=1`` leaves it out of the confidence. A suffix that already
     # ends in "{" must set probe_skip_tokens=0 (checked), or the first ANSWER token would be skipped.
@@ -72,15 +72,14 @@ class TruncatedRolloutConfig:
     # equals the previous chunk's counts one repeat (never reset); at this many, thinking is closed
     # and the answer sampled. 0: off (DEER's default; it uses 3 when on).
     repetition_exit: int = 0
-    eos_token_ids: List[int] = field(default_factory=list)  # end of the whole response
+    eos_token_ids: list[int] = field(default_factory=list)  # end of the whole response
 
     def __post_init__(self):
         owner = "rollout.truncation"
         if not self.trigger_words and not self.trigger_token_ids:
             raise ValueError(f"{owner} needs trigger_words or trigger_token_ids")
         if not 0.0 < self.confidence_threshold < 1.0:
-            raise ValueError(
-                f"{owner}.confidence_threshold must be in (0, 1), got {self.confidence_threshold}")
+            raise ValueError(f"{owner}.confidence_threshold must be in (0, 1), got {self.confidence_threshold}")
         if self.max_probes < 0 or self.probe_max_tokens < 1:
             raise ValueError(f"{owner}: max_probes must be >= 0 and probe_max_tokens >= 1")
         if self.probe_skip_tokens < 0:
@@ -89,7 +88,8 @@ class TruncatedRolloutConfig:
             raise ValueError(
                 f"{owner}.probe_suffix ends with '{{', so the probe's first token is already the answer, "
                 f"but probe_skip_tokens={self.probe_skip_tokens} would leave it out of the confidence; "
-                f"set probe_skip_tokens=0, or end the suffix at '\\boxed' (DEER)")
+                f"set probe_skip_tokens=0, or end the suffix at '\\boxed' (DEER)"
+            )
         if self.probe_require_end_think and not (self.end_think or self.end_think_token_ids):
             raise ValueError(f"{owner}.probe_require_end_think needs end_think or end_think_token_ids")
         if not 0.0 < self.think_ratio <= 1.0:

@@ -25,7 +25,7 @@ import contextlib
 import copy
 import json
 import os
-from typing import Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
 
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -57,8 +57,11 @@ class _RouterCapture:
     """Forward hooks on every MoE router; collects top-k indices [B, S, k] per layer per forward."""
 
     def __init__(self, model: Qwen3MoeForCausalLM):
-        self._routers = {i: layer.mlp.gate for i, layer in enumerate(model.model.layers)
-                         if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")}
+        self._routers = {
+            i: layer.mlp.gate
+            for i, layer in enumerate(model.model.layers)
+            if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")
+        }
         self._num_layers = len(model.model.layers)
         self._top_k = model.config.num_experts_per_tok
         self._latest: dict[int, torch.Tensor] = {}
@@ -77,6 +80,7 @@ class _RouterCapture:
     def _hook(self, layer: int):
         def record(module, inputs, output):
             self._latest[layer] = output[2].detach()  # (router_logits, scores, top-k indices)
+
         return record
 
     def take(self, batch: int, last: int) -> torch.Tensor:
@@ -91,20 +95,25 @@ class _RouterCapture:
 class EmbeddedEngine(RolloutEngine):
     """Generation with transformers' Qwen3-MoE in the caller's process."""
 
-    def __init__(self, hf_config: Qwen3MoeConfig, config: Optional[EmbeddedConfig] = None,
-                 decode: Optional[Callable[[list[int]], str]] = None):
+    def __init__(
+        self,
+        hf_config: Qwen3MoeConfig,
+        config: EmbeddedConfig | None = None,
+        decode: Callable[[list[int]], str] | None = None,
+    ):
         self.config = config if config is not None else EmbeddedConfig()
         self.decode = decode
         hf_config = copy.deepcopy(hf_config)  # the attention choice below must not leak to the caller
         hf_config._attn_implementation = self.config.attn_implementation
-        self.model = Qwen3MoeForCausalLM(hf_config).to(
-            device=self.config.device, dtype=_DTYPES[self.config.dtype]).eval()
+        self.model = (
+            Qwen3MoeForCausalLM(hf_config).to(device=self.config.device, dtype=_DTYPES[self.config.dtype]).eval()
+        )
         self._loader = HfWeightLoader(self.model)
         self._seed_source = torch.Generator().manual_seed(self.config.seed)
         self.weight_version = 0
 
     @classmethod
-    def from_config(cls, config: EmbeddedConfig, decode=None) -> "EmbeddedEngine":
+    def from_config(cls, config: EmbeddedConfig, decode=None) -> EmbeddedEngine:
         return cls(build_hf_config(config), config, decode)
 
     # ------------------------------------------------------------------ weights
@@ -120,20 +129,20 @@ class EmbeddedEngine(RolloutEngine):
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
         self._check_request(prompts, params)
-        seed = params.seed if params.seed is not None else int(
-            torch.randint(0, 2**62, (), generator=self._seed_source))
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (), generator=self._seed_source))
         rows = [prompt for prompt in prompts for _ in range(params.n)]
         generators = row_generators(seed, len(rows))
         samples: list[Sample] = []
         step = self.config.max_batch_size
         for start in range(0, len(rows), step):
-            samples += self._generate_chunk(rows[start:start + step], generators[start:start + step], params)
-        return [samples[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+            samples += self._generate_chunk(rows[start : start + step], generators[start : start + step], params)
+        return [samples[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
 
     def _check_request(self, prompts, params: SamplingParams) -> None:
         if params.stop and self.decode is None:
-            raise ValueError("stop strings need a decode(ids) -> str callable: pass decode= to "
-                             "EmbeddedEngine, or use stop_token_ids")
+            raise ValueError(
+                "stop strings need a decode(ids) -> str callable: pass decode= to EmbeddedEngine, or use stop_token_ids"
+            )
         vocab = self.model.config.vocab_size
         for i, prompt in enumerate(prompts):
             if len(prompt) == 0:
@@ -148,38 +157,54 @@ class EmbeddedEngine(RolloutEngine):
         ids = torch.full((batch, width), self.config.pad_token_id, dtype=torch.long)
         mask = torch.zeros((batch, width), dtype=torch.long)
         for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt):] = torch.tensor(prompt)
-            mask[row, width - len(prompt):] = 1
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         outputs = [[] for _ in range(batch)]
         log_probs = [[] for _ in range(batch)]
-        finish: list[Optional[FinishReason]] = [None] * batch
+        finish: list[FinishReason | None] = [None] * batch
         routing_chunks = []
         cache = DynamicCache(config=self.model.config) if self.config.use_cache else None
         feed_ids, feed_positions, new_positions = ids, positions, width
         capture = _RouterCapture(self.model) if params.return_routed_experts else contextlib.nullcontext()
         with capture:
             for _ in range(params.max_new_tokens):
-                logits = self.model(input_ids=feed_ids, attention_mask=mask, position_ids=feed_positions,
-                                    past_key_values=cache, use_cache=cache is not None, logits_to_keep=1).logits
+                logits = self.model(
+                    input_ids=feed_ids,
+                    attention_mask=mask,
+                    position_ids=feed_positions,
+                    past_key_values=cache,
+                    use_cache=cache is not None,
+                    logits_to_keep=1,
+                ).logits
                 if params.return_routed_experts:
                     routing_chunks.append(capture.take(batch, new_positions))
                 tokens, token_log_probs = sample_next_tokens(logits[:, -1], params, generators)
                 self._record(tokens, token_log_probs, outputs, log_probs, finish, params)
                 if all(reason is not None for reason in finish):
                     break
-                next_ids = torch.where(torch.tensor([r is None for r in finish], device=device), tokens,
-                                       torch.full_like(tokens, self.config.pad_token_id)).unsqueeze(-1)
+                next_ids = torch.where(
+                    torch.tensor([r is None for r in finish], device=device),
+                    tokens,
+                    torch.full_like(tokens, self.config.pad_token_id),
+                ).unsqueeze(-1)
                 next_positions = positions[:, -1:] + 1
                 ids, positions = torch.cat([ids, next_ids], -1), torch.cat([positions, next_positions], -1)
                 mask = torch.cat([mask, torch.ones_like(next_ids)], -1)
                 feed_ids, feed_positions = (next_ids, next_positions) if cache is not None else (ids, positions)
                 new_positions = 1
         routing = torch.cat(routing_chunks, dim=1) if routing_chunks else None
-        return [self._sample(prompts[r], outputs[r], log_probs[r], finish[r],
-                             None if routing is None else routing[r, width - len(prompts[r]):])
-                for r in range(batch)]
+        return [
+            self._sample(
+                prompts[r],
+                outputs[r],
+                log_probs[r],
+                finish[r],
+                None if routing is None else routing[r, width - len(prompts[r]) :],
+            )
+            for r in range(batch)
+        ]
 
     def _record(self, tokens, token_log_probs, outputs, log_probs, finish, params: SamplingParams) -> None:
         for row, (token, log_prob) in enumerate(zip(tokens.tolist(), token_log_probs.tolist())):
@@ -202,6 +227,11 @@ class EmbeddedEngine(RolloutEngine):
     def _sample(self, prompt, output, log_probs, finish, routing) -> Sample:
         if routing is not None:
             routing = routing[: len(prompt) + len(output) - 1].contiguous()
-        return Sample(prompt_ids=list(prompt), output_ids=output,
-                      output_log_probs=torch.tensor(log_probs, dtype=torch.float32), finish_reason=finish,
-                      routed_experts=routing, weight_version=self.weight_version)
+        return Sample(
+            prompt_ids=list(prompt),
+            output_ids=output,
+            output_log_probs=torch.tensor(log_probs, dtype=torch.float32),
+            finish_reason=finish,
+            routed_experts=routing,
+            weight_version=self.weight_version,
+        )

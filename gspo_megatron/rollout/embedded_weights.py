@@ -68,12 +68,16 @@ class HfWeightLoader:
         layer, expert, projection = int(match.group(1)), int(match.group(2)), match.group(3)
         experts = self._experts_of(layer)
         if experts is None:
-            raise KeyError(f"{name!r}: layer {layer} has no routed experts in this model (a dense MLP "
-                           f"layer per mlp_only_layers/decoder_sparse_step, or layer index >= "
-                           f"{self._num_layers}); check that trainer and engine model configs agree")
+            raise KeyError(
+                f"{name!r}: layer {layer} has no routed experts in this model (a dense MLP "
+                f"layer per mlp_only_layers/decoder_sparse_step, or layer index >= "
+                f"{self._num_layers}); check that trainer and engine model configs agree"
+            )
         if expert >= experts.num_experts:
-            raise KeyError(f"{name!r}: expert {expert} does not exist, the model has "
-                           f"{experts.num_experts} experts per layer; model configs disagree")
+            raise KeyError(
+                f"{name!r}: expert {expert} does not exist, the model has "
+                f"{experts.num_experts} experts per layer; model configs disagree"
+            )
         inter = experts.intermediate_dim
         if projection == "down_proj":
             return WeightTarget(experts.down_proj, (expert,), tuple(experts.down_proj.shape[1:]))
@@ -84,8 +88,10 @@ class HfWeightLoader:
     def load(self, name: str, tensor: torch.Tensor) -> None:
         target = self.resolve(name)
         if tuple(tensor.shape) != target.shape:
-            raise ValueError(f"{name!r} has shape {tuple(tensor.shape)}, the engine's model expects "
-                             f"{target.shape}; the trainer and engine model configs disagree")
+            raise ValueError(
+                f"{name!r} has shape {tuple(tensor.shape)}, the engine's model expects "
+                f"{target.shape}; the trainer and engine model configs disagree"
+            )
         destination = target.parameter.data[target.index] if target.index else target.parameter.data
         destination.copy_(tensor.to(dtype=destination.dtype, device=destination.device))
 
@@ -97,9 +103,16 @@ class HfWeightLoader:
 
     def _unknown_message(self, name: str) -> str:
         close = difflib.get_close_matches(name, self.checkpoint_names(), n=3, cutoff=0.6)
-        hint = f"closest valid names: {close}" if close else (
-            "valid names look like 'model.layers.0.self_attn.q_proj.weight', "
-            "'model.layers.0.mlp.experts.3.gate_proj.weight', 'model.layers.0.mlp.gate.weight', "
-            "'model.norm.weight', 'lm_head.weight'")
-        return (f"unknown weight name {name!r} for this Qwen3-MoE model (expected Hugging-Face "
-                f"checkpoint names as save_pretrained writes them); {hint}")
+        hint = (
+            f"closest valid names: {close}"
+            if close
+            else (
+                "valid names look like 'model.layers.0.self_attn.q_proj.weight', "
+                "'model.layers.0.mlp.experts.3.gate_proj.weight', 'model.layers.0.mlp.gate.weight', "
+                "'model.norm.weight', 'lm_head.weight'"
+            )
+        )
+        return (
+            f"unknown weight name {name!r} for this Qwen3-MoE model (expected Hugging-Face "
+            f"checkpoint names as save_pretrained writes them); {hint}"
+        )

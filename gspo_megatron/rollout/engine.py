@@ -7,7 +7,7 @@ The trainer talks to this class only. Weights arrive as Hugging-Face-named tenso
 from __future__ import annotations
 
 import abc
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -31,7 +31,7 @@ class RolloutEngine(abc.ABC):
         """A small status dict; raises if the engine cannot serve."""
         return {"ok": True, "weight_version": self.weight_version}
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 - an optional hook: engines without resources keep it
         """Release resources (stop servers this engine started). Safe to call twice."""
 
     def __enter__(self):

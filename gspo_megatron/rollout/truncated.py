@@ -49,8 +49,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -71,7 +71,7 @@ def probe_confidence(probe_log_probs: torch.Tensor, skip: int = 1) -> float:
     return math.exp(float(used.double().mean()))
 
 
-def same_words(previous: Optional[str], current: str) -> bool:
+def same_words(previous: str | None, current: str) -> bool:
     """DEER's repetition test (``seq_rep_n``, n = 1): the two chunks use exactly the same set of words."""
     return previous is not None and set(previous.split()) == set(current.split())
 
@@ -86,15 +86,15 @@ class _Trace:
     log_probs: list[float] = field(default_factory=list)
     forced: list[bool] = field(default_factory=list)
     phase: str = THINK
-    exit_reason: Optional[str] = None
+    exit_reason: str | None = None
     finish: FinishReason = FinishReason.LENGTH
     probes: int = 0
     think_budget: int = 0  # tokens thinking may use before the answer is forced
     repeats: int = 0
-    last_chunk: Optional[str] = None
+    last_chunk: str | None = None
     confidences: list[float] = field(default_factory=list)
-    pending_trigger: Optional[tuple[list[int], list[float]]] = None
-    cover: Optional[Sample] = None  # last non-probe call, for routed experts and weight version
+    pending_trigger: tuple[list[int], list[float]] | None = None
+    cover: Sample | None = None  # last non-probe call, for routed experts and weight version
 
     @property
     def remaining(self) -> int:
@@ -113,8 +113,13 @@ class _Trace:
 class TruncatedRolloutEngine(RolloutEngine):
     """Wraps an engine; ``generate`` runs Dynamic Truncated Rollout. Training rollouts only."""
 
-    def __init__(self, engine: RolloutEngine, config: TruncatedRolloutConfig,
-                 encode: Callable[[str], list[int]], decode: Callable[[list[int]], str]):
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        config: TruncatedRolloutConfig,
+        encode: Callable[[str], list[int]],
+        decode: Callable[[list[int]], str],
+    ):
         self.engine, self.config, self.decode = engine, config, decode
         self.probe_suffix_ids = encode(config.probe_suffix)
         self.close_ids = encode(config.close_thinking)
@@ -137,36 +142,39 @@ class TruncatedRolloutEngine(RolloutEngine):
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
         budget = params.max_new_tokens
         think_budget = budget if self.config.think_ratio >= 1.0 else int(self.config.think_ratio * budget)
-        traces = [_Trace(list(p), budget, think_budget=think_budget)
-                  for p in prompts for _ in range(params.n)]
+        traces = [_Trace(list(p), budget, think_budget=think_budget) for p in prompts for _ in range(params.n)]
         self._calls = 0
         probing = self.config.max_probes > 0
-        first = self._call(prompts, self._think_params(params, probing=probing, n=params.n,
-                                                       max_new=think_budget))
+        first = self._call(prompts, self._think_params(params, probing=probing, n=params.n, max_new=think_budget))
         for trace, segment in zip(traces, [s for group in first for s in group]):
             self._after_think(trace, segment, params)
         while any(t.phase != DONE for t in traces):
             self._round(traces, params)
         samples = [self._to_sample(t, params) for t in traces]
-        return [samples[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+        return [samples[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
 
     def _round(self, traces: list[_Trace], params: SamplingParams) -> None:
         probing = [t for t in traces if t.phase == PROBE]
         if probing:
-            results = self._call([t.prompt + t.ids + self.probe_suffix_ids for t in probing],
-                                 self._probe_params(params))
+            results = self._call(
+                [t.prompt + t.ids + self.probe_suffix_ids for t in probing], self._probe_params(params)
+            )
             for trace, group in zip(probing, results):
                 self._after_probe(trace, group[0])
         for phase, probes_left in ((THINK, True), (THINK, False), (ANSWER, None)):
-            group = [t for t in traces if t.phase == phase and (
-                probes_left is None or (t.probes < self.config.max_probes) == probes_left)]
+            group = [
+                t
+                for t in traces
+                if t.phase == phase and (probes_left is None or (t.probes < self.config.max_probes) == probes_left)
+            ]
             if not group:
                 continue
             if phase == THINK:
                 call_params = self._think_params(params, probes_left, 1, max(t.think_left for t in group))
             else:
-                call_params = dataclasses.replace(params, n=1, max_new_tokens=max(t.remaining for t in group),
-                                                  stop_token_ids=self._end_ids(params))
+                call_params = dataclasses.replace(
+                    params, n=1, max_new_tokens=max(t.remaining for t in group), stop_token_ids=self._end_ids(params)
+                )
             results = self._call([t.prompt + t.ids for t in group], call_params)
             for trace, result in zip(group, results):
                 (self._after_think if phase == THINK else self._after_answer)(trace, result[0], params)
@@ -268,8 +276,9 @@ class TruncatedRolloutEngine(RolloutEngine):
         if self.config.probe_stop_at_end_think:
             stop_ids += tuple(self.config.end_think_token_ids)
             stops = (self.config.end_think,) if self.config.end_think else ()
-        return SamplingParams(temperature=0.0, max_new_tokens=self.config.probe_max_tokens,
-                              stop=stops, stop_token_ids=stop_ids)
+        return SamplingParams(
+            temperature=0.0, max_new_tokens=self.config.probe_max_tokens, stop=stops, stop_token_ids=stop_ids
+        )
 
     def _end_ids(self, params: SamplingParams) -> tuple[int, ...]:
         return tuple(params.stop_token_ids) + tuple(self.config.eos_token_ids)
@@ -284,7 +293,7 @@ class TruncatedRolloutEngine(RolloutEngine):
 
     def _tail(self, ids: list[int]) -> str:
         longest = max(map(len, self.config.trigger_words), default=0)
-        return self.decode(ids[-(longest + 8):])
+        return self.decode(ids[-(longest + 8) :])
 
     def _trailing_trigger_tokens(self, ids: list[int]) -> int:
         """How many trailing tokens form the whole-word trigger that stopped the chunk (0: none)."""
@@ -310,21 +319,30 @@ class TruncatedRolloutEngine(RolloutEngine):
         if ids and ids[-1] in self.config.end_think_token_ids:
             return True
         end = self.config.end_think
-        return bool(end) and end in self.decode(ids[-(len(end) + 8):])
+        return bool(end) and end in self.decode(ids[-(len(end) + 8) :])
 
     def _to_sample(self, trace: _Trace, params: SamplingParams) -> Sample:
         routed = None
         if params.return_routed_experts and trace.cover is not None and trace.cover.routed_experts is not None:
             cover_ids = trace.cover.prompt_ids + trace.cover.output_ids
             final_ids = trace.prompt + trace.ids
-            if cover_ids[:len(final_ids)] != final_ids:
-                raise RuntimeError("truncated rollout: the last generated piece does not cover the final "
-                                   "sequence, so its routed experts cannot be used (a bug in this module)")
-            routed = trace.cover.routed_experts[:len(final_ids) - 1]
-        return Sample(prompt_ids=trace.prompt, output_ids=trace.ids,
-                      output_log_probs=torch.tensor(trace.log_probs, dtype=torch.float32),
-                      finish_reason=trace.finish, routed_experts=routed,
-                      weight_version=trace.cover.weight_version if trace.cover else self.weight_version,
-                      extra={"exit_reason": trace.exit_reason, "num_probes": trace.probes,
-                             "probe_confidences": trace.confidences,
-                             "forced_mask": torch.tensor(trace.forced, dtype=torch.bool)})
+            if cover_ids[: len(final_ids)] != final_ids:
+                raise RuntimeError(
+                    "truncated rollout: the last generated piece does not cover the final "
+                    "sequence, so its routed experts cannot be used (a bug in this module)"
+                )
+            routed = trace.cover.routed_experts[: len(final_ids) - 1]
+        return Sample(
+            prompt_ids=trace.prompt,
+            output_ids=trace.ids,
+            output_log_probs=torch.tensor(trace.log_probs, dtype=torch.float32),
+            finish_reason=trace.finish,
+            routed_experts=routed,
+            weight_version=trace.cover.weight_version if trace.cover else self.weight_version,
+            extra={
+                "exit_reason": trace.exit_reason,
+                "num_probes": trace.probes,
+                "probe_confidences": trace.confidences,
+                "forced_mask": torch.tensor(trace.forced, dtype=torch.bool),
+            },
+        )

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional
 
 import torch
 
@@ -33,7 +32,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1  # samples per prompt
-    seed: Optional[int] = None
+    seed: int | None = None
     return_routed_experts: bool = False
 
     def __post_init__(self):
@@ -57,7 +56,7 @@ class Sample:
     output_ids: list[int]
     output_log_probs: torch.Tensor  # float32 [len(output_ids)], log-prob under the sampling distribution
     finish_reason: FinishReason
-    routed_experts: Optional[torch.Tensor] = None  # int32 [len(prompt)+len(output)-1, layers, top_k]
+    routed_experts: torch.Tensor | None = None  # int32 [len(prompt)+len(output)-1, layers, top_k]
     weight_version: int = 0  # the engine's weight version that produced this sample
     extra: dict = field(default_factory=dict)  # engine-specific details (e.g. truncated-rollout exit reason)
 

@@ -22,9 +22,10 @@ Design decisions:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any
 
 from gspo_megatron.routing.run_dir import METRICS_FILE, RunData, RunDirError, load_run
 
@@ -37,13 +38,13 @@ SHORT_NAMES = {"algorithm.name": "", "trainer.updates_per_rollout": "upr"}  # ""
 class Stat:
     """Mean and sample standard deviation of one number over the runs (seeds) that have it."""
 
-    mean: Optional[float]
-    std: Optional[float]
+    mean: float | None
+    std: float | None
     n: int
     values: list[float] = field(default_factory=list)
 
     @classmethod
-    def of(cls, values: Iterable[Optional[float]]) -> "Stat":
+    def of(cls, values: Iterable[float | None]) -> Stat:
         finite = [float(v) for v in values if v is not None and math.isfinite(float(v))]
         if not finite:
             return cls(None, None, 0, [])
@@ -104,8 +105,9 @@ def _short(key: str, value: Any) -> str:
     return f"{value}" if name == "" else f"{name}={value}"
 
 
-def group_runs(runs: list[RunData], seed_keys: Iterable[str] = DEFAULT_SEED_KEYS,
-               ignored: Iterable[str] = IGNORED_KEYS) -> list[RunGroup]:
+def group_runs(
+    runs: list[RunData], seed_keys: Iterable[str] = DEFAULT_SEED_KEYS, ignored: Iterable[str] = IGNORED_KEYS
+) -> list[RunGroup]:
     """Runs that differ only in the seed keys form one group; groups keep the runs' order."""
     skip = set(seed_keys) | set(ignored)
     flat = [{k: v for k, v in flatten_config(run.config).items() if k not in skip} for run in runs]
@@ -132,11 +134,11 @@ def group_runs(runs: list[RunData], seed_keys: Iterable[str] = DEFAULT_SEED_KEYS
     return list(groups.values())
 
 
-def per_run_stat(group: RunGroup, value_of: Callable[[RunData], Optional[float]]) -> Stat:
+def per_run_stat(group: RunGroup, value_of: Callable[[RunData], float | None]) -> Stat:
     return Stat.of(value_of(run) for run in group.runs)
 
 
-def run_metric(run: RunData, key: str, reduce: str = "mean") -> Optional[float]:
+def run_metric(run: RunData, key: str, reduce: str = "mean") -> float | None:
     """One run's number for ``key``: the mean over its steps, the final value, or the max."""
     _, values = run.metric_series(key)
     values = [v for v in values if math.isfinite(v)]
@@ -170,13 +172,14 @@ def metric_curve(group: RunGroup, key: str) -> tuple[list[int], list[float], lis
 
 def routing_stat(group: RunGroup, kind: str, key: str = "changed_frac_overall") -> Stat:
     """Over seeds: each run's step mean of a scalar routing.jsonl field of one diagnostic kind."""
-    def value(run: RunData) -> Optional[float]:
+
+    def value(run: RunData) -> float | None:
         return Stat.of(r.get(key) for r in run.routing_records(kind)).mean
 
     return per_run_stat(group, value)
 
 
-def routing_layer_means(group: RunGroup, kind: str, key: str = "changed_frac") -> Optional[list[float]]:
+def routing_layer_means(group: RunGroup, kind: str, key: str = "changed_frac") -> list[float] | None:
     """Per layer: the mean over seeds of each run's step mean (None when no run recorded ``kind``)."""
     per_run = []
     for run in group.runs:

@@ -24,9 +24,7 @@ DIAGNOSTIC_KINDS: tuple[str, ...] = ("update", "rollout_vs_train", "minibatch")
 def validate_kind(kind: str) -> str:
     """Return ``kind`` if it is a known diagnostic kind, else raise naming the valid ones."""
     if kind not in DIAGNOSTIC_KINDS:
-        raise ValueError(
-            f"unknown routing diagnostic kind {kind!r}; valid kinds: {', '.join(DIAGNOSTIC_KINDS)}"
-        )
+        raise ValueError(f"unknown routing diagnostic kind {kind!r}; valid kinds: {', '.join(DIAGNOSTIC_KINDS)}")
     return kind
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -27,8 +26,8 @@ class Series:
     steps: list[int]
     values: list[float]
     linestyle: str = "-"
-    color: Optional[str] = None
-    band: Optional[tuple[list[float], list[float]]] = None  # (lower, upper) per step: a seed spread
+    color: str | None = None
+    band: tuple[list[float], list[float]] | None = None  # (lower, upper) per step: a seed spread
 
 
 @dataclass
@@ -61,8 +60,15 @@ def line_panels(panels: list[Panel], columns: int = 2) -> Figure:
             if series.steps:
                 # markers keep single-step (or sparse) series visible; dense curves stay plain lines
                 marker = "o" if len(series.steps) <= 60 else None
-                ax.plot(series.steps, series.values, series.linestyle, color=series.color, label=series.label,
-                        marker=marker, markersize=3)
+                ax.plot(
+                    series.steps,
+                    series.values,
+                    series.linestyle,
+                    color=series.color,
+                    label=series.label,
+                    marker=marker,
+                    markersize=3,
+                )
                 if series.band is not None:
                     ax.fill_between(series.steps, *series.band, color=ax.lines[-1].get_color(), alpha=0.2)
                 drawn = True
@@ -115,8 +121,13 @@ def expert_load_figure(record: dict) -> Figure:
     fig = Figure(figsize=(min(4 + 0.12 * num_experts, 16), min(2.5 + 0.18 * load.shape[0], 12)))
     ax = fig.add_subplot(1, 1, 1)
     image = ax.imshow(
-        load * num_experts, aspect="auto", origin="lower", interpolation="nearest", cmap="coolwarm",
-        vmin=0.0, vmax=max(2.0, float(load.max() * num_experts)),
+        load * num_experts,
+        aspect="auto",
+        origin="lower",
+        interpolation="nearest",
+        cmap="coolwarm",
+        vmin=0.0,
+        vmax=max(2.0, float(load.max() * num_experts)),
     )
     fig.colorbar(image, ax=ax, label="load x E (1 = balanced)")
     ax.set_title(f"expert load at step {record['step']} ({record['kind']})")

@@ -30,8 +30,6 @@ Design decisions:
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 REPLAY_MODES = ("none", "old_policy", "rollout")
@@ -45,7 +43,9 @@ def validate_replay_mode(mode: str, *, router_fusion: bool = False, recompute: b
     if mode not in REPLAY_MODES:
         raise ValueError(f"algorithm.routing_replay={mode!r} is unknown; valid: {', '.join(REPLAY_MODES)}")
     if mode != "none" and router_fusion:
-        raise ValueError("routing replay cannot be combined with router fusion (the fused kernel bypasses RouterReplay)")
+        raise ValueError(
+            "routing replay cannot be combined with router fusion (the fused kernel bypasses RouterReplay)"
+        )
     if mode != "none" and recompute and pp > 1:
         raise ValueError(
             "routing replay with activation recompute needs pp=1 (the 1F1B schedule recomputes a "
@@ -70,7 +70,7 @@ class RoutingReplay:
             instance.get_replay_topk = self._observed_topk(layer, instance.get_replay_topk)
 
     @classmethod
-    def capture_new_instances(cls, before: int) -> "RoutingReplay":
+    def capture_new_instances(cls, before: int) -> RoutingReplay:
         """The instances megatron created since the global list had ``before`` entries."""
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
@@ -156,8 +156,15 @@ class RoutingReplay:
         self._observe = False
 
 
-def rollout_targets(routed: torch.Tensor, moe_layers: list[int], tp_rank: int, tp_size: int,
-                    sequence_parallel: bool, cp_size: int = 1, cp_rank: int = 0) -> list[torch.Tensor]:
+def rollout_targets(
+    routed: torch.Tensor,
+    moe_layers: list[int],
+    tp_rank: int,
+    tp_size: int,
+    sequence_parallel: bool,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+) -> list[torch.Tensor]:
     """Engine routed experts [b, s, all_layers, k] -> per MoE layer [s_local * b, k] in megatron order.
 
     Under context parallelism the rows are first cut like the tokens (``split_sequence``)."""
@@ -184,7 +191,7 @@ def moe_layer_indices(model_config) -> list[int]:
     return [i for i in range(model_config.num_layers) if i not in dense] if model_config.is_moe else []
 
 
-def layer_topk_to_tensor(per_layer: list[torch.Tensor], batch: int) -> Optional[torch.Tensor]:
+def layer_topk_to_tensor(per_layer: list[torch.Tensor], batch: int) -> torch.Tensor | None:
     """[tokens, k] per layer in megatron order (s-major) -> [b, s, layers, k]."""
     if not per_layer:
         return None

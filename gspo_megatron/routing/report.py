@@ -19,7 +19,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -50,7 +50,7 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-def _layer_mean(run: RunData, kind: str, key: str, records: list[dict]) -> Optional[list[float]]:
+def _layer_mean(run: RunData, kind: str, key: str, records: list[dict]) -> list[float] | None:
     rows = [r[key] for r in records if key in r]
     if not rows:
         return None
@@ -112,6 +112,7 @@ def ordered_kinds(kinds) -> list[str]:
 
 # ---- HTML helpers (shared with tools/compare_runs.py) ----
 
+
 def png_img(png: bytes, alt: str) -> str:
     data = base64.b64encode(png).decode("ascii")
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
@@ -163,11 +164,21 @@ def training_panels(runs: list[RunData]) -> list[Panel]:
 
 # ---- one run's report ----
 
+
 def _summary_section(summary: dict) -> str:
-    rows = [[key, summary[key]] for key in (
-        "steps", "last_step", "final_reward", "mean_reward", "clip_frac_token_mean", "clip_frac_token_final",
-        "clip_frac_seq_mean", "clip_frac_seq_final",
-    )]
+    rows = [
+        [key, summary[key]]
+        for key in (
+            "steps",
+            "last_step",
+            "final_reward",
+            "mean_reward",
+            "clip_frac_token_mean",
+            "clip_frac_token_final",
+            "clip_frac_seq_mean",
+            "clip_frac_seq_final",
+        )
+    ]
     for kind, kind_summary in summary["routing"].items():
         rows.append([f"{kind}: changed fraction (step mean)", kind_summary["changed_frac_overall"]])
         rows.append([f"{kind}: overlap (step mean)", kind_summary["overlap_overall"]])
@@ -216,7 +227,7 @@ def write_routing_report(run_dir: str | os.PathLike) -> tuple[Path, Path]:
     return json_path, html_path
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """``python -m gspo_megatron.routing.report RUN_DIR``: (re)write the report of a run directory."""
     import argparse
     import sys

@@ -38,7 +38,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from gspo_megatron.routing.config import validate_kind
 
@@ -132,9 +132,7 @@ def routing_record(
             tokens=volatility.tokens,
         )
     if load is not None:
-        record.update(
-            expert_load=load.fraction, load_imbalance=load.imbalance, load_cv=load.coefficient_of_variation
-        )
+        record.update(expert_load=load.fraction, load_imbalance=load.imbalance, load_cv=load.coefficient_of_variation)
     if router_entropy is not None:
         record["router_entropy"] = router_entropy
     if router_kl is not None:
@@ -214,7 +212,7 @@ class RunData:
         return sorted((r for r in self.routing if r.get("kind") == kind), key=lambda r: r.get("step", 0))
 
 
-def _algorithm_name(config: dict) -> Optional[str]:
+def _algorithm_name(config: dict) -> str | None:
     algorithm = config.get("algorithm")
     if isinstance(algorithm, dict) and isinstance(algorithm.get("name"), str):
         return algorithm["name"]
@@ -254,7 +252,7 @@ def load_run(path: str | os.PathLike) -> RunData:
     )
 
 
-def finite_mean(values: list[float]) -> Optional[float]:
+def finite_mean(values: list[float]) -> float | None:
     """Mean of the finite values, None when there are none (keeps NaN steps from poisoning summaries)."""
     finite = [float(v) for v in values if v is not None and math.isfinite(float(v))]
     return sum(finite) / len(finite) if finite else None

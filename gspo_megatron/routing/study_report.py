@@ -18,7 +18,7 @@ Design decisions:
 from __future__ import annotations
 
 import html
-from typing import Any, Optional
+from typing import Any
 
 from gspo_megatron.algorithms.ratio_dispersion import LENGTH_BUCKETS, bucket_name
 from gspo_megatron.routing.aggregate import (
@@ -69,7 +69,7 @@ def _cell(stat: Stat) -> str:
     return f"{stat.mean:.4g} ± {stat.std:.2g}" if stat.n > 1 else f"{stat.mean:.4g}"
 
 
-def _algorithm(group: RunGroup) -> Optional[str]:
+def _algorithm(group: RunGroup) -> str | None:
     name = group.settings.get("algorithm.name")
     return name if name is not None else (group.runs[0].label if group.runs else None)
 
@@ -81,11 +81,16 @@ def _upr(group: RunGroup) -> Any:
     return value
 
 
-def _pooled(groups: list[RunGroup], algorithm: str, stats: dict[str, dict[str, Stat]], column: str,
-            upr: Any = None) -> Stat:
+def _pooled(
+    groups: list[RunGroup], algorithm: str, stats: dict[str, dict[str, Stat]], column: str, upr: Any = None
+) -> Stat:
     """One claim's number for an algorithm: the values of all its runs (optionally at one setting)."""
-    values = [v for g in groups if _algorithm(g) == algorithm and (upr is None or _upr(g) == upr)
-              for v in stats[g.label][column].values]
+    values = [
+        v
+        for g in groups
+        if _algorithm(g) == algorithm and (upr is None or _upr(g) == upr)
+        for v in stats[g.label][column].values
+    ]
     return Stat.of(values)
 
 
@@ -104,13 +109,26 @@ def paper_vs_ours(groups: list[RunGroup], stats: dict[str, dict[str, Stat]]) -> 
     else:
         ratio = gspo_clip.mean / grpo_clip.mean if grpo_clip.mean > 0 else float("inf")
         learns = gspo_reward.mean >= grpo_reward.mean - max(gspo_reward.std or 0, grpo_reward.std or 0)
-        ours = (f"clip frac token GSPO {_cell(gspo_clip)} vs GRPO {_cell(grpo_clip)} (x{ratio:.3g}); "
-                f"final reward GSPO {_cell(gspo_reward)} vs GRPO {_cell(grpo_reward)}")
-        verdict = ("reproduced" if ratio >= 10 and learns else
-                   "partly: " + ("clips >= 10x more" if ratio >= 10 else f"clips only x{ratio:.3g}") + ", "
-                   + ("learns at least as well (within 1 std)" if learns else "learns worse"))
-    rows.append(["GSPO clips ~100x more tokens than GRPO yet learns at least as well",
-                 "clip fraction ~0.15 vs ~0.0013; GSPO's training reward higher", ours, verdict])
+        ours = (
+            f"clip frac token GSPO {_cell(gspo_clip)} vs GRPO {_cell(grpo_clip)} (x{ratio:.3g}); "
+            f"final reward GSPO {_cell(gspo_reward)} vs GRPO {_cell(grpo_reward)}"
+        )
+        verdict = (
+            "reproduced"
+            if ratio >= 10 and learns
+            else "partly: "
+            + ("clips >= 10x more" if ratio >= 10 else f"clips only x{ratio:.3g}")
+            + ", "
+            + ("learns at least as well (within 1 std)" if learns else "learns worse")
+        )
+    rows.append(
+        [
+            "GSPO clips ~100x more tokens than GRPO yet learns at least as well",
+            "clip fraction ~0.15 vs ~0.0013; GSPO's training reward higher",
+            ours,
+            verdict,
+        ]
+    )
 
     # "update" compares before/after the first update of each step only (zero when that mini-batch's
     # advantages are all 0); "minibatch" covers every consecutive pair of updates, so it decides.
@@ -121,43 +139,72 @@ def paper_vs_ours(groups: list[RunGroup], stats: dict[str, dict[str, Stat]]) -> 
     if decisive.mean is None:
         ours, verdict = "-", "not measured (needs grpo runs with the update or minibatch diagnostic)"
     else:
-        ours = (f"GRPO, {top} updates/rollout: first update of a step {_cell(grpo_update)} of (token, layer) "
-                f"expert sets ({_cell(grpo_any)} of tokens in >= 1 layer); every update (consecutive "
-                f"mini-batches) {_cell(grpo_every)}")
-        verdict = ("reproduced (>= 5% per update)" if decisive.mean >= 0.05 else
-                   f"not reproduced: {decisive.mean:.3g} < 5% per update at this scale")
-    rows.append(["~10% of the activated experts change after one gradient update (48 layers, 128 experts)",
-                 "~10% per update", ours, verdict])
+        ours = (
+            f"GRPO, {top} updates/rollout: first update of a step {_cell(grpo_update)} of (token, layer) "
+            f"expert sets ({_cell(grpo_any)} of tokens in >= 1 layer); every update (consecutive "
+            f"mini-batches) {_cell(grpo_every)}"
+        )
+        verdict = (
+            "reproduced (>= 5% per update)"
+            if decisive.mean >= 0.05
+            else f"not reproduced: {decisive.mean:.3g} < 5% per update at this scale"
+        )
+    rows.append(
+        [
+            "~10% of the activated experts change after one gradient update (48 layers, 128 experts)",
+            "~10% per update",
+            ours,
+            verdict,
+        ]
+    )
 
     plain = _pooled(groups, "grpo", stats, "final reward", top)
-    replayed = Stat.of(_pooled(groups, "grpo_routing_replay", stats, "final reward", top).values
-                       + _pooled(groups, "grpo_rollout_routing_replay", stats, "final reward", top).values)
+    replayed = Stat.of(
+        _pooled(groups, "grpo_routing_replay", stats, "final reward", top).values
+        + _pooled(groups, "grpo_rollout_routing_replay", stats, "final reward", top).values
+    )
     if plain.mean is None or replayed.mean is None:
         ours, verdict = "-", "not measured (needs grpo and replay runs)"
     else:
         ours = f"final reward at {top} updates/rollout: GRPO {_cell(plain)}, GRPO + R2/R3 {_cell(replayed)}"
         spread = (plain.std or 0) + (replayed.std or 0)
-        verdict = ("reproduced: GRPO without replay is behind by more than the seed spread"
-                   if plain.mean < replayed.mean - spread else
-                   "not reproduced at this scale: GRPO without replay is within the seed spread or ahead")
-    rows.append(["GRPO needs Routing Replay to converge on MoE", "GRPO without replay fails to converge",
-                 ours, verdict])
+        verdict = (
+            "reproduced: GRPO without replay is behind by more than the seed spread"
+            if plain.mean < replayed.mean - spread
+            else "not reproduced at this scale: GRPO without replay is within the seed spread or ahead"
+        )
+    rows.append(
+        ["GRPO needs Routing Replay to converge on MoE", "GRPO without replay fails to converge", ours, verdict]
+    )
 
-    free = Stat.of(v for name in ("gspo", "grpo", "grpo_routing_replay")
-                   for v in _pooled(groups, name, stats, "engine vs trainer changed").values)
+    free = Stat.of(
+        v
+        for name in ("gspo", "grpo", "grpo_routing_replay")
+        for v in _pooled(groups, name, stats, "engine vs trainer changed").values
+    )
     r3 = _pooled(groups, "grpo_rollout_routing_replay", stats, "engine vs trainer changed")
-    free_mm = Stat.of(v for name in ("gspo", "grpo", "grpo_routing_replay")
-                      for v in _pooled(groups, name, stats, "log-prob mismatch").values)
+    free_mm = Stat.of(
+        v
+        for name in ("gspo", "grpo", "grpo_routing_replay")
+        for v in _pooled(groups, name, stats, "log-prob mismatch").values
+    )
     r3_mm = _pooled(groups, "grpo_rollout_routing_replay", stats, "log-prob mismatch")
     if free.mean is None or r3.mean is None:
         ours, verdict = "-", "not measured (needs rollout_vs_train in runs with and without R3)"
     else:
-        ours = (f"engine vs trainer changed: without R3 {_cell(free)}, with R3 {_cell(r3)}; "
-                f"|Δ log p| without R3 {_cell(free_mm)}, with R3 (non-routing residual) {_cell(r3_mm)}")
+        ours = (
+            f"engine vs trainer changed: without R3 {_cell(free)}, with R3 {_cell(r3)}; "
+            f"|Δ log p| without R3 {_cell(free_mm)}, with R3 (non-routing residual) {_cell(r3_mm)}"
+        )
         verdict = "reproduced" if r3.mean == 0 and free.mean > 0 else "not reproduced"
-    rows.append(["R3 removes the engine-vs-trainer routing mismatch (routing replay from the rollout engine)",
-                 "R3 papers: routing mismatch is the dominant part of MoE train/inference mismatch",
-                 ours, verdict])
+    rows.append(
+        [
+            "R3 removes the engine-vs-trainer routing mismatch (routing replay from the rollout engine)",
+            "R3 papers: routing mismatch is the dominant part of MoE train/inference mismatch",
+            ours,
+            verdict,
+        ]
+    )
     return rows
 
 
@@ -189,23 +236,37 @@ def curve_panels(groups: list[RunGroup]) -> list[Panel]:
 def layer_and_length_panels(groups: list[RunGroup]) -> list[Panel]:
     panels = []
     for kind in ("update", "rollout_vs_train"):
-        panel = Panel(f"experts changed per layer ({kind}, mean over steps and seeds)", "changed fraction",
-                      xlabel="layer")
+        panel = Panel(
+            f"experts changed per layer ({kind}, mean over steps and seeds)", "changed fraction", xlabel="layer"
+        )
         for index, group in enumerate(groups):
             layers = routing_layer_means(group, kind)
             if layers:
                 panel.series.append(Series(group.label, list(range(len(layers))), layers, color=f"C{index % 10}"))
         panels.append(panel)
-    ratio = Panel("importance-ratio dispersion E[(r-1)^2] by response length (token w solid, sequence s dashed)",
-                  "E[(r - 1)^2]", xlabel="response-length bucket (" + ", ".join(
-                      f"{i}: {bucket_name(lo, hi)}" for i, (lo, hi) in enumerate(LENGTH_BUCKETS)) + ")")
+    ratio = Panel(
+        "importance-ratio dispersion E[(r-1)^2] by response length (token w solid, sequence s dashed)",
+        "E[(r - 1)^2]",
+        xlabel="response-length bucket ("
+        + ", ".join(f"{i}: {bucket_name(lo, hi)}" for i, (lo, hi) in enumerate(LENGTH_BUCKETS))
+        + ")",
+    )
     for index, group in enumerate(groups):
         for level, style in (("token", "-"), ("seq", "--")):
-            points = [(i, metric_stat(group, f"loss/ratio_var_{level}/{bucket_name(lo, hi)}").mean)
-                      for i, (lo, hi) in enumerate(LENGTH_BUCKETS)]
+            points = [
+                (i, metric_stat(group, f"loss/ratio_var_{level}/{bucket_name(lo, hi)}").mean)
+                for i, (lo, hi) in enumerate(LENGTH_BUCKETS)
+            ]
             points = [(i, v) for i, v in points if v is not None]
-            ratio.series.append(Series(f"{group.label} {level}", [i for i, _ in points], [v for _, v in points],
-                                       style, color=f"C{index % 10}"))
+            ratio.series.append(
+                Series(
+                    f"{group.label} {level}",
+                    [i for i, _ in points],
+                    [v for _, v in points],
+                    style,
+                    color=f"C{index % 10}",
+                )
+            )
     panels.append(ratio)
     return panels
 
@@ -219,9 +280,13 @@ def study_report(groups: list[RunGroup], skipped: list[str]) -> tuple[dict, str,
     claims = paper_vs_ours(groups, stats)
     summary = {
         "groups": [
-            {"label": g.label, "settings": g.settings, "runs": [str(r.path) for r in g.runs],
-             "stats": {name: stat.to_dict() for name, stat in stats[g.label].items()},
-             "layers": {kind: routing_layer_means(g, kind) for kind in ("update", "rollout_vs_train")}}
+            {
+                "label": g.label,
+                "settings": g.settings,
+                "runs": [str(r.path) for r in g.runs],
+                "stats": {name: stat.to_dict() for name, stat in stats[g.label].items()},
+                "layers": {kind: routing_layer_means(g, kind) for kind in ("update", "rollout_vs_train")},
+            }
             for g in groups
         ],
         "paper_vs_ours": [dict(zip(("claim", "paper", "ours", "verdict"), row)) for row in claims],
@@ -233,15 +298,20 @@ def study_report(groups: list[RunGroup], skipped: list[str]) -> tuple[dict, str,
     page = html_page(
         "Routing stability: " + ", ".join(g.label for g in groups),
         [
-            ("paper-vs-ours", "Paper vs ours", html_table(["claim", "paper", "ours (mean ± std over seeds)",
-                                                           "verdict at this scale"], claims)),
+            (
+                "paper-vs-ours",
+                "Paper vs ours",
+                html_table(["claim", "paper", "ours (mean ± std over seeds)", "verdict at this scale"], claims),
+            ),
             ("table", "Per group (mean ± std over seeds)", html_table(headers, rows) + skipped_html),
             ("curves", "Curves (band: ±1 std over seeds)", curves),
             ("layers", "Per layer, and ratio dispersion by response length", layers),
         ],
     )
     text = "\n".join(
-        [" | ".join(headers)] + [" | ".join(format_number(c) for c in row) for row in rows]
-        + ["", "paper vs ours:"] + [f"- {c}: {o} -> {v}" for c, _, o, v in claims]
+        [" | ".join(headers)]
+        + [" | ".join(format_number(c) for c in row) for row in rows]
+        + ["", "paper vs ours:"]
+        + [f"- {c}: {o} -> {v}" for c, _, o, v in claims]
     )
     return summary, page, text

@@ -30,8 +30,8 @@ compounding into ~94% of tokens). ``changed_any_frac`` is that token-level numbe
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -53,7 +53,7 @@ def _check_pair(a: torch.Tensor, b: torch.Tensor) -> None:
         )
 
 
-def _check_mask(token_mask: Optional[torch.Tensor], num_tokens: int) -> None:
+def _check_mask(token_mask: torch.Tensor | None, num_tokens: int) -> None:
     if token_mask is None:
         return
     if token_mask.dtype != torch.bool or token_mask.shape != (num_tokens,):
@@ -63,7 +63,7 @@ def _check_mask(token_mask: Optional[torch.Tensor], num_tokens: int) -> None:
         )
 
 
-def _select(x: torch.Tensor, token_mask: Optional[torch.Tensor]) -> torch.Tensor:
+def _select(x: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
     return x if token_mask is None else x[token_mask]
 
 
@@ -132,7 +132,7 @@ class RoutingVolatility:
     def overlap_overall(self) -> torch.Tensor:
         return self.intersection_count.sum().double() / (self.tokens.double() * self.num_layers * self.top_k)
 
-    def merge(self, other: "RoutingVolatility") -> "RoutingVolatility":
+    def merge(self, other: RoutingVolatility) -> RoutingVolatility:
         """The volatility of the union of both token sets (exact: sums of counts)."""
         if (self.num_layers, self.top_k) != (other.num_layers, other.top_k):
             raise ValueError(
@@ -148,7 +148,7 @@ class RoutingVolatility:
         )
 
     @staticmethod
-    def merge_all(parts: Iterable["RoutingVolatility"]) -> "RoutingVolatility":
+    def merge_all(parts: Iterable[RoutingVolatility]) -> RoutingVolatility:
         parts = list(parts)
         if not parts:
             raise ValueError("merge_all needs at least one RoutingVolatility")
@@ -158,9 +158,7 @@ class RoutingVolatility:
         return total
 
 
-def routing_volatility(
-    a: torch.Tensor, b: torch.Tensor, token_mask: Optional[torch.Tensor] = None
-) -> RoutingVolatility:
+def routing_volatility(a: torch.Tensor, b: torch.Tensor, token_mask: torch.Tensor | None = None) -> RoutingVolatility:
     """Compare two routings of the same tokens (e.g. before vs after an update) over the masked tokens."""
     _check_pair(a, b)
     _check_mask(token_mask, a.shape[0])
@@ -202,7 +200,7 @@ class ExpertLoad:
         counts = self.counts.double()
         return counts.std(dim=-1, unbiased=False) / counts.mean(dim=-1)
 
-    def merge(self, other: "ExpertLoad") -> "ExpertLoad":
+    def merge(self, other: ExpertLoad) -> ExpertLoad:
         if self.counts.shape != other.counts.shape or self.top_k != other.top_k:
             raise ValueError(
                 f"cannot merge expert loads of different shapes: {tuple(self.counts.shape)}, k={self.top_k} "
@@ -211,7 +209,7 @@ class ExpertLoad:
         return ExpertLoad(self.counts + other.counts, self.tokens + other.tokens, self.top_k)
 
 
-def expert_load(topk: torch.Tensor, num_experts: int, token_mask: Optional[torch.Tensor] = None) -> ExpertLoad:
+def expert_load(topk: torch.Tensor, num_experts: int, token_mask: torch.Tensor | None = None) -> ExpertLoad:
     """Count how often each expert is chosen per layer over the masked tokens."""
     _check_topk(topk, "topk")
     _check_mask(token_mask, topk.shape[0])
@@ -234,11 +232,12 @@ def expert_load(topk: torch.Tensor, num_experts: int, token_mask: Optional[torch
 
 def _check_probs(p: torch.Tensor, name: str) -> None:
     if p.dim() != 3 or not p.dtype.is_floating_point:
-        raise ValueError(f"{name} must be float router probabilities [tokens, layers, experts], got "
-                         f"{p.dtype} {tuple(p.shape)}")
+        raise ValueError(
+            f"{name} must be float router probabilities [tokens, layers, experts], got {p.dtype} {tuple(p.shape)}"
+        )
 
 
-def _reduce_tokens(per_token: torch.Tensor, token_mask: Optional[torch.Tensor], reduction: str) -> torch.Tensor:
+def _reduce_tokens(per_token: torch.Tensor, token_mask: torch.Tensor | None, reduction: str) -> torch.Tensor:
     per_token = _select(per_token, token_mask)  # [N', L]
     if reduction == "mean":
         return per_token.mean(dim=0)
@@ -248,7 +247,7 @@ def _reduce_tokens(per_token: torch.Tensor, token_mask: Optional[torch.Tensor], 
 
 
 def router_entropy(
-    probs: torch.Tensor, token_mask: Optional[torch.Tensor] = None, reduction: str = "mean"
+    probs: torch.Tensor, token_mask: torch.Tensor | None = None, reduction: str = "mean"
 ) -> torch.Tensor:
     """float32 [L]: token-mean (or -sum, for exact merging) of H(p) = -sum_e p_e log p_e (0 log 0 = 0)."""
     _check_probs(probs, "probs")
@@ -259,7 +258,7 @@ def router_entropy(
 
 
 def router_kl(
-    p: torch.Tensor, q: torch.Tensor, token_mask: Optional[torch.Tensor] = None, reduction: str = "mean"
+    p: torch.Tensor, q: torch.Tensor, token_mask: torch.Tensor | None = None, reduction: str = "mean"
 ) -> torch.Tensor:
     """float32 [L]: token-mean of KL(p || q) = sum_e p_e (log p_e - log q_e).
 
@@ -278,7 +277,7 @@ def router_kl(
 
 
 def subsample_token_mask(
-    token_mask: torch.Tensor, max_tokens: int, generator: Optional[torch.Generator] = None
+    token_mask: torch.Tensor, max_tokens: int, generator: torch.Generator | None = None
 ) -> torch.Tensor:
     """A mask keeping at most ``max_tokens`` of the valid tokens, chosen uniformly without replacement.
 

@@ -19,7 +19,7 @@ both configurable:
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -15,7 +15,6 @@ Design decisions:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 
 def _check_triggers(owner: str, triggers: list[str]) -> None:
@@ -55,8 +54,7 @@ class StepGRPOConfig:
 
     def __post_init__(self):
         if self.outcome not in STEP_GRPO_OUTCOMES:
-            raise ValueError(
-                f"shaping.step_grpo.outcome must be one of {STEP_GRPO_OUTCOMES}, got {self.outcome!r}")
+            raise ValueError(f"shaping.step_grpo.outcome must be one of {STEP_GRPO_OUTCOMES}, got {self.outcome!r}")
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"shaping.step_grpo.alpha must be in [0, 1], got {self.alpha}")
         if not 0.0 <= self.beta <= 1.0:
@@ -78,9 +76,7 @@ class GRSPConfig:
 
     penalty_coef: float = 0.1  # lambda in r_i - lambda * P_i
     segmentation: str = "keyword"  # "keyword" (text triggers) or "confidence" (log-prob local minima)
-    keywords: list[str] = field(
-        default_factory=lambda: ["Wait", "Alternatively", "Hmm", "However", "But wait"]
-    )
+    keywords: list[str] = field(default_factory=lambda: ["Wait", "Alternatively", "Hmm", "However", "But wait"])
     case_sensitive: bool = True
     # Calibrated against keyword boundaries on the warm-started tiny model (tools/
     # calibrate_confidence_segmentation.py -> reports/shaping_study/confidence_calibration.json):
@@ -119,8 +115,8 @@ class GRSPConfig:
             if any(w < 0 for w in weights):
                 raise ValueError(f"{owner}.cluster_weights must be >= 0, got {weights}")
             pairs = list(zip(weights, weights[1:]))
-            monotone = all(a >= b for a, b in pairs) if self.weight_order == "descending" else all(
-                a <= b for a, b in pairs
+            monotone = (
+                all(a >= b for a, b in pairs) if self.weight_order == "descending" else all(a <= b for a, b in pairs)
             )
             if not monotone:
                 raise ValueError(
@@ -142,7 +138,7 @@ class GRSPConfig:
 class DAPOOverlongConfig:
     """DAPO soft overlong punishment (arXiv 2503.14476), added to the reward."""
 
-    max_length: Optional[int] = None  # L_max; None: the group's max_response_length
+    max_length: int | None = None  # L_max; None: the group's max_response_length
     cache_length: int = 4096  # L_cache, the soft-punishment zone before L_max (DAPO: 4096 of 20480)
 
     def __post_init__(self):
@@ -150,8 +146,7 @@ class DAPOOverlongConfig:
             raise ValueError(f"shaping.dapo_overlong.cache_length must be >= 1, got {self.cache_length}")
         if self.max_length is not None and self.max_length < self.cache_length:
             raise ValueError(
-                f"shaping.dapo_overlong.max_length ({self.max_length}) must be >= cache_length "
-                f"({self.cache_length})"
+                f"shaping.dapo_overlong.max_length ({self.max_length}) must be >= cache_length ({self.cache_length})"
             )
 
 
@@ -219,6 +214,6 @@ class ShapingConfig:
             return BOXED_OUTCOME_REWARDS.get(task_reward, task_reward)
         return task_reward
 
-    def shaper_config(self) -> Optional[object]:
+    def shaper_config(self) -> object | None:
         """The options section of the selected shaper (None for shapers without options)."""
         return getattr(self, self.name, None)

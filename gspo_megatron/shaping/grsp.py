@@ -66,8 +66,7 @@ def segment_lengths(group: ShapingGroup, cfg: GRSPConfig) -> list[torch.Tensor]:
             "pass them, or set shaping.grsp.segmentation=keyword"
         )
     return [
-        confidence_segment_lengths(lp, cfg.confidence_window, cfg.confidence_threshold)
-        for lp in group.token_log_probs
+        confidence_segment_lengths(lp, cfg.confidence_window, cfg.confidence_threshold) for lp in group.token_log_probs
     ]
 
 

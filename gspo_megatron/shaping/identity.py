@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from gspo_megatron.shaping.registry import SHAPERS
 from gspo_megatron.shaping.types import ShapedRewards, ShapingGroup
 
 
 @SHAPERS.register("none")
-def no_shaping(group: ShapingGroup, cfg: Optional[object] = None) -> ShapedRewards:
+def no_shaping(group: ShapingGroup, cfg: object | None = None) -> ShapedRewards:
     return ShapedRewards(rewards=group.rewards.float().clone())

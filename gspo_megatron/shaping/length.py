@@ -57,9 +57,7 @@ def kimi_length_reward(lengths: torch.Tensor, correct: torch.Tensor) -> torch.Te
     length = lengths.float()
     shortest, longest = length.min(), length.max()
     span = longest - shortest
-    lam = torch.where(
-        span > 0, 0.5 - (length - shortest) / span.clamp_min(1e-12), torch.zeros_like(length)
-    )
+    lam = torch.where(span > 0, 0.5 - (length - shortest) / span.clamp_min(1e-12), torch.zeros_like(length))
     return torch.where(correct, lam, lam.clamp(max=0.0))
 
 

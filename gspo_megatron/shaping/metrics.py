@@ -12,7 +12,7 @@ Design decisions:
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

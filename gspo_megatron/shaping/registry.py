@@ -6,7 +6,8 @@ every registered shaper. Shaper modules register themselves on ``import gspo_meg
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from gspo_megatron.algorithms.registry import Registry, UnknownNameError
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 # name in the summary -> key in metrics.jsonl
 TRAIN_KEYS = {
@@ -49,8 +49,12 @@ def summarize_run(metrics: list[dict], last_steps: int = 10) -> dict[str, float]
     if not train:
         raise ValueError("the run logged no training step (no response/length_mean)")
     keys = dict(TRAIN_KEYS)
-    keys.update({f"segments_c{k[len(CLUSTER_PREFIX):]}": k for k in sorted(
-        {k for m in train for k in m if k.startswith(CLUSTER_PREFIX)})})
+    keys.update(
+        {
+            f"segments_c{k[len(CLUSTER_PREFIX) :]}": k
+            for k in sorted({k for m in train for k in m if k.startswith(CLUSTER_PREFIX)})
+        }
+    )
     summary = {}
     for name, key in keys.items():
         values = [m[key] for m in train if key in m]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -37,9 +37,7 @@ import torch
 def _trigger_regex(triggers: tuple[str, ...], case_sensitive: bool) -> re.Pattern:
     words = [t.strip() for t in triggers]
     if not words or any(not w for w in words):
-        raise ValueError(
-            f"trigger words must be a non-empty list of non-empty strings, got {list(triggers)!r}"
-        )
+        raise ValueError(f"trigger words must be a non-empty list of non-empty strings, got {list(triggers)!r}")
     # Longest first: at one position the regex takes the first alternative that matches.
     alternatives = sorted(set(words), key=len, reverse=True)
     body = "|".join(r"\s+".join(re.escape(part) for part in w.split()) for w in alternatives)
@@ -57,14 +55,10 @@ def count_trigger_words(text: str, triggers: Sequence[str], case_sensitive: bool
 
 def step_counts(texts: Sequence[str], triggers: Sequence[str], case_sensitive: bool = True) -> torch.Tensor:
     """long [G]: k_i = 1 + number of standalone trigger words (Step-GRPO)."""
-    return torch.tensor(
-        [1 + count_trigger_words(text, triggers, case_sensitive) for text in texts], dtype=torch.long
-    )
+    return torch.tensor([1 + count_trigger_words(text, triggers, case_sensitive) for text in texts], dtype=torch.long)
 
 
-def keyword_segment_spans(
-    text: str, triggers: Sequence[str], case_sensitive: bool = True
-) -> list[tuple[int, int]]:
+def keyword_segment_spans(text: str, triggers: Sequence[str], case_sensitive: bool = True) -> list[tuple[int, int]]:
     """Character spans [start, end) of the segments, cut at each trigger's start; blank pieces dropped."""
     cuts = [0] + [m.start() for m in trigger_matches(text, triggers, case_sensitive)] + [len(text)]
     return [(a, b) for a, b in zip(cuts[:-1], cuts[1:]) if text[a:b].strip()]
@@ -106,8 +100,7 @@ def confidence_segment_lengths(log_probs: torch.Tensor, window: int, threshold: 
     if n == 0:
         return torch.zeros(0)
     cuts = torch.cat(
-        [torch.zeros(1, dtype=torch.long), confidence_boundaries(log_probs, window, threshold),
-         torch.tensor([n])]
+        [torch.zeros(1, dtype=torch.long), confidence_boundaries(log_probs, window, threshold), torch.tensor([n])]
     )
     return cuts.diff().float()
 

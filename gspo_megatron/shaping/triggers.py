@@ -9,7 +9,7 @@ yet count no step (or the reverse). The check names every key and the fix.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from gspo_megatron.shaping.config import ShapingConfig
 

@@ -14,8 +14,8 @@ Design decisions:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 import torch
 
@@ -46,7 +46,7 @@ class ShapingGroup:
     response_texts: list[str]  # G decoded responses (what trigger words are counted in)
     response_lengths: torch.Tensor  # long [G], response tokens
     max_response_length: int  # the rollout's max_new_tokens
-    token_log_probs: Optional[list[torch.Tensor]] = None  # G float [len_i] rollout log-probs
+    token_log_probs: list[torch.Tensor] | None = None  # G float [len_i] rollout log-probs
 
     def __post_init__(self):
         if not isinstance(self.rewards, torch.Tensor) or self.rewards.dim() != 1 or self.rewards.numel() < 1:
@@ -57,15 +57,11 @@ class ShapingGroup:
         _check_vector("format_ok", self.format_ok, size, "bool")
         _check_vector("response_lengths", self.response_lengths, size, "int")
         if len(self.response_texts) != size:
-            raise ValueError(
-                f"ShapingGroup.response_texts has {len(self.response_texts)} entries, expected {size}"
-            )
+            raise ValueError(f"ShapingGroup.response_texts has {len(self.response_texts)} entries, expected {size}")
         if bool((self.response_lengths < 0).any()):
             raise ValueError("ShapingGroup.response_lengths must be >= 0")
         if self.max_response_length < 1:
-            raise ValueError(
-                f"ShapingGroup.max_response_length must be >= 1, got {self.max_response_length}"
-            )
+            raise ValueError(f"ShapingGroup.max_response_length must be >= 1, got {self.max_response_length}")
         if self.token_log_probs is not None:
             if len(self.token_log_probs) != size:
                 raise ValueError(

@@ -20,8 +20,12 @@ import importlib
 import torch
 import torch.distributed as dist
 
-_MEGATRON_ALIASES = ("megatron.core.tensor_parallel.mappings", "megatron.core.tensor_parallel.layers",
-                     "megatron.core.tensor_parallel.utils", "megatron.core.utils")
+_MEGATRON_ALIASES = (
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.tensor_parallel.utils",
+    "megatron.core.utils",
+)
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -51,9 +55,18 @@ class CollectiveCounter:
 @contextlib.contextmanager
 def count_collectives(groups: dict):
     counter = CollectiveCounter(groups)
-    originals = {name: getattr(dist, name) for name in (
-        "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
-        "broadcast", "batch_isend_irecv")}
+    originals = {
+        name: getattr(dist, name)
+        for name in (
+            "all_reduce",
+            "all_gather",
+            "all_gather_into_tensor",
+            "reduce_scatter_tensor",
+            "all_to_all_single",
+            "broadcast",
+            "batch_isend_irecv",
+        )
+    }
 
     def all_reduce(tensor, *a, group=None, **k):
         counter.add(group, "all_reduce", _bytes(tensor))
@@ -84,15 +97,22 @@ def count_collectives(groups: dict):
             counter.add(op.group, "send_recv", _bytes(op.tensor))
         return originals["batch_isend_irecv"](ops)
 
-    patched = dict(all_reduce=all_reduce, all_gather=all_gather,
-                   all_gather_into_tensor=all_gather_into_tensor,
-                   reduce_scatter_tensor=reduce_scatter_tensor, all_to_all_single=all_to_all_single,
-                   broadcast=broadcast, batch_isend_irecv=batch_isend_irecv)
+    patched = dict(
+        all_reduce=all_reduce,
+        all_gather=all_gather,
+        all_gather_into_tensor=all_gather_into_tensor,
+        reduce_scatter_tensor=reduce_scatter_tensor,
+        all_to_all_single=all_to_all_single,
+        broadcast=broadcast,
+        batch_isend_irecv=batch_isend_irecv,
+    )
     aliases = []
     for module_name in _MEGATRON_ALIASES:
         module = importlib.import_module(module_name)
-        for alias, replacement in (("dist_all_gather_func", all_gather_into_tensor),
-                                   ("dist_reduce_scatter_func", reduce_scatter_tensor)):
+        for alias, replacement in (
+            ("dist_all_gather_func", all_gather_into_tensor),
+            ("dist_reduce_scatter_func", reduce_scatter_tensor),
+        ):
             if hasattr(module, alias):
                 aliases.append((module, alias, getattr(module, alias)))
                 setattr(module, alias, replacement)

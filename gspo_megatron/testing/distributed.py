@@ -15,8 +15,9 @@ from __future__ import annotations
 import os
 import queue
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -129,9 +130,7 @@ def run_distributed(
         results.close()
     failures = {r: v for r, (ok, v) in collected.items() if not ok}
     if failures or len(collected) < world_size:
-        raise DistributedRunError(
-            f"{len(failures)} of {world_size} ranks failed" + _format_failures(collected)
-        )
+        raise DistributedRunError(f"{len(failures)} of {world_size} ranks failed" + _format_failures(collected))
     return [collected[r][1] for r in range(world_size)]
 
 

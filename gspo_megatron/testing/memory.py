@@ -8,7 +8,7 @@ allocates -- gradients included -- is).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

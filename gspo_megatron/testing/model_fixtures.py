@@ -7,7 +7,6 @@ import torch
 from gspo_megatron.models.config import MoEModelConfig
 from gspo_megatron.models.conversion import export_hf_state_dict, gradient_of, hf_shapes, load_hf_weights
 
-
 # The layouts every equivalence test compares with one rank (4 ranks at most: 2 cores).
 EQUIVALENCE_LAYOUTS = {
     "tp2": dict(tp=2, world_size=2),
@@ -26,8 +25,16 @@ EQUIVALENCE_LAYOUTS = {
 def tiny_test_config(**overrides) -> MoEModelConfig:
     """2 MoE layers, 4 experts top-2, GQA 4q/2kv heads; divisible by tp=2, ep=2, pp=2."""
     values = dict(
-        vocab_size=32, hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2,
-        head_dim=8, num_experts=4, top_k=2, moe_intermediate_size=16, max_position_embeddings=64,
+        vocab_size=32,
+        hidden_size=32,
+        num_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        num_experts=4,
+        top_k=2,
+        moe_intermediate_size=16,
+        max_position_embeddings=64,
     )
     values.update(overrides)
     return MoEModelConfig(**values).validate()
@@ -96,17 +103,22 @@ def model_layout_worker(ctx, cfg: MoEModelConfig, state: dict, layout_kwargs: di
     per_micro = max(1, rows // 2)
     per_row = {"weights": weights}
     if policy is not None:
-        per_row.update({k: policy[k] for k in ("old_log_probs", "advantages", "response_mask", "ref_log_probs")
-                        if k in policy})
+        per_row.update(
+            {k: policy[k] for k in ("old_log_probs", "advantages", "response_mask", "ref_log_probs") if k in policy}
+        )
     micro_batches = [
-        {"tokens": inputs[sl][i : i + per_micro], "targets": targets[sl][i : i + per_micro],
-         **{k: v[sl][i : i + per_micro] for k, v in per_row.items()}}
+        {
+            "tokens": inputs[sl][i : i + per_micro],
+            "targets": targets[sl][i : i + per_micro],
+            **{k: v[sl][i : i + per_micro] for k, v in per_row.items()},
+        }
         for i in range(0, rows, per_micro)
     ]
     budget = (policy or {}).get("micro_batch_tokens")
     if budget is not None:
-        micro_batches = _token_budget_micro_batches(inputs, targets, per_row, policy["response_mask"], budget,
-                                                    layout, mesh.dp_rank)
+        micro_batches = _token_budget_micro_batches(
+            inputs, targets, per_row, policy["response_mask"], budget, layout, mesh.dp_rank
+        )
 
     cp_group = mesh.cp_group if layout.cp > 1 else None
 
@@ -143,8 +155,9 @@ def _token_budget_micro_batches(inputs, targets, per_row: dict, mask, budget: in
 
     positions = torch.arange(mask.shape[1]).expand_as(mask)
     lengths = torch.where(mask > 0, positions, torch.zeros_like(positions)).max(dim=1).values + 2
-    plans = token_budget_plan(lengths, 0, layout.dp, budget, multiple=sequence_multiple(layout),
-                              max_width=inputs.shape[1] + 1)
+    plans = token_budget_plan(
+        lengths, 0, layout.dp, budget, multiple=sequence_multiple(layout), max_width=inputs.shape[1] + 1
+    )
     out = []
     for plan in plans:
         rows, fed = plan.rows[dp_rank], plan.width - 1
@@ -165,8 +178,11 @@ def _policy_callback(policy: dict, mesh):
     cp_group = mesh.cp_group if mesh.layout.cp > 1 else None
     head = PolicyLossHead(
         AlgorithmConfig(name=policy["loss"], loss=policy["loss"], clip_low=clip[0], clip_high=clip[1], **regularizers),
-        mesh.tp_group, cp_group, 1.0,
-        global_num_sequences=(mask.sum(1) > 0).sum().float(), global_num_tokens=mask.sum(),
+        mesh.tp_group,
+        cp_group,
+        1.0,
+        global_num_sequences=(mask.sum(1) > 0).sum().float(),
+        global_num_tokens=mask.sum(),
     )
 
     def callback(logits, batch):

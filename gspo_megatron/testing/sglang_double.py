@@ -50,7 +50,7 @@ import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from gspo_megatron.testing.sglang_double_rules import generate_body_error
 
@@ -64,7 +64,7 @@ class DoubleFaults:
     startup_503: int = 0  # /health answers 503 this many times before 200 (server warming up)
     generate_503: int = 0  # the first N /generate requests answer 503
     abort_first: int = 0  # the first N /generate requests finish with {"type": "abort"}
-    die_after: Optional[int] = None  # after N /generate answers the server stops serving
+    die_after: int | None = None  # after N /generate answers the server stops serving
     malformed_json: bool = False  # /generate answers a truncated JSON body
     wrong_routed_experts: bool = False  # routed_experts has one token row too few
     mismatched_logprob_ids: bool = False  # output_token_logprobs names other tokens than output_ids
@@ -81,7 +81,7 @@ class _DoubleHTTPServer(ThreadingHTTPServer):
 @dataclass
 class _WeightState:
     group: Any = None
-    group_name: Optional[str] = None
+    group_name: str | None = None
     in_update: bool = False
     received: dict = field(default_factory=dict)  # name -> {"shape", "dtype", "sum"}
 
@@ -101,7 +101,7 @@ class SGLangServerDouble:
         num_experts: int = 8,
         tp_size: int = 1,
         enable_return_routed_experts: bool = False,
-        faults: Optional[DoubleFaults] = None,
+        faults: DoubleFaults | None = None,
         join_weight_groups: bool = False,
         model_path: str = "double-model",
         deterministic_inference: bool = False,
@@ -116,7 +116,7 @@ class SGLangServerDouble:
         # SGLang honours sampling_seed only when launched with --enable-deterministic-inference.
         self.deterministic_inference = deterministic_inference
         self.version = version
-        self.pause_mode: Optional[str] = None
+        self.pause_mode: str | None = None
         self._distributed_failures = 0
         self._disk_failures = 0
         self.weight_version = "default"
@@ -133,7 +133,7 @@ class SGLangServerDouble:
         self._running.set()
         self._weights = _WeightState()
         self._server = _DoubleHTTPServer((host, port), self._handler_class())
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
 
     # -------------------------------------------------------------- lifecycle
     @property
@@ -149,7 +149,7 @@ class SGLangServerDouble:
         with self._lock:
             return [path for path, _ in self.calls]
 
-    def start(self) -> "SGLangServerDouble":
+    def start(self) -> SGLangServerDouble:
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="sglang-double", daemon=True
         )
@@ -184,9 +184,14 @@ class SGLangServerDouble:
         return (503, {"error": "server is starting"}) if warming else (200, None)
 
     def _server_info(self, _body):
-        return 200, {"tp_size": self.tp_size, "model_path": self.model_path, "weight_version": self.weight_version,
-                     "enable_return_routed_experts": self.enable_return_routed_experts, "version": self.version,
-                     "enable_deterministic_inference": self.deterministic_inference}
+        return 200, {
+            "tp_size": self.tp_size,
+            "model_path": self.model_path,
+            "weight_version": self.weight_version,
+            "enable_return_routed_experts": self.enable_return_routed_experts,
+            "version": self.version,
+            "enable_deterministic_inference": self.deterministic_inference,
+        }
 
     def _generate(self, body):
         error = generate_body_error(body)
@@ -243,8 +248,12 @@ class SGLangServerDouble:
         if self.faults.mismatched_logprob_ids and tokens:
             log_probs[0][1] = tokens[0] + 1
         meta = {
-            "id": hashlib.md5(key.encode()).hexdigest(), "finish_reason": finish, "prompt_tokens": len(prompt),
-            "completion_tokens": len(tokens), "cached_tokens": 0, "weight_version": self.weight_version,
+            "id": hashlib.md5(key.encode()).hexdigest(),
+            "finish_reason": finish,
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(tokens),
+            "cached_tokens": 0,
+            "weight_version": self.weight_version,
             "output_token_logprobs": log_probs,
         }
         if body.get("return_routed_experts") and self.enable_return_routed_experts:
@@ -313,7 +322,10 @@ class SGLangServerDouble:
         if not error and any(d not in _DTYPE_NAMES for d in body["dtypes"]):
             error = f"unknown dtype in {body['dtypes']}; valid: {sorted(_DTYPE_NAMES)}"
         if not error and body.get("group_name", "weight_update_group") != self._weights.group_name:
-            error = f"Group {body.get('group_name')} not in [{self._weights.group_name}]. Call init_weights_update_group first."
+            error = (
+                f"Group {body.get('group_name')} not in [{self._weights.group_name}]. "
+                "Call init_weights_update_group first."
+            )
         if not error and not self._weights.in_update:
             error = "update_weights_from_distributed outside begin_weight_update / end_weight_update"
         if error:
@@ -370,9 +382,14 @@ class SGLangServerDouble:
     def _state(self, _body):
         with self._lock:
             calls = list(self.calls)
-        return 200, {"calls": calls, "generate_count": self.generate_count, "received": self._weights.received,
-                     "weight_version": self.weight_version, "session_open": self._weights.in_update,
-                     "group_name": self._weights.group_name}
+        return 200, {
+            "calls": calls,
+            "generate_count": self.generate_count,
+            "received": self._weights.received,
+            "weight_version": self.weight_version,
+            "session_open": self._weights.in_update,
+            "group_name": self._weights.group_name,
+        }
 
     def _receive(self, body: dict) -> None:
         import torch
@@ -389,16 +406,23 @@ class SGLangServerDouble:
             threading.Thread(target=self.stop, daemon=True).start()
 
     _ROUTES = {
-        ("GET", "/health"): "_health", ("GET", "/health_generate"): "_health",
-        ("GET", "/server_info"): "_server_info", ("GET", "/get_server_info"): "_server_info",
-        ("POST", "/generate"): "_generate", ("POST", "/pause_generation"): "_pause",
-        ("POST", "/continue_generation"): "_continue", ("POST", "/flush_cache"): "_flush_cache",
-        ("GET", "/flush_cache"): "_flush_cache", ("POST", "/abort_request"): "_abort_request",
-        ("POST", "/begin_weight_update"): "_begin_weight_update", ("POST", "/end_weight_update"): "_end_weight_update",
+        ("GET", "/health"): "_health",
+        ("GET", "/health_generate"): "_health",
+        ("GET", "/server_info"): "_server_info",
+        ("GET", "/get_server_info"): "_server_info",
+        ("POST", "/generate"): "_generate",
+        ("POST", "/pause_generation"): "_pause",
+        ("POST", "/continue_generation"): "_continue",
+        ("POST", "/flush_cache"): "_flush_cache",
+        ("GET", "/flush_cache"): "_flush_cache",
+        ("POST", "/abort_request"): "_abort_request",
+        ("POST", "/begin_weight_update"): "_begin_weight_update",
+        ("POST", "/end_weight_update"): "_end_weight_update",
         ("POST", "/init_weights_update_group"): "_init_group",
         ("POST", "/destroy_weights_update_group"): "_destroy_group",
         ("POST", "/update_weights_from_distributed"): "_update_distributed",
-        ("POST", "/update_weights_from_disk"): "_update_from_disk", ("GET", "/_double/state"): "_state",
+        ("POST", "/update_weights_from_disk"): "_update_from_disk",
+        ("GET", "/_double/state"): "_state",
     }
 
     def _handler_class(self):
@@ -458,7 +482,7 @@ class SGLangServerDouble:
         return Handler
 
 
-def _check_fields(body: Any, fields: dict) -> Optional[str]:
+def _check_fields(body: Any, fields: dict) -> str | None:
     if not isinstance(body, dict):
         return "body must be a JSON object"
     for name, kind in fields.items():
@@ -475,8 +499,11 @@ def _draw_token(rng: random.Random, vocab_size: int, stop_ids: set) -> int:
 
 
 def _describe(tensor) -> dict:
-    return {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
-            "sum": float(tensor.double().sum())}
+    return {
+        "shape": list(tensor.shape),
+        "dtype": str(tensor.dtype).removeprefix("torch."),
+        "sum": float(tensor.double().sum()),
+    }
 
 
 def _join_group(body: dict, group_name: str):
@@ -495,7 +522,7 @@ def _join_group(body: dict, group_name: str):
     return group
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     """Serve a double with ``sglang.launch_server``'s arguments (unknown ones are ignored)."""
     parser = argparse.ArgumentParser(description="SGLang server TEST DOUBLE")
     parser.add_argument("--model-path", default="double-model")
@@ -507,7 +534,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--startup-503", type=int, default=0, help="double only: 503 on the first K /health")
     parser.add_argument("--die-after", type=int, default=None, help="double only: stop after N /generate")
     parser.add_argument("--join-weight-groups", action="store_true", help="double only: receive broadcasts")
-    parser.add_argument("--spawn-child", action="store_true", help="double only: fork a child (like SGLang's scheduler)")
+    parser.add_argument(
+        "--spawn-child", action="store_true", help="double only: fork a child (like SGLang's scheduler)"
+    )
     parser.add_argument("--fail-distributed-updates", type=int, default=0, help="double only: fail N updates")
     parser.add_argument("--exit-code", type=int, default=None, help="double only: exit at once with this code")
     args, unknown = parser.parse_known_args(argv)
@@ -526,10 +555,20 @@ def main(argv: Optional[list[str]] = None) -> None:
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         print(f"[sglang double] child pid {child.pid}", flush=True)
     double = SGLangServerDouble(
-        host=args.host, port=args.port, num_layers=layers, top_k=top_k, num_experts=experts, tp_size=args.tp,
-        enable_return_routed_experts=args.enable_return_routed_experts, join_weight_groups=args.join_weight_groups,
-        faults=DoubleFaults(startup_503=args.startup_503, die_after=args.die_after,
-                            fail_distributed_updates=args.fail_distributed_updates), model_path=args.model_path,
+        host=args.host,
+        port=args.port,
+        num_layers=layers,
+        top_k=top_k,
+        num_experts=experts,
+        tp_size=args.tp,
+        enable_return_routed_experts=args.enable_return_routed_experts,
+        join_weight_groups=args.join_weight_groups,
+        faults=DoubleFaults(
+            startup_503=args.startup_503,
+            die_after=args.die_after,
+            fail_distributed_updates=args.fail_distributed_updates,
+        ),
+        model_path=args.model_path,
         deterministic_inference=args.enable_deterministic_inference,
     )
     print(f"[sglang double] serving on {double.url}", flush=True)

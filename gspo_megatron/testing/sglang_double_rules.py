@@ -10,26 +10,58 @@ SGLang itself and the double and fails on any disagreement, so this file cannot 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 # The contract gate's sampling_params fields, in SGLang's order.
 SAMPLING_FIELDS = (
-    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
-    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema",
-    "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
-    "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed", "custom_params", "beam_width",
-    "watermark", "choice",
+    "max_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "stop_regex",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_new_tokens",
+    "n",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "structural_tag",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "stream_interval",
+    "logit_bias",
+    "sampling_seed",
+    "custom_params",
+    "beam_width",
+    "watermark",
+    "choice",
 )
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
 _INT_FIELDS = ("max_new_tokens", "top_k", "min_new_tokens", "n", "sampling_seed", "beam_width", "stream_interval")
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
 # SamplingParams defaults the range checks start from.
-_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0,
-             "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0, "max_new_tokens": 128}
+_DEFAULTS = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "max_new_tokens": 128,
+}
 _SAMPLING_EPS = 1e-6
 
 
-def generate_body_error(body: Any) -> Optional[str]:
+def generate_body_error(body: Any) -> str | None:
     """None if SGLang 0.5.23 would schedule this ``/generate`` body, else why it would refuse it."""
     if not isinstance(body, dict):
         return "body must be a JSON object"
@@ -47,7 +79,7 @@ def generate_body_error(body: Any) -> Optional[str]:
     return _type_error(params) or _range_error({**_DEFAULTS, **{k: v for k, v in params.items() if v is not None}})
 
 
-def _type_error(params: dict) -> Optional[str]:
+def _type_error(params: dict) -> str | None:
     for name, value in params.items():
         if name not in SAMPLING_FIELDS:
             return f"unknown field `{name}`"
@@ -61,13 +93,14 @@ def _type_error(params: dict) -> Optional[str]:
             return f"invalid type for {name}: {value!r}, expected bool"
         if name == "stop_token_ids" and not (isinstance(value, list) and all(_is_int(v) for v in value)):
             return f"stop_token_ids must be a list of integers, got {value!r}"
-        if name == "stop" and not (isinstance(value, str) or (isinstance(value, list)
-                                                              and all(isinstance(v, str) for v in value))):
+        if name == "stop" and not (
+            isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+        ):
             return f"stop must be a string or a list of strings, got {value!r}"
     return None
 
 
-def _range_error(p: dict) -> Optional[str]:
+def _range_error(p: dict) -> str | None:
     temperature, top_k = float(p["temperature"]), p["top_k"]
     if 0 <= temperature < _SAMPLING_EPS:
         top_k = 1  # greedy: SamplingParams turns temperature 0 into top_k 1

@@ -7,8 +7,13 @@ from pathlib import Path
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 FAST = [
-    "trainer.steps=2", "trainer.prompts_per_step=4", "rollout.group_size=4", "trainer.micro_batch_size=4",
-    "trainer.eval_every=0", "logging.progress=false", "logging.tensorboard=false",
+    "trainer.steps=2",
+    "trainer.prompts_per_step=4",
+    "rollout.group_size=4",
+    "trainer.micro_batch_size=4",
+    "trainer.eval_every=0",
+    "logging.progress=false",
+    "logging.tensorboard=false",
 ]
 
 
@@ -47,8 +52,7 @@ def run_training(overrides: list[str], run_dir: str | Path, timeout: float = 600
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
-    return subprocess.run(train_command(overrides, run_dir), env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(train_command(overrides, run_dir), env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def checkpoint_tensors(checkpoint: str | Path, scratch: str | Path) -> dict:

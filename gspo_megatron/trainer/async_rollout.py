@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 
 class StalenessError(RuntimeError):
@@ -42,24 +43,28 @@ class _Pending:
     thread: threading.Thread
     started: float
     result: Any = None
-    error: Optional[BaseException] = None
+    error: BaseException | None = None
     finished: float = 0.0
 
 
 class RolloutScheduler:
     """Hands out each step's rollout; with ``max_staleness=1`` the next one is generated in the background."""
 
-    def __init__(self, produce: Callable[[int], tuple[Any, dict]], max_staleness: int, last_step: int,
-                 versions_of: Callable[[Any], list[int]]):
+    def __init__(
+        self,
+        produce: Callable[[int], tuple[Any, dict]],
+        max_staleness: int,
+        last_step: int,
+        versions_of: Callable[[Any], list[int]],
+    ):
         if max_staleness not in (0, 1):
-            raise ValueError(
-                f"max_staleness must be 0 or 1 (one-step asynchronous rollout), got {max_staleness}")
+            raise ValueError(f"max_staleness must be 0 or 1 (one-step asynchronous rollout), got {max_staleness}")
         self.produce = produce
         self.max_staleness = max_staleness
         self.last_step = last_step
         self.versions_of = versions_of  # the policy version of every sample of a produced batch
-        self._pending: Optional[_Pending] = None
-        self._ready: Optional[tuple[int, Any, dict]] = None  # (step, result, metrics) joined, not yet taken
+        self._pending: _Pending | None = None
+        self._ready: tuple[int, Any, dict] | None = None  # (step, result, metrics) joined, not yet taken
 
     # ------------------------------------------------------------------ the trainer's calls
     def take(self, step: int) -> tuple[Any, dict[str, float]]:
@@ -80,17 +85,22 @@ class RolloutScheduler:
                 f"step {step} got samples of policy versions {sorted(set(versions))}: staleness "
                 f"{max(staleness)} exceeds rollout.max_staleness={self.max_staleness}"
             )
-        metrics = {**metrics, **timing, "async/staleness_max": float(max(staleness)),
-                   "async/staleness_mean": sum(staleness) / len(staleness),
-                   "async/policy_version_min": float(min(versions))}
+        metrics = {
+            **metrics,
+            **timing,
+            "async/staleness_max": float(max(staleness)),
+            "async/staleness_mean": sum(staleness) / len(staleness),
+            "async/policy_version_min": float(min(versions)),
+        }
         return result, metrics
 
     def start_next(self, step: int) -> None:
         """Begin generating step ``step``'s batch on the engine's current weights (async mode only)."""
         if self.max_staleness == 0 or step >= self.last_step or self._pending is not None:
             return
-        pending = _Pending(step, threading.Thread(target=self._run, name=f"rollout-step-{step}", daemon=True),
-                           time.perf_counter())
+        pending = _Pending(
+            step, threading.Thread(target=self._run, name=f"rollout-step-{step}", daemon=True), time.perf_counter()
+        )
         self._pending = pending
         pending.thread.start()
 

@@ -14,7 +14,6 @@ Design decisions:
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Optional
 
 import torch
 
@@ -33,15 +32,15 @@ class RolloutBatch:
     shaped_rewards: torch.Tensor  # float [N] after reward shaping
     prompt_lengths: torch.Tensor  # long [N]
     response_lengths: torch.Tensor  # long [N]
-    routed_experts: Optional[torch.Tensor] = None  # int [N, S-1, layers, k] from the engine (R3)
-    old_log_probs: Optional[torch.Tensor] = None  # float [N, S-1], filled by the trainer
-    policy_versions: Optional[torch.Tensor] = None  # long [N]: the engine weight version of each sample
+    routed_experts: torch.Tensor | None = None  # int [N, S-1, layers, k] from the engine (R3)
+    old_log_probs: torch.Tensor | None = None  # float [N, S-1], filled by the trainer
+    policy_versions: torch.Tensor | None = None  # long [N]: the engine weight version of each sample
 
     @property
     def num_sequences(self) -> int:
         return self.tokens.shape[0]
 
-    def rows(self, index: slice) -> "RolloutBatch":
+    def rows(self, index: slice) -> RolloutBatch:
         """The sub-batch of rows ``index`` (a slice), every tensor field sliced alike."""
         values = {}
         for f in fields(self):
@@ -106,8 +105,15 @@ def pack_samples(
     )
 
 
-def partition(batch: RolloutBatch, updates: int, micro_batch_size: int, dp_size: int, dp_rank: int,
-              micro_batch_tokens: Optional[int] = None, seq_multiple: int = 1) -> list[list[dict]]:
+def partition(
+    batch: RolloutBatch,
+    updates: int,
+    micro_batch_size: int,
+    dp_size: int,
+    dp_rank: int,
+    micro_batch_tokens: int | None = None,
+    seq_multiple: int = 1,
+) -> list[list[dict]]:
     """This rank's micro-batches, per mini-batch (one mini-batch per optimizer update).
 
     The old-log-prob pass runs over exactly these micro-batches (flattened), so whatever it records
@@ -126,15 +132,19 @@ def partition(batch: RolloutBatch, updates: int, micro_batch_size: int, dp_size:
         if micro_batch_tokens is not None:
             data_parallel_slice(per_update, dp_size, dp_rank)  # the same divisibility check
             lengths = (batch.prompt_lengths + batch.response_lengths)[first : first + per_update]
-            plans = token_budget_plan(lengths, first, dp_size, micro_batch_tokens, multiple=seq_multiple,
-                                      max_width=batch.tokens.shape[1])
+            plans = token_budget_plan(
+                lengths, first, dp_size, micro_batch_tokens, multiple=seq_multiple, max_width=batch.tokens.shape[1]
+            )
             out.append([micro_batch(batch, plan.rows[dp_rank], plan.width) for plan in plans])
             continue
         rows = data_parallel_slice(per_update, dp_size, dp_rank)
         start = first + rows.start
-        out.append([micro_batch(batch, torch.arange(i, min(i + micro_batch_size, first + rows.stop)),
-                                batch.tokens.shape[1])
-                    for i in range(start, first + rows.stop, micro_batch_size)])
+        out.append(
+            [
+                micro_batch(batch, torch.arange(i, min(i + micro_batch_size, first + rows.stop)), batch.tokens.shape[1])
+                for i in range(start, first + rows.stop, micro_batch_size)
+            ]
+        )
     return out
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -35,7 +34,7 @@ def checkpoint_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def latest_checkpoint(run_dir: str | Path) -> Optional[Path]:
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
     root = checkpoint_root(run_dir)
     pointer = root / "latest"
     if not pointer.is_file():
@@ -60,8 +59,9 @@ def read_trainer_state(path: Path) -> dict:
         return torch.load(path / STATE_FILE, weights_only=True)
 
 
-def save_checkpoint(run_dir, step: int, model, optimizer, trainer_state: dict, keep_last: int, is_driver: bool,
-                    run_id: str = "") -> Path:
+def save_checkpoint(
+    run_dir, step: int, model, optimizer, trainer_state: dict, keep_last: int, is_driver: bool, run_id: str = ""
+) -> Path:
     from megatron.core import dist_checkpointing
 
     root = checkpoint_root(run_dir)
@@ -100,8 +100,11 @@ def checkpoint_run_id(path: Path) -> str:
 def _prune(root: Path, keep_last: int, run_id: str) -> None:
     if keep_last < 1:
         return
-    complete = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".partial")
-                      and checkpoint_run_id(p) == run_id)
+    complete = sorted(
+        p
+        for p in root.glob("step_*")
+        if p.is_dir() and not p.name.endswith(".partial") and checkpoint_run_id(p) == run_id
+    )
     for old in complete[:-keep_last]:
         shutil.rmtree(old)
 

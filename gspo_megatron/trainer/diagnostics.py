@@ -27,8 +27,6 @@ Only the driver writes ``routing.jsonl``.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
@@ -49,7 +47,7 @@ class RoutingDiagnostics:
         self.mesh = mesh
         self.old: list[list[torch.Tensor]] = []  # per old-pass micro-batch: per layer [tokens, k]
         self.old_masks: list[torch.Tensor] = []
-        self.previous: Optional[list] = None
+        self.previous: list | None = None
         self.step_records: list[tuple[str, RoutingVolatility, object]] = []
 
     # --- old-policy routing --------------------------------------------------------------------
@@ -58,7 +56,7 @@ class RoutingDiagnostics:
         """pi_old is the engine's (``algorithm.old_log_probs=rollout``): no old-policy pass runs."""
         return self.c.cfg.algorithm.old_log_probs == "rollout"
 
-    def remember_old_routing(self, recorded: Optional[list], micro_batches: list[dict]) -> None:
+    def remember_old_routing(self, recorded: list | None, micro_batches: list[dict]) -> None:
         self.old = recorded or []
         self.old_masks = [_token_mask(mb, self.mesh) for mb in micro_batches]
         self.step_records = []
@@ -98,11 +96,12 @@ class RoutingDiagnostics:
             return update == 0 and any(self.due(kind, step) for kind in kinds)
         return update == 1 and self.due("update", step)
 
-    def from_training_forward(self, recorded: list, old_offset: int, micro_batches: list[dict], targets_of,
-                              step: int) -> None:
+    def from_training_forward(
+        self, recorded: list, old_offset: int, micro_batches: list[dict], targets_of, step: int
+    ) -> None:
         if self._engine_old_policy:
             self.old = recorded  # the old policy's routing of the first mini-batch
-            self.rollout_vs_train(step, micro_batches, targets_of)
+            self.rollout_vs_train(step, micro_batches, targets_of, recorded)
             return
         masks = self.old_masks[old_offset : old_offset + len(recorded)]
         base = self.old[old_offset : old_offset + len(recorded)]
@@ -110,8 +109,11 @@ class RoutingDiagnostics:
 
     def after_update(self, update: int, step: int, first_micro_batches: list[dict]) -> None:
         """Recording pass over the first mini-batch after optimizer step ``update``, when needed."""
-        free = (self.c.cfg.algorithm.routing_replay == "none" and self.c.cfg.trainer.updates_per_rollout > 1
-                and not self._engine_old_policy)
+        free = (
+            self.c.cfg.algorithm.routing_replay == "none"
+            and self.c.cfg.trainer.updates_per_rollout > 1
+            and not self._engine_old_policy
+        )
         want_update = update == 0 and self.due("update", step) and not free
         want_minibatch = self.due("minibatch", step) and self.c.cfg.trainer.updates_per_rollout > 1
         if not (want_update or want_minibatch) or not self.old:
@@ -163,8 +165,11 @@ class RoutingDiagnostics:
             dist.all_gather_object(parts, volatility, group=self.mesh.pp_group)
             # "changed in any layer" is an OR over tokens across stages: not recoverable from counts
             volatility = RoutingVolatility(
-                torch.cat([p.changed_count for p in parts]), torch.cat([p.intersection_count for p in parts]),
-                parts[0].tokens, parts[0].top_k, torch.tensor(-1, dtype=torch.int64),
+                torch.cat([p.changed_count for p in parts]),
+                torch.cat([p.intersection_count for p in parts]),
+                parts[0].tokens,
+                parts[0].top_k,
+                torch.tensor(-1, dtype=torch.int64),
             )
         return volatility
 
@@ -181,14 +186,18 @@ class RoutingDiagnostics:
 
 
 def _moved(volatility: RoutingVolatility, device) -> RoutingVolatility:
-    return RoutingVolatility(volatility.changed_count.to(device), volatility.intersection_count.to(device),
-                             volatility.tokens.to(device), volatility.top_k, volatility.changed_any_count.to(device))
+    return RoutingVolatility(
+        volatility.changed_count.to(device),
+        volatility.intersection_count.to(device),
+        volatility.tokens.to(device),
+        volatility.top_k,
+        volatility.changed_any_count.to(device),
+    )
 
 
 def _compare(before: list, after: list, masks: list) -> RoutingVolatility:
     parts = [
-        routing_volatility(torch.stack(a, dim=1), torch.stack(b, dim=1), m)
-        for a, b, m in zip(before, after, masks)
+        routing_volatility(torch.stack(a, dim=1), torch.stack(b, dim=1), m) for a, b, m in zip(before, after, masks)
     ]
     return RoutingVolatility.merge_all(parts)
 

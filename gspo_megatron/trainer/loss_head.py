@@ -33,8 +33,12 @@ class LogProbHead:
     def __call__(self, logits: torch.Tensor, batch: dict):
         with torch.no_grad():
             log_probs, entropy = vocab_parallel_log_probs(
-                logits, batch["targets"], tp_group=self.tp_group, temperature=self.temperature,
-                chunk_size=self.chunk_size, with_entropy=True,
+                logits,
+                batch["targets"],
+                tp_group=self.tp_group,
+                temperature=self.temperature,
+                chunk_size=self.chunk_size,
+                with_entropy=True,
             )
             log_probs, entropy = (gather_sequence(t, self.cp_group) for t in (log_probs, entropy))
         return logits.new_zeros(()), {"log_probs": log_probs, "entropy": entropy, "rows": batch["rows"]}
@@ -58,8 +62,13 @@ class PolicyLossHead:
     def __call__(self, logits: torch.Tensor, batch: dict):
         algorithm = self.algorithm
         log_probs, entropy = vocab_parallel_log_probs(
-            logits, batch["targets"], tp_group=self.tp_group, temperature=self.temperature,
-            chunk_size=algorithm.logprob_chunk_size, with_entropy=True, entropy_grad=algorithm.entropy_coef != 0,
+            logits,
+            batch["targets"],
+            tp_group=self.tp_group,
+            temperature=self.temperature,
+            chunk_size=algorithm.logprob_chunk_size,
+            with_entropy=True,
+            entropy_grad=algorithm.entropy_coef != 0,
         )
         ctx = make_loss_context(
             self.algorithm,
@@ -81,8 +90,9 @@ class PolicyLossHead:
             metrics.update(mean_entries("loss/entropy_term", term.detach(), share))
             loss = loss + term
         if algorithm.kl_coef != 0:
-            term, kl_metrics = kl_penalty(log_probs, batch.get("ref_log_probs"), mask, ctx,
-                                          algorithm.kl_coef, algorithm.kl_estimator)
+            term, kl_metrics = kl_penalty(
+                log_probs, batch.get("ref_log_probs"), mask, ctx, algorithm.kl_coef, algorithm.kl_estimator
+            )
             metrics.update(kl_metrics)
             metrics.update(mean_entries("loss/kl_term", term.detach(), share))
             loss = loss + term

@@ -36,8 +36,9 @@ class MicroBatchPlan:
     width: int  # tokens per row (prompt + response, before the next-token shift)
 
 
-def token_budget_plan(lengths: torch.Tensor, first_row: int, dp_size: int, budget: int, *, multiple: int = 1,
-                      max_width: int | None = None) -> list[MicroBatchPlan]:
+def token_budget_plan(
+    lengths: torch.Tensor, first_row: int, dp_size: int, budget: int, *, multiple: int = 1, max_width: int | None = None
+) -> list[MicroBatchPlan]:
     """The micro-batches of one mini-batch whose rows are ``first_row + i`` with lengths ``lengths[i]``.
 
     ``multiple``: the fed length W - 1 is rounded up to a multiple of it (sequence parallelism splits

@@ -11,15 +11,18 @@ from gspo_megatron.algorithms.mismatch_correction import mismatch_weights, weigh
 from gspo_megatron.trainer.batch import RolloutBatch
 
 
-def correct_mismatch(
-    batch: RolloutBatch, parts: list[list[dict]], algorithm: AlgorithmConfig
-) -> dict[str, float]:
+def correct_mismatch(batch: RolloutBatch, parts: list[list[dict]], algorithm: AlgorithmConfig) -> dict[str, float]:
     """Re-weight the advantages of every micro-batch in ``parts``; returns the weights' metrics."""
     if batch.old_log_probs is None:
         raise RuntimeError("mismatch correction needs the old log-probs: run the old-log-prob pass first")
-    weights, metrics = mismatch_weights(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask,
-                                        algorithm.mismatch_correction, algorithm.mismatch_cap,
-                                        algorithm.log_ratio_clamp)
+    weights, metrics = mismatch_weights(
+        batch.old_log_probs,
+        batch.rollout_log_probs,
+        batch.response_mask,
+        algorithm.mismatch_correction,
+        algorithm.mismatch_cap,
+        algorithm.log_ratio_clamp,
+    )
     for mb in (mb for part in parts for mb in part):
         # token-budget micro-batches hold any rows, cut to their own width
         rows, width = mb["rows"], mb["tokens"].shape[1]

@@ -19,8 +19,8 @@ Design decisions:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -62,15 +62,14 @@ class NonFiniteGuard:
     consecutive: int = 0
     skipped_in_step: int = 0
 
-    def check(self, loss_values: Iterable[torch.Tensor], ddp) -> Optional[str]:
+    def check(self, loss_values: Iterable[torch.Tensor], ddp) -> str | None:
         """Collective: None when loss and gradients are finite on every rank, else what was not."""
-        bad_loss, bad_grad = _any_rank([not _all_finite(loss_values),
-                                        not _all_finite(local_gradient_tensors(ddp))])
+        bad_loss, bad_grad = _any_rank([not _all_finite(loss_values), not _all_finite(local_gradient_tensors(ddp))])
         found = [name for name, bad in (("loss", bad_loss), ("gradients", bad_grad)) if bad]
         return " and ".join(found) + " non-finite" if found else None
 
     @staticmethod
-    def after_step(stepped: bool, grad_norm) -> Optional[str]:
+    def after_step(stepped: bool, grad_norm) -> str | None:
         """What the optimizer itself reported: a skipped step (loss-scaled path) or a non-finite norm."""
         if not stepped:
             return "optimizer skipped the step (non-finite gradients)"
@@ -78,15 +77,17 @@ class NonFiniteGuard:
             return f"gradient norm {float(grad_norm)}"
         return None
 
-    def record(self, problem: Optional[str], where: str) -> None:
+    def record(self, problem: str | None, where: str) -> None:
         """Count a finding (or a clean update); raise ``NonFiniteError`` when the run must stop."""
         if problem is None:
             self.consecutive = 0
             return
         self.consecutive += 1
         self.skipped_in_step += 1
-        advice = ("the latest checkpoint is untouched; lower optimizer.lr or optimizer.clip_grad, or check "
-                  "the rewards and advantages of the failing step")
+        advice = (
+            "the latest checkpoint is untouched; lower optimizer.lr or optimizer.clip_grad, or check "
+            "the rewards and advantages of the failing step"
+        )
         if self.policy == "stop":
             raise NonFiniteError(f"{where}: {problem} (trainer.on_nonfinite=stop); {advice}")
         if self.consecutive >= self.max_consecutive:
@@ -96,7 +97,9 @@ class NonFiniteGuard:
             )
 
     def step_metrics(self) -> dict[str, float]:
-        metrics = {"nonfinite/skipped_updates": float(self.skipped_in_step),
-                   "nonfinite/consecutive": float(self.consecutive)}
+        metrics = {
+            "nonfinite/skipped_updates": float(self.skipped_in_step),
+            "nonfinite/consecutive": float(self.consecutive),
+        }
         self.skipped_in_step = 0
         return metrics

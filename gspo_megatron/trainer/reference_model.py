@@ -23,8 +23,6 @@ Design decisions:
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from gspo_megatron.models.builder import build_model
@@ -36,7 +34,7 @@ from gspo_megatron.trainer.loss_head import LogProbHead
 class ReferenceModel:
     """A frozen GPTModel stage whose routers have no RouterReplay; adds ``ref_log_probs`` to micro-batches."""
 
-    def __init__(self, model_chunk: torch.nn.Module, tp_group, temperature: float, chunk_size: Optional[int]):
+    def __init__(self, model_chunk: torch.nn.Module, tp_group, temperature: float, chunk_size: int | None):
         self.model_chunk = model_chunk
         from megatron.core import parallel_state as ps
 
@@ -48,12 +46,18 @@ class ReferenceModel:
             param.requires_grad_(False)
 
     @classmethod
-    def build(cls, cfg, layout, mesh, policy_source, dtype: torch.dtype) -> "ReferenceModel":
+    def build(cls, cfg, layout, mesh, policy_source, dtype: torch.dtype) -> ReferenceModel:
         """``policy_source``: where the policy's initial weights came from (unless kl_reference is set)."""
         path = cfg.algorithm.kl_reference
         source = SafetensorsSource(path) if path else policy_source
-        chunk = build_model(cfg.model, layout, params_dtype=dtype, layer_spec=cfg.model.layer_spec,
-                            routing_replay=False, initialize=False)
+        chunk = build_model(
+            cfg.model,
+            layout,
+            params_dtype=dtype,
+            layer_spec=cfg.model.layer_spec,
+            routing_replay=False,
+            initialize=False,
+        )
         load_hf_weights(chunk, cfg.model, source, mesh)
         return cls(chunk, mesh.tp_group, cfg.rollout.temperature, cfg.algorithm.logprob_chunk_size)
 
@@ -63,7 +67,6 @@ class ReferenceModel:
         with torch.no_grad():
             outputs = run_schedule([self.model_chunk], micro_batches, self.head, forward_only=True)
         if outputs and len(outputs) != len(micro_batches):
-            raise RuntimeError(
-                f"reference pass returned {len(outputs)} outputs for {len(micro_batches)} micro-batches")
+            raise RuntimeError(f"reference pass returned {len(outputs)} outputs for {len(micro_batches)} micro-batches")
         for mb, out in zip(micro_batches, outputs):
             mb["ref_log_probs"] = out["log_probs"]

@@ -15,13 +15,26 @@ Design decisions:
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 FREE_KEYS = (
-    "run_dir", "logging.", "checkpoint.", "parallel.", "reward.", "routing.", "rollout.sglang.",
-    "rollout.embedded.", "trainer.stop_after_steps", "trainer.eval_every", "trainer.eval_prompts", "trainer.eval_samples",
+    "run_dir",
+    "logging.",
+    "checkpoint.",
+    "parallel.",
+    "reward.",
+    "routing.",
+    "rollout.sglang.",
+    "rollout.embedded.",
+    "trainer.stop_after_steps",
+    "trainer.eval_every",
+    "trainer.eval_prompts",
+    "trainer.eval_samples",
     "trainer.micro_batch_size",
-    "trainer.recompute_activations", "model.hf_checkpoint", "model.preset",
+    "trainer.recompute_activations",
+    "model.hf_checkpoint",
+    "model.preset",
 )
 FIXED_KEYS = ("model.",)
 
@@ -57,8 +70,11 @@ def config_differences(saved_yaml: str, new_yaml: str) -> dict[str, tuple[Any, A
 
     saved = flatten(OmegaConf.to_container(OmegaConf.create(saved_yaml), resolve=True))
     new = flatten(OmegaConf.to_container(OmegaConf.create(new_yaml), resolve=True))
-    return {k: (saved.get(k, ABSENT), new.get(k, ABSENT)) for k in sorted(set(saved) | set(new))
-            if saved.get(k, ABSENT) != new.get(k, ABSENT)}
+    return {
+        k: (saved.get(k, ABSENT), new.get(k, ABSENT))
+        for k in sorted(set(saved) | set(new))
+        if saved.get(k, ABSENT) != new.get(k, ABSENT)
+    }
 
 
 def validate_allow_list(allowed: Iterable[str]) -> None:

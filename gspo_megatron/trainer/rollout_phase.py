@@ -60,7 +60,8 @@ class RolloutPhase:
             collected = collect_informative_groups(
                 lambda round_index: self._draw(step, round_index, prompts_per_step),
                 lambda group: self._has_reward_variance(group, step),
-                prompts_per_step, self.algorithm.dynamic_sampling_max_extra_rounds,
+                prompts_per_step,
+                self.algorithm.dynamic_sampling_max_extra_rounds,
             )
             drawn, extra_metrics = collected.groups, collected.metrics()
         else:
@@ -74,14 +75,19 @@ class RolloutPhase:
         shaped_rewards = rewards + self.shaping.strength(step) * (shaped_rewards - rewards)
         estimator = ADVANTAGE_ESTIMATORS.get(self.algorithm.advantage_estimator)
         context = make_advantage_context(self.algorithm, g)
-        advantage = shaped_advantages(rewards, shaped_rewards, lambda r: estimator(r, context), g,
-                                      self.shaping.combine)
-        batch = pack_samples(samples, advantage.advantages, rewards, shaped_rewards, self.pad_token_id,
-                             with_routed_experts=self.sampling.return_routed_experts)
+        advantage = shaped_advantages(rewards, shaped_rewards, lambda r: estimator(r, context), g, self.shaping.combine)
+        batch = pack_samples(
+            samples,
+            advantage.advantages,
+            rewards,
+            shaped_rewards,
+            self.pad_token_id,
+            with_routed_experts=self.sampling.return_routed_experts,
+        )
         metrics = self._metrics(step, samples, scored, shaped, advantage, batch)
         return batch, {**{k: float(v) for k, v in metrics.items()}, **extra_metrics}
 
-    def _has_reward_variance(self, group: "DrawnGroup", step: int) -> bool:
+    def _has_reward_variance(self, group: DrawnGroup, step: int) -> bool:
         """Whether the rewards the advantages will see (shaping mixed in at this step's strength) differ
         within the group; exact equality, as ``advantage/zero_variance_group_frac`` counts it."""
         rewards = group.shaping.rewards.float()
@@ -91,7 +97,7 @@ class RolloutPhase:
             return _varies(rewards) or _varies(mixed - rewards)
         return _varies(mixed)
 
-    def _draw(self, step: int, round_index: int, prompts: int) -> list["DrawnGroup"]:
+    def _draw(self, step: int, round_index: int, prompts: int) -> list[DrawnGroup]:
         """One generation round: ``prompts`` new prompts -> scored groups. Round 0 uses the step's seed;
         extra rounds (dynamic sampling) offset it, so a resumed run redraws exactly the same samples."""
         records = self.task.next_batch(prompts)
@@ -106,9 +112,18 @@ class RolloutPhase:
         format_ok = torch.tensor([r.format_ok for r in scored])
         g = params.n
         return [
-            DrawnGroup(samples[i : i + g], scored[i : i + g], group_from_samples(
-                samples[i : i + g], rewards[i : i + g], correct[i : i + g], format_ok[i : i + g],
-                texts[i : i + g], params.max_new_tokens))
+            DrawnGroup(
+                samples[i : i + g],
+                scored[i : i + g],
+                group_from_samples(
+                    samples[i : i + g],
+                    rewards[i : i + g],
+                    correct[i : i + g],
+                    format_ok[i : i + g],
+                    texts[i : i + g],
+                    params.max_new_tokens,
+                ),
+            )
             for i in range(0, len(samples), g)
         ]
 
@@ -124,13 +139,16 @@ class RolloutPhase:
             "reward/shaped_mean": shaped_rewards.mean(),
             "reward/shaping_strength": torch.tensor(self.shaping.strength(step)),
             "reward/errors": torch.tensor(float(sum(r.error is not None for r in scored))),
-            **{f"reward/errors/{kind}": torch.tensor(float(sum(r.failure == kind for r in scored)))
-               for kind in FAILURE_KINDS},
+            **{
+                f"reward/errors/{kind}": torch.tensor(float(sum(r.failure == kind for r in scored)))
+                for kind in FAILURE_KINDS
+            },
             "advantage/zero_variance_group_frac": advantage.stats["zero_variance_group_frac"],
             "response/length_mean": batch.response_lengths.float().mean(),
             "response/length_max": batch.response_lengths.float().max(),
             "response/truncated_frac": torch.tensor(
-                sum(s.finish_reason.value == "length" for s in samples) / len(samples)),
+                sum(s.finish_reason.value == "length" for s in samples) / len(samples)
+            ),
         }
         for key, value in shaped.metrics.items():
             if value.numel() == 1:
@@ -142,10 +160,10 @@ class RolloutPhase:
             metrics[f"truncation/exit_{reason}_frac"] = torch.tensor(exit_reasons.count(reason) / len(samples))
         if exit_reasons:  # inserted (forced) tokens, and how many the loss mask actually leaves out
             metrics["truncation/forced_tokens"] = torch.tensor(
-                float(sum(int(s.extra["forced_mask"].sum()) for s in samples)))
+                float(sum(int(s.extra["forced_mask"].sum()) for s in samples))
+            )
             metrics["truncation/loss_masked_tokens"] = batch.response_lengths.sum() - batch.response_mask.sum()
-            metrics["truncation/probes_mean"] = torch.tensor(
-                sum(s.extra["num_probes"] for s in samples) / len(samples))
+            metrics["truncation/probes_mean"] = torch.tensor(sum(s.extra["num_probes"] for s in samples) / len(samples))
         return metrics
 
     def _score(self, texts: list[str], records: list[PromptRecord]):

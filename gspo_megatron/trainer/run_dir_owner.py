@@ -24,7 +24,6 @@ import socket
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from gspo_megatron.routing.run_dir import CONFIG_FILE, METRICS_FILE, ROUTING_FILE
 
@@ -50,7 +49,7 @@ def new_run_id() -> str:
     return uuid.uuid4().hex
 
 
-def _process_start(pid: int) -> Optional[str]:
+def _process_start(pid: int) -> str | None:
     """Start time of ``pid`` in clock ticks since boot (Linux), or None where /proc cannot say."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -75,7 +74,7 @@ class RunDirLock:
     owner: dict
 
     @classmethod
-    def acquire(cls, run_dir: Path) -> "RunDirLock":
+    def acquire(cls, run_dir: Path) -> RunDirLock:
         run_dir.mkdir(parents=True, exist_ok=True)
         path = run_dir / LOCK_FILE
         me = {"host": socket.gethostname(), "pid": os.getpid(), "start": _process_start(os.getpid())}
@@ -141,7 +140,7 @@ class RunClaim:
     """What the driver holds for the length of a run: the lock, and the checkpoint it resumes (if any)."""
 
     lock: RunDirLock
-    resume_from: Optional[Path]
+    resume_from: Path | None
     accepted_changes: list[str]
 
     def release(self) -> None:
@@ -169,8 +168,9 @@ def claim_run_dir(run_dir: Path, section, config_yaml: str) -> RunClaim:
             check_fresh_start(run_dir, section.overwrite)
             return RunClaim(lock, None, [])
         saved = read_trainer_state(latest).get("config")
-        accepted = [] if saved is None else check_resume_config(
-            saved, config_yaml, section.resume_allow_changes, str(latest))
+        accepted = (
+            [] if saved is None else check_resume_config(saved, config_yaml, section.resume_allow_changes, str(latest))
+        )
         return RunClaim(lock, latest, accepted)
     except BaseException:
         lock.release()

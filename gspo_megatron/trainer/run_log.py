@@ -10,13 +10,22 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Optional
 
 from gspo_megatron.routing.run_dir import CONFIG_FILE, METRICS_FILE, JsonlLog, drop_records_from_step, read_jsonl
 
+
 class RunLog:
-    def __init__(self, run_dir: Path, total_steps: int, *, tensorboard: bool, wandb_project: Optional[str],
-                 progress: bool, config_yaml: str, resume_step: int = 0):
+    def __init__(
+        self,
+        run_dir: Path,
+        total_steps: int,
+        *,
+        tensorboard: bool,
+        wandb_project: str | None,
+        progress: bool,
+        config_yaml: str,
+        resume_step: int = 0,
+    ):
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         self.config_yaml = config_yaml  # written by ``write_config`` once a resumed checkpoint has loaded
@@ -75,7 +84,7 @@ class RunLog:
         plot = self._plot()
         return summary_text(self.history, time.monotonic() - self.started, plot)
 
-    def _plot(self) -> Optional[Path]:
+    def _plot(self) -> Path | None:
         if not self.history:
             return None
         import matplotlib
@@ -102,14 +111,14 @@ class RunLog:
         return path
 
 
-def _number(value) -> Optional[float]:
+def _number(value) -> float | None:
     try:
         return float(value)
     except (TypeError, ValueError):
         return None
 
 
-def summary_text(history: list[dict], wall_s: float, plot: Optional[Path]) -> str:
+def summary_text(history: list[dict], wall_s: float, plot: Path | None) -> str:
     if not history:
         return "no steps were run"
 
@@ -117,21 +126,26 @@ def summary_text(history: list[dict], wall_s: float, plot: Optional[Path]) -> st
         values = [r[key] for r in history if r.get(key) is not None]
         if not values:
             return float("nan")
-        part = values[: max(1, len(values) // 5)] if first else values[-max(1, len(values) // 5):]
+        part = values[: max(1, len(values) // 5)] if first else values[-max(1, len(values) // 5) :]
         return sum(part) / len(part)
 
     lines = [
         "=" * 64,
         f"gspo-megatron run summary: {len(history)} steps in {wall_s / 60:.1f} min",
-        f"  reward/mean       first 20%: {window('reward/mean', True):.3f}   last 20%: {window('reward/mean', False):.3f}",
-        f"  response length   first 20%: {window('response/length_mean', True):.2f}   last 20%: {window('response/length_mean', False):.2f}",
-        f"  clip frac (seq)   mean: {window('loss/clip_frac_seq', False):.4f}   (token) {window('loss/clip_frac_token', False):.4f}",
+        f"  reward/mean       first 20%: {window('reward/mean', True):.3f}"
+        f"   last 20%: {window('reward/mean', False):.3f}",
+        f"  response length   first 20%: {window('response/length_mean', True):.2f}"
+        f"   last 20%: {window('response/length_mean', False):.2f}",
+        f"  clip frac (seq)   mean: {window('loss/clip_frac_seq', False):.4f}"
+        f"   (token) {window('loss/clip_frac_token', False):.4f}",
     ]
     gaps = [r["loss/ratio_token_seq_gap"] for r in history if r.get("loss/ratio_token_seq_gap") is not None]
     if gaps:  # 0 for one-token answers, where GSPO's sequence ratio is GRPO's token ratio
-        lines.append(f"  sequence vs token ratio: mean |w_t - s_i| = {sum(gaps) / len(gaps):.4g} "
-                     f"(token ratio spread E[(w-1)^2] {window('loss/ratio_var_token/len_5_16', False):.3g} vs "
-                     f"sequence {window('loss/ratio_var_seq/len_5_16', False):.3g} at 5-16 tokens)")
+        lines.append(
+            f"  sequence vs token ratio: mean |w_t - s_i| = {sum(gaps) / len(gaps):.4g} "
+            f"(token ratio spread E[(w-1)^2] {window('loss/ratio_var_token/len_5_16', False):.3g} vs "
+            f"sequence {window('loss/ratio_var_seq/len_5_16', False):.3g} at 5-16 tokens)"
+        )
     evals = [r for r in history if r.get("eval/pass@1") is not None]
     if evals:
         lines.append(f"  eval pass@1       first: {evals[0]['eval/pass@1']:.3f}   last: {evals[-1]['eval/pass@1']:.3f}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -42,15 +41,15 @@ class Components:
     model: list  # [ddp] as megatron's schedules want it
     optimizer: object
     scheduler: object
-    replay: Optional[RoutingReplay]
+    replay: RoutingReplay | None
     stage_moe_layers: list[int]
     weight_bucket_bytes: int
     engine: object = None
     task: object = None
-    rollout: Optional[RolloutPhase] = None
-    run_log: Optional[RunLog] = None
-    routing_log: Optional[RoutingLog] = None
-    reference: Optional[ReferenceModel] = None  # frozen KL reference; None unless algorithm.kl_coef > 0
+    rollout: RolloutPhase | None = None
+    run_log: RunLog | None = None
+    routing_log: RoutingLog | None = None
+    reference: ReferenceModel | None = None  # frozen KL reference; None unless algorithm.kl_coef > 0
 
     def close(self) -> None:
         """Stop what the run started: reward workers, the engine (and servers it launched), groups."""
@@ -90,13 +89,18 @@ def stage_moe_layers(model_chunk) -> list[int]:
     return layers
 
 
-def build(cfg: TrainConfig, run_dir: Path, config_yaml: str, world_size: Optional[int] = None) -> Components:
+def build(cfg: TrainConfig, run_dir: Path, config_yaml: str, world_size: int | None = None) -> Components:
     layout = cfg.parallel.layout(world_size or world_size_from_env()).validate(cfg.model)
     mesh = initialize_parallel(layout, seed=cfg.trainer.seed)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
     instances_before = RoutingReplay.instance_count()
-    model_chunk = build_model(cfg.model, layout, params_dtype=dtype, layer_spec=cfg.model.layer_spec,
-                              recompute=cfg.trainer.recompute_activations)
+    model_chunk = build_model(
+        cfg.model,
+        layout,
+        params_dtype=dtype,
+        layer_spec=cfg.model.layer_spec,
+        recompute=cfg.trainer.recompute_activations,
+    )
     replay = RoutingReplay.capture_new_instances(instances_before) if cfg.model.is_moe else None
     source = SafetensorsSource(cfg.model.hf_checkpoint) if cfg.model.hf_checkpoint else random_hf_weights(cfg)
     load_hf_weights(model_chunk, cfg.model, source, mesh)
@@ -105,10 +109,19 @@ def build(cfg: TrainConfig, run_dir: Path, config_yaml: str, world_size: Optiona
     total_updates = cfg.trainer.steps * cfg.trainer.updates_per_rollout
     optimizer, scheduler = build_optimizer(ddp, cfg.optimizer, total_updates)
     components = Components(
-        cfg=cfg, mesh=mesh, run_dir=run_dir, config_yaml=config_yaml, model_chunk=model_chunk, ddp=ddp,
-        model=[ddp], optimizer=optimizer, scheduler=scheduler, replay=replay,
+        cfg=cfg,
+        mesh=mesh,
+        run_dir=run_dir,
+        config_yaml=config_yaml,
+        model_chunk=model_chunk,
+        ddp=ddp,
+        model=[ddp],
+        optimizer=optimizer,
+        scheduler=scheduler,
+        replay=replay,
         stage_moe_layers=stage_moe_layers(model_chunk),
-        weight_bucket_bytes=cfg.rollout.sglang.weight_bucket_bytes, reference=reference,
+        weight_bucket_bytes=cfg.rollout.sglang.weight_bucket_bytes,
+        reference=reference,
     )
     if mesh.is_driver:
         _build_driver_side(components)
@@ -126,28 +139,44 @@ def _build_driver_side(c: Components) -> None:
     c.task = build_task(cfg.task, tokenizer)
     c.engine = _build_engine(cfg, tokenizer)
     sampling = SamplingParams(
-        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-        max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=tuple(tokenizer.stop_token_ids),
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        stop_token_ids=tuple(tokenizer.stop_token_ids),
         n=cfg.rollout.group_size,
-        return_routed_experts=cfg.rollout.return_routed_experts or cfg.algorithm.routing_replay == "rollout"
+        return_routed_experts=cfg.rollout.return_routed_experts
+        or cfg.algorithm.routing_replay == "rollout"
         or "rollout_vs_train" in cfg.routing.kinds,
     )
     generate_fn = None
     if cfg.rollout.truncated:
         from gspo_megatron.rollout.truncated import TruncatedRolloutEngine
 
-        generate_fn = TruncatedRolloutEngine(c.engine, cfg.rollout.truncation, tokenizer.encode, tokenizer.decode).generate
+        generate_fn = TruncatedRolloutEngine(
+            c.engine, cfg.rollout.truncation, tokenizer.encode, tokenizer.decode
+        ).generate
     c.rollout = RolloutPhase(
-        engine=c.engine, task=c.task, tokenizer=tokenizer,
+        engine=c.engine,
+        task=c.task,
+        tokenizer=tokenizer,
         rewards=RewardPool(cfg.shaping.reward_name(cfg.task.reward or c.task.reward), cfg.reward),
-        algorithm=cfg.algorithm, shaping=cfg.shaping, sampling=sampling, seed=cfg.trainer.seed,
-        pad_token_id=tokenizer.pad_token_id, generate_fn=generate_fn,
+        algorithm=cfg.algorithm,
+        shaping=cfg.shaping,
+        sampling=sampling,
+        seed=cfg.trainer.seed,
+        pad_token_id=tokenizer.pad_token_id,
+        generate_fn=generate_fn,
     )
     resume_step = _resume_step(c)
     c.run_log = RunLog(
-        c.run_dir, cfg.trainer.steps, tensorboard=cfg.logging.tensorboard,
+        c.run_dir,
+        cfg.trainer.steps,
+        tensorboard=cfg.logging.tensorboard,
         wandb_project=cfg.logging.wandb_project if cfg.logging.wandb else None,
-        progress=cfg.logging.progress, config_yaml=c.config_yaml, resume_step=resume_step,
+        progress=cfg.logging.progress,
+        config_yaml=c.config_yaml,
+        resume_step=resume_step,
     )
     drop_records_from_step(c.run_dir / ROUTING_FILE, resume_step + 1)
     if cfg.routing.enabled and cfg.model.is_moe:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -37,10 +36,10 @@ class SignalWatch:
     """Context manager: records the first SIGTERM/SIGINT; a second one interrupts immediately."""
 
     def __init__(self):
-        self.signum: Optional[int] = None
+        self.signum: int | None = None
         self._previous: dict[int, object] = {}
 
-    def __enter__(self) -> "SignalWatch":
+    def __enter__(self) -> SignalWatch:
         if threading.current_thread() is threading.main_thread():
             for signum in WATCHED:
                 self._previous[signum] = signal.signal(signum, self._handle)
@@ -56,8 +55,12 @@ class SignalWatch:
         if self.signum is not None:
             raise TrainingInterrupted(signum, f"{name} received twice: abandoned the current step")
         self.signum = signum
-        print(f"[gspo] {name} received: finishing the current step, then saving and stopping "
-              f"(send it again to stop at once)", file=sys.stderr, flush=True)
+        print(
+            f"[gspo] {name} received: finishing the current step, then saving and stopping "
+            f"(send it again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def agreed_signal(self) -> int:
         """Collective over all ranks: the signal any rank received (0 if none)."""

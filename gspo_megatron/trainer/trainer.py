@@ -21,7 +21,6 @@ import signal
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -39,15 +38,15 @@ from gspo_megatron.trainer.checkpoint import latest_checkpoint, load_checkpoint,
 from gspo_megatron.trainer.diagnostics import RoutingDiagnostics
 from gspo_megatron.trainer.engine_old_log_probs import use_engine_log_probs
 from gspo_megatron.trainer.loss_head import LogProbHead, PolicyLossHead
+from gspo_megatron.trainer.micro_batches import sequence_multiple, step_padded_fraction
 from gspo_megatron.trainer.mismatch_phase import correct_mismatch
 from gspo_megatron.trainer.nonfinite import NonFiniteError, NonFiniteGuard, parameters_finite
 from gspo_megatron.trainer.run_dir_owner import RunDirError, new_run_id, resume_mode
 from gspo_megatron.trainer.signals import SignalWatch, TrainingInterrupted
-from gspo_megatron.trainer.micro_batches import sequence_multiple, step_padded_fraction
 
 
 class RLTrainer:
-    def __init__(self, components, signals: Optional[SignalWatch] = None):
+    def __init__(self, components, signals: SignalWatch | None = None):
         """``components`` is a ``trainer.setup.Components`` (built by ``trainer.setup.build``);
         ``signals``, if given, is looked at between steps (SIGTERM/SIGINT: save and stop)."""
         self.c = components
@@ -65,7 +64,8 @@ class RLTrainer:
                 lambda step: components.rollout.run(step, self.cfg.trainer.prompts_per_step),
                 # bounded by trainer.steps, not stop_after_steps: a job stopped early still prefetches
                 # (and checkpoints) the batch the uninterrupted run would train next
-                rollout.max_staleness if rollout.async_rollout else 0, self.cfg.trainer.steps,
+                rollout.max_staleness if rollout.async_rollout else 0,
+                self.cfg.trainer.steps,
                 versions_of=lambda batch: batch.policy_versions.tolist(),
             )
         self.nonfinite = NonFiniteGuard(self.cfg.trainer.on_nonfinite, self.cfg.trainer.max_consecutive_nonfinite)
@@ -104,7 +104,7 @@ class RLTrainer:
         t = self.cfg.trainer
         return t.steps if t.stop_after_steps is None else min(t.steps, t.stop_after_steps)
 
-    def _stop_if_signalled(self, saved: Optional[Path]) -> None:
+    def _stop_if_signalled(self, saved: Path | None) -> None:
         """Collective: when any rank got SIGTERM/SIGINT, save (unless just saved) and raise."""
         signum = self.signals.agreed_signal() if self.signals is not None else 0
         if not signum:
@@ -122,8 +122,15 @@ class RLTrainer:
             batch, metrics = self._rollout()
         batch = pad_for_context_parallel(batch, self.mesh.layout.cp)
         t, layout = self.cfg.trainer, self.mesh.layout
-        parts = partition(batch, t.updates_per_rollout, t.micro_batch_size, layout.dp, self.mesh.dp_rank,
-                          t.micro_batch_tokens, sequence_multiple(layout))
+        parts = partition(
+            batch,
+            t.updates_per_rollout,
+            t.micro_batch_size,
+            layout.dp,
+            self.mesh.dp_rank,
+            t.micro_batch_tokens,
+            sequence_multiple(layout),
+        )
         metrics["batch/padded_token_frac"] = step_padded_fraction(batch, parts, layout.dp)
         with _timed(timings, "old_logp"):
             old_metrics = self._old_log_probs(batch, parts)
@@ -172,8 +179,12 @@ class RLTrainer:
         if cfg.algorithm.old_log_probs == "rollout":
             self.diagnostics.remember_old_routing(None, flat)
             return use_engine_log_probs(batch, flat)
-        head = LogProbHead(mesh.tp_group, cfg.rollout.temperature, cfg.algorithm.logprob_chunk_size,
-                           cp_group=mesh.cp_group if mesh.layout.cp > 1 else None)
+        head = LogProbHead(
+            mesh.tp_group,
+            cfg.rollout.temperature,
+            cfg.algorithm.logprob_chunk_size,
+            cp_group=mesh.cp_group if mesh.layout.cp > 1 else None,
+        )
         before = None
         if replay is not None:
             if mode == "rollout":  # observed: what the trainer routed with, for rollout_vs_train
@@ -217,8 +228,13 @@ class RLTrainer:
 
         layout = self.mesh.layout
         return rollout_targets(
-            micro_batch["routed_experts"], self.c.stage_moe_layers, self.mesh.tp_rank,
-            layout.tp, layout.use_sequence_parallel, layout.cp, self.mesh.cp_rank if layout.cp > 1 else 0,
+            micro_batch["routed_experts"],
+            self.c.stage_moe_layers,
+            self.mesh.tp_rank,
+            layout.tp,
+            layout.use_sequence_parallel,
+            layout.cp,
+            self.mesh.cp_rank if layout.cp > 1 else 0,
         )
 
     def _policy_updates(self, batch: RolloutBatch, parts: list[list[dict]]) -> dict:
@@ -231,7 +247,8 @@ class RLTrainer:
             mask = batch.response_mask[update * per_update : (update + 1) * per_update]
             head = PolicyLossHead(
                 cfg.algorithm if self.clip_controller is None else self.clip_controller.apply(cfg.algorithm),
-                mesh.tp_group, None if mesh.layout.cp == 1 else mesh.cp_group,
+                mesh.tp_group,
+                None if mesh.layout.cp == 1 else mesh.cp_group,
                 cfg.rollout.temperature,
                 global_num_sequences=(mask.sum(1) > 0).sum().float(),
                 global_num_tokens=mask.sum(),
@@ -244,8 +261,9 @@ class RLTrainer:
             self.c.optimizer.zero_grad()
             outputs = run_schedule(self.c.model, mbs, head, forward_only=False, before_forward=before)
             if record:
-                self.diagnostics.from_training_forward(self.c.replay.recorded(), offset, mbs,
-                                                        self._rollout_targets, self.step)
+                self.diagnostics.from_training_forward(
+                    self.c.replay.recorded(), offset, mbs, self._rollout_targets, self.step
+                )
             if self.c.replay is not None:
                 self.c.replay.assert_fully_consumed()
                 self.c.replay.stop()
@@ -287,33 +305,41 @@ class RLTrainer:
             replay.load_targets(self.diagnostics.old_routing_for(offset, len(mbs)))
         return replay.before_forward
 
-    def _reduce_loss_metrics(self, merged: Optional[dict]) -> dict:
+    def _reduce_loss_metrics(self, merged: dict | None) -> dict:
         """Sum/min/max over micro-batches (done) and data-parallel ranks, then to the driver."""
         payload = [None]
         if merged is not None:
             layout = self.mesh.layout
             # sums are CP-complete already (sequence sums); token min/max also span the CP group
-            reduced = merged if layout.dp * layout.cp == 1 else all_reduce_metrics(
-                merged, self.mesh.dp_group, extremum_group=self.mesh.dp_cp_group)
+            reduced = (
+                merged
+                if layout.dp * layout.cp == 1
+                else all_reduce_metrics(merged, self.mesh.dp_group, extremum_group=self.mesh.dp_cp_group)
+            )
             # a response-length bucket with no response this step is left out (not logged as NaN)
-            final = {f"loss/{k}" if not k.startswith(("loss/", "entropy")) else k: float(v)
-                     for k, v in finalize_metrics(reduced).items()
-                     if not (k.startswith("ratio_var_") and math.isnan(float(v)))}
+            final = {
+                f"loss/{k}" if not k.startswith(("loss/", "entropy")) else k: float(v)
+                for k, v in finalize_metrics(reduced).items()
+                if not (k.startswith("ratio_var_") and math.isnan(float(v)))
+            }
             for unit in ("token", "seq"):  # the run-dir format's headline clip fractions
-                final[f"loss/clip_frac_{unit}"] = final[f"loss/clip_frac_{unit}_low"] + final[f"loss/clip_frac_{unit}_high"]
+                final[f"loss/clip_frac_{unit}"] = (
+                    final[f"loss/clip_frac_{unit}_low"] + final[f"loss/clip_frac_{unit}_high"]
+                )
             payload = [final]
         if self.mesh.layout.pp > 1:
             dist.broadcast_object_list(payload, src=self.mesh.last_stage_global_rank, group=self.mesh.pp_group)
         return payload[0] or {}
 
-    def sync_weights(self, version: Optional[int] = None) -> None:
+    def sync_weights(self, version: int | None = None) -> None:
         """Stream the policy's HF-named weights into the rollout engine (collective on all ranks).
         ``version``: optimizer steps trained into the weights (default: after this step's update)."""
         version = self.step + 1 if version is None else version
         if self.rollouts is not None:
             self.rollouts.before_weight_sync()  # an in-flight generation finishes on the old weights
-        buckets = export_hf_weights(self.c.model_chunk, self.cfg.model, self.mesh,
-                                    bucket_bytes=self.c.weight_bucket_bytes)
+        buckets = export_hf_weights(
+            self.c.model_chunk, self.cfg.model, self.mesh, bucket_bytes=self.c.weight_bucket_bytes
+        )
         if self.mesh.is_driver:
             self.c.engine.update_weights((item for bucket in buckets for item in bucket), version)
         else:
@@ -324,9 +350,13 @@ class RLTrainer:
         payload = [None]
         if self.mesh.is_driver:
             records = self.c.task.eval_records(self.cfg.trainer.eval_prompts)
-            params = replace(self.c.rollout.sampling, n=self.cfg.trainer.eval_samples,
-                             temperature=self.cfg.rollout.eval_temperature,
-                             seed=self.cfg.trainer.seed, return_routed_experts=False)
+            params = replace(
+                self.c.rollout.sampling,
+                n=self.cfg.trainer.eval_samples,
+                temperature=self.cfg.rollout.eval_temperature,
+                seed=self.cfg.trainer.seed,
+                return_routed_experts=False,
+            )
             payload = [self.c.rollout.evaluate(records, params)]
         dist.broadcast_object_list(payload, src=0)
         return payload[0]
@@ -334,8 +364,10 @@ class RLTrainer:
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
         if not parameters_finite(self.c.model_chunk):  # collective: every rank refuses together
-            raise NonFiniteError(f"step {self.step}: the parameters hold non-finite values; refusing to write "
-                                 "a checkpoint (the latest one is untouched)")
+            raise NonFiniteError(
+                f"step {self.step}: the parameters hold non-finite values; refusing to write "
+                "a checkpoint (the latest one is untouched)"
+            )
         state = {
             "scheduler": self.c.scheduler.state_dict(),
             "task": self.c.task.state_dict() if self.mesh.is_driver else None,
@@ -343,8 +375,16 @@ class RLTrainer:
             "clip_controller": self.clip_controller.state_dict() if self.clip_controller else None,
             "rollout_scheduler": self.rollouts.state_dict() if self.rollouts is not None else None,
         }
-        return save_checkpoint(self.c.run_dir, self.step, self.c.model_chunk, self.c.optimizer, state,
-                               self.cfg.checkpoint.keep_last, self.mesh.is_driver, run_id=self.run_id)
+        return save_checkpoint(
+            self.c.run_dir,
+            self.step,
+            self.c.model_chunk,
+            self.c.optimizer,
+            state,
+            self.cfg.checkpoint.keep_last,
+            self.mesh.is_driver,
+            run_id=self.run_id,
+        )
 
     def export_hf(self) -> Path:
         """The policy as a HF checkpoint in ``<run>/hf_export/`` (collective; replaced atomically)."""
@@ -352,8 +392,13 @@ class RLTrainer:
 
         tokenizer = self.cfg.tokenizer
         out = Path(self.c.run_dir) / "hf_export"
-        return save_hf_checkpoint(self.c.model_chunk, self.cfg.model, self.mesh, out,
-                                  tokenizer_dir=tokenizer.path if tokenizer.kind == "hf" else None)
+        return save_hf_checkpoint(
+            self.c.model_chunk,
+            self.cfg.model,
+            self.mesh,
+            out,
+            tokenizer_dir=tokenizer.path if tokenizer.kind == "hf" else None,
+        )
 
     def _maybe_resume(self) -> None:
         mode = resume_mode(self.cfg.checkpoint.resume)

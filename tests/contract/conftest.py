@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
@@ -92,7 +92,7 @@ def _word_level_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", eos_token="</s>")
 
 
-_REFERENCE: Optional[SGLangReference] = None
+_REFERENCE: SGLangReference | None = None
 
 
 @pytest.fixture(scope="session")

@@ -23,8 +23,14 @@ def _project_bodies() -> list[tuple[str, dict]]:
     bodies = []
     for name, params in settings.items():
         bodies.append((f"project-{name}", build_generate_request([1, 2, 3], params)))
-        bodies.append((f"project-{name}-seeded", build_generate_request([7], params, sampling_seed=2**31 + 5,
-                                                                         skip_special_tokens=True, no_stop_trim=False)))
+        bodies.append(
+            (
+                f"project-{name}-seeded",
+                build_generate_request(
+                    [7], params, sampling_seed=2**31 + 5, skip_special_tokens=True, no_stop_trim=False
+                ),
+            )
+        )
     return bodies
 
 
@@ -90,6 +96,7 @@ def test_double_accepts_exactly_what_sglang_accepts(sglang_reference):
             response = http.post("/generate", json=body)
             assert response.status_code in (200, 400), f"{name}: double answered {response.status_code}"
             if sglang.accepted != (response.status_code == 200):
-                disagreements.append(f"{name}: SGLang {sglang.reason!r}, double HTTP {response.status_code} "
-                                     f"{response.text[:120]}")
+                disagreements.append(
+                    f"{name}: SGLang {sglang.reason!r}, double HTTP {response.status_code} {response.text[:120]}"
+                )
     assert not disagreements, "the double and SGLang disagree:\n" + "\n".join(disagreements)

@@ -15,8 +15,12 @@ from gspo_megatron.rollout.sglang.weight_sync import bucket_metadata
 
 LAUNCH_CASES = {
     "plain": dict(tp=1, enable_return_routed_experts=False, enable_deterministic_inference=False, extra_args=()),
-    "r3-deterministic": dict(tp=4, enable_return_routed_experts=True, enable_deterministic_inference=True,
-                             extra_args=("--mem-fraction-static", "0.7", "--disable-radix-cache")),
+    "r3-deterministic": dict(
+        tp=4,
+        enable_return_routed_experts=True,
+        enable_deterministic_inference=True,
+        extra_args=("--mem-fraction-static", "0.7", "--disable-radix-cache"),
+    ),
 }
 
 
@@ -47,8 +51,17 @@ def _control_bodies() -> list[tuple[str, dict]]:
     tensors = [("model.layers.0.mlp.experts.w1", torch.zeros(2, 3, dtype=torch.bfloat16)), ("lm_head", torch.zeros(4))]
     return [
         ("/update_weights_from_distributed", bucket_metadata(tensors, "gspo_weight_update", 7)),
-        ("/init_weights_update_group", {"master_address": "10.0.0.1", "master_port": 29600, "rank_offset": 1,
-                                        "world_size": 3, "group_name": "gspo_weight_update", "backend": "nccl"}),
+        (
+            "/init_weights_update_group",
+            {
+                "master_address": "10.0.0.1",
+                "master_port": 29600,
+                "rank_offset": 1,
+                "world_size": 3,
+                "group_name": "gspo_weight_update",
+                "backend": "nccl",
+            },
+        ),
         ("/destroy_weights_update_group", {"group_name": "gspo_weight_update"}),
         ("/update_weights_from_disk", {"model_path": "/abs/sync/v7", "weight_version": "7", "flush_cache": False}),
         ("/begin_weight_update", {}),
@@ -60,17 +73,22 @@ def _control_bodies() -> list[tuple[str, dict]]:
     ]
 
 
-@pytest.mark.parametrize("path, body", _control_bodies(), ids=[f"{p}-{i}" for i, (p, _) in enumerate(_control_bodies())])
+@pytest.mark.parametrize(
+    "path, body", _control_bodies(), ids=[f"{p}-{i}" for i, (p, _) in enumerate(_control_bodies())]
+)
 def test_every_control_body_passes_sglang_validation(sglang_reference, path, body):
     verdict = sglang_reference.post(path, body)
     assert verdict.accepted, f"SGLang's app refuses the project's {path} body {body}: {verdict.reason}"
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/pause_generation", {"mode": "bogus"}),
-    ("/update_weights_from_distributed", {"names": "a"}),
-    ("/init_weights_update_group", {"master_address": "x"}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/pause_generation", {"mode": "bogus"}),
+        ("/update_weights_from_distributed", {"names": "a"}),
+        ("/init_weights_update_group", {"master_address": "x"}),
+    ],
+)
 def test_invalid_control_bodies_are_refused_by_sglang_and_the_double(sglang_reference, path, body):
     import httpx
 
@@ -98,12 +116,16 @@ def test_response_fields_decode_from_what_sglang_fills(sglang_reference):
     experts = np.arange((len(prompt) + len(output) - 1) * layers * top_k, dtype=np.int32).reshape(-1, layers, top_k)
     encoded = DetokenizerManager._b64_encode_per_request([torch.from_numpy(experts)])[0]
     logprobs = TokenizerManager.detokenize_logprob_tokens(None, [-0.5, -0.25, -1.0, -2.0], output, False)
-    meta = {"output_token_logprobs": [list(entry) for entry in logprobs], "routed_experts": encoded,
-            "finish_reason": FINISH_LENGTH(length=4).to_json()}
+    meta = {
+        "output_token_logprobs": [list(entry) for entry in logprobs],
+        "routed_experts": encoded,
+        "finish_reason": FINISH_LENGTH(length=4).to_json(),
+    }
     spans = compute_weight_version_spans([WeightVersionEvent(old_version="5", num_output_tokens=2)], "6", len(output))
     add_weight_versions_to_meta_info(meta, spans, len(output))
-    result = parse_generate_response({"output_ids": output, "meta_info": meta}, len(prompt),
-                                     routed_experts_layout=(layers, top_k))
+    result = parse_generate_response(
+        {"output_ids": output, "meta_info": meta}, len(prompt), routed_experts_layout=(layers, top_k)
+    )
     assert torch.equal(result.routed_experts, torch.from_numpy(experts))
     assert result.output_log_probs.tolist() == [-0.5, -0.25, -1.0, -2.0]
     assert result.weight_version == 6 and result.oldest_weight_version == 5

@@ -106,7 +106,9 @@ def _dp_rank(ctx):
     dist.init_process_group("gloo")
     log_probs, old, mask, advantages = _cp_inputs()
     rows = slice(0, 2) if ctx.rank == 0 else slice(2, 4)
-    _, _, metrics = _cp_run(log_probs[rows], old[rows], mask[rows], advantages[rows], "grpo", "token_mean", lambda x: x.sum(-1))
+    _, _, metrics = _cp_run(
+        log_probs[rows], old[rows], mask[rows], advantages[rows], "grpo", "token_mean", lambda x: x.sum(-1)
+    )
     return all_reduce_metrics(metrics, group=dist.group.WORLD)
 
 
@@ -114,7 +116,9 @@ def test_context_parallel_losses_match_single_rank():
     log_probs, old, mask, advantages = _cp_inputs()
     results = run_distributed(_cp_rank, 2)
     for loss_name, aggregation in CP_CASES:
-        ref_loss, ref_grad, ref_metrics = _cp_run(log_probs, old, mask, advantages, loss_name, aggregation, lambda x: x.sum(-1))
+        ref_loss, ref_grad, ref_metrics = _cp_run(
+            log_probs, old, mask, advantages, loss_name, aggregation, lambda x: x.sum(-1)
+        )
         assert ref_grad.abs().sum() > 0
         per_rank = [r[(loss_name, aggregation)] for r in results]
         for loss, _, metrics in per_rank:
@@ -130,7 +134,9 @@ def test_all_reduce_metrics_over_data_parallel_ranks_equals_local_merge():
     num_tokens = mask.sum()
     merged = None
     for rows in (slice(0, 2), slice(2, 4)):
-        _, _, metrics = _cp_run(log_probs[rows], old[rows], mask[rows], advantages[rows], "grpo", "token_mean", lambda x: x.sum(-1))
+        _, _, metrics = _cp_run(
+            log_probs[rows], old[rows], mask[rows], advantages[rows], "grpo", "token_mean", lambda x: x.sum(-1)
+        )
         merged = merge_metrics(merged, metrics)
     results = run_distributed(_dp_rank, 2)
     for reduced in results:

@@ -88,8 +88,13 @@ def engine_vs_megatron_worker(ctx, cfg, state: dict, layout_kwargs: dict) -> dic
     for index, mb in enumerate(micro_batches):
         b = mb["tokens"].shape[0]
         rows = slice(index * b, (index + 1) * b)
-        targets = rollout_targets(engine_routing[rows].clamp_min(0), list(range(len(moe_layer_indices(cfg)))),
-                                  mesh.tp_rank, layout.tp, layout.use_sequence_parallel)
+        targets = rollout_targets(
+            engine_routing[rows].clamp_min(0),
+            list(range(len(moe_layer_indices(cfg)))),
+            mesh.tp_rank,
+            layout.tp,
+            layout.use_sequence_parallel,
+        )
         mask = _megatron_order(valid[rows], mesh.tp_rank, layout.tp, layout.use_sequence_parallel)
         for target, rec in zip(targets, recorded[index]):
             same = (target.sort(-1).values == rec.sort(-1).values).all(-1)
@@ -117,12 +122,18 @@ def _driver_engine(cfg):
 def _generate(engine) -> list[dict]:
     from gspo_megatron.rollout.types import SamplingParams
 
-    params = SamplingParams(temperature=TEMPERATURE, max_new_tokens=MAX_NEW_TOKENS, n=SAMPLES_PER_PROMPT, seed=42,
-                            return_routed_experts=True)
+    params = SamplingParams(
+        temperature=TEMPERATURE,
+        max_new_tokens=MAX_NEW_TOKENS,
+        n=SAMPLES_PER_PROMPT,
+        seed=42,
+        return_routed_experts=True,
+    )
     groups = engine.generate(PROMPTS, params)
     return [
         {"prompt": s.prompt_ids, "output": s.output_ids, "log_probs": s.output_log_probs, "routed": s.routed_experts}
-        for group in groups for s in group
+        for group in groups
+        for s in group
     ]
 
 
@@ -184,8 +195,9 @@ def test_engine_matches_megatron(setup, name):
         for row, sample in enumerate(samples):
             start = len(sample["prompt"]) - 1  # the target of input position p-1 is output token 0
             scored = megatron[row, start : start + len(sample["output"])]
-            torch.testing.assert_close(scored, sample["log_probs"], rtol=1e-4, atol=1e-5,
-                                       msg=lambda m: f"{name} row {row}: {m}")
+            torch.testing.assert_close(
+                scored, sample["log_probs"], rtol=1e-4, atol=1e-5, msg=lambda m, row=row: f"{name} row {row}: {m}"
+            )
         # Prompt tokens are scored too, and they are real log-probs (< 0, finite).
         assert torch.isfinite(megatron[valid]).all() and (megatron[valid] < 0).all()
 
@@ -202,4 +214,3 @@ def test_engine_matches_megatron(setup, name):
     routing = results[0]["megatron_routing"][valid]  # [tokens, moe layers, k]
     for layer in range(routing.shape[1]):
         assert len({tuple(row) for row in routing[:, layer].sort(-1).values.tolist()}) > 1
-

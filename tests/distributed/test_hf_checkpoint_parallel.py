@@ -81,9 +81,37 @@ def test_convert_tool_round_trip_across_layouts(tmp_path):
     cfg = tiny_test_config()
     state = random_hf_state(cfg, seed=6)
     write_hf_checkpoint([list(state.items())], cfg, tmp_path / "hf")
-    run_distributed(tool_worker, 2, ["hf-to-mcore", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "mcore"),
-                                     "--tp", "2", "--layer-spec", "portable"], timeout=300)
+    run_distributed(
+        tool_worker,
+        2,
+        [
+            "hf-to-mcore",
+            "--hf-dir",
+            str(tmp_path / "hf"),
+            "--out",
+            str(tmp_path / "mcore"),
+            "--tp",
+            "2",
+            "--layer-spec",
+            "portable",
+        ],
+        timeout=300,
+    )
     assert (tmp_path / "mcore" / "metadata.json").is_file() and (tmp_path / "mcore" / "config.json").is_file()
-    run_distributed(tool_worker, 2, ["mcore-to-hf", "--mcore-dir", str(tmp_path / "mcore"), "--out",
-                                     str(tmp_path / "hf2"), "--ep", "2", "--layer-spec", "portable"], timeout=300)
+    run_distributed(
+        tool_worker,
+        2,
+        [
+            "mcore-to-hf",
+            "--mcore-dir",
+            str(tmp_path / "mcore"),
+            "--out",
+            str(tmp_path / "hf2"),
+            "--ep",
+            "2",
+            "--layer-spec",
+            "portable",
+        ],
+        timeout=300,
+    )
     _assert_same_weights(tmp_path / "hf2", state)

@@ -22,7 +22,6 @@ from gspo_megatron.testing.model_fixtures import (
 pytestmark = pytest.mark.distributed
 
 
-
 def _one_rank(loss: str, regularized: bool = False):
     cfg = tiny_test_config()
     state = random_hf_state(cfg, seed=3)
@@ -71,7 +70,9 @@ def _check_layout(reference, name, grad_atol=1e-7):
     assert single["loss"].abs() > 0
     for result in results:
         for key, grad in single["grads"].items():
-            torch.testing.assert_close(result["grads"][key], grad, rtol=1e-4, atol=grad_atol, msg=lambda m: f"{key}: {m}")
+            torch.testing.assert_close(
+                result["grads"][key], grad, rtol=1e-4, atol=grad_atol, msg=lambda m, key=key: f"{key}: {m}"
+            )
 
 
 @pytest.mark.parametrize("name", ["pp2", "ep2"])
@@ -82,8 +83,7 @@ def test_token_budget_micro_batches_match_one_rank(reference, name):
     cfg, state, policy, single = reference
     world = EQUIVALENCE_LAYOUTS[name]["world_size"]
     budgeted = {**policy, "micro_batch_tokens": 11}
-    results = run_distributed(model_layout_worker, world, cfg, state, EQUIVALENCE_LAYOUTS[name], budgeted,
-                              timeout=600)
+    results = run_distributed(model_layout_worker, world, cfg, state, EQUIVALENCE_LAYOUTS[name], budgeted, timeout=600)
     total = {}
     for result in results:
         for dp_rank in result["log_probs"]:
@@ -91,5 +91,6 @@ def test_token_budget_micro_batches_match_one_rank(reference, name):
     torch.testing.assert_close(sum(total.values()), single["loss"], rtol=1e-5, atol=1e-7)
     for result in results:
         for key, grad in single["grads"].items():
-            torch.testing.assert_close(result["grads"][key], grad, rtol=1e-4, atol=1e-7,
-                                       msg=lambda m: f"{key}: {m}")
+            torch.testing.assert_close(
+                result["grads"][key], grad, rtol=1e-4, atol=1e-7, msg=lambda m, key=key: f"{key}: {m}"
+            )

@@ -21,7 +21,6 @@ from gspo_megatron.testing.model_fixtures import (
 pytestmark = pytest.mark.distributed
 
 
-
 @pytest.fixture(scope="module")
 def reference():
     cfg = tiny_test_config()
@@ -33,7 +32,9 @@ def reference():
 @pytest.mark.parametrize("name", list(EQUIVALENCE_LAYOUTS))
 def test_layout_matches_single_rank(reference, name):
     cfg, state, single = reference
-    results = run_distributed(model_layout_worker, EQUIVALENCE_LAYOUTS[name]["world_size"], cfg, state, EQUIVALENCE_LAYOUTS[name], timeout=600)
+    results = run_distributed(
+        model_layout_worker, EQUIVALENCE_LAYOUTS[name]["world_size"], cfg, state, EQUIVALENCE_LAYOUTS[name], timeout=600
+    )
     # Round trip: every rank exports exactly the weights it was given.
     for result in results:
         assert result["exported"].keys() == state.keys()
@@ -50,6 +51,8 @@ def test_layout_matches_single_rank(reference, name):
     for result in results:
         assert torch.isfinite(result["loss"]).all()
         for key, grad in single["grads"].items():
-            torch.testing.assert_close(result["grads"][key], grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{key}: {m}")
+            torch.testing.assert_close(
+                result["grads"][key], grad, rtol=1e-4, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}"
+            )
     # The loss actually moves the weights: gradients are not all zero.
     assert max(g.abs().max().item() for g in single["grads"].values()) > 0

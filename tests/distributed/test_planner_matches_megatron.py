@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from gspo_megatron.parallel.layout import ParallelLayout
-from gspo_megatron.planning.parameters import state_bytes
-from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.planning.activations import MicroBatch
 from gspo_megatron.planning.comm import step_traffic
+from gspo_megatron.planning.parameters import state_bytes
+from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.model_fixtures import EQUIVALENCE_LAYOUTS, fixed_batch, tiny_test_config
 
 pytestmark = pytest.mark.distributed
@@ -43,14 +43,14 @@ def _measure_state(mesh_layout, cfg, dtype: torch.dtype, distributed_optimizer: 
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     ddp = DistributedDataParallel(
         config=model.config,
-        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                 use_distributed_optimizer=distributed_optimizer),
+        ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer
+        ),
         module=model,
     )
     buffers = ddp.buffers + ddp.expert_parallel_buffers
     grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers)
-    param_buffers = sum(b.param_data.numel() * b.param_data.element_size()
-                        for b in buffers if b.param_data is not None)
+    param_buffers = sum(b.param_data.numel() * b.param_data.element_size() for b in buffers if b.param_data is not None)
     if distributed_optimizer:
         optimizer = 0
         for b in buffers:
@@ -66,7 +66,8 @@ def _measure_state(mesh_layout, cfg, dtype: torch.dtype, distributed_optimizer: 
             t.numel() * t.element_size()
             for inner in opt.chained_optimizers
             for state in inner.optimizer.state.values()
-            for t in state.values() if torch.is_tensor(t) and t.dim() > 0
+            for t in state.values()
+            if torch.is_tensor(t) and t.dim() > 0
         )
     else:
         optimizer = None  # megatron's bf16 optimizer refuses CPU tensors (checked by the GPU tier)
@@ -90,16 +91,18 @@ def _measure_traffic(layout, cfg, mesh) -> dict:
     rows = inputs.shape[0] // layout.dp
     per_micro = rows // MICRO_BATCHES
     start = mesh.dp_rank * rows
-    micro_batches = [{"tokens": inputs[start + i : start + i + per_micro],
-                      "targets": targets[start + i : start + i + per_micro]}
-                     for i in range(0, rows, per_micro)]
+    micro_batches = [
+        {"tokens": inputs[start + i : start + i + per_micro], "targets": targets[start + i : start + i + per_micro]}
+        for i in range(0, rows, per_micro)
+    ]
 
     def loss(logits, batch):
         logp, _ = vocab_parallel_log_probs(logits, batch["targets"], tp_group=mesh.tp_group)
         return -logp.sum() / inputs.numel(), {}
 
     groups = {  # the groups megatron's DDP reduces over are the "partial" (intra-instance) ones
-        "tp": mesh.tp_group, "pp": mesh.pp_group,
+        "tp": mesh.tp_group,
+        "pp": mesh.pp_group,
         "dp": ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True),
         "tp_ep": ps.get_expert_tensor_and_model_parallel_group(),
         "dp_expert": ps.get_expert_data_parallel_group(partial_expert_data_parallel=True),
@@ -149,9 +152,15 @@ def test_state_bytes_equal_megatron(measured, name, dtype, distributed_optimizer
     layout = ParallelLayout(**kwargs).validate(cfg)
     for rank, per_rank in enumerate(results[kwargs["world_size"]]):
         got = per_rank[(name, f"torch.{dtype}", distributed_optimizer)]
-        predicted = state_bytes(cfg, layout, got["pp"], dtype=dtype,
-                                distributed_optimizer=distributed_optimizer,
-                                dp_rank=got["dp"], expert_dp_rank=got["edp"])
+        predicted = state_bytes(
+            cfg,
+            layout,
+            got["pp"],
+            dtype=dtype,
+            distributed_optimizer=distributed_optimizer,
+            dp_rank=got["dp"],
+            expert_dp_rank=got["edp"],
+        )
         where = f"{name} rank {rank} {dtype} distributed_optimizer={distributed_optimizer}"
         assert predicted.parameters == got["parameters"], where
         assert predicted.gradients == got["gradients"], where
@@ -169,8 +178,16 @@ def test_communication_equals_gloo_payloads(measured, name):
     layout = ParallelLayout(**kwargs).validate(cfg)
     for rank, per_rank in enumerate(results[kwargs["world_size"]]):
         got = per_rank[(name, "traffic")]
-        predicted = step_traffic(cfg, layout, MicroBatch(got["per_micro"], SEQ_LEN), MICRO_BATCHES,
-                                 pp_rank=got["pp"], width=FP32, dispatcher="allgather",
-                                 distributed_optimizer=False, dtype="float32")
+        predicted = step_traffic(
+            cfg,
+            layout,
+            MicroBatch(got["per_micro"], SEQ_LEN),
+            MICRO_BATCHES,
+            pp_rank=got["pp"],
+            width=FP32,
+            dispatcher="allgather",
+            distributed_optimizer=False,
+            dtype="float32",
+        )
         measured_payload = {key: float(value) for key, value in got["payload"].items()}
         assert measured_payload == predicted.payload, f"{name} rank {rank}"

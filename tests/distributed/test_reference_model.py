@@ -37,10 +37,13 @@ def reference_worker(ctx, layout_kwargs):
     reference_chunk = build_model(cfg, layout, routing_replay=False, initialize=False)
     load_hf_weights(reference_chunk, cfg, state, mesh)
     reference = ReferenceModel(reference_chunk, mesh.tp_group, 1.0, None)
-    result = {"instances_added_by_reference": RoutingReplay.instance_count() - count_with_policy,
-              "reference_routers_with_replay": sum(
-                  getattr(layer.mlp, "router", None) is not None and layer.mlp.router.router_replay is not None
-                  for layer in reference_chunk.decoder.layers)}
+    result = {
+        "instances_added_by_reference": RoutingReplay.instance_count() - count_with_policy,
+        "reference_routers_with_replay": sum(
+            getattr(layer.mlp, "router", None) is not None and layer.mlp.router.router_replay is not None
+            for layer in reference_chunk.decoder.layers
+        ),
+    }
 
     inputs, targets, _ = fixed_batch(cfg)
     mbs = [{"tokens": inputs[i : i + 2], "targets": targets[i : i + 2], "rows": torch.arange(i, i + 2)} for i in (0, 2)]
@@ -63,11 +66,21 @@ def reference_worker(ctx, layout_kwargs):
     # R3: engine routing queued for the policy; the reference forward neither consumes nor uses it
     generator = torch.Generator().manual_seed(5)
     stage_layers = [layer.layer_number - 1 for layer in policy.decoder.layers]
-    forced = [rollout_targets(
-        torch.stack([torch.randperm(cfg.num_experts, generator=generator)[: cfg.top_k]
-                     for _ in range(mb["tokens"].numel() * cfg.num_layers)]).reshape(
-            *mb["tokens"].shape, cfg.num_layers, cfg.top_k),
-        stage_layers, mesh.tp_rank, layout.tp, layout.use_sequence_parallel) for mb in mbs]
+    forced = [
+        rollout_targets(
+            torch.stack(
+                [
+                    torch.randperm(cfg.num_experts, generator=generator)[: cfg.top_k]
+                    for _ in range(mb["tokens"].numel() * cfg.num_layers)
+                ]
+            ).reshape(*mb["tokens"].shape, cfg.num_layers, cfg.top_k),
+            stage_layers,
+            mesh.tp_rank,
+            layout.tp,
+            layout.use_sequence_parallel,
+        )
+        for mb in mbs
+    ]
     replay.load_targets(forced)
     for mb in mbs:
         mb.pop("ref_log_probs", None)

@@ -51,8 +51,10 @@ def _micro_batches(cfg, layout, mesh):
     inputs, targets, weights = fixed_batch(cfg)
     rows = inputs.shape[0] // layout.dp
     sl = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
-    return [{"tokens": inputs[sl][i : i + 1], "targets": targets[sl][i : i + 1], "weights": weights[sl][i : i + 1]}
-            for i in range(rows)]
+    return [
+        {"tokens": inputs[sl][i : i + 1], "targets": targets[sl][i : i + 1], "weights": weights[sl][i : i + 1]}
+        for i in range(rows)
+    ]
 
 
 def old_policy_replay_worker(ctx, use_replay: bool, layout_kwargs: dict | None = None):
@@ -128,12 +130,20 @@ def rollout_replay_worker(ctx, layout_kwargs):
     mbs = _micro_batches(cfg, layout, mesh)
     generator = torch.Generator().manual_seed(5)
     # an "engine" routing [b, s, layers, k]: k distinct experts per token, all layers MoE
-    engine = [torch.stack([torch.randperm(cfg.num_experts, generator=generator)[: cfg.top_k]
-                           for _ in range(mb["tokens"].numel() * cfg.num_layers)]).reshape(
-        *mb["tokens"].shape, cfg.num_layers, cfg.top_k) for mb in mbs]
+    engine = [
+        torch.stack(
+            [
+                torch.randperm(cfg.num_experts, generator=generator)[: cfg.top_k]
+                for _ in range(mb["tokens"].numel() * cfg.num_layers)
+            ]
+        ).reshape(*mb["tokens"].shape, cfg.num_layers, cfg.top_k)
+        for mb in mbs
+    ]
     stage_layers = [layer.layer_number - 1 for layer in model.decoder.layers]
-    targets = [rollout_targets(r, stage_layers, mesh.tp_rank, layout.tp, layout.use_sequence_parallel,
-                               layout.cp, mesh.cp_rank) for r in engine]
+    targets = [
+        rollout_targets(r, stage_layers, mesh.tp_rank, layout.tp, layout.use_sequence_parallel, layout.cp, mesh.cp_rank)
+        for r in engine
+    ]
     used, handles = _routing_used(model)
     replay.load_targets(targets)
     run_schedule([ddp], mbs, None, forward_only=True, before_forward=replay.before_forward)
@@ -143,15 +153,17 @@ def rollout_replay_worker(ctx, layout_kwargs):
         handle.remove()
     layers = len(model.decoder.layers)
     ok = all(
-        torch.equal(used[i * layers + j], targets[i][j].sort(-1).values)
-        for i in range(len(mbs)) for j in range(layers)
+        torch.equal(used[i * layers + j], targets[i][j].sort(-1).values) for i in range(len(mbs)) for j in range(layers)
     )
     mesh.destroy()
     return ok
 
 
-@pytest.mark.parametrize("layout", [dict(world_size=1), dict(ep=2, world_size=2), dict(pp=2, world_size=2),
-                                    dict(cp=2, ep=2, world_size=2)], ids=["one_rank", "ep2", "pp2", "cp2_ep2"])
+@pytest.mark.parametrize(
+    "layout",
+    [dict(world_size=1), dict(ep=2, world_size=2), dict(pp=2, world_size=2), dict(cp=2, ep=2, world_size=2)],
+    ids=["one_rank", "ep2", "pp2", "cp2_ep2"],
+)
 def test_rollout_replay_uses_the_engine_routing(layout):
     assert all(run_distributed(rollout_replay_worker, layout["world_size"], layout))
 

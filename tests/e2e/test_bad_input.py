@@ -26,14 +26,21 @@ def _assert_not_corrupt(run_dir):
 
 
 def _dataset_overrides(path):
-    return FAST + ["task.name=jsonl", f"task.dataset.path={path}", "task.reward=last_number",
-                   "task.dataset.apply_chat_template=false"]
+    return FAST + [
+        "task.name=jsonl",
+        f"task.dataset.path={path}",
+        "task.reward=last_number",
+        "task.dataset.apply_chat_template=false",
+    ]
 
 
 @pytest.mark.parametrize(
     "content, message",
-    [("", "empty"), ('{"prompt": "max 12=", "answer": "2"}\n{"prompt": "max 3\n', r"prompts.jsonl:2: malformed JSON"),
-     ('{"question": "max 12=", "answer": "2"}\n', "prompt")],
+    [
+        ("", "empty"),
+        ('{"prompt": "max 12=", "answer": "2"}\n{"prompt": "max 3\n', r"prompts.jsonl:2: malformed JSON"),
+        ('{"question": "max 12=", "answer": "2"}\n', "prompt"),
+    ],
     ids=["empty", "malformed_json", "missing_field"],
 )
 def test_bad_task_file(tmp_path, content, message):

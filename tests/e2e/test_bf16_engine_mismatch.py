@@ -18,8 +18,13 @@ from gspo_megatron.testing.train_runs import FAST, train_worker
 pytestmark = pytest.mark.e2e
 
 BF16_ENGINE = FAST + [
-    "model=small_moe", "rollout.embedded.dtype=bfloat16", "trainer.steps=1", "trainer.updates_per_rollout=1",
-    "trainer.micro_batch_size=8", "rollout.max_new_tokens=8", "task.reward=last_number",
+    "model=small_moe",
+    "rollout.embedded.dtype=bfloat16",
+    "trainer.steps=1",
+    "trainer.updates_per_rollout=1",
+    "trainer.micro_batch_size=8",
+    "rollout.max_new_tokens=8",
+    "task.reward=last_number",
     "routing.kinds=[rollout_vs_train]",
 ]
 MISMATCH = "mismatch/abs_log_prob_diff_mean"
@@ -33,8 +38,10 @@ def test_bf16_engine_mismatch_and_what_r3_removes(tmp_path, layout, world):
         overrides = BF16_ENGINE + [f"parallel={layout}", f"algorithm={algorithm}"]
         runs[algorithm] = run_distributed(train_worker, world, overrides, str(tmp_path / algorithm), timeout=900)[0][0]
     free, r3 = runs["grpo"], runs["grpo_rollout_routing_replay"]
-    print(f"{layout}: mismatch free {free[MISMATCH]:.3g} R3 {r3[MISMATCH]:.3g}; routing changed free "
-          f"{free[CHANGED]:.3g} (any layer {free['routing/rollout_vs_train_changed_any_frac']:.3g}) R3 {r3[CHANGED]}")
+    print(
+        f"{layout}: mismatch free {free[MISMATCH]:.3g} R3 {r3[MISMATCH]:.3g}; routing changed free "
+        f"{free[CHANGED]:.3g} (any layer {free['routing/rollout_vs_train_changed_any_frac']:.3g}) R3 {r3[CHANGED]}"
+    )
     assert free[MISMATCH] > 0 and free[CHANGED] > 0
     assert free["routing/rollout_vs_train_changed_any_frac"] >= free[CHANGED]
     assert r3[CHANGED] == 0.0 and r3["routing/rollout_vs_train_changed_any_frac"] == 0.0

@@ -34,9 +34,20 @@ def write_transformers_checkpoint(directory: Path) -> None:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
-        vocab_size=80, hidden_size=48, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_experts=4, num_experts_per_tok=2,
-        norm_topk_prob=True, max_position_embeddings=128, rope_theta=10000.0, tie_word_embeddings=False,
+        vocab_size=80,
+        hidden_size=48,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=12,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=128,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
         router_aux_loss_coef=0.0,
     )
     torch.manual_seed(0)
@@ -96,8 +107,13 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_roundtrip")
     write_transformers_checkpoint(root / "initial")
     # A random model answers right ~1/80 of the time: 256 responses per step give rewards to learn from.
-    overrides = FAST + [f"model.hf_checkpoint={root / 'initial'}", "checkpoint.export_hf=true",
-                        "trainer.prompts_per_step=16", "rollout.group_size=16", "trainer.micro_batch_size=64"]
+    overrides = FAST + [
+        f"model.hf_checkpoint={root / 'initial'}",
+        "checkpoint.export_hf=true",
+        "trainer.prompts_per_step=16",
+        "rollout.group_size=16",
+        "trainer.micro_batch_size=64",
+    ]
     (metrics,) = run_distributed(train_worker, 1, overrides, str(root / "run"), timeout=600)
     return root, metrics
 
@@ -133,8 +149,12 @@ def test_transformers_logits_match_megatron(trained, which):
 def test_export_is_the_trainers_final_policy(trained):
     root, _ = trained
     step_dir = root / "run" / "checkpoints" / "step_000002"
-    run_distributed(tool_worker, 1, ["mcore-to-hf", "--mcore-dir", str(step_dir), "--out", str(root / "converted"),
-                                     "--layer-spec", "portable"], timeout=300)
+    run_distributed(
+        tool_worker,
+        1,
+        ["mcore-to-hf", "--mcore-dir", str(step_dir), "--out", str(root / "converted"), "--layer-spec", "portable"],
+        timeout=300,
+    )
     converted, exported = _weights(root / "converted"), _weights(root / "run" / "hf_export")
     assert converted.keys() == exported.keys()
     for name, value in exported.items():

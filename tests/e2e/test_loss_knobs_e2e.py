@@ -14,8 +14,12 @@ pytestmark = pytest.mark.e2e
 
 def test_reference_kl_and_entropy_bonus_under_rollout_replay(tmp_path):
     """R3 on for the policy, a frozen reference beside it: the reference starts equal to the policy."""
-    overrides = FAST + ["algorithm=grpo_rollout_routing_replay", "algorithm.kl_coef=0.1",
-                        "algorithm.entropy_coef=0.01", "algorithm.kl_estimator=k2"]
+    overrides = FAST + [
+        "algorithm=grpo_rollout_routing_replay",
+        "algorithm.kl_coef=0.1",
+        "algorithm.entropy_coef=0.01",
+        "algorithm.kl_estimator=k2",
+    ]
     (metrics,) = run_distributed(train_worker, 1, overrides, str(tmp_path), timeout=600)
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
@@ -32,10 +36,10 @@ def test_reference_from_a_hf_checkpoint(tmp_path):
     """kl_reference names a trained policy's HF export: at step 1 (warm-up LR 0, policy = initial
     weights) the KL is already > 0, where the default reference (initial weights) gives exactly 0."""
     trained = tmp_path / "trained"
-    run_distributed(train_worker, 1, FAST + ["checkpoint.export_hf=true", "algorithm.entropy_coef=0.05"],
-                    str(trained), timeout=600)
-    overrides = FAST + ["trainer.steps=1", "algorithm.kl_coef=0.1",
-                        f"algorithm.kl_reference={trained / 'hf_export'}"]
+    run_distributed(
+        train_worker, 1, FAST + ["checkpoint.export_hf=true", "algorithm.entropy_coef=0.05"], str(trained), timeout=600
+    )
+    overrides = FAST + ["trainer.steps=1", "algorithm.kl_coef=0.1", f"algorithm.kl_reference={trained / 'hf_export'}"]
     (metrics,) = run_distributed(train_worker, 1, overrides, str(tmp_path / "with_reference"), timeout=600)
     assert metrics[0]["loss/kl_ref"] > 0
 
@@ -43,8 +47,12 @@ def test_reference_from_a_hf_checkpoint(tmp_path):
 def test_mismatch_correction_with_the_bf16_engine(tmp_path):
     """A bf16 engine samples, the fp32 trainer scores: token weights min(pi_old / pi_rollout, C) vary."""
     cap = 1.0  # bf16 vs fp32 moves rho by ~1e-3 either way: a cap of 1 truncates some tokens, not all
-    overrides = FAST + ["algorithm=grpo", "rollout.embedded.dtype=bfloat16",
-                        "algorithm.mismatch_correction=token_truncate", f"algorithm.mismatch_cap={cap}"]
+    overrides = FAST + [
+        "algorithm=grpo",
+        "rollout.embedded.dtype=bfloat16",
+        "algorithm.mismatch_correction=token_truncate",
+        f"algorithm.mismatch_cap={cap}",
+    ]
     (metrics,) = run_distributed(train_worker, 1, overrides, str(tmp_path), timeout=600)
     for m in metrics:
         assert m["mismatch/abs_log_prob_diff_mean"] > 0
@@ -57,9 +65,13 @@ def test_dynamic_sampling_and_adaptive_clip(tmp_path):
     """Zero-variance groups are dropped and replaced (the batch keeps prompts_per_step groups), and the
     clip controller follows its rule step by step -- one run for both, to keep CI short."""
     rate, target = 0.5, 0.05
-    overrides = FAST + ["trainer.steps=3", "algorithm.dynamic_sampling=true",
-                        "algorithm.dynamic_sampling_max_extra_rounds=2",
-                        f"algorithm.adaptive_clip_target={target}", f"algorithm.adaptive_clip_rate={rate}"]
+    overrides = FAST + [
+        "trainer.steps=3",
+        "algorithm.dynamic_sampling=true",
+        "algorithm.dynamic_sampling_max_extra_rounds=2",
+        f"algorithm.adaptive_clip_target={target}",
+        f"algorithm.adaptive_clip_rate={rate}",
+    ]
     (metrics,) = run_distributed(train_worker, 1, overrides, str(tmp_path), timeout=600)
     for m in metrics:
         assert 0 <= m["dynamic_sampling/extra_rounds"] <= 2
@@ -80,9 +92,13 @@ def test_dynamic_sampling_and_adaptive_clip(tmp_path):
 
 def test_async_rollout_staleness_bound_with_rollout_replay(tmp_path):
     """One-step async with R3: samples lag one version from step 2 on, never more; replay completes."""
-    overrides = FAST + ["trainer.steps=3", "algorithm=grpo_rollout_routing_replay", "rollout.async_rollout=true",
-                        "algorithm.mismatch_correction=token_truncate",
-                        "algorithm.entropy_coef=0.01"]  # a gradient even when every group is degenerate
+    overrides = FAST + [
+        "trainer.steps=3",
+        "algorithm=grpo_rollout_routing_replay",
+        "rollout.async_rollout=true",
+        "algorithm.mismatch_correction=token_truncate",
+        "algorithm.entropy_coef=0.01",
+    ]  # a gradient even when every group is degenerate
     (metrics,) = run_distributed(train_worker, 1, overrides, str(tmp_path), timeout=600)
     assert [m["async/staleness_max"] for m in metrics] == [0.0, 1.0, 1.0]
     assert [m["async/policy_version_min"] for m in metrics] == [0.0, 0.0, 1.0]
@@ -96,8 +112,13 @@ def test_async_rollout_staleness_bound_with_rollout_replay(tmp_path):
 def test_async_rollout_with_staleness_zero_is_the_synchronous_run(tmp_path):
     base = FAST + ["trainer.steps=3", "algorithm.entropy_coef=0.01"]  # weights move at every step
     (sync,) = run_distributed(train_worker, 1, base, str(tmp_path / "sync"), timeout=600)
-    (zero,) = run_distributed(train_worker, 1, base + ["rollout.async_rollout=true", "rollout.max_staleness=0"],
-                              str(tmp_path / "zero"), timeout=600)
+    (zero,) = run_distributed(
+        train_worker,
+        1,
+        base + ["rollout.async_rollout=true", "rollout.max_staleness=0"],
+        str(tmp_path / "zero"),
+        timeout=600,
+    )
     assert len(sync) == len(zero) == 3
     for a, b in zip(sync, zero):
         same = {k: v for k, v in a.items() if not k.startswith(("time/", "async/"))}

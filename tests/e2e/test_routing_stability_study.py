@@ -30,10 +30,22 @@ def test_study_miniature_report_matches_the_runs(tmp_path):
     sweep = tmp_path / "multirun"
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     command = [
-        sys.executable, "-m", "gspo_megatron.train", "--multirun", "+experiment=routing_stability_quick",
-        "model=tiny", "model.hf_checkpoint=null", "trainer.steps=2", "trainer.seed=1,2", "trainer.prompts_per_step=4", "rollout.group_size=4",
-        "trainer.updates_per_rollout=2", "trainer.micro_batch_size=8", "rollout.max_new_tokens=6",
-        "trainer.eval_every=2", "trainer.eval_prompts=4",
+        sys.executable,
+        "-m",
+        "gspo_megatron.train",
+        "--multirun",
+        "+experiment=routing_stability_quick",
+        "model=tiny",
+        "model.hf_checkpoint=null",
+        "trainer.steps=2",
+        "trainer.seed=1,2",
+        "trainer.prompts_per_step=4",
+        "rollout.group_size=4",
+        "trainer.updates_per_rollout=2",
+        "trainer.micro_batch_size=8",
+        "rollout.max_new_tokens=6",
+        "trainer.eval_every=2",
+        "trainer.eval_prompts=4",
         f"hydra.sweep.dir={sweep}",
     ]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
@@ -42,8 +54,14 @@ def test_study_miniature_report_matches_the_runs(tmp_path):
     assert len(runs) == 8 and (sweep / "multirun.yaml").is_file()
 
     out = tmp_path / "report"
-    report = subprocess.run([sys.executable, str(ROOT / "tools" / "compare_runs.py"), str(sweep), "--out", str(out)],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    report = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "compare_runs.py"), str(sweep), "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert report.returncode == 0, report.stderr[-3000:]
     study = json.loads((out / "study.json").read_text())
     groups = {g["label"]: g for g in study["groups"]}

@@ -42,9 +42,15 @@ def _sft_worker(ctx, out: str):
 def test_warm_started_policy_trains_with_the_shapers(tmp_path):
     run_distributed(_sft_worker, 1, str(tmp_path / "sft"))
     assert (tmp_path / "sft" / "config.json").is_file()
-    overrides = FAST + ["+experiment=shaping_from_sft", f"model.hf_checkpoint={tmp_path / 'sft'}",
-                        "shaping=step_grpo", "trainer.steps=2", "trainer.eval_every=0",
-                        "task.min_digits=3", "task.max_digits=3"]  # the problems it was warm-started on
+    overrides = FAST + [
+        "+experiment=shaping_from_sft",
+        f"model.hf_checkpoint={tmp_path / 'sft'}",
+        "shaping=step_grpo",
+        "trainer.steps=2",
+        "trainer.eval_every=0",
+        "task.min_digits=3",
+        "task.max_digits=3",
+    ]  # the problems it was warm-started on
     (metrics,) = run_distributed(train_worker, 1, overrides, str(tmp_path / "rl"))
     assert len(metrics) == 2
     # the warm start already answers in the reasoning format, verbosely

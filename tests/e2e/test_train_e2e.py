@@ -36,8 +36,12 @@ def test_engine_log_probs_as_old_policy(tmp_path):
     """old_log_probs=rollout: pi_old is the engine's. A bf16 engine makes them differ from the trainer's
     fp32 log-probs, so the first (otherwise on-policy) update's ratio is not 1; routing diagnostics
     still come from the old policy (the first update's forward)."""
-    overrides = FAST + ["algorithm.old_log_probs=rollout", "rollout.embedded.dtype=bfloat16",
-                        "trainer.updates_per_rollout=2", "trainer.micro_batch_size=2"]
+    overrides = FAST + [
+        "algorithm.old_log_probs=rollout",
+        "rollout.embedded.dtype=bfloat16",
+        "trainer.updates_per_rollout=2",
+        "trainer.micro_batch_size=2",
+    ]
     (metrics,) = run_distributed(train_worker, 1, overrides, str(tmp_path), timeout=600)
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
@@ -51,8 +55,7 @@ def test_engine_log_probs_as_old_policy(tmp_path):
 def test_token_budget_micro_batches(tmp_path):
     """trainer.micro_batch_tokens through the trainer: old log-probs gathered back by row match the
     engine's (rows were reordered and cut per micro-batch), and the padded fraction is reported."""
-    overrides = FAST + ["trainer.micro_batch_tokens=24", "rollout.max_new_tokens=6",
-                        "rollout.temperature=2.0"]
+    overrides = FAST + ["trainer.micro_batch_tokens=24", "rollout.max_new_tokens=6", "rollout.temperature=2.0"]
     (metrics,) = run_distributed(train_worker, 1, overrides, str(tmp_path), timeout=600)
     _check_run(metrics, 2)
     for m in metrics:
@@ -120,10 +123,15 @@ def test_truncated_rollout_and_step_grpo_shaping(tmp_path):
     """DTR inside the trainer: every digit is a trigger and any probe is confident, so samples exit at
     their first digit; the inserted closing tokens are counted and left out of the loss mask."""
     overrides = FAST + [
-        "task.reward=last_number", "rollout.max_new_tokens=8", "shaping=step_grpo",
-        "rollout.truncated=true", "rollout.truncation.probe_suffix=' answer '",
-        "rollout.truncation.probe_skip_tokens=0", "rollout.truncation.close_thinking=' </think> '",
-        "rollout.truncation.max_probes=2", "rollout.truncation.confidence_threshold=1e-9",
+        "task.reward=last_number",
+        "rollout.max_new_tokens=8",
+        "shaping=step_grpo",
+        "rollout.truncated=true",
+        "rollout.truncation.probe_suffix=' answer '",
+        "rollout.truncation.probe_skip_tokens=0",
+        "rollout.truncation.close_thinking=' </think> '",
+        "rollout.truncation.max_probes=2",
+        "rollout.truncation.confidence_threshold=1e-9",
         "rollout.truncation.trigger_token_ids=[4,5,6,7,8,9,10,11,12,13]",
     ]
     (metrics,) = run_distributed(train_worker, 1, overrides, str(tmp_path), timeout=600)

@@ -24,8 +24,9 @@ WORKER_REWARD = "task.reward=import:gspo_megatron.rewards.builtin:exact_match"
 def _start(overrides, run_dir) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
-    return subprocess.Popen(train_command(overrides, run_dir), env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        train_command(overrides, run_dir), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def _wait_for(condition, process: subprocess.Popen, timeout: float = 600, poll: float = 0.05) -> None:

@@ -16,9 +16,15 @@ pytestmark = [pytest.mark.faults, pytest.mark.e2e]
 def test_exploding_run_skips_then_stops_and_keeps_a_finite_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     overrides = FAST + [
-        "trainer.steps=4", "optimizer.lr=1e20", "optimizer.warmup_steps=0", "optimizer.decay_style=constant",
-        "checkpoint.save_every=1", "checkpoint.keep_last=1", "trainer.max_consecutive_nonfinite=2",
-        "routing.enabled=false", "reward.in_process=true",
+        "trainer.steps=4",
+        "optimizer.lr=1e20",
+        "optimizer.warmup_steps=0",
+        "optimizer.decay_style=constant",
+        "checkpoint.save_every=1",
+        "checkpoint.keep_last=1",
+        "trainer.max_consecutive_nonfinite=2",
+        "routing.enabled=false",
+        "reward.in_process=true",
         # rewards that vary within every group: a gradient from step 1 on
         "task.reward=import:gspo_megatron.testing.reward_doubles:varied_by_response",
     ]

@@ -14,8 +14,12 @@ pytestmark = [pytest.mark.faults, pytest.mark.e2e]
 
 def test_misbehaving_verifier_costs_samples_not_the_run(tmp_path):
     run_dir = tmp_path / "run"
-    overrides = FAST + ["task.reward=import:gspo_megatron.testing.reward_doubles:misbehaves_by_digit",
-                        "reward.timeout_s=2", "reward.startup_timeout_s=120", "routing.enabled=false"]
+    overrides = FAST + [
+        "task.reward=import:gspo_megatron.testing.reward_doubles:misbehaves_by_digit",
+        "reward.timeout_s=2",
+        "reward.startup_timeout_s=120",
+        "routing.enabled=false",
+    ]
     done = run_training(overrides, run_dir)  # no reward.in_process: the default must isolate an import: reward
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = read_metrics(run_dir)

@@ -1,7 +1,8 @@
 """Fault injection on run-directory ownership and resume: nothing a previous or concurrent run wrote is lost.
 
 One real 2-step run (module fixture, with a second run started into its directory while it runs)
-provides a run directory; each test copies it and points another real training process at it. Refusals happen before the model is built, so they cost a process start.
+provides a run directory; each test copies it and points another real training process at it.
+Refusals happen before the model is built, so they cost a process start.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ def finished_run(tmp_path_factory) -> FinishedRun:
     run_dir = tmp_path_factory.mktemp("finished") / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
-    first = subprocess.Popen(train_command(BASE, run_dir), env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        train_command(BASE, run_dir), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.monotonic() + 300
         while not (run_dir / LOCK_FILE).exists() and first.poll() is None and time.monotonic() < deadline:
@@ -51,8 +53,7 @@ def finished_run(tmp_path_factory) -> FinishedRun:
         if first.poll() is None:
             first.kill()
             first.wait()
-    return FinishedRun(run_dir, subprocess.CompletedProcess(first.args, first.returncode, out, err), second,
-                       first.pid)
+    return FinishedRun(run_dir, subprocess.CompletedProcess(first.args, first.returncode, out, err), second, first.pid)
 
 
 def test_two_runs_into_one_run_dir(finished_run):
@@ -121,8 +122,9 @@ def test_resume_with_allowed_change_continues(finished_run, tmp_path):
     run_dir = _copy(finished_run, tmp_path)
     refused = run_training(BASE + ["checkpoint.resume=true", "trainer.steps=3"], run_dir)
     assert refused.returncode != 0 and "trainer.steps: 2 -> 3" in refused.stderr
-    done = run_training(BASE + ["checkpoint.resume=auto", "trainer.steps=3",
-                                "checkpoint.resume_allow_changes=[trainer.steps]"], run_dir)
+    done = run_training(
+        BASE + ["checkpoint.resume=auto", "trainer.steps=3", "checkpoint.resume_allow_changes=[trainer.steps]"], run_dir
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3]
     assert "steps: 3" in (run_dir / "config.yaml").read_text()

@@ -132,16 +132,19 @@ def test_te_spec_equals_portable_spec(weights, fp32_portable):
     # TF32 may be on for TE GEMMs: allow its ~1e-3 relative error
     torch.testing.assert_close(_log_probs([te]), _log_probs([fp32_portable]), rtol=2e-3, atol=2e-3)
     for key, grad in fp32_portable["grads"].items():
-        torch.testing.assert_close(te["grads"][key], grad, rtol=2e-2, atol=1e-4, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(te["grads"][key], grad, rtol=2e-2, atol=1e-4, msg=lambda m, key=key: f"{key}: {m}")
 
 
 @pytest.mark.skipif(GPUS < 2, reason="needs two GPUs")
 def test_tp2_equals_single_rank(weights, fp32_portable):
     cfg, state = weights
-    results = run_distributed(gpu_model_worker, 2, cfg, state, dict(tp=2, world_size=2), "float32", "portable",
-                              timeout=600)
+    results = run_distributed(
+        gpu_model_worker, 2, cfg, state, dict(tp=2, world_size=2), "float32", "portable", timeout=600
+    )
     torch.testing.assert_close(_log_probs(results), _log_probs([fp32_portable]), rtol=1e-4, atol=1e-4)
     for result in results:
         assert result["backend"] == "nccl"
         for key, grad in fp32_portable["grads"].items():
-            torch.testing.assert_close(result["grads"][key], grad, rtol=1e-3, atol=1e-5, msg=lambda m: f"{key}: {m}")
+            torch.testing.assert_close(
+                result["grads"][key], grad, rtol=1e-3, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}"
+            )

@@ -22,9 +22,20 @@ def _tiny_moe_checkpoint(path):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
-        max_position_embeddings=256, decoder_sparse_step=1, mlp_only_layers=[], torch_dtype="bfloat16",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        torch_dtype="bfloat16",
     )
     torch.manual_seed(0)
     Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
@@ -41,9 +52,14 @@ def test_real_server_generates_and_takes_a_weight_update(tmp_path):
     model = tmp_path / "tiny"
     hf = _tiny_moe_checkpoint(model)
     config = SGLangConfig(
-        mode="launch", model_path=str(model), enable_return_routed_experts=True, log_dir=str(tmp_path / "logs"),
+        mode="launch",
+        model_path=str(model),
+        enable_return_routed_experts=True,
+        log_dir=str(tmp_path / "logs"),
         extra_args=["--skip-tokenizer-init", "--mem-fraction-static", "0.3", "--disable-cuda-graph"],
-        weight_sync="distributed", weight_sync_backend="nccl", startup_timeout_s=600,
+        weight_sync="distributed",
+        weight_sync_backend="nccl",
+        startup_timeout_s=600,
     )
     with SGLangEngine(config) as engine:
         params = SamplingParams(max_new_tokens=8, n=2, seed=1, return_routed_experts=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import httpx
 
@@ -48,7 +48,7 @@ class ServerState:
     served: int = 0
     alive: bool = True
     consecutive_failures: int = 0
-    last_error: Optional[str] = None
+    last_error: str | None = None
 
 
 @dataclass
@@ -70,7 +70,7 @@ class ServerPool:
     servers: list[ServerState] = field(default_factory=list)
 
     @classmethod
-    def from_urls(cls, urls: list[str]) -> "ServerPool":
+    def from_urls(cls, urls: list[str]) -> ServerPool:
         if len(set(urls)) != len(urls):
             raise ValueError(f"server urls contain duplicates: {urls}")
         return cls([ServerState(url.rstrip("/")) for url in urls])
@@ -142,7 +142,7 @@ class SGLangHTTPClient:
                 await asyncio.sleep(self.retry.backoff(attempt))
                 attempt += 1
 
-    async def call(self, server: ServerState, method: str, path: str, payload: Optional[dict] = None) -> Any:
+    async def call(self, server: ServerState, method: str, path: str, payload: dict | None = None) -> Any:
         """Send to one given server, retrying 5xx/timeouts on that server only (control calls)."""
         attempt = 0
         while True:
@@ -179,12 +179,15 @@ class SGLangHTTPClient:
                         f"check the URL, or raise SGLangConfig.attach_timeout_s if the server is still loading"
                     )
                 if loop.time() >= next_report:
-                    print(f"[sglang] waiting for {server.url}/health: {loop.time() - start:.0f}s of "
-                          f"{deadline_s:.0f}s, last: {last}", flush=True)
+                    print(
+                        f"[sglang] waiting for {server.url}/health: {loop.time() - start:.0f}s of "
+                        f"{deadline_s:.0f}s, last: {last}",
+                        flush=True,
+                    )
                     next_report += progress_every_s
                 await asyncio.sleep(poll_interval_s)
 
-    async def _send(self, server: ServerState, method: str, path: str, payload: Optional[dict]) -> Any:
+    async def _send(self, server: ServerState, method: str, path: str, payload: dict | None) -> Any:
         async with self._semaphore, _tracked(server):
             try:
                 response = await self._http.request(method, server.url + path, json=payload)
@@ -208,8 +211,7 @@ class SGLangHTTPClient:
             raise _Retryable(server.last_error)
         if response.status_code >= 400:
             raise RequestRejectedError(
-                f"{method} {path} on {server.url} was rejected with HTTP {response.status_code}: "
-                f"{response.text[:500]}"
+                f"{method} {path} on {server.url} was rejected with HTTP {response.status_code}: {response.text[:500]}"
             )
         server.served += 1
         if not response.content:

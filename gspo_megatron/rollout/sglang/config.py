@@ -16,7 +16,6 @@ Design decisions:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
 
 LAUNCH_MODES = ("launch", "attach")
 WEIGHT_SYNC_MODES = ("distributed", "disk")
@@ -28,20 +27,20 @@ class SGLangConfig:
     mode: str = "launch"  # launch | attach
 
     # --- launch mode: `<launch_command> --model-path M --tp-size N --host H --port P [...] <extra_args>`
-    model_path: Optional[str] = None
+    model_path: str | None = None
     tp: int = 1  # tensor-parallel size of each server (attach mode: used when /server_info lacks it)
     num_servers: int = 1
     host: str = "127.0.0.1"
-    ports: List[int] = field(default_factory=list)  # empty: free ports are picked
-    launch_command: List[str] = field(default_factory=list)  # empty: [python, -m, sglang.launch_server]
-    extra_args: List[str] = field(default_factory=list)  # appended verbatim (e.g. --mem-fraction-static)
+    ports: list[int] = field(default_factory=list)  # empty: free ports are picked
+    launch_command: list[str] = field(default_factory=list)  # empty: [python, -m, sglang.launch_server]
+    extra_args: list[str] = field(default_factory=list)  # appended verbatim (e.g. --mem-fraction-static)
     log_dir: str = "logs/sglang"  # each server's stdout+stderr goes to <log_dir>/server_<i>_<port>.log
     startup_timeout_s: float = 900.0  # deadline for /health to answer 200
     health_poll_interval_s: float = 1.0
     shutdown_grace_s: float = 15.0  # SIGTERM, then SIGKILL of the server's process group
 
     # --- attach mode
-    urls: List[str] = field(default_factory=list)  # e.g. ["http://10.0.0.5:30000", ...]
+    urls: list[str] = field(default_factory=list)  # e.g. ["http://10.0.0.5:30000", ...]
     attach_timeout_s: float = 60.0  # running servers answer /health at once; a dead URL fails fast
     progress_every_s: float = 10.0  # a waiting message per server this often while /health is not 200
 
@@ -60,8 +59,8 @@ class SGLangConfig:
     # SGLang honours sampling_seed only under --enable-deterministic-inference (slower kernels); without
     # it the seed is not sent and samples are not reproducible. Attach mode reads it from /server_info.
     enable_deterministic_inference: bool = False
-    num_hidden_layers: Optional[int] = None  # routed-experts layout; None: read from config.json
-    num_experts_per_tok: Optional[int] = None
+    num_hidden_layers: int | None = None  # routed-experts layout; None: read from config.json
+    num_experts_per_tok: int | None = None
     skip_special_tokens: bool = False  # we consume ids, the text is only for logs
     no_stop_trim: bool = True
 
@@ -70,7 +69,7 @@ class SGLangConfig:
     weight_bucket_bytes: int = 512 * 1024 * 1024  # bytes broadcast per /update_weights_from_distributed
     weight_sync_backend: str = "nccl"  # gloo for CPU tests
     weight_sync_master_address: str = "127.0.0.1"  # an address of the trainer the servers can reach
-    weight_sync_master_port: Optional[int] = None  # None: a free port
+    weight_sync_master_port: int | None = None  # None: a free port
     weight_sync_group_name: str = "gspo_weight_update"
     weight_sync_timeout_s: float = 600.0
     disk_sync_dir: str = "checkpoints/sglang_sync"  # writes <dir>/v<version>/ (absolute; older v* removed)

@@ -38,8 +38,9 @@ import re
 import shutil
 import threading
 import warnings
+from collections.abc import Coroutine, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Coroutine, Iterable, Mapping, Optional, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -79,11 +80,16 @@ class SGLangEngine(RolloutEngine):
         self._loop = _LoopThread()
         try:
             urls = self._launch_servers() if config.mode == "launch" else list(config.urls)
-            retry = RetryPolicy(config.max_retries, config.backoff_base_s, config.backoff_max_s, config.dead_after_failures)
+            retry = RetryPolicy(
+                config.max_retries, config.backoff_base_s, config.backoff_max_s, config.dead_after_failures
+            )
             self._client: SGLangHTTPClient = self._loop.run(self._make_client(urls, retry))
             if config.mode == "attach":
-                self._loop.run(self._client.wait_healthy(
-                    config.attach_timeout_s, config.health_poll_interval_s, config.progress_every_s))
+                self._loop.run(
+                    self._client.wait_healthy(
+                        config.attach_timeout_s, config.health_poll_interval_s, config.progress_every_s
+                    )
+                )
             self._inspect_servers()
         except BaseException:
             self.shutdown()
@@ -110,7 +116,9 @@ class SGLangEngine(RolloutEngine):
             warnings.warn(
                 "SamplingParams.seed is ignored: SGLang honours sampling_seed only when the server runs with "
                 "--enable-deterministic-inference (SGLangConfig.enable_deterministic_inference=true); samples "
-                "are not reproducible", RuntimeWarning, stacklevel=2,
+                "are not reproducible",
+                RuntimeWarning,
+                stacklevel=2,
             )
         return self._loop.run(self._generate_all(prompts, params))
 
@@ -132,11 +140,14 @@ class SGLangEngine(RolloutEngine):
     async def _generate_one(self, prompt: list[int], params: SamplingParams, sample_index: int) -> Sample:
         seed = None if params.seed is None or not self._seeds_honoured else params.seed + sample_index
         body = build_generate_request(
-            prompt, params, sampling_seed=seed,
-            skip_special_tokens=self.config.skip_special_tokens, no_stop_trim=self.config.no_stop_trim,
+            prompt,
+            params,
+            sampling_seed=seed,
+            skip_special_tokens=self.config.skip_special_tokens,
+            no_stop_trim=self.config.no_stop_trim,
         )
         layout = self._routed_layout if params.return_routed_experts else None
-        for attempt in range(self.config.abort_retries + 1):
+        for attempt in range(self.config.abort_retries + 1):  # noqa: B007 - read after the loop
             response = await self._client.post_balanced("/generate", body)
             result = parse_generate_response(response, len(prompt), routed_experts_layout=layout)
             if result.finish_reason is not FinishReason.ABORT:
@@ -147,8 +158,12 @@ class SGLangEngine(RolloutEngine):
         if len(result.weight_versions) > 1:
             extra["weight_versions"] = [list(span) for span in result.weight_versions]
         return Sample(
-            prompt_ids=list(prompt), output_ids=result.output_ids, output_log_probs=result.output_log_probs,
-            finish_reason=result.finish_reason, routed_experts=result.routed_experts, weight_version=version,
+            prompt_ids=list(prompt),
+            output_ids=result.output_ids,
+            output_log_probs=result.output_log_probs,
+            finish_reason=result.finish_reason,
+            routed_experts=result.routed_experts,
+            weight_version=version,
             extra=extra,
         )
 
@@ -156,7 +171,7 @@ class SGLangEngine(RolloutEngine):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         servers = self._client.pool.alive()
         named_tensors = list(named_tensors)  # a retry through the disk path reads them again
-        failure: Optional[BaseException] = None
+        failure: BaseException | None = None
         try:
             self._on_all(servers, "POST", "/pause_generation", {"mode": self.config.pause_mode})
             if self.config.weight_sync == "distributed":
@@ -166,8 +181,12 @@ class SGLangEngine(RolloutEngine):
                     self._drop_update_group()
                     if not (self.config.fallback_to_disk and self.config.model_path):
                         raise
-                    warnings.warn(f"distributed weight update to version {version} failed ({error}); "
-                                  f"retrying through the disk path", RuntimeWarning, stacklevel=2)
+                    warnings.warn(
+                        f"distributed weight update to version {version} failed ({error}); "
+                        f"retrying through the disk path",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
                     self._in_session(servers, lambda: self._sync_from_disk(servers, named_tensors, version))
             else:
                 self._in_session(servers, lambda: self._sync_from_disk(servers, named_tensors, version))
@@ -197,13 +216,15 @@ class SGLangEngine(RolloutEngine):
             raise
         self._on_all(servers, "POST", "/end_weight_update", {})
 
-    def _best_effort(self, servers, path: str, payload: Optional[dict]) -> None:
+    def _best_effort(self, servers, path: str, payload: dict | None) -> None:
         """Send a clean-up call to every server; failures are reported as warnings, not raised."""
+
         async def one(server):
             try:
                 await self._client.call(server, "POST", path, payload)
             except Exception as error:  # noqa: BLE001
-                warnings.warn(f"{path} on {server.url} failed during clean-up: {error}", RuntimeWarning)
+                warnings.warn(f"{path} on {server.url} failed during clean-up: {error}", RuntimeWarning, stacklevel=2)
+
         self._loop.run(_gather([one(server) for server in servers]))
 
     def _drop_update_group(self) -> None:
@@ -216,7 +237,7 @@ class SGLangEngine(RolloutEngine):
             try:
                 close_weight_update_group(self._update_group)
             except Exception as error:  # noqa: BLE001 - a half-formed group may refuse; it is dropped anyway
-                warnings.warn(f"closing the local weight-update group failed: {error}", RuntimeWarning)
+                warnings.warn(f"closing the local weight-update group failed: {error}", RuntimeWarning, stacklevel=2)
         self._update_group, self._group_urls = None, ()
 
     def _sync_distributed(self, servers, named_tensors, version: int) -> None:
@@ -243,18 +264,30 @@ class SGLangEngine(RolloutEngine):
         world_size = 1 + sum(tp_sizes)
         offsets = [1 + sum(tp_sizes[:i]) for i in range(len(servers))]
         requests = [
-            self._client.call(server, "POST", "/init_weights_update_group", {
-                "master_address": config.weight_sync_master_address, "master_port": port,
-                "rank_offset": offset, "world_size": world_size,
-                "group_name": config.weight_sync_group_name, "backend": config.weight_sync_backend,
-            })
+            self._client.call(
+                server,
+                "POST",
+                "/init_weights_update_group",
+                {
+                    "master_address": config.weight_sync_master_address,
+                    "master_port": port,
+                    "rank_offset": offset,
+                    "world_size": world_size,
+                    "group_name": config.weight_sync_group_name,
+                    "backend": config.weight_sync_backend,
+                },
+            )
             for server, offset in zip(servers, offsets)
         ]
         pending = self._loop.submit(_gather(requests))
         try:
             group = open_weight_update_group(
-                config.weight_sync_master_address, port, world_size, rank=0,
-                backend=config.weight_sync_backend, group_name=config.weight_sync_group_name,
+                config.weight_sync_master_address,
+                port,
+                world_size,
+                rank=0,
+                backend=config.weight_sync_backend,
+                group_name=config.weight_sync_group_name,
                 timeout_s=config.weight_sync_timeout_s,
             )
         finally:
@@ -265,12 +298,16 @@ class SGLangEngine(RolloutEngine):
         if self.config.mode == "launch":
             return [self.config.tp] * len(servers)
         infos = await _gather([self._client.call(server, "GET", "/server_info") for server in servers])
-        return [int(info.get("tp_size", self.config.tp)) if isinstance(info, dict) else self.config.tp for info in infos]
+        return [
+            int(info.get("tp_size", self.config.tp)) if isinstance(info, dict) else self.config.tp for info in infos
+        ]
 
     def _sync_from_disk(self, servers, named_tensors, version: int) -> None:
         directory = write_safetensors_checkpoint(
-            named_tensors, self._disk_sync_root() / f"v{version}",
-            template_dir=self.config.model_path, bucket_bytes=self.config.weight_bucket_bytes,
+            named_tensors,
+            self._disk_sync_root() / f"v{version}",
+            template_dir=self.config.model_path,
+            bucket_bytes=self.config.weight_bucket_bytes,
         )
         body = {"model_path": str(directory), "weight_version": str(version), "flush_cache": False}
         self._on_all(servers, "POST", "/update_weights_from_disk", body)
@@ -278,10 +315,10 @@ class SGLangEngine(RolloutEngine):
     def _disk_sync_root(self) -> Path:
         return Path(self.config.disk_sync_dir).expanduser().resolve()
 
-    def _on_all(self, servers, method: str, path: str, payload: Optional[dict]) -> list[Any]:
+    def _on_all(self, servers, method: str, path: str, payload: dict | None) -> list[Any]:
         return self._loop.run(self._all(servers, method, path, payload))
 
-    async def _all(self, servers, method: str, path: str, payload: Optional[dict]) -> list[Any]:
+    async def _all(self, servers, method: str, path: str, payload: dict | None) -> list[Any]:
         return await _gather([self._client.call(server, method, path, payload) for server in servers])
 
     # ------------------------------------------------------------------ lifecycle
@@ -290,7 +327,8 @@ class SGLangEngine(RolloutEngine):
         if not pool.alive():
             raise RuntimeError("no SGLang server is alive:\n" + pool.describe())
         return {
-            "ok": True, "weight_version": self.weight_version,
+            "ok": True,
+            "weight_version": self.weight_version,
             "servers": {s.url: {"alive": s.alive, "in_flight": s.in_flight, "served": s.served} for s in pool.servers},
         }
 
@@ -319,11 +357,18 @@ class SGLangEngine(RolloutEngine):
         ports = list(config.ports) or [free_port() for _ in range(config.num_servers)]
         for index, port in enumerate(ports):
             command = build_launch_command(
-                config.launch_command, model_path=config.model_path, tp=config.tp, host=config.host, port=port,
+                config.launch_command,
+                model_path=config.model_path,
+                tp=config.tp,
+                host=config.host,
+                port=port,
                 enable_return_routed_experts=config.enable_return_routed_experts,
-                enable_deterministic_inference=config.enable_deterministic_inference, extra_args=config.extra_args,
+                enable_deterministic_inference=config.enable_deterministic_inference,
+                extra_args=config.extra_args,
             )
-            server = LaunchedServer(command, f"http://{config.host}:{port}", Path(config.log_dir) / f"server_{index}_{port}.log")
+            server = LaunchedServer(
+                command, f"http://{config.host}:{port}", Path(config.log_dir) / f"server_{index}_{port}.log"
+            )
             self._launched.append(server)
             server.start()
         for server in self._launched:  # all start in parallel, then each is waited for
@@ -333,13 +378,16 @@ class SGLangEngine(RolloutEngine):
     async def _make_client(self, urls: list[str], retry: RetryPolicy) -> SGLangHTTPClient:
         config = self.config
         return SGLangHTTPClient(
-            urls, retry=retry, max_concurrency=config.max_concurrency,
-            request_timeout_s=config.request_timeout_s, connect_timeout_s=config.connect_timeout_s,
+            urls,
+            retry=retry,
+            max_concurrency=config.max_concurrency,
+            request_timeout_s=config.request_timeout_s,
+            connect_timeout_s=config.connect_timeout_s,
         )
 
 
 def write_safetensors_checkpoint(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], directory: Path, *, template_dir: Optional[str], bucket_bytes: int
+    named_tensors: Iterable[tuple[str, torch.Tensor]], directory: Path, *, template_dir: str | None, bucket_bytes: int
 ) -> Path:
     """Write HF-style shards + index into ``directory``, with the template's non-weight files copied."""
     from safetensors.torch import save_file
@@ -369,7 +417,7 @@ def _remove_older_versions(root: Path, keep: str) -> None:
             shutil.rmtree(child, ignore_errors=True)
 
 
-def _routed_experts_layout(config: SGLangConfig) -> Optional[tuple[int, int]]:
+def _routed_experts_layout(config: SGLangConfig) -> tuple[int, int] | None:
     if not config.enable_return_routed_experts:
         return None
     layers, top_k = config.num_hidden_layers, config.num_experts_per_tok

@@ -21,8 +21,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 import httpx
 
@@ -68,10 +68,10 @@ class LaunchedServer:
         self.command = list(command)
         self.url = url
         self.log_path = Path(log_path)
-        self._process: Optional[subprocess.Popen] = None
+        self._process: subprocess.Popen | None = None
 
     @property
-    def pid(self) -> Optional[int]:
+    def pid(self) -> int | None:
         return self._process.pid if self._process else None
 
     def start(self) -> None:
@@ -82,7 +82,10 @@ class LaunchedServer:
             log.write(f"$ {' '.join(self.command)}\n".encode())
             log.flush()
             self._process = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
                 start_new_session=True,  # own session and process group: stop() signals only it
             )
         atexit.register(self.stop)
@@ -118,7 +121,7 @@ class LaunchedServer:
                     )
                 time.sleep(poll_interval_s)
 
-    def stop(self, grace_s: float = 15.0) -> Optional[int]:
+    def stop(self, grace_s: float = 15.0) -> int | None:
         """SIGTERM the server's process group, SIGKILL it after ``grace_s``; returns the exit code."""
         process = self._process
         if process is None:

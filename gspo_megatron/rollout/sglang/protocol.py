@@ -22,7 +22,7 @@ from __future__ import annotations
 import base64
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,14 +39,14 @@ class GenerateResult:
     output_ids: list[int]
     output_log_probs: torch.Tensor  # float32 [len(output_ids)]
     finish_reason: FinishReason
-    routed_experts: Optional[torch.Tensor]  # int32 [prompt + output - 1, layers, top_k]
-    weight_version: Optional[int]  # meta_info.weight_version when the server reports an integer
+    routed_experts: torch.Tensor | None  # int32 [prompt + output - 1, layers, top_k]
+    weight_version: int | None  # meta_info.weight_version when the server reports an integer
     # meta_info.weight_versions: (version, first token, end token) spans when a retracted sample was
     # generated under several weight versions; empty when it was one version.
-    weight_versions: tuple[tuple[Optional[int], int, int], ...] = ()
+    weight_versions: tuple[tuple[int | None, int, int], ...] = ()
 
     @property
-    def oldest_weight_version(self) -> Optional[int]:
+    def oldest_weight_version(self) -> int | None:
         """The oldest version any token of this sample was sampled under (what staleness must count)."""
         versions = [version for version, _, _ in self.weight_versions if version is not None]
         return min(versions) if versions else self.weight_version
@@ -56,7 +56,7 @@ def build_generate_request(
     prompt_ids: list[int],
     params: SamplingParams,
     *,
-    sampling_seed: Optional[int] = None,
+    sampling_seed: int | None = None,
     skip_special_tokens: bool = False,
     no_stop_trim: bool = True,
 ) -> dict[str, Any]:
@@ -87,7 +87,7 @@ def parse_generate_response(
     body: Any,
     prompt_len: int,
     *,
-    routed_experts_layout: Optional[tuple[int, int]] = None,
+    routed_experts_layout: tuple[int, int] | None = None,
 ) -> GenerateResult:
     """Decode one /generate answer; ``routed_experts_layout`` = (layers, top_k) when they were asked."""
     if not isinstance(body, dict):
@@ -108,21 +108,25 @@ def parse_generate_response(
             )
         layers, top_k = routed_experts_layout
         routed = decode_routed_experts(encoded, prompt_len + len(output_ids) - 1, layers, top_k)
-    return GenerateResult(output_ids, log_probs, finish_reason, routed, _weight_version(meta),
-                          _weight_version_spans(meta.get("weight_versions")))
+    return GenerateResult(
+        output_ids,
+        log_probs,
+        finish_reason,
+        routed,
+        _weight_version(meta),
+        _weight_version_spans(meta.get("weight_versions")),
+    )
 
 
 def decode_output_logprobs(entries: Any, output_ids: list[int]) -> torch.Tensor:
     """[[logprob, token_id, text|null], ...] -> float32 [len(output_ids)], ids checked against output_ids."""
     if not isinstance(entries, list):
         raise ProtocolError(
-            "meta_info.output_token_logprobs is missing or not a list; the request must send "
-            "return_logprob: true"
+            "meta_info.output_token_logprobs is missing or not a list; the request must send return_logprob: true"
         )
     if len(entries) != len(output_ids):
         raise ProtocolError(
-            f"meta_info.output_token_logprobs has {len(entries)} entries but output_ids has "
-            f"{len(output_ids)} tokens"
+            f"meta_info.output_token_logprobs has {len(entries)} entries but output_ids has {len(output_ids)} tokens"
         )
     values = []
     for position, (entry, token_id) in enumerate(zip(entries, output_ids)):
@@ -134,7 +138,12 @@ def decode_output_logprobs(entries: Any, output_ids: list[int]) -> torch.Tensor:
                 f"output_token_logprobs[{position}] is for token {entry_id} but output_ids[{position}] is "
                 f"{token_id}: the log-probs do not belong to the sampled tokens"
             )
-        if not isinstance(log_prob, (int, float)) or isinstance(log_prob, bool) or math.isnan(log_prob) or log_prob > 1e-4:
+        if (
+            not isinstance(log_prob, (int, float))
+            or isinstance(log_prob, bool)
+            or math.isnan(log_prob)
+            or log_prob > 1e-4
+        ):
             raise ProtocolError(f"output_token_logprobs[{position}] has log-prob {log_prob!r}, expected a number <= 0")
         values.append(float(log_prob))
     return torch.tensor(values, dtype=torch.float32)
@@ -182,7 +191,7 @@ def _int_list(value: Any, name: str) -> list[int]:
     return value
 
 
-def _weight_version_spans(value: Any) -> tuple[tuple[Optional[int], int, int], ...]:
+def _weight_version_spans(value: Any) -> tuple[tuple[int | None, int, int], ...]:
     """SGLang's [{"version", "start", "end"}, ...] (utils/weight_versions.py) -> ((version, start, end), ...)."""
     if value is None:
         return ()
@@ -197,7 +206,7 @@ def _weight_version_spans(value: Any) -> tuple[tuple[Optional[int], int, int], .
     return tuple(spans)
 
 
-def _weight_version(meta: dict) -> Optional[int]:
+def _weight_version(meta: dict) -> int | None:
     value = meta.get("weight_version")
     try:
         return int(value) if value is not None else None

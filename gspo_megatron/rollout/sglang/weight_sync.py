@@ -16,8 +16,8 @@ Design decisions:
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from datetime import timedelta
-from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist

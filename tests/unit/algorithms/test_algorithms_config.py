@@ -40,12 +40,15 @@ def test_defaults_are_gspo_paper_values():
         ({"loss": "grpo", "clip_low": 1.2}, r"clip_low must be in \[0, 1\)"),
         ({"clip_high": -0.1}, r"clip_high must be >= 0"),
         ({"logprob_chunk_size": 0}, r"logprob_chunk_size"),
-        ({"old_log_probs": "engine"},
-         r"algorithm.old_log_probs='engine' is unknown; valid: trainer, rollout"),
-        ({"old_log_probs": "rollout", "routing_replay": "old_policy"},
-         r"skips the trainer's old-policy forward.*use routing_replay=rollout"),
-        ({"old_log_probs": "rollout", "mismatch_correction": "sequence_mask"},
-         r"exactly 1 when algorithm.old_log_probs=rollout"),
+        ({"old_log_probs": "engine"}, r"algorithm.old_log_probs='engine' is unknown; valid: trainer, rollout"),
+        (
+            {"old_log_probs": "rollout", "routing_replay": "old_policy"},
+            r"skips the trainer's old-policy forward.*use routing_replay=rollout",
+        ),
+        (
+            {"old_log_probs": "rollout", "mismatch_correction": "sequence_mask"},
+            r"exactly 1 when algorithm.old_log_probs=rollout",
+        ),
     ],
 )
 def test_validation_errors(change, message):
@@ -62,5 +65,6 @@ def test_grpo_allows_token_mean_and_loss_context_carries_config():
 
 @pytest.mark.parametrize("replay", ["none", "rollout"])
 def test_engine_old_log_probs_allowed_without_old_policy_replay(replay):
-    validate_algorithm_config(AlgorithmConfig(loss="grpo", clip_low=0.2, clip_high=0.28,
-                                              routing_replay=replay, old_log_probs="rollout"))
+    validate_algorithm_config(
+        AlgorithmConfig(loss="grpo", clip_low=0.2, clip_high=0.28, routing_replay=replay, old_log_probs="rollout")
+    )

@@ -132,7 +132,9 @@ def test_entropy_gradient_hand_computed_two_token_vocab():
     entropy.sum().backward()
     h = -(0.25 * torch.log(torch.tensor(0.25)) + 0.75 * torch.log(torch.tensor(0.75)))
     torch.testing.assert_close(entropy, h.reshape(1))
-    expected = torch.tensor([[-0.25 * (torch.log(torch.tensor(0.25)) + h), -0.75 * (torch.log(torch.tensor(0.75)) + h)]])
+    expected = torch.tensor(
+        [[-0.25 * (torch.log(torch.tensor(0.25)) + h), -0.75 * (torch.log(torch.tensor(0.75)) + h)]]
+    )
     torch.testing.assert_close(logits.grad, expected)
     with pytest.raises(ValueError, match="entropy_grad=True needs with_entropy=True"):
         vocab_parallel_log_probs(logits, torch.tensor([1]), entropy_grad=True)

@@ -88,7 +88,10 @@ def test_exact_clip_boundaries(loss_name):
     for log_ratio, advantage, flows in cases:
         log_probs = torch.tensor([[log_ratio]], requires_grad=True)
         out = get_policy_loss(loss_name)(
-            log_probs, torch.zeros(1, 1), torch.tensor([advantage]), torch.ones(1, 1, dtype=torch.bool),
+            log_probs,
+            torch.zeros(1, 1),
+            torch.tensor([advantage]),
+            torch.ones(1, 1, dtype=torch.bool),
             _ctx(eps_low, eps_high),
         )
         out.loss.backward()
@@ -120,7 +123,7 @@ def test_grpo_hand_computed_every_aggregation(aggregation):
     out.loss.backward()
     weight_00, weight_11 = GRPO_GRAD_SCALE[aggregation]
     expected_grad = torch.zeros(2, 3)
-    expected_grad[0, 0] = -(-1.0) * math.exp(0.1) * weight_00  # only unclipped tokens get gradient
+    expected_grad[0, 0] = 1.0 * math.exp(0.1) * weight_00  # -(A = -1) * ratio  # only unclipped tokens get gradient
     expected_grad[1, 1] = -(0.5) * 1.0 * weight_11
     _close(log_probs.grad, expected_grad)
     metrics = finalize_metrics(out.metrics)
@@ -159,7 +162,11 @@ def test_gspo_token_equals_gspo_in_value_and_gradient_with_sequence_constant_adv
     ctx = _ctx(0.02, 0.03)  # tight enough that some sequences clip, some not
     gspo = get_policy_loss("gspo")(log_probs, old, advantages, mask, ctx)
     (gspo_grad,) = torch.autograd.grad(gspo.loss, log_probs)
-    assert 0 < finalize_metrics(gspo.metrics)["clip_frac_seq_high"] + finalize_metrics(gspo.metrics)["clip_frac_seq_low"] < 1
+    assert (
+        0
+        < finalize_metrics(gspo.metrics)["clip_frac_seq_high"] + finalize_metrics(gspo.metrics)["clip_frac_seq_low"]
+        < 1
+    )
     for token_advantages in (advantages, advantages.unsqueeze(-1).expand_as(mask)):
         token = get_policy_loss("gspo_token")(log_probs, old, token_advantages, mask, ctx)
         (token_grad,) = torch.autograd.grad(token.loss, log_probs)
@@ -217,7 +224,9 @@ def test_micro_batch_split_with_global_denominators_equals_one_batch(loss_name, 
 def test_log_ratio_is_clamped_before_exp():
     log_probs = torch.tensor([[0.0, 0.0]], requires_grad=True)
     old = torch.tensor([[-500.0, -500.0]])  # log ratio 500 would overflow exp
-    out = get_policy_loss("grpo")(log_probs, old, torch.tensor([-1.0]), torch.ones(1, 2, dtype=torch.bool), _ctx(0.2, 0.28, log_ratio_clamp=20.0))
+    out = get_policy_loss("grpo")(
+        log_probs, old, torch.tensor([-1.0]), torch.ones(1, 2, dtype=torch.bool), _ctx(0.2, 0.28, log_ratio_clamp=20.0)
+    )
     _close(out.loss, math.exp(20.0), atol=1e-2)  # -(-1 * e^20) per token, token-mean
     assert torch.isfinite(finalize_metrics(out.metrics)["approx_kl_k3"])
 

@@ -10,18 +10,30 @@ from gspo_megatron.algorithms.metrics import extremum_entries, mean_entries
 
 
 def test_merge_then_finalize_is_the_pooled_mean_not_the_mean_of_means():
-    a = {**mean_entries("x", torch.tensor(3.0), torch.tensor(1.0)), **extremum_entries("x", torch.tensor([3.0]), torch.tensor([True]))}
-    b = {**mean_entries("x", torch.tensor(3.0), torch.tensor(3.0)), **extremum_entries("x", torch.tensor([0.0, 2.0, 1.0]), torch.tensor([True] * 3))}
+    a = {
+        **mean_entries("x", torch.tensor(3.0), torch.tensor(1.0)),
+        **extremum_entries("x", torch.tensor([3.0]), torch.tensor([True])),
+    }
+    b = {
+        **mean_entries("x", torch.tensor(3.0), torch.tensor(3.0)),
+        **extremum_entries("x", torch.tensor([0.0, 2.0, 1.0]), torch.tensor([True] * 3)),
+    }
     out = finalize_metrics(merge_metrics(merge_metrics(None, a), b))
     assert out["x"].item() == pytest.approx(6 / 4)  # mean of means would be 2.0
     assert out["x/min"].item() == 0.0 and out["x/max"].item() == 3.0
 
 
 def test_empty_selection_merges_as_identity_and_finalizes_to_nan():
-    empty = {**mean_entries("x", torch.tensor(0.0), torch.tensor(0.0)), **extremum_entries("x", torch.tensor([5.0]), torch.tensor([False]))}
+    empty = {
+        **mean_entries("x", torch.tensor(0.0), torch.tensor(0.0)),
+        **extremum_entries("x", torch.tensor([5.0]), torch.tensor([False])),
+    }
     out = finalize_metrics(empty)
     assert math.isnan(out["x"].item()) and math.isnan(out["x/min"].item())
-    full = {**mean_entries("x", torch.tensor(4.0), torch.tensor(2.0)), **extremum_entries("x", torch.tensor([1.0]), torch.tensor([True]))}
+    full = {
+        **mean_entries("x", torch.tensor(4.0), torch.tensor(2.0)),
+        **extremum_entries("x", torch.tensor([1.0]), torch.tensor([True])),
+    }
     merged = finalize_metrics(merge_metrics(empty, full))
     assert merged["x"].item() == 2.0 and merged["x/max"].item() == 1.0
 

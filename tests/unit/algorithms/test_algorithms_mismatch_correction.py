@@ -59,4 +59,6 @@ def test_config_rejects_token_weights_for_gspo_and_a_cap_below_one():
         validate_algorithm_config(AlgorithmConfig(mismatch_correction="sequence_mask", mismatch_cap=0.5))
     with pytest.raises(ValueError, match="algorithm.mismatch_correction='tis' is unknown"):
         validate_algorithm_config(AlgorithmConfig(mismatch_correction="tis"))
-    validate_algorithm_config(AlgorithmConfig(loss="grpo", clip_low=0.2, clip_high=0.28, mismatch_correction="token_mask"))
+    validate_algorithm_config(
+        AlgorithmConfig(loss="grpo", clip_low=0.2, clip_high=0.28, mismatch_correction="token_mask")
+    )

@@ -66,7 +66,10 @@ def test_entropy_bonus_token_mean_by_hand():
         (dict(kl_coef=-0.1), "algorithm.kl_coef must be >= 0"),
         (dict(kl_coef=0.1, kl_estimator="k4"), "algorithm.kl_estimator='k4' is unknown; valid: k1, k2, k3"),
         (dict(kl_reference="."), "kl_coef=0 never uses it"),
-        (dict(kl_coef=0.1, kl_reference="/no/such/checkpoint"), "algorithm.kl_reference='/no/such/checkpoint' is not a"),
+        (
+            dict(kl_coef=0.1, kl_reference="/no/such/checkpoint"),
+            "algorithm.kl_reference='/no/such/checkpoint' is not a",
+        ),
         (dict(entropy_coef=float("nan")), "algorithm.entropy_coef must be finite"),
     ],
 )

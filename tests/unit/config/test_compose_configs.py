@@ -26,7 +26,6 @@ NEEDS = {
 }
 
 
-
 @pytest.mark.parametrize("group, option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_every_group_option_composes_and_validates(group, option):
     overrides = [f"{group}={option}"] + NEEDS.get((group, option), [])
@@ -62,7 +61,9 @@ def test_invalid_layout_names_the_numbers():
 
 
 def test_mini_batches_must_split_over_data_parallel_ranks():
-    typed = OmegaConf.to_object(compose(["trainer.prompts_per_step=3", "rollout.group_size=3", "trainer.updates_per_rollout=1"]))
+    typed = OmegaConf.to_object(
+        compose(["trainer.prompts_per_step=3", "rollout.group_size=3", "trainer.updates_per_rollout=1"])
+    )
     with pytest.raises(ConfigError, match="not divisible by the data-parallel size 2"):
         validate_config(typed, 2)
 
@@ -74,9 +75,16 @@ def test_gspo_rejects_token_sum_aggregation():
 
 
 def test_rollout_replay_with_sglang_needs_routed_experts():
-    typed = OmegaConf.to_object(compose(["algorithm=grpo_rollout_routing_replay", "rollout=sglang",
-                                         "rollout.sglang.model_path=/ckpt",
-                                         "rollout.sglang.enable_return_routed_experts=false"]))
+    typed = OmegaConf.to_object(
+        compose(
+            [
+                "algorithm=grpo_rollout_routing_replay",
+                "rollout=sglang",
+                "rollout.sglang.model_path=/ckpt",
+                "rollout.sglang.enable_return_routed_experts=false",
+            ]
+        )
+    )
     with pytest.raises(ConfigError, match="enable_return_routed_experts=true"):
         validate_config(typed, 1)
 

@@ -13,20 +13,36 @@ def _typed(overrides):
     return OmegaConf.to_object(compose(list(overrides)))
 
 
-@pytest.mark.parametrize("overrides, message", [
-    # 4 prompts x 4 responses / 2 updates = 8 rows per rank; 3 does not divide 8
-    (["trainer.prompts_per_step=4", "rollout.group_size=4", "trainer.micro_batch_size=3"],
-     r"trainer.micro_batch_size=3 does not divide the 8 sequences"),
-    (["rollout=sglang", "rollout.sglang.model_path=/ckpt", "rollout.sglang.enable_return_routed_experts=false"],
-     r"routing.kinds contains rollout_vs_train needs .*enable_return_routed_experts=true"),
-    (["checkpoint.save_every=-1"], r"checkpoint.save_every must be >= 0"),
-    (["checkpoint.keep_last=-2"], r"checkpoint.keep_last must be >= 0"),
-    (["checkpoint.resume=maybe"], r"checkpoint.resume='maybe'"),
-    (["checkpoint.resume_allow_changes=[model.hidden_size]"], r"shape cannot change"),
-    (["trainer.on_nonfinite=ignore"], r"trainer.on_nonfinite='ignore'"),
-    (["trainer.max_consecutive_nonfinite=0"], r"trainer.max_consecutive_nonfinite must be >= 1"),
-], ids=["micro_batch", "sglang_routed_experts", "save_every", "keep_last", "resume", "allow_model",
-        "on_nonfinite", "max_consecutive"])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        # 4 prompts x 4 responses / 2 updates = 8 rows per rank; 3 does not divide 8
+        (
+            ["trainer.prompts_per_step=4", "rollout.group_size=4", "trainer.micro_batch_size=3"],
+            r"trainer.micro_batch_size=3 does not divide the 8 sequences",
+        ),
+        (
+            ["rollout=sglang", "rollout.sglang.model_path=/ckpt", "rollout.sglang.enable_return_routed_experts=false"],
+            r"routing.kinds contains rollout_vs_train needs .*enable_return_routed_experts=true",
+        ),
+        (["checkpoint.save_every=-1"], r"checkpoint.save_every must be >= 0"),
+        (["checkpoint.keep_last=-2"], r"checkpoint.keep_last must be >= 0"),
+        (["checkpoint.resume=maybe"], r"checkpoint.resume='maybe'"),
+        (["checkpoint.resume_allow_changes=[model.hidden_size]"], r"shape cannot change"),
+        (["trainer.on_nonfinite=ignore"], r"trainer.on_nonfinite='ignore'"),
+        (["trainer.max_consecutive_nonfinite=0"], r"trainer.max_consecutive_nonfinite must be >= 1"),
+    ],
+    ids=[
+        "micro_batch",
+        "sglang_routed_experts",
+        "save_every",
+        "keep_last",
+        "resume",
+        "allow_model",
+        "on_nonfinite",
+        "max_consecutive",
+    ],
+)
 def test_bad_value_is_refused_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate_config(_typed(overrides), 1)

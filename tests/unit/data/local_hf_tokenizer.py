@@ -11,7 +11,8 @@ CHAT_TEMPLATE = (
 
 def build_local_hf_tokenizer(directory, chat_template=CHAT_TEMPLATE, eos_ids_in_generation_config=True):
     """Train a tiny BPE on a few strings and save it as a HF tokenizer directory (no downloads)."""
-    from tokenizers import Tokenizer as RawTokenizer, models, pre_tokenizers, trainers, decoders
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

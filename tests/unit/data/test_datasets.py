@@ -20,8 +20,11 @@ def _rows(n):
 
 def _config(path, **overrides):
     base = dict(
-        path=str(path), prompt_field="question", answer_field="solution.final",
-        apply_chat_template=False, shuffle=False,
+        path=str(path),
+        prompt_field="question",
+        answer_field="solution.final",
+        apply_chat_template=False,
+        shuffle=False,
     )
     base.update(overrides)
     return DatasetConfig(**base)

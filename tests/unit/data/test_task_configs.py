@@ -42,8 +42,10 @@ def test_jsonl_math_end_to_end(tmp_path):
     tokenizer = HFTokenizer(tmp_path / "tok")
     data = tmp_path / "train.jsonl"
     data.write_text(
-        json.dumps({"prompt": "what is 1 + 2 ?", "answer": "3"}) + "\n"
-        + json.dumps({"prompt": "half of 1 ?", "answer": "\\frac{1}{2}"}) + "\n"
+        json.dumps({"prompt": "what is 1 + 2 ?", "answer": "3"})
+        + "\n"
+        + json.dumps({"prompt": "half of 1 ?", "answer": "\\frac{1}{2}"})
+        + "\n"
     )
     config = _compose("jsonl_math", dataset={"path": str(data), "shuffle": False})
     task = build_task(config, tokenizer)

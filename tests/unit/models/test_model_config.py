@@ -13,16 +13,40 @@ from gspo_megatron.models.config import PRESETS, ModelConfigError, MoEModelConfi
 
 # Qwen3-30B-A3B's published config.json (Hugging Face, Qwen/Qwen3-30B-A3B), verbatim fields.
 QWEN3_30B_A3B_CONFIG_JSON = {
-    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
-    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
-    "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [],
-    "model_type": "qwen3_moe", "moe_intermediate_size": 768, "norm_topk_prob": True,
-    "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
-    "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None,
-    "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
-    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
 }
 
 
@@ -41,7 +65,9 @@ def test_defaults_and_presets_are_valid():
         preset(name).validate()
 
 
-@pytest.mark.parametrize("name", ["vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim"])
+@pytest.mark.parametrize(
+    "name", ["vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim"]
+)
 def test_sizes_must_be_positive(name):
     refused(MoEModelConfig(**{name: 0}), f"model.{name}", ">= 1", "got 0")
 
@@ -68,7 +94,9 @@ def test_moe_needs_an_expert_ffn_size():
 
 
 def test_moe_rules_skipped_when_every_layer_is_dense():
-    dense = MoEModelConfig(num_layers=2, dense_layers=[0, 1], dense_intermediate_size=8, top_k=99, moe_intermediate_size=0)
+    dense = MoEModelConfig(
+        num_layers=2, dense_layers=[0, 1], dense_intermediate_size=8, top_k=99, moe_intermediate_size=0
+    )
     assert not dense.is_moe
     dense.validate()
 
@@ -107,9 +135,19 @@ def test_shared_expert_counts_in_total_and_active():
     [
         MoEModelConfig(),
         MoEModelConfig(tie_word_embeddings=True),
-        MoEModelConfig(vocab_size=64, hidden_size=32, num_layers=3, num_attention_heads=4, num_kv_heads=2,
-                       head_dim=8, num_experts=4, top_k=2, moe_intermediate_size=16, dense_layers=[1],
-                       dense_intermediate_size=24),
+        MoEModelConfig(
+            vocab_size=64,
+            hidden_size=32,
+            num_layers=3,
+            num_attention_heads=4,
+            num_kv_heads=2,
+            head_dim=8,
+            num_experts=4,
+            top_k=2,
+            moe_intermediate_size=16,
+            dense_layers=[1],
+            dense_intermediate_size=24,
+        ),
     ],
     ids=["default", "tied", "dense_layer"],
 )
@@ -134,8 +172,15 @@ def test_real_qwen3_30b_config_json_matches_the_preset():
 
 
 def test_hf_round_trip_with_dense_layers():
-    cfg = MoEModelConfig(num_layers=4, dense_layers=[0, 3], dense_intermediate_size=96, tie_word_embeddings=True,
-                         rope_theta=10000.0, router_aux_loss_coef=0.01, norm_topk_prob=False)
+    cfg = MoEModelConfig(
+        num_layers=4,
+        dense_layers=[0, 3],
+        dense_intermediate_size=96,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        router_aux_loss_coef=0.01,
+        norm_topk_prob=False,
+    )
     assert asdict(MoEModelConfig.from_hf_dict(cfg.to_hf_dict())) == asdict(cfg)
 
 
@@ -150,9 +195,19 @@ def test_shared_expert_cannot_be_exported():
 
 
 def test_decoder_sparse_step_and_mlp_only_layers_make_dense_layers():
-    base = dict(model_type="qwen3_moe", vocab_size=64, hidden_size=32, num_hidden_layers=6, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                intermediate_size=48)
+    base = dict(
+        model_type="qwen3_moe",
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        intermediate_size=48,
+    )
     # HF: layer i is MoE iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
     cfg = MoEModelConfig.from_hf_dict({**base, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
     assert cfg.dense_layers == [0, 2, 3, 4]
@@ -162,11 +217,19 @@ def test_decoder_sparse_step_and_mlp_only_layers_make_dense_layers():
 
 
 def test_optional_fields_fall_back_like_transformers():
-    cfg = MoEModelConfig.from_hf_dict(dict(
-        model_type="qwen3_moe", vocab_size=64, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-        rope_parameters={"rope_type": "default", "rope_theta": 5000.0},  # transformers 5 layout
-    ))
+    cfg = MoEModelConfig.from_hf_dict(
+        dict(
+            model_type="qwen3_moe",
+            vocab_size=64,
+            hidden_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            rope_parameters={"rope_type": "default", "rope_theta": 5000.0},  # transformers 5 layout
+        )
+    )
     assert cfg.num_kv_heads == 6  # no GQA field: multi-head attention
     assert cfg.head_dim == 8  # hidden_size / heads
     assert cfg.rope_theta == 5000.0

@@ -47,8 +47,12 @@ def test_split_matches_megatron_get_batch_on_this_cp_rank():
 
 
 def test_split_micro_batch_splits_per_token_tensors_only():
-    batch = {"tokens": torch.arange(8).view(1, 8), "advantages": torch.tensor([0.5]),
-             "routed_experts": torch.arange(8 * 2 * 2).view(1, 8, 2, 2), "rows": torch.tensor([4])}
+    batch = {
+        "tokens": torch.arange(8).view(1, 8),
+        "advantages": torch.tensor([0.5]),
+        "routed_experts": torch.arange(8 * 2 * 2).view(1, 8, 2, 2),
+        "rows": torch.tensor([4]),
+    }
     local = split_micro_batch(batch, 2, 1)
     assert local["tokens"].tolist() == [[2, 3, 4, 5]]
     assert torch.equal(local["routed_experts"], batch["routed_experts"][:, 2:6])
@@ -70,10 +74,15 @@ def test_causal_mask_is_the_full_causal_mask_at_held_positions():
 def test_pad_for_context_parallel_pads_inputs_to_a_multiple_of_two_cp():
     n, s = 2, 7  # S-1 = 6 model inputs -> padded to 8 for cp=2
     batch = RolloutBatch(
-        tokens=torch.ones(n, s, dtype=torch.long), response_mask=torch.ones(n, s - 1),
-        input_mask=torch.ones(n, s - 1), rollout_log_probs=torch.full((n, s - 1), -1.0),
-        advantages=torch.ones(n), rewards=torch.ones(n), shaped_rewards=torch.ones(n),
-        prompt_lengths=torch.tensor([2, 3]), response_lengths=torch.tensor([4, 3]),
+        tokens=torch.ones(n, s, dtype=torch.long),
+        response_mask=torch.ones(n, s - 1),
+        input_mask=torch.ones(n, s - 1),
+        rollout_log_probs=torch.full((n, s - 1), -1.0),
+        advantages=torch.ones(n),
+        rewards=torch.ones(n),
+        shaped_rewards=torch.ones(n),
+        prompt_lengths=torch.tensor([2, 3]),
+        response_lengths=torch.tensor([4, 3]),
         routed_experts=torch.ones(n, s - 1, 2, 2, dtype=torch.int32),
     )
     padded = pad_for_context_parallel(batch, 2)

@@ -28,8 +28,17 @@ def test_default_config_is_valid_on_one_rank():
 
 @pytest.mark.parametrize(
     "parallel, world",
-    [(dict(tp=2), 2), (dict(pp=2), 2), (dict(ep=2), 2), (dict(tp=2, ep=2), 4), (dict(), 4),
-     (dict(cp=2), 2), (dict(tp=2, cp=2), 4), (dict(cp=2, ep=2), 2), (dict(pp=2, cp=2), 4)],
+    [
+        (dict(tp=2), 2),
+        (dict(pp=2), 2),
+        (dict(ep=2), 2),
+        (dict(tp=2, ep=2), 4),
+        (dict(), 4),
+        (dict(cp=2), 2),
+        (dict(tp=2, cp=2), 4),
+        (dict(cp=2, ep=2), 2),
+        (dict(pp=2, cp=2), 4),
+    ],
 )
 def test_test_layouts_are_valid(parallel, world):
     cfg = TrainConfig()

@@ -12,8 +12,17 @@ from gspo_megatron.parallel.layout import LayoutError, ParallelLayout
 
 
 def tiny(**overrides) -> MoEModelConfig:
-    values = dict(vocab_size=64, hidden_size=32, num_layers=4, num_attention_heads=8, num_kv_heads=4,
-                  head_dim=8, num_experts=8, top_k=2, moe_intermediate_size=16)
+    values = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=4,
+        num_attention_heads=8,
+        num_kv_heads=4,
+        head_dim=8,
+        num_experts=8,
+        top_k=2,
+        moe_intermediate_size=16,
+    )
     values.update(overrides)
     return MoEModelConfig(**values).validate()
 
@@ -51,7 +60,9 @@ def test_expert_tp_defaults_to_tp_and_can_differ():
     assert ParallelLayout(tp=4, etp=1, world_size=4).expert_tp == 1
 
 
-@pytest.mark.parametrize("tp, requested, expected", [(1, None, False), (2, None, True), (2, False, False), (2, True, True)])
+@pytest.mark.parametrize(
+    "tp, requested, expected", [(1, None, False), (2, None, True), (2, False, False), (2, True, True)]
+)
 def test_sequence_parallel_default_follows_tp(tp, requested, expected):
     assert ParallelLayout(tp=tp, sequence_parallel=requested, world_size=tp).use_sequence_parallel is expected
 
@@ -103,12 +114,26 @@ def test_sequence_parallel_needs_tensor_parallel():
     "layout, model, field, value, dim, size",
     [
         (dict(pp=3, world_size=3), tiny(num_layers=4), "num_layers", 4, "pp", 3),
-        (dict(tp=3, world_size=3), tiny(num_attention_heads=4, num_kv_heads=4, vocab_size=96), "num_attention_heads", 4, "tp", 3),
+        (
+            dict(tp=3, world_size=3),
+            tiny(num_attention_heads=4, num_kv_heads=4, vocab_size=96),
+            "num_attention_heads",
+            4,
+            "tp",
+            3,
+        ),
         (dict(tp=4, world_size=4), tiny(num_attention_heads=8, num_kv_heads=2), "num_kv_heads", 2, "tp", 4),
         (dict(tp=2, world_size=2), tiny(vocab_size=65), "vocab_size", 65, "tp", 2),
         (dict(ep=3, world_size=3), tiny(num_experts=8), "num_experts", 8, "ep", 3),
         (dict(tp=2, etp=3, world_size=6), tiny(moe_intermediate_size=16), "moe_intermediate_size", 16, "etp", 3),
-        (dict(tp=2, etp=1, world_size=2), tiny(dense_layers=[0], dense_intermediate_size=33), "dense_intermediate_size", 33, "tp", 2),
+        (
+            dict(tp=2, etp=1, world_size=2),
+            tiny(dense_layers=[0], dense_intermediate_size=33),
+            "dense_intermediate_size",
+            33,
+            "tp",
+            2,
+        ),
     ],
 )
 def test_model_dimension_must_divide(layout, model, field, value, dim, size):

@@ -18,7 +18,7 @@ def _listening_addresses() -> list[str]:
         except OSError:
             continue
         if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
+            inodes.add(target[len("socket:[") : -1])
     found = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in open(table).read().splitlines()[1:]:

@@ -60,9 +60,17 @@ def test_trainer_batch_rules_refuse_a_batch_the_layout_cannot_split():
 
 
 def test_ranking_orders_fitting_layouts_by_step_time():
-    model = MoEModelConfig(vocab_size=4096, hidden_size=512, num_layers=4, num_attention_heads=8,
-                           num_kv_heads=4,
-                           head_dim=64, num_experts=8, top_k=2, moe_intermediate_size=256).validate()
+    model = MoEModelConfig(
+        vocab_size=4096,
+        hidden_size=512,
+        num_layers=4,
+        num_attention_heads=8,
+        num_kv_heads=4,
+        head_dim=64,
+        num_experts=8,
+        top_k=2,
+        moe_intermediate_size=256,
+    ).validate()
     options = PlanOptions(seq_len=1024, micro_batch_tokens=2048, global_batch_tokens=16 * 1024, group_size=4)
     fitting, too_big = rank_layouts(model, 4, options, gpu_spec("h100"))
     assert fitting and not too_big

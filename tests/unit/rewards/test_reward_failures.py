@@ -22,8 +22,14 @@ def test_each_failure_kind_costs_one_sample_in_workers():
         assert results[0] == RewardResult(1.0, True, True) and results[-1] == RewardResult(0.0, False, True)
         for result in results[1:-1]:
             assert result.reward == 0.0 and result.error
-        assert pool.stats.failures == {**{k: 0 for k in FAILURE_KINDS},
-                                       "raised": 1, "bad_type": 2, "nonfinite": 2, "timeout": 1, "died": 1}
+        assert pool.stats.failures == {
+            **{k: 0 for k in FAILURE_KINDS},
+            "raised": 1,
+            "bad_type": 2,
+            "nonfinite": 2,
+            "timeout": 1,
+            "died": 1,
+        }
         assert pool.stats.errors == 7
         assert pool.score(["7"], [RECORD]) == [RewardResult(1.0, True, True)]  # the pool lives on
 
@@ -34,8 +40,15 @@ def test_in_process_conversion_is_guarded():
     assert [r.failure for r in results] == ["bad_type", "nonfinite", None]
 
 
-@pytest.mark.parametrize("name, in_process", [("exact_match", True), ("last_number", True),
-                                              ("math_verify", False), ("import:verifier_doubles:raises_on_bad", False)])
+@pytest.mark.parametrize(
+    "name, in_process",
+    [
+        ("exact_match", True),
+        ("last_number", True),
+        ("math_verify", False),
+        ("import:verifier_doubles:raises_on_bad", False),
+    ],
+)
 def test_only_trivial_builtins_run_in_process_by_default(name, in_process):
     pool = RewardPool(name, RewardConfig(num_workers=1))
     try:

@@ -5,7 +5,6 @@ import time
 import pytest
 
 from gspo_megatron.algorithms.registry import UnknownNameError
-
 from gspo_megatron.data import PromptRecord
 from gspo_megatron.rewards import RewardConfig, RewardPool, RewardResult
 

@@ -19,9 +19,19 @@ def decode(ids):  # a character-level "tokenizer": token i is one character
 
 
 def tiny_config(**overrides):
-    values = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                  num_experts=4, num_experts_per_tok=2, max_position_embeddings=128)
+    values = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+    )
     values.update(overrides)
     return Qwen3MoeConfig(**values)
 
@@ -40,8 +50,11 @@ def peaked_source_model(hf_config, seed=1):
 
 
 def engine_from(source, **config):
-    engine = EmbeddedEngine(tiny_config(**{k: v for k, v in source.config.to_dict().items()
-                                           if k in ("mlp_only_layers",)}), EmbeddedConfig(**config), decode)
+    engine = EmbeddedEngine(
+        tiny_config(**{k: v for k, v in source.config.to_dict().items() if k in ("mlp_only_layers",)}),
+        EmbeddedConfig(**config),
+        decode,
+    )
     engine.update_weights(source.state_dict().items(), version=1)
     return engine
 
@@ -65,8 +78,10 @@ def full_forward_log_probs(model, prompt, output, temperature):
 
 def test_kv_cache_matches_no_cache(source):
     cached, uncached = engine_from(source, use_cache=True), engine_from(source, use_cache=False)
-    for params in (SamplingParams(temperature=0, max_new_tokens=10),
-                   SamplingParams(temperature=1.0, max_new_tokens=10, n=2, seed=5)):
+    for params in (
+        SamplingParams(temperature=0, max_new_tokens=10),
+        SamplingParams(temperature=1.0, max_new_tokens=10, n=2, seed=5),
+    ):
         a, b = cached.generate(PROMPTS, params), uncached.generate(PROMPTS, params)
         for group_a, group_b in zip(a, b):
             for x, y in zip(group_a, group_b):
@@ -76,13 +91,15 @@ def test_kv_cache_matches_no_cache(source):
 
 def test_greedy_output_is_argmax_and_not_degenerate(source):
     engine = engine_from(source)
-    outputs = [group[0].output_ids for group in engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=8))]
+    outputs = [
+        group[0].output_ids for group in engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=8))
+    ]
     assert len({tuple(o) for o in outputs}) == len(PROMPTS)  # prompts lead to different continuations
     for prompt, output in zip(PROMPTS, outputs):
         ids = torch.tensor([prompt + output])
         with torch.no_grad():
             logits = source(input_ids=ids).logits[0]
-        assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == output
+        assert logits[len(prompt) - 1 : -1].argmax(-1).tolist() == output
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, -1, 1.0), (0.7, -1, 1.0), (1.3, 5, 0.9)])
@@ -103,7 +120,7 @@ def test_top_k_restricts_sampled_tokens(source):
         for sample in group:
             ids = torch.tensor([prompt + sample.output_ids])
             with torch.no_grad():
-                logits = source(input_ids=ids).logits[0, len(prompt) - 1:-1]
+                logits = source(input_ids=ids).logits[0, len(prompt) - 1 : -1]
             top2 = logits.topk(2, dim=-1).indices.tolist()
             assert all(token in allowed for token, allowed in zip(sample.output_ids, top2))
 
@@ -128,13 +145,13 @@ def test_stop_token_stop_string_and_length(source):
     assert greedy.finish_reason == FinishReason.LENGTH and len(greedy.output_ids) == 10
     stop_id = greedy.output_ids[3]
     first = greedy.output_ids.index(stop_id)
-    by_id = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=10,
-                                                         stop_token_ids=(stop_id,)))[0][0]
-    assert by_id.output_ids == greedy.output_ids[:first + 1] and by_id.finish_reason == FinishReason.STOP
+    by_id = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=10, stop_token_ids=(stop_id,)))[
+        0
+    ][0]
+    assert by_id.output_ids == greedy.output_ids[: first + 1] and by_id.finish_reason == FinishReason.STOP
     stop_text = decode(greedy.output_ids[4:6])
     cut = next(i for i in range(1, 11) if stop_text in decode(greedy.output_ids[:i]))
-    by_text = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=10,
-                                                           stop=(stop_text,)))[0][0]
+    by_text = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=10, stop=(stop_text,)))[0][0]
     assert by_text.output_ids == greedy.output_ids[:cut] and by_text.finish_reason == FinishReason.STOP
     torch.testing.assert_close(by_text.output_log_probs, greedy.output_log_probs[:cut])
 
@@ -186,19 +203,22 @@ def test_update_weights_subset_touches_only_its_slice(source):
     engine.update_weights([("model.layers.0.mlp.experts.2.up_proj.weight", new_up)], version=2)
     after = experts.gate_up_proj.detach()
     assert torch.equal(after[2, 16:], new_up)  # rows [I, 2I) of expert 2 are its up_proj
-    changed = (after != before_gate_up)
+    changed = after != before_gate_up
     changed[2, 16:] = False
     assert not changed.any() and torch.equal(experts.down_proj, before_down)
     assert engine.weight_version == 2
 
 
-@pytest.mark.parametrize("name,shape,error,match", [
-    ("model.layers.0.self_attn.q_prj.weight", (32, 32), KeyError, "closest valid names"),
-    ("model.layers.0.mlp.experts.4.gate_proj.weight", (16, 32), KeyError, "expert 4 does not exist"),
-    ("model.layers.5.mlp.experts.0.gate_proj.weight", (16, 32), KeyError, "no routed experts"),
-    ("model.layers.0.mlp.experts.1.down_proj.weight", (16, 32), ValueError, r"expects \(32, 16\)"),
-    ("model.norm.weight", (31,), ValueError, "expects"),
-])
+@pytest.mark.parametrize(
+    "name,shape,error,match",
+    [
+        ("model.layers.0.self_attn.q_prj.weight", (32, 32), KeyError, "closest valid names"),
+        ("model.layers.0.mlp.experts.4.gate_proj.weight", (16, 32), KeyError, "expert 4 does not exist"),
+        ("model.layers.5.mlp.experts.0.gate_proj.weight", (16, 32), KeyError, "no routed experts"),
+        ("model.layers.0.mlp.experts.1.down_proj.weight", (16, 32), ValueError, r"expects \(32, 16\)"),
+        ("model.norm.weight", (31,), ValueError, "expects"),
+    ],
+)
 def test_update_weights_rejects_bad_names_and_shapes(source, name, shape, error, match):
     engine = engine_from(source)
     with pytest.raises(error, match=match):

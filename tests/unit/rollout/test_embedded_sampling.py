@@ -5,8 +5,7 @@ import math
 import pytest
 import torch
 
-from gspo_megatron.rollout.sampling import (filter_top_k_top_p, row_generators, sample_next_tokens,
-                                            sampling_log_probs)
+from gspo_megatron.rollout.sampling import filter_top_k_top_p, row_generators, sample_next_tokens, sampling_log_probs
 from gspo_megatron.rollout.types import SamplingParams
 
 PROBS = torch.tensor([0.1, 0.5, 0.15, 0.25])  # sorted: 1 (0.5), 3 (0.25), 2 (0.15), 0 (0.1)

@@ -10,8 +10,15 @@ from gspo_megatron.testing.sglang_double import DoubleFaults
 
 
 def _engine(urls, **overrides):
-    settings = dict(mode="attach", urls=urls, health_poll_interval_s=0.01, backoff_base_s=0.01, backoff_max_s=0.05,
-                    startup_timeout_s=10.0, request_timeout_s=10.0)
+    settings = dict(
+        mode="attach",
+        urls=urls,
+        health_poll_interval_s=0.01,
+        backoff_base_s=0.01,
+        backoff_max_s=0.05,
+        startup_timeout_s=10.0,
+        request_timeout_s=10.0,
+    )
     settings.update(overrides)
     return SGLangEngine(SGLangConfig(**settings))
 
@@ -62,7 +69,10 @@ def test_generate_503_is_retried_with_backoff(doubles):
 
 def test_5xx_beyond_the_retry_budget_fails_clearly(doubles):
     double = doubles(faults=DoubleFaults(generate_503=100))
-    with _engine([double.url], max_retries=2) as engine, pytest.raises(RequestFailedError, match="failed 3 times.*HTTP 503"):
+    with (
+        _engine([double.url], max_retries=2) as engine,
+        pytest.raises(RequestFailedError, match="failed 3 times.*HTTP 503"),
+    ):
         engine.generate([[5, 6]], SamplingParams(max_new_tokens=4))
     assert double.generate_count == 3
 
@@ -136,7 +146,9 @@ def test_routed_experts_round_trip_and_wrong_size(doubles):
     assert sample.routed_experts.shape == (4 + len(sample.output_ids) - 1, 3, 2)
     assert sample.routed_experts.min() >= 0 and sample.routed_experts.max() < 4
 
-    wrong = doubles(enable_return_routed_experts=True, num_layers=3, top_k=2, faults=DoubleFaults(wrong_routed_experts=True))
+    wrong = doubles(
+        enable_return_routed_experts=True, num_layers=3, top_k=2, faults=DoubleFaults(wrong_routed_experts=True)
+    )
     with _engine([wrong.url], enable_return_routed_experts=True, num_hidden_layers=3, num_experts_per_tok=2) as engine:
         with pytest.raises(ProtocolError, match="expected .* layers, top_k 2"):
             engine.generate([[1, 2, 3, 4]], params)

@@ -16,8 +16,14 @@ from gspo_megatron.testing.sglang_double import DoubleFaults
 
 
 def _engine(urls, **overrides):
-    settings = dict(mode="attach", urls=urls, health_poll_interval_s=0.01, backoff_base_s=0.01, backoff_max_s=0.05,
-                    request_timeout_s=10.0)
+    settings = dict(
+        mode="attach",
+        urls=urls,
+        health_poll_interval_s=0.01,
+        backoff_base_s=0.01,
+        backoff_max_s=0.05,
+        request_timeout_s=10.0,
+    )
     settings.update(overrides)
     return SGLangEngine(SGLangConfig(**settings))
 
@@ -49,13 +55,19 @@ def test_weight_update_under_load_succeeds(doubles, tmp_path, pause_mode):
     model.mkdir()
     (model / "config.json").write_text("{}")
     double = doubles(faults=DoubleFaults(generate_delay_s=0.3))
-    with _engine([double.url], weight_sync="disk", model_path=str(model), disk_sync_dir=str(tmp_path / "sync"),
-                 pause_mode=pause_mode) as engine:
+    with _engine(
+        [double.url],
+        weight_sync="disk",
+        model_path=str(model),
+        disk_sync_dir=str(tmp_path / "sync"),
+        pause_mode=pause_mode,
+    ) as engine:
         import torch
 
         results = []
-        worker = threading.Thread(target=lambda: results.append(
-            engine.generate([[1, 2], [3]], SamplingParams(max_new_tokens=4))))
+        worker = threading.Thread(
+            target=lambda: results.append(engine.generate([[1, 2], [3]], SamplingParams(max_new_tokens=4)))
+        )
         worker.start()
         deadline = time.monotonic() + 10
         while double.generate_count < 2 and time.monotonic() < deadline:
@@ -96,10 +108,15 @@ def test_unsupported_server_version_is_refused_at_attach(doubles, version):
 
 
 def test_retracted_sample_records_its_oldest_weight_version():
-    body = {"output_ids": [5, 6, 7], "meta_info": {
-        "output_token_logprobs": [[-0.1, 5, None], [-0.2, 6, None], [-0.3, 7, None]],
-        "finish_reason": {"type": "length", "length": 3}, "weight_version": "4",
-        "weight_versions": [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 3}]}}
+    body = {
+        "output_ids": [5, 6, 7],
+        "meta_info": {
+            "output_token_logprobs": [[-0.1, 5, None], [-0.2, 6, None], [-0.3, 7, None]],
+            "finish_reason": {"type": "length", "length": 3},
+            "weight_version": "4",
+            "weight_versions": [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 3}],
+        },
+    }
     result = parse_generate_response(body, prompt_len=2)
     assert result.weight_version == 4 and result.oldest_weight_version == 3
     assert result.weight_versions == ((3, 0, 2), (4, 2, 3))

@@ -20,9 +20,16 @@ def _config(tmp_path, **overrides):
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text('{"num_hidden_layers": 3, "num_experts_per_tok": 2, "num_experts": 4}')
-    settings = dict(mode="launch", model_path=str(model), launch_command=FAKE_LAUNCH_SERVER,
-                    log_dir=str(tmp_path / "logs"), startup_timeout_s=60.0, health_poll_interval_s=0.05,
-                    shutdown_grace_s=5.0, backoff_base_s=0.01)
+    settings = dict(
+        mode="launch",
+        model_path=str(model),
+        launch_command=FAKE_LAUNCH_SERVER,
+        log_dir=str(tmp_path / "logs"),
+        startup_timeout_s=60.0,
+        health_poll_interval_s=0.05,
+        shutdown_grace_s=5.0,
+        backoff_base_s=0.01,
+    )
     settings.update(overrides)
     return SGLangConfig(**settings)
 
@@ -48,18 +55,41 @@ def _wait_gone(pid, seconds=5.0):
 
 
 def test_launch_command_argv():
-    argv = build_launch_command([], model_path="/m", tp=2, host="127.0.0.1", port=31000,
-                                enable_return_routed_experts=True, enable_deterministic_inference=True,
-                                extra_args=["--mem-fraction-static", "0.5"])
-    assert argv == [sys.executable, "-m", "sglang.launch_server", "--model-path", "/m", "--tp-size", "2", "--host",
-                    "127.0.0.1", "--port", "31000", "--enable-return-routed-experts",
-                    "--enable-deterministic-inference", "--mem-fraction-static", "0.5"]
+    argv = build_launch_command(
+        [],
+        model_path="/m",
+        tp=2,
+        host="127.0.0.1",
+        port=31000,
+        enable_return_routed_experts=True,
+        enable_deterministic_inference=True,
+        extra_args=["--mem-fraction-static", "0.5"],
+    )
+    assert argv == [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "/m",
+        "--tp-size",
+        "2",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "31000",
+        "--enable-return-routed-experts",
+        "--enable-deterministic-inference",
+        "--mem-fraction-static",
+        "0.5",
+    ]
 
 
 def test_launch_generate_and_shutdown_only_own_processes(tmp_path):
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
-        config = _config(tmp_path, enable_return_routed_experts=True, extra_args=["--startup-503", "3", "--spawn-child"])
+        config = _config(
+            tmp_path, enable_return_routed_experts=True, extra_args=["--startup-503", "3", "--spawn-child"]
+        )
         engine = SGLangEngine(config)
         (server,) = engine.launched_servers
         samples = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, n=2, return_routed_experts=True))
@@ -85,8 +115,9 @@ def test_server_exiting_during_start_up_quotes_its_log(tmp_path):
 
 
 def test_health_deadline_stops_the_server(tmp_path):
-    server = LaunchedServer(FAKE_LAUNCH_SERVER + ["--port", "0", "--startup-503", "100000"], "http://127.0.0.1:1",
-                            tmp_path / "never.log")
+    server = LaunchedServer(
+        FAKE_LAUNCH_SERVER + ["--port", "0", "--startup-503", "100000"], "http://127.0.0.1:1", tmp_path / "never.log"
+    )
     # port 0 + a wrong url: the server runs but /health is never reachable within the deadline
     server.start()
     with pytest.raises(ServerLaunchError, match=r"not healthy after 1s"):

@@ -21,19 +21,37 @@ def _b64_int32(values):
 
 def _response(output_ids, logprobs, finish="stop", **meta):
     entries = [[lp, tok, None] for lp, tok in zip(logprobs, output_ids)]
-    return {"text": "", "output_ids": output_ids,
-            "meta_info": {"output_token_logprobs": entries, "finish_reason": {"type": finish}, **meta}}
+    return {
+        "text": "",
+        "output_ids": output_ids,
+        "meta_info": {"output_token_logprobs": entries, "finish_reason": {"type": finish}, **meta},
+    }
 
 
 def test_request_body_carries_every_sampling_field():
-    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=5, stop=("</s>",),
-                            stop_token_ids=(2, 7), return_routed_experts=True)
+    params = SamplingParams(
+        temperature=0.7,
+        top_p=0.9,
+        top_k=20,
+        max_new_tokens=5,
+        stop=("</s>",),
+        stop_token_ids=(2, 7),
+        return_routed_experts=True,
+    )
     body = build_generate_request([1, 2, 3], params, sampling_seed=11, skip_special_tokens=False, no_stop_trim=True)
     assert body == {
         "input_ids": [1, 2, 3],
-        "sampling_params": {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "max_new_tokens": 5, "stop": ["</s>"],
-                            "stop_token_ids": [2, 7], "no_stop_trim": True, "skip_special_tokens": False,
-                            "sampling_seed": 11},
+        "sampling_params": {
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 20,
+            "max_new_tokens": 5,
+            "stop": ["</s>"],
+            "stop_token_ids": [2, 7],
+            "no_stop_trim": True,
+            "skip_special_tokens": False,
+            "sampling_seed": 11,
+        },
         "return_logprob": True,
         "return_routed_experts": True,
     }
@@ -69,7 +87,9 @@ def test_routed_experts_decoded_little_endian_in_token_layer_topk_order():
 def test_routed_experts_wrong_size_names_both_sizes():
     encoded = _b64_int32(list(range(8)))  # 8 values, expected 3*2*2 = 12
     with pytest.raises(ProtocolError, match=r"holds 8 int32 values, expected 12 = \[3 tokens"):
-        parse_generate_response(_response([7, 8], [-1.0, -2.0], routed_experts=encoded), 2, routed_experts_layout=(2, 2))
+        parse_generate_response(
+            _response([7, 8], [-1.0, -2.0], routed_experts=encoded), 2, routed_experts_layout=(2, 2)
+        )
     with pytest.raises(ProtocolError, match="not a multiple of 4"):
         decode_routed_experts(base64.b64encode(b"\x00" * 6).decode(), 1, 1, 1)
     with pytest.raises(ProtocolError, match="not valid base64"):
@@ -89,12 +109,22 @@ def test_missing_routed_experts_explains_the_launch_flag():
         ({"output_ids": "12", "meta_info": {}}, "'output_ids'"),
         ({"output_ids": [1], "meta_info": {"finish_reason": {"type": "stop"}}}, "return_logprob"),
         (_response([1, 2], [-1.0]), "output_ids has 2"),  # one log-prob for two tokens
-        ({"output_ids": [1, 2], "meta_info": {"output_token_logprobs": [[-1.0, 1, None], [-1.0, 3, None]],
-                                              "finish_reason": {"type": "stop"}}}, "do not belong"),
+        (
+            {
+                "output_ids": [1, 2],
+                "meta_info": {
+                    "output_token_logprobs": [[-1.0, 1, None], [-1.0, 3, None]],
+                    "finish_reason": {"type": "stop"},
+                },
+            },
+            "do not belong",
+        ),
         (_response([1], [0.5]), "expected a number <= 0"),
         (_response([1], [-0.1], "eos"), "not one of"),
-        ({"output_ids": [1], "meta_info": {"output_token_logprobs": [[-1.0, 1, None]], "finish_reason": "stop"}},
-         "finish_reason"),
+        (
+            {"output_ids": [1], "meta_info": {"output_token_logprobs": [[-1.0, 1, None]], "finish_reason": "stop"}},
+            "finish_reason",
+        ),
     ],
 )
 def test_malformed_responses_are_named(body, message):
@@ -104,8 +134,9 @@ def test_malformed_responses_are_named(body, message):
 
 def test_request_body_is_a_valid_sglang_generate_req_input():
     io_struct = pytest.importorskip("sglang.srt.managers.io_struct")
-    body = build_generate_request([1, 2, 3], SamplingParams(max_new_tokens=4, stop_token_ids=(2,), return_routed_experts=True),
-                                  sampling_seed=3)
+    body = build_generate_request(
+        [1, 2, 3], SamplingParams(max_new_tokens=4, stop_token_ids=(2,), return_routed_experts=True), sampling_seed=3
+    )
     request = io_struct.GenerateReqInput(**body)
     assert request.input_ids == [1, 2, 3] and request.return_logprob and request.return_routed_experts
     sampling = pytest.importorskip("sglang.srt.sampling.sampling_params")

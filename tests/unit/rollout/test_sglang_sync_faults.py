@@ -31,8 +31,11 @@ def servers(tmp_path):
 
     def start(*extra):
         port = free_port()
-        server = LaunchedServer(DOUBLE + ["--port", str(port), "--join-weight-groups", *extra],
-                                f"http://127.0.0.1:{port}", tmp_path / f"double_{port}.log")
+        server = LaunchedServer(
+            DOUBLE + ["--port", str(port), "--join-weight-groups", *extra],
+            f"http://127.0.0.1:{port}",
+            tmp_path / f"double_{port}.log",
+        )
         server.start()
         server.wait_healthy(60, 0.05)
         started.append(server)
@@ -48,9 +51,18 @@ def _state(url):
 
 
 def _config(urls, tmp_path, **overrides):
-    settings = dict(mode="attach", urls=urls, health_poll_interval_s=0.05, weight_sync_backend="gloo",
-                    weight_sync_group_name="faults", weight_sync_timeout_s=60.0, backoff_base_s=0.01,
-                    backoff_max_s=0.05, model_path=str(_model_dir(tmp_path)), disk_sync_dir=str(tmp_path / "sync"))
+    settings = dict(
+        mode="attach",
+        urls=urls,
+        health_poll_interval_s=0.05,
+        weight_sync_backend="gloo",
+        weight_sync_group_name="faults",
+        weight_sync_timeout_s=60.0,
+        backoff_base_s=0.01,
+        backoff_max_s=0.05,
+        model_path=str(_model_dir(tmp_path)),
+        disk_sync_dir=str(tmp_path / "sync"),
+    )
     settings.update(overrides)
     return SGLangConfig(**settings)
 

@@ -29,8 +29,12 @@ def test_buckets_by_bytes_in_order():
 def test_bucket_metadata_is_sglang_update_weights_from_distributed():
     bucket = [("w", torch.zeros(2, 3, dtype=torch.bfloat16)), ("b", torch.zeros(3))]
     assert bucket_metadata(bucket, "g", 7) == {
-        "names": ["w", "b"], "dtypes": ["bfloat16", "float32"], "shapes": [[2, 3], [3]], "group_name": "g",
-        "flush_cache": False, "weight_version": "7",
+        "names": ["w", "b"],
+        "dtypes": ["bfloat16", "float32"],
+        "shapes": [[2, 3], [3]],
+        "group_name": "g",
+        "flush_cache": False,
+        "weight_version": "7",
     }
 
 
@@ -46,9 +50,20 @@ def _model_dir(tmp_path):
 def test_disk_sync_call_order_files_and_version(tmp_path):
     double = SGLangServerDouble().start()
     try:
-        config = SGLangConfig(mode="attach", urls=[double.url], weight_sync="disk", model_path=str(_model_dir(tmp_path)),
-                              disk_sync_dir=str(tmp_path / "sync"), weight_bucket_bytes=64, health_poll_interval_s=0.01)
-        tensors = [("layer.0.w", torch.arange(12.0).reshape(3, 4)), ("layer.0.b", torch.ones(4)), ("head", torch.ones(2))]
+        config = SGLangConfig(
+            mode="attach",
+            urls=[double.url],
+            weight_sync="disk",
+            model_path=str(_model_dir(tmp_path)),
+            disk_sync_dir=str(tmp_path / "sync"),
+            weight_bucket_bytes=64,
+            health_poll_interval_s=0.01,
+        )
+        tensors = [
+            ("layer.0.w", torch.arange(12.0).reshape(3, 4)),
+            ("layer.0.b", torch.ones(4)),
+            ("head", torch.ones(2)),
+        ]
         with SGLangEngine(config) as engine:
             engine.update_weights(iter(tensors), version=5)
             sample = engine.generate([[1, 2]], SamplingParams(max_new_tokens=3))[0][0]
@@ -59,11 +74,18 @@ def test_disk_sync_call_order_files_and_version(tmp_path):
         assert disk_call == {"model_path": str(out), "weight_version": "5", "flush_cache": False}
         # 48 + 16 = 64 bytes fill shard 1 exactly, 8 go to shard 2; config/tokenizer copied, old weights not
         assert sorted(p.name for p in out.iterdir()) == [
-            "config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-            "model.safetensors.index.json", "tokenizer.json"]
+            "config.json",
+            "model-00001-of-00002.safetensors",
+            "model-00002-of-00002.safetensors",
+            "model.safetensors.index.json",
+            "tokenizer.json",
+        ]
         index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
-        assert index == {"layer.0.w": "model-00001-of-00002.safetensors", "layer.0.b": "model-00001-of-00002.safetensors",
-                         "head": "model-00002-of-00002.safetensors"}
+        assert index == {
+            "layer.0.w": "model-00001-of-00002.safetensors",
+            "layer.0.b": "model-00001-of-00002.safetensors",
+            "head": "model-00002-of-00002.safetensors",
+        }
         assert double.received_weights["layer.0.w"]["sum"] == 66.0
         assert engine.weight_version == 5 and sample.weight_version == 5  # read back from meta_info
     finally:
@@ -74,8 +96,14 @@ def test_failed_update_ends_the_session_and_the_server_stays_usable(tmp_path):
     """Behaviour 3: SGLang refuses every begin_weight_update while a session is open."""
     double = SGLangServerDouble(faults=DoubleFaults(fail_disk_updates=1)).start()
     try:
-        config = SGLangConfig(mode="attach", urls=[double.url], weight_sync="disk", model_path=str(_model_dir(tmp_path)),
-                              disk_sync_dir=str(tmp_path / "sync"), health_poll_interval_s=0.01)
+        config = SGLangConfig(
+            mode="attach",
+            urls=[double.url],
+            weight_sync="disk",
+            model_path=str(_model_dir(tmp_path)),
+            disk_sync_dir=str(tmp_path / "sync"),
+            health_poll_interval_s=0.01,
+        )
         with SGLangEngine(config) as engine:
             with pytest.raises(WeightSyncError, match="version 3 failed.*loading the checkpoint failed"):
                 engine.update_weights([("w", torch.ones(2))], version=3)
@@ -91,8 +119,15 @@ def test_disk_update_needs_no_session_as_in_sglang(tmp_path):
     """Behaviour 5: SGLang's disk path has no session check; the double no longer refuses it."""
     double = SGLangServerDouble().start()
     try:
-        config = SGLangConfig(mode="attach", urls=[double.url], weight_sync="disk", model_path=str(_model_dir(tmp_path)),
-                              disk_sync_dir=str(tmp_path / "sync"), bracket_weight_update=False, health_poll_interval_s=0.01)
+        config = SGLangConfig(
+            mode="attach",
+            urls=[double.url],
+            weight_sync="disk",
+            model_path=str(_model_dir(tmp_path)),
+            disk_sync_dir=str(tmp_path / "sync"),
+            bracket_weight_update=False,
+            health_poll_interval_s=0.01,
+        )
         with SGLangEngine(config) as engine:
             engine.update_weights([("w", torch.ones(2))], version=3)
             assert engine.weight_version == 3 and double.paths()[-1] == "/continue_generation"
@@ -104,12 +139,24 @@ def test_distributed_sync_broadcasts_into_two_servers(tmp_path):
     """Two launched doubles join a real gloo group with the trainer (ranks 1 and 2 of 3)."""
     model = _model_dir(tmp_path)
     config = SGLangConfig(
-        mode="launch", model_path=str(model), num_servers=2, launch_command=[sys.executable, "-m", "gspo_megatron.testing.sglang_double"],
-        extra_args=["--join-weight-groups"], log_dir=str(tmp_path / "logs"), health_poll_interval_s=0.05,
-        weight_sync_backend="gloo", weight_sync_group_name="test_two_servers", weight_bucket_bytes=64,
-        weight_sync_timeout_s=60.0, shutdown_grace_s=5.0,
+        mode="launch",
+        model_path=str(model),
+        num_servers=2,
+        launch_command=[sys.executable, "-m", "gspo_megatron.testing.sglang_double"],
+        extra_args=["--join-weight-groups"],
+        log_dir=str(tmp_path / "logs"),
+        health_poll_interval_s=0.05,
+        weight_sync_backend="gloo",
+        weight_sync_group_name="test_two_servers",
+        weight_bucket_bytes=64,
+        weight_sync_timeout_s=60.0,
+        shutdown_grace_s=5.0,
     )
-    tensors = [("a", torch.arange(10.0)), ("b", torch.full((2, 2), 2.0, dtype=torch.bfloat16)), ("c", torch.arange(20.0))]
+    tensors = [
+        ("a", torch.arange(10.0)),
+        ("b", torch.full((2, 2), 2.0, dtype=torch.bfloat16)),
+        ("c", torch.arange(20.0)),
+    ]
     with SGLangEngine(config) as engine:
         engine.update_weights(tensors, version=1)
         engine.update_weights([("a", torch.ones(10))], version=2)
@@ -119,8 +166,15 @@ def test_distributed_sync_broadcasts_into_two_servers(tmp_path):
     offsets = []
     for state in states:
         paths = [path for path, _ in state["calls"] if path not in ("/health", "/generate", "/server_info")]
-        assert paths == (BRACKET_HEAD + ["/init_weights_update_group"] + ["/update_weights_from_distributed"] * 2
-                         + BRACKET_TAIL + BRACKET_HEAD + ["/update_weights_from_distributed"] + BRACKET_TAIL)
+        assert paths == (
+            BRACKET_HEAD
+            + ["/init_weights_update_group"]
+            + ["/update_weights_from_distributed"] * 2
+            + BRACKET_TAIL
+            + BRACKET_HEAD
+            + ["/update_weights_from_distributed"]
+            + BRACKET_TAIL
+        )
         init = [body for path, body in state["calls"] if path == "/init_weights_update_group"][0]
         assert init["world_size"] == 3 and init["backend"] == "gloo" and init["group_name"] == "test_two_servers"
         offsets.append(init["rank_offset"])

@@ -47,8 +47,8 @@ class ScriptedEngine(RolloutEngine):
 
     def _continuation(self, prompt, context):
         plan_key = prompt[0]
-        response = decode(context[len(prompt):])
-        if context[-len(self.probe_suffix):] == self.probe_suffix:
+        response = decode(context[len(prompt) :])
+        if context[-len(self.probe_suffix) :] == self.probe_suffix:
             c = self.confidences[plan_key][response.count("Wait") + 1]  # the pending trigger is cut
             text = "{42" + "}" * 30 if plan_key in self.open_probes else "{42}</think>"
             return encode(text), [-7.0] + [math.log(c)] * (len(text) - 1)
@@ -62,7 +62,7 @@ class ScriptedEngine(RolloutEngine):
     def generate(self, prompts, params):
         self.calls.append((prompts, params))
         result = []
-        for index, prompt in enumerate(prompts):
+        for prompt in prompts:
             group = []
             for _ in range(params.n):
                 original = prompt[:2]  # test prompts are [plan key, "?"]
@@ -76,16 +76,29 @@ class ScriptedEngine(RolloutEngine):
                         break
                     if len(out) == params.max_new_tokens:
                         break
-                group.append(Sample(prompt_ids=prompt, output_ids=out, weight_version=self.weight_version,
-                                    output_log_probs=torch.tensor(out_lps), finish_reason=finish))
+                group.append(
+                    Sample(
+                        prompt_ids=prompt,
+                        output_ids=out,
+                        weight_version=self.weight_version,
+                        output_log_probs=torch.tensor(out_lps),
+                        finish_reason=finish,
+                    )
+                )
             result.append(group)
         return result
 
 
-CONFIG = TruncatedRolloutConfig(trigger_words=["Wait"], probe_suffix="\n\\boxed",
-                                close_thinking="\n</think>\n",
-                                probe_max_tokens=20, confidence_threshold=0.95, max_probes=10,
-                                think_ratio=1.0, eos_token_ids=[EOS])
+CONFIG = TruncatedRolloutConfig(
+    trigger_words=["Wait"],
+    probe_suffix="\n\\boxed",
+    close_thinking="\n</think>\n",
+    probe_max_tokens=20,
+    confidence_threshold=0.95,
+    max_probes=10,
+    think_ratio=1.0,
+    eos_token_ids=[EOS],
+)
 PLAN = "ab Wait cd Wait ef Wait gh</think>"
 
 
@@ -141,7 +154,7 @@ def test_never_confident_stops_probing_at_max_probes():
     [[sample]], _ = run({0: PLAN}, {0: {1: 0.9, 2: 0.2, 3: 0.99}}, config)
     assert sample.extra["exit_reason"] == "max_probes" and sample.extra["num_probes"] == 2
     assert decode(sample.output_ids) == PLAN + "ANS"  # third Wait not probed: triggers off after 2
-    torch.testing.assert_close(sample.output_log_probs[:len(PLAN)], plan_log_probs(PLAN))
+    torch.testing.assert_close(sample.output_log_probs[: len(PLAN)], plan_log_probs(PLAN))
     assert not sample.extra["forced_mask"].any()
 
 
@@ -149,14 +162,21 @@ def test_natural_end_without_triggers_and_batching_of_mixed_samples():
     plans = {0: "abc</think>", 1: PLAN, 2: "xy Wait z</think>"}
     confidences = {0: {}, 1: {1: 0.1, 2: 0.1, 3: 0.97}, 2: {1: 0.3}}
     result, _ = run(plans, confidences, n=2)
-    for group, (reason, probes, text) in zip(result, [
+    for group, (reason, probes, text) in zip(
+        result,
+        [
             ("natural_end", 0, "abc</think>ANS"),
             ("confident", 3, "ab Wait cd Wait ef \n</think>\nANS"),
-            ("natural_end", 1, "xy Wait z</think>ANS")]):
+            ("natural_end", 1, "xy Wait z</think>ANS"),
+        ],
+    ):
         assert len(group) == 2
         for sample in group:
             assert (sample.extra["exit_reason"], sample.extra["num_probes"], decode(sample.output_ids)) == (
-                reason, probes, text)
+                reason,
+                probes,
+                text,
+            )
 
 
 def test_length_exit_counts_the_whole_output_budget():
@@ -178,8 +198,7 @@ def test_strict_qwen3_rule_a_probe_that_does_not_close_thinking_has_confidence_z
 
 def test_forced_answer_at_the_thinking_budget():
     """think_ratio 0.5 of 30 tokens: thinking stops at 15 tokens, is closed (forced) and answered."""
-    [[sample]], _ = run({0: PLAN}, {0: {1: 0.1, 2: 0.1, 3: 0.1}}, with_config(think_ratio=0.5),
-                        max_new_tokens=30)
+    [[sample]], _ = run({0: PLAN}, {0: {1: 0.1, 2: 0.1, 3: 0.1}}, with_config(think_ratio=0.5), max_new_tokens=30)
     assert sample.extra["exit_reason"] == "think_budget" and sample.finish_reason == FinishReason.STOP
     assert decode(sample.output_ids) == PLAN[:15] + "\n</think>\nANS" and sample.output_ids[-1] == EOS
     assert sample.extra["forced_mask"].tolist() == [False] * 15 + [True] * 10 + [False] * 4
@@ -210,9 +229,19 @@ def test_trigger_text_inside_a_word_is_not_a_trigger_in_rollout_or_step_counting
 def test_over_the_embedded_engine_kept_log_probs_match_a_full_forward():
     """Real model: whatever the exits, kept sampled tokens carry log_softmax(logits / T) of the final
     sequence and routed experts equal the full forward's router top-k."""
-    hf_config = dict(vocab_size=len(CHARS) + 1, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                     num_experts=4, num_experts_per_tok=2, max_position_embeddings=128)
+    hf_config = dict(
+        vocab_size=len(CHARS) + 1,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(4)
     source = Qwen3MoeForCausalLM(Qwen3MoeConfig(**hf_config)).eval()
     with torch.no_grad():  # large random weights: peaked next-token distributions
@@ -220,10 +249,18 @@ def test_over_the_embedded_engine_kept_log_probs_match_a_full_forward():
             parameter.uniform_(0.5, 1.5) if name.endswith("norm.weight") else parameter.normal_(0.0, 0.35)
     engine = EmbeddedEngine(Qwen3MoeConfig(**hf_config), EmbeddedConfig(), decode)
     engine.update_weights(source.state_dict().items(), version=3)
-    config = TruncatedRolloutConfig(trigger_words=[], trigger_token_ids=list(range(0, 60, 3)),
-                                    end_think="", end_think_token_ids=[CHARS.index("|")],
-                                    probe_suffix="=", close_thinking="|", probe_max_tokens=4,
-                                    confidence_threshold=0.3, max_probes=3, eos_token_ids=[EOS])
+    config = TruncatedRolloutConfig(
+        trigger_words=[],
+        trigger_token_ids=list(range(0, 60, 3)),
+        end_think="",
+        end_think_token_ids=[CHARS.index("|")],
+        probe_suffix="=",
+        close_thinking="|",
+        probe_max_tokens=4,
+        confidence_threshold=0.3,
+        max_probes=3,
+        eos_token_ids=[EOS],
+    )
     truncated = TruncatedRolloutEngine(engine, config, encode, decode)
     prompts = [encode("abc"), encode("hello")]
     params = SamplingParams(temperature=0.8, max_new_tokens=24, n=3, seed=11, return_routed_experts=True)
@@ -236,7 +273,7 @@ def test_over_the_embedded_engine_kept_log_probs_match_a_full_forward():
             ids = torch.tensor([prompt + sample.output_ids])
             with torch.no_grad():
                 out = source(input_ids=ids, output_router_logits=True)
-            full = torch.log_softmax(out.logits[0].float() / 0.8, -1)[len(prompt) - 1:-1]
+            full = torch.log_softmax(out.logits[0].float() / 0.8, -1)[len(prompt) - 1 : -1]
             expected = full.gather(-1, torch.tensor(sample.output_ids)[:, None]).squeeze(-1)
             sampled = ~sample.extra["forced_mask"]
             torch.testing.assert_close(sample.output_log_probs[sampled], expected[sampled], atol=1e-5, rtol=1e-5)

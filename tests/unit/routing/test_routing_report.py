@@ -17,8 +17,12 @@ METRICS = [
 
 def _routing(step, kind, changed, overlap, load=None):
     record = {
-        "step": step, "kind": kind, "changed_frac": changed, "overlap": overlap,
-        "changed_frac_overall": sum(changed) / len(changed), "overlap_overall": sum(overlap) / len(overlap),
+        "step": step,
+        "kind": kind,
+        "changed_frac": changed,
+        "overlap": overlap,
+        "changed_frac_overall": sum(changed) / len(changed),
+        "overlap_overall": sum(overlap) / len(overlap),
         "tokens": 100,
     }
     if load is not None:

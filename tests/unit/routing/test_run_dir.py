@@ -23,8 +23,13 @@ B = torch.tensor([[[1, 0], [2, 4]], [[6, 7], [7, 6]], [[2, 0], [3, 5]]])
 
 def test_routing_log_round_trip_from_tensors(tmp_path):
     with RoutingLog(tmp_path) as log:
-        log.log(5, "update", volatility=routing_volatility(A, B), load=expert_load(B, 8),
-                router_entropy=torch.tensor([0.5, 0.25]))
+        log.log(
+            5,
+            "update",
+            volatility=routing_volatility(A, B),
+            load=expert_load(B, 8),
+            router_entropy=torch.tensor([0.5, 0.25]),
+        )
         log.log(6, "rollout_vs_train", volatility=routing_volatility(A, A))
     records = read_jsonl(tmp_path / "routing.jsonl")
     assert [r["step"] for r in records] == [5, 6]

@@ -60,9 +60,7 @@ def test_none_shaper_leaves_rewards_and_input_unchanged():
 
 
 def test_rewards_stack_needs_equal_group_sizes():
-    batch = shape_batch(
-        [make_group(["a"], [True], [1]), make_group(["a", "b"], [True, True], [1, 2])], ShapingConfig()
-    )
+    batch = shape_batch([make_group(["a"], [True], [1]), make_group(["a", "b"], [True, True], [1, 2])], ShapingConfig())
     with pytest.raises(ValueError, match="different sizes"):
         batch.rewards()
     with pytest.raises(ValueError, match="at least one group"):
@@ -80,14 +78,23 @@ def test_shaper_returning_wrong_shape_is_caught(monkeypatch):
 
 def test_group_from_samples_takes_lengths_and_log_probs():
     samples = [
-        Sample(prompt_ids=[1], output_ids=[5, 6, 7], output_log_probs=torch.tensor([-0.1, -2.0, -0.1]),
-               finish_reason=FinishReason.STOP),
-        Sample(prompt_ids=[1], output_ids=[8], output_log_probs=torch.tensor([-0.3]),
-               finish_reason=FinishReason.LENGTH),
+        Sample(
+            prompt_ids=[1],
+            output_ids=[5, 6, 7],
+            output_log_probs=torch.tensor([-0.1, -2.0, -0.1]),
+            finish_reason=FinishReason.STOP,
+        ),
+        Sample(
+            prompt_ids=[1], output_ids=[8], output_log_probs=torch.tensor([-0.3]), finish_reason=FinishReason.LENGTH
+        ),
     ]
     group = group_from_samples(
-        samples, torch.tensor([1.0, 0.0]), torch.tensor([True, False]), torch.tensor([True, True]),
-        ["x y z", "w"], max_response_length=3,
+        samples,
+        torch.tensor([1.0, 0.0]),
+        torch.tensor([True, False]),
+        torch.tensor([True, True]),
+        ["x y z", "w"],
+        max_response_length=3,
     )
     assert group.response_lengths.tolist() == [3, 1]
     torch.testing.assert_close(group.token_log_probs[0], torch.tensor([-0.1, -2.0, -0.1]))

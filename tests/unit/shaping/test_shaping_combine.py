@@ -10,22 +10,31 @@ from gspo_megatron.shaping.grsp import grsp
 
 # Confidence segments (window 1, threshold -1, edge 3): 2 short | 1 long | 1 short + 1 long, whose
 # per-cluster z-scores are Z (hand-computed in test_shaping_grsp.py).
-LOG_PROBS = [torch.tensor([-0.1, -0.1, -2.0, -0.1]), torch.tensor([-0.1, -0.1, -0.1]),
-             torch.tensor([-0.1, -2.0, -0.1, -0.1, -0.1])]
+LOG_PROBS = [
+    torch.tensor([-0.1, -0.1, -2.0, -0.1]),
+    torch.tensor([-0.1, -0.1, -0.1]),
+    torch.tensor([-0.1, -2.0, -0.1, -0.1, -0.1]),
+]
 Z = torch.tensor([[1.22474487, -1.41421356], [-1.22474487, 0.70710678], [0.0, 0.70710678]])
 PENALTY = Z @ torch.tensor([2 / 3, 1 / 3])  # default descending weights over 2 clusters
 
 
 def make_group(correct, rewards=None):
-    return ShapingGroup(rewards=torch.tensor(rewards if rewards is not None else [1.0] * 3),
-                        correct=torch.tensor(correct), format_ok=torch.ones(3, dtype=torch.bool),
-                        response_texts=[""] * 3, response_lengths=torch.tensor([4, 3, 5]),
-                        max_response_length=8, token_log_probs=LOG_PROBS)
+    return ShapingGroup(
+        rewards=torch.tensor(rewards if rewards is not None else [1.0] * 3),
+        correct=torch.tensor(correct),
+        format_ok=torch.ones(3, dtype=torch.bool),
+        response_texts=[""] * 3,
+        response_lengths=torch.tensor([4, 3, 5]),
+        max_response_length=8,
+        token_log_probs=LOG_PROBS,
+    )
 
 
 def confidence_cfg(**overrides):
-    return GRSPConfig(segmentation="confidence", confidence_window=1, confidence_threshold=-1.0,
-                      bucket_edges=[3.0], **overrides)
+    return GRSPConfig(
+        segmentation="confidence", confidence_window=1, confidence_threshold=-1.0, bucket_edges=[3.0], **overrides
+    )
 
 
 def advantages(rewards, shaped, combine="reward", normalize_std=True):

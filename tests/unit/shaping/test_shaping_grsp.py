@@ -144,14 +144,16 @@ def test_truncated_responses_are_segmented_up_to_where_they_stop():
     other: its last segment simply ends at the cut. Keyword segments: token shares of the text."""
     texts = ["aaaa Wait bb Wait cc", "aaaa Wait bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb"]  # second: truncated
     group = ShapingGroup(
-        rewards=torch.tensor([1.0, 0.0]), correct=torch.tensor([True, False]),
-        format_ok=torch.tensor([True, False]), response_texts=texts,
-        response_lengths=torch.tensor([len(texts[0]), len(texts[1])]), max_response_length=len(texts[1]),
+        rewards=torch.tensor([1.0, 0.0]),
+        correct=torch.tensor([True, False]),
+        format_ok=torch.tensor([True, False]),
+        response_texts=texts,
+        response_lengths=torch.tensor([len(texts[0]), len(texts[1])]),
+        max_response_length=len(texts[1]),
     )
     cfg = GRSPConfig(keywords=["Wait"], bucket_edges=[6.0, 20.0], apply_to="all")
     out = grsp(group, cfg)
     # one char = one token: [5, 8, 7] -> clusters (1, 2, 0); [5, 41] -> (1, 0, 1)
-    torch.testing.assert_close(out.metrics["segments_per_cluster"], torch.tensor([[1.0, 2.0, 0.0],
-                                                                                  [1.0, 0.0, 1.0]]))
+    torch.testing.assert_close(out.metrics["segments_per_cluster"], torch.tensor([[1.0, 2.0, 0.0], [1.0, 0.0, 1.0]]))
     # z over two responses: cluster 0 std 0 -> 0; clusters 1, 2: +-1; weights (1/2, 1/3, 1/6)
     torch.testing.assert_close(out.metrics["penalty"], torch.tensor([1 / 3 - 1 / 6, -1 / 3 + 1 / 6]))

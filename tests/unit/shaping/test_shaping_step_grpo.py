@@ -108,8 +108,14 @@ def test_boxed_outcome_grades_the_box_and_fmt_is_box_exists_even_when_truncated(
     assert correct.tolist() == [True, True, False, False] and fmt.tolist() == [True, True, False, False]
     v_correct, v_fmt = _score(math_verify, texts)
     assert v_correct.tolist() == [True, True, True, False] and v_fmt.tolist() == [True, False, False, False]
-    group = ShapingGroup(rewards=correct.float(), correct=correct, format_ok=fmt, response_texts=texts,
-                         response_lengths=torch.tensor([6, 12, 5, 4]), max_response_length=12)
+    group = ShapingGroup(
+        rewards=correct.float(),
+        correct=correct,
+        format_ok=fmt,
+        response_texts=texts,
+        response_lengths=torch.tensor([6, 12, 5, 4]),
+        max_response_length=12,
+    )
     shaped = step_grpo(group, StepGRPOConfig()).rewards
     # k = [2, 2, 1, 3]; mu = 2 over the two correct: both get alpha * 1 + (1 - alpha) = 1.0
     torch.testing.assert_close(shaped, torch.tensor([1.0, 1.0, 0.0, 0.0]))

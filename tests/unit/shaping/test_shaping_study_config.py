@@ -32,7 +32,9 @@ def _warm_start_arg(flag):
 def test_warm_started_responses_populate_every_grsp_length_cluster_of_the_shipped_study():
     cfg = OmegaConf.to_object(compose(["+experiment=shaping_from_sft", "shaping=grsp"]))
     assert (_warm_start_arg("--min-digits"), _warm_start_arg("--digits")) == (
-        cfg.task.min_digits, cfg.task.max_digits), "the warm start must train on the study's problems"
+        cfg.task.min_digits,
+        cfg.task.max_digits,
+    ), "the warm start must train on the study's problems"
     tokenizer = build_tokenizer("symbol", model_vocab_size=cfg.model.vocab_size)
     task = build_task(cfg.task, tokenizer)
     verbose_response = _tool("sft_warmstart").verbose_response

@@ -24,8 +24,15 @@ def test_truncated_rollout_rejects_a_step_trigger_list_that_differs():
 
 
 def test_wait_only_is_a_choice_set_in_every_list_together():
-    _validate(["rollout.truncated=true", "shaping=step_grpo", "rollout.truncation.trigger_words=[Wait]",
-               "shaping.step_grpo.triggers=[Wait]", "shaping.metrics.triggers=[Wait]"])
+    _validate(
+        [
+            "rollout.truncated=true",
+            "shaping=step_grpo",
+            "rollout.truncation.trigger_words=[Wait]",
+            "shaping.step_grpo.triggers=[Wait]",
+            "shaping.metrics.triggers=[Wait]",
+        ]
+    )
     _validate(["shaping=step_grpo", "shaping.step_grpo.triggers=[Wait]"])  # no rollout probing: free
 
 

@@ -21,29 +21,57 @@ def make_run(path, algorithm, rewards, clip_token, clip_seq, routing=()):
     (path / "config.yaml").write_text(f"algorithm:\n  name: {algorithm}\nseed: 1\n")
     with JsonlLog(path / "metrics.jsonl") as log:
         for step, values in enumerate(zip(rewards, clip_token, clip_seq)):
-            log.append({"step": step, "reward/mean": values[0], "loss/clip_frac_token": values[1],
-                        "loss/clip_frac_seq": values[2], "loss/value": 0.0})
+            log.append(
+                {
+                    "step": step,
+                    "reward/mean": values[0],
+                    "loss/clip_frac_token": values[1],
+                    "loss/clip_frac_seq": values[2],
+                    "loss/value": 0.0,
+                }
+            )
     with RoutingLog(path) as log:
         for step, kind, changed in routing:
-            log.append({"step": step, "kind": kind, "changed_frac": [changed, changed], "overlap": [0.9, 0.9],
-                        "changed_frac_overall": changed, "overlap_overall": 0.9, "tokens": 10})
+            log.append(
+                {
+                    "step": step,
+                    "kind": kind,
+                    "changed_frac": [changed, changed],
+                    "overlap": [0.9, 0.9],
+                    "changed_frac_overall": changed,
+                    "overlap_overall": 0.9,
+                    "tokens": 10,
+                }
+            )
     return path
 
 
 @pytest.fixture
 def runs(tmp_path):
     return [
-        make_run(tmp_path / "gspo", "gspo", [0.2, 0.6], [0.15, 0.25], [0.1, 0.3],
-                 [(0, "update", 0.1), (1, "update", 0.2), (0, "rollout_vs_train", 0.05)]),
-        make_run(tmp_path / "grpo", "grpo", [0.1, 0.4], [0.001, 0.003], [0.01, 0.03],
-                 [(0, "update", 0.3), (1, "update", 0.5)]),
+        make_run(
+            tmp_path / "gspo",
+            "gspo",
+            [0.2, 0.6],
+            [0.15, 0.25],
+            [0.1, 0.3],
+            [(0, "update", 0.1), (1, "update", 0.2), (0, "rollout_vs_train", 0.05)],
+        ),
+        make_run(
+            tmp_path / "grpo",
+            "grpo",
+            [0.1, 0.4],
+            [0.001, 0.003],
+            [0.01, 0.03],
+            [(0, "update", 0.3), (1, "update", 0.5)],
+        ),
         make_run(tmp_path / "grpo_replay", "grpo", [0.1, 0.5], [0.001, 0.001], [0.01, 0.01]),
     ]
 
 
 def _row(stdout, label):
-    line = next(l for l in stdout.splitlines() if l.startswith(label + " "))
-    return line[len(label):].split()
+    line = next(text for text in stdout.splitlines() if text.startswith(label + " "))
+    return line[len(label) :].split()
 
 
 def test_table_numbers_and_files(runs, tmp_path, capsys):
@@ -52,7 +80,13 @@ def test_table_numbers_and_files(runs, tmp_path, capsys):
     stdout = capsys.readouterr().out
     header = stdout.splitlines()[0].split("  ")
     assert [h.strip() for h in header if h.strip()] == [
-        "run", "final reward", "clip frac tok", "clip frac seq", "vol update", "vol rollout_vs_train"]
+        "run",
+        "final reward",
+        "clip frac tok",
+        "clip frac seq",
+        "vol update",
+        "vol rollout_vs_train",
+    ]
     assert _row(stdout, "gspo") == ["0.6000", "0.2000", "0.2000", "0.1500", "0.0500"]
     assert _row(stdout, "grpo (grpo)") == ["0.4000", "0.0020", "0.0200", "0.4000", "-"]
     assert _row(stdout, "grpo (grpo_replay)") == ["0.5000", "0.0010", "0.0100", "-", "-"]
@@ -80,7 +114,9 @@ def test_not_a_run_dir_is_a_clear_error(runs, tmp_path, capsys):
 def test_script_entry_point(tmp_path):
     result = subprocess.run(
         [sys.executable, str(TOOL), str(tmp_path / "missing"), "--out", str(tmp_path / "cmp")],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2 and "does not exist" in result.stderr
 
@@ -89,16 +125,32 @@ def make_seeded_run(path, algorithm, seed, upr, rewards, update_changed, changed
     """A run of a sweep: config with algorithm, seed and updates_per_rollout, as Hydra writes it."""
     path.mkdir(parents=True)
     (path / "config.yaml").write_text(
-        f"run_dir: {path}\nalgorithm:\n  name: {algorithm}\ntrainer:\n  seed: {seed}\n  updates_per_rollout: {upr}\n")
+        f"run_dir: {path}\nalgorithm:\n  name: {algorithm}\ntrainer:\n  seed: {seed}\n  updates_per_rollout: {upr}\n"
+    )
     with JsonlLog(path / "metrics.jsonl") as log:
         for step, reward in enumerate(rewards, start=1):
-            log.append({"step": step, "reward/mean": reward, "loss/clip_frac_token": 0.01 * step,
-                        "shaping/custom": 10.0 * reward})
+            log.append(
+                {
+                    "step": step,
+                    "reward/mean": reward,
+                    "loss/clip_frac_token": 0.01 * step,
+                    "shaping/custom": 10.0 * reward,
+                }
+            )
     with RoutingLog(path) as log:
         for step, (changed, any_layer) in enumerate(zip(update_changed, changed_any), start=1):
-            log.append({"step": step, "kind": "update", "changed_frac": [changed, changed], "overlap": [0.9, 0.9],
-                        "changed_frac_overall": changed, "overlap_overall": 0.9, "changed_any_frac": any_layer,
-                        "tokens": 10})
+            log.append(
+                {
+                    "step": step,
+                    "kind": "update",
+                    "changed_frac": [changed, changed],
+                    "overlap": [0.9, 0.9],
+                    "changed_frac_overall": changed,
+                    "overlap_overall": 0.9,
+                    "changed_any_frac": any_layer,
+                    "tokens": 10,
+                }
+            )
     return path
 
 
@@ -156,12 +208,14 @@ def test_aggregation_is_generic_over_any_metric_key(sweep):
 def test_keys_that_follow_the_algorithm_do_not_split_or_label_groups(tmp_path):
     from gspo_megatron.routing.aggregate import group_runs, load_runs_from
 
-    for index, (name, loss, upr) in enumerate([("gspo", "gspo", 1), ("grpo", "grpo", 1), ("gspo", "gspo", 4),
-                                               ("grpo", "grpo", 4)]):
+    for index, (name, loss, upr) in enumerate(
+        [("gspo", "gspo", 1), ("grpo", "grpo", 1), ("gspo", "gspo", 4), ("grpo", "grpo", 4)]
+    ):
         run = tmp_path / str(index)
         run.mkdir()
         (run / "config.yaml").write_text(
-            f"algorithm:\n  name: {name}\n  loss: {loss}\ntrainer:\n  updates_per_rollout: {upr}\n")
+            f"algorithm:\n  name: {name}\n  loss: {loss}\ntrainer:\n  updates_per_rollout: {upr}\n"
+        )
         (run / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
     labels = [g.label for g in group_runs(load_runs_from([tmp_path]))]
     assert labels == ["gspo upr=1", "grpo upr=1", "gspo upr=4", "grpo upr=4"]

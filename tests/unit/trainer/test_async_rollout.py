@@ -18,9 +18,19 @@ PARAMS = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=3, return_r
 
 
 def _hf_config():
-    return Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                          num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+    return Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
 
 
 def _weights(seed):
@@ -48,8 +58,12 @@ class _RecordingEngine(EmbeddedEngine):
 
 
 def _scheduler(engine, max_staleness):
-    return RolloutScheduler(lambda step: (engine.generate(PROMPTS, PARAMS), {}), max_staleness, last_step=10,
-                            versions_of=lambda samples: [s.weight_version for group in samples for s in group])
+    return RolloutScheduler(
+        lambda step: (engine.generate(PROMPTS, PARAMS), {}),
+        max_staleness,
+        last_step=10,
+        versions_of=lambda samples: [s.weight_version for group in samples for s in group],
+    )
 
 
 def test_in_flight_generation_keeps_the_stale_policys_experts():
@@ -103,8 +117,14 @@ def test_with_the_sglang_engine_the_update_waits_for_the_in_flight_generation(tm
     (model / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_experts_per_tok": 2}))
     double = SGLangServerDouble(faults=DoubleFaults(generate_delay_s=0.2)).start()
     try:
-        config = SGLangConfig(mode="attach", urls=[double.url], weight_sync="disk", model_path=str(model),
-                              disk_sync_dir=str(tmp_path / "sync"), health_poll_interval_s=0.01)
+        config = SGLangConfig(
+            mode="attach",
+            urls=[double.url],
+            weight_sync="disk",
+            model_path=str(model),
+            disk_sync_dir=str(tmp_path / "sync"),
+            health_poll_interval_s=0.01,
+        )
         tensors = [("w", torch.ones(2))]
         params = SamplingParams(max_new_tokens=3, n=2, seed=1)
         with SGLangEngine(config) as engine:
@@ -116,8 +136,9 @@ def test_with_the_sglang_engine_the_update_waits_for_the_in_flight_generation(tm
                 finished.append(time.perf_counter())
                 return out, {}
 
-            scheduler = RolloutScheduler(produce, 1, 10,
-                                         versions_of=lambda out: [s.weight_version for g in out for s in g])
+            scheduler = RolloutScheduler(
+                produce, 1, 10, versions_of=lambda out: [s.weight_version for g in out for s in g]
+            )
             scheduler.take(0)
             scheduler.start_next(1)
             scheduler.before_weight_sync()

@@ -15,7 +15,9 @@ def _inputs(seed=0):
     mask = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.float32)
     logp = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     batch = {
-        "targets": targets, "response_mask": mask, "advantages": torch.randn(3, generator=g),
+        "targets": targets,
+        "response_mask": mask,
+        "advantages": torch.randn(3, generator=g),
         "old_log_probs": logp + 0.05 * torch.randn(3, 5, generator=g),
         "ref_log_probs": logp + 0.3 * torch.randn(3, 5, generator=g),
     }
@@ -26,10 +28,12 @@ def _inputs(seed=0):
 def test_loss_and_grad_equal_policy_loss_minus_entropy_plus_kl(loss, estimator):
     logits, batch = _inputs()
     mask = batch["response_mask"]
-    algorithm = AlgorithmConfig(loss=loss, clip_low=0.2, clip_high=0.28, entropy_coef=0.03, kl_coef=0.2,
-                                kl_estimator=estimator)
-    head = PolicyLossHead(algorithm, None, None, 1.0, global_num_sequences=torch.tensor(3.0),
-                          global_num_tokens=mask.sum())
+    algorithm = AlgorithmConfig(
+        loss=loss, clip_low=0.2, clip_high=0.28, entropy_coef=0.03, kl_coef=0.2, kl_estimator=estimator
+    )
+    head = PolicyLossHead(
+        algorithm, None, None, 1.0, global_num_sequences=torch.tensor(3.0), global_num_tokens=mask.sum()
+    )
     leaf = logits.clone().requires_grad_()
     got, metrics = head(leaf, batch)
     got.backward()
@@ -54,8 +58,9 @@ def test_zero_coefficients_add_nothing_and_need_no_reference():
     logits, batch = _inputs()
     del batch["ref_log_probs"]
     mask = batch["response_mask"]
-    head = PolicyLossHead(AlgorithmConfig(), None, None, 1.0, global_num_sequences=torch.tensor(3.0),
-                          global_num_tokens=mask.sum())
+    head = PolicyLossHead(
+        AlgorithmConfig(), None, None, 1.0, global_num_sequences=torch.tensor(3.0), global_num_tokens=mask.sum()
+    )
     loss, metrics = head(logits.clone().requires_grad_(), batch)
     assert not any("kl" in k and "ref" in k or "term" in k for k in metrics)
     assert torch.isfinite(loss)

@@ -28,10 +28,14 @@ def test_plan_rounds_the_fed_length_and_keeps_over_budget_rows_alone():
         token_budget_plan(torch.tensor([3, 4]), 0, 1, budget=0)
 
 
-def _batch(lengths: list[int], prompt: int = 2) -> "RolloutBatch":  # noqa: F821
+def _batch(lengths: list[int], prompt: int = 2) -> RolloutBatch:  # noqa: F821
     samples = [
-        Sample(prompt_ids=list(range(1, prompt + 1)), output_ids=[5 + (i + j) % 7 for j in range(n)],
-               output_log_probs=-torch.rand(n), finish_reason="stop")
+        Sample(
+            prompt_ids=list(range(1, prompt + 1)),
+            output_ids=[5 + (i + j) % 7 for j in range(n)],
+            output_log_probs=-torch.rand(n),
+            finish_reason="stop",
+        )
         for i, n in enumerate(lengths)
     ]
     n = len(samples)
@@ -91,8 +95,9 @@ def test_mismatch_correction_follows_the_rows_and_width_of_budget_micro_batches(
     algorithm = AlgorithmConfig(loss="grpo", mismatch_correction=mode, mismatch_cap=1.5)
     parts = partition(batch, 2, 4, 1, 0, micro_batch_tokens=12)
     correct_mismatch(batch, parts, algorithm)
-    weights, _ = mismatch_weights(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, mode,
-                                  1.5, algorithm.log_ratio_clamp)
+    weights, _ = mismatch_weights(
+        batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, mode, 1.5, algorithm.log_ratio_clamp
+    )
     whole = weighted_advantages(batch.advantages, weights)
     for mb in (mb for part in parts for mb in part):
         expected = whole[mb["rows"]]

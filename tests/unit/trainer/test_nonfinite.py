@@ -19,10 +19,13 @@ def test_check_names_what_is_not_finite():
     fine = _ddp(torch.ones(4))
     assert guard.check([torch.tensor(1.0)], fine) is None
     assert guard.check([torch.tensor(float("nan"))], fine) == "loss non-finite"
-    assert guard.check([torch.tensor(1.0)], _ddp(torch.ones(3), torch.tensor([1.0, float("inf")]))) \
+    assert (
+        guard.check([torch.tensor(1.0)], _ddp(torch.ones(3), torch.tensor([1.0, float("inf")])))
         == "gradients non-finite"
-    assert guard.check([torch.tensor(float("inf"))], _ddp(torch.tensor([float("nan")]))) \
-        == "loss and gradients non-finite"
+    )
+    assert (
+        guard.check([torch.tensor(float("inf"))], _ddp(torch.tensor([float("nan")]))) == "loss and gradients non-finite"
+    )
 
 
 def test_skip_counts_and_stops_after_the_streak():

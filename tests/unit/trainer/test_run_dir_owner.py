@@ -12,7 +12,12 @@ from types import SimpleNamespace
 import pytest
 
 from gspo_megatron.trainer.run_dir_owner import (
-    LOCK_FILE, RunDirError, RunDirLock, check_fresh_start, claim_run_dir, resume_mode,
+    LOCK_FILE,
+    RunDirError,
+    RunDirLock,
+    check_fresh_start,
+    claim_run_dir,
+    resume_mode,
 )
 
 
