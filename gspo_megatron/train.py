@@ -9,11 +9,15 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from gspo_megatron.config.store import register_configs
+
+if TYPE_CHECKING:
+    from gspo_megatron.config.schema import TrainConfig
 
 register_configs()
 
@@ -32,8 +36,8 @@ def run(cfg: DictConfig, run_dir: str) -> str:
     if cfg.model.hf_checkpoint:  # the weights decide the model's shape, not the model YAML
         from gspo_megatron.models.hf_checkpoint import hf_shape_fields
 
-        cfg = OmegaConf.merge(cfg, {"model": hf_shape_fields(cfg.model.hf_checkpoint)})
-    typed = OmegaConf.to_object(cfg)
+        cfg = cast(DictConfig, OmegaConf.merge(cfg, {"model": hf_shape_fields(cfg.model.hf_checkpoint)}))
+    typed = cast("TrainConfig", OmegaConf.to_object(cfg))  # the structured schema: a TrainConfig instance
     validate_config(typed, world_size_from_env())
     validate_for_machine(typed, torch.cuda.is_available())
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)

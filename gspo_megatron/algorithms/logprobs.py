@@ -37,10 +37,38 @@ RL, where we need log pi(y_t) itself, a temperature, and an entropy metric):
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 import torch.distributed as dist
 
 _STATS = 4  # per token and rank: local max, local lse - max, target logit - max, local entropy
+
+
+@overload
+def vocab_parallel_log_probs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None = ...,
+    temperature: float = ...,
+    chunk_size: int | None = ...,
+    with_entropy: Literal[True],
+    entropy_grad: bool = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def vocab_parallel_log_probs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None = ...,
+    temperature: float = ...,
+    chunk_size: int | None = ...,
+    with_entropy: Literal[False] = ...,
+    entropy_grad: bool = ...,
+) -> tuple[torch.Tensor, None]: ...
 
 
 def vocab_parallel_log_probs(

@@ -104,6 +104,8 @@ class PromptDataset:
         config.validate()
         self.config = config
         self.tokenizer = tokenizer
+        if config.path is None:
+            raise ValueError("dataset.path is required for a dataset task (a local .jsonl or .parquet file)")
         self.path = Path(config.path)
         if not self.path.is_file():
             raise FileNotFoundError(f"dataset file {str(self.path)!r} does not exist (dataset.path)")
@@ -198,7 +200,7 @@ class PromptDataset:
     def next_batch(self, batch_size: int) -> list[PromptRecord]:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        batch = []
+        batch: list = []
         while len(batch) < batch_size:
             if self._position == len(self._order):
                 self._epoch, self._position = self._epoch + 1, 0

@@ -77,7 +77,7 @@ class SymbolTokenizer:
         self.vocab_size = len(self._tokens)
         self.pad_token_id = self._ids[self.PAD]
         self.eos_token_id = self._ids[self.EOS]
-        self.stop_token_ids = (self.eos_token_id,)
+        self.stop_token_ids: tuple[int, ...] = (self.eos_token_id,)
         self._special_ids = frozenset(self._ids[t] for t in self.SPECIAL_TOKENS + reserved)
         self._encodable = {t: i for t, i in self._ids.items() if t not in reserved}
 
@@ -166,7 +166,7 @@ class HFTokenizer:
         return list(self._tok.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def render_prompt(self, prompt: PromptInput) -> str:
         if not getattr(self._tok, "chat_template", None):
@@ -176,7 +176,7 @@ class HFTokenizer:
             )
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         _check_messages(messages)
-        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return str(self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
 
 
 def build_tokenizer(kind: str, path: str | None = None, model_vocab_size: int | None = None) -> Tokenizer:

@@ -137,6 +137,8 @@ def write_hf_checkpoint(
                 writer.add(name, tensor)
                 dtype = tensor.dtype if dtype is None else dtype
         writer.close()
+        if dtype is None:
+            raise ValueError(f"no tensors to write into the HF checkpoint {out_dir}")
         config = hf_config_dict(cfg, dtype)
         (partial / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         for file in tokenizer_files:

@@ -30,7 +30,7 @@ class RMSNorm(torch.nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(hidden_size))
-        self.weight.sequence_parallel = bool(config.sequence_parallel)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]  # read by megatron
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -45,7 +45,7 @@ class QKRMSNorm(RMSNorm):
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused):
         super().__init__(config, hidden_size, eps)
-        self.weight.sequence_parallel = False
+        self.weight.sequence_parallel = False  # type: ignore[attr-defined]  # read by megatron
 
 
 class SDPACoreAttention(MegatronModule):

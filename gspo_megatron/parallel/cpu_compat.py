@@ -65,11 +65,11 @@ def enable_cpu_megatron() -> None:
 
 
 def _current_device_is_cpu() -> None:
-    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
 
 
 def _cuda_sync_noops() -> None:
-    torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.Tensor.record_stream = lambda self, stream: None  # type: ignore[assignment]
 
 

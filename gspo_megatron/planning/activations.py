@@ -67,7 +67,7 @@ class ActivationBytes:
         return sum(self.per_layer) + self.boundary + self.loss_head
 
 
-def attention_elements(model: MoEModelConfig, layout: ParallelLayout, tokens: int, spec: str = "portable") -> float:
+def attention_elements(model: MoEModelConfig, layout: ParallelLayout, tokens: float, spec: str = "portable") -> float:
     tp = layout.tp
     sp_tokens = tokens / tp if layout.use_sequence_parallel else tokens
     q = model.num_attention_heads * model.head_dim / tp
@@ -88,7 +88,7 @@ def attention_elements(model: MoEModelConfig, layout: ParallelLayout, tokens: in
     return norm + qkv + qk_norms + rope_q + repeated_kv + output + lse
 
 
-def moe_elements(model: MoEModelConfig, layout: ParallelLayout, tokens: int) -> float:
+def moe_elements(model: MoEModelConfig, layout: ParallelLayout, tokens: float) -> float:
     tp, etp = layout.tp, layout.expert_tp
     sp_tokens = tokens / tp if layout.use_sequence_parallel else tokens
     h = model.hidden_size
@@ -101,7 +101,7 @@ def moe_elements(model: MoEModelConfig, layout: ParallelLayout, tokens: int) -> 
     return norm + router + experts + shared
 
 
-def dense_mlp_elements(ffn_per_rank: float, tokens: int) -> float:
+def dense_mlp_elements(ffn_per_rank: float, tokens: float) -> float:
     return 4 * tokens * ffn_per_rank if ffn_per_rank else 0.0
 
 

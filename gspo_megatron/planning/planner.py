@@ -208,7 +208,8 @@ def rank_layouts(
     model: MoEModelConfig, gpus: int, options: PlanOptions, gpu: GPUSpec, max_cp: int = 2
 ) -> tuple[list[Plan], list[Plan]]:
     """Plans the trainer accepts: those that fit, fastest first; those that do not, smallest first."""
-    fitting, too_big = [], []
+    fitting: list = []
+    too_big: list = []
     for layout in candidate_layouts(model, gpus, gpu, max_cp):
         try:
             plan = plan_layout(model, layout, options, gpu)

@@ -51,9 +51,9 @@ def call_reward(fn: RewardFn, response: str, record: PromptRecord) -> RewardResu
         return RewardResult.failed(f"verifier returned a RewardResult with a non-number ({error})", "bad_type")
     if not math.isfinite(reward):
         return RewardResult.failed(f"verifier returned reward {reward}", "nonfinite")
-    error = None if result.error is None else str(result.error)
-    failure = None if error is None else (result.failure or "verifier")
-    return RewardResult(reward, correct, format_ok, error, failure)
+    message = None if result.error is None else str(result.error)
+    failure = None if message is None else (result.failure or "verifier")
+    return RewardResult(reward, correct, format_ok, message, failure)
 
 
 def _worker_main(conn: Connection, reward_name: str) -> None:
@@ -194,7 +194,7 @@ class RewardPool:
         except (EOFError, OSError):
             worker.process.join(timeout=10)
             code = worker.process.exitcode
-            if worker.state == "busy":
+            if worker.state == "busy" and worker.task is not None:
                 results[worker.task] = RewardResult.failed(f"verifier process died (exit code {code})", "died")
                 self.stats.crashes += 1
             else:
@@ -210,7 +210,7 @@ class RewardPool:
         worker.state, worker.task = "idle", None
 
     def _expire(self, worker: _Worker, results: list[RewardResult | None]) -> None:
-        if worker.state == "busy":
+        if worker.state == "busy" and worker.task is not None:
             results[worker.task] = RewardResult.failed(
                 f"verifier timed out after {self.config.timeout_s} s (reward.timeout_s)", "timeout"
             )

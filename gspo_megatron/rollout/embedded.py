@@ -65,7 +65,7 @@ class _RouterCapture:
         self._num_layers = len(model.model.layers)
         self._top_k = model.config.num_experts_per_tok
         self._latest: dict[int, torch.Tensor] = {}
-        self._handles = []
+        self._handles: list = []
 
     def __enter__(self):
         for layer, router in self._routers.items():
@@ -106,7 +106,9 @@ class EmbeddedEngine(RolloutEngine):
         hf_config = copy.deepcopy(hf_config)  # the attention choice below must not leak to the caller
         hf_config._attn_implementation = self.config.attn_implementation
         self.model = (
-            Qwen3MoeForCausalLM(hf_config).to(device=self.config.device, dtype=_DTYPES[self.config.dtype]).eval()
+            Qwen3MoeForCausalLM(hf_config)  # type: ignore[call-arg]  # transformers types the class as a wrapper
+            .to(device=self.config.device, dtype=_DTYPES[self.config.dtype])
+            .eval()
         )
         self._loader = HfWeightLoader(self.model)
         self._seed_source = torch.Generator().manual_seed(self.config.seed)
@@ -161,14 +163,14 @@ class EmbeddedEngine(RolloutEngine):
             mask[row, width - len(prompt) :] = 1
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        outputs = [[] for _ in range(batch)]
-        log_probs = [[] for _ in range(batch)]
+        outputs: list[list[int]] = [[] for _ in range(batch)]
+        log_probs: list[list[float]] = [[] for _ in range(batch)]
         finish: list[FinishReason | None] = [None] * batch
         routing_chunks = []
         cache = DynamicCache(config=self.model.config) if self.config.use_cache else None
         feed_ids, feed_positions, new_positions = ids, positions, width
-        capture = _RouterCapture(self.model) if params.return_routed_experts else contextlib.nullcontext()
-        with capture:
+        capture = _RouterCapture(self.model) if params.return_routed_experts else None
+        with capture if capture is not None else contextlib.nullcontext():
             for _ in range(params.max_new_tokens):
                 logits = self.model(
                     input_ids=feed_ids,
@@ -178,7 +180,7 @@ class EmbeddedEngine(RolloutEngine):
                     use_cache=cache is not None,
                     logits_to_keep=1,
                 ).logits
-                if params.return_routed_experts:
+                if capture is not None:
                     routing_chunks.append(capture.take(batch, new_positions))
                 tokens, token_log_probs = sample_next_tokens(logits[:, -1], params, generators)
                 self._record(tokens, token_log_probs, outputs, log_probs, finish, params)
@@ -220,6 +222,8 @@ class EmbeddedEngine(RolloutEngine):
     def _hit_stop_string(self, output: list[int], stops: tuple[str, ...]) -> bool:
         if not stops:
             return False
+        if self.decode is None:
+            raise ValueError("stop strings need the engine's decode function (EmbeddedEngine(decode=...))")
         window = max(len(s) for s in stops) + _STOP_TAIL_EXTRA_TOKENS
         tail = self.decode(output[-window:])
         return any(stop in tail for stop in stops)

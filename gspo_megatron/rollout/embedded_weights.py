@@ -20,6 +20,7 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,7 +39,7 @@ class WeightTarget:
 class HfWeightLoader:
     """Resolves checkpoint names onto a ``Qwen3MoeForCausalLM``'s parameters and copies tensors in."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: Any):  # a transformers Qwen3MoeForCausalLM
         self._model = model
         # remove_duplicate=False keeps both names of a tied parameter
         self._direct = dict(model.named_parameters(remove_duplicate=False))

@@ -159,24 +159,24 @@ class TruncatedRolloutEngine(RolloutEngine):
             results = self._call(
                 [t.prompt + t.ids + self.probe_suffix_ids for t in probing], self._probe_params(params)
             )
-            for trace, group in zip(probing, results):
-                self._after_probe(trace, group[0])
+            for trace, probe_group in zip(probing, results):
+                self._after_probe(trace, probe_group[0])
         for phase, probes_left in ((THINK, True), (THINK, False), (ANSWER, None)):
-            group = [
+            batch = [
                 t
                 for t in traces
                 if t.phase == phase and (probes_left is None or (t.probes < self.config.max_probes) == probes_left)
             ]
-            if not group:
+            if not batch:
                 continue
             if phase == THINK:
-                call_params = self._think_params(params, probes_left, 1, max(t.think_left for t in group))
+                call_params = self._think_params(params, bool(probes_left), 1, max(t.think_left for t in batch))
             else:
                 call_params = dataclasses.replace(
-                    params, n=1, max_new_tokens=max(t.remaining for t in group), stop_token_ids=self._end_ids(params)
+                    params, n=1, max_new_tokens=max(t.remaining for t in batch), stop_token_ids=self._end_ids(params)
                 )
-            results = self._call([t.prompt + t.ids for t in group], call_params)
-            for trace, result in zip(group, results):
+            results = self._call([t.prompt + t.ids for t in batch], call_params)
+            for trace, result in zip(batch, results):
                 (self._after_think if phase == THINK else self._after_answer)(trace, result[0], params)
 
     def _after_think(self, trace: _Trace, segment: Sample, params: SamplingParams) -> None:
@@ -213,6 +213,8 @@ class TruncatedRolloutEngine(RolloutEngine):
         if self.config.probe_require_end_think and not self._ends_thinking(probe.output_ids):
             confidence = 0.0  # DEER's Qwen3 rule: the probe must close thinking to count
         trace.confidences.append(confidence)
+        if trace.pending_trigger is None:
+            raise RuntimeError("a confidence probe ran without the trigger it probes")
         trigger_ids, trigger_log_probs = trace.pending_trigger
         trace.pending_trigger = None
         if confidence > self.config.confidence_threshold:
@@ -272,7 +274,8 @@ class TruncatedRolloutEngine(RolloutEngine):
         return dataclasses.replace(params, n=n, max_new_tokens=max_new, stop=stops, stop_token_ids=stop_ids)
 
     def _probe_params(self, params: SamplingParams) -> SamplingParams:
-        stop_ids, stops = self._end_ids(params), ()
+        stop_ids = self._end_ids(params)
+        stops: tuple[str, ...] = ()
         if self.config.probe_stop_at_end_think:
             stop_ids += tuple(self.config.end_think_token_ids)
             stops = (self.config.end_think,) if self.config.end_think else ()

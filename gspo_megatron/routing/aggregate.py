@@ -167,7 +167,8 @@ def metric_curve(group: RunGroup, key: str) -> tuple[list[int], list[float], lis
                 by_step.setdefault(step, []).append(value)
     steps = sorted(by_step)
     stats = [Stat.of(by_step[s]) for s in steps]
-    return steps, [s.mean for s in stats], [s.std for s in stats]
+    # every step has >= 1 finite value, so mean and std are set
+    return steps, [float(s.mean or 0.0) for s in stats], [float(s.std or 0.0) for s in stats]
 
 
 def routing_stat(group: RunGroup, kind: str, key: str = "changed_frac_overall") -> Stat:
@@ -179,7 +180,7 @@ def routing_stat(group: RunGroup, kind: str, key: str = "changed_frac_overall") 
     return per_run_stat(group, value)
 
 
-def routing_layer_means(group: RunGroup, kind: str, key: str = "changed_frac") -> list[float] | None:
+def routing_layer_means(group: RunGroup, kind: str, key: str = "changed_frac") -> list[float | None] | None:
     """Per layer: the mean over seeds of each run's step mean (None when no run recorded ``kind``)."""
     per_run = []
     for run in group.runs:

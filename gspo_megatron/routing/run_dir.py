@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -252,7 +253,7 @@ def load_run(path: str | os.PathLike) -> RunData:
     )
 
 
-def finite_mean(values: list[float]) -> float | None:
+def finite_mean(values: Sequence[float | None]) -> float | None:
     """Mean of the finite values, None when there are none (keeps NaN steps from poisoning summaries)."""
     finite = [float(v) for v in values if v is not None and math.isfinite(float(v))]
     return sum(finite) / len(finite) if finite else None

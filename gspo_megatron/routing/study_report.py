@@ -242,7 +242,9 @@ def layer_and_length_panels(groups: list[RunGroup]) -> list[Panel]:
         for index, group in enumerate(groups):
             layers = routing_layer_means(group, kind)
             if layers:
-                panel.series.append(Series(group.label, list(range(len(layers))), layers, color=f"C{index % 10}"))
+                points = [(layer, value) for layer, value in enumerate(layers) if value is not None]
+                xs, ys = [layer for layer, _ in points], [value for _, value in points]
+                panel.series.append(Series(group.label, xs, ys, color=f"C{index % 10}"))
         panels.append(panel)
     ratio = Panel(
         "importance-ratio dispersion E[(r-1)^2] by response length (token w solid, sequence s dashed)",
@@ -253,16 +255,15 @@ def layer_and_length_panels(groups: list[RunGroup]) -> list[Panel]:
     )
     for index, group in enumerate(groups):
         for level, style in (("token", "-"), ("seq", "--")):
-            points = [
-                (i, metric_stat(group, f"loss/ratio_var_{level}/{bucket_name(lo, hi)}").mean)
-                for i, (lo, hi) in enumerate(LENGTH_BUCKETS)
+            means = [
+                metric_stat(group, f"loss/ratio_var_{level}/{bucket_name(lo, hi)}").mean for lo, hi in LENGTH_BUCKETS
             ]
-            points = [(i, v) for i, v in points if v is not None]
+            finite = [(i, v) for i, v in enumerate(means) if v is not None]
             ratio.series.append(
                 Series(
                     f"{group.label} {level}",
-                    [i for i, _ in points],
-                    [v for _, v in points],
+                    [i for i, _ in finite],
+                    [v for _, v in finite],
                     style,
                     color=f"C{index % 10}",
                 )

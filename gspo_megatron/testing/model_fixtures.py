@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from gspo_megatron.models.config import MoEModelConfig
@@ -24,7 +26,7 @@ EQUIVALENCE_LAYOUTS = {
 
 def tiny_test_config(**overrides) -> MoEModelConfig:
     """2 MoE layers, 4 experts top-2, GQA 4q/2kv heads; divisible by tp=2, ep=2, pp=2."""
-    values = dict(
+    values: dict[str, Any] = dict(
         vocab_size=32,
         hidden_size=32,
         num_layers=2,
@@ -115,7 +117,7 @@ def model_layout_worker(ctx, cfg: MoEModelConfig, state: dict, layout_kwargs: di
         for i in range(0, rows, per_micro)
     ]
     budget = (policy or {}).get("micro_batch_tokens")
-    if budget is not None:
+    if budget is not None and policy is not None:
         micro_batches = _token_budget_micro_batches(
             inputs, targets, per_row, policy["response_mask"], budget, layout, mesh.dp_rank
         )

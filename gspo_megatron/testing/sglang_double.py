@@ -139,6 +139,7 @@ class SGLangServerDouble:
     @property
     def url(self) -> str:
         host, port = self._server.server_address[:2]
+        host = host.decode() if isinstance(host, bytes) else host
         return f"http://{host}:{port}"
 
     @property
@@ -229,7 +230,8 @@ class SGLangServerDouble:
     def _sample(self, body: dict, *, aborted: bool, unseeded: int) -> dict:
         prompt = body["input_ids"]
         params = body.get("sampling_params") or {}
-        max_new = int(params.get("max_new_tokens") if params.get("max_new_tokens") is not None else 128)
+        requested = params.get("max_new_tokens")
+        max_new = 128 if requested is None else int(requested)
         stop_ids = list(params.get("stop_token_ids") or []) or [self.eos_token_id]
         seed = params.get("sampling_seed") if self.deterministic_inference else None
         key = json.dumps([prompt, seed if seed is not None else f"unseeded-{unseeded}", self.weight_version])
@@ -510,14 +512,23 @@ def _join_group(body: dict, group_name: str):
     """Join the update group the way SGLang's init_custom_process_group does (rank = rank_offset)."""
     from datetime import timedelta
 
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        GroupName,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
 
     timeout = timedelta(seconds=120)
     url = f"tcp://{body['master_address']}:{body['master_port']}"
     store, rank, world_size = next(rendezvous(url, body["rank_offset"], body["world_size"], timeout=timeout))
     store = PrefixStore(group_name, store)
     backend = Backend(body.get("backend", "nccl"))
-    group, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name, timeout=timeout)
+    group, _ = _new_process_group_helper(
+        world_size, rank, [], backend, store, group_name=GroupName(group_name), timeout=timeout
+    )
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
 

@@ -119,6 +119,8 @@ class RolloutScheduler:
     # ------------------------------------------------------------------ internals
     def _run(self) -> None:
         pending = self._pending
+        if pending is None:
+            raise RuntimeError("the rollout thread started with nothing to produce")
         try:
             pending.result = self.produce(pending.step)
         except BaseException as error:  # noqa: BLE001 - re-raised in the trainer's thread by _join

@@ -161,8 +161,9 @@ class RoutingDiagnostics:
             volatility = all_reduce_volatility(volatility, group)
         volatility = _moved(volatility, "cpu")
         if self.mesh.layout.pp > 1:
-            parts = [None] * self.mesh.layout.pp
-            dist.all_gather_object(parts, volatility, group=self.mesh.pp_group)
+            gathered: list[RoutingVolatility | None] = [None] * self.mesh.layout.pp
+            dist.all_gather_object(gathered, volatility, group=self.mesh.pp_group)
+            parts = [p for p in gathered if p is not None]
             # "changed in any layer" is an OR over tokens across stages: not recoverable from counts
             volatility = RoutingVolatility(
                 torch.cat([p.changed_count for p in parts]),

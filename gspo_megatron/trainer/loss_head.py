@@ -9,6 +9,7 @@ which denominators and groups it uses, and which metrics come back.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,15 +21,18 @@ from gspo_megatron.algorithms.reductions import context_parallel_sequence_sum_fn
 from gspo_megatron.algorithms.regularizers import entropy_bonus, kl_penalty
 from gspo_megatron.parallel.context_parallel import gather_sequence
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 
 @dataclass
 class LogProbHead:
     """Forward-only: per-token log-probs of the targets (old policy, or a reference pass)."""
 
-    tp_group: object
+    tp_group: ProcessGroup | None
     temperature: float
     chunk_size: int | None = None
-    cp_group: object = None  # context parallel: the rank's share of each row -> whole rows
+    cp_group: ProcessGroup | None = None  # context parallel: the rank's share of each row -> whole rows
 
     def __call__(self, logits: torch.Tensor, batch: dict):
         with torch.no_grad():
@@ -49,8 +53,8 @@ class PolicyLossHead:
     """The policy-gradient loss of one micro-batch, normalised by whole-mini-batch denominators."""
 
     algorithm: AlgorithmConfig
-    tp_group: object
-    cp_group: object
+    tp_group: ProcessGroup | None
+    cp_group: ProcessGroup | None
     temperature: float
     global_num_sequences: torch.Tensor
     global_num_tokens: torch.Tensor
@@ -82,7 +86,9 @@ class PolicyLossHead:
         metrics.update(token_mean_metric("entropy", entropy, mask, self.sequence_sum))
         # The losses of all micro-batches and ranks add up to the mini-batch loss; a count equal to
         # this micro-batch's share of the sequences makes the merged "mean" that total.
-        share = torch.as_tensor(float(mask.shape[0]), device=logits.device) / ctx.global_num_sequences
+        share = torch.as_tensor(float(mask.shape[0]), device=logits.device) / self.global_num_sequences.to(
+            logits.device
+        )
         metrics.update(mean_entries("loss/policy", out.loss.detach(), share))
         loss = out.loss
         if algorithm.entropy_coef != 0:

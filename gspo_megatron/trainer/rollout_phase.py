@@ -9,6 +9,7 @@ an uninterrupted one without saving any engine state.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,14 +17,16 @@ import torch
 from gspo_megatron.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from gspo_megatron.algorithms.config import AlgorithmConfig, make_advantage_context
 from gspo_megatron.data.records import PromptRecord
+from gspo_megatron.data.tasks import Task
+from gspo_megatron.data.tokenizer import Tokenizer
 from gspo_megatron.rewards.pool import RewardPool
 from gspo_megatron.rewards.types import FAILURE_KINDS
 from gspo_megatron.rollout.engine import RolloutEngine
-from gspo_megatron.rollout.types import SamplingParams
+from gspo_megatron.rollout.types import Sample, SamplingParams
 from gspo_megatron.shaping.apply import shape_batch, shape_group
 from gspo_megatron.shaping.combine import shaped_advantages
 from gspo_megatron.shaping.config import ShapingConfig
-from gspo_megatron.shaping.types import group_from_samples
+from gspo_megatron.shaping.types import ShapingGroup, group_from_samples
 from gspo_megatron.trainer.batch import RolloutBatch, pack_samples
 from gspo_megatron.trainer.dynamic_sampling import collect_informative_groups
 
@@ -34,7 +37,7 @@ class DrawnGroup:
 
     samples: list
     scored: list
-    shaping: object  # shaping.types.ShapingGroup
+    shaping: ShapingGroup
 
 
 class RewardFunctionError(RuntimeError):
@@ -44,15 +47,16 @@ class RewardFunctionError(RuntimeError):
 @dataclass
 class RolloutPhase:
     engine: RolloutEngine
-    task: object  # gspo_megatron.data.tasks.Task
-    tokenizer: object
+    task: Task
+    tokenizer: Tokenizer
     rewards: RewardPool
     algorithm: AlgorithmConfig
     shaping: ShapingConfig
     sampling: SamplingParams
     seed: int
     pad_token_id: int
-    generate_fn: object = None  # optional: a truncated-rollout wrapper with the engine's generate signature
+    # optional: a truncated-rollout wrapper with the engine's generate signature
+    generate_fn: Callable[[list[list[int]], SamplingParams], list[list[Sample]]] | None = None
 
     def run(self, step: int, prompts_per_step: int) -> tuple[RolloutBatch, dict[str, float]]:
         extra_metrics: dict[str, float] = {}
@@ -103,7 +107,7 @@ class RolloutPhase:
         records = self.task.next_batch(prompts)
         params = _with_seed(self.sampling, self.seed * 1_000_003 + step + round_index * 2**24)
         generate = self.generate_fn or self.engine.generate
-        grouped = generate([list(r.prompt_ids) for r in records], params)
+        grouped = generate(_prompt_ids(records), params)
         samples = [s for group in grouped for s in group]
         texts = [self.tokenizer.decode(s.output_ids) for s in samples]
         scored = self._score(texts, [r for r, g in zip(records, grouped) for _ in g])
@@ -178,7 +182,7 @@ class RolloutPhase:
 
     def evaluate(self, records: list[PromptRecord], params: SamplingParams) -> dict[str, float]:
         """pass@1 (first sample), mean@k and pass@k over ``params.n`` samples, and response length."""
-        grouped = self.engine.generate([list(r.prompt_ids) for r in records], params)
+        grouped = self.engine.generate(_prompt_ids(records), params)
         samples = [s for group in grouped for s in group]
         texts = [self.tokenizer.decode(s.output_ids) for s in samples]
         scored = self.rewards.score(texts, [r for r, g in zip(records, grouped) for _ in g])
@@ -203,3 +207,11 @@ def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
     from dataclasses import replace
 
     return replace(params, seed=seed % (2**31 - 1))
+
+
+def _prompt_ids(records: list[PromptRecord]) -> list[list[int]]:
+    """The token ids of each prompt (tasks tokenize their prompts when they draw them)."""
+    missing = [r.prompt for r in records if r.prompt_ids is None]
+    if missing:
+        raise ValueError(f"the task returned prompts without token ids, e.g. {missing[0]!r}")
+    return [list(r.prompt_ids or ()) for r in records]

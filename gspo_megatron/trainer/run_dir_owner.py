@@ -24,6 +24,7 @@ import socket
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gspo_megatron.routing.run_dir import CONFIG_FILE, METRICS_FILE, ROUTING_FILE
 
@@ -77,7 +78,7 @@ class RunDirLock:
     def acquire(cls, run_dir: Path) -> RunDirLock:
         run_dir.mkdir(parents=True, exist_ok=True)
         path = run_dir / LOCK_FILE
-        me = {"host": socket.gethostname(), "pid": os.getpid(), "start": _process_start(os.getpid())}
+        me: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(), "start": _process_start(os.getpid())}
         for _ in range(2):  # a second try after clearing a stale lock
             tmp = run_dir / f"{LOCK_FILE}.{me['host']}.{me['pid']}"
             tmp.write_text(json.dumps(me))

@@ -10,17 +10,19 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from gspo_megatron.config.schema import TrainConfig
-from gspo_megatron.data.tasks import build_task
+from gspo_megatron.data.tasks import Task, build_task
 from gspo_megatron.data.tokenizer import build_tokenizer
 from gspo_megatron.models.builder import build_model
 from gspo_megatron.models.conversion import SafetensorsSource, hf_shapes, load_hf_weights
 from gspo_megatron.models.schedule import wrap_for_training
 from gspo_megatron.parallel.mesh import ParallelMesh, initialize_parallel
 from gspo_megatron.rewards.pool import RewardPool
+from gspo_megatron.rollout.engine import RolloutEngine
 from gspo_megatron.rollout.types import SamplingParams
 from gspo_megatron.routing.replay import RoutingReplay
 from gspo_megatron.routing.run_dir import ROUTING_FILE, RoutingLog, drop_records_from_step
@@ -39,13 +41,13 @@ class Components:
     model_chunk: torch.nn.Module  # the unwrapped GPTModel stage
     ddp: torch.nn.Module
     model: list  # [ddp] as megatron's schedules want it
-    optimizer: object
-    scheduler: object
+    optimizer: Any  # megatron's MegatronOptimizer (a torch optimizer on CPU)
+    scheduler: Any  # megatron's OptimizerParamScheduler
     replay: RoutingReplay | None
     stage_moe_layers: list[int]
     weight_bucket_bytes: int
-    engine: object = None
-    task: object = None
+    engine: RolloutEngine | None = None  # driver only
+    task: Task | None = None  # driver only
     rollout: RolloutPhase | None = None
     run_log: RunLog | None = None
     routing_log: RoutingLog | None = None
@@ -193,7 +195,7 @@ def _resume_step(c: Components) -> int:
     return int(path.name.split("_")[-1]) if path is not None else 0
 
 
-def _build_engine(cfg: TrainConfig, tokenizer):
+def _build_engine(cfg: TrainConfig, tokenizer) -> RolloutEngine:
     if cfg.rollout.engine == "embedded":
         from gspo_megatron.rollout.embedded import EmbeddedEngine
 

@@ -18,6 +18,9 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,7 +40,7 @@ class SignalWatch:
 
     def __init__(self):
         self.signum: int | None = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
 
     def __enter__(self) -> SignalWatch:
         if threading.current_thread() is threading.main_thread():

@@ -21,6 +21,7 @@ import signal
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,7 +58,7 @@ class RLTrainer:
         self.run_id = new_run_id()  # a resumed run takes its checkpoint's id (pruning is per run)
         self.diagnostics = RoutingDiagnostics(self.cfg.routing, components, self.mesh)
         self.clip_controller = AdaptiveClipController.from_config(self.cfg.algorithm)  # None: fixed eps
-        self.rollouts = None  # the driver's rollout schedule (synchronous or one step ahead)
+        self.rollouts: RolloutScheduler | None = None  # the driver's rollout schedule (synchronous or one step ahead)
         if self.mesh.is_driver:
             rollout = self.cfg.rollout
             self.rollouts = RolloutScheduler(
@@ -158,8 +159,8 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ phases
     def _rollout(self) -> tuple[RolloutBatch, dict]:
-        payload = [None]
-        if self.mesh.is_driver:
+        payload: list[Any] = [None]
+        if self.rollouts is not None:  # the driver
             payload = [self.rollouts.take(self.step)]
             self.rollouts.start_next(self.step + 1)  # async: generates on the current weights meanwhile
         dist.broadcast_object_list(payload, src=0)
@@ -307,7 +308,7 @@ class RLTrainer:
 
     def _reduce_loss_metrics(self, merged: dict | None) -> dict:
         """Sum/min/max over micro-batches (done) and data-parallel ranks, then to the driver."""
-        payload = [None]
+        payload: list[Any] = [None]
         if merged is not None:
             layout = self.mesh.layout
             # sums are CP-complete already (sequence sums); token min/max also span the CP group
@@ -347,7 +348,7 @@ class RLTrainer:
                 pass
 
     def _evaluate(self) -> dict:
-        payload = [None]
+        payload: list[Any] = [None]
         if self.mesh.is_driver:
             records = self.c.task.eval_records(self.cfg.trainer.eval_prompts)
             params = replace(

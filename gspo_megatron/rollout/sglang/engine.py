@@ -354,6 +354,8 @@ class SGLangEngine(RolloutEngine):
 
     def _launch_servers(self) -> list[str]:
         config = self.config
+        if config.model_path is None:
+            raise ValueError("rollout.sglang.mode=launch needs rollout.sglang.model_path")
         ports = list(config.ports) or [free_port() for _ in range(config.num_servers)]
         for index, port in enumerate(ports):
             command = build_launch_command(

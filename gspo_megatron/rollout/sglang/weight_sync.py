@@ -70,7 +70,14 @@ def open_weight_update_group(
     timeout_s: float = 600.0,
 ):
     """Join the trainer<->servers group (blocks until all ``world_size`` ranks joined); returns it."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        GroupName,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
 
     timeout = timedelta(seconds=timeout_s)
     store, rank, world_size = next(
@@ -79,7 +86,7 @@ def open_weight_update_group(
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     group, _ = _new_process_group_helper(
-        world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout
+        world_size, rank, [], Backend(backend), store, group_name=GroupName(group_name), timeout=timeout
     )
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
