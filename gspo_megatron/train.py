@@ -9,15 +9,13 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from gspo_megatron.config.schema import to_train_config
 from gspo_megatron.config.store import register_configs
-
-if TYPE_CHECKING:
-    from gspo_megatron.config.schema import TrainConfig
 
 register_configs()
 
@@ -37,7 +35,7 @@ def run(cfg: DictConfig, run_dir: str) -> str:
         from gspo_megatron.models.hf_checkpoint import hf_shape_fields
 
         cfg = cast(DictConfig, OmegaConf.merge(cfg, {"model": hf_shape_fields(cfg.model.hf_checkpoint)}))
-    typed = cast("TrainConfig", OmegaConf.to_object(cfg))  # the structured schema: a TrainConfig instance
+    typed = to_train_config(cfg)
     validate_config(typed, world_size_from_env())
     validate_for_machine(typed, torch.cuda.is_available())
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)

@@ -51,6 +51,7 @@ def bench_worker(ctx, overrides: list[str], run_dir: str) -> list[dict]:
 
     from omegaconf import OmegaConf
 
+    from gspo_megatron.config.schema import to_train_config
     from gspo_megatron.config.store import register_configs
     from gspo_megatron.config.validate import validate_config
     from gspo_megatron.testing.train_runs import compose, read_metrics
@@ -59,7 +60,7 @@ def bench_worker(ctx, overrides: list[str], run_dir: str) -> list[dict]:
 
     register_configs()
     cfg = compose(overrides)
-    typed = OmegaConf.to_object(cfg)
+    typed = to_train_config(cfg)
     validate_config(typed, ctx.world_size)
     components = build(typed, Path(run_dir), OmegaConf.to_yaml(cfg, resolve=True), world_size=ctx.world_size)
     generate = score = None

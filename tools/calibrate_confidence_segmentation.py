@@ -44,9 +44,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     import torch
-    from omegaconf import OmegaConf
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    from gspo_megatron.config.schema import to_train_config
     from gspo_megatron.config.store import register_configs
     from gspo_megatron.data.tasks import build_task
     from gspo_megatron.data.tokenizer import build_tokenizer
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     from gspo_megatron.testing.train_runs import compose
 
     register_configs()
-    cfg = OmegaConf.to_object(compose(["+experiment=shaping_from_sft", "shaping=grsp"]))
+    cfg = to_train_config(compose(["+experiment=shaping_from_sft", "shaping=grsp"]))
     tokenizer = build_tokenizer("symbol", model_vocab_size=cfg.model.vocab_size)
     task = build_task(cfg.task, tokenizer)
     model = Qwen3MoeForCausalLM.from_pretrained(args.checkpoint, torch_dtype=torch.float32).eval()

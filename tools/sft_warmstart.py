@@ -65,10 +65,8 @@ def main(argv=None) -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for the model, e.g. model.hidden_size=128")
     args = parser.parse_args(argv)
 
-    from omegaconf import OmegaConf
-
     from gspo_megatron.algorithms.logprobs import vocab_parallel_log_probs
-    from gspo_megatron.config.schema import OptimizerSection
+    from gspo_megatron.config.schema import OptimizerSection, to_train_config
     from gspo_megatron.config.store import register_configs
     from gspo_megatron.data.config import TaskConfig
     from gspo_megatron.data.tasks import build_task
@@ -84,7 +82,7 @@ def main(argv=None) -> None:
     from gspo_megatron.trainer.setup import random_hf_weights
 
     register_configs()
-    cfg = OmegaConf.to_object(compose([f"model={args.model}", *args.overrides]))
+    cfg = to_train_config(compose([f"model={args.model}", *args.overrides]))
     layout = ParallelLayout(world_size=1).validate(cfg.model)
     mesh = initialize_parallel(layout, seed=args.seed)
     try:

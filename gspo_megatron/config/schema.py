@@ -141,3 +141,14 @@ class TrainConfig:
     trainer: TrainerSection = field(default_factory=TrainerSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+
+
+def to_train_config(cfg: object) -> TrainConfig:
+    """The composed Hydra config as a ``TrainConfig`` instance (each section's dataclass validates
+    itself on the way); the one place that turns an OmegaConf tree into the typed schema."""
+    from omegaconf import OmegaConf
+
+    typed = OmegaConf.to_object(cfg)  # any OmegaConf container
+    if not isinstance(typed, TrainConfig):
+        raise TypeError(f"expected a config composed from the TrainConfig schema, got {type(typed).__name__}")
+    return typed
