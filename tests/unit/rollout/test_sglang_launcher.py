@@ -120,6 +120,9 @@ def test_health_deadline_stops_the_server(tmp_path):
     )
     # port 0 + a wrong url: the server runs but /health is never reachable within the deadline
     server.start()
+    started = time.monotonic()  # let it come up first: on a loaded machine its start-up alone can take > 1 s
+    while "[sglang double]" not in server.log_path.read_text() and time.monotonic() - started < 120:
+        time.sleep(0.05)
     with pytest.raises(ServerLaunchError, match=r"not healthy after 1s"):
         server.wait_healthy(timeout_s=1.0, poll_interval_s=0.05)
     assert not server.is_running()
