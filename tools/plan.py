@@ -34,6 +34,7 @@ from gspo_megatron.planning.planner import (
     plan_layout,
     rank_layouts,
 )
+from gspo_megatron.routing.replay import REPLAY_MODES
 
 LAYOUT_PART = re.compile(r"^(tp|pp|ep|etp|cp|dp)(\d+)$")
 
@@ -144,7 +145,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-distributed-optimizer", action="store_true")
     parser.add_argument("--optimizer-offload", action="store_true", help="Adam state in host memory")
     parser.add_argument("--recompute", action="store_true", help="full activation recompute")
-    parser.add_argument("--routing-replay", choices=["none", "old", "rollout"], default="none")
+    parser.add_argument("--routing-replay", choices=list(REPLAY_MODES), default="none")
     parser.add_argument("--dispatcher", choices=["alltoall", "allgather"], default="alltoall")
     parser.add_argument("--layer-spec", choices=["te", "portable"], default="te")
     parser.add_argument("--max-cp", type=int, default=2, help="largest cp tried when ranking")

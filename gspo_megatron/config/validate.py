@@ -10,6 +10,7 @@ from gspo_megatron.algorithms.config import validate_algorithm_config
 from gspo_megatron.config.schema import TrainConfig
 from gspo_megatron.parallel.context_parallel import validate_context_parallel
 from gspo_megatron.routing.replay import validate_replay_mode
+from gspo_megatron.routing.replay_strategy import needs_engine_routing, replays
 from gspo_megatron.shaping.triggers import check_shared_triggers
 
 
@@ -70,10 +71,10 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
         raise ConfigError(f"model.dtype must be float32 or bfloat16, got {cfg.model.dtype!r}")
     _validate_routed_experts_source(cfg)
     validate_replay_mode(cfg.algorithm.routing_replay, recompute=t.recompute_activations, pp=layout.pp)
-    if cfg.algorithm.routing_replay != "none" and not cfg.model.is_moe:
+    if replays(cfg.algorithm.routing_replay) and not cfg.model.is_moe:
         raise ConfigError("algorithm.routing_replay needs an MoE model (model.num_experts > 0)")
     if (
-        cfg.algorithm.routing_replay == "rollout"
+        needs_engine_routing(cfg.algorithm.routing_replay)
         and cfg.rollout.engine == "sglang"
         and not cfg.rollout.sglang.enable_return_routed_experts
     ):

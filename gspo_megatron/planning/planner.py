@@ -23,6 +23,7 @@ from gspo_megatron.planning.comm import Traffic, step_traffic, weight_sync_bytes
 from gspo_megatron.planning.hardware import GPUSpec
 from gspo_megatron.planning.parameters import DTYPE_BYTES, StateBytes, stage_layers, state_bytes
 from gspo_megatron.planning.step_time import StepTime, step_time
+from gspo_megatron.routing.replay_strategy import needs_engine_routing, replays
 
 GiB = 2**30
 
@@ -37,7 +38,7 @@ class PlanOptions:
     distributed_optimizer: bool = True
     optimizer_offload: bool = False  # Adam state + master weights in host memory (megatron's CPU Adam)
     recompute: bool = False
-    routing_replay: str = "none"  # none | old | rollout (R3 keeps the engine's experts)
+    routing_replay: str = "none"  # none | old_policy | rollout (R3 keeps the engine's experts)
     dispatcher: str = "alltoall"  # alltoall on GPU; allgather is what the CPU build uses
     layer_spec: str = "te"  # te on GPU; portable is what the CPU build uses (and what is measured)
 
@@ -104,7 +105,7 @@ def check_with_trainer_rules(model: MoEModelConfig, layout: ParallelLayout, opti
     cfg.trainer.micro_batch_size = max(1, options.micro_batch_tokens // options.seq_len)
     cfg.trainer.recompute_activations = options.recompute
     cfg.algorithm.routing_replay = options.routing_replay
-    if options.routing_replay == "rollout":
+    if needs_engine_routing(options.routing_replay):
         cfg.rollout.engine = "sglang"
         cfg.rollout.sglang.enable_return_routed_experts = True
     try:
@@ -143,7 +144,7 @@ def memory_of_stage(
     logits = int(tokens * model.vocab_size / layout.tp * FP32)
     old_pass = logits + (max(act.per_layer) if act.per_layer else 0)
     replay = 0
-    if options.routing_replay != "none" and model.is_moe:
+    if replays(options.routing_replay) and model.is_moe:
         moe = [i for i in stage_layers(model, layout, pp_rank) if i not in set(model.dense_layers)]
         replay = int(micro_batches * len(moe) * sp_tokens * model.top_k * 8)
     return MemoryRow(

@@ -13,7 +13,8 @@ Design decisions:
 - Recording appends per forward instead of overwriting (an instance-level override of
   ``record_indices``), because megatron keeps only the last call and a schedule runs many
   micro-batches. Forwards on one pipeline stage run in micro-batch order under both schedules, so
-  the n-th recorded entry belongs to the n-th micro-batch.
+  the n-th recorded entry belongs to the n-th micro-batch. ``restore()`` removes the overrides
+  (the trainer's replay strategy calls it when the run closes).
 - Bookkeeping is exact and checked: every recorded entry must be consumed exactly once by the
   training forwards of its batch (``assert_fully_consumed``).
 - Indices are kept in megatron's token order: the router sees this rank's [s_local * b] tokens
@@ -33,6 +34,7 @@ from __future__ import annotations
 import torch
 
 REPLAY_MODES = ("none", "old_policy", "rollout")
+_ABSENT = object()  # marks an attribute the instance did not have before it was patched
 
 
 class ReplayError(RuntimeError):
@@ -65,9 +67,24 @@ class RoutingReplay:
         self._targets: list[list[torch.Tensor]] = []  # per micro-batch: one tensor per layer
         self._consumed = 0
         self._observe = False
+        self._patched: list[tuple[object, str, object]] = []  # (instance, attribute, what it was)
         for layer, instance in enumerate(self.instances):
-            instance.record_indices = self._recorder(layer)
-            instance.get_replay_topk = self._observed_topk(layer, instance.get_replay_topk)
+            self._patch(instance, "record_indices", self._recorder(layer))
+            self._patch(instance, "get_replay_topk", self._observed_topk(layer, instance.get_replay_topk))
+
+    def _patch(self, instance, name: str, value) -> None:
+        self._patched.append((instance, name, vars(instance).get(name, _ABSENT)))
+        setattr(instance, name, value)
+
+    def restore(self) -> None:
+        """Give megatron's instances back their own ``record_indices`` / ``get_replay_topk``."""
+        self.stop()
+        for instance, name, original in reversed(self._patched):
+            if original is _ABSENT:
+                delattr(instance, name)
+            else:
+                setattr(instance, name, original)
+        self._patched = []
 
     @classmethod
     def capture_new_instances(cls, before: int) -> RoutingReplay:

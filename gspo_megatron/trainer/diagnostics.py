@@ -41,8 +41,9 @@ from gspo_megatron.routing.volatility import (
 
 
 class RoutingDiagnostics:
-    def __init__(self, config, components, mesh):
+    def __init__(self, config, components, mesh, *, replays_in_training: bool):
         self.config = config
+        self.replays_in_training = replays_in_training  # R2/R3: no free routing in a training forward
         self.c = components
         self.mesh = mesh
         self.old: list[list[torch.Tensor]] = []  # per old-pass micro-batch: per layer [tokens, k]
@@ -89,7 +90,7 @@ class RoutingDiagnostics:
         """Whether update ``update``'s training forward is recorded: the free "update" measurement
         (update 1), or -- with pi_old from the engine, when no old-policy pass ran -- the old
         policy's routing of the first mini-batch (update 0, before any optimizer step)."""
-        if self.c.cfg.algorithm.routing_replay != "none":
+        if self.replays_in_training:
             return False
         if self._engine_old_policy:
             kinds = ("update", "minibatch", "rollout_vs_train")
@@ -110,9 +111,7 @@ class RoutingDiagnostics:
     def after_update(self, update: int, step: int, first_micro_batches: list[dict]) -> None:
         """Recording pass over the first mini-batch after optimizer step ``update``, when needed."""
         free = (
-            self.c.cfg.algorithm.routing_replay == "none"
-            and self.c.cfg.trainer.updates_per_rollout > 1
-            and not self._engine_old_policy
+            not self.replays_in_training and self.c.cfg.trainer.updates_per_rollout > 1 and not self._engine_old_policy
         )
         want_update = update == 0 and self.due("update", step) and not free
         want_minibatch = self.due("minibatch", step) and self.c.cfg.trainer.updates_per_rollout > 1

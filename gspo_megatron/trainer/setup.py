@@ -25,6 +25,7 @@ from gspo_megatron.rewards.pool import RewardPool
 from gspo_megatron.rollout.engine import RolloutEngine
 from gspo_megatron.rollout.types import SamplingParams
 from gspo_megatron.routing.replay import RoutingReplay
+from gspo_megatron.routing.replay_strategy import needs_engine_routing
 from gspo_megatron.routing.run_dir import ROUTING_FILE, RoutingLog, drop_records_from_step
 from gspo_megatron.trainer.optim import build_optimizer
 from gspo_megatron.trainer.reference_model import ReferenceModel
@@ -56,6 +57,8 @@ class Components:
     def close(self) -> None:
         """Stop what the run started: reward workers, the engine (and servers it launched), groups."""
         try:
+            if self.replay is not None:
+                self.replay.restore()  # megatron's RouterReplay instances get their own methods back
             if self.rollout is not None:
                 self.rollout.rewards.close()
         finally:
@@ -148,7 +151,7 @@ def _build_driver_side(c: Components) -> None:
         stop_token_ids=tuple(tokenizer.stop_token_ids),
         n=cfg.rollout.group_size,
         return_routed_experts=cfg.rollout.return_routed_experts
-        or cfg.algorithm.routing_replay == "rollout"
+        or needs_engine_routing(cfg.algorithm.routing_replay)
         or "rollout_vs_train" in cfg.routing.kinds,
     )
     generate_fn = None

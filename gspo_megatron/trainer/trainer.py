@@ -20,6 +20,7 @@ import math
 import signal
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from gspo_megatron.models.conversion import export_hf_weights
 from gspo_megatron.models.schedule import run_schedule
 from gspo_megatron.parallel.context_parallel import pad_for_context_parallel
 from gspo_megatron.rollout.mismatch import finalize_mismatch, train_inference_mismatch
+from gspo_megatron.routing.replay_strategy import build_replay_strategy
 from gspo_megatron.trainer.async_rollout import RolloutScheduler
 from gspo_megatron.trainer.batch import RolloutBatch, partition
 from gspo_megatron.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -56,7 +58,11 @@ class RLTrainer:
         self.mesh = components.mesh
         self.step = 0
         self.run_id = new_run_id()  # a resumed run takes its checkpoint's id (pruning is per run)
-        self.diagnostics = RoutingDiagnostics(self.cfg.routing, components, self.mesh)
+        # routing replay (none / R2 / R3) as one strategy object: the phases below call its hooks
+        self.replay = build_replay_strategy(self.cfg.algorithm.routing_replay, components.replay, self._rollout_targets)
+        self.diagnostics = RoutingDiagnostics(
+            self.cfg.routing, components, self.mesh, replays_in_training=self.replay.replays_in_training
+        )
         self.clip_controller = AdaptiveClipController.from_config(self.cfg.algorithm)  # None: fixed eps
         self.rollouts: RolloutScheduler | None = None  # the driver's rollout schedule (synchronous or one step ahead)
         if self.mesh.is_driver:
@@ -174,8 +180,7 @@ class RLTrainer:
         records per micro-batch lines up with the replaying forwards; it adds ``old_log_probs`` to
         each of those micro-batches.
         """
-        cfg, mesh, replay = self.cfg, self.mesh, self.c.replay
-        mode = cfg.algorithm.routing_replay
+        cfg, mesh = self.cfg, self.mesh
         flat = [mb for part in parts for mb in part]
         if cfg.algorithm.old_log_probs == "rollout":
             self.diagnostics.remember_old_routing(None, flat)
@@ -186,21 +191,12 @@ class RLTrainer:
             cfg.algorithm.logprob_chunk_size,
             cp_group=mesh.cp_group if mesh.layout.cp > 1 else None,
         )
-        before = None
-        if replay is not None:
-            if mode == "rollout":  # observed: what the trainer routed with, for rollout_vs_train
-                replay.load_targets([self._rollout_targets(mb) for mb in flat], observe=True)
-                before = replay.before_forward
-            else:
-                replay.start_recording()
+        before = self.replay.old_pass_begin(flat)
         outputs = run_schedule(self.c.model, flat, head, forward_only=True, before_forward=before)
-        if replay is not None:
-            if mode == "rollout":
-                replay.assert_fully_consumed()
-            recorded = replay.recorded()
-            replay.stop()
-            self.diagnostics.remember_old_routing(None if mode == "rollout" else recorded, flat)
-            self.diagnostics.rollout_vs_train(self.step, flat, self._rollout_targets, recorded)
+        routing = self.replay.old_pass_end()
+        if self.c.replay is not None:  # an MoE model: its routing is measured
+            self.diagnostics.remember_old_routing(routing.old_policy_routing, flat)
+            self.diagnostics.rollout_vs_train(self.step, flat, self._rollout_targets, routing.trainer_routing)
         batch.old_log_probs = self._gather_rows(outputs, flat, "log_probs", batch)
         mask = batch.response_mask
         sums = train_inference_mismatch(batch.old_log_probs, batch.rollout_log_probs, mask)
@@ -254,7 +250,7 @@ class RLTrainer:
                 global_num_sequences=(mask.sum(1) > 0).sum().float(),
                 global_num_tokens=mask.sum(),
             )
-            before = self._replay_for_update(offset, mbs)
+            before = self.replay.update_begin(mbs, partial(self.diagnostics.old_routing_for, offset, len(mbs)))
             record = self.diagnostics.records_training_forward(update, self.step)
             if record:
                 self.c.replay.start_recording()
@@ -265,9 +261,7 @@ class RLTrainer:
                 self.diagnostics.from_training_forward(
                     self.c.replay.recorded(), offset, mbs, self._rollout_targets, self.step
                 )
-            if self.c.replay is not None:
-                self.c.replay.assert_fully_consumed()
-                self.c.replay.stop()
+            self.replay.update_end()
             grad_norm = self._guarded_optimizer_step(outputs, f"step {self.step + 1} update {update}")
             grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
             for out in outputs:
@@ -294,17 +288,6 @@ class RLTrainer:
             print(f"[gspo] {where}: {problem}; update skipped (trainer.on_nonfinite={self.nonfinite.policy})")
         self.nonfinite.record(problem, where)
         return grad_norm if problem is None else float("nan")
-
-    def _replay_for_update(self, offset: int, mbs: list[dict]):
-        replay = self.c.replay
-        mode = self.cfg.algorithm.routing_replay
-        if replay is None or mode == "none":
-            return None
-        if mode == "rollout":
-            replay.load_targets([self._rollout_targets(mb) for mb in mbs])
-        else:
-            replay.load_targets(self.diagnostics.old_routing_for(offset, len(mbs)))
-        return replay.before_forward
 
     def _reduce_loss_metrics(self, merged: dict | None) -> dict:
         """Sum/min/max over micro-batches (done) and data-parallel ranks, then to the driver."""

@@ -93,3 +93,19 @@ def test_plan_cli_prints_a_layout_and_refuses_a_bad_one(capsys):
     assert "235.09B parameters, 22.19B active" in out and "peak total" in out
     assert main(["qwen3_30b_a3b", "tp4_ep8", "--gpus", "8"]) == 2
     assert "refused: etp*ep*pp" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("replay", ["none", "old_policy", "rollout"])
+def test_every_routing_replay_mode_plans_and_replay_buffers_cost_memory(replay):
+    """The planner takes the trainer's own mode names (tools/plan.py once offered "old", which the
+    trainer's validation refused for every layout: the plan came out empty, silently)."""
+    model = tiny_test_config(num_layers=4)
+    layout = ParallelLayout(ep=2, world_size=2)
+    options = PlanOptions(seq_len=32, micro_batch_tokens=64, global_batch_tokens=256, group_size=4)
+    plan = plan_layout(model, layout, PlanOptions(**{**options.__dict__, "routing_replay": replay}), gpu_spec("h100"))
+    assert (plan.memory.routing_replay > 0) == (replay != "none")
+    tool = Path(__file__).resolve().parents[3] / "tools" / "plan.py"
+    spec = importlib.util.spec_from_file_location("plan_tool", tool)
+    plan_tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan_tool)
+    assert plan_tool.main(["qwen3_30b_a3b", "tp4_ep8_etp1", "--gpus", "8", "--routing-replay", replay]) == 0
