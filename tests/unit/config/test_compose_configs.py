@@ -111,3 +111,15 @@ def test_the_readme_30b_layout_validates_on_whole_nodes(world):
     # etp*ep*pp = 32 to divide the world size and was refused on 8 and 16 GPUs.
     typed = OmegaConf.to_object(compose(["model=qwen3_30b_a3b", "parallel=tp4_ep8"]))
     validate_config(typed, world)
+
+
+@pytest.mark.parametrize(
+    "name, mode", [("grpo_routing_replay", "old_policy"), ("grpo_rollout_routing_replay", "rollout")]
+)
+def test_replay_algorithms_are_grpo_plus_their_mode(name, mode):
+    """The replay YAMLs inherit grpo.yaml (Hydra defaults): a GRPO knob changed there reaches them."""
+    grpo = OmegaConf.to_container(compose(["algorithm=grpo"]).algorithm)
+    replay = OmegaConf.to_container(compose([f"algorithm={name}"]).algorithm)
+    assert replay == {**grpo, "name": name, "routing_replay": mode}
+    text = (Path(CONF_DIR) / "algorithm" / f"{name}.yaml").read_text()
+    assert "  - grpo" in text and "clip_low" not in text  # written once, in grpo.yaml
