@@ -95,14 +95,6 @@ class ParallelMesh:
         return dist.get_rank(self.ep_group)
 
     @property
-    def etp_rank(self) -> int:
-        return dist.get_rank(self.etp_group)
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.layout.pp - 1
 

@@ -29,10 +29,13 @@ class EmbeddedConfig:
     use_cache: bool = True  # KV cache; False re-runs the whole sequence each step (tests/benchmark)
     attn_implementation: str = "sdpa"  # sdpa | eager
     pad_token_id: int = 0  # filler for left padding; masked, so any valid id works
+    weight_bucket_bytes: int = 512 * 1024 * 1024  # bytes of exported weights per update_weights bucket
 
     def __post_init__(self):
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.weight_bucket_bytes < 1:
+            raise ValueError(f"rollout.embedded.weight_bucket_bytes must be >= 1, got {self.weight_bucket_bytes}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 

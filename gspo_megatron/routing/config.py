@@ -1,10 +1,8 @@
-"""Configuration of the routing diagnostics (activation volatility, expert load, router entropy).
+"""Configuration of the routing diagnostics (activation volatility, expert load).
 
 Design decisions:
 - The diagnostic kinds are a closed set of names (``DIAGNOSTIC_KINDS``); a typo in the config fails
   at construction with the list of valid names, not silently at step 500.
-- ``max_tokens`` bounds the cost per diagnostic: the trainer samples at most that many valid tokens
-  (``volatility.subsample_token_mask``) before comparing routings. 0 means every valid token.
 - The schedule is a pure function of the step (``is_due``), so every rank agrees on whether a
   diagnostic runs without communicating.
 """
@@ -33,7 +31,6 @@ class RoutingDiagnosticsConfig:
     enabled: bool = True
     every_n_steps: int = 1  # run the diagnostics on steps where step % every_n_steps == 0
     kinds: list[str] = field(default_factory=lambda: ["update", "rollout_vs_train"])
-    max_tokens: int = 65536  # tokens sampled per diagnostic; 0 = all valid tokens
 
     def __post_init__(self):
         self.validate()
@@ -44,8 +41,6 @@ class RoutingDiagnosticsConfig:
                 f"routing diagnostics every_n_steps must be >= 1, got {self.every_n_steps} "
                 "(set enabled: false to turn the diagnostics off)"
             )
-        if self.max_tokens < 0:
-            raise ValueError(f"routing diagnostics max_tokens must be >= 0 (0 = all), got {self.max_tokens}")
         for kind in self.kinds:
             validate_kind(kind)
         if len(set(self.kinds)) != len(self.kinds):

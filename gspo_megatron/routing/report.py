@@ -77,7 +77,7 @@ def routing_kind_summary(run: RunData, kind: str) -> dict:
         "overlap_overall": finite_mean([r.get("overlap_overall") for r in records]),
         "changed_any_frac": finite_mean([r.get("changed_any_frac") for r in records]),
     }
-    for key in ("changed_frac", "overlap", "load_imbalance", "router_entropy", "router_kl"):
+    for key in ("changed_frac", "overlap", "load_imbalance"):
         summary[key] = _layer_mean(run, kind, key, records)
     return summary
 

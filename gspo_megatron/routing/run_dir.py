@@ -12,9 +12,8 @@ Layout of one run directory (the trainer writes it from rank 0 only; everything 
                            "changed_frac": [L], "overlap": [L],
                            "changed_frac_overall": float, "overlap_overall": float, "tokens": int,
                            "changed_any_frac": float (token-level: experts differ in >= 1 layer),
-                           "expert_load": [[L x E]], "load_imbalance": [L], "load_cv": [L],
-                           "router_entropy": [L], "router_kl": [L]}
-                          (the last four are present only when the trainer measured them)
+                           "expert_load": [[L x E]], "load_imbalance": [L], "load_cv": [L]}
+                          (the last three are present only when the trainer measured them)
 
 Only ``metrics.jsonl`` is required: a run without routing diagnostics has no ``routing.jsonl``, and
 a run without ``config.yaml`` is labelled by its directory name.
@@ -114,13 +113,11 @@ def routing_record(
     kind: str,
     volatility=None,
     load=None,
-    router_entropy=None,
-    router_kl=None,
 ) -> dict:
     """Build one routing.jsonl record from the objects in ``routing/volatility.py``.
 
-    ``volatility``: RoutingVolatility; ``load``: ExpertLoad (of the newer routing); ``router_entropy``
-    and ``router_kl``: [L] tensors. Any may be None; step and kind are always present.
+    ``volatility``: RoutingVolatility; ``load``: ExpertLoad (of the newer routing). Either may be
+    None; step and kind are always present.
     """
     record: dict[str, Any] = {"step": int(step), "kind": validate_kind(kind)}
     if volatility is not None:
@@ -134,10 +131,6 @@ def routing_record(
         )
     if load is not None:
         record.update(expert_load=load.fraction, load_imbalance=load.imbalance, load_cv=load.coefficient_of_variation)
-    if router_entropy is not None:
-        record["router_entropy"] = router_entropy
-    if router_kl is not None:
-        record["router_kl"] = router_kl
     return to_jsonable(record)
 
 
@@ -147,8 +140,8 @@ class RoutingLog(JsonlLog):
     def __init__(self, run_dir: str | os.PathLike):
         super().__init__(Path(run_dir) / ROUTING_FILE)
 
-    def log(self, step: int, kind: str, volatility=None, load=None, router_entropy=None, router_kl=None) -> dict:
-        record = routing_record(step, kind, volatility, load, router_entropy, router_kl)
+    def log(self, step: int, kind: str, volatility=None, load=None) -> dict:
+        record = routing_record(step, kind, volatility, load)
         self.append(record)
         return record
 

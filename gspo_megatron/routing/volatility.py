@@ -16,7 +16,7 @@ Design decisions:
 - The intersection is found one column of ``b`` at a time (k passes over ``[N, L, k]`` bools)
   instead of materialising ``[N, L, k, k]``: 64k tokens x 48 layers x 8 needs ~25 MB of scratch.
 - Results stay tensors on the input's device until the caller logs them; ``routing_volatility``
-  never syncs with the host (``expert_load``'s index range check and ``subsample_token_mask`` do,
+  never syncs with the host (``expert_load``'s index range check does,
   once per call). Cost, measured on 1 shared CPU thread: 64k tokens x 48 layers x k=8 in ~0.35-0.65 s.
 
 Definitions (activation volatility as measured in GSPO, arXiv 2507.18071, section on MoE training):
@@ -228,72 +228,6 @@ def expert_load(topk: torch.Tensor, num_experts: int, token_mask: torch.Tensor |
         tokens=torch.tensor(topk.shape[0], dtype=torch.int64, device=topk.device),
         top_k=topk.shape[-1],
     )
-
-
-def _check_probs(p: torch.Tensor, name: str) -> None:
-    if p.dim() != 3 or not p.dtype.is_floating_point:
-        raise ValueError(
-            f"{name} must be float router probabilities [tokens, layers, experts], got {p.dtype} {tuple(p.shape)}"
-        )
-
-
-def _reduce_tokens(per_token: torch.Tensor, token_mask: torch.Tensor | None, reduction: str) -> torch.Tensor:
-    per_token = _select(per_token, token_mask)  # [N', L]
-    if reduction == "mean":
-        return per_token.mean(dim=0)
-    if reduction == "sum":
-        return per_token.sum(dim=0)
-    raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-
-
-def router_entropy(
-    probs: torch.Tensor, token_mask: torch.Tensor | None = None, reduction: str = "mean"
-) -> torch.Tensor:
-    """float32 [L]: token-mean (or -sum, for exact merging) of H(p) = -sum_e p_e log p_e (0 log 0 = 0)."""
-    _check_probs(probs, "probs")
-    _check_mask(token_mask, probs.shape[0])
-    probs = probs.float()
-    entropy = -torch.special.xlogy(probs, probs).sum(dim=-1)  # [N, L]
-    return _reduce_tokens(entropy, token_mask, reduction)
-
-
-def router_kl(
-    p: torch.Tensor, q: torch.Tensor, token_mask: torch.Tensor | None = None, reduction: str = "mean"
-) -> torch.Tensor:
-    """float32 [L]: token-mean of KL(p || q) = sum_e p_e (log p_e - log q_e).
-
-    q is floored at the smallest normal float so an expert that q gives (underflowed) zero mass
-    yields a large finite KL rather than inf.
-    """
-    _check_probs(p, "p")
-    _check_probs(q, "q")
-    if p.shape != q.shape:
-        raise ValueError(f"p and q must have the same shape, got {tuple(p.shape)} vs {tuple(q.shape)}")
-    _check_mask(token_mask, p.shape[0])
-    p, q = p.float(), q.float()
-    q = q.clamp_min(torch.finfo(q.dtype).tiny)
-    kl = (torch.special.xlogy(p, p) - torch.special.xlogy(p, q)).sum(dim=-1)  # [N, L]
-    return _reduce_tokens(kl, token_mask, reduction)
-
-
-def subsample_token_mask(
-    token_mask: torch.Tensor, max_tokens: int, generator: torch.Generator | None = None
-) -> torch.Tensor:
-    """A mask keeping at most ``max_tokens`` of the valid tokens, chosen uniformly without replacement.
-
-    ``max_tokens == 0`` keeps every valid token. Pass a seeded generator for reproducible diagnostics.
-    """
-    if token_mask.dtype != torch.bool or token_mask.dim() != 1:
-        raise ValueError(f"token_mask must be a 1-D bool tensor, got {token_mask.dtype} {tuple(token_mask.shape)}")
-    if max_tokens < 0:
-        raise ValueError(f"max_tokens must be >= 0 (0 = all), got {max_tokens}")
-    valid = token_mask.nonzero().squeeze(-1)
-    if max_tokens == 0 or valid.numel() <= max_tokens:
-        return token_mask.clone()
-    order = torch.randperm(valid.numel(), generator=generator, device="cpu").to(valid.device)
-    keep = torch.zeros_like(token_mask)
-    keep[valid[order[:max_tokens]]] = True
-    return keep
 
 
 def _all_reduce_sum(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:

@@ -2,8 +2,9 @@
 
 Layout: ``<run>/checkpoints/step_000010/`` holding ``model_optim/`` (megatron ``dist_checkpointing``:
 model and optimizer, sharded by whatever layout wrote them) and ``trainer_state.pt`` (step,
-scheduler, task position, per-rank RNG states, metric history), plus ``<run>/checkpoints/latest``
-naming the newest complete checkpoint.
+scheduler, task position, per-rank RNG states, the run's config, adaptive-clip and prefetched-rollout
+state), plus ``<run>/checkpoints/latest`` naming the newest complete checkpoint. The metric history
+is not in the checkpoint: it stays in ``<run>/metrics.jsonl`` and ``<run>/routing.jsonl``.
 
 Atomicity: everything is written into ``step_000010.partial`` and renamed into place only after
 every rank finished writing; ``latest`` is replaced with ``os.replace`` after that. A crash at any

@@ -69,6 +69,13 @@ class Components:
                 self.mesh.destroy()
 
 
+def weight_bucket_bytes(cfg: TrainConfig) -> int:
+    """Bytes per bucket of the weight export that feeds the rollout engine: the engine's own key."""
+    if cfg.rollout.engine == "sglang":
+        return cfg.rollout.sglang.weight_bucket_bytes
+    return cfg.rollout.embedded.weight_bucket_bytes
+
+
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -125,7 +132,7 @@ def build(cfg: TrainConfig, run_dir: Path, config_yaml: str, world_size: int | N
         scheduler=scheduler,
         replay=replay,
         stage_moe_layers=stage_moe_layers(model_chunk),
-        weight_bucket_bytes=cfg.rollout.sglang.weight_bucket_bytes,
+        weight_bucket_bytes=weight_bucket_bytes(cfg),
         reference=reference,
     )
     if mesh.is_driver:

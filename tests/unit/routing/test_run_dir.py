@@ -28,7 +28,6 @@ def test_routing_log_round_trip_from_tensors(tmp_path):
             "update",
             volatility=routing_volatility(A, B),
             load=expert_load(B, 8),
-            router_entropy=torch.tensor([0.5, 0.25]),
         )
         log.log(6, "rollout_vs_train", volatility=routing_volatility(A, A))
     records = read_jsonl(tmp_path / "routing.jsonl")
@@ -42,7 +41,6 @@ def test_routing_log_round_trip_from_tensors(tmp_path):
     # B layer 0 picks 1,0 | 6,7 | 2,0 over 8 experts: counts [2,1,1,0,0,0,1,1] of 6 assignments
     assert first["expert_load"][0] == pytest.approx([2 / 6, 1 / 6, 1 / 6, 0, 0, 0, 1 / 6, 1 / 6])
     assert first["load_imbalance"][0] == pytest.approx(2 / 0.75)
-    assert first["router_entropy"] == [0.5, 0.25]
     assert records[1]["changed_frac_overall"] == 0.0 and "expert_load" not in records[1]
 
 

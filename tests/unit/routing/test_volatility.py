@@ -8,10 +8,7 @@ import torch
 from gspo_megatron.routing.volatility import (
     RoutingVolatility,
     expert_load,
-    router_entropy,
-    router_kl,
     routing_volatility,
-    subsample_token_mask,
     topk_overlap,
     topk_set_changed,
 )
@@ -127,36 +124,3 @@ def test_expert_load_mask_merge_and_range_check():
     assert torch.equal(merged.counts, expert_load(A, 8).counts)
     with pytest.raises(ValueError, match="num_experts"):
         expert_load(A, num_experts=7)
-
-
-def test_router_entropy_hand_values():
-    probs = torch.tensor(
-        [
-            [[0.25, 0.25, 0.25, 0.25], [0.5, 0.5, 0.0, 0.0]],
-            [[1.0, 0.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]],
-        ]
-    )
-    assert router_entropy(probs).tolist() == pytest.approx([math.log(4) / 2, math.log(2)])
-    assert router_entropy(probs, token_mask=torch.tensor([False, True])).tolist() == pytest.approx([0.0, math.log(2)])
-    assert router_entropy(probs, reduction="sum").tolist() == pytest.approx([math.log(4), 2 * math.log(2)])
-
-
-def test_router_kl_hand_values():
-    p = torch.tensor([[[0.5, 0.5, 0.0, 0.0]], [[1.0, 0.0, 0.0, 0.0]]])
-    q = torch.tensor([[[0.25, 0.25, 0.25, 0.25]], [[0.5, 0.5, 0.0, 0.0]]])
-    # token 0: 0.5 ln(0.5/0.25) * 2 = ln 2 ; token 1: 1 * ln(1/0.5) = ln 2
-    assert router_kl(p, q).tolist() == pytest.approx([math.log(2)])
-    assert router_kl(p, p).tolist() == pytest.approx([0.0])
-    # q gives zero mass where p has some: large but finite
-    reverse = router_kl(q, p)
-    assert torch.isfinite(reverse).all() and reverse.item() > 10
-
-
-def test_subsample_token_mask():
-    mask = torch.tensor([True, False, True, True, False, True, True])
-    keep = subsample_token_mask(mask, 3, generator=torch.Generator().manual_seed(0))
-    assert int(keep.sum()) == 3 and not (keep & ~mask).any()
-    again = subsample_token_mask(mask, 3, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(keep, again)
-    assert torch.equal(subsample_token_mask(mask, 0), mask)
-    assert torch.equal(subsample_token_mask(mask, 100), mask)
