@@ -63,6 +63,11 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
     _validate_run_safety(cfg)
     if cfg.rollout.engine not in ("embedded", "sglang"):
         raise ConfigError(f"rollout.engine={cfg.rollout.engine!r} is unknown; valid: embedded, sglang")
+    if cfg.rollout.engine == "sglang":  # before the model is built, not when the engine starts
+        try:
+            cfg.rollout.sglang.require_targets()
+        except ValueError as error:
+            raise ConfigError(f"rollout.sglang: {error}") from error
     if cfg.rollout.engine == "embedded" and cfg.model.shared_expert_intermediate_size:
         raise ConfigError(
             "the embedded engine (HF Qwen3-MoE) has no shared expert; set model.shared_expert_intermediate_size=0"

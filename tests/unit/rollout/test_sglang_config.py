@@ -38,6 +38,18 @@ def test_invalid_configs_name_the_field(kwargs, message):
         SGLangConfig(**kwargs).require_targets()
 
 
-def test_unused_default_config_is_constructible():
-    # A run on the embedded engine carries an SGLang section it never uses.
-    SGLangConfig()
+def test_the_sglang_section_is_required_complete_only_when_sglang_runs():
+    """A run on the embedded engine carries an SGLang section it never uses: that run validates; the
+    same section refuses to start an sglang run (no model_path to launch, no urls to attach)."""
+    from gspo_megatron.config.schema import to_train_config
+    from gspo_megatron.config.store import register_configs
+    from gspo_megatron.config.validate import validate_config
+    from gspo_megatron.testing.train_runs import compose
+
+    register_configs()
+    embedded = to_train_config(compose([]))
+    assert embedded.rollout.engine == "embedded" and embedded.rollout.sglang.model_path is None
+    validate_config(embedded, 1)
+    sglang = to_train_config(compose(["rollout=sglang"]))
+    with pytest.raises(ValueError, match="needs model_path"):
+        validate_config(sglang, 1)
