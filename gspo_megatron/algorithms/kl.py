@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from gspo_megatron.algorithms.registry import Registry
+from gspo_megatron.registry import Registry
 
 KL_ESTIMATORS: Registry[Callable[[torch.Tensor], torch.Tensor]] = Registry("KL estimator")
 

@@ -40,7 +40,7 @@ import torch
 from gspo_megatron.algorithms.metrics import extremum_entries, mean_entries
 from gspo_megatron.algorithms.ratio_dispersion import ratio_dispersion_metrics
 from gspo_megatron.algorithms.reductions import local_sequence_sum
-from gspo_megatron.algorithms.registry import Registry
+from gspo_megatron.registry import Registry
 
 AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum")
 SEQUENCE_LEVEL_AGGREGATIONS = ("seq_mean_token_mean",)  # the only ones GSPO's ratio is consistent with

@@ -24,11 +24,11 @@ import random
 from collections.abc import Callable
 from dataclasses import replace
 
-from gspo_megatron.algorithms.registry import Registry
 from gspo_megatron.data.config import TaskConfig
 from gspo_megatron.data.datasets import PromptDataset
 from gspo_megatron.data.records import PromptRecord
 from gspo_megatron.data.tokenizer import Tokenizer
+from gspo_megatron.registry import Registry
 
 MAX_PROMPT_TOKENS_SYNTHETIC = 12
 

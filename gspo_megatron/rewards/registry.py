@@ -14,8 +14,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-from gspo_megatron.algorithms.registry import Registry, UnknownNameError
 from gspo_megatron.data.records import PromptRecord
+from gspo_megatron.registry import Registry, UnknownNameError
 from gspo_megatron.rewards.types import RewardResult
 
 RewardFn = Callable[[str, PromptRecord], RewardResult]

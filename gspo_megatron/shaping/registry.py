@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from gspo_megatron.algorithms.registry import Registry, UnknownNameError
+from gspo_megatron.registry import Registry, UnknownNameError
 
 # name -> shaper(group: ShapingGroup, cfg) -> ShapedRewards
 SHAPERS: Registry[Callable[..., Any]] = Registry("reward shaper")

@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from gspo_megatron.algorithms.registry import UnknownNameError
 from gspo_megatron.data import DatasetConfig, SymbolTokenizer, TaskConfig, available_tasks, build_task
 from gspo_megatron.data.tasks import CopyReverseTask, MaxDigitTask, ReasoningMaxDigitTask, SumMod10Task
+from gspo_megatron.registry import UnknownNameError
 
 TOK = SymbolTokenizer()
 

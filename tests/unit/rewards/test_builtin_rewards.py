@@ -1,7 +1,7 @@
 import pytest
 
-from gspo_megatron.algorithms.registry import UnknownNameError
 from gspo_megatron.data import PromptRecord, SymbolTokenizer, TaskConfig, build_task
+from gspo_megatron.registry import UnknownNameError
 from gspo_megatron.rewards import RewardResult, available_rewards, resolve_reward
 from gspo_megatron.rewards.builtin import exact_match, last_boxed, math_verify, split_at_stop, think_answer
 
