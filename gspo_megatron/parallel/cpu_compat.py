@@ -1,8 +1,10 @@
 """Let megatron-core 0.16.x run on a machine without CUDA (CPU tensors, gloo collectives).
 
 Activated only when ``torch.cuda.is_available()`` is false, by ``enable_cpu_megatron()``; on a GPU
-machine nothing here runs. Measured with megatron-core 0.16.1 and torch 2.13 CPU
-(../shared/REFERENCE.md section 5).
+machine nothing here runs. ``disable_cpu_megatron()`` puts back every attribute the bridges replaced
+(each bridge is applied through ``_patch``, which remembers the original). Written against
+megatron-core 0.16.1 and torch 2.13 (CPU build); ``tests/unit/parallel/test_cpu_compat.py`` shows,
+per bridge, what megatron does on a machine without CUDA without it and with it.
 
 Where megatron-core has a seam we use it instead of patching, elsewhere in the package:
 - core attention: the portable layer spec uses ``models/layers.py:SDPACoreAttention`` (torch SDPA)
@@ -14,7 +16,7 @@ Where megatron-core has a seam we use it instead of patching, elsewhere in the p
 - MoE experts: ``SequentialMLP`` (no grouped-GEMM kernels on CPU);
 - initialisation: ``use_cpu_initialization=True`` in the TransformerConfig.
 
-What has no seam is bridged here, one function per fact, each idempotent:
+What has no seam is bridged here, one function per fact:
 1. ``torch.cuda.current_device()`` is used as an allocation device all over megatron-core (router
    gating, tensor-parallel mappings and layers, p2p communication). It raises without CUDA; we make
    it return the CPU device. This is process-wide, which is why this module only ever runs in
@@ -46,38 +48,51 @@ import types
 
 import torch
 
-_ENABLED = False
+_ABSENT = object()  # an attribute that did not exist before its bridge
+_applied: list[tuple[object, str, object]] = []  # (owner, attribute, original), in patch order
 
 
 def enable_cpu_megatron() -> None:
     """Apply every bridge below once per process; a no-op where CUDA is available."""
-    global _ENABLED
-    if _ENABLED or torch.cuda.is_available():
+    if _applied or torch.cuda.is_available():
         return
-    _current_device_is_cpu()
-    _cuda_sync_noops()
-    _define_missing_te_general_gemm()
-    _cpu_rng_tracker()
-    _cuda_literals_to_cpu()
-    _clip_grads_on_cpu()
-    _rotary_cp_split_on_cpu()
-    _ENABLED = True
+    for bridge in BRIDGES:
+        bridge()
+
+
+def disable_cpu_megatron() -> None:
+    """Undo every bridge: each patched attribute gets its original back (or is removed)."""
+    while _applied:
+        owner, name, original = _applied.pop()
+        if original is _ABSENT:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
+
+
+def cpu_megatron_enabled() -> bool:
+    return bool(_applied)
+
+
+def _patch(owner: object, name: str, value: object) -> None:
+    _applied.append((owner, name, vars(owner).get(name, _ABSENT) if hasattr(owner, "__dict__") else _ABSENT))
+    setattr(owner, name, value)
 
 
 def _current_device_is_cpu() -> None:
-    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
+    _patch(torch.cuda, "current_device", lambda: torch.device("cpu"))
 
 
 def _cuda_sync_noops() -> None:
-    torch.cuda.synchronize = lambda *args, **kwargs: None
-    torch.Tensor.record_stream = lambda self, stream: None  # type: ignore[assignment]
+    _patch(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+    _patch(torch.Tensor, "record_stream", lambda self, stream: None)
 
 
 def _define_missing_te_general_gemm() -> None:
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+        _patch(moe_utils, "te_general_gemm", None)
 
 
 def _cpu_rng_tracker() -> None:
@@ -109,8 +124,8 @@ def _cpu_rng_tracker() -> None:
                 self.states_[name] = torch.get_rng_state()
                 torch.set_rng_state(outer)
 
-    mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
-    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    _patch(mrandom, "_CUDA_RNG_STATE_TRACKER", CpuRNGStatesTracker())
+    _patch(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)
     # model_parallel_cuda_manual_seed re-creates the tracker only with force_reset; it also seeds
     # the (absent) CUDA generator, which torch queues lazily and never runs without CUDA.
     _original_initialize = mrandom.initialize_rng_tracker
@@ -121,7 +136,7 @@ def _cpu_rng_tracker() -> None:
             mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
     initialize_rng_tracker.__wrapped__ = _original_initialize  # type: ignore[attr-defined]
-    mrandom.initialize_rng_tracker = initialize_rng_tracker
+    _patch(mrandom, "initialize_rng_tracker", initialize_rng_tracker)
 
 
 def _cuda_literals_to_cpu() -> None:
@@ -130,7 +145,7 @@ def _cuda_literals_to_cpu() -> None:
     from megatron.core.pipeline_parallel import schedules
 
     for module in (schedules, optimizer, clip_grads, utils):
-        module.torch = _TorchWithoutCudaLiterals("torch")
+        _patch(module, "torch", _TorchWithoutCudaLiterals("torch"))
 
 
 def _on_cpu(factory):
@@ -180,7 +195,7 @@ def _clip_grads_on_cpu() -> None:
             if grad is not None:
                 grad.detach().mul_(clip_coeff)
 
-    optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    _patch(optimizer, "clip_grad_by_total_norm_fp32", clip_grad_by_total_norm_fp32)
 
 
 def _rotary_cp_split_on_cpu() -> None:
@@ -192,4 +207,15 @@ def _rotary_cp_split_on_cpu() -> None:
         # chunks r and 2*cp-1-r of the rotary table, exactly megatron's index_select
         return split_sequence(pos_emb, cp_group.size(), cp_group.rank(), seq_dim=seq_dim)
 
-    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
+    _patch(rotary_pos_embedding, "get_pos_emb_on_this_cp_rank", get_pos_emb_on_this_cp_rank)
+
+
+BRIDGES = (
+    _current_device_is_cpu,
+    _cuda_sync_noops,
+    _define_missing_te_general_gemm,
+    _cpu_rng_tracker,
+    _cuda_literals_to_cpu,
+    _clip_grads_on_cpu,
+    _rotary_cp_split_on_cpu,
+)

@@ -107,6 +107,7 @@ def check_with_trainer_rules(model: MoEModelConfig, layout: ParallelLayout, opti
     cfg.algorithm.routing_replay = options.routing_replay
     if needs_engine_routing(options.routing_replay):
         cfg.rollout.engine = "sglang"
+        cfg.rollout.sglang.model_path = "<the checkpoint>"  # not read by the plan; the trainer needs one
         cfg.rollout.sglang.enable_return_routed_experts = True
     try:
         validate_config(cfg, layout.world_size)

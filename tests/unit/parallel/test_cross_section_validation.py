@@ -123,6 +123,7 @@ def test_embedded_engine_refuses_a_shared_expert():
     refused(cfg, 1, "embedded engine", "shared_expert_intermediate_size=0")
     cfg.rollout.engine = "sglang"  # the Megatron side supports it; only the HF engine lacks it
     cfg.rollout.sglang.enable_return_routed_experts = True  # what the default diagnostics need
+    cfg.rollout.sglang.model_path = "/ckpt"  # what the engine launches
     validate_config(cfg, 1)
 
 
@@ -167,6 +168,7 @@ def test_replay_needs_an_moe_model():
 def test_rollout_replay_with_sglang_needs_routed_experts():
     cfg = TrainConfig()
     cfg.algorithm.routing_replay, cfg.rollout.engine = "rollout", "sglang"
+    cfg.rollout.sglang.model_path = "/ckpt"
     refused(cfg, 1, "enable_return_routed_experts=true")
     cfg.rollout.sglang.enable_return_routed_experts = True
     validate_config(cfg, 1)

@@ -1,0 +1,141 @@
+"""Each bridge of parallel/cpu_compat.py: what megatron-core does on this CUDA-less machine without it
+(the failure it bridges), and what it does with it. ``disable_cpu_megatron`` must give every
+patched attribute back, so the "without" half runs megatron's own code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gspo_megatron.parallel import cpu_compat
+from gspo_megatron.parallel.context_parallel import split_sequence
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the bridges only exist without CUDA")
+
+
+@pytest.fixture
+def bridges():
+    """Start with megatron's own code; leave the process as it was found."""
+    was_enabled = cpu_compat.cpu_megatron_enabled()
+    cpu_compat.disable_cpu_megatron()
+    yield
+    cpu_compat.disable_cpu_megatron()
+    if was_enabled:
+        cpu_compat.enable_cpu_megatron()
+
+
+def test_enable_is_idempotent_and_disable_restores_every_attribute(bridges):
+    from megatron.core.optimizer import optimizer
+    from megatron.core.pipeline_parallel import schedules
+
+    before = (torch.cuda.current_device, optimizer.clip_grad_by_total_norm_fp32, schedules.torch)
+    cpu_compat.enable_cpu_megatron()
+    patched = len(cpu_compat._applied)
+    cpu_compat.enable_cpu_megatron()
+    assert len(cpu_compat._applied) == patched  # applied once per process
+    assert schedules.torch is not torch
+    cpu_compat.disable_cpu_megatron()
+    assert (torch.cuda.current_device, optimizer.clip_grad_by_total_norm_fp32, schedules.torch) == before
+    assert "record_stream" not in vars(torch.Tensor)  # inherited from the C base class again
+
+
+def test_1_current_device(bridges):
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.cuda.current_device()
+    cpu_compat.enable_cpu_megatron()
+    assert torch.cuda.current_device() == torch.device("cpu")
+
+
+def test_2_rng_tracker_forks_reproducible_cpu_streams(bridges):
+    from megatron.core.tensor_parallel import random as mrandom
+
+    cpu_compat.enable_cpu_megatron()
+    tracker = mrandom.get_cuda_rng_tracker()
+    tracker.add("model-parallel-rng", 123)
+    torch.manual_seed(0)
+    outer = torch.get_rng_state()
+    with tracker.fork("model-parallel-rng"):
+        first = torch.rand(3)
+    with tracker.fork("model-parallel-rng"):
+        second = torch.rand(3)  # the forked stream continues, it does not restart
+    assert torch.equal(torch.get_rng_state(), outer)  # the outer stream is untouched
+    g = torch.Generator().manual_seed(123)
+    assert torch.equal(first, torch.rand(3, generator=g)) and torch.equal(second, torch.rand(3, generator=g))
+
+
+def test_2_without_the_bridge_megatron_keeps_cuda_generator_states(bridges):
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = mrandom.CudaRNGStatesTracker()
+    with pytest.raises((RuntimeError, AssertionError, AttributeError)):
+        tracker.add("model-parallel-rng", 123)  # torch.cuda.get_rng_state / manual_seed need CUDA
+
+
+def test_3_te_general_gemm_is_defined(bridges):
+    from megatron.core.transformer.moe import moe_utils
+
+    assert not hasattr(moe_utils, "te_general_gemm")  # megatron 0.16.1: NameError in the router GEMM
+    cpu_compat.enable_cpu_megatron()
+    assert moe_utils.te_general_gemm is None  # the intended "no TE" fallback
+
+
+def test_4_cuda_literals_allocate_on_cpu(bridges):
+    from megatron.core.pipeline_parallel import schedules
+
+    with pytest.raises((RuntimeError, AssertionError)):
+        schedules.torch.zeros(1, device="cuda")
+    cpu_compat.enable_cpu_megatron()
+    assert schedules.torch.zeros(2, device="cuda").device.type == "cpu"
+    assert schedules.torch.tensor([1.0], device=torch.device("cuda")).device.type == "cpu"
+    with schedules.torch.autocast("cuda"):  # a no-op instead of a CUDA autocast region
+        assert torch.ones(1).dtype == torch.float32
+    assert schedules.torch.float32 is torch.float32  # everything else is torch itself
+
+
+def test_5_synchronize_and_record_stream_are_noops(bridges):
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.cuda.synchronize()
+    cpu_compat.enable_cpu_megatron()
+    assert torch.cuda.synchronize() is None
+    assert torch.ones(1).record_stream(None) is None
+
+
+def test_6_clip_grads_scales_cpu_fp32_grads(bridges):
+    from megatron.core.optimizer import optimizer
+
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    for p, g in zip(params, (torch.tensor([3.0, 0.0, 4.0]), torch.tensor([1.0, 2.0]))):
+        p.grad = g.clone()
+    with pytest.raises(AssertionError):  # "param.grad.type() == 'torch.cuda.FloatTensor'"
+        optimizer.clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=10.0)
+    cpu_compat.enable_cpu_megatron()
+    optimizer.clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=10.0)
+    coeff = 1.0 / (10.0 + 1e-6)  # megatron's rule: max_norm / (total_norm + 1e-6) when < 1
+    torch.testing.assert_close(params[0].grad, torch.tensor([3.0, 0.0, 4.0]) * coeff)
+    optimizer.clip_grad_by_total_norm_fp32(params, max_norm=100.0, total_norm=10.0)  # >= 1: unchanged
+    torch.testing.assert_close(params[1].grad, torch.tensor([1.0, 2.0]) * coeff)
+
+
+class _Group:
+    """The two methods megatron's rope code calls on a ProcessGroup."""
+
+    def __init__(self, size: int, rank: int):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def test_7_rotary_table_split_for_context_parallelism(bridges):
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+
+    table = torch.arange(8.0).view(8, 1, 1, 1)  # [seq, 1, 1, dim]
+    with pytest.raises((RuntimeError, AssertionError)):  # pin_memory / .cuda() without CUDA
+        rope_utils.get_pos_emb_on_this_cp_rank(table, 0, _Group(2, 1))
+    cpu_compat.enable_cpu_megatron()
+    local = rotary_pos_embedding.get_pos_emb_on_this_cp_rank(table, 0, _Group(2, 1))
+    assert local.flatten().tolist() == [2.0, 3.0, 4.0, 5.0]  # chunks 1 and 2 of 4: megatron's order
+    assert torch.equal(local, split_sequence(table, 2, 1, seq_dim=0))
