@@ -42,7 +42,7 @@ if ! have_torch; then
 fi
 
 # Skip the (slow) resolver pass when the package and its test extra are already installed.
-if ! "$PYTHON" -c "import gspo_megatron, megatron.core, hydra, transformers, pytest, pytest_timeout" 2>/dev/null \
+if ! "$PYTHON" -c "import gspo_megatron, megatron.core, hydra, transformers, pytest, pytest_timeout, ruff, mypy" 2>/dev/null \
    || [ "${GSPO_REINSTALL:-0}" = 1 ]; then
   echo "[setup] installing gspo-megatron (editable) with its test extra"
   "$PYTHON" -m pip install -q -e ".[test]"
