@@ -4,7 +4,7 @@ Each failure prints the tool's own findings."""
 
 from __future__ import annotations
 
-import shutil
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -19,9 +19,9 @@ def _run(*command: str) -> subprocess.CompletedProcess:
 
 
 def _tool(name: str) -> list[str]:
-    if shutil.which(name) is None:
+    if importlib.util.find_spec(name) is None:
         pytest.fail(f"{name} is not installed: `pip install -e .[test]` (launch/setup.sh) installs it")
-    return [name]
+    return [sys.executable, "-m", name]
 
 
 def test_ruff_lint_finds_nothing():
@@ -36,5 +36,5 @@ def test_ruff_format_would_change_nothing():
 
 def test_mypy_finds_nothing():
     # ~45 s on a cold cache (a fresh clone), seconds with .mypy_cache
-    done = _run(sys.executable, "-m", "mypy")
+    done = _run(*_tool("mypy"))
     assert done.returncode == 0, done.stdout + done.stderr
