@@ -54,6 +54,7 @@ def bench_worker(
 
     from gspo_megatron.models.builder import build_model
     from gspo_megatron.models.conversion import load_hf_weights
+    from gspo_megatron.models.micro_batch import MicroBatch
     from gspo_megatron.models.schedule import run_schedule, wrap_for_training
     from gspo_megatron.parallel.layout import ParallelLayout
     from gspo_megatron.parallel.mesh import initialize_parallel
@@ -71,13 +72,13 @@ def bench_worker(
     mine = tokens[mesh.dp_rank * rows : (mesh.dp_rank + 1) * rows]
     per_micro = rows // micro_batches
     batches = [
-        {"tokens": mine[i : i + per_micro, :-1].contiguous(), "targets": mine[i : i + per_micro, 1:].contiguous()}
+        MicroBatch(tokens=mine[i : i + per_micro, :-1].contiguous(), targets=mine[i : i + per_micro, 1:].contiguous())
         for i in range(0, rows, per_micro)
     ]
     total_tokens = batch * seq
 
     def loss_callback(logits, mb):
-        logp = -tensor_parallel.vocab_parallel_cross_entropy(logits.float(), mb["targets"])
+        logp = -tensor_parallel.vocab_parallel_cross_entropy(logits.float(), mb.targets)
         return -logp.sum() / total_tokens, {}
 
     def step():

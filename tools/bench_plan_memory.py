@@ -20,13 +20,13 @@ import sys
 import torch
 
 from gspo_megatron.models.config import MoEModelConfig, preset
-from gspo_megatron.planning.activations import MicroBatch, activation_bytes
+from gspo_megatron.planning.activations import MicroBatchShape, activation_bytes
 from gspo_megatron.testing.memory import peak_bytes
 
 TOLERANCE = 1.2
 
 SHAPES = {
-    "tiny": (lambda: preset("tiny"), MicroBatch(sequences=8, seq_len=128)),
+    "tiny": (lambda: preset("tiny"), MicroBatchShape(sequences=8, seq_len=128)),
     "medium": (
         lambda: MoEModelConfig(
             vocab_size=8192,
@@ -40,14 +40,15 @@ SHAPES = {
             moe_intermediate_size=128,
             max_position_embeddings=512,
         ).validate(),
-        MicroBatch(sequences=4, seq_len=256),
+        MicroBatchShape(sequences=4, seq_len=256),
     ),
 }
 
 
-def measure(model_cfg: MoEModelConfig, micro: MicroBatch) -> int:
+def measure(model_cfg: MoEModelConfig, micro: MicroBatchShape) -> int:
     from gspo_megatron.algorithms.logprobs import vocab_parallel_log_probs
     from gspo_megatron.models.builder import build_model
+    from gspo_megatron.models.micro_batch import MicroBatch
     from gspo_megatron.models.schedule import run_schedule, wrap_for_training
     from gspo_megatron.parallel.layout import ParallelLayout
     from gspo_megatron.parallel.mesh import initialize_parallel
@@ -59,10 +60,10 @@ def measure(model_cfg: MoEModelConfig, micro: MicroBatch) -> int:
         ddp = wrap_for_training(model, model.config)
         gen = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, model_cfg.vocab_size, (micro.sequences, micro.seq_len + 1), generator=gen)
-        batch = [{"tokens": tokens[:, :-1].contiguous(), "targets": tokens[:, 1:].contiguous()}]
+        batch = [MicroBatch(tokens=tokens[:, :-1].contiguous(), targets=tokens[:, 1:].contiguous())]
 
         def loss(logits, mb):
-            logp, _ = vocab_parallel_log_probs(logits, mb["targets"], tp_group=None)
+            logp, _ = vocab_parallel_log_probs(logits, mb.targets, tp_group=None)
             value = -logp.sum() / micro.tokens
             return value, {}
 

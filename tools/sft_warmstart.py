@@ -35,8 +35,10 @@ def verbose_response(record, rng: random.Random, max_waits: int) -> str:
 
 
 def build_batch(records, tokenizer, rng, max_waits: int):
-    """Right-padded [b, s] inputs/targets and a mask over the response targets (EOS included)."""
+    """Right-padded [b, s] inputs/targets, weighted 1 on the response targets (EOS included)."""
     import torch
+
+    from gspo_megatron.models.micro_batch import MicroBatch
 
     rows = []
     for record in records:
@@ -48,7 +50,7 @@ def build_batch(records, tokenizer, rng, max_waits: int):
     for i, (prompt, response) in enumerate(rows):
         tokens[i, : len(prompt) + len(response)] = torch.tensor(prompt + response)
         mask[i, len(prompt) - 1 : len(prompt) + len(response) - 1] = 1.0
-    return {"tokens": tokens[:, :-1].contiguous(), "targets": tokens[:, 1:].contiguous(), "mask": mask}
+    return MicroBatch(tokens=tokens[:, :-1].contiguous(), targets=tokens[:, 1:].contiguous(), weights=mask)
 
 
 def main(argv=None) -> None:
@@ -105,8 +107,8 @@ def main(argv=None) -> None:
         rng = random.Random(args.seed)
 
         def nll(logits, batch):
-            logp, _ = vocab_parallel_log_probs(logits, batch["targets"], tp_group=mesh.tp_group)
-            loss = -(logp * batch["mask"]).sum() / batch["mask"].sum()
+            logp, _ = vocab_parallel_log_probs(logits, batch.targets, tp_group=mesh.tp_group)
+            loss = -(logp * batch.weights).sum() / batch.weights.sum()
             return loss, {"nll": loss.detach()}
 
         for step in range(1, args.steps + 1):

@@ -9,13 +9,11 @@ Design decisions:
   divided by global denominators (see ``algorithms/losses.py``); any layout and any micro-batch
   split then yields the gradient of one big batch.
 - The loss callback runs on the last pipeline stage only; it receives the vocab-parallel logits
-  [b, s, V/tp] and the micro-batch dict and returns ``(loss, metrics)``; metrics (tensors) come
+  [b, s, V/tp] and the ``MicroBatch`` and returns ``(loss, metrics)``; metrics (tensors) come
   back from this function on the last stage, one dict per micro-batch.
 - Context parallelism: ``_forward_step`` hands every micro-batch to
   ``parallel/context_parallel.split_micro_batch`` (the one place the sequence is split), so the
   model and the loss callback see this CP rank's share of every per-token tensor.
-- Micro-batches of one call share one padded length (the allgather MoE dispatcher used on CPU
-  cannot handle variable lengths, and PP needs the shapes up front).
 - Micro-batches of one call may differ in shape (token budgets); then megatron's
   ``variable_seq_lengths`` is on for the call, so pipeline stages exchange shapes.
 """
@@ -27,9 +25,10 @@ from functools import partial
 
 import torch
 
+from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.parallel.context_parallel import chunk_positions, split_micro_batch
 
-LossCallback = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
+LossCallback = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict]]
 
 
 def wrap_for_training(model, config, *, grad_reduce_in_fp32: bool = True, bucket_size: int | None = None):
@@ -55,16 +54,14 @@ def wrap_for_training(model, config, *, grad_reduce_in_fp32: bool = True, bucket
 def _forward_step(loss_callback: LossCallback | None, before_forward, data_iterator, model):
     from megatron.core import parallel_state as ps
 
-    batch = next(data_iterator)
-    device = next(model.parameters()).device
-    batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    batch: MicroBatch = next(data_iterator).to(next(model.parameters()).device)
     cp_size, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-    seq_len = batch["tokens"].shape[1]
+    seq_len = batch.seq_len
     batch = split_micro_batch(batch, cp_size, cp_rank)
     if before_forward is not None:
         before_forward()
-    tokens = batch["tokens"]
-    positions = batch.get("position_ids")
+    tokens = batch.tokens
+    positions = batch.position_ids
     if positions is None:  # global positions of this rank's tokens (RoPE splits its own table alike)
         positions = chunk_positions(seq_len, cp_size, cp_rank, device=tokens.device).unsqueeze(0).expand_as(tokens)
     output = model(tokens, positions, attention_mask=None)
@@ -80,7 +77,7 @@ def _forward_step(loss_callback: LossCallback | None, before_forward, data_itera
 
 def run_schedule(
     model,
-    micro_batches: list[dict],
+    micro_batches: list[MicroBatch],
     loss_callback: LossCallback | None,
     *,
     forward_only: bool,
@@ -89,8 +86,6 @@ def run_schedule(
     """Forward (and backward unless ``forward_only``) every micro-batch through megatron's schedule.
 
     Returns the metric dicts of each micro-batch on the last pipeline stage (empty list elsewhere).
-    All micro-batches must have the same [b, s] shape (the whole sequence; megatron's schedule
-    divides ``seq_length`` by the CP size for its pipeline shapes). ``before_forward`` runs before each
     Micro-batches may differ in [b, s] (see the module notes). ``before_forward`` runs before each
     micro-batch's forward, in micro-batch order (routing replay sets its targets there).
     """
@@ -99,7 +94,7 @@ def run_schedule(
 
     if not micro_batches:
         raise ValueError("run_schedule needs at least one micro-batch")
-    shapes = {tuple(mb["tokens"].shape) for mb in micro_batches}
+    shapes = {tuple(mb.tokens.shape) for mb in micro_batches}
     batch_size, seq_length = max(shapes, key=lambda shape: shape[0] * shape[1])
     config = get_model_config(model[0] if isinstance(model, list) else model)
     fixed = config.variable_seq_lengths

@@ -25,6 +25,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.parallel.layout import LayoutError
 
 
@@ -84,16 +85,11 @@ def pad_for_context_parallel(batch, cp_size: int):
     return dataclasses.replace(batch, **values)
 
 
-def split_micro_batch(batch: dict, cp_size: int, cp_rank: int) -> dict:
+def split_micro_batch(batch: MicroBatch, cp_size: int, cp_rank: int) -> MicroBatch:
     """Split every per-token tensor of a schedule micro-batch (dim 1 = the token dim of ``tokens``)."""
     if cp_size == 1:
         return batch
-    seq_len = batch["tokens"].shape[1]
-    out = {}
-    for key, value in batch.items():
-        per_token = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == seq_len
-        out[key] = split_sequence(value, cp_size, cp_rank) if per_token else value
-    return out
+    return batch.map_per_token(lambda value: split_sequence(value, cp_size, cp_rank))
 
 
 def gather_sequence(local: torch.Tensor, cp_group: dist.ProcessGroup | None, seq_dim: int = 1) -> torch.Tensor:

@@ -42,7 +42,7 @@ FP32 = 4
 
 
 @dataclass(frozen=True)
-class MicroBatch:
+class MicroBatchShape:
     sequences: int  # sequences per micro-batch
     seq_len: int  # padded tokens per sequence
 
@@ -108,7 +108,7 @@ def dense_mlp_elements(ffn_per_rank: float, tokens: float) -> float:
 def activation_bytes(
     model: MoEModelConfig,
     layout: ParallelLayout,
-    micro: MicroBatch,
+    micro: MicroBatchShape,
     pp_rank: int,
     width: int = FP32,
     spec: str = "portable",

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from gspo_megatron.models.config import MoEModelConfig
 from gspo_megatron.parallel.layout import ParallelLayout
-from gspo_megatron.planning.activations import MicroBatch
+from gspo_megatron.planning.activations import MicroBatchShape
 from gspo_megatron.planning.parameters import rank_buffers, stage_parameters
 
 FP32 = 4
@@ -75,7 +75,7 @@ class Traffic:
 def step_traffic(
     model: MoEModelConfig,
     layout: ParallelLayout,
-    micro: MicroBatch,
+    micro: MicroBatchShape,
     micro_batches: int,
     *,
     pp_rank: int = 0,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from gspo_megatron.models.config import MoEModelConfig
 from gspo_megatron.parallel.layout import ParallelLayout
-from gspo_megatron.planning.activations import FP32, MicroBatch, activation_bytes
+from gspo_megatron.planning.activations import FP32, MicroBatchShape, activation_bytes
 from gspo_megatron.planning.comm import Traffic, step_traffic, weight_sync_bytes
 from gspo_megatron.planning.hardware import GPUSpec
 from gspo_megatron.planning.parameters import DTYPE_BYTES, StateBytes, stage_layers, state_bytes
@@ -43,8 +43,8 @@ class PlanOptions:
     layer_spec: str = "te"  # te on GPU; portable is what the CPU build uses (and what is measured)
 
     @property
-    def micro(self) -> MicroBatch:
-        return MicroBatch(self.micro_batch_tokens // self.seq_len, self.seq_len)
+    def micro(self) -> MicroBatchShape:
+        return MicroBatchShape(self.micro_batch_tokens // self.seq_len, self.seq_len)
 
 
 @dataclass

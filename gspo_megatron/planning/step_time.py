@@ -21,13 +21,13 @@ from dataclasses import dataclass
 
 from gspo_megatron.models.config import MoEModelConfig
 from gspo_megatron.parallel.layout import ParallelLayout
-from gspo_megatron.planning.activations import MicroBatch
+from gspo_megatron.planning.activations import MicroBatchShape
 from gspo_megatron.planning.comm import Traffic
 from gspo_megatron.planning.hardware import GPUSpec
 from gspo_megatron.planning.parameters import stage_layers
 
 
-def forward_flops(model: MoEModelConfig, layout: ParallelLayout, micro: MicroBatch, pp_rank: int) -> float:
+def forward_flops(model: MoEModelConfig, layout: ParallelLayout, micro: MicroBatchShape, pp_rank: int) -> float:
     """Forward matmul FLOPs of one micro-batch on one rank of stage ``pp_rank``."""
     tp, etp = layout.tp, layout.expert_tp
     h, d = model.hidden_size, model.head_dim
@@ -79,7 +79,7 @@ class StepTime:
 def step_time(
     model: MoEModelConfig,
     layout: ParallelLayout,
-    micro: MicroBatch,
+    micro: MicroBatchShape,
     micro_batches: int,
     traffic_by_stage: list[Traffic],
     gpu: GPUSpec,

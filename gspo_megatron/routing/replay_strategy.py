@@ -25,10 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
+from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.routing.replay import REPLAY_MODES, RoutingReplay
 
 Routing = list[list[torch.Tensor]]  # [micro_batch][moe_layer] -> int [tokens, k]
-TargetsOf = Callable[[dict], list[torch.Tensor]]  # a micro-batch -> the engine's experts per MoE layer
+TargetsOf = Callable[[MicroBatch], list[torch.Tensor]]  # a micro-batch -> the engine's experts per MoE layer
 BeforeForward = Callable[[], None]
 
 
@@ -60,7 +61,7 @@ class ReplayStrategy:
         self.targets_of = targets_of
 
     # --- the old-log-prob pass -------------------------------------------------------------
-    def old_pass_begin(self, micro_batches: list[dict]) -> BeforeForward | None:
+    def old_pass_begin(self, micro_batches: list[MicroBatch]) -> BeforeForward | None:
         if self.replay is not None:
             self.replay.start_recording()
         return None
@@ -73,7 +74,7 @@ class ReplayStrategy:
         return OldPassRouting(recorded, recorded)
 
     # --- each training forward -------------------------------------------------------------
-    def update_begin(self, micro_batches: list[dict], old_routing: Callable[[], Routing]) -> BeforeForward | None:
+    def update_begin(self, micro_batches: list[MicroBatch], old_routing: Callable[[], Routing]) -> BeforeForward | None:
         """Queue this mini-batch's replay targets; ``old_routing()`` gives the old pass's routing of
         exactly these micro-batches (asked for only by R2)."""
         return None
@@ -90,7 +91,7 @@ class OldPolicyReplay(ReplayStrategy):
     name = "old_policy"
     replays_in_training = True
 
-    def update_begin(self, micro_batches: list[dict], old_routing: Callable[[], Routing]) -> BeforeForward | None:
+    def update_begin(self, micro_batches: list[MicroBatch], old_routing: Callable[[], Routing]) -> BeforeForward | None:
         if self.replay is None:
             return None
         self.replay.load_targets(old_routing())
@@ -105,7 +106,7 @@ class RolloutReplay(ReplayStrategy):
     replays_in_training = True
     uses_engine_routing = True
 
-    def old_pass_begin(self, micro_batches: list[dict]) -> BeforeForward | None:
+    def old_pass_begin(self, micro_batches: list[MicroBatch]) -> BeforeForward | None:
         if self.replay is None:
             return None
         self.replay.load_targets([self.targets_of(mb) for mb in micro_batches], observe=True)
@@ -119,7 +120,7 @@ class RolloutReplay(ReplayStrategy):
         self.replay.stop()
         return OldPassRouting(None, recorded)
 
-    def update_begin(self, micro_batches: list[dict], old_routing: Callable[[], Routing]) -> BeforeForward | None:
+    def update_begin(self, micro_batches: list[MicroBatch], old_routing: Callable[[], Routing]) -> BeforeForward | None:
         if self.replay is None:
             return None
         self.replay.load_targets([self.targets_of(mb) for mb in micro_batches])

@@ -8,6 +8,7 @@ import torch
 
 from gspo_megatron.models.config import MoEModelConfig
 from gspo_megatron.models.conversion import export_hf_state_dict, gradient_of, hf_shapes, load_hf_weights
+from gspo_megatron.models.micro_batch import MicroBatch
 
 # The layouts every equivalence test compares with one rank (4 ranks at most: 2 cores).
 EQUIVALENCE_LAYOUTS = {
@@ -109,11 +110,11 @@ def model_layout_worker(ctx, cfg: MoEModelConfig, state: dict, layout_kwargs: di
             {k: policy[k] for k in ("old_log_probs", "advantages", "response_mask", "ref_log_probs") if k in policy}
         )
     micro_batches = [
-        {
-            "tokens": inputs[sl][i : i + per_micro],
-            "targets": targets[sl][i : i + per_micro],
+        MicroBatch(
+            tokens=inputs[sl][i : i + per_micro],
+            targets=targets[sl][i : i + per_micro],
             **{k: v[sl][i : i + per_micro] for k, v in per_row.items()},
-        }
+        )
         for i in range(0, rows, per_micro)
     ]
     budget = (policy or {}).get("micro_batch_tokens")
@@ -126,8 +127,8 @@ def model_layout_worker(ctx, cfg: MoEModelConfig, state: dict, layout_kwargs: di
 
     def loss_callback(logits, batch):
         # logits [b, s / cp, V/tp]; megatron's vocab-parallel CE gives -log p(target) per token.
-        logp = -tensor_parallel.vocab_parallel_cross_entropy(logits.float(), batch["targets"])
-        loss = -(batch["weights"] * logp).sum() / total_tokens  # this CP rank's tokens' share
+        logp = -tensor_parallel.vocab_parallel_cross_entropy(logits.float(), batch.targets)
+        loss = -(batch.weights * logp).sum() / total_tokens  # this CP rank's tokens' share
         return loss, {"log_probs": gather_sequence(logp.detach(), cp_group), "loss": loss.detach()}
 
     if policy is not None:
@@ -140,7 +141,7 @@ def model_layout_worker(ctx, cfg: MoEModelConfig, state: dict, layout_kwargs: di
     if metrics and budget is not None:  # rows in plan order, each micro-batch cut to its own width
         full = torch.zeros(inputs.shape)
         for mb, m in zip(micro_batches, metrics):
-            full[mb["rows"], : m["log_probs"].shape[1]] = m["log_probs"]
+            full[mb.rows, : m["log_probs"].shape[1]] = m["log_probs"]
         log_probs[mesh.dp_rank] = full
     elif metrics:
         log_probs[mesh.dp_rank] = torch.cat([m["log_probs"] for m in metrics], dim=0)
@@ -163,9 +164,8 @@ def _token_budget_micro_batches(inputs, targets, per_row: dict, mask, budget: in
     out = []
     for plan in plans:
         rows, fed = plan.rows[dp_rank], plan.width - 1
-        item = {"tokens": inputs[rows, :fed], "targets": targets[rows, :fed], "rows": rows}
-        item.update({k: v[rows, :fed] if v.dim() > 1 else v[rows] for k, v in per_row.items()})
-        out.append(item)
+        cut = {k: v[rows, :fed] if v.dim() > 1 else v[rows] for k, v in per_row.items()}
+        out.append(MicroBatch(tokens=inputs[rows, :fed], targets=targets[rows, :fed], rows=rows, **cut))
     return out
 
 
@@ -192,7 +192,7 @@ def _policy_callback(policy: dict, mesh):
         from gspo_megatron.algorithms.logprobs import vocab_parallel_log_probs
 
         with torch.no_grad():
-            logp, _ = vocab_parallel_log_probs(logits, batch["targets"], tp_group=mesh.tp_group)
+            logp, _ = vocab_parallel_log_probs(logits, batch.targets, tp_group=mesh.tp_group)
         return loss, {"log_probs": gather_sequence(logp, cp_group), "loss": loss.detach()}
 
     return callback

@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.rollout.types import Sample
 from gspo_megatron.trainer.micro_batches import token_budget_plan
 
@@ -113,7 +114,7 @@ def partition(
     dp_rank: int,
     micro_batch_tokens: int | None = None,
     seq_multiple: int = 1,
-) -> list[list[dict]]:
+) -> list[list[MicroBatch]]:
     """This rank's micro-batches, per mini-batch (one mini-batch per optimizer update).
 
     The old-log-prob pass runs over exactly these micro-batches (flattened), so whatever it records
@@ -158,16 +159,24 @@ def data_parallel_slice(num_rows: int, dp_size: int, dp_rank: int) -> slice:
     return slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
 
 
-MICRO_BATCH_KEYS = ("response_mask", "input_mask", "advantages", "old_log_probs", "rollout_log_probs", "routed_experts")
+def micro_batch(batch: RolloutBatch, rows: torch.Tensor, width: int) -> MicroBatch:
+    """The micro-batch of the batch rows ``rows`` (global indices) cut to ``width`` tokens: inputs
+    ``tokens[:, :width-1]``, ``targets`` one to the right, and the rows of every per-row field."""
 
+    def cut(value: torch.Tensor | None) -> torch.Tensor | None:
+        if value is None:
+            return None
+        return value[rows, : width - 1] if value.dim() > 1 else value[rows]
 
-def micro_batch(batch: RolloutBatch, rows: torch.Tensor, width: int) -> dict:
-    """Schedule inputs of the batch rows ``rows`` (global indices) cut to ``width`` tokens:
-    ``tokens`` (inputs), ``targets``, the per-row fields that are set, and ``rows``."""
     tokens = batch.tokens[rows, :width]
-    item = {"tokens": tokens[:, :-1].contiguous(), "targets": tokens[:, 1:].contiguous(), "rows": rows}
-    for key in MICRO_BATCH_KEYS:
-        value = getattr(batch, key)
-        if value is not None:
-            item[key] = value[rows, : width - 1] if value.dim() > 1 else value[rows]
-    return item
+    return MicroBatch(
+        tokens=tokens[:, :-1].contiguous(),
+        targets=tokens[:, 1:].contiguous(),
+        rows=rows,
+        response_mask=cut(batch.response_mask),
+        input_mask=cut(batch.input_mask),
+        advantages=cut(batch.advantages),
+        old_log_probs=cut(batch.old_log_probs),
+        rollout_log_probs=cut(batch.rollout_log_probs),
+        routed_experts=cut(batch.routed_experts),
+    )

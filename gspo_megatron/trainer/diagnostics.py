@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.models.micro_batch import MicroBatch, required
 from gspo_megatron.parallel.context_parallel import split_sequence
 from gspo_megatron.routing.volatility import (
     RoutingVolatility,
@@ -57,7 +58,7 @@ class RoutingDiagnostics:
         """pi_old is the engine's (``algorithm.old_log_probs=rollout``): no old-policy pass runs."""
         return self.c.cfg.algorithm.old_log_probs == "rollout"
 
-    def remember_old_routing(self, recorded: list | None, micro_batches: list[dict]) -> None:
+    def remember_old_routing(self, recorded: list | None, micro_batches: list[MicroBatch]) -> None:
         self.old = recorded or []
         self.old_masks = [_token_mask(mb, self.mesh) for mb in micro_batches]
         self.step_records = []
@@ -75,9 +76,9 @@ class RoutingDiagnostics:
     def due(self, kind: str, step: int) -> bool:
         return self.c.replay is not None and self.config.is_due(step, kind)
 
-    def rollout_vs_train(self, step: int, micro_batches: list[dict], targets_of, trainer_routing: list) -> None:
+    def rollout_vs_train(self, step: int, micro_batches: list[MicroBatch], targets_of, trainer_routing: list) -> None:
         """Engine routing (per micro-batch, megatron order) vs the routing of the old-log-prob pass."""
-        if not self.due("rollout_vs_train", step) or not trainer_routing or "routed_experts" not in micro_batches[0]:
+        if not self.due("rollout_vs_train", step) or not trainer_routing or micro_batches[0].routed_experts is None:
             return
         parts = []
         for mb, recorded, mask in zip(micro_batches, trainer_routing, self.old_masks):
@@ -98,7 +99,7 @@ class RoutingDiagnostics:
         return update == 1 and self.due("update", step)
 
     def from_training_forward(
-        self, recorded: list, old_offset: int, micro_batches: list[dict], targets_of, step: int
+        self, recorded: list, old_offset: int, micro_batches: list[MicroBatch], targets_of, step: int
     ) -> None:
         if self._engine_old_policy:
             self.old = recorded  # the old policy's routing of the first mini-batch
@@ -108,7 +109,7 @@ class RoutingDiagnostics:
         base = self.old[old_offset : old_offset + len(recorded)]
         self.step_records.append(("update", _compare(base, recorded, masks), _load(recorded, masks, self.c)))
 
-    def after_update(self, update: int, step: int, first_micro_batches: list[dict]) -> None:
+    def after_update(self, update: int, step: int, first_micro_batches: list[MicroBatch]) -> None:
         """Recording pass over the first mini-batch after optimizer step ``update``, when needed."""
         free = (
             not self.replays_in_training and self.c.cfg.trainer.updates_per_rollout > 1 and not self._engine_old_policy
@@ -210,9 +211,13 @@ def _load(routing: list, masks: list, components):
     return total
 
 
-def _token_mask(micro_batch: dict, mesh) -> torch.Tensor:
+def _token_mask(micro_batch: MicroBatch, mesh) -> torch.Tensor:
     """bool [s_local * b] in megatron's token order: real (non-padding) input tokens."""
-    mask = split_sequence(micro_batch["input_mask"], mesh.layout.cp, mesh.cp_rank if mesh.layout.cp > 1 else 0)
+    mask = split_sequence(
+        required(micro_batch.input_mask, "input_mask", "routing diagnostics"),
+        mesh.layout.cp,
+        mesh.cp_rank if mesh.layout.cp > 1 else 0,
+    )
     mask = mask.bool().transpose(0, 1)  # [s, b]
     if mesh.layout.use_sequence_parallel and mesh.layout.tp > 1:
         mask = mask.chunk(mesh.layout.tp, dim=0)[mesh.tp_rank]

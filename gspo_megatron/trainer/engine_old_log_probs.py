@@ -17,12 +17,13 @@ Consequences, each handled where it arises:
 
 from __future__ import annotations
 
+from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.trainer.batch import RolloutBatch
 
 
-def use_engine_log_probs(batch: RolloutBatch, micro_batches: list[dict]) -> dict[str, float]:
+def use_engine_log_probs(batch: RolloutBatch, micro_batches: list[MicroBatch]) -> dict[str, float]:
     """Set ``old_log_probs`` of the batch and of every micro-batch to the engine's log-probs."""
     batch.old_log_probs = batch.rollout_log_probs
     for mb in micro_batches:
-        mb["old_log_probs"] = mb["rollout_log_probs"]
+        mb.old_log_probs = mb.rollout_log_probs
     return {}

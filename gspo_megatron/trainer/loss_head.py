@@ -19,6 +19,7 @@ from gspo_megatron.algorithms.losses import get_policy_loss
 from gspo_megatron.algorithms.metrics import mean_entries, token_mean_metric
 from gspo_megatron.algorithms.reductions import context_parallel_sequence_sum_fn
 from gspo_megatron.algorithms.regularizers import entropy_bonus, kl_penalty
+from gspo_megatron.models.micro_batch import MicroBatch, required
 from gspo_megatron.parallel.context_parallel import gather_sequence
 
 if TYPE_CHECKING:
@@ -34,18 +35,18 @@ class LogProbHead:
     chunk_size: int | None = None
     cp_group: ProcessGroup | None = None  # context parallel: the rank's share of each row -> whole rows
 
-    def __call__(self, logits: torch.Tensor, batch: dict):
+    def __call__(self, logits: torch.Tensor, batch: MicroBatch):
         with torch.no_grad():
             log_probs, entropy = vocab_parallel_log_probs(
                 logits,
-                batch["targets"],
+                batch.targets,
                 tp_group=self.tp_group,
                 temperature=self.temperature,
                 chunk_size=self.chunk_size,
                 with_entropy=True,
             )
             log_probs, entropy = (gather_sequence(t, self.cp_group) for t in (log_probs, entropy))
-        return logits.new_zeros(()), {"log_probs": log_probs, "entropy": entropy, "rows": batch["rows"]}
+        return logits.new_zeros(()), {"log_probs": log_probs, "entropy": entropy, "rows": batch.rows}
 
 
 @dataclass
@@ -63,11 +64,11 @@ class PolicyLossHead:
         self.loss_fn = get_policy_loss(self.algorithm.loss)
         self.sequence_sum = context_parallel_sequence_sum_fn(self.cp_group)
 
-    def __call__(self, logits: torch.Tensor, batch: dict):
+    def __call__(self, logits: torch.Tensor, batch: MicroBatch):
         algorithm = self.algorithm
         log_probs, entropy = vocab_parallel_log_probs(
             logits,
-            batch["targets"],
+            batch.targets,
             tp_group=self.tp_group,
             temperature=self.temperature,
             chunk_size=algorithm.logprob_chunk_size,
@@ -80,8 +81,11 @@ class PolicyLossHead:
             global_num_tokens=self.global_num_tokens.to(logits.device),
             sequence_sum=self.sequence_sum,
         )
-        mask = batch["response_mask"]
-        out = self.loss_fn(log_probs, batch["old_log_probs"], batch["advantages"], mask, ctx)
+        mask = required(batch.response_mask, "response_mask", "the policy loss")
+        old_log_probs = required(batch.old_log_probs, "old_log_probs", "the policy loss")
+        out = self.loss_fn(
+            log_probs, old_log_probs, required(batch.advantages, "advantages", "the policy loss"), mask, ctx
+        )
         metrics = dict(out.metrics)
         metrics.update(token_mean_metric("entropy", entropy, mask, self.sequence_sum))
         # The losses of all micro-batches and ranks add up to the mini-batch loss; a count equal to
@@ -97,7 +101,7 @@ class PolicyLossHead:
             loss = loss + term
         if algorithm.kl_coef != 0:
             term, kl_metrics = kl_penalty(
-                log_probs, batch.get("ref_log_probs"), mask, ctx, algorithm.kl_coef, algorithm.kl_estimator
+                log_probs, batch.ref_log_probs, mask, ctx, algorithm.kl_coef, algorithm.kl_estimator
             )
             metrics.update(kl_metrics)
             metrics.update(mean_entries("loss/kl_term", term.detach(), share))

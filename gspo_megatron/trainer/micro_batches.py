@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gspo_megatron.models.micro_batch import MicroBatch
+
 
 @dataclass
 class MicroBatchPlan:
@@ -76,14 +78,14 @@ def _plan(stripes: list[list[int]], first_row: int, width: int) -> MicroBatchPla
     return MicroBatchPlan(rows=rows, width=width)
 
 
-def step_padded_fraction(batch, parts: list[list[dict]], dp_size: int) -> float:
+def step_padded_fraction(batch, parts: list[list[MicroBatch]], dp_size: int) -> float:
     """1 - real input tokens / tokens fed in one pass over the step's micro-batches, all ranks.
 
     Every data-parallel rank feeds micro-batches of the same shapes (the plan above; without a
     budget: equal slices padded to the batch width), so this rank's shapes times ``dp_size`` are
     the whole step's.
     """
-    fed = dp_size * sum(mb["tokens"].numel() for part in parts for mb in part)
+    fed = dp_size * sum(mb.tokens.numel() for part in parts for mb in part)
     return 1.0 - float(batch.input_mask.sum()) / fed if fed else 0.0
 
 

@@ -27,6 +27,7 @@ import torch
 
 from gspo_megatron.models.builder import build_model
 from gspo_megatron.models.conversion import SafetensorsSource, load_hf_weights
+from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.models.schedule import run_schedule
 from gspo_megatron.trainer.loss_head import LogProbHead
 
@@ -61,12 +62,12 @@ class ReferenceModel:
         load_hf_weights(chunk, cfg.model, source, mesh)
         return cls(chunk, mesh.tp_group, cfg.rollout.temperature, cfg.algorithm.logprob_chunk_size)
 
-    def attach_log_probs(self, micro_batches: list[dict]) -> None:
+    def attach_log_probs(self, micro_batches: list[MicroBatch]) -> None:
         """Forward every micro-batch through the reference; on the last pipeline stage (where the loss
-        head runs) each micro-batch dict gets ``ref_log_probs`` [b, s]. Collective over the stage group."""
+        head runs) each micro-batch gets ``ref_log_probs`` [b, s]. Collective over the stage group."""
         with torch.no_grad():
             outputs = run_schedule([self.model_chunk], micro_batches, self.head, forward_only=True)
         if outputs and len(outputs) != len(micro_batches):
             raise RuntimeError(f"reference pass returned {len(outputs)} outputs for {len(micro_batches)} micro-batches")
         for mb, out in zip(micro_batches, outputs):
-            mb["ref_log_probs"] = out["log_probs"]
+            mb.ref_log_probs = out["log_probs"]

@@ -31,6 +31,7 @@ from gspo_megatron.algorithms.adaptive_clip import AdaptiveClipController
 from gspo_megatron.algorithms.metrics import SUM, finalize_metrics, merge_metrics
 from gspo_megatron.algorithms.reductions import all_reduce_metrics
 from gspo_megatron.models.conversion import export_hf_weights
+from gspo_megatron.models.micro_batch import MicroBatch, required
 from gspo_megatron.models.schedule import run_schedule
 from gspo_megatron.parallel.context_parallel import pad_for_context_parallel
 from gspo_megatron.rollout.mismatch import finalize_mismatch, train_inference_mismatch
@@ -173,7 +174,7 @@ class RLTrainer:
         batch, metrics = payload[0]
         return batch, dict(metrics)
 
-    def _old_log_probs(self, batch: RolloutBatch, parts: list[list[dict]]) -> dict:
+    def _old_log_probs(self, batch: RolloutBatch, parts: list[list[MicroBatch]]) -> dict:
         """pi_old log-probs (and the routing they used) for every row, on every rank.
 
         Runs over exactly the micro-batches the updates will use (``parts``, flattened), so what it
@@ -205,10 +206,10 @@ class RLTrainer:
         out["policy/entropy_old"] = float((entropy * mask).sum() / mask.sum().clamp_min(1))
         # the update micro-batches carry the old log-probs from here on
         for mb in flat:
-            mb["old_log_probs"] = batch.old_log_probs[mb["rows"], : mb["tokens"].shape[1]]
+            mb.old_log_probs = batch.old_log_probs[mb.rows, : mb.seq_len]
         return out
 
-    def _gather_rows(self, outputs: list[dict], flat: list[dict], key: str, batch: RolloutBatch) -> torch.Tensor:
+    def _gather_rows(self, outputs: list[dict], flat: list[MicroBatch], key: str, batch: RolloutBatch) -> torch.Tensor:
         """Per-token values of this rank's rows (last stage) -> the whole batch on every rank."""
         full = torch.zeros(batch.num_sequences, batch.tokens.shape[1] - 1, device=self.mesh.device)
         for out in outputs:
@@ -220,12 +221,12 @@ class RLTrainer:
             dist.broadcast(full, src=self.mesh.last_stage_global_rank, group=self.mesh.pp_group)
         return full.cpu()
 
-    def _rollout_targets(self, micro_batch: dict) -> list[torch.Tensor]:
+    def _rollout_targets(self, micro_batch: MicroBatch) -> list[torch.Tensor]:
         from gspo_megatron.routing.replay import rollout_targets
 
         layout = self.mesh.layout
         return rollout_targets(
-            micro_batch["routed_experts"],
+            required(micro_batch.routed_experts, "routed_experts", "rollout routing replay"),
             self.c.stage_moe_layers,
             self.mesh.tp_rank,
             layout.tp,
@@ -234,7 +235,7 @@ class RLTrainer:
             self.mesh.cp_rank if layout.cp > 1 else 0,
         )
 
-    def _policy_updates(self, batch: RolloutBatch, parts: list[list[dict]]) -> dict:
+    def _policy_updates(self, batch: RolloutBatch, parts: list[list[MicroBatch]]) -> dict:
         cfg, mesh = self.cfg, self.mesh
         per_update = batch.num_sequences // cfg.trainer.updates_per_rollout
         merged = None

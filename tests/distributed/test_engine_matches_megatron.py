@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.model_fixtures import random_hf_state, tiny_test_config
 
@@ -72,7 +73,7 @@ def engine_vs_megatron_worker(ctx, cfg, state: dict, layout_kwargs: dict) -> dic
     # Megatron order per micro-batch: [s_local * b, k] per layer -> [b, s, layers, k] on every rank.
     routing = []
     for mb, per_layer in zip(micro_batches, recorded):
-        local = layer_topk_to_tensor(per_layer, mb["tokens"].shape[0])
+        local = layer_topk_to_tensor(per_layer, mb.tokens.shape[0])
         if layout.use_sequence_parallel:
             parts = [torch.empty_like(local) for _ in range(layout.tp)]
             dist.all_gather(parts, local.contiguous(), group=mesh.tp_group)
@@ -86,7 +87,7 @@ def engine_vs_megatron_worker(ctx, cfg, state: dict, layout_kwargs: dict) -> dic
         engine_routing[row, : sample["routed"].shape[0]] = sample["routed"][:, moe_layer_indices(cfg)].long()
     r3_targets_match = True
     for index, mb in enumerate(micro_batches):
-        b = mb["tokens"].shape[0]
+        b = mb.tokens.shape[0]
         rows = slice(index * b, (index + 1) * b)
         targets = rollout_targets(
             engine_routing[rows].clamp_min(0),
@@ -151,7 +152,7 @@ def _right_padded_micro_batches(samples: list[dict], multiple: int):
         valid[row, : len(sequence) - 1] = True
     half = len(samples) // 2
     micro_batches = [
-        {"tokens": tokens[i : i + half], "targets": targets[i : i + half], "rows": torch.arange(i, i + half)}
+        MicroBatch(tokens=tokens[i : i + half], targets=targets[i : i + half], rows=torch.arange(i, i + half))
         for i in range(0, len(samples), half)
     ]
     return micro_batches, valid

@@ -15,8 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.parallel.layout import ParallelLayout
-from gspo_megatron.planning.activations import MicroBatch
+from gspo_megatron.planning.activations import MicroBatchShape
 from gspo_megatron.planning.comm import step_traffic
 from gspo_megatron.planning.parameters import state_bytes
 from gspo_megatron.testing.distributed import run_distributed
@@ -92,12 +93,12 @@ def _measure_traffic(layout, cfg, mesh) -> dict:
     per_micro = rows // MICRO_BATCHES
     start = mesh.dp_rank * rows
     micro_batches = [
-        {"tokens": inputs[start + i : start + i + per_micro], "targets": targets[start + i : start + i + per_micro]}
+        MicroBatch(tokens=inputs[start + i : start + i + per_micro], targets=targets[start + i : start + i + per_micro])
         for i in range(0, rows, per_micro)
     ]
 
     def loss(logits, batch):
-        logp, _ = vocab_parallel_log_probs(logits, batch["targets"], tp_group=mesh.tp_group)
+        logp, _ = vocab_parallel_log_probs(logits, batch.targets, tp_group=mesh.tp_group)
         return -logp.sum() / inputs.numel(), {}
 
     groups = {  # the groups megatron's DDP reduces over are the "partial" (intra-instance) ones
@@ -181,7 +182,7 @@ def test_communication_equals_gloo_payloads(measured, name):
         predicted = step_traffic(
             cfg,
             layout,
-            MicroBatch(got["per_micro"], SEQ_LEN),
+            MicroBatchShape(got["per_micro"], SEQ_LEN),
             MICRO_BATCHES,
             pp_rank=got["pp"],
             width=FP32,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.model_fixtures import fixed_batch, random_hf_state, tiny_test_config
 
@@ -46,7 +47,9 @@ def reference_worker(ctx, layout_kwargs):
     }
 
     inputs, targets, _ = fixed_batch(cfg)
-    mbs = [{"tokens": inputs[i : i + 2], "targets": targets[i : i + 2], "rows": torch.arange(i, i + 2)} for i in (0, 2)]
+    mbs = [
+        MicroBatch(tokens=inputs[i : i + 2], targets=targets[i : i + 2], rows=torch.arange(i, i + 2)) for i in (0, 2)
+    ]
     head = LogProbHead(mesh.tp_group, 1.0)
 
     def policy_log_probs(before_forward=None):
@@ -62,7 +65,9 @@ def reference_worker(ctx, layout_kwargs):
     recorded = replay.recorded()
     replay.stop()
     result["recorded_forwards"] = len(recorded)
-    result["ref_equals_free_policy"] = all(torch.equal(mb.get("ref_log_probs", f), f) for mb, f in zip(mbs, free))
+    result["ref_equals_free_policy"] = all(
+        torch.equal((f if mb.ref_log_probs is None else mb.ref_log_probs), f) for mb, f in zip(mbs, free)
+    )
     # R3: engine routing queued for the policy; the reference forward neither consumes nor uses it
     generator = torch.Generator().manual_seed(5)
     stage_layers = [layer.layer_number - 1 for layer in policy.decoder.layers]
@@ -71,9 +76,9 @@ def reference_worker(ctx, layout_kwargs):
             torch.stack(
                 [
                     torch.randperm(cfg.num_experts, generator=generator)[: cfg.top_k]
-                    for _ in range(mb["tokens"].numel() * cfg.num_layers)
+                    for _ in range(mb.tokens.numel() * cfg.num_layers)
                 ]
-            ).reshape(*mb["tokens"].shape, cfg.num_layers, cfg.top_k),
+            ).reshape(*mb.tokens.shape, cfg.num_layers, cfg.top_k),
             stage_layers,
             mesh.tp_rank,
             layout.tp,
@@ -83,14 +88,16 @@ def reference_worker(ctx, layout_kwargs):
     ]
     replay.load_targets(forced)
     for mb in mbs:
-        mb.pop("ref_log_probs", None)
+        mb.ref_log_probs = None
     reference.attach_log_probs(mbs)
     replayed = policy_log_probs(replay.before_forward)
     replay.assert_fully_consumed()  # raises if the reference had taken any of the targets
     replay.stop()
-    result["r3_ref_equals_free_policy"] = all(torch.equal(mb.get("ref_log_probs", f), f) for mb, f in zip(mbs, free))
+    result["r3_ref_equals_free_policy"] = all(
+        torch.equal((f if mb.ref_log_probs is None else mb.ref_log_probs), f) for mb, f in zip(mbs, free)
+    )
     result["r3_policy_moved"] = any(not torch.equal(r, f) for r, f in zip(replayed, free)) if free else True
-    result["has_outputs"] = bool(free) == ("ref_log_probs" in mbs[0])
+    result["has_outputs"] = bool(free) == (mbs[0].ref_log_probs is not None)
     mesh.destroy()
     return result
 

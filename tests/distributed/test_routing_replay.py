@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.model_fixtures import fixed_batch, random_hf_state, tiny_test_config
 
@@ -52,7 +53,7 @@ def _micro_batches(cfg, layout, mesh):
     rows = inputs.shape[0] // layout.dp
     sl = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
     return [
-        {"tokens": inputs[sl][i : i + 1], "targets": targets[sl][i : i + 1], "weights": weights[sl][i : i + 1]}
+        MicroBatch(tokens=inputs[sl][i : i + 1], targets=targets[sl][i : i + 1], weights=weights[sl][i : i + 1])
         for i in range(rows)
     ]
 
@@ -75,8 +76,8 @@ def old_policy_replay_worker(ctx, use_replay: bool, layout_kwargs: dict | None =
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.05, clip_grad=0.0), [ddp])
 
     def loss(logits, batch):
-        logp = -tensor_parallel.vocab_parallel_cross_entropy(logits.float(), batch["targets"])
-        return -(batch["weights"] * logp).sum() / 48, {}
+        logp = -tensor_parallel.vocab_parallel_cross_entropy(logits.float(), batch.targets)
+        return -(batch.weights * logp).sum() / 48, {}
 
     ddp.zero_grad_buffer()
     run_schedule([ddp], mbs, loss, forward_only=False)
@@ -134,9 +135,9 @@ def rollout_replay_worker(ctx, layout_kwargs):
         torch.stack(
             [
                 torch.randperm(cfg.num_experts, generator=generator)[: cfg.top_k]
-                for _ in range(mb["tokens"].numel() * cfg.num_layers)
+                for _ in range(mb.tokens.numel() * cfg.num_layers)
             ]
-        ).reshape(*mb["tokens"].shape, cfg.num_layers, cfg.top_k)
+        ).reshape(*mb.tokens.shape, cfg.num_layers, cfg.top_k)
         for mb in mbs
     ]
     stage_layers = [layer.layer_number - 1 for layer in model.decoder.layers]
@@ -181,8 +182,8 @@ def replay_keeps_router_learning_worker(ctx, source: str):
     routers = [layer.mlp.router for layer in model.decoder.layers]
 
     def loss(logits, batch):
-        logp = -tensor_parallel.vocab_parallel_cross_entropy(logits.float(), batch["targets"])
-        return -(batch["weights"] * logp).sum() / 48, {}
+        logp = -tensor_parallel.vocab_parallel_cross_entropy(logits.float(), batch.targets)
+        return -(batch.weights * logp).sum() / 48, {}
 
     live_inputs, handles = [], []
     for router in routers:  # what each router saw, to recompute its live dense logits

@@ -16,6 +16,7 @@ import importlib.util
 import pytest
 import torch
 
+from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.model_fixtures import random_hf_state, tiny_test_config
 
@@ -51,13 +52,13 @@ def gpu_model_worker(ctx, cfg, state: dict, layout_kwargs: dict, dtype_name: str
     rows = inputs.shape[0] // layout.dp
     sl = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
     micro_batches = [
-        {"tokens": inputs[sl][i : i + 1], "targets": targets[sl][i : i + 1], "weights": weights[sl][i : i + 1]}
+        MicroBatch(tokens=inputs[sl][i : i + 1], targets=targets[sl][i : i + 1], weights=weights[sl][i : i + 1])
         for i in range(rows)
     ]
 
     def loss_callback(logits, batch):
-        logp = -tensor_parallel.vocab_parallel_cross_entropy(logits.float(), batch["targets"])
-        loss = -(batch["weights"] * logp).sum() / total_tokens
+        logp = -tensor_parallel.vocab_parallel_cross_entropy(logits.float(), batch.targets)
+        loss = -(batch.weights * logp).sum() / total_tokens
         return loss, {"log_probs": logp.detach(), "loss": loss.detach()}
 
     metrics = run_schedule([ddp], micro_batches, loss_callback, forward_only=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.parallel.context_parallel import (
     causal_mask_for_rank,
     chunk_positions,
@@ -28,7 +29,8 @@ def test_chunk_positions_are_megatrons_load_balanced_chunks():
 def test_without_context_parallelism_any_length_is_whole():
     assert chunk_positions(7, 1, 0).tolist() == list(range(7))  # odd lengths are fine at cp=1
     x = torch.arange(7).view(1, 7)
-    assert split_micro_batch({"tokens": x}, 1, 0)["tokens"] is x
+    batch = MicroBatch(tokens=x, targets=x)
+    assert split_micro_batch(batch, 1, 0) is batch
 
 
 def test_split_refuses_lengths_not_divisible_by_two_cp():
@@ -47,16 +49,18 @@ def test_split_matches_megatron_get_batch_on_this_cp_rank():
 
 
 def test_split_micro_batch_splits_per_token_tensors_only():
-    batch = {
-        "tokens": torch.arange(8).view(1, 8),
-        "advantages": torch.tensor([0.5]),
-        "routed_experts": torch.arange(8 * 2 * 2).view(1, 8, 2, 2),
-        "rows": torch.tensor([4]),
-    }
+    batch = MicroBatch(
+        tokens=torch.arange(8).view(1, 8),
+        targets=torch.arange(1, 9).view(1, 8),
+        advantages=torch.tensor([0.5]),
+        routed_experts=torch.arange(8 * 2 * 2).view(1, 8, 2, 2),
+        rows=torch.tensor([4]),
+    )
     local = split_micro_batch(batch, 2, 1)
-    assert local["tokens"].tolist() == [[2, 3, 4, 5]]
-    assert torch.equal(local["routed_experts"], batch["routed_experts"][:, 2:6])
-    assert torch.equal(local["advantages"], batch["advantages"]) and torch.equal(local["rows"], batch["rows"])
+    assert local.tokens.tolist() == [[2, 3, 4, 5]] and local.targets.tolist() == [[3, 4, 5, 6]]
+    assert torch.equal(local.routed_experts, batch.routed_experts[:, 2:6])
+    assert torch.equal(local.advantages, batch.advantages) and torch.equal(local.rows, batch.rows)
+    assert local.old_log_probs is None  # fields not set stay unset
 
 
 def test_causal_mask_is_the_full_causal_mask_at_held_positions():

@@ -5,6 +5,7 @@ import torch
 
 from gspo_megatron.algorithms.config import AlgorithmConfig
 from gspo_megatron.algorithms.losses import LossContext, get_policy_loss
+from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.trainer.loss_head import PolicyLossHead
 
 
@@ -14,20 +15,21 @@ def _inputs(seed=0):
     targets = torch.randint(0, 11, (3, 5), generator=g)
     mask = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.float32)
     logp = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    batch = {
-        "targets": targets,
-        "response_mask": mask,
-        "advantages": torch.randn(3, generator=g),
-        "old_log_probs": logp + 0.05 * torch.randn(3, 5, generator=g),
-        "ref_log_probs": logp + 0.3 * torch.randn(3, 5, generator=g),
-    }
+    batch = MicroBatch(
+        tokens=targets,  # the head reads only the targets
+        targets=targets,
+        response_mask=mask,
+        advantages=torch.randn(3, generator=g),
+        old_log_probs=logp + 0.05 * torch.randn(3, 5, generator=g),
+        ref_log_probs=logp + 0.3 * torch.randn(3, 5, generator=g),
+    )
     return logits, batch
 
 
 @pytest.mark.parametrize("loss, estimator", [("gspo", "k3"), ("grpo", "k1"), ("grpo", "k2")])
 def test_loss_and_grad_equal_policy_loss_minus_entropy_plus_kl(loss, estimator):
     logits, batch = _inputs()
-    mask = batch["response_mask"]
+    mask = batch.response_mask
     algorithm = AlgorithmConfig(
         loss=loss, clip_low=0.2, clip_high=0.28, entropy_coef=0.03, kl_coef=0.2, kl_estimator=estimator
     )
@@ -40,12 +42,12 @@ def test_loss_and_grad_equal_policy_loss_minus_entropy_plus_kl(loss, estimator):
 
     ref_leaf = logits.clone().double().requires_grad_()
     log_softmax = torch.log_softmax(ref_leaf, -1)
-    logp = log_softmax.gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)
+    logp = log_softmax.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
     entropy = -(log_softmax.exp() * log_softmax).sum(-1)
-    d = logp - batch["ref_log_probs"].double()
+    d = logp - batch.ref_log_probs.double()
     kl = {"k1": d, "k2": 0.5 * d**2, "k3": torch.exp(-d) - 1 + d}[estimator]
     ctx = LossContext(clip_low=0.2, clip_high=0.28)
-    policy = get_policy_loss(loss)(logp, batch["old_log_probs"].double(), batch["advantages"].double(), mask, ctx).loss
+    policy = get_policy_loss(loss)(logp, batch.old_log_probs.double(), batch.advantages.double(), mask, ctx).loss
     seq_mean = lambda x: ((x * mask).sum(1) / mask.sum(1)).mean()  # noqa: E731  (seq_mean_token_mean)
     expected = policy - 0.03 * seq_mean(entropy) + 0.2 * seq_mean(kl)
     expected.backward()
@@ -56,8 +58,8 @@ def test_loss_and_grad_equal_policy_loss_minus_entropy_plus_kl(loss, estimator):
 
 def test_zero_coefficients_add_nothing_and_need_no_reference():
     logits, batch = _inputs()
-    del batch["ref_log_probs"]
-    mask = batch["response_mask"]
+    batch.ref_log_probs = None
+    mask = batch.response_mask
     head = PolicyLossHead(
         AlgorithmConfig(), None, None, 1.0, global_num_sequences=torch.tensor(3.0), global_num_tokens=mask.sum()
     )

@@ -52,15 +52,15 @@ def test_partition_with_budget_covers_every_row_once_cut_to_its_own_longest_row(
         parts = partition(batch, 2, 4, dp_size, rank, micro_batch_tokens=12)
         for update, part in enumerate(parts):
             for j, mb in enumerate(part):
-                rows = mb["rows"]
+                rows = mb.rows
                 # stays in its mini-batch
                 assert all(update * 4 <= r < (update + 1) * 4 for r in rows.tolist())
-                width = mb["tokens"].shape[1]
-                same_index.setdefault((update, j), []).append((rows, tuple(mb["tokens"].shape)))
-                assert mb["tokens"].shape[0] * width <= 12 or mb["tokens"].shape[0] == 1
-                torch.testing.assert_close(mb["targets"], batch.tokens[rows, 1 : width + 1])
-                torch.testing.assert_close(mb["response_mask"], batch.response_mask[rows, :width])
-                torch.testing.assert_close(mb["advantages"], batch.advantages[rows])
+                width = mb.tokens.shape[1]
+                same_index.setdefault((update, j), []).append((rows, tuple(mb.tokens.shape)))
+                assert mb.tokens.shape[0] * width <= 12 or mb.tokens.shape[0] == 1
+                torch.testing.assert_close(mb.targets, batch.tokens[rows, 1 : width + 1])
+                torch.testing.assert_close(mb.response_mask, batch.response_mask[rows, :width])
+                torch.testing.assert_close(mb.advantages, batch.advantages[rows])
                 # nothing real was cut off
                 assert batch.response_mask[rows, width:].sum() == 0
                 seen += rows.tolist()
@@ -100,6 +100,6 @@ def test_mismatch_correction_follows_the_rows_and_width_of_budget_micro_batches(
     )
     whole = weighted_advantages(batch.advantages, weights)
     for mb in (mb for part in parts for mb in part):
-        expected = whole[mb["rows"]]
-        expected = expected[:, : mb["tokens"].shape[1]] if expected.dim() > 1 else expected
-        torch.testing.assert_close(mb["advantages"], expected)
+        expected = whole[mb.rows]
+        expected = expected[:, : mb.tokens.shape[1]] if expected.dim() > 1 else expected
+        torch.testing.assert_close(mb.advantages, expected)

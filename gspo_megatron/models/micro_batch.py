@@ -1,0 +1,60 @@
+"""One micro-batch of megatron's schedule: what a forward reads and what the loss heads score.
+
+Built by the trainer (``trainer/batch.py``) from the step's padded rollout batch, and by tools and
+tests from plain token tensors. ``models/schedule.py`` moves it to the device and splits it over
+context-parallel ranks; the loss heads (``trainer/loss_head.py``) read its fields.
+
+Shapes: b rows of s fed tokens. Per-token fields are [b, s] (routed experts [b, s, layers, k]),
+aligned to the targets: position t scores ``targets[:, t]``, the token after ``tokens[:, t]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class MicroBatch:
+    tokens: torch.Tensor  # long [b, s]: the fed input tokens
+    targets: torch.Tensor  # long [b, s]: the next token of each input
+    rows: torch.Tensor | None = None  # long [b]: the rows' global indices in the step's rollout batch
+    response_mask: torch.Tensor | None = None  # float [b, s]: 1 where the target is a response token
+    input_mask: torch.Tensor | None = None  # float [b, s]: 1 where the input token is real (not padding)
+    advantages: torch.Tensor | None = None  # float [b] (or [b, s] for token-level advantages)
+    old_log_probs: torch.Tensor | None = None  # float [b, s]: pi_old of the targets
+    rollout_log_probs: torch.Tensor | None = None  # float [b, s]: the engine's log-probs of the targets
+    ref_log_probs: torch.Tensor | None = None  # float [b, s]: the reference model's (KL penalty)
+    routed_experts: torch.Tensor | None = None  # int [b, s, layers, k]: the engine's experts (R3)
+    weights: torch.Tensor | None = None  # float [b, s]: per-token weights of a supervised loss (tools, tests)
+    position_ids: torch.Tensor | None = None  # long [b, s]; None: positions 0..s-1 (global under CP)
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.tokens.shape[1]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The fields that are set, by name (for generic per-field operations)."""
+        return {f.name: v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}
+
+    def map_per_token(self, fn) -> MicroBatch:
+        """A copy with ``fn`` applied to every per-token field ([b, s, ...]); per-row fields kept."""
+        return dataclasses.replace(
+            self, **{k: fn(v) for k, v in self.tensors().items() if v.dim() >= 2 and v.shape[1] == self.seq_len}
+        )
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        return dataclasses.replace(self, **{k: v.to(device, non_blocking=True) for k, v in self.tensors().items()})
+
+
+def required(value: torch.Tensor | None, field: str, reader: str) -> torch.Tensor:
+    """``value`` (the micro-batch's ``field``), or a clear error naming who needed it."""
+    if value is None:
+        raise ValueError(f"{reader} needs the micro-batch's {field}, but it is not set")
+    return value
