@@ -33,6 +33,7 @@ from gspo_megatron.algorithms.losses import (
 )
 from gspo_megatron.algorithms.mismatch_correction import MISMATCH_MODES
 from gspo_megatron.algorithms.reductions import local_sequence_sum
+from gspo_megatron.routing.replay_strategy import needs_trainer_old_pass
 
 # (clip_low, clip_high) from the papers: GSPO arXiv 2507.18071; GRPO with DAPO's clip-higher.
 RECOMMENDED_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.28)}
@@ -134,7 +135,7 @@ def validate_algorithm_config(cfg: AlgorithmConfig) -> None:
         raise ValueError(
             f"algorithm.old_log_probs={cfg.old_log_probs!r} is unknown; valid: {', '.join(OLD_LOG_PROB_SOURCES)}"
         )
-    if cfg.old_log_probs == "rollout" and cfg.routing_replay == "old_policy":
+    if cfg.old_log_probs == "rollout" and needs_trainer_old_pass(cfg.routing_replay):
         raise ValueError(
             "algorithm.old_log_probs=rollout skips the trainer's old-policy forward, but "
             "routing_replay=old_policy replays the routing recorded in exactly that forward; use "

@@ -76,7 +76,7 @@ def _forward_step(loss_callback: LossCallback | None, before_forward, data_itera
 
 
 def run_schedule(
-    model,
+    model,  # one module (a DDP-wrapped stage) or megatron's list of virtual-pipeline chunks
     micro_batches: list[MicroBatch],
     loss_callback: LossCallback | None,
     *,
@@ -107,7 +107,7 @@ def run_schedule(
         results = get_forward_backward_func()(
             forward_step_func=partial(_forward_step, loss_callback, before_forward),
             data_iterator=iter(micro_batches),
-            model=model,
+            model=model if isinstance(model, list) else [model],
             num_microbatches=len(micro_batches),
             seq_length=seq_length,
             micro_batch_size=batch_size,

@@ -35,12 +35,18 @@ BeforeForward = Callable[[], None]
 
 def needs_engine_routing(mode: str) -> bool:
     """Whether the rollout engine must return its routed experts for this mode (R3)."""
-    return _STRATEGIES[mode].uses_engine_routing
+    return _strategy_class(mode).uses_engine_routing
+
+
+def needs_trainer_old_pass(mode: str) -> bool:
+    """Whether training replays what the trainer's old-log-prob forward recorded (R2): that forward
+    must run, so pi_old cannot come from the engine (``algorithm.old_log_probs=rollout``)."""
+    return _strategy_class(mode).replays_old_pass
 
 
 def replays(mode: str) -> bool:
     """Whether training forwards replay a routing (R2 or R3) instead of routing freely."""
-    return _STRATEGIES[mode].replays_in_training
+    return _strategy_class(mode).replays_in_training
 
 
 @dataclass
@@ -55,6 +61,7 @@ class ReplayStrategy:
     name = "none"
     replays_in_training = False
     uses_engine_routing = False
+    replays_old_pass = False
 
     def __init__(self, replay: RoutingReplay | None, targets_of: TargetsOf):
         self.replay = replay
@@ -90,6 +97,7 @@ class OldPolicyReplay(ReplayStrategy):
 
     name = "old_policy"
     replays_in_training = True
+    replays_old_pass = True
 
     def update_begin(self, micro_batches: list[MicroBatch], old_routing: Callable[[], Routing]) -> BeforeForward | None:
         if self.replay is None:
@@ -134,7 +142,11 @@ if tuple(_STRATEGIES) != REPLAY_MODES:
     raise ImportError(f"one replay strategy per mode of routing/replay.py: {tuple(_STRATEGIES)} != {REPLAY_MODES}")
 
 
-def build_replay_strategy(mode: str, replay: RoutingReplay | None, targets_of: TargetsOf) -> ReplayStrategy:
+def _strategy_class(mode: str) -> type[ReplayStrategy]:
     if mode not in _STRATEGIES:
         raise ValueError(f"algorithm.routing_replay={mode!r} is unknown; valid: {', '.join(REPLAY_MODES)}")
-    return _STRATEGIES[mode](replay, targets_of)
+    return _STRATEGIES[mode]
+
+
+def build_replay_strategy(mode: str, replay: RoutingReplay | None, targets_of: TargetsOf) -> ReplayStrategy:
+    return _strategy_class(mode)(replay, targets_of)

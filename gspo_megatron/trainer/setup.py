@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +32,12 @@ from gspo_megatron.trainer.reference_model import ReferenceModel
 from gspo_megatron.trainer.rollout_phase import RolloutPhase
 from gspo_megatron.trainer.run_log import RunLog
 
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
 
 @dataclass
 class Components:
@@ -39,11 +45,9 @@ class Components:
     mesh: ParallelMesh
     run_dir: Path
     config_yaml: str
-    model_chunk: torch.nn.Module  # the unwrapped GPTModel stage
-    ddp: torch.nn.Module
-    model: list  # [ddp] as megatron's schedules want it
-    optimizer: Any  # megatron's MegatronOptimizer (a torch optimizer on CPU)
-    scheduler: Any  # megatron's OptimizerParamScheduler
+    model: DistributedDataParallel  # the one model handle: megatron's DDP around this rank's GPTModel stage
+    optimizer: MegatronOptimizer
+    scheduler: OptimizerParamScheduler
     replay: RoutingReplay | None
     stage_moe_layers: list[int]
     weight_bucket_bytes: int
@@ -53,6 +57,11 @@ class Components:
     run_log: RunLog | None = None
     routing_log: RoutingLog | None = None
     reference: ReferenceModel | None = None  # frozen KL reference; None unless algorithm.kl_coef > 0
+
+    @property
+    def model_chunk(self) -> GPTModel:
+        """The unwrapped GPTModel stage (weights, export, checkpoints)."""
+        return self.model.module
 
     def close(self) -> None:
         """Stop what the run started: reward workers, the engine (and servers it launched), groups."""
@@ -125,9 +134,7 @@ def build(cfg: TrainConfig, run_dir: Path, config_yaml: str, world_size: int | N
         mesh=mesh,
         run_dir=run_dir,
         config_yaml=config_yaml,
-        model_chunk=model_chunk,
-        ddp=ddp,
-        model=[ddp],
+        model=ddp,
         optimizer=optimizer,
         scheduler=scheduler,
         replay=replay,

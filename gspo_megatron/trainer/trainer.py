@@ -255,7 +255,7 @@ class RLTrainer:
             record = self.diagnostics.records_training_forward(update, self.step)
             if record:
                 self.c.replay.start_recording()
-            self.c.ddp.zero_grad_buffer()
+            self.c.model.zero_grad_buffer()
             self.c.optimizer.zero_grad()
             outputs = run_schedule(self.c.model, mbs, head, forward_only=False, before_forward=before)
             if record:
@@ -278,7 +278,7 @@ class RLTrainer:
         """Step optimizer and LR schedule only when loss and gradients are finite on every rank."""
         # sums only: empty min/max selections are +-inf by design (algorithms/metrics.py)
         losses = [v for out in outputs for k, v in out.items() if k.endswith(SUM) and torch.is_tensor(v)]
-        problem = self.nonfinite.check(losses, self.c.ddp)
+        problem = self.nonfinite.check(losses, self.c.model)
         grad_norm = None
         if problem is None:
             stepped, grad_norm, _ = self.c.optimizer.step()

@@ -8,7 +8,12 @@ import torch
 from megatron.core.transformer.moe.router_replay import RouterReplay
 
 from gspo_megatron.routing.replay import RoutingReplay
-from gspo_megatron.routing.replay_strategy import build_replay_strategy, needs_engine_routing, replays
+from gspo_megatron.routing.replay_strategy import (
+    build_replay_strategy,
+    needs_engine_routing,
+    needs_trainer_old_pass,
+    replays,
+)
 
 K = 2
 
@@ -103,5 +108,9 @@ def test_restore_gives_megatron_its_own_methods_back(instances):
 def test_mode_table_and_unknown_mode():
     assert [replays(m) for m in ("none", "old_policy", "rollout")] == [False, True, True]
     assert [needs_engine_routing(m) for m in ("none", "old_policy", "rollout")] == [False, False, True]
+    assert [needs_trainer_old_pass(m) for m in ("none", "old_policy", "rollout")] == [False, True, False]
+    for helper in (replays, needs_engine_routing, needs_trainer_old_pass):
+        with pytest.raises(ValueError, match="algorithm.routing_replay='old' is unknown"):
+            helper("old")
     with pytest.raises(ValueError, match="algorithm.routing_replay='old' is unknown; valid: none, old_policy, rollout"):
         build_replay_strategy("old", None, lambda mb: [])
