@@ -147,6 +147,27 @@ class RoutingVolatility:
             self.changed_any_count + other.changed_any_count,
         )
 
+    def to(self, device) -> RoutingVolatility:
+        return RoutingVolatility(
+            self.changed_count.to(device),
+            self.intersection_count.to(device),
+            self.tokens.to(device),
+            self.top_k,
+            self.changed_any_count.to(device),
+        )
+
+    @staticmethod
+    def concat_layers(parts: list[RoutingVolatility]) -> RoutingVolatility:
+        """Pipeline stages' volatilities of the same tokens over disjoint layers, in stage order.
+        "Changed in any layer" is an OR over tokens across stages, not recoverable from counts: unknown (-1)."""
+        return RoutingVolatility(
+            torch.cat([p.changed_count for p in parts]),
+            torch.cat([p.intersection_count for p in parts]),
+            parts[0].tokens,
+            parts[0].top_k,
+            torch.tensor(-1, dtype=torch.int64),
+        )
+
     @staticmethod
     def merge_all(parts: Iterable[RoutingVolatility]) -> RoutingVolatility:
         parts = list(parts)
@@ -207,6 +228,14 @@ class ExpertLoad:
                 f"vs {tuple(other.counts.shape)}, k={other.top_k}"
             )
         return ExpertLoad(self.counts + other.counts, self.tokens + other.tokens, self.top_k)
+
+    def to(self, device) -> ExpertLoad:
+        return ExpertLoad(self.counts.to(device), self.tokens.to(device), self.top_k)
+
+    @staticmethod
+    def concat_layers(parts: list[ExpertLoad]) -> ExpertLoad:
+        """Pipeline stages' loads of the same tokens over disjoint layers, in stage order."""
+        return ExpertLoad(torch.cat([p.counts for p in parts]), parts[0].tokens, parts[0].top_k)
 
 
 def expert_load(topk: torch.Tensor, num_experts: int, token_mask: torch.Tensor | None = None) -> ExpertLoad:

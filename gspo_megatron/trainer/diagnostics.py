@@ -27,18 +27,24 @@ Only the driver writes ``routing.jsonl``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 import torch.distributed as dist
 
 from gspo_megatron.models.micro_batch import MicroBatch, required
 from gspo_megatron.parallel.context_parallel import split_sequence
 from gspo_megatron.routing.volatility import (
+    ExpertLoad,
     RoutingVolatility,
     all_reduce_expert_load,
     all_reduce_volatility,
     expert_load,
     routing_volatility,
 )
+
+Counts = TypeVar("Counts", RoutingVolatility, ExpertLoad)
 
 
 class RoutingDiagnostics:
@@ -50,7 +56,7 @@ class RoutingDiagnostics:
         self.old: list[list[torch.Tensor]] = []  # per old-pass micro-batch: per layer [tokens, k]
         self.old_masks: list[torch.Tensor] = []
         self.previous: list | None = None
-        self.step_records: list[tuple[str, RoutingVolatility, object]] = []
+        self.step_records: list[tuple[str, RoutingVolatility, ExpertLoad | None]] = []
 
     # --- old-policy routing --------------------------------------------------------------------
     @property
@@ -137,8 +143,8 @@ class RoutingDiagnostics:
         """Reduce this step's records over ranks, write routing.jsonl (driver), return scalars."""
         metrics: dict[str, float] = {}
         for kind, volatility, load in self.step_records:
-            volatility = self._reduce(volatility)
-            load = self._reduce_load(load) if load is not None else None
+            volatility = self._reduce(volatility, all_reduce_volatility)
+            load = self._reduce(load, all_reduce_expert_load) if load is not None else None
             metrics[f"routing/{kind}_changed_frac"] = float(volatility.changed_frac_overall)
             metrics[f"routing/{kind}_overlap"] = float(volatility.overlap_overall)
             metrics[f"routing/{kind}_changed_any_frac"] = float(volatility.changed_any_frac)
@@ -155,45 +161,18 @@ class RoutingDiagnostics:
             groups.append(self.mesh.tp_group)
         return groups
 
-    def _reduce(self, volatility: RoutingVolatility) -> RoutingVolatility:
-        volatility = _moved(volatility, self.mesh.device)  # NCCL reduces device tensors only
+    def _reduce(self, counts: Counts, all_reduce: Callable[[Counts, object], Counts]) -> Counts:
+        """Sum over the ranks that hold other tokens of the same layers; concatenate the pipeline
+        stages' layers (in stage order)."""
+        counts = counts.to(self.mesh.device)  # NCCL reduces device tensors only
         for group in self._groups():
-            volatility = all_reduce_volatility(volatility, group)
-        volatility = _moved(volatility, "cpu")
+            counts = all_reduce(counts, group)
+        counts = counts.to("cpu")
         if self.mesh.layout.pp > 1:
-            gathered: list[RoutingVolatility | None] = [None] * self.mesh.layout.pp
-            dist.all_gather_object(gathered, volatility, group=self.mesh.pp_group)
-            parts = [p for p in gathered if p is not None]
-            # "changed in any layer" is an OR over tokens across stages: not recoverable from counts
-            volatility = RoutingVolatility(
-                torch.cat([p.changed_count for p in parts]),
-                torch.cat([p.intersection_count for p in parts]),
-                parts[0].tokens,
-                parts[0].top_k,
-                torch.tensor(-1, dtype=torch.int64),
-            )
-        return volatility
-
-    def _reduce_load(self, load):
-        load = type(load)(load.counts.to(self.mesh.device), load.tokens.to(self.mesh.device), load.top_k)
-        for group in self._groups():
-            load = all_reduce_expert_load(load, group)
-        load = type(load)(load.counts.cpu(), load.tokens.cpu(), load.top_k)
-        if self.mesh.layout.pp > 1:
-            parts = [None] * self.mesh.layout.pp
-            dist.all_gather_object(parts, load, group=self.mesh.pp_group)
-            load = type(load)(torch.cat([p.counts for p in parts]), parts[0].tokens, parts[0].top_k)
-        return load
-
-
-def _moved(volatility: RoutingVolatility, device) -> RoutingVolatility:
-    return RoutingVolatility(
-        volatility.changed_count.to(device),
-        volatility.intersection_count.to(device),
-        volatility.tokens.to(device),
-        volatility.top_k,
-        volatility.changed_any_count.to(device),
-    )
+            gathered: list[Counts | None] = [None] * self.mesh.layout.pp
+            dist.all_gather_object(gathered, counts, group=self.mesh.pp_group)
+            counts = type(counts).concat_layers([p for p in gathered if p is not None])
+        return counts
 
 
 def _compare(before: list, after: list, masks: list) -> RoutingVolatility:

@@ -1,0 +1,93 @@
+"""pack_samples and partition (trainer/batch.py) against batches written out by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gspo_megatron.rollout.types import Sample
+from gspo_megatron.trainer.batch import pack_samples, partition
+
+
+def _sample(prompt, output, log_probs, routed=None, **extra) -> Sample:
+    return Sample(
+        prompt_ids=prompt,
+        output_ids=output,
+        output_log_probs=torch.tensor(log_probs),
+        finish_reason="stop",
+        routed_experts=routed,
+        weight_version=len(prompt),
+        extra=extra,
+    )
+
+
+def _two_samples(**kwargs):
+    samples = [
+        _sample([1, 2], [3, 4], [-0.1, -0.2]),  # 4 tokens
+        _sample([5], [6], [-0.3]),  # 2 tokens: padded to 4
+    ]
+    return pack_samples(
+        samples, torch.tensor([1.0, -1.0]), torch.tensor([1.0, 0.0]), torch.tensor([0.5, 0.0]), 0, **kwargs
+    )
+
+
+def test_pack_samples_by_hand():
+    batch = _two_samples()
+    assert batch.tokens.tolist() == [[1, 2, 3, 4], [5, 6, 0, 0]]
+    # target j scores token j+1: row 0's response tokens 3, 4 are targets 1, 2; row 1's token 6 is target 0
+    assert batch.response_mask.tolist() == [[0, 1, 1], [1, 0, 0]]
+    # inputs fed: every real token but the last of each row
+    assert batch.input_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    torch.testing.assert_close(batch.rollout_log_probs, torch.tensor([[0.0, -0.1, -0.2], [-0.3, 0.0, 0.0]]))
+    assert batch.prompt_lengths.tolist() == [2, 1] and batch.response_lengths.tolist() == [2, 1]
+    assert batch.policy_versions.tolist() == [2, 1]
+    assert batch.advantages.tolist() == [1.0, -1.0] and batch.shaped_rewards.tolist() == [0.5, 0.0]
+    assert batch.routed_experts is None and batch.old_log_probs is None
+
+
+def test_forced_tokens_are_context_not_actions():
+    sample = _sample([1, 2], [3, 9, 4], [-0.1, -0.2, -0.3], forced_mask=torch.tensor([0, 1, 0]))
+    batch = pack_samples([sample], torch.zeros(1), torch.zeros(1), torch.zeros(1), 0)
+    assert batch.response_mask.tolist() == [[0, 1, 0, 1]]  # the inserted token 9 (target 2) is no action
+
+
+def test_routed_experts_are_placed_at_the_fed_tokens_and_required_when_asked():
+    routed0 = torch.arange(3 * 2 * 1).view(3, 2, 1)  # prompt 2 + response 2 - 1 fed tokens, 2 layers, k=1
+    routed1 = torch.full((1, 2, 1), 7)
+    samples = [_sample([1, 2], [3, 4], [-0.1, -0.2], routed0), _sample([5], [6], [-0.3], routed1)]
+    batch = pack_samples(samples, torch.zeros(2), torch.zeros(2), torch.zeros(2), 0, with_routed_experts=True)
+    assert batch.routed_experts.shape == (2, 3, 2, 1) and batch.routed_experts.dtype == torch.int32
+    assert torch.equal(batch.routed_experts[0], routed0.int())
+    assert batch.routed_experts[1, 0].flatten().tolist() == [7, 7] and not batch.routed_experts[1, 1:].any()
+    samples[1].routed_experts = None
+    with pytest.raises(ValueError, match="needs routed experts from the engine"):
+        pack_samples(samples, torch.zeros(2), torch.zeros(2), torch.zeros(2), 0, with_routed_experts=True)
+    with pytest.raises(ValueError, match="empty list"):
+        pack_samples([], torch.zeros(0), torch.zeros(0), torch.zeros(0), 0)
+
+
+def _rows_batch(n: int):
+    samples = [_sample([1], [2 + i, 3], [-0.1 * i, -0.5]) for i in range(n)]
+    return pack_samples(samples, torch.arange(n, dtype=torch.float), torch.zeros(n), torch.zeros(n), 0)
+
+
+def test_partition_gives_each_rank_contiguous_rows_of_every_mini_batch():
+    batch = _rows_batch(8)
+    # 2 updates of 4 rows; dp=2: rank 1 holds rows 2,3 of update 0 and 6,7 of update 1; micro-batches of 1
+    parts = partition(batch, updates=2, micro_batch_size=1, dp_size=2, dp_rank=1)
+    assert [[mb.rows.tolist() for mb in part] for part in parts] == [[[2], [3]], [[6], [7]]]
+    mb = parts[1][0]
+    assert mb.tokens.tolist() == [[1, 8]] and mb.targets.tolist() == [[8, 3]]
+    assert mb.advantages.tolist() == [6.0] and mb.response_mask.tolist() == [[1, 1]]
+    torch.testing.assert_close(mb.rollout_log_probs, torch.tensor([[-0.6, -0.5]]))
+    assert mb.old_log_probs is None and mb.routed_experts is None
+    whole = partition(batch, updates=1, micro_batch_size=3, dp_size=1, dp_rank=0)
+    assert [mb.rows.tolist() for mb in whole[0]] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+
+
+def test_partition_refuses_uneven_splits_naming_the_keys():
+    batch = _rows_batch(6)
+    with pytest.raises(ValueError, match="into 4 equal mini-batches.*trainer.updates_per_rollout"):
+        partition(batch, updates=4, micro_batch_size=1, dp_size=1, dp_rank=0)
+    with pytest.raises(ValueError, match="over 4 data-parallel ranks"):
+        partition(batch, updates=1, micro_batch_size=1, dp_size=4, dp_rank=0)

@@ -1,0 +1,76 @@
+"""RoutingDiagnostics (trainer/diagnostics.py): recorded routings in, reduced volatility out -- by hand.
+
+One micro-batch of one row, 3 fed tokens (the last is padding), 2 MoE layers, top-2:
+
+    old   layer 0: {0,1} {2,3} {0,1}     layer 1: {0,1} {0,1} {0,1}
+    new   layer 0: {0,1} {2,0} {3,2}     layer 1: {1,0} {0,2} {1,2}
+
+Token 2 is masked out. Token 0 keeps its sets; token 1 changes one expert in both layers, so
+changed per layer = [1, 1] of 2 tokens, overlap = (2 + 1) / (2 * 2) per layer, changed in any layer
+= 1 of 2. A second data-parallel rank whose routing did not move adds 2 unchanged tokens: merged
+changed_frac_overall = 2 / (4 * 2), overlap_overall = (6 + 8) / (4 * 2 * 2), changed_any = 1 / 4.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from gspo_megatron.models.micro_batch import MicroBatch
+from gspo_megatron.routing.config import RoutingDiagnosticsConfig
+from gspo_megatron.routing.run_dir import RoutingLog, read_jsonl
+from gspo_megatron.testing.distributed import run_distributed
+
+OLD = [torch.tensor([[0, 1], [2, 3], [0, 1]]), torch.tensor([[0, 1], [0, 1], [0, 1]])]
+NEW = [torch.tensor([[0, 1], [2, 0], [3, 2]]), torch.tensor([[1, 0], [0, 2], [1, 2]])]
+
+
+def _diagnose(ctx, run_dir: str):
+    from gspo_megatron.parallel.layout import ParallelLayout
+    from gspo_megatron.parallel.mesh import initialize_parallel
+    from gspo_megatron.trainer.diagnostics import RoutingDiagnostics
+
+    mesh = initialize_parallel(ParallelLayout(world_size=ctx.world_size).validate())
+    try:
+        cfg = SimpleNamespace(
+            algorithm=SimpleNamespace(old_log_probs="trainer"),
+            model=SimpleNamespace(num_experts=4),
+            trainer=SimpleNamespace(updates_per_rollout=2),
+        )
+        components = SimpleNamespace(
+            cfg=cfg, replay=object(), routing_log=RoutingLog(run_dir) if mesh.is_driver else None
+        )
+        diagnostics = RoutingDiagnostics(
+            RoutingDiagnosticsConfig(kinds=["update"]), components, mesh, replays_in_training=False
+        )
+        mb = MicroBatch(tokens=torch.ones(1, 3, dtype=torch.long), targets=torch.ones(1, 3, dtype=torch.long))
+        mb.input_mask = torch.tensor([[1.0, 1.0, 0.0]])
+        diagnostics.remember_old_routing([OLD], [mb])
+        assert diagnostics.records_training_forward(update=1, step=4)  # the free measurement after step 1
+        assert not diagnostics.records_training_forward(update=0, step=4)
+        after = NEW if ctx.rank == 0 else OLD  # rank 1's routing did not move
+        diagnostics.from_training_forward([after], 0, [mb], None, step=4)
+        return diagnostics.finish_step(step=4)
+    finally:
+        mesh.destroy()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_update_volatility_by_hand_merged_over_data_parallel_ranks(tmp_path, world_size):
+    metrics = run_distributed(_diagnose, world_size, str(tmp_path))
+    tokens = 2 * world_size
+    expected = {
+        "routing/update_changed_frac": 2 / (tokens * 2),
+        "routing/update_overlap": (6 + 8 * (world_size - 1)) / (tokens * 2 * 2),
+        "routing/update_changed_any_frac": 1 / tokens,
+    }
+    for rank_metrics in metrics:  # every rank returns the merged numbers
+        assert rank_metrics == pytest.approx(expected)
+    (record,) = read_jsonl(tmp_path / "routing.jsonl")
+    assert record["step"] == 4 and record["kind"] == "update" and record["tokens"] == tokens
+    assert record["changed_frac"] == pytest.approx([1 / tokens, 1 / tokens])
+    # expert load of the new routing (layer 0 on rank 0: experts 0,1 | 2,0 -> counts 2,1,1,0 of 4)
+    if world_size == 1:
+        assert record["expert_load"][0] == pytest.approx([0.5, 0.25, 0.25, 0.0])
