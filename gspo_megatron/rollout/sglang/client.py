@@ -24,6 +24,8 @@ from typing import Any
 
 import httpx
 
+from gspo_megatron.rollout.sglang.health import wait_until_healthy
+
 
 class SGLangClientError(RuntimeError):
     """Base class of the client's errors."""
@@ -159,33 +161,30 @@ class SGLangHTTPClient:
     async def wait_healthy(self, deadline_s: float, poll_interval_s: float, progress_every_s: float = 10.0) -> None:
         """Poll every server's /health until it answers 200 (503 and refused connections mean 'not yet');
         print a line per server every ``progress_every_s`` while waiting."""
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        end = start + deadline_s
+        end = asyncio.get_running_loop().time() + deadline_s  # one deadline for the whole pool
         for server in self.pool.servers:
-            last = "no answer yet"
-            next_report = loop.time() + progress_every_s
-            while True:
-                try:
-                    response = await self._http.get(server.url + "/health")
-                    if response.status_code == 200:
-                        break
-                    last = f"HTTP {response.status_code}"
-                except httpx.TransportError as error:
-                    last = f"{type(error).__name__}: {error}"
-                if loop.time() >= end:
-                    raise SGLangClientError(
-                        f"SGLang server {server.url} not healthy after {deadline_s:.0f}s (last: {last}); "
-                        f"check the URL, or raise SGLangConfig.attach_timeout_s if the server is still loading"
-                    )
-                if loop.time() >= next_report:
-                    print(
-                        f"[sglang] waiting for {server.url}/health: {loop.time() - start:.0f}s of "
-                        f"{deadline_s:.0f}s, last: {last}",
-                        flush=True,
-                    )
-                    next_report += progress_every_s
-                await asyncio.sleep(poll_interval_s)
+            url = server.url
+
+            def give_up(last: str, url: str = url) -> Exception:
+                return SGLangClientError(
+                    f"SGLang server {url} not healthy after {deadline_s:.0f}s (last: {last}); "
+                    f"check the URL, or raise SGLangConfig.attach_timeout_s if the server is still loading"
+                )
+
+            def progress(waited_s: float, last: str, url: str = url) -> None:
+                print(
+                    f"[sglang] waiting for {url}/health: {waited_s:.0f}s of {deadline_s:.0f}s, last: {last}", flush=True
+                )
+
+            await wait_until_healthy(
+                self._http,
+                url,
+                end,
+                poll_interval_s,
+                give_up=give_up,
+                progress=progress,
+                progress_every_s=progress_every_s,
+            )
 
     async def _send(self, server: ServerState, method: str, path: str, payload: dict | None) -> Any:
         async with self._semaphore, _tracked(server):

@@ -14,17 +14,19 @@ Design decisions:
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import os
 import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
+
+from gspo_megatron.rollout.sglang.health import wait_until_healthy
 
 
 class ServerLaunchError(RuntimeError):
@@ -94,32 +96,32 @@ class LaunchedServer:
         return self._process is not None and self._process.poll() is None
 
     def wait_healthy(self, timeout_s: float, poll_interval_s: float = 1.0) -> None:
-        """Poll GET /health until 200; raise with the log's tail on exit or deadline."""
-        deadline = time.monotonic() + timeout_s
-        last = "no answer yet"
-        with httpx.Client(timeout=min(10.0, max(poll_interval_s, 1.0)), trust_env=False) as http:
-            while True:
-                code = self._process.poll() if self._process else None
-                if code is not None:
-                    raise ServerLaunchError(
-                        f"SGLang server {self.url} exited with code {code} during start-up; command: "
-                        f"{' '.join(self.command)}\nlast lines of {self.log_path}:\n{self.log_tail()}"
-                    )
-                try:
-                    response = http.get(self.url + "/health")
-                    if response.status_code == 200:
-                        return
-                    last = f"HTTP {response.status_code}"
-                except httpx.TransportError as error:
-                    last = f"{type(error).__name__}"
-                if time.monotonic() >= deadline:
-                    self.stop()
-                    raise ServerLaunchError(
-                        f"SGLang server {self.url} not healthy after {timeout_s:.0f}s (last: {last}); "
-                        f"raise SGLangConfig.startup_timeout_s if the model is large.\n"
-                        f"last lines of {self.log_path}:\n{self.log_tail()}"
-                    )
-                time.sleep(poll_interval_s)
+        """Poll GET /health until 200; raise with the log's tail on exit or deadline (stopping the
+        server). Runs its own event loop: call it from synchronous code."""
+
+        def exited() -> None:
+            code = self._process.poll() if self._process else None
+            if code is not None:
+                raise ServerLaunchError(
+                    f"SGLang server {self.url} exited with code {code} during start-up; command: "
+                    f"{' '.join(self.command)}\nlast lines of {self.log_path}:\n{self.log_tail()}"
+                )
+
+        def give_up(last: str) -> Exception:
+            self.stop()
+            return ServerLaunchError(
+                f"SGLang server {self.url} not healthy after {timeout_s:.0f}s (last: {last}); "
+                f"raise SGLangConfig.startup_timeout_s if the model is large.\n"
+                f"last lines of {self.log_path}:\n{self.log_tail()}"
+            )
+
+        async def poll() -> None:
+            timeout = min(10.0, max(poll_interval_s, 1.0))
+            async with httpx.AsyncClient(timeout=timeout, trust_env=False) as http:
+                deadline = asyncio.get_running_loop().time() + timeout_s
+                await wait_until_healthy(http, self.url, deadline, poll_interval_s, give_up=give_up, check=exited)
+
+        asyncio.run(poll())
 
     def stop(self, grace_s: float = 15.0) -> int | None:
         """SIGTERM the server's process group, SIGKILL it after ``grace_s``; returns the exit code."""

@@ -1,0 +1,55 @@
+"""Wait until an SGLang server answers ``GET /health`` with 200: the one poller behind both attach
+(``client.py``, every server of the pool) and launch (``launcher.py``, a process it started).
+
+SGLang answers 503 while the model loads, and refuses connections before its HTTP server is up:
+both mean "not yet". Anything else is retried too until the deadline, and the last answer seen is
+what the caller's error quotes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import httpx
+
+
+async def wait_until_healthy(
+    http: httpx.AsyncClient,
+    url: str,
+    deadline: float,
+    poll_interval_s: float,
+    *,
+    give_up: Callable[[str], Exception],
+    check: Callable[[], None] | None = None,
+    progress: Callable[[float, str], None] | None = None,
+    progress_every_s: float = 10.0,
+) -> None:
+    """Poll ``url/health`` until 200.
+
+    ``deadline``: the event loop's clock (``loop.time()``) at which to stop; then ``give_up(last)``
+    is raised, ``last`` describing the last answer. ``check`` runs before every probe and raises to
+    abort (the launched process exited). ``progress(waited_s, last)`` is called every
+    ``progress_every_s`` while waiting.
+    """
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    next_report = start + progress_every_s
+    last = "no answer yet"
+    while True:
+        if check is not None:
+            check()
+        try:
+            response = await http.get(url + "/health")
+            if response.status_code == 200:
+                return
+            last = f"HTTP {response.status_code}"
+        except httpx.TransportError as error:
+            last = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        now = loop.time()
+        if now >= deadline:
+            raise give_up(last)
+        if progress is not None and now >= next_report:
+            progress(now - start, last)
+            next_report += progress_every_s
+        await asyncio.sleep(poll_interval_s)
