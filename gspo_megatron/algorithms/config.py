@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 import torch
@@ -25,22 +26,31 @@ import torch
 from gspo_megatron.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageContext
 from gspo_megatron.algorithms.kl import KL_ESTIMATORS
 from gspo_megatron.algorithms.losses import (
-    AGGREGATIONS,
     POLICY_LOSSES,
-    SEQUENCE_LEVEL_AGGREGATIONS,
+    SEQUENCE_LEVEL_LOSSES,
+    Aggregation,
     Count,
     LossContext,
+    check_loss_settings,
+    check_sequence_aggregation,
 )
-from gspo_megatron.algorithms.mismatch_correction import MISMATCH_MODES
+from gspo_megatron.algorithms.mismatch_correction import MISMATCH_MODES, MismatchCorrection
 from gspo_megatron.algorithms.reductions import local_sequence_sum
+from gspo_megatron.routing.replay import ReplayMode
 from gspo_megatron.routing.replay_strategy import needs_trainer_old_pass
 
 # (clip_low, clip_high) from the papers: GSPO arXiv 2507.18071; GRPO with DAPO's clip-higher.
 RECOMMENDED_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.28)}
-_SEQUENCE_LEVEL_LOSSES = ("gspo", "gspo_token")
+
+
 # Where pi_old comes from. ``rollout``: the engine's sampling log-probs (GSPO arXiv 2507.18071 §4.3:
 # sequence-level likelihoods tolerate the engine/trainer precision gap) -- no old-log-prob forward.
-OLD_LOG_PROB_SOURCES = ("trainer", "rollout")
+class OldLogProbSource(StrEnum):
+    trainer = "trainer"  # a forward pass of the trainer before the first update
+    rollout = "rollout"  # the engine's sampling log-probs
+
+
+OLD_LOG_PROB_SOURCES = tuple(OldLogProbSource)
 
 
 @dataclass
@@ -49,19 +59,18 @@ class AlgorithmConfig:
     loss: str = "gspo"  # a POLICY_LOSSES name
     clip_low: float = 3e-4  # ratio floor 1 - clip_low
     clip_high: float = 4e-4  # ratio ceiling 1 + clip_high
-    aggregation: str = "seq_mean_token_mean"
+    aggregation: Aggregation = Aggregation.seq_mean_token_mean
     log_ratio_clamp: float = 20.0  # |log ratio| bound applied before exp
     advantage_estimator: str = "group_relative"  # an ADVANTAGE_ESTIMATORS name
     normalize_std: bool = True  # divide advantages by the group's reward std (False: Dr.GRPO)
     advantage_eps: float = 1e-6
     logprob_chunk_size: int | None = None  # tokens per chunk in vocab_parallel_log_probs; None: one
-    routing_replay: str = "none"  # none | old_policy | rollout (R3); see gspo_megatron/routing/replay.py
+    routing_replay: ReplayMode = ReplayMode.none  # R2 / R3; see gspo_megatron/routing/replay.py
     entropy_coef: float = 0.0  # loss -= entropy_coef * aggregated entropy (verl entropy_coeff)
     kl_coef: float = 0.0  # loss += kl_coef * aggregated KL to a frozen reference; 0 skips the reference
     kl_estimator: str = "k3"  # k1 | k2 | k3 (algorithms/kl.py; verl kl_loss_type, TRL's beta term = k3)
     kl_reference: str | None = None  # a local HF checkpoint dir; None: the policy's initial weights
-    # none | token_truncate | token_mask | sequence_truncate | sequence_mask
-    mismatch_correction: str = "none"
+    mismatch_correction: MismatchCorrection = MismatchCorrection.none  # algorithms/mismatch_correction.py
     mismatch_cap: float = 2.0  # C in min(pi_old / pi_rollout, C) (algorithms/mismatch_correction.py)
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups, draw more (trainer/dynamic_sampling.py)
     dynamic_sampling_max_extra_rounds: int = 4  # bound on extra generation rounds per step
@@ -69,7 +78,7 @@ class AlgorithmConfig:
     adaptive_clip_rate: float = 0.2  # log-space gain: eps moves by at most exp(rate) per step
     adaptive_clip_min_scale: float = 0.25  # eps stays within [min_scale, max_scale] x the configured eps
     adaptive_clip_max_scale: float = 4.0
-    old_log_probs: str = "trainer"  # pi_old from: trainer (a forward pass) | rollout (the engine's log-probs)
+    old_log_probs: OldLogProbSource = OldLogProbSource.trainer  # pi_old from a trainer pass or the engine
 
 
 def validate_algorithm_config(cfg: AlgorithmConfig) -> None:
@@ -81,20 +90,9 @@ def validate_algorithm_config(cfg: AlgorithmConfig) -> None:
             f"algorithm.advantage_estimator={cfg.advantage_estimator!r} is unknown; valid: "
             f"{', '.join(ADVANTAGE_ESTIMATORS.names())}"
         )
-    if cfg.aggregation not in AGGREGATIONS:
-        raise ValueError(f"algorithm.aggregation={cfg.aggregation!r} is unknown; valid: {', '.join(AGGREGATIONS)}")
-    if cfg.loss in _SEQUENCE_LEVEL_LOSSES and cfg.aggregation not in SEQUENCE_LEVEL_AGGREGATIONS:
-        raise ValueError(
-            f"algorithm.loss={cfg.loss!r} with aggregation={cfg.aggregation!r}: GSPO's ratio is already "
-            f"length-normalised per sequence, so token-weighted aggregation re-introduces length bias; "
-            f"set algorithm.aggregation=seq_mean_token_mean"
-        )
-    if not 0 <= cfg.clip_low < 1:
-        raise ValueError(f"algorithm.clip_low must be in [0, 1), got {cfg.clip_low}")
-    if cfg.clip_high < 0:
-        raise ValueError(f"algorithm.clip_high must be >= 0, got {cfg.clip_high}")
-    if cfg.log_ratio_clamp <= 0:
-        raise ValueError(f"algorithm.log_ratio_clamp must be > 0, got {cfg.log_ratio_clamp}")
+    check_loss_settings(cfg.aggregation, cfg.clip_low, cfg.clip_high, cfg.log_ratio_clamp, prefix="algorithm.")
+    if cfg.loss in SEQUENCE_LEVEL_LOSSES:
+        check_sequence_aggregation(cfg.loss, cfg.aggregation, prefix="algorithm.")
     if cfg.advantage_eps < 0:
         raise ValueError(f"algorithm.advantage_eps must be >= 0, got {cfg.advantage_eps}")
     if not math.isfinite(cfg.entropy_coef):

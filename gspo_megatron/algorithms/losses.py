@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import torch
 
@@ -42,8 +43,18 @@ from gspo_megatron.algorithms.ratio_dispersion import ratio_dispersion_metrics
 from gspo_megatron.algorithms.reductions import local_sequence_sum
 from gspo_megatron.registry import Registry
 
-AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum")
+
+class Aggregation(StrEnum):
+    """How per-token terms become one loss (``algorithm.aggregation``; see ``_aggregate_tokens``)."""
+
+    seq_mean_token_mean = "seq_mean_token_mean"
+    token_mean = "token_mean"
+    seq_mean_token_sum = "seq_mean_token_sum"
+
+
+AGGREGATIONS = tuple(Aggregation)
 SEQUENCE_LEVEL_AGGREGATIONS = ("seq_mean_token_mean",)  # the only ones GSPO's ratio is consistent with
+SEQUENCE_LEVEL_LOSSES = ("gspo", "gspo_token")  # the losses whose ratio is length-normalised per sequence
 
 Count = torch.Tensor | float | int | None
 
@@ -61,14 +72,32 @@ class LossContext:
     sequence_sum: Callable[[torch.Tensor], torch.Tensor] = field(default=local_sequence_sum)
 
     def __post_init__(self):
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"unknown aggregation {self.aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
-        if not 0 <= self.clip_low < 1:
-            raise ValueError(f"clip_low must be in [0, 1) (ratio floor is 1 - clip_low), got {self.clip_low}")
-        if not self.clip_high >= 0:
-            raise ValueError(f"clip_high must be >= 0, got {self.clip_high}")
-        if not self.log_ratio_clamp > 0:
-            raise ValueError(f"log_ratio_clamp must be > 0, got {self.log_ratio_clamp}")
+        check_loss_settings(self.aggregation, self.clip_low, self.clip_high, self.log_ratio_clamp)
+
+
+def check_loss_settings(
+    aggregation: str, clip_low: float, clip_high: float, log_ratio_clamp: float, prefix: str = ""
+) -> None:
+    """The rules on a loss's settings, written once (``prefix`` names the config section in errors)."""
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"{prefix}aggregation={aggregation!r} is unknown; valid: {', '.join(AGGREGATIONS)}")
+    if not 0 <= clip_low < 1:
+        raise ValueError(f"{prefix}clip_low must be in [0, 1) (the ratio floor is 1 - clip_low), got {clip_low}")
+    if not clip_high >= 0:
+        raise ValueError(f"{prefix}clip_high must be >= 0, got {clip_high}")
+    if not log_ratio_clamp > 0:
+        raise ValueError(f"{prefix}log_ratio_clamp must be > 0, got {log_ratio_clamp}")
+
+
+def check_sequence_aggregation(loss_name: str, aggregation: str, prefix: str = "") -> None:
+    """GSPO's ratio s_i is already length-normalised per sequence: weighting sequences by their token
+    counts would re-introduce the length bias GSPO removes."""
+    if aggregation not in SEQUENCE_LEVEL_AGGREGATIONS:
+        raise ValueError(
+            f"{prefix}loss={loss_name!r} with aggregation={aggregation!r}: GSPO's ratio is already "
+            f"length-normalised per sequence, so token-weighted aggregation re-introduces the length bias; "
+            f"set {prefix}aggregation=seq_mean_token_mean (or use the grpo loss)"
+        )
 
 
 @dataclass
@@ -154,15 +183,6 @@ def _aggregate_tokens(per_token: torch.Tensor, batch: _Batch, ctx: LossContext) 
     return seq_sums.sum() / batch.num_sequences  # seq_mean_token_sum: (1/N_seq) sum_i sum_t
 
 
-def _require_sequence_aggregation(loss_name: str, ctx: LossContext) -> None:
-    if ctx.aggregation not in SEQUENCE_LEVEL_AGGREGATIONS:
-        raise ValueError(
-            f"{loss_name} cannot use aggregation {ctx.aggregation!r}: GSPO's ratio s_i is already "
-            f"length-normalised per sequence, and weighting sequences by their token counts re-introduces "
-            f"the length bias GSPO removes. Use aggregation='seq_mean_token_mean' (or the grpo loss)."
-        )
-
-
 def _sequence_log_ratio(batch: _Batch, ctx: LossContext) -> torch.Tensor:
     """log s_i = (1/|y_i|) sum_t (log pi_theta - log pi_old)(y_{i,t}), summed over the whole sequence."""
     return ctx.sequence_sum(batch.log_ratio) / batch.lengths.clamp_min(1)
@@ -233,7 +253,7 @@ def gspo_loss(log_probs, old_log_probs, advantages, response_mask, ctx: LossCont
     s_i = exp( clamp( (1/|y_i|) sum_t log(pi_theta / pi_old)(y_{i,t}) ) )
     J   = (1/N_seq) sum_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i);  loss = -J
     """
-    _require_sequence_aggregation("gspo", ctx)
+    check_sequence_aggregation("gspo", ctx.aggregation)
     if advantages.dim() != 1:
         raise ValueError(
             f"gspo needs one advantage per sequence ([B]), got {tuple(advantages.shape)}; "
@@ -261,7 +281,7 @@ def gspo_token_loss(log_probs, old_log_probs, advantages, response_mask, ctx: Lo
     With A_{i,t} = A_i this equals GSPO in value and gradient. Where GSPO's clamp of log s_i is active
     (its gradient is zero there) the token term is gated off too, so the equality holds everywhere.
     """
-    _require_sequence_aggregation("gspo_token", ctx)
+    check_sequence_aggregation("gspo_token", ctx.aggregation)
     batch = _prepare(log_probs, old_log_probs, advantages, response_mask, ctx)
     seq_log_ratio = _sequence_log_ratio(batch, ctx).detach()
     inside_clamp = (seq_log_ratio.abs() <= ctx.log_ratio_clamp).unsqueeze(-1)

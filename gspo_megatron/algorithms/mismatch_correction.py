@@ -26,9 +26,22 @@ Design decisions:
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 import torch
 
-MISMATCH_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+class MismatchCorrection(StrEnum):
+    """``algorithm.mismatch_correction`` (a closed choice: Hydra refuses other values at compose time)."""
+
+    none = "none"
+    token_truncate = "token_truncate"
+    token_mask = "token_mask"
+    sequence_truncate = "sequence_truncate"
+    sequence_mask = "sequence_mask"
+
+
+MISMATCH_MODES = tuple(MismatchCorrection)
 
 
 def mismatch_weights(

@@ -12,24 +12,41 @@ Design decisions:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from gspo_megatron.algorithms.config import AlgorithmConfig
 from gspo_megatron.data.config import TaskConfig, TokenizerConfig
-from gspo_megatron.models.config import MoEModelConfig
+from gspo_megatron.models.config import LayerSpec, MoEModelConfig
 from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.rewards.config import RewardConfig
-from gspo_megatron.rollout.config import EmbeddedConfig, TruncatedRolloutConfig
+from gspo_megatron.rollout.config import EmbeddedConfig, RolloutEngineName, TruncatedRolloutConfig
 from gspo_megatron.rollout.sglang.config import SGLangConfig
 from gspo_megatron.routing.config import RoutingDiagnosticsConfig
 from gspo_megatron.shaping.config import ShapingConfig
+from gspo_megatron.trainer.nonfinite import NonFinitePolicy
+
+
+class TrainerDtype(StrEnum):
+    """``model.dtype``: the trainer's parameter dtype."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+class DecayStyle(StrEnum):
+    """``optimizer.decay_style`` (megatron's OptimizerParamScheduler names)."""
+
+    constant = "constant"
+    linear = "linear"
+    cosine = "cosine"
 
 
 @dataclass
 class ModelSection(MoEModelConfig):
     preset: str | None = None  # documentation of where the numbers came from ("tiny", ...)
     hf_checkpoint: str | None = None  # a local HF Qwen3-MoE directory to start from; its config.json sets the shape
-    layer_spec: str = "auto"  # auto | te | portable
-    dtype: str = "float32"  # float32 | bfloat16 (bf16 needs a GPU)
+    layer_spec: LayerSpec = LayerSpec.auto
+    dtype: TrainerDtype = TrainerDtype.float32  # bf16 needs a GPU
     init_seed: int = 1234  # random init when no checkpoint is given
     init_std: float = 0.02
 
@@ -57,7 +74,7 @@ class ParallelSection:
 
 @dataclass
 class RolloutSection:
-    engine: str = "embedded"  # embedded | sglang
+    engine: RolloutEngineName = RolloutEngineName.embedded
     group_size: int = 8  # responses per prompt (G)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -78,7 +95,7 @@ class OptimizerSection:
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 2
-    decay_style: str = "cosine"  # constant | linear | cosine
+    decay_style: DecayStyle = DecayStyle.cosine
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.98
@@ -101,7 +118,7 @@ class TrainerSection:
     eval_prompts: int = 64
     eval_samples: int = 1  # k: > 1 adds mean@k and pass@k (set rollout.eval_temperature > 0)
     recompute_activations: bool = False
-    on_nonfinite: str = "skip"  # skip | stop: a non-finite loss or gradient drops the update, or ends the run
+    on_nonfinite: NonFinitePolicy = NonFinitePolicy.skip  # drop the update, or end the run
     max_consecutive_nonfinite: int = 3  # skipped updates in a row that end the run with a diagnosis
 
 

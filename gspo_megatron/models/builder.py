@@ -18,7 +18,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from gspo_megatron.models.config import MoEModelConfig
+from gspo_megatron.models.config import LayerSpec, MoEModelConfig
 from gspo_megatron.parallel.layout import ParallelLayout
 
 
@@ -28,8 +28,8 @@ def transformer_engine_available() -> bool:
 
 def resolve_spec_name(requested: str) -> str:
     """'auto' -> 'te' where TransformerEngine and CUDA exist, else 'portable'."""
-    if requested not in ("auto", "te", "portable"):
-        raise ValueError(f"model.layer_spec must be 'auto', 'te' or 'portable', got {requested!r}")
+    if requested not in tuple(LayerSpec):
+        raise ValueError(f"model.layer_spec={requested!r} is unknown; valid: {', '.join(LayerSpec)}")
     if requested == "auto":
         return "te" if transformer_engine_available() else "portable"
     if requested == "te" and not transformer_engine_available():

@@ -15,12 +15,21 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 
 class ModelConfigError(ValueError):
     """A model configuration that cannot be built; the message names the field."""
+
+
+class LayerSpec(StrEnum):
+    """``model.layer_spec``: which megatron layer implementation builds the model (models/builder.py)."""
+
+    auto = "auto"  # te where TransformerEngine and CUDA exist, else portable
+    te = "te"  # TransformerEngine layers (GPU)
+    portable = "portable"  # megatron's local layers with the project's attention (CPU and GPU)
 
 
 @dataclass

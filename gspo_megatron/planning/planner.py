@@ -83,14 +83,16 @@ class PlanError(ValueError):
 
 def check_with_trainer_rules(model: MoEModelConfig, layout: ParallelLayout, options: PlanOptions) -> None:
     """Run the trainer's validation on a config of this model, layout and batch size."""
-    from gspo_megatron.config.schema import ModelSection, ParallelSection, TrainConfig
+    from gspo_megatron.config.schema import ModelSection, ParallelSection, TrainConfig, TrainerDtype
     from gspo_megatron.config.validate import validate_config
+    from gspo_megatron.rollout.config import RolloutEngineName
+    from gspo_megatron.routing.replay import ReplayMode
 
     sequences = options.global_batch_tokens // options.seq_len
     if sequences % options.group_size:
         raise PlanError(f"{sequences} sequences per step do not form groups of {options.group_size}")
     cfg = TrainConfig()
-    cfg.model = ModelSection(**model.to_dict(), dtype=options.dtype)
+    cfg.model = ModelSection(**model.to_dict(), dtype=TrainerDtype(options.dtype))
     cfg.parallel = ParallelSection(
         tp=layout.tp,
         pp=layout.pp,
@@ -104,9 +106,9 @@ def check_with_trainer_rules(model: MoEModelConfig, layout: ParallelLayout, opti
     cfg.trainer.updates_per_rollout = 1
     cfg.trainer.micro_batch_size = max(1, options.micro_batch_tokens // options.seq_len)
     cfg.trainer.recompute_activations = options.recompute
-    cfg.algorithm.routing_replay = options.routing_replay
+    cfg.algorithm.routing_replay = ReplayMode(options.routing_replay)
     if needs_engine_routing(options.routing_replay):
-        cfg.rollout.engine = "sglang"
+        cfg.rollout.engine = RolloutEngineName.sglang
         cfg.rollout.sglang.model_path = "<the checkpoint>"  # not read by the plan; the trainer needs one
         cfg.rollout.sglang.enable_return_routed_experts = True
     try:

@@ -13,7 +13,28 @@ Design decisions:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
+
+
+class RolloutEngineName(StrEnum):
+    """``rollout.engine``."""
+
+    embedded = "embedded"  # in-process transformers engine (rollout/embedded.py)
+    sglang = "sglang"  # SGLang servers, launched or attached (rollout/sglang/)
+
+
+class EngineDtype(StrEnum):
+    """``rollout.embedded.dtype``."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class AttentionImplementation(StrEnum):
+    sdpa = "sdpa"
+    eager = "eager"
 
 
 @dataclass
@@ -22,12 +43,12 @@ class EmbeddedConfig:
 
     model: dict[str, Any] = field(default_factory=dict)  # Qwen3MoeConfig kwargs (override the file)
     model_config_path: str | None = None  # HF checkpoint dir or config.json; None: `model` only
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    dtype: EngineDtype = EngineDtype.float32
     device: str = "cpu"
     max_batch_size: int = 32  # rows (prompt x sample) decoded together; more are split into chunks
     seed: int = 0  # seeds the engine's generator used when SamplingParams.seed is None
     use_cache: bool = True  # KV cache; False re-runs the whole sequence each step (tests/benchmark)
-    attn_implementation: str = "sdpa"  # sdpa | eager
+    attn_implementation: AttentionImplementation = AttentionImplementation.sdpa
     pad_token_id: int = 0  # filler for left padding; masked, so any valid id works
     weight_bucket_bytes: int = 512 * 1024 * 1024  # bytes of exported weights per update_weights bucket
 
@@ -36,8 +57,8 @@ class EmbeddedConfig:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.weight_bucket_bytes < 1:
             raise ValueError(f"rollout.embedded.weight_bucket_bytes must be >= 1, got {self.weight_bucket_bytes}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in tuple(EngineDtype):
+            raise ValueError(f"rollout.embedded.dtype={self.dtype!r} is unknown; valid: {', '.join(EngineDtype)}")
 
 
 @dataclass

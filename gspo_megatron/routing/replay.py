@@ -31,9 +31,20 @@ Design decisions:
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 import torch
 
-REPLAY_MODES = ("none", "old_policy", "rollout")
+
+class ReplayMode(StrEnum):
+    """``algorithm.routing_replay``: a closed choice, so Hydra refuses other values at compose time."""
+
+    none = "none"
+    old_policy = "old_policy"  # R2: replay the old-log-prob pass's routing in the training forwards
+    rollout = "rollout"  # R3: replay the rollout engine's routed experts
+
+
+REPLAY_MODES = tuple(ReplayMode)
 _ABSENT = object()  # marks an attribute the instance did not have before it was patched
 
 

@@ -21,11 +21,20 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 import torch.distributed as dist
 
-POLICIES = ("skip", "stop")
+
+class NonFinitePolicy(StrEnum):
+    """``trainer.on_nonfinite``: what a non-finite loss or gradient does."""
+
+    skip = "skip"  # drop the update and go on (a streak of them still stops the run)
+    stop = "stop"  # end the run
+
+
+POLICIES = tuple(NonFinitePolicy)
 
 
 class NonFiniteError(FloatingPointError):

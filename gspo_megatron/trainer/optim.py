@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from gspo_megatron.config.schema import DecayStyle
+
 
 def build_optimizer(ddp_model, section, total_updates: int):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -30,8 +32,8 @@ def build_optimizer(ddp_model, section, total_updates: int):
         use_distributed_optimizer=on_gpu,
     )
     optimizer = get_megatron_optimizer(config, [ddp_model])
-    if section.decay_style not in ("constant", "linear", "cosine"):
-        raise ValueError(f"optimizer.decay_style must be constant, linear or cosine, got {section.decay_style!r}")
+    if section.decay_style not in tuple(DecayStyle):
+        raise ValueError(f"optimizer.decay_style={section.decay_style!r} is unknown; valid: {', '.join(DecayStyle)}")
     warmup = min(section.warmup_steps, max(total_updates - 1, 0))
     scheduler = OptimizerParamScheduler(
         optimizer,

@@ -37,6 +37,7 @@ def test_defaults_are_gspo_paper_values():
         ({"advantage_estimator": "gae"}, r"valid: group_relative"),
         ({"aggregation": "mean"}, r"valid: seq_mean_token_mean"),
         ({"aggregation": "token_mean"}, r"length bias; set algorithm.aggregation=seq_mean_token_mean"),
+        ({"log_ratio_clamp": 0.0}, r"algorithm.log_ratio_clamp must be > 0"),
         ({"loss": "grpo", "clip_low": 1.2}, r"clip_low must be in \[0, 1\)"),
         ({"clip_high": -0.1}, r"clip_high must be >= 0"),
         ({"logprob_chunk_size": 0}, r"logprob_chunk_size"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from gspo_megatron.config.validate import ConfigError, validate_config, validate_for_machine
@@ -29,7 +30,6 @@ def _typed(overrides):
         (["checkpoint.keep_last=-2"], r"checkpoint.keep_last must be >= 0"),
         (["checkpoint.resume=maybe"], r"checkpoint.resume='maybe'"),
         (["checkpoint.resume_allow_changes=[model.hidden_size]"], r"shape cannot change"),
-        (["trainer.on_nonfinite=ignore"], r"trainer.on_nonfinite='ignore'"),
         (["trainer.max_consecutive_nonfinite=0"], r"trainer.max_consecutive_nonfinite must be >= 1"),
     ],
     ids=[
@@ -39,13 +39,35 @@ def _typed(overrides):
         "keep_last",
         "resume",
         "allow_model",
-        "on_nonfinite",
         "max_consecutive",
     ],
 )
 def test_bad_value_is_refused_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate_config(_typed(overrides), 1)
+
+
+@pytest.mark.parametrize(
+    "key, choices",
+    [
+        ("algorithm.routing_replay", "none, old_policy, rollout"),
+        ("algorithm.old_log_probs", "trainer, rollout"),
+        ("algorithm.mismatch_correction", "none, token_truncate, token_mask, sequence_truncate, sequence_mask"),
+        ("algorithm.aggregation", "seq_mean_token_mean, token_mean, seq_mean_token_sum"),
+        ("rollout.engine", "embedded, sglang"),
+        ("rollout.embedded.dtype", "float32, bfloat16, float16"),
+        ("rollout.embedded.attn_implementation", "sdpa, eager"),
+        ("model.dtype", "float32, bfloat16"),
+        ("model.layer_spec", "auto, te, portable"),
+        ("optimizer.decay_style", "constant, linear, cosine"),
+        ("trainer.on_nonfinite", "skip, stop"),
+    ],
+)
+def test_closed_choices_fail_at_compose_time_naming_the_key_and_the_choices(key, choices):
+    with pytest.raises(ConfigCompositionException) as failure:
+        compose([f"{key}=bogus"])
+    cause = str(failure.value.__cause__)
+    assert f"Invalid value 'bogus', expected one of [{choices}]" in cause and f"full_key: {key}" in cause
 
 
 def test_micro_batch_rules_that_hold():
