@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gspo_megatron.config.schema import to_train_config
 from gspo_megatron.config.store import register_configs
+from gspo_megatron.config_node import freeze_config
 
 register_configs()
 
@@ -38,6 +39,7 @@ def run(cfg: DictConfig, run_dir: str) -> str:
     typed = to_train_config(cfg)
     validate_config(typed, world_size_from_env())
     validate_for_machine(typed, torch.cuda.is_available())
+    freeze_config(typed)  # read-only from here on: every part of the run sees the settings config.yaml records
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     # the driver owns the run directory: lock it, and refuse a wrong fresh start or resume before building
     claim = claim_run_dir(Path(run_dir), typed.checkpoint, config_yaml) if _is_driver_process() else None

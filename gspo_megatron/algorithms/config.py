@@ -36,6 +36,7 @@ from gspo_megatron.algorithms.losses import (
 )
 from gspo_megatron.algorithms.mismatch_correction import MISMATCH_MODES, MismatchCorrection
 from gspo_megatron.algorithms.reductions import local_sequence_sum
+from gspo_megatron.config_node import ConfigNode
 from gspo_megatron.routing.replay import ReplayMode
 from gspo_megatron.routing.replay_strategy import needs_trainer_old_pass
 
@@ -54,7 +55,7 @@ OLD_LOG_PROB_SOURCES = tuple(OldLogProbSource)
 
 
 @dataclass
-class AlgorithmConfig:
+class AlgorithmConfig(ConfigNode):
     name: str = "gspo"  # a label for logs and run names
     loss: str = "gspo"  # a POLICY_LOSSES name
     clip_low: float = 3e-4  # ratio floor 1 - clip_low

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from gspo_megatron.algorithms.config import AlgorithmConfig
+from gspo_megatron.config_node import ConfigNode
 from gspo_megatron.data.config import TaskConfig, TokenizerConfig
 from gspo_megatron.models.config import LayerSpec, MoEModelConfig
 from gspo_megatron.parallel.layout import ParallelLayout
@@ -52,7 +53,7 @@ class ModelSection(MoEModelConfig):
 
 
 @dataclass
-class ParallelSection:
+class ParallelSection(ConfigNode):
     tp: int = 1
     pp: int = 1
     ep: int = 1
@@ -73,7 +74,7 @@ class ParallelSection:
 
 
 @dataclass
-class RolloutSection:
+class RolloutSection(ConfigNode):
     engine: RolloutEngineName = RolloutEngineName.embedded
     group_size: int = 8  # responses per prompt (G)
     temperature: float = 1.0
@@ -91,7 +92,7 @@ class RolloutSection:
 
 
 @dataclass
-class OptimizerSection:
+class OptimizerSection(ConfigNode):
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 2
@@ -104,7 +105,7 @@ class OptimizerSection:
 
 
 @dataclass
-class TrainerSection:
+class TrainerSection(ConfigNode):
     steps: int = 200  # RL steps (one rollout each); the LR schedule spans all of them
     stop_after_steps: int | None = None  # end the process early (a time-boxed or preempted job); resume later
     prompts_per_step: int = 16
@@ -123,7 +124,7 @@ class TrainerSection:
 
 
 @dataclass
-class CheckpointSection:
+class CheckpointSection(ConfigNode):
     save_every: int = 0  # 0: only at the end
     keep_last: int = 2
     resume: str = "false"  # false | true (a checkpoint must exist) | auto (resume if there is one)
@@ -135,7 +136,7 @@ class CheckpointSection:
 
 
 @dataclass
-class LoggingSection:
+class LoggingSection(ConfigNode):
     tensorboard: bool = True
     wandb: bool = False
     wandb_project: str = "gspo-megatron"
@@ -143,7 +144,7 @@ class LoggingSection:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(ConfigNode):
     run_dir: str | None = None  # None: Hydra's output directory
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gspo_megatron.config_node import ConfigNode
+
 TOKENIZER_KINDS = ("hf", "symbol")
 DATASET_FORMATS = ("auto", "jsonl", "parquet")
 BAD_UTF8_POLICIES = ("error", "skip")
 
 
 @dataclass
-class TokenizerConfig:
+class TokenizerConfig(ConfigNode):
     kind: str = "symbol"  # "symbol" (built-in, synthetic tasks) or "hf" (local directory)
     path: str | None = None  # local model/tokenizer directory for kind=hf
 
@@ -29,7 +31,7 @@ class TokenizerConfig:
 
 
 @dataclass
-class DatasetConfig:
+class DatasetConfig(ConfigNode):
     path: str | None = None  # local .jsonl or .parquet file
     format: str = "auto"  # auto: from the file suffix
     prompt_field: str = "prompt"  # dotted paths reach nested fields, e.g. "reward_model.ground_truth"
@@ -58,7 +60,7 @@ class DatasetConfig:
 
 
 @dataclass
-class TaskConfig:
+class TaskConfig(ConfigNode):
     name: str = "max_digit"  # a registered task; see gspo_megatron.data.tasks.available_tasks()
     seed: int = 0  # synthetic tasks: the record stream is a pure function of (seed, index)
     min_digits: int = 3  # synthetic tasks: digits per problem, drawn uniformly in [min, max]

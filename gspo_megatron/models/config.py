@@ -19,6 +19,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from gspo_megatron.config_node import ConfigNode
+
 
 class ModelConfigError(ValueError):
     """A model configuration that cannot be built; the message names the field."""
@@ -33,7 +35,7 @@ class LayerSpec(StrEnum):
 
 
 @dataclass
-class MoEModelConfig:
+class MoEModelConfig(ConfigNode):
     vocab_size: int = 256
     hidden_size: int = 64
     num_layers: int = 2

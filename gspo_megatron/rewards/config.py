@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gspo_megatron.config_node import ConfigNode
+
 START_METHODS = ("forkserver", "spawn")
 
 
 @dataclass
-class RewardConfig:
+class RewardConfig(ConfigNode):
     # None: in the trainer process only for trivial built-ins (string checks), else in workers with a
     # timeout; true forces the fast path (no timeout!), false forces workers
     in_process: bool | None = None

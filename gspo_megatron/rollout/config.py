@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from gspo_megatron.config_node import ConfigNode
+
 
 class RolloutEngineName(StrEnum):
     """``rollout.engine``."""
@@ -38,7 +40,7 @@ class AttentionImplementation(StrEnum):
 
 
 @dataclass
-class EmbeddedConfig:
+class EmbeddedConfig(ConfigNode):
     """The transformers-based rollout engine that runs inside the trainer process."""
 
     model: dict[str, Any] = field(default_factory=dict)  # Qwen3MoeConfig kwargs (override the file)
@@ -62,7 +64,7 @@ class EmbeddedConfig:
 
 
 @dataclass
-class TruncatedRolloutConfig:
+class TruncatedRolloutConfig(ConfigNode):
     """Dynamic Truncated Rollout (Step-GRPO, arXiv 2604.16890; DEER arXiv 2504.15895); training only.
 
     Defaults follow DEER's released code (BugSmith/DEER ``vllm-deer*.py``) except where marked CHOICE.

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gspo_megatron.config_node import ConfigNode
+
 # What each kind compares (the trainer decides where to call them; routing/volatility.py computes):
 #   update           -- same tokens, router top-k of the policy before vs after one optimizer step
 #   rollout_vs_train -- experts the rollout engine routed to (SGLang routed_experts) vs the
@@ -27,7 +29,7 @@ def validate_kind(kind: str) -> str:
 
 
 @dataclass
-class RoutingDiagnosticsConfig:
+class RoutingDiagnosticsConfig(ConfigNode):
     enabled: bool = True
     every_n_steps: int = 1  # run the diagnostics on steps where step % every_n_steps == 0
     kinds: list[str] = field(default_factory=lambda: ["update", "rollout_vs_train"])

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gspo_megatron.config_node import ConfigNode
+
 
 def _check_triggers(owner: str, triggers: list[str]) -> None:
     if not triggers or any(not isinstance(t, str) or not t.strip() for t in triggers):
@@ -38,7 +40,7 @@ BOXED_OUTCOME_REWARDS = {"math_verify": "math_verify_boxed"}
 
 
 @dataclass
-class StepGRPOConfig:
+class StepGRPOConfig(ConfigNode):
     """Step-GRPO reward (arXiv 2604.16890): R = alpha*acc*(1 - beta*tanh((k-mu)/mu)) + (1-alpha)*fmt."""
 
     alpha: float = 0.9  # weight of the accuracy(+efficiency) term vs the format term
@@ -71,7 +73,7 @@ GRSP_APPLY_TO = ("correct", "all")
 
 
 @dataclass
-class GRSPConfig:
+class GRSPConfig(ConfigNode):
     """GRSP segment penalty (arXiv 2510.09535) -- a RECONSTRUCTION; every constant is a guess to tune."""
 
     penalty_coef: float = 0.1  # lambda in r_i - lambda * P_i
@@ -135,7 +137,7 @@ class GRSPConfig:
 
 
 @dataclass
-class DAPOOverlongConfig:
+class DAPOOverlongConfig(ConfigNode):
     """DAPO soft overlong punishment (arXiv 2503.14476), added to the reward."""
 
     max_length: int | None = None  # L_max; None: the group's max_response_length
@@ -151,7 +153,7 @@ class DAPOOverlongConfig:
 
 
 @dataclass
-class KimiLengthConfig:
+class KimiLengthConfig(ConfigNode):
     """Kimi k1.5 length reward (arXiv 2501.12599), added to the reward times ``weight``."""
 
     weight: float = 1.0
@@ -162,7 +164,7 @@ class KimiLengthConfig:
 
 
 @dataclass
-class ShapingMetricsConfig:
+class ShapingMetricsConfig(ConfigNode):
     """Diagnostics logged for every shaper (keyword steps and segment-length clusters)."""
 
     triggers: list[str] = field(default_factory=lambda: ["Wait", "Alternatively"])
@@ -175,7 +177,7 @@ class ShapingMetricsConfig:
 
 
 @dataclass
-class ShapingConfig:
+class ShapingConfig(ConfigNode):
     name: str = "none"  # a registered shaper: none, step_grpo, grsp, dapo_overlong, kimi_length
     step_grpo: StepGRPOConfig = field(default_factory=StepGRPOConfig)
     grsp: GRSPConfig = field(default_factory=GRSPConfig)

@@ -18,8 +18,13 @@ FAST = [
 
 
 def compose(overrides: list[str]):
+    """``conf/config.yaml`` with ``overrides``, composed as the entry point does (schema registered)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
+
+    from gspo_megatron.config.store import register_configs
+
+    register_configs()  # idempotent: ConfigStore replaces the entry
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return hydra_compose("config", overrides=list(overrides))

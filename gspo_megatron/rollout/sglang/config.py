@@ -17,13 +17,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gspo_megatron.config_node import ConfigNode
+
 LAUNCH_MODES = ("launch", "attach")
 WEIGHT_SYNC_MODES = ("distributed", "disk")
 PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's PauseGenerationReqInput.mode
 
 
 @dataclass
-class SGLangConfig:
+class SGLangConfig(ConfigNode):
     mode: str = "launch"  # launch | attach
 
     # --- launch mode: `<launch_command> --model-path M --tp-size N --host H --port P [...] <extra_args>`

@@ -1,0 +1,40 @@
+"""A validated config is frozen: no part of a run can change a setting after start-up."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import pytest
+
+from gspo_megatron.config.schema import to_train_config
+from gspo_megatron.config_node import freeze_config, is_frozen
+from gspo_megatron.testing.train_runs import compose
+
+
+def test_every_section_refuses_assignment_after_freezing_naming_the_field():
+    cfg = freeze_config(to_train_config(compose(["algorithm=grpo_rollout_routing_replay"])))
+    with pytest.raises(dataclasses.FrozenInstanceError, match="cannot set TrainerSection.steps: the config is frozen"):
+        cfg.trainer.steps = 3
+    for section in (cfg, cfg.model, cfg.algorithm, cfg.rollout.embedded, cfg.rollout.sglang, cfg.shaping.step_grpo):
+        assert is_frozen(section), type(section).__name__
+        name = dataclasses.fields(section)[0].name
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(section, name, getattr(section, name))
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            delattr(section, name)
+
+
+def test_frozen_config_pickles_frozen_and_replace_gives_an_unfrozen_copy():
+    cfg = freeze_config(to_train_config(compose([])))
+    copy = pickle.loads(pickle.dumps(cfg))  # reward workers and spawned ranks receive it pickled
+    assert is_frozen(copy.trainer) and copy == cfg
+    changed = dataclasses.replace(cfg.trainer, steps=5)
+    assert changed.steps == 5 and not is_frozen(changed)
+    changed.steps = 6  # a new node is the caller's to fill in
+
+
+def test_before_freezing_a_config_is_an_ordinary_dataclass():
+    cfg = to_train_config(compose([]))
+    cfg.trainer.steps = 3
+    assert cfg.trainer.steps == 3 and not is_frozen(cfg)
