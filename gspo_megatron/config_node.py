@@ -9,12 +9,24 @@ still works -- it builds a new, unfrozen node. Torch-free: every config module i
 from __future__ import annotations
 
 import dataclasses
+from enum import StrEnum
 from typing import Any
 
 _FROZEN = "_config_frozen"
 
 
 class ConfigNode:
+    """The validation convention: a section checks its own fields in ``validate()`` (raising
+    ``ValueError`` that names the key and the fix). It runs at construction -- so Hydra's
+    ``to_object`` validates every section -- and again over the whole tree in
+    ``config/validate.py:validate_config``, which adds the rules that span sections."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check this section's own fields (none by default)."""
+
     def __setattr__(self, name: str, value: Any) -> None:
         if self.__dict__.get(_FROZEN, False):
             raise dataclasses.FrozenInstanceError(
@@ -31,18 +43,34 @@ class ConfigNode:
 
 def freeze_config(node: Any) -> Any:
     """Make ``node`` and every ``ConfigNode`` below it (through fields, lists and dicts) read-only."""
+    for child in config_nodes(node):
+        object.__setattr__(child, _FROZEN, True)
+    return node
+
+
+def config_nodes(node: Any) -> list[ConfigNode]:
+    """Every ``ConfigNode`` in the tree below ``node`` (itself included), parents first."""
+    found: list[ConfigNode] = []
     if isinstance(node, ConfigNode):
+        found.append(node)
         for field in dataclasses.fields(node):  # type: ignore[arg-type]
-            freeze_config(getattr(node, field.name))
-        object.__setattr__(node, _FROZEN, True)
+            found.extend(config_nodes(getattr(node, field.name)))
     elif isinstance(node, list | tuple):
         for item in node:
-            freeze_config(item)
+            found.extend(config_nodes(item))
     elif isinstance(node, dict):
         for item in node.values():
-            freeze_config(item)
-    return node
+            found.extend(config_nodes(item))
+    return found
 
 
 def is_frozen(node: Any) -> bool:
     return bool(getattr(node, "__dict__", {}).get(_FROZEN, False))
+
+
+class ConfigChoice(StrEnum):
+    """Base of the closed config choices: a ``str`` equal to its value, so it compares, hashes,
+    formats and serialises like the YAML string; Hydra refuses other values at compose time."""
+
+    def __repr__(self) -> str:
+        return repr(self.value)  # error messages quote the value as the user wrote it

@@ -167,7 +167,7 @@ def main(argv=None) -> None:
     values = asdict(preset(args.preset))
     if args.hidden_size:
         values["hidden_size"] = args.hidden_size
-    cfg = MoEModelConfig(**values).validate()
+    cfg = MoEModelConfig(**values)
     for name in args.layouts:
         dp = LAYOUTS[name]["world_size"] // (LAYOUTS[name].get("tp", 1) * LAYOUTS[name].get("pp", 1))
         if args.batch % (dp * args.micro_batches):

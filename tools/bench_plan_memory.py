@@ -39,7 +39,7 @@ SHAPES = {
             top_k=4,
             moe_intermediate_size=128,
             max_position_embeddings=512,
-        ).validate(),
+        ),
         MicroBatchShape(sequences=4, seq_len=256),
     ),
 }

@@ -125,7 +125,7 @@ def _trainer_model_config(state_file: Path):
         raise SystemExit(f"{state_file} is missing: not a complete trainer checkpoint (pass --hf-config)")
     state = torch.load(state_file, weights_only=True)  # plain data: a checkpoint cannot run code
     model = OmegaConf.to_container(OmegaConf.create(state["config"]).model, resolve=True)
-    return MoEModelConfig(**{k: model[k] for k in MoEModelConfig.field_names() if k in model}).validate()
+    return MoEModelConfig(**{k: model[k] for k in MoEModelConfig.field_names() if k in model})
 
 
 def mcore_to_hf(args) -> Path:

@@ -14,7 +14,6 @@ from gspo_megatron.algorithms.config import (
     AlgorithmConfig,
     make_advantage_context,
     make_loss_context,
-    validate_algorithm_config,
 )
 from gspo_megatron.algorithms.logprobs import vocab_parallel_log_probs
 from gspo_megatron.algorithms.losses import (
@@ -55,6 +54,5 @@ __all__ = [
     "make_loss_context",
     "merge_metrics",
     "token_mean_metric",
-    "validate_algorithm_config",
     "vocab_parallel_log_probs",
 ]

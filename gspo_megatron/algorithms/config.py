@@ -7,8 +7,8 @@ Design decisions:
 - Defaults are GSPO's (arXiv 2507.18071: eps_low 3e-4, eps_high 4e-4, sequence-mean aggregation).
   GRPO's usual values (0.2 / 0.28, DAPO clip-higher) live in ``conf/algorithm/grpo.yaml``;
   ``RECOMMENDED_CLIP`` records both so tools can warn about a mismatched pair.
-- ``validate_algorithm_config`` is called once, early (the lead's config validation calls it); it
-  raises ``ValueError`` naming the field and the fix.
+- ``AlgorithmConfig.validate`` (run at construction and by ``config/validate.py``, the
+  ``ConfigNode`` convention) raises ``ValueError`` naming the field and the fix.
 - ``make_loss_context`` is the one place a ``LossContext`` is built from config plus the per-step
   denominators, so the trainer never copies fields by hand.
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 
 import torch
@@ -36,7 +35,7 @@ from gspo_megatron.algorithms.losses import (
 )
 from gspo_megatron.algorithms.mismatch_correction import MISMATCH_MODES, MismatchCorrection
 from gspo_megatron.algorithms.reductions import local_sequence_sum
-from gspo_megatron.config_node import ConfigNode
+from gspo_megatron.config_node import ConfigChoice, ConfigNode
 from gspo_megatron.routing.replay import ReplayMode
 from gspo_megatron.routing.replay_strategy import needs_trainer_old_pass
 
@@ -46,7 +45,7 @@ RECOMMENDED_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0
 
 # Where pi_old comes from. ``rollout``: the engine's sampling log-probs (GSPO arXiv 2507.18071 §4.3:
 # sequence-level likelihoods tolerate the engine/trainer precision gap) -- no old-log-prob forward.
-class OldLogProbSource(StrEnum):
+class OldLogProbSource(ConfigChoice):
     trainer = "trainer"  # a forward pass of the trainer before the first update
     rollout = "rollout"  # the engine's sampling log-probs
 
@@ -81,8 +80,11 @@ class AlgorithmConfig(ConfigNode):
     adaptive_clip_max_scale: float = 4.0
     old_log_probs: OldLogProbSource = OldLogProbSource.trainer  # pi_old from a trainer pass or the engine
 
+    def validate(self) -> None:
+        _check_algorithm(self)
 
-def validate_algorithm_config(cfg: AlgorithmConfig) -> None:
+
+def _check_algorithm(cfg: AlgorithmConfig) -> None:
     """Raise ``ValueError`` naming the first inconsistent field of ``cfg`` and how to fix it."""
     if cfg.loss not in POLICY_LOSSES:
         raise ValueError(f"algorithm.loss={cfg.loss!r} is not a policy loss; valid: {', '.join(POLICY_LOSSES.names())}")

@@ -34,17 +34,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 import torch
 
 from gspo_megatron.algorithms.metrics import extremum_entries, mean_entries
 from gspo_megatron.algorithms.ratio_dispersion import ratio_dispersion_metrics
 from gspo_megatron.algorithms.reductions import local_sequence_sum
+from gspo_megatron.config_node import ConfigChoice
 from gspo_megatron.registry import Registry
 
 
-class Aggregation(StrEnum):
+class Aggregation(ConfigChoice):
     """How per-token terms become one loss (``algorithm.aggregation``; see ``_aggregate_tokens``)."""
 
     seq_mean_token_mean = "seq_mean_token_mean"

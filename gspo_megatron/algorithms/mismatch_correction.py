@@ -26,12 +26,12 @@ Design decisions:
 
 from __future__ import annotations
 
-from enum import StrEnum
-
 import torch
 
+from gspo_megatron.config_node import ConfigChoice
 
-class MismatchCorrection(StrEnum):
+
+class MismatchCorrection(ConfigChoice):
     """``algorithm.mismatch_correction`` (a closed choice: Hydra refuses other values at compose time)."""
 
     none = "none"

@@ -12,10 +12,9 @@ Design decisions:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 from gspo_megatron.algorithms.config import AlgorithmConfig
-from gspo_megatron.config_node import ConfigNode
+from gspo_megatron.config_node import ConfigChoice, ConfigNode
 from gspo_megatron.data.config import TaskConfig, TokenizerConfig
 from gspo_megatron.models.config import LayerSpec, MoEModelConfig
 from gspo_megatron.parallel.layout import ParallelLayout
@@ -27,14 +26,14 @@ from gspo_megatron.shaping.config import ShapingConfig
 from gspo_megatron.trainer.nonfinite import NonFinitePolicy
 
 
-class TrainerDtype(StrEnum):
+class TrainerDtype(ConfigChoice):
     """``model.dtype``: the trainer's parameter dtype."""
 
     float32 = "float32"
     bfloat16 = "bfloat16"
 
 
-class DecayStyle(StrEnum):
+class DecayStyle(ConfigChoice):
     """``optimizer.decay_style`` (megatron's OptimizerParamScheduler names)."""
 
     constant = "constant"

@@ -6,8 +6,8 @@ rules that relate sections, each raising ``ConfigError`` that names both sides a
 
 from __future__ import annotations
 
-from gspo_megatron.algorithms.config import validate_algorithm_config
 from gspo_megatron.config.schema import TrainConfig
+from gspo_megatron.config_node import config_nodes
 from gspo_megatron.parallel.context_parallel import validate_context_parallel
 from gspo_megatron.routing.replay import validate_replay_mode
 from gspo_megatron.routing.replay_strategy import needs_engine_routing, replays
@@ -19,11 +19,10 @@ class ConfigError(ValueError):
 
 
 def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
-    cfg.model.validate()
-    validate_algorithm_config(cfg.algorithm)
-    cfg.task.validate()
-    cfg.tokenizer.validate()
-    cfg.reward.validate()
+    """Every section's own rules (``ConfigNode.validate``, again: fields may have been set since
+    construction), then the rules that span sections."""
+    for node in config_nodes(cfg):
+        node.validate()
     layout = cfg.parallel.layout(world_size).validate(cfg.model)
     validate_context_parallel(layout.cp, cfg.model.max_position_embeddings)
     t = cfg.trainer

@@ -46,8 +46,7 @@ class DatasetConfig(ConfigNode):
     on_bad_utf8: str = "error"  # "error" (with line number) or "skip" (counted)
 
     def validate(self) -> None:
-        if not self.path:
-            raise ValueError("dataset.path is required for a dataset task (a local .jsonl or .parquet file)")
+        # the path is required only by a dataset task: data/datasets.py checks it when it loads
         if self.format not in DATASET_FORMATS:
             raise ValueError(f"dataset.format={self.format!r} is unknown; valid: {list(DATASET_FORMATS)}")
         if self.on_bad_utf8 not in BAD_UTF8_POLICIES:

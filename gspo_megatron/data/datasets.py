@@ -101,7 +101,6 @@ class PromptDataset:
     """Records from one local file, served as shuffled, resumable batches."""
 
     def __init__(self, config: DatasetConfig, tokenizer: Tokenizer):
-        config.validate()
         self.config = config
         self.tokenizer = tokenizer
         if config.path is None:

@@ -40,7 +40,6 @@ class Task(abc.ABC):
     default_reward: str | None = None
 
     def __init__(self, config: TaskConfig, tokenizer: Tokenizer):
-        config.validate()
         self.config = config
         self.tokenizer = tokenizer
         reward = config.reward or self.default_reward

@@ -15,18 +15,17 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from gspo_megatron.config_node import ConfigNode
+from gspo_megatron.config_node import ConfigChoice, ConfigNode
 
 
 class ModelConfigError(ValueError):
     """A model configuration that cannot be built; the message names the field."""
 
 
-class LayerSpec(StrEnum):
+class LayerSpec(ConfigChoice):
     """``model.layer_spec``: which megatron layer implementation builds the model (models/builder.py)."""
 
     auto = "auto"  # te where TransformerEngine and CUDA exist, else portable
@@ -59,7 +58,7 @@ class MoEModelConfig(ConfigNode):
     def is_moe(self) -> bool:
         return self.num_experts > 0 and len(self.dense_layers) < self.num_layers
 
-    def validate(self) -> MoEModelConfig:
+    def validate(self) -> None:
         positive = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim")
         for name in positive:
             if getattr(self, name) < 1:
@@ -79,7 +78,6 @@ class MoEModelConfig(ConfigNode):
                 raise ModelConfigError(f"model.top_k = {self.top_k} must be in 1..num_experts = {self.num_experts}")
             if self.moe_intermediate_size < 1:
                 raise ModelConfigError("model.moe_intermediate_size must be >= 1 for an MoE model")
-        return self
 
     def parameter_count(self) -> dict[str, int]:
         """Total and per-token active parameters, computed from the shape (nothing allocated)."""
@@ -176,7 +174,7 @@ class MoEModelConfig(ConfigNode):
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
-        ).validate()
+        )
 
     @classmethod
     def from_hf_config_file(cls, path: str | Path) -> MoEModelConfig:

@@ -117,8 +117,7 @@ class RewardPool:
     """Scores (response, record) pairs with one reward function; see the module docstring."""
 
     def __init__(self, reward_name: str, config: RewardConfig | None = None):
-        self.config = config or RewardConfig()
-        self.config.validate()
+        self.config = config or RewardConfig()  # validated at construction (ConfigNode)
         self.reward_name = reward_name
         self._fn = resolve_reward(reward_name)  # fail fast in the parent on a bad name
         self.stats = PoolStats()

@@ -13,20 +13,19 @@ Design decisions:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
-from gspo_megatron.config_node import ConfigNode
+from gspo_megatron.config_node import ConfigChoice, ConfigNode
 
 
-class RolloutEngineName(StrEnum):
+class RolloutEngineName(ConfigChoice):
     """``rollout.engine``."""
 
     embedded = "embedded"  # in-process transformers engine (rollout/embedded.py)
     sglang = "sglang"  # SGLang servers, launched or attached (rollout/sglang/)
 
 
-class EngineDtype(StrEnum):
+class EngineDtype(ConfigChoice):
     """``rollout.embedded.dtype``."""
 
     float32 = "float32"
@@ -34,7 +33,7 @@ class EngineDtype(StrEnum):
     float16 = "float16"
 
 
-class AttentionImplementation(StrEnum):
+class AttentionImplementation(ConfigChoice):
     sdpa = "sdpa"
     eager = "eager"
 
@@ -54,7 +53,7 @@ class EmbeddedConfig(ConfigNode):
     pad_token_id: int = 0  # filler for left padding; masked, so any valid id works
     weight_bucket_bytes: int = 512 * 1024 * 1024  # bytes of exported weights per update_weights bucket
 
-    def __post_init__(self):
+    def validate(self) -> None:
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.weight_bucket_bytes < 1:
@@ -100,7 +99,7 @@ class TruncatedRolloutConfig(ConfigNode):
     repetition_exit: int = 0
     eos_token_ids: list[int] = field(default_factory=list)  # end of the whole response
 
-    def __post_init__(self):
+    def validate(self) -> None:
         owner = "rollout.truncation"
         if not self.trigger_words and not self.trigger_token_ids:
             raise ValueError(f"{owner} needs trigger_words or trigger_token_ids")

@@ -34,9 +34,6 @@ class RoutingDiagnosticsConfig(ConfigNode):
     every_n_steps: int = 1  # run the diagnostics on steps where step % every_n_steps == 0
     kinds: list[str] = field(default_factory=lambda: ["update", "rollout_vs_train"])
 
-    def __post_init__(self):
-        self.validate()
-
     def validate(self) -> None:
         if self.every_n_steps < 1:
             raise ValueError(

@@ -31,12 +31,12 @@ Design decisions:
 
 from __future__ import annotations
 
-from enum import StrEnum
-
 import torch
 
+from gspo_megatron.config_node import ConfigChoice
 
-class ReplayMode(StrEnum):
+
+class ReplayMode(ConfigChoice):
     """``algorithm.routing_replay``: a closed choice, so Hydra refuses other values at compose time."""
 
     none = "none"

@@ -54,7 +54,7 @@ class StepGRPOConfig(ConfigNode):
     # accepts the last number without a box, and its format_ok requires termination).
     outcome: str = "boxed"
 
-    def __post_init__(self):
+    def validate(self) -> None:
         if self.outcome not in STEP_GRPO_OUTCOMES:
             raise ValueError(f"shaping.step_grpo.outcome must be one of {STEP_GRPO_OUTCOMES}, got {self.outcome!r}")
         if not 0.0 <= self.alpha <= 1.0:
@@ -91,7 +91,7 @@ class GRSPConfig(ConfigNode):
     cluster_weights: list[float] = field(default_factory=list)  # empty: linear K..1 profile, normalised
     apply_to: str = "correct"  # "correct": z-score and penalise correct responses only; or "all"
 
-    def __post_init__(self):
+    def validate(self) -> None:
         owner = "shaping.grsp"
         if self.penalty_coef < 0:
             raise ValueError(f"{owner}.penalty_coef must be >= 0, got {self.penalty_coef}")
@@ -143,7 +143,7 @@ class DAPOOverlongConfig(ConfigNode):
     max_length: int | None = None  # L_max; None: the group's max_response_length
     cache_length: int = 4096  # L_cache, the soft-punishment zone before L_max (DAPO: 4096 of 20480)
 
-    def __post_init__(self):
+    def validate(self) -> None:
         if self.cache_length < 1:
             raise ValueError(f"shaping.dapo_overlong.cache_length must be >= 1, got {self.cache_length}")
         if self.max_length is not None and self.max_length < self.cache_length:
@@ -158,7 +158,7 @@ class KimiLengthConfig(ConfigNode):
 
     weight: float = 1.0
 
-    def __post_init__(self):
+    def validate(self) -> None:
         if self.weight < 0:
             raise ValueError(f"shaping.kimi_length.weight must be >= 0, got {self.weight}")
 
@@ -171,7 +171,7 @@ class ShapingMetricsConfig(ConfigNode):
     case_sensitive: bool = True
     bucket_edges: list[float] = field(default_factory=lambda: [64.0, 256.0])
 
-    def __post_init__(self):
+    def validate(self) -> None:
         _check_triggers("shaping.metrics", self.triggers)
         _check_edges("shaping.metrics", self.bucket_edges)
 
@@ -192,9 +192,6 @@ class ShapingConfig(ConfigNode):
     # task reward, then add the centred shaping term -- keeps lambda/beta's scale in all-correct groups,
     # where std normalisation erases it (see shaping/combine.py; or set algorithm.normalize_std=false).
     combine: str = "reward"
-
-    def __post_init__(self):
-        self.validate()
 
     def validate(self) -> None:
         from gspo_megatron.shaping.combine import SHAPING_COMBINES

@@ -40,7 +40,7 @@ def tiny_test_config(**overrides) -> MoEModelConfig:
         max_position_embeddings=64,
     )
     values.update(overrides)
-    return MoEModelConfig(**values).validate()
+    return MoEModelConfig(**values)
 
 
 def random_hf_state(cfg: MoEModelConfig, seed: int = 0, scale: float = 0.2) -> dict[str, torch.Tensor]:

@@ -21,13 +21,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from enum import StrEnum
 
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.config_node import ConfigChoice
 
-class NonFinitePolicy(StrEnum):
+
+class NonFinitePolicy(ConfigChoice):
     """``trainer.on_nonfinite``: what a non-finite loss or gradient does."""
 
     skip = "skip"  # drop the update and go on (a streak of them still stops the run)

@@ -87,7 +87,7 @@ class SGLangConfig(ConfigNode):
         if self.mode == "attach" and not self.urls:
             raise ValueError("SGLangConfig.mode='attach' needs urls, e.g. ['http://127.0.0.1:30000']")
 
-    def __post_init__(self):
+    def validate(self) -> None:
         if self.mode not in LAUNCH_MODES:
             raise ValueError(f"SGLangConfig.mode must be one of {LAUNCH_MODES}, got {self.mode!r}")
         if self.mode == "launch" and self.ports and len(self.ports) != self.num_servers:

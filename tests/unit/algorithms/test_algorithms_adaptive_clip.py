@@ -5,12 +5,12 @@ import math
 import pytest
 
 from gspo_megatron.algorithms.adaptive_clip import AdaptiveClipController
-from gspo_megatron.algorithms.config import AlgorithmConfig, validate_algorithm_config
+from gspo_megatron.algorithms.config import AlgorithmConfig
 
 
 def _controller(**overrides):
     cfg = AlgorithmConfig(adaptive_clip_target=0.1, adaptive_clip_rate=0.5, **overrides)
-    validate_algorithm_config(cfg)
+    cfg.validate()
     return AdaptiveClipController.from_config(cfg)
 
 
@@ -65,4 +65,4 @@ def test_grpo_reads_the_token_fraction_and_apply_leaves_the_config_untouched():
 )
 def test_config_errors(overrides, match):
     with pytest.raises(ValueError, match=match):
-        validate_algorithm_config(AlgorithmConfig(**overrides))
+        (AlgorithmConfig(**overrides)).validate()

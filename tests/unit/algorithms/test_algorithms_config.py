@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from gspo_megatron.algorithms import AlgorithmConfig, make_loss_context, validate_algorithm_config
+from gspo_megatron.algorithms import AlgorithmConfig, make_loss_context
 from gspo_megatron.algorithms.config import RECOMMENDED_CLIP
 
 CONF = Path(__file__).resolve().parents[3] / "conf" / "algorithm"
@@ -19,14 +19,14 @@ def test_yaml_composes_onto_the_schema_and_validates(name):
     raw = OmegaConf.load(path)
     assert set(raw.keys()) == {f.name for f in dataclasses.fields(AlgorithmConfig)}
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(AlgorithmConfig), raw))
-    validate_algorithm_config(cfg)
+    cfg.validate()
     assert cfg.loss == name
     assert (cfg.clip_low, cfg.clip_high) == RECOMMENDED_CLIP[name]
 
 
 def test_defaults_are_gspo_paper_values():
     cfg = AlgorithmConfig()
-    validate_algorithm_config(cfg)
+    cfg.validate()
     assert (cfg.loss, cfg.clip_low, cfg.clip_high, cfg.aggregation) == ("gspo", 3e-4, 4e-4, "seq_mean_token_mean")
 
 
@@ -54,18 +54,18 @@ def test_defaults_are_gspo_paper_values():
 )
 def test_validation_errors(change, message):
     with pytest.raises(ValueError, match=message):
-        validate_algorithm_config(dataclasses.replace(AlgorithmConfig(), **change))
+        (dataclasses.replace(AlgorithmConfig(), **change)).validate()
 
 
 def test_grpo_allows_token_mean_and_loss_context_carries_config():
     cfg = AlgorithmConfig(loss="grpo", clip_low=0.2, clip_high=0.28, aggregation="token_mean")
-    validate_algorithm_config(cfg)
+    cfg.validate()
     ctx = make_loss_context(cfg, global_num_sequences=8, global_num_tokens=100)
     assert (ctx.clip_low, ctx.clip_high, ctx.aggregation, ctx.global_num_tokens) == (0.2, 0.28, "token_mean", 100)
 
 
 @pytest.mark.parametrize("replay", ["none", "rollout"])
 def test_engine_old_log_probs_allowed_without_old_policy_replay(replay):
-    validate_algorithm_config(
+    (
         AlgorithmConfig(loss="grpo", clip_low=0.2, clip_high=0.28, routing_replay=replay, old_log_probs="rollout")
-    )
+    ).validate()

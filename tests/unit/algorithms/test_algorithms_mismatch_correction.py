@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from gspo_megatron.algorithms.config import AlgorithmConfig, validate_algorithm_config
+from gspo_megatron.algorithms.config import AlgorithmConfig
 from gspo_megatron.algorithms.losses import LossContext, get_policy_loss
 from gspo_megatron.algorithms.mismatch_correction import mismatch_weights, weighted_advantages
 
@@ -54,11 +54,9 @@ def test_weights_fold_into_the_advantage_exactly():
 
 def test_config_rejects_token_weights_for_gspo_and_a_cap_below_one():
     with pytest.raises(ValueError, match="use sequence_truncate/sequence_mask with gspo"):
-        validate_algorithm_config(AlgorithmConfig(mismatch_correction="token_truncate"))
+        (AlgorithmConfig(mismatch_correction="token_truncate")).validate()
     with pytest.raises(ValueError, match="algorithm.mismatch_cap must be >= 1"):
-        validate_algorithm_config(AlgorithmConfig(mismatch_correction="sequence_mask", mismatch_cap=0.5))
+        (AlgorithmConfig(mismatch_correction="sequence_mask", mismatch_cap=0.5)).validate()
     with pytest.raises(ValueError, match="algorithm.mismatch_correction='tis' is unknown"):
-        validate_algorithm_config(AlgorithmConfig(mismatch_correction="tis"))
-    validate_algorithm_config(
-        AlgorithmConfig(loss="grpo", clip_low=0.2, clip_high=0.28, mismatch_correction="token_mask")
-    )
+        (AlgorithmConfig(mismatch_correction="tis")).validate()
+    (AlgorithmConfig(loss="grpo", clip_low=0.2, clip_high=0.28, mismatch_correction="token_mask")).validate()

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from gspo_megatron.algorithms.config import AlgorithmConfig, validate_algorithm_config
+from gspo_megatron.algorithms.config import AlgorithmConfig
 from gspo_megatron.algorithms.kl import reference_kl
 from gspo_megatron.algorithms.losses import LossContext
 from gspo_megatron.algorithms.metrics import finalize_metrics
@@ -75,4 +75,4 @@ def test_entropy_bonus_token_mean_by_hand():
 )
 def test_config_errors_name_the_key(overrides, match):
     with pytest.raises(ValueError, match=match):
-        validate_algorithm_config(AlgorithmConfig(**overrides))
+        (AlgorithmConfig(**overrides)).validate()

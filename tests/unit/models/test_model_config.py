@@ -50,9 +50,10 @@ QWEN3_30B_A3B_CONFIG_JSON = {
 }
 
 
-def refused(cfg: MoEModelConfig, *fragments: str) -> str:
+def refused(build, *fragments: str) -> str:
+    """``build()`` (a config is validated as it is built) raises naming every fragment."""
     with pytest.raises(ModelConfigError) as info:
-        cfg.validate()
+        build()
     for fragment in fragments:
         assert fragment in str(info.value), f"{fragment!r} not in {str(info.value)!r}"
     return str(info.value)
@@ -69,28 +70,30 @@ def test_defaults_and_presets_are_valid():
     "name", ["vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim"]
 )
 def test_sizes_must_be_positive(name):
-    refused(MoEModelConfig(**{name: 0}), f"model.{name}", ">= 1", "got 0")
+    refused(lambda: MoEModelConfig(**{name: 0}), f"model.{name}", ">= 1", "got 0")
 
 
 def test_query_heads_must_be_a_multiple_of_kv_heads():
-    refused(MoEModelConfig(num_attention_heads=6, num_kv_heads=4), "num_attention_heads = 6", "num_kv_heads = 4")
+    refused(
+        lambda: MoEModelConfig(num_attention_heads=6, num_kv_heads=4), "num_attention_heads = 6", "num_kv_heads = 4"
+    )
 
 
 def test_dense_layers_must_be_inside_the_model():
-    refused(MoEModelConfig(num_layers=2, dense_layers=[0, 2, -1], dense_intermediate_size=8), "[2, -1]", "0..1")
+    refused(lambda: MoEModelConfig(num_layers=2, dense_layers=[0, 2, -1], dense_intermediate_size=8), "[2, -1]", "0..1")
 
 
 def test_dense_layers_need_a_dense_ffn_size():
-    refused(MoEModelConfig(dense_layers=[0]), "dense_layers", "dense_intermediate_size is 0")
+    refused(lambda: MoEModelConfig(dense_layers=[0]), "dense_layers", "dense_intermediate_size is 0")
 
 
 @pytest.mark.parametrize("top_k", [0, 5])
 def test_top_k_within_expert_count(top_k):
-    refused(MoEModelConfig(num_experts=4, top_k=top_k), f"top_k = {top_k}", "num_experts = 4")
+    refused(lambda: MoEModelConfig(num_experts=4, top_k=top_k), f"top_k = {top_k}", "num_experts = 4")
 
 
 def test_moe_needs_an_expert_ffn_size():
-    refused(MoEModelConfig(moe_intermediate_size=0), "moe_intermediate_size")
+    refused(lambda: MoEModelConfig(moe_intermediate_size=0), "moe_intermediate_size")
 
 
 def test_moe_rules_skipped_when_every_layer_is_dense():

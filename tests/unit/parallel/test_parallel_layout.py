@@ -24,7 +24,7 @@ def tiny(**overrides) -> MoEModelConfig:
         moe_intermediate_size=16,
     )
     values.update(overrides)
-    return MoEModelConfig(**values).validate()
+    return MoEModelConfig(**values)  # validated as it is built
 
 
 def refused(layout: ParallelLayout, *fragments: str, model=None) -> str:

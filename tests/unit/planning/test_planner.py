@@ -70,7 +70,7 @@ def test_ranking_orders_fitting_layouts_by_step_time():
         num_experts=8,
         top_k=2,
         moe_intermediate_size=256,
-    ).validate()
+    )
     options = PlanOptions(seq_len=1024, micro_batch_tokens=2048, global_batch_tokens=16 * 1024, group_size=4)
     fitting, too_big = rank_layouts(model, 4, options, gpu_spec("h100"))
     assert fitting and not too_big

@@ -1,4 +1,5 @@
-"""A validated config is frozen: no part of a run can change a setting after start-up."""
+"""ConfigNode: sections validate as they are built and again in validate_config; a validated config
+is frozen, so no part of a run can change a setting after start-up."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import pickle
 import pytest
 
 from gspo_megatron.config.schema import to_train_config
+from gspo_megatron.config.validate import validate_config
 from gspo_megatron.config_node import freeze_config, is_frozen
+from gspo_megatron.routing.config import RoutingDiagnosticsConfig
 from gspo_megatron.testing.train_runs import compose
 
 
@@ -38,3 +41,12 @@ def test_before_freezing_a_config_is_an_ordinary_dataclass():
     cfg = to_train_config(compose([]))
     cfg.trainer.steps = 3
     assert cfg.trainer.steps == 3 and not is_frozen(cfg)
+
+
+def test_sections_validate_as_built_and_again_in_validate_config():
+    with pytest.raises(ValueError, match="every_n_steps must be >= 1"):
+        RoutingDiagnosticsConfig(every_n_steps=0)
+    cfg = to_train_config(compose([]))
+    cfg.rollout.embedded.max_batch_size = 0  # set after construction: validate_config still sees it
+    with pytest.raises(ValueError, match="max_batch_size must be >= 1"):
+        validate_config(cfg, 1)
