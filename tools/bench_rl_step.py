@@ -51,10 +51,11 @@ def bench_worker(ctx, overrides: list[str], run_dir: str) -> list[dict]:
 
     from omegaconf import OmegaConf
 
+    from gspo_megatron.config.compose import compose
     from gspo_megatron.config.schema import to_train_config
     from gspo_megatron.config.store import register_configs
     from gspo_megatron.config.validate import validate_config
-    from gspo_megatron.testing.train_runs import compose, read_metrics
+    from gspo_megatron.testing.train_runs import read_metrics
     from gspo_megatron.trainer.setup import build
     from gspo_megatron.trainer.trainer import RLTrainer
 

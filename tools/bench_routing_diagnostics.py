@@ -23,7 +23,7 @@ import time
 
 def timed_worker(ctx, overrides: list[str], run_dir: str) -> list[float]:
     import gspo_megatron.trainer.trainer as trainer_module
-    from gspo_megatron.testing.train_runs import compose
+    from gspo_megatron.config.compose import compose
     from gspo_megatron.train import run
 
     durations: list[float] = []

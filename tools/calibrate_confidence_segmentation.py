@@ -46,6 +46,7 @@ def main(argv=None) -> int:
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    from gspo_megatron.config.compose import compose
     from gspo_megatron.config.schema import to_train_config
     from gspo_megatron.config.store import register_configs
     from gspo_megatron.data.tasks import build_task
@@ -54,7 +55,6 @@ def main(argv=None) -> int:
     from gspo_megatron.rollout.embedded import EmbeddedEngine
     from gspo_megatron.rollout.types import SamplingParams
     from gspo_megatron.shaping.segmentation import confidence_boundaries
-    from gspo_megatron.testing.train_runs import compose
 
     register_configs()
     cfg = to_train_config(compose(["+experiment=shaping_from_sft", "shaping=grsp"]))

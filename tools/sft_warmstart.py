@@ -68,6 +68,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     from gspo_megatron.algorithms.logprobs import vocab_parallel_log_probs
+    from gspo_megatron.config.compose import compose
     from gspo_megatron.config.schema import OptimizerSection, to_train_config
     from gspo_megatron.config.store import register_configs
     from gspo_megatron.data.config import TaskConfig
@@ -79,7 +80,6 @@ def main(argv=None) -> None:
     from gspo_megatron.models.schedule import run_schedule, wrap_for_training
     from gspo_megatron.parallel.layout import ParallelLayout
     from gspo_megatron.parallel.mesh import initialize_parallel
-    from gspo_megatron.testing.train_runs import compose
     from gspo_megatron.trainer.optim import build_optimizer
     from gspo_megatron.trainer.setup import random_hf_weights
 

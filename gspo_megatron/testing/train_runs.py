@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 FAST = [
     "trainer.steps=2",
     "trainer.prompts_per_step=4",
@@ -17,19 +16,6 @@ FAST = [
 ]
 
 
-def compose(overrides: list[str]):
-    """``conf/config.yaml`` with ``overrides``, composed as the entry point does (schema registered)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from gspo_megatron.config.store import register_configs
-
-    register_configs()  # idempotent: ConfigStore replaces the entry
-
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return hydra_compose("config", overrides=list(overrides))
-
-
 def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
@@ -37,6 +23,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 def train_worker(ctx, overrides: list[str], run_dir: str):
     """One rank of a training run; returns the metrics the driver wrote (rank 0) or []."""
+    from gspo_megatron.config.compose import compose
     from gspo_megatron.train import run
 
     run(compose(overrides), run_dir)

@@ -9,10 +9,10 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
+from gspo_megatron.config.compose import CONF_DIR, compose
 from gspo_megatron.config.store import register_configs
 from gspo_megatron.config.validate import ConfigError, validate_config
 from gspo_megatron.parallel.layout import LayoutError
-from gspo_megatron.testing.train_runs import CONF_DIR, compose
 
 register_configs()
 GROUPS = ["algorithm", "model", "parallel", "rollout", "task", "shaping"]

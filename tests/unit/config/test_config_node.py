@@ -8,11 +8,11 @@ import pickle
 
 import pytest
 
+from gspo_megatron.config.compose import compose
 from gspo_megatron.config.schema import to_train_config
 from gspo_megatron.config.validate import validate_config
 from gspo_megatron.config_node import freeze_config, is_frozen
 from gspo_megatron.routing.config import RoutingDiagnosticsConfig
-from gspo_megatron.testing.train_runs import compose
 
 
 def test_every_section_refuses_assignment_after_freezing_naming_the_field():

@@ -6,8 +6,8 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
+from gspo_megatron.config.compose import compose
 from gspo_megatron.config.validate import ConfigError, validate_config, validate_for_machine
-from gspo_megatron.testing.train_runs import compose
 
 
 def _typed(overrides):

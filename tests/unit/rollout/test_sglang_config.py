@@ -41,10 +41,10 @@ def test_invalid_configs_name_the_field(kwargs, message):
 def test_the_sglang_section_is_required_complete_only_when_sglang_runs():
     """A run on the embedded engine carries an SGLang section it never uses: that run validates; the
     same section refuses to start an sglang run (no model_path to launch, no urls to attach)."""
+    from gspo_megatron.config.compose import compose
     from gspo_megatron.config.schema import to_train_config
     from gspo_megatron.config.store import register_configs
     from gspo_megatron.config.validate import validate_config
-    from gspo_megatron.testing.train_runs import compose
 
     register_configs()
     embedded = to_train_config(compose([]))

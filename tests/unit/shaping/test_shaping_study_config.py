@@ -7,11 +7,11 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from gspo_megatron.config.compose import compose
 from gspo_megatron.config.store import register_configs
 from gspo_megatron.data.tasks import build_task
 from gspo_megatron.data.tokenizer import build_tokenizer
 from gspo_megatron.shaping.segmentation import cluster_counts, keyword_segment_lengths
-from gspo_megatron.testing.train_runs import compose
 
 TOOLS = Path(__file__).resolve().parents[3] / "tools"
 register_configs()

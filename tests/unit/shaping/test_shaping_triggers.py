@@ -3,9 +3,9 @@
 import pytest
 from omegaconf import OmegaConf
 
+from gspo_megatron.config.compose import compose
 from gspo_megatron.config.store import register_configs
 from gspo_megatron.config.validate import ConfigError, validate_config
-from gspo_megatron.testing.train_runs import compose
 
 register_configs()
 
