@@ -180,11 +180,6 @@ def decode_routed_experts(encoded: Any, num_tokens: int, num_layers: int, top_k:
     return torch.from_numpy(array.astype(np.int32))
 
 
-def encode_routed_experts(experts: np.ndarray) -> str:
-    """The inverse of decode_routed_experts (used by the test double and tests)."""
-    return base64.b64encode(np.ascontiguousarray(experts, dtype="<i4").tobytes()).decode("ascii")
-
-
 def _int_list(value: Any, name: str) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise ProtocolError(f"/generate answer field {name!r} = {_short(value)}, expected a list of token ids")
