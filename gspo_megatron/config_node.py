@@ -74,3 +74,16 @@ class ConfigChoice(StrEnum):
 
     def __repr__(self) -> str:
         return repr(self.value)  # error messages quote the value as the user wrote it
+
+
+def flatten_dotted(tree: Any, *, hashable: bool = False, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1} over nested dicts (a plain config container). ``hashable``:
+    lists become tuples of their items' reprs, so the values can key a dict (grouping runs)."""
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(flatten_dotted(value, hashable=hashable, prefix=f"{prefix}{key}."))
+        return out
+    if hashable and isinstance(tree, list):
+        return {prefix[:-1]: tuple(repr(v) for v in tree)}
+    return {prefix[:-1]: tree}

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gspo_megatron.config_node import flatten_dotted
 from gspo_megatron.routing.run_dir import METRICS_FILE, RunData, RunDirError, load_run
 
 DEFAULT_SEED_KEYS = ("trainer.seed",)
@@ -88,18 +89,6 @@ def load_runs_from(paths: Iterable[str | Path]) -> list[RunData]:
     return [load_run(path) for path in runs]
 
 
-def flatten_config(config: Any, prefix: str = "") -> dict[str, Any]:
-    """{"a": {"b": 1}} -> {"a.b": 1}; lists become tuples (hashable)."""
-    if isinstance(config, dict):
-        out: dict[str, Any] = {}
-        for key, value in config.items():
-            out.update(flatten_config(value, f"{prefix}{key}."))
-        return out
-    if isinstance(config, list):
-        return {prefix[:-1]: tuple(repr(v) for v in config)}
-    return {prefix[:-1]: config}
-
-
 def _short(key: str, value: Any) -> str:
     name = SHORT_NAMES.get(key, key.rsplit(".", 1)[-1])
     return f"{value}" if name == "" else f"{name}={value}"
@@ -110,7 +99,7 @@ def group_runs(
 ) -> list[RunGroup]:
     """Runs that differ only in the seed keys form one group; groups keep the runs' order."""
     skip = set(seed_keys) | set(ignored)
-    flat = [{k: v for k, v in flatten_config(run.config).items() if k not in skip} for run in runs]
+    flat = [{k: v for k, v in flatten_dotted(run.config, hashable=True).items() if k not in skip} for run in runs]
     keys = sorted({k for f in flat for k in f})
     varying = [k for k in keys if len({repr(f.get(k)) for f in flat}) > 1]
     # the algorithm first, then the other swept keys in name order; a key that only follows an

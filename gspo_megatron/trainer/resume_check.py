@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from gspo_megatron.config_node import flatten_dotted
+
 FREE_KEYS = (
     "run_dir",
     "logging.",
@@ -55,21 +57,12 @@ def _matches(key: str, patterns: Iterable[str]) -> bool:
     return any(key == p or (p.endswith(".") and key.startswith(p)) for p in patterns)
 
 
-def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        out: dict[str, Any] = {}
-        for key, value in tree.items():
-            out.update(flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: tree}
-
-
 def config_differences(saved_yaml: str, new_yaml: str) -> dict[str, tuple[Any, Any]]:
     """Dotted key -> (saved value, new value) for every key whose value differs (or exists on one side)."""
     from omegaconf import OmegaConf
 
-    saved = flatten(OmegaConf.to_container(OmegaConf.create(saved_yaml), resolve=True))
-    new = flatten(OmegaConf.to_container(OmegaConf.create(new_yaml), resolve=True))
+    saved = flatten_dotted(OmegaConf.to_container(OmegaConf.create(saved_yaml), resolve=True))
+    new = flatten_dotted(OmegaConf.to_container(OmegaConf.create(new_yaml), resolve=True))
     return {
         k: (saved.get(k, ABSENT), new.get(k, ABSENT))
         for k in sorted(set(saved) | set(new))

@@ -11,7 +11,7 @@ import pytest
 from gspo_megatron.config.compose import compose
 from gspo_megatron.config.schema import to_train_config
 from gspo_megatron.config.validate import validate_config
-from gspo_megatron.config_node import freeze_config, is_frozen
+from gspo_megatron.config_node import flatten_dotted, freeze_config, is_frozen
 from gspo_megatron.routing.config import RoutingDiagnosticsConfig
 
 
@@ -50,3 +50,10 @@ def test_sections_validate_as_built_and_again_in_validate_config():
     cfg.rollout.embedded.max_batch_size = 0  # set after construction: validate_config still sees it
     with pytest.raises(ValueError, match="max_batch_size must be >= 1"):
         validate_config(cfg, 1)
+
+
+def test_flatten_dotted_for_resume_diffs_and_run_grouping():
+    tree = {"a": {"b": 1, "c": [1, "x"]}, "d": None}
+    assert flatten_dotted(tree) == {"a.b": 1, "a.c": [1, "x"], "d": None}
+    grouped = flatten_dotted(tree, hashable=True)
+    assert grouped == {"a.b": 1, "a.c": ("1", "'x'"), "d": None} and hash(grouped["a.c"])
