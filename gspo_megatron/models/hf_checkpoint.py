@@ -15,8 +15,11 @@ Design decisions:
 - Atomic: everything goes into ``<out>.partial`` (same parent, same filesystem), then replaces
   ``<out>`` by rename. A crash leaves either the previous export or none at ``<out>``, never a mix;
   a stale ``.partial`` is removed by the next save.
-- Tensors are copied out of the export (``clone``): export pieces are views that share storage
-  (gate/up halves of one fused weight), which safetensors refuses, and views of live parameters.
+- Disk speed, durably: each tensor's bytes go from its own memory to the shard file
+  (``safetensors_writer.py``; no clone, no in-memory copy of the shard), every shard is fdatasync'ed,
+  and the parent directory is fsync'ed after the rename. Export pieces may be views of live
+  parameters or share storage (gate/up halves of one fused weight): they are written before the
+  export continues, so holding them until their shard is written is safe.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 
 from gspo_megatron.models.config import MoEModelConfig
 from gspo_megatron.models.conversion import export_hf_weights
+from gspo_megatron.models.safetensors_writer import fsync_directory, write_safetensors
 
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
@@ -75,15 +79,13 @@ class ShardWriter:
         nbytes = tensor.numel() * tensor.element_size()
         if self.pending and self.pending_bytes + nbytes > self.shard_bytes:
             self._flush()
-        self.pending[name] = tensor.detach().to("cpu").clone(memory_format=torch.contiguous_format)
+        self.pending[name] = tensor.detach()
         self.pending_bytes += nbytes
         self.total_bytes += nbytes
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
-
         file = f"shard-{len(self.files):05d}.tmp"
-        save_file(self.pending, str(self.directory / file), metadata={"format": "pt"})
+        write_safetensors(self.directory / file, self.pending, metadata={"format": "pt"})
         self.files.append((file, list(self.pending)))
         self.pending, self.pending_bytes = {}, 0
 
@@ -100,7 +102,7 @@ class ShardWriter:
             os.replace(self.directory / tmp, self.directory / final)
             weight_map.update({name: final for name in names})
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
-        (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        _write_durably(self.directory / INDEX_FILE, json.dumps(index, indent=2, sort_keys=True) + "\n")
         return index
 
 
@@ -140,10 +142,13 @@ def write_hf_checkpoint(
         if dtype is None:
             raise ValueError(f"no tensors to write into the HF checkpoint {out_dir}")
         config = hf_config_dict(cfg, dtype)
-        (partial / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        _write_durably(partial / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
         for file in tokenizer_files:
             shutil.copy2(file, partial / file.name)
+            _fsync_file(partial / file.name)
+        fsync_directory(partial)
         _replace_directory(partial, out)
+        fsync_directory(out.parent)  # the rename itself survives a crash
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
@@ -200,6 +205,19 @@ def _tokenizer_files(tokenizer_dir: str | Path) -> list[Path]:
             "that tokenizer.save_pretrained wrote, or no tokenizer_dir"
         )
     return files
+
+
+def _write_durably(path: Path, text: str) -> None:
+    path.write_text(text)
+    _fsync_file(path)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
 
 
 def _replace_directory(new: Path, target: Path) -> None:
