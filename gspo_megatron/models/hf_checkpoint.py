@@ -35,9 +35,8 @@ import torch
 
 from gspo_megatron.models.config import MoEModelConfig
 from gspo_megatron.models.conversion import export_hf_weights
-from gspo_megatron.models.safetensors_writer import fsync_directory, write_safetensors
+from gspo_megatron.models.safetensors_writer import ShardWriter, fsync_directory, fsync_file, write_durably
 
-INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 # Files a tokenizer directory may hold (tokenizers, sentencepiece, BPE, chat template).
 TOKENIZER_FILES = (
@@ -58,52 +57,6 @@ DEFAULT_SHARD_BYTES = 2 << 30
 
 class HFCheckpointError(ValueError):
     """An export or import request that cannot be met; the message names the path and the fix."""
-
-
-class ShardWriter:
-    """Accumulate (name, tensor) pairs into safetensors shards of at most ``shard_bytes``."""
-
-    def __init__(self, directory: Path, shard_bytes: int):
-        if shard_bytes < 1:
-            raise HFCheckpointError(f"shard_bytes must be >= 1, got {shard_bytes}")
-        self.directory = Path(directory)
-        self.shard_bytes = shard_bytes
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.files: list[tuple[str, list[str]]] = []  # temporary file name, tensor names
-        self.total_bytes = 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        if name in self.pending or any(name in names for _, names in self.files):
-            raise HFCheckpointError(f"tensor {name!r} was exported twice")
-        nbytes = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + nbytes > self.shard_bytes:
-            self._flush()
-        self.pending[name] = tensor.detach()
-        self.pending_bytes += nbytes
-        self.total_bytes += nbytes
-
-    def _flush(self) -> None:
-        file = f"shard-{len(self.files):05d}.tmp"
-        write_safetensors(self.directory / file, self.pending, metadata={"format": "pt"})
-        self.files.append((file, list(self.pending)))
-        self.pending, self.pending_bytes = {}, 0
-
-    def close(self) -> dict[str, Any]:
-        """Flush, give the shards their final names, write and return the index."""
-        if self.pending:
-            self._flush()
-        if not self.files:
-            raise HFCheckpointError("the export produced no tensors")
-        count = len(self.files)
-        weight_map = {}
-        for i, (tmp, names) in enumerate(self.files):
-            final = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
-            os.replace(self.directory / tmp, self.directory / final)
-            weight_map.update({name: final for name in names})
-        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
-        _write_durably(self.directory / INDEX_FILE, json.dumps(index, indent=2, sort_keys=True) + "\n")
-        return index
 
 
 def hf_config_dict(cfg: MoEModelConfig, dtype: torch.dtype) -> dict[str, Any]:
@@ -142,10 +95,10 @@ def write_hf_checkpoint(
         if dtype is None:
             raise ValueError(f"no tensors to write into the HF checkpoint {out_dir}")
         config = hf_config_dict(cfg, dtype)
-        _write_durably(partial / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
+        write_durably(partial / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
         for file in tokenizer_files:
             shutil.copy2(file, partial / file.name)
-            _fsync_file(partial / file.name)
+            fsync_file(partial / file.name)
         fsync_directory(partial)
         _replace_directory(partial, out)
         fsync_directory(out.parent)  # the rename itself survives a crash
@@ -205,19 +158,6 @@ def _tokenizer_files(tokenizer_dir: str | Path) -> list[Path]:
             "that tokenizer.save_pretrained wrote, or no tokenizer_dir"
         )
     return files
-
-
-def _write_durably(path: Path, text: str) -> None:
-    path.write_text(text)
-    _fsync_file(path)
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-    finally:
-        os.close(fd)
 
 
 def _replace_directory(new: Path, target: Path) -> None:

@@ -18,6 +18,7 @@ import os
 import struct
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,9 +39,9 @@ SAFETENSORS_DTYPES = {
 
 
 def write_safetensors(
-    path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+    path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None, *, durable: bool = True
 ) -> int:
-    """Write ``tensors`` to ``path`` and fdatasync it; returns the bytes of tensor data written."""
+    """Write ``tensors`` to ``path`` (and fdatasync it when ``durable``); returns the bytes of tensor data."""
     if sys.byteorder != "little":
         raise RuntimeError("safetensors stores little-endian data; this writer runs on little-endian hosts only")
     header: dict[str, object] = {}
@@ -65,10 +66,78 @@ def write_safetensors(
         for tensor in tensors.values():
             if tensor.numel():
                 _write_all(fd, _bytes_of(tensor))
-        os.fdatasync(fd)
+        if durable:
+            os.fdatasync(fd)
     finally:
         os.close(fd)
     return offset
+
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class ShardWriter:
+    """Accumulate (name, tensor) pairs into safetensors shards of at most ``shard_bytes``."""
+
+    def __init__(self, directory: Path, shard_bytes: int, *, durable: bool = True):
+        if shard_bytes < 1:
+            raise ValueError(f"shard_bytes must be >= 1, got {shard_bytes}")
+        self.directory = Path(directory)
+        self.shard_bytes = shard_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.files: list[tuple[str, list[str]]] = []  # temporary file name, tensor names
+        self.total_bytes = 0
+        self.durable = durable  # fdatasync every file (False: a copy read back at once, e.g. weight sync)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self.pending or any(name in names for _, names in self.files):
+            raise ValueError(f"tensor {name!r} was exported twice")
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + nbytes > self.shard_bytes:
+            self._flush()
+        self.pending[name] = tensor.detach()
+        self.pending_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def _flush(self) -> None:
+        file = f"shard-{len(self.files):05d}.tmp"
+        write_safetensors(self.directory / file, self.pending, metadata={"format": "pt"}, durable=self.durable)
+        self.files.append((file, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> dict[str, Any]:
+        """Flush, give the shards their final names, write and return the index."""
+        if self.pending:
+            self._flush()
+        if not self.files:
+            raise ValueError("the export produced no tensors")
+        count = len(self.files)
+        weight_map = {}
+        for i, (tmp, names) in enumerate(self.files):
+            final = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+            os.replace(self.directory / tmp, self.directory / final)
+            weight_map.update({name: final for name in names})
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+        text = json.dumps(index, indent=2, sort_keys=True) + "\n"
+        if self.durable:
+            write_durably(self.directory / INDEX_FILE, text)
+        else:
+            (self.directory / INDEX_FILE).write_text(text)
+        return index
+
+
+def write_durably(path: Path, text: str) -> None:
+    path.write_text(text)
+    fsync_file(path)
+
+
+def fsync_file(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
 
 
 def fsync_directory(directory: str | Path) -> None:

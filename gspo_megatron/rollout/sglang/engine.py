@@ -391,8 +391,9 @@ class SGLangEngine(RolloutEngine):
 def write_safetensors_checkpoint(
     named_tensors: Iterable[tuple[str, torch.Tensor]], directory: Path, *, template_dir: str | None, bucket_bytes: int
 ) -> Path:
-    """Write HF-style shards + index into ``directory``, with the template's non-weight files copied."""
-    from safetensors.torch import save_file
+    """Write HF-style shards + index into ``directory``, with the template's non-weight files copied.
+    Streamed (one shard in memory at a time, no copies); not fdatasync'ed: the servers read it at once."""
+    from gspo_megatron.models.safetensors_writer import ShardWriter
 
     if template_dir is None:
         raise ValueError("weight_sync='disk' needs SGLangConfig.model_path (its config/tokenizer files are copied)")
@@ -400,13 +401,10 @@ def write_safetensors_checkpoint(
     for source in Path(template_dir).iterdir():
         if source.is_file() and not source.name.endswith((".safetensors", ".bin", ".pt", ".index.json")):
             shutil.copy2(source, directory / source.name)
-    shards = list(bucket_named_tensors(named_tensors, bucket_bytes))
-    weight_map = {}
-    for index, bucket in enumerate(shards):
-        filename = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({name: tensor.detach().cpu().contiguous() for name, tensor in bucket}, str(directory / filename))
-        weight_map.update({name: filename for name, _ in bucket})
-    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    writer = ShardWriter(directory, bucket_bytes, durable=False)
+    for name, tensor in named_tensors:
+        writer.add(name, tensor)
+    writer.close()
     return directory
 
 
