@@ -1,9 +1,12 @@
-"""``ConfigNode``: the base of every config dataclass, so that a validated config can be frozen.
+"""What every config section shares (torch-free: every config module imports it).
 
-``freeze_config(cfg)`` runs once at start-up, after ``validate_config``: from then on an assignment
-to any field of the tree raises, naming the field, so no part of a run can change a setting the
-others already read (or that the run directory's ``config.yaml`` records). ``dataclasses.replace``
-still works -- it builds a new, unfrozen node. Torch-free: every config module imports it.
+- ``ConfigNode``, the base of every config dataclass: a section checks its own fields in
+  ``validate()``, run at construction and again by ``validate_config``; ``freeze_config(cfg)`` runs
+  once at start-up, after validation, and from then on an assignment to any field of the tree
+  raises naming the field, so no part of a run can change a setting the others already read (or
+  that the run directory's ``config.yaml`` records). ``dataclasses.replace`` builds a new, unfrozen node.
+- ``ConfigChoice``, the base of closed choices (``StrEnum``): Hydra refuses other values at compose time.
+- ``flatten_dotted``: nested config containers as dotted keys (resume diffs, grouping runs).
 """
 
 from __future__ import annotations
