@@ -96,7 +96,9 @@ class ShardWriter:
         nbytes = tensor.numel() * tensor.element_size()
         if self.pending and self.pending_bytes + nbytes > self.shard_bytes:
             self._flush()
-        self.pending[name] = tensor.detach()
+        # device tensors come to host now (a shard of them would otherwise sit in GPU memory);
+        # host tensors are kept as they are, views included, and written from their own memory
+        self.pending[name] = tensor.detach().to("cpu")
         self.pending_bytes += nbytes
         self.total_bytes += nbytes
 
