@@ -14,7 +14,6 @@ from gspo_megatron.config.schema import DecayStyle
 
 def build_optimizer(ddp_model, section, total_updates: int):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     on_gpu = torch.cuda.is_available()
     bf16 = ddp_model.config.bf16
@@ -32,20 +31,29 @@ def build_optimizer(ddp_model, section, total_updates: int):
         use_distributed_optimizer=on_gpu,
     )
     optimizer = get_megatron_optimizer(config, [ddp_model])
+    return optimizer, build_scheduler(optimizer, section, total_updates)
+
+
+def build_scheduler(optimizer, section, total_updates: int):
+    """megatron's LR/weight-decay scheduler. Its ``state_dict`` goes into the checkpoint's trainer state,
+    which is loaded with ``weights_only=True``: the decay style is handed over as a plain string, not as
+    the ``DecayStyle`` enum (which the unpickler would refuse on resume)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
     if section.decay_style not in tuple(DecayStyle):
         raise ValueError(f"optimizer.decay_style={section.decay_style!r} is unknown; valid: {', '.join(DecayStyle)}")
+    decay_style = str(DecayStyle(section.decay_style))  # str(): plain str, not the enum
     warmup = min(section.warmup_steps, max(total_updates - 1, 0))
-    scheduler = OptimizerParamScheduler(
+    return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if warmup else section.lr,
         max_lr=section.lr,
-        min_lr=section.min_lr if section.decay_style != "constant" else section.lr,
+        min_lr=section.min_lr if decay_style != "constant" else section.lr,
         lr_warmup_steps=warmup,
         lr_decay_steps=max(total_updates, warmup + 1),
-        lr_decay_style=section.decay_style,
+        lr_decay_style=decay_style,
         start_wd=section.weight_decay,
         end_wd=section.weight_decay,
         wd_incr_steps=max(total_updates, 1),
         wd_incr_style="constant",
     )
-    return optimizer, scheduler
