@@ -35,7 +35,7 @@ import torch
 
 from gspo_megatron.models.config import MoEModelConfig
 from gspo_megatron.models.conversion import export_hf_weights
-from gspo_megatron.models.safetensors_writer import ShardWriter, fsync_directory, fsync_file, write_durably
+from gspo_megatron.models.safetensors_writer import ShardWriter, fsync_path, write_durably
 
 CONFIG_FILE = "config.json"
 # Files a tokenizer directory may hold (tokenizers, sentencepiece, BPE, chat template).
@@ -98,10 +98,10 @@ def write_hf_checkpoint(
         write_durably(partial / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
         for file in tokenizer_files:
             shutil.copy2(file, partial / file.name)
-            fsync_file(partial / file.name)
-        fsync_directory(partial)
+            fsync_path(partial / file.name)
+        fsync_path(partial)
         _replace_directory(partial, out)
-        fsync_directory(out.parent)  # the rename itself survives a crash
+        fsync_path(out.parent)  # the rename itself survives a crash
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise

@@ -131,22 +131,16 @@ class ShardWriter:
 
 def write_durably(path: Path, text: str) -> None:
     path.write_text(text)
-    fsync_file(path)
+    fsync_path(path)
 
 
-def fsync_file(path: str | Path) -> None:
+def fsync_path(path: str | Path) -> None:
+    """Make a file's data, or a directory's entries (renames, new files), durable: ``fdatasync`` for a
+    file, ``fsync`` for a directory (the call POSIX defines for directory entries)."""
+    sync = os.fsync if os.path.isdir(path) else os.fdatasync
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fdatasync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_directory(directory: str | Path) -> None:
-    """Make renames and new entries in ``directory`` durable."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
+        sync(fd)
     finally:
         os.close(fd)
 
