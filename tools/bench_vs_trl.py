@@ -1,0 +1,332 @@
+"""This project against Hugging Face TRL's GRPOTrainer on the same work: per-round time and its split.
+
+    pip install -e '.[bench]'                       # TRL and what it needs (not part of setup.sh)
+    python tools/bench_vs_trl.py --shape medium      # 4-layer 16-expert MoE, 32 x <= 64-token answers
+    python tools/bench_vs_trl.py --shape default     # the main job: tiny MoE, 256 one-token answers
+    python tools/bench_vs_trl.py --shape medium algorithm.old_log_probs=rollout  # any of our overrides
+
+Same work on both sides, all taken from this project's composed config:
+- the same weights: one HF checkpoint (``save_pretrained`` of a transformers Qwen3-MoE with this
+  config's shape), loaded by TRL and by our run (``model.hf_checkpoint``);
+- the same tokenizer (``data/symbol_hf.py``: the symbol tokenizer as an HF fast tokenizer, same ids),
+  the same prompts in the same order and the same reward function on the same records;
+- the same batch: ``prompts_per_step x group_size`` completions per round (TRL's generation batch,
+  ``num_generations = group_size``), ``updates_per_rollout`` optimizer steps per round on equal
+  slices (TRL's ``steps_per_generation``), at most ``max_new_tokens`` new tokens, the same sampling
+  temperature;
+- the same algorithm: GSPO as TRL spells it (``importance_sampling_level="sequence"``, ``loss_type
+  ="grpo"``: mean over tokens, then over sequences) or GRPO (token level), the same clip range, no KL,
+  group-normalised advantages; Adam with the same lr (constant), betas, eps, and gradient clipping.
+  TRL computes old log-probs with a forward pass because generation and updates are misaligned
+  (``steps_per_generation > gradient_accumulation_steps``), as our ``old_log_probs=trainer`` does.
+
+Each side runs ``--rounds`` rounds in a fresh process; the sides alternate ``--reps`` times (ours,
+TRL, ours, TRL, ...) so load on the shared cores hits both alike. The first round of every run is
+warm-up and is not counted; per-round times are the median over all later rounds of all repetitions.
+Start-up (process start to the first round) is reported apart.
+
+Phases: ours as ``tools/bench_rl_step.py`` splits them (generate, reward, advantages, old_logp,
+update, weight_sync, other). TRL: ``generate`` (``_generate_single_turn``), ``reward``
+(``_calculate_rewards``), ``old_logp+prep`` (the rest of ``_generate_and_score_completions``: old
+log-probs, advantages, padding), ``update`` (the rest of the round: forward/backward/optimizer and
+the Trainer's own bookkeeping). Completion tokens per second count the tokens each side generated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SHAPES = {
+    # the main job, as conf/config.yaml composes it
+    "default": [],
+    # the issue's medium shape: 4-layer Qwen3-MoE, hidden 256, 16 experts top-4; 32 completions of
+    # <= 64 tokens, 4 updates per round (8 rows each)
+    "medium": [
+        "model.num_layers=4",
+        "model.hidden_size=256",
+        "model.num_attention_heads=4",
+        "model.num_kv_heads=2",
+        "model.head_dim=64",
+        "model.num_experts=16",
+        "model.top_k=4",
+        "model.moe_intermediate_size=128",
+        "rollout.max_new_tokens=64",
+        "rollout.group_size=8",
+        "trainer.prompts_per_step=4",
+        "trainer.updates_per_rollout=4",
+        "trainer.micro_batch_size=8",
+    ],
+}
+# the schedule both sides can express: constant lr, no warm-up; no evaluation, logging or checkpoints
+COMMON = [
+    "optimizer.decay_style=constant",
+    "optimizer.warmup_steps=0",
+    "trainer.eval_every=0",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+]
+
+
+def compose_work(overrides: list[str]):
+    from gspo_megatron.config.compose import compose
+    from gspo_megatron.config.schema import to_train_config
+    from gspo_megatron.config.store import register_configs
+
+    register_configs()
+    return to_train_config(compose(overrides))
+
+
+def write_shared_checkpoint(cfg, out: Path) -> None:
+    """The initial weights both sides load: transformers' Qwen3-MoE of this shape, and the tokenizer."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from gspo_megatron.data.symbol_hf import symbol_tokenizer_as_hf
+    from gspo_megatron.data.tokenizer import SymbolTokenizer
+    from gspo_megatron.models.hf_checkpoint import hf_config_dict
+
+    if cfg.tokenizer.kind != "symbol":
+        raise SystemExit(f"tokenizer.kind={cfg.tokenizer.kind}: the benchmark builds the symbol tokenizer only")
+    torch.manual_seed(cfg.model.init_seed)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**hf_config_dict(cfg.model, torch.float32)))
+    model.save_pretrained(out)
+    symbol_tokenizer_as_hf(SymbolTokenizer(cfg.model.vocab_size)).save_pretrained(out)
+
+
+def task_work(cfg, count: int):
+    """The prompts our run draws, in its order (the task is deterministic in its seed), the reward
+    function our run scores with, and the tokenizer that decodes what was generated."""
+    from gspo_megatron.data.tasks import build_task
+    from gspo_megatron.data.tokenizer import build_tokenizer
+    from gspo_megatron.rewards.registry import resolve_reward
+
+    tokenizer = build_tokenizer(cfg.tokenizer.kind, cfg.tokenizer.path, cfg.model.vocab_size)
+    task = build_task(cfg.task, tokenizer)
+    reward = resolve_reward(cfg.shaping.reward_name(cfg.task.reward or task.reward))
+    return task.next_batch(count), reward, tokenizer
+
+
+# ---------------------------------------------------------------- TRL side (a fresh process per run)
+def trl_run(cfg, hf_dir: str, rounds: int, out_dir: str) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    started = time.perf_counter()
+    t, r, a, o = cfg.trainer, cfg.rollout, cfg.algorithm, cfg.optimizer
+    rows = t.prompts_per_step * r.group_size
+    records, score, tokenizer = task_work(cfg, t.prompts_per_step * rounds)
+    dataset = Dataset.from_dict({"prompt": [rec.prompt for rec in records], "record": list(range(len(records)))})
+    generated_tokens = []
+
+    def reward(prompts, completions, completion_ids, record, **_):
+        """Our reward function on the text our run would score: the generated ids decoded with the stop
+        token kept (TRL's ``completions`` drop it, and our verifiers check that a response ended)."""
+        generated_tokens.append(sum(len(ids) for ids in completion_ids))
+        return [float(score(tokenizer.decode(ids), records[i]).reward) for ids, i in zip(completion_ids, record)]
+
+    args = GRPOConfig(
+        output_dir=out_dir,
+        use_cpu=True,
+        bf16=False,
+        seed=t.seed,
+        per_device_train_batch_size=rows // t.updates_per_rollout,
+        gradient_accumulation_steps=1,
+        steps_per_generation=t.updates_per_rollout,
+        num_iterations=1,
+        num_generations=r.group_size,
+        max_completion_length=r.max_new_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        max_steps=rounds * t.updates_per_rollout,
+        learning_rate=o.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_epsilon=o.adam_eps,
+        max_grad_norm=o.clip_grad,
+        beta=a.kl_coef,
+        epsilon=a.clip_low,
+        epsilon_high=a.clip_high,
+        importance_sampling_level="sequence" if a.loss in ("gspo", "gspo_token") else "token",
+        loss_type="grpo",
+        scale_rewards="group",
+        shuffle_dataset=False,
+        remove_unused_columns=False,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        disable_dropout=True,
+        dataloader_num_workers=0,
+    )
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[reward],
+        args=args,
+        train_dataset=dataset,
+        processing_class=AutoTokenizer.from_pretrained(hf_dir),
+    )
+    phases = {name: _wrap(trainer, name) for name in ("_generate_single_turn", "_calculate_rewards")}
+    phases["score"] = _wrap(trainer, "_generate_and_score_completions")
+
+    class RoundClock(TrainerCallback):
+        def __init__(self):
+            self.step_seconds, self._start = [], 0.0
+
+        def on_step_begin(self, *_, **__):
+            self._start = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            self.step_seconds.append(time.perf_counter() - self._start)
+
+    clock = RoundClock()
+    trainer.add_callback(clock)
+    startup = time.perf_counter() - started
+    trainer.train()
+    per = t.updates_per_rollout
+    out = []
+    for k in range(rounds):
+        step = sum(clock.step_seconds[k * per : (k + 1) * per])
+        gen, rew, both = (phases[n][k] for n in ("_generate_single_turn", "_calculate_rewards", "score"))
+        out.append(
+            {
+                "generate": gen,
+                "reward": rew,
+                "old_logp+prep": both - gen - rew,
+                "update": step - both,
+                "step": step,
+                "tokens": generated_tokens[k],
+            }
+        )
+    return {"startup": startup, "rounds": out}
+
+
+def _wrap(trainer, name: str) -> list[float]:
+    seconds: list[float] = []
+    inner = getattr(trainer, name)
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - start)
+
+    setattr(trainer, name, timed)
+    return seconds
+
+
+def _trl_process(cfg, hf_dir: str, rounds: int, queue) -> None:
+    with tempfile.TemporaryDirectory(prefix="bench_trl_") as out_dir:
+        queue.put(trl_run(cfg, hf_dir, rounds, out_dir))
+
+
+def run_trl(cfg, hf_dir: str, rounds: int) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    started = time.perf_counter()
+    process = ctx.Process(target=_trl_process, args=(cfg, hf_dir, rounds, queue))
+    process.start()
+    result = queue.get()
+    process.join()
+    if process.exitcode:
+        raise SystemExit(f"the TRL run failed (exit {process.exitcode})")
+    result["process_startup"] = time.perf_counter() - started - sum(r["step"] for r in result["rounds"])
+    return result
+
+
+# ---------------------------------------------------------------- our side
+def run_ours(cfg, overrides: list[str], rounds: int) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_rl_step import bench_worker
+
+    from gspo_megatron.testing.distributed import run_distributed
+
+    with tempfile.TemporaryDirectory(prefix="bench_ours_") as run_dir:
+        started = time.perf_counter()
+        (steps,) = run_distributed(bench_worker, 1, [f"trainer.steps={rounds}", *overrides], run_dir, timeout=3600)[:1]
+        total = time.perf_counter() - started
+        records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    rows = cfg.trainer.prompts_per_step * cfg.rollout.group_size
+    for step, record in zip(steps, records):
+        step["tokens"] = record["response/length_mean"] * rows
+    return {"process_startup": total - sum(s["step"] for s in steps), "rounds": steps}
+
+
+# ---------------------------------------------------------------- report
+OURS = ["generate", "reward", "advantages", "old_logp", "update", "weight_sync", "other"]
+TRL = ["generate", "reward", "old_logp+prep", "update"]
+
+
+def summarise(runs: list[dict], phases: list[str]) -> dict:
+    later = [r for run in runs for r in run["rounds"][1:]]
+    out = {k: statistics.median(r[k] for r in later) for k in [*phases, "step"]}
+    out["tokens_per_s"] = statistics.median(r["tokens"] / r["step"] for r in later)
+    out["startup"] = statistics.median(run["process_startup"] for run in runs)
+    out["step_spread"] = (min(r["step"] for r in later), max(r["step"] for r in later))
+    return out
+
+
+def report(ours: dict, trl: dict, rounds_counted: int) -> str:
+    lines = [f"{'':<14}{'ours s':>9}{'TRL s':>9}", f"{'round':<14}{ours['step']:>9.3f}{trl['step']:>9.3f}"]
+    lines.append(f"{'  ratio':<14}{ours['step'] / trl['step']:>9.2f}x  (ours / TRL; < 1: ours faster)")
+    for name in OURS:
+        lines.append(f"  {name:<12}{ours[name]:>9.3f}")
+    for name in TRL:
+        lines.append(f"  {name:<12}{'':>9}{trl[name]:>9.3f}")
+    lines.append(f"{'tokens/s':<14}{ours['tokens_per_s']:>9.0f}{trl['tokens_per_s']:>9.0f}  (completion tokens)")
+    lines.append(f"{'start-up':<14}{ours['startup']:>9.1f}{trl['startup']:>9.1f}  (process start to first round)")
+    lines.append(
+        f"round min-max  ours {ours['step_spread'][0]:.3f}-{ours['step_spread'][1]:.3f}  "
+        f"TRL {trl['step_spread'][0]:.3f}-{trl['step_spread'][1]:.3f}; medians over {rounds_counted} rounds each"
+    )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="medium")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds per run (the first is warm-up)")
+    parser.add_argument("--reps", type=int, default=2, help="runs per side, alternating")
+    parser.add_argument("--json", default=None, help="also write the raw per-round numbers here")
+    parser.add_argument("overrides", nargs="*", help="our Hydra overrides (applied to both sides' config)")
+    args = parser.parse_args(argv)
+    if args.rounds < 2:
+        parser.error("--rounds must be >= 2 (the first round is warm-up)")
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        raise SystemExit("TRL is not installed: pip install -e '.[bench]'") from None
+    with tempfile.TemporaryDirectory(prefix="bench_vs_trl_") as tmp:
+        hf_dir = str(Path(tmp) / "init")
+        overrides = [*SHAPES[args.shape], *COMMON, *args.overrides]
+        cfg = compose_work(overrides)
+        write_shared_checkpoint(cfg, Path(hf_dir))
+        overrides.append(f"model.hf_checkpoint={hf_dir}")
+        cfg = compose_work([*overrides, f"trainer.steps={args.rounds}"])
+        ours_runs, trl_runs = [], []
+        for rep in range(args.reps):
+            ours_runs.append(run_ours(cfg, overrides, args.rounds))
+            trl_runs.append(run_trl(cfg, hf_dir, args.rounds))
+            ours_s = statistics.median(r["step"] for r in ours_runs[-1]["rounds"][1:])
+            trl_s = statistics.median(r["step"] for r in trl_runs[-1]["rounds"][1:])
+            print(f"rep {rep + 1}/{args.reps}: ours {ours_s:.3f} s/round, TRL {trl_s:.3f} s/round", flush=True)
+    print(f"shape {args.shape}; overrides: {' '.join(overrides[:-1])}")
+    print(report(summarise(ours_runs, OURS), summarise(trl_runs, TRL), (args.rounds - 1) * args.reps))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"ours": ours_runs, "trl": trl_runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
