@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 
@@ -45,8 +46,11 @@ class _Timed:
             self.seconds.append(time.perf_counter() - start)
 
 
-def bench_worker(ctx, overrides: list[str], run_dir: str) -> list[dict]:
-    """One rank of the run; the driver returns one dict of phase seconds per step."""
+def bench_worker(ctx, overrides: list[str], run_dir: str, profile_top: int = 0) -> list[dict]:
+    """One rank of the run; the driver returns one dict of phase seconds per step. With
+    ``profile_top`` the driver also prints cProfile's top functions over the steps after the first."""
+    import cProfile
+    import pstats
     from pathlib import Path
 
     from omegaconf import OmegaConf
@@ -72,13 +76,19 @@ def bench_worker(ctx, overrides: list[str], run_dir: str) -> list[dict]:
         score = _Timed(rollout._score)
         rollout._score = score
     trainer = RLTrainer(components)
-    step_seconds = []
+    step_seconds: list[float] = []
     train_step = trainer.train_step
+    profiler = cProfile.Profile() if profile_top and ctx.rank == 0 else None
 
     def timed_step():
+        profiling = profiler is not None and step_seconds  # the first step is warm-up
+        if profiling:
+            profiler.enable()
         start = time.perf_counter()
         metrics = train_step()
         step_seconds.append(time.perf_counter() - start)
+        if profiling:
+            profiler.disable()
         return metrics
 
     trainer.train_step = timed_step
@@ -88,6 +98,11 @@ def bench_worker(ctx, overrides: list[str], run_dir: str) -> list[dict]:
         components.close()
     if ctx.rank != 0:
         return []
+    if profiler is not None and len(step_seconds) > 1:
+        for order in ("tottime", "cumulative"):
+            print(f"--- cProfile of steps 2..{len(step_seconds)}, top {profile_top} by {order}", flush=True)
+            pstats.Stats(profiler, stream=sys.stdout).sort_stats(order).print_stats(profile_top)
+        sys.stdout.flush()
     steps = []
     for record, gen_s, score_s, step_s in zip(read_metrics(run_dir), generate.seconds, score.seconds, step_seconds):
         phases = {
@@ -123,6 +138,8 @@ def main(argv=None) -> None:
     parser.add_argument("--world", type=int, default=1, help="gloo/NCCL ranks (match the parallel= layout)")
     parser.add_argument("--run-dir", default=None, help="default: a temporary directory, removed afterwards")
     parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--threads-per-rank", type=int, default=1, help="torch threads in each rank")
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="print cProfile's top N (driver)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. parallel=tp2 algorithm=grpo")
     args = parser.parse_args(argv)
     if args.steps < 1:
@@ -136,7 +153,15 @@ def main(argv=None) -> None:
     ]
     with tempfile.TemporaryDirectory(prefix="bench_rl_step_") as tmp:
         run_dir = args.run_dir or tmp
-        results = run_distributed(bench_worker, args.world, overrides, run_dir, timeout=args.timeout)
+        results = run_distributed(
+            bench_worker,
+            args.world,
+            overrides,
+            run_dir,
+            args.profile,
+            timeout=args.timeout,
+            threads_per_rank=args.threads_per_rank,
+        )
     steps = results[0]
     print(f"{args.steps} RL steps, {args.world} rank(s), overrides: {' '.join(overrides)}")
     print(format_breakdown(steps))

@@ -12,8 +12,11 @@ Same work on both sides, all taken from this project's composed config:
   the same prompts in the same order and the same reward function on the same records;
 - the same batch: ``prompts_per_step x group_size`` completions per round (TRL's generation batch,
   ``num_generations = group_size``), ``updates_per_rollout`` optimizer steps per round on equal
-  slices (TRL's ``steps_per_generation``), at most ``max_new_tokens`` new tokens, the same sampling
-  temperature;
+  slices, each in micro-batches of ``micro_batch_size`` rows (TRL's per-device batch, with gradient
+  accumulation making up the mini-batch; its old log-probs are computed in the same chunks), at most
+  ``max_new_tokens`` new tokens, the same sampling temperature;
+- the same torch thread count in both processes (``--threads``; default torch's own, as a plain
+  ``python -m gspo_megatron.train`` gets);
 - the same algorithm: GSPO as TRL spells it (``importance_sampling_level="sequence"``, ``loss_type
   ="grpo"``: mean over tokens, then over sequences) or GRPO (token level), the same clip range, no KL,
   group-normalised advantages; Adam with the same lr (constant), betas, eps, and gradient clipping.
@@ -114,15 +117,21 @@ def task_work(cfg, count: int):
 
 
 # ---------------------------------------------------------------- TRL side (a fresh process per run)
-def trl_run(cfg, hf_dir: str, rounds: int, out_dir: str) -> dict:
+def trl_run(cfg, hf_dir: str, rounds: int, out_dir: str, threads: int) -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     started = time.perf_counter()
+    torch.set_num_threads(threads)
     t, r, a, o = cfg.trainer, cfg.rollout, cfg.algorithm, cfg.optimizer
     rows = t.prompts_per_step * r.group_size
+    # our micro-batches: one mini-batch (rows / updates) cut into micro_batch_size rows each; TRL's
+    # per-device batch is its micro-batch and gradient accumulation makes up the mini-batch
+    per_update = rows // t.updates_per_rollout
+    micro = min(t.micro_batch_size, per_update)
+    accumulation = per_update // micro
     records, score, tokenizer = task_work(cfg, t.prompts_per_step * rounds)
     dataset = Dataset.from_dict({"prompt": [rec.prompt for rec in records], "record": list(range(len(records)))})
     generated_tokens = []
@@ -138,9 +147,9 @@ def trl_run(cfg, hf_dir: str, rounds: int, out_dir: str) -> dict:
         use_cpu=True,
         bf16=False,
         seed=t.seed,
-        per_device_train_batch_size=rows // t.updates_per_rollout,
-        gradient_accumulation_steps=1,
-        steps_per_generation=t.updates_per_rollout,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=accumulation,
+        steps_per_generation=t.updates_per_rollout * accumulation,
         num_iterations=1,
         num_generations=r.group_size,
         max_completion_length=r.max_new_tokens,
@@ -181,14 +190,19 @@ def trl_run(cfg, hf_dir: str, rounds: int, out_dir: str) -> dict:
     phases["score"] = _wrap(trainer, "_generate_and_score_completions")
 
     class RoundClock(TrainerCallback):
-        def __init__(self):
-            self.step_seconds, self._start = [], 0.0
+        """Optimizer step k lasts from the end of step k-1 (or the start of training) to its own end,
+        so whatever the Trainer does between steps (fetching the next batch included) is counted."""
 
-        def on_step_begin(self, *_, **__):
-            self._start = time.perf_counter()
+        def __init__(self):
+            self.step_seconds, self._last = [], 0.0
+
+        def on_train_begin(self, *_, **__):
+            self._last = time.perf_counter()
 
         def on_step_end(self, *_, **__):
-            self.step_seconds.append(time.perf_counter() - self._start)
+            now = time.perf_counter()
+            self.step_seconds.append(now - self._last)
+            self._last = now
 
     clock = RoundClock()
     trainer.add_callback(clock)
@@ -227,16 +241,16 @@ def _wrap(trainer, name: str) -> list[float]:
     return seconds
 
 
-def _trl_process(cfg, hf_dir: str, rounds: int, queue) -> None:
+def _trl_process(cfg, hf_dir: str, rounds: int, threads: int, queue) -> None:
     with tempfile.TemporaryDirectory(prefix="bench_trl_") as out_dir:
-        queue.put(trl_run(cfg, hf_dir, rounds, out_dir))
+        queue.put(trl_run(cfg, hf_dir, rounds, out_dir, threads))
 
 
-def run_trl(cfg, hf_dir: str, rounds: int) -> dict:
+def run_trl(cfg, hf_dir: str, rounds: int, threads: int) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     started = time.perf_counter()
-    process = ctx.Process(target=_trl_process, args=(cfg, hf_dir, rounds, queue))
+    process = ctx.Process(target=_trl_process, args=(cfg, hf_dir, rounds, threads, queue))
     process.start()
     result = queue.get()
     process.join()
@@ -247,7 +261,7 @@ def run_trl(cfg, hf_dir: str, rounds: int) -> dict:
 
 
 # ---------------------------------------------------------------- our side
-def run_ours(cfg, overrides: list[str], rounds: int) -> dict:
+def run_ours(cfg, overrides: list[str], rounds: int, threads: int) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_rl_step import bench_worker
 
@@ -255,7 +269,9 @@ def run_ours(cfg, overrides: list[str], rounds: int) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="bench_ours_") as run_dir:
         started = time.perf_counter()
-        (steps,) = run_distributed(bench_worker, 1, [f"trainer.steps={rounds}", *overrides], run_dir, timeout=3600)[:1]
+        (steps,) = run_distributed(
+            bench_worker, 1, [f"trainer.steps={rounds}", *overrides], run_dir, timeout=3600, threads_per_rank=threads
+        )[:1]
         total = time.perf_counter() - started
         records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     rows = cfg.trainer.prompts_per_step * cfg.rollout.group_size
@@ -299,6 +315,12 @@ def main(argv=None) -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="medium")
     parser.add_argument("--rounds", type=int, default=6, help="rounds per run (the first is warm-up)")
     parser.add_argument("--reps", type=int, default=2, help="runs per side, alternating")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of each side's process (default: torch's own default here, as a plain run gets)",
+    )
     parser.add_argument("--json", default=None, help="also write the raw per-round numbers here")
     parser.add_argument("overrides", nargs="*", help="our Hydra overrides (applied to both sides' config)")
     args = parser.parse_args(argv)
@@ -308,6 +330,9 @@ def main(argv=None) -> None:
         import trl  # noqa: F401
     except ImportError:
         raise SystemExit("TRL is not installed: pip install -e '.[bench]'") from None
+    import torch
+
+    threads = args.threads or torch.get_num_threads()
     with tempfile.TemporaryDirectory(prefix="bench_vs_trl_") as tmp:
         hf_dir = str(Path(tmp) / "init")
         overrides = [*SHAPES[args.shape], *COMMON, *args.overrides]
@@ -317,12 +342,12 @@ def main(argv=None) -> None:
         cfg = compose_work([*overrides, f"trainer.steps={args.rounds}"])
         ours_runs, trl_runs = [], []
         for rep in range(args.reps):
-            ours_runs.append(run_ours(cfg, overrides, args.rounds))
-            trl_runs.append(run_trl(cfg, hf_dir, args.rounds))
+            ours_runs.append(run_ours(cfg, overrides, args.rounds, threads))
+            trl_runs.append(run_trl(cfg, hf_dir, args.rounds, threads))
             ours_s = statistics.median(r["step"] for r in ours_runs[-1]["rounds"][1:])
             trl_s = statistics.median(r["step"] for r in trl_runs[-1]["rounds"][1:])
             print(f"rep {rep + 1}/{args.reps}: ours {ours_s:.3f} s/round, TRL {trl_s:.3f} s/round", flush=True)
-    print(f"shape {args.shape}; overrides: {' '.join(overrides[:-1])}")
+    print(f"shape {args.shape}; {threads} torch thread(s) per side; overrides: {' '.join(overrides[:-1])}")
     print(report(summarise(ours_runs, OURS), summarise(trl_runs, TRL), (args.rounds - 1) * args.reps))
     if args.json:
         Path(args.json).write_text(json.dumps({"ours": ours_runs, "trl": trl_runs}, indent=1))
