@@ -7,7 +7,10 @@ Design decisions:
 - Our own decode loop (not ``model.generate``): it gives exact control of sampling, log-probs, stop
   rules and routing capture. Rows (prompt x sample) are batched with LEFT padding, an attention mask
   and position ids = (number of real tokens before) so a padded row sees the same positions as alone.
-  Finished rows keep being fed a pad token until the whole chunk finishes; their outputs are ignored.
+  A row that finishes leaves the batch and the KV cache (``batch_select_indices``) after that step,
+  so long-tailed lengths cost what the rows still running cost (``generate`` in transformers and
+  TRL keeps feeding finished rows to the end). Sampling draws from per-row generators, so the
+  tokens do not depend on which rows share the batch.
 - ``use_cache=False`` re-runs the whole sequence each step (reference and benchmark for the cache).
 - Log-probs are log_softmax(logits / T) of the sampled token before top-k/top-p (see ``sampling``).
 - Stop rules (checked in this order after each token): a ``stop_token_ids`` token, a ``stop`` string
@@ -166,10 +169,15 @@ class EmbeddedEngine(RolloutEngine):
         outputs: list[list[int]] = [[] for _ in range(batch)]
         log_probs: list[list[float]] = [[] for _ in range(batch)]
         finish: list[FinishReason | None] = [None] * batch
-        routing_chunks = []
+        # routed experts of every fed position (prompt padding included), -1 where never fed
+        routing = None
+        if params.return_routed_experts:
+            layers, top_k = self.model.config.num_hidden_layers, self.model.config.num_experts_per_tok
+            routing = torch.full((batch, width + params.max_new_tokens, layers, top_k), -1, dtype=torch.int32)
+        active = list(range(batch))  # chunk rows still generating, in the order of the model's batch
         cache = DynamicCache(config=self.model.config) if self.config.use_cache else None
-        feed_ids, feed_positions, new_positions = ids, positions, width
-        capture = _RouterCapture(self.model) if params.return_routed_experts else None
+        feed_ids, feed_positions, fed = ids, positions, 0
+        capture = _RouterCapture(self.model) if routing is not None else None
         with capture if capture is not None else contextlib.nullcontext():
             for _ in range(params.max_new_tokens):
                 logits = self.model(
@@ -180,23 +188,28 @@ class EmbeddedEngine(RolloutEngine):
                     use_cache=cache is not None,
                     logits_to_keep=1,
                 ).logits
-                if capture is not None:
-                    routing_chunks.append(capture.take(batch, new_positions))
-                tokens, token_log_probs = sample_next_tokens(logits[:, -1], params, generators)
-                self._record(tokens, token_log_probs, outputs, log_probs, finish, params)
-                if all(reason is not None for reason in finish):
+                new = feed_ids.shape[1] if cache is not None or fed == 0 else 1
+                if capture is not None and routing is not None:
+                    routing[active, fed : fed + new] = capture.take(len(active), new)
+                fed += new
+                tokens, token_log_probs = sample_next_tokens(logits[:, -1], params, [generators[r] for r in active])
+                self._record(active, tokens, token_log_probs, outputs, log_probs, finish, params)
+                keep = [i for i, r in enumerate(active) if finish[r] is None]
+                if not keep:
                     break
-                next_ids = torch.where(
-                    torch.tensor([r is None for r in finish], device=device),
-                    tokens,
-                    torch.full_like(tokens, self.config.pad_token_id),
-                ).unsqueeze(-1)
+                if len(keep) < len(active):
+                    # finished rows leave the batch (and the KV cache): the rest decode as they would
+                    # alone, since sampling draws from per-row generators
+                    index = torch.tensor(keep, device=device)
+                    active = [active[i] for i in keep]
+                    ids, positions, mask, tokens = ids[index], positions[index], mask[index], tokens[index]
+                    if cache is not None:
+                        cache.batch_select_indices(index)
+                next_ids = tokens.unsqueeze(-1)
                 next_positions = positions[:, -1:] + 1
                 ids, positions = torch.cat([ids, next_ids], -1), torch.cat([positions, next_positions], -1)
                 mask = torch.cat([mask, torch.ones_like(next_ids)], -1)
                 feed_ids, feed_positions = (next_ids, next_positions) if cache is not None else (ids, positions)
-                new_positions = 1
-        routing = torch.cat(routing_chunks, dim=1) if routing_chunks else None
         return [
             self._sample(
                 prompts[r],
@@ -208,10 +221,9 @@ class EmbeddedEngine(RolloutEngine):
             for r in range(batch)
         ]
 
-    def _record(self, tokens, token_log_probs, outputs, log_probs, finish, params: SamplingParams) -> None:
-        for row, (token, log_prob) in enumerate(zip(tokens.tolist(), token_log_probs.tolist())):
-            if finish[row] is not None:
-                continue
+    def _record(self, rows, tokens, token_log_probs, outputs, log_probs, finish, params: SamplingParams) -> None:
+        """Append each active row's sampled token (``rows[i]`` sampled ``tokens[i]``); mark rows that stop."""
+        for row, token, log_prob in zip(rows, tokens.tolist(), token_log_probs.tolist()):
             outputs[row].append(token)
             log_probs[row].append(log_prob)
             if token in params.stop_token_ids or self._hit_stop_string(outputs[row], params.stop):

@@ -139,6 +139,40 @@ def test_seed_determinism_and_batch_independence(source):
     assert len({tuple(s.output_ids) for s in first[0]}) > 1  # the n samples of one prompt differ
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_finished_rows_leave_the_batch(use_cache):
+    """Rows that stop early leave the model's batch (and the KV cache); what every row gets is what
+    it gets decoded alone: the same tokens and routed experts, log-probs of a full forward."""
+    source = peaked_source_model(tiny_config(mlp_only_layers=[1]), seed=2)
+    batched, alone = engine_from(source, use_cache=use_cache), engine_from(source, max_batch_size=1)
+    fed_rows = []
+    batched.model.model.register_forward_pre_hook(
+        lambda module, args, kwargs: fed_rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    params = SamplingParams(
+        temperature=1.0,
+        max_new_tokens=6,
+        n=4,
+        seed=3,
+        stop_token_ids=tuple(range(0, VOCAB, 6)),
+        return_routed_experts=True,
+    )
+    result = batched.generate(PROMPTS, params)
+    samples = [sample for group in result for sample in group]
+    lengths = sorted(len(s.output_ids) for s in samples)
+    assert lengths[0] < lengths[-1] and {s.finish_reason for s in samples} == {FinishReason.STOP, FinishReason.LENGTH}
+    # the first forward feeds all 12 rows; after each step the finished rows are gone
+    assert fed_rows[0] == len(samples) and fed_rows == sorted(fed_rows, reverse=True)
+    assert fed_rows[-1] == sum(1 for n in lengths if n == lengths[-1])
+    assert len(fed_rows) == lengths[-1]
+    for prompt, group, group_alone in zip(PROMPTS, result, alone.generate(PROMPTS, params)):
+        for sample, single in zip(group, group_alone):
+            assert sample.output_ids == single.output_ids and sample.finish_reason == single.finish_reason
+            assert torch.equal(sample.routed_experts, single.routed_experts)
+            expected = full_forward_log_probs(source, prompt, sample.output_ids, 1.0)
+            torch.testing.assert_close(sample.output_log_probs, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_stop_token_stop_string_and_length(source):
     engine = engine_from(source)
     greedy = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=10))[0][0]
