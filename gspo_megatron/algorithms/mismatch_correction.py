@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from gspo_megatron.algorithms.metrics import COUNT, extremum_entries, finalize_metrics, mean_entries
 from gspo_megatron.config_node import ConfigChoice
 
 
@@ -53,6 +54,20 @@ def mismatch_weights(
     clamp: float = 20.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Importance weights ([B, T] for token modes, 0 off the mask; [B] for sequence modes) and metrics."""
+    weights, stats = mismatch_weight_stats(old_log_probs, rollout_log_probs, response_mask, mode, cap, clamp)
+    return weights, finalize_mismatch_weight_stats(stats)
+
+
+def mismatch_weight_stats(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    mode: str,
+    cap: float,
+    clamp: float = 20.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``mismatch_weights`` with its metrics as additive entries (``algorithms/metrics.py``: sums,
+    counts, mins, maxes), so rows held by different data-parallel ranks reduce exactly."""
     if mode not in MISMATCH_MODES or mode == "none":
         raise ValueError(
             f"mismatch correction mode {mode!r} is not a correction; valid: {', '.join(MISMATCH_MODES[1:])}"
@@ -72,16 +87,27 @@ def mismatch_weights(
     beyond = rho > cap
     weights = rho.clamp(max=cap) if action == "truncate" else torch.where(beyond, 0.0, rho)
     weights = torch.where(select, weights, 0.0)
-    count = select.sum().clamp_min(1)
-    nan = torch.tensor(float("nan"))
-    metrics = {
-        "weight_mean": weights.sum() / count,
-        "weight_min": torch.where(select, weights, torch.inf).min() if select.any() else nan,
-        "weight_max": torch.where(select, weights, -torch.inf).max() if select.any() else nan,
-        {"truncate": "truncated_frac", "mask": "masked_frac"}[action]: (beyond & select).sum() / count,
-        "ratio_mean": torch.where(select, rho, 0.0).sum() / count,
+    count = select.sum().double()
+    stats = {
+        **mean_entries("weight_mean", weights.sum(), count),
+        **extremum_entries("weight", weights, select),
+        **mean_entries(_BEYOND[action], (beyond & select).sum().double(), count),
+        **mean_entries("ratio_mean", torch.where(select, rho, 0.0).sum(), count),
     }
-    return weights.float(), {f"mismatch_is/{k}": v.float() for k, v in metrics.items()}
+    return weights.float(), stats
+
+
+_BEYOND = {"truncate": "truncated_frac", "mask": "masked_frac"}
+
+
+def finalize_mismatch_weight_stats(stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights' metrics from (reduced) additive entries: means, min and max (NaN with no rows)."""
+    out = {f"mismatch_is/{k.replace('/', '_')}": v.float() for k, v in finalize_metrics(stats).items()}
+    for name in ("weight_mean", *_BEYOND.values(), "ratio_mean"):
+        key = f"mismatch_is/{name}"
+        if key in out and float(stats[name + COUNT]) == 0:
+            out[key] = torch.tensor(0.0)  # no weighted rows: the sums are 0 (as the cap's fraction)
+    return out
 
 
 def weighted_advantages(advantages: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -4,11 +4,14 @@ Design decisions:
 - Token alignment is "next-token": the model reads ``tokens[:, :-1]`` and scores ``tokens[:, 1:]``;
   every per-token tensor here (masks, log-probs, routed experts) is aligned to those S-1 targets
   (routed experts to the S-1 *inputs*, which is the same index: row t is the token fed at t).
-- The batch is identical on every rank (the driver broadcasts it); each data-parallel rank takes a
-  contiguous slice of every mini-batch, so denominators are simple global counts.
+- The driver plans every data-parallel rank's micro-batches from the row lengths (``plan_partition``)
+  and sends each rank only the rows its plan names (``trainer/batch_distribution.py``): a rank's
+  ``RolloutBatch`` holds those rows (``row_ids``, global indices, ascending). Without a budget a
+  rank's rows are a contiguous slice of every mini-batch; loss denominators are global counts the
+  driver computes from the whole batch.
 - Without ``trainer.micro_batch_tokens`` all micro-batches share the padded length S-1 of the whole
   rollout batch; with it each is cut to its own longest row (``micro_batches.py``). Micro-batches
-  name their rows by global index (``rows``).
+  name their rows by global index (``rows``), whichever rows the rank's batch holds.
 """
 
 from __future__ import annotations
@@ -36,18 +39,37 @@ class RolloutBatch:
     routed_experts: torch.Tensor | None = None  # int [N, S-1, layers, k] from the engine (R3)
     old_log_probs: torch.Tensor | None = None  # float [N, S-1], filled by the trainer
     policy_versions: torch.Tensor | None = None  # long [N]: the engine weight version of each sample
+    row_ids: torch.Tensor | None = None  # long [n]: the global rows held, ascending; None: all of them
 
     @property
     def num_sequences(self) -> int:
+        """Rows held here (the whole step's count on the driver, a rank's share elsewhere)."""
         return self.tokens.shape[0]
 
-    def rows(self, index: slice) -> RolloutBatch:
-        """The sub-batch of rows ``index`` (a slice), every tensor field sliced alike."""
+    def select(self, rows: torch.Tensor) -> RolloutBatch:
+        """The rows ``rows`` (global indices, ascending) of a whole batch, every per-row field alike."""
+        if self.row_ids is not None:
+            raise ValueError("select() takes rows of a whole batch; this one already holds a subset")
         values = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            values[f.name] = value[index] if isinstance(value, torch.Tensor) else value
+            values[f.name] = value[rows] if isinstance(value, torch.Tensor) else value
+        values["row_ids"] = rows.clone()
         return replace(self, **values)
+
+    def local(self, rows: torch.Tensor) -> torch.Tensor:
+        """Positions in this batch of the global rows ``rows`` (which it must hold)."""
+        if self.row_ids is None:
+            return rows
+        index = torch.searchsorted(self.row_ids, rows).clamp(max=self.row_ids.numel() - 1)
+        if not torch.equal(self.row_ids[index], rows):
+            missing = sorted(set(rows.tolist()) - set(self.row_ids.tolist()))
+            raise IndexError(f"rows {missing} are not held by this rank's batch")
+        return index
+
+    def row_lengths(self) -> torch.Tensor:
+        """long [n]: prompt + response tokens of each row held."""
+        return self.prompt_lengths + self.response_lengths
 
 
 def pack_samples(
@@ -106,6 +128,70 @@ def pack_samples(
     )
 
 
+# one micro-batch: its rows (global indices) and the width its tokens are cut to
+MicroBatchRows = tuple[torch.Tensor, int]
+
+
+def plan_partition(
+    lengths: torch.Tensor,
+    updates: int,
+    micro_batch_size: int,
+    dp_size: int,
+    dp_rank: int,
+    micro_batch_tokens: int | None = None,
+    seq_multiple: int = 1,
+    max_width: int | None = None,
+) -> list[list[MicroBatchRows]]:
+    """Rank ``dp_rank``'s micro-batches, per mini-batch, from the lengths of all N rows of the step.
+
+    ``max_width``: the padded batch's width (default: the longest row). Pure: the driver plans every
+    rank's share from it, and ``partition`` cuts a batch by it.
+    """
+    num_rows = lengths.numel()
+    width = int(lengths.max()) if max_width is None else max_width
+    if num_rows % updates:
+        raise ValueError(
+            f"{num_rows} sequences cannot be split into {updates} equal mini-batches; make "
+            "prompts_per_step * group_size a multiple of trainer.updates_per_rollout"
+        )
+    per_update = num_rows // updates
+    out = []
+    for update in range(updates):
+        first = update * per_update
+        if micro_batch_tokens is not None:
+            data_parallel_slice(per_update, dp_size, dp_rank)  # the same divisibility check
+            plans = token_budget_plan(
+                lengths[first : first + per_update],
+                first,
+                dp_size,
+                micro_batch_tokens,
+                multiple=seq_multiple,
+                max_width=width,
+            )
+            out.append([(plan.rows[dp_rank], plan.width) for plan in plans])
+            continue
+        rows = data_parallel_slice(per_update, dp_size, dp_rank)
+        start = first + rows.start
+        out.append(
+            [
+                (torch.arange(i, min(i + micro_batch_size, first + rows.stop)), width)
+                for i in range(start, first + rows.stop, micro_batch_size)
+            ]
+        )
+    return out
+
+
+def planned_rows(plan: list[list[MicroBatchRows]]) -> torch.Tensor:
+    """long [n]: every row a plan names, ascending (the rows its rank must receive)."""
+    rows = [r for part in plan for r, _ in part]
+    return torch.cat(rows).unique(sorted=True) if rows else torch.zeros(0, dtype=torch.long)
+
+
+def cut_micro_batches(batch: RolloutBatch, plan: list[list[MicroBatchRows]]) -> list[list[MicroBatch]]:
+    """The micro-batches of ``plan``, cut from ``batch`` (a whole batch or a rank's rows)."""
+    return [[micro_batch(batch, rows, width) for rows, width in part] for part in plan]
+
+
 def partition(
     batch: RolloutBatch,
     updates: int,
@@ -115,38 +201,23 @@ def partition(
     micro_batch_tokens: int | None = None,
     seq_multiple: int = 1,
 ) -> list[list[MicroBatch]]:
-    """This rank's micro-batches, per mini-batch (one mini-batch per optimizer update).
+    """This rank's micro-batches of a whole batch, per mini-batch (one per optimizer update).
 
     The old-log-prob pass runs over exactly these micro-batches (flattened), so whatever it records
     per micro-batch (log-probs, routing) lines up with the training forwards that replay it. With
     ``micro_batch_tokens`` the rows are packed by length under that budget (``micro_batches.py``).
     """
-    if batch.num_sequences % updates:
-        raise ValueError(
-            f"{batch.num_sequences} sequences cannot be split into {updates} equal mini-batches; make "
-            "prompts_per_step * group_size a multiple of trainer.updates_per_rollout"
-        )
-    per_update = batch.num_sequences // updates
-    out = []
-    for update in range(updates):
-        first = update * per_update
-        if micro_batch_tokens is not None:
-            data_parallel_slice(per_update, dp_size, dp_rank)  # the same divisibility check
-            lengths = (batch.prompt_lengths + batch.response_lengths)[first : first + per_update]
-            plans = token_budget_plan(
-                lengths, first, dp_size, micro_batch_tokens, multiple=seq_multiple, max_width=batch.tokens.shape[1]
-            )
-            out.append([micro_batch(batch, plan.rows[dp_rank], plan.width) for plan in plans])
-            continue
-        rows = data_parallel_slice(per_update, dp_size, dp_rank)
-        start = first + rows.start
-        out.append(
-            [
-                micro_batch(batch, torch.arange(i, min(i + micro_batch_size, first + rows.stop)), batch.tokens.shape[1])
-                for i in range(start, first + rows.stop, micro_batch_size)
-            ]
-        )
-    return out
+    plan = plan_partition(
+        batch.row_lengths(),
+        updates,
+        micro_batch_size,
+        dp_size,
+        dp_rank,
+        micro_batch_tokens,
+        seq_multiple,
+        max_width=batch.tokens.shape[1],
+    )
+    return cut_micro_batches(batch, plan)
 
 
 def data_parallel_slice(num_rows: int, dp_size: int, dp_rank: int) -> slice:
@@ -160,15 +231,17 @@ def data_parallel_slice(num_rows: int, dp_size: int, dp_rank: int) -> slice:
 
 
 def micro_batch(batch: RolloutBatch, rows: torch.Tensor, width: int) -> MicroBatch:
-    """The micro-batch of the batch rows ``rows`` (global indices) cut to ``width`` tokens: inputs
+    """The micro-batch of the rows ``rows`` (global indices) cut to ``width`` tokens: inputs
     ``tokens[:, :width-1]``, ``targets`` one to the right, and the rows of every per-row field."""
+
+    local = batch.local(rows)
 
     def cut(value: torch.Tensor | None) -> torch.Tensor | None:
         if value is None:
             return None
-        return value[rows, : width - 1] if value.dim() > 1 else value[rows]
+        return value[local, : width - 1] if value.dim() > 1 else value[local]
 
-    tokens = batch.tokens[rows, :width]
+    tokens = batch.tokens[local, :width]
     return MicroBatch(
         tokens=tokens[:, :-1].contiguous(),
         targets=tokens[:, 1:].contiguous(),

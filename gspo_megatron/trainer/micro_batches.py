@@ -17,8 +17,9 @@ Design decisions:
   Expert-parallel all-gathers (megatron's allgather dispatcher) span data-parallel ranks, so the
   token counts of one micro-batch index must agree across them; and every rank runs the same
   number of micro-batches.
-- Every rank computes the plan from the whole batch, so the padded-token fraction of the step is
-  known everywhere without communication.
+- The driver computes every rank's plan from the row lengths of the whole batch and sends each rank
+  its own with its rows (``batch_distribution.py``), with the step's real input-token count, so the
+  padded-token fraction of the step is known everywhere.
 - Under pipeline parallelism the shapes differ between micro-batches of one schedule call:
   ``models/schedule.py`` turns on megatron's ``variable_seq_lengths`` (stages exchange shapes).
 """
@@ -78,15 +79,15 @@ def _plan(stripes: list[list[int]], first_row: int, width: int) -> MicroBatchPla
     return MicroBatchPlan(rows=rows, width=width)
 
 
-def step_padded_fraction(batch, parts: list[list[MicroBatch]], dp_size: int) -> float:
-    """1 - real input tokens / tokens fed in one pass over the step's micro-batches, all ranks.
+def step_padded_fraction(input_tokens: float, parts: list[list[MicroBatch]], dp_size: int) -> float:
+    """1 - real input tokens of the whole step / tokens fed in one pass over its micro-batches, all ranks.
 
     Every data-parallel rank feeds micro-batches of the same shapes (the plan above; without a
     budget: equal slices padded to the batch width), so this rank's shapes times ``dp_size`` are
     the whole step's.
     """
     fed = dp_size * sum(mb.tokens.numel() for part in parts for mb in part)
-    return 1.0 - float(batch.input_mask.sum()) / fed if fed else 0.0
+    return 1.0 - input_tokens / fed if fed else 0.0
 
 
 def sequence_multiple(layout) -> int:

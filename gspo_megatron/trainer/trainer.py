@@ -37,7 +37,14 @@ from gspo_megatron.parallel.context_parallel import pad_for_context_parallel
 from gspo_megatron.rollout.mismatch import finalize_mismatch, train_inference_mismatch
 from gspo_megatron.routing.replay_strategy import build_replay_strategy
 from gspo_megatron.trainer.async_rollout import RolloutScheduler
-from gspo_megatron.trainer.batch import RolloutBatch, partition
+from gspo_megatron.trainer.batch import RolloutBatch, cut_micro_batches
+from gspo_megatron.trainer.batch_distribution import (
+    RankShare,
+    StepTotals,
+    data_parallel_rank_of_each_rank,
+    rank_shares,
+    scatter_shares,
+)
 from gspo_megatron.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from gspo_megatron.trainer.diagnostics import RoutingDiagnostics
 from gspo_megatron.trainer.engine_old_log_probs import use_engine_log_probs
@@ -77,6 +84,7 @@ class RLTrainer:
                 versions_of=lambda batch: batch.policy_versions.tolist(),
             )
         self.nonfinite = NonFiniteGuard(self.cfg.trainer.on_nonfinite, self.cfg.trainer.max_consecutive_nonfinite)
+        self._dp_rank_of = data_parallel_rank_of_each_rank(self.mesh.dp_rank)  # who gets which rows
 
     # ------------------------------------------------------------------ main loop
     def train(self) -> str:
@@ -127,28 +135,19 @@ class RLTrainer:
     def train_step(self) -> dict[str, float]:
         timings: dict[str, float] = {}
         with _timed(timings, "rollout"):
-            batch, metrics = self._rollout()
-        batch = pad_for_context_parallel(batch, self.mesh.layout.cp)
-        t, layout = self.cfg.trainer, self.mesh.layout
-        parts = partition(
-            batch,
-            t.updates_per_rollout,
-            t.micro_batch_size,
-            layout.dp,
-            self.mesh.dp_rank,
-            t.micro_batch_tokens,
-            sequence_multiple(layout),
-        )
-        metrics["batch/padded_token_frac"] = step_padded_fraction(batch, parts, layout.dp)
+            share = self._rollout()
+        batch, totals, metrics = share.batch, share.totals, dict(share.metrics)
+        parts = cut_micro_batches(batch, share.plan)
+        metrics["batch/padded_token_frac"] = step_padded_fraction(totals.input_tokens, parts, self.mesh.layout.dp)
         with _timed(timings, "old_logp"):
             old_metrics = self._old_log_probs(batch, parts)
         if self.cfg.algorithm.mismatch_correction != "none":  # importance weights pi_old / pi_rollout
-            old_metrics.update(correct_mismatch(batch, parts, self.cfg.algorithm))
+            old_metrics.update(correct_mismatch(batch, parts, self.cfg.algorithm, self._dp_group()))
         if self.c.reference is not None:  # algorithm.kl_coef > 0: frozen reference, routers never replay
             with _timed(timings, "ref_logp"):
                 self.c.reference.attach_log_probs([mb for part in parts for mb in part])
         with _timed(timings, "update"):
-            update_metrics = self._policy_updates(batch, parts)
+            update_metrics = self._policy_updates(parts, totals)
         with _timed(timings, "weight_sync"):
             self.sync_weights()
         metrics.update(old_metrics)
@@ -165,14 +164,27 @@ class RLTrainer:
         return metrics
 
     # ------------------------------------------------------------------ phases
-    def _rollout(self) -> tuple[RolloutBatch, dict]:
-        payload: list[Any] = [None]
+    def _rollout(self) -> RankShare:
+        """The driver's rollout, then each data-parallel rank's rows and micro-batch plan to it."""
+        shares = None
         if self.rollouts is not None:  # the driver
-            payload = [self.rollouts.take(self.step)]
+            batch, metrics = self.rollouts.take(self.step)
             self.rollouts.start_next(self.step + 1)  # async: generates on the current weights meanwhile
-        dist.broadcast_object_list(payload, src=0)
-        batch, metrics = payload[0]
-        return batch, dict(metrics)
+            t, layout = self.cfg.trainer, self.mesh.layout
+            shares = rank_shares(
+                pad_for_context_parallel(batch, layout.cp),
+                dict(metrics),
+                layout.dp,
+                t.updates_per_rollout,
+                t.micro_batch_size,
+                t.micro_batch_tokens,
+                sequence_multiple(layout),
+            )
+        return scatter_shares(shares, self._dp_rank_of)
+
+    def _dp_group(self):
+        """The data-parallel group where sums over rows must be completed (None: one DP rank)."""
+        return self.mesh.dp_group if self.mesh.layout.dp > 1 else None
 
     def _old_log_probs(self, batch: RolloutBatch, parts: list[list[MicroBatch]]) -> dict:
         """pi_old log-probs (and the routing they used) for every row, on every rank.
@@ -198,25 +210,35 @@ class RLTrainer:
         if self.c.replay is not None:  # an MoE model: its routing is measured
             self.diagnostics.remember_old_routing(routing.old_policy_routing, flat)
             self.diagnostics.rollout_vs_train(self.step, flat, self._rollout_targets, routing.trainer_routing)
-        batch.old_log_probs = self._gather_rows(outputs, flat, "log_probs", batch)
+        batch.old_log_probs = self._gather_rows(outputs, "log_probs", batch)
         mask = batch.response_mask
         sums = train_inference_mismatch(batch.old_log_probs, batch.rollout_log_probs, mask)
+        entropy = self._gather_rows(outputs, "entropy", batch)
+        sums["entropy_sum"] = (entropy * mask).sum().double()
+        sums = self._sum_over_dp(sums)  # data-parallel ranks hold disjoint rows
         out = {k: float(v) for k, v in finalize_mismatch(sums).items()}
-        entropy = self._gather_rows(outputs, flat, "entropy", batch)
-        out["policy/entropy_old"] = float((entropy * mask).sum() / mask.sum().clamp_min(1))
+        out["policy/entropy_old"] = float(sums["entropy_sum"] / sums["token_count"].clamp_min(1))
         # the update micro-batches carry the old log-probs from here on
         for mb in flat:
-            mb.old_log_probs = batch.old_log_probs[mb.rows, : mb.seq_len]
+            mb.old_log_probs = batch.old_log_probs[
+                batch.local(required(mb.rows, "rows", "old log-probs")), : mb.seq_len
+            ]
         return out
 
-    def _gather_rows(self, outputs: list[dict], flat: list[MicroBatch], key: str, batch: RolloutBatch) -> torch.Tensor:
-        """Per-token values of this rank's rows (last stage) -> the whole batch on every rank."""
+    def _sum_over_dp(self, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        group = self._dp_group()
+        if group is None:
+            return sums
+        keys = sorted(sums)
+        stacked = torch.stack([sums[k].double() for k in keys])
+        dist.all_reduce(stacked, group=group)
+        return dict(zip(keys, stacked.unbind()))
+
+    def _gather_rows(self, outputs: list[dict], key: str, batch: RolloutBatch) -> torch.Tensor:
+        """Per-token values of this rank's rows, from the last stage to every stage of its pipeline."""
         full = torch.zeros(batch.num_sequences, batch.tokens.shape[1] - 1, device=self.mesh.device)
         for out in outputs:
-            full[out["rows"].to(full.device), : out[key].shape[1]] = out[key].float()
-        # data-parallel ranks hold disjoint rows: a sum assembles them
-        if self.mesh.layout.dp > 1 and self.mesh.is_last_stage:
-            dist.all_reduce(full, group=self.mesh.dp_group)
+            full[batch.local(out["rows"]).to(full.device), : out[key].shape[1]] = out[key].float()
         if self.mesh.layout.pp > 1:
             dist.broadcast(full, src=self.mesh.last_stage_global_rank, group=self.mesh.pp_group)
         return full.cpu()
@@ -235,21 +257,20 @@ class RLTrainer:
             self.mesh.cp_rank if layout.cp > 1 else 0,
         )
 
-    def _policy_updates(self, batch: RolloutBatch, parts: list[list[MicroBatch]]) -> dict:
+    def _policy_updates(self, parts: list[list[MicroBatch]], totals: StepTotals) -> dict:
         cfg, mesh = self.cfg, self.mesh
-        per_update = batch.num_sequences // cfg.trainer.updates_per_rollout
         merged = None
         grad_norms = []
         offset = 0
         for update, mbs in enumerate(parts):
-            mask = batch.response_mask[update * per_update : (update + 1) * per_update]
             head = PolicyLossHead(
                 cfg.algorithm if self.clip_controller is None else self.clip_controller.apply(cfg.algorithm),
                 mesh.tp_group,
                 None if mesh.layout.cp == 1 else mesh.cp_group,
                 cfg.rollout.temperature,
-                global_num_sequences=(mask.sum(1) > 0).sum().float(),
-                global_num_tokens=mask.sum(),
+                # denominators: counts of the whole mini-batch, all data-parallel ranks' rows
+                global_num_sequences=totals.update_sequences[update],
+                global_num_tokens=totals.update_tokens[update],
             )
             before = self.replay.update_begin(mbs, partial(self.diagnostics.old_routing_for, offset, len(mbs)))
             record = self.diagnostics.records_training_forward(update, self.step)

@@ -84,6 +84,36 @@ def test_two_gloo_ranks(tmp_path, layout, world):
 
 
 @pytest.mark.distributed
+def test_data_parallel_step_equals_one_rank(tmp_path):
+    """EP = 2 on two ranks is DP = 2 for the batch: each rank receives half of the rows, and the
+    step's whole-batch metrics (mismatch, old entropy, padded fraction, mismatch-correction weights,
+    losses) equal one rank's, which holds every row. bf16 engine: the mismatch is not zero."""
+    overrides = FAST + [
+        "trainer.steps=1",
+        "rollout.max_new_tokens=4",
+        "rollout.temperature=2.0",
+        "rollout.embedded.dtype=bfloat16",
+        "algorithm=grpo",
+        "algorithm.mismatch_correction=token_truncate",
+        "trainer.micro_batch_tokens=24",
+    ]
+    (one,) = run_distributed(train_worker, 1, overrides, str(tmp_path / "one"), timeout=600)
+    two = run_distributed(train_worker, 2, overrides + ["parallel=ep2"], str(tmp_path / "two"), timeout=900)[0]
+    keys = [
+        "mismatch/abs_log_prob_diff_mean",
+        "policy/entropy_old",
+        "batch/padded_token_frac",
+        "mismatch_is/weight_mean",
+        "mismatch_is/weight_max",
+        "loss/policy",
+        "loss/clip_frac_token",
+    ]
+    assert one[0]["mismatch/abs_log_prob_diff_mean"] > 1e-4
+    for key in keys:
+        assert two[0][key] == pytest.approx(one[0][key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("layout", ["ep2", "pp2", "cp2"])
 def test_rollout_replay_under_model_parallelism(tmp_path, layout):
     """R3 end to end with the embedded engine's routed experts, under EP=2, PP=2 and CP=2 (the trainer's

@@ -75,8 +75,10 @@ def test_partition_with_budget_covers_every_row_once_cut_to_its_own_longest_row(
 
 def test_budget_cuts_the_padded_fraction():
     batch = _batch([1, 30, 2, 3, 2, 28, 1, 4])
-    padded = step_padded_fraction(batch, partition(batch, 2, 4, 1, 0), 1)
-    budgeted = step_padded_fraction(batch, partition(batch, 2, 4, 1, 0, micro_batch_tokens=32), 1)
+    padded = step_padded_fraction(float(batch.input_mask.sum()), partition(batch, 2, 4, 1, 0), 1)
+    budgeted = step_padded_fraction(
+        float(batch.input_mask.sum()), partition(batch, 2, 4, 1, 0, micro_batch_tokens=32), 1
+    )
     assert 0 <= budgeted < padded < 1
     # by hand: real inputs = sum(prompt + response - 1) = 8 + 71 = 79 of 8 * 31 = 248 fed without a budget
     assert padded == pytest.approx(1 - 79 / 248)
