@@ -2,7 +2,7 @@
 
 One step, top to bottom (``train_step``):
     rollout -> reward -> shaped reward -> advantages      (driver rank: ``RolloutPhase``)
-    -> broadcast the batch to every rank
+    -> each data-parallel rank's rows and micro-batch plan scattered to it (``batch_distribution``)
     -> old log-probs: Megatron forward over the batch      (routing recorded / replayed if on)
     -> reference log-probs when algorithm.kl_coef > 0      (frozen model; its routers never replay)
     -> k mini-batch policy updates through megatron's schedule and optimizer
@@ -10,8 +10,9 @@ One step, top to bottom (``train_step``):
     -> metrics, routing diagnostics, evaluation, checkpoint
 
 Every rank runs this loop (SPMD); the driver (global rank 0) additionally owns the rollout engine,
-the task and the reward pool. All ranks see the same ``RolloutBatch``; each data-parallel rank works
-on its slice of every mini-batch, and loss denominators are counts of the whole mini-batch.
+the task and the reward pool. Each data-parallel rank receives only the rows of its micro-batches
+(its ``RolloutBatch`` holds those rows, ``row_ids``); loss denominators are counts of the whole
+mini-batch (``StepTotals``), and sums over rows are reduced over the data-parallel group.
 """
 
 from __future__ import annotations
