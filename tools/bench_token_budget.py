@@ -91,7 +91,9 @@ def bench_worker(ctx, args) -> dict:
     mesh.destroy()
     return {
         "lengths": lengths,
-        "padded_frac": {name: step_padded_fraction(batch, part, 1) for name, part in parts.items()},
+        "padded_frac": {
+            name: step_padded_fraction(float(batch.input_mask.sum()), part, 1) for name, part in parts.items()
+        },
         "micro_batches": {name: len(part[0]) for name, part in parts.items()},
         "seconds": seconds,
     }
