@@ -133,22 +133,21 @@ MicroBatchRows = tuple[torch.Tensor, int]
 
 
 def plan_partition(
-    lengths: torch.Tensor,
+    batch: RolloutBatch,
     updates: int,
     micro_batch_size: int,
     dp_size: int,
     dp_rank: int,
     micro_batch_tokens: int | None = None,
     seq_multiple: int = 1,
-    max_width: int | None = None,
 ) -> list[list[MicroBatchRows]]:
-    """Rank ``dp_rank``'s micro-batches, per mini-batch, from the lengths of all N rows of the step.
+    """Rank ``dp_rank``'s micro-batches, per mini-batch, of a whole batch (all N rows of the step).
 
-    ``max_width``: the padded batch's width (default: the longest row). Pure: the driver plans every
-    rank's share from it, and ``partition`` cuts a batch by it.
+    Reads only the row lengths and the padded width: the driver plans every rank's share by it, and
+    ``partition`` cuts a batch by it.
     """
+    lengths, width = batch.row_lengths(), batch.tokens.shape[1]
     num_rows = lengths.numel()
-    width = int(lengths.max()) if max_width is None else max_width
     if num_rows % updates:
         raise ValueError(
             f"{num_rows} sequences cannot be split into {updates} equal mini-batches; make "
@@ -207,16 +206,7 @@ def partition(
     per micro-batch (log-probs, routing) lines up with the training forwards that replay it. With
     ``micro_batch_tokens`` the rows are packed by length under that budget (``micro_batches.py``).
     """
-    plan = plan_partition(
-        batch.row_lengths(),
-        updates,
-        micro_batch_size,
-        dp_size,
-        dp_rank,
-        micro_batch_tokens,
-        seq_multiple,
-        max_width=batch.tokens.shape[1],
-    )
+    plan = plan_partition(batch, updates, micro_batch_size, dp_size, dp_rank, micro_batch_tokens, seq_multiple)
     return cut_micro_batches(batch, plan)
 
 

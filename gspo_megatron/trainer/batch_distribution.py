@@ -1,8 +1,8 @@
 """Each data-parallel rank receives only its rows of the step's batch.
 
 The driver (global rank 0) holds the whole ``RolloutBatch`` after the rollout phase. It plans every
-data-parallel rank's micro-batches from the row lengths (``batch.plan_partition``: pure, so the plan
-is the one each rank would compute from the whole batch), selects the rows each plan names, and
+data-parallel rank's micro-batches from the row lengths (``batch.plan_partition``: the plan each
+rank would compute from the whole batch), selects the rows each plan names, and
 scatters to every global rank only the share of its data-parallel rank
 (``torch.distributed.scatter_object_list``: one object arrives at each rank, its own). A rank's
 batch memory and received bytes are therefore O(N / DP); its TP/PP/CP/EP peers (same data-parallel
@@ -67,19 +67,9 @@ def rank_shares(
 ) -> list[RankShare]:
     """The share of each data-parallel rank of a whole (CP-padded) batch, on the driver."""
     totals = step_totals(batch, updates)
-    lengths = batch.row_lengths()
     shares = []
     for dp_rank in range(dp_size):
-        plan = plan_partition(
-            lengths,
-            updates,
-            micro_batch_size,
-            dp_size,
-            dp_rank,
-            micro_batch_tokens,
-            seq_multiple,
-            max_width=batch.tokens.shape[1],
-        )
+        plan = plan_partition(batch, updates, micro_batch_size, dp_size, dp_rank, micro_batch_tokens, seq_multiple)
         rows = batch if dp_size == 1 else batch.select(planned_rows(plan))
         shares.append(RankShare(batch=rows, plan=plan, totals=totals, metrics=metrics))
     return shares

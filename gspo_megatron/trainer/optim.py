@@ -13,11 +13,20 @@ from gspo_megatron.config.schema import DecayStyle
 
 
 def build_optimizer(ddp_model, section, total_updates: int):
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    optimizer = get_megatron_optimizer(optimizer_config(ddp_model, section), [ddp_model])
+    use_fused_torch_adam(optimizer)
+    return optimizer, build_scheduler(optimizer, section, total_updates)
+
+
+def optimizer_config(ddp_model, section):
+    """megatron's ``OptimizerConfig`` for the optimizer section (Adam; bf16 as the model is)."""
+    from megatron.core.optimizer import OptimizerConfig
 
     on_gpu = torch.cuda.is_available()
     bf16 = ddp_model.config.bf16
-    config = OptimizerConfig(
+    return OptimizerConfig(
         optimizer="adam",
         lr=section.lr,
         min_lr=section.min_lr,
@@ -30,13 +39,10 @@ def build_optimizer(ddp_model, section, total_updates: int):
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=on_gpu,
     )
-    optimizer = get_megatron_optimizer(config, [ddp_model])
-    use_fused_torch_adam(optimizer)
-    return optimizer, build_scheduler(optimizer, section, total_updates)
 
 
-def use_fused_torch_adam(optimizer) -> int:
-    """Switch megatron's torch Adam fallback to torch's fused kernel; returns how many it switched.
+def use_fused_torch_adam(optimizer) -> None:
+    """Switch megatron's torch Adam fallback to torch's fused kernel.
 
     Without TransformerEngine or Apex, megatron builds ``torch.optim.AdamW`` with torch's defaults,
     which on CPU tensors is the per-tensor Python loop (``_single_tensor_adam``: ~12 kernel calls per
@@ -45,14 +51,11 @@ def use_fused_torch_adam(optimizer) -> int:
     FusedAdam, where megatron found one, is left as it is. The flag lives in the param groups, so it
     is saved with the optimizer state and a resumed run steps with the same kernel.
     """
-    switched = 0
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(part, "optimizer", None)
         if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
             for group in inner.param_groups:
                 group["foreach"], group["fused"] = False, True
-            switched += 1
-    return switched
 
 
 def build_scheduler(optimizer, section, total_updates: int):

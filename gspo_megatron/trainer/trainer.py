@@ -174,7 +174,7 @@ class RLTrainer:
             t, layout = self.cfg.trainer, self.mesh.layout
             shares = rank_shares(
                 pad_for_context_parallel(batch, layout.cp),
-                dict(metrics),
+                metrics,  # train_step copies before adding to it
                 layout.dp,
                 t.updates_per_rollout,
                 t.micro_batch_size,

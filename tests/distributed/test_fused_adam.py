@@ -19,7 +19,7 @@ pytestmark = pytest.mark.distributed
 
 def fused_vs_loop_worker(ctx):
     from megatron.core import tensor_parallel
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import get_megatron_optimizer
 
     from gspo_megatron.config.schema import OptimizerSection
     from gspo_megatron.models.builder import build_model
@@ -27,7 +27,7 @@ def fused_vs_loop_worker(ctx):
     from gspo_megatron.models.schedule import run_schedule, wrap_for_training
     from gspo_megatron.parallel.layout import ParallelLayout
     from gspo_megatron.parallel.mesh import initialize_parallel
-    from gspo_megatron.trainer.optim import build_optimizer, build_scheduler
+    from gspo_megatron.trainer.optim import build_optimizer, build_scheduler, optimizer_config
 
     cfg = tiny_test_config()
     layout = ParallelLayout(world_size=1).validate(cfg)
@@ -41,19 +41,7 @@ def fused_vs_loop_worker(ctx):
         if fused:
             optimizer, _ = build_optimizer(ddp, section, total_updates=3)
         else:
-            optimizer = get_megatron_optimizer(
-                OptimizerConfig(
-                    optimizer="adam",
-                    lr=section.lr,
-                    min_lr=section.min_lr,
-                    weight_decay=section.weight_decay,
-                    adam_beta1=section.adam_beta1,
-                    adam_beta2=section.adam_beta2,
-                    adam_eps=section.adam_eps,
-                    clip_grad=section.clip_grad,
-                ),
-                [ddp],
-            )
+            optimizer = get_megatron_optimizer(optimizer_config(ddp, section), [ddp])
             build_scheduler(optimizer, section, total_updates=3)  # sets lr and per-group weight decay
         models.append(ddp)
         optimizers.append(optimizer)
