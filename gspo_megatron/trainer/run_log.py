@@ -141,11 +141,14 @@ def summary_text(history: list[dict], wall_s: float, plot: Path | None) -> str:
     ]
     gaps = [r["loss/ratio_token_seq_gap"] for r in history if r.get("loss/ratio_token_seq_gap") is not None]
     if gaps:  # 0 for one-token answers, where GSPO's sequence ratio is GRPO's token ratio
-        lines.append(
-            f"  sequence vs token ratio: mean |w_t - s_i| = {sum(gaps) / len(gaps):.4g} "
-            f"(token ratio spread E[(w-1)^2] {window('loss/ratio_var_token/len_5_16', False):.3g} vs "
-            f"sequence {window('loss/ratio_var_seq/len_5_16', False):.3g} at 5-16 tokens)"
+        spread_token = window("loss/ratio_var_token/len_5_16", False)
+        spread_seq = window("loss/ratio_var_seq/len_5_16", False)
+        spreads = (
+            f"token ratio spread E[(w-1)^2] {spread_token:.3g} vs sequence {spread_seq:.3g} at 5-16 tokens"
+            if not (math.isnan(spread_token) or math.isnan(spread_seq))
+            else "no responses of 5-16 tokens, so no spread by length"
         )
+        lines.append(f"  sequence vs token ratio: mean |w_t - s_i| = {sum(gaps) / len(gaps):.4g} ({spreads})")
     evals = [r for r in history if r.get("eval/pass@1") is not None]
     if evals:
         lines.append(f"  eval pass@1       first: {evals[0]['eval/pass@1']:.3f}   last: {evals[-1]['eval/pass@1']:.3f}")
