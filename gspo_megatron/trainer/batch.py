@@ -80,39 +80,49 @@ def pack_samples(
     pad_token_id: int,
     with_routed_experts: bool = False,
 ) -> RolloutBatch:
-    """Right-pad prompt+response token ids into one batch, with masks aligned to the targets."""
+    """Right-pad prompt+response token ids into one batch, with masks aligned to the targets.
+
+    Row i holds prompt p_i then response r_i. Target index j scores token j+1, so the response's
+    targets are j in [p_i - 1, p_i + r_i - 1) and the fed inputs are j < p_i + r_i - 1 (the last
+    token is never fed; SGLang's routed rows alike). Built from one flat tensor per field and
+    position masks, not per-row copies: the main job packs 256 rows a step.
+    """
     if not samples:
         raise ValueError("cannot pack an empty list of samples")
-    lengths = [len(s.prompt_ids) + len(s.output_ids) for s in samples]
-    width = max(lengths)
     n = len(samples)
+    prompt_lengths = torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long)
+    response_lengths = torch.tensor([len(s.output_ids) for s in samples], dtype=torch.long)
+    lengths = prompt_lengths + response_lengths
+    width = int(lengths.max())
+    position = torch.arange(width)
+    real = position < lengths[:, None]  # [n, S]
     tokens = torch.full((n, width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros(n, width - 1)
-    input_mask = torch.zeros(n, width - 1)
+    tokens[real] = torch.tensor([t for s in samples for ids in (s.prompt_ids, s.output_ids) for t in ids])
+    target = position[: width - 1]
+    input_mask = (target < (lengths - 1)[:, None]).float()  # [n, S-1]
+    response = (target >= (prompt_lengths - 1)[:, None]) & (target < (lengths - 1)[:, None])
     rollout_logp = torch.zeros(n, width - 1)
-    routed = None
+    rollout_logp[response] = torch.cat([s.output_log_probs.float() for s in samples])
+    mask = response.float()
     for i, sample in enumerate(samples):
-        p, r = len(sample.prompt_ids), len(sample.output_ids)
-        tokens[i, :p] = torch.tensor(sample.prompt_ids, dtype=torch.long)
-        tokens[i, p : p + r] = torch.tensor(sample.output_ids, dtype=torch.long)
-        # target index j scores token j+1: response tokens p..p+r-1 are targets p-1..p+r-2
-        mask[i, p - 1 : p + r - 1] = 1.0
-        input_mask[i, : p + r - 1] = 1.0  # the last token is never fed (SGLang's routed rows alike)
         if "forced_mask" in sample.extra:
             # tokens the truncated rollout inserted (closing the thinking block) were not sampled by
             # the policy: they are context, not actions -- no loss, no log-prob comparison
+            p, r = len(sample.prompt_ids), len(sample.output_ids)
             mask[i, p - 1 : p + r - 1] *= 1.0 - sample.extra["forced_mask"].float()
-        rollout_logp[i, p - 1 : p + r - 1] = sample.output_log_probs.float()
-        if with_routed_experts:
+    routed = None
+    if with_routed_experts:
+        experts = []
+        for sample in samples:
             if sample.routed_experts is None:
                 raise ValueError(
                     "rollout routing replay needs routed experts from the engine, but a sample has none; "
                     "the engine must be asked with return_routed_experts"
                 )
-            if routed is None:
-                layers, k = sample.routed_experts.shape[1:]
-                routed = torch.zeros(n, width - 1, layers, k, dtype=torch.int32)
-            routed[i, : p + r - 1] = sample.routed_experts.to(torch.int32)
+            experts.append(sample.routed_experts.to(torch.int32))
+        layers, k = experts[0].shape[1:]
+        routed = torch.zeros(n, width - 1, layers, k, dtype=torch.int32)
+        routed[input_mask.bool()] = torch.cat(experts)  # row-major: each row's fed tokens in order
     return RolloutBatch(
         tokens=tokens,
         response_mask=mask,
@@ -121,8 +131,8 @@ def pack_samples(
         advantages=advantages.float(),
         rewards=rewards.float(),
         shaped_rewards=shaped_rewards.float(),
-        prompt_lengths=torch.tensor([len(s.prompt_ids) for s in samples]),
-        response_lengths=torch.tensor([len(s.output_ids) for s in samples]),
+        prompt_lengths=prompt_lengths,
+        response_lengths=response_lengths,
         routed_experts=routed,
         policy_versions=torch.tensor([s.weight_version for s in samples], dtype=torch.long),
     )

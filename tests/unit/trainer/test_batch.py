@@ -91,3 +91,44 @@ def test_partition_refuses_uneven_splits_naming_the_keys():
         partition(batch, updates=4, micro_batch_size=1, dp_size=1, dp_rank=0)
     with pytest.raises(ValueError, match="over 4 data-parallel ranks"):
         partition(batch, updates=1, micro_batch_size=1, dp_size=4, dp_rank=0)
+
+
+def _pack_row_by_row(samples, pad):
+    """The definition, one row at a time: what the flat packing must equal."""
+    width = max(len(s.prompt_ids) + len(s.output_ids) for s in samples)
+    n = len(samples)
+    tokens = torch.full((n, width), pad, dtype=torch.long)
+    mask, input_mask, logp = torch.zeros(n, width - 1), torch.zeros(n, width - 1), torch.zeros(n, width - 1)
+    routed = torch.zeros(n, width - 1, *samples[0].routed_experts.shape[1:], dtype=torch.int32)
+    for i, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.output_ids)
+        tokens[i, : p + r] = torch.tensor(s.prompt_ids + s.output_ids)
+        mask[i, p - 1 : p + r - 1] = 1.0 - s.extra.get("forced_mask", torch.zeros(r)).float()
+        input_mask[i, : p + r - 1] = 1.0
+        logp[i, p - 1 : p + r - 1] = s.output_log_probs
+        routed[i, : p + r - 1] = s.routed_experts
+    return tokens, mask, input_mask, logp, routed
+
+
+def test_flat_packing_equals_row_by_row_on_ragged_rows():
+    generator = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(23):
+        p, r = (int(x) for x in torch.randint(1, 9, (2,), generator=generator))
+        extra = {"forced_mask": torch.rand(r, generator=generator) < 0.3} if i % 4 == 0 else {}
+        samples.append(
+            Sample(
+                prompt_ids=torch.randint(1, 50, (p,), generator=generator).tolist(),
+                output_ids=torch.randint(1, 50, (r,), generator=generator).tolist(),
+                output_log_probs=-torch.rand(r, generator=generator),
+                finish_reason="stop",
+                routed_experts=torch.randint(0, 8, (p + r - 1, 3, 2), generator=generator, dtype=torch.int32),
+                extra=extra,
+            )
+        )
+    zeros = torch.zeros(len(samples))
+    batch = pack_samples(samples, zeros, zeros, zeros, pad_token_id=0, with_routed_experts=True)
+    tokens, mask, input_mask, logp, routed = _pack_row_by_row(samples, pad=0)
+    assert torch.equal(batch.tokens, tokens) and torch.equal(batch.response_mask, mask)
+    assert torch.equal(batch.input_mask, input_mask) and torch.equal(batch.rollout_log_probs, logp)
+    assert torch.equal(batch.routed_experts, routed)
