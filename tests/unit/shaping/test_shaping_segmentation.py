@@ -85,3 +85,5 @@ def test_cluster_counts_use_half_open_buckets():
     counts = cluster_counts(lengths, [2.0, 5.0])
     # [0,2): 1 | [2,5): 2, 3 | [5,inf): 5
     assert counts.tolist() == [[1.0, 2.0, 1.0], [0.0, 0.0, 0.0], [0.0, 0.0, 1.0]]
+    assert cluster_counts([], [2.0, 5.0]).shape == (0, 3)
+    assert cluster_counts([torch.zeros(0), torch.zeros(0)], [2.0]).tolist() == [[0.0, 0.0], [0.0, 0.0]]
