@@ -99,8 +99,8 @@ def pack_samples(
     tokens = torch.full((n, width), pad_token_id, dtype=torch.long)
     tokens[real] = torch.tensor([t for s in samples for ids in (s.prompt_ids, s.output_ids) for t in ids])
     target = position[: width - 1]
-    input_mask = (target < (lengths - 1)[:, None]).float()  # [n, S-1]
-    response = (target >= (prompt_lengths - 1)[:, None]) & (target < (lengths - 1)[:, None])
+    fed = target < (lengths - 1)[:, None]  # [n, S-1]
+    response = fed & (target >= (prompt_lengths - 1)[:, None])
     rollout_logp = torch.zeros(n, width - 1)
     rollout_logp[response] = torch.cat([s.output_log_probs.float() for s in samples])
     mask = response.float()
@@ -122,11 +122,11 @@ def pack_samples(
             experts.append(sample.routed_experts.to(torch.int32))
         layers, k = experts[0].shape[1:]
         routed = torch.zeros(n, width - 1, layers, k, dtype=torch.int32)
-        routed[input_mask.bool()] = torch.cat(experts)  # row-major: each row's fed tokens in order
+        routed[fed] = torch.cat(experts)  # row-major: each row's fed tokens in order
     return RolloutBatch(
         tokens=tokens,
         response_mask=mask,
-        input_mask=input_mask,
+        input_mask=fed.float(),
         rollout_log_probs=rollout_logp,
         advantages=advantages.float(),
         rewards=rewards.float(),
