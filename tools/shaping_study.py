@@ -1,17 +1,21 @@
-"""The shaping study in one command: warm start, 3 arms x N seeds, report.
+"""The shaping study in one command: warm start, 6 arms x N seeds, the warm start evaluated, report.
 
-    python tools/shaping_study.py --out reports/shaping_study
+    python tools/shaping_study.py --out reports/shaping_study            # >= 50 RL steps, 3 seeds
+    python tools/shaping_study.py --quick --out /tmp/shaping_quick        # 10 steps, 2 seeds: a smoke run
 
 1. Warm-starts the tiny MoE to long, verbose reasoning (``tools/sft_warmstart.py``: 2-5 digit
    problems, 0-5 useless "Wait" re-checks, so keyword segments fall in all three length clusters of
-   ``conf/experiment/shaping_from_sft.yaml``), unless ``--checkpoint`` already exists.
-2. Trains every arm from it with ``+experiment=shaping_from_sft`` for each seed:
-   ``baseline`` (plain GSPO), ``step_grpo_dtr`` (Step-GRPO reward + Dynamic Truncated Rollout: the
-   whole method), ``grsp`` (GRSP segment penalty). A finished run (its metrics.jsonl has the last
-   step) is reused, so an interrupted study resumes.
-3. Writes ``OUT/report.md`` and ``OUT/report.json`` (``gspo_megatron.shaping.report``): per arm, seed
-   mean ± sample std of rollout tokens, keyword steps, segments per length cluster, accuracy, DTR
-   exits, and the last evaluation; the change vs baseline beside the papers' claims.
+   ``conf/experiment/shaping_from_sft.yaml``), unless ``--checkpoint`` already exists. Deterministic:
+   the same command writes the same weights.
+2. Evaluates that warm start as it is (the "vanilla model" the Step-GRPO paper compares against).
+3. Trains every arm from it with ``+experiment=shaping_from_sft`` for each seed (ARMS below: plain
+   GSPO, DTR only, Step-GRPO's reward only, Step-GRPO + DTR, GRSP keyword, GRSP confidence). A finished
+   run (its metrics.jsonl has the last step) is reused, so an interrupted study resumes.
+4. Writes ``OUT/report.md`` and ``OUT/report.json`` (``gspo_megatron.shaping.report``): per arm, seed
+   mean ± sample std. Learned brevity is measured on EVALUATION responses (plain decoding, no
+   truncation, >= 64 prompts); rollout-token savings (DTR cuts rollouts before any update) are reported
+   separately. The report records the commit, the full command, the seeds and each run's composed
+   config (``OUT/configs/``).
 
 Runs go to ``OUT/runs/<arm>_s<seed>`` (their metrics.jsonl copied to ``OUT/metrics/``, logs beside);
 extra Hydra overrides after ``--`` apply to every arm.
@@ -30,9 +34,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 ARMS = {
     "baseline": ["shaping=none"],
+    "dtr_only": ["shaping=none", "rollout.truncated=true"],
+    "step_grpo_reward": ["shaping=step_grpo"],
     "step_grpo_dtr": ["shaping=step_grpo", "rollout.truncated=true"],
-    "grsp": ["shaping=grsp"],
+    "grsp_keyword": ["shaping=grsp", "shaping.grsp.segmentation=keyword"],
+    "grsp_confidence": ["shaping=grsp", "shaping.grsp.segmentation=confidence"],
 }
+QUICK = {"steps": 10, "seeds": [0, 1]}
 WARM_START = ["--digits", "5", "--min-digits", "2", "--max-waits", "5"]
 
 
@@ -52,22 +60,65 @@ def _finished(run_dir: Path, steps: int) -> bool:
     return any(m.get("step") == steps for m in lines)
 
 
+def evaluate_warm_start(checkpoint: Path, overrides: list[str]) -> dict[str, float]:
+    """pass@1 and response length of the warm start itself, on the study's evaluation prompts and
+    settings (the trainer's own evaluation: same prompts, sampling and verifier)."""
+    from dataclasses import replace
+
+    from omegaconf import OmegaConf
+    from transformers import Qwen3MoeForCausalLM
+
+    from gspo_megatron.config.compose import compose
+    from gspo_megatron.trainer.setup import build_evaluation
+
+    cfg = OmegaConf.to_object(
+        compose(["+experiment=shaping_from_sft", f"model.hf_checkpoint={checkpoint}", *overrides])
+    )
+    phase, records = build_evaluation(cfg)
+    weights = Qwen3MoeForCausalLM.from_pretrained(str(checkpoint)).state_dict()
+    phase.engine.update_weights(weights.items(), version=0)
+    params = replace(
+        phase.sampling,
+        n=cfg.trainer.eval_samples,
+        temperature=cfg.rollout.eval_temperature,
+        seed=cfg.trainer.seed,
+        return_routed_experts=False,
+    )
+    try:
+        return phase.evaluate(records, params)
+    finally:
+        phase.rewards.close()
+
+
+def _commit() -> str:
+    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True
+    )
+    return done.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="reports/shaping_study")
     parser.add_argument("--checkpoint", default="checkpoints/tiny_long_reasoner")
     parser.add_argument("--warm-start-steps", type=int, default=300)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=40, help="RL steps per run (trainer.steps)")
+    parser.add_argument("--steps", type=int, default=50, help="RL steps per run (trainer.steps)")
     parser.add_argument("--last-steps", type=int, default=10, help="training steps averaged per run")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK}")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every arm")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.seeds = QUICK["steps"], QUICK["seeds"]
+    command = "python3 tools/shaping_study.py " + " ".join(argv if argv is not None else sys.argv[1:])
 
     from gspo_megatron.shaping.report import (
         aggregate,
         read_metrics,
         relative_to_baseline,
+        relative_to_vanilla,
         render_markdown,
         summarize_run,
     )
@@ -77,18 +128,9 @@ def main(argv=None) -> int:
     checkpoint = (REPO / args.checkpoint).resolve()
     if not (checkpoint / "config.json").is_file():
         print(f"warm start -> {checkpoint}", flush=True)
-        _run(
-            [
-                sys.executable,
-                "tools/sft_warmstart.py",
-                "--out",
-                str(checkpoint),
-                "--steps",
-                str(args.warm_start_steps),
-                *WARM_START,
-            ],
-            out / "warm_start.log",
-        )
+        warm = [sys.executable, "tools/sft_warmstart.py", "--out", str(checkpoint)]
+        _run([*warm, "--steps", str(args.warm_start_steps), *WARM_START], out / "warm_start.log")
+    vanilla = evaluate_warm_start(checkpoint, args.overrides)
     arms: dict[str, list[dict]] = {}
     for arm in args.arms:
         for seed in args.seeds:
@@ -104,6 +146,7 @@ def main(argv=None) -> int:
                         f"model.hf_checkpoint={checkpoint}",
                         f"trainer.seed={seed}",
                         f"trainer.steps={args.steps}",
+                        f"trainer.eval_every={args.steps}",
                         f"run_dir={run_dir}",
                         *ARMS[arm],
                         *args.overrides,
@@ -111,24 +154,38 @@ def main(argv=None) -> int:
                     out / f"{arm}_s{seed}.log",
                 )
             metrics = read_metrics(run_dir)
-            (out / "metrics").mkdir(exist_ok=True)  # the runs' step logs, kept beside the report
-            shutil.copyfile(run_dir / "metrics.jsonl", out / "metrics" / f"{arm}_s{seed}.jsonl")
+            for folder, name, suffix in (("metrics", "metrics.jsonl", "jsonl"), ("configs", "config.yaml", "yaml")):
+                (out / folder).mkdir(exist_ok=True)  # the runs' step logs and composed configs, beside the report
+                shutil.copyfile(run_dir / name, out / folder / f"{arm}_s{seed}.{suffix}")
             arms.setdefault(arm, []).append(summarize_run(metrics, args.last_steps))
     stats = {arm: aggregate(runs) for arm, runs in arms.items()}
     relative = relative_to_baseline(stats)
+    against_vanilla = relative_to_vanilla(stats, vanilla)
     notes = [
-        f"command: python tools/shaping_study.py --out {args.out} --steps {args.steps} --seeds "
-        f"{' '.join(map(str, args.seeds))} --warm-start-steps {args.warm_start_steps} -- "
-        f"{' '.join(args.overrides)}".rstrip(" -"),
-        f"warm start: tools/sft_warmstart.py --steps {args.warm_start_steps} {' '.join(WARM_START)}",
-        f"per run: mean over its last {args.last_steps} training steps; eval_* = its last evaluation "
-        "(held-out prompts, plain decoding); ± is the sample std over seeds",
+        f"commit: {_commit()}",
+        f"command: {command}",
+        f"seeds: {args.seeds}; {args.steps} RL steps per run; evaluation at the last step",
+        f"warm start: tools/sft_warmstart.py --steps {args.warm_start_steps} {' '.join(WARM_START)}; "
+        f"evaluated as it is (the vanilla model): {json.dumps(vanilla)}",
+        f"per run: mean over its last {args.last_steps} training steps (rollout tokens: DTR arms cut these "
+        "before any update); eval_* = the last evaluation (held-out prompts, plain decoding, no truncation: "
+        "learned brevity); ± is the sample std over seeds",
         "arms: " + "; ".join(f"{a}: {' '.join(ARMS[a])}" for a in arms),
     ]
     (out / "report.json").write_text(
-        json.dumps({"arms": stats, "relative": relative, "notes": notes, "runs": arms}, indent=2)
+        json.dumps(
+            {
+                "arms": stats,
+                "relative": relative,
+                "vs_vanilla": against_vanilla,
+                "vanilla": vanilla,
+                "notes": notes,
+                "runs": arms,
+            },
+            indent=2,
+        )
     )
-    report = render_markdown(stats, relative, notes)
+    report = render_markdown(stats, relative, notes, against_vanilla)
     (out / "report.md").write_text(report)
     print(report)
     return 0

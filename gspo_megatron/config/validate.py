@@ -6,6 +6,8 @@ rules that relate sections, each raising ``ConfigError`` that names both sides a
 
 from __future__ import annotations
 
+from gspo_megatron.algorithms.config import OldLogProbSource
+from gspo_megatron.algorithms.mismatch_correction import MismatchCorrection
 from gspo_megatron.config.schema import TrainConfig
 from gspo_megatron.config_node import config_nodes
 from gspo_megatron.parallel.context_parallel import validate_context_parallel
@@ -91,6 +93,17 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
             check_shared_triggers(cfg.shaping, cfg.rollout.truncation.trigger_words)
         except ValueError as error:
             raise ConfigError(str(error)) from None
+        if cfg.rollout.truncation.train_on_exit_tokens and (
+            cfg.algorithm.old_log_probs == OldLogProbSource.rollout
+            or cfg.algorithm.mismatch_correction != MismatchCorrection.none
+        ):
+            raise ConfigError(
+                "rollout.truncation.train_on_exit_tokens=true trains on tokens the engine did not sample "
+                f"and has no log-prob for, so algorithm.old_log_probs={cfg.algorithm.old_log_probs!s} / "
+                f"algorithm.mismatch_correction={cfg.algorithm.mismatch_correction!s} cannot use the engine's "
+                "log-probs for them: set algorithm.old_log_probs=trainer and algorithm.mismatch_correction=none, "
+                "or leave train_on_exit_tokens=false"
+            )
     if cfg.rollout.max_staleness not in (0, 1):
         raise ConfigError(
             f"rollout.max_staleness={cfg.rollout.max_staleness}: one-step asynchronous rollout supports 0 "

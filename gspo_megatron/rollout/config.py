@@ -98,6 +98,15 @@ class TruncatedRolloutConfig(ConfigNode):
     # and the answer sampled. 0: off (DEER's default; it uses 3 when on).
     repetition_exit: int = 0
     eos_token_ids: list[int] = field(default_factory=list)  # end of the whole response
+    # CHOICE (Step-GRPO says the model "internalizes dynamic early exit" but not whether the inserted
+    # exit is trained on): false (default) -- the closing text an exit inserts is context, not an
+    # action; it is left out of the loss, so the exit decision itself gets no direct gradient and the
+    # model learns early exit only through the shorter, rewarded trajectories it is shown. true -- the
+    # inserted tokens are trained on like sampled ones (the policy is pushed to emit the close where
+    # the probe was confident); needs algorithm.old_log_probs=trainer and no mismatch correction, since
+    # the engine has no log-prob for a token it did not sample. Either way they are never compared
+    # with the engine's log-probs.
+    train_on_exit_tokens: bool = False
 
     def validate(self) -> None:
         owner = "rollout.truncation"

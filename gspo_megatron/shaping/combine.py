@@ -14,7 +14,15 @@ both configurable:
   as length-penalty methods that add their term to the normalised advantage do. In an all-correct
   group A_i = d_i - mean d, proportional to lambda; in a mixed group the correctness signal keeps its
   unit scale and the shaping re-ranks within it.
-``shaping.combine=reward`` (default, the papers' formulation) shapes the reward before the estimator.
+``shaping.combine=reward`` (the papers' formulation) shapes the reward before the estimator.
+
+Design decision: ``advantage`` is the DEFAULT. Length shaping exists to act where every response is
+correct; under ``reward`` its coefficient (GRSP's lambda, Step-GRPO's beta) is invisible there (beta =
+0.05 and 0.5 gave identical advantages), so the knob a user tunes would do nothing where it matters.
+Under ``advantage`` the advantage of an all-correct group is proportional to the coefficient, and a
+mixed group keeps its unit-scale correctness signal. ``advantage/zero_variance_group_frac`` then
+counts groups whose FINAL advantages are all equal (no learning signal), not groups whose task reward
+is constant (under ``advantage`` those still carry the shaping term).
 """
 
 from __future__ import annotations
@@ -43,4 +51,14 @@ def shaped_advantages(
     out = estimate(rewards)
     delta = (shaped_rewards.float() - rewards.float()).view(-1, group_size)
     centred = (delta - delta.mean(dim=1, keepdim=True)).reshape(-1)
-    return AdvantageOutput(out.advantages + centred, out.stats)
+    advantages = out.advantages + centred
+    groups = advantages.view(-1, group_size)
+    zero_variance = groups.amax(dim=1) == groups.amin(dim=1)  # no signal left in the group
+    return AdvantageOutput(
+        advantages,
+        {
+            **out.stats,
+            "zero_variance_group_frac": zero_variance.float().mean(),
+            "advantage_abs_mean": advantages.abs().mean(),
+        },
+    )

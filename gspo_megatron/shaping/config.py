@@ -53,6 +53,13 @@ class StepGRPOConfig(ConfigNode):
     # their verifier. "verifier": the task verifier's correct/format_ok as they are (math_verify also
     # accepts the last number without a box, and its format_ok requires termination).
     outcome: str = "boxed"
+    # CHOICE: how steps are counted before a Dynamic Truncated Rollout exit. A confident exit drops the
+    # trigger word it probed at (the paper: "discard the probe, close the thinking block"), so the text
+    # holds k = 1 + the triggers that were restored. false (default): count the text as it is -- the
+    # steps the response actually contains. true: also count the dropped trigger as the step the exit
+    # cut short (k + 1 for a confident exit), so an exit at the first trigger counts 2 like a response
+    # that went on to a second step.
+    count_dropped_trigger: bool = False
 
     def validate(self) -> None:
         if self.outcome not in STEP_GRPO_OUTCOMES:
@@ -188,10 +195,10 @@ class ShapingConfig(ConfigNode):
     # Kimi k1.5 warms its length reward up this way; without it the length term can win before
     # the policy has learned to be correct (measured: kimi_length collapses to an immediate <eos>).
     warmup_steps: int = 0
-    # "reward": shape the reward, then the advantage estimator (the papers). "advantage": normalise the
-    # task reward, then add the centred shaping term -- keeps lambda/beta's scale in all-correct groups,
-    # where std normalisation erases it (see shaping/combine.py; or set algorithm.normalize_std=false).
-    combine: str = "reward"
+    # "advantage" (default): normalise the task reward, then add the centred shaping term -- keeps
+    # lambda/beta's scale in all-correct groups, where std normalisation erases it (shaping/combine.py
+    # says why this is the default). "reward": shape the reward, then the advantage estimator (the papers).
+    combine: str = "advantage"
 
     def validate(self) -> None:
         from gspo_megatron.shaping.combine import SHAPING_COMBINES

@@ -18,7 +18,9 @@ Design decisions:
   With fewer than two correct responses every std is 0 and nothing changes. ``apply_to="all"``
   scores every response.
 - z-scores sum to zero over the scored responses, so the penalty leaves their mean reward unchanged:
-  it only re-ranks within the group.
+  it only re-ranks within the group. Its logged mean is therefore ~0 by construction; what shows it
+  acting is ``grsp/abs_penalty`` (mean |P_i|) and ``grsp/penalty_count_corr/<k>`` (per length
+  cluster, the correlation of P_i with that cluster's segment count over the scored responses).
 """
 
 from __future__ import annotations
@@ -77,5 +79,23 @@ def grsp(group: ShapingGroup, cfg: GRSPConfig) -> ShapedRewards:
     penalty = grsp_penalty(counts, scored, torch.tensor(cfg.resolved_weights()))
     return ShapedRewards(
         rewards=group.rewards.float() - cfg.penalty_coef * penalty,
-        metrics={"segments_per_cluster": counts, "penalty": penalty},
+        metrics={
+            "segments_per_cluster": counts,
+            "penalty": penalty,  # sums to 0 over the scored responses: its mean shows nothing
+            "abs_penalty": penalty.abs(),  # how hard it acts: mean |P_i| over the responses
+            "penalty_count_corr": penalty_count_correlation(counts, scored, penalty).unsqueeze(0),
+        },
     )
+
+
+def penalty_count_correlation(counts: torch.Tensor, scored: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """float [K]: Pearson correlation, over the scored responses, of P_i with each cluster's segment
+    count c_{i,k} -- positive where more segments of that length cost reward; NaN where undefined
+    (fewer than two scored responses, or a constant column)."""
+    rows = scored.bool()
+    if int(rows.sum()) < 2:
+        return torch.full((counts.shape[1],), float("nan"))
+    c = counts[rows].float() - counts[rows].float().mean(0)
+    p = penalty[rows].float() - penalty[rows].float().mean()
+    denominator = c.pow(2).sum(0).sqrt() * p.pow(2).sum().sqrt()
+    return torch.where(denominator > 1e-12, (c * p.unsqueeze(1)).sum(0) / denominator.clamp_min(1e-12), float("nan"))

@@ -8,6 +8,8 @@ Step-GRPO (arXiv 2604.16890):
 Design decisions:
 - The shaped reward REPLACES the verifier's reward: it is built from ``correct`` (acc_i) and
   ``format_ok`` (fmt_i), as in the paper; ``group.rewards`` is only logged as the raw reward.
+- Steps before a Dynamic Truncated Rollout exit: the text as it is, unless
+  ``count_dropped_trigger`` adds the trigger a confident exit dropped (see StepGRPOConfig).
 - The efficiency term exists only for correct responses and only when mu exists (at least one
   correct response). With none correct, R_i = (1 - alpha) * fmt_i. mu >= 1 because k_i >= 1, so
   the division is always safe.
@@ -45,6 +47,8 @@ def step_grpo_rewards(
 @SHAPERS.register("step_grpo")
 def step_grpo(group: ShapingGroup, cfg: StepGRPOConfig) -> ShapedRewards:
     steps = step_counts(group.response_texts, cfg.triggers, cfg.case_sensitive)
+    if cfg.count_dropped_trigger and group.dropped_triggers is not None:
+        steps = steps + group.dropped_triggers.to(steps.dtype)  # the step a confident exit cut short
     rewards, mu = step_grpo_rewards(steps, group.correct, group.format_ok, cfg.alpha, cfg.beta)
     return ShapedRewards(
         rewards=rewards,

@@ -47,6 +47,9 @@ class ShapingGroup:
     response_lengths: torch.Tensor  # long [G], response tokens
     max_response_length: int  # the rollout's max_new_tokens
     token_log_probs: list[torch.Tensor] | None = None  # G float [len_i] rollout log-probs
+    # long [G]: trigger words a Dynamic Truncated Rollout dropped at a confident exit (0 or 1 each);
+    # None: no truncated rollout. Not in response_texts (the trigger is removed before the exit).
+    dropped_triggers: torch.Tensor | None = None
 
     def __post_init__(self):
         if not isinstance(self.rewards, torch.Tensor) or self.rewards.dim() != 1 or self.rewards.numel() < 1:
@@ -74,6 +77,9 @@ class ShapingGroup:
                         f"ShapingGroup.token_log_probs[{i}] has shape {tuple(log_probs.shape)}, expected "
                         f"({length},) -- one log-prob per response token"
                     )
+
+        if self.dropped_triggers is not None:
+            _check_vector("dropped_triggers", self.dropped_triggers, size, "int")
 
     @property
     def size(self) -> int:
@@ -109,4 +115,9 @@ def group_from_samples(
         response_lengths=torch.tensor([len(s.output_ids) for s in samples], dtype=torch.long),
         max_response_length=max_response_length,
         token_log_probs=[s.output_log_probs.float() for s in samples],
+        dropped_triggers=(
+            torch.tensor([s.extra.get("exit_reason") == "confident" for s in samples], dtype=torch.long)
+            if any("exit_reason" in s.extra for s in samples)
+            else None
+        ),
     )

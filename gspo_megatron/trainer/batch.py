@@ -40,6 +40,14 @@ class RolloutBatch:
     old_log_probs: torch.Tensor | None = None  # float [N, S-1], filled by the trainer
     policy_versions: torch.Tensor | None = None  # long [N]: the engine weight version of each sample
     row_ids: torch.Tensor | None = None  # long [n]: the global rows held, ascending; None: all of them
+    # float [N, S-1]: response targets the ENGINE sampled (inserted DTR exit tokens excluded); what the
+    # train/rollout log-prob comparisons read. None: every response target was sampled (= response_mask).
+    sampled_mask: torch.Tensor | None = None
+
+    @property
+    def mismatch_mask(self) -> torch.Tensor:
+        """Where engine and trainer log-probs are compared: the sampled response targets."""
+        return self.response_mask if self.sampled_mask is None else self.sampled_mask
 
     @property
     def num_sequences(self) -> int:
@@ -79,6 +87,7 @@ def pack_samples(
     shaped_rewards: torch.Tensor,
     pad_token_id: int,
     with_routed_experts: bool = False,
+    train_on_exit_tokens: bool = False,
 ) -> RolloutBatch:
     """Right-pad prompt+response token ids into one batch, with masks aligned to the targets.
 
@@ -103,13 +112,15 @@ def pack_samples(
     response = fed & (target >= (prompt_lengths - 1)[:, None])
     rollout_logp = torch.zeros(n, width - 1)
     rollout_logp[response] = torch.cat([s.output_log_probs.float() for s in samples])
-    mask = response.float()
+    sampled = response.float()
     for i, sample in enumerate(samples):
         if "forced_mask" in sample.extra:
-            # tokens the truncated rollout inserted (closing the thinking block) were not sampled by
-            # the policy: they are context, not actions -- no loss, no log-prob comparison
+            # tokens the truncated rollout inserted (closing the thinking block) were not sampled by the
+            # policy: never compared with the engine's log-probs (it reports 0.0 for them), and trained on
+            # only when rollout.truncation.train_on_exit_tokens (the exit decision then gets gradient)
             p, r = len(sample.prompt_ids), len(sample.output_ids)
-            mask[i, p - 1 : p + r - 1] *= 1.0 - sample.extra["forced_mask"].float()
+            sampled[i, p - 1 : p + r - 1] *= 1.0 - sample.extra["forced_mask"].float()
+    mask = response.float() if train_on_exit_tokens else sampled
     routed = None
     if with_routed_experts:
         experts = []
@@ -128,6 +139,7 @@ def pack_samples(
         response_mask=mask,
         input_mask=fed.float(),
         rollout_log_probs=rollout_logp,
+        sampled_mask=sampled,
         advantages=advantages.float(),
         rewards=rewards.float(),
         shaped_rewards=shaped_rewards.float(),

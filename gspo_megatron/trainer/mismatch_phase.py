@@ -30,7 +30,7 @@ def correct_mismatch(
     weights, stats = mismatch_weight_stats(
         batch.old_log_probs,
         batch.rollout_log_probs,
-        batch.response_mask,
+        batch.mismatch_mask,
         algorithm.mismatch_correction,
         algorithm.mismatch_cap,
         algorithm.log_ratio_clamp,

@@ -57,6 +57,8 @@ class RolloutPhase:
     pad_token_id: int
     # optional: a truncated-rollout wrapper with the engine's generate signature
     generate_fn: Callable[[list[list[int]], SamplingParams], list[list[Sample]]] | None = None
+    # rollout.truncation.train_on_exit_tokens: the tokens a truncated rollout inserts enter the loss
+    train_on_exit_tokens: bool = False
 
     def run(self, step: int, prompts_per_step: int) -> tuple[RolloutBatch, dict[str, float]]:
         extra_metrics: dict[str, float] = {}
@@ -87,6 +89,7 @@ class RolloutPhase:
             shaped_rewards,
             self.pad_token_id,
             with_routed_experts=self.sampling.return_routed_experts,
+            train_on_exit_tokens=self.train_on_exit_tokens,
         )
         metrics = self._metrics(step, samples, scored, shaped, advantage, batch)
         return batch, {**{k: float(v) for k, v in metrics.items()}, **extra_metrics}

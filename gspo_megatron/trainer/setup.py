@@ -147,16 +147,17 @@ def build(cfg: TrainConfig, run_dir: Path, config_yaml: str, world_size: int | N
     return components
 
 
-def _build_driver_side(c: Components) -> None:
-    cfg = c.cfg
+def build_rollout_phase(cfg: TrainConfig) -> RolloutPhase:
+    """The driver's rollout half -- tokenizer, task, engine (no weights yet), verifier pool, sampling --
+    as training uses it; also what evaluates a checkpoint on its own (tools/shaping_study.py)."""
     tokenizer = build_tokenizer(cfg.tokenizer.kind, cfg.tokenizer.path, model_vocab_size=cfg.model.vocab_size)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(
             f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {cfg.model.vocab_size}; "
             "raise model.vocab_size (a multiple of parallel.tp)"
         )
-    c.task = build_task(cfg.task, tokenizer)
-    c.engine = _build_engine(cfg, tokenizer)
+    task = build_task(cfg.task, tokenizer)
+    engine = _build_engine(cfg, tokenizer)
     sampling = SamplingParams(
         temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p,
@@ -171,22 +172,40 @@ def _build_driver_side(c: Components) -> None:
     generate_fn = None
     if cfg.rollout.truncated:
         from gspo_megatron.rollout.truncated import TruncatedRolloutEngine
+        from gspo_megatron.shaping.triggers import check_trigger_token_ids
 
+        check_trigger_token_ids(
+            cfg.rollout.truncation.trigger_token_ids, cfg.rollout.truncation.trigger_words, tokenizer.decode
+        )
         generate_fn = TruncatedRolloutEngine(
-            c.engine, cfg.rollout.truncation, tokenizer.encode, tokenizer.decode
+            engine, cfg.rollout.truncation, tokenizer.encode, tokenizer.decode
         ).generate
-    c.rollout = RolloutPhase(
-        engine=c.engine,
-        task=c.task,
+    return RolloutPhase(
+        engine=engine,
+        task=task,
         tokenizer=tokenizer,
-        rewards=RewardPool(cfg.shaping.reward_name(cfg.task.reward or c.task.reward), cfg.reward),
+        rewards=RewardPool(cfg.shaping.reward_name(cfg.task.reward or task.reward), cfg.reward),
         algorithm=cfg.algorithm,
         shaping=cfg.shaping,
         sampling=sampling,
         seed=cfg.trainer.seed,
         pad_token_id=tokenizer.pad_token_id,
         generate_fn=generate_fn,
+        train_on_exit_tokens=cfg.rollout.truncated and cfg.rollout.truncation.train_on_exit_tokens,
     )
+
+
+def build_evaluation(cfg: TrainConfig) -> tuple[RolloutPhase, list]:
+    """A rollout phase and the run's evaluation prompts (``trainer.eval_prompts``): what the trainer
+    evaluates, for evaluating weights outside a run. The caller loads the engine's weights."""
+    phase = build_rollout_phase(cfg)
+    return phase, phase.task.eval_records(cfg.trainer.eval_prompts)
+
+
+def _build_driver_side(c: Components) -> None:
+    cfg = c.cfg
+    c.rollout = build_rollout_phase(cfg)
+    c.task, c.engine = c.rollout.task, c.rollout.engine
     resume_step = _resume_step(c)
     c.run_log = RunLog(
         c.run_dir,

@@ -212,7 +212,7 @@ class RLTrainer:
             self.diagnostics.remember_old_routing(routing.old_policy_routing, flat)
             self.diagnostics.rollout_vs_train(self.step, flat, self._rollout_targets, routing.trainer_routing)
         batch.old_log_probs = self._gather_rows(outputs, "log_probs", batch)
-        mask = batch.response_mask
+        mask = batch.mismatch_mask
         sums = train_inference_mismatch(batch.old_log_probs, batch.rollout_log_probs, mask)
         entropy = self._gather_rows(outputs, "entropy", batch)
         sums["entropy_sum"] = (entropy * mask).sum().double()

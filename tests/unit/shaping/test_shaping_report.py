@@ -4,7 +4,14 @@ import json
 
 import pytest
 
-from gspo_megatron.shaping.report import aggregate, read_metrics, relative_to_baseline, render_markdown, summarize_run
+from gspo_megatron.shaping.report import (
+    aggregate,
+    read_metrics,
+    relative_to_baseline,
+    relative_to_vanilla,
+    render_markdown,
+    summarize_run,
+)
 
 
 def _run(tokens, accuracy, eval_accuracy):
@@ -37,10 +44,33 @@ def test_summary_aggregate_and_relative_by_hand(tmp_path):
     assert base["tokens"] == {"mean": 50.0, "std": pytest.approx(14.142135), "n": 2}
     shaped = aggregate([{"tokens": 30.0, "accuracy": 0.6}])
     assert shaped["tokens"] == {"mean": 30.0, "std": 0.0, "n": 1}
-    relative = relative_to_baseline({"baseline": base, "grsp": shaped})
-    assert relative["grsp"] == {"tokens_change_pct": pytest.approx(-40.0), "accuracy_change_points": pytest.approx(0.0)}
-    table = render_markdown({"baseline": base, "grsp": shaped}, relative, ["note"])
-    assert "50.000 ± 14.142 (n=2)" in table and "tokens_change_pct -40.0" in table and "GRSP:" in table
+    relative = relative_to_baseline({"baseline": base, "grsp_keyword": shaped})
+    assert relative["grsp_keyword"] == {
+        "tokens_change_pct": pytest.approx(-40.0),
+        "accuracy_change_points": pytest.approx(0.0),
+    }
+    table = render_markdown({"baseline": base, "grsp_keyword": shaped}, relative, ["note"])
+    assert "50.000 ± 14.142 (n=2)" in table and "tokens_change_pct -40.0" in table and "no figure quoted" in table
+
+
+def test_change_vs_the_vanilla_model_uses_evaluation_tokens():
+    arms = {"step_grpo_dtr": aggregate([{"eval_tokens": 30.0, "eval_accuracy": 0.7, "tokens": 10.0}])}
+    vanilla = {"eval/response_length": 40.0, "eval/pass@1": 0.6}
+    change = relative_to_vanilla(arms, vanilla)["step_grpo_dtr"]
+    assert change == {
+        "eval_tokens_change_pct": pytest.approx(-25.0),
+        "eval_accuracy_change_points": pytest.approx(10.0),
+    }
+    table = render_markdown(arms, {"step_grpo_dtr": {}}, [], {"step_grpo_dtr": change})
+    assert "eval_tokens_change_pct -25.0" in table and "-32.0% tokens vs the vanilla model" in table
+
+
+def test_no_claim_the_sources_do_not_contain():
+    from gspo_megatron.shaping.report import PAPER_CLAIMS
+
+    text = " ".join(PAPER_CLAIMS.values())
+    for unsupported in ("82.1", "79.9", "0.2%"):
+        assert unsupported not in text
 
 
 def test_a_directory_without_metrics_is_a_clear_error(tmp_path):

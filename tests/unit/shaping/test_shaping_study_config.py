@@ -58,3 +58,26 @@ def test_the_study_turns_on_dynamic_truncated_rollout_for_step_grpo():
     for text in (cfg.rollout.truncation.probe_suffix, cfg.rollout.truncation.close_thinking):
         assert tokenizer.encode(text)  # the symbol alphabet can express the probe and the closing
     assert cfg.rollout.group_size == 5  # Step-GRPO's group size
+
+
+def test_every_arm_of_the_study_composes_and_validates_with_enough_evidence():
+    """The study's arms (and +experiment=shaping_study) start, and its defaults meet the evidence bar:
+    >= 50 RL steps, >= 3 seeds, >= 64 evaluation prompts."""
+    from gspo_megatron.config.validate import validate_config
+
+    tool = _tool("shaping_study")
+    assert set(tool.ARMS) == {
+        "baseline",
+        "dtr_only",
+        "step_grpo_reward",
+        "step_grpo_dtr",
+        "grsp_keyword",
+        "grsp_confidence",
+    }
+    for arm, overrides in tool.ARMS.items():
+        cfg = OmegaConf.to_object(compose(["+experiment=shaping_from_sft", *overrides]))
+        validate_config(cfg, 1)
+        assert cfg.rollout.truncated == ("rollout.truncated=true" in overrides), arm
+        assert cfg.trainer.eval_prompts >= 64 and cfg.trainer.steps >= 50
+    method = OmegaConf.to_object(compose(["+experiment=shaping_study"]))
+    assert method.shaping.name == "step_grpo" and method.rollout.truncated
