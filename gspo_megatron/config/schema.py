@@ -11,6 +11,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from gspo_megatron.algorithms.config import AlgorithmConfig
@@ -89,6 +90,32 @@ class RolloutSection(ConfigNode):
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     truncation: TruncatedRolloutConfig = field(default_factory=TruncatedRolloutConfig)
 
+    def validate(self) -> None:
+        # training samples must be drawn at T > 0: the trainer scores them with log_softmax(logits / T)
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(
+                f"rollout.temperature={self.temperature}: training rollouts need a finite temperature > 0 "
+                "(the policy's log-probs are log_softmax(logits / T)); greedy decoding is for evaluation: "
+                "rollout.eval_temperature=0"
+            )
+        if not (math.isfinite(self.eval_temperature) and self.eval_temperature >= 0):
+            raise ValueError(f"rollout.eval_temperature={self.eval_temperature} must be >= 0 (0: greedy evaluation)")
+        if not 0 < self.top_p <= 1:  # also refuses nan
+            raise ValueError(f"rollout.top_p={self.top_p} must be in (0, 1] (1: no nucleus filtering)")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"rollout.top_k={self.top_k} must be >= 1, or -1 (off)")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"rollout.max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.group_size < 2:
+            raise ValueError(
+                f"rollout.group_size={self.group_size}: group-relative advantages need >= 2 responses per prompt"
+            )
+        if self.max_staleness not in (0, 1):
+            raise ValueError(
+                f"rollout.max_staleness={self.max_staleness}: one-step asynchronous rollout supports 0 "
+                "(synchronous) or 1"
+            )
+
 
 @dataclass
 class OptimizerSection(ConfigNode):
@@ -100,7 +127,30 @@ class OptimizerSection(ConfigNode):
     adam_beta1: float = 0.9
     adam_beta2: float = 0.98
     adam_eps: float = 1e-8
-    clip_grad: float = 1.0
+    clip_grad: float = 1.0  # global gradient-norm bound; 0: no clipping (megatron's convention)
+
+    def validate(self) -> None:
+        for name in ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"optimizer.{name}={getattr(self, name)} must be a finite number")
+        if self.lr <= 0:
+            raise ValueError(f"optimizer.lr={self.lr} must be > 0")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(
+                f"optimizer.min_lr={self.min_lr} must be in [0, optimizer.lr={self.lr}] (the LR decays from lr "
+                "to min_lr); lower optimizer.min_lr or raise optimizer.lr"
+            )
+        if self.warmup_steps < 0:
+            raise ValueError(f"optimizer.warmup_steps={self.warmup_steps} must be >= 0 (0: no warmup)")
+        if self.weight_decay < 0:
+            raise ValueError(f"optimizer.weight_decay={self.weight_decay} must be >= 0")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"optimizer.{name}={getattr(self, name)} must be in [0, 1) (e.g. 0.9, 0.98)")
+        if self.adam_eps <= 0:
+            raise ValueError(f"optimizer.adam_eps={self.adam_eps} must be > 0 (e.g. 1e-8)")
+        if self.clip_grad < 0:
+            raise ValueError(f"optimizer.clip_grad={self.clip_grad} must be >= 0 (0: no clipping)")
 
 
 @dataclass
@@ -121,6 +171,23 @@ class TrainerSection(ConfigNode):
     on_nonfinite: NonFinitePolicy = NonFinitePolicy.skip  # drop the update, or end the run
     max_consecutive_nonfinite: int = 3  # skipped updates in a row that end the run with a diagnosis
 
+    def validate(self) -> None:
+        for name in ("steps", "prompts_per_step", "updates_per_rollout", "micro_batch_size", "eval_prompts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            raise ValueError(f"trainer.micro_batch_tokens must be >= 1 or null (off), got {self.micro_batch_tokens}")
+        if self.stop_after_steps is not None and self.stop_after_steps < 1:
+            raise ValueError(
+                f"trainer.stop_after_steps must be >= 1 or null (run all trainer.steps), got {self.stop_after_steps}"
+            )
+        if self.eval_every < 0:
+            raise ValueError(f"trainer.eval_every must be >= 0 (0: never), got {self.eval_every}")
+        if self.eval_samples < 1:
+            raise ValueError(f"trainer.eval_samples must be >= 1 (responses per eval prompt), got {self.eval_samples}")
+        if self.max_consecutive_nonfinite < 1:
+            raise ValueError(f"trainer.max_consecutive_nonfinite must be >= 1, got {self.max_consecutive_nonfinite}")
+
 
 @dataclass
 class CheckpointSection(ConfigNode):
@@ -132,6 +199,23 @@ class CheckpointSection(ConfigNode):
     save_on_signal: bool = True  # SIGTERM/SIGINT: finish the step, save, exit 128+signal
     export_hf: bool = False  # write the policy as a HF checkpoint to <run>/hf_export/ at the end
     export_hf_every: int = 0  # also every N steps (0: only at the end); each export replaces the last
+
+    def validate(self) -> None:
+        from gspo_megatron.trainer.resume_check import validate_allow_list
+        from gspo_megatron.trainer.run_dir_owner import resume_mode
+
+        for name, zero_means in (
+            ("save_every", "only at the end"),
+            ("keep_last", "keep all"),
+            ("export_hf_every", "only at the end"),
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"checkpoint.{name} must be >= 0 (0: {zero_means}), got {getattr(self, name)}")
+        try:  # each names the key
+            resume_mode(self.resume)
+            validate_allow_list(self.resume_allow_changes)
+        except RuntimeError as error:
+            raise ValueError(str(error)) from None
 
 
 @dataclass

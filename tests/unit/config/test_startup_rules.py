@@ -7,6 +7,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from gspo_megatron.config.compose import compose
+from gspo_megatron.config.schema import to_train_config
 from gspo_megatron.config.validate import ConfigError, validate_config, validate_for_machine
 
 
@@ -26,25 +27,80 @@ def _typed(overrides):
             ["rollout=sglang", "rollout.sglang.model_path=/ckpt", "rollout.sglang.enable_return_routed_experts=false"],
             r"routing.kinds contains rollout_vs_train needs .*enable_return_routed_experts=true",
         ),
-        (["checkpoint.save_every=-1"], r"checkpoint.save_every must be >= 0"),
-        (["checkpoint.keep_last=-2"], r"checkpoint.keep_last must be >= 0"),
-        (["checkpoint.resume=maybe"], r"checkpoint.resume='maybe'"),
-        (["checkpoint.resume_allow_changes=[model.hidden_size]"], r"shape cannot change"),
-        (["trainer.max_consecutive_nonfinite=0"], r"trainer.max_consecutive_nonfinite must be >= 1"),
+        (["trainer.eval_samples=4"], r"trainer.eval_samples=4 with greedy decoding .*rollout.eval_temperature > 0"),
     ],
-    ids=[
-        "micro_batch",
-        "sglang_routed_experts",
-        "save_every",
-        "keep_last",
-        "resume",
-        "allow_model",
-        "max_consecutive",
-    ],
+    ids=["micro_batch", "sglang_routed_experts", "eval_samples_greedy"],
 )
 def test_bad_value_is_refused_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate_config(_typed(overrides), 1)
+
+
+# (override, what the error must say): each section refuses its own bad values while the composed
+# config becomes a TrainConfig (the first thing the entry point does), before validate_config,
+# before anything is built or written. Issue 33's five are the first five.
+SECTION_RULES = [
+    ("rollout.top_p=2.0", r"rollout.top_p=2.0 must be in \(0, 1\]"),
+    ("rollout.temperature=-1", r"rollout.temperature=-1.0: training rollouts need a finite temperature > 0"),
+    ("optimizer.lr=-1", r"optimizer.lr=-1.0 must be > 0"),
+    ("optimizer.warmup_steps=-5", r"optimizer.warmup_steps=-5 must be >= 0 \(0: no warmup\)"),
+    ("trainer.eval_prompts=0", r"trainer.eval_prompts must be >= 1, got 0"),
+    # D12: T=0 trains on log_softmax(logits / 0); greedy is for evaluation
+    (
+        "rollout.temperature=0",
+        r"rollout.temperature=0.0: .*greedy decoding is for evaluation: rollout.eval_temperature=0",
+    ),
+    ("rollout.top_p=0", r"rollout.top_p=0.0 must be in \(0, 1\]"),
+    ("rollout.top_k=0", r"rollout.top_k=0 must be >= 1, or -1 \(off\)"),
+    ("rollout.max_new_tokens=0", r"rollout.max_new_tokens=0 must be >= 1"),
+    ("rollout.group_size=1", r"rollout.group_size=1: group-relative advantages need >= 2"),
+    ("rollout.max_staleness=2", r"rollout.max_staleness=2: .* supports 0 \(synchronous\) or 1"),
+    # D13
+    ("trainer.eval_samples=0", r"trainer.eval_samples must be >= 1"),
+    ("rollout.eval_temperature=-1", r"rollout.eval_temperature=-1.0 must be >= 0 \(0: greedy evaluation\)"),
+    ("trainer.eval_every=-1", r"trainer.eval_every must be >= 0 \(0: never\)"),
+    ("trainer.steps=0", r"trainer.steps must be >= 1"),
+    ("trainer.stop_after_steps=0", r"trainer.stop_after_steps must be >= 1 or null"),
+    ("trainer.micro_batch_tokens=0", r"trainer.micro_batch_tokens must be >= 1 or null"),
+    ("trainer.max_consecutive_nonfinite=0", r"trainer.max_consecutive_nonfinite must be >= 1"),
+    # D15: the optimizer section
+    ("optimizer.min_lr=0.01", r"optimizer.min_lr=0.01 must be in \[0, optimizer.lr=0.001\].*lower optimizer.min_lr"),
+    ("optimizer.lr=nan", r"optimizer.lr=nan must be a finite number"),
+    ("optimizer.lr=0", r"optimizer.lr=0.0 must be > 0"),
+    ("optimizer.adam_beta2=1.5", r"optimizer.adam_beta2=1.5 must be in \[0, 1\)"),
+    ("optimizer.adam_beta2=1.0", r"optimizer.adam_beta2=1.0 must be in \[0, 1\)"),
+    ("optimizer.adam_beta1=-0.1", r"optimizer.adam_beta1=-0.1 must be in \[0, 1\)"),
+    ("optimizer.adam_eps=0", r"optimizer.adam_eps=0.0 must be > 0"),
+    ("optimizer.weight_decay=-1", r"optimizer.weight_decay=-1.0 must be >= 0"),
+    ("optimizer.clip_grad=-1", r"optimizer.clip_grad=-1.0 must be >= 0 \(0: no clipping\)"),
+    # the checkpoint section
+    ("checkpoint.save_every=-1", r"checkpoint.save_every must be >= 0"),
+    ("checkpoint.keep_last=-2", r"checkpoint.keep_last must be >= 0"),
+    ("checkpoint.export_hf_every=-1", r"checkpoint.export_hf_every must be >= 0"),
+    ("checkpoint.resume=maybe", r"checkpoint.resume='maybe'"),
+    ("checkpoint.resume_allow_changes=[model.hidden_size]", r"shape cannot change"),
+]
+
+
+@pytest.mark.parametrize("override, message", SECTION_RULES, ids=[o for o, _ in SECTION_RULES])
+def test_section_refuses_its_bad_value_when_composed_naming_the_key(override, message):
+    cfg = compose([override])  # Hydra's composition itself accepts it (right type) ...
+    with pytest.raises(ValueError, match=message):
+        to_train_config(cfg)  # ... the section's validate() refuses it, as train.run does first
+
+
+def test_validate_config_refuses_a_section_value_set_after_construction():
+    """Fields may be set between construction and start-up: validate_config checks every section again."""
+    typed = _typed([])
+    typed.rollout.top_p = 1.5
+    with pytest.raises(ConfigError, match=r"rollout.top_p=1.5 must be in"):
+        validate_config(typed, 1)
+
+
+def test_zero_means_off_where_documented():
+    """clip_grad=0 (no clipping), warmup_steps=0, eval_every=0 and min_lr=0 are explicit settings, not errors."""
+    typed = _typed(["optimizer.clip_grad=0", "optimizer.warmup_steps=0", "trainer.eval_every=0", "optimizer.min_lr=0"])
+    validate_config(typed, 1)
 
 
 @pytest.mark.parametrize(
