@@ -243,6 +243,10 @@ class TrainConfig(ConfigNode):
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
 
+    def prompt_token_budget(self) -> int:
+        """The most prompt tokens a row may have: prompt + response must fit the model's context."""
+        return self.model.max_position_embeddings - self.rollout.max_new_tokens
+
 
 def to_train_config(cfg: object) -> TrainConfig:
     """The composed Hydra config as a ``TrainConfig`` instance (each section's dataclass validates

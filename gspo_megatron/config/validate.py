@@ -100,8 +100,7 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
                 "log-probs for them: set algorithm.old_log_probs=trainer and algorithm.mismatch_correction=none, "
                 "or leave train_on_exit_tokens=false"
             )
-    prompt_budget = cfg.model.max_position_embeddings - cfg.rollout.max_new_tokens
-    if prompt_budget < 1:
+    if cfg.prompt_token_budget() < 1:
         raise ConfigError(
             f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for prompts within "
             f"model.max_position_embeddings={cfg.model.max_position_embeddings}"

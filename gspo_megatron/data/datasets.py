@@ -4,8 +4,10 @@ Design decisions:
 - Load, validate, render and tokenise every row once at start-up: prompt sets are small (1e3-1e5
   rows), and a bad row should fail the run before the first rollout, not hours in. Every error names
   the file and the line (JSONL) or row (Parquet), and for a missing field the fields that are present.
-- Prompts longer than ``max_prompt_tokens`` are dropped and counted (``stats``), not truncated: a
-  truncated math problem is a different problem.
+- Prompts longer than ``max_prompt_tokens`` -- or than the model's context leaves for them
+  (``prompt_budget``: ``model.max_position_embeddings - rollout.max_new_tokens``, given by the
+  trainer) -- are dropped and counted (``stats``), not truncated: a truncated math problem is a
+  different problem, and a prompt past the context would be trained on positions the model never had.
 - Order is a pure function of (seed, epoch): each epoch is a fresh permutation drawn from
   ``random.Random(f"{seed}/{epoch}")``. Position is (epoch, index into that epoch), so
   ``state_dict()``/``load_state_dict()`` resume exactly; a state from a different file or seed is
@@ -36,7 +38,7 @@ logger = logging.getLogger(__name__)
 class DatasetStats:
     rows: int = 0  # rows read (valid JSON objects / Parquet rows)
     kept: int = 0
-    too_long: int = 0  # dropped: prompt longer than max_prompt_tokens
+    too_long: int = 0  # dropped: prompt longer than max_prompt_tokens (or the context's prompt budget)
     bad_utf8: int = 0  # skipped non-UTF-8 lines (on_bad_utf8=skip)
     blank_lines: int = 0
 
@@ -100,12 +102,17 @@ def _get_field(row: dict, dotted: str, where: str) -> Any:
 class PromptDataset:
     """Records from one local file, served as shuffled, resumable batches."""
 
-    def __init__(self, config: DatasetConfig, tokenizer: Tokenizer):
+    def __init__(self, config: DatasetConfig, tokenizer: Tokenizer, prompt_budget: int | None = None):
+        """``prompt_budget``: the most prompt tokens the model's context leaves (None: no model limit)."""
         self.config = config
         self.tokenizer = tokenizer
+        self.prompt_budget = prompt_budget
+        self.max_prompt_tokens = min(config.max_prompt_tokens, prompt_budget or config.max_prompt_tokens)
         if config.path is None:
             raise ValueError("dataset.path is required for a dataset task (a local .jsonl or .parquet file)")
         self.path = Path(config.path)
+        if self.path.is_dir():
+            raise IsADirectoryError(f"dataset.path {str(self.path)!r} is a directory; name the .jsonl or .parquet file")
         if not self.path.is_file():
             raise FileNotFoundError(f"dataset file {str(self.path)!r} does not exist (dataset.path)")
         self.stats = DatasetStats()
@@ -127,16 +134,31 @@ class PromptDataset:
             if record is not None:
                 records.append(record)
         self.stats.kept = len(records)
+        if self.stats.rows == 0 and self.stats.bad_utf8:
+            raise ValueError(
+                f"dataset file {str(self.path)!r}: all {self.stats.bad_utf8} non-blank lines are not valid UTF-8 "
+                f"and were skipped (dataset.on_bad_utf8=skip); is it the right file, or another encoding?"
+            )
         if self.stats.rows == 0:
             raise ValueError(f"dataset file {str(self.path)!r} is empty: no records (stats: {self.stats})")
         if not records:
             raise ValueError(
                 f"dataset {str(self.path)!r}: all {self.stats.rows} prompts are longer than "
-                f"dataset.max_prompt_tokens={self.config.max_prompt_tokens}; raise it (stats: {self.stats})"
+                f"{self._prompt_limit_text()} (stats: {self.stats})"
             )
         if self.stats.too_long or self.stats.bad_utf8:
-            logger.warning("dataset %s: %s", self.path, self.stats)
+            logger.warning("dataset %s: %s; prompt limit: %s", self.path, self.stats, self._prompt_limit_text())
         return records
+
+    def _prompt_limit_text(self) -> str:
+        """Which limit drops long prompts, and the key that moves it."""
+        if self.max_prompt_tokens < self.config.max_prompt_tokens:
+            return (
+                f"the {self.max_prompt_tokens} tokens the model's context leaves for a prompt "
+                f"(model.max_position_embeddings - rollout.max_new_tokens; dataset.max_prompt_tokens="
+                f"{self.config.max_prompt_tokens}); use a model with a longer context or lower rollout.max_new_tokens"
+            )
+        return f"dataset.max_prompt_tokens={self.config.max_prompt_tokens}; raise it"
 
     def _render(self, prompt: Any, where: str) -> str:
         cfg = self.config
@@ -176,7 +198,7 @@ class PromptDataset:
             prompt_ids = self.tokenizer.encode(prompt)
         except ValueError as error:
             raise ValueError(f"{where}: {error}") from None
-        if len(prompt_ids) > cfg.max_prompt_tokens:
+        if len(prompt_ids) > self.max_prompt_tokens:
             self.stats.too_long += 1
             return None
         metadata = {name: _get_field(row, name, where) for name in cfg.metadata_fields}

@@ -39,7 +39,9 @@ class Task(abc.ABC):
     name: str = ""
     default_reward: str | None = None
 
-    def __init__(self, config: TaskConfig, tokenizer: Tokenizer):
+    def __init__(self, config: TaskConfig, tokenizer: Tokenizer, prompt_budget: int | None = None):
+        """``prompt_budget``: the most prompt tokens the model's context leaves (None: no model limit);
+        dataset tasks drop longer prompts, synthetic prompts stay within MAX_PROMPT_TOKENS_SYNTHETIC."""
         self.config = config
         self.tokenizer = tokenizer
         reward = config.reward or self.default_reward
@@ -62,11 +64,11 @@ class Task(abc.ABC):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-TASKS: Registry[Callable[[TaskConfig, Tokenizer], Task]] = Registry("task")
+TASKS: Registry[Callable[[TaskConfig, Tokenizer, int | None], Task]] = Registry("task")
 
 
 def register_task(name: str):
-    """Class decorator: registers a Task subclass (any ``(TaskConfig, Tokenizer) -> Task`` factory)."""
+    """Class decorator: registers a Task subclass (any ``(TaskConfig, Tokenizer, prompt_budget) -> Task`` factory)."""
 
     def decorator(factory):
         TASKS.register(name, factory)
@@ -80,8 +82,10 @@ def available_tasks() -> list[str]:
     return TASKS.names()
 
 
-def build_task(config: TaskConfig, tokenizer: Tokenizer) -> Task:
-    return TASKS.get(config.name)(config, tokenizer)
+def build_task(config: TaskConfig, tokenizer: Tokenizer, prompt_budget: int | None = None) -> Task:
+    """The task ``config.name`` names; ``prompt_budget`` (the model's context less the response
+    tokens) bounds the prompts a dataset task keeps."""
+    return TASKS.get(config.name)(config, tokenizer, prompt_budget)
 
 
 class SyntheticDigitTask(Task):
@@ -90,8 +94,8 @@ class SyntheticDigitTask(Task):
     default_reward = "exact_match"
     max_digits_allowed = MAX_PROMPT_TOKENS_SYNTHETIC - 3  # "<word> " + digits + "="
 
-    def __init__(self, config: TaskConfig, tokenizer: Tokenizer):
-        super().__init__(config, tokenizer)
+    def __init__(self, config: TaskConfig, tokenizer: Tokenizer, prompt_budget: int | None = None):
+        super().__init__(config, tokenizer, prompt_budget)
         if config.max_digits > self.max_digits_allowed:
             raise ValueError(
                 f"task {self.name!r} allows at most {self.max_digits_allowed} digits (short prompts "
@@ -180,8 +184,8 @@ class DatasetTask(Task):
 
     file_format = ""
 
-    def __init__(self, config: TaskConfig, tokenizer: Tokenizer):
-        super().__init__(config, tokenizer)
+    def __init__(self, config: TaskConfig, tokenizer: Tokenizer, prompt_budget: int | None = None):
+        super().__init__(config, tokenizer, prompt_budget)
         dataset_config = config.dataset
         if dataset_config.format == "auto":
             dataset_config = replace(dataset_config, format=self.file_format)
@@ -190,7 +194,7 @@ class DatasetTask(Task):
                 f"task {self.name!r} reads {self.file_format} files but task.dataset.format="
                 f"{dataset_config.format!r}; use task={dataset_config.format} or format=auto"
             )
-        self.dataset = PromptDataset(dataset_config, tokenizer)
+        self.dataset = PromptDataset(dataset_config, tokenizer, prompt_budget)
 
     def next_batch(self, batch_size: int) -> list[PromptRecord]:
         return self.dataset.next_batch(batch_size)

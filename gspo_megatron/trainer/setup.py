@@ -156,7 +156,7 @@ def build_rollout_phase(cfg: TrainConfig) -> RolloutPhase:
             f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {cfg.model.vocab_size}; "
             "raise model.vocab_size (a multiple of parallel.tp)"
         )
-    task = build_task(cfg.task, tokenizer)
+    task = build_task(cfg.task, tokenizer, cfg.prompt_token_budget())  # prompts past the context are dropped
     engine = _build_engine(cfg, tokenizer)
     sampling = SamplingParams(
         temperature=cfg.rollout.temperature,

@@ -4,7 +4,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from gspo_megatron.data import DatasetConfig, PromptDataset, SymbolTokenizer
+from gspo_megatron.data import DatasetConfig, PromptDataset, SymbolTokenizer, TaskConfig, build_task
 
 TOK = SymbolTokenizer()
 
@@ -79,6 +79,31 @@ def test_overlong_prompts_are_dropped_and_counted(tmp_path):
     assert len(ds) == 2 and ds.stats.too_long == 2 and ds.stats.rows == 4
     with pytest.raises(ValueError, match="all 4 prompts are longer"):
         PromptDataset(_config(path, max_prompt_tokens=3), TOK)
+
+
+def test_prompts_past_the_model_context_are_dropped_naming_the_budget(tmp_path):
+    """D8: the context's prompt budget (max_position_embeddings - max_new_tokens) drops rows too, not
+    only dataset.max_prompt_tokens; a task built with it keeps only prompts that fit."""
+    rows = [{"question": "sum 1=", "solution": {"final": 1}}, {"question": "sum 123456789=", "solution": {"final": 5}}]
+    path = _write_jsonl(tmp_path / "d.jsonl", rows * 2)
+    ds = PromptDataset(_config(path, max_prompt_tokens=1024), TOK, prompt_budget=6)  # 4 and 12 tokens
+    assert len(ds) == 2 and ds.stats.too_long == 2
+    assert all(len(r.prompt_ids) <= 6 for r in ds.records)
+    with pytest.raises(ValueError, match=r"all 4 prompts are longer than the 3 tokens the model's context leaves"):
+        PromptDataset(_config(path, max_prompt_tokens=1024), TOK, prompt_budget=3)
+    task_config = TaskConfig(name="jsonl", reward="exact_match", dataset=_config(path, max_prompt_tokens=1024))
+    assert len(build_task(task_config, TOK, prompt_budget=6).dataset) == 2
+    assert len(build_task(task_config, TOK).dataset) == 4  # no model: only dataset.max_prompt_tokens
+
+
+def test_directory_and_all_bad_utf8_files_are_named_for_what_they_are(tmp_path):
+    """D19: a directory is not reported as missing, a file of undecodable lines not as empty."""
+    with pytest.raises(IsADirectoryError, match=r"is a directory; name the .jsonl or .parquet file"):
+        PromptDataset(_config(tmp_path), TOK)
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"question": "sum \xe9="}\n{"question": "\xff"}\n')
+    with pytest.raises(ValueError, match=r"all 2 non-blank lines are not valid UTF-8 .*on_bad_utf8=skip"):
+        PromptDataset(_config(latin1, on_bad_utf8="skip"), TOK)
 
 
 def test_empty_and_missing_files(tmp_path):
