@@ -196,6 +196,7 @@ class CheckpointSection(ConfigNode):
     resume: str = "false"  # false | true (a checkpoint must exist) | auto (resume if there is one)
     overwrite: bool = False  # a fresh run may take over a run_dir holding another run's files
     resume_allow_changes: list[str] = field(default_factory=list)  # keys (or "section.") that may differ
+    allow_resume_without_config: bool = False  # resume a checkpoint that saved no config (nothing to check)
     save_on_signal: bool = True  # SIGTERM/SIGINT: finish the step, save, exit 128+signal
     export_hf: bool = False  # write the policy as a HF checkpoint to <run>/hf_export/ at the end
     export_hf_every: int = 0  # also every N steps (0: only at the end); each export replaces the last

@@ -6,6 +6,8 @@ rules that relate sections, each raising ``ConfigError`` that names both sides a
 
 from __future__ import annotations
 
+import importlib.util
+
 from gspo_megatron.algorithms.config import OldLogProbSource
 from gspo_megatron.algorithms.mismatch_correction import MismatchCorrection
 from gspo_megatron.config.schema import TrainConfig
@@ -110,6 +112,11 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
 
 def validate_for_machine(cfg: TrainConfig, cuda_available: bool) -> None:
     """Rules that depend on this machine, not on the config alone (run at start-up, after ``validate_config``)."""
+    for key, package in (("logging.wandb", "wandb"), ("logging.tensorboard", "tensorboard")):
+        if getattr(cfg.logging, key.split(".")[1]) and importlib.util.find_spec(package) is None:
+            raise ConfigError(
+                f"{key}=true but the {package} package is not installed here; install it, or set {key}=false"
+            )
     if cfg.model.dtype == "bfloat16" and not cuda_available:
         raise ConfigError(
             "model.dtype=bfloat16 needs a GPU (megatron's bf16 path is CUDA-only); use model.dtype=float32 on CPU"

@@ -82,7 +82,7 @@ def save_checkpoint(
         torch.save({**trainer_state, "step": step, "rng_per_rank": states, "run_id": run_id}, partial / STATE_FILE)
         (partial / RUN_ID_FILE).write_text(run_id)
         if final.exists():
-            shutil.rmtree(final)
+            _replace_own_or_keep_other(final, run_id)
         os.replace(partial, final)
         tmp_pointer = root / "latest.tmp"
         tmp_pointer.write_text(final.name)
@@ -96,6 +96,22 @@ def checkpoint_run_id(path: Path) -> str:
     """The run that wrote a checkpoint ('' for checkpoints written before runs had ids)."""
     marker = path / RUN_ID_FILE
     return marker.read_text().strip() if marker.is_file() else ""
+
+
+def _replace_own_or_keep_other(final: Path, run_id: str) -> None:
+    """Make room for this run's ``final``: a checkpoint of the same run is replaced; another run's
+    (``checkpoint.overwrite=true`` into its directory) is moved aside, never deleted."""
+    other = checkpoint_run_id(final)
+    if other == run_id:
+        shutil.rmtree(final)
+        return
+    kept = final.with_name(f"{final.name}.run_{other or 'unknown'}")
+    for copy in range(1, 1000):  # the same run's step moved aside before (a third run in this directory)
+        if not kept.exists():
+            break
+        kept = final.with_name(f"{final.name}.run_{other or 'unknown'}.{copy}")
+    os.replace(final, kept)
+    print(f"[gspo] {final.name} of another run moved to {kept} (checkpoints of other runs are kept)")
 
 
 def _prune(root: Path, keep_last: int, run_id: str) -> None:

@@ -6,12 +6,18 @@ Design decisions:
   exists), so a lock file is never half-written. ``flock`` would release itself on death, but it
   is unreliable on the network file systems clusters share run directories over.
 - A lock is stale when its host is this host and its pid is gone (or now belongs to a younger
-  process: pid reuse). A lock held from another host is never taken over; the error names the host
-  and pid and says how to clear it.
+  process: pid reuse), or when it names no owner at all (empty or not JSON: never one of ours, as
+  ours are linked into place complete). A lock held from another host is never taken over; the
+  error names the host and pid and says how to clear it.
 - A fresh run refuses a directory that already holds a run's files (checkpoints, metrics, config)
   unless ``checkpoint.overwrite=true``; resuming is ``checkpoint.resume=true`` (a checkpoint must
-  exist) or ``auto`` (resume if there is one). Every refusal happens before anything is built or
-  written, on the driver only (rank 0 owns the directory).
+  exist) or ``auto`` (resume if there is one). A directory whose run stopped before its first
+  checkpoint has nothing to resume: both modes say so and name the one way on (overwrite). A
+  checkpoint is checked before it is resumed (``checkpoint_check.py``), and one without its saved
+  config is resumed only with ``checkpoint.allow_resume_without_config=true`` (nothing to compare).
+- Every refusal happens before anything is built or written, on the driver only (rank 0 owns the
+  directory); a directory the claim had to create is removed again on refusal. The directory and
+  ``checkpoints/`` are checked writable at the claim, not at the first save.
 - A run has an id, written beside each of its checkpoints; pruning deletes only checkpoints with
   this run's id, so an overwriting run never deletes (or is deleted by) what it found.
 """
@@ -21,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,7 +94,11 @@ class RunDirLock:
                 return cls(path, me)
             except FileExistsError:
                 holder = _read_holder(path)
-                if not _is_stale(holder, me["host"]):
+                if not path.exists():  # released meanwhile: try again
+                    continue
+                if not holder:
+                    print(f"[gspo] {path} names no owner (empty or damaged): taking it over", file=sys.stderr)
+                elif not _is_stale(holder, me["host"]):
                     raise RunDirError(
                         f"run_dir {run_dir} is in use by pid {holder.get('pid')} on host {holder.get('host')} "
                         f"(lock {path}); two runs must not share a run_dir. If that process is gone, delete "
@@ -105,10 +116,12 @@ class RunDirLock:
 
 
 def _read_holder(path: Path) -> dict:
+    """The owner a lock file names ({} when it names none: missing, empty or not a JSON object)."""
     try:
-        return json.loads(path.read_text())
+        holder = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+    return holder if isinstance(holder, dict) else {}
 
 
 def _is_stale(holder: dict, host: str) -> bool:
@@ -125,15 +138,71 @@ def existing_run_files(run_dir: Path) -> list[str]:
     return [name for name in RUN_FILES if (run_dir / name).exists()]
 
 
-def check_fresh_start(run_dir: Path, overwrite: bool) -> None:
+def check_fresh_start(run_dir: Path, overwrite: bool, mode: str = "false") -> None:
     """A fresh run may not enter a directory holding another run unless told to overwrite."""
     found = existing_run_files(run_dir)
-    if found and not overwrite:
+    if not found or overwrite:
+        return
+    if mode == "auto":  # resume was asked for, and there is nothing to resume
         raise RunDirError(
-            f"run_dir {run_dir} already holds a run ({', '.join(found)}) and checkpoint.resume is off. "
-            "Continue it with checkpoint.resume=true (or auto), choose another run_dir, or start over in it "
-            "with checkpoint.overwrite=true (its metrics are replaced; its checkpoints are kept, not pruned)"
+            f"run_dir {run_dir} holds a run ({', '.join(found)}) but no checkpoint to resume "
+            "(checkpoint.resume=auto): that run stopped before its first save. Start over in it with "
+            "checkpoint.overwrite=true (its metrics are replaced), or choose another run_dir"
         )
+    raise RunDirError(
+        f"run_dir {run_dir} already holds a run ({', '.join(found)}) and checkpoint.resume is off. "
+        "Continue it with checkpoint.resume=true (or auto), choose another run_dir, or start over in it "
+        "with checkpoint.overwrite=true (its metrics are replaced; its checkpoints are kept, not pruned)"
+    )
+
+
+def _nothing_to_resume(run_dir: Path) -> RunDirError:
+    """checkpoint.resume=true without a checkpoint: a wrong run_dir, or a run that never saved."""
+    found = existing_run_files(run_dir)
+    if found:
+        return RunDirError(
+            f"checkpoint.resume=true but {run_dir}/checkpoints holds no checkpoint: the run there "
+            f"({', '.join(found)}) stopped before its first save, so there is nothing to resume. Start over "
+            "in it with checkpoint.resume=false checkpoint.overwrite=true, or choose another run_dir"
+        )
+    return RunDirError(
+        f"checkpoint.resume=true but {run_dir}/checkpoints holds no checkpoint (is run_dir right?); "
+        "use checkpoint.resume=auto to start fresh when there is nothing to resume"
+    )
+
+
+def check_writable(run_dir: Path) -> None:
+    """The run directory and its checkpoints/ take files (probed: permissions, read-only mounts, root alike)."""
+    for directory in (run_dir, run_dir / "checkpoints"):
+        if not directory.exists():
+            continue
+        probe = directory / f".gspo_write_probe.{os.getpid()}"
+        try:
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as error:
+            raise RunDirError(
+                f"{directory} is not writable ({error.strerror}): checkpoints could not be saved; "
+                "fix its permissions or mount, or choose another run_dir"
+            ) from None
+
+
+def _missing_parents(run_dir: Path) -> list[Path]:
+    """The directories creating ``run_dir`` makes, deepest first."""
+    missing = []
+    for directory in [run_dir, *run_dir.parents]:
+        if directory.exists():
+            break
+        missing.append(directory)
+    return missing
+
+
+def _remove_if_empty(directories: list[Path]) -> None:
+    for directory in directories:
+        try:
+            directory.rmdir()
+        except OSError:  # not empty (someone else wrote there meanwhile): leave it
+            return
 
 
 @dataclass
@@ -153,26 +222,37 @@ def claim_run_dir(run_dir: Path, section, config_yaml: str) -> RunClaim:
 
     Runs on the driver before anything is built: a refusal costs seconds and touches no file.
     """
-    from gspo_megatron.trainer.checkpoint import latest_checkpoint, read_trainer_state
-    from gspo_megatron.trainer.resume_check import check_resume_config
-
     mode = resume_mode(section.resume)
+    created = _missing_parents(run_dir)
     lock = RunDirLock.acquire(run_dir)
     try:
-        latest = latest_checkpoint(run_dir) if mode != "false" else None
-        if latest is None:
-            if mode == "true":
-                raise RunDirError(
-                    f"checkpoint.resume=true but {run_dir}/checkpoints holds no checkpoint (is run_dir right?); "
-                    "use checkpoint.resume=auto to start fresh when there is nothing to resume"
-                )
-            check_fresh_start(run_dir, section.overwrite)
-            return RunClaim(lock, None, [])
-        saved = read_trainer_state(latest).get("config")
-        accepted = (
-            [] if saved is None else check_resume_config(saved, config_yaml, section.resume_allow_changes, str(latest))
-        )
-        return RunClaim(lock, latest, accepted)
+        check_writable(run_dir)
+        return _decide(run_dir, mode, section, config_yaml, lock)
     except BaseException:
         lock.release()
+        _remove_if_empty(created)
         raise
+
+
+def _decide(run_dir: Path, mode: str, section, config_yaml: str, lock: RunDirLock) -> RunClaim:
+    from gspo_megatron.trainer.checkpoint import latest_checkpoint
+    from gspo_megatron.trainer.checkpoint_check import checked_trainer_state
+    from gspo_megatron.trainer.resume_check import check_resume_config
+
+    latest = latest_checkpoint(run_dir) if mode != "false" else None
+    if latest is None:
+        if mode == "true":
+            raise _nothing_to_resume(run_dir)
+        check_fresh_start(run_dir, section.overwrite, mode)
+        return RunClaim(lock, None, [])
+    saved = checked_trainer_state(latest).get("config")
+    if saved is None:
+        if not section.allow_resume_without_config:
+            raise RunDirError(
+                f"refusing to resume {latest}: its trainer state holds no config to check this run's against "
+                "(written by an older version, or altered), so a changed algorithm or optimizer would go "
+                "unnoticed. Resume it unchecked with checkpoint.allow_resume_without_config=true"
+            )
+        print(f"[gspo] resuming {latest} without a config check (checkpoint.allow_resume_without_config=true)")
+        return RunClaim(lock, latest, [])
+    return RunClaim(lock, latest, check_resume_config(saved, config_yaml, section.resume_allow_changes, str(latest)))

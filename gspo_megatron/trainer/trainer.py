@@ -46,7 +46,8 @@ from gspo_megatron.trainer.batch_distribution import (
     rank_shares,
     scatter_shares,
 )
-from gspo_megatron.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from gspo_megatron.trainer.checkpoint import latest_checkpoint, save_checkpoint
+from gspo_megatron.trainer.checkpoint_check import load_checked_checkpoint
 from gspo_megatron.trainer.diagnostics import RoutingDiagnostics
 from gspo_megatron.trainer.engine_old_log_probs import use_engine_log_probs
 from gspo_megatron.trainer.loss_head import LogProbHead, PolicyLossHead
@@ -128,9 +129,7 @@ class RLTrainer:
             return
         if self.cfg.checkpoint.save_on_signal:
             saved = saved or self.save()
-            outcome = f"checkpoint {saved}; continue with checkpoint.resume=true"
-        else:
-            outcome = "no checkpoint written (checkpoint.save_on_signal=false)"
+        outcome = signal_stop_outcome(saved, latest_checkpoint(self.c.run_dir))
         raise TrainingInterrupted(signum, f"stopped by {signal.Signals(signum).name} after step {self.step}; {outcome}")
 
     def train_step(self) -> dict[str, float]:
@@ -416,7 +415,7 @@ class RLTrainer:
             if mode == "true":
                 raise RunDirError(f"checkpoint.resume=true but {self.c.run_dir}/checkpoints holds no checkpoint")
             return
-        state = load_checkpoint(path, self.c.model_chunk, self.c.optimizer)
+        state = load_checked_checkpoint(path, self.c.model_chunk, self.c.optimizer)  # NaN weights refused here
         self.run_id = state.get("run_id", "")
         self.c.scheduler.load_state_dict(state["scheduler"])
         if self.mesh.is_driver and state.get("task") is not None:
@@ -428,6 +427,15 @@ class RLTrainer:
             self.clip_controller.load_state_dict(state["clip_controller"])
         if self.mesh.is_driver:
             print(f"[gspo] resumed from {path} at step {self.step}")
+
+
+def signal_stop_outcome(saved: Path | None, latest: Path | None) -> str:
+    """What a stop by signal left to resume: this step's checkpoint (saved on the signal or on
+    schedule, whatever checkpoint.save_on_signal says), else the latest one, else nothing."""
+    if saved is not None:
+        return f"checkpoint {saved}; continue with checkpoint.resume=true"
+    resumes = f"checkpoint.resume=true continues from {latest}" if latest else "there is no checkpoint to resume"
+    return f"no checkpoint written for this step (checkpoint.save_on_signal=false); {resumes}"
 
 
 class _timed:

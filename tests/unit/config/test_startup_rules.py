@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
@@ -137,3 +139,14 @@ def test_bfloat16_needs_a_gpu():
     with pytest.raises(ConfigError, match="model.dtype=bfloat16 needs a GPU"):
         validate_for_machine(typed, cuda_available=False)
     validate_for_machine(typed, cuda_available=True)
+
+
+@pytest.mark.parametrize("key, package", [("logging.wandb", "wandb"), ("logging.tensorboard", "tensorboard")])
+def test_logger_without_its_package_is_refused_at_start_up(monkeypatch, key, package):
+    """D20: logging.wandb=true without wandb failed after metrics.jsonl existed (the run dir then
+    counted as used); now it is refused before the run directory is claimed."""
+    typed = _typed([f"{key}=true"])
+    monkeypatch.setitem(sys.modules, package, None)  # Python's own "not importable here" marker
+    with pytest.raises(ConfigError, match=rf"{key}=true but the {package} package is not installed here.*{key}=false"):
+        validate_for_machine(typed, cuda_available=False)
+    validate_for_machine(_typed([f"{key}=false", "logging.wandb=false", "logging.tensorboard=false"]), False)

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from gspo_megatron.config.schema import CheckpointSection
 from gspo_megatron.trainer.run_dir_owner import (
     LOCK_FILE,
     RunDirError,
@@ -102,3 +103,69 @@ def test_claim_refuses_resume_without_checkpoint_and_unlocks(tmp_path):
     claim = claim_run_dir(tmp_path, SimpleNamespace(resume="auto", overwrite=False, resume_allow_changes=[]), "")
     assert claim.resume_from is None
     claim.release()
+
+
+def _section(**values) -> CheckpointSection:
+    return CheckpointSection(**values)
+
+
+@pytest.mark.parametrize("content", ["", "{", "null", "[1, 2]"], ids=["empty", "torn", "null", "list"])
+def test_lock_naming_no_owner_is_taken_over(tmp_path, content, capsys):
+    """D17: an empty or unreadable lock (never one of ours: ours are linked in complete) no longer
+    blocks the directory forever with 'pid None on host None'."""
+    (tmp_path / LOCK_FILE).write_text(content)
+    lock = RunDirLock.acquire(tmp_path)
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert "names no owner (empty or damaged): taking it over" in capsys.readouterr().err
+    lock.release()
+
+
+def test_run_that_stopped_before_its_first_save_gets_one_consistent_answer(tmp_path):
+    """D10: resume=true used to say 'use auto' and auto said 'resume is off'; both now say the run
+    never saved and name the way on (overwrite), and overwrite does start it over."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(RunDirError) as as_true:
+        claim_run_dir(tmp_path, _section(resume="true"), "")
+    with pytest.raises(RunDirError) as as_auto:
+        claim_run_dir(tmp_path, _section(resume="auto"), "")
+    for refusal in (str(as_true.value), str(as_auto.value)):
+        assert "stopped before its first save" in refusal and "checkpoint.overwrite=true" in refusal
+        assert "resume is off" not in refusal and "resume=auto to start fresh" not in refusal
+    claim = claim_run_dir(tmp_path, _section(resume="auto", overwrite=True), "")
+    assert claim.resume_from is None
+    claim.release()
+
+
+def test_refused_claim_leaves_no_directory_behind(tmp_path):
+    """A refusal touches no file: the run_dir (and parents) the claim created are removed again."""
+    run_dir = tmp_path / "typo" / "run"
+    with pytest.raises(RunDirError, match=r"is run_dir right\?"):
+        claim_run_dir(run_dir, _section(resume="true"), "")
+    assert list(tmp_path.iterdir()) == []
+
+
+def _make_unwritable(directory) -> list[str]:
+    """chmod for an ordinary user; root ignores modes, so the immutable flag there. Returns the undo command."""
+    directory.chmod(0o555)
+    probe = directory / "probe"
+    try:
+        probe.write_text("")
+    except OSError:
+        return ["chmod", "755", str(directory)]
+    probe.unlink()
+    directory.chmod(0o755)
+    if subprocess.run(["chattr", "+i", str(directory)], capture_output=True).returncode != 0:
+        pytest.skip("cannot make a directory unwritable here (root without chattr)")
+    return ["chattr", "-i", str(directory)]
+
+
+def test_unwritable_checkpoints_dir_is_refused_at_the_claim(tmp_path):
+    """Found at start-up, not at the first save after a step of work."""
+    (tmp_path / "checkpoints").mkdir()
+    undo = _make_unwritable(tmp_path / "checkpoints")
+    try:
+        with pytest.raises(RunDirError, match=r"checkpoints is not writable \(.*\): checkpoints could not be saved"):
+            claim_run_dir(tmp_path, _section(resume="auto", overwrite=True), "")
+    finally:
+        subprocess.run(undo, check=True)
+    assert not (tmp_path / LOCK_FILE).exists()

@@ -1,0 +1,99 @@
+"""A checkpoint is checked before a run resumes from it: each problem named with its file and what is wrong.
+
+Design decisions:
+- The driver checks the checkpoint when it claims the run directory, before anything is built: the
+  files megatron reads exist, ``trainer_state.pt`` loads as plain data, and it holds the fields
+  resume reads, of the types resume reads them as. A truncated, damaged, older or foreign file is
+  refused naming the path and the fault; the advice is an earlier checkpoint or a fresh run, never
+  a less safe loader (torch's own message suggests ``weights_only=False``: it is not passed on).
+- After megatron has loaded the weights, every rank checks its parameters for NaN/inf (one
+  all-reduce, ``parameters_finite``): a poisoned checkpoint is refused when it is loaded, naming it,
+  instead of being found at the next save and blamed on training.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+from gspo_megatron.trainer.checkpoint import MODEL_DIR, STATE_FILE, load_checkpoint, read_trainer_state
+
+# megatron's distributed checkpoint: its common (non-sharded) state and torch's shard index
+MODEL_FILES = ("common.pt", ".metadata")
+# what resume reads from the trainer state, and as what; (type, required)
+STATE_FIELDS: dict[str, tuple[type | tuple[type, ...], bool]] = {
+    "step": (int, True),
+    "scheduler": (dict, True),
+    "config": (str, False),
+    "run_id": (str, False),
+    "task": ((dict, type(None)), False),
+    "rng_per_rank": ((list, type(None)), False),
+    "clip_controller": ((dict, type(None)), False),
+    "rollout_scheduler": ((dict, type(None)), False),
+}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be resumed: the message names the file and what is wrong with it."""
+
+
+def _fix(path: Path) -> str:
+    return (
+        f"resume from an earlier checkpoint (write its directory name into {path.parent / 'latest'}) "
+        "or start a fresh run (another run_dir, or checkpoint.overwrite=true with checkpoint.resume=false)"
+    )
+
+
+def _unpickling_reason(error: Exception) -> str:
+    """The line of torch's weights-only refusal that says what was refused (not its advice)."""
+    lines = [line.strip() for line in str(error).splitlines()]
+    found = [line for line in lines if "GLOBAL" in line or line.startswith("Unsupported")]
+    return found[0] if found else "not a file torch.save wrote"
+
+
+def checked_trainer_state(path: Path) -> dict:
+    """The trainer state of checkpoint ``path``, after checking the checkpoint is complete and readable."""
+    for name in MODEL_FILES:
+        if not (path / MODEL_DIR / name).is_file():
+            raise CheckpointError(
+                f"{path / MODEL_DIR / name} is missing: checkpoint {path} is incomplete (copied or "
+                f"deleted in part); {_fix(path)}"
+            )
+    file = path / STATE_FILE
+    try:
+        state = read_trainer_state(path)
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(
+            f"{file} holds objects other than plain data ({_unpickling_reason(error)}): it was not written by "
+            f"this trainer, or was altered; it is not loaded. {_fix(path)}"
+        ) from None
+    except Exception as error:  # torch reports a truncated or foreign file as EOFError, OSError, KeyError...
+        detail = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        raise CheckpointError(f"{file} cannot be read ({detail}): it is truncated or damaged; {_fix(path)}") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{file} holds a {type(state).__name__}, not a trainer state; {_fix(path)}")
+    for key, (kind, required) in STATE_FIELDS.items():
+        if key not in state:
+            if required:
+                raise CheckpointError(
+                    f"{file} has no {key!r}: it was written by an older version of the trainer, or is damaged; "
+                    f"{_fix(path)}"
+                )
+            continue
+        value = state[key]
+        if not isinstance(value, kind) or isinstance(value, bool) or (key == "step" and value < 0):
+            raise CheckpointError(f"{file}: {key!r} is {value!r}, not a valid {key}; the file is damaged; {_fix(path)}")
+    return state
+
+
+def load_checked_checkpoint(path: Path, model, optimizer) -> dict:
+    """``load_checkpoint``, then refuse weights that are not finite (collective: every rank decides alike)."""
+    from gspo_megatron.trainer.nonfinite import NonFiniteError, parameters_finite
+
+    state = load_checkpoint(path, model, optimizer)
+    if not parameters_finite(model):
+        raise NonFiniteError(
+            f"checkpoint {path} holds non-finite (NaN/inf) weights: it was damaged after it was written (this "
+            f"trainer never saves non-finite weights); {_fix(path)}"
+        )
+    return state

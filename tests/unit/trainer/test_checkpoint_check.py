@@ -1,0 +1,118 @@
+"""Damaged, older and foreign checkpoints are refused when the run directory is claimed (before
+anything is built), each naming the file and what is wrong (issue 34, D11 and D14)."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from gspo_megatron.config.schema import CheckpointSection
+from gspo_megatron.trainer.checkpoint_check import CheckpointError
+from gspo_megatron.trainer.run_dir_owner import LOCK_FILE, RunDirError, claim_run_dir
+
+CONFIG = "optimizer:\n  lr: 0.001\n"
+
+
+def _state(**changes) -> dict:
+    state = {
+        "step": 1,
+        "scheduler": {"max_lr": 0.001, "num_steps": 2},
+        "task": {"task": "max_digit", "seed": 0, "index": 4},
+        "config": CONFIG,
+        "clip_controller": None,
+        "rollout_scheduler": {"pending": None},
+        "rng_per_rank": [{"torch": torch.get_rng_state()}],
+        "run_id": "a" * 32,
+    }
+    state.update(changes)
+    return {k: v for k, v in state.items() if v is not _DROP}
+
+
+_DROP = object()
+
+
+def _checkpoint(run_dir: Path, state: dict | None = None) -> Path:
+    """A checkpoint's files as save_checkpoint lays them out (megatron's shards are not read by the claim)."""
+    path = run_dir / "checkpoints" / "step_000001"
+    (path / "model_optim").mkdir(parents=True)
+    for name in ("common.pt", ".metadata", "__0_0.distcp"):
+        (path / "model_optim" / name).write_bytes(b"megatron's")
+    torch.save(_state() if state is None else state, path / "trainer_state.pt")
+    (path / "run_id").write_text("a" * 32)
+    (run_dir / "checkpoints" / "latest").write_text(path.name)
+    return path
+
+
+def _refusal(run_dir: Path, **section) -> str:
+    with pytest.raises((CheckpointError, RunDirError)) as info:
+        claim_run_dir(run_dir, CheckpointSection(resume="true", **section), CONFIG)
+    assert not (run_dir / LOCK_FILE).exists()
+    return str(info.value)
+
+
+def test_an_intact_checkpoint_is_claimed_for_resume(tmp_path):
+    path = _checkpoint(tmp_path)
+    claim = claim_run_dir(tmp_path, CheckpointSection(resume="true"), CONFIG)
+    assert claim.resume_from == path
+    claim.release()
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda f: f.write_bytes(b""), r"trainer_state.pt cannot be read \(EOFError\): it is truncated or damaged"),
+        (lambda f: f.write_bytes(f.read_bytes()[:200]), r"trainer_state.pt cannot be read \(.*\): it is truncated"),
+        (lambda f: torch.save(_state(scheduler=_DROP), f), r"trainer_state.pt has no 'scheduler': .*older version"),
+        (lambda f: torch.save(_state(step="three"), f), r"trainer_state.pt: 'step' is 'three', not a valid step"),
+        (lambda f: torch.save(_state(step=-1), f), r"'step' is -1, not a valid step"),
+        (lambda f: torch.save([1, 2], f), r"trainer_state.pt holds a list, not a trainer state"),
+    ],
+    ids=["empty", "truncated", "older_no_scheduler", "step_text", "step_negative", "not_a_dict"],
+)
+def test_damaged_trainer_state_is_named(tmp_path, damage, message):
+    damage(_checkpoint(tmp_path) / "trainer_state.pt")
+    refusal = _refusal(tmp_path)
+    assert str(tmp_path / "checkpoints" / "step_000001" / "trainer_state.pt") in refusal
+    assert re.search(message, refusal), refusal
+    assert "resume from an earlier checkpoint" in refusal
+
+
+class _RunsCode:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_state_file_carrying_code_is_refused_without_advising_weights_only_false(tmp_path):
+    marker = tmp_path / "ran"
+    path = _checkpoint(tmp_path, _state(task=_RunsCode(str(marker))))
+    refusal = _refusal(tmp_path)
+    assert f"{path / 'trainer_state.pt'} holds objects other than plain data" in refusal
+    assert "GLOBAL posix.system" in refusal and "weights_only" not in refusal
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("name", ["common.pt", ".metadata"])
+def test_missing_model_files_are_named(tmp_path, name):
+    """megatron reported a missing common.pt as "'str' object has no attribute 'iterdir'"."""
+    path = _checkpoint(tmp_path)
+    (path / "model_optim" / name).unlink()
+    refusal = _refusal(tmp_path)
+    assert f"{path / 'model_optim' / name} is missing: checkpoint {path} is incomplete" in refusal
+
+
+def test_checkpoint_without_its_config_is_resumed_only_when_allowed(tmp_path):
+    """D11: without the saved config nothing can be compared; that used to pass silently."""
+    path = _checkpoint(tmp_path, _state(config=_DROP))
+    refusal = _refusal(tmp_path)
+    assert f"refusing to resume {path}: its trainer state holds no config" in refusal
+    assert "checkpoint.allow_resume_without_config=true" in refusal
+    claim = claim_run_dir(tmp_path, CheckpointSection(resume="true", allow_resume_without_config=True), CONFIG)
+    assert claim.resume_from == path
+    claim.release()
