@@ -17,6 +17,7 @@ import pickle
 from pathlib import Path
 
 from gspo_megatron.trainer.checkpoint import MODEL_DIR, STATE_FILE, load_checkpoint, read_trainer_state
+from gspo_megatron.trainer.run_dir_owner import RunDirError
 
 # megatron's distributed checkpoint: its common (non-sharded) state and torch's shard index
 MODEL_FILES = ("common.pt", ".metadata")
@@ -33,8 +34,8 @@ STATE_FIELDS: dict[str, tuple[type | tuple[type, ...], bool]] = {
 }
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be resumed: the message names the file and what is wrong with it."""
+class CheckpointError(RunDirError):
+    """The checkpoint a run would resume cannot be: the message names the file and what is wrong with it."""
 
 
 def _fix(path: Path) -> str:
@@ -65,7 +66,7 @@ def checked_trainer_state(path: Path) -> dict:
     except pickle.UnpicklingError as error:
         raise CheckpointError(
             f"{file} holds objects other than plain data ({_unpickling_reason(error)}): it was not written by "
-            f"this trainer, or was altered; it is not loaded. {_fix(path)}"
+            f"this trainer, or was altered; it is not loaded; {_fix(path)}"
         ) from None
     except Exception as error:  # torch reports a truncated or foreign file as EOFError, OSError, KeyError...
         detail = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
