@@ -129,3 +129,53 @@ def test_resume_with_allowed_change_continues(finished_run, tmp_path):
     assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3]
     assert "steps: 3" in (run_dir / "config.yaml").read_text()
     assert not (run_dir / LOCK_FILE).exists()
+
+
+def test_overwrite_keeps_another_runs_checkpoint_of_the_same_step(finished_run, tmp_path):
+    """D9: the new run's step_000002 collides with the old run's; the old one used to be deleted."""
+    run_dir = _copy(finished_run, tmp_path)
+    root = run_dir / "checkpoints"
+    old_id = checkpoint_run_id(root / "step_000002")
+    old_state = (root / "step_000002" / "trainer_state.pt").read_bytes()
+    done = run_training(BASE + ["checkpoint.overwrite=true"], run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    kept = root / f"step_000002.run_{old_id}"
+    assert kept.is_dir(), f"the previous run's step_000002 was deleted: {sorted(p.name for p in root.iterdir())}"
+    assert checkpoint_run_id(kept) == old_id and (kept / "trainer_state.pt").read_bytes() == old_state
+    latest = latest_checkpoint(run_dir)
+    assert latest is not None and latest.name == "step_000002" and checkpoint_run_id(latest) not in ("", old_id)
+    assert f"step_000002 of another run moved to {kept}" in done.stdout
+
+
+def _poison_weight(model_optim: Path, key: str) -> None:
+    """Overwrite one saved tensor of a torch distributed checkpoint with NaN, in place: what a bit
+    flip or a bad copy does (the same number of bytes, so every index into the file still holds)."""
+    import io
+    import pickle
+
+    with open(model_optim / ".metadata", "rb") as handle:
+        metadata = pickle.load(handle)  # the checkpoint the fixture's own run wrote
+    ((_, info),) = [(index, info) for index, info in metadata.storage_data.items() if index.fqn == key]
+    shard = model_optim / info.relative_path
+    blob = shard.read_bytes()
+    segment = blob[info.offset : info.offset + info.length]
+    out = io.BytesIO()
+    torch.save(torch.full_like(torch.load(io.BytesIO(segment), weights_only=True), float("nan")), out)
+    assert len(out.getvalue()) == len(segment)
+    shard.write_bytes(blob[: info.offset] + out.getvalue() + blob[info.offset + info.length :])
+
+
+def test_nan_weights_in_a_checkpoint_are_refused_when_loaded(finished_run, tmp_path):
+    """D21: a poisoned checkpoint was trained on and found only at the next save ('the parameters
+    hold non-finite values'), blamed on training; now the load names the checkpoint."""
+    run_dir = _copy(finished_run, tmp_path)
+    checkpoint = run_dir / "checkpoints" / "step_000002"
+    _poison_weight(checkpoint / "model_optim", "output_layer.weight")
+    before = [m["step"] for m in read_metrics(run_dir)]
+    done = run_training(
+        BASE + ["checkpoint.resume=true", "trainer.steps=3", "checkpoint.resume_allow_changes=[trainer.steps]"], run_dir
+    )
+    assert done.returncode != 0
+    assert f"checkpoint {checkpoint} holds non-finite (NaN/inf) weights" in done.stderr, done.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(run_dir)] == before  # nothing trained on it
+    assert latest_checkpoint(run_dir) == checkpoint
