@@ -7,6 +7,12 @@ Design decisions:
 - The rollout section names its engine (``embedded`` or ``sglang``) and carries the sampling
   parameters shared by both, plus each engine's own block.
 - ``MISSING`` is used nowhere: every default runs the tiny model on CPU.
+- Each section refuses its own bad values in ``validate()``, which runs as ``to_train_config`` builds
+  the typed tree (the entry point's first step, before anything is built or written) and names the
+  key and the fix; rules between sections are ``config/validate.py``'s. Where 0 is a setting it is
+  said beside the field (``optimizer.clip_grad=0``: no clipping; ``rollout.eval_temperature=0``:
+  greedy). Training rollouts need ``rollout.temperature > 0``: their log-probs are
+  ``log_softmax(logits / T)``.
 """
 
 from __future__ import annotations
