@@ -82,7 +82,8 @@ def checked_trainer_state(path: Path) -> dict:
                 )
             continue
         value = state[key]
-        if not isinstance(value, kind) or isinstance(value, bool) or (key == "step" and value < 0):
+        negative_step = key == "step" and isinstance(value, int) and value < 0
+        if not isinstance(value, kind) or isinstance(value, bool) or negative_step:
             raise CheckpointError(f"{file}: {key!r} is {value!r}, not a valid {key}; the file is damaged; {_fix(path)}")
     return state
 
