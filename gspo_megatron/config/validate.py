@@ -28,9 +28,9 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
     for node in config_nodes(cfg):
         try:
             node.validate()
-        except ConfigError:
-            raise
         except ValueError as error:
+            if type(error) is not ValueError:  # a section's own error type (ModelConfigError, ...) stays
+                raise
             raise ConfigError(str(error)) from None
     layout = cfg.parallel.layout(world_size).validate(cfg.model)
     validate_context_parallel(layout.cp, cfg.model.max_position_embeddings)
