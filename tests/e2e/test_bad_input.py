@@ -71,3 +71,12 @@ def test_reward_function_that_raises(tmp_path):
 def test_missing_checkpoint_directory_is_named(tmp_path):
     with pytest.raises(DistributedRunError, match="no Hugging Face config at .*config.json"):
         run_distributed(train_worker, 1, FAST + [f"model.hf_checkpoint={tmp_path}"], str(tmp_path / "run"))
+
+
+def test_prompts_past_the_model_context_are_not_trained_on(tmp_path):
+    """D8: only task.dataset.max_prompt_tokens (1024) was applied, so rows longer than the tiny
+    model's 256 positions were trained on; the context's budget (256 - rollout.max_new_tokens) drops them."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "max " + "7" * 300 + "=", "answer": "7"}) + "\n")
+    with pytest.raises(DistributedRunError, match=r"all 1 prompts are longer than the 255 tokens the model's context"):
+        run_distributed(train_worker, 1, _dataset_overrides(data), str(tmp_path / "run"))
