@@ -114,3 +114,24 @@ def test_sigkill_during_a_save_then_resume(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert [m["step"] for m in read_metrics(run_dir)] == list(range(1, steps + 1))
     assert latest_checkpoint(run_dir).name == f"step_{steps:06d}"
+
+
+def test_sigterm_without_save_on_signal_names_the_checkpoint_the_step_saved(tmp_path):
+    """D18: with checkpoint.save_on_signal=false the stop said 'no checkpoint written' although the
+    step's scheduled save (save_every=1) had just written one."""
+    run_dir = tmp_path / "run"
+    overrides = ["trainer.steps=20", "checkpoint.save_every=1", "checkpoint.save_on_signal=false"]
+    run = _start(FAST + overrides + ["routing.enabled=false"], run_dir)
+    try:
+        _wait_for(lambda: len(read_metrics(run_dir)) >= 1, run)
+        run.send_signal(signal.SIGTERM)
+        out, err = run.communicate(timeout=600)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert run.returncode == 128 + signal.SIGTERM, err[-3000:]
+    (reason,) = [line for line in err.splitlines() if "stopped by SIGTERM" in line]
+    latest = latest_checkpoint(run_dir)
+    assert latest is not None and read_trainer_state(latest)["step"] == len(read_metrics(run_dir))
+    assert f"checkpoint {latest}; continue with checkpoint.resume=true" in reason, reason
