@@ -193,6 +193,10 @@ class TrainerSection(ConfigNode):
             raise ValueError(f"trainer.eval_samples must be >= 1 (responses per eval prompt), got {self.eval_samples}")
         if self.max_consecutive_nonfinite < 1:
             raise ValueError(f"trainer.max_consecutive_nonfinite must be >= 1, got {self.max_consecutive_nonfinite}")
+        if self.on_nonfinite not in tuple(NonFinitePolicy):  # Hydra refuses others; a Python caller may not
+            raise ValueError(
+                f"trainer.on_nonfinite={self.on_nonfinite!r} is unknown; valid: {', '.join(NonFinitePolicy)}"
+            )
 
 
 @dataclass

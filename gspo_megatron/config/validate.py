@@ -59,7 +59,6 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
             f"data-parallel rank gets per mini-batch (megatron's schedule needs equal micro-batches); "
             f"choose a divisor of {per_rank}"
         )
-    _validate_run_safety(cfg)
     if cfg.rollout.engine not in ("embedded", "sglang"):
         raise ConfigError(f"rollout.engine={cfg.rollout.engine!r} is unknown; valid: embedded, sglang")
     if cfg.rollout.engine == "sglang":  # before the model is built, not when the engine starts
@@ -121,14 +120,6 @@ def validate_for_machine(cfg: TrainConfig, cuda_available: bool) -> None:
         raise ConfigError(
             "model.dtype=bfloat16 needs a GPU (megatron's bf16 path is CUDA-only); use model.dtype=float32 on CPU"
         )
-
-
-def _validate_run_safety(cfg: TrainConfig) -> None:
-    """The non-finite policy (a closed choice; Hydra refuses others, a Python caller may not)."""
-    from gspo_megatron.trainer.nonfinite import POLICIES
-
-    if cfg.trainer.on_nonfinite not in POLICIES:
-        raise ConfigError(f"trainer.on_nonfinite={cfg.trainer.on_nonfinite!r} is unknown; valid: {list(POLICIES)}")
 
 
 def _validate_routed_experts_source(cfg: TrainConfig) -> None:
