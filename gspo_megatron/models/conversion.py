@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -306,7 +306,9 @@ def gradient_of(param: torch.Tensor) -> torch.Tensor:
 NamedTensor = tuple[str, torch.Tensor]
 
 
-def bucket_named_tensors(named_tensors: Iterable[NamedTensor], bucket_bytes: int) -> Iterator[list[NamedTensor]]:
+def bucket_named_tensors(
+    named_tensors: Iterable[NamedTensor], bucket_bytes: int
+) -> Generator[list[NamedTensor], None, None]:
     """Group (name, tensor) pairs into lists of at most ``bucket_bytes`` (an oversize tensor: alone).
 
     A bucket is yielded as soon as the next tensor would overflow it and is not referenced here
@@ -380,7 +382,9 @@ def _row_names(row: ParamMapping, cfg: MoEModelConfig, ep_size: int) -> list[str
     if row.expert_local is None or ep_size == 1:
         return list(row.hf_names)
     per_rank = cfg.num_experts // ep_size
-    return [_rename_expert(which, ep_r * per_rank + row.expert_local) for which in row.hf_names for ep_r in range(ep_size)]
+    return [
+        _rename_expert(which, ep_r * per_rank + row.expert_local) for which in row.hf_names for ep_r in range(ep_size)
+    ]
 
 
 def _unit_plan(rows, shapes, cfg, mesh, ep_size) -> tuple[list[list[str]], int | None]:

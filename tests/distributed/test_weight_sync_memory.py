@@ -22,7 +22,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from gspo_megatron.models.conversion import hf_shapes
 from gspo_megatron.testing.distributed import run_distributed
@@ -58,7 +57,9 @@ def sync_worker(ctx, layout_kwargs: dict, work_dir: str, double_args: list[str])
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
     port = free_port()
-    server = LaunchedServer(DOUBLE + ["--port", str(port), *double_args], f"http://127.0.0.1:{port}", work / "double.log")
+    server = LaunchedServer(
+        DOUBLE + ["--port", str(port), *double_args], f"http://127.0.0.1:{port}", work / "double.log"
+    )
     server.start()
     try:
         server.wait_healthy(120, 0.05)

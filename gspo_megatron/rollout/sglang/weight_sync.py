@@ -2,8 +2,9 @@
 
 Design decisions:
 - Buckets (``models.conversion.bucket_named_tensors``) are filled greedily in the order the exporter
-  yields tensors, up to ``bucket_bytes``; a tensor larger than a bucket travels alone. One bucket = one ``/update_weights_from_distributed``
-  call, so the bucket size trades HTTP round trips against peak extra memory on the servers.
+  yields tensors, up to ``bucket_bytes``; a tensor larger than a bucket travels alone. One bucket =
+  one ``/update_weights_from_distributed`` call, so the bucket size trades HTTP round trips against
+  peak extra memory on the driver and the servers.
 - The trainer is rank 0 of a group it forms with every server rank (server i's TP ranks are
   ``rank_offset .. rank_offset + tp - 1``). ``open_weight_update_group`` builds it exactly the way
   SGLang's ``init_custom_process_group`` does on the other side (TCP rendezvous on the trainer,
