@@ -71,7 +71,7 @@ T = TypeVar("T")
 
 # How long an abandoned broadcast (its bucket refused by a server) may take to end once its group was
 # destroyed on the servers; SGLang tears its side down at once, so this is a bound, not a wait.
-ABANDONED_BROADCAST_WAIT_S = 30.0
+ABANDONED_BROADCAST_WAIT_S = 10.0
 
 
 class WeightSyncError(RuntimeError):
