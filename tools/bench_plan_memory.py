@@ -22,24 +22,14 @@ import torch
 from gspo_megatron.models.config import MoEModelConfig, preset
 from gspo_megatron.planning.activations import MicroBatchShape, activation_bytes
 from gspo_megatron.testing.memory import peak_bytes
+from gspo_megatron.testing.model_fixtures import medium_test_config
 
 TOLERANCE = 1.2
 
 SHAPES = {
     "tiny": (lambda: preset("tiny"), MicroBatchShape(sequences=8, seq_len=128)),
     "medium": (
-        lambda: MoEModelConfig(
-            vocab_size=8192,
-            hidden_size=256,
-            num_layers=4,
-            num_attention_heads=8,
-            num_kv_heads=2,
-            head_dim=32,
-            num_experts=16,
-            top_k=4,
-            moe_intermediate_size=128,
-            max_position_embeddings=512,
-        ),
+        medium_test_config,
         MicroBatchShape(sequences=4, seq_len=256),
     ),
 }

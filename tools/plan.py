@@ -118,12 +118,7 @@ def print_detail(plan: Plan, gpu) -> None:
             f"  {kind:10s} group {plan.traffic.group_size[kind]:3d}  {payload / GB:9.2f} {wire / GB:9.2f} "
             f"{plan.time.comm_s[kind]:8.3f}"
         )
-    # Each of the world's ranks sends its distinct shard; the slowest link bounds it.
-    sync_s = plan.sync_bytes / plan.layout.world_size / (gpu.ib_bandwidth * gpu.link_efficiency)
-    print(
-        f"  weight sync trainer -> engine: {plan.sync_bytes / GB:.1f} GB per step (bf16, whole model); "
-        f"~{sync_s:.2f} s if every rank streams its share over InfiniBand (not in the step time)"
-    )
+    print(f"  weight sync trainer -> engine (bf16, not in the step time): {plan.sync.describe()}")
     t = plan.time
     print(
         f"step: {t.total_s:.2f} s (compute {t.compute_s:.2f} s, bubble {t.bubble_fraction:.0%}), "
@@ -148,6 +143,7 @@ def main(argv=None) -> int:
     parser.add_argument("--routing-replay", choices=list(REPLAY_MODES), default="none")
     parser.add_argument("--dispatcher", choices=["alltoall", "allgather"], default="alltoall")
     parser.add_argument("--layer-spec", choices=["te", "portable"], default="te")
+    parser.add_argument("--sync-bucket-mib", type=int, default=512, help="rollout.sglang.weight_bucket_bytes")
     parser.add_argument("--max-cp", type=int, default=2, help="largest cp tried when ranking")
     parser.add_argument("--top", type=int, default=5)
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
@@ -185,6 +181,7 @@ def main(argv=None) -> int:
         routing_replay=args.routing_replay,
         dispatcher=args.dispatcher,
         layer_spec=args.layer_spec,
+        sync_bucket_bytes=args.sync_bucket_mib * 2**20,
     )
     counts = model.parameter_count()
     print(

@@ -9,10 +9,11 @@ Design decisions:
   query group; gate/up stacked) and along which dimension and group they are sharded.
 - Import shards on load: each HF tensor is sliced to this rank's shard *before* fusion, so a rank
   reads only what it owns from a ``WeightSource`` (a dict, or safetensors files read lazily).
-- Export streams: parameters are produced in "units" (embedding, each layer, head), each unit is
-  gathered over TP/ETP and EP inside its pipeline stage and broadcast from that stage over the
-  pipeline group; receivers know every shape from the model config, so no metadata travels. Units
-  are yielded in buckets of at most ``bucket_bytes``; nothing holds the whole model at once.
+- Export streams tensor by tensor: parameters are produced in "units" (embedding, each layer,
+  head); each parameter is gathered over TP/ETP and EP inside its pipeline stage when its turn comes
+  and its HF tensors are broadcast from that stage over the pipeline group (receivers take shapes from
+  the model config; only the unit's name order travels). The consumer buckets the stream, so a rank
+  holds at most one bucket plus one parameter's gather beyond its shard, never a unit or the model.
 - The same walk exports gradients (``tensor_of=gradient_of``), which is how layout-equivalence
   tests compare gradients under HF names.
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.models.config import MoEModelConfig
+from gspo_megatron.models.hf_shapes import hf_shapes as hf_shapes  # exported here too: the conversion's names
 
 
 class ConversionError(ValueError):
@@ -283,60 +285,8 @@ def load_hf_weights(model, cfg: MoEModelConfig, source: WeightSource | Mapping[s
 # --------------------------------------------------------------------------------------------
 # Export
 # --------------------------------------------------------------------------------------------
-def hf_shapes(cfg: MoEModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor name of the model with its full shape, in export order."""
-    h = cfg.hidden_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
-    for layer in range(cfg.num_layers):
-        shapes.update(_layer_shapes(cfg, layer))
-    shapes["model.norm.weight"] = (h,)
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    return shapes
-
-
-def _layer_shapes(cfg: MoEModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
-    h, hd = cfg.hidden_size, cfg.head_dim
-    p = f"model.layers.{layer}."
-    out = {
-        p + "input_layernorm.weight": (h,),
-        p + "self_attn.q_proj.weight": (cfg.num_attention_heads * hd, h),
-        p + "self_attn.k_proj.weight": (cfg.num_kv_heads * hd, h),
-        p + "self_attn.v_proj.weight": (cfg.num_kv_heads * hd, h),
-        p + "self_attn.o_proj.weight": (h, cfg.num_attention_heads * hd),
-        p + "self_attn.q_norm.weight": (hd,),
-        p + "self_attn.k_norm.weight": (hd,),
-        p + "post_attention_layernorm.weight": (h,),
-    }
-    if layer in set(cfg.dense_layers) or not cfg.is_moe:
-        f = cfg.dense_intermediate_size
-        out.update(
-            {p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f)}
-        )
-        return out
-    out[p + "mlp.gate.weight"] = (cfg.num_experts, h)
-    i = cfg.moe_intermediate_size
-    for e in range(cfg.num_experts):
-        q = p + f"mlp.experts.{e}."
-        out.update({q + "gate_proj.weight": (i, h), q + "up_proj.weight": (i, h), q + "down_proj.weight": (h, i)})
-    if cfg.shared_expert_intermediate_size:
-        s = cfg.shared_expert_intermediate_size
-        q = p + "mlp.shared_expert."
-        out.update({q + "gate_proj.weight": (s, h), q + "up_proj.weight": (s, h), q + "down_proj.weight": (h, s)})
-        out[p + "mlp.shared_expert_gate.weight"] = (1, h)
-    return out
-
-
 def _units(cfg: MoEModelConfig) -> list[str]:
     return ["embed"] + [f"layer.{layer}" for layer in range(cfg.num_layers)] + ["head"]
-
-
-def _unit_of(hf_name: str) -> str:
-    if hf_name == "model.embed_tokens.weight":
-        return "embed"
-    if hf_name.startswith("model.layers."):
-        return "layer." + hf_name.split(".")[2]
-    return "head"
 
 
 def parameter_data(param: torch.Tensor) -> torch.Tensor:
@@ -353,6 +303,67 @@ def gradient_of(param: torch.Tensor) -> torch.Tensor:
     return grad
 
 
+NamedTensor = tuple[str, torch.Tensor]
+
+
+def bucket_named_tensors(
+    named_tensors: Iterable[NamedTensor], bucket_bytes: int
+) -> Generator[list[NamedTensor], None, None]:
+    """Group (name, tensor) pairs into lists of at most ``bucket_bytes`` (an oversize tensor: alone).
+
+    A bucket is yielded as soon as the next tensor would overflow it and is not referenced here
+    afterwards, so a consumer that drops each bucket before asking for the next holds one at a time."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    bucket: list[NamedTensor] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def export_hf_tensors(
+    model,
+    cfg: MoEModelConfig,
+    mesh=None,
+    *,
+    tensor_of: Callable[[torch.Tensor], torch.Tensor] = parameter_data,
+    dtype: torch.dtype | None = None,
+) -> Iterator[NamedTensor]:
+    """Yield (HF name, full tensor) one at a time on every rank; collective: all ranks must iterate.
+
+    Each megatron parameter is gathered (TP/ETP, then EP) inside its pipeline stage when its turn
+    comes, and its HF tensors are broadcast from that stage to the others one by one. Beyond its own
+    shard a rank holds only the parameter being gathered and what the consumer keeps: the consumer
+    decides the bucket (``bucket_named_tensors``), so a sync's memory is one bucket, not one model.
+    Order: units (embedding, layers, head), inside a unit the owning stage's parameter order.
+    """
+    ep_rank, ep_size = (mesh.ep_rank, mesh.layout.ep) if mesh is not None else (0, 1)
+    params = dict(unwrap(model).named_parameters())
+    # what non-owning pipeline stages allocate to receive: the exported tensors' dtype (e.g. fp32
+    # main grads of bf16 parameters), identical on every rank
+    wire_dtype = tensor_of(next(iter(params.values()))).dtype
+    by_unit: dict[str, list[ParamMapping]] = {}
+    for row in build_mappings(model, cfg, ep_rank, ep_size):
+        by_unit.setdefault(row.unit, []).append(row)
+    shapes = hf_shapes(cfg)
+    for unit in _units(cfg):
+        rows = by_unit.get(unit, [])
+        plan, source = _unit_plan(rows, shapes, cfg, mesh, ep_size)
+        for index, names in enumerate(plan):
+            gathered = _gather_row(rows[index], params, cfg, mesh, ep_size, tensor_of) if rows else {}
+            for name in names:
+                tensor = _share_across_stages(gathered.get(name), name, shapes, mesh, source, wire_dtype)
+                gathered.pop(name, None)  # the consumer holds it now, or nobody does
+                yield name, tensor if dtype is None else tensor.to(dtype)
+
+
 def export_hf_weights(
     model,
     cfg: MoEModelConfig,
@@ -361,59 +372,50 @@ def export_hf_weights(
     bucket_bytes: int = 64 << 20,
     tensor_of: Callable[[torch.Tensor], torch.Tensor] = parameter_data,
     dtype: torch.dtype | None = None,
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Yield buckets of (HF name, full tensor) on every rank; collective: all ranks must iterate.
-
-    The shards of each unit are gathered inside its pipeline stage (TP/ETP, then EP), then the
-    full tensors are broadcast from that stage to the other stages.
-    """
-    ep_rank, ep_size = (mesh.ep_rank, mesh.layout.ep) if mesh is not None else (0, 1)
-    params = dict(unwrap(model).named_parameters())
-    # what non-owning pipeline stages allocate to receive: the exported tensors' dtype (e.g. fp32
-    # main grads of bf16 parameters), identical on every rank
-    wire_dtype = tensor_of(next(iter(params.values()))).dtype
-    rows = build_mappings(model, cfg, ep_rank, ep_size)
-    by_unit: dict[str, list[ParamMapping]] = {}
-    for row in rows:
-        by_unit.setdefault(row.unit, []).append(row)
-    shapes = hf_shapes(cfg)
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for unit in _units(cfg):
-        local = _gather_unit(by_unit.get(unit, []), params, cfg, mesh, ep_size, tensor_of)
-        names = [n for n in shapes if _unit_of(n) == unit]
-        full = _share_across_stages(unit, names, local, shapes, mesh, by_unit, wire_dtype)
-        for name in names:
-            tensor = full[name] if dtype is None else full[name].to(dtype)
-            bucket.append((name, tensor))
-            size += tensor.numel() * tensor.element_size()
-            if size >= bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-    if bucket:
-        yield bucket
+) -> Iterator[list[NamedTensor]]:
+    """``export_hf_tensors`` in buckets of at most ``bucket_bytes`` (collective: all ranks iterate)."""
+    return bucket_named_tensors(export_hf_tensors(model, cfg, mesh, tensor_of=tensor_of, dtype=dtype), bucket_bytes)
 
 
-def _gather_unit(rows, params, cfg, mesh, ep_size, tensor_of) -> dict[str, torch.Tensor]:
-    """Full HF tensors of one unit, on the ranks of the stage that owns it."""
+def _row_names(row: ParamMapping, cfg: MoEModelConfig, ep_size: int) -> list[str]:
+    """The HF names one megatron parameter exports, in the order ``_gather_row`` produces them."""
+    if row.expert_local is None or ep_size == 1:
+        return list(row.hf_names)
+    per_rank = cfg.num_experts // ep_size
+    return [
+        _rename_expert(which, ep_r * per_rank + row.expert_local) for which in row.hf_names for ep_r in range(ep_size)
+    ]
+
+
+def _unit_plan(rows, shapes, cfg, mesh, ep_size) -> tuple[list[list[str]], int | None]:
+    """Per parameter of the unit, the HF names it exports; and the global rank of the owning stage
+    that broadcasts them (None without pipeline parallelism). Stages that do not own the unit learn
+    the plan from the one that does (one small object collective per unit)."""
+    plan = [[name for name in _row_names(row, cfg, ep_size) if name in shapes] for row in rows]
+    if mesh is None or mesh.layout.pp == 1:
+        return plan, None
+    plans: list = [None] * mesh.layout.pp
+    dist.all_gather_object(plans, plan if rows else None, group=mesh.pp_group)
+    owner_stage = next(i for i, p in enumerate(plans) if p is not None)
+    return plans[owner_stage], dist.get_global_rank(mesh.pp_group, owner_stage)
+
+
+def _gather_row(row, params, cfg, mesh, ep_size, tensor_of) -> dict[str, torch.Tensor]:
+    """Full HF tensors of one megatron parameter, on the ranks of the stage that owns it."""
+    local = tensor_of(params[row.megatron_name]).detach()
+    pieces = split(row.fusion, local, cfg)
+    if row.shard_dim is not None and mesh is not None:
+        group = mesh.tp_group if row.shard_group == "tp" else mesh.etp_group
+        if dist.get_world_size(group) > 1:
+            pieces = [_all_gather_cat(piece, row.shard_dim, group) for piece in pieces]
+    if row.expert_local is None or ep_size == 1:
+        return dict(zip(row.hf_names, pieces))
+    # expert e lives on EP rank e // experts_per_rank: gather this local slot from every EP rank
     out: dict[str, torch.Tensor] = {}
-    for row in rows:
-        local = tensor_of(params[row.megatron_name]).detach()
-        pieces = split(row.fusion, local, cfg)
-        if row.shard_dim is not None and mesh is not None:
-            group = mesh.tp_group if row.shard_group == "tp" else mesh.etp_group
-            if dist.get_world_size(group) > 1:
-                pieces = [_all_gather_cat(piece, row.shard_dim, group) for piece in pieces]
-        if row.expert_local is not None and ep_size > 1:
-            # expert e lives on EP rank e // experts_per_rank: gather this local slot from every EP rank
-            per_rank = cfg.num_experts // ep_size
-            for which, piece in zip(row.hf_names, pieces):
-                gathered = _all_gather_list(piece, mesh.ep_group)
-                for ep_r, tensor in enumerate(gathered):
-                    global_expert = ep_r * per_rank + row.expert_local
-                    out[_rename_expert(which, global_expert)] = tensor
-        else:
-            out.update(dict(zip(row.hf_names, pieces)))
+    names = iter(_row_names(row, cfg, ep_size))
+    for piece in pieces:
+        for tensor in _all_gather_list(piece, mesh.ep_group):
+            out[next(names)] = tensor
     return out
 
 
@@ -421,32 +423,51 @@ def _rename_expert(name: str, expert: int) -> str:
     return re.sub(r"\.experts\.\d+\.", f".experts.{expert}.", name)
 
 
-def _all_gather_list(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+def _gather_stacked(tensor: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's ``tensor`` stacked along dim 0, written straight into one buffer.
+
+    gloo's all-gather stages the output through a flat temporary of the same size (measured: a 4 MiB
+    shard into an 8 MiB result peaks at 20 MiB), which would double the largest tensor a sync moves;
+    on gloo each rank's part is broadcast into its slice instead (same bytes, no temporary)."""
     tensor = tensor.contiguous()
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, tensor, group=group)
-    return parts
+    world = dist.get_world_size(group)
+    stacked = torch.empty((world * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    if dist.get_backend(group) != "gloo":
+        dist.all_gather_into_tensor(stacked, tensor, group=group)
+        return stacked
+    me = dist.get_rank(group)
+    for rank, part in enumerate(stacked.chunk(world)):
+        if rank == me:
+            part.copy_(tensor)
+        dist.broadcast(part, src=dist.get_global_rank(group, rank), group=group)
+    return stacked
+
+
+def _all_gather_list(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    """Every rank's ``tensor``, as views of one gathered buffer."""
+    return list(_gather_stacked(tensor, group).chunk(dist.get_world_size(group)))
 
 
 def _all_gather_cat(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
-    return torch.cat(_all_gather_list(tensor, group), dim=dim)
+    """The shards of ``group`` concatenated along ``dim``: along dim 0 the gathered buffer itself (the
+    embedding and the head, the largest tensors a sync moves); along another dim reordered once."""
+    stacked = _gather_stacked(tensor, group)
+    if dim == 0:
+        return stacked
+    world = dist.get_world_size(group)
+    parts = stacked.view(world, *tensor.shape)
+    return parts.movedim(0, dim).reshape(*tensor.shape[:dim], world * tensor.shape[dim], *tensor.shape[dim + 1 :])
 
 
-def _share_across_stages(unit, names, local, shapes, mesh, by_unit, wire_dtype) -> dict[str, torch.Tensor]:
-    if mesh is None or mesh.layout.pp == 1:
-        return local
-    owns = bool(by_unit.get(unit))
-    # Which stage owns the unit: every rank says whether it does, over the pipeline group.
-    flags = torch.tensor([1 if owns else 0], dtype=torch.int64, device=mesh.device)
-    owners = _all_gather_list(flags, mesh.pp_group)
-    owner_stage = next(i for i, f in enumerate(owners) if int(f.item()))
-    src = dist.get_global_rank(mesh.pp_group, owner_stage)
-    out = {}
-    for name in names:
-        tensor = local[name].contiguous() if owns else torch.empty(shapes[name], dtype=wire_dtype, device=mesh.device)
-        dist.broadcast(tensor, src=src, group=mesh.pp_group)
-        out[name] = tensor
-    return out
+def _share_across_stages(tensor, name, shapes, mesh, source, wire_dtype) -> torch.Tensor:
+    """``tensor`` (on the owning stage) on every stage: broadcast from ``source`` over the pipeline group."""
+    if source is None:
+        return tensor
+    if tensor is None:
+        tensor = torch.empty(shapes[name], dtype=wire_dtype, device=mesh.device)
+    tensor = tensor.contiguous()
+    dist.broadcast(tensor, src=source, group=mesh.pp_group)
+    return tensor
 
 
 def export_hf_state_dict(model, cfg: MoEModelConfig, mesh=None, **kwargs) -> dict[str, torch.Tensor]:

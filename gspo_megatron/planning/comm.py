@@ -23,15 +23,22 @@ Design decisions:
   V around the CP ring, cp - 1 hops forward, twice that backward (dK, dV too).
 - Per step, ``finalize_model_grads`` all-reduces over TP the fp32 gradients of parameters every TP
   rank holds whole (norms and routers under sequence parallelism; q/k norms always).
-- Weight sync (trainer -> rollout engine): every parameter once per step in bf16, from the ranks that
-  own it; counted as the whole model divided over the ranks that hold distinct shards.
+- Weight sync (trainer -> rollout engine), as built (``trainer/weight_stream.py``,
+  ``rollout/sglang/engine.py``): every HF tensor once per step in bf16, gathered inside its stage and
+  broadcast to the driver, which alone sends it to the engine in greedy buckets of ``bucket_bytes``
+  (one ``/update_weights_from_distributed`` each). All bytes cross the driver's one link, so the time
+  is the model over that link; the driver holds the bucket being filled plus the tensor being
+  gathered: at most ``bucket_bytes + largest tensor`` (measured on gloo:
+  tests/distributed/test_weight_sync_memory.py). Senders per PP stage / EP rank are not built.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from gspo_megatron.models.config import MoEModelConfig
+from gspo_megatron.models.hf_shapes import hf_shapes
 from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.planning.activations import MicroBatchShape
 from gspo_megatron.planning.parameters import rank_buffers, stage_parameters
@@ -150,6 +157,35 @@ def step_traffic(
     return traffic
 
 
-def weight_sync_bytes(model: MoEModelConfig, width: int = 2) -> float:
-    """Bytes the trainer sends the rollout engine per step: every parameter once, bf16."""
-    return model.parameter_count()["total"] * width
+@dataclass(frozen=True)
+class WeightSyncPlan:
+    """One trainer -> engine weight sync: bytes, buckets, the driver's extra memory and the time."""
+
+    bytes: float  # every HF tensor once
+    buckets: int  # greedy buckets in export order (HTTP calls per server)
+    driver_extra_bytes: float  # the bucket being filled + the tensor being gathered
+    seconds: float  # all bytes over the driver's link
+
+    def describe(self) -> str:
+        return (
+            f"{self.bytes / 1e9:.1f} GB in {self.buckets} buckets, sent by the driver alone; "
+            f"~{self.seconds:.2f} s over its link; driver holds <= {self.driver_extra_bytes / 2**30:.2f} GiB extra"
+        )
+
+
+def weight_sync_plan(
+    model: MoEModelConfig, bucket_bytes: int, link_bytes_per_s: float, width: int = 2
+) -> WeightSyncPlan:
+    """The sync as ``models.conversion.bucket_named_tensors`` packs the export: a bucket closes when
+    the next tensor would overflow it, an oversize tensor travels alone. Order: HF names by unit (the
+    export's order up to the order of parameters inside a layer)."""
+    sizes = [math.prod(shape) * width for shape in hf_shapes(model).values()]
+    buckets, filled = 0, 0
+    for size in sizes:
+        if filled and filled + size > bucket_bytes:
+            buckets, filled = buckets + 1, 0
+        filled += size
+    buckets += 1 if filled else 0
+    total = float(sum(sizes))
+    # the bucket is closed only when the next tensor has been gathered: (< bucket) + that tensor
+    return WeightSyncPlan(total, buckets, float(bucket_bytes + max(sizes)), total / link_bytes_per_s)

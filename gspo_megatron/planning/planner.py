@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from gspo_megatron.models.config import MoEModelConfig
 from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.planning.activations import FP32, MicroBatchShape, activation_bytes
-from gspo_megatron.planning.comm import Traffic, step_traffic, weight_sync_bytes
+from gspo_megatron.planning.comm import Traffic, WeightSyncPlan, step_traffic, weight_sync_plan
 from gspo_megatron.planning.hardware import GPUSpec
 from gspo_megatron.planning.parameters import DTYPE_BYTES, StateBytes, stage_layers, state_bytes
 from gspo_megatron.planning.step_time import StepTime, step_time
@@ -41,6 +41,7 @@ class PlanOptions:
     routing_replay: str = "none"  # none | old_policy | rollout (R3 keeps the engine's experts)
     dispatcher: str = "alltoall"  # alltoall on GPU; allgather is what the CPU build uses
     layer_spec: str = "te"  # te on GPU; portable is what the CPU build uses (and what is measured)
+    sync_bucket_bytes: int = 512 * 2**20  # rollout.sglang.weight_bucket_bytes
 
     @property
     def micro(self) -> MicroBatchShape:
@@ -72,7 +73,7 @@ class Plan:
     worst_stage: int
     traffic: Traffic
     time: StepTime
-    sync_bytes: float
+    sync: WeightSyncPlan
     fits: bool
     problems: list[str] = field(default_factory=list)
 
@@ -179,9 +180,16 @@ def plan_layout(model: MoEModelConfig, layout: ParallelLayout, options: PlanOpti
     time = step_time(model, layout, options.micro, micro_batches, traffic, gpu, options.recompute)
     fits = rows[worst].total <= gpu.usable_memory_bytes
     problems = [] if fits else [f"needs {rows[worst].total / GiB:.1f} GiB > {gpu.usable_memory_bytes / GiB:.1f} GiB"]
-    return Plan(
-        layout, micro_batches, rows[worst], worst, traffic[worst], time, weight_sync_bytes(model, width), fits, problems
-    )
+    sync = weight_sync_plan(model, options.sync_bucket_bytes, gpu.ib_bandwidth * gpu.link_efficiency, width)
+    driver = rows[0]  # the driver is global rank 0: stage 0; the sync runs when activations are freed
+    driver_state = driver.state.total - (0 if driver.optimizer_on_gpu else driver.state.optimizer)
+    if driver_state + sync.driver_extra_bytes > gpu.usable_memory_bytes:
+        fits = False
+        problems.append(
+            f"weight sync: the driver's {driver_state / GiB:.1f} GiB + {sync.driver_extra_bytes / GiB:.2f} GiB "
+            f"(bucket + largest tensor) > {gpu.usable_memory_bytes / GiB:.1f} GiB; lower the sync bucket"
+        )
+    return Plan(layout, micro_batches, rows[worst], worst, traffic[worst], time, sync, fits, problems)
 
 
 def _divisors(n: int, limit: int | None = None) -> list[int]:

@@ -51,13 +51,10 @@ class EmbeddedConfig(ConfigNode):
     use_cache: bool = True  # KV cache; False re-runs the whole sequence each step (tests/benchmark)
     attn_implementation: AttentionImplementation = AttentionImplementation.sdpa
     pad_token_id: int = 0  # filler for left padding; masked, so any valid id works
-    weight_bucket_bytes: int = 512 * 1024 * 1024  # bytes of exported weights per update_weights bucket
 
     def validate(self) -> None:
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.weight_bucket_bytes < 1:
-            raise ValueError(f"rollout.embedded.weight_bucket_bytes must be >= 1, got {self.weight_bucket_bytes}")
         if self.dtype not in tuple(EngineDtype):
             raise ValueError(f"rollout.embedded.dtype={self.dtype!r} is unknown; valid: {', '.join(EngineDtype)}")
 

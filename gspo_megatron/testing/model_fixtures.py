@@ -43,6 +43,23 @@ def tiny_test_config(**overrides) -> MoEModelConfig:
     return MoEModelConfig(**values)
 
 
+def medium_test_config() -> MoEModelConfig:
+    """The medium shape (``tools/bench_plan_memory.py``): 4 MoE layers, hidden 256, 16 experts top-4,
+    vocabulary 8192; 43 MiB of fp32 weights, the largest tensors (embedding, head) 8 MiB each."""
+    return MoEModelConfig(
+        vocab_size=8192,
+        hidden_size=256,
+        num_layers=4,
+        num_attention_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        num_experts=16,
+        top_k=4,
+        moe_intermediate_size=128,
+        max_position_embeddings=512,
+    )
+
+
 def random_hf_state(cfg: MoEModelConfig, seed: int = 0, scale: float = 0.2) -> dict[str, torch.Tensor]:
     """Random weights under HF checkpoint names; norms near 1, routers with spread-out logits."""
     generator = torch.Generator().manual_seed(seed)

@@ -50,7 +50,6 @@ class Components:
     scheduler: OptimizerParamScheduler
     replay: RoutingReplay | None
     stage_moe_layers: list[int]
-    weight_bucket_bytes: int
     engine: RolloutEngine | None = None  # driver only
     task: Task | None = None  # driver only
     rollout: RolloutPhase | None = None
@@ -76,13 +75,6 @@ class Components:
                     self.engine.shutdown()
             finally:
                 self.mesh.destroy()
-
-
-def weight_bucket_bytes(cfg: TrainConfig) -> int:
-    """Bytes per bucket of the weight export that feeds the rollout engine: the engine's own key."""
-    if cfg.rollout.engine == "sglang":
-        return cfg.rollout.sglang.weight_bucket_bytes
-    return cfg.rollout.embedded.weight_bucket_bytes
 
 
 def world_size_from_env() -> int:
@@ -139,7 +131,6 @@ def build(cfg: TrainConfig, run_dir: Path, config_yaml: str, world_size: int | N
         scheduler=scheduler,
         replay=replay,
         stage_moe_layers=stage_moe_layers(model_chunk),
-        weight_bucket_bytes=weight_bucket_bytes(cfg),
         reference=reference,
     )
     if mesh.is_driver:

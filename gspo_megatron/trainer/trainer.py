@@ -6,7 +6,7 @@ One step, top to bottom (``train_step``):
     -> old log-probs: Megatron forward over the batch      (routing recorded / replayed if on)
     -> reference log-probs when algorithm.kl_coef > 0      (frozen model; its routers never replay)
     -> k mini-batch policy updates through megatron's schedule and optimizer
-    -> weight sync: streamed HF-named export -> engine.update_weights
+    -> weight sync: HF-named export streamed tensor by tensor -> engine.update_weights (trainer/weight_stream.py)
     -> metrics, routing diagnostics, evaluation, checkpoint
 
 Every rank runs this loop (SPMD); the driver (global rank 0) additionally owns the rollout engine,
@@ -31,7 +31,6 @@ import torch.distributed as dist
 from gspo_megatron.algorithms.adaptive_clip import AdaptiveClipController
 from gspo_megatron.algorithms.metrics import SUM, finalize_metrics, merge_metrics
 from gspo_megatron.algorithms.reductions import all_reduce_metrics
-from gspo_megatron.models.conversion import export_hf_weights
 from gspo_megatron.models.micro_batch import MicroBatch, required
 from gspo_megatron.models.schedule import run_schedule
 from gspo_megatron.parallel.context_parallel import pad_for_context_parallel
@@ -56,6 +55,7 @@ from gspo_megatron.trainer.mismatch_phase import correct_mismatch
 from gspo_megatron.trainer.nonfinite import NonFiniteError, NonFiniteGuard, parameters_finite
 from gspo_megatron.trainer.run_dir_owner import RunDirError, new_run_id, resume_mode
 from gspo_megatron.trainer.signals import SignalWatch, TrainingInterrupted
+from gspo_megatron.trainer.weight_stream import sync_engine_weights
 
 
 class RLTrainer:
@@ -343,14 +343,8 @@ class RLTrainer:
         version = self.step + 1 if version is None else version
         if self.rollouts is not None:
             self.rollouts.before_weight_sync()  # an in-flight generation finishes on the old weights
-        buckets = export_hf_weights(
-            self.c.model_chunk, self.cfg.model, self.mesh, bucket_bytes=self.c.weight_bucket_bytes
-        )
-        if self.mesh.is_driver:
-            self.c.engine.update_weights((item for bucket in buckets for item in bucket), version)
-        else:
-            for _ in buckets:
-                pass
+        engine = self.c.engine if self.mesh.is_driver else None
+        sync_engine_weights(engine, self.c.model_chunk, self.cfg.model, self.mesh, version)
 
     def _evaluate(self) -> dict:
         payload: list[Any] = [None]

@@ -17,7 +17,13 @@ Design decisions:
   live servers changes (a dead server would otherwise hang every broadcast); each byte-size bucket is
   one ``/update_weights_from_distributed`` per server, posted from the loop thread while the caller's
   thread broadcasts the bucket -- the servers' HTTP handlers block until they have received it. The
-  group is destroyed on the servers at shutdown, so a later run can form one with the same name.
+  HTTP answers and the broadcast are awaited together and the first failure wins: a server that
+  refuses a bucket never joins its broadcast, so its 400 is raised at once (with its message) and the
+  group is torn down, instead of waiting out the collective timeout. The group is destroyed on the
+  servers at shutdown, so a later run can form one with the same name.
+- Memory: weights are streamed, never listed. The bucket being sent is the only one held (the next is
+  gathered after it has left), so the driver's extra memory is about one bucket whatever the model size;
+  a retry through the disk path reads the weights again (the trainer's stream re-exports).
 - Disk sync: buckets become safetensors shards plus an index under ``<disk_sync_dir>/v<version>/``
   (an absolute path: the server resolves a relative one against its own cwd) beside copies of the
   checkpoint's non-weight files, then ``/update_weights_from_disk``; older ``v*`` directories are
@@ -33,12 +39,13 @@ Design decisions:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import re
 import shutil
 import threading
 import warnings
-from collections.abc import Coroutine, Iterable, Mapping
+from collections.abc import Coroutine, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -51,6 +58,7 @@ from gspo_megatron.rollout.sglang.launcher import LaunchedServer, build_launch_c
 from gspo_megatron.rollout.sglang.protocol import build_generate_request, parse_generate_response
 from gspo_megatron.rollout.sglang.version import check_sglang_version
 from gspo_megatron.rollout.sglang.weight_sync import (
+    InFlightBroadcast,
     WeightBroadcaster,
     bucket_metadata,
     bucket_named_tensors,
@@ -60,6 +68,10 @@ from gspo_megatron.rollout.sglang.weight_sync import (
 from gspo_megatron.rollout.types import FinishReason, Sample, SamplingParams
 
 T = TypeVar("T")
+
+# How long an abandoned broadcast (its bucket refused by a server) may take to end once its group was
+# destroyed on the servers; SGLang tears its side down at once, so this is a bound, not a wait.
+ABANDONED_BROADCAST_WAIT_S = 10.0
 
 
 class WeightSyncError(RuntimeError):
@@ -76,6 +88,8 @@ class SGLangEngine(RolloutEngine):
         self._routed_layout = _routed_experts_layout(config)
         self._update_group = None
         self._group_urls: tuple[str, ...] = ()  # the servers the update group was formed with
+        self._pending_broadcast: InFlightBroadcast | None = None  # a bucket on the wire (None between buckets)
+        self._parked: list[tuple[Any, InFlightBroadcast]] = []  # abandoned groups whose operation never ended
         self._seeds_honoured = config.enable_deterministic_inference
         self._loop = _LoopThread()
         try:
@@ -169,8 +183,12 @@ class SGLangEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ weight sync
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Stream ``named_tensors`` into every live server, one bucket at a time (nothing is listed).
+
+        Each attempt iterates ``named_tensors`` once. A re-iterable (a list, or the trainer's export
+        stream, whose every pass is a fresh export) lets a failed distributed update be retried through
+        the disk path; a one-shot iterator cannot be read twice, so its failure is raised as it is."""
         servers = self._client.pool.alive()
-        named_tensors = list(named_tensors)  # a retry through the disk path reads them again
         failure: BaseException | None = None
         try:
             self._on_all(servers, "POST", "/pause_generation", {"mode": self.config.pause_mode})
@@ -181,6 +199,11 @@ class SGLangEngine(RolloutEngine):
                     self._drop_update_group()
                     if not (self.config.fallback_to_disk and self.config.model_path):
                         raise
+                    if isinstance(named_tensors, Iterator):
+                        raise RuntimeError(
+                            f"{error} (no disk fallback: the weights came as a one-shot iterator, which the "
+                            f"disk path cannot read again; pass a list or a re-iterable stream)"
+                        ) from error
                     warnings.warn(
                         f"distributed weight update to version {version} failed ({error}); "
                         f"retrying through the disk path",
@@ -228,17 +251,36 @@ class SGLangEngine(RolloutEngine):
         self._loop.run(_gather([one(server) for server in servers]))
 
     def _drop_update_group(self) -> None:
-        """Destroy the update group on the servers that are still alive, then locally."""
+        """Destroy the update group on the servers that are still alive, then locally.
+
+        A bucket still on the wire (its servers refused it and will never receive) is ended first: the
+        local group is aborted (cancels NCCL operations), the servers' groups are destroyed (closes
+        their side of gloo's connections, which fails the pending operation), and the operation gets
+        ``ABANDONED_BROADCAST_WAIT_S`` to end. One that still has not is parked with its group: releasing
+        a gloo group with a pending operation blocks until the group's timeout."""
         if self._update_group is None and not self._group_urls:
             return
-        alive = [server for server in self._client.pool.alive() if server.url in self._group_urls]
+        group, urls, pending = self._update_group, self._group_urls, self._pending_broadcast
+        self._update_group, self._group_urls, self._pending_broadcast = None, (), None
+        if group is not None and pending is not None:
+            _abort_locally(group)
+        alive = [server for server in self._client.pool.alive() if server.url in urls]
         self._best_effort(alive, "/destroy_weights_update_group", {"group_name": self.config.weight_sync_group_name})
-        if self._update_group is not None:
-            try:
-                close_weight_update_group(self._update_group)
-            except Exception as error:  # noqa: BLE001 - a half-formed group may refuse; it is dropped anyway
-                warnings.warn(f"closing the local weight-update group failed: {error}", RuntimeWarning, stacklevel=2)
-        self._update_group, self._group_urls = None, ()
+        if group is None:
+            return
+        if pending is not None and not pending.finished_within(ABANDONED_BROADCAST_WAIT_S):
+            self._parked.append((group, pending))
+            warnings.warn(
+                f"an abandoned weight broadcast did not end within {ABANDONED_BROADCAST_WAIT_S:.0f}s of destroying "
+                f"its group on the servers; the local group is kept until the process exits",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        try:
+            close_weight_update_group(group)
+        except Exception as error:  # noqa: BLE001 - a half-formed group may refuse; it is dropped anyway
+            warnings.warn(f"closing the local weight-update group failed: {error}", RuntimeWarning, stacklevel=2)
 
     def _sync_distributed(self, servers, named_tensors, version: int) -> None:
         config = self.config
@@ -249,13 +291,42 @@ class SGLangEngine(RolloutEngine):
             self._group_urls = urls
             self._update_group = self._open_update_group(servers)
         broadcaster = WeightBroadcaster(self._update_group)
-        for bucket in bucket_named_tensors(named_tensors, config.weight_bucket_bytes):
-            body = bucket_metadata(bucket, config.weight_sync_group_name, version)
-            pending = self._loop.submit(self._all(servers, "POST", "/update_weights_from_distributed", body))
-            try:
-                broadcaster.broadcast(bucket)
-            finally:
-                pending.result(timeout=config.weight_sync_timeout_s)
+        buckets = bucket_named_tensors(named_tensors, config.weight_bucket_bytes)
+        try:
+            for bucket in buckets:
+                self._send_bucket(servers, broadcaster, bucket, version)
+                del bucket  # dropped before the next bucket is gathered: one bucket is held at a time
+        finally:
+            buckets.close()  # an abandoned bucket generator would keep its half-filled bucket alive
+
+    def _send_bucket(self, servers, broadcaster: WeightBroadcaster, bucket, version: int) -> None:
+        """POST the bucket's metadata to every server while broadcasting it; stop at the first failure.
+
+        The servers' handlers receive the broadcast, so both normally end together. A server that
+        refuses the bucket (HTTP 4xx: e.g. no begin_weight_update session, an unknown group) never
+        joins the broadcast: its answer is raised at once, with its message, and the broadcast is left
+        to ``_drop_update_group`` instead of being awaited until the collective times out."""
+        timeout = self.config.weight_sync_timeout_s
+        body = bucket_metadata(bucket, self.config.weight_sync_group_name, version)
+        posted = self._loop.submit(self._all(servers, "POST", "/update_weights_from_distributed", body))
+        sent = broadcaster.start(bucket)
+        self._pending_broadcast = sent
+        concurrent.futures.wait([posted, sent.done], timeout=timeout, return_when=concurrent.futures.FIRST_EXCEPTION)
+        refused = posted.exception() if posted.done() else None
+        if refused is not None:
+            raise refused  # the server's own message
+        broken = sent.done.exception() if sent.done.done() else None
+        if broken is not None:
+            # the collective broke (a server died mid-bucket); its HTTP answer, if any, says why
+            concurrent.futures.wait([posted], timeout=ABANDONED_BROADCAST_WAIT_S)
+            server = posted.exception() if posted.done() else "no answer"
+            raise RuntimeError(f"broadcasting the bucket failed: {broken} (server: {server})")
+        if not (posted.done() and sent.done.done()):
+            raise TimeoutError(
+                f"a weight bucket was not delivered within rollout.sglang.weight_sync_timeout_s={timeout:.0f}s "
+                f"(HTTP answered: {posted.done()}, broadcast ended: {sent.done.done()})"
+            )
+        self._pending_broadcast = None
 
     def _open_update_group(self, servers):
         config = self.config
@@ -434,6 +505,15 @@ def _routed_experts_layout(config: SGLangConfig) -> tuple[int, int] | None:
             "and num_experts_per_tok, or model_path to a checkpoint whose config.json has them"
         )
     return int(layers), int(top_k)
+
+
+def _abort_locally(group) -> None:
+    """Abort a process group's pending operations where the backend can (NCCL); gloo's abort leaves
+    them waiting for the peer, which is why the servers' side is destroyed too."""
+    try:
+        group.abort()
+    except Exception as error:  # noqa: BLE001 - best effort: the group is being dropped anyway
+        warnings.warn(f"aborting the local weight-update group failed: {error}", RuntimeWarning, stacklevel=2)
 
 
 async def _gather(coroutines: list[Coroutine]) -> list[Any]:

@@ -1,9 +1,10 @@
 """Trainer-side pieces of SGLang weight sync: byte-size buckets, the update group, the broadcaster.
 
 Design decisions:
-- Buckets are filled greedily in the order the exporter yields tensors, up to ``bucket_bytes``; a
-  tensor larger than a bucket travels alone. One bucket = one ``/update_weights_from_distributed``
-  call, so the bucket size trades HTTP round trips against peak extra memory on the servers.
+- Buckets (``models.conversion.bucket_named_tensors``) are filled greedily in the order the exporter
+  yields tensors, up to ``bucket_bytes``; a tensor larger than a bucket travels alone. One bucket =
+  one ``/update_weights_from_distributed`` call, so the bucket size trades HTTP round trips against
+  peak extra memory on the driver and the servers.
 - The trainer is rank 0 of a group it forms with every server rank (server i's TP ranks are
   ``rank_offset .. rank_offset + tp - 1``). ``open_weight_update_group`` builds it exactly the way
   SGLang's ``init_custom_process_group`` does on the other side (TCP rendezvous on the trainer,
@@ -11,35 +12,29 @@ Design decisions:
   torch helper, used here because SGLang uses it and the two sides must agree.
 - ``WeightBroadcaster`` takes the group as an object (NCCL on GPU, gloo in CPU tests) and broadcasts
   one tensor per name, in order, from rank 0 -- what SGLang's receiver posts one ``broadcast`` per
-  (name, dtype, shape) for.
+  (name, dtype, shape) for. ``start`` returns at once with an ``InFlightBroadcast`` whose
+  ``concurrent.futures.Future`` completes when every tensor has left (or fails with the collective's
+  error), so the engine can wait on the broadcast and the server's HTTP answer together and stop at
+  whichever fails first.
+- A broadcast the servers never join cannot be cancelled on gloo (``ProcessGroupGloo.abort`` leaves
+  the pending operation waiting for its peer; only the peer closing its side or the group timeout
+  ends it), and dropping the last reference to a group with a pending operation blocks until it ends.
+  So a refused bucket is abandoned, not awaited: the engine destroys the group on the servers (which
+  closes their side), aborts the local group (which cancels NCCL operations), and waits a bounded
+  time for the pending operation to end before it releases the group.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import concurrent.futures
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-NamedTensor = tuple[str, torch.Tensor]
-
-
-def bucket_named_tensors(named_tensors: Iterable[NamedTensor], bucket_bytes: int) -> Iterator[list[NamedTensor]]:
-    """Group (name, tensor) pairs into lists of at most ``bucket_bytes`` (an oversize tensor: alone)."""
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    bucket: list[NamedTensor] = []
-    size = 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
+from gspo_megatron.models.conversion import NamedTensor
+from gspo_megatron.models.conversion import bucket_named_tensors as bucket_named_tensors  # the engine's buckets
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -96,6 +91,20 @@ def close_weight_update_group(group) -> None:
     dist.destroy_process_group(group)
 
 
+@dataclass
+class InFlightBroadcast:
+    """One bucket on the wire: ``done`` completes when all its tensors were sent, or fails with the
+    collective's error. ``tensors`` keeps the sent tensors alive until then (the collective reads them)."""
+
+    done: concurrent.futures.Future
+    tensors: list[torch.Tensor]
+
+    def finished_within(self, timeout_s: float) -> bool:
+        """True when the broadcast ended (sent or failed) within ``timeout_s``."""
+        concurrent.futures.wait([self.done], timeout=timeout_s)
+        return self.done.done()
+
+
 class WeightBroadcaster:
     """Broadcasts buckets from rank ``src`` of ``group`` (the trainer) to the servers."""
 
@@ -104,12 +113,30 @@ class WeightBroadcaster:
         self.src = src
         self.device = torch.device(device) if device is not None else None
 
-    def broadcast(self, bucket: list[NamedTensor]) -> None:
-        handles = []
+    def start(self, bucket: list[NamedTensor]) -> InFlightBroadcast:
+        """Post one broadcast per tensor (asynchronous); returns at once."""
+        tensors, futures = [], []
         for _, tensor in bucket:
             tensor = tensor.detach()
             if self.device is not None:
                 tensor = tensor.to(self.device)
-            handles.append(dist.broadcast(tensor.contiguous(), src=self.src, group=self.group, async_op=True))
-        for handle in handles:
-            handle.wait()
+            tensor = tensor.contiguous()
+            work = dist.broadcast(tensor, src=self.src, group=self.group, async_op=True)
+            tensors.append(tensor)
+            futures.append(work.get_future())
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def settle(all_sent) -> None:  # runs on the backend's thread when the last future ends
+            try:
+                all_sent.wait()  # raises the first operation's error
+            except Exception as error:  # noqa: BLE001 - handed to the waiter
+                done.set_exception(error)
+            else:
+                done.set_result(None)
+
+        torch.futures.collect_all(futures).add_done_callback(settle)
+        return InFlightBroadcast(done, tensors)
+
+    def broadcast(self, bucket: list[NamedTensor]) -> None:
+        """Send one bucket and wait until it has left."""
+        self.start(bucket).done.result()

@@ -124,16 +124,14 @@ def test_replay_algorithms_are_grpo_plus_their_mode(name, mode):
     assert "  - grpo" in text and "clip_low" not in text  # written once, in grpo.yaml
 
 
-def test_each_engine_reads_its_own_weight_bucket_size():
-    from gspo_megatron.trainer.setup import weight_bucket_bytes
-
-    embedded = OmegaConf.to_object(
-        compose(["rollout.embedded.weight_bucket_bytes=1000", "rollout.sglang.weight_bucket_bytes=2000"])
-    )
-    assert weight_bucket_bytes(embedded) == 1000
+def test_the_weight_bucket_is_sglangs_key_only():
+    """The trainer streams weights tensor by tensor; only SGLang buckets them (one HTTP call each), so
+    the embedded engine has no bucket key and SGLang's is validated."""
     sglang = OmegaConf.to_object(
         compose(["rollout=sglang", "rollout.sglang.model_path=/ckpt", "rollout.sglang.weight_bucket_bytes=2000"])
     )
-    assert weight_bucket_bytes(sglang) == 2000
-    with pytest.raises(ValueError, match="rollout.embedded.weight_bucket_bytes must be >= 1"):
-        OmegaConf.to_object(compose(["rollout.embedded.weight_bucket_bytes=0"]))
+    assert sglang.rollout.sglang.weight_bucket_bytes == 2000
+    with pytest.raises(ValueError, match="weight_bucket_bytes must be >= 1"):
+        OmegaConf.to_object(compose(["rollout=sglang", "rollout.sglang.weight_bucket_bytes=0"]))
+    with pytest.raises(Exception, match="weight_bucket_bytes"):
+        compose(["rollout.embedded.weight_bucket_bytes=1000"])

@@ -109,3 +109,22 @@ def test_every_routing_replay_mode_plans_and_replay_buffers_cost_memory(replay):
     plan_tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plan_tool)
     assert plan_tool.main(["qwen3_30b_a3b", "tp4_ep8_etp1", "--gpus", "8", "--routing-replay", replay]) == 0
+
+
+def test_weight_sync_plan_packs_the_export_greedily_and_bounds_the_driver_by_hand():
+    from gspo_megatron.planning.comm import weight_sync_plan
+    from gspo_megatron.testing.model_fixtures import tiny_test_config
+
+    cfg = tiny_test_config()  # vocab 32, hidden 32, 2 layers, q 4 x 8, kv 2 x 8, 4 experts of 16
+    # bf16 bytes: embedding 2048; per layer: norms 64 + 64, q 2048, k 1024, v 1024, o 2048, q/k norms
+    # 16 + 16, router 256, experts 4 x (1024 + 1024 + 1024) = 18848; final norm 64; head 2048
+    plan = weight_sync_plan(cfg, bucket_bytes=4096, link_bytes_per_s=1000.0)
+    assert plan.bytes == 2048 + 2 * 18848 + 64 + 2048 == cfg.parameter_count()["total"] * 2
+    # walking the names: [embed, ln] | [q] ... a bucket closes when the next tensor would overflow 4096
+    assert plan.buckets == 12
+    assert plan.driver_extra_bytes == 4096 + 2048  # a bucket being filled + the largest tensor
+    assert plan.seconds == pytest.approx(41856 / 1000.0)
+    whole = weight_sync_plan(cfg, bucket_bytes=10**9, link_bytes_per_s=1000.0)
+    assert whole.buckets == 1 and whole.driver_extra_bytes == 10**9 + 2048
+    tiny = weight_sync_plan(cfg, bucket_bytes=1, link_bytes_per_s=1000.0)  # every tensor alone
+    assert tiny.buckets == 3 + 2 * (9 + 4 * 3)  # embedding, norm, head; per layer 9 + 3 per expert

@@ -5,6 +5,7 @@ running as separate processes (as SGLang servers would)."""
 
 import json
 import sys
+import threading
 from pathlib import Path
 
 import httpx
@@ -114,3 +115,64 @@ def test_disk_sync_path_is_absolute_and_old_versions_are_removed(tmp_path, monke
         assert sorted(p.name for p in root.iterdir()) == ["v2"]
     finally:
         double.stop()
+
+
+def _update_in_thread(engine, tensors, version):
+    """Run ``engine.update_weights`` in a thread; returns (finished event, outcome dict)."""
+    finished, outcome = threading.Event(), {}
+
+    def run():
+        try:
+            engine.update_weights(tensors, version)
+        except BaseException as error:  # noqa: BLE001 - inspected by the test
+            outcome["error"] = error
+        finally:
+            finished.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return finished, outcome
+
+
+def test_a_refused_distributed_update_fails_fast_with_the_servers_message(servers, tmp_path):
+    """Issue 27 item 2: without the begin/end bracket the server answers 400 and never joins the
+    broadcast. The collective timeout is 600 s; the update must fail within the issue's 30 s bound."""
+    server = servers()
+    config = _config(
+        [server.url], tmp_path, bracket_weight_update=False, fallback_to_disk=False, weight_sync_timeout_s=600.0
+    )
+    with SGLangEngine(config) as engine:
+        finished, outcome = _update_in_thread(engine, [("a", torch.arange(4.0)), ("b", torch.ones(2))], 1)
+        assert finished.wait(30), "the refused update was still waiting on its broadcast after 30 s"
+        error = outcome["error"]
+        assert isinstance(error, WeightSyncError) and "HTTP 400" in str(error)
+        assert "outside begin_weight_update / end_weight_update" in str(error)  # the server's own message
+        assert engine.weight_version == 0
+    paths = [path for path, _ in _state(server.url)["calls"]]
+    assert paths[-2:] == ["/destroy_weights_update_group", "/continue_generation"]  # torn down, then resumed
+
+
+def test_a_refused_bucket_falls_back_to_disk_and_the_group_forms_again(servers, tmp_path):
+    """The refused bucket's group is torn down promptly, the disk path takes the update, and the next
+    distributed update (bracketed this time) forms a new group and arrives."""
+    server = servers()
+    config = _config([server.url], tmp_path, bracket_weight_update=False, weight_sync_timeout_s=600.0)
+    with SGLangEngine(config) as engine:
+        finished, outcome = _update_in_thread(engine, [("a", torch.arange(4.0))], 1)
+        assert finished.wait(30) and "error" not in outcome
+        assert engine.weight_version == 1 and _state(server.url)["received"]["a"]["sum"] == 6.0  # from disk
+        engine.config.bracket_weight_update = True
+        engine.update_weights([("a", torch.full((4,), 5.0))], version=2)
+    state = _state(server.url)
+    assert state["received"]["a"]["sum"] == 20.0 and state["weight_version"] == "2"
+    paths = [path for path, _ in state["calls"]]
+    assert paths.count("/init_weights_update_group") == 2 and paths.count("/update_weights_from_disk") == 1
+
+
+def test_a_one_shot_iterator_is_not_retried_through_disk(servers, tmp_path):
+    """The disk path would read an exhausted iterator; the failure says why there was no fallback."""
+    server = servers("--fail-distributed-updates", "1")
+    with SGLangEngine(_config([server.url], tmp_path)) as engine:
+        with pytest.raises(WeightSyncError, match="one-shot iterator"):
+            engine.update_weights(iter([("a", torch.arange(4.0))]), version=1)
+        assert engine.weight_version == 0
+    assert "/update_weights_from_disk" not in [path for path, _ in _state(server.url)["calls"]]

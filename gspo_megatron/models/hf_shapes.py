@@ -1,0 +1,50 @@
+"""Every Hugging Face checkpoint tensor of a Qwen3-MoE shape, with its full shape (torch-free, so the
+planner can size a weight sync without importing torch)."""
+
+from __future__ import annotations
+
+from gspo_megatron.models.config import MoEModelConfig
+
+
+def hf_shapes(cfg: MoEModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name of the model with its full shape, by unit (embedding, layers, head)."""
+    h = cfg.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
+    for layer in range(cfg.num_layers):
+        shapes.update(_layer_shapes(cfg, layer))
+    shapes["model.norm.weight"] = (h,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+def _layer_shapes(cfg: MoEModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    h, hd = cfg.hidden_size, cfg.head_dim
+    p = f"model.layers.{layer}."
+    out = {
+        p + "input_layernorm.weight": (h,),
+        p + "self_attn.q_proj.weight": (cfg.num_attention_heads * hd, h),
+        p + "self_attn.k_proj.weight": (cfg.num_kv_heads * hd, h),
+        p + "self_attn.v_proj.weight": (cfg.num_kv_heads * hd, h),
+        p + "self_attn.o_proj.weight": (h, cfg.num_attention_heads * hd),
+        p + "self_attn.q_norm.weight": (hd,),
+        p + "self_attn.k_norm.weight": (hd,),
+        p + "post_attention_layernorm.weight": (h,),
+    }
+    if layer in set(cfg.dense_layers) or not cfg.is_moe:
+        f = cfg.dense_intermediate_size
+        out.update(
+            {p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f)}
+        )
+        return out
+    out[p + "mlp.gate.weight"] = (cfg.num_experts, h)
+    i = cfg.moe_intermediate_size
+    for e in range(cfg.num_experts):
+        q = p + f"mlp.experts.{e}."
+        out.update({q + "gate_proj.weight": (i, h), q + "up_proj.weight": (i, h), q + "down_proj.weight": (h, i)})
+    if cfg.shared_expert_intermediate_size:
+        s = cfg.shared_expert_intermediate_size
+        q = p + "mlp.shared_expert."
+        out.update({q + "gate_proj.weight": (s, h), q + "up_proj.weight": (s, h), q + "down_proj.weight": (h, s)})
+        out[p + "mlp.shared_expert_gate.weight"] = (1, h)
+    return out
