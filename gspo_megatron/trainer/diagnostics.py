@@ -152,7 +152,9 @@ class RoutingDiagnostics:
             self.step_records.append(("minibatch", _compare(self.previous, now, masks), None))
         self.previous = now
 
-    def decompose_ratio(self, update: int, step: int, micro_batches: list[MicroBatch], old_offset: int, strategy, algorithm) -> None:
+    def decompose_ratio(
+        self, update: int, step: int, micro_batches: list[MicroBatch], old_offset: int, strategy, algorithm
+    ) -> None:
         """At the last update of a due step, before its training forward (same weights): the log-probs
         under the loss's routing and under the old pass's routing, split by ``decompose_log_ratio``."""
         last = update == self.c.cfg.trainer.updates_per_rollout - 1

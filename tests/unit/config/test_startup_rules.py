@@ -26,6 +26,10 @@ def _typed(overrides):
             ["rollout=sglang", "rollout.sglang.model_path=/ckpt", "rollout.sglang.enable_return_routed_experts=false"],
             r"routing.kinds contains rollout_vs_train needs .*enable_return_routed_experts=true",
         ),
+        (
+            ["routing.kinds=[ratio_decomposition]", "algorithm.old_log_probs=rollout"],
+            r"routing.kinds contains ratio_decomposition.*set algorithm.old_log_probs=trainer",
+        ),
         (["checkpoint.save_every=-1"], r"checkpoint.save_every must be >= 0"),
         (["checkpoint.keep_last=-2"], r"checkpoint.keep_last must be >= 0"),
         (["checkpoint.resume=maybe"], r"checkpoint.resume='maybe'"),
@@ -35,6 +39,7 @@ def _typed(overrides):
     ids=[
         "micro_batch",
         "sglang_routed_experts",
+        "ratio_decomposition_needs_old_pass",
         "save_every",
         "keep_last",
         "resume",
