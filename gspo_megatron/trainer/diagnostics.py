@@ -34,6 +34,7 @@ Only the driver writes ``routing.jsonl``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -65,6 +66,7 @@ class RoutingDiagnostics:
         self.old_masks: list[torch.Tensor] = []
         self.old_used: list[list[torch.Tensor]] = []  # the routing the old pass used (R3: the engine's)
         self.decomposition: RatioDecomposition | None = None
+        self.decomposition_seconds = 0.0  # its cost, logged as time/ratio_decomposition
         self.previous: list | None = None
         self.step_records: list[tuple[str, RoutingVolatility, ExpertLoad | None]] = []
 
@@ -163,6 +165,7 @@ class RoutingDiagnostics:
         from gspo_megatron.models.schedule import run_schedule
         from gspo_megatron.trainer.loss_head import LogProbHead
 
+        started = time.perf_counter()
         cfg, mesh, replay = self.c.cfg, self.mesh, self.c.replay
         head = LogProbHead(
             mesh.tp_group,
@@ -211,6 +214,7 @@ class RoutingDiagnostics:
             if size > 1:
                 total = RatioDecomposition(total.all_reduce_on(mesh.device, group))
         self.decomposition = total if self.decomposition is None else self.decomposition.merge(total)
+        self.decomposition_seconds += time.perf_counter() - started
 
     def _any_rank(self, flags: list[torch.Tensor]) -> list[torch.Tensor]:
         """OR over the ranks that hold other tokens (CP, sequence-parallel TP) or other layers (PP)."""
@@ -236,7 +240,8 @@ class RoutingDiagnostics:
         metrics: dict[str, float] = {}
         if self.decomposition is not None:
             metrics.update(self.decomposition.metrics())
-            self.decomposition = None
+            metrics["time/ratio_decomposition"] = self.decomposition_seconds
+            self.decomposition, self.decomposition_seconds = None, 0.0
         for kind, volatility, load in self.step_records:
             volatility = self._reduce(volatility, all_reduce_volatility)
             load = self._reduce(load, all_reduce_expert_load) if load is not None else None
