@@ -121,6 +121,8 @@ def paper_vs_ours(groups: list[RunGroup], stats: dict[str, dict[str, Stat]]) -> 
     grpo_reward = _pooled(groups, "grpo", stats, "final reward")
     if gspo_clip.mean is None or grpo_clip.mean is None or gspo_reward.mean is None or grpo_reward.mean is None:
         ours, verdict = "-", "not measured (needs gspo and grpo runs)"
+    elif gspo_clip.mean == 0 and grpo_clip.mean == 0:  # nothing clipped: no ratio to compare
+        ours, verdict = "no token clipped by GSPO or GRPO", "not measured (neither clipped; the policy did not move)"
     else:
         ratio = gspo_clip.mean / grpo_clip.mean if grpo_clip.mean > 0 else float("inf")
         learns = gspo_reward.mean >= grpo_reward.mean - max(gspo_reward.std or 0, grpo_reward.std or 0)

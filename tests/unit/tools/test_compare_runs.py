@@ -280,3 +280,17 @@ def test_the_mechanism_row_reads_the_ratio_decomposition(tmp_path):
     (row,) = [r for r in summary["paper_vs_ours"] if r["claim"].startswith("Expert-activation volatility")]
     assert "E|log w| changed tokens 0.32 ± 0.028 vs unchanged 0.06 ± 0.014" in row["ours"]
     assert row["verdict"].startswith("reproduced: changed tokens' ratios are further from 1")
+
+
+def test_no_clipping_in_either_algorithm_is_not_a_reproduction(tmp_path):
+    """Two runs where nothing moved (clip fractions 0) once read as 'x inf more: reproduced'."""
+    from gspo_megatron.routing.aggregate import group_runs
+    from gspo_megatron.routing.run_dir import load_run
+    from gspo_megatron.routing.study_report import study_report
+
+    paths = [
+        make_run(tmp_path / algorithm, algorithm, [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]) for algorithm in ("gspo", "grpo")
+    ]
+    summary, _, _ = study_report(group_runs([load_run(p) for p in paths]), [])
+    row = summary["paper_vs_ours"][0]
+    assert row["claim"].startswith("GSPO clips") and row["verdict"].startswith("not measured (neither clipped")
