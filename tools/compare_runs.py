@@ -106,6 +106,9 @@ def compare(paths: list[str], out_dir: str | Path, seed_keys=DEFAULT_SEED_KEYS) 
     if not run_paths:
         raise RunDirError(f"no run directories among {paths}")
     runs = load_runs([str(p) for p in run_paths])
+    sources = runs_provenance(runs)  # before any file is written: rewriting a stored report is no "change"
+    for warning in sources["warnings"]:
+        print(f"compare_runs: warning: {warning}", file=sys.stderr)
     summaries = [summarize_run(run) for run in runs]
     # "update" is always plotted (it is the headline diagnostic), even when no run recorded it.
     kinds = ordered_kinds({"update"} | {k for run in runs for k in run.routing_kinds()})
@@ -126,9 +129,6 @@ def compare(paths: list[str], out_dir: str | Path, seed_keys=DEFAULT_SEED_KEYS) 
         ],
     )
     (out / "comparison.html").write_text(page, encoding="utf-8")
-    sources = runs_provenance(runs)
-    for warning in sources["warnings"]:
-        print(f"compare_runs: warning: {warning}", file=sys.stderr)
     summary, study_page, study_text = study_report(group_runs(runs, seed_keys), [str(p) for p in skipped], sources)
     (out / "study.json").write_text(json.dumps(json_safe(summary), indent=2) + "\n", encoding="utf-8")
     (out / "study.html").write_text(study_page, encoding="utf-8")
