@@ -5,7 +5,8 @@ Answers the GSPO paper's MoE questions (arXiv 2507.18071) from a sweep of run di
 - reward and eval curves (mean, band = +-1 std over seeds); clip fractions per token and sequence;
 - experts changed per update (per layer and token-level "in >= 1 layer"), engine vs trainer;
 - train/inference log-prob mismatch; importance-ratio dispersion by response length (token w vs
-  sequence s, ``algorithms/ratio_dispersion.py``); grad-norm spikes (max over steps);
+  sequence s, ``algorithms/ratio_dispersion.py``); grad-norm spikes (max over steps); reward
+  collapse events (a drop of >= 0.2 in the 20-step mean);
 - the mechanism: each ratio split into its routing part and its weight part
   (``routing/ratio_decomposition.py``), for tokens whose experts changed vs unchanged;
 - a "paper vs ours" table that says, per claim, what was measured and whether it reproduces here;
@@ -29,6 +30,7 @@ from gspo_megatron.routing.aggregate import (
     Stat,
     metric_curve,
     metric_stat,
+    per_run_stat,
     routing_layer_means,
     routing_stat,
 )
@@ -68,8 +70,34 @@ ROUTING_COLUMNS: list[tuple[str, str, str]] = [
 ]
 
 
+COLLAPSE_WINDOW, COLLAPSE_DROP = 20, 0.2  # issue 31: a drop of >= 0.2 in the 20-step mean reward
+
+
+def reward_collapse_events(
+    rewards: list[float], window: int = COLLAPSE_WINDOW, drop: float = COLLAPSE_DROP
+) -> int | None:
+    """How often the trailing ``window``-step mean reward falls ``drop`` or more below its best so far.
+
+    An event starts when mean_t <= max_{s<=t} mean_s - drop and ends when the mean is back above that
+    line, so one long collapse counts once. None for a run shorter than ``window`` steps."""
+    if len(rewards) < window:
+        return None
+    events, best, collapsed = 0, float("-inf"), False
+    for end in range(window, len(rewards) + 1):
+        mean = sum(rewards[end - window : end]) / window
+        best = max(best, mean)
+        if not collapsed and mean <= best - drop:
+            events, collapsed = events + 1, True
+        elif collapsed and mean > best - drop:
+            collapsed = False
+    return events
+
+
 def group_stats(group: RunGroup) -> dict[str, Stat]:
     stats = {name: metric_stat(group, key, reduce) for name, key, reduce in METRIC_COLUMNS}
+    stats["reward collapse events"] = per_run_stat(
+        group, lambda run: reward_collapse_events(run.metric_series("reward/mean")[1])
+    )
     stats.update({name: routing_stat(group, kind, key) for name, kind, key in ROUTING_COLUMNS})
     for low, high in LENGTH_BUCKETS:
         for level in ("token", "seq"):
@@ -339,7 +367,9 @@ def study_report(groups: list[RunGroup], skipped: list[str], sources: dict | Non
     """(JSON-able summary, HTML page, text table) of a grouped sweep; ``sources``: its provenance
     (``report_provenance.runs_provenance``), recorded in the summary and shown on the page."""
     stats = {group.label: group_stats(group) for group in groups}
-    columns = [name for name, _, _ in METRIC_COLUMNS] + [name for name, _, _ in ROUTING_COLUMNS]
+    columns = (
+        [name for name, _, _ in METRIC_COLUMNS] + ["reward collapse events"] + [name for name, _, _ in ROUTING_COLUMNS]
+    )
     headers = ["group", "seeds"] + columns
     rows = [[g.label, len(g.runs)] + [_cell(stats[g.label][c]) for c in columns] for g in groups]
     claims = paper_vs_ours(groups, stats)

@@ -294,3 +294,14 @@ def test_no_clipping_in_either_algorithm_is_not_a_reproduction(tmp_path):
     summary, _, _ = study_report(group_runs([load_run(p) for p in paths]), [])
     row = summary["paper_vs_ours"][0]
     assert row["claim"].startswith("GSPO clips") and row["verdict"].startswith("not measured (neither clipped")
+
+
+def test_reward_collapse_events_by_hand():
+    from gspo_megatron.routing.study_report import reward_collapse_events
+
+    assert reward_collapse_events([0.5] * 4, window=2) == 0
+    assert reward_collapse_events([0.5] * 3, window=4) is None  # shorter than the window
+    # 2-step means .8 .8 .5 .3 .3 .6 .8 .5 .4, best .8: .5 starts event 1, which lasts through .6
+    # (not above .8 - .2) and ends at .8; .5 starts event 2
+    rewards = [0.8, 0.8, 0.8, 0.2, 0.4, 0.2, 1.0, 0.6, 0.4, 0.4]
+    assert reward_collapse_events(rewards, window=2, drop=0.2) == 2
