@@ -213,7 +213,17 @@ def paper_vs_ours(groups: list[RunGroup], stats: dict[str, dict[str, Stat]]) -> 
     if plain.mean is None or replayed.mean is None:
         ours, verdict = "-", "not measured (needs grpo and replay runs)"
     else:
-        ours = f"final reward at {top} updates/rollout: GRPO {_cell(plain)}, GRPO + R2/R3 {_cell(replayed)}"
+        collapses = _pooled(groups, "grpo", stats, "reward collapse events", top)
+        replayed_collapses = Stat.of(
+            _pooled(groups, "grpo_routing_replay", stats, "reward collapse events", top).values
+            + _pooled(groups, "grpo_rollout_routing_replay", stats, "reward collapse events", top).values
+        )
+        steps = max((len(run.metrics) for g in groups for run in g.runs), default=0)
+        ours = (
+            f"final reward at {top} updates/rollout, runs of up to {steps} steps: GRPO {_cell(plain)}, "
+            f"GRPO + R2/R3 {_cell(replayed)}; reward collapse events GRPO {_cell(collapses)}, "
+            f"GRPO + R2/R3 {_cell(replayed_collapses)}"
+        )
         spread = (plain.std or 0) + (replayed.std or 0)
         verdict = (
             "reproduced: GRPO without replay is behind by more than the seed spread"
