@@ -83,8 +83,8 @@ class RatioDecomposition:
             cov = _ratio(self[f"{level}/routing_weight"], n) - mean_r * mean_v
             total = var_r + var_v + 2 * cov  # Var(r + v)
             out[f"{prefix}{level}_var_log_ratio"] = total
-            for name, part in (("routing", var_r), ("weight", var_v), ("cross", 2 * cov)):
-                out[f"{prefix}{level}_var_share_{name}"] = part / total if total > 0 else float("nan")
+            for name, variance in (("routing", var_r), ("weight", var_v), ("cross", 2 * cov)):
+                out[f"{prefix}{level}_var_share_{name}"] = variance / total if total > 0 else float("nan")
             for part in PARTS:
                 count = float(self[f"{level}/{part}/count"])
                 out[f"{prefix}{level}_{part}_frac"] = _ratio(count, n)
