@@ -19,6 +19,9 @@ Design decisions:
   share a label (GRPO with and without replay) get their directory name appended.
 - Volatility columns are the step mean of each kind's overall changed fraction; a run that did not
   record a kind shows "-".
+- The study report records where it came from (``routing/report_provenance.py``): its own commit
+  and command, each run's commit, command, seeds and composed config; runs from different commits
+  (or from uncommitted code, or that recorded none) are reported with a warning on stderr.
 - ``main(argv)`` returns the exit status (0 ok, 2 bad input) so tests and scripts can call it.
 """
 
@@ -43,6 +46,7 @@ from gspo_megatron.routing.report import (
     summarize_run,
     training_panels,
 )
+from gspo_megatron.routing.report_provenance import runs_provenance
 from gspo_megatron.routing.run_dir import RunData, RunDirError, load_run
 from gspo_megatron.routing.study_report import study_report
 
@@ -102,6 +106,9 @@ def compare(paths: list[str], out_dir: str | Path, seed_keys=DEFAULT_SEED_KEYS) 
     if not run_paths:
         raise RunDirError(f"no run directories among {paths}")
     runs = load_runs([str(p) for p in run_paths])
+    sources = runs_provenance(runs)  # before any file is written: rewriting a stored report is no "change"
+    for warning in sources["warnings"]:
+        print(f"compare_runs: warning: {warning}", file=sys.stderr)
     summaries = [summarize_run(run) for run in runs]
     # "update" is always plotted (it is the headline diagnostic), even when no run recorded it.
     kinds = ordered_kinds({"update"} | {k for run in runs for k in run.routing_kinds()})
@@ -122,7 +129,7 @@ def compare(paths: list[str], out_dir: str | Path, seed_keys=DEFAULT_SEED_KEYS) 
         ],
     )
     (out / "comparison.html").write_text(page, encoding="utf-8")
-    summary, study_page, study_text = study_report(group_runs(runs, seed_keys), [str(p) for p in skipped])
+    summary, study_page, study_text = study_report(group_runs(runs, seed_keys), [str(p) for p in skipped], sources)
     (out / "study.json").write_text(json.dumps(json_safe(summary), indent=2) + "\n", encoding="utf-8")
     (out / "study.html").write_text(study_page, encoding="utf-8")
     return table + "\n\nseed-aggregated (study.html):\n" + study_text

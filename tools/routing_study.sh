@@ -3,16 +3,24 @@
 # the report.
 #   bash tools/routing_study.sh                            # +experiment=routing_stability (36 runs)
 #   bash tools/routing_study.sh routing_stability_quick    # 8 runs, <= 15 min
+#   bash tools/routing_study.sh routing_stability_miniature  # 8 runs of 2 steps, tiny model (test reference)
+#   bash tools/routing_study.sh routing_stability_offpolicy  # off-policy pressure arms (issue 31; hours)
 #   bash tools/routing_study.sh routing_stability trainer.steps=24   # extra Hydra overrides
 # Writes multirun/<experiment>_<timestamp>/ (one run directory per config and seed) and
-# reports/<experiment>/{study.html,study.json,comparison.*}.
+# reports/<experiment>/{study.html,study.json,comparison.*}; every run records its commit and command
+# (provenance.json) and the report records them, the seeds and the composed configs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 experiment="${1:-routing_stability}"
 shift || true
-init=checkpoints/small_moe_reasoner_3to5  # = model.hf_checkpoint in conf/experiment/routing_stability.yaml
-if [ ! -f "$init/config.json" ]; then
-  python3 tools/sft_warmstart.py --model small_moe --digits 5 --min-digits 3 --steps 100 --out "$init"
+# the supervised warm start each experiment's model.hf_checkpoint names (none: random init)
+case "$experiment" in
+  routing_stability_miniature | *random_init) init="" ;;
+  routing_stability_offpolicy) init=checkpoints/small_moe_reasoner_3to8 digits=8 ;;
+  *) init=checkpoints/small_moe_reasoner_3to5 digits=5 ;;
+esac
+if [ -n "$init" ] && [ ! -f "$init/config.json" ]; then
+  python3 tools/sft_warmstart.py --model small_moe --digits "$digits" --min-digits 3 --steps 100 --out "$init"
 fi
 sweep="multirun/${experiment}_$(date +%Y%m%d_%H%M%S)"
 python3 -m gspo_megatron.train --multirun "+experiment=${experiment}" "hydra.sweep.dir=${sweep}" "$@"

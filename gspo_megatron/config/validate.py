@@ -73,6 +73,12 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
     if cfg.model.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype must be float32 or bfloat16, got {cfg.model.dtype!r}")
     _validate_routed_experts_source(cfg)
+    if cfg.routing.enabled and "ratio_decomposition" in cfg.routing.kinds and cfg.algorithm.old_log_probs == "rollout":
+        raise ConfigError(
+            "routing.kinds contains ratio_decomposition, which replays the old-log-prob pass's routing, but "
+            "algorithm.old_log_probs=rollout skips that pass; set algorithm.old_log_probs=trainer or drop "
+            "ratio_decomposition from routing.kinds"
+        )
     validate_replay_mode(cfg.algorithm.routing_replay, recompute=t.recompute_activations, pp=layout.pp)
     if replays(cfg.algorithm.routing_replay) and not cfg.model.is_moe:
         raise ConfigError("algorithm.routing_replay needs an MoE model (model.num_experts > 0)")

@@ -18,7 +18,9 @@ from gspo_megatron.config_node import ConfigNode
 #   rollout_vs_train -- experts the rollout engine routed to (SGLang routed_experts) vs the
 #                       trainer's top-k for the same tokens (train/inference routing mismatch)
 #   minibatch        -- consecutive mini-batch updates within one RL step (drift across updates)
-DIAGNOSTIC_KINDS: tuple[str, ...] = ("update", "rollout_vs_train", "minibatch")
+#   ratio_decomposition -- the last update's importance ratio split into its routing part and its
+#                       weight part (routing/ratio_decomposition.py; two extra forward-only passes)
+DIAGNOSTIC_KINDS: tuple[str, ...] = ("update", "rollout_vs_train", "minibatch", "ratio_decomposition")
 
 
 def validate_kind(kind: str) -> str:

@@ -4,6 +4,9 @@ Layout of one run directory (the trainer writes it from rank 0 only; everything 
 
     <run>/config.yaml     resolved Hydra config; ``algorithm.name`` names the algorithm
                           (e.g. "gspo", "grpo"); the run's label in comparisons.
+    <run>/provenance.json {"commit": sha | "unknown", "dirty": bool | null, "command": str, "cwd": str,
+                           "time": str, "previous": [earlier starts of a resumed run]}
+                          (``gspo_megatron/provenance.py``; runs from before it have none)
     <run>/metrics.jsonl   one JSON object per training step:
                           {"step": int, "reward/mean": float, "loss/clip_frac_token": float,
                            "loss/clip_frac_seq": float, ...any other scalar metrics}
@@ -40,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gspo_megatron.provenance import PROVENANCE_FILE
 from gspo_megatron.routing.config import validate_kind
 
 CONFIG_FILE = "config.yaml"
@@ -193,6 +197,12 @@ class RunData:
     config: dict = field(default_factory=dict)
     metrics: list[dict] = field(default_factory=list)
     routing: list[dict] = field(default_factory=list)
+    provenance: dict = field(default_factory=dict)  # empty: the run predates provenance.json
+
+    @property
+    def commit(self) -> str | None:
+        commit = self.provenance.get("commit")
+        return None if commit is None else commit + ("+dirty" if self.provenance.get("dirty") else "")
 
     def metric_series(self, key: str) -> tuple[list[int], list[float]]:
         """(steps, values) of one metric over the steps that logged it."""
@@ -237,12 +247,18 @@ def load_run(path: str | os.PathLike) -> RunData:
             raise RunDirError(f"{path / CONFIG_FILE}: not valid YAML: {err}") from err
         config = loaded if isinstance(loaded, dict) else {}
     routing = read_jsonl(path / ROUTING_FILE) if (path / ROUTING_FILE).is_file() else []
+    provenance_path = path / PROVENANCE_FILE
+    try:
+        provenance = json.loads(provenance_path.read_text(encoding="utf-8")) if provenance_path.is_file() else {}
+    except json.JSONDecodeError as err:
+        raise RunDirError(f"{provenance_path}: not valid JSON ({err.msg})") from err
     return RunData(
         path=path,
         label=_algorithm_name(config) or path.resolve().name,
         config=config,
         metrics=read_jsonl(path / METRICS_FILE),
         routing=routing,
+        provenance=provenance if isinstance(provenance, dict) else {},
     )
 
 

@@ -5,8 +5,12 @@ Answers the GSPO paper's MoE questions (arXiv 2507.18071) from a sweep of run di
 - reward and eval curves (mean, band = +-1 std over seeds); clip fractions per token and sequence;
 - experts changed per update (per layer and token-level "in >= 1 layer"), engine vs trainer;
 - train/inference log-prob mismatch; importance-ratio dispersion by response length (token w vs
-  sequence s, ``algorithms/ratio_dispersion.py``); grad-norm spikes (max over steps);
-- a "paper vs ours" table that says, per claim, what was measured and whether it reproduces here.
+  sequence s, ``algorithms/ratio_dispersion.py``); grad-norm spikes (max over steps); reward
+  collapse events (a drop of >= 0.2 in the 20-step mean);
+- the mechanism: each ratio split into its routing part and its weight part
+  (``routing/ratio_decomposition.py``), for tokens whose experts changed vs unchanged;
+- a "paper vs ours" table that says, per claim, what was measured and whether it reproduces here;
+- provenance: the report's and every run's commit, command, seeds and config (``report_provenance.py``).
 
 Design decisions:
 - Every number in the tables is a ``Stat`` (mean, std, n over seeds) of a per-run number computed
@@ -26,6 +30,7 @@ from gspo_megatron.routing.aggregate import (
     Stat,
     metric_curve,
     metric_stat,
+    per_run_stat,
     routing_layer_means,
     routing_stat,
 )
@@ -43,6 +48,18 @@ METRIC_COLUMNS: list[tuple[str, str, str]] = [
     ("log-prob mismatch", "mismatch/abs_log_prob_diff_mean", "mean"),
     ("token-seq ratio gap", "loss/ratio_token_seq_gap", "mean"),
     ("grad norm max", "grad_norm", "max"),
+    # the mechanism (ratio_decomposition diagnostic): log w = routing part r + weight part v
+    ("Var share of routing part (token)", "ratio_decomp/token_var_share_routing", "mean"),
+    ("Var share of routing part (seq)", "ratio_decomp/seq_var_share_routing", "mean"),
+    ("tokens with changed experts", "ratio_decomp/token_changed_frac", "mean"),
+    ("E|log w| changed tokens", "ratio_decomp/token_changed_abs_log_ratio", "mean"),
+    ("E|log w| unchanged tokens", "ratio_decomp/token_unchanged_abs_log_ratio", "mean"),
+    ("E|r| changed tokens", "ratio_decomp/token_changed_abs_routing", "mean"),
+    ("E|v| changed tokens", "ratio_decomp/token_changed_abs_weight", "mean"),
+    ("clip frac changed tokens", "ratio_decomp/token_changed_clip_frac", "mean"),
+    ("clip frac unchanged tokens", "ratio_decomp/token_unchanged_clip_frac", "mean"),
+    ("E|log s| changed seqs", "ratio_decomp/seq_changed_abs_log_ratio", "mean"),
+    ("E|log s| unchanged seqs", "ratio_decomp/seq_unchanged_abs_log_ratio", "mean"),
 ]
 ROUTING_COLUMNS: list[tuple[str, str, str]] = [
     ("experts changed / update", "update", "changed_frac_overall"),
@@ -53,8 +70,34 @@ ROUTING_COLUMNS: list[tuple[str, str, str]] = [
 ]
 
 
+COLLAPSE_WINDOW, COLLAPSE_DROP = 20, 0.2  # issue 31: a drop of >= 0.2 in the 20-step mean reward
+
+
+def reward_collapse_events(
+    rewards: list[float], window: int = COLLAPSE_WINDOW, drop: float = COLLAPSE_DROP
+) -> int | None:
+    """How often the trailing ``window``-step mean reward falls ``drop`` or more below its best so far.
+
+    An event starts when mean_t <= max_{s<=t} mean_s - drop and ends when the mean is back above that
+    line, so one long collapse counts once. None for a run shorter than ``window`` steps."""
+    if len(rewards) < window:
+        return None
+    events, best, collapsed = 0, float("-inf"), False
+    for end in range(window, len(rewards) + 1):
+        mean = sum(rewards[end - window : end]) / window
+        best = max(best, mean)
+        if not collapsed and mean <= best - drop:
+            events, collapsed = events + 1, True
+        elif collapsed and mean > best - drop:
+            collapsed = False
+    return events
+
+
 def group_stats(group: RunGroup) -> dict[str, Stat]:
     stats = {name: metric_stat(group, key, reduce) for name, key, reduce in METRIC_COLUMNS}
+    stats["reward collapse events"] = per_run_stat(
+        group, lambda run: reward_collapse_events(run.metric_series("reward/mean")[1])
+    )
     stats.update({name: routing_stat(group, kind, key) for name, kind, key in ROUTING_COLUMNS})
     for low, high in LENGTH_BUCKETS:
         for level in ("token", "seq"):
@@ -106,6 +149,8 @@ def paper_vs_ours(groups: list[RunGroup], stats: dict[str, dict[str, Stat]]) -> 
     grpo_reward = _pooled(groups, "grpo", stats, "final reward")
     if gspo_clip.mean is None or grpo_clip.mean is None or gspo_reward.mean is None or grpo_reward.mean is None:
         ours, verdict = "-", "not measured (needs gspo and grpo runs)"
+    elif gspo_clip.mean == 0 and grpo_clip.mean == 0:  # nothing clipped: no ratio to compare
+        ours, verdict = "no token clipped by GSPO or GRPO", "not measured (neither clipped; the policy did not move)"
     else:
         ratio = gspo_clip.mean / grpo_clip.mean if grpo_clip.mean > 0 else float("inf")
         learns = gspo_reward.mean >= grpo_reward.mean - max(gspo_reward.std or 0, grpo_reward.std or 0)
@@ -158,6 +203,8 @@ def paper_vs_ours(groups: list[RunGroup], stats: dict[str, dict[str, Stat]]) -> 
         ]
     )
 
+    rows.append(_mechanism_row(groups, stats, top))
+
     plain = _pooled(groups, "grpo", stats, "final reward", top)
     replayed = Stat.of(
         _pooled(groups, "grpo_routing_replay", stats, "final reward", top).values
@@ -166,7 +213,17 @@ def paper_vs_ours(groups: list[RunGroup], stats: dict[str, dict[str, Stat]]) -> 
     if plain.mean is None or replayed.mean is None:
         ours, verdict = "-", "not measured (needs grpo and replay runs)"
     else:
-        ours = f"final reward at {top} updates/rollout: GRPO {_cell(plain)}, GRPO + R2/R3 {_cell(replayed)}"
+        collapses = _pooled(groups, "grpo", stats, "reward collapse events", top)
+        replayed_collapses = Stat.of(
+            _pooled(groups, "grpo_routing_replay", stats, "reward collapse events", top).values
+            + _pooled(groups, "grpo_rollout_routing_replay", stats, "reward collapse events", top).values
+        )
+        steps = max((len(run.metrics) for g in groups for run in g.runs), default=0)
+        ours = (
+            f"final reward at {top} updates/rollout, runs of up to {steps} steps: GRPO {_cell(plain)}, "
+            f"GRPO + R2/R3 {_cell(replayed)}; reward collapse events GRPO {_cell(collapses)}, "
+            f"GRPO + R2/R3 {_cell(replayed_collapses)}"
+        )
         spread = (plain.std or 0) + (replayed.std or 0)
         verdict = (
             "reproduced: GRPO without replay is behind by more than the seed spread"
@@ -206,6 +263,39 @@ def paper_vs_ours(groups: list[RunGroup], stats: dict[str, dict[str, Stat]]) -> 
         ]
     )
     return rows
+
+
+def _mechanism_row(groups: list[RunGroup], stats: dict[str, dict[str, Stat]], top: Any) -> list[str]:
+    """The paper's mechanism, token by token: GRPO without replay at the most updates per rollout."""
+    changed = _pooled(groups, "grpo", stats, "E|log w| changed tokens", top)
+    unchanged = _pooled(groups, "grpo", stats, "E|log w| unchanged tokens", top)
+    routing = _pooled(groups, "grpo", stats, "E|r| changed tokens", top)
+    weight = _pooled(groups, "grpo", stats, "E|v| changed tokens", top)
+    share = _pooled(groups, "grpo", stats, "Var share of routing part (token)", top)
+    clip_changed = _pooled(groups, "grpo", stats, "clip frac changed tokens", top)
+    clip_unchanged = _pooled(groups, "grpo", stats, "clip frac unchanged tokens", top)
+    claim = "Expert-activation volatility makes token-level importance ratios fluctuate (the mechanism)"
+    paper = "qualitative: tokens whose experts changed get ratios far from 1, hence GRPO needs replay"
+    if changed.mean is None or unchanged.mean is None or routing.mean is None or weight.mean is None:
+        return [claim, paper, "-", "not measured (needs grpo runs with routing.kinds ratio_decomposition)"]
+    ours = (
+        f"GRPO, {top} updates/rollout, last update: E|log w| changed tokens {_cell(changed)} vs unchanged "
+        f"{_cell(unchanged)}; on changed tokens routing part E|r| {_cell(routing)} vs weight part E|v| "
+        f"{_cell(weight)}; routing part's share of Var(log w) {_cell(share)}; clip frac changed "
+        f"{_cell(clip_changed)} vs unchanged {_cell(clip_unchanged)}"
+    )
+    spread = (changed.std or 0) + (unchanged.std or 0)
+    larger = changed.mean > unchanged.mean + spread
+    dominates = routing.mean >= weight.mean
+    if larger and dominates:
+        verdict = "reproduced: changed tokens' ratios are further from 1 (beyond the seed spread), mostly by routing"
+    elif larger:
+        verdict = (
+            "partly: changed tokens' ratios are further from 1, but the weight part is larger than the routing part"
+        )
+    else:
+        verdict = "not reproduced at this scale: changed tokens' |log w| is within the seed spread of unchanged ones"
+    return [claim, paper, ours, verdict]
 
 
 def _band(mean: list[float], std: list[float]) -> tuple[list[float], list[float]]:
@@ -272,10 +362,24 @@ def layer_and_length_panels(groups: list[RunGroup]) -> list[Panel]:
     return panels
 
 
-def study_report(groups: list[RunGroup], skipped: list[str]) -> tuple[dict, str, str]:
-    """(JSON-able summary, HTML page, text table) of a grouped sweep."""
+def _provenance_html(sources: dict) -> str:
+    own = sources["generated_by"]
+    lines = [
+        f"<p>Report: commit {html.escape(str(own['commit']))}{' (uncommitted changes)' if own.get('dirty') else ''};"
+        f" command <code>{html.escape(own['command'])}</code></p>"
+    ]
+    lines += [f"<p><b>Warning:</b> {html.escape(w)}</p>" for w in sources["warnings"]]
+    rows = [[path, r["commit"][:12], r["command"], str(r["seeds"])] for path, r in sources["runs"].items()]
+    return "\n".join(lines) + html_table(["run", "commit", "command", "seeds"], rows)
+
+
+def study_report(groups: list[RunGroup], skipped: list[str], sources: dict | None = None) -> tuple[dict, str, str]:
+    """(JSON-able summary, HTML page, text table) of a grouped sweep; ``sources``: its provenance
+    (``report_provenance.runs_provenance``), recorded in the summary and shown on the page."""
     stats = {group.label: group_stats(group) for group in groups}
-    columns = [name for name, _, _ in METRIC_COLUMNS] + [name for name, _, _ in ROUTING_COLUMNS]
+    columns = (
+        [name for name, _, _ in METRIC_COLUMNS] + ["reward collapse events"] + [name for name, _, _ in ROUTING_COLUMNS]
+    )
     headers = ["group", "seeds"] + columns
     rows = [[g.label, len(g.runs)] + [_cell(stats[g.label][c]) for c in columns] for g in groups]
     claims = paper_vs_ours(groups, stats)
@@ -293,6 +397,8 @@ def study_report(groups: list[RunGroup], skipped: list[str]) -> tuple[dict, str,
         "paper_vs_ours": [dict(zip(("claim", "paper", "ours", "verdict"), row)) for row in claims],
         "skipped": skipped,
     }
+    if sources is not None:
+        summary["provenance"] = sources
     curves = png_img(figure_png(line_panels(curve_panels(groups))), "curves")
     layers = png_img(figure_png(line_panels(layer_and_length_panels(groups))), "layers and lengths")
     skipped_html = ("<p>Skipped (not run directories): " + html.escape(", ".join(skipped)) + "</p>") if skipped else ""
@@ -307,7 +413,8 @@ def study_report(groups: list[RunGroup], skipped: list[str]) -> tuple[dict, str,
             ("table", "Per group (mean ± std over seeds)", html_table(headers, rows) + skipped_html),
             ("curves", "Curves (band: ±1 std over seeds)", curves),
             ("layers", "Per layer, and ratio dispersion by response length", layers),
-        ],
+        ]
+        + ([("provenance", "Provenance", _provenance_html(sources))] if sources is not None else []),
     )
     text = "\n".join(
         [" | ".join(headers)]

@@ -7,10 +7,12 @@ report and comparison tools). On resume, metrics past the checkpoint's step are 
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
 
+from gspo_megatron.provenance import PROVENANCE_FILE, provenance
 from gspo_megatron.routing.run_dir import CONFIG_FILE, METRICS_FILE, JsonlLog, drop_records_from_step, read_jsonl
 
 
@@ -51,7 +53,15 @@ class RunLog:
         self.started = time.monotonic()
 
     def write_config(self) -> None:
+        """``config.yaml`` and ``provenance.json`` (commit, command; a resume keeps the earlier starts
+        under ``previous``, so a run continued on other code says so)."""
         (self.run_dir / CONFIG_FILE).write_text(self.config_yaml)
+        path = self.run_dir / PROVENANCE_FILE
+        earlier = json.loads(path.read_text()) if path.is_file() else None
+        record = provenance()
+        if earlier is not None:
+            record["previous"] = earlier.pop("previous", []) + [earlier]
+        path.write_text(json.dumps(record, indent=2) + "\n")
 
     def log_step(self, step: int, metrics: dict) -> None:
         record = {"step": step, **{k: _number(v) for k, v in metrics.items()}}

@@ -208,7 +208,7 @@ class RLTrainer:
         outputs = run_schedule(self.c.model, flat, head, forward_only=True, before_forward=before)
         routing = self.replay.old_pass_end()
         if self.c.replay is not None:  # an MoE model: its routing is measured
-            self.diagnostics.remember_old_routing(routing.old_policy_routing, flat)
+            self.diagnostics.remember_old_routing(routing.old_policy_routing, flat, routing.trainer_routing)
             self.diagnostics.rollout_vs_train(self.step, flat, self._rollout_targets, routing.trainer_routing)
         batch.old_log_probs = self._gather_rows(outputs, "log_probs", batch)
         mask = batch.mismatch_mask
@@ -272,6 +272,8 @@ class RLTrainer:
                 global_num_sequences=totals.update_sequences[update],
                 global_num_tokens=totals.update_tokens[update],
             )
+            # routing part vs weight part of this update's ratio (diagnosed steps, last update; same weights)
+            self.diagnostics.decompose_ratio(update, self.step, mbs, offset, self.replay, head.algorithm)
             before = self.replay.update_begin(mbs, partial(self.diagnostics.old_routing_for, offset, len(mbs)))
             record = self.diagnostics.records_training_forward(update, self.step)
             if record:

@@ -1,6 +1,9 @@
 """A 2-step miniature of the whole routing-stability study: the real sweep command (all four
-algorithms, 2 seeds, bf16 engine) on the tiny model, then ``tools/compare_runs.py`` on the sweep
-directory; the report's aggregated numbers are checked against the runs' own metrics files."""
+algorithms, 2 seeds, bf16 engine) on the tiny model (``+experiment=routing_stability_miniature``),
+then ``tools/compare_runs.py`` on the sweep directory; the report's aggregated numbers are checked
+against the runs' own metrics files, and against the stored miniature report
+(``reports/routing_stability_miniature``, written by ``bash tools/routing_study.sh
+routing_stability_miniature``) within the seed spread: the stored report regenerates from this code."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
 ALGORITHMS = ["gspo", "grpo", "grpo_routing_replay", "grpo_rollout_routing_replay"]
+STORED = ROOT / "reports" / "routing_stability_miniature" / "study.json"
 
 
 def _mean(values):
@@ -34,18 +38,7 @@ def test_study_miniature_report_matches_the_runs(tmp_path):
         "-m",
         "gspo_megatron.train",
         "--multirun",
-        "+experiment=routing_stability_quick",
-        "model=tiny",
-        "model.hf_checkpoint=null",
-        "trainer.steps=2",
-        "trainer.seed=1,2",
-        "trainer.prompts_per_step=4",
-        "rollout.group_size=4",
-        "trainer.updates_per_rollout=2",
-        "trainer.micro_batch_size=8",
-        "rollout.max_new_tokens=6",
-        "trainer.eval_every=2",
-        "trainer.eval_prompts=4",
+        "+experiment=routing_stability_miniature",
         f"hydra.sweep.dir={sweep}",
     ]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
@@ -87,5 +80,31 @@ def test_study_miniature_report_matches_the_runs(tmp_path):
             spread = group["stats"]["experts changed / update"]["std"]
             expected = math.sqrt(sum((u - _mean(update)) ** 2 for u in update))  # n - 1 = 1
             assert spread == pytest.approx(expected, abs=1e-12)
-    assert len(study["paper_vs_ours"]) == 4 and all(row["verdict"] for row in study["paper_vs_ours"])
+    assert len(study["paper_vs_ours"]) == 5 and all(row["verdict"] for row in study["paper_vs_ours"])
     assert (out / "study.html").read_text().count('id="paper-vs-ours"') == 1
+
+    # provenance: one commit for all runs, each run's command and seed recorded, no warning
+    sources = study["provenance"]
+    (commit,) = sources["commits"]
+    assert sources["warnings"] == [] or commit.endswith("+dirty")  # a test run from uncommitted code warns
+    assert {record["seeds"]["trainer.seed"] for record in sources["runs"].values()} == {1, 2}
+    assert all("gspo_megatron.train --multirun" in r["command"] for r in sources["runs"].values())
+
+    # the mechanism: where the loss replays the old routing (R2, R3) the routing part is exactly 0
+    for algorithm in ("grpo_routing_replay", "grpo_rollout_routing_replay"):
+        for run in groups[algorithm]["runs"]:
+            for record in read_jsonl(Path(run) / "metrics.jsonl"):
+                assert record["ratio_decomp/token_changed_frac"] == 0.0
+                assert record["ratio_decomp/token_unchanged_abs_routing"] == 0.0
+
+    # the stored miniature regenerates: every stored group mean within twice the seed spread
+    stored = {g["label"]: g["stats"] for g in json.loads(STORED.read_text())["groups"]}
+    assert set(stored) == set(groups)
+    for label, stats in stored.items():
+        for name, old in stats.items():
+            new = groups[label]["stats"][name]
+            if old["mean"] is None:
+                assert new["mean"] is None, (label, name)
+                continue
+            tolerance = 2 * max(old["std"], new["std"] or 0.0) + 1e-6 * max(1.0, abs(old["mean"]))
+            assert abs(new["mean"] - old["mean"]) <= tolerance, (label, name, new["mean"], old["mean"])

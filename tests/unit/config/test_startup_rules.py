@@ -30,8 +30,12 @@ def _typed(overrides):
             r"routing.kinds contains rollout_vs_train needs .*enable_return_routed_experts=true",
         ),
         (["trainer.eval_samples=4"], r"trainer.eval_samples=4 with greedy decoding .*rollout.eval_temperature > 0"),
+        (
+            ["routing.kinds=[ratio_decomposition]", "algorithm.old_log_probs=rollout"],
+            r"routing.kinds contains ratio_decomposition.*set algorithm.old_log_probs=trainer",
+        ),
     ],
-    ids=["micro_batch", "sglang_routed_experts", "eval_samples_greedy"],
+    ids=["micro_batch", "sglang_routed_experts", "eval_samples_greedy", "ratio_decomposition_needs_old_pass"],
 )
 def test_bad_value_is_refused_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):

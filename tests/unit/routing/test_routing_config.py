@@ -13,7 +13,7 @@ def test_schedule():
     assert [s for s in range(7) if cfg.is_due(s, "update")] == [0, 3, 6]
     assert not cfg.is_due(3, "minibatch")
     assert not RoutingDiagnosticsConfig(enabled=False).is_due(0, "update")
-    assert set(DIAGNOSTIC_KINDS) == {"update", "rollout_vs_train", "minibatch"}
+    assert set(DIAGNOSTIC_KINDS) == {"update", "rollout_vs_train", "minibatch", "ratio_decomposition"}
 
 
 def test_bad_values():

@@ -219,3 +219,89 @@ def test_keys_that_follow_the_algorithm_do_not_split_or_label_groups(tmp_path):
         (run / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
     labels = [g.label for g in group_runs(load_runs_from([tmp_path]))]
     assert labels == ["gspo upr=1", "grpo upr=1", "gspo upr=4", "grpo upr=4"]
+
+
+def _provenance(run, commit, dirty=False, command="python -m gspo_megatron.train algorithm=x"):
+    record = {"commit": commit, "dirty": dirty, "command": command, "cwd": "/", "time": "t"}
+    (run / "provenance.json").write_text(json.dumps(record))
+
+
+def test_the_report_records_commits_commands_seeds_and_configs(runs, tmp_path, capsys):
+    for run in runs:
+        _provenance(run, "a" * 40, command=f"python -m gspo_megatron.train run_dir={run}")
+    out = tmp_path / "cmp"
+    assert compare_runs.main([str(r) for r in runs] + ["--out", str(out)]) == 0
+    assert "warning" not in capsys.readouterr().err
+    sources = json.loads((out / "study.json").read_text())["provenance"]
+    assert sources["commits"] == {"a" * 40: [str(r) for r in runs]} and sources["warnings"] == []
+    assert sources["generated_by"]["command"].startswith("python ") and sources["generated_by"]["commit"]
+    record = sources["runs"][str(runs[1])]
+    assert record["command"] == f"python -m gspo_megatron.train run_dir={runs[1]}"
+    assert record["config_diff"] == {"algorithm.name": "grpo"}  # the rest is common to all runs
+    assert sources["config_common"] == {"seed": 1}
+    assert '<section id="provenance">' in (out / "study.html").read_text()
+
+
+def test_runs_from_different_commits_are_warned_about(runs, tmp_path, capsys):
+    _provenance(runs[0], "a" * 40)
+    _provenance(runs[1], "b" * 40, dirty=True)  # runs[2] recorded nothing
+    out = tmp_path / "cmp"
+    assert compare_runs.main([str(r) for r in runs] + ["--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "warning: the runs come from different commits: aaaaaaaaaaaa (1 runs), bbbbbbbbbbbb+dirty (1 runs)" in err
+    assert "uncommitted changes" in err and "1 runs recorded no commit" in err
+    warnings = json.loads((out / "study.json").read_text())["provenance"]["warnings"]
+    assert len(warnings) == 3 and "Warning:" in (out / "study.html").read_text()
+
+
+def test_the_mechanism_row_reads_the_ratio_decomposition(tmp_path):
+    from gspo_megatron.routing.aggregate import group_runs
+    from gspo_megatron.routing.run_dir import load_run
+    from gspo_megatron.routing.study_report import study_report
+
+    paths = []
+    for seed, (changed, unchanged, routing, weight) in enumerate([(0.30, 0.05, 0.20, 0.10), (0.34, 0.07, 0.22, 0.12)]):
+        run = tmp_path / f"grpo_{seed}"
+        run.mkdir()
+        (run / "config.yaml").write_text(f"algorithm:\n  name: grpo\ntrainer:\n  seed: {seed}\n")
+        with JsonlLog(run / "metrics.jsonl") as log:
+            log.append(
+                {
+                    "step": 1,
+                    "reward/mean": 0.5,
+                    "ratio_decomp/token_changed_abs_log_ratio": changed,
+                    "ratio_decomp/token_unchanged_abs_log_ratio": unchanged,
+                    "ratio_decomp/token_changed_abs_routing": routing,
+                    "ratio_decomp/token_changed_abs_weight": weight,
+                }
+            )
+        paths.append(run)
+    summary, _, _ = study_report(group_runs([load_run(p) for p in paths]), [])
+    (row,) = [r for r in summary["paper_vs_ours"] if r["claim"].startswith("Expert-activation volatility")]
+    assert "E|log w| changed tokens 0.32 ± 0.028 vs unchanged 0.06 ± 0.014" in row["ours"]
+    assert row["verdict"].startswith("reproduced: changed tokens' ratios are further from 1")
+
+
+def test_no_clipping_in_either_algorithm_is_not_a_reproduction(tmp_path):
+    """Two runs where nothing moved (clip fractions 0) once read as 'x inf more: reproduced'."""
+    from gspo_megatron.routing.aggregate import group_runs
+    from gspo_megatron.routing.run_dir import load_run
+    from gspo_megatron.routing.study_report import study_report
+
+    paths = [
+        make_run(tmp_path / algorithm, algorithm, [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]) for algorithm in ("gspo", "grpo")
+    ]
+    summary, _, _ = study_report(group_runs([load_run(p) for p in paths]), [])
+    row = summary["paper_vs_ours"][0]
+    assert row["claim"].startswith("GSPO clips") and row["verdict"].startswith("not measured (neither clipped")
+
+
+def test_reward_collapse_events_by_hand():
+    from gspo_megatron.routing.study_report import reward_collapse_events
+
+    assert reward_collapse_events([0.5] * 4, window=2) == 0
+    assert reward_collapse_events([0.5] * 3, window=4) is None  # shorter than the window
+    # 2-step means .8 .8 .5 .3 .3 .6 .8 .5 .4, best .8: .5 starts event 1, which lasts through .6
+    # (not above .8 - .2) and ends at .8; .5 starts event 2
+    rewards = [0.8, 0.8, 0.8, 0.2, 0.4, 0.2, 1.0, 0.6, 0.4, 0.4]
+    assert reward_collapse_events(rewards, window=2, drop=0.2) == 2
