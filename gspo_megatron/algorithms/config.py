@@ -180,11 +180,15 @@ def make_loss_context(
     global_num_sequences: Count = None,
     global_num_tokens: Count = None,
     sequence_sum: Callable[[torch.Tensor], torch.Tensor] = local_sequence_sum,
+    clip: tuple[float, float] | None = None,
 ) -> LossContext:
-    """The ``LossContext`` for one micro-batch: config constants plus whole-batch denominators."""
+    """The ``LossContext`` for one micro-batch: config constants plus whole-batch denominators.
+    ``clip``: this step's (eps_low, eps_high) when an adaptive controller scales them; None: the
+    configured ``cfg.clip_low`` / ``cfg.clip_high``."""
+    clip_low, clip_high = (cfg.clip_low, cfg.clip_high) if clip is None else clip
     return LossContext(
-        clip_low=cfg.clip_low,
-        clip_high=cfg.clip_high,
+        clip_low=clip_low,
+        clip_high=clip_high,
         aggregation=cfg.aggregation,
         global_num_sequences=global_num_sequences,
         global_num_tokens=global_num_tokens,

@@ -156,6 +156,11 @@ class RLTrainer:
         if self.clip_controller is not None:  # adapts eps for the next step from this step's clip fraction
             clipped = update_metrics.get(self.clip_controller.metric, float("nan"))
             metrics.update(self.clip_controller.update(clipped))
+            if metrics["clip/held"] and self.mesh.is_driver:
+                print(
+                    f"[gspo] step {self.step + 1}: {self.clip_controller.metric} is {clipped} (no valid token "
+                    "or a skipped update); adaptive clip held eps for the next step (metric clip/held=1)"
+                )
         metrics.update(self.diagnostics.finish_step(self.step + 1))
         eval_every = self.cfg.trainer.eval_every
         if eval_every and (self.step + 1) % eval_every == 0:
@@ -265,13 +270,14 @@ class RLTrainer:
         offset = 0
         for update, mbs in enumerate(parts):
             head = PolicyLossHead(
-                cfg.algorithm if self.clip_controller is None else self.clip_controller.apply(cfg.algorithm),
+                cfg.algorithm,
                 mesh.tp_group,
                 None if mesh.layout.cp == 1 else mesh.cp_group,
                 cfg.rollout.temperature,
                 # denominators: counts of the whole mini-batch, all data-parallel ranks' rows
                 global_num_sequences=totals.update_sequences[update],
                 global_num_tokens=totals.update_tokens[update],
+                clip=None if self.clip_controller is None else self.clip_controller.eps,  # None: configured eps
             )
             before = self.replay.update_begin(mbs, partial(self.diagnostics.old_routing_for, offset, len(mbs)))
             record = self.diagnostics.records_training_forward(update, self.step)

@@ -90,6 +90,31 @@ def test_dynamic_sampling_and_adaptive_clip(tmp_path):
         assert after["clip/eps_low"] == pytest.approx(3e-4 * expected, rel=1e-9)
 
 
+def test_adaptive_clip_with_grpo_runs_past_scale_1_25(tmp_path):
+    """Issue 29's repro: GRPO's eps 0.2 driven toward a 1% target widens past scale 1.25, where
+    re-validating the scaled eps as a config raised inside the update; the run now finishes and logs
+    the controller's scale and bounds each step."""
+    overrides = [
+        "algorithm=grpo",
+        "algorithm.adaptive_clip_target=0.01",
+        "optimizer.lr=0.02",
+        "optimizer.warmup_steps=0",
+        "trainer.updates_per_rollout=4",
+        "rollout.max_new_tokens=8",
+        "task.reward=last_number",
+        "trainer.steps=6",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+    ]
+    (metrics,) = run_distributed(train_worker, 1, overrides, str(tmp_path), timeout=600)
+    assert [m["step"] for m in metrics] == list(range(1, 7))
+    for m in metrics:
+        assert m["clip/eps_low"] == pytest.approx(0.2 * m["clip/scale"], rel=1e-9)
+        assert m["clip/eps_high"] == pytest.approx(0.28 * m["clip/scale"], rel=1e-9)
+        assert m["clip/held"] == 0.0 and math.isfinite(m["loss/policy"])
+    assert max(m["clip/scale"] for m in metrics) > 1.25  # where the old code raised
+
+
 def test_async_rollout_staleness_bound_with_rollout_replay(tmp_path):
     """One-step async with R3: samples lag one version from step 2 on, never more; replay completes."""
     overrides = FAST + [
