@@ -111,7 +111,11 @@ def finalize_mismatch_weight_stats(stats: dict[str, torch.Tensor]) -> dict[str, 
 
 
 def weighted_advantages(advantages: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """A [B] times weights [B] -> [B]; times weights [B, T] -> per-token advantages [B, T]."""
-    if weights.dim() == 1:
+    """A_i w_i, A_i w_{i,t}, A_{i,t} w_i or A_{i,t} w_{i,t}: advantages [B] or [B, T] times weights
+    [B] (one per sequence) or [B, T]. A per-row operand is lined up on the row axis, never broadcast
+    along T (which ``[B, T] * [B]`` does silently when B == T)."""
+    if advantages.dim() == weights.dim():  # both per row or both per token
         return advantages * weights
-    return advantages.unsqueeze(-1) * weights if advantages.dim() == 1 else advantages * weights
+    if advantages.dim() == 1:  # per-row advantages, per-token weights
+        return advantages.unsqueeze(-1) * weights
+    return advantages * weights.unsqueeze(-1)  # per-token advantages, per-row (sequence-mode) weights

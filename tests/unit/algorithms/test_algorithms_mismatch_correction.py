@@ -52,6 +52,20 @@ def test_weights_fold_into_the_advantage_exactly():
     torch.testing.assert_close(loss, expected)
 
 
+def test_sequence_weights_scale_per_token_advantages_by_row_when_rows_equal_tokens():
+    """Issue 29: [B, T] advantages times [B] sequence weights multiplied along T when B == T."""
+    advantages = torch.tensor([[1.0, 2.0], [3.0, 4.0]])  # B = T = 2
+    weights = torch.tensor([10.0, 0.5])  # row 0 x 10, row 1 x 0.5
+    expected = torch.tensor([[10.0, 20.0], [1.5, 2.0]])
+    assert torch.equal(weighted_advantages(advantages, weights), expected)
+    assert torch.equal(weighted_advantages(torch.tensor([1.0, 3.0]), weights), torch.tensor([10.0, 1.5]))
+    token_weights = torch.tensor([[1.0, 0.0], [2.0, 1.0]])
+    assert torch.equal(
+        weighted_advantages(torch.tensor([1.0, 3.0]), token_weights), torch.tensor([[1.0, 0.0], [6.0, 3.0]])
+    )
+    assert torch.equal(weighted_advantages(advantages, token_weights), torch.tensor([[1.0, 0.0], [6.0, 4.0]]))
+
+
 def test_config_rejects_token_weights_for_gspo_and_a_cap_below_one():
     with pytest.raises(ValueError, match="use sequence_truncate/sequence_mask with gspo"):
         (AlgorithmConfig(mismatch_correction="token_truncate")).validate()
