@@ -143,7 +143,8 @@ class RLTrainer:
         with _timed(timings, "old_logp"):
             old_metrics = self._old_log_probs(batch, parts)
         if self.cfg.algorithm.mismatch_correction != "none":  # importance weights pi_old / pi_rollout
-            old_metrics.update(correct_mismatch(batch, parts, self.cfg.algorithm, self._dp_group()))
+            mismatch_metrics, totals = correct_mismatch(batch, parts, self.cfg.algorithm, totals, self._dp_group())
+            old_metrics.update(mismatch_metrics)
         if self.c.reference is not None:  # algorithm.kl_coef > 0: frozen reference, routers never replay
             with _timed(timings, "ref_logp"):
                 self.c.reference.attach_log_probs([mb for part in parts for mb in part])
