@@ -115,6 +115,39 @@ def test_adaptive_clip_with_grpo_runs_past_scale_1_25(tmp_path):
     assert max(m["clip/scale"] for m in metrics) > 1.25  # where the old code raised
 
 
+@pytest.mark.parametrize("preset", ["verl_grpo", "verl_gspo", "trl_grpo", "slime_gspo"])
+def test_anchor_presets_train(tmp_path, preset):
+    """Each anchor preset runs as a real job (verl_grpo with its reference KL, trl_grpo with its masked
+    product IS weights); their loss math is checked in tests/unit/trainer/test_anchor_presets.py."""
+    (metrics,) = run_distributed(train_worker, 1, FAST + [f"algorithm={preset}"], str(tmp_path), timeout=600)
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert math.isfinite(m["loss/policy"])
+        assert ("loss/kl_term" in m) == (preset == "verl_grpo")
+        assert ("mismatch_is/masked_frac" in m) == (preset == "trl_grpo")
+        assert ("loss/clip_frac_token_dual" in m) == (preset == "verl_grpo")
+
+
+def test_rejected_tokens_dropped_from_the_denominators(tmp_path):
+    """mismatch_rejected=drop with a bf16 engine and a cap of 1: the rejected tokens leave the loss, so
+    the loss's mean response length counts only the kept ones (keep: every token)."""
+    base = FAST + [
+        "trainer.steps=1",
+        "algorithm=grpo",
+        "rollout.max_new_tokens=8",
+        "rollout.embedded.dtype=bfloat16",
+        "algorithm.mismatch_correction=token_mask",
+        "algorithm.mismatch_cap=1.0",
+    ]
+    (keep,) = run_distributed(train_worker, 1, base, str(tmp_path / "keep"), timeout=600)
+    (drop,) = run_distributed(
+        train_worker, 1, base + ["algorithm.mismatch_rejected=drop"], str(tmp_path / "drop"), timeout=600
+    )
+    masked = keep[0]["mismatch_is/masked_frac"]
+    assert 0 < masked < 1 and drop[0]["mismatch_is/masked_frac"] == masked  # the same samples, weights
+    assert drop[0]["loss/response_length"] < keep[0]["loss/response_length"]
+
+
 def test_async_rollout_staleness_bound_with_rollout_replay(tmp_path):
     """One-step async with R3: samples lag one version from step 2 on, never more; replay completes."""
     overrides = FAST + [
