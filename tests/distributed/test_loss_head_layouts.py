@@ -51,6 +51,9 @@ def _verl_grpo_one_rank():
     policy["ref_log_probs"] = log_probs + 12.0 * torch.rand(log_probs.shape, generator=generator) - 6.0
     policy["kl_coef"], policy["kl_estimator"] = 0.5, "low_var_kl"
     policy["algorithm"] = dict(clip_low=0.2, clip_high=0.2, clip_ratio_c=3.0, aggregation="token_mean")
+    valid = policy["response_mask"] > 0
+    assert (valid & (policy["advantages"] < 0).unsqueeze(-1) & (shift > 0)).any()  # ratio e^1.5 > 3, A < 0
+    assert (valid & (log_probs - policy["ref_log_probs"] < -2.61)).any()  # low_var_kl at its bound
     (single,) = run_distributed(model_layout_worker, 1, cfg, state, dict(world_size=1), policy)
     return cfg, state, policy, single
 
