@@ -34,7 +34,7 @@ from gspo_megatron.algorithms.reductions import all_reduce_metrics
 from gspo_megatron.models.conversion import export_hf_weights
 from gspo_megatron.models.micro_batch import MicroBatch, required
 from gspo_megatron.models.schedule import run_schedule
-from gspo_megatron.parallel.context_parallel import pad_for_context_parallel
+from gspo_megatron.parallel.context_parallel import pad_sequence_length
 from gspo_megatron.rollout.mismatch import finalize_mismatch, train_inference_mismatch
 from gspo_megatron.routing.replay_strategy import build_replay_strategy
 from gspo_megatron.trainer.async_rollout import RolloutScheduler
@@ -179,7 +179,8 @@ class RLTrainer:
             self.rollouts.start_next(self.step + 1)  # async: generates on the current weights meanwhile
             t, layout = self.cfg.trainer, self.mesh.layout
             shares = rank_shares(
-                pad_for_context_parallel(batch, layout.cp),
+                # TP under sequence parallelism and CP split the fed length: pad it to their multiple
+                pad_sequence_length(batch, sequence_multiple(layout)),
                 metrics,  # train_step copies before adding to it
                 layout.dp,
                 t.updates_per_rollout,

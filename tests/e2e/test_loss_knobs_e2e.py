@@ -225,3 +225,61 @@ def test_adaptive_clip_state_resumes_exactly_with_a_prefetched_async_batch(tmp_p
         for key in (k for k in a if not k.startswith("time/")):
             expected = pytest.approx(a[key], rel=1e-6) if key.startswith("mismatch/") else a[key]
             assert b[key] == expected, f"step {a['step']}: {key} differs after resume"
+
+
+# Every loss-side feature at once: reference KL (low_var_kl), entropy bonus, token masking with the
+# rejected tokens dropped (bf16 engine, so the weights vary), dynamic sampling, adaptive clip, async.
+EVERY_LOSS_FEATURE = FAST + [
+    "algorithm=grpo",
+    "algorithm.kl_coef=0.1",
+    "algorithm.kl_estimator=low_var_kl",
+    "algorithm.entropy_coef=0.01",
+    "rollout.embedded.dtype=bfloat16",
+    "algorithm.mismatch_correction=token_mask",
+    "algorithm.mismatch_cap=1.0",
+    "algorithm.mismatch_rejected=drop",
+    "algorithm.dynamic_sampling=true",
+    "algorithm.adaptive_clip_target=0.05",
+    "rollout.async_rollout=true",
+    "trainer.updates_per_rollout=2",
+    "rollout.max_new_tokens=4",
+    "task.reward=last_number",
+]
+# what must agree between layouts (fp32 summation order differs: relative 1e-4)
+LAYOUT_KEYS = (
+    "loss/policy",
+    "loss/kl_term",
+    "loss/entropy_term",
+    "loss/kl_ref",
+    "clip/scale",
+    "clip/measured",
+    "mismatch_is/masked_frac",
+    "mismatch_is/weight_mean",
+    "dynamic_sampling/extra_rounds",
+    "async/staleness_max",
+    "loss/response_length",
+    "grad_norm",
+)
+
+
+@pytest.fixture(scope="module")
+def every_feature_one_rank(tmp_path_factory):
+    (metrics,) = run_distributed(
+        train_worker, 1, EVERY_LOSS_FEATURE, str(tmp_path_factory.mktemp("one_rank")), timeout=900
+    )
+    return metrics
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "ep2", "single"])  # single on two ranks: DP = 2
+def test_every_loss_feature_on_each_layout_equals_one_rank(every_feature_one_rank, tmp_path, layout):
+    """Step 1 trains at warm-up LR 0, so both steps sample the same rows on every layout (the engine
+    receives the same exported weights); the loss-side metrics then agree to fp32 summation order."""
+    results = run_distributed(train_worker, 2, EVERY_LOSS_FEATURE + [f"parallel={layout}"], str(tmp_path), timeout=900)
+    metrics = results[0]
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert every_feature_one_rank[1]["async/staleness_max"] == 1.0
+    assert 0 < every_feature_one_rank[0]["mismatch_is/masked_frac"] < 1
+    for one, many in zip(every_feature_one_rank, metrics):
+        for key in LAYOUT_KEYS:
+            assert many[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7), f"step {one['step']} {key}"
