@@ -227,8 +227,9 @@ def test_adaptive_clip_state_resumes_exactly_with_a_prefetched_async_batch(tmp_p
             assert b[key] == expected, f"step {a['step']}: {key} differs after resume"
 
 
-# Every loss-side feature at once: reference KL (low_var_kl), entropy bonus, token masking with the
-# rejected tokens dropped (bf16 engine, so the weights vary), dynamic sampling, adaptive clip, async.
+# Every loss-side feature at once: reference KL (low_var_kl) to a separate HF checkpoint, entropy bonus,
+# token masking with the rejected tokens dropped (bf16 engine, so the weights vary), dynamic sampling,
+# adaptive clip, async.
 EVERY_LOSS_FEATURE = FAST + [
     "algorithm=grpo",
     "algorithm.kl_coef=0.1",
@@ -263,23 +264,37 @@ LAYOUT_KEYS = (
 
 
 @pytest.fixture(scope="module")
-def every_feature_one_rank(tmp_path_factory):
+def every_feature_overrides(tmp_path_factory):
+    """EVERY_LOSS_FEATURE with the KL reference read from a trained policy's HF export."""
+    trained = tmp_path_factory.mktemp("reference")
+    export = FAST + ["trainer.steps=3", "checkpoint.export_hf=true", "algorithm.entropy_coef=0.05"]
+    run_distributed(train_worker, 1, export, str(trained), timeout=900)
+    return EVERY_LOSS_FEATURE + [f"algorithm.kl_reference={trained / 'hf_export'}"]
+
+
+@pytest.fixture(scope="module")
+def every_feature_one_rank(tmp_path_factory, every_feature_overrides):
     (metrics,) = run_distributed(
-        train_worker, 1, EVERY_LOSS_FEATURE, str(tmp_path_factory.mktemp("one_rank")), timeout=900
+        train_worker, 1, every_feature_overrides, str(tmp_path_factory.mktemp("one_rank")), timeout=900
     )
     return metrics
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", ["tp2", "pp2", "ep2", "single"])  # single on two ranks: DP = 2
-def test_every_loss_feature_on_each_layout_equals_one_rank(every_feature_one_rank, tmp_path, layout):
+def test_every_loss_feature_on_each_layout_equals_one_rank(
+    every_feature_overrides, every_feature_one_rank, tmp_path, layout
+):
     """Step 1 trains at warm-up LR 0, so both steps sample the same rows on every layout (the engine
     receives the same exported weights); the loss-side metrics then agree to fp32 summation order."""
-    results = run_distributed(train_worker, 2, EVERY_LOSS_FEATURE + [f"parallel={layout}"], str(tmp_path), timeout=900)
+    results = run_distributed(
+        train_worker, 2, every_feature_overrides + [f"parallel={layout}"], str(tmp_path), timeout=900
+    )
     metrics = results[0]
     assert [m["step"] for m in metrics] == [1, 2]
     assert every_feature_one_rank[1]["async/staleness_max"] == 1.0
     assert 0 < every_feature_one_rank[0]["mismatch_is/masked_frac"] < 1
+    assert every_feature_one_rank[0]["loss/kl_ref"] > 0  # step 1 (LR 0): the reference is another model
     for one, many in zip(every_feature_one_rank, metrics):
         for key in LAYOUT_KEYS:
             assert many[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7), f"step {one['step']} {key}"
