@@ -20,13 +20,18 @@ Design decisions:
   (``loss/clip_frac_seq`` / ``loss/clip_frac_token``). With several updates per rollout it is the
   step's mean over updates (the first update of a step is on-policy and clips nothing).
 - Bounds are multiples of the configured eps, so they read the same for GSPO and GRPO.
+- The step's eps reach the loss as a clip range beside the config (``PolicyLossHead.clip``), never
+  as an edited ``AlgorithmConfig``: the config keeps the *configured* eps, which is what its
+  validation checks (``clip_low * max_scale < 1``), so the scaled eps are legal by construction.
+- A step with no clipped fraction to read (no valid token, a non-finite loss) holds eps where they
+  are; it is not silent: ``clip/held`` is 1 for that step and the trainer prints it.
 - The state is one float; it is checkpointed so a resumed run continues exactly.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 SEQUENCE_LEVEL_LOSSES = ("gspo", "gspo_token")
 
@@ -62,11 +67,6 @@ class AdaptiveClipController:
     def eps(self) -> tuple[float, float]:
         return self.scale * self.clip_low, self.scale * self.clip_high
 
-    def apply(self, algorithm):
-        """The algorithm config with this step's eps (``dataclasses.replace``; the original is untouched)."""
-        low, high = self.eps
-        return replace(algorithm, clip_low=low, clip_high=high)
-
     def update(self, clipped_fraction: float) -> dict[str, float]:
         """Move the scale after a step that clipped ``clipped_fraction``; returns the step's metrics
         (the eps that step used, the fraction, the target), then adapts for the next step."""
@@ -77,8 +77,9 @@ class AdaptiveClipController:
             "clip/target": self.target,
             "clip/measured": clipped_fraction,
             "clip/scale": self.scale,
+            "clip/held": 0.0 if math.isfinite(clipped_fraction) else 1.0,
         }
-        if math.isfinite(clipped_fraction):  # an empty step (no valid tokens) leaves eps alone
+        if math.isfinite(clipped_fraction):  # no signal (no valid tokens, non-finite loss): eps held
             error = max(-1.0, min(1.0, (clipped_fraction - self.target) / self.target))
             self.scale = min(self.max_scale, max(self.min_scale, self.scale * math.exp(self.rate * error)))
         return metrics

@@ -30,10 +30,16 @@ from gspo_megatron.algorithms.losses import (
     Aggregation,
     Count,
     LossContext,
+    check_clip_extensions,
     check_loss_settings,
     check_sequence_aggregation,
 )
-from gspo_megatron.algorithms.mismatch_correction import MISMATCH_MODES, MismatchCorrection
+from gspo_megatron.algorithms.mismatch_correction import (
+    MISMATCH_MODES,
+    MismatchCorrection,
+    RejectedTokens,
+    SequenceRatio,
+)
 from gspo_megatron.algorithms.reductions import local_sequence_sum
 from gspo_megatron.config_node import ConfigChoice, ConfigNode
 from gspo_megatron.routing.replay import ReplayMode
@@ -61,6 +67,8 @@ class AlgorithmConfig(ConfigNode):
     clip_high: float = 4e-4  # ratio ceiling 1 + clip_high
     aggregation: Aggregation = Aggregation.seq_mean_token_mean
     log_ratio_clamp: float = 20.0  # |log ratio| bound applied before exp
+    clip_ratio_c: float | None = None  # dual clip: J floored at c A where A < 0 (verl clip_ratio_c=3); None: off
+    gspo_log_ratio_max: float | None = None  # upper bound on GSPO's log s_i (verl: 10); None: log_ratio_clamp
     advantage_estimator: str = "group_relative"  # an ADVANTAGE_ESTIMATORS name
     normalize_std: bool = True  # divide advantages by the group's reward std (False: Dr.GRPO)
     advantage_eps: float = 1e-6
@@ -72,6 +80,8 @@ class AlgorithmConfig(ConfigNode):
     kl_reference: str | None = None  # a local HF checkpoint dir; None: the policy's initial weights
     mismatch_correction: MismatchCorrection = MismatchCorrection.none  # algorithms/mismatch_correction.py
     mismatch_cap: float = 2.0  # C in min(pi_old / pi_rollout, C) (algorithms/mismatch_correction.py)
+    mismatch_sequence_ratio: SequenceRatio = SequenceRatio.geometric  # sequence modes: geometric mean | product
+    mismatch_rejected: RejectedTokens = RejectedTokens.keep  # mask modes: keep rejected tokens in denominators | drop
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups, draw more (trainer/dynamic_sampling.py)
     dynamic_sampling_max_extra_rounds: int = 4  # bound on extra generation rounds per step
     adaptive_clip_target: float | None = None  # target clipped fraction; None: fixed eps
@@ -94,6 +104,7 @@ def _check_algorithm(cfg: AlgorithmConfig) -> None:
             f"{', '.join(ADVANTAGE_ESTIMATORS.names())}"
         )
     check_loss_settings(cfg.aggregation, cfg.clip_low, cfg.clip_high, cfg.log_ratio_clamp, prefix="algorithm.")
+    check_clip_extensions(cfg.clip_ratio_c, cfg.gspo_log_ratio_max, prefix="algorithm.")
     if cfg.loss in SEQUENCE_LEVEL_LOSSES:
         check_sequence_aggregation(cfg.loss, cfg.aggregation, prefix="algorithm.")
     if cfg.advantage_eps < 0:
@@ -124,6 +135,18 @@ def _check_algorithm(cfg: AlgorithmConfig) -> None:
         raise ValueError(
             f"algorithm.mismatch_correction={cfg.mismatch_correction} gives per-token weights, but loss=gspo has one "
             "ratio per sequence; use sequence_truncate/sequence_mask with gspo (or loss=gspo_token / grpo)"
+        )
+    if cfg.mismatch_sequence_ratio == "product" and not cfg.mismatch_correction.startswith("sequence_"):
+        raise ValueError(
+            f"algorithm.mismatch_sequence_ratio=product combines a row's token ratios, but "
+            f"mismatch_correction={cfg.mismatch_correction} has no sequence weight; use sequence_truncate or "
+            "sequence_mask, or leave mismatch_sequence_ratio=geometric"
+        )
+    if cfg.mismatch_rejected == "drop" and not cfg.mismatch_correction.endswith("_mask"):
+        raise ValueError(
+            f"algorithm.mismatch_rejected=drop removes the tokens a mask mode rejects, but "
+            f"mismatch_correction={cfg.mismatch_correction} rejects none; use token_mask or sequence_mask, "
+            "or set mismatch_rejected=keep"
         )
     if not cfg.mismatch_cap >= 1.0:
         raise ValueError(f"algorithm.mismatch_cap must be >= 1 (caps pi_old / pi_rollout), got {cfg.mismatch_cap}")
@@ -180,16 +203,22 @@ def make_loss_context(
     global_num_sequences: Count = None,
     global_num_tokens: Count = None,
     sequence_sum: Callable[[torch.Tensor], torch.Tensor] = local_sequence_sum,
+    clip: tuple[float, float] | None = None,
 ) -> LossContext:
-    """The ``LossContext`` for one micro-batch: config constants plus whole-batch denominators."""
+    """The ``LossContext`` for one micro-batch: config constants plus whole-batch denominators.
+    ``clip``: this step's (eps_low, eps_high) when an adaptive controller scales them; None: the
+    configured ``cfg.clip_low`` / ``cfg.clip_high``."""
+    clip_low, clip_high = (cfg.clip_low, cfg.clip_high) if clip is None else clip
     return LossContext(
-        clip_low=cfg.clip_low,
-        clip_high=cfg.clip_high,
+        clip_low=clip_low,
+        clip_high=clip_high,
         aggregation=cfg.aggregation,
         global_num_sequences=global_num_sequences,
         global_num_tokens=global_num_tokens,
         log_ratio_clamp=cfg.log_ratio_clamp,
         sequence_sum=sequence_sum,
+        clip_ratio_c=cfg.clip_ratio_c,
+        gspo_log_ratio_max=cfg.gspo_log_ratio_max,
     )
 
 

@@ -16,6 +16,11 @@ Design decisions:
   padding cannot turn into NaN. Sequences with no valid token contribute nothing.
 - "Clipped" means the clip is *active* (the min picks the clipped term and the gradient is zero):
   high: A > 0 and ratio > 1 + eps_high; low: A < 0 and ratio < 1 - eps_low.
+- Dual clip (Ye et al. 2020, arXiv 1912.09729; verl ``clip_ratio_c``, slime ``--eps-clip-c``) is
+  optional (``ctx.clip_ratio_c``): where A < 0 the objective is floored at c A, so a ratio above c
+  cannot push an unboundedly large negative term; there ("dual"-clipped) the gradient is zero.
+- GSPO's sequence log-ratio has its own upper bound ``ctx.gspo_log_ratio_max`` (verl clamps log s_i
+  at max 10 and nothing below); None bounds it like every other log-ratio, at +-log_ratio_clamp.
 - GSPO's ratio is already length-normalised per sequence, so GSPO and GSPO-token accept only
   "seq_mean_token_mean"; a token-weighted aggregation would re-introduce the length bias GSPO removes.
 - Metrics (see ``metrics.py``): clip fractions per token and per sequence, split low/high (per
@@ -70,9 +75,17 @@ class LossContext:
     global_num_tokens: Count = None  # valid tokens, whole batch; None: local
     log_ratio_clamp: float = 20.0
     sequence_sum: Callable[[torch.Tensor], torch.Tensor] = field(default=local_sequence_sum)
+    clip_ratio_c: float | None = None  # dual clip: floor c A where A < 0; None: off
+    gspo_log_ratio_max: float | None = None  # upper bound on GSPO's log s_i; None: log_ratio_clamp
 
     def __post_init__(self):
         check_loss_settings(self.aggregation, self.clip_low, self.clip_high, self.log_ratio_clamp)
+        check_clip_extensions(self.clip_ratio_c, self.gspo_log_ratio_max)
+
+    def clamp_sequence_log_ratio(self, log_s: torch.Tensor) -> torch.Tensor:
+        """log s_i bounded to [-log_ratio_clamp, gspo_log_ratio_max or log_ratio_clamp]."""
+        upper = self.log_ratio_clamp if self.gspo_log_ratio_max is None else self.gspo_log_ratio_max
+        return log_s.clamp(-self.log_ratio_clamp, upper)
 
 
 def check_loss_settings(
@@ -87,6 +100,18 @@ def check_loss_settings(
         raise ValueError(f"{prefix}clip_high must be >= 0, got {clip_high}")
     if not log_ratio_clamp > 0:
         raise ValueError(f"{prefix}log_ratio_clamp must be > 0, got {log_ratio_clamp}")
+
+
+def check_clip_extensions(clip_ratio_c: float | None, gspo_log_ratio_max: float | None, prefix: str = "") -> None:
+    if clip_ratio_c is not None and not clip_ratio_c > 1:
+        raise ValueError(
+            f"{prefix}clip_ratio_c={clip_ratio_c}: the dual-clip floor c A (A < 0) needs c > 1 (verl's default "
+            "is 3); set null to turn dual clip off"
+        )
+    if gspo_log_ratio_max is not None and not gspo_log_ratio_max > 0:
+        raise ValueError(
+            f"{prefix}gspo_log_ratio_max={gspo_log_ratio_max} must be > 0 (verl uses 10) or null (log_ratio_clamp)"
+        )
 
 
 def check_sequence_aggregation(loss_name: str, aggregation: str, prefix: str = "") -> None:
@@ -165,12 +190,19 @@ def _denominator(global_count: Count, local_count: torch.Tensor) -> torch.Tensor
     return count.detach().float().clamp_min(1.0)  # an empty batch contributes 0, not NaN
 
 
-def _clipped_objective(ratio, advantages, clip_low: float, clip_high: float):
-    """min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), and where the clip is active (low, high)."""
-    objective = torch.minimum(ratio * advantages, ratio.clamp(1 - clip_low, 1 + clip_high) * advantages)
-    clipped_high = (advantages > 0) & (ratio > 1 + clip_high)
-    clipped_low = (advantages < 0) & (ratio < 1 - clip_low)
-    return objective, clipped_low, clipped_high
+def _clipped_objective(ratio, advantages, ctx: LossContext):
+    """min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), floored at c A where A < 0 with dual clip;
+    and where each clip is active (low, high, dual)."""
+    objective = torch.minimum(ratio * advantages, ratio.clamp(1 - ctx.clip_low, 1 + ctx.clip_high) * advantages)
+    clipped_high = (advantages > 0) & (ratio > 1 + ctx.clip_high)
+    clipped_low = (advantages < 0) & (ratio < 1 - ctx.clip_low)
+    clipped_dual = torch.zeros_like(clipped_low)
+    if ctx.clip_ratio_c is not None:
+        floor = ctx.clip_ratio_c * advantages
+        # J = max(min(r A, clip(r) A), c A) for A < 0: constant c A (no gradient) where r > c
+        objective = torch.where(advantages < 0, torch.maximum(objective, floor), objective)
+        clipped_dual = (advantages < 0) & (ratio > ctx.clip_ratio_c)
+    return objective, clipped_low, clipped_high, clipped_dual
 
 
 def _aggregate_tokens(per_token: torch.Tensor, batch: _Batch, ctx: LossContext) -> torch.Tensor:
@@ -211,24 +243,30 @@ def _common_metrics(batch: _Batch, ctx: LossContext) -> dict[str, torch.Tensor]:
     return metrics
 
 
-def _clip_metrics_per_sequence(clipped_low, clipped_high, batch: _Batch) -> dict[str, torch.Tensor]:
-    """Clip fractions when clipping is decided per sequence ([B] indicators), as GSPO does."""
-    with torch.no_grad():
-        low, high = clipped_low & batch.seq_valid, clipped_high & batch.seq_valid
-        return {
-            **mean_entries("clip_frac_token_low", (low * batch.lengths).sum(), batch.lengths.sum()),
-            **mean_entries("clip_frac_token_high", (high * batch.lengths).sum(), batch.lengths.sum()),
-            **mean_entries("clip_frac_seq_low", low.sum(), batch.seq_valid.sum()),
-            **mean_entries("clip_frac_seq_high", high.sum(), batch.seq_valid.sum()),
-        }
-
-
-def _clip_metrics_per_token(clipped_low, clipped_high, batch: _Batch, ctx: LossContext) -> dict[str, torch.Tensor]:
-    """Clip fractions when clipping is decided per token ([B, T] indicators)."""
+def _clip_metrics_per_sequence(clipped, batch: _Batch, ctx: LossContext) -> dict[str, torch.Tensor]:
+    """Clip fractions when clipping is decided per sequence ([B] indicators low, high, dual), as GSPO does."""
     metrics = {}
     with torch.no_grad():
-        for side, clipped in (("low", clipped_low), ("high", clipped_high)):
-            per_seq = ctx.sequence_sum((clipped & batch.mask).float())  # clipped tokens per sequence
+        for side, indicator in zip(_clip_sides(ctx), clipped):
+            selected = indicator & batch.seq_valid
+            metrics.update(
+                mean_entries(f"clip_frac_token_{side}", (selected * batch.lengths).sum(), batch.lengths.sum())
+            )
+            metrics.update(mean_entries(f"clip_frac_seq_{side}", selected.sum(), batch.seq_valid.sum()))
+    return metrics
+
+
+def _clip_sides(ctx: LossContext) -> tuple[str, ...]:
+    """The clip fractions a loss reports: low and high, plus dual when dual clip is on."""
+    return ("low", "high") if ctx.clip_ratio_c is None else ("low", "high", "dual")
+
+
+def _clip_metrics_per_token(clipped, batch: _Batch, ctx: LossContext) -> dict[str, torch.Tensor]:
+    """Clip fractions when clipping is decided per token ([B, T] indicators low, high, dual)."""
+    metrics = {}
+    with torch.no_grad():
+        for side, indicator in zip(_clip_sides(ctx), clipped):
+            per_seq = ctx.sequence_sum((indicator & batch.mask).float())  # clipped tokens per sequence
             seq_fraction = torch.where(batch.seq_valid, per_seq / batch.lengths.clamp_min(1), 0.0)
             metrics.update(mean_entries(f"clip_frac_token_{side}", per_seq.sum(), batch.lengths.sum()))
             metrics.update(mean_entries(f"clip_frac_seq_{side}", seq_fraction.sum(), batch.seq_valid.sum()))
@@ -260,13 +298,13 @@ def gspo_loss(log_probs, old_log_probs, advantages, response_mask, ctx: LossCont
             f"for per-token advantages use loss 'gspo_token'"
         )
     batch = _prepare(log_probs, old_log_probs, advantages, response_mask, ctx)
-    log_s = _sequence_log_ratio(batch, ctx).clamp(-ctx.log_ratio_clamp, ctx.log_ratio_clamp)
+    log_s = ctx.clamp_sequence_log_ratio(_sequence_log_ratio(batch, ctx))
     s = log_s.exp()
-    objective, clipped_low, clipped_high = _clipped_objective(s, advantages.detach(), ctx.clip_low, ctx.clip_high)
+    objective, *clipped = _clipped_objective(s, advantages.detach(), ctx)
     loss = -torch.where(batch.seq_valid, objective, 0.0).sum() / batch.num_sequences
     metrics = {
         **_common_metrics(batch, ctx),
-        **_clip_metrics_per_sequence(clipped_low, clipped_high, batch),
+        **_clip_metrics_per_sequence(clipped, batch, ctx),
         **_ratio_metrics(s, batch.seq_valid, ctx),
     }
     return PolicyLossOutput(loss, metrics)
@@ -284,16 +322,16 @@ def gspo_token_loss(log_probs, old_log_probs, advantages, response_mask, ctx: Lo
     check_sequence_aggregation("gspo_token", ctx.aggregation)
     batch = _prepare(log_probs, old_log_probs, advantages, response_mask, ctx)
     seq_log_ratio = _sequence_log_ratio(batch, ctx).detach()
-    inside_clamp = (seq_log_ratio.abs() <= ctx.log_ratio_clamp).unsqueeze(-1)
-    log_s = seq_log_ratio.clamp(-ctx.log_ratio_clamp, ctx.log_ratio_clamp)
+    log_s = ctx.clamp_sequence_log_ratio(seq_log_ratio)
+    inside_clamp = (log_s == seq_log_ratio).unsqueeze(-1)
     token_grad_carrier = torch.where(batch.mask & inside_clamp, log_probs - log_probs.detach(), 0.0)
     s_token = (log_s.unsqueeze(-1) + token_grad_carrier).exp()
     token_advantages = advantages.detach() if advantages.dim() == 2 else advantages.detach().unsqueeze(-1)
-    objective, clipped_low, clipped_high = _clipped_objective(s_token, token_advantages, ctx.clip_low, ctx.clip_high)
+    objective, *clipped = _clipped_objective(s_token, token_advantages, ctx)
     loss = -_aggregate_tokens(objective, batch, ctx)
     metrics = {
         **_common_metrics(batch, ctx),
-        **_clip_metrics_per_token(clipped_low, clipped_high, batch, ctx),
+        **_clip_metrics_per_token(clipped, batch, ctx),
         **_ratio_metrics(log_s.exp(), batch.seq_valid, ctx),
     }
     return PolicyLossOutput(loss, metrics)
@@ -311,11 +349,11 @@ def grpo_loss(log_probs, old_log_probs, advantages, response_mask, ctx: LossCont
     batch = _prepare(log_probs, old_log_probs, advantages, response_mask, ctx)
     w = batch.log_ratio.clamp(-ctx.log_ratio_clamp, ctx.log_ratio_clamp).exp()
     token_advantages = advantages.detach() if advantages.dim() == 2 else advantages.detach().unsqueeze(-1)
-    objective, clipped_low, clipped_high = _clipped_objective(w, token_advantages, ctx.clip_low, ctx.clip_high)
+    objective, *clipped = _clipped_objective(w, token_advantages, ctx)
     loss = -_aggregate_tokens(objective, batch, ctx)
     metrics = {
         **_common_metrics(batch, ctx),
-        **_clip_metrics_per_token(clipped_low, clipped_high, batch, ctx),
+        **_clip_metrics_per_token(clipped, batch, ctx),
         **_ratio_metrics(w, batch.mask, ctx),
     }
     return PolicyLossOutput(loss, metrics)

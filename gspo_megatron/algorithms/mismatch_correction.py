@@ -8,15 +8,18 @@ verl ``rollout_is``, TRL ``vllm_importance_sampling_*``, slime ``--use-tis``):
 
     token_truncate     w_{i,t} = min(rho_{i,t}, C),          rho_{i,t} = pi_old(y_{i,t}) / pi_rollout(y_{i,t})
     token_mask         w_{i,t} = rho_{i,t} if rho_{i,t} <= C else 0
-    sequence_truncate  w_i = min(rho_i, C),  rho_i = exp( (1/|y_i|) sum_t log rho_{i,t} )  (length-normalised,
-    sequence_mask      w_i = rho_i if rho_i <= C else 0                              GSPO's own form of ratio)
+    sequence_truncate  w_i = min(rho_i, C),  rho_i = exp( (1/|y_i|) sum_t log rho_{i,t} )  (geometric: GSPO's
+    sequence_mask      w_i = rho_i if rho_i <= C else 0                              length-normalised form)
+                       or, with ``sequence_ratio=product``, rho_i = exp( sum_t log rho_{i,t} ) (verl, TRL)
 
 Design decisions:
 - The weight multiplies the advantage: with w >= 0, min(r w A, clip(r) w A) = w min(r A, clip(r) A),
   so every policy loss is weighted exactly without a new loss signature; the clip indicators keep
   their sign (A w and A agree) except where w = 0, where nothing is clipped or learned. Weights are
-  constants (no gradient); the loss denominators are unchanged (a masked token still counts, as in
-  TRL and verl's truncate mode), so masking lowers the step's weight rather than re-normalising it.
+  constants (no gradient). By default (``rejected=keep``) the loss denominators are unchanged (a
+  masked token still counts, as in TRL and slime), so masking lowers the step's weight rather than
+  re-normalising it; ``rejected=drop`` takes masked tokens out of the response mask and so out of
+  the denominators (verl ``rollout_rs``), which ``rejected_mask`` returns for the trainer to apply.
 - Token-level weights give per-token advantages, which ``gspo`` (one ratio per sequence) cannot use:
   pair token modes with ``grpo`` or ``gspo_token``, sequence modes with any loss.
 - log rho is clamped to +-``clamp`` before exp (as the losses clamp their log-ratios).
@@ -45,6 +48,20 @@ class MismatchCorrection(ConfigChoice):
 MISMATCH_MODES = tuple(MismatchCorrection)
 
 
+class SequenceRatio(ConfigChoice):
+    """``algorithm.mismatch_sequence_ratio``: how the sequence modes combine a row's token ratios."""
+
+    geometric = "geometric"  # rho_i = exp( (1/|y_i|) sum_t log rho_{i,t} ): length-normalised, GSPO's form
+    product = "product"  # rho_i = exp( sum_t log rho_{i,t} ): verl rollout_is=sequence, TRL sequence_*
+
+
+class RejectedTokens(ConfigChoice):
+    """``algorithm.mismatch_rejected``: what a mask mode does with the tokens (rows) it zeroes."""
+
+    keep = "keep"  # weight 0, still counted in the loss denominators (TRL, slime icepop)
+    drop = "drop"  # removed from the response mask, so from the denominators too (verl rollout_rs)
+
+
 def mismatch_weights(
     old_log_probs: torch.Tensor,
     rollout_log_probs: torch.Tensor,
@@ -52,9 +69,12 @@ def mismatch_weights(
     mode: str,
     cap: float,
     clamp: float = 20.0,
+    sequence_ratio: str = SequenceRatio.geometric,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Importance weights ([B, T] for token modes, 0 off the mask; [B] for sequence modes) and metrics."""
-    weights, stats = mismatch_weight_stats(old_log_probs, rollout_log_probs, response_mask, mode, cap, clamp)
+    weights, stats = mismatch_weight_stats(
+        old_log_probs, rollout_log_probs, response_mask, mode, cap, clamp, sequence_ratio
+    )
     return weights, finalize_mismatch_weight_stats(stats)
 
 
@@ -65,6 +85,7 @@ def mismatch_weight_stats(
     mode: str,
     cap: float,
     clamp: float = 20.0,
+    sequence_ratio: str = SequenceRatio.geometric,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``mismatch_weights`` with its metrics as additive entries (``algorithms/metrics.py``: sums,
     counts, mins, maxes), so rows held by different data-parallel ranks reduce exactly."""
@@ -81,7 +102,9 @@ def mismatch_weight_stats(
         select = mask
     else:
         lengths = mask.sum(-1)
-        log_rho = log_rho.sum(-1) / lengths.clamp_min(1)  # (1/|y_i|) sum_t log rho_{i,t}
+        log_rho = log_rho.sum(-1)  # sum_t log rho_{i,t}: the product's log
+        if sequence_ratio == SequenceRatio.geometric:
+            log_rho = log_rho / lengths.clamp_min(1)  # (1/|y_i|) sum_t log rho_{i,t}
         select = lengths > 0
     rho = log_rho.clamp(-clamp, clamp).exp()
     beyond = rho > cap
@@ -110,8 +133,23 @@ def finalize_mismatch_weight_stats(stats: dict[str, torch.Tensor]) -> dict[str, 
     return out
 
 
+def rejected_mask(weights: torch.Tensor, response_mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """The response mask without the tokens a mask mode rejected ([B, T]; ``weights`` from
+    ``mismatch_weights``): a rejected token (token_mask) or every token of a rejected row
+    (sequence_mask) leaves it; other modes reject nothing."""
+    mask = response_mask.bool()
+    if not mode.endswith("_mask"):
+        return mask
+    kept = weights > 0 if weights.dim() == 2 else (weights > 0).unsqueeze(-1)
+    return mask & kept
+
+
 def weighted_advantages(advantages: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """A [B] times weights [B] -> [B]; times weights [B, T] -> per-token advantages [B, T]."""
-    if weights.dim() == 1:
+    """A_i w_i, A_i w_{i,t}, A_{i,t} w_i or A_{i,t} w_{i,t}: advantages [B] or [B, T] times weights
+    [B] (one per sequence) or [B, T]. A per-row operand is lined up on the row axis, never broadcast
+    along T (which ``[B, T] * [B]`` does silently when B == T)."""
+    if advantages.dim() == weights.dim():  # both per row or both per token
         return advantages * weights
-    return advantages.unsqueeze(-1) * weights if advantages.dim() == 1 else advantages * weights
+    if advantages.dim() == 1:  # per-row advantages, per-token weights
+        return advantages.unsqueeze(-1) * weights
+    return advantages * weights.unsqueeze(-1)  # per-token advantages, per-row (sequence-mode) weights

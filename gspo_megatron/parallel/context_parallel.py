@@ -64,15 +64,20 @@ def split_sequence(x: torch.Tensor, cp_size: int, cp_rank: int, seq_dim: int = 1
 
 
 def pad_for_context_parallel(batch, cp_size: int):
-    """A ``RolloutBatch`` whose model-input length S-1 is right-padded to a multiple of 2*CP.
+    """A ``RolloutBatch`` whose model-input length S-1 is right-padded to a multiple of 2*CP."""
+    return pad_sequence_length(batch, 2 * cp_size if cp_size > 1 else 1)
+
+
+def pad_sequence_length(batch, multiple: int):
+    """A ``RolloutBatch`` whose model-input length S-1 is right-padded to a multiple of ``multiple``
+    (2*CP for the load-balanced CP split; times TP under sequence parallelism, whose reduce-scatter
+    splits the sequence over TP ranks: ``trainer/micro_batches.py:sequence_multiple``).
 
     Padding goes at the end of every row with zero masks (token id 0, log-probs 0, experts 0):
     under causal attention no real token attends to it, so real tokens' outputs are unchanged.
     """
-    if cp_size == 1:
-        return batch
     inputs = batch.tokens.shape[1] - 1
-    pad = -inputs % (2 * cp_size)
+    pad = -inputs % multiple
     if pad == 0:
         return batch
     values = {}

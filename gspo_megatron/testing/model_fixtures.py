@@ -96,7 +96,8 @@ def model_layout_worker(ctx, cfg: MoEModelConfig, state: dict, layout_kwargs: di
 
     The loss is a weighted log-likelihood, or -- with ``policy`` = {"loss": name, "old_log_probs",
     "advantages", "response_mask"} -- the trainer's own policy-loss head with global denominators
-    (optionally with "entropy_coef", "kl_coef", "kl_estimator" and per-row "ref_log_probs").
+    (optionally with "entropy_coef", "kl_coef", "kl_estimator" and per-row "ref_log_probs", and
+    "algorithm": any other ``AlgorithmConfig`` fields, e.g. an anchor preset's clip and KL settings).
     Returns this rank's exported weights, the log-probs it holds (last stage, by dp rank), its loss
     contribution and the gradients gathered to HF names.
     """
@@ -194,6 +195,8 @@ def _policy_callback(policy: dict, mesh):
     clip = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.28)}[policy["loss"]]
     mask = policy["response_mask"]
     regularizers = {k: policy[k] for k in ("entropy_coef", "kl_coef", "kl_estimator") if k in policy}
+    regularizers.update(policy.get("algorithm", {}))
+    clip = (regularizers.pop("clip_low", clip[0]), regularizers.pop("clip_high", clip[1]))
     cp_group = mesh.cp_group if mesh.layout.cp > 1 else None
     head = PolicyLossHead(
         AlgorithmConfig(name=policy["loss"], loss=policy["loss"], clip_low=clip[0], clip_high=clip[1], **regularizers),

@@ -59,6 +59,7 @@ class PolicyLossHead:
     temperature: float
     global_num_sequences: torch.Tensor
     global_num_tokens: torch.Tensor
+    clip: tuple[float, float] | None = None  # this step's (eps_low, eps_high) from the adaptive controller
 
     def __post_init__(self):
         self.loss_fn = get_policy_loss(self.algorithm.loss)
@@ -80,6 +81,7 @@ class PolicyLossHead:
             global_num_sequences=self.global_num_sequences.to(logits.device),
             global_num_tokens=self.global_num_tokens.to(logits.device),
             sequence_sum=self.sequence_sum,
+            clip=self.clip,
         )
         mask = required(batch.response_mask, "response_mask", "the policy loss")
         old_log_probs = required(batch.old_log_probs, "old_log_probs", "the policy loss")

@@ -1,27 +1,42 @@
 """Apply the train/inference mismatch correction to a step's micro-batches (after old log-probs).
 
 The weights are computed per row from the rows this rank holds and folded into each micro-batch's
-advantages; their metrics are reduced over the data-parallel ranks. See
-``algorithms/mismatch_correction.py`` for the math.
+advantages; their metrics are reduced over the data-parallel ranks. With
+``algorithm.mismatch_rejected=drop`` the rejected tokens also leave each micro-batch's response mask,
+and the step's denominators (``StepTotals``, counted before the correction) lose them: the counts
+removed per mini-batch are summed over the data-parallel ranks, so every rank divides by the same
+whole-batch totals (verl ``rollout_rs``). See ``algorithms/mismatch_correction.py`` for the math.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
 
 from gspo_megatron.algorithms.config import AlgorithmConfig
 from gspo_megatron.algorithms.mismatch_correction import (
     finalize_mismatch_weight_stats,
     mismatch_weight_stats,
+    rejected_mask,
     weighted_advantages,
 )
 from gspo_megatron.algorithms.reductions import all_reduce_metrics
 from gspo_megatron.models.micro_batch import MicroBatch, required
 from gspo_megatron.trainer.batch import RolloutBatch
+from gspo_megatron.trainer.batch_distribution import StepTotals
 
 
 def correct_mismatch(
-    batch: RolloutBatch, parts: list[list[MicroBatch]], algorithm: AlgorithmConfig, dp_group=None
-) -> dict[str, float]:
-    """Re-weight the advantages of every micro-batch in ``parts``; returns the weights' metrics.
+    batch: RolloutBatch,
+    parts: list[list[MicroBatch]],
+    algorithm: AlgorithmConfig,
+    totals: StepTotals,
+    dp_group=None,
+) -> tuple[dict[str, float], StepTotals]:
+    """Re-weight the advantages of every micro-batch in ``parts``; returns the weights' metrics and
+    the step's denominators (less the dropped tokens with ``mismatch_rejected=drop``, else ``totals``).
 
     ``batch`` holds this rank's rows; the metrics cover every data-parallel rank's rows when
     ``dp_group`` is given (sums and counts summed, extremes reduced over it)."""
@@ -34,6 +49,7 @@ def correct_mismatch(
         algorithm.mismatch_correction,
         algorithm.mismatch_cap,
         algorithm.log_ratio_clamp,
+        algorithm.mismatch_sequence_ratio,
     )
     if dp_group is not None:
         stats = all_reduce_metrics(stats, dp_group)
@@ -44,4 +60,31 @@ def correct_mismatch(
         advantages = advantages[:, :width] if advantages.dim() > 1 else advantages
         row_weights = row_weights[:, :width] if row_weights.dim() > 1 else row_weights
         mb.advantages = weighted_advantages(advantages, row_weights)
-    return {key: float(value) for key, value in finalize_mismatch_weight_stats(stats).items()}
+    metrics = {key: float(value) for key, value in finalize_mismatch_weight_stats(stats).items()}
+    if algorithm.mismatch_rejected == "drop":
+        totals = _drop_rejected(parts, batch, weights, algorithm.mismatch_correction, totals, dp_group)
+    return metrics, totals
+
+
+def _drop_rejected(parts, batch: RolloutBatch, weights, mode: str, totals: StepTotals, dp_group) -> StepTotals:
+    """Take rejected tokens out of each micro-batch's response mask; the totals lose them too.
+
+    N_tok(u) -= sum over ranks of the rejected tokens of mini-batch u
+    N_seq(u) -= sum over ranks of its rows left with no valid token"""
+    removed = torch.zeros(len(parts), 2, dtype=torch.float64)  # [update, (tokens, sequences)]
+    for update, micro_batches in enumerate(parts):
+        for mb in micro_batches:
+            rows, width = batch.local(required(mb.rows, "rows", "mismatch rejection")), mb.seq_len
+            before = required(mb.response_mask, "response_mask", "mismatch rejection")
+            row_weights = weights[rows][:, :width] if weights.dim() > 1 else weights[rows]
+            after = rejected_mask(row_weights, before, mode) & before.bool()
+            removed[update, 0] += float(before.sum() - after.sum())
+            removed[update, 1] += float(((before.sum(-1) > 0) & ~after.any(-1)).sum())
+            mb.response_mask = after.to(before.dtype)
+    if dp_group is not None:
+        dist.all_reduce(removed, group=dp_group)
+    return replace(
+        totals,
+        update_tokens=totals.update_tokens - removed[:, 0].to(totals.update_tokens.dtype),
+        update_sequences=totals.update_sequences - removed[:, 1].to(totals.update_sequences.dtype),
+    )

@@ -33,7 +33,7 @@ from gspo_megatron.algorithms.metrics import SUM, finalize_metrics, merge_metric
 from gspo_megatron.algorithms.reductions import all_reduce_metrics
 from gspo_megatron.models.micro_batch import MicroBatch, required
 from gspo_megatron.models.schedule import run_schedule
-from gspo_megatron.parallel.context_parallel import pad_for_context_parallel
+from gspo_megatron.parallel.context_parallel import pad_sequence_length
 from gspo_megatron.rollout.mismatch import finalize_mismatch, train_inference_mismatch
 from gspo_megatron.routing.replay_strategy import build_replay_strategy
 from gspo_megatron.trainer.async_rollout import RolloutScheduler
@@ -142,7 +142,8 @@ class RLTrainer:
         with _timed(timings, "old_logp"):
             old_metrics = self._old_log_probs(batch, parts)
         if self.cfg.algorithm.mismatch_correction != "none":  # importance weights pi_old / pi_rollout
-            old_metrics.update(correct_mismatch(batch, parts, self.cfg.algorithm, self._dp_group()))
+            mismatch_metrics, totals = correct_mismatch(batch, parts, self.cfg.algorithm, totals, self._dp_group())
+            old_metrics.update(mismatch_metrics)
         if self.c.reference is not None:  # algorithm.kl_coef > 0: frozen reference, routers never replay
             with _timed(timings, "ref_logp"):
                 self.c.reference.attach_log_probs([mb for part in parts for mb in part])
@@ -155,6 +156,11 @@ class RLTrainer:
         if self.clip_controller is not None:  # adapts eps for the next step from this step's clip fraction
             clipped = update_metrics.get(self.clip_controller.metric, float("nan"))
             metrics.update(self.clip_controller.update(clipped))
+            if metrics["clip/held"] and self.mesh.is_driver:
+                print(
+                    f"[gspo] step {self.step + 1}: {self.clip_controller.metric} is {clipped} (no valid token "
+                    "or a skipped update); adaptive clip held eps for the next step (metric clip/held=1)"
+                )
         metrics.update(self.diagnostics.finish_step(self.step + 1))
         eval_every = self.cfg.trainer.eval_every
         if eval_every and (self.step + 1) % eval_every == 0:
@@ -172,7 +178,8 @@ class RLTrainer:
             self.rollouts.start_next(self.step + 1)  # async: generates on the current weights meanwhile
             t, layout = self.cfg.trainer, self.mesh.layout
             shares = rank_shares(
-                pad_for_context_parallel(batch, layout.cp),
+                # TP under sequence parallelism and CP split the fed length: pad it to their multiple
+                pad_sequence_length(batch, sequence_multiple(layout)),
                 metrics,  # train_step copies before adding to it
                 layout.dp,
                 t.updates_per_rollout,
@@ -264,13 +271,14 @@ class RLTrainer:
         offset = 0
         for update, mbs in enumerate(parts):
             head = PolicyLossHead(
-                cfg.algorithm if self.clip_controller is None else self.clip_controller.apply(cfg.algorithm),
+                cfg.algorithm,
                 mesh.tp_group,
                 None if mesh.layout.cp == 1 else mesh.cp_group,
                 cfg.rollout.temperature,
                 # denominators: counts of the whole mini-batch, all data-parallel ranks' rows
                 global_num_sequences=totals.update_sequences[update],
                 global_num_tokens=totals.update_tokens[update],
+                clip=None if self.clip_controller is None else self.clip_controller.eps,  # None: configured eps
             )
             # routing part vs weight part of this update's ratio (diagnosed steps, last update; same weights)
             self.diagnostics.decompose_ratio(update, self.step, mbs, offset, self.replay, head.algorithm)

@@ -102,3 +102,51 @@ def test_each_data_parallel_rank_receives_only_its_rows(micro_batch_tokens):
     assert sequences == [7.0, 8.0]
     assert tokens == [batch.response_mask[:8].sum().item(), batch.response_mask[8:].sum().item()]
     assert inputs == batch.input_mask.sum().item()
+
+
+def rejection_worker(ctx, mode):
+    """Each DP rank drops the rejected tokens of its own rows; the totals it then divides by are the
+    whole batch's kept counts, the same on both ranks."""
+    import torch.distributed as dist
+
+    from gspo_megatron.algorithms.config import AlgorithmConfig
+    from gspo_megatron.trainer.batch import cut_micro_batches
+    from gspo_megatron.trainer.batch_distribution import data_parallel_rank_of_each_rank, rank_shares, scatter_shares
+    from gspo_megatron.trainer.mismatch_phase import correct_mismatch
+
+    dist.init_process_group("gloo")
+    whole = whole_batch()
+    whole.old_log_probs = _old_log_probs(whole)
+    shares = rank_shares(whole, {}, 2, UPDATES, 3, 24, 1) if ctx.rank == 0 else None
+    share = scatter_shares(shares, data_parallel_rank_of_each_rank(ctx.rank))
+    share.batch.old_log_probs = whole.old_log_probs[share.batch.row_ids]
+    parts = cut_micro_batches(share.batch, share.plan)
+    algorithm = AlgorithmConfig(loss="grpo", mismatch_correction=mode, mismatch_cap=1.3, mismatch_rejected="drop")
+    _, totals = correct_mismatch(share.batch, parts, algorithm, share.totals, dist.group.WORLD)
+    kept = {
+        int(row): mb.response_mask[i].sum().item() for part in parts for mb in part for i, row in enumerate(mb.rows)
+    }
+    return {"sequences": totals.update_sequences.tolist(), "tokens": totals.update_tokens.tolist(), "kept": kept}
+
+
+def _old_log_probs(batch):
+    gen = torch.Generator().manual_seed(8)
+    return batch.rollout_log_probs + 0.4 * torch.randn(batch.rollout_log_probs.shape, generator=gen)
+
+
+@pytest.mark.parametrize("mode", ["token_mask", "sequence_mask"])
+def test_dropped_rejections_reduce_the_denominators_over_data_parallel_ranks(mode):
+    from gspo_megatron.algorithms.mismatch_correction import mismatch_weights, rejected_mask
+
+    first, second = run_distributed(rejection_worker, 2, mode, timeout=300)
+    batch = whole_batch()
+    weights, _ = mismatch_weights(_old_log_probs(batch), batch.rollout_log_probs, batch.response_mask, mode, 1.3)
+    kept = rejected_mask(weights, batch.response_mask, mode).float()
+    assert 0 < kept.sum() < batch.response_mask.sum()  # some tokens rejected, not all
+    halves = kept.reshape(UPDATES, 8, -1)
+    for rank in (first, second):
+        assert rank["tokens"] == halves.sum((1, 2)).tolist()
+        assert rank["sequences"] == (halves.sum(2) > 0).sum(1).float().tolist()
+    assert sorted({**first["kept"], **second["kept"]}) == list(range(16))
+    for row, count in {**first["kept"], **second["kept"]}.items():
+        assert count == kept[row].sum().item()

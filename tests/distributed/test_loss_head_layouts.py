@@ -35,6 +35,34 @@ def _one_rank(loss: str, regularized: bool = False):
     return cfg, state, policy, single
 
 
+def _verl_grpo_one_rank():
+    """verl_grpo's knobs (eps 0.2/0.2, dual clip 3, token_mean, low_var_kl at 0.001 ... raised to 0.5 so the
+    KL gradient shows) with old log-probs 1.5 nats below on a third of the tokens, so dual clip and
+    low-clip are active, and a reference up to 6 nats either way, so low_var_kl's bound of 10 is active
+    (k3 > 10 for d < -2.61)."""
+    cfg = tiny_test_config()
+    state = random_hf_state(cfg, seed=3)
+    (plain,) = run_distributed(model_layout_worker, 1, cfg, state, dict(world_size=1))
+    log_probs = plain["log_probs"][0]
+    policy = {"loss": "grpo", **policy_inputs(log_probs)}
+    generator = torch.Generator().manual_seed(13)
+    shift = torch.randint(-1, 2, log_probs.shape, generator=generator).float() * 1.5  # -1.5, 0 or +1.5 nats
+    policy["old_log_probs"] = policy["old_log_probs"] - shift
+    policy["ref_log_probs"] = log_probs + 12.0 * torch.rand(log_probs.shape, generator=generator) - 6.0
+    policy["kl_coef"], policy["kl_estimator"] = 0.5, "low_var_kl"
+    policy["algorithm"] = dict(clip_low=0.2, clip_high=0.2, clip_ratio_c=3.0, aggregation="token_mean")
+    valid = policy["response_mask"] > 0
+    assert (valid & (policy["advantages"] < 0).unsqueeze(-1) & (shift > 0)).any()  # ratio e^1.5 > 3, A < 0
+    assert (valid & (log_probs - policy["ref_log_probs"] < -2.61)).any()  # low_var_kl at its bound
+    (single,) = run_distributed(model_layout_worker, 1, cfg, state, dict(world_size=1), policy)
+    return cfg, state, policy, single
+
+
+@pytest.fixture(scope="module")
+def verl_grpo_reference():
+    return _verl_grpo_one_rank()
+
+
 @pytest.fixture(scope="module", params=["gspo", "grpo"])
 def reference(request):
     return _one_rank(request.param)
@@ -50,11 +78,17 @@ def test_policy_loss_and_gradients_match_one_rank(reference, name):
     _check_layout(reference, name)
 
 
-@pytest.mark.parametrize("name", ["tp2", "pp2", "ep2"])
+@pytest.mark.parametrize("name", ["tp2", "pp2", "ep2", "dp2"])
 def test_entropy_and_kl_terms_match_one_rank(regularized_reference, name):
     """Entropy bonus (its gradient through the vocab-parallel entropy) and reference KL, per layout."""
     # the entropy gradient reaches every vocabulary entry; fp32 summation order differs per layout
     _check_layout(regularized_reference, name, grad_atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["tp2", "pp2", "ep2", "dp2"])
+def test_verl_grpo_knobs_match_one_rank(verl_grpo_reference, name):
+    """Dual clip, token-mean aggregation and the bounded low_var_kl (an anchor preset's loss) per layout."""
+    _check_layout(verl_grpo_reference, name, grad_atol=1e-6)
 
 
 def _check_layout(reference, name, grad_atol=1e-7):

@@ -123,6 +123,14 @@ def test_rollout_replay_under_model_parallelism(tmp_path, layout):
     _check_run(results[0], 2)
 
 
+def test_tp2_sequence_parallel_with_an_odd_fed_length(tmp_path):
+    """Responses of 1-4 tokens give batches of any width; sequence parallelism reduce-scatters the fed
+    length over the TP ranks, so it is padded to a multiple of TP (it crashed when odd)."""
+    overrides = FAST + ["parallel=tp2", "rollout.max_new_tokens=4", "task.reward=last_number"]
+    results = run_distributed(train_worker, 2, overrides, str(tmp_path), timeout=900)
+    _check_run(results[0], 2)
+
+
 def test_resume_continues_exactly(tmp_path):
     base = FAST + ["trainer.steps=4"]
     (full,) = run_distributed(train_worker, 1, base + ["checkpoint.save_every=2"], str(tmp_path / "full"))

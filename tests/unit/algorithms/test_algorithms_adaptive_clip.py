@@ -5,7 +5,7 @@ import math
 import pytest
 
 from gspo_megatron.algorithms.adaptive_clip import AdaptiveClipController
-from gspo_megatron.algorithms.config import AlgorithmConfig
+from gspo_megatron.algorithms.config import AlgorithmConfig, make_loss_context
 
 
 def _controller(**overrides):
@@ -31,10 +31,10 @@ def test_steps_by_hand_widen_on_too_much_clipping_and_narrow_on_too_little():
 def test_bounds_hold_and_nan_leaves_eps_alone():
     c = _controller(adaptive_clip_max_scale=2.0, adaptive_clip_min_scale=0.5)
     for _ in range(20):
-        c.update(1.0)
+        assert c.update(1.0)["clip/held"] == 0.0
     assert c.scale == 2.0
-    c.update(float("nan"))
-    assert c.scale == 2.0
+    held = c.update(float("nan"))
+    assert c.scale == 2.0 and held["clip/held"] == 1.0  # visible, not a silent no-op
     for _ in range(20):
         c.update(0.0)
     assert c.scale == 0.5
@@ -44,14 +44,27 @@ def test_bounds_hold_and_nan_leaves_eps_alone():
     assert fresh.eps == c.eps
 
 
-def test_grpo_reads_the_token_fraction_and_apply_leaves_the_config_untouched():
+def test_grpo_reads_the_token_fraction_and_the_scaled_eps_reach_the_loss_context():
     cfg = AlgorithmConfig(loss="grpo", clip_low=0.2, clip_high=0.28, adaptive_clip_target=0.01)
     c = AdaptiveClipController.from_config(cfg)
     assert c.metric == "loss/clip_frac_token"
     c.update(0.02)
-    applied = c.apply(cfg)
-    assert applied.clip_low == pytest.approx(0.2 * math.exp(0.2)) and cfg.clip_low == 0.2
+    ctx = make_loss_context(cfg, clip=c.eps)
+    assert ctx.clip_low == pytest.approx(0.2 * math.exp(0.2)) and cfg.clip_low == 0.2
+    assert make_loss_context(cfg).clip_low == 0.2
     assert AdaptiveClipController.from_config(AlgorithmConfig()) is None
+
+
+def test_grpo_at_the_largest_scale_builds_a_legal_loss_context():
+    """Issue 29: GRPO's eps 0.2 x max_scale 4 = 0.8 is legal (floor 0.2), but re-validating the scaled
+    eps as a config (0.8 * 4 >= 1) raised inside the update once the scale passed 1.25."""
+    cfg = AlgorithmConfig(loss="grpo", clip_low=0.2, clip_high=0.28, adaptive_clip_target=0.01)
+    c = AdaptiveClipController.from_config(cfg)
+    for _ in range(30):
+        c.update(1.0)
+    assert c.scale == 4.0
+    ctx = make_loss_context(cfg, clip=c.eps)
+    assert (ctx.clip_low, ctx.clip_high) == pytest.approx((0.8, 1.12))
 
 
 @pytest.mark.parametrize(

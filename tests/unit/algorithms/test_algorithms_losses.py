@@ -236,3 +236,48 @@ def test_loss_context_validates():
         _ctx(0.2, 0.28, "mean")
     with pytest.raises(ValueError, match="clip_low"):
         _ctx(1.0, 0.28)
+
+
+def test_grpo_dual_clip_floors_negative_advantages_at_c_by_hand():
+    """Dual clip (arXiv 1912.09729; verl clip_ratio_c): J_t = max(min(w A, clip(w) A), c A) where A < 0.
+    One sequence, token_mean, A = -1: w = [e^2, 2, 0.5] with c = 3, eps 0.2 / 0.2:
+      t0: w = 7.39 > c: J = -3 (floor; no gradient)   t1: w = 2 < c: J = -2 (gradient -w = -2)
+      t2: w = 0.5 < 1 - eps: clipped low: J = -0.8 (no gradient)."""
+    old = torch.zeros(1, 3)
+    log_probs = torch.tensor([[2.0, math.log(2.0), math.log(0.5)]], requires_grad=True)
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    advantages = torch.tensor([-1.0])
+    out = get_policy_loss("grpo")(log_probs, old, advantages, mask, _ctx(0.2, 0.2, "token_mean", clip_ratio_c=3.0))
+    _close(out.loss, (3.0 + 2.0 + 0.8) / 3)
+    out.loss.backward()
+    _close(log_probs.grad, [[0.0, 2.0 / 3, 0.0]])  # d(-J/3)/d logp_1 = -(A w)/3 = 2/3
+    metrics = finalize_metrics(out.metrics)
+    _close(metrics["clip_frac_token_dual"], 1 / 3)
+    _close(metrics["clip_frac_token_low"], 1 / 3)
+    without = get_policy_loss("grpo")(log_probs.detach(), old, advantages, mask, _ctx(0.2, 0.2, "token_mean"))
+    _close(without.loss, (math.exp(2) + 2.0 + 0.8) / 3)  # no floor: e^2 enters
+    assert "clip_frac_token_dual" not in finalize_metrics(without.metrics)
+    positive = get_policy_loss("grpo")(
+        log_probs.detach(), old, -advantages, mask, _ctx(0.2, 0.2, "token_mean", clip_ratio_c=3.0)
+    )
+    _close(positive.loss, -(1.2 + 1.2 + 0.5) / 3)  # A > 0: dual clip does nothing
+
+
+@pytest.mark.parametrize("loss_name", ["gspo", "gspo_token"])
+def test_gspo_log_ratio_max_bounds_only_the_top(loss_name):
+    """gspo_log_ratio_max = 10 (verl clamps log s_i at max 10): log s = 12 -> s = e^10, no gradient;
+    log s = -25 is bounded below by log_ratio_clamp (20): s = e^-20."""
+    old = torch.zeros(2, 2)
+    log_probs = torch.tensor([[12.0, 12.0], [-25.0, -25.0]], requires_grad=True)
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    advantages = torch.tensor([-1.0, 1.0])
+    ctx = _ctx(0.2, 0.2, gspo_log_ratio_max=10.0)
+    out = get_policy_loss(loss_name)(log_probs, old, advantages, mask, ctx)
+    # seq 0: A < 0, s = e^10 > 1.2: min(-e^10, -1.2) = -e^10; seq 1: A > 0, s = e^-20: min(e^-20, 0.8) = e^-20
+    _close(out.loss, -(-math.exp(10) + math.exp(-20)) / 2, atol=1e-3)
+    out.loss.backward()
+    _close(log_probs.grad, torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="gspo_log_ratio_max=0.0 must be > 0"):
+        _ctx(0.2, 0.2, gspo_log_ratio_max=0.0)
+    with pytest.raises(ValueError, match="clip_ratio_c=1.0: the dual-clip floor"):
+        _ctx(0.2, 0.2, clip_ratio_c=1.0)

@@ -37,6 +37,17 @@ def test_sequence_forms_are_length_normalised():
     torch.testing.assert_close(w, torch.tensor([1.5 ** (1 / 3), 0.0]))
 
 
+def test_product_sequence_ratio_multiplies_the_token_ratios():
+    """verl rollout_is=sequence / TRL sequence_*: rho_i = prod_t rho_{i,t} (row 0: 3 x 1/2 x 1 = 1.5)."""
+    w, m = mismatch_weights(OLD, ROLLOUT, MASK, "sequence_truncate", cap=2.0, sequence_ratio="product")
+    torch.testing.assert_close(w, torch.tensor([1.5, 2.0]))  # row 1: rho 4 capped at 2
+    assert float(m["mismatch_is/ratio_mean"]) == pytest.approx((1.5 + 4) / 2)
+    w, _ = mismatch_weights(OLD, ROLLOUT, MASK, "sequence_mask", cap=2.0, sequence_ratio="product")
+    torch.testing.assert_close(w, torch.tensor([1.5, 0.0]))
+    geometric, _ = mismatch_weights(OLD, ROLLOUT, MASK, "sequence_truncate", cap=2.0)
+    assert float(geometric[0]) == pytest.approx(1.5 ** (1 / 3))
+
+
 def test_weights_fold_into_the_advantage_exactly():
     """grpo with A * w equals sum over tokens of w * min(rA, clip(r)A), computed by hand."""
     log_probs = torch.tensor([[-1.0, -2.0, -0.5], [-1.5, -1.0, -3.0]], requires_grad=True)
@@ -52,6 +63,20 @@ def test_weights_fold_into_the_advantage_exactly():
     torch.testing.assert_close(loss, expected)
 
 
+def test_sequence_weights_scale_per_token_advantages_by_row_when_rows_equal_tokens():
+    """Issue 29: [B, T] advantages times [B] sequence weights multiplied along T when B == T."""
+    advantages = torch.tensor([[1.0, 2.0], [3.0, 4.0]])  # B = T = 2
+    weights = torch.tensor([10.0, 0.5])  # row 0 x 10, row 1 x 0.5
+    expected = torch.tensor([[10.0, 20.0], [1.5, 2.0]])
+    assert torch.equal(weighted_advantages(advantages, weights), expected)
+    assert torch.equal(weighted_advantages(torch.tensor([1.0, 3.0]), weights), torch.tensor([10.0, 1.5]))
+    token_weights = torch.tensor([[1.0, 0.0], [2.0, 1.0]])
+    assert torch.equal(
+        weighted_advantages(torch.tensor([1.0, 3.0]), token_weights), torch.tensor([[1.0, 0.0], [6.0, 3.0]])
+    )
+    assert torch.equal(weighted_advantages(advantages, token_weights), torch.tensor([[1.0, 0.0], [6.0, 4.0]]))
+
+
 def test_config_rejects_token_weights_for_gspo_and_a_cap_below_one():
     with pytest.raises(ValueError, match="use sequence_truncate/sequence_mask with gspo"):
         (AlgorithmConfig(mismatch_correction="token_truncate")).validate()
@@ -60,3 +85,11 @@ def test_config_rejects_token_weights_for_gspo_and_a_cap_below_one():
     with pytest.raises(ValueError, match="algorithm.mismatch_correction='tis' is unknown"):
         (AlgorithmConfig(mismatch_correction="tis")).validate()
     (AlgorithmConfig(loss="grpo", clip_low=0.2, clip_high=0.28, mismatch_correction="token_mask")).validate()
+
+
+def test_config_rejects_knobs_nothing_reads():
+    with pytest.raises(ValueError, match="mismatch_sequence_ratio=product combines"):
+        AlgorithmConfig(loss="grpo", mismatch_correction="token_truncate", mismatch_sequence_ratio="product")
+    with pytest.raises(ValueError, match="mismatch_rejected=drop removes the tokens a mask mode rejects"):
+        AlgorithmConfig(mismatch_correction="sequence_truncate", mismatch_rejected="drop")
+    AlgorithmConfig(mismatch_correction="sequence_mask", mismatch_sequence_ratio="product", mismatch_rejected="drop")

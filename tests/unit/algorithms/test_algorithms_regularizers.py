@@ -16,7 +16,12 @@ LN2 = math.log(2.0)
 
 @pytest.mark.parametrize(
     "estimator, value, grad",
-    [("k1", LN2, 1.0), ("k2", 0.5 * LN2**2, LN2), ("k3", 0.5 - 1 + LN2, 0.5)],  # d = ln 2: exp(-d) = 1/2
+    [
+        ("k1", LN2, 1.0),
+        ("k2", 0.5 * LN2**2, LN2),
+        ("k3", 0.5 - 1 + LN2, 0.5),
+        ("low_var_kl", 0.5 - 1 + LN2, 0.5),  # inside its bounds low_var_kl is k3
+    ],  # d = ln 2: exp(-d) = 1/2
 )
 def test_estimators_value_and_gradient_at_ln2(estimator, value, grad):
     log_probs = torch.tensor([[LN2 - 1.0]], requires_grad=True)
@@ -32,6 +37,28 @@ def test_estimators_vanish_when_policy_equals_reference_and_clamp_stops_overflow
         assert torch.all(reference_kl(log_probs, log_probs.clone(), name) == 0)
     huge = reference_kl(torch.tensor([[-1.0]]), torch.tensor([[-1e4]]), "k3", clamp=20.0)
     assert torch.isfinite(huge).all() and huge.item() == pytest.approx(math.exp(-20) - 1 + 20)
+
+
+@pytest.mark.parametrize(
+    "d, value, grad",
+    [
+        (-2.0, math.exp(2) - 3, 1 - math.exp(2)),  # k3 = e^2 - 1 - 2 = 4.389 < 10: unbounded, k3's gradient
+        (-3.0, 10.0, 0.0),  # k3 = e^3 - 4 = 16.09 > 10: verl's bound, no gradient
+        (-20.0, 10.0, 0.0),  # k3 here would be e^20 - 21 = 4.85e8 with gradient -4.85e8
+        (12.0, 10.0, 0.0),  # k3 = e^-12 + 11 = 11.000006 > 10
+        (10.0, math.exp(-10) + 9, 1 - math.exp(-10)),
+    ],
+)
+def test_low_var_kl_is_verls_clamped_k3(d, value, grad):
+    """verl-project/verl verl/trainer/ppo/core_algos.py kl_penalty_forward, "low_var_kl":
+    kl = clamp(ref - logp, -20, 20); kld = exp(kl) - kl - 1; return clamp(kld, -10, 10)."""
+    log_probs = torch.tensor([[d - 1.0]], dtype=torch.float64, requires_grad=True)
+    kl = reference_kl(log_probs, torch.tensor([[-1.0]], dtype=torch.float64), "low_var_kl", clamp=20.0)
+    kl.sum().backward()
+    assert kl.item() == pytest.approx(value, rel=1e-9)
+    assert log_probs.grad.item() == pytest.approx(grad, rel=1e-9, abs=1e-12)
+    unclamped = reference_kl(log_probs.detach(), torch.tensor([[-1.0]], dtype=torch.float64), "k3", clamp=20.0)
+    assert unclamped.item() == pytest.approx(math.exp(-d) - 1 + d, rel=1e-9)  # k3 keeps TRL's unbounded form
 
 
 def test_kl_penalty_sequence_mean_of_token_means_by_hand():

@@ -11,6 +11,7 @@ from gspo_megatron.parallel.context_parallel import (
     causal_mask_for_rank,
     chunk_positions,
     pad_for_context_parallel,
+    pad_sequence_length,
     split_micro_batch,
     split_sequence,
 )
@@ -96,3 +97,5 @@ def test_pad_for_context_parallel_pads_inputs_to_a_multiple_of_two_cp():
     assert torch.equal(padded.rollout_log_probs[:, :6], batch.rollout_log_probs)
     assert torch.equal(padded.advantages, batch.advantages)
     assert pad_for_context_parallel(batch, 1) is batch
+    sequence_parallel = pad_sequence_length(batch, 4)  # TP = 4 under sequence parallelism: 6 -> 8 inputs
+    assert sequence_parallel.tokens.shape == (n, 9) and pad_sequence_length(sequence_parallel, 4) is sequence_parallel

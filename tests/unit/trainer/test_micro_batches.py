@@ -7,6 +7,7 @@ import torch
 
 from gspo_megatron.rollout.types import Sample
 from gspo_megatron.trainer.batch import pack_samples, partition
+from gspo_megatron.trainer.batch_distribution import step_totals
 from gspo_megatron.trainer.micro_batches import step_padded_fraction, token_budget_plan
 
 
@@ -96,7 +97,9 @@ def test_mismatch_correction_follows_the_rows_and_width_of_budget_micro_batches(
     batch.old_log_probs = batch.rollout_log_probs + 0.3 * torch.randn_like(batch.rollout_log_probs)
     algorithm = AlgorithmConfig(loss="grpo", mismatch_correction=mode, mismatch_cap=1.5)
     parts = partition(batch, 2, 4, 1, 0, micro_batch_tokens=12)
-    correct_mismatch(batch, parts, algorithm)
+    totals = step_totals(batch, 2)
+    _, after = correct_mismatch(batch, parts, algorithm, totals)
+    assert after is totals  # mismatch_rejected=keep: the denominators stand
     weights, _ = mismatch_weights(
         batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, mode, 1.5, algorithm.log_ratio_clamp
     )
@@ -105,3 +108,29 @@ def test_mismatch_correction_follows_the_rows_and_width_of_budget_micro_batches(
         expected = whole[mb.rows]
         expected = expected[:, : mb.tokens.shape[1]] if expected.dim() > 1 else expected
         torch.testing.assert_close(mb.advantages, expected)
+
+
+@pytest.mark.parametrize("mode", ["token_mask", "sequence_mask"])
+def test_dropped_rejections_leave_the_masks_and_the_denominators(mode):
+    """mismatch_rejected=drop (verl rollout_rs): a rejected token (row) leaves its micro-batch's response
+    mask and each mini-batch's token (sequence) count loses exactly those; kept tokens are untouched."""
+    from gspo_megatron.algorithms.config import AlgorithmConfig
+    from gspo_megatron.algorithms.mismatch_correction import mismatch_weights
+    from gspo_megatron.trainer.mismatch_phase import correct_mismatch
+
+    torch.manual_seed(0)
+    batch = _batch([1, 30, 2, 3, 2, 28, 1, 4])
+    batch.old_log_probs = batch.rollout_log_probs + 0.5 * torch.randn_like(batch.rollout_log_probs)
+    algorithm = AlgorithmConfig(loss="grpo", mismatch_correction=mode, mismatch_cap=1.2, mismatch_rejected="drop")
+    parts = partition(batch, 2, 4, 1, 0, micro_batch_tokens=12)
+    totals = step_totals(batch, 2)
+    _, after = correct_mismatch(batch, parts, algorithm, totals)
+    weights, _ = mismatch_weights(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, mode, 1.2)
+    keep = weights > 0 if weights.dim() == 2 else (weights > 0).unsqueeze(-1).expand_as(batch.response_mask)
+    expected_mask = batch.response_mask.bool() & keep
+    assert 0 < int(expected_mask.sum()) < int(batch.response_mask.sum())  # some, not all, rejected
+    per_update = expected_mask.reshape(2, 4, -1)
+    torch.testing.assert_close(after.update_tokens, per_update.sum((1, 2)).float())
+    torch.testing.assert_close(after.update_sequences, (per_update.sum(2) > 0).sum(1).float())
+    for mb in (mb for part in parts for mb in part):
+        torch.testing.assert_close(mb.response_mask, expected_mask[mb.rows, : mb.seq_len].float())
