@@ -53,6 +53,7 @@ from gspo_megatron.trainer.loss_head import LogProbHead, PolicyLossHead
 from gspo_megatron.trainer.micro_batches import sequence_multiple, step_padded_fraction
 from gspo_megatron.trainer.mismatch_phase import correct_mismatch
 from gspo_megatron.trainer.nonfinite import NonFiniteError, NonFiniteGuard, parameters_finite
+from gspo_megatron.trainer.optim import keep_configured_hyperparameters, restore_schedule
 from gspo_megatron.trainer.run_dir_owner import RunDirError, new_run_id, resume_mode
 from gspo_megatron.trainer.signals import SignalWatch, TrainingInterrupted
 
@@ -416,9 +417,10 @@ class RLTrainer:
             if mode == "true":
                 raise RunDirError(f"checkpoint.resume=true but {self.c.run_dir}/checkpoints holds no checkpoint")
             return
-        state = load_checkpoint(path, self.c.model_chunk, self.c.optimizer)
+        with keep_configured_hyperparameters(self.c.optimizer):  # allowed optimizer changes take effect
+            state = load_checkpoint(path, self.c.model_chunk, self.c.optimizer)
         self.run_id = state.get("run_id", "")
-        self.c.scheduler.load_state_dict(state["scheduler"])
+        restore_schedule(self.c.scheduler, state["scheduler"], print if self.mesh.is_driver else None)
         if self.mesh.is_driver and state.get("task") is not None:
             self.c.task.load_state_dict(state["task"])
         if self.rollouts is not None and state.get("rollout_scheduler") is not None:
@@ -427,7 +429,8 @@ class RLTrainer:
         if self.clip_controller is not None and state.get("clip_controller") is not None:
             self.clip_controller.load_state_dict(state["clip_controller"])
         if self.mesh.is_driver:
-            print(f"[gspo] resumed from {path} at step {self.step}")
+            lr = self.c.optimizer.param_groups[0]["lr"]
+            print(f"[gspo] resumed from {path} at step {self.step}; lr {lr:.6g}")
 
 
 class _timed:
