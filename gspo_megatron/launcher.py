@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             is_master=True,
             wait_for_workers=False,
             timeout=timedelta(seconds=STOP_GRACE_S),
-            master_listen_fd=listener.fileno(),
+            master_listen_fd=listener.detach(),  # the store owns (and closes) the socket from here
             use_libuv=True,
         )
     code = ranks.wait()

@@ -35,6 +35,7 @@ from gspo_megatron.models.conversion import export_hf_weights
 from gspo_megatron.models.micro_batch import MicroBatch, required
 from gspo_megatron.models.schedule import run_schedule
 from gspo_megatron.parallel.context_parallel import pad_for_context_parallel
+from gspo_megatron.parallel.heartbeat import is_collective_failure
 from gspo_megatron.rollout.mismatch import finalize_mismatch, train_inference_mismatch
 from gspo_megatron.routing.replay_strategy import build_replay_strategy
 from gspo_megatron.trainer.async_rollout import RolloutScheduler
@@ -90,6 +91,19 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ main loop
     def train(self) -> str:
+        """The run; a failed collective is re-raised naming the silent rank (``parallel/heartbeat.py``)."""
+        try:
+            return self._train()
+        except RuntimeError as error:
+            if self.mesh.heartbeat is None or not is_collective_failure(error):
+                raise
+            raise CollectiveFailure(self.mesh.heartbeat.explain(error, self.mesh.timeout_s)) from error
+
+    def _phase(self, timings: dict, name: str) -> _timed:
+        self.mesh.enter(f"step {self.step + 1}, {name}")
+        return _timed(timings, name)
+
+    def _train(self) -> str:
         cfg = self.cfg
         self._maybe_resume()
         if self.c.run_log is not None:  # only now: a refused or failed resume leaves config.yaml alone
@@ -136,21 +150,21 @@ class RLTrainer:
 
     def train_step(self) -> dict[str, float]:
         timings: dict[str, float] = {}
-        with _timed(timings, "rollout"):
+        with self._phase(timings, "rollout"):
             share = self._rollout()
         batch, totals, metrics = share.batch, share.totals, dict(share.metrics)
         parts = cut_micro_batches(batch, share.plan)
         metrics["batch/padded_token_frac"] = step_padded_fraction(totals.input_tokens, parts, self.mesh.layout.dp)
-        with _timed(timings, "old_logp"):
+        with self._phase(timings, "old_logp"):
             old_metrics = self._old_log_probs(batch, parts)
         if self.cfg.algorithm.mismatch_correction != "none":  # importance weights pi_old / pi_rollout
             old_metrics.update(correct_mismatch(batch, parts, self.cfg.algorithm, self._dp_group()))
         if self.c.reference is not None:  # algorithm.kl_coef > 0: frozen reference, routers never replay
-            with _timed(timings, "ref_logp"):
+            with self._phase(timings, "ref_logp"):
                 self.c.reference.attach_log_probs([mb for part in parts for mb in part])
-        with _timed(timings, "update"):
+        with self._phase(timings, "update"):
             update_metrics = self._policy_updates(parts, totals)
-        with _timed(timings, "weight_sync"):
+        with self._phase(timings, "weight_sync"):
             self.sync_weights()
         metrics.update(old_metrics)
         metrics.update(update_metrics)
@@ -371,6 +385,7 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
+        self.mesh.enter(f"step {self.step}, checkpoint save")
         if not parameters_finite(self.c.model_chunk):  # collective: every rank refuses together
             raise NonFiniteError(
                 f"step {self.step}: the parameters hold non-finite values; refusing to write "
@@ -431,6 +446,10 @@ class RLTrainer:
         if self.mesh.is_driver:
             lr = self.c.optimizer.param_groups[0]["lr"]
             print(f"[gspo] resumed from {path} at step {self.step}; lr {lr:.6g}")
+
+
+class CollectiveFailure(RuntimeError):
+    """A collective timed out or lost a peer; the message names the silent rank(s)."""
 
 
 class _timed:

@@ -30,22 +30,38 @@ TWO_RANKS = FAST + ["parallel=tp2", "routing.enabled=false"]
 
 
 def _launch(overrides: list[str], run_dir: Path) -> tuple[subprocess.Popen, str]:
+    """The script in a session of its own (its group is what a terminal's Ctrl-C reaches); output in
+    ``run_dir.parent / "launch.log"``."""
     env, marker = marked_env()
     env.update(NPROC="2", OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
     command = ["bash", str(REPO / "launch" / "train_local.sh"), f"run_dir={run_dir}", *overrides]
-    process = subprocess.Popen(
-        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    with open(_log(run_dir), "w") as log:
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=log, start_new_session=True)
     return process, marker
+
+
+def _log(run_dir: Path) -> Path:
+    return run_dir.parent / "launch.log"
 
 
 def _running_step(run_dir: Path, process: subprocess.Popen, steps: int = 1):
     def reached() -> bool:
-        assert process.poll() is None, f"the run ended early: {process.stderr.read()[-3000:]}"
+        assert process.poll() is None, f"the run ended early: {_log(run_dir).read_text()[-3000:]}"
         return len(read_metrics(run_dir)) >= steps
 
     return reached
+
+
+def _rank_process(launcher: subprocess.Popen, marker: str, rank: int) -> int:
+    """The rank's own process: a child of the launcher with ``RANK=rank``."""
+    for pid in run_processes(marker):
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        parent = int(stat[stat.rindex(")") + 2 :].split()[1])
+        if parent == launcher.pid and f"RANK={rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"no rank {rank} among the run's processes:\n{describe(run_processes(marker))}")
 
 
 def _stop(process: subprocess.Popen, marker: str) -> None:
@@ -69,3 +85,22 @@ def test_two_rank_launch_listens_on_loopback_only(tmp_path):
     assert listening, "found no listening socket at all: the check is not looking at the run"
     exposed = sorted(s for s in listening if not is_loopback(s[1]))
     assert not exposed, f"listening beyond loopback (pid, address, port): {exposed}\n{describe(processes)}"
+
+
+def test_a_stopped_rank_is_named_within_the_timeout(tmp_path):
+    """SIGSTOP rank 1 mid-run: rank 0's collective times out after parallel.timeout_s and the error
+    names rank 1 and where it was (was: 640 s of silence, gloo's hard-coded 600 s)."""
+    run_dir, timeout_s = tmp_path / "run", 15
+    process, marker = _launch(TWO_RANKS + ["trainer.steps=500", f"parallel.timeout_s={timeout_s}"], run_dir)
+    try:
+        wait_until(_running_step(run_dir, process), timeout=600, what="the first step")
+        os.kill(_rank_process(process, marker, 1), signal.SIGSTOP)
+        wait_until(
+            lambda: "silent: rank 1 (last seen in step" in _log(run_dir).read_text(),
+            timeout=timeout_s + 60,
+            what=f"rank 0 to name the stopped rank 1 (parallel.timeout_s={timeout_s})",
+        )
+        report = [line for line in _log(run_dir).read_text().splitlines() if "silent: rank 1" in line]
+    finally:
+        _stop(process, marker)
+    assert "rank 0: a collective failed in step" in report[0] and f"parallel.timeout_s={timeout_s}" in report[0]
