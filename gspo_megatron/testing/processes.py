@@ -109,9 +109,16 @@ def is_loopback(address: str) -> bool:
     return address.startswith("127.") or address in ("::1", "::ffff:127.0.0.1") or address.startswith("::ffff:127.")
 
 
-def wait_until(condition: Callable[[], bool], timeout: float, what: str, poll: float = 0.05) -> None:
-    """Poll ``condition`` until true; AssertionError naming ``what`` after ``timeout`` seconds."""
+def eventually(condition: Callable[[], bool], timeout: float, poll: float = 0.05) -> bool:
+    """Poll ``condition`` until true (True) or ``timeout`` seconds passed (False)."""
     deadline = time.monotonic() + timeout
     while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(poll)
+    return True
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str, poll: float = 0.05) -> None:
+    """Poll ``condition`` until true; AssertionError naming ``what`` after ``timeout`` seconds."""
+    assert eventually(condition, timeout, poll), f"timed out after {timeout:.0f} s waiting for {what}"
