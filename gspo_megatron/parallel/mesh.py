@@ -174,7 +174,7 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: flo
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.expert_tp,
-        distributed_timeout_minutes=timeout_s / 60,  # type: ignore[arg-type]  # used as timedelta(minutes=...)
+        distributed_timeout_minutes=timeout_s / 60,  # used as timedelta(minutes=...): a float is fine
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)

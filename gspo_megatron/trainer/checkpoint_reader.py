@@ -21,14 +21,12 @@ swapped; the private helpers it calls are megatron's own.
 from __future__ import annotations
 
 import io
+import os
 import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
-from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
-    CachedMetadataFileSystemReader,
-)
 from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME, TorchCommonLoadStrategy
 from megatron.core.dist_checkpointing.strategies.torch import (
     MCoreLoadPlanner,
@@ -40,6 +38,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     mcore_to_pyt_state_dict,
 )
 from torch.distributed import checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
@@ -85,7 +84,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-def read_metadata_safely(path: str | Path) -> Metadata:
+def read_metadata_safely(path: str | os.PathLike) -> Metadata:
     """DCP metadata from ``path`` through the allow-listed unpickler."""
     with open(path, "rb") as file:
         try:
@@ -97,17 +96,22 @@ def read_metadata_safely(path: str | Path) -> Metadata:
     return metadata
 
 
-class SafeFileSystemReader(CachedMetadataFileSystemReader):
-    """DCP's file reader with ``.metadata`` read through the allow-listed unpickler."""
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader with ``.metadata`` read through the allow-listed unpickler, once (megatron's
+    loader asks for it again after loading, as its caching reader allows)."""
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__(path)
+        self._safe_metadata: Metadata | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if self._cached_metadata is None:
+        if self._safe_metadata is None:
             metadata = read_metadata_safely(self._get_metadata_path(kwargs.get("rank")))
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            self._cached_metadata = metadata
-        return self._cached_metadata
+            storage_meta = metadata.storage_meta if metadata.storage_meta is not None else StorageMeta()
+            storage_meta.load_id = self.load_id
+            metadata.storage_meta = storage_meta
+            self._safe_metadata = metadata
+        return self._safe_metadata
 
 
 class SafeLoadPlanner(MCoreLoadPlanner):
