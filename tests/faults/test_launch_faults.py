@@ -139,3 +139,20 @@ def test_two_rank_signal_saves_and_exits_128_plus_signal(tmp_path, how):
     assert latest is not None and read_trainer_state(latest)["step"] == steps[-1], log[-3000:]
     assert f"stopped by {signal.Signals(signum).name} after step {steps[-1]}" in log
     assert not left, f"left running after the run stopped:\n{describe(left)}"
+
+
+def test_a_killed_rank_ends_the_job_and_leaves_no_process(tmp_path):
+    """SIGKILL of rank 1: the launcher stops rank 0, exits 128 + 9, and no process of the run is left
+    (rank 1's helpers go with it through its reaper)."""
+    run_dir = tmp_path / "run"
+    process, marker = _launch(TWO_RANKS + ["trainer.steps=500", WORKER_REWARD], run_dir)
+    try:
+        wait_until(_running_step(run_dir, process), timeout=600, what="the first step")
+        os.kill(_rank_process(process, marker, 1), signal.SIGKILL)
+        code = process.wait(timeout=120)
+        eventually(lambda: not run_processes(marker), timeout=60)
+        left = run_processes(marker)
+    finally:
+        _stop(process, marker)
+    assert code == 128 + signal.SIGKILL, _log(run_dir).read_text()[-3000:]
+    assert not left, f"left running after rank 1 was killed:\n{describe(left)}"
