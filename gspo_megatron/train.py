@@ -26,6 +26,7 @@ def run(cfg: DictConfig, run_dir: str) -> str:
     import torch
 
     from gspo_megatron.config.validate import validate_config, validate_for_machine
+    from gspo_megatron.trainer.reaper import keep_reaper, start_reaper
     from gspo_megatron.trainer.run_dir_owner import claim_run_dir
     from gspo_megatron.trainer.setup import build, world_size_from_env
     from gspo_megatron.trainer.signals import SignalWatch
@@ -43,6 +44,7 @@ def run(cfg: DictConfig, run_dir: str) -> str:
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     # the driver owns the run directory: lock it, and refuse a wrong fresh start or resume before building
     claim = claim_run_dir(Path(run_dir), typed.checkpoint, config_yaml) if _is_driver_process() else None
+    keep_reaper(start_reaper())  # whatever this process starts dies with it, even by SIGKILL (trainer/reaper.py)
     try:
         with SignalWatch() as signals:  # SIGTERM/SIGINT: finish the step, save, stop (trainer/signals.py)
             components = build(typed, Path(run_dir), config_yaml)

@@ -17,5 +17,7 @@ NPROC_PER_NODE=${NPROC_PER_NODE:-$(python3 -c 'import torch; print(max(torch.cud
 if [ -n "${SOCKET_IFNAME:-}" ]; then
   export GLOO_SOCKET_IFNAME="$SOCKET_IFNAME" NCCL_SOCKET_IFNAME="$SOCKET_IFNAME"
 fi
-exec torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC_PER_NODE" \
-  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" -m gspo_megatron.train "$@"
+# gspo_megatron/launcher.py: node 0 serves the one store on MASTER_ADDR only (it must be an address of
+# node 0, not 0.0.0.0); the other nodes' ranks dial it. Ctrl-C/SIGTERM save and exit 130/143.
+exec python3 -m gspo_megatron.launcher --nnodes "$NNODES" --node-rank "$NODE_RANK" \
+  --nproc-per-node "$NPROC_PER_NODE" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" "$@"

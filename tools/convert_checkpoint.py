@@ -129,13 +129,12 @@ def _trainer_model_config(state_file: Path):
 
 
 def mcore_to_hf(args) -> Path:
-    from megatron.core import dist_checkpointing
-
     from gspo_megatron.models.hf_checkpoint import save_hf_checkpoint
+    from gspo_megatron.trainer.checkpoint_reader import load_dist_checkpoint
 
     weights, cfg = resolve_mcore_checkpoint(args.mcore_dir, args.hf_config)
     mesh, model = _setup(args, cfg)
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(weights))
+    loaded = load_dist_checkpoint({"model": model.sharded_state_dict()}, weights)  # runs no code from the files
     model.load_state_dict(loaded["model"])
     out = save_hf_checkpoint(model, cfg, mesh, args.out, shard_bytes=args.shard_bytes, tokenizer_dir=args.tokenizer_dir)
     mesh.destroy()

@@ -66,6 +66,11 @@ class ParallelSection(ConfigNode):
     etp: int | None = None
     cp: int = 1
     sequence_parallel: bool | None = None  # None: on exactly when tp > 1
+    timeout_s: float = 600.0  # bound of every collective; a rank silent this long is named and the job stops
+
+    def validate(self) -> None:
+        if not self.timeout_s > 0:  # also refuses nan
+            raise ValueError(f"parallel.timeout_s={self.timeout_s} must be > 0 seconds (e.g. parallel.timeout_s=600)")
 
     def layout(self, world_size: int) -> ParallelLayout:
         return ParallelLayout(

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.parallel.cpu_compat import enable_cpu_megatron
+from gspo_megatron.parallel.heartbeat import Heartbeat
 from gspo_megatron.parallel.layout import LayoutError, ParallelLayout
 
 
@@ -23,6 +24,13 @@ from gspo_megatron.parallel.layout import LayoutError, ParallelLayout
 class ParallelMesh:
     layout: ParallelLayout
     device: torch.device
+    timeout_s: float = 600.0  # every collective's bound (parallel.timeout_s)
+    heartbeat: Heartbeat | None = None  # multi-rank runs: names the silent rank when a collective fails
+
+    def enter(self, where: str) -> None:
+        """Record what this rank is doing (``step 3, update``): a failed collective's report names it."""
+        if self.heartbeat is not None:
+            self.heartbeat.enter(where)
 
     # --- groups ---------------------------------------------------------------------------
     @property
@@ -111,6 +119,9 @@ class ParallelMesh:
     def destroy(self) -> None:
         from megatron.core import parallel_state as ps
 
+        if self.heartbeat is not None:
+            self.heartbeat.close()
+            self.heartbeat = None
         ps.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -135,6 +146,7 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: flo
 
     NCCL with CUDA, gloo without; on CPU the megatron-core compatibility bridges are enabled first.
     A single-process run (no ``WORLD_SIZE``, or 1) opens no port reachable from other machines.
+    ``timeout_s`` bounds every collective, megatron's groups included (they default to 30 min).
     """
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -162,8 +174,12 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: flo
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.expert_tp,
+        distributed_timeout_minutes=timeout_s / 60,  # used as timedelta(minutes=...): a float is fine
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    return ParallelMesh(layout=layout, device=device)
+    heartbeat = None
+    if world > 1 and "MASTER_ADDR" in os.environ:  # env:// rendezvous: the store every rank met at
+        heartbeat = Heartbeat(dist.get_rank(), world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    return ParallelMesh(layout=layout, device=device, timeout_s=timeout_s, heartbeat=heartbeat)

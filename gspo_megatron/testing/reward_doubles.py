@@ -40,3 +40,14 @@ def varied_by_response(response, record):
     from gspo_megatron.rewards.types import RewardResult
 
     return RewardResult(reward=(zlib.crc32(response.encode()) % 97) / 97, correct=False, format_ok=True)
+
+
+def announces_and_hangs(response, record):
+    """Creates the file named by ``GSPO_TEST_REWARD_STARTED`` (the test's signal that rewards are being
+    computed), then never returns: the run is inside its reward phase for as long as the test needs."""
+    import os
+    import time
+    from pathlib import Path
+
+    Path(os.environ["GSPO_TEST_REWARD_STARTED"]).touch()
+    time.sleep(3600)

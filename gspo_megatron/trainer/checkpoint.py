@@ -13,8 +13,10 @@ are removed on the next save. Old checkpoints beyond ``keep_last`` are deleted o
 one is complete, and only this run's: each checkpoint names its run in ``run_id`` (a resumed run
 keeps its id), so checkpoints a run found in its directory are never pruned by it.
 
-Trainer state is plain data (numbers, strings, tensors) and is loaded with ``weights_only=True``:
-a checkpoint file cannot run code.
+No checkpoint file can run code when loaded: trainer state is plain data (numbers, strings,
+tensors) loaded with ``weights_only=True``; ``model_optim/`` is read by ``checkpoint_reader.py``
+(DCP's ``.metadata`` through an allow-listed unpickler, ``_extra_state`` and ``common.pt`` as
+weights only), not by megatron's default loader, which unpickles both without restriction.
 """
 
 from __future__ import annotations
@@ -128,9 +130,9 @@ def _prune(root: Path, keep_last: int, run_id: str) -> None:
 
 def load_checkpoint(path: Path, model, optimizer) -> dict:
     """Restore model and optimizer in place (any layout); returns the trainer state dict."""
-    from megatron.core import dist_checkpointing
+    from gspo_megatron.trainer.checkpoint_reader import load_dist_checkpoint
 
-    loaded = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(path / MODEL_DIR))
+    loaded = load_dist_checkpoint(_sharded_state(model, optimizer, is_loading=True), path / MODEL_DIR)
     model.load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])
     state = read_trainer_state(path)

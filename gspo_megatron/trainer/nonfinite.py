@@ -95,8 +95,9 @@ class NonFiniteGuard:
         self.consecutive += 1
         self.skipped_in_step += 1
         advice = (
-            "the latest checkpoint is untouched; lower optimizer.lr or optimizer.clip_grad, or check "
-            "the rewards and advantages of the failing step"
+            "the latest checkpoint is untouched: resume it with a lower learning rate, e.g. "
+            "checkpoint.resume=true optimizer.lr=<lower> checkpoint.resume_allow_changes=[optimizer.lr], "
+            "or check the rewards and advantages of the failing step"
         )
         if self.policy == "stop":
             raise NonFiniteError(f"{where}: {problem} (trainer.on_nonfinite=stop); {advice}")

@@ -3,9 +3,21 @@
 The distributed optimizer is used where it works (CUDA); on CPU megatron refuses CPU tensors in it,
 so the plain (replicated-state) optimizer is used there. Gradient clipping is megatron's, by global
 norm over all model-parallel ranks (on CPU through the bridge in ``parallel/cpu_compat.py``).
+
+On resume the config decides the hyperparameters and the checkpoint only the position: megatron's
+scheduler would take lr, min_lr, warmup, decay steps and style from the checkpoint, and the
+optimizer's param groups (max_lr, min_lr, betas, eps) come back from it too, so a change the resume
+check allowed (``checkpoint.resume_allow_changes``) was silently ignored. The scheduler is built with
+``override_opt_param_scheduler`` (the config's schedule at the checkpoint's step count; a longer
+``trainer.steps`` stretches the decay over the new total) and the param groups' hyperparameters are
+re-applied from the config after the optimizer state is loaded (``keep_configured_hyperparameters``).
+Unchanged configs load to exactly the same values.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -80,4 +92,32 @@ def build_scheduler(optimizer, section, total_updates: int):
         end_wd=section.weight_decay,
         wd_incr_steps=max(total_updates, 1),
         wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,  # resume: the config's schedule, the checkpoint's step count
     )
+
+
+@contextmanager
+def keep_configured_hyperparameters(optimizer) -> Iterator[None]:
+    """Around loading optimizer state: the param groups keep the config's hyperparameters (max_lr,
+    min_lr, betas, eps, ...) and take only the moments and step counts from the checkpoint."""
+    configured = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    yield
+    groups = optimizer.param_groups
+    if len(groups) != len(configured):
+        raise RuntimeError(f"the checkpoint's optimizer has {len(groups)} param groups, the model {len(configured)}")
+    for group, values in zip(groups, configured, strict=True):
+        group.update(values)
+
+
+def restore_schedule(scheduler, saved: dict, log: Callable[[str], None] | None = None) -> None:
+    """The checkpoint's step count on the config's schedule; ``log`` gets a line per changed setting."""
+    changed = {
+        name: (saved.get(name), getattr(scheduler, name))
+        for name in ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style")
+        if name in saved and saved[name] != getattr(scheduler, name)
+    }
+    scheduler.load_state_dict(saved)
+    if log is not None:
+        for name, (old, new) in changed.items():
+            log(f"[gspo] resume: schedule {name} {old} -> {new} (from the config)")

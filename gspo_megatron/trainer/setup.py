@@ -104,7 +104,7 @@ def stage_moe_layers(model_chunk) -> list[int]:
 
 def build(cfg: TrainConfig, run_dir: Path, config_yaml: str, world_size: int | None = None) -> Components:
     layout = cfg.parallel.layout(world_size or world_size_from_env()).validate(cfg.model)
-    mesh = initialize_parallel(layout, seed=cfg.trainer.seed)
+    mesh = initialize_parallel(layout, seed=cfg.trainer.seed, timeout_s=cfg.parallel.timeout_s)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
     instances_before = RoutingReplay.instance_count()
     model_chunk = build_model(

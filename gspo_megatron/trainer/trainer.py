@@ -34,6 +34,7 @@ from gspo_megatron.algorithms.reductions import all_reduce_metrics
 from gspo_megatron.models.micro_batch import MicroBatch, required
 from gspo_megatron.models.schedule import run_schedule
 from gspo_megatron.parallel.context_parallel import pad_sequence_length
+from gspo_megatron.parallel.heartbeat import is_collective_failure
 from gspo_megatron.rollout.mismatch import finalize_mismatch, train_inference_mismatch
 from gspo_megatron.routing.replay_strategy import build_replay_strategy
 from gspo_megatron.trainer.async_rollout import RolloutScheduler
@@ -53,6 +54,7 @@ from gspo_megatron.trainer.loss_head import LogProbHead, PolicyLossHead
 from gspo_megatron.trainer.micro_batches import sequence_multiple, step_padded_fraction
 from gspo_megatron.trainer.mismatch_phase import correct_mismatch
 from gspo_megatron.trainer.nonfinite import NonFiniteError, NonFiniteGuard, parameters_finite
+from gspo_megatron.trainer.optim import keep_configured_hyperparameters, restore_schedule
 from gspo_megatron.trainer.run_dir_owner import RunDirError, new_run_id, resume_mode
 from gspo_megatron.trainer.signals import SignalWatch, TrainingInterrupted
 from gspo_megatron.trainer.weight_stream import sync_engine_weights
@@ -90,6 +92,19 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ main loop
     def train(self) -> str:
+        """The run; a failed collective is re-raised naming the silent rank (``parallel/heartbeat.py``)."""
+        try:
+            return self._train()
+        except RuntimeError as error:
+            if self.mesh.heartbeat is None or not is_collective_failure(error):
+                raise
+            raise CollectiveFailure(self.mesh.heartbeat.explain(error, self.mesh.timeout_s)) from error
+
+    def _phase(self, timings: dict, name: str) -> _timed:
+        self.mesh.enter(f"step {self.step + 1}, {name}")
+        return _timed(timings, name)
+
+    def _train(self) -> str:
         cfg = self.cfg
         self._maybe_resume()
         if self.c.run_log is not None:  # only now: a refused or failed resume leaves config.yaml alone
@@ -134,22 +149,22 @@ class RLTrainer:
 
     def train_step(self) -> dict[str, float]:
         timings: dict[str, float] = {}
-        with _timed(timings, "rollout"):
+        with self._phase(timings, "rollout"):
             share = self._rollout()
         batch, totals, metrics = share.batch, share.totals, dict(share.metrics)
         parts = cut_micro_batches(batch, share.plan)
         metrics["batch/padded_token_frac"] = step_padded_fraction(totals.input_tokens, parts, self.mesh.layout.dp)
-        with _timed(timings, "old_logp"):
+        with self._phase(timings, "old_logp"):
             old_metrics = self._old_log_probs(batch, parts)
         if self.cfg.algorithm.mismatch_correction != "none":  # importance weights pi_old / pi_rollout
             mismatch_metrics, totals = correct_mismatch(batch, parts, self.cfg.algorithm, totals, self._dp_group())
             old_metrics.update(mismatch_metrics)
         if self.c.reference is not None:  # algorithm.kl_coef > 0: frozen reference, routers never replay
-            with _timed(timings, "ref_logp"):
+            with self._phase(timings, "ref_logp"):
                 self.c.reference.attach_log_probs([mb for part in parts for mb in part])
-        with _timed(timings, "update"):
+        with self._phase(timings, "update"):
             update_metrics = self._policy_updates(parts, totals)
-        with _timed(timings, "weight_sync"):
+        with self._phase(timings, "weight_sync"):
             self.sync_weights()
         metrics.update(old_metrics)
         metrics.update(update_metrics)
@@ -373,6 +388,7 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
+        self.mesh.enter(f"step {self.step}, checkpoint save")
         if not parameters_finite(self.c.model_chunk):  # collective: every rank refuses together
             raise NonFiniteError(
                 f"step {self.step}: the parameters hold non-finite values; refusing to write "
@@ -419,9 +435,10 @@ class RLTrainer:
             if mode == "true":
                 raise RunDirError(f"checkpoint.resume=true but {self.c.run_dir}/checkpoints holds no checkpoint")
             return
-        state = load_checked_checkpoint(path, self.c.model_chunk, self.c.optimizer)  # NaN weights refused here
+        with keep_configured_hyperparameters(self.c.optimizer):  # allowed optimizer changes take effect
+            state = load_checked_checkpoint(path, self.c.model_chunk, self.c.optimizer)  # NaN weights refused here
         self.run_id = state.get("run_id", "")
-        self.c.scheduler.load_state_dict(state["scheduler"])
+        restore_schedule(self.c.scheduler, state["scheduler"], print if self.mesh.is_driver else None)
         if self.mesh.is_driver and state.get("task") is not None:
             self.c.task.load_state_dict(state["task"])
         if self.rollouts is not None and state.get("rollout_scheduler") is not None:
@@ -430,7 +447,12 @@ class RLTrainer:
         if self.clip_controller is not None and state.get("clip_controller") is not None:
             self.clip_controller.load_state_dict(state["clip_controller"])
         if self.mesh.is_driver:
-            print(f"[gspo] resumed from {path} at step {self.step}")
+            lr = self.c.optimizer.param_groups[0]["lr"]
+            print(f"[gspo] resumed from {path} at step {self.step}; lr {lr:.6g}")
+
+
+class CollectiveFailure(RuntimeError):
+    """A collective timed out or lost a peer; the message names the silent rank(s)."""
 
 
 def signal_stop_outcome(saved: Path | None, latest: Path | None) -> str:

@@ -155,7 +155,7 @@ def test_default_run_learns(tmp_path):
 
 
 @pytest.mark.distributed
-def test_launch_script_runs_torchrun_with_overrides(tmp_path):
+def test_launch_script_runs_two_ranks_with_overrides(tmp_path):
     """The documented single-node launcher, two ranks, Hydra overrides appended."""
     import os
     import subprocess

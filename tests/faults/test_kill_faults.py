@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from gspo_megatron.testing.processes import describe, eventually, marked_env, run_processes
 from gspo_megatron.testing.train_runs import FAST, checkpoint_tensors, read_metrics, run_training, train_command
 from gspo_megatron.trainer.checkpoint import latest_checkpoint, read_trainer_state
 from gspo_megatron.trainer.run_dir_owner import LOCK_FILE
@@ -135,3 +136,40 @@ def test_sigterm_without_save_on_signal_names_the_checkpoint_the_step_saved(tmp_
     latest = latest_checkpoint(run_dir)
     assert latest is not None and read_trainer_state(latest)["step"] == len(read_metrics(run_dir))
     assert f"checkpoint {latest}; continue with checkpoint.resume=true" in reason, reason
+
+
+@pytest.mark.parametrize("phase", ["save", "reward", "idle"])
+def test_sigkill_of_the_trainer_leaves_no_process_of_the_run(tmp_path, phase):
+    """SIGKILL the trainer while it writes a checkpoint (megatron's writer manager and shard writers
+    running), while reward workers compute, and between steps: every process it started is gone within
+    a bounded wait (found by an environment marker, since orphans are re-parented)."""
+    run_dir = tmp_path / "run"
+    started = tmp_path / "reward_started"
+    env, marker = marked_env(dict(os.environ, OMP_NUM_THREADS="1", GSPO_TEST_REWARD_STARTED=str(started)))
+    env.pop("WORLD_SIZE", None)
+    reward = "task.reward=import:gspo_megatron.testing.reward_doubles:announces_and_hangs"
+    overrides = FAST + ["trainer.steps=200", "checkpoint.save_every=1", "routing.enabled=false"]
+    overrides += [reward, "reward.timeout_s=3000"] if phase == "reward" else [WORKER_REWARD]
+    run = subprocess.Popen(
+        train_command(overrides, run_dir), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        moment = {
+            "save": lambda: any((run_dir / "checkpoints").glob("step_000002.partial/model_optim/*.distcp")),
+            "reward": started.exists,
+            "idle": lambda: len(read_metrics(run_dir)) >= 2,
+        }[phase]
+        _wait_for(moment, run, poll=0.005)
+        helpers = [pid for pid in run_processes(marker) if pid != run.pid]
+        run.kill()
+        run.wait()
+        assert helpers, "the run had started no helper process: the test would prove nothing"
+        eventually(lambda: not run_processes(marker), timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+        left = run_processes(marker)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"left running after the trainer was killed ({phase}):\n{describe(left)}"

@@ -4,6 +4,10 @@
 SGLang answers 503 while the model loads, and refuses connections before its HTTP server is up:
 both mean "not yet". Anything else is retried too until the deadline, and the last answer seen is
 what the caller's error quotes.
+
+Each probe has its own timeout, ``PROBE_TIMEOUT_S`` and never past the deadline: the HTTP client's
+timeout is the one for ``/generate`` (``request_timeout_s``, 30 min), so a server that accepts the
+connection and never answers held the attach that long, ignoring ``attach_timeout_s``.
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ import asyncio
 from collections.abc import Callable
 
 import httpx
+
+PROBE_TIMEOUT_S = 10.0  # a healthy server answers /health at once; a slow one gets another probe
+MIN_PROBE_TIMEOUT_S = 0.05
 
 
 async def wait_until_healthy(
@@ -40,10 +47,13 @@ async def wait_until_healthy(
         if check is not None:
             check()
         try:
-            response = await http.get(url + "/health")
+            probe_timeout = max(MIN_PROBE_TIMEOUT_S, min(PROBE_TIMEOUT_S, deadline - loop.time()))
+            response = await http.get(url + "/health", timeout=probe_timeout)
             if response.status_code == 200:
                 return
             last = f"HTTP {response.status_code}"
+        except httpx.ReadTimeout:
+            last = f"no answer within {probe_timeout:.3g}s (the connection was accepted)"
         except httpx.TransportError as error:
             last = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
         now = loop.time()

@@ -145,3 +145,30 @@ class socket_port:
 
     def __exit__(self, *exc):
         self._sock.close()
+
+
+def test_attach_to_a_server_that_never_answers_fails_within_attach_timeout():
+    """The connection is accepted (the kernel completes it for the listening socket) but no byte comes
+    back: the attach must give up at ``attach_timeout_s`` (+10 s), not at ``request_timeout_s``."""
+    import socket
+
+    attach_timeout_s = 1.0
+    outcome: list[BaseException] = []
+
+    def attach(url: str) -> None:
+        try:
+            _engine([url], attach_timeout_s=attach_timeout_s, request_timeout_s=600.0)
+        except BaseException as error:  # reported to the test thread below
+            outcome.append(error)
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(64)
+        url = f"http://127.0.0.1:{mute.getsockname()[1]}"
+        worker = threading.Thread(target=attach, args=(url,), daemon=True)
+        worker.start()
+        worker.join(timeout=attach_timeout_s + 10)
+        assert not worker.is_alive(), "attach still waiting past attach_timeout_s + 10 s"
+    assert len(outcome) == 1 and isinstance(outcome[0], RuntimeError), outcome
+    message = str(outcome[0])
+    assert f"{url} not healthy after 1s" in message and "no answer within" in message, message

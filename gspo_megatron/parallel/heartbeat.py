@@ -1,0 +1,115 @@
+"""Name the rank that went silent when a collective fails (issue 34, D6).
+
+A gloo collective that times out says only ``Timed out waiting 600000ms for recv operation`` on the
+ranks that waited, and nothing names the rank they waited for. Here every rank of a multi-rank run
+runs a daemon thread that bumps a beat counter in the rendezvous store every ``interval_s`` with the
+step and phase the rank is in. A rank that catches a failed collective reads every rank's beat twice,
+``SILENCE_FACTOR`` intervals apart: a rank whose counter did not move is stopped (SIGSTOP, a
+debugger), dead, or stuck holding the GIL, and the error names it with the step and phase it was last
+seen in.
+
+Design decisions:
+- Counters, not clocks: the nodes' clocks need not agree.
+- The thread has its own store client (to ``MASTER_ADDR:MASTER_PORT``, where every rank met), so it
+  never shares a connection with the process group; its keys live under ``gspo_heartbeat/``.
+- Collectives release the GIL while they wait, so a waiting rank keeps beating: only the silent one
+  stops. A store that no longer answers (the job is ending) is ignored by the thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import torch.distributed as dist
+
+HEARTBEAT_INTERVAL_S = 1.0
+SILENCE_FACTOR = 3.0  # a counter unchanged over this many intervals is silent
+STORE_TIMEOUT_S = 10.0
+PREFIX = "gspo_heartbeat/"
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """A gloo/NCCL collective that timed out, or whose peer closed the connection."""
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(
+        marker in text for marker in ("Timed out waiting", "Connection closed by peer", "collective operation timeout")
+    )
+
+
+class Heartbeat:
+    """This rank's beat, published from a daemon thread; ``silent_ranks()`` finds the ones that stopped."""
+
+    def __init__(self, rank: int, world_size: int, host: str, port: int, interval_s: float = HEARTBEAT_INTERVAL_S):
+        self.rank, self.world_size, self.interval_s = rank, world_size, interval_s
+        client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT_S))
+        self._store = dist.PrefixStore(PREFIX, client)
+        self.where = "start-up"
+        self._beats = 0
+        self._beaten = threading.Condition()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="gspo-heartbeat", daemon=True)
+        self._thread.start()
+
+    def enter(self, where: str) -> None:
+        """What this rank is doing now (e.g. ``step 3, update``); published with the next beat."""
+        self.where = where
+
+    def _beat(self) -> None:
+        while not self._stopped.is_set():
+            self._beats += 1
+            try:
+                self._store.set(str(self.rank), f"{self._beats} {self.where}")
+            except RuntimeError:  # the store is gone: the job is ending
+                pass
+            with self._beaten:
+                self._beaten.notify_all()
+            self._stopped.wait(self.interval_s)
+
+    def wait_for_beats(self, count: int, timeout_s: float = STORE_TIMEOUT_S) -> bool:
+        """Block until this rank has published ``count`` beats (tests, and start-up checks)."""
+        with self._beaten:
+            return self._beaten.wait_for(lambda: self._beats >= count, timeout=timeout_s)
+
+    def _read(self) -> dict[int, tuple[int, str]]:
+        beats = {}
+        for rank in range(self.world_size):
+            if self._store.check([str(rank)]):
+                count, _, where = self._store.get(str(rank)).decode().partition(" ")
+                beats[rank] = (int(count), where)
+        return beats
+
+    def silent_ranks(self) -> dict[int, str]:
+        """Ranks whose beat did not move over ``SILENCE_FACTOR`` intervals: rank -> where last seen."""
+        try:
+            before = self._read()
+            self._stopped.wait(SILENCE_FACTOR * self.interval_s)
+            after = self._read()
+        except RuntimeError as error:
+            return {-1: f"the rendezvous store did not answer ({error})"}
+        return {
+            rank: after.get(rank, (0, "never started"))[1]
+            for rank in range(self.world_size)
+            if rank != self.rank and before.get(rank, (0,))[0] == after.get(rank, (0,))[0]
+        }
+
+    def explain(self, error: BaseException, timeout_s: float) -> str:
+        """One message for a failed collective: where this rank was, and which ranks are silent."""
+        silent = self.silent_ranks()
+        if silent.get(-1):
+            who = silent[-1]
+        elif silent:
+            who = "silent: " + "; ".join(f"rank {r} (last seen in {where})" for r, where in sorted(silent.items()))
+            who += " -- stopped, hung or dead; check that rank's log and process"
+        else:
+            who = (
+                "every other rank is still beating: one is slow or stuck in its own work; "
+                f"raise parallel.timeout_s (now {timeout_s:g}) if a phase legitimately takes longer"
+            )
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        where = f"rank {self.rank}: a collective failed in {self.where} (parallel.timeout_s={timeout_s:g})"
+        return f"{where}: {first_line}; {who}"
+
+    def close(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=STORE_TIMEOUT_S)

@@ -1,0 +1,131 @@
+"""No helper outlives its trainer (issue 34, D4): a small watchdog process per rank.
+
+After a SIGKILL of the trainer, what it started stayed alive with parent 1: megatron's checkpoint
+writer manager (a spawned ``multiprocessing`` manager) and a shard writer blocked on its queue,
+the resource tracker and the reward fork server (kept alive by the fds those orphans inherited).
+Most of them are started by megatron or ``multiprocessing``, with no hook to run
+``PR_SET_PDEATHSIG`` in them, and a killed process runs no cleanup of its own.
+
+Design:
+- ``start_reaper()`` tags the trainer's environment with a fresh id (``PROCESS_TAG``), which every
+  process it starts inherits (spawned, forked, forkserver children, launched servers alike), and
+  starts ``python -m gspo_megatron.trainer.reaper PID TAG`` without the tag, in its own session
+  (a terminal's Ctrl-C does not reach it), dying with the trainer's parent process tree only
+  through the trainer's own death.
+- ``/proc/PID/environ`` shows the environment a process was exec'd with, so a child forked without
+  exec (megatron's shard writers) does not show the tag: those get ``PR_SET_PDEATHSIG`` (SIGKILL)
+  from an ``os.register_at_fork`` hook instead, which the kernel fires when the forking thread ends
+  (the trainer forks only from its main thread: checkpoint writes; the reward pool uses forkserver).
+- The reaper waits on a pidfd of the trainer (no polling). When the trainer is gone, however it
+  went, it SIGKILLs every process still carrying the tag, repeating until none is left (a dying
+  process may still fork), then exits. A trainer that stopped its helpers itself leaves nothing to kill.
+- Torch-free and small: it costs a bare interpreter per rank.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+PROCESS_TAG = "GSPO_TRAINER_PROCESS_TAG"
+ROUNDS = 20  # scans for late forks; each round kills what the previous one missed
+PR_SET_PDEATHSIG = 1
+_hooked_pids: set[int] = set()
+_forking_pid = 0
+
+
+def _remember_forking_process() -> None:
+    global _forking_pid
+    _forking_pid = os.getpid()
+
+
+def _die_with_parent_after_fork() -> None:
+    """In a forked child: SIGKILL when the forking thread ends (cleared by fork, so set it here)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != _forking_pid:  # the parent died before prctl: the signal will never come
+        os._exit(1)
+
+
+def start_reaper() -> subprocess.Popen:
+    """Tag this process's environment and start its reaper (a second call in one process reuses both)."""
+    tag = os.environ.get(PROCESS_TAG)
+    if tag is not None and tag.startswith(f"{os.getpid()}-") and _REAPERS and _REAPERS[-1].poll() is None:
+        return _REAPERS[-1]
+    if tag is None or not tag.startswith(f"{os.getpid()}-"):  # a tag inherited from a parent is not ours
+        tag = f"{os.getpid()}-{uuid.uuid4().hex}"
+        os.environ[PROCESS_TAG] = tag
+    if os.getpid() not in _hooked_pids:  # register_at_fork hooks cannot be removed: once per process
+        os.register_at_fork(before=_remember_forking_process, after_in_child=_die_with_parent_after_fork)
+        _hooked_pids.add(os.getpid())
+    env = {k: v for k, v in os.environ.items() if k != PROCESS_TAG}
+    command = [sys.executable, "-m", "gspo_megatron.trainer.reaper", str(os.getpid()), tag]
+    return subprocess.Popen(command, env=env, start_new_session=True, stdin=subprocess.DEVNULL)
+
+
+_REAPERS: list[subprocess.Popen] = []  # held for the process's lifetime: they outlive every run() call
+
+
+def keep_reaper(reaper: subprocess.Popen) -> None:
+    """Keep the handle (a collected ``Popen`` of a running child warns), one per process."""
+    if reaper not in _REAPERS:
+        _REAPERS.append(reaper)
+
+
+def tagged_processes(tag: str) -> list[int]:
+    needle = f"{PROCESS_TAG}={tag}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:  # gone, or not ours to read
+            continue
+    return found
+
+
+def kill_tagged(tag: str) -> int:
+    """SIGKILL every process carrying ``tag`` until none is left; returns how many were killed."""
+    killed: set[int] = set()
+    for _ in range(ROUNDS):
+        alive = [pid for pid in tagged_processes(tag) if pid != os.getpid()]
+        if not alive:
+            break
+        for pid in alive:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+            except ProcessLookupError:
+                pass
+    return len(killed)
+
+
+def main(argv: list[str]) -> int:
+    trainer_pid, tag = int(argv[0]), argv[1]
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the trainer's end ends the reaper
+    try:
+        pidfd = os.pidfd_open(trainer_pid)
+    except ProcessLookupError:
+        pidfd = None  # already gone: clean up at once
+    if pidfd is not None:
+        select.select([pidfd], [], [])  # readable when the trainer has exited
+        os.close(pidfd)
+    killed = kill_tagged(tag)
+    if killed:
+        print(
+            f"[gspo] reaper: the trainer (pid {trainer_pid}) ended; stopped {killed} process(es) it left",
+            file=sys.stderr,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,61 @@
+"""The heartbeat names the rank whose beat stopped, and parallel.timeout_s is checked at start-up."""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from gspo_megatron.config.schema import ParallelSection
+from gspo_megatron.parallel.heartbeat import Heartbeat, is_collective_failure
+
+
+@pytest.fixture
+def store_port():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    port = sock.getsockname()[1]
+    server = dist.TCPStore(
+        "127.0.0.1",
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=10),
+        master_listen_fd=sock.detach(),  # the store owns (and closes) the socket from here
+        use_libuv=True,
+    )
+    yield port
+    del server
+
+
+def test_the_rank_that_stopped_beating_is_named(store_port):
+    beats = [Heartbeat(rank, 3, "127.0.0.1", store_port, interval_s=0.05) for rank in range(3)]
+    try:
+        beats[0].enter("step 4, update")
+        beats[2].enter("step 4, rollout")
+        beats[2].wait_for_beats(2)
+        beats[2].close()  # rank 2 goes silent, as a stopped process does
+        silent = beats[0].silent_ranks()
+        assert silent == {2: "step 4, rollout"}
+        message = beats[0].explain(RuntimeError("Timed out waiting 15000ms for recv operation"), 15)
+        assert message.startswith("rank 0: a collective failed in step 4, update (parallel.timeout_s=15)")
+        assert "silent: rank 2 (last seen in step 4, rollout)" in message
+    finally:
+        for beat in beats:
+            beat.close()
+
+
+def test_collective_failures_are_recognised():
+    assert is_collective_failure(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:21210"))
+    assert is_collective_failure(RuntimeError("[unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation"))
+    assert not is_collective_failure(RuntimeError("CUDA out of memory"))
+    assert not is_collective_failure(ValueError("Timed out waiting"))
+
+
+@pytest.mark.parametrize("bad", [0.0, -5.0, float("nan")])
+def test_parallel_timeout_must_be_positive(bad):
+    with pytest.raises(ValueError, match=r"parallel.timeout_s=.* must be > 0"):
+        ParallelSection(timeout_s=bad)
