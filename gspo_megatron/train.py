@@ -11,12 +11,16 @@ import sys
 from pathlib import Path
 from typing import cast
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
+from gspo_megatron.known_warnings import filter_known_warnings, optional_accelerators_notice
 
-from gspo_megatron.config.schema import to_train_config
-from gspo_megatron.config.store import register_configs
-from gspo_megatron.config_node import freeze_config
+filter_known_warnings()  # before anything that warns is imported: reviewed third-party noise only
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from gspo_megatron.config.schema import to_train_config  # noqa: E402
+from gspo_megatron.config.store import register_configs  # noqa: E402
+from gspo_megatron.config_node import freeze_config  # noqa: E402
 
 register_configs()
 
@@ -43,6 +47,9 @@ def run(cfg: DictConfig, run_dir: str) -> str:
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     # the driver owns the run directory: lock it, and refuse a wrong fresh start or resume before building
     claim = claim_run_dir(Path(run_dir), typed.checkpoint, config_yaml) if _is_driver_process() else None
+    notice = optional_accelerators_notice() if _is_driver_process() else None
+    if notice:
+        print(notice, flush=True)
     try:
         with SignalWatch() as signals:  # SIGTERM/SIGINT: finish the step, save, stop (trainer/signals.py)
             components = build(typed, Path(run_dir), config_yaml)
