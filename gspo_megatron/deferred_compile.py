@@ -63,7 +63,7 @@ class _DeferringLoader(importlib.abc.Loader):
         import torch  # megatron.core has imported it already
 
         real_compile = torch.compile
-        torch.compile = deferring_compile(real_compile)  # type: ignore[assignment]
+        torch.compile = deferring_compile(real_compile)
         try:
             self._loader.exec_module(module)
         finally:
