@@ -25,5 +25,4 @@ fi
 if [ "${GSPO_SKIP_SGLANG_CONTRACT:-0}" != 1 ]; then
   bash launch/setup_sglang_contract.sh
 fi
-echo "[setup] ready: torch $("$PYTHON" -c 'import torch; print(torch.__version__)')," \
-     "megatron-core $("$PYTHON" -c 'import megatron.core as m; print(m.__version__)')"
+"$PYTHON" -c 'from importlib.metadata import version as v; print("[setup] ready: torch", v("torch") + ", megatron-core", v("megatron-core"))'
