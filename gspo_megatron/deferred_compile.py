@@ -1,9 +1,13 @@
 """megatron-core's ``@jit_fuser`` functions compiled on first call, not at import (start-up time).
 
 megatron-core 0.16 binds ``megatron.core.jit.jit_fuser = torch.compile`` and decorates dozens of fused
-kernels with it at import; each decoration imports torch's dynamo and inductor (about 2 s of the
-main job's start-up on 2 cores, and every spawned rank pays it again), although with the fusions
-this project turns off (``models/builder.py``) none of them is called on the main job's path.
+kernels with it at import; the first decoration imports torch's dynamo and inductor (about 2 s on
+2 cores), although with the fusions this project turns off (``models/builder.py``) most of them are
+never called. Deferred, the import happens only if one is called: tools and tests that import
+megatron without running a MoE forward never pay it. The main job still does, at its first
+forward: megatron's router calls the ``@jit_fuser`` function ``TopKRouter._apply_expert_bias`` on
+every forward (a no-op without expert bias), and torch's optimizers import dynamo in
+``add_param_group`` anyway.
 
 Design decisions:
 - While ``megatron.core.jit`` itself executes, ``torch.compile`` is a deferring stand-in, so
