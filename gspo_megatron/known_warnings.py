@@ -42,6 +42,18 @@ KNOWN_WARNINGS: tuple[KnownWarning, ...] = (
         "megatron's layer specs fall back to torch's norm; said once by optional_accelerators_notice",
     ),
     KnownWarning(
+        FutureWarning,
+        r"`load_state_dict` is deprecated and will be removed in future versions",
+        r"megatron\.core\.dist_checkpointing\.",
+        "megatron 0.16's checkpoint loader calls torch's older load API (seen on resume); megatron's to change",
+    ),
+    KnownWarning(
+        FutureWarning,
+        r"Please use DTensor instead and we are deprecating ShardedTensor",
+        r"torch\.distributed\.checkpoint\.",
+        "megatron 0.16's distributed checkpoints are ShardedTensors (seen on resume); megatron's to change",
+    ),
+    KnownWarning(
         UserWarning,
         r"Failed to load image Python extension",
         r"torchvision\.",
