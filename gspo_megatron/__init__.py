@@ -1,0 +1,5 @@
+"""gspo-megatron: GSPO/GRPO post-training for MoE models on Megatron-core (see README.md)."""
+
+from gspo_megatron import deferred_compile
+
+deferred_compile.install()  # megatron's @jit_fuser kernels compile on first call, not at import

@@ -1,6 +1,8 @@
 """Entry point: ``python -m gspo_megatron.train [overrides]``, ``gspo-train``, or under torchrun.
 
 Compose the Hydra config, validate it once, build the trainer, train, clean up.
+The module's top level imports nothing heavy: reward workers (forkserver/spawn) re-import the main
+module, and each would otherwise pay hydra, the config schema and torch again at start-up.
 """
 
 from __future__ import annotations
@@ -9,23 +11,24 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
+from gspo_megatron.known_warnings import filter_known_warnings, optional_accelerators_notice
 
-from gspo_megatron.config.schema import to_train_config
-from gspo_megatron.config.store import register_configs
-from gspo_megatron.config_node import freeze_config
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
-register_configs()
+filter_known_warnings()  # before anything that warns is imported: reviewed third-party noise only
 
 
 def run(cfg: DictConfig, run_dir: str) -> str:
     """Train with an already composed config; returns the summary text (driver) or ''."""
     import torch
+    from omegaconf import DictConfig, OmegaConf
 
+    from gspo_megatron.config.schema import to_train_config
     from gspo_megatron.config.validate import validate_config, validate_for_machine
+    from gspo_megatron.config_node import freeze_config
     from gspo_megatron.trainer.reaper import keep_reaper, start_reaper
     from gspo_megatron.trainer.run_dir_owner import claim_run_dir
     from gspo_megatron.trainer.setup import build, world_size_from_env
@@ -45,6 +48,9 @@ def run(cfg: DictConfig, run_dir: str) -> str:
     # the driver owns the run directory: lock it, and refuse a wrong fresh start or resume before building
     claim = claim_run_dir(Path(run_dir), typed.checkpoint, config_yaml) if _is_driver_process() else None
     keep_reaper(start_reaper())  # whatever this process starts dies with it, even by SIGKILL (trainer/reaper.py)
+    notice = optional_accelerators_notice() if _is_driver_process() else None
+    if notice:
+        print(notice, flush=True)
     try:
         with SignalWatch() as signals:  # SIGTERM/SIGINT: finish the step, save, stop (trainer/signals.py)
             components = build(typed, Path(run_dir), config_yaml)
@@ -62,8 +68,17 @@ def _is_driver_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def main() -> None:
+    """Register the config schema, then let Hydra compose the config from conf/ and the command line."""
+    import hydra
+
+    from gspo_megatron.config.store import register_configs
+
+    register_configs()
+    hydra.main(config_path="../conf", config_name="config", version_base="1.3")(train_from_hydra)()
+
+
+def train_from_hydra(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from gspo_megatron.trainer.signals import TrainingInterrupted

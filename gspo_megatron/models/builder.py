@@ -108,6 +108,8 @@ def make_transformer_config(
         variable_seq_lengths=False,
         # Gradients are sums of the losses' global-denominator contributions (models/schedule.py).
         calculate_per_token_loss=True,
+        # megatron's own default, "full", is deprecated by megatron (it warns at every build); [] means the same
+        cuda_graph_scope=[],
         apply_rope_fusion=False,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,

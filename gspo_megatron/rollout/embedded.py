@@ -12,6 +12,9 @@ Design decisions:
   TRL keeps feeding finished rows to the end). Sampling draws from per-row generators, so the
   tokens do not depend on which rows share the batch.
 - ``use_cache=False`` re-runs the whole sequence each step (reference and benchmark for the cache).
+- The KV cache is passed under the name the installed transformers' forward declares: ``cache``
+  (5.x; ``past_key_values`` is deprecated there and removed in 5.40) or ``past_key_values`` (older
+  releases), read once from the signature (``_CACHE_ARGUMENT``), so no deprecated argument is ever passed.
 - Log-probs are log_softmax(logits / T) of the sampled token before top-k/top-p (see ``sampling``).
 - Stop rules (checked in this order after each token): a ``stop_token_ids`` token, a ``stop`` string
   in the decoded tail (needs ``decode``), then ``max_new_tokens``. The stop token / the tokens that
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import json
 import os
 from collections.abc import Callable, Iterable
@@ -42,6 +46,8 @@ from gspo_megatron.rollout.types import FinishReason, Sample, SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _STOP_TAIL_EXTRA_TOKENS = 8  # decode this many tokens beyond the longest stop string's length
+# transformers 5.x renamed the forward's KV-cache argument (``inspect`` follows the deprecation wrapper)
+_CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(Qwen3MoeForCausalLM.forward).parameters else "past_key_values"
 
 
 def build_hf_config(config: EmbeddedConfig) -> Qwen3MoeConfig:
@@ -184,9 +190,9 @@ class EmbeddedEngine(RolloutEngine):
                     input_ids=feed_ids,
                     attention_mask=mask,
                     position_ids=feed_positions,
-                    past_key_values=cache,
                     use_cache=cache is not None,
                     logits_to_keep=1,
+                    **{_CACHE_ARGUMENT: cache},
                 ).logits
                 new = feed_ids.shape[1] if cache is not None or fed == 0 else 1
                 if capture is not None and routing is not None:

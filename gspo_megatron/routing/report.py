@@ -9,6 +9,9 @@ Design decisions:
   so it can be mailed or attached to an issue as one file.
 - JSON output holds only finite numbers: NaN/inf (e.g. a step with no valid tokens) become null.
 - The summary and HTML helpers are shared with ``tools/compare_runs.py``.
+- A panel that is exactly zero says why (``zero_panel_reason``), read from the run's config: the
+  engine-vs-trainer comparison is zero by construction under R3 and expected when the engine computes
+  in the trainer's precision (the default fp32 embedded engine), not a broken diagnostic.
 """
 
 from __future__ import annotations
@@ -79,7 +82,26 @@ def routing_kind_summary(run: RunData, kind: str) -> dict:
     }
     for key in ("changed_frac", "overlap", "load_imbalance"):
         summary[key] = _layer_mean(run, kind, key, records)
+    summary["zero_reason"] = zero_panel_reason(run, kind)
     return summary
+
+
+def zero_panel_reason(run: RunData, kind: str) -> str | None:
+    """Why every record of ``kind`` is exactly zero, from the run's config; None if some record is not."""
+    records = run.routing_records(kind)
+    if kind != "rollout_vs_train" or not records or any(r.get("changed_frac_overall") != 0.0 for r in records):
+        return None
+    algorithm, rollout, model = (run.config.get(key) or {} for key in ("algorithm", "rollout", "model"))
+    if algorithm.get("routing_replay") == "rollout":
+        return "Zero by construction: R3 replays the engine's routing in every trainer forward."
+    engine_dtype = (rollout.get("embedded") or {}).get("dtype")
+    if rollout.get("engine") == "embedded" and engine_dtype is not None and engine_dtype == model.get("dtype"):
+        return (
+            f"Zero as expected: the embedded engine computes in {engine_dtype}, as the trainer does, so both route "
+            "every token to the same experts. An engine in another precision (rollout.embedded.dtype=bfloat16) or "
+            "SGLang shows the engine-trainer routing mismatch here."
+        )
+    return "Every record is exactly zero: the engine and the trainer routed every token to the same experts."
 
 
 def summarize_run(run: RunData) -> dict:
@@ -192,6 +214,8 @@ def _volatility_section(run: RunData, summary: dict) -> str:
     parts = []
     for kind, kind_summary in summary["routing"].items():
         parts.append(f"<h3>{html.escape(kind)}</h3>")
+        if kind_summary.get("zero_reason"):
+            parts.append(f"<p><b>{html.escape(kind_summary['zero_reason'])}</b></p>")
         parts.append(png_img(figure_png(volatility_figure(kind, run.routing_records(kind))), f"volatility {kind}"))
         changed, overlap = kind_summary["changed_frac"] or [], kind_summary["overlap"] or []
         rows = [[layer, c, o] for layer, (c, o) in enumerate(zip(changed, overlap))]

@@ -3,6 +3,9 @@
 Only the driver rank writes. The run-directory format is ``routing/run_dir.py``'s (shared with the
 report and comparison tools). On resume, metrics past the checkpoint's step are cut from
 ``metrics.jsonl`` so the file holds one line per step, as an uninterrupted run would.
+Every step records ``time/run_wall_s``, the run's wall time up to that step across resumes (the last
+kept step's value carried into the resuming process), so the summary times the whole run, not only
+the process that finished it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from pathlib import Path
 
 from gspo_megatron.provenance import PROVENANCE_FILE, provenance
 from gspo_megatron.routing.run_dir import CONFIG_FILE, METRICS_FILE, JsonlLog, drop_records_from_step, read_jsonl
+
+RUN_WALL_KEY = "time/run_wall_s"
 
 
 class RunLog:
@@ -35,6 +40,9 @@ class RunLog:
         drop_records_from_step(run_dir / METRICS_FILE, resume_step + 1)
         self.metrics = JsonlLog(run_dir / METRICS_FILE)
         self.history: list[dict] = read_jsonl(run_dir / METRICS_FILE) if resume_step else []
+        self.resume_step = resume_step
+        # the wall time earlier processes spent on the steps kept (0 on a fresh run)
+        self.wall_before = (_number(self.history[-1].get(RUN_WALL_KEY)) or 0.0) if self.history else 0.0
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -64,7 +72,7 @@ class RunLog:
         path.write_text(json.dumps(record, indent=2) + "\n")
 
     def log_step(self, step: int, metrics: dict) -> None:
-        record = {"step": step, **{k: _number(v) for k, v in metrics.items()}}
+        record = {"step": step, **{k: _number(v) for k, v in metrics.items()}, RUN_WALL_KEY: self.run_wall_s()}
         self.metrics.append(record)
         self.history.append(record)
         if self.tb is not None:
@@ -92,7 +100,12 @@ class RunLog:
             self.wandb.finish()
         self.metrics.close()
         plot = self._plot()
-        return summary_text(self.history, time.monotonic() - self.started, plot)
+        resumed = (self.resume_step, time.monotonic() - self.started) if self.resume_step else None
+        return summary_text(self.history, self.run_wall_s(), plot, resumed=resumed)
+
+    def run_wall_s(self) -> float:
+        """Wall seconds of the whole run so far: earlier processes' share plus this process's."""
+        return self.wall_before + time.monotonic() - self.started
 
     def _plot(self) -> Path | None:
         if not self.history:
@@ -128,7 +141,10 @@ def _number(value) -> float | None:
         return None
 
 
-def summary_text(history: list[dict], wall_s: float, plot: Path | None) -> str:
+def summary_text(
+    history: list[dict], wall_s: float, plot: Path | None, resumed: tuple[int, float] | None = None
+) -> str:
+    """The one-screen summary; ``wall_s`` is the whole run's, ``resumed`` = (step, this process's seconds)."""
     if not history:
         return "no steps were run"
 
@@ -141,7 +157,8 @@ def summary_text(history: list[dict], wall_s: float, plot: Path | None) -> str:
 
     lines = [
         "=" * 64,
-        f"gspo-megatron run summary: {len(history)} steps in {wall_s / 60:.1f} min",
+        f"gspo-megatron run summary: {len(history)} steps in {wall_s / 60:.1f} min"
+        + (f" (resumed at step {resumed[0]}: {resumed[1] / 60:.1f} min in this process)" if resumed else ""),
         f"  reward/mean       first 20%: {window('reward/mean', True):.3f}"
         f"   last 20%: {window('reward/mean', False):.3f}",
         f"  response length   first 20%: {window('response/length_mean', True):.2f}"

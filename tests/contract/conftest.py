@@ -1,32 +1,66 @@
 """Contract tier: the project's SGLang wire format checked against SGLang's own code, without a GPU.
 
-SGLang 0.5.x imports without CUDA when installed as ``requirements/sglang-contract*.txt`` say
-(``launch/setup.sh`` does it). Its FastAPI app is driven with Starlette's TestClient: a body that passes
-the app's validation reaches the (absent) tokenizer manager and answers 500; an invalid one 400/422.
-The checks the tokenizer manager would run next (``SamplingParams.normalize``/``verify``,
-``GenerateReqInput.normalize_batch_and_arguments``) are run here directly.
+SGLang 0.5.x imports without CUDA when installed as ``launch/setup_sglang_contract.sh`` does it, in
+its own venv ``.venv-sglang-contract/`` (SGLang's pins -- triton, torchvision, xgrammar, a CUDA torch
+-- never enter the training environment). Its FastAPI app is driven with Starlette's TestClient: a
+body that passes the app's validation reaches the (absent) tokenizer manager and answers 500; an
+invalid one 400/422. The checks the tokenizer manager would run next (``SamplingParams.normalize``/
+``verify``, ``GenerateReqInput.normalize_batch_and_arguments``) are run here directly.
 
-If SGLang cannot be imported the tier FAILS, so CI can never pass by silently skipping it; set
-``GSPO_SKIP_SGLANG_CONTRACT=1`` only where the contract dependencies are intentionally absent.
+Where the tier runs (``contract_tier_placement``), so that a plain ``python3 -m pytest`` runs it once:
+- inside the contract venv: here, in this interpreter;
+- elsewhere, when the contract venv exists: in the venv, as one test
+  (``test_contract_tier_in_its_venv.py``); the tier's own tests are deselected in this interpreter;
+- elsewhere, without the venv: in this interpreter (a machine with a real SGLang install). If SGLang
+  cannot be imported the tier FAILS, so CI can never pass by silently skipping it; set
+  ``GSPO_SKIP_SGLANG_CONTRACT=1`` only where the contract dependencies are intentionally absent.
 """
 
 from __future__ import annotations
 
+import enum
 import os
+import sys
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 SKIP_ENV = "GSPO_SKIP_SGLANG_CONTRACT"
 VOCAB_SIZE = 1000  # the double's vocabulary; SamplingParams.verify only uses it for logit_bias
+CONTRACT_DIR = Path(__file__).resolve().parent
+CONTRACT_VENV = CONTRACT_DIR.parents[1] / ".venv-sglang-contract"
+VENV_RUNNER = "test_contract_tier_in_its_venv.py"
+
+
+class Placement(enum.Enum):
+    HERE = "here"  # the tier's tests run in this interpreter
+    IN_VENV = "in_venv"  # one test runs the tier in .venv-sglang-contract
+
+
+def contract_tier_placement() -> Placement:
+    in_contract_venv = Path(sys.prefix).resolve() == CONTRACT_VENV.resolve()
+    if not in_contract_venv and (CONTRACT_VENV / "bin" / "python").exists():
+        return Placement.IN_VENV
+    return Placement.HERE
 
 
 def pytest_collection_modifyitems(config, items):
+    placement = contract_tier_placement()
+    kept, deselected = [], []
     for item in items:
-        if "tests/contract" in str(item.fspath):
-            item.add_marker(pytest.mark.contract)
+        path = Path(str(item.fspath)).resolve()
+        if CONTRACT_DIR not in path.parents:
+            kept.append(item)
+            continue
+        item.add_marker(pytest.mark.contract)
+        runs_here = (path.name == VENV_RUNNER) == (placement is Placement.IN_VENV)
+        (kept if runs_here else deselected).append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = kept
 
 
 @dataclass
@@ -96,6 +130,11 @@ _REFERENCE: SGLangReference | None = None
 
 
 @pytest.fixture(scope="session")
+def contract_venv() -> Path:
+    return CONTRACT_VENV
+
+
+@pytest.fixture(scope="session")
 def sglang_reference() -> SGLangReference:
     global _REFERENCE
     if _REFERENCE is None:
@@ -105,8 +144,9 @@ def sglang_reference() -> SGLangReference:
             if os.environ.get(SKIP_ENV) == "1":
                 pytest.skip(f"SGLang contract deps intentionally absent ({SKIP_ENV}=1): {error}")
             pytest.fail(
-                f"SGLang cannot be imported ({error}); install the contract tier with `bash launch/setup.sh` "
-                f"(requirements/sglang-contract*.txt), or set {SKIP_ENV}=1 where it is intentionally absent",
+                f"SGLang cannot be imported ({error}); make the contract tier's venv with "
+                f"`bash launch/setup_sglang_contract.sh` (launch/setup.sh does it), or set {SKIP_ENV}=1 "
+                "where it is intentionally absent",
                 pytrace=False,
             )
     return _REFERENCE

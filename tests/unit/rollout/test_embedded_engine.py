@@ -1,6 +1,8 @@
 """EmbeddedEngine: KV cache vs none, log-probs vs a full forward, seeds, stop rules, routed experts,
 weight loading from a save_pretrained checkpoint."""
 
+import warnings
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -87,6 +89,16 @@ def test_kv_cache_matches_no_cache(source):
             for x, y in zip(group_a, group_b):
                 assert x.output_ids == y.output_ids
                 torch.testing.assert_close(x.output_log_probs, y.output_log_probs, atol=1e-5, rtol=1e-5)
+
+
+def test_generation_passes_no_deprecated_argument(source):
+    """transformers 5.x deprecates ``past_key_values`` (removed in 5.40): the engine must not pass it."""
+    engine = engine_from(source, use_cache=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=4, n=2, seed=3))
+    deprecations = [w for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    assert not deprecations, [str(w.message) for w in deprecations]
 
 
 def test_greedy_output_is_argmax_and_not_degenerate(source):

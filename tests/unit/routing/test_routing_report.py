@@ -89,3 +89,44 @@ def test_report_cli(tmp_path, capsys):
     assert (tmp_path / "run" / "routing_report.html").is_file()
     assert main([str(tmp_path / "nope")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def _zero_engine_run(path, config_yaml: str):
+    path.mkdir()
+    (path / "config.yaml").write_text(config_yaml)
+    with JsonlLog(path / "metrics.jsonl") as log:
+        for record in METRICS:
+            log.append(record)
+    with RoutingLog(path) as log:
+        for step in (1, 2):
+            log.append(_routing(step, "update", [0.1, 0.3], [0.9, 0.8]))
+            log.append(_routing(step, "rollout_vs_train", [0.0, 0.0], [1.0, 1.0]))
+    return path
+
+
+FP32_EMBEDDED = (
+    "algorithm:\n  name: gspo\n  routing_replay: none\n"
+    "model:\n  dtype: float32\n"
+    "rollout:\n  engine: embedded\n  embedded:\n    dtype: {engine}\n"
+)
+
+
+@pytest.mark.parametrize(
+    "config_yaml, reason",
+    [
+        (FP32_EMBEDDED.format(engine="float32"), "Zero as expected: the embedded engine computes in float32"),
+        (FP32_EMBEDDED.format(engine="float32").replace("none", "rollout"), "Zero by construction: R3"),
+        (FP32_EMBEDDED.format(engine="bfloat16"), "Every record is exactly zero"),
+    ],
+)
+def test_an_all_zero_engine_vs_trainer_panel_says_why(tmp_path, config_yaml, reason):
+    json_path, html_path = write_routing_report(_zero_engine_run(tmp_path / "run", config_yaml))
+    routing = json.loads(json_path.read_text())["routing"]
+    assert routing["rollout_vs_train"]["zero_reason"].startswith(reason)
+    assert routing["update"]["zero_reason"] is None  # a nonzero panel needs no explanation
+    assert reason in html_path.read_text()
+
+
+def test_a_nonzero_engine_vs_trainer_panel_has_no_zero_note(tmp_path):
+    json_path, _ = write_routing_report(make_run(tmp_path / "run"))
+    assert json.loads(json_path.read_text())["routing"]["rollout_vs_train"]["zero_reason"] is None

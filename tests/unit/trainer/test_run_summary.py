@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from gspo_megatron.trainer.run_log import summary_text
+import json
+import re
+import time
+
+from gspo_megatron.routing.run_dir import METRICS_FILE, read_jsonl
+from gspo_megatron.trainer.run_log import RUN_WALL_KEY, RunLog, summary_text
 
 
 def _step(step: int, reward: float, **extra) -> dict:
@@ -34,3 +39,27 @@ def test_the_length_bucket_spreads_are_printed_when_measured():
     history = [_step(i + 1, 0.5, **extra) for i in range(5)]
     text = summary_text(history, wall_s=6.0, plot=None)
     assert "mean |w_t - s_i| = 0.02 (token ratio spread E[(w-1)^2] 0.04 vs sequence 0.01 at 5-16 tokens)" in text
+
+
+def test_wall_time_covers_the_whole_run_across_a_resume(tmp_path):
+    """A run resumed at step 3 after an earlier process spent 600 s: the summary times all 4 steps."""
+    earlier = [{**_step(i + 1, 0.5), RUN_WALL_KEY: 200.0 * (i + 1)} for i in range(3)]
+    (tmp_path / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in earlier))
+    before = time.monotonic()
+    log = RunLog(tmp_path, 4, tensorboard=False, wandb_project=None, progress=False, config_yaml="", resume_step=3)
+    log.log_step(4, {k: v for k, v in _step(4, 0.75).items() if k != "step"})
+    this_process = time.monotonic() - before
+    walls = [r[RUN_WALL_KEY] for r in read_jsonl(tmp_path / METRICS_FILE)]
+    assert walls[:3] == [200.0, 400.0, 600.0] and 600.0 <= walls[3] <= 600.0 + this_process
+    text = log.close()
+    minutes = float(re.search(r"4 steps in ([0-9.]+) min", text).group(1))
+    assert minutes >= 10.0 and "(resumed at step 3:" in text
+
+
+def test_a_fresh_run_starts_its_clock_at_zero(tmp_path):
+    before = time.monotonic()
+    log = RunLog(tmp_path, 1, tensorboard=False, wandb_project=None, progress=False, config_yaml="")
+    log.log_step(1, {"reward/mean": 0.5})
+    (record,) = read_jsonl(tmp_path / METRICS_FILE)
+    assert 0.0 <= record[RUN_WALL_KEY] <= time.monotonic() - before
+    assert "resumed" not in log.close()

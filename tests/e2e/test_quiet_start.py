@@ -1,0 +1,35 @@
+"""The main job's first screen: no third-party warning beyond the reviewed list (known_warnings.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from gspo_megatron.known_warnings import optional_accelerators_notice
+
+pytestmark = pytest.mark.e2e
+
+# what warnings.showwarning prints: "<file>:<line>: <Category>: <message>"
+WARNING_LINE = re.compile(r"^\S.*:\d+: (\w*Warning): (.*)$", re.MULTILINE)
+
+
+def test_main_job_shows_no_unreviewed_warning(tmp_path):
+    # the issue's command: deprecations that will break us are errors, everything else must not show
+    command = [sys.executable, "-W", "error::FutureWarning", "-m", "gspo_megatron.train", "trainer.steps=2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    result = subprocess.run(
+        [*command, f"run_dir={tmp_path / 'run'}"], env=env, capture_output=True, text=True, timeout=600
+    )
+    screen = result.stdout + result.stderr
+    assert result.returncode == 0, screen[-4000:]
+    assert "run summary: 2 steps" in result.stdout
+    assert WARNING_LINE.findall(screen) == [], screen[-4000:]
+    notice = optional_accelerators_notice()
+    assert screen.count("not installed") == (0 if notice is None else 1), screen[-4000:]
+    if notice is not None:
+        assert notice in result.stdout

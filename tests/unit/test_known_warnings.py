@@ -1,0 +1,32 @@
+"""The reviewed-warning filters: a reviewed warning from its module is hidden, anything else shows."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from gspo_megatron.known_warnings import KNOWN_WARNINGS, filter_known_warnings
+
+
+def _shown(message: str, category: type[Warning], module: str) -> bool:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.resetwarnings()
+        warnings.simplefilter("always")
+        filter_known_warnings()
+        warnings.warn_explicit(message, category, filename=f"/site/{module}.py", lineno=1, module=module)
+    return len(caught) == 1
+
+
+@pytest.mark.parametrize("known", KNOWN_WARNINGS, ids=lambda known: known.message[:30])
+def test_a_reviewed_warning_is_hidden_only_from_its_module(known):
+    message = known.message.replace("\\", "") + " (details)"
+    module = known.module.replace("\\", "").rstrip(".") + ".sub"  # a module the pattern matches
+    assert not _shown(message, known.category, module)
+    assert _shown(message, known.category, "someone_else")  # the same text from elsewhere still shows
+    assert _shown(message, DeprecationWarning if known.category is not DeprecationWarning else UserWarning, module)
+
+
+def test_an_unreviewed_warning_shows():
+    assert _shown("something new", UserWarning, "megatron.core.optimizer")
+    assert _shown("past_key_values is deprecated", FutureWarning, "transformers.utils.generic")
