@@ -1,15 +1,31 @@
 """megatron-core's optimizer and LR/weight-decay scheduler, built from the optimizer section.
 
-The distributed optimizer is used where it works (CUDA); on CPU megatron refuses CPU tensors in it,
-so the plain (replicated-state) optimizer is used there. Gradient clipping is megatron's, by global
-norm over all model-parallel ranks (on CPU through the bridge in ``parallel/cpu_compat.py``).
+Design decisions:
+- ``optimizer.distributed`` (auto | true | false) is resolved once, by ``use_distributed_optimizer``,
+  and handed to the DDP wrapper (``models/schedule.py:wrap_for_training``); the optimizer reads the
+  choice back from that wrapper's ``ddp_config``, so the two can never disagree (megatron's
+  distributed optimizer needs the DDP's parameter buffer; with a plain DDP it fails at the first step).
+- Same defaults on CPU and GPU: the distributed optimizer runs on CPU/gloo through the bridge in
+  ``parallel/cpu_compat.py`` (megatron's CUDA type checks), bf16 (megatron's mixed-precision
+  optimizer: fp32 main weights and grads) likewise.
+- Gradient clipping is megatron's, by global norm over all model-parallel ranks.
 """
 
 from __future__ import annotations
 
 import torch
 
-from gspo_megatron.config.schema import DecayStyle
+from gspo_megatron.config.schema import DecayStyle, DistributedOptimizerChoice
+from gspo_megatron.parallel.layout import ParallelLayout
+
+
+def use_distributed_optimizer(choice: str, layout: ParallelLayout) -> bool:
+    """``optimizer.distributed``: true/false as given; auto = on when the data-parallel size is > 1
+    (one data-parallel rank has nothing to shard with)."""
+    choice = DistributedOptimizerChoice(str(choice).lower())
+    if choice == DistributedOptimizerChoice.auto:
+        return layout.dp > 1
+    return choice == DistributedOptimizerChoice.true
 
 
 def build_optimizer(ddp_model, section, total_updates: int):
@@ -21,10 +37,10 @@ def build_optimizer(ddp_model, section, total_updates: int):
 
 
 def optimizer_config(ddp_model, section):
-    """megatron's ``OptimizerConfig`` for the optimizer section (Adam; bf16 as the model is)."""
+    """megatron's ``OptimizerConfig`` for the optimizer section (Adam; bf16 as the model is; the
+    distributed optimizer exactly when the DDP wrapper was built for it)."""
     from megatron.core.optimizer import OptimizerConfig
 
-    on_gpu = torch.cuda.is_available()
     bf16 = ddp_model.config.bf16
     return OptimizerConfig(
         optimizer="adam",
@@ -37,7 +53,7 @@ def optimizer_config(ddp_model, section):
         clip_grad=section.clip_grad,
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        use_distributed_optimizer=on_gpu,
+        use_distributed_optimizer=ddp_model.ddp_config.use_distributed_optimizer,
     )
 
 
