@@ -74,6 +74,29 @@ def use_fused_torch_adam(optimizer) -> None:
                 group["foreach"], group["fused"] = False, True
 
 
+def allocate_optimizer_state(optimizer) -> None:
+    """Give a fresh optimizer's torch Adam its state (zero moments, step 0) before a checkpoint loads.
+
+    megatron's distributed optimizer, with torch's Adam (no TE/Apex), reads the Adam ``step`` of its
+    existing state while it builds the sharded state dict to load into
+    (``DistributedOptimizer.state_dict``: ``assert len(steps) == 1``), and a fresh optimizer has none.
+    This allocates what the first ``step()`` would (megatron's ``init_state_fn`` plus ``step``); the
+    load then overwrites every value, the step included. A no-op for state that exists.
+    """
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(part, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not inner.state[param]:
+                    inner.state[param] = {
+                        "step": torch.tensor(0.0),
+                        "exp_avg": torch.zeros_like(param),
+                        "exp_avg_sq": torch.zeros_like(param),
+                    }
+
+
 def build_scheduler(optimizer, section, total_updates: int):
     """megatron's LR/weight-decay scheduler. Its ``state_dict`` goes into the checkpoint's trainer state,
     which is loaded with ``weights_only=True``: the decay style is handed over as a plain string, not as

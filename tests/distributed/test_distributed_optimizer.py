@@ -30,7 +30,25 @@ def adam_state_bytes(optimizer) -> int:
     return total
 
 
-def train_steps_worker(ctx, distributed: str, dtype: str = "float32") -> dict:
+def full_adam_moments(model, optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    """Each parameter's Adam moments as whole tensors: this rank's shard written at its place in the
+    flattened parameter, zeros elsewhere (summing the ranks' results gives the whole moments)."""
+    moments = {}
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    for name, param in model.named_parameters():
+        whole = {key: torch.zeros(param.numel()) for key in ("exp_avg", "exp_avg_sq")}
+        # the part whose shard holds some of this parameter (megatron maps only owned parameters)
+        part = next((p for p in parts if param in p.model_param_gbuf_map), None)
+        if part is not None:
+            owned = part._get_model_param_range_map(param)["param"]
+            shard = part._get_main_param_and_optimizer_states(param)
+            for key in whole:
+                whole[key][owned.start : owned.end] = shard[key].detach().float()
+        moments[name] = whole
+    return moments
+
+
+def train_steps_worker(ctx, distributed: str, dtype: str = "float32", checkpoint_dir: str | None = None) -> dict:
     from megatron.core import tensor_parallel
 
     from gspo_megatron.config.schema import OptimizerSection
@@ -51,6 +69,11 @@ def train_steps_worker(ctx, distributed: str, dtype: str = "float32") -> dict:
         model, model.config, use_distributed_optimizer=use_distributed_optimizer(section.distributed, layout)
     )
     optimizer, scheduler = build_optimizer(ddp, section, total_updates=STEPS)
+    if checkpoint_dir is not None and ctx.world_size == 1:  # resume what 2 ranks saved
+        from gspo_megatron.trainer.checkpoint import latest_checkpoint, load_checkpoint
+
+        load_checkpoint(latest_checkpoint(checkpoint_dir), model, optimizer)
+        return {"moments": full_adam_moments(model, optimizer)}
     inputs, targets, weights = fixed_batch(cfg)
     rows = inputs.shape[0] // layout.dp
     mine = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
@@ -70,7 +93,14 @@ def train_steps_worker(ctx, distributed: str, dtype: str = "float32") -> dict:
         assert stepped
         grad_norms.append(grad_norm)
     weights_after = {k: v.float() for k, v in export_hf_state_dict(model, cfg, mesh).items()}
+    saved = {}
+    if checkpoint_dir is not None:
+        from gspo_megatron.trainer.checkpoint import save_checkpoint
+
+        save_checkpoint(checkpoint_dir, STEPS, model, optimizer, {}, keep_last=1, is_driver=ctx.rank == 0)
+        saved["moments"] = full_adam_moments(model, optimizer)
     return {
+        **saved,
         "distributed": ddp.ddp_config.use_distributed_optimizer,
         "optimizer_types": {type(part).__name__ for part in getattr(optimizer, "chained_optimizers", [optimizer])},
         "state_bytes": adam_state_bytes(optimizer),
@@ -108,3 +138,16 @@ def test_distributed_optimizer_state_is_half_per_rank(plain_and_distributed):
     # boundary falls inside a parameter, so the halves differ by at most one padding unit of Adam state)
     assert sum(sharded) == plain[0]
     assert all(abs(b - plain[0] / 2) <= 2 * 4 * 128 * 2 for b in sharded), (sharded, plain)
+
+
+def test_sharded_state_resumes_on_one_rank_exactly(tmp_path):
+    """Saved by 2 data-parallel ranks (each holding half of every moment buffer), loaded by one:
+    megatron reshards the 'dp_reshardable' checkpoint; every Adam moment arrives bit for bit."""
+    two = run_distributed(train_steps_worker, 2, "true", checkpoint_dir=str(tmp_path), timeout=600)
+    (one,) = run_distributed(train_steps_worker, 1, "true", checkpoint_dir=str(tmp_path), timeout=600)
+    assert one["moments"].keys() == two[0]["moments"].keys()
+    for name, loaded in one["moments"].items():
+        for key, value in loaded.items():
+            saved = two[0]["moments"][name][key] + two[1]["moments"][name][key]  # disjoint shards
+            assert torch.equal(value, saved), f"{name} {key}"
+            assert value.abs().sum() > 0 or "norm" in name, f"{name} {key}: no state was loaded"
