@@ -23,9 +23,7 @@ register_configs()
 
 def run(cfg: DictConfig, run_dir: str) -> str:
     """Train with an already composed config; returns the summary text (driver) or ''."""
-    import torch
-
-    from gspo_megatron.config.validate import validate_config, validate_for_machine
+    from gspo_megatron.config.validate import validate_config
     from gspo_megatron.trainer.run_dir_owner import claim_run_dir
     from gspo_megatron.trainer.setup import build, world_size_from_env
     from gspo_megatron.trainer.signals import SignalWatch
@@ -38,7 +36,6 @@ def run(cfg: DictConfig, run_dir: str) -> str:
         cfg = cast(DictConfig, OmegaConf.merge(cfg, {"model": hf_shape_fields(cfg.model.hf_checkpoint)}))
     typed = to_train_config(cfg)
     validate_config(typed, world_size_from_env())
-    validate_for_machine(typed, torch.cuda.is_available())
     freeze_config(typed)  # read-only from here on: every part of the run sees the settings config.yaml records
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     # the driver owns the run directory: lock it, and refuse a wrong fresh start or resume before building

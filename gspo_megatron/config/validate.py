@@ -105,14 +105,6 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
     return cfg
 
 
-def validate_for_machine(cfg: TrainConfig, cuda_available: bool) -> None:
-    """Rules that depend on this machine, not on the config alone (run at start-up, after ``validate_config``)."""
-    if cfg.model.dtype == "bfloat16" and not cuda_available:
-        raise ConfigError(
-            "model.dtype=bfloat16 needs a GPU (megatron's bf16 path is CUDA-only); use model.dtype=float32 on CPU"
-        )
-
-
 def _validate_run_safety(cfg: TrainConfig) -> None:
     """Checkpoint cadence, resume mode and the non-finite policy."""
     from gspo_megatron.trainer.nonfinite import POLICIES
