@@ -1,6 +1,6 @@
 """Let megatron-core 0.16.x run on a machine without CUDA (CPU tensors, gloo collectives).
 
-Activated only when ``torch.cuda.is_available()`` is false, by ``enable_cpu_megatron()``; on a GPU
+Activated only without CUDA (``parallel/device.py:cuda_kernels``), by ``enable_cpu_megatron()``; on a GPU
 machine nothing here runs. ``disable_cpu_megatron()`` puts back every attribute the bridges replaced
 (each bridge is applied through ``_patch``, which remembers the original). Written against
 megatron-core 0.16.1 and torch 2.13 (CPU build); ``tests/unit/parallel/test_cpu_compat.py`` shows,
@@ -65,7 +65,9 @@ _applied: list[tuple[object, str, object]] = []  # (owner, attribute, original),
 
 def enable_cpu_megatron() -> None:
     """Apply every bridge below once per process; a no-op where CUDA is available."""
-    if _applied or torch.cuda.is_available():
+    from gspo_megatron.parallel.device import cuda_kernels
+
+    if _applied or cuda_kernels():
         return
     for bridge in BRIDGES:
         bridge()

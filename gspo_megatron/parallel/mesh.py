@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.parallel.cpu_compat import enable_cpu_megatron
+from gspo_megatron.parallel.device import compute_device, cuda_kernels
 from gspo_megatron.parallel.layout import LayoutError, ParallelLayout
 
 
@@ -139,7 +140,7 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: flo
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    use_cuda = torch.cuda.is_available()
+    use_cuda = cuda_kernels()
     if not use_cuda:
         enable_cpu_megatron()
     if not dist.is_initialized():
@@ -165,5 +166,4 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: flo
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
-    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    return ParallelMesh(layout=layout, device=device)
+    return ParallelMesh(layout=layout, device=compute_device())
