@@ -252,11 +252,11 @@ def _cuda_type_names():
             return name
         return name.replace("torch.", "torch.cuda.", 1)
 
-    torch.Tensor.type = cuda_type_name  # type: ignore[method-assign]
+    torch.Tensor.type = cuda_type_name
     try:
         yield
     finally:
-        torch.Tensor.type = torch_type  # type: ignore[method-assign]
+        torch.Tensor.type = torch_type
 
 
 BRIDGES = (

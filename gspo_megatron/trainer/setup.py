@@ -127,7 +127,9 @@ def build(cfg: TrainConfig, run_dir: Path, config_yaml: str, world_size: int | N
     load_hf_weights(model_chunk, cfg.model, source, mesh)
     reference = ReferenceModel.build(cfg, layout, mesh, source, dtype) if cfg.algorithm.kl_coef > 0 else None
     ddp = wrap_for_training(
-        model_chunk, model_chunk.config, use_distributed_optimizer=use_distributed_optimizer(cfg.optimizer.distributed, layout)
+        model_chunk,
+        model_chunk.config,
+        use_distributed_optimizer=use_distributed_optimizer(cfg.optimizer.distributed, layout),
     )
     total_updates = cfg.trainer.steps * cfg.trainer.updates_per_rollout
     optimizer, scheduler = build_optimizer(ddp, cfg.optimizer, total_updates)

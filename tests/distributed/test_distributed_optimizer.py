@@ -64,7 +64,9 @@ def train_steps_worker(ctx, distributed: str, dtype: str = "float32", checkpoint
     mesh = initialize_parallel(layout, seed=11)
     model = build_model(cfg, layout, params_dtype=getattr(torch, dtype))
     load_hf_weights(model, cfg, random_hf_state(cfg, seed=3), mesh)
-    section = OptimizerSection(lr=0.01, weight_decay=0.1, warmup_steps=0, decay_style="constant", distributed=distributed)
+    section = OptimizerSection(
+        lr=0.01, weight_decay=0.1, warmup_steps=0, decay_style="constant", distributed=distributed
+    )
     ddp = wrap_for_training(
         model, model.config, use_distributed_optimizer=use_distributed_optimizer(section.distributed, layout)
     )

@@ -82,7 +82,9 @@ def test_bf16_layout_matches_single_rank(bf16_reference, name):
     near-tied routing choices), i.e. a changed reduction order in bf16, never a wrong shard."""
     cfg, state, fp32, single = bf16_reference
     layout = EQUIVALENCE_LAYOUTS[name]
-    results = run_distributed(model_layout_worker, layout["world_size"], cfg, state, layout, dtype="bfloat16", timeout=600)
+    results = run_distributed(
+        model_layout_worker, layout["world_size"], cfg, state, layout, dtype="bfloat16", timeout=600
+    )
     for result in results:  # the round trip is exact in bf16: the weights were rounded once, on load
         for key, value in state.items():
             assert torch.equal(result["exported"][key], value.to(torch.bfloat16)), f"round trip changed {key}"

@@ -6,8 +6,9 @@ Counted on each rank from real tensors: the parameters of the built model, the D
 (``grad_data`` always, ``param_data`` with the distributed optimizer), fp32 and bf16 weights, and
 the Adam state torch allocates after one optimizer step (fp32, no distributed optimizer). With the
 distributed optimizer the owned shard is counted with megatron's own shard map
-(``DistributedOptimizer._build_gbuf_range_map``, the function its constructor allocates from); the
-allocated state itself is measured in ``tests/distributed/test_distributed_optimizer.py``. One gloo launch per world size runs every layout.
+(``DistributedOptimizer._build_gbuf_range_map``, the function its constructor allocates from);
+the allocated state itself is measured in ``tests/distributed/test_distributed_optimizer.py``.
+One gloo launch per world size runs every layout.
 """
 
 from __future__ import annotations

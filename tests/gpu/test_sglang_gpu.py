@@ -81,7 +81,10 @@ def test_real_server_generates_and_takes_a_weight_update(tmp_path):
         weights = load_file(str(model / "model.safetensors"), device="cuda")
         generator = torch.Generator(device="cuda").manual_seed(0)
         perturbed = {
-            name: tensor + 0.5 * tensor.float().std() * torch.randn(tensor.shape, generator=generator, device="cuda").to(tensor.dtype)
+            name: tensor
+            + 0.5
+            * tensor.float().std()
+            * torch.randn(tensor.shape, generator=generator, device="cuda").to(tensor.dtype)
             for name, tensor in weights.items()
         }
         engine.update_weights(sorted(perturbed.items()), version=1)
