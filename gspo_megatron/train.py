@@ -23,7 +23,6 @@ filter_known_warnings()  # before anything that warns is imported: reviewed thir
 
 def run(cfg: DictConfig, run_dir: str) -> str:
     """Train with an already composed config; returns the summary text (driver) or ''."""
-    import torch
     from omegaconf import DictConfig, OmegaConf
 
     from gspo_megatron.config.schema import to_train_config
@@ -42,7 +41,7 @@ def run(cfg: DictConfig, run_dir: str) -> str:
         cfg = cast(DictConfig, OmegaConf.merge(cfg, {"model": hf_shape_fields(cfg.model.hf_checkpoint)}))
     typed = to_train_config(cfg)
     validate_config(typed, world_size_from_env())
-    validate_for_machine(typed, torch.cuda.is_available())
+    validate_for_machine(typed)  # optional packages the config asks for (wandb, tensorboard)
     freeze_config(typed)  # read-only from here on: every part of the run sees the settings config.yaml records
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     # the driver owns the run directory: lock it, and refuse a wrong fresh start or resume before building

@@ -48,12 +48,25 @@ class DecayStyle(ConfigChoice):
     cosine = "cosine"
 
 
+class DistributedOptimizerChoice(ConfigChoice):
+    """``optimizer.distributed``: shard megatron's optimizer state over the data-parallel ranks.
+
+    ``auto`` = on exactly when the data-parallel size is > 1 (``trainer/optim.py``); the same on CPU
+    and GPU. The field itself is a ``str``: YAML and Hydra turn ``true``/``false`` into booleans,
+    which OmegaConf's enum fields refuse; ``OptimizerSection.validate`` maps the string to this choice.
+    """
+
+    auto = "auto"
+    true = "true"
+    false = "false"
+
+
 @dataclass
 class ModelSection(MoEModelConfig):
     preset: str | None = None  # documentation of where the numbers came from ("tiny", ...)
     hf_checkpoint: str | None = None  # a local HF Qwen3-MoE directory to start from; its config.json sets the shape
     layer_spec: LayerSpec = LayerSpec.auto
-    dtype: TrainerDtype = TrainerDtype.float32  # bf16 needs a GPU
+    dtype: TrainerDtype = TrainerDtype.float32  # bfloat16: bf16 weights, fp32 main weights and grads
     init_seed: int = 1234  # random init when no checkpoint is given
     init_std: float = 0.02
 
@@ -139,6 +152,9 @@ class OptimizerSection(ConfigNode):
     adam_beta2: float = 0.98
     adam_eps: float = 1e-8
     clip_grad: float = 1.0  # global gradient-norm bound; 0: no clipping (megatron's convention)
+    # auto | true | false: megatron's distributed optimizer (state sharded over data-parallel ranks);
+    # auto = on when the data-parallel size is > 1
+    distributed: str = "auto"
 
     def validate(self) -> None:
         for name in ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad"):
@@ -162,6 +178,13 @@ class OptimizerSection(ConfigNode):
             raise ValueError(f"optimizer.adam_eps={self.adam_eps} must be > 0 (e.g. 1e-8)")
         if self.clip_grad < 0:
             raise ValueError(f"optimizer.clip_grad={self.clip_grad} must be >= 0 (0: no clipping)")
+        value = str(self.distributed).strip().lower()  # Hydra hands true/false over as 'True'/'False'
+        if value not in tuple(DistributedOptimizerChoice):
+            raise ValueError(
+                f"optimizer.distributed={self.distributed!r} is not one of {', '.join(DistributedOptimizerChoice)}"
+            )
+        if not isinstance(self.distributed, DistributedOptimizerChoice):
+            self.distributed = DistributedOptimizerChoice(value)
 
 
 @dataclass

@@ -115,17 +115,13 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
     return cfg
 
 
-def validate_for_machine(cfg: TrainConfig, cuda_available: bool) -> None:
+def validate_for_machine(cfg: TrainConfig) -> None:
     """Rules that depend on this machine, not on the config alone (run at start-up, after ``validate_config``)."""
     for key, package in (("logging.wandb", "wandb"), ("logging.tensorboard", "tensorboard")):
         if getattr(cfg.logging, key.split(".")[1]) and importlib.util.find_spec(package) is None:
             raise ConfigError(
                 f"{key}=true but the {package} package is not installed here; install it, or set {key}=false"
             )
-    if cfg.model.dtype == "bfloat16" and not cuda_available:
-        raise ConfigError(
-            "model.dtype=bfloat16 needs a GPU (megatron's bf16 path is CUDA-only); use model.dtype=float32 on CPU"
-        )
 
 
 def _validate_routed_experts_source(cfg: TrainConfig) -> None:

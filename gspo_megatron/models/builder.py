@@ -6,8 +6,10 @@ Design decisions:
 - Layer spec: megatron's own decoder-block spec (it handles the dense/MoE layer pattern and the
   pipeline-stage slicing). With TransformerEngine installed and CUDA present we use the TE spec
   unchanged; otherwise the "portable" spec swaps in ``models/layers.py`` norms and SDPA attention.
-- CPU-only choices (allgather dispatcher, sequential experts, CPU initialisation) are config
-  values chosen here, not patches; see ``parallel/cpu_compat.py`` for what has no seam.
+- Kernel choices follow ``parallel/device.py`` (CUDA or not): the TE spec, where the weights are
+  initialised (``use_cpu_initialization`` on CPU), and -- until the alltoall dispatcher runs on
+  CPU -- the token dispatcher (allgather without CUDA). Sequential experts everywhere. What has no
+  seam in megatron-core is bridged in ``parallel/cpu_compat.py``.
 - ``build_model(..., device="meta")`` builds without allocating (for the real 30B shape).
 """
 
@@ -19,11 +21,13 @@ import torch
 import torch.nn.functional as F
 
 from gspo_megatron.models.config import LayerSpec, MoEModelConfig
+from gspo_megatron.parallel.device import compute_device, cuda_kernels
 from gspo_megatron.parallel.layout import ParallelLayout
 
 
 def transformer_engine_available() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+    """The layer-kernel choice: TransformerEngine's fused layers need CUDA and the package."""
+    return cuda_kernels() and importlib.util.find_spec("transformer_engine") is not None
 
 
 def resolve_spec_name(requested: str) -> str:
@@ -51,7 +55,7 @@ def make_transformer_config(
     from megatron.core.transformer import TransformerConfig
 
     model.validate()
-    on_gpu = torch.cuda.is_available()
+    on_gpu = cuda_kernels()  # the dispatcher's kernel choice below (issue 26 item 4 makes it config)
     moe_layer_freq = [0 if i in set(model.dense_layers) else 1 for i in range(model.num_layers)]
     moe_kwargs = {}
     if model.is_moe:
@@ -101,7 +105,7 @@ def make_transformer_config(
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
-        use_cpu_initialization=not on_gpu,
+        use_cpu_initialization=compute_device().type == "cpu",  # initialise where the weights live
         perform_initialization=initialize,
         # Micro-batches of one forward-backward call share one padded length (the allgather
         # dispatcher used on CPU does not support variable lengths).
@@ -196,10 +200,7 @@ def build_model(
     if on_meta:
         with torch.device("meta"):
             return GPTModel(**kwargs)
-    gpt = GPTModel(**kwargs)
-    if torch.cuda.is_available():
-        gpt = gpt.cuda()
-    return gpt
+    return GPTModel(**kwargs).to(compute_device())
 
 
 def count_parameters(module: torch.nn.Module) -> int:

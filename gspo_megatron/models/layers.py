@@ -29,7 +29,7 @@ class RMSNorm(torch.nn.Module):
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused):
         super().__init__()
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         self.weight.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]  # read by megatron
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

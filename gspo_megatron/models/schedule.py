@@ -31,15 +31,26 @@ from gspo_megatron.parallel.context_parallel import chunk_positions, split_micro
 LossCallback = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict]]
 
 
-def wrap_for_training(model, config, *, grad_reduce_in_fp32: bool = True, bucket_size: int | None = None):
-    """Wrap in megatron's DistributedDataParallel and install grad finalisation on the config."""
+def wrap_for_training(
+    model,
+    config,
+    *,
+    use_distributed_optimizer: bool = False,
+    grad_reduce_in_fp32: bool = True,
+    bucket_size: int | None = None,
+):
+    """Wrap in megatron's DistributedDataParallel and install grad finalisation on the config.
+
+    ``use_distributed_optimizer``: the DDP keeps a parameter buffer and reduce-scatters gradients, as
+    megatron's distributed optimizer needs; ``trainer/optim.py`` reads it back from ``ddp_config``.
+    """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=grad_reduce_in_fp32,
         overlap_grad_reduce=False,
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=use_distributed_optimizer,
         bucket_size=bucket_size,
     )
 

@@ -1,6 +1,6 @@
 """Let megatron-core 0.16.x run on a machine without CUDA (CPU tensors, gloo collectives).
 
-Activated only when ``torch.cuda.is_available()`` is false, by ``enable_cpu_megatron()``; on a GPU
+Activated only without CUDA (``parallel/device.py:cuda_kernels``), by ``enable_cpu_megatron()``; on a GPU
 machine nothing here runs. ``disable_cpu_megatron()`` puts back every attribute the bridges replaced
 (each bridge is applied through ``_patch``, which remembers the original). Written against
 megatron-core 0.16.1 and torch 2.13 (CPU build); ``tests/unit/parallel/test_cpu_compat.py`` shows,
@@ -39,11 +39,22 @@ What has no seam is bridged here, one function per fact:
 7. Context parallelism: ``rope_utils.get_pos_emb_on_this_cp_rank`` builds its chunk index with
    ``pin_memory=True`` and ``.cuda()``. ``rotary_pos_embedding`` (which imported it by name) gets
    the same load-balanced split from ``parallel/context_parallel.split_sequence`` on CPU.
+8. The mixed-precision and distributed optimizers sort parameters by ``param.type()`` string
+   (``optimizer/optimizer.py:671,690`` in ``Float16OptimizerWithFloat16Params.__init__``,
+   ``optimizer/distrib_optimizer.py:361,420,582`` in ``DistributedOptimizer.__init__`` and the
+   ``_build_model_and_main_param_groups`` it calls) and raise ``TypeError`` for anything but
+   ``torch.cuda.{Float,Half,BFloat16}Tensor``. While those two constructors run, ``Tensor.type()``
+   without arguments names a CPU tensor by its CUDA name (``torch.FloatTensor`` ->
+   ``torch.cuda.FloatTensor``), so CPU parameters take the same fp32 / bf16 branches; outside the
+   constructors ``Tensor.type`` is torch's own. gloo (torch 2.13) has ``reduce_scatter_tensor`` and
+   ``all_gather_into_tensor`` (async and coalesced), so the gradient reduce-scatter and the parameter
+   all-gather need no bridge.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 
 import torch
@@ -54,7 +65,9 @@ _applied: list[tuple[object, str, object]] = []  # (owner, attribute, original),
 
 def enable_cpu_megatron() -> None:
     """Apply every bridge below once per process; a no-op where CUDA is available."""
-    if _applied or torch.cuda.is_available():
+    from gspo_megatron.parallel.device import cuda_kernels
+
+    if _applied or cuda_kernels():
         return
     for bridge in BRIDGES:
         bridge()
@@ -210,6 +223,42 @@ def _rotary_cp_split_on_cpu() -> None:
     _patch(rotary_pos_embedding, "get_pos_emb_on_this_cp_rank", get_pos_emb_on_this_cp_rank)
 
 
+def _cpu_tensors_pass_optimizer_type_checks() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    for owner in (DistributedOptimizer, Float16OptimizerWithFloat16Params):
+        _patch(owner, "__init__", _with_cuda_type_names(owner.__init__))
+
+
+def _with_cuda_type_names(constructor):
+    @functools.wraps(constructor)
+    def construct(*args, **kwargs):
+        with _cuda_type_names():
+            return constructor(*args, **kwargs)
+
+    return construct
+
+
+@contextlib.contextmanager
+def _cuda_type_names():
+    """``tensor.type()`` -> 'torch.cuda.FloatTensor' for a CPU float32 tensor (and alike), for the
+    duration of the block; ``tensor.type(dtype)`` (a conversion) is untouched."""
+    torch_type = torch.Tensor.type
+
+    def cuda_type_name(self, *args, **kwargs):
+        name = torch_type(self, *args, **kwargs)
+        if args or kwargs or self.device.type != "cpu":
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = cuda_type_name
+    try:
+        yield
+    finally:
+        torch.Tensor.type = torch_type
+
+
 BRIDGES = (
     _current_device_is_cpu,
     _cuda_sync_noops,
@@ -218,4 +267,5 @@ BRIDGES = (
     _cuda_literals_to_cpu,
     _clip_grads_on_cpu,
     _rotary_cp_split_on_cpu,
+    _cpu_tensors_pass_optimizer_type_checks,
 )

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.parallel.cpu_compat import enable_cpu_megatron
+from gspo_megatron.parallel.device import compute_device, cuda_kernels
 from gspo_megatron.parallel.heartbeat import Heartbeat
 from gspo_megatron.parallel.layout import LayoutError, ParallelLayout
 
@@ -151,7 +152,7 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: flo
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    use_cuda = torch.cuda.is_available()
+    use_cuda = cuda_kernels()
     if not use_cuda:
         enable_cpu_megatron()
     if not dist.is_initialized():
@@ -178,8 +179,7 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: flo
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
-    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     heartbeat = None
     if world > 1 and "MASTER_ADDR" in os.environ:  # env:// rendezvous: the store every rank met at
         heartbeat = Heartbeat(dist.get_rank(), world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-    return ParallelMesh(layout=layout, device=device, timeout_s=timeout_s, heartbeat=heartbeat)
+    return ParallelMesh(layout=layout, device=compute_device(), timeout_s=timeout_s, heartbeat=heartbeat)

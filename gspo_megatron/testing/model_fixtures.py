@@ -91,7 +91,9 @@ def policy_inputs(log_probs: torch.Tensor, seed: int = 5, noise: float = 1e-4) -
     return {"old_log_probs": old, "advantages": torch.randn(batch, generator=generator), "response_mask": mask}
 
 
-def model_layout_worker(ctx, cfg: MoEModelConfig, state: dict, layout_kwargs: dict, policy: dict | None = None):
+def model_layout_worker(
+    ctx, cfg: MoEModelConfig, state: dict, layout_kwargs: dict, policy: dict | None = None, dtype: str = "float32"
+):
     """Build the layout, load ``state``, run forward+backward of a loss through megatron's schedule.
 
     The loss is a weighted log-likelihood, or -- with ``policy`` = {"loss": name, "old_log_probs",
@@ -99,7 +101,8 @@ def model_layout_worker(ctx, cfg: MoEModelConfig, state: dict, layout_kwargs: di
     (optionally with "entropy_coef", "kl_coef", "kl_estimator" and per-row "ref_log_probs", and
     "algorithm": any other ``AlgorithmConfig`` fields, e.g. an anchor preset's clip and KL settings).
     Returns this rank's exported weights, the log-probs it holds (last stage, by dp rank), its loss
-    contribution and the gradients gathered to HF names.
+    contribution and the gradients gathered to HF names. ``dtype="bfloat16"`` builds bf16 weights
+    (gradients reduced in fp32, as the trainer does).
     """
     from megatron.core import tensor_parallel
 
@@ -111,7 +114,7 @@ def model_layout_worker(ctx, cfg: MoEModelConfig, state: dict, layout_kwargs: di
 
     layout = ParallelLayout(**layout_kwargs).validate(cfg)
     mesh = initialize_parallel(layout, seed=11)
-    model = build_model(cfg, layout)
+    model = build_model(cfg, layout, params_dtype=getattr(torch, dtype))
     load_hf_weights(model, cfg, state, mesh)
     exported = export_hf_state_dict(model, cfg, mesh)
     ddp = wrap_for_training(model, model.config)

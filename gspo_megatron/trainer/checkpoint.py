@@ -48,9 +48,41 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return path
 
 
+# megatron's distributed optimizer writes its shards in this format; its default
+# ('fully_sharded_model_space') is refused by megatron-core 0.16's own dist checkpointing
+# ("ShardedTensor.flattened_range is not supported"). The plain optimizer ignores the key.
+OPTIMIZER_CHECKPOINT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+DISTRIBUTED_KEY = "distributed_optimizer"  # in the trainer state: which optimizer wrote the checkpoint
+
+
+def is_distributed(optimizer) -> bool:
+    """Whether megatron's distributed optimizer (sharded state) is in use."""
+    return any(part.config.use_distributed_optimizer for part in getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def check_optimizer_kind(path: Path, state: dict, optimizer) -> None:
+    """Refuse, before anything is read, to load one optimizer's state into the other.
+
+    The distributed optimizer's state resumes on any data-parallel size (megatron reshards its
+    'dp_reshardable' format), the plain optimizer's too; between the two the formats differ. With
+    ``optimizer.distributed=auto`` a different data-parallel size can flip the choice, hence the fix
+    named in the error. Checkpoints written before the key existed came from the plain optimizer.
+    """
+    saved, now = bool(state.get(DISTRIBUTED_KEY, False)), is_distributed(optimizer)
+    if saved != now:
+        raise RuntimeError(
+            f"{path} was written with optimizer.distributed={str(saved).lower()} but this run resolves "
+            f"optimizer.distributed to {str(now).lower()} (auto = on when the data-parallel size is > 1); "
+            f"resume with optimizer.distributed={str(saved).lower()}"
+        )
+
+
 def _sharded_state(model, optimizer, is_loading: bool):
     model_sd = model.sharded_state_dict()
-    return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+    optimizer_sd = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIMIZER_CHECKPOINT_METADATA)
+    return {"model": model_sd, "optimizer": optimizer_sd}
 
 
 def read_trainer_state(path: Path) -> dict:
@@ -81,7 +113,8 @@ def save_checkpoint(
     states = [None] * dist.get_world_size() if is_driver else None
     dist.gather_object(rng, states, dst=0)
     if is_driver:
-        torch.save({**trainer_state, "step": step, "rng_per_rank": states, "run_id": run_id}, partial / STATE_FILE)
+        written = {"step": step, "rng_per_rank": states, "run_id": run_id, DISTRIBUTED_KEY: is_distributed(optimizer)}
+        torch.save({**trainer_state, **written}, partial / STATE_FILE)
         (partial / RUN_ID_FILE).write_text(run_id)
         if final.exists():
             _replace_own_or_keep_other(final, run_id)
@@ -131,11 +164,17 @@ def _prune(root: Path, keep_last: int, run_id: str) -> None:
 def load_checkpoint(path: Path, model, optimizer) -> dict:
     """Restore model and optimizer in place (any layout); returns the trainer state dict."""
     from gspo_megatron.trainer.checkpoint_reader import load_dist_checkpoint
+    from gspo_megatron.trainer.optim import allocate_optimizer_state
 
+    state = read_trainer_state(path)
+    check_optimizer_kind(path, state, optimizer)
+    allocate_optimizer_state(optimizer)
     loaded = load_dist_checkpoint(_sharded_state(model, optimizer, is_loading=True), path / MODEL_DIR)
     model.load_state_dict(loaded["model"])
-    optimizer.load_state_dict(loaded["optimizer"])
-    state = read_trainer_state(path)
+    # no_grad: with fp32 weights the distributed optimizer's main weights are views of the model's
+    # (leaf, requires_grad) parameters, which megatron copies the loaded shards into in place
+    with torch.no_grad():
+        optimizer.load_state_dict(loaded["optimizer"])
     rank = dist.get_rank()
     per_rank = state.get("rng_per_rank") or []
     if rank < len(per_rank) and per_rank[rank] is not None:

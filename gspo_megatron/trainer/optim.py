@@ -1,17 +1,22 @@
 """megatron-core's optimizer and LR/weight-decay scheduler, built from the optimizer section.
 
-The distributed optimizer is used where it works (CUDA); on CPU megatron refuses CPU tensors in it,
-so the plain (replicated-state) optimizer is used there. Gradient clipping is megatron's, by global
-norm over all model-parallel ranks (on CPU through the bridge in ``parallel/cpu_compat.py``).
-
-On resume the config decides the hyperparameters and the checkpoint only the position: megatron's
-scheduler would take lr, min_lr, warmup, decay steps and style from the checkpoint, and the
-optimizer's param groups (max_lr, min_lr, betas, eps) come back from it too, so a change the resume
-check allowed (``checkpoint.resume_allow_changes``) was silently ignored. The scheduler is built with
-``override_opt_param_scheduler`` (the config's schedule at the checkpoint's step count; a longer
-``trainer.steps`` stretches the decay over the new total) and the param groups' hyperparameters are
-re-applied from the config after the optimizer state is loaded (``keep_configured_hyperparameters``).
-Unchanged configs load to exactly the same values.
+Design decisions:
+- ``optimizer.distributed`` (auto | true | false) is resolved once, by ``use_distributed_optimizer``,
+  and handed to the DDP wrapper (``models/schedule.py:wrap_for_training``); the optimizer reads the
+  choice back from that wrapper's ``ddp_config``, so the two can never disagree (megatron's
+  distributed optimizer needs the DDP's parameter buffer; with a plain DDP it fails at the first step).
+- Same defaults on CPU and GPU: the distributed optimizer runs on CPU/gloo through the bridge in
+  ``parallel/cpu_compat.py`` (megatron's CUDA type checks), bf16 (megatron's mixed-precision
+  optimizer: fp32 main weights and grads) likewise.
+- Gradient clipping is megatron's, by global norm over all model-parallel ranks.
+- On resume the config decides the hyperparameters and the checkpoint only the position: megatron's
+  scheduler would take lr, min_lr, warmup, decay steps and style from the checkpoint, and the
+  optimizer's param groups (max_lr, min_lr, betas, eps) come back from it too, so a change the resume
+  check allowed (``checkpoint.resume_allow_changes``) was silently ignored. The scheduler is built with
+  ``override_opt_param_scheduler`` (the config's schedule at the checkpoint's step count; a longer
+  ``trainer.steps`` stretches the decay over the new total) and the param groups' hyperparameters are
+  re-applied from the config after the optimizer state is loaded (``keep_configured_hyperparameters``).
+  Unchanged configs load to exactly the same values.
 """
 
 from __future__ import annotations
@@ -21,7 +26,17 @@ from contextlib import contextmanager
 
 import torch
 
-from gspo_megatron.config.schema import DecayStyle
+from gspo_megatron.config.schema import DecayStyle, DistributedOptimizerChoice
+from gspo_megatron.parallel.layout import ParallelLayout
+
+
+def use_distributed_optimizer(choice: str, layout: ParallelLayout) -> bool:
+    """``optimizer.distributed``: true/false as given; auto = on when the data-parallel size is > 1
+    (one data-parallel rank has nothing to shard with)."""
+    choice = DistributedOptimizerChoice(str(choice).lower())
+    if choice == DistributedOptimizerChoice.auto:
+        return layout.dp > 1
+    return choice == DistributedOptimizerChoice.true
 
 
 def build_optimizer(ddp_model, section, total_updates: int):
@@ -33,10 +48,10 @@ def build_optimizer(ddp_model, section, total_updates: int):
 
 
 def optimizer_config(ddp_model, section):
-    """megatron's ``OptimizerConfig`` for the optimizer section (Adam; bf16 as the model is)."""
+    """megatron's ``OptimizerConfig`` for the optimizer section (Adam; bf16 as the model is; the
+    distributed optimizer exactly when the DDP wrapper was built for it)."""
     from megatron.core.optimizer import OptimizerConfig
 
-    on_gpu = torch.cuda.is_available()
     bf16 = ddp_model.config.bf16
     return OptimizerConfig(
         optimizer="adam",
@@ -49,7 +64,7 @@ def optimizer_config(ddp_model, section):
         clip_grad=section.clip_grad,
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        use_distributed_optimizer=on_gpu,
+        use_distributed_optimizer=ddp_model.ddp_config.use_distributed_optimizer,
     )
 
 
@@ -68,6 +83,29 @@ def use_fused_torch_adam(optimizer) -> None:
         if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
             for group in inner.param_groups:
                 group["foreach"], group["fused"] = False, True
+
+
+def allocate_optimizer_state(optimizer) -> None:
+    """Give a fresh optimizer's torch Adam its state (zero moments, step 0) before a checkpoint loads.
+
+    megatron's distributed optimizer, with torch's Adam (no TE/Apex), reads the Adam ``step`` of its
+    existing state while it builds the sharded state dict to load into
+    (``DistributedOptimizer.state_dict``: ``assert len(steps) == 1``), and a fresh optimizer has none.
+    This allocates what the first ``step()`` would (megatron's ``init_state_fn`` plus ``step``); the
+    load then overwrites every value, the step included. A no-op for state that exists.
+    """
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(part, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not inner.state[param]:
+                    inner.state[param] = {
+                        "step": torch.tensor(0.0),
+                        "exp_avg": torch.zeros_like(param),
+                        "exp_avg_sq": torch.zeros_like(param),
+                    }
 
 
 def build_scheduler(optimizer, section, total_updates: int):

@@ -5,10 +5,11 @@ Design decisions:
   copy), flattened to dotted keys, so a difference is named exactly (``optimizer.lr: 0.001 -> 0.1``).
 - Three kinds of key. Free: deployment and bookkeeping that do not change what is trained (where
   files go, logging, checkpoint cadence, the parallel layout, which checkpoints reshard across,
-  reward workers, engine deployment, diagnostics). Fixed: the model's shape (``model.*``), which
-  no checkpoint of another shape can fill. Everything else (algorithm, optimizer, task, steps,
-  rollout sampling, ...) refuses unless named in ``checkpoint.resume_allow_changes`` (a key, or
-  a section ending in '.'), so a changed run is a decision, never an accident.
+  reward workers, engine deployment, diagnostics, whether the optimizer state is sharded). Fixed:
+  the model's shape (``model.*``), which no checkpoint of another shape can fill. Everything else
+  (algorithm, optimizer, task, steps, rollout sampling, ...) refuses unless named in
+  ``checkpoint.resume_allow_changes`` (a key, or a section ending in '.'), so a changed run is a
+  decision, never an accident.
 - A key only one side has comes from another version of the code (a setting added or removed): it
   is accepted and reported, since the user did not choose it.
 """
@@ -30,6 +31,7 @@ FREE_KEYS = (
     "rollout.sglang.",
     "rollout.embedded.",
     "trainer.stop_after_steps",
+    "optimizer.distributed",  # how Adam's state is stored (equal updates); checkpoint.py checks the kind
     "trainer.eval_every",
     "trainer.eval_prompts",
     "trainer.eval_samples",

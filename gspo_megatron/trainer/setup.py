@@ -27,7 +27,7 @@ from gspo_megatron.rollout.types import SamplingParams
 from gspo_megatron.routing.replay import RoutingReplay
 from gspo_megatron.routing.replay_strategy import needs_engine_routing
 from gspo_megatron.routing.run_dir import ROUTING_FILE, RoutingLog, drop_records_from_step
-from gspo_megatron.trainer.optim import build_optimizer
+from gspo_megatron.trainer.optim import build_optimizer, use_distributed_optimizer
 from gspo_megatron.trainer.reference_model import ReferenceModel
 from gspo_megatron.trainer.rollout_phase import RolloutPhase
 from gspo_megatron.trainer.run_log import RunLog
@@ -118,7 +118,11 @@ def build(cfg: TrainConfig, run_dir: Path, config_yaml: str, world_size: int | N
     source = SafetensorsSource(cfg.model.hf_checkpoint) if cfg.model.hf_checkpoint else random_hf_weights(cfg)
     load_hf_weights(model_chunk, cfg.model, source, mesh)
     reference = ReferenceModel.build(cfg, layout, mesh, source, dtype) if cfg.algorithm.kl_coef > 0 else None
-    ddp = wrap_for_training(model_chunk, model_chunk.config)
+    ddp = wrap_for_training(
+        model_chunk,
+        model_chunk.config,
+        use_distributed_optimizer=use_distributed_optimizer(cfg.optimizer.distributed, layout),
+    )
     total_updates = cfg.trainer.steps * cfg.trainer.updates_per_rollout
     optimizer, scheduler = build_optimizer(ddp, cfg.optimizer, total_updates)
     components = Components(

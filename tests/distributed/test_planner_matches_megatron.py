@@ -4,10 +4,11 @@ distributed optimizer.
 
 Counted on each rank from real tensors: the parameters of the built model, the DDP buffers
 (``grad_data`` always, ``param_data`` with the distributed optimizer), fp32 and bf16 weights, and
-the Adam state torch allocates after one optimizer step (fp32, no distributed optimizer). megatron's
-distributed optimizer and its bf16 optimizer refuse CPU tensors at construction, so for those the
-owned shard is counted with megatron's own shard map (``DistributedOptimizer._build_gbuf_range_map``,
-the function its constructor allocates from). One gloo launch per world size runs every layout.
+the Adam state torch allocates after one optimizer step (fp32, no distributed optimizer). With the
+distributed optimizer the owned shard is counted with megatron's own shard map
+(``DistributedOptimizer._build_gbuf_range_map``, the function its constructor allocates from);
+the allocated state itself is measured in ``tests/distributed/test_distributed_optimizer.py``.
+One gloo launch per world size runs every layout.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def _measure_state(mesh_layout, cfg, dtype: torch.dtype, distributed_optimizer: 
             if torch.is_tensor(t) and t.dim() > 0
         )
     else:
-        optimizer = None  # megatron's bf16 optimizer refuses CPU tensors (checked by the GPU tier)
+        optimizer = None  # the bf16 optimizer without sharding: not measured here
     return {"parameters": weights, "gradients": grads, "param_buffers": param_buffers, "optimizer": optimizer}
 
 

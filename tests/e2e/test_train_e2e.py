@@ -131,12 +131,16 @@ def test_tp2_sequence_parallel_with_an_odd_fed_length(tmp_path):
     _check_run(results[0], 2)
 
 
-def test_resume_continues_exactly(tmp_path):
-    base = FAST + ["trainer.steps=4"]
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_resume_continues_exactly(tmp_path, dtype):
+    """bf16: bf16 weights, fp32 main weights and Adam state (megatron's mixed-precision optimizer).
+    The entropy bonus gives every step a gradient, so the resumed steps depend on the restored state."""
+    base = FAST + ["trainer.steps=4", f"model.dtype={dtype}", "algorithm.entropy_coef=0.01"]
     (full,) = run_distributed(train_worker, 1, base + ["checkpoint.save_every=2"], str(tmp_path / "full"))
     run_distributed(train_worker, 1, base + ["trainer.stop_after_steps=2"], str(tmp_path / "resumed"))
     (resumed,) = run_distributed(train_worker, 1, base + ["checkpoint.resume=true"], str(tmp_path / "resumed"))
     assert len(full) == len(resumed) == 4
+    assert all(m["grad_norm"] > 0 for m in full)
     for a, b in zip(full, resumed):
         same = {k: a[k] for k in a if not k.startswith("time/")}
         assert same == {k: b[k] for k in b if not k.startswith("time/")}, f"step {a['step']} differs after resume"

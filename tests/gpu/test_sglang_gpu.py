@@ -2,7 +2,8 @@
 
 Skipped unless both are present. Checks what the test double cannot: that the real server accepts
 our request body, returns log-probs and routed experts in the layout we decode, and takes a
-distributed (NCCL) weight update bracketed the 0.5.x way.
+distributed (NCCL) weight update bracketed the 0.5.x way that really changes the model: perturbed
+weights change the log-probs, the original weights restore them (not only the version number).
 """
 
 import importlib.util
@@ -72,9 +73,29 @@ def test_real_server_generates_and_takes_a_weight_update(tmp_path):
                 assert sample.routed_experts.shape == (len(prompt) + len(sample.output_ids) - 1, 2, 2)
                 assert int(sample.routed_experts.max()) < hf.num_experts
 
+        # The weight update must reach the kernels: perturbed weights change the greedy first token's
+        # log-prob (same prompt), and the original weights bring back exactly the original output.
+        greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+        prompt = [[1, 2, 3, 4]]
+        (before,) = engine.generate(prompt, greedy)[0]
         weights = load_file(str(model / "model.safetensors"), device="cuda")
-        engine.update_weights(sorted(weights.items()), version=1)
-        after = engine.generate([[1, 2, 3, 4]], SamplingParams(max_new_tokens=4))
-        assert after[0][0].weight_version == 1
+        generator = torch.Generator(device="cuda").manual_seed(0)
+        perturbed = {
+            name: tensor
+            + 0.5
+            * tensor.float().std()
+            * torch.randn(tensor.shape, generator=generator, device="cuda").to(tensor.dtype)
+            for name, tensor in weights.items()
+        }
+        engine.update_weights(sorted(perturbed.items()), version=1)
+        (changed,) = engine.generate(prompt, greedy)[0]
+        assert changed.weight_version == 1
+        first_moved = abs(float(changed.output_log_probs[0]) - float(before.output_log_probs[0]))
+        assert changed.output_ids[0] != before.output_ids[0] or first_moved > 1e-3, "the update did not reach the model"
+        engine.update_weights(sorted(weights.items()), version=2)
+        (restored,) = engine.generate(prompt, greedy)[0]
+        assert restored.weight_version == 2
+        assert restored.output_ids == before.output_ids
+        torch.testing.assert_close(restored.output_log_probs, before.output_log_probs, rtol=0, atol=1e-2)
     log = next((tmp_path / "logs").glob("*.log")).read_text()
     assert json.dumps(str(model))[1:-1] in log

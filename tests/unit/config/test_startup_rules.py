@@ -138,11 +138,19 @@ def test_micro_batch_rules_that_hold():
     validate_config(_typed(["rollout=sglang", "rollout.sglang.model_path=/ckpt"]), 1)  # the YAML default holds
 
 
-def test_bfloat16_needs_a_gpu():
-    typed = _typed(["model.dtype=bfloat16"])
-    with pytest.raises(ConfigError, match="model.dtype=bfloat16 needs a GPU"):
-        validate_for_machine(typed, cuda_available=False)
-    validate_for_machine(typed, cuda_available=True)
+def test_bfloat16_is_accepted_on_any_machine():
+    validate_config(_typed(["model.dtype=bfloat16"]), 1)  # megatron's bf16 optimizer runs on CPU too
+    validate_for_machine(_typed(["model.dtype=bfloat16", "logging.tensorboard=false"]))
+
+
+@pytest.mark.parametrize("given, resolved", [("auto", "auto"), ("true", "true"), ("False", "false")])
+def test_distributed_optimizer_choice(given, resolved):
+    assert validate_config(_typed([f"optimizer.distributed={given}"]), 1).optimizer.distributed == resolved
+
+
+def test_distributed_optimizer_choice_refuses_other_values():
+    with pytest.raises(ValueError, match="optimizer.distributed='sometimes' is not one of auto, true, false"):
+        _typed(["optimizer.distributed=sometimes"])
 
 
 @pytest.mark.parametrize("key, package", [("logging.wandb", "wandb"), ("logging.tensorboard", "tensorboard")])
@@ -152,5 +160,5 @@ def test_logger_without_its_package_is_refused_at_start_up(monkeypatch, key, pac
     typed = _typed([f"{key}=true"])
     monkeypatch.setitem(sys.modules, package, None)  # Python's own "not importable here" marker
     with pytest.raises(ConfigError, match=rf"{key}=true but the {package} package is not installed here.*{key}=false"):
-        validate_for_machine(typed, cuda_available=False)
-    validate_for_machine(_typed([f"{key}=false", "logging.wandb=false", "logging.tensorboard=false"]), False)
+        validate_for_machine(typed)
+    validate_for_machine(_typed([f"{key}=false", "logging.wandb=false", "logging.tensorboard=false"]))

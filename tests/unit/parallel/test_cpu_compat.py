@@ -139,3 +139,29 @@ def test_7_rotary_table_split_for_context_parallelism(bridges):
     local = rotary_pos_embedding.get_pos_emb_on_this_cp_rank(table, 0, _Group(2, 1))
     assert local.flatten().tolist() == [2.0, 3.0, 4.0, 5.0]  # chunks 1 and 2 of 4: megatron's order
     assert torch.equal(local, split_sequence(table, 2, 1, seq_dim=0))
+
+
+def _bf16_optimizer():
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    weight = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.bfloat16))
+    bias = torch.nn.Parameter(torch.randn(3))  # an fp32 parameter beside it
+    adam = torch.optim.Adam([weight, bias], lr=0.1)
+    config = OptimizerConfig(optimizer="adam", lr=0.1, bf16=True, params_dtype=torch.bfloat16)
+    return weight, bias, Float16OptimizerWithFloat16Params(adam, config, None, None)
+
+
+def test_8_mixed_precision_optimizer_takes_cpu_parameters(bridges):
+    for bridge in cpu_compat.BRIDGES:  # every bridge but this one (bridge 4 allocates its scale tensors)
+        if bridge is not cpu_compat._cpu_tensors_pass_optimizer_type_checks:
+            bridge()
+    with pytest.raises(TypeError, match="Received torch.BFloat16Tensor"):
+        _bf16_optimizer()
+    cpu_compat.disable_cpu_megatron()
+    cpu_compat.enable_cpu_megatron()
+    weight, bias, optimizer = _bf16_optimizer()
+    # the bf16 weight got an fp32 main copy in the inner optimizer, the fp32 bias is stepped as it is
+    assert weight.main_param.dtype == torch.float32 and torch.equal(weight.main_param, weight.float())
+    assert optimizer.optimizer.param_groups[0]["params"] == [weight.main_param, bias]
+    assert torch.randn(2).type() == "torch.FloatTensor"  # only during the constructor

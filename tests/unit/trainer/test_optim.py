@@ -1,0 +1,25 @@
+"""``optimizer.distributed`` resolves in one place: auto = on exactly when the data-parallel size > 1."""
+
+from __future__ import annotations
+
+import pytest
+
+from gspo_megatron.parallel.layout import ParallelLayout
+from gspo_megatron.trainer.optim import use_distributed_optimizer
+
+
+@pytest.mark.parametrize(
+    "layout, auto",
+    [
+        (ParallelLayout(world_size=1), False),
+        (ParallelLayout(world_size=2), True),  # dp 2
+        (ParallelLayout(tp=2, world_size=2), False),  # dp 1
+        (ParallelLayout(ep=2, world_size=2), True),  # dp 2 (experts: expert-dp 1)
+        (ParallelLayout(cp=2, world_size=2), False),  # dp 1 (auto counts data-parallel replicas)
+        (ParallelLayout(tp=2, world_size=4), True),
+    ],
+)
+def test_auto_is_on_when_data_parallel(layout, auto):
+    assert use_distributed_optimizer("auto", layout) is auto
+    assert use_distributed_optimizer("true", layout) is True
+    assert use_distributed_optimizer("false", layout) is False
