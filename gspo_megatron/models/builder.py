@@ -6,8 +6,12 @@ Design decisions:
 - Layer spec: megatron's own decoder-block spec (it handles the dense/MoE layer pattern and the
   pipeline-stage slicing). With TransformerEngine installed and CUDA present we use the TE spec
   unchanged; otherwise the "portable" spec swaps in ``models/layers.py`` norms and SDPA attention.
-- CPU-only choices (allgather dispatcher, sequential experts, CPU initialisation) are config
-  values chosen here, not patches; see ``parallel/cpu_compat.py`` for what has no seam.
+- The MoE kernels are config choices with the same defaults on CPU and GPU: the token dispatcher
+  (``model.token_dispatcher``, megatron's alltoall or allgather; the alltoall's CUDA stream handling is
+  bridged on CPU in ``parallel/cpu_compat.py``) and the expert MLP (``model.expert_mlp``: grouped =
+  TEGroupedMLP with the TE spec, ``models/grouped_experts.py`` with the portable one; sequential =
+  megatron's SequentialMLP). Every expert MLP keeps SequentialMLP's parameter names except TE's, so
+  checkpoints and HF conversion do not depend on the choice within a spec.
 - ``build_model(..., device="meta")`` builds without allocating (for the real 30B shape).
 """
 
@@ -18,7 +22,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from gspo_megatron.models.config import LayerSpec, MoEModelConfig
+from gspo_megatron.models.config import ExpertMLP, LayerSpec, MoEModelConfig, TokenDispatcher
 from gspo_megatron.parallel.layout import ParallelLayout
 
 
@@ -47,7 +51,11 @@ def make_transformer_config(
     initialize: bool = True,
     recompute: bool = False,
     routing_replay: bool = True,
+    token_dispatcher: str = TokenDispatcher.alltoall,
+    te_grouped_experts: bool = False,
 ):
+    """``te_grouped_experts``: TransformerEngine's grouped GEMM experts (the TE spec with
+    ``model.expert_mlp=grouped``); the portable spec swaps its experts in ``make_block_spec``."""
     from megatron.core.transformer import TransformerConfig
 
     model.validate()
@@ -66,8 +74,8 @@ def make_transformer_config(
             moe_router_load_balancing_type="aux_loss" if model.router_aux_loss_coef > 0 else "none",
             moe_aux_loss_coeff=model.router_aux_loss_coef,
             moe_router_dtype="fp32",
-            moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
-            moe_grouped_gemm=False,
+            moe_token_dispatcher_type=str(TokenDispatcher(token_dispatcher)),
+            moe_grouped_gemm=te_grouped_experts,
             moe_permute_fusion=False,
             moe_shared_expert_intermediate_size=model.shared_expert_intermediate_size or None,
             moe_shared_expert_gate=bool(model.shared_expert_intermediate_size),
@@ -103,8 +111,8 @@ def make_transformer_config(
         bf16=params_dtype == torch.bfloat16,
         use_cpu_initialization=not on_gpu,
         perform_initialization=initialize,
-        # Micro-batches of one forward-backward call share one padded length (the allgather
-        # dispatcher used on CPU does not support variable lengths).
+        # Off at build time because megatron refuses it with the allgather dispatcher;
+        # models/schedule.py turns it on for a call whose micro-batches differ in shape.
         variable_seq_lengths=False,
         # Gradients are sums of the losses' global-denominator contributions (models/schedule.py).
         calculate_per_token_loss=True,
@@ -121,14 +129,18 @@ def make_transformer_config(
     )
 
 
-def make_block_spec(config, spec_name: str):
+def make_block_spec(config, spec_name: str, expert_mlp: str = ExpertMLP.grouped):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     use_te = spec_name == "te"
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
-    if use_te:
+    if use_te:  # grouped: config.moe_grouped_gemm already chose TEGroupedMLP
         return block
     from gspo_megatron.models.layers import QKRMSNorm, RMSNorm, SDPACoreAttention
+
+    grouped_experts = None
+    if ExpertMLP(expert_mlp) == ExpertMLP.grouped:
+        from gspo_megatron.models.grouped_experts import GroupedExperts as grouped_experts
 
     for layer in block.layer_specs:
         sub = layer.submodules
@@ -138,6 +150,9 @@ def make_block_spec(config, spec_name: str):
         attn.core_attention = SDPACoreAttention
         attn.q_layernorm = QKRMSNorm
         attn.k_layernorm = QKRMSNorm
+        experts = getattr(sub.mlp.submodules, "experts", None)
+        if experts is not None and grouped_experts is not None:
+            experts.module = grouped_experts  # SequentialMLP's parameters, one grouped GEMM
     block.layer_norm = RMSNorm
     return block
 
@@ -154,6 +169,8 @@ def build_model(
     recompute: bool = False,
     routing_replay: bool = True,
     initialize: bool = True,
+    token_dispatcher: str = TokenDispatcher.alltoall,
+    expert_mlp: str = ExpertMLP.grouped,
 ):
     """Build this rank's pipeline stage of the GPTModel (parallel state must be initialised).
 
@@ -165,6 +182,7 @@ def build_model(
     from megatron.core.models.gpt import GPTModel
 
     on_meta = device == "meta"
+    spec_name = resolve_spec_name(layer_spec)
     config = make_transformer_config(
         model,
         layout,
@@ -172,8 +190,10 @@ def build_model(
         initialize=initialize and not on_meta,
         recompute=recompute,
         routing_replay=routing_replay,
+        token_dispatcher=token_dispatcher,
+        te_grouped_experts=spec_name == "te" and ExpertMLP(expert_mlp) == ExpertMLP.grouped,
     )
-    spec = make_block_spec(config, resolve_spec_name(layer_spec))
+    spec = make_block_spec(config, spec_name, expert_mlp)
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage()
     if post_process is None:
