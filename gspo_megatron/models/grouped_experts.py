@@ -23,8 +23,12 @@ Design decisions:
   rows whose byte strides are not multiples of 16 (hidden or FFN width not a multiple of 16 bytes),
   CUDA without bf16 on compute capability >= 9.0, or bias, fp8/fp4, clamped or offset activations
   that this file does not implement -- the layer falls back to SequentialMLP's forward.
-- The per-expert weights are stacked into [E, out, in] in every forward (a copy the size of the
-  layer's local expert weights, kept for backward by autograd); SequentialMLP keeps none.
+- Memory: ``GroupedLinear`` stacks the per-expert weights into [E, out, in] only for the duration of
+  one grouped GEMM (forward, and again in backward) and saves for backward the rows and the
+  parameters themselves, so what autograd keeps per layer is no more than SequentialMLP keeps
+  (``tests/unit/models/test_grouped_experts.py`` counts the saved bytes); plain autograd through
+  ``torch.stack`` would keep a copy of the layer's local expert weights per micro-batch in flight
+  (Qwen3-30B-A3B, EP=8, bf16: 151 MB per layer).
 """
 
 from __future__ import annotations
@@ -46,6 +50,33 @@ def grouped_mm_fits(hidden_size: int, fc1_width: int, ffn_width: int, dtype: tor
     return device.type == "cpu"
 
 
+class GroupedLinear(torch.autograd.Function):
+    """rows [N, in], int32 end offsets [E] of each expert's rows, weights W_e [out, in] -> [N, out]:
+
+        forward:   Y_e = X_e W_e^T
+        backward:  dX_e = dY_e W_e,   dW_e = dY_e^T X_e
+
+    each a single ``torch._grouped_mm`` over all experts (the weight gradients as one [E, out, in]
+    result, unbound per expert)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, offsets: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(rows, offsets, *weights)
+        return torch._grouped_mm(rows, torch.stack(weights).transpose(1, 2), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        rows, offsets, *weights = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_rows = None
+        if ctx.needs_input_grad[0]:
+            grad_rows = torch._grouped_mm(grad_out, torch.stack(weights), offs=offsets)
+        grad_weights: tuple[torch.Tensor | None, ...] = (None,) * len(weights)
+        if any(ctx.needs_input_grad[2:]):
+            grad_weights = torch._grouped_mm(grad_out.t(), rows, offs=offsets).unbind(0)
+        return (grad_rows, None, *grad_weights)
+
+
 class GroupedExperts(SequentialMLP):
     """megatron's expert-MLP interface: ``forward(rows [N, h], tokens_per_expert [E], probs [N])``
     -> (output [N, h], None)."""
@@ -65,12 +96,12 @@ class GroupedExperts(SequentialMLP):
             probs = torch.ones_like(probs)
         # [E] row counts -> int32 end offsets of each expert's rows
         offsets = torch.as_tensor(tokens_per_expert, device=rows.device).cumsum(0).to(torch.int32)
-        fc1 = torch.stack([expert.linear_fc1.weight for expert in self.local_experts])  # [E, 2F, h]
-        fc2 = torch.stack([expert.linear_fc2.weight for expert in self.local_experts])  # [E, h, F]
-        gate, up = torch._grouped_mm(rows, fc1.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+        fc1 = [expert.linear_fc1.weight for expert in self.local_experts]  # each [2F, h]: gate rows, up rows
+        fc2 = [expert.linear_fc2.weight for expert in self.local_experts]  # each [h, F]
+        gate, up = GroupedLinear.apply(rows, offsets, *fc1).chunk(2, dim=-1)
         hidden = self.config.activation_func(gate) * up
         hidden = (hidden * probs.unsqueeze(-1)).to(hidden.dtype)
-        return torch._grouped_mm(hidden, fc2.transpose(1, 2), offs=offsets), None
+        return GroupedLinear.apply(hidden, offsets, *fc2), None
 
     def _grouped_supported(self, rows: torch.Tensor) -> bool:
         config = self.config
