@@ -136,12 +136,10 @@ def make_block_spec(config, spec_name: str, expert_mlp: str = ExpertMLP.grouped)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
     if use_te:  # grouped: config.moe_grouped_gemm already chose TEGroupedMLP
         return block
+    from gspo_megatron.models.grouped_experts import GroupedExperts
     from gspo_megatron.models.layers import QKRMSNorm, RMSNorm, SDPACoreAttention
 
-    grouped_experts = None
-    if ExpertMLP(expert_mlp) == ExpertMLP.grouped:
-        from gspo_megatron.models.grouped_experts import GroupedExperts as grouped_experts
-
+    grouped = ExpertMLP(expert_mlp) == ExpertMLP.grouped
     for layer in block.layer_specs:
         sub = layer.submodules
         sub.input_layernorm = RMSNorm
@@ -151,8 +149,8 @@ def make_block_spec(config, spec_name: str, expert_mlp: str = ExpertMLP.grouped)
         attn.q_layernorm = QKRMSNorm
         attn.k_layernorm = QKRMSNorm
         experts = getattr(sub.mlp.submodules, "experts", None)
-        if experts is not None and grouped_experts is not None:
-            experts.module = grouped_experts  # SequentialMLP's parameters, one grouped GEMM
+        if experts is not None and grouped:
+            experts.module = GroupedExperts  # SequentialMLP's parameters, one grouped GEMM
     block.layer_norm = RMSNorm
     return block
 
