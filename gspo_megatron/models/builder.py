@@ -10,8 +10,9 @@ Design decisions:
   (``model.token_dispatcher``, megatron's alltoall or allgather; the alltoall's CUDA stream handling is
   bridged on CPU in ``parallel/cpu_compat.py``) and the expert MLP (``model.expert_mlp``: grouped =
   TEGroupedMLP with the TE spec, ``models/grouped_experts.py`` with the portable one; sequential =
-  megatron's SequentialMLP). Every expert MLP keeps SequentialMLP's parameter names except TE's, so
-  checkpoints and HF conversion do not depend on the choice within a spec.
+  megatron's SequentialMLP). The portable grouped module keeps SequentialMLP's parameters, so
+  checkpoints do not depend on the choice; TEGroupedMLP names expert i's weights
+  ``linear_fc{1,2}.weight{i}``, which ``models/conversion.py`` maps to HF like SequentialMLP's.
 - ``build_model(..., device="meta")`` builds without allocating (for the real 30B shape).
 """
 

@@ -59,6 +59,29 @@ def _saved_bytes(experts, forward, rows, counts, probs) -> int:
     return sum(saved.values())
 
 
+def _te_grouped_names_map_alike(model, cfg) -> bool:
+    """HF conversion of TEGroupedMLP's ``linear_fc{1,2}.weight{i}`` (the TE spec's grouped experts)
+    equals that of expert i's SequentialMLP/GroupedExperts parameter, but for the megatron name."""
+    from dataclasses import replace
+
+    from gspo_megatron.models.conversion import _mapping_for, build_mappings
+
+    rows = build_mappings(model, cfg)
+    prefix = "decoder.layers.{}.mlp.experts."
+    checked = 0
+    for row in rows:
+        parts = row.megatron_name.split(".")
+        if "local_experts" not in parts:
+            continue
+        layer, index, which = parts[2], parts[6], parts[7]
+        te_name = prefix.format(layer) + f"{which}.weight{index}"
+        te_row = _mapping_for(model, te_name, cfg, 0)
+        if replace(te_row, megatron_name=row.megatron_name) != row:
+            return False
+        checked += 1
+    return checked == 2 * cfg.num_experts * cfg.num_layers
+
+
 def compare_worker(ctx, cfg, dtype: torch.dtype) -> dict:
     from megatron.core.transformer.moe.experts import SequentialMLP
 
@@ -88,6 +111,7 @@ def compare_worker(ctx, cfg, dtype: torch.dtype) -> dict:
             "sequential": _saved_bytes(experts, lambda *a: SequentialMLP.forward(experts, *a), rows, counts, probs),
         }
     out["is_grouped"] = isinstance(experts, GroupedExperts)
+    out["te_names_map_alike"] = _te_grouped_names_map_alike(model, cfg)
     mesh.destroy()
     return out
 
@@ -111,6 +135,7 @@ def test_grouped_experts_equal_sequential_mlp(dtype, tol):
     (result,) = run_distributed(compare_worker, 1, cfg, dtype, timeout=300)
     assert result["type"] == "GroupedExperts" and result["is_grouped"]
     assert result["same_names"] and result["same_state_dict_keys"]
+    assert result["te_names_map_alike"]
     for case in COUNTS:
         _assert_same(result, case, tol)
         saved = result[case]["saved_bytes"]
