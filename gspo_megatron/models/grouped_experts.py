@@ -19,8 +19,8 @@ Design decisions:
   SequentialMLP (its linears run with ``explicit_expert_comm``: no collectives of their own).
 - Kernel: ``torch._grouped_mm`` (one call per projection over all experts, row offsets from the
   token counts); its CPU kernel multiplies group by group in C++ (bit-exact with one GEMM per expert
-  in our tests),
-  without SequentialMLP's Python loop through megatron's linear layers. Where it cannot run --
+  in our tests), without SequentialMLP's Python loop through megatron's linear layers. Where it
+  cannot run --
   rows whose byte strides are not multiples of 16 (hidden or FFN width not a multiple of 16 bytes),
   CUDA without bf16 on compute capability >= 9.0, or bias, fp8/fp4, clamped or offset activations
   that this file does not implement -- the layer falls back to SequentialMLP's forward.
