@@ -20,10 +20,9 @@ Design decisions:
 - Kernel: ``torch._grouped_mm`` (one call per projection over all experts, row offsets from the
   token counts); its CPU kernel multiplies group by group in C++ (bit-exact with one GEMM per expert
   in our tests), without SequentialMLP's Python loop through megatron's linear layers. Where it
-  cannot run --
-  rows whose byte strides are not multiples of 16 (hidden or FFN width not a multiple of 16 bytes),
-  CUDA without bf16 on compute capability >= 9.0, or bias, fp8/fp4, clamped or offset activations
-  that this file does not implement -- the layer falls back to SequentialMLP's forward.
+  cannot run -- rows whose byte strides are not multiples of 16 (hidden or FFN width not a multiple
+  of 16 bytes), CUDA without bf16 on compute capability >= 9.0, or bias, fp8/fp4, clamped or offset
+  activations that this file does not implement -- the layer falls back to SequentialMLP's forward.
 - Memory: ``GroupedLinear`` stacks the per-expert weights into [E, out, in] only for the duration of
   one grouped GEMM (forward, and again in backward) and saves for backward the rows and the
   parameters themselves, so what autograd keeps per layer is no more than SequentialMLP keeps
