@@ -7,8 +7,9 @@ Design decisions:
   files go, logging, checkpoint cadence, the parallel layout, which checkpoints reshard across,
   reward workers, engine deployment, diagnostics, the MoE token dispatcher and expert MLP). Fixed:
   the model's shape (``model.*``), which no checkpoint of another shape can fill. Everything else
-  (algorithm, optimizer, task, steps, rollout sampling, ...) refuses unless named in ``checkpoint.resume_allow_changes`` (a key, or
-  a section ending in '.'), so a changed run is a decision, never an accident.
+  (algorithm, optimizer, task, steps, rollout sampling, ...) refuses unless named in
+  ``checkpoint.resume_allow_changes`` (a key, or a section ending in '.'), so a changed run is a
+  decision, never an accident.
 - A key only one side has comes from another version of the code (a setting added or removed): it
   is accepted and reported, since the user did not choose it.
 """
