@@ -3,6 +3,7 @@
     python tools/bench_rl_step.py                                   # 6 steps of conf/config.yaml, 1 rank
     python tools/bench_rl_step.py --steps 4 rollout.max_new_tokens=16 task=reasoning_max_digit
     python tools/bench_rl_step.py --world 2 parallel=tp2           # any Hydra overrides, N gloo ranks
+    python tools/bench_rl_step.py --shape medium --steps 14 --compare-expert-mlp   # grouped vs sequential experts
 
 The run is the trainer's own (``trainer.setup.build`` + ``RLTrainer``, composed from ``conf/`` like
 ``python -m gspo_megatron.train``), in spawned ranks. The trainer already times its phases
@@ -19,6 +20,14 @@ instance only, the engine's ``generate`` and the reward scoring, and times the w
     other         metrics, routing diagnostics, logging (step time minus the phases above)
 
 The first step (warm-up: allocator, lazy imports) is shown apart; shares are over the later steps.
+
+``--shape medium`` is the issue's medium shape (``tools/bench_vs_trl.py``: 4 layers, hidden 256, 16
+experts top-4, 32 completions of <= 64 tokens, 4 updates per rollout). ``--compare-expert-mlp``
+measures the grouped expert MLP against megatron's SequentialMLP in one run: the model is built with
+``model.expert_mlp=grouped`` and the steps alternate between its grouped forward and SequentialMLP's
+loop over the same parameters (``models/grouped_experts.py`` subclasses SequentialMLP), starting with
+one warm-up step of each. Since every step samples other response lengths, each arm's update and
+old-log-prob times are also given per 1000 padded tokens of the micro-batches they ran.
 """
 
 from __future__ import annotations
@@ -30,6 +39,13 @@ import tempfile
 import time
 
 PHASES = ["generate", "reward", "advantages", "old_logp", "update", "weight_sync", "other"]
+EXPERT_ARMS = ("sequential", "grouped")  # --compare-expert-mlp: step i (from 1) runs arm (i - 1) % 2
+
+
+def _shape_overrides(name: str) -> list[str]:
+    from bench_vs_trl import SHAPES  # tools/ is on sys.path when this file runs as a script
+
+    return list(SHAPES[name])
 
 
 class _Timed:
@@ -46,9 +62,25 @@ class _Timed:
             self.seconds.append(time.perf_counter() - start)
 
 
-def bench_worker(ctx, overrides: list[str], run_dir: str, profile_top: int = 0) -> list[dict]:
+def _use_expert_mlp(model, arm: str) -> None:
+    """Every GroupedExperts of ``model`` runs its grouped forward, or SequentialMLP's loop."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from gspo_megatron.models.grouped_experts import GroupedExperts
+
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            vars(module).pop("forward", None)
+            if arm == "sequential":
+                module.forward = SequentialMLP.forward.__get__(module)
+
+
+def bench_worker(
+    ctx, overrides: list[str], run_dir: str, profile_top: int = 0, compare_expert_mlp: bool = False
+) -> list[dict]:
     """One rank of the run; the driver returns one dict of phase seconds per step. With
-    ``profile_top`` the driver also prints cProfile's top functions over the steps after the first."""
+    ``profile_top`` the driver also prints cProfile's top functions over the steps after the first.
+    With ``compare_expert_mlp`` the steps alternate between the two expert-MLP arms."""
     import cProfile
     import pstats
     from pathlib import Path
@@ -77,11 +109,21 @@ def bench_worker(ctx, overrides: list[str], run_dir: str, profile_top: int = 0) 
         rollout._score = score
     trainer = RLTrainer(components)
     step_seconds: list[float] = []
+    padded_tokens: list[int] = []  # tokens of the micro-batches this rank ran, per step
     train_step = trainer.train_step
+    policy_updates = trainer._policy_updates
     profiler = cProfile.Profile() if profile_top and ctx.rank == 0 else None
+
+    def counted_updates(parts, totals):
+        padded_tokens.append(sum(mb.tokens.numel() for part in parts for mb in part))
+        return policy_updates(parts, totals)
+
+    trainer._policy_updates = counted_updates
 
     def timed_step():
         profiling = profiler is not None and step_seconds  # the first step is warm-up
+        if compare_expert_mlp:
+            _use_expert_mlp(components.model, EXPERT_ARMS[len(step_seconds) % 2])
         if profiling:
             profiler.enable()
         start = time.perf_counter()
@@ -104,7 +146,8 @@ def bench_worker(ctx, overrides: list[str], run_dir: str, profile_top: int = 0) 
             pstats.Stats(profiler, stream=sys.stdout).sort_stats(order).print_stats(profile_top)
         sys.stdout.flush()
     steps = []
-    for record, gen_s, score_s, step_s in zip(read_metrics(run_dir), generate.seconds, score.seconds, step_seconds):
+    records = zip(read_metrics(run_dir), generate.seconds, score.seconds, step_seconds, padded_tokens)
+    for index, (record, gen_s, score_s, step_s, tokens) in enumerate(records):
         phases = {
             "generate": gen_s,
             "reward": score_s,
@@ -115,6 +158,9 @@ def bench_worker(ctx, overrides: list[str], run_dir: str, profile_top: int = 0) 
         }
         phases["other"] = step_s - sum(phases.values())
         phases["step"] = step_s
+        phases["padded_tokens"] = tokens
+        if compare_expert_mlp:
+            phases["arm"] = EXPERT_ARMS[index % 2]
         steps.append(phases)
     return steps
 
@@ -130,6 +176,41 @@ def format_breakdown(steps: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_expert_comparison(steps: list[dict]) -> str:
+    """Per arm over the steps after the first two (one warm-up each): mean seconds of the update and
+    old-log-prob phases, and ms per 1000 padded tokens; then sequential / grouped."""
+    measured = steps[2:]
+    lines = [
+        f"{'arm':<11} {'steps':>5} {'update s':>9} {'old_logp s':>10} "
+        f"{'update ms/1k tok':>16} {'old_logp ms/1k tok':>18}"
+    ]
+    per_arm = {}
+    for arm in EXPERT_ARMS:
+        rows = [s for s in measured if s["arm"] == arm]
+        if not rows:
+            return "--compare-expert-mlp needs --steps >= 4 (two warm-up steps, then both arms)"
+        tokens = sum(s["padded_tokens"] for s in rows) / 1000
+        per_arm[arm] = {
+            "update": statistics.fmean(s["update"] for s in rows),
+            "old_logp": statistics.fmean(s["old_logp"] for s in rows),
+            "update_per_tok": 1000 * sum(s["update"] for s in rows) / tokens,
+            "old_logp_per_tok": 1000 * sum(s["old_logp"] for s in rows) / tokens,
+        }
+        a = per_arm[arm]
+        lines.append(
+            f"{arm:<11} {len(rows):>5} {a['update']:>9.3f} {a['old_logp']:>10.3f} "
+            f"{a['update_per_tok']:>16.2f} {a['old_logp_per_tok']:>18.2f}"
+        )
+    seq, grp = per_arm["sequential"], per_arm["grouped"]
+    lines.append(
+        f"sequential / grouped: update {seq['update'] / grp['update']:.2f}x "
+        f"(per token {seq['update_per_tok'] / grp['update_per_tok']:.2f}x), "
+        f"old_logp {seq['old_logp'] / grp['old_logp']:.2f}x "
+        f"(per token {seq['old_logp_per_tok'] / grp['old_logp_per_tok']:.2f}x)"
+    )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     from gspo_megatron.testing.distributed import run_distributed
 
@@ -140,6 +221,12 @@ def main(argv=None) -> None:
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--threads-per-rank", type=int, default=1, help="torch threads in each rank")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="print cProfile's top N (driver)")
+    parser.add_argument(
+        "--shape", choices=["default", "medium"], default="default", help="tools/bench_vs_trl.py's shapes"
+    )
+    parser.add_argument(
+        "--compare-expert-mlp", action="store_true", help="alternate steps: SequentialMLP vs the grouped experts"
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. parallel=tp2 algorithm=grpo")
     args = parser.parse_args(argv)
     if args.steps < 1:
@@ -149,8 +236,11 @@ def main(argv=None) -> None:
         "trainer.eval_every=0",
         "logging.progress=false",
         "logging.tensorboard=false",
+        *_shape_overrides(args.shape),
         *args.overrides,
     ]
+    if args.compare_expert_mlp:
+        overrides.append("model.expert_mlp=grouped")
     with tempfile.TemporaryDirectory(prefix="bench_rl_step_") as tmp:
         run_dir = args.run_dir or tmp
         results = run_distributed(
@@ -159,12 +249,15 @@ def main(argv=None) -> None:
             overrides,
             run_dir,
             args.profile,
+            args.compare_expert_mlp,
             timeout=args.timeout,
             threads_per_rank=args.threads_per_rank,
         )
     steps = results[0]
     print(f"{args.steps} RL steps, {args.world} rank(s), overrides: {' '.join(overrides)}")
     print(format_breakdown(steps))
+    if args.compare_expert_mlp:
+        print(format_expert_comparison(steps))
 
 
 if __name__ == "__main__":

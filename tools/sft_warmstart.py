@@ -98,7 +98,9 @@ def main(argv=None) -> None:
             ),
             tokenizer,
         )
-        model = build_model(cfg.model, layout)
+        model = build_model(
+            cfg.model, layout, token_dispatcher=cfg.model.token_dispatcher, expert_mlp=cfg.model.expert_mlp
+        )
         load_hf_weights(model, cfg.model, random_hf_weights(cfg), mesh)
         ddp = wrap_for_training(model, model.config)
         optimizer, scheduler = build_optimizer(

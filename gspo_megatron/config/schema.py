@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from gspo_megatron.algorithms.config import AlgorithmConfig
 from gspo_megatron.config_node import ConfigChoice, ConfigNode
 from gspo_megatron.data.config import TaskConfig, TokenizerConfig
-from gspo_megatron.models.config import LayerSpec, MoEModelConfig
+from gspo_megatron.models.config import ExpertMLP, LayerSpec, MoEModelConfig, TokenDispatcher
 from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.rewards.config import RewardConfig
 from gspo_megatron.rollout.config import EmbeddedConfig, RolloutEngineName, TruncatedRolloutConfig
@@ -66,6 +66,8 @@ class ModelSection(MoEModelConfig):
     preset: str | None = None  # documentation of where the numbers came from ("tiny", ...)
     hf_checkpoint: str | None = None  # a local HF Qwen3-MoE directory to start from; its config.json sets the shape
     layer_spec: LayerSpec = LayerSpec.auto
+    token_dispatcher: TokenDispatcher = TokenDispatcher.alltoall  # MoE with EP or TP; same results either way
+    expert_mlp: ExpertMLP = ExpertMLP.grouped
     dtype: TrainerDtype = TrainerDtype.float32  # bfloat16: bf16 weights, fp32 main weights and grads
     init_seed: int = 1234  # random init when no checkpoint is given
     init_std: float = 0.02

@@ -6,10 +6,16 @@ Design decisions:
 - Layer spec: megatron's own decoder-block spec (it handles the dense/MoE layer pattern and the
   pipeline-stage slicing). With TransformerEngine installed and CUDA present we use the TE spec
   unchanged; otherwise the "portable" spec swaps in ``models/layers.py`` norms and SDPA attention.
-- Kernel choices follow ``parallel/device.py`` (CUDA or not): the TE spec, where the weights are
-  initialised (``use_cpu_initialization`` on CPU), and -- until the alltoall dispatcher runs on
-  CPU -- the token dispatcher (allgather without CUDA). Sequential experts everywhere. What has no
-  seam in megatron-core is bridged in ``parallel/cpu_compat.py``.
+- Kernel choices follow ``parallel/device.py`` (CUDA or not): the TE spec and where the weights are
+  initialised (``use_cpu_initialization`` on CPU). What has no seam in megatron-core is bridged in
+  ``parallel/cpu_compat.py``.
+- The MoE kernels are config choices with the same defaults on CPU and GPU: the token dispatcher
+  (``model.token_dispatcher``, megatron's alltoall or allgather; the alltoall's CUDA stream handling is
+  bridged on CPU in ``parallel/cpu_compat.py``) and the expert MLP (``model.expert_mlp``: grouped =
+  TEGroupedMLP with the TE spec, ``models/grouped_experts.py`` with the portable one; sequential =
+  megatron's SequentialMLP). The portable grouped module keeps SequentialMLP's parameters, so
+  checkpoints do not depend on the choice; TEGroupedMLP names expert i's weights
+  ``linear_fc{1,2}.weight{i}``, which ``models/conversion.py`` maps to HF like SequentialMLP's.
 - ``build_model(..., device="meta")`` builds without allocating (for the real 30B shape).
 """
 
@@ -20,7 +26,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from gspo_megatron.models.config import LayerSpec, MoEModelConfig
+from gspo_megatron.models.config import ExpertMLP, LayerSpec, MoEModelConfig, TokenDispatcher
 from gspo_megatron.parallel.device import compute_device, cuda_kernels
 from gspo_megatron.parallel.layout import ParallelLayout
 
@@ -51,11 +57,14 @@ def make_transformer_config(
     initialize: bool = True,
     recompute: bool = False,
     routing_replay: bool = True,
+    token_dispatcher: str = TokenDispatcher.alltoall,
+    te_grouped_experts: bool = False,
 ):
+    """``te_grouped_experts``: TransformerEngine's grouped GEMM experts (the TE spec with
+    ``model.expert_mlp=grouped``); the portable spec swaps its experts in ``make_block_spec``."""
     from megatron.core.transformer import TransformerConfig
 
     model.validate()
-    on_gpu = cuda_kernels()  # the dispatcher's kernel choice below (issue 26 item 4 makes it config)
     moe_layer_freq = [0 if i in set(model.dense_layers) else 1 for i in range(model.num_layers)]
     moe_kwargs = {}
     if model.is_moe:
@@ -70,8 +79,8 @@ def make_transformer_config(
             moe_router_load_balancing_type="aux_loss" if model.router_aux_loss_coef > 0 else "none",
             moe_aux_loss_coeff=model.router_aux_loss_coef,
             moe_router_dtype="fp32",
-            moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
-            moe_grouped_gemm=False,
+            moe_token_dispatcher_type=str(TokenDispatcher(token_dispatcher)),
+            moe_grouped_gemm=te_grouped_experts,
             moe_permute_fusion=False,
             moe_shared_expert_intermediate_size=model.shared_expert_intermediate_size or None,
             moe_shared_expert_gate=bool(model.shared_expert_intermediate_size),
@@ -107,8 +116,8 @@ def make_transformer_config(
         bf16=params_dtype == torch.bfloat16,
         use_cpu_initialization=compute_device().type == "cpu",  # initialise where the weights live
         perform_initialization=initialize,
-        # Micro-batches of one forward-backward call share one padded length (the allgather
-        # dispatcher used on CPU does not support variable lengths).
+        # Off at build time because megatron refuses it with the allgather dispatcher;
+        # models/schedule.py turns it on for a call whose micro-batches differ in shape.
         variable_seq_lengths=False,
         # Gradients are sums of the losses' global-denominator contributions (models/schedule.py).
         calculate_per_token_loss=True,
@@ -127,15 +136,17 @@ def make_transformer_config(
     )
 
 
-def make_block_spec(config, spec_name: str):
+def make_block_spec(config, spec_name: str, expert_mlp: str = ExpertMLP.grouped):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     use_te = spec_name == "te"
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
-    if use_te:
+    if use_te:  # grouped: config.moe_grouped_gemm already chose TEGroupedMLP
         return block
+    from gspo_megatron.models.grouped_experts import GroupedExperts
     from gspo_megatron.models.layers import QKRMSNorm, RMSNorm, SDPACoreAttention
 
+    grouped = ExpertMLP(expert_mlp) == ExpertMLP.grouped
     for layer in block.layer_specs:
         sub = layer.submodules
         sub.input_layernorm = RMSNorm
@@ -144,6 +155,9 @@ def make_block_spec(config, spec_name: str):
         attn.core_attention = SDPACoreAttention
         attn.q_layernorm = QKRMSNorm
         attn.k_layernorm = QKRMSNorm
+        experts = getattr(sub.mlp.submodules, "experts", None)
+        if experts is not None and grouped:
+            experts.module = GroupedExperts  # SequentialMLP's parameters, one grouped GEMM
     block.layer_norm = RMSNorm
     return block
 
@@ -160,6 +174,8 @@ def build_model(
     recompute: bool = False,
     routing_replay: bool = True,
     initialize: bool = True,
+    token_dispatcher: str = TokenDispatcher.alltoall,
+    expert_mlp: str = ExpertMLP.grouped,
 ):
     """Build this rank's pipeline stage of the GPTModel (parallel state must be initialised).
 
@@ -171,6 +187,7 @@ def build_model(
     from megatron.core.models.gpt import GPTModel
 
     on_meta = device == "meta"
+    spec_name = resolve_spec_name(layer_spec)
     config = make_transformer_config(
         model,
         layout,
@@ -178,8 +195,10 @@ def build_model(
         initialize=initialize and not on_meta,
         recompute=recompute,
         routing_replay=routing_replay,
+        token_dispatcher=token_dispatcher,
+        te_grouped_experts=spec_name == "te" and ExpertMLP(expert_mlp) == ExpertMLP.grouped,
     )
-    spec = make_block_spec(config, resolve_spec_name(layer_spec))
+    spec = make_block_spec(config, spec_name, expert_mlp)
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage()
     if post_process is None:

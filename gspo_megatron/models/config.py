@@ -33,6 +33,21 @@ class LayerSpec(ConfigChoice):
     portable = "portable"  # megatron's local layers with the project's attention (CPU and GPU)
 
 
+class TokenDispatcher(ConfigChoice):
+    """``model.token_dispatcher``: how megatron's MoE layer moves routed tokens to expert-parallel ranks
+    (its ``moe_token_dispatcher_type``). Both give the same results; they differ in traffic."""
+
+    alltoall = "alltoall"  # each routed token goes to the rank owning its expert (all-to-all-v over EP)
+    allgather = "allgather"  # every rank gathers all tokens of the TP x EP group, keeps its experts' share
+
+
+class ExpertMLP(ConfigChoice):
+    """``model.expert_mlp``: how a rank runs its local experts (models/builder.py)."""
+
+    grouped = "grouped"  # one grouped GEMM over all local experts: TEGroupedMLP with TE, else models/grouped_experts.py
+    sequential = "sequential"  # megatron's SequentialMLP: a Python loop, one GEMM per expert
+
+
 @dataclass
 class MoEModelConfig(ConfigNode):
     vocab_size: int = 256

@@ -135,7 +135,10 @@ def unwrap(model):
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(?P<index>\d+)\.(?P<which>linear_fc1|linear_fc2)\.weight$")
+# TEGroupedMLP (TE spec, model.expert_mlp=grouped): expert i's weights are linear_fc{1,2}.weight{i},
+# each shaped and sharded like SequentialMLP's (models/grouped_experts.py keeps SequentialMLP's names)
+_TE_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(?P<which>linear_fc1|linear_fc2)\.weight(?P<index>\d+)$")
 
 
 def build_mappings(model, cfg: MoEModelConfig, ep_rank: int = 0, ep_size: int = 1) -> list[ParamMapping]:
@@ -187,9 +190,9 @@ def _mapping_for(model, name: str, cfg: MoEModelConfig, first_expert: int) -> Pa
     if rest == "mlp.shared_experts.linear_fc1.weight":
         names = (p + "mlp.shared_expert.gate_proj.weight", p + "mlp.shared_expert.up_proj.weight")
         return ParamMapping(name, names, "gate_up", 0, "tp", unit)
-    match = _EXPERT.match(rest)
-    if match:
-        local_expert, which = int(match.group(1)), match.group(2)
+    expert = _EXPERT.match(rest) or _TE_GROUPED_EXPERT.match(rest)
+    if expert:
+        local_expert, which = int(expert["index"]), expert["which"]
         e = p + f"mlp.experts.{first_expert + local_expert}."
         if which == "linear_fc1":
             return ParamMapping(

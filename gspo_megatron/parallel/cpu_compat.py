@@ -11,9 +11,8 @@ Where megatron-core has a seam we use it instead of patching, elsewhere in the p
   instead of ``DotProductAttention``, whose global memory buffer allocates on the CUDA device;
 - norms: the portable spec uses ``models/layers.py:RMSNorm``, which supports sequence parallelism
   (torch's wrapped norm refuses it, and MoE with TP needs it);
-- token dispatcher: ``moe_token_dispatcher_type="allgather"`` on CPU, because the alltoall
-  dispatcher creates ``torch.cuda.Stream`` objects;
-- MoE experts: ``SequentialMLP`` (no grouped-GEMM kernels on CPU);
+- MoE experts: ``models/grouped_experts.py`` (or megatron's ``SequentialMLP``) instead of
+  ``TEGroupedMLP``, which needs TransformerEngine;
 - initialisation: ``use_cpu_initialization=True`` in the TransformerConfig.
 
 What has no seam is bridged here, one function per fact:
@@ -49,6 +48,20 @@ What has no seam is bridged here, one function per fact:
    constructors ``Tensor.type`` is torch's own. gloo (torch 2.13) has ``reduce_scatter_tensor`` and
    ``all_gather_into_tensor`` (async and coalesced), so the gradient reduce-scatter and the parameter
    all-gather need no bridge.
+9. The alltoall token dispatcher (``transformer/moe/token_dispatcher.py``,
+   ``MoEAlltoAllTokenDispatcher``) copies its split sizes device-to-host on a side CUDA stream: its
+   ``__init__`` creates the class-wide ``torch.cuda.Stream()`` (line 445) and
+   ``_maybe_dtoh_and_synchronize`` (line 862) enters ``torch.cuda.stream``, records and waits on an
+   event. On CPU the splits already live in host memory: the class gets a placeholder stream (so
+   ``__init__`` creates none) and a ``_maybe_dtoh_and_synchronize`` that only converts the split
+   sizes to numpy at the same point, which is what the GPU path hands to ``all_to_all_single``.
+   gloo runs the all-to-all-v itself.
+10. With expert tensor parallelism the alltoall dispatcher all-gathers a different number of rows
+   from each ETP rank (``tensor_parallel/mappings.py:_gather_along_first_dim`` with
+   ``output_split_sizes``, line 150: ``torch.distributed.all_gather`` into tensors of unequal
+   sizes), which NCCL does and gloo refuses ("invalid tensor size"). The bridged function pads each
+   rank's rows to the longest, all-gathers equal blocks and keeps each block's real rows; the even
+   case is megatron's own. (The uneven reduce-scatter of the combine step runs on gloo as it is.)
 """
 
 from __future__ import annotations
@@ -259,6 +272,53 @@ def _cuda_type_names():
         torch.Tensor.type = torch_type
 
 
+class _NoStream:
+    """Stands in for the alltoall dispatcher's DtoH stream on CPU; nothing may use it."""
+
+    def __repr__(self) -> str:
+        return "<no CUDA stream: parallel/cpu_compat.py bridge 9>"
+
+
+def _split_sizes_as_numpy(value):
+    return value.numpy() if torch.is_tensor(value) else value
+
+
+def _alltoall_dispatcher_without_streams() -> None:
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    def _maybe_dtoh_and_synchronize(self, point: str, tokens_per_expert=None):
+        # megatron's rule without the side stream: at the DtoH point the EP/TP split sizes become
+        # numpy arrays (num_out_tokens, tokens_per_expert and the per-expert counts stay tensors, as
+        # on GPU); with tokens padded to capacity megatron skips this step and so do we.
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            self.input_splits = _split_sizes_as_numpy(self.input_splits)
+            self.output_splits = _split_sizes_as_numpy(self.output_splits)
+            self.output_splits_tp = _split_sizes_as_numpy(self.output_splits_tp)
+        return tokens_per_expert
+
+    _patch(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", _NoStream())
+    _patch(MoEAlltoAllTokenDispatcher, "_maybe_dtoh_and_synchronize", _maybe_dtoh_and_synchronize)
+
+
+def _uneven_all_gather_through_padding() -> None:
+    from megatron.core.tensor_parallel import mappings
+
+    original = mappings._gather_along_first_dim
+
+    def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(size) for size in output_split_sizes]
+        longest = max(sizes)
+        padded = input_.new_zeros((longest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        blocks = input_.new_empty((longest * len(sizes), *input_.shape[1:]))
+        torch.distributed.all_gather_into_tensor(blocks, padded, group=group)
+        return torch.cat([block[:size] for block, size in zip(blocks.split(longest), sizes)])
+
+    _patch(mappings, "_gather_along_first_dim", _gather_along_first_dim)
+
+
 BRIDGES = (
     _current_device_is_cpu,
     _cuda_sync_noops,
@@ -268,4 +328,6 @@ BRIDGES = (
     _clip_grads_on_cpu,
     _rotary_cp_split_on_cpu,
     _cpu_tensors_pass_optimizer_type_checks,
+    _alltoall_dispatcher_without_streams,
+    _uneven_all_gather_through_padding,
 )

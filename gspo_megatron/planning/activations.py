@@ -3,7 +3,8 @@
 Design decisions:
 - Counted tensor by tensor from what each op of this project's layer stack saves (portable spec:
   ``models/layers.py`` RMSNorm and SDPA attention, megatron's column/row-parallel linears with
-  sequence parallelism, the allgather token dispatcher and ``SequentialMLP`` experts), in elements
+  sequence parallelism, the allgather token dispatcher and ``SequentialMLP`` experts; the grouped
+  experts of ``models/grouped_experts.py`` keep no more for backward), in elements
   per token, then times the activation width. The same counts are used for the TE spec on GPU; TE's
   fused norm and flash attention save a little less (no repeated K/V heads), so GPU numbers err high.
 - ``spec="te"`` (TransformerEngine + flash attention, the GPU default) differs only in attention:

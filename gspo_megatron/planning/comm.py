@@ -10,9 +10,11 @@ Design decisions:
   a column-parallel linear all-gathers its input [T, h] forward and again in backward (for the weight
   gradient) and reduce-scatters its input gradient; a row-parallel linear reduce-scatters forward and
   all-gathers the output gradient in backward: 5 [T, h] collectives per attention block.
-- MoE dispatch: with the ``alltoall`` dispatcher (GPU) each of the T_sp*k routed rows of h crosses the
-  EP group in dispatch and combine, forward and backward (4 all-to-alls of T_sp k h). With the
-  ``allgather`` dispatcher (CPU) the tokens of the whole TP x EP group are all-gathered forward and
+- MoE dispatch (``model.token_dispatcher``): with the ``alltoall`` dispatcher (the default) each of
+  the T_sp*k routed rows of h crosses the EP group in dispatch and combine, forward and backward (4
+  all-to-alls of T_sp k h; an estimate: the routing probabilities' all-to-alls and the token-count
+  all-gather are left out, and only the allgather dispatcher's payloads are checked against gloo).
+  With the ``allgather`` dispatcher the tokens of the whole TP x EP group are all-gathered forward and
   reduce-scattered back, and the reverse in backward (4 collectives of [T_sp tp ep, h]), plus the
   gathered routing probabilities (fp32, gathered and their gradient scattered) and routing map (bool).
 - With sequence parallelism the first stage reduce-scatters the embedding output (and all-gathers its

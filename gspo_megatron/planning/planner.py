@@ -39,7 +39,7 @@ class PlanOptions:
     optimizer_offload: bool = False  # Adam state + master weights in host memory (megatron's CPU Adam)
     recompute: bool = False
     routing_replay: str = "none"  # none | old_policy | rollout (R3 keeps the engine's experts)
-    dispatcher: str = "alltoall"  # alltoall on GPU; allgather is what the CPU build uses
+    dispatcher: str = "alltoall"  # model.token_dispatcher (the trainer's default: alltoall)
     layer_spec: str = "te"  # te on GPU; portable is what the CPU build uses (and what is measured)
     sync_bucket_bytes: int = 512 * 2**20  # rollout.sglang.weight_bucket_bytes
 

@@ -92,7 +92,13 @@ def policy_inputs(log_probs: torch.Tensor, seed: int = 5, noise: float = 1e-4) -
 
 
 def model_layout_worker(
-    ctx, cfg: MoEModelConfig, state: dict, layout_kwargs: dict, policy: dict | None = None, dtype: str = "float32"
+    ctx,
+    cfg: MoEModelConfig,
+    state: dict,
+    layout_kwargs: dict,
+    policy: dict | None = None,
+    build_kwargs: dict | None = None,
+    dtype: str = "float32",
 ):
     """Build the layout, load ``state``, run forward+backward of a loss through megatron's schedule.
 
@@ -100,21 +106,40 @@ def model_layout_worker(
     "advantages", "response_mask"} -- the trainer's own policy-loss head with global denominators
     (optionally with "entropy_coef", "kl_coef", "kl_estimator" and per-row "ref_log_probs", and
     "algorithm": any other ``AlgorithmConfig`` fields, e.g. an anchor preset's clip and KL settings).
+    ``build_kwargs`` go to ``build_model`` (e.g. ``token_dispatcher``, ``expert_mlp``).
     Returns this rank's exported weights, the log-probs it holds (last stage, by dp rank), its loss
     contribution and the gradients gathered to HF names. ``dtype="bfloat16"`` builds bf16 weights
     (gradients reduced in fp32, as the trainer does).
     """
-    from megatron.core import tensor_parallel
+    variant = {"params_dtype": getattr(torch, dtype), **(build_kwargs or {})}
+    (result,) = model_variants_worker(ctx, cfg, state, layout_kwargs, [variant], policy)
+    return result
 
-    from gspo_megatron.models.builder import build_model
-    from gspo_megatron.models.schedule import run_schedule, wrap_for_training
-    from gspo_megatron.parallel.context_parallel import gather_sequence
+
+def model_variants_worker(
+    ctx, cfg: MoEModelConfig, state: dict, layout_kwargs: dict, variants: list[dict], policy: dict | None = None
+) -> list[dict]:
+    """``model_layout_worker`` once per entry of ``variants`` (``build_model`` keyword arguments),
+    in one launch and one parallel state: a list of its results in the same order."""
     from gspo_megatron.parallel.layout import ParallelLayout
     from gspo_megatron.parallel.mesh import initialize_parallel
 
     layout = ParallelLayout(**layout_kwargs).validate(cfg)
     mesh = initialize_parallel(layout, seed=11)
-    model = build_model(cfg, layout, params_dtype=getattr(torch, dtype))
+    try:
+        return [_forward_backward(cfg, state, layout, mesh, policy, build_kwargs) for build_kwargs in variants]
+    finally:
+        mesh.destroy()
+
+
+def _forward_backward(cfg: MoEModelConfig, state: dict, layout, mesh, policy: dict | None, build_kwargs: dict) -> dict:
+    from megatron.core import tensor_parallel
+
+    from gspo_megatron.models.builder import build_model
+    from gspo_megatron.models.schedule import run_schedule, wrap_for_training
+    from gspo_megatron.parallel.context_parallel import gather_sequence
+
+    model = build_model(cfg, layout, **build_kwargs)
     load_hf_weights(model, cfg, state, mesh)
     exported = export_hf_state_dict(model, cfg, mesh)
     ddp = wrap_for_training(model, model.config)
@@ -168,7 +193,6 @@ def model_layout_worker(
         log_probs[mesh.dp_rank] = torch.cat([m["log_probs"] for m in metrics], dim=0)
     if metrics:
         loss = sum(m["loss"] for m in metrics)
-    mesh.destroy()
     return {"exported": exported, "log_probs": log_probs, "grads": grads, "loss": loss}
 
 

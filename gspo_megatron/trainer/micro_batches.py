@@ -14,9 +14,9 @@ whole mini-batch (``PolicyLossHead``), so the gradient is the one of the unsplit
 Design decisions:
 - One plan for all data-parallel ranks: the sorted rows are cut into stripes of ``dp`` consecutive
   rows, stripe row r going to rank r; micro-batch j then has the same [b, W] shape on every rank.
-  Expert-parallel all-gathers (megatron's allgather dispatcher) span data-parallel ranks, so the
-  token counts of one micro-batch index must agree across them; and every rank runs the same
-  number of micro-batches.
+  With ``model.token_dispatcher=allgather`` expert-parallel all-gathers span data-parallel ranks, so
+  the token counts of one micro-batch index must agree across them (the alltoall dispatcher takes
+  any counts); and every rank runs the same number of micro-batches.
 - The driver computes every rank's plan from the row lengths of the whole batch and sends each rank
   its own with its rows (``batch_distribution.py``), with the step's real input-token count, so the
   padded-token fraction of the step is known everywhere.

@@ -56,6 +56,8 @@ class ReferenceModel:
             layout,
             params_dtype=dtype,
             layer_spec=cfg.model.layer_spec,
+            token_dispatcher=cfg.model.token_dispatcher,
+            expert_mlp=cfg.model.expert_mlp,
             routing_replay=False,
             initialize=False,
         )

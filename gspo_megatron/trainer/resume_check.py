@@ -5,7 +5,8 @@ Design decisions:
   copy), flattened to dotted keys, so a difference is named exactly (``optimizer.lr: 0.001 -> 0.1``).
 - Three kinds of key. Free: deployment and bookkeeping that do not change what is trained (where
   files go, logging, checkpoint cadence, the parallel layout, which checkpoints reshard across,
-  reward workers, engine deployment, diagnostics, whether the optimizer state is sharded). Fixed:
+  reward workers, engine deployment, diagnostics, whether the optimizer state is sharded, the MoE
+  token dispatcher and expert MLP). Fixed:
   the model's shape (``model.*``), which no checkpoint of another shape can fill. Everything else
   (algorithm, optimizer, task, steps, rollout sampling, ...) refuses unless named in
   ``checkpoint.resume_allow_changes`` (a key, or a section ending in '.'), so a changed run is a
@@ -39,6 +40,10 @@ FREE_KEYS = (
     "trainer.recompute_activations",
     "model.hf_checkpoint",
     "model.preset",
+    # kernels with the same results: the dispatcher moves tokens differently; the portable grouped
+    # experts hold SequentialMLP's parameters
+    "model.token_dispatcher",
+    "model.expert_mlp",
 )
 FIXED_KEYS = ("model.",)
 

@@ -112,6 +112,8 @@ def build(cfg: TrainConfig, run_dir: Path, config_yaml: str, world_size: int | N
         layout,
         params_dtype=dtype,
         layer_spec=cfg.model.layer_spec,
+        token_dispatcher=cfg.model.token_dispatcher,
+        expert_mlp=cfg.model.expert_mlp,
         recompute=cfg.trainer.recompute_activations,
     )
     replay = RoutingReplay.capture_new_instances(instances_before) if cfg.model.is_moe else None

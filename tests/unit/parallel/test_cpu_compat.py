@@ -9,6 +9,7 @@ import torch
 
 from gspo_megatron.parallel import cpu_compat
 from gspo_megatron.parallel.context_parallel import split_sequence
+from gspo_megatron.testing.distributed import run_distributed
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the bridges only exist without CUDA")
 
@@ -165,3 +166,71 @@ def test_8_mixed_precision_optimizer_takes_cpu_parameters(bridges):
     assert weight.main_param.dtype == torch.float32 and torch.equal(weight.main_param, weight.float())
     assert optimizer.optimizer.param_groups[0]["params"] == [weight.main_param, bias]
     assert torch.randn(2).type() == "torch.FloatTensor"  # only during the constructor
+
+
+def _moe_config(**overrides):
+    from megatron.core.transformer import TransformerConfig
+
+    values = dict(num_layers=1, hidden_size=8, num_attention_heads=1, num_moe_experts=4, moe_router_topk=2)
+    values.update(overrides)
+    return TransformerConfig(use_cpu_initialization=True, moe_token_dispatcher_type="alltoall", **values)
+
+
+def test_9_alltoall_dispatcher_without_cuda_streams(bridges):
+    import types
+
+    import numpy as np
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    config = _moe_config()
+    groups = types.SimpleNamespace(ep=None, expt_tp=None, tp_ep=None)  # no process groups: one rank
+    with pytest.raises(RuntimeError, match="CUDA"):  # torch.cuda.Stream() in __init__
+        MoEAlltoAllTokenDispatcher(4, [0, 1, 2, 3], config, pg_collection=groups)
+    cpu_compat.enable_cpu_megatron()
+    dispatcher = MoEAlltoAllTokenDispatcher(4, [0, 1, 2, 3], config, pg_collection=groups)
+    # The split sizes the EP all-to-all and the ETP all-gather read: numpy after the DtoH point (as
+    # megatron's GPU path hands them on); the token counts come back untouched.
+    dispatcher.input_splits, dispatcher.output_splits = torch.tensor([3, 1]), torch.tensor([2, 2])
+    dispatcher.output_splits_tp = torch.tensor([4])
+    counts = torch.tensor([1, 2, 0, 1])
+    assert dispatcher._maybe_dtoh_and_synchronize("before_finish", counts) is counts  # not the DtoH point
+    assert torch.is_tensor(dispatcher.input_splits)
+    assert dispatcher._maybe_dtoh_and_synchronize(dispatcher.cuda_dtoh_point, counts) is counts
+    for splits, expected in ((dispatcher.input_splits, [3, 1]), (dispatcher.output_splits, [2, 2])):
+        assert isinstance(splits, np.ndarray) and splits.tolist() == expected
+    assert dispatcher.output_splits_tp.tolist() == [4]
+
+
+def uneven_gather_worker(ctx) -> dict:
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    dist.init_process_group("gloo")
+    sizes = [2, 3]  # rank r holds sizes[r] rows
+    rows = torch.arange(sizes[ctx.rank] * 4.0).view(-1, 4) + 100 * ctx.rank
+    out: dict = {}
+    cpu_compat.disable_cpu_megatron()
+    cpu_compat._current_device_is_cpu()  # bridge 1 only: megatron allocates its output on the CPU
+    try:
+        mappings._gather_along_first_dim(rows, dist.group.WORLD, sizes)
+    except RuntimeError as exc:  # gloo: "invalid tensor size"
+        out["without"] = str(exc)
+    cpu_compat.disable_cpu_megatron()
+    cpu_compat.enable_cpu_megatron()
+    leaf = rows.clone().requires_grad_()
+    gathered = mappings.gather_from_sequence_parallel_region(leaf, group=dist.group.WORLD, output_split_sizes=sizes)
+    weights = torch.arange(gathered.numel(), dtype=torch.float32).view_as(gathered)  # the same on both ranks
+    (gathered * weights).sum().backward()  # backward: megatron's uneven reduce-scatter (gloo runs it)
+    out.update(gathered=gathered.detach(), grad=leaf.grad)
+    return out
+
+
+def test_10_uneven_all_gather_through_padding():
+    results = run_distributed(uneven_gather_worker, 2, timeout=300)
+    expected = torch.cat([torch.arange(8.0).view(2, 4), torch.arange(12.0).view(3, 4) + 100])
+    weights = torch.arange(expected.numel(), dtype=torch.float32).view_as(expected)
+    for rank, result in enumerate(results):
+        assert "invalid tensor size" in result["without"]
+        assert torch.equal(result["gathered"], expected)
+        own = slice(0, 2) if rank == 0 else slice(2, 5)
+        assert torch.equal(result["grad"], 2 * weights[own])  # both ranks' output gradients, summed

@@ -8,7 +8,7 @@ from gspo_megatron.trainer.resume_check import ResumeConfigError, check_resume_c
 
 SAVED = """
 run_dir: /a
-model: {hidden_size: 64, num_experts: 4}
+model: {hidden_size: 64, num_experts: 4, token_dispatcher: alltoall, expert_mlp: grouped}
 algorithm: {name: gspo, clip_low: 0.0003}
 optimizer: {lr: 0.001}
 trainer: {steps: 10, stop_after_steps: 5, micro_batch_size: 4}
@@ -24,8 +24,9 @@ def test_differences_are_listed_by_dotted_key():
 
 def test_free_keys_pass():
     new = SAVED.replace("/a", "/b").replace("tp: 1", "tp: 2").replace("stop_after_steps: 5", "stop_after_steps: 9")
+    new = new.replace("alltoall", "allgather").replace("expert_mlp: grouped", "expert_mlp: sequential")
     accepted = check_resume_config(SAVED, new.replace("resume: 'false'", "resume: 'true'"), [], "ckpt")
-    assert len(accepted) == 4
+    assert len(accepted) == 6
 
 
 def test_algorithm_and_lr_changes_are_refused_with_every_key():

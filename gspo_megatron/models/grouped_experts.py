@@ -1,0 +1,118 @@
+"""All local experts of an MoE layer in one grouped computation, without TransformerEngine.
+
+For expert e with its routed rows X_e (megatron's dispatchers hand the rows sorted by local expert,
+``tokens_per_expert`` rows each) and their routing probabilities p_e:
+
+    [G_e | U_e] = X_e W1_e^T              W1_e = linear_fc1.weight of expert e (gate rows, then up rows)
+    Y_e = (silu(G_e) * U_e * p_e) W2_e^T  W2_e = linear_fc2.weight of expert e
+
+which is megatron's ``MLP.forward`` for an expert (SwiGLU, probabilities applied after the
+activation) run on every expert's rows at once.
+
+Design decisions:
+- A subclass of megatron's ``SequentialMLP`` that only replaces ``forward``: the parameters are
+  SequentialMLP's own ``local_experts.{i}.linear_fc1/linear_fc2`` (column/row-parallel expert linears),
+  so DDP's expert buffers, the expert-parallel ``sharded_state_dict`` of dist checkpoints and the HF
+  conversion (``models/conversion.py``) are the same for both; the router, the dispatcher and routing
+  replay never see the difference. With expert tensor parallelism each rank holds its shard of W1
+  (gate and up rows) and of W2, and the dispatcher's reduce-scatter sums the partial outputs, as for
+  SequentialMLP (its linears run with ``explicit_expert_comm``: no collectives of their own).
+- Kernel: ``torch._grouped_mm`` (one call per projection over all experts, row offsets from the
+  token counts); its CPU kernel multiplies group by group in C++ (bit-exact with one GEMM per expert
+  in our tests), without SequentialMLP's Python loop through megatron's linear layers. Where it
+  cannot run -- rows whose byte strides are not multiples of 16 (hidden or FFN width not a multiple
+  of 16 bytes), CUDA without bf16 on compute capability >= 9.0, or bias, fp8/fp4, clamped or offset
+  activations that this file does not implement -- the layer falls back to SequentialMLP's forward.
+- Memory: ``GroupedLinear`` stacks the per-expert weights into [E, out, in] only for the duration of
+  one grouped GEMM (forward, and again in backward) and saves for backward the rows and the
+  parameters themselves, so what autograd keeps per layer is no more than SequentialMLP keeps
+  (``tests/unit/models/test_grouped_experts.py`` counts the saved bytes); plain autograd through
+  ``torch.stack`` would keep a copy of the layer's local expert weights per micro-batch in flight
+  (Qwen3-30B-A3B, EP=8, bf16: 151 MB per layer).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.moe.experts import SequentialMLP
+
+_STRIDE_BYTES = 16  # torch._grouped_mm: every stride of its operands a multiple of 16 bytes
+
+
+def grouped_mm_fits(hidden_size: int, fc1_width: int, ffn_width: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``torch._grouped_mm`` takes the expert GEMMs of these widths on this device."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if any(width * size % _STRIDE_BYTES for width in (hidden_size, fc1_width, ffn_width)):
+        return False
+    if device.type == "cuda":  # torch's CUDA grouped GEMM: bf16 on Hopper and newer
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
+    return device.type == "cpu"
+
+
+class GroupedLinear(torch.autograd.Function):
+    """rows [N, in], int32 end offsets [E] of each expert's rows, weights W_e [out, in] -> [N, out]:
+
+        forward:   Y_e = X_e W_e^T
+        backward:  dX_e = dY_e W_e,   dW_e = dY_e^T X_e
+
+    each a single ``torch._grouped_mm`` over all experts (the weight gradients as one [E, out, in]
+    result, unbound per expert)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, offsets: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(rows, offsets, *weights)
+        return torch._grouped_mm(rows, torch.stack(weights).transpose(1, 2), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        rows, offsets, *weights = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_rows = None
+        if ctx.needs_input_grad[0]:
+            grad_rows = torch._grouped_mm(grad_out, torch.stack(weights), offs=offsets)
+        grad_weights: tuple[torch.Tensor | None, ...] = (None,) * len(weights)
+        if any(ctx.needs_input_grad[2:]):
+            grad_weights = torch._grouped_mm(grad_out.t(), rows, offs=offsets).unbind(0)
+        return (grad_rows, None, *grad_weights)
+
+
+class GroupedExperts(SequentialMLP):
+    """megatron's expert-MLP interface: ``forward(rows [N, h], tokens_per_expert [E], probs [N])``
+    -> (output [N, h], None)."""
+
+    def forward(
+        self,
+        permuted_local_hidden_states: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+        permuted_probs: torch.Tensor,
+    ):
+        if not self._grouped_supported(permuted_local_hidden_states):
+            return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        rows = permuted_local_hidden_states
+        probs = permuted_probs
+        if self.config.moe_apply_probs_on_input:  # megatron: top-1 only, probabilities scale the input
+            rows = (probs.unsqueeze(-1) * rows).to(rows.dtype)
+            probs = torch.ones_like(probs)
+        # [E] row counts -> int32 end offsets of each expert's rows
+        offsets = torch.as_tensor(tokens_per_expert, device=rows.device).cumsum(0).to(torch.int32)
+        fc1 = [expert.linear_fc1.weight for expert in self.local_experts]  # each [2F, h]: gate rows, up rows
+        fc2 = [expert.linear_fc2.weight for expert in self.local_experts]  # each [h, F]
+        gate, up = GroupedLinear.apply(rows, offsets, *fc1).chunk(2, dim=-1)
+        hidden = self.config.activation_func(gate) * up
+        hidden = (hidden * probs.unsqueeze(-1)).to(hidden.dtype)
+        return GroupedLinear.apply(hidden, offsets, *fc2), None
+
+    def _grouped_supported(self, rows: torch.Tensor) -> bool:
+        config = self.config
+        expert = self.local_experts[0]
+        fc1_width, hidden_size = expert.linear_fc1.weight.shape
+        plain_swiglu = (
+            config.gated_linear_unit
+            and config.activation_func is F.silu
+            and not config.add_bias_linear
+            and config.activation_func_clamp_value is None
+            and config.glu_linear_offset == 0.0
+            and not (config.fp8 or config.fp4)
+        )
+        return plain_swiglu and grouped_mm_fits(hidden_size, fc1_width, fc1_width // 2, rows.dtype, rows.device)
