@@ -33,7 +33,7 @@ class ParamSpec:
     name: str
     numel: int
     expert: bool  # lives in the expert-parallel buffer (ep > 1)
-    norm: bool = False  # an RMSNorm weight: fp32 in the portable spec whatever the model dtype
+    norm: bool = False  # an RMSNorm weight (in the model dtype, like every weight: models/layers.py)
     shared_embedding: bool = False  # tied output layer on a later stage: its own bucket (dist. opt.)
 
 
@@ -188,7 +188,9 @@ class StateBytes:
 
 
 def param_width(param: ParamSpec, dtype: str) -> int:
-    return FP32 if param.norm else DTYPE_BYTES[dtype]
+    """Bytes per element of a weight: the model dtype for every weight, norms included (the portable
+    RMSNorm is built in the model dtype, as TE's is)."""
+    return DTYPE_BYTES[dtype]
 
 
 def rank_buffers(
