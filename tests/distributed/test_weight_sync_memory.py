@@ -110,7 +110,7 @@ def _check_received(received: dict, state: dict) -> None:
     ],
     ids=["tp2", "pp2", "ep2", "tp2-disk"],
 )
-def test_driver_peak_extra_memory_is_at_most_two_buckets(tmp_path, layout, weight_sync):
+def test_driver_peak_extra_memory_is_buckets_not_the_model(tmp_path, layout, weight_sync):
     cfg, state = _expected()
     model_bytes = sum(t.numel() * t.element_size() for t in state.values())
     assert model_bytes > 5 * BUCKET_BYTES  # holding the model would break the bound many times over
@@ -122,7 +122,12 @@ def test_driver_peak_extra_memory_is_at_most_two_buckets(tmp_path, layout, weigh
     else:
         assert driver["calls"].count("/update_weights_from_disk") == 1
     assert driver["passes"] == other["passes"] == 1
-    assert driver["peak"] <= 2 * BUCKET_BYTES, f"driver peak {driver['peak'] / 2**20:.1f} MiB > 2 buckets"
+    # By design the driver holds one bucket plus the tensor being gathered: <= 2 buckets here (measured
+    # 8.1-11.3 MiB on quiet cores). The bound leaves one more bucket because the CPU measurement errs
+    # high: a free on a thread the profiler does not follow counts until its address is reused
+    # (testing/memory.py; 17.9 MiB seen once on a loaded machine). Holding the model -- the old path's
+    # 50.9 MiB -- still fails it.
+    assert driver["peak"] <= 3 * BUCKET_BYTES < model_bytes, f"driver peak {driver['peak'] / 2**20:.1f} MiB > 3 buckets"
 
 
 def test_a_failed_distributed_update_reexports_on_every_rank_for_the_disk_path(tmp_path):
