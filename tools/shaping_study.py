@@ -63,8 +63,6 @@ def _finished(run_dir: Path, steps: int) -> bool:
 def evaluate_warm_start(checkpoint: Path, overrides: list[str]) -> dict[str, float]:
     """pass@1 and response length of the warm start itself, on the study's evaluation prompts and
     settings (the trainer's own evaluation: same prompts, sampling and verifier)."""
-    from dataclasses import replace
-
     from omegaconf import OmegaConf
     from transformers import Qwen3MoeForCausalLM
 
@@ -74,16 +72,9 @@ def evaluate_warm_start(checkpoint: Path, overrides: list[str]) -> dict[str, flo
     cfg = OmegaConf.to_object(
         compose(["+experiment=shaping_from_sft", f"model.hf_checkpoint={checkpoint}", *overrides])
     )
-    phase, records = build_evaluation(cfg)
+    phase, records, params = build_evaluation(cfg)
     weights = Qwen3MoeForCausalLM.from_pretrained(str(checkpoint)).state_dict()
     phase.engine.update_weights(weights.items(), version=0)
-    params = replace(
-        phase.sampling,
-        n=cfg.trainer.eval_samples,
-        temperature=cfg.rollout.eval_temperature,
-        seed=cfg.trainer.seed,
-        return_routed_experts=False,
-    )
     try:
         return phase.evaluate(records, params)
     finally:
@@ -91,11 +82,10 @@ def evaluate_warm_start(checkpoint: Path, overrides: list[str]) -> dict[str, flo
 
 
 def _commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True
-    )
-    return done.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+    from gspo_megatron.provenance import code_version
+
+    version = code_version()
+    return version["commit"] + (" (with uncommitted changes)" if version["dirty"] else "")
 
 
 def main(argv=None) -> int:

@@ -41,7 +41,8 @@ def check_trigger_token_ids(
     """Raise ``ValueError`` when a trigger token id does not decode to one of the trigger words: the
     rollout would probe (and exit) at it while step counting, which reads text, counts no step."""
     words = set(trigger_words)
-    stray = {token: decode([token]) for token in token_ids if decode([token]).strip() not in words}
+    texts = {token: decode([token]) for token in token_ids}
+    stray = {token: text for token, text in texts.items() if text.strip() not in words}
     if stray:
         shown = ", ".join(f"{token} -> {text!r}" for token, text in sorted(stray.items())[:8])
         raise ValueError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -114,6 +115,21 @@ def model_layout_worker(
     variant = {"params_dtype": getattr(torch, dtype), **(build_kwargs or {})}
     (result,) = model_variants_worker(ctx, cfg, state, layout_kwargs, [variant], policy)
     return result
+
+
+def assert_same_results(reference: dict, candidate: dict, rank: int, tol: float) -> None:
+    """Two ``model_layout_worker`` results of one rank agree: log-probs to ``tol`` (relative and
+    absolute), the loss to relative ``tol``, every gathered gradient to rtol 1e-5 / atol 1e-7."""
+    assert candidate["log_probs"].keys() == reference["log_probs"].keys()
+    for dp_rank, logp in reference["log_probs"].items():
+        torch.testing.assert_close(candidate["log_probs"][dp_rank], logp, rtol=tol, atol=tol)
+    torch.testing.assert_close(candidate["loss"], reference["loss"], rtol=tol, atol=1e-8)
+    for key, grad in reference["grads"].items():
+        torch.testing.assert_close(candidate["grads"][key], grad, rtol=1e-5, atol=1e-7, msg=_naming(rank, key))
+
+
+def _naming(rank: int, key: str) -> Callable[[str], str]:
+    return lambda message: f"rank {rank} {key}: {message}"
 
 
 def model_variants_worker(

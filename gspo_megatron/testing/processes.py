@@ -15,6 +15,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from gspo_megatron.trainer.reaper import processes_with_env
+
 MARKER_VARIABLE = "GSPO_TEST_RUN_MARKER"
 
 
@@ -36,18 +38,7 @@ def _alive(pid: int) -> bool:
 
 def run_processes(marker: str) -> list[int]:
     """Live (non-zombie) processes whose environment carries ``marker``."""
-    needle = f"{MARKER_VARIABLE}={marker}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if needle in environ.split(b"\0") and _alive(int(entry.name)):
-            found.append(int(entry.name))
-    return sorted(found)
+    return sorted(pid for pid in processes_with_env(MARKER_VARIABLE, marker) if _alive(pid))
 
 
 def describe(pids: list[int]) -> str:

@@ -79,7 +79,12 @@ def keep_reaper(reaper: subprocess.Popen) -> None:
 
 
 def tagged_processes(tag: str) -> list[int]:
-    needle = f"{PROCESS_TAG}={tag}".encode()
+    return processes_with_env(PROCESS_TAG, tag)
+
+
+def processes_with_env(variable: str, value: str) -> list[int]:
+    """Processes whose environment holds ``variable=value`` (inherited by everything they start)."""
+    needle = f"{variable}={value}".encode()
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():

@@ -8,7 +8,7 @@ seeded random init that is identical for any layout (drawn in HF names, then sha
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -192,11 +192,24 @@ def build_rollout_phase(cfg: TrainConfig) -> RolloutPhase:
     )
 
 
-def build_evaluation(cfg: TrainConfig) -> tuple[RolloutPhase, list]:
-    """A rollout phase and the run's evaluation prompts (``trainer.eval_prompts``): what the trainer
-    evaluates, for evaluating weights outside a run. The caller loads the engine's weights."""
+def evaluation_inputs(cfg: TrainConfig, phase: RolloutPhase) -> tuple[list, SamplingParams]:
+    """The run's evaluation prompts (``trainer.eval_prompts``) and sampling (``trainer.eval_samples``
+    per prompt at ``rollout.eval_temperature``, the run's seed, no routed experts)."""
+    params = replace(
+        phase.sampling,
+        n=cfg.trainer.eval_samples,
+        temperature=cfg.rollout.eval_temperature,
+        seed=cfg.trainer.seed,
+        return_routed_experts=False,
+    )
+    return phase.task.eval_records(cfg.trainer.eval_prompts), params
+
+
+def build_evaluation(cfg: TrainConfig) -> tuple[RolloutPhase, list, SamplingParams]:
+    """A rollout phase with the run's evaluation prompts and sampling: what the trainer evaluates,
+    for evaluating weights outside a run. The caller loads the engine's weights."""
     phase = build_rollout_phase(cfg)
-    return phase, phase.task.eval_records(cfg.trainer.eval_prompts)
+    return phase, *evaluation_inputs(cfg, phase)
 
 
 def _build_driver_side(c: Components) -> None:

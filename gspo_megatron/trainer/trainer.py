@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 import signal
 import time
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -56,6 +55,7 @@ from gspo_megatron.trainer.mismatch_phase import correct_mismatch
 from gspo_megatron.trainer.nonfinite import NonFiniteError, NonFiniteGuard, parameters_finite
 from gspo_megatron.trainer.optim import keep_configured_hyperparameters, restore_schedule
 from gspo_megatron.trainer.run_dir_owner import RunDirError, new_run_id, resume_mode
+from gspo_megatron.trainer.setup import evaluation_inputs
 from gspo_megatron.trainer.signals import SignalWatch, TrainingInterrupted
 from gspo_megatron.trainer.weight_stream import sync_engine_weights
 
@@ -374,14 +374,7 @@ class RLTrainer:
     def _evaluate(self) -> dict:
         payload: list[Any] = [None]
         if self.mesh.is_driver:
-            records = self.c.task.eval_records(self.cfg.trainer.eval_prompts)
-            params = replace(
-                self.c.rollout.sampling,
-                n=self.cfg.trainer.eval_samples,
-                temperature=self.cfg.rollout.eval_temperature,
-                seed=self.cfg.trainer.seed,
-                return_routed_experts=False,
-            )
+            records, params = evaluation_inputs(self.cfg, self.c.rollout)
             payload = [self.c.rollout.evaluate(records, params)]
         dist.broadcast_object_list(payload, src=0)
         return payload[0]

@@ -12,11 +12,11 @@ results agree up to fp32 summation order. On CPU the alltoall runs through
 from __future__ import annotations
 
 import pytest
-import torch
 
 from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.model_fixtures import (
     EQUIVALENCE_LAYOUTS,
+    assert_same_results,
     model_layout_worker,
     model_variants_worker,
     policy_inputs,
@@ -49,16 +49,5 @@ def test_alltoall_equals_allgather(policy_setup, name, budget):
     allgather, alltoall = ([rank[i] for rank in per_rank] for i in range(2))
     assert any(r["log_probs"] for r in alltoall)
     for rank, (gathered, routed) in enumerate(zip(allgather, alltoall)):
-        assert routed["log_probs"].keys() == gathered["log_probs"].keys()
-        for dp_rank, logp in gathered["log_probs"].items():
-            torch.testing.assert_close(routed["log_probs"][dp_rank], logp, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(routed["loss"], gathered["loss"], rtol=1e-6, atol=1e-8)
-        for key, grad in gathered["grads"].items():
-            torch.testing.assert_close(
-                routed["grads"][key],
-                grad,
-                rtol=1e-5,
-                atol=1e-7,
-                msg=lambda m, key=key, rank=rank: f"rank {rank} {key}: {m}",
-            )
+        assert_same_results(gathered, routed, rank, tol=1e-6)
     assert max(g.abs().max().item() for g in alltoall[0]["grads"].values()) > 0
