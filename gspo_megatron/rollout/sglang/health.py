@@ -53,7 +53,9 @@ async def wait_until_healthy(
                 return
             last = f"HTTP {response.status_code}"
         except httpx.ReadTimeout:
-            last = f"no answer within {probe_timeout:.3g}s (the connection was accepted)"
+            cut_short = probe_timeout < PROBE_TIMEOUT_S  # by the deadline: not evidence of a silent server
+            if not (cut_short and last.startswith("HTTP ")):  # so an answer seen before stays the one quoted
+                last = f"no answer within {probe_timeout:.3g}s (the connection was accepted)"
         except httpx.TransportError as error:
             last = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
         now = loop.time()

@@ -172,3 +172,39 @@ def test_attach_to_a_server_that_never_answers_fails_within_attach_timeout():
     assert len(outcome) == 1 and isinstance(outcome[0], RuntimeError), outcome
     message = str(outcome[0])
     assert f"{url} not healthy after 1s" in message and "no answer within" in message, message
+
+
+def test_a_probe_cut_short_by_the_deadline_does_not_hide_the_last_answer():
+    """A server that answered 503 and then went quiet: the last probe, bounded by the deadline, times
+    out, and the error still quotes the 503 (it used to quote the deadline's own timeout, which made
+    the message depend on how busy the machine was)."""
+    import asyncio
+
+    import httpx
+
+    from gspo_megatron.rollout.sglang.health import wait_until_healthy
+
+    async def scenario() -> str:
+        requests = 0
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal requests
+            while await reader.readuntil(b"\r\n\r\n"):
+                requests += 1
+                if requests == 1:  # the first probe gets an answer; every later one none
+                    writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n")
+                    await writer.drain()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        loop = asyncio.get_running_loop()
+        try:
+            async with httpx.AsyncClient(trust_env=False) as http:
+                await wait_until_healthy(http, url, loop.time() + 1.0, 0.01, give_up=lambda last: RuntimeError(last))
+        except RuntimeError as error:
+            return str(error)
+        finally:
+            server.close()
+        return "healthy"
+
+    assert asyncio.run(scenario()) == "HTTP 503"
