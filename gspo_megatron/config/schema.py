@@ -30,7 +30,13 @@ from gspo_megatron.rollout.config import EmbeddedConfig, RolloutEngineName, Trun
 from gspo_megatron.rollout.sglang.config import SGLangConfig
 from gspo_megatron.routing.config import RoutingDiagnosticsConfig
 from gspo_megatron.shaping.config import ShapingConfig
-from gspo_megatron.trainer.nonfinite import NonFinitePolicy
+
+
+class NonFinitePolicy(ConfigChoice):
+    """``trainer.on_nonfinite``: what a non-finite loss or gradient does (``trainer/nonfinite.py``)."""
+
+    skip = "skip"  # drop the update and go on (a streak of them still stops the run)
+    stop = "stop"  # end the run
 
 
 class TrainerDtype(ConfigChoice):

@@ -21,12 +21,22 @@ Design decisions:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.parallel.layout import LayoutError
+
+
+class PerTokenBatch(Protocol):
+    """What the split needs of a batch (``models.micro_batch.MicroBatch``, a layer above, is one)."""
+
+    def map_per_token(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> PerTokenBatch: ...
+
+
+BatchT = TypeVar("BatchT", bound=PerTokenBatch)
 
 
 def validate_context_parallel(cp_size: int, max_position_embeddings: int) -> None:
@@ -90,11 +100,11 @@ def pad_sequence_length(batch, multiple: int):
     return dataclasses.replace(batch, **values)
 
 
-def split_micro_batch(batch: MicroBatch, cp_size: int, cp_rank: int) -> MicroBatch:
+def split_micro_batch(batch: BatchT, cp_size: int, cp_rank: int) -> BatchT:
     """Split every per-token tensor of a schedule micro-batch (dim 1 = the token dim of ``tokens``)."""
     if cp_size == 1:
         return batch
-    return batch.map_per_token(lambda value: split_sequence(value, cp_size, cp_rank))
+    return batch.map_per_token(lambda value: split_sequence(value, cp_size, cp_rank))  # type: ignore[return-value]
 
 
 def gather_sequence(local: torch.Tensor, cp_group: dist.ProcessGroup | None, seq_dim: int = 1) -> torch.Tensor:
