@@ -203,7 +203,7 @@ class TrainerSection(ConfigNode):
     updates_per_rollout: int = 2  # mini-batches (optimizer steps) per rollout: ratio != 1 after the first
     micro_batch_size: int = 32  # sequences per micro-batch per data-parallel rank
     # token budget per micro-batch per data-parallel rank: rows sorted by length, each micro-batch
-    # padded to its own longest row (trainer/micro_batches.py); replaces micro_batch_size. null: off
+    # padded to its own longest row (trainer/token_budget.py); replaces micro_batch_size. null: off
     micro_batch_tokens: int | None = None
     seed: int = 1234
     eval_every: int = 10  # 0: never

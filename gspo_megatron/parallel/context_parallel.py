@@ -81,7 +81,7 @@ def pad_for_context_parallel(batch, cp_size: int):
 def pad_sequence_length(batch, multiple: int):
     """A ``RolloutBatch`` whose model-input length S-1 is right-padded to a multiple of ``multiple``
     (2*CP for the load-balanced CP split; times TP under sequence parallelism, whose reduce-scatter
-    splits the sequence over TP ranks: ``trainer/micro_batches.py:sequence_multiple``).
+    splits the sequence over TP ranks: ``trainer/token_budget.py:sequence_multiple``).
 
     Padding goes at the end of every row with zero masks (token id 0, log-probs 0, experts 0):
     under causal attention no real token attends to it, so real tokens' outputs are unchanged.
