@@ -27,7 +27,7 @@ PACKAGE = ROOT / "gspo_megatron"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("config_node", "registry", "provenance", "known_warnings", "deferred_compile", "trigger_words", "weights"),
+    ("config_node", "registry", "provenance", "known_warnings", "deferred_compile", "trigger_words", "weights", "conf"),
     ("parallel", "data", "rollout"),
     ("models",),
     ("routing",),
