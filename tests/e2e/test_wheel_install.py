@@ -75,4 +75,4 @@ def test_the_wheel_trains_from_an_empty_directory(tmp_path):
     _run([str(venv / "bin" / "gspo-train"), "trainer.steps=2"], empty)
     (run_dir,) = (empty / "runs").iterdir()  # Hydra's run directory, under the working directory
     steps = sorted({row["step"] for row in read_metrics(run_dir)})
-    assert steps == [0, 1], f"expected steps 0 and 1 in {run_dir}/metrics.jsonl, got {steps}"
+    assert steps == [1, 2], f"expected steps 1 and 2 in {run_dir}/metrics.jsonl, got {steps}"
