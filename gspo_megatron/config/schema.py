@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, field
 
 from gspo_megatron.algorithms.config import AlgorithmConfig
+from gspo_megatron.config.resume_check import validate_allow_list
 from gspo_megatron.config_node import ConfigChoice, ConfigNode
 from gspo_megatron.data.config import TaskConfig, TokenizerConfig
 from gspo_megatron.models.config import ExpertMLP, LayerSpec, MoEModelConfig, TokenDispatcher
@@ -248,8 +249,7 @@ class CheckpointSection(ConfigNode):
     export_hf_every: int = 0  # also every N steps (0: only at the end); each export replaces the last
 
     def validate(self) -> None:
-        from gspo_megatron.trainer.resume_check import validate_allow_list
-        from gspo_megatron.trainer.run_dir_owner import resume_mode
+        from gspo_megatron.trainer.run_dir_owner import resume_mode  # reviewed exception: test_import_layers.py
 
         for name, zero_means in (
             ("save_every", "only at the end"),

@@ -42,10 +42,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 
 # (importing module, imported module): reviewed imports that go against the layers, each with why.
 EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("gspo_megatron.config.schema", "gspo_megatron.trainer.resume_check"): (
-        "lazy, in CheckpointConfig.validate: the resume allow-list is checked at compose time by the rule "
-        "the resume check applies (one rule); the rule's key lists belong to the resume check"
-    ),
     ("gspo_megatron.config.schema", "gspo_megatron.trainer.run_dir_owner"): (
         "lazy, in CheckpointConfig.validate: checkpoint.resume parsed by the run-dir owner's resume_mode "
         "until it is a ConfigChoice (issue 33 item 5)"
