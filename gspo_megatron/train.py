@@ -68,13 +68,14 @@ def _is_driver_process() -> bool:
 
 
 def main() -> None:
-    """Register the config schema, then let Hydra compose the config from conf/ and the command line."""
+    """Register the config schema, then let Hydra compose the config from the package's conf/ (package
+    data: ``pkg://gspo_megatron.conf``, so an installed wheel finds it) and the command line."""
     import hydra
 
     from gspo_megatron.config.store import register_configs
 
     register_configs()
-    hydra.main(config_path="../conf", config_name="config", version_base="1.3")(train_from_hydra)()
+    hydra.main(config_path="pkg://gspo_megatron.conf", config_name="config", version_base="1.3")(train_from_hydra)()
 
 
 def train_from_hydra(cfg: DictConfig) -> None:

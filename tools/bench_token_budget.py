@@ -39,7 +39,7 @@ def bench_worker(ctx, args) -> dict:
     from gspo_megatron.testing.model_fixtures import tiny_test_config
     from gspo_megatron.trainer.batch import pack_samples, partition
     from gspo_megatron.trainer.loss_head import PolicyLossHead
-    from gspo_megatron.trainer.micro_batches import step_padded_fraction
+    from gspo_megatron.trainer.token_budget import step_padded_fraction
 
     cfg = tiny_test_config(
         hidden_size=args.hidden,

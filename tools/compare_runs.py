@@ -10,7 +10,7 @@ line per run), ``OUT/comparison.html`` (the table and the figure, self-contained
 ``OUT/comparison.json`` (every run's summary), and the seed-aggregated study report
 ``OUT/study.html`` / ``OUT/study.json`` (runs grouped by config, mean ± std over ``--seed-key``;
 curves with seed bands, per-layer volatility, ratio dispersion by length, "paper vs ours" table;
-``gspo_megatron/routing/study_report.py``), and prints both tables to stdout.
+``tools/study_reports/study_report.py``), and prints both tables to stdout.
 
 Design decisions:
 - Runs are read through ``gspo_megatron.routing.run_dir`` (the format is documented there) and
@@ -19,7 +19,7 @@ Design decisions:
   share a label (GRPO with and without replay) get their directory name appended.
 - Volatility columns are the step mean of each kind's overall changed fraction; a run that did not
   record a kind shows "-".
-- The study report records where it came from (``routing/report_provenance.py``): its own commit
+- The study report records where it came from (``study_reports/report_provenance.py``): its own commit
   and command, each run's commit, command, seeds and composed config; runs from different commits
   (or from uncommitted code, or that recorded none) are reported with a warning on stderr.
 - ``main(argv)`` returns the exit status (0 ok, 2 bad input) so tests and scripts can call it.
@@ -34,7 +34,10 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from gspo_megatron.routing.aggregate import DEFAULT_SEED_KEYS, expand_run_paths, group_runs
+from study_reports.aggregate import DEFAULT_SEED_KEYS, expand_run_paths, group_runs
+from study_reports.report_provenance import runs_provenance
+from study_reports.study_report import study_report
+
 from gspo_megatron.routing.plots import Panel, Series, figure_png, line_panels
 from gspo_megatron.routing.report import (
     format_number,
@@ -46,9 +49,7 @@ from gspo_megatron.routing.report import (
     summarize_run,
     training_panels,
 )
-from gspo_megatron.routing.report_provenance import runs_provenance
 from gspo_megatron.routing.run_dir import RunData, RunDirError, load_run
-from gspo_megatron.routing.study_report import study_report
 
 BASE_COLUMNS = ["run", "final reward", "clip frac tok", "clip frac seq"]
 

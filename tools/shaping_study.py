@@ -11,7 +11,7 @@
 3. Trains every arm from it with ``+experiment=shaping_from_sft`` for each seed (ARMS below: plain
    GSPO, DTR only, Step-GRPO's reward only, Step-GRPO + DTR, GRSP keyword, GRSP confidence). A finished
    run (its metrics.jsonl has the last step) is reused, so an interrupted study resumes.
-4. Writes ``OUT/report.md`` and ``OUT/report.json`` (``gspo_megatron.shaping.report``): per arm, seed
+4. Writes ``OUT/report.md`` and ``OUT/report.json`` (``study_reports.shaping_report``): per arm, seed
    mean ± sample std. Learned brevity is measured on EVALUATION responses (plain decoding, no
    truncation, >= 64 prompts); rollout-token savings (DTR cuts rollouts before any update) are reported
    separately. The report records the commit, the full command, the seeds and each run's composed
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
         args.steps, args.seeds = QUICK["steps"], QUICK["seeds"]
     command = "python3 tools/shaping_study.py " + " ".join(argv if argv is not None else sys.argv[1:])
 
-    from gspo_megatron.shaping.report import (
+    from study_reports.shaping_report import (
         aggregate,
         read_metrics,
         relative_to_baseline,

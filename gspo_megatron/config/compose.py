@@ -1,5 +1,6 @@
-"""Compose ``conf/config.yaml`` with overrides outside the Hydra entry point (tools, tests), exactly
-as ``python -m gspo_megatron.train`` would: the schema registered, the same search path."""
+"""Compose ``gspo_megatron/conf/config.yaml`` with overrides outside the Hydra entry point (tools,
+tests), exactly as ``python -m gspo_megatron.train`` would: the schema registered, the same search
+path (``CONF_MODULE``, package data, so an installed wheel composes the same configs)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,16 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+CONF_MODULE = "gspo_megatron.conf"
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # the same files, for tests that list them
 
 
 def compose(overrides: list[str]) -> DictConfig:
     from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from hydra import initialize_config_module
 
     from gspo_megatron.config.store import register_configs
 
     register_configs()  # idempotent: ConfigStore replaces the entry
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+    with initialize_config_module(config_module=CONF_MODULE, version_base="1.3"):
         return hydra_compose("config", overrides=list(overrides))

@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, field
 
 from gspo_megatron.algorithms.config import AlgorithmConfig
+from gspo_megatron.config.resume_check import validate_allow_list
 from gspo_megatron.config_node import ConfigChoice, ConfigNode
 from gspo_megatron.data.config import TaskConfig, TokenizerConfig
 from gspo_megatron.models.config import ExpertMLP, LayerSpec, MoEModelConfig, TokenDispatcher
@@ -30,7 +31,13 @@ from gspo_megatron.rollout.config import EmbeddedConfig, RolloutEngineName, Trun
 from gspo_megatron.rollout.sglang.config import SGLangConfig
 from gspo_megatron.routing.config import RoutingDiagnosticsConfig
 from gspo_megatron.shaping.config import ShapingConfig
-from gspo_megatron.trainer.nonfinite import NonFinitePolicy
+
+
+class NonFinitePolicy(ConfigChoice):
+    """``trainer.on_nonfinite``: what a non-finite loss or gradient does (``trainer/nonfinite.py``)."""
+
+    skip = "skip"  # drop the update and go on (a streak of them still stops the run)
+    stop = "stop"  # end the run
 
 
 class TrainerDtype(ConfigChoice):
@@ -197,7 +204,7 @@ class TrainerSection(ConfigNode):
     updates_per_rollout: int = 2  # mini-batches (optimizer steps) per rollout: ratio != 1 after the first
     micro_batch_size: int = 32  # sequences per micro-batch per data-parallel rank
     # token budget per micro-batch per data-parallel rank: rows sorted by length, each micro-batch
-    # padded to its own longest row (trainer/micro_batches.py); replaces micro_batch_size. null: off
+    # padded to its own longest row (trainer/token_budget.py); replaces micro_batch_size. null: off
     micro_batch_tokens: int | None = None
     seed: int = 1234
     eval_every: int = 10  # 0: never
@@ -242,8 +249,7 @@ class CheckpointSection(ConfigNode):
     export_hf_every: int = 0  # also every N steps (0: only at the end); each export replaces the last
 
     def validate(self) -> None:
-        from gspo_megatron.trainer.resume_check import validate_allow_list
-        from gspo_megatron.trainer.run_dir_owner import resume_mode
+        from gspo_megatron.trainer.run_dir_owner import resume_mode  # reviewed exception: test_import_layers.py
 
         for name, zero_means in (
             ("save_every", "only at the end"),

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from gspo_megatron.models.config import MoEModelConfig
 from gspo_megatron.models.hf_shapes import hf_shapes as hf_shapes  # exported here too: the conversion's names
+from gspo_megatron.weights.named_tensors import NamedTensor, bucket_named_tensors
 
 
 class ConversionError(ValueError):
@@ -304,31 +305,6 @@ def gradient_of(param: torch.Tensor) -> torch.Tensor:
     if grad is None:
         return torch.zeros_like(param.data)
     return grad
-
-
-NamedTensor = tuple[str, torch.Tensor]
-
-
-def bucket_named_tensors(
-    named_tensors: Iterable[NamedTensor], bucket_bytes: int
-) -> Generator[list[NamedTensor], None, None]:
-    """Group (name, tensor) pairs into lists of at most ``bucket_bytes`` (an oversize tensor: alone).
-
-    A bucket is yielded as soon as the next tensor would overflow it and is not referenced here
-    afterwards, so a consumer that drops each bucket before asking for the next holds one at a time."""
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    bucket: list[NamedTensor] = []
-    size = 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 def export_hf_tensors(

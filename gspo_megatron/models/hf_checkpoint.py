@@ -35,7 +35,7 @@ import torch
 
 from gspo_megatron.models.config import MoEModelConfig
 from gspo_megatron.models.conversion import export_hf_weights
-from gspo_megatron.models.safetensors_writer import ShardWriter, fsync_path, write_durably
+from gspo_megatron.weights.safetensors_writer import ShardWriter, fsync_path, write_durably
 
 CONFIG_FILE = "config.json"
 # Files a tokenizer directory may hold (tokenizers, sentencepiece, BPE, chat template).

@@ -112,7 +112,7 @@ def run_schedule(
     # Different shapes in one call (token-budget micro-batches): pipeline stages exchange each
     # tensor's shape first. Set here rather than at build time because megatron refuses the flag with
     # the allgather dispatcher in general; the token-budget plan gives micro-batch j one shape on
-    # every rank (trainer/micro_batches.py), which is all that dispatcher's all-gathers need.
+    # every rank (trainer/token_budget.py), which is all that dispatcher's all-gathers need.
     config.variable_seq_lengths = fixed or len(shapes) > 1
     try:
         results = get_forward_backward_func()(

@@ -21,12 +21,22 @@ Design decisions:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.parallel.layout import LayoutError
+
+
+class PerTokenBatch(Protocol):
+    """What the split needs of a batch (``models.micro_batch.MicroBatch``, a layer above, is one)."""
+
+    def map_per_token(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> PerTokenBatch: ...
+
+
+BatchT = TypeVar("BatchT", bound=PerTokenBatch)
 
 
 def validate_context_parallel(cp_size: int, max_position_embeddings: int) -> None:
@@ -71,7 +81,7 @@ def pad_for_context_parallel(batch, cp_size: int):
 def pad_sequence_length(batch, multiple: int):
     """A ``RolloutBatch`` whose model-input length S-1 is right-padded to a multiple of ``multiple``
     (2*CP for the load-balanced CP split; times TP under sequence parallelism, whose reduce-scatter
-    splits the sequence over TP ranks: ``trainer/micro_batches.py:sequence_multiple``).
+    splits the sequence over TP ranks: ``trainer/token_budget.py:sequence_multiple``).
 
     Padding goes at the end of every row with zero masks (token id 0, log-probs 0, experts 0):
     under causal attention no real token attends to it, so real tokens' outputs are unchanged.
@@ -90,11 +100,11 @@ def pad_sequence_length(batch, multiple: int):
     return dataclasses.replace(batch, **values)
 
 
-def split_micro_batch(batch: MicroBatch, cp_size: int, cp_rank: int) -> MicroBatch:
+def split_micro_batch(batch: BatchT, cp_size: int, cp_rank: int) -> BatchT:
     """Split every per-token tensor of a schedule micro-batch (dim 1 = the token dim of ``tokens``)."""
     if cp_size == 1:
         return batch
-    return batch.map_per_token(lambda value: split_sequence(value, cp_size, cp_rank))
+    return batch.map_per_token(lambda value: split_sequence(value, cp_size, cp_rank))  # type: ignore[return-value]
 
 
 def gather_sequence(local: torch.Tensor, cp_group: dist.ProcessGroup | None, seq_dim: int = 1) -> torch.Tensor:

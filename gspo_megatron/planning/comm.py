@@ -178,7 +178,7 @@ class WeightSyncPlan:
 def weight_sync_plan(
     model: MoEModelConfig, bucket_bytes: int, link_bytes_per_s: float, width: int = 2
 ) -> WeightSyncPlan:
-    """The sync as ``models.conversion.bucket_named_tensors`` packs the export: a bucket closes when
+    """The sync as ``weights.named_tensors.bucket_named_tensors`` packs the export: a bucket closes when
     the next tensor would overflow it, an oversize tensor travels alone. Order: HF names by unit (the
     export's order up to the order of parameters inside a layer)."""
     sizes = [math.prod(shape) * width for shape in hf_shapes(model).values()]

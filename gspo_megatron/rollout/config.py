@@ -68,7 +68,7 @@ class TruncatedRolloutConfig(ConfigNode):
 
     # CHOICE: the Step-GRPO paper names "Wait" and "Alternatively"; DEER's code uses "Wait" alone
     # (``--points 1``). Set [Wait] for the released code. Matched as whole words, the rule step
-    # counting uses (gspo_megatron/shaping/segmentation.py); must equal shaping.step_grpo.triggers.
+    # counting uses (gspo_megatron/trigger_words.py); must equal shaping.step_grpo.triggers.
     trigger_words: list[str] = field(default_factory=lambda: ["Wait", "Alternatively"])
     trigger_token_ids: list[int] = field(default_factory=list)  # extra triggers as single token ids
     end_think: str = "</think>"  # the model closing its thinking block ends the probing phase

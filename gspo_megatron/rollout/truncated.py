@@ -19,7 +19,7 @@ budget is closed and answered ("think_budget", DEER's answer forcing); ``repetit
 word sets equal the previous chunk's close it too ("repetition").
 
 Design decisions:
-- Trigger words are matched with the rule step counting uses (``shaping.segmentation``: whole words,
+- Trigger words are matched with the rule step counting uses (``gspo_megatron/trigger_words.py``: whole words,
   case-sensitive), on the text generated so far: engines stop as soon as a trigger's text appears, so
   a stop inside a word ("Await", "Waiting" as one token) is not a trigger and thinking simply goes on
   (no probe). A trigger at the very end of the text counts (its next character is not generated yet).
@@ -57,7 +57,7 @@ import torch
 from gspo_megatron.rollout.config import TruncatedRolloutConfig
 from gspo_megatron.rollout.engine import RolloutEngine
 from gspo_megatron.rollout.types import FinishReason, Sample, SamplingParams
-from gspo_megatron.shaping.segmentation import trigger_matches
+from gspo_megatron.trigger_words import trigger_matches
 
 THINK, PROBE, ANSWER, DONE = "think", "probe", "answer", "done"
 _SEED_STRIDE = 1_000_003

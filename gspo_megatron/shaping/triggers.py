@@ -2,7 +2,7 @@
 
 Design decision: the rollout probes at the trigger words ``rollout.truncation.trigger_words`` and the
 shapers count steps with ``shaping.step_grpo.triggers`` / ``shaping.metrics.triggers``. Both use one
-matching rule (whole words, case-sensitive; ``shaping.segmentation.trigger_matches``), so with
+matching rule (whole words, case-sensitive; ``gspo_megatron/trigger_words.py``), so with
 ``rollout.truncated=true`` the lists must be equal: otherwise a word could cause a probe and an exit
 yet count no step (or the reverse). The check names every key and the fix.
 ``rollout.truncation.trigger_token_ids`` (triggers given as token ids) need the tokenizer, so they are

@@ -215,7 +215,7 @@ def _forward_backward(cfg: MoEModelConfig, state: dict, layout, mesh, policy: di
 def _token_budget_micro_batches(inputs, targets, per_row: dict, mask, budget: int, layout, dp_rank: int):
     """The trainer's token-budget plan over the fixed batch: a row's length ends at its last
     response target (+1 for the shifted input, +1 for the target)."""
-    from gspo_megatron.trainer.micro_batches import sequence_multiple, token_budget_plan
+    from gspo_megatron.trainer.token_budget import sequence_multiple, token_budget_plan
 
     positions = torch.arange(mask.shape[1]).expand_as(mask)
     lengths = torch.where(mask > 0, positions, torch.zeros_like(positions)).max(dim=1).values + 2

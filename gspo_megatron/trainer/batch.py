@@ -10,7 +10,7 @@ Design decisions:
   rank's rows are a contiguous slice of every mini-batch; loss denominators are global counts the
   driver computes from the whole batch.
 - Without ``trainer.micro_batch_tokens`` all micro-batches share the padded length S-1 of the whole
-  rollout batch; with it each is cut to its own longest row (``micro_batches.py``). Micro-batches
+  rollout batch; with it each is cut to its own longest row (``token_budget.py``). Micro-batches
   name their rows by global index (``rows``), whichever rows the rank's batch holds.
 """
 
@@ -22,7 +22,7 @@ import torch
 
 from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.rollout.types import Sample
-from gspo_megatron.trainer.micro_batches import token_budget_plan
+from gspo_megatron.trainer.token_budget import token_budget_plan
 
 
 @dataclass
@@ -226,7 +226,7 @@ def partition(
 
     The old-log-prob pass runs over exactly these micro-batches (flattened), so whatever it records
     per micro-batch (log-probs, routing) lines up with the training forwards that replay it. With
-    ``micro_batch_tokens`` the rows are packed by length under that budget (``micro_batches.py``).
+    ``micro_batch_tokens`` the rows are packed by length under that budget (``token_budget.py``).
     """
     plan = plan_partition(batch, updates, micro_batch_size, dp_size, dp_rank, micro_batch_tokens, seq_multiple)
     return cut_micro_batches(batch, plan)

@@ -25,18 +25,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.config_node import ConfigChoice
-
-
-class NonFinitePolicy(ConfigChoice):
-    """``trainer.on_nonfinite``: what a non-finite loss or gradient does."""
-
-    skip = "skip"  # drop the update and go on (a streak of them still stops the run)
-    stop = "stop"  # end the run
-
-
-POLICIES = tuple(NonFinitePolicy)
-
 
 class NonFiniteError(FloatingPointError):
     """Training produced non-finite values and the policy (or the streak) says stop."""

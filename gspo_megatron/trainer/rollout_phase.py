@@ -1,7 +1,7 @@
 """The driver's half of an RL step: prompts -> samples -> rewards -> shaped rewards -> advantages.
 
-Runs on the driver rank only (it owns the engine, the task and the reward pool); the resulting
-``RolloutBatch`` is broadcast to every rank by the trainer.
+Runs on the driver rank only (it owns the engine, the task and the reward pool); from the resulting
+``RolloutBatch`` each data-parallel rank receives only its rows (``trainer/batch_distribution.py``).
 
 Sampling seeds are a pure function of (run seed, step), so a resumed run draws the same samples as
 an uninterrupted one without saving any engine state.

@@ -235,9 +235,9 @@ def claim_run_dir(run_dir: Path, section, config_yaml: str) -> RunClaim:
 
 
 def _decide(run_dir: Path, mode: str, section, config_yaml: str, lock: RunDirLock) -> RunClaim:
+    from gspo_megatron.config.resume_check import check_resume_config
     from gspo_megatron.trainer.checkpoint import latest_checkpoint
     from gspo_megatron.trainer.checkpoint_check import checked_trainer_state
-    from gspo_megatron.trainer.resume_check import check_resume_config
 
     latest = latest_checkpoint(run_dir) if mode != "false" else None
     if latest is None:

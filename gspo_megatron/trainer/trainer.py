@@ -50,13 +50,13 @@ from gspo_megatron.trainer.checkpoint_check import load_checked_checkpoint
 from gspo_megatron.trainer.diagnostics import RoutingDiagnostics
 from gspo_megatron.trainer.engine_old_log_probs import use_engine_log_probs
 from gspo_megatron.trainer.loss_head import LogProbHead, PolicyLossHead
-from gspo_megatron.trainer.micro_batches import sequence_multiple, step_padded_fraction
 from gspo_megatron.trainer.mismatch_phase import correct_mismatch
 from gspo_megatron.trainer.nonfinite import NonFiniteError, NonFiniteGuard, parameters_finite
 from gspo_megatron.trainer.optim import keep_configured_hyperparameters, restore_schedule
 from gspo_megatron.trainer.run_dir_owner import RunDirError, new_run_id, resume_mode
 from gspo_megatron.trainer.setup import evaluation_inputs
 from gspo_megatron.trainer.signals import SignalWatch, TrainingInterrupted
+from gspo_megatron.trainer.token_budget import sequence_multiple, step_padded_fraction
 from gspo_megatron.trainer.weight_stream import sync_engine_weights
 
 

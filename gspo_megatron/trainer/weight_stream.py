@@ -22,8 +22,9 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.models.conversion import NamedTensor, export_hf_tensors
+from gspo_megatron.models.conversion import export_hf_tensors
 from gspo_megatron.rollout.engine import RolloutEngine
+from gspo_megatron.weights.named_tensors import NamedTensor
 
 MORE, DONE = 1, 0
 

@@ -1,7 +1,7 @@
 """Trainer-side pieces of SGLang weight sync: byte-size buckets, the update group, the broadcaster.
 
 Design decisions:
-- Buckets (``models.conversion.bucket_named_tensors``) are filled greedily in the order the exporter
+- Buckets (``weights.named_tensors.bucket_named_tensors``) are filled greedily in the order the exporter
   yields tensors, up to ``bucket_bytes``; a tensor larger than a bucket travels alone. One bucket =
   one ``/update_weights_from_distributed`` call, so the bucket size trades HTTP round trips against
   peak extra memory on the driver and the servers.
@@ -33,8 +33,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.models.conversion import NamedTensor
-from gspo_megatron.models.conversion import bucket_named_tensors as bucket_named_tensors  # the engine's buckets
+from gspo_megatron.weights.named_tensors import NamedTensor
+from gspo_megatron.weights.named_tensors import bucket_named_tensors as bucket_named_tensors  # the engine's buckets
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from gspo_megatron.algorithms import AlgorithmConfig, make_loss_context
 from gspo_megatron.algorithms.config import RECOMMENDED_CLIP
 
-CONF = Path(__file__).resolve().parents[3] / "conf" / "algorithm"
+CONF = Path(__file__).resolve().parents[3] / "gspo_megatron" / "conf" / "algorithm"
 
 
 @pytest.mark.parametrize("name", ["gspo", "gspo_token", "grpo"])

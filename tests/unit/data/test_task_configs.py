@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from gspo_megatron.data import HFTokenizer, SymbolTokenizer, TaskConfig, build_task
 from gspo_megatron.rewards import RewardConfig, RewardPool
 
-CONF = Path(__file__).resolve().parents[3] / "conf" / "task"
+CONF = Path(__file__).resolve().parents[3] / "gspo_megatron" / "conf" / "task"
 
 
 def _compose(name, **overrides) -> TaskConfig:

@@ -16,8 +16,8 @@ from gspo_megatron.models.hf_checkpoint import (
     hf_shape_fields,
     write_hf_checkpoint,
 )
-from gspo_megatron.models.safetensors_writer import INDEX_FILE
 from gspo_megatron.testing.model_fixtures import random_hf_state, tiny_test_config
+from gspo_megatron.weights.safetensors_writer import INDEX_FILE
 
 
 def _buckets(state, per_bucket=5):

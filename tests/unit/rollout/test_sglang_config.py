@@ -6,7 +6,7 @@ from omegaconf import OmegaConf
 
 from gspo_megatron.rollout.sglang.config import SGLangConfig
 
-YAML = Path(__file__).resolve().parents[3] / "conf" / "rollout" / "sglang.yaml"
+YAML = Path(__file__).resolve().parents[3] / "gspo_megatron" / "conf" / "rollout" / "sglang.yaml"
 
 
 def test_yaml_defaults_match_the_dataclass():

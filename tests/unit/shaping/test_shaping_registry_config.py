@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 from gspo_megatron.shaping import SHAPERS, ShapingConfig, ShapingGroup, StepGRPOConfig, UnknownNameError
 from gspo_megatron.shaping.identity import no_shaping
 
-CONF_DIR = Path(__file__).resolve().parents[3] / "conf" / "shaping"
+CONF_DIR = Path(__file__).resolve().parents[3] / "gspo_megatron" / "conf" / "shaping"
 
 
 def test_all_shapers_are_registered_and_duplicates_fail():

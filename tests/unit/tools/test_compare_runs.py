@@ -196,7 +196,7 @@ def test_sweep_directory_groups_by_config_and_aggregates_seeds(sweep, tmp_path):
 
 
 def test_aggregation_is_generic_over_any_metric_key(sweep):
-    from gspo_megatron.routing.aggregate import group_runs, load_runs_from, metric_curve, metric_stat
+    from study_reports.aggregate import group_runs, load_runs_from, metric_curve, metric_stat
 
     groups = {g.label: g for g in group_runs(load_runs_from([sweep]))}
     stat = metric_stat(groups["gspo"], "shaping/custom", reduce="final")
@@ -206,7 +206,7 @@ def test_aggregation_is_generic_over_any_metric_key(sweep):
 
 
 def test_keys_that_follow_the_algorithm_do_not_split_or_label_groups(tmp_path):
-    from gspo_megatron.routing.aggregate import group_runs, load_runs_from
+    from study_reports.aggregate import group_runs, load_runs_from
 
     for index, (name, loss, upr) in enumerate(
         [("gspo", "gspo", 1), ("grpo", "grpo", 1), ("gspo", "gspo", 4), ("grpo", "grpo", 4)]
@@ -255,9 +255,10 @@ def test_runs_from_different_commits_are_warned_about(runs, tmp_path, capsys):
 
 
 def test_the_mechanism_row_reads_the_ratio_decomposition(tmp_path):
-    from gspo_megatron.routing.aggregate import group_runs
+    from study_reports.aggregate import group_runs
+    from study_reports.study_report import study_report
+
     from gspo_megatron.routing.run_dir import load_run
-    from gspo_megatron.routing.study_report import study_report
 
     paths = []
     for seed, (changed, unchanged, routing, weight) in enumerate([(0.30, 0.05, 0.20, 0.10), (0.34, 0.07, 0.22, 0.12)]):
@@ -284,9 +285,10 @@ def test_the_mechanism_row_reads_the_ratio_decomposition(tmp_path):
 
 def test_no_clipping_in_either_algorithm_is_not_a_reproduction(tmp_path):
     """Two runs where nothing moved (clip fractions 0) once read as 'x inf more: reproduced'."""
-    from gspo_megatron.routing.aggregate import group_runs
+    from study_reports.aggregate import group_runs
+    from study_reports.study_report import study_report
+
     from gspo_megatron.routing.run_dir import load_run
-    from gspo_megatron.routing.study_report import study_report
 
     paths = [
         make_run(tmp_path / algorithm, algorithm, [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]) for algorithm in ("gspo", "grpo")
@@ -297,7 +299,7 @@ def test_no_clipping_in_either_algorithm_is_not_a_reproduction(tmp_path):
 
 
 def test_reward_collapse_events_by_hand():
-    from gspo_megatron.routing.study_report import reward_collapse_events
+    from study_reports.study_report import reward_collapse_events
 
     assert reward_collapse_events([0.5] * 4, window=2) == 0
     assert reward_collapse_events([0.5] * 3, window=4) is None  # shorter than the window

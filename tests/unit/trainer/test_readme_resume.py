@@ -1,7 +1,7 @@
 """The README's resume example is accepted by the resume check it documents.
 
 The README shows a long run and the command that continues it. Resume refuses a config that differs
-from the checkpoint's (``trainer/resume_check.py``), so the continuing command must repeat the run's
+from the checkpoint's (``config/resume_check.py``), so the continuing command must repeat the run's
 overrides. Both lines are read from the README and composed as ``train.py`` composes them.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from gspo_megatron.config.compose import compose
-from gspo_megatron.trainer.resume_check import check_resume_config
+from gspo_megatron.config.resume_check import check_resume_config
 
 README = Path(__file__).resolve().parents[3] / "README.md"
 

@@ -3,8 +3,7 @@
 import json
 
 import pytest
-
-from gspo_megatron.shaping.report import (
+from study_reports.shaping_report import (
     aggregate,
     read_metrics,
     relative_to_baseline,
@@ -66,7 +65,7 @@ def test_change_vs_the_vanilla_model_uses_evaluation_tokens():
 
 
 def test_no_claim_the_sources_do_not_contain():
-    from gspo_megatron.shaping.report import PAPER_CLAIMS
+    from study_reports.shaping_report import PAPER_CLAIMS
 
     text = " ".join(PAPER_CLAIMS.values())
     for unsupported in ("82.1", "79.9", "0.2%"):

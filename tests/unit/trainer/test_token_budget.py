@@ -8,7 +8,7 @@ import torch
 from gspo_megatron.rollout.types import Sample
 from gspo_megatron.trainer.batch import pack_samples, partition
 from gspo_megatron.trainer.batch_distribution import step_totals
-from gspo_megatron.trainer.micro_batches import step_padded_fraction, token_budget_plan
+from gspo_megatron.trainer.token_budget import step_padded_fraction, token_budget_plan
 
 
 def test_plan_by_hand():

@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from gspo_megatron.models.safetensors_writer import SAFETENSORS_DTYPES, write_safetensors
+from gspo_megatron.weights.safetensors_writer import SAFETENSORS_DTYPES, write_safetensors
 
 
 def _tensors() -> dict[str, torch.Tensor]:

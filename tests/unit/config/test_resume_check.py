@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gspo_megatron.trainer.resume_check import ResumeConfigError, check_resume_config, config_differences
+from gspo_megatron.config.resume_check import ResumeConfigError, check_resume_config, config_differences
 
 SAVED = """
 run_dir: /a

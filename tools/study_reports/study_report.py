@@ -1,7 +1,7 @@
 """The routing-stability study report: seed-aggregated tables, curves with seed bands, "paper vs ours".
 
 Answers the GSPO paper's MoE questions (arXiv 2507.18071) from a sweep of run directories grouped by
-``routing/aggregate.py`` (one group per algorithm x off-policy setting, seeds aggregated):
+``aggregate.py`` (one group per algorithm x off-policy setting, seeds aggregated):
 - reward and eval curves (mean, band = +-1 std over seeds); clip fractions per token and sequence;
 - experts changed per update (per layer and token-level "in >= 1 layer"), engine vs trainer;
 - train/inference log-prob mismatch; importance-ratio dispersion by response length (token w vs
@@ -25,7 +25,9 @@ import html
 from typing import Any
 
 from gspo_megatron.algorithms.ratio_dispersion import LENGTH_BUCKETS, bucket_name
-from gspo_megatron.routing.aggregate import (
+from gspo_megatron.routing.plots import Panel, Series, figure_png, line_panels
+from gspo_megatron.routing.report import format_number, html_page, html_table, png_img
+from study_reports.aggregate import (
     RunGroup,
     Stat,
     metric_curve,
@@ -34,8 +36,6 @@ from gspo_megatron.routing.aggregate import (
     routing_layer_means,
     routing_stat,
 )
-from gspo_megatron.routing.plots import Panel, Series, figure_png, line_panels
-from gspo_megatron.routing.report import format_number, html_page, html_table, png_img
 
 # (column name, how a run's number is formed): metric keys reduce over steps; routing entries are
 # (kind, routing.jsonl field) step means.

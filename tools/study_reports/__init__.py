@@ -1,0 +1,8 @@
+"""Study reports over finished run directories (not part of the installed package).
+
+``aggregate.py`` groups runs by config and aggregates seeds (any metric key); ``study_report.py`` is
+the routing-stability study (its algorithm names and paper thresholds live here, not in the
+library); ``report_provenance.py`` records each run's commit and command; ``shaping_report.py``
+summarises the shaping arms. Used by ``tools/compare_runs.py`` and ``tools/shaping_study.py``, which
+put ``tools/`` on the import path by being run as scripts.
+"""
