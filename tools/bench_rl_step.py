@@ -37,6 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 
 PHASES = ["generate", "reward", "advantages", "old_logp", "update", "weight_sync", "other"]
 EXPERT_ARMS = ("sequential", "grouped")  # --compare-expert-mlp: step i (from 1) runs arm (i - 1) % 2
@@ -76,11 +77,18 @@ def _use_expert_mlp(model, arm: str) -> None:
 
 
 def bench_worker(
-    ctx, overrides: list[str], run_dir: str, profile_top: int = 0, compare_expert_mlp: bool = False
+    ctx,
+    overrides: list[str],
+    run_dir: str,
+    profile_top: int = 0,
+    compare_expert_mlp: bool = False,
+    torch_profile_top: int = 0,
 ) -> list[dict]:
     """One rank of the run; the driver returns one dict of phase seconds per step. With
     ``profile_top`` the driver also prints cProfile's top functions over the steps after the first.
-    With ``compare_expert_mlp`` the steps alternate between the two expert-MLP arms."""
+    With ``compare_expert_mlp`` the steps alternate between the two expert-MLP arms. With
+    ``torch_profile_top`` rank 0 prints torch.profiler's top operators of the update phase (per arm
+    with ``compare_expert_mlp``) over the measured steps."""
     import cProfile
     import pstats
     from pathlib import Path
@@ -114,9 +122,16 @@ def bench_worker(
     policy_updates = trainer._policy_updates
     profiler = cProfile.Profile() if profile_top and ctx.rank == 0 else None
 
+    operator_times: dict[str, OperatorTimes] = {}
+
     def counted_updates(parts, totals):
         padded_tokens.append(sum(mb.tokens.numel() for part in parts for mb in part))
-        return policy_updates(parts, totals)
+        measured = len(step_seconds) >= (2 if compare_expert_mlp else 1)  # after the warm-up step(s)
+        if not (torch_profile_top and ctx.rank == 0 and measured):
+            return policy_updates(parts, totals)
+        arm = EXPERT_ARMS[len(step_seconds) % 2] if compare_expert_mlp else "update"
+        with profile_operators(operator_times.setdefault(arm, OperatorTimes())):
+            return policy_updates(parts, totals)
 
     trainer._policy_updates = counted_updates
 
@@ -140,6 +155,9 @@ def bench_worker(
         components.close()
     if ctx.rank != 0:
         return []
+    for arm, times in operator_times.items():
+        print(f"--- torch.profiler, update phase ({arm}), {times.steps} steps: top {torch_profile_top} by self CPU time")
+        print(times.table(torch_profile_top), flush=True)
     if profiler is not None and len(step_seconds) > 1:
         for order in ("tottime", "cumulative"):
             print(f"--- cProfile of steps 2..{len(step_seconds)}, top {profile_top} by {order}", flush=True)
@@ -163,6 +181,42 @@ def bench_worker(
             phases["arm"] = EXPERT_ARMS[index % 2]
         steps.append(phases)
     return steps
+
+
+class OperatorTimes:
+    """Self CPU time and call count per torch operator, summed over several profiled windows."""
+
+    def __init__(self):
+        self.self_us: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.steps = 0
+
+    def add(self, key_averages) -> None:
+        self.steps += 1
+        for event in key_averages:
+            self.self_us[event.key] = self.self_us.get(event.key, 0.0) + event.self_cpu_time_total
+            self.calls[event.key] = self.calls.get(event.key, 0) + event.count
+
+    def table(self, top: int) -> str:
+        total = sum(self.self_us.values()) or 1.0
+        lines = [f"{'operator':<48} {'self ms/step':>12} {'share':>6} {'calls/step':>10}"]
+        for key, us in sorted(self.self_us.items(), key=lambda kv: -kv[1])[:top]:
+            lines.append(
+                f"{key[:48]:<48} {us / 1000 / self.steps:>12.2f} {100 * us / total:>5.1f}% "
+                f"{self.calls[key] / self.steps:>10.0f}"
+            )
+        lines.append(f"{'all operators':<48} {total / 1000 / self.steps:>12.2f}")
+        return "\n".join(lines)
+
+
+@contextmanager
+def profile_operators(times: OperatorTimes):
+    """torch.profiler (CPU operators) over the block; its per-operator totals are added to ``times``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        yield
+    times.add(prof.key_averages())
 
 
 def format_breakdown(steps: list[dict]) -> str:
@@ -222,6 +276,13 @@ def main(argv=None) -> None:
     parser.add_argument("--threads-per-rank", type=int, default=1, help="torch threads in each rank")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="print cProfile's top N (driver)")
     parser.add_argument(
+        "--torch-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print torch.profiler's top N operators of the update phase (per arm with --compare-expert-mlp)",
+    )
+    parser.add_argument(
         "--shape", choices=["default", "medium"], default="default", help="tools/bench_vs_trl.py's shapes"
     )
     parser.add_argument(
@@ -250,6 +311,7 @@ def main(argv=None) -> None:
             run_dir,
             args.profile,
             args.compare_expert_mlp,
+            args.torch_profile,
             timeout=args.timeout,
             threads_per_rank=args.threads_per_rank,
         )
