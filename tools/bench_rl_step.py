@@ -156,7 +156,9 @@ def bench_worker(
     if ctx.rank != 0:
         return []
     for arm, times in operator_times.items():
-        print(f"--- torch.profiler, update phase ({arm}), {times.steps} steps: top {torch_profile_top} by self CPU time")
+        print(
+            f"--- torch.profiler, update phase ({arm}), {times.steps} steps: top {torch_profile_top} by self CPU time"
+        )
         print(times.table(torch_profile_top), flush=True)
     if profiler is not None and len(step_seconds) > 1:
         for order in ("tottime", "cumulative"):
