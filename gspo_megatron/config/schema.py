@@ -52,8 +52,9 @@ class DistributedOptimizerChoice(ConfigChoice):
     """``optimizer.distributed``: shard megatron's optimizer state over the data-parallel ranks.
 
     ``auto`` = on exactly when dp x cp > 1 (the ranks megatron shards the dense optimizer state over,
-    ``trainer/optim.py``); the same on CPU and GPU. The field itself is a ``str``: YAML and Hydra turn ``true``/``false`` into booleans,
-    which OmegaConf's enum fields refuse; ``OptimizerSection.validate`` maps the string to this choice.
+    ``trainer/optim.py``); the same on CPU and GPU. The field itself is a ``str``: YAML and Hydra turn
+    ``true``/``false`` into booleans, which OmegaConf's enum fields refuse; ``OptimizerSection.validate``
+    maps the string to this choice.
     """
 
     auto = "auto"
