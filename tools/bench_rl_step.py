@@ -4,6 +4,7 @@
     python tools/bench_rl_step.py --steps 4 rollout.max_new_tokens=16 task=reasoning_max_digit
     python tools/bench_rl_step.py --world 2 parallel=tp2           # any Hydra overrides, N gloo ranks
     python tools/bench_rl_step.py --shape medium --steps 14 --compare-expert-mlp   # grouped vs sequential experts
+    python tools/bench_rl_step.py --shape medium --steps 30 --compare-expert-mlp --expert-floor
 
 The run is the trainer's own (``trainer.setup.build`` + ``RLTrainer``, composed from ``conf/`` like
 ``python -m gspo_megatron.train``), in spawned ranks. The trainer already times its phases
@@ -27,7 +28,11 @@ measures the grouped expert MLP against megatron's SequentialMLP in one run: the
 ``model.expert_mlp=grouped`` and the steps alternate between its grouped forward and SequentialMLP's
 loop over the same parameters (``models/grouped_experts.py`` subclasses SequentialMLP), starting with
 one warm-up step of each. Since every step samples other response lengths, each arm's update and
-old-log-prob times are also given per 1000 padded tokens of the micro-batches they ran.
+old-log-prob times are given per 1000 padded tokens of the micro-batches they ran, with the median
+and range over its steps (other work on the machine shows up as spread). ``--expert-floor`` adds a
+third arm that skips the expert GEMMs (each routed row scaled by its probability): the update time no
+expert kernel can beat, hence the largest speed-up over SequentialMLP any expert MLP can give.
+``--torch-profile N`` prints torch.profiler's top N operators of the update phase per arm.
 """
 
 from __future__ import annotations
@@ -37,9 +42,11 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 
 PHASES = ["generate", "reward", "advantages", "old_logp", "update", "weight_sync", "other"]
-EXPERT_ARMS = ("sequential", "grouped")  # --compare-expert-mlp: step i (from 1) runs arm (i - 1) % 2
+EXPERT_ARMS = ("sequential", "grouped")  # --compare-expert-mlp: step i (from 0) runs arm i % len(arms)
+NO_EXPERTS = "no_experts"  # --expert-floor: the expert MLP skipped, the update time no expert kernel beats
 
 
 def _shape_overrides(name: str) -> list[str]:
@@ -62,8 +69,14 @@ class _Timed:
             self.seconds.append(time.perf_counter() - start)
 
 
+def _skip_experts(rows, tokens_per_expert, probs):
+    """The expert MLP's interface without its GEMMs: each routed row scaled by its probability."""
+    return rows * probs.unsqueeze(-1).to(rows.dtype), None
+
+
 def _use_expert_mlp(model, arm: str) -> None:
-    """Every GroupedExperts of ``model`` runs its grouped forward, or SequentialMLP's loop."""
+    """Every GroupedExperts of ``model`` runs its grouped forward, SequentialMLP's loop, or (arm
+    ``no_experts``) no expert GEMMs at all."""
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     from gspo_megatron.models.grouped_experts import GroupedExperts
@@ -73,14 +86,23 @@ def _use_expert_mlp(model, arm: str) -> None:
             vars(module).pop("forward", None)
             if arm == "sequential":
                 module.forward = SequentialMLP.forward.__get__(module)
+            elif arm == NO_EXPERTS:
+                module.forward = _skip_experts
 
 
 def bench_worker(
-    ctx, overrides: list[str], run_dir: str, profile_top: int = 0, compare_expert_mlp: bool = False
+    ctx,
+    overrides: list[str],
+    run_dir: str,
+    profile_top: int = 0,
+    expert_arms: tuple[str, ...] = (),
+    torch_profile_top: int = 0,
 ) -> list[dict]:
     """One rank of the run; the driver returns one dict of phase seconds per step. With
     ``profile_top`` the driver also prints cProfile's top functions over the steps after the first.
-    With ``compare_expert_mlp`` the steps alternate between the two expert-MLP arms."""
+    With ``expert_arms`` the steps take turns over those expert-MLP arms. With ``torch_profile_top``
+    rank 0 prints torch.profiler's top operators of the update phase (per arm) over the measured
+    steps."""
     import cProfile
     import pstats
     from pathlib import Path
@@ -114,16 +136,23 @@ def bench_worker(
     policy_updates = trainer._policy_updates
     profiler = cProfile.Profile() if profile_top and ctx.rank == 0 else None
 
+    operator_times: dict[str, OperatorTimes] = {}
+
     def counted_updates(parts, totals):
         padded_tokens.append(sum(mb.tokens.numel() for part in parts for mb in part))
-        return policy_updates(parts, totals)
+        measured = len(step_seconds) >= max(1, len(expert_arms))  # after the warm-up step(s)
+        if not (torch_profile_top and ctx.rank == 0 and measured):
+            return policy_updates(parts, totals)
+        arm = expert_arms[len(step_seconds) % len(expert_arms)] if expert_arms else "update"
+        with profile_operators(operator_times.setdefault(arm, OperatorTimes())):
+            return policy_updates(parts, totals)
 
     trainer._policy_updates = counted_updates
 
     def timed_step():
         profiling = profiler is not None and step_seconds  # the first step is warm-up
-        if compare_expert_mlp:
-            _use_expert_mlp(components.model, EXPERT_ARMS[len(step_seconds) % 2])
+        if expert_arms:
+            _use_expert_mlp(components.model, expert_arms[len(step_seconds) % len(expert_arms)])
         if profiling:
             profiler.enable()
         start = time.perf_counter()
@@ -140,6 +169,11 @@ def bench_worker(
         components.close()
     if ctx.rank != 0:
         return []
+    for arm, times in operator_times.items():
+        print(
+            f"--- torch.profiler, update phase ({arm}), {times.steps} steps: top {torch_profile_top} by self CPU time"
+        )
+        print(times.table(torch_profile_top), flush=True)
     if profiler is not None and len(step_seconds) > 1:
         for order in ("tottime", "cumulative"):
             print(f"--- cProfile of steps 2..{len(step_seconds)}, top {profile_top} by {order}", flush=True)
@@ -159,10 +193,46 @@ def bench_worker(
         phases["other"] = step_s - sum(phases.values())
         phases["step"] = step_s
         phases["padded_tokens"] = tokens
-        if compare_expert_mlp:
-            phases["arm"] = EXPERT_ARMS[index % 2]
+        if expert_arms:
+            phases["arm"] = expert_arms[index % len(expert_arms)]
         steps.append(phases)
     return steps
+
+
+class OperatorTimes:
+    """Self CPU time and call count per torch operator, summed over several profiled windows."""
+
+    def __init__(self):
+        self.self_us: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.steps = 0
+
+    def add(self, key_averages) -> None:
+        self.steps += 1
+        for event in key_averages:
+            self.self_us[event.key] = self.self_us.get(event.key, 0.0) + event.self_cpu_time_total
+            self.calls[event.key] = self.calls.get(event.key, 0) + event.count
+
+    def table(self, top: int) -> str:
+        total = sum(self.self_us.values()) or 1.0
+        lines = [f"{'operator':<48} {'self ms/step':>12} {'share':>6} {'calls/step':>10}"]
+        for key, us in sorted(self.self_us.items(), key=lambda kv: -kv[1])[:top]:
+            lines.append(
+                f"{key[:48]:<48} {us / 1000 / self.steps:>12.2f} {100 * us / total:>5.1f}% "
+                f"{self.calls[key] / self.steps:>10.0f}"
+            )
+        lines.append(f"{'all operators':<48} {total / 1000 / self.steps:>12.2f}")
+        return "\n".join(lines)
+
+
+@contextmanager
+def profile_operators(times: OperatorTimes):
+    """torch.profiler (CPU operators) over the block; its per-operator totals are added to ``times``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        yield
+    times.add(prof.key_averages())
 
 
 def format_breakdown(steps: list[dict]) -> str:
@@ -176,38 +246,42 @@ def format_breakdown(steps: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def format_expert_comparison(steps: list[dict]) -> str:
-    """Per arm over the steps after the first two (one warm-up each): mean seconds of the update and
-    old-log-prob phases, and ms per 1000 padded tokens; then sequential / grouped."""
-    measured = steps[2:]
+def format_expert_comparison(steps: list[dict], arms: tuple[str, ...]) -> str:
+    """Per arm over the steps after the warm-up ones (one per arm): the update and old-log-prob
+    phases in ms per 1000 padded tokens (total time / total tokens, and the median, min and max of
+    the steps, whose spread shows how much the shared machine disturbed them); then each arm's
+    speed-up over sequential from the totals and from the medians."""
+    measured = steps[len(arms) :]
     lines = [
-        f"{'arm':<11} {'steps':>5} {'update s':>9} {'old_logp s':>10} "
-        f"{'update ms/1k tok':>16} {'old_logp ms/1k tok':>18}"
+        f"{'arm':<11} {'steps':>5} {'update s':>9} {'update ms/1k tok: total':>23} {'median':>7} "
+        f"{'min':>7} {'max':>7} {'old_logp ms/1k tok':>18}"
     ]
     per_arm = {}
-    for arm in EXPERT_ARMS:
+    for arm in arms:
         rows = [s for s in measured if s["arm"] == arm]
         if not rows:
-            return "--compare-expert-mlp needs --steps >= 4 (two warm-up steps, then both arms)"
+            return f"the expert comparison needs --steps >= {2 * len(arms)} ({len(arms)} warm-up steps, then each arm)"
         tokens = sum(s["padded_tokens"] for s in rows) / 1000
+        per_step = [1e6 * s["update"] / s["padded_tokens"] for s in rows]  # ms per 1000 tokens
         per_arm[arm] = {
             "update": statistics.fmean(s["update"] for s in rows),
-            "old_logp": statistics.fmean(s["old_logp"] for s in rows),
             "update_per_tok": 1000 * sum(s["update"] for s in rows) / tokens,
+            "update_median": statistics.median(per_step),
             "old_logp_per_tok": 1000 * sum(s["old_logp"] for s in rows) / tokens,
         }
         a = per_arm[arm]
         lines.append(
-            f"{arm:<11} {len(rows):>5} {a['update']:>9.3f} {a['old_logp']:>10.3f} "
-            f"{a['update_per_tok']:>16.2f} {a['old_logp_per_tok']:>18.2f}"
+            f"{arm:<11} {len(rows):>5} {a['update']:>9.3f} {a['update_per_tok']:>23.1f} {a['update_median']:>7.1f} "
+            f"{min(per_step):>7.1f} {max(per_step):>7.1f} {a['old_logp_per_tok']:>18.1f}"
         )
-    seq, grp = per_arm["sequential"], per_arm["grouped"]
-    lines.append(
-        f"sequential / grouped: update {seq['update'] / grp['update']:.2f}x "
-        f"(per token {seq['update_per_tok'] / grp['update_per_tok']:.2f}x), "
-        f"old_logp {seq['old_logp'] / grp['old_logp']:.2f}x "
-        f"(per token {seq['old_logp_per_tok'] / grp['old_logp_per_tok']:.2f}x)"
-    )
+    seq = per_arm["sequential"]
+    for arm in arms[1:]:
+        other = per_arm[arm]
+        lines.append(
+            f"sequential / {arm}: update per token {seq['update_per_tok'] / other['update_per_tok']:.2f}x "
+            f"(medians {seq['update_median'] / other['update_median']:.2f}x), "
+            f"old_logp per token {seq['old_logp_per_tok'] / other['old_logp_per_tok']:.2f}x"
+        )
     return "\n".join(lines)
 
 
@@ -222,15 +296,30 @@ def main(argv=None) -> None:
     parser.add_argument("--threads-per-rank", type=int, default=1, help="torch threads in each rank")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="print cProfile's top N (driver)")
     parser.add_argument(
+        "--torch-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print torch.profiler's top N operators of the update phase (per arm with --compare-expert-mlp)",
+    )
+    parser.add_argument(
         "--shape", choices=["default", "medium"], default="default", help="tools/bench_vs_trl.py's shapes"
     )
     parser.add_argument(
         "--compare-expert-mlp", action="store_true", help="alternate steps: SequentialMLP vs the grouped experts"
     )
+    parser.add_argument(
+        "--expert-floor",
+        action="store_true",
+        help="with --compare-expert-mlp: a third arm without expert GEMMs (the update time no expert kernel beats)",
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. parallel=tp2 algorithm=grpo")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be >= 1")
+    if args.expert_floor and not args.compare_expert_mlp:
+        parser.error("--expert-floor needs --compare-expert-mlp")
+    arms = (*EXPERT_ARMS, NO_EXPERTS) if args.expert_floor else EXPERT_ARMS if args.compare_expert_mlp else ()
     overrides = [
         f"trainer.steps={args.steps}",
         "trainer.eval_every=0",
@@ -249,15 +338,16 @@ def main(argv=None) -> None:
             overrides,
             run_dir,
             args.profile,
-            args.compare_expert_mlp,
+            arms,
+            args.torch_profile,
             timeout=args.timeout,
             threads_per_rank=args.threads_per_rank,
         )
     steps = results[0]
     print(f"{args.steps} RL steps, {args.world} rank(s), overrides: {' '.join(overrides)}")
     print(format_breakdown(steps))
-    if args.compare_expert_mlp:
-        print(format_expert_comparison(steps))
+    if arms:
+        print(format_expert_comparison(steps, arms))
 
 
 if __name__ == "__main__":

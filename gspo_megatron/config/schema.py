@@ -58,9 +58,10 @@ class DecayStyle(ConfigChoice):
 class DistributedOptimizerChoice(ConfigChoice):
     """``optimizer.distributed``: shard megatron's optimizer state over the data-parallel ranks.
 
-    ``auto`` = on exactly when the data-parallel size is > 1 (``trainer/optim.py``); the same on CPU
-    and GPU. The field itself is a ``str``: YAML and Hydra turn ``true``/``false`` into booleans,
-    which OmegaConf's enum fields refuse; ``OptimizerSection.validate`` maps the string to this choice.
+    ``auto`` = on exactly when dp x cp > 1 (the ranks megatron shards the dense optimizer state over,
+    ``trainer/optim.py``); the same on CPU and GPU. The field itself is a ``str``: YAML and Hydra turn
+    ``true``/``false`` into booleans, which OmegaConf's enum fields refuse; ``OptimizerSection.validate``
+    maps the string to this choice.
     """
 
     auto = "auto"
@@ -162,7 +163,7 @@ class OptimizerSection(ConfigNode):
     adam_eps: float = 1e-8
     clip_grad: float = 1.0  # global gradient-norm bound; 0: no clipping (megatron's convention)
     # auto | true | false: megatron's distributed optimizer (state sharded over data-parallel ranks);
-    # auto = on when the data-parallel size is > 1
+    # auto = on when dp x cp > 1 (the ranks megatron shards the optimizer state over)
     distributed: str = "auto"
 
     def validate(self) -> None:

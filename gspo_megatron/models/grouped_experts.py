@@ -23,12 +23,19 @@ Design decisions:
   cannot run -- rows whose byte strides are not multiples of 16 (hidden or FFN width not a multiple
   of 16 bytes), CUDA without bf16 on compute capability >= 9.0, or bias, fp8/fp4, clamped or offset
   activations that this file does not implement -- the layer falls back to SequentialMLP's forward.
-- Memory: ``GroupedLinear`` stacks the per-expert weights into [E, out, in] only for the duration of
-  one grouped GEMM (forward, and again in backward) and saves for backward the rows and the
-  parameters themselves, so what autograd keeps per layer is no more than SequentialMLP keeps
-  (``tests/unit/models/test_grouped_experts.py`` counts the saved bytes); plain autograd through
-  ``torch.stack`` would keep a copy of the layer's local expert weights per micro-batch in flight
-  (Qwen3-30B-A3B, EP=8, bf16: 151 MB per layer).
+- One storage per projection: at construction the experts' ``linear_fc1.weight`` (and, apart,
+  ``linear_fc2.weight``) become views of one [E, out, in] tensor, in expert order (the same
+  Parameters, values and names; only where their data lives changes). The grouped GEMMs then take
+  that tensor as a view, with no copy. Whatever moves the weights elsewhere (megatron's DDP buffer of
+  the distributed optimizer, which lays parameters out in reverse order) is detected at each call and
+  the layer stacks the weights into [E, out, in] for the duration of one grouped GEMM instead.
+  The copy it saves is the largest non-GEMM item of the layer: at the medium shape (16 experts,
+  hidden 256, FFN 128) 6 MiB per layer, forward and again backward.
+- Memory: ``GroupedLinear`` saves for backward the rows and the parameters themselves, so what
+  autograd keeps per layer is no more than SequentialMLP keeps (``tests/unit/models/
+  test_grouped_experts.py`` counts the saved bytes); plain autograd through ``torch.stack`` would keep a
+  copy of the layer's local expert weights per micro-batch in flight (Qwen3-30B-A3B, EP=8, bf16:
+  151 MB per layer).
 """
 
 from __future__ import annotations
@@ -50,6 +57,32 @@ def grouped_mm_fits(hidden_size: int, fc1_width: int, ffn_width: int, dtype: tor
     return device.type == "cpu"
 
 
+def share_one_storage(weights: list[torch.Tensor]) -> None:
+    """Make the parameters ``weights`` (each [out, in], one per expert) views of one [E, out, in]
+    tensor in expert order, keeping their values and the Parameter objects."""
+    if len(weights) < 2 or weights[0].device.type == "meta":
+        return
+    stacked = torch.stack([weight.detach() for weight in weights])
+    for weight, view in zip(weights, stacked):
+        weight.data = view
+
+
+def stacked_weights(weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """[E, out, in]: a view of the one storage the weights share, when they still lie there back to
+    back in expert order (``share_one_storage``); otherwise a copy (``torch.stack``)."""
+    first = weights[0]
+    storage, step = first.untyped_storage().data_ptr(), first.numel()
+    in_place = all(
+        weight.is_contiguous()
+        and weight.untyped_storage().data_ptr() == storage
+        and weight.storage_offset() == first.storage_offset() + index * step
+        for index, weight in enumerate(weights)
+    )
+    if in_place:
+        return first.as_strided((len(weights), *first.shape), (step, *first.stride()))
+    return torch.stack(weights)
+
+
 class GroupedLinear(torch.autograd.Function):
     """rows [N, in], int32 end offsets [E] of each expert's rows, weights W_e [out, in] -> [N, out]:
 
@@ -57,12 +90,12 @@ class GroupedLinear(torch.autograd.Function):
         backward:  dX_e = dY_e W_e,   dW_e = dY_e^T X_e
 
     each a single ``torch._grouped_mm`` over all experts (the weight gradients as one [E, out, in]
-    result, unbound per expert)."""
+    result, unbound per expert; the weights as one [E, out, in] tensor, ``stacked_weights``)."""
 
     @staticmethod
     def forward(ctx, rows: torch.Tensor, offsets: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(rows, offsets, *weights)
-        return torch._grouped_mm(rows, torch.stack(weights).transpose(1, 2), offs=offsets)
+        return torch._grouped_mm(rows, stacked_weights(weights).transpose(1, 2), offs=offsets)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -70,7 +103,7 @@ class GroupedLinear(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         grad_rows = None
         if ctx.needs_input_grad[0]:
-            grad_rows = torch._grouped_mm(grad_out, torch.stack(weights), offs=offsets)
+            grad_rows = torch._grouped_mm(grad_out, stacked_weights(weights), offs=offsets)
         grad_weights: tuple[torch.Tensor | None, ...] = (None,) * len(weights)
         if any(ctx.needs_input_grad[2:]):
             grad_weights = torch._grouped_mm(grad_out.t(), rows, offs=offsets).unbind(0)
@@ -80,6 +113,11 @@ class GroupedLinear(torch.autograd.Function):
 class GroupedExperts(SequentialMLP):
     """megatron's expert-MLP interface: ``forward(rows [N, h], tokens_per_expert [E], probs [N])``
     -> (output [N, h], None)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for linear in ("linear_fc1", "linear_fc2"):
+            share_one_storage([getattr(expert, linear).weight for expert in self.local_experts])
 
     def forward(
         self,

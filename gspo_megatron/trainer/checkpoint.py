@@ -74,7 +74,7 @@ def check_optimizer_kind(path: Path, state: dict, optimizer) -> None:
     if saved != now:
         raise RuntimeError(
             f"{path} was written with optimizer.distributed={str(saved).lower()} but this run resolves "
-            f"optimizer.distributed to {str(now).lower()} (auto = on when the data-parallel size is > 1); "
+            f"optimizer.distributed to {str(now).lower()} (auto = on when dp x cp > 1); "
             f"resume with optimizer.distributed={str(saved).lower()}"
         )
 

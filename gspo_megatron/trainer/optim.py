@@ -31,11 +31,17 @@ from gspo_megatron.parallel.layout import ParallelLayout
 
 
 def use_distributed_optimizer(choice: str, layout: ParallelLayout) -> bool:
-    """``optimizer.distributed``: true/false as given; auto = on when the data-parallel size is > 1
-    (one data-parallel rank has nothing to shard with)."""
+    """``optimizer.distributed``: true/false as given; auto = on when the optimizer's data-parallel
+    group has more than one rank.
+
+    That group is megatron's, not our ``dp``: the DDP reduces the dense gradients over the dp x cp
+    ranks (``dp_cp_group``; context-parallel ranks hold the same weights and see other tokens) and the
+    distributed optimizer shards the dense state over the same ranks (``intra_dp_cp_group``), so
+    cp=2 with dp=1 has two ranks to shard with. (Expert state is sharded over the expert-dp ranks;
+    auto follows the dense group, which every layout has.)"""
     choice = DistributedOptimizerChoice(str(choice).lower())
     if choice == DistributedOptimizerChoice.auto:
-        return layout.dp > 1
+        return layout.dp * layout.cp > 1
     return choice == DistributedOptimizerChoice.true
 
 

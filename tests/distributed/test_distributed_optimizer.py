@@ -48,7 +48,9 @@ def full_adam_moments(model, optimizer) -> dict[str, dict[str, torch.Tensor]]:
     return moments
 
 
-def train_steps_worker(ctx, distributed: str, dtype: str = "float32", checkpoint_dir: str | None = None) -> dict:
+def train_steps_worker(
+    ctx, distributed: str, dtype: str = "float32", checkpoint_dir: str | None = None, cp: int = 1
+) -> dict:
     from megatron.core import tensor_parallel
 
     from gspo_megatron.config.schema import OptimizerSection
@@ -60,7 +62,7 @@ def train_steps_worker(ctx, distributed: str, dtype: str = "float32", checkpoint
     from gspo_megatron.trainer.optim import build_optimizer, use_distributed_optimizer
 
     cfg = tiny_test_config()
-    layout = ParallelLayout(world_size=ctx.world_size).validate(cfg)
+    layout = ParallelLayout(cp=cp, world_size=ctx.world_size).validate(cfg)
     mesh = initialize_parallel(layout, seed=11)
     model = build_model(cfg, layout, params_dtype=getattr(torch, dtype))
     load_hf_weights(model, cfg, random_hf_state(cfg, seed=3), mesh)
@@ -77,7 +79,7 @@ def train_steps_worker(ctx, distributed: str, dtype: str = "float32", checkpoint
         load_checkpoint(latest_checkpoint(checkpoint_dir), model, optimizer)
         return {"moments": full_adam_moments(model, optimizer)}
     inputs, targets, weights = fixed_batch(cfg)
-    rows = inputs.shape[0] // layout.dp
+    rows = inputs.shape[0] // layout.dp  # data-parallel ranks split the rows, run_schedule the sequences (CP)
     mine = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
     batch = [MicroBatch(tokens=inputs[mine], targets=targets[mine], weights=weights[mine])]
 
@@ -140,6 +142,18 @@ def test_distributed_optimizer_state_is_half_per_rank(plain_and_distributed):
     # boundary falls inside a parameter, so the halves differ by at most one padding unit of Adam state)
     assert sum(sharded) == plain[0]
     assert all(abs(b - plain[0] / 2) <= 2 * 4 * 128 * 2 for b in sharded), (sharded, plain)
+
+
+def test_auto_shards_over_context_parallel_ranks():
+    """cp=2, dp=1: the two ranks hold the same weights and megatron reduces their gradients over dp x cp,
+    so ``auto`` shards the state over them and steps exactly as the plain optimizer does."""
+    plain = run_distributed(train_steps_worker, 2, "false", cp=2, timeout=600)
+    auto = run_distributed(train_steps_worker, 2, "auto", cp=2, timeout=600)
+    assert [r["distributed"] for r in auto] == [True, True]
+    for rank in range(2):
+        for name, expected in plain[rank]["weights"].items():
+            assert (auto[rank]["weights"][name] - expected).abs().max().item() < 1e-6, f"rank {rank} {name}"
+    assert sum(r["state_bytes"] for r in auto) == plain[0]["state_bytes"] == plain[1]["state_bytes"]
 
 
 def test_sharded_state_resumes_on_one_rank_exactly(tmp_path):

@@ -1,12 +1,17 @@
-"""The tiny Qwen3-MoE on CUDA: NCCL init, bf16 forward+backward, TE spec, single rank vs TP=2.
+"""The kernel choices that only run on a GPU, on the tiny Qwen3-MoE: NCCL collectives and CUDA tensors,
+bf16 forward+backward, the TransformerEngine spec, TEGroupedMLP, ``torch._grouped_mm``'s CUDA kernel,
+the alltoall dispatcher's CUDA streams (on CPU bridged, ``parallel/cpu_compat.py``), TP=2 over NCCL.
 
-Skipped without CUDA (and the TE / TP=2 cases without TransformerEngine / a second GPU). Every case
+Skipped without CUDA (and the TE / Hopper / two-GPU cases without TransformerEngine / compute
+capability 9.0 / a second GPU). Every case
 runs in spawned ranks through ``run_distributed``, which on a CUDA machine initialise NCCL through
 ``initialize_parallel``. References are fp32 runs of the same weights and batch, so the checks are
 equivalences, not fixed numbers:
 - bf16 log-probs stay within bf16 noise of fp32, gradients point the same way (cosine > 0.99);
 - the TE spec (fused layer-norm linears, TE attention) equals the portable spec in fp32;
-- TP=2 (sequence parallel) equals one rank in fp32, as on CPU.
+- TP=2 (sequence parallel) equals one rank in fp32, as on CPU;
+- the grouped experts (``_grouped_mm`` in bf16 on Hopper; TEGroupedMLP with TE) equal SequentialMLP,
+  and the alltoall dispatcher equals allgather on EP=2, as the CPU suite checks for the CPU kernels.
 """
 
 from __future__ import annotations
@@ -18,12 +23,13 @@ import torch
 
 from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.testing.distributed import run_distributed
-from gspo_megatron.testing.model_fixtures import random_hf_state, tiny_test_config
+from gspo_megatron.testing.model_fixtures import model_variants_worker, random_hf_state, tiny_test_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 HAS_TE = importlib.util.find_spec("transformer_engine") is not None
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+HOPPER = GPUS > 0 and torch.cuda.get_device_capability(0) >= (9, 0)  # torch._grouped_mm's CUDA kernel
 
 
 def gpu_model_worker(ctx, cfg, state: dict, layout_kwargs: dict, dtype_name: str, layer_spec: str) -> dict:
@@ -148,4 +154,105 @@ def test_tp2_equals_single_rank(weights, fp32_portable):
         for key, grad in fp32_portable["grads"].items():
             torch.testing.assert_close(
                 result["grads"][key], grad, rtol=1e-3, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}"
+            )
+
+
+def _to_cpu(value):
+    """Tensors of a rank's results moved to the CPU (CUDA tensors cannot outlive their process)."""
+    if torch.is_tensor(value):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def variants_gpu_worker(ctx, cfg, state: dict, layout_kwargs: dict, variants: list[dict]) -> dict:
+    """``model_variants_worker`` on this rank's GPU (one result per ``build_model`` variant), with the
+    module classes each variant built and the number of ``torch._grouped_mm`` calls of the whole run."""
+    from unittest import mock
+
+    import gspo_megatron.models.builder as builder
+
+    built: list[set[str]] = []
+    real_build, real_grouped_mm = builder.build_model, torch._grouped_mm
+    grouped_mm_calls = []
+
+    def recording_build(*args, **kwargs):
+        model = real_build(*args, **kwargs)
+        built.append({type(module).__name__ for module in model.modules()})
+        return model
+
+    def counting_grouped_mm(*args, **kwargs):
+        grouped_mm_calls.append(args[0].device.type)
+        return real_grouped_mm(*args, **kwargs)
+
+    with (
+        mock.patch.object(builder, "build_model", recording_build),
+        mock.patch.object(torch, "_grouped_mm", counting_grouped_mm),
+    ):
+        results = model_variants_worker(ctx, cfg, state, layout_kwargs, variants)
+    return {"results": _to_cpu(results), "modules": built, "grouped_mm_devices": grouped_mm_calls}
+
+
+def _assert_close_results(reference: dict, candidate: dict, log_prob_atol: float, grad_cosine: float) -> None:
+    assert candidate["log_probs"].keys() == reference["log_probs"].keys()
+    for dp_rank, logp in reference["log_probs"].items():
+        assert torch.isfinite(candidate["log_probs"][dp_rank]).all()
+        torch.testing.assert_close(candidate["log_probs"][dp_rank], logp, rtol=0.0, atol=log_prob_atol)
+    for key, grad in reference["grads"].items():
+        assert torch.isfinite(candidate["grads"][key]).all(), key
+        if grad.norm() > 1e-6:
+            assert _cosine(candidate["grads"][key].float(), grad.float()) > grad_cosine, key
+
+
+@pytest.mark.skipif(not HOPPER, reason="torch._grouped_mm on CUDA needs compute capability >= 9.0")
+def test_grouped_mm_cuda_kernel_equals_sequential_mlp(weights):
+    """bf16 on Hopper: ``models/grouped_experts.py`` takes ``torch._grouped_mm``'s CUDA kernel (on CPU
+    its C++ loop is what the unit and distributed suites check) and equals SequentialMLP's loop."""
+    cfg, state = weights
+    variants = [
+        {"params_dtype": torch.bfloat16, "layer_spec": "portable", "expert_mlp": "sequential"},
+        {"params_dtype": torch.bfloat16, "layer_spec": "portable", "expert_mlp": "grouped"},
+    ]
+    (run,) = run_distributed(variants_gpu_worker, 1, cfg, state, dict(world_size=1), variants, timeout=600)
+    assert "GroupedExperts" not in run["modules"][0] and "GroupedExperts" in run["modules"][1]
+    # forward fc1 + fc2 and backward (rows and weights of each) per layer, every call on the GPU
+    assert run["grouped_mm_devices"] and set(run["grouped_mm_devices"]) == {"cuda"}
+    sequential, grouped = run["results"]
+    # the same bf16 weights, GEMMs accumulated in fp32 in another order: bf16 rounding apart
+    _assert_close_results(sequential, grouped, log_prob_atol=5e-2, grad_cosine=0.99)
+
+
+@pytest.mark.skipif(not HAS_TE, reason="transformer_engine is not installed")
+def test_te_grouped_mlp_equals_sequential_mlp(weights):
+    """With TE, ``model.expert_mlp=grouped`` is megatron's TEGroupedMLP (``moe_grouped_gemm``); it
+    equals the TE spec's SequentialMLP on the same HF weights (fp32; TF32 tolerances)."""
+    cfg, state = weights
+    variants = [
+        {"layer_spec": "te", "expert_mlp": "sequential"},
+        {"layer_spec": "te", "expert_mlp": "grouped"},
+    ]
+    (run,) = run_distributed(variants_gpu_worker, 1, cfg, state, dict(world_size=1), variants, timeout=600)
+    assert "TEGroupedMLP" not in run["modules"][0] and "TEGroupedMLP" in run["modules"][1]
+    sequential, grouped = run["results"]
+    _assert_close_results(sequential, grouped, log_prob_atol=2e-3, grad_cosine=0.999)
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs two GPUs")
+def test_alltoall_equals_allgather_on_two_gpus(weights):
+    """EP=2 over NCCL: megatron's alltoall dispatcher with its real CUDA side stream (bridged on CPU)
+    gives allgather's forward and backward."""
+    cfg, state = weights
+    variants = [{"token_dispatcher": "allgather"}, {"token_dispatcher": "alltoall"}]
+    runs = run_distributed(variants_gpu_worker, 2, cfg, state, dict(ep=2, world_size=2), variants, timeout=600)
+    assert any(run["results"][1]["log_probs"] for run in runs)
+    for run in runs:
+        allgather, alltoall = run["results"]
+        for dp_rank, logp in allgather["log_probs"].items():
+            torch.testing.assert_close(alltoall["log_probs"][dp_rank], logp, rtol=1e-5, atol=1e-5)
+        for key, grad in allgather["grads"].items():
+            torch.testing.assert_close(
+                alltoall["grads"][key], grad, rtol=1e-4, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}"
             )

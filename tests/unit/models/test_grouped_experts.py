@@ -82,6 +82,25 @@ def _te_grouped_names_map_alike(model, cfg) -> bool:
     return checked == 2 * cfg.num_experts * cfg.num_layers
 
 
+def _one_storage_views(experts) -> dict:
+    """Whether the grouped GEMMs see each projection's weights as a view (no copy), and after the
+    parameters are moved apart (as megatron's distributed-optimizer buffer does) as an equal copy."""
+    from gspo_megatron.models.grouped_experts import stacked_weights
+
+    fc1 = tuple(expert.linear_fc1.weight for expert in experts.local_experts)
+    fc2 = tuple(expert.linear_fc2.weight for expert in experts.local_experts)
+    views = [stacked_weights(w).data_ptr() == w[0].data_ptr() for w in (fc1, fc2)]
+    expected = torch.stack([w.detach().clone() for w in fc1])
+    for weight in fc1:
+        weight.data = weight.data.clone()  # each in its own storage now
+    moved = stacked_weights(fc1)
+    return {
+        "views": views,
+        "moved_is_copy": moved.data_ptr() != fc1[0].data_ptr(),
+        "moved_equal": torch.equal(moved, expected),
+    }
+
+
 def compare_worker(ctx, cfg, dtype: torch.dtype) -> dict:
     from megatron.core.transformer.moe.experts import SequentialMLP
 
@@ -111,6 +130,7 @@ def compare_worker(ctx, cfg, dtype: torch.dtype) -> dict:
             "sequential": _saved_bytes(experts, lambda *a: SequentialMLP.forward(experts, *a), rows, counts, probs),
         }
     out["is_grouped"] = isinstance(experts, GroupedExperts)
+    out["one_storage"] = _one_storage_views(experts)
     out["te_names_map_alike"] = _te_grouped_names_map_alike(model, cfg)
     mesh.destroy()
     return out
@@ -144,6 +164,8 @@ def test_grouped_experts_equal_sequential_mlp(dtype, tol):
         # fc1 and fc2 over all experts at once; backward: their row and weight gradients
         assert result[case]["grouped_mm_calls"] == 2 + 4, case
     assert result["idle_experts"]["grouped"][3]["local_experts.1.linear_fc1.weight"].abs().max() == 0
+    # the GEMMs above ran on the one-storage views; moved weights are stacked into an equal copy
+    assert result["one_storage"] == {"views": [True, True], "moved_is_copy": True, "moved_equal": True}
 
 
 def test_widths_grouped_mm_refuses_run_sequential_mlps_loop():

@@ -1,4 +1,5 @@
-"""``optimizer.distributed`` resolves in one place: auto = on exactly when the data-parallel size > 1."""
+"""``optimizer.distributed`` resolves in one place: auto = on exactly when dp x cp > 1 (megatron's
+optimizer data-parallel group: the dense gradients are reduced and the state sharded over dp x cp)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,14 @@ from gspo_megatron.trainer.optim import use_distributed_optimizer
         (ParallelLayout(world_size=2), True),  # dp 2
         (ParallelLayout(tp=2, world_size=2), False),  # dp 1
         (ParallelLayout(ep=2, world_size=2), True),  # dp 2 (experts: expert-dp 1)
-        (ParallelLayout(cp=2, world_size=2), False),  # dp 1 (auto counts data-parallel replicas)
+        (ParallelLayout(cp=2, world_size=2), True),  # dp 1, cp 2: two ranks hold the same weights
+        (ParallelLayout(cp=2, ep=2, world_size=2), True),
+        (ParallelLayout(tp=2, cp=2, world_size=4), True),
+        (ParallelLayout(tp=2, pp=2, world_size=4), False),  # dp 1, cp 1
         (ParallelLayout(tp=2, world_size=4), True),
     ],
 )
-def test_auto_is_on_when_data_parallel(layout, auto):
+def test_auto_is_on_when_dp_times_cp_exceeds_one(layout, auto):
     assert use_distributed_optimizer("auto", layout) is auto
     assert use_distributed_optimizer("true", layout) is True
     assert use_distributed_optimizer("false", layout) is False
