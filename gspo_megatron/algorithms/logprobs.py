@@ -229,26 +229,30 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             grad_log_probs = flat_logits.new_zeros(num_tokens, dtype=torch.float32)
         # d log p(y) / d logits_j = (1[j = y] - p_j) / T, times the incoming gradient g.
         scale = torch.where(valid, grad_log_probs.reshape(-1).float(), 0.0) / temperature
-        entropy_scale = None if grad_entropy is None else grad_entropy.reshape(-1).float()
         grad_logits = torch.empty_like(flat_logits)
         # fp32 logits: the gradient buffer itself is the workspace; otherwise one fp32 chunk is reused.
-        in_place = logits.dtype == torch.float32
         rows_per_chunk = max(min(ctx.chunk_size or num_tokens, num_tokens), 1)
-        workspace = None if in_place else flat_logits.new_empty(rows_per_chunk, vocab_local, dtype=torch.float32)
-        probs = None  # p beside log p, for the entropy gradient only
-        if entropy_scale is not None:
-            probs = flat_logits.new_empty(rows_per_chunk, vocab_local, dtype=torch.float32)
+        workspace = None
+        if logits.dtype != torch.float32:
+            workspace = flat_logits.new_empty(rows_per_chunk, vocab_local, dtype=torch.float32)
+        # The entropy gradient's inputs, when the entropy reached the loss: g_H per token and a buffer
+        # for p beside log p.
+        entropy_terms = None
+        if grad_entropy is not None:
+            probs_buffer = flat_logits.new_empty(rows_per_chunk, vocab_local, dtype=torch.float32)
+            entropy_terms = (grad_entropy.reshape(-1).float(), probs_buffer)
         for rows in _chunks(num_tokens, ctx.chunk_size):
             n = rows.stop - rows.start
-            grad = grad_logits[rows] if in_place else workspace[:n]
+            grad = grad_logits[rows] if workspace is None else workspace[:n]
             grad.copy_(flat_logits[rows])
             grad.sub_((lse[rows] * temperature).unsqueeze(-1))  # x - T lse
             if temperature != 1.0:
                 grad.mul_(1.0 / temperature)  # log p = x / T - lse
-            if entropy_scale is None:
+            if entropy_terms is None:
                 grad.exp_()  # p
                 grad.mul_(-scale[rows].unsqueeze(-1))  # -g p / T
             else:
+                entropy_scale, probs = entropy_terms
                 p = torch.exp(grad, out=probs[:n])
                 grad.add_(entropy[rows].unsqueeze(-1))
                 grad.mul_(entropy_scale[rows].unsqueeze(-1))  # g_H (log p + H)
@@ -257,6 +261,6 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             row_ids = torch.arange(n, device=grad.device)
             target_cols = local_targets[rows].clamp(0, vocab_local - 1)
             grad.index_put_((row_ids, target_cols), torch.where(owned[rows], scale[rows], 0.0), accumulate=True)
-            if not in_place:
+            if workspace is not None:
                 grad_logits[rows].copy_(grad)
         return (grad_logits.view(logits.shape),) + no_grads

@@ -100,7 +100,7 @@ class SafetensorsSource(WeightSource):
             with _open_shard(self.directory / file):
                 pass
         self._open = safe_open
-        self._handles: dict[str, object] = {}
+        self._handles: dict[str, safe_open] = {}
 
     def keys(self):
         return self.weight_map.keys()

@@ -265,11 +265,11 @@ def _cuda_type_names():
             return name
         return name.replace("torch.", "torch.cuda.", 1)
 
-    torch.Tensor.type = cuda_type_name
+    torch.Tensor.type = cuda_type_name  # type: ignore[method-assign]  # the bridge: patched, then restored
     try:
         yield
     finally:
-        torch.Tensor.type = torch_type
+        torch.Tensor.type = torch_type  # type: ignore[method-assign]
 
 
 class _NoStream:

@@ -343,12 +343,13 @@ class SGLangServerDouble:
 
     def _update_from_disk(self, body):
         error = _check_fields(body, {"model_path": str})
-        path = Path(body["model_path"]) if not error else None
-        if not error and not (path / "config.json").is_file():
-            error = f"{path} has no config.json"
-        shards = sorted(path.glob("*.safetensors")) if path and not error else []
-        if not error and not shards:
-            error = f"{path} has no *.safetensors"
+        shards: list[Path] = []
+        if not error:
+            path = Path(body["model_path"])
+            if not (path / "config.json").is_file():
+                error = f"{path} has no config.json"
+            elif not (shards := sorted(path.glob("*.safetensors"))):
+                error = f"{path} has no *.safetensors"
         if not error and self._disk_failures < self.faults.fail_disk_updates:
             self._disk_failures += 1
             error = "injected fault: loading the checkpoint failed"

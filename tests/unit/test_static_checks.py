@@ -34,6 +34,7 @@ def test_ruff_format_would_change_nothing():
     assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
 
 
+@pytest.mark.slow
 def test_mypy_finds_nothing():
     # ~45 s on a cold cache (a fresh clone), seconds with .mypy_cache
     done = _run(*_tool("mypy"))

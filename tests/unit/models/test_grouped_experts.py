@@ -130,6 +130,7 @@ def _assert_same(result, case, tol):
     [(torch.float32, dict(rtol=1e-5, atol=1e-5)), (torch.bfloat16, dict(rtol=1.6e-2, atol=1e-2))],
     ids=["fp32", "bf16"],
 )
+@pytest.mark.slow
 def test_grouped_experts_equal_sequential_mlp(dtype, tol):
     cfg = tiny_test_config()
     (result,) = run_distributed(compare_worker, 1, cfg, dtype, timeout=300)
@@ -146,6 +147,7 @@ def test_grouped_experts_equal_sequential_mlp(dtype, tol):
     assert result["idle_experts"]["grouped"][3]["local_experts.1.linear_fc1.weight"].abs().max() == 0
 
 
+@pytest.mark.slow
 def test_widths_grouped_mm_refuses_run_sequential_mlps_loop():
     # moe_intermediate_size 6: the fc2 input rows are 24 bytes, not a multiple of 16
     cfg = tiny_test_config(moe_intermediate_size=6)

@@ -225,6 +225,7 @@ def uneven_gather_worker(ctx) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_10_uneven_all_gather_through_padding():
     results = run_distributed(uneven_gather_worker, 2, timeout=300)
     expected = torch.cat([torch.arange(8.0).view(2, 4), torch.arange(12.0).view(3, 4) + 100])

@@ -132,6 +132,7 @@ def test_malformed_responses_are_named(body, message):
         parse_generate_response(body, 1)
 
 
+@pytest.mark.slow
 def test_request_body_is_a_valid_sglang_generate_req_input():
     io_struct = pytest.importorskip("sglang.srt.managers.io_struct")
     body = build_generate_request(
