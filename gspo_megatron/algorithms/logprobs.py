@@ -37,7 +37,8 @@ RL, where we need log pi(y_t) itself, a temperature, and an entropy metric):
 
 from __future__ import annotations
 
-from typing import Literal, overload
+from collections.abc import Iterator
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -122,7 +123,7 @@ def _shard_info(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group=tp_group), dist.get_world_size(group=tp_group)
 
 
-def _chunks(num_tokens: int, chunk_size: int | None):
+def _chunks(num_tokens: int, chunk_size: int | None) -> Iterator[slice]:
     step = num_tokens if chunk_size is None else chunk_size
     for start in range(0, num_tokens, max(step, 1)):
         yield slice(start, min(start + step, num_tokens))
@@ -160,7 +161,9 @@ def _local_stats(shifted: torch.Tensor, local_targets: torch.Tensor, scratch: to
     return stats
 
 
-def _combine_stats(all_stats: torch.Tensor, flat_targets: torch.Tensor, vocab_local: int):
+def _combine_stats(
+    all_stats: torch.Tensor, flat_targets: torch.Tensor, vocab_local: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[tp, N, 4] per-rank stats -> (lse [N], log p(y) [N], entropy [N]); see the module docstring."""
     global_max = all_stats[..., 0].amax(dim=0)  # M
     rel_lse = all_stats[..., 0] - global_max + all_stats[..., 1]  # lse_r - M
@@ -176,7 +179,16 @@ def _combine_stats(all_stats: torch.Tensor, flat_targets: torch.Tensor, vocab_lo
 
 class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, tp_group, temperature, chunk_size, with_entropy, entropy_grad):
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        tp_group: dist.ProcessGroup | None,
+        temperature: float,
+        chunk_size: int | None,
+        with_entropy: bool,
+        entropy_grad: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         rank, world = _shard_info(tp_group)
         vocab_local = logits.shape[-1]
         flat_logits = logits.reshape(-1, vocab_local)
@@ -215,7 +227,9 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         return log_probs, entropy
 
     @staticmethod
-    def backward(ctx, grad_log_probs, grad_entropy):
+    def backward(
+        ctx: Any, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
         # grad_entropy is None unless entropy_grad=True and the entropy reached the loss.
         no_grads = (None,) * 6
         if grad_log_probs is None and grad_entropy is None:

@@ -15,9 +15,14 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gspo_megatron.trainer.checkpoint import MODEL_DIR, STATE_FILE, load_checkpoint, read_trainer_state
 from gspo_megatron.trainer.run_dir_owner import RunDirError
+
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import MegatronOptimizer
 
 # megatron's distributed checkpoint: its common (non-sharded) state and torch's shard index
 MODEL_FILES = ("common.pt", ".metadata")
@@ -88,7 +93,7 @@ def checked_trainer_state(path: Path) -> dict:
     return state
 
 
-def load_checked_checkpoint(path: Path, model, optimizer) -> dict:
+def load_checked_checkpoint(path: Path, model: DistributedDataParallel, optimizer: MegatronOptimizer) -> dict:
     """``load_checkpoint``, then refuse weights that are not finite (collective: every rank decides alike)."""
     from gspo_megatron.trainer.nonfinite import NonFiniteError, parameters_finite
 

@@ -14,6 +14,7 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 from gspo_megatron.provenance import PROVENANCE_FILE, provenance
 from gspo_megatron.routing.run_dir import CONFIG_FILE, METRICS_FILE, JsonlLog, drop_records_from_step, read_jsonl
@@ -134,7 +135,7 @@ class RunLog:
         return path
 
 
-def _number(value) -> float | None:
+def _number(value: Any) -> float | None:
     try:
         return float(value)
     except (TypeError, ValueError):
