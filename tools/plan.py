@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     hw.add_argument("--link-efficiency", type=float)
     args = parser.parse_args(argv)
 
-    scale = lambda v: None if v is None else v * GB  # noqa: E731
+    scale = lambda v: None if v is None else v * GB
     gpu = gpu_spec(
         args.gpu,
         bf16_tflops=args.bf16_tflops,

@@ -94,7 +94,7 @@ class SafetensorsSource(WeightSource):
                     f"{self.directory} has neither model.safetensors nor model.safetensors.index.json"
                 )
             with _open_shard(single) as handle:
-                weight_map = {k: "model.safetensors" for k in handle.keys()}
+                weight_map = {k: "model.safetensors" for k in handle.keys()}  # noqa: SIM118 - keys() only: not a mapping, not iterable
         self.weight_map = weight_map
         for file in sorted(set(weight_map.values())):  # a missing or truncated shard fails here, named
             with _open_shard(self.directory / file):

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import hashlib
 import json
 import random
@@ -359,7 +360,7 @@ class SGLangServerDouble:
 
         for shard in shards:
             with safe_open(str(shard), framework="pt") as handle:
-                for name in handle.keys():
+                for name in handle.keys():  # noqa: SIM118 - keys() only: not a mapping, not iterable
                     tensor = handle.get_tensor(name)
                     self._weights.received[name] = _describe(tensor)
         self.model_path = str(path)
@@ -477,10 +478,8 @@ class SGLangServerDouble:
 
             def _drop(self) -> None:
                 self.close_connection = True
-                try:
+                with contextlib.suppress(OSError):
                     self.connection.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
         return Handler
 

@@ -73,7 +73,7 @@ def checked_trainer_state(path: Path) -> dict:
             f"{file} holds objects other than plain data ({_unpickling_reason(error)}): it was not written by "
             f"this trainer, or was altered; it is not loaded; {_fix(path)}"
         ) from None
-    except Exception as error:  # torch reports a truncated or foreign file as EOFError, OSError, KeyError...
+    except Exception as error:  # noqa: BLE001 - torch reports a truncated or foreign file as EOFError, OSError, KeyError...
         detail = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
         raise CheckpointError(f"{file} cannot be read ({detail}): it is truncated or damaged; {_fix(path)}") from None
     if not isinstance(state, dict):

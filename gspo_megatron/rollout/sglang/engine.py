@@ -195,7 +195,7 @@ class SGLangEngine(RolloutEngine):
             if self.config.weight_sync == "distributed":
                 try:
                     self._in_session(servers, lambda: self._sync_distributed(servers, named_tensors, version))
-                except Exception as error:  # noqa: BLE001 - the group is in an unknown state
+                except Exception as error:  # the group is in an unknown state
                     self._drop_update_group()
                     if not (self.config.fallback_to_disk and self.config.model_path):
                         raise

@@ -281,8 +281,8 @@ def test_tied_embeddings_round_trip_and_config_file(tmp_path):
     engine = EmbeddedEngine.from_config(EmbeddedConfig(model_config_path=str(tmp_path)))
     assert engine.model.config.tie_word_embeddings and engine.model.config.num_experts == 4
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as handle:
-        assert "lm_head.weight" not in handle.keys()
-        engine.update_weights(((n, handle.get_tensor(n)) for n in handle.keys()), version=1)
+        assert "lm_head.weight" not in handle.keys()  # noqa: SIM118 - keys() only: not a mapping, not iterable
+        engine.update_weights(((n, handle.get_tensor(n)) for n in handle.keys()), version=1)  # noqa: SIM118 - keys() only: not a mapping, not iterable
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
         assert torch.equal(engine.model(input_ids=ids).logits, source(input_ids=ids).logits)
