@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     for window in (1, 2, 3, 4, 6):
         for threshold in (-0.1, -0.25, -0.5, -1.0, -1.5, -2.0):
             agree = predicted = matched = reference = 0
-            for sample, ref in zip(samples, references):
+            for sample, ref in zip(samples, references, strict=True):
                 found = confidence_boundaries(sample.output_log_probs, window, threshold).tolist()
                 a, m = boundary_matches(found, ref, args.tolerance)
                 agree, matched = agree + a, matched + m

@@ -412,7 +412,7 @@ def _gather_row(row, params, cfg, mesh, ep_size, tensor_of) -> dict[str, torch.T
         if dist.get_world_size(group) > 1:
             pieces = [_all_gather_cat(piece, row.shard_dim, group) for piece in pieces]
     if row.expert_local is None or ep_size == 1:
-        return dict(zip(row.hf_names, pieces))
+        return dict(zip(row.hf_names, pieces, strict=True))
     # expert e lives on EP rank e // experts_per_rank: gather this local slot from every EP rank
     out: dict[str, torch.Tensor] = {}
     names = iter(_row_names(row, cfg, ep_size))

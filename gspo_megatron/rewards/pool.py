@@ -147,7 +147,7 @@ class RewardPool:
         if len(responses) != len(records):
             raise ValueError(f"{len(responses)} responses but {len(records)} records; pass one record per response")
         if self.in_process:
-            results = [call_reward(self._fn, r, rec) for r, rec in zip(responses, records)]
+            results = [call_reward(self._fn, r, rec) for r, rec in zip(responses, records, strict=True)]
         else:
             if not self._workers:
                 raise RuntimeError("RewardPool is closed; build a new one")

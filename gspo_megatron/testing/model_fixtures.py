@@ -202,7 +202,7 @@ def _forward_backward(cfg: MoEModelConfig, state: dict, layout, mesh, policy: di
     loss = torch.tensor(0.0)
     if metrics and budget is not None:  # rows in plan order, each micro-batch cut to its own width
         full = torch.zeros(inputs.shape)
-        for mb, m in zip(micro_batches, metrics):
+        for mb, m in zip(micro_batches, metrics, strict=True):
             full[mb.rows, : m["log_probs"].shape[1]] = m["log_probs"]
         log_probs[mesh.dp_rank] = full
     elif metrics:

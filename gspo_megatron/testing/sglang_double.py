@@ -399,7 +399,7 @@ class SGLangServerDouble:
         import torch
         import torch.distributed as dist
 
-        for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
+        for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"], strict=True):
             tensor = torch.empty(shape, dtype=getattr(torch, dtype))
             dist.broadcast(tensor, src=0, group=self._weights.group)
             self._weights.received[name] = _describe(tensor)

@@ -121,7 +121,7 @@ class RunLog:
         for key, label in (("reward/mean", "train reward"), ("eval/pass@1", "eval pass@1")):
             pts = [(r["step"], r[key]) for r in self.history if r.get(key) is not None]
             if pts:
-                axes[0].plot(*zip(*pts), marker="o" if key.startswith("eval") else None, label=label)
+                axes[0].plot(*zip(*pts, strict=True), marker="o" if key.startswith("eval") else None, label=label)
         axes[0].set_xlabel("step")
         axes[0].set_title("reward")
         axes[0].legend()

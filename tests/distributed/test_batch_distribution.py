@@ -65,9 +65,9 @@ def distribution_worker(ctx, micro_batch_tokens):
     got = cut_micro_batches(share.batch, share.plan)
     expected = partition(whole, UPDATES, 3, 2, ctx.rank, micro_batch_tokens)
     assert len(got) == len(expected) == UPDATES
-    for part, part_expected in zip(got, expected):
+    for part, part_expected in zip(got, expected, strict=True):
         assert len(part) == len(part_expected)
-        for mb, mb_expected in zip(part, part_expected):
+        for mb, mb_expected in zip(part, part_expected, strict=True):
             for name, value in vars(mb_expected).items():
                 other = getattr(mb, name)
                 assert (other is None and value is None) or torch.equal(other, value), name

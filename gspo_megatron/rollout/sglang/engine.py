@@ -113,7 +113,7 @@ class SGLangEngine(RolloutEngine):
         """Check each server's SGLang version; in attach mode learn whether seeds are honoured."""
         servers = self._client.pool.servers
         infos = self._on_all(servers, "GET", "/server_info", None)
-        for server, info in zip(servers, infos):
+        for server, info in zip(servers, infos, strict=True):
             info = info if isinstance(info, dict) else {}
             check_sglang_version(info.get("version"), server.url)
         if self.config.mode == "attach":
@@ -348,7 +348,7 @@ class SGLangEngine(RolloutEngine):
                     "backend": config.weight_sync_backend,
                 },
             )
-            for server, offset in zip(servers, offsets)
+            for server, offset in zip(servers, offsets, strict=True)
         ]
         pending = self._loop.submit(_gather(requests))
         try:

@@ -118,7 +118,7 @@ def compare_worker(ctx, cfg, dtype: torch.dtype) -> dict:
 
 def _assert_same(result, case, tol):
     grouped, sequential = result[case]["grouped"], result[case]["sequential"]
-    for got, expected in zip(grouped[:3], sequential[:3]):
+    for got, expected in zip(grouped[:3], sequential[:3], strict=True):
         torch.testing.assert_close(got, expected, **tol)
     assert grouped[3].keys() == sequential[3].keys()
     for name, grad in sequential[3].items():

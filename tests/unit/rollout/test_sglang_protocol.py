@@ -20,7 +20,7 @@ def _b64_int32(values):
 
 
 def _response(output_ids, logprobs, finish="stop", **meta):
-    entries = [[lp, tok, None] for lp, tok in zip(logprobs, output_ids)]
+    entries = [[lp, tok, None] for lp, tok in zip(logprobs, output_ids, strict=True)]
     return {
         "text": "",
         "output_ids": output_ids,

@@ -20,7 +20,7 @@ def make_run(path, algorithm, rewards, clip_token, clip_seq, routing=()):
     path.mkdir()
     (path / "config.yaml").write_text(f"algorithm:\n  name: {algorithm}\nseed: 1\n")
     with JsonlLog(path / "metrics.jsonl") as log:
-        for step, values in enumerate(zip(rewards, clip_token, clip_seq)):
+        for step, values in enumerate(zip(rewards, clip_token, clip_seq, strict=True)):
             log.append(
                 {
                     "step": step,
@@ -140,7 +140,7 @@ def make_seeded_run(path, algorithm, seed, upr, rewards, update_changed, changed
                 }
             )
     with RoutingLog(path) as log:
-        for step, (changed, any_layer) in enumerate(zip(update_changed, changed_any), start=1):
+        for step, (changed, any_layer) in enumerate(zip(update_changed, changed_any, strict=True), start=1):
             log.append(
                 {
                     "step": step,
