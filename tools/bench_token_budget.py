@@ -79,7 +79,12 @@ def bench_worker(ctx, args) -> dict:
         global_num_tokens=mask.sum(),
     )
     variants = {"padded": None, "budget": args.budget}
-    parts = {name: partition(batch, 1, args.micro_batch_size, 1, 0, budget) for name, budget in variants.items()}
+    parts = {
+        name: partition(
+            batch, updates=1, micro_batch_size=args.micro_batch_size, dp_size=1, dp_rank=0, micro_batch_tokens=budget
+        )
+        for name, budget in variants.items()
+    }
     seconds: dict[str, list[float]] = {name: [] for name in variants}
     for round_ in range(args.rounds + 1):  # round 0 warms up
         for name, part in parts.items():

@@ -220,7 +220,12 @@ def _token_budget_micro_batches(inputs, targets, per_row: dict, mask, budget: in
     positions = torch.arange(mask.shape[1]).expand_as(mask)
     lengths = torch.where(mask > 0, positions, torch.zeros_like(positions)).max(dim=1).values + 2
     plans = token_budget_plan(
-        lengths, 0, layout.dp, budget, multiple=sequence_multiple(layout), max_width=inputs.shape[1] + 1
+        lengths,
+        first_row=0,
+        dp_size=layout.dp,
+        budget=budget,
+        multiple=sequence_multiple(layout),
+        max_width=inputs.shape[1] + 1,
     )
     out = []
     for plan in plans:

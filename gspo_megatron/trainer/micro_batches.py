@@ -44,7 +44,7 @@ class MicroBatchPlan:
 
 
 def token_budget_plan(
-    lengths: torch.Tensor, first_row: int, dp_size: int, budget: int, *, multiple: int = 1, max_width: int | None = None
+    lengths: torch.Tensor, *, first_row: int, dp_size: int, budget: int, multiple: int = 1, max_width: int | None = None
 ) -> list[MicroBatchPlan]:
     """The micro-batches of one mini-batch whose rows are ``first_row + i`` with lengths ``lengths[i]``.
 
