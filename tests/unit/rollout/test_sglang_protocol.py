@@ -20,7 +20,8 @@ def _b64_int32(values):
 
 
 def _response(output_ids, logprobs, finish="stop", **meta):
-    entries = [[lp, tok, None] for lp, tok in zip(logprobs, output_ids, strict=True)]
+    # strict=False: some bodies pair mismatched lengths on purpose (the parser must refuse them)
+    entries = [[lp, tok, None] for lp, tok in zip(logprobs, output_ids, strict=False)]
     return {
         "text": "",
         "output_ids": output_ids,
