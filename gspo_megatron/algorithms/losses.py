@@ -259,7 +259,7 @@ def _clip_metrics_per_sequence(
     """Clip fractions when clipping is decided per sequence ([B] indicators low, high, dual), as GSPO does."""
     metrics = {}
     with torch.no_grad():
-        for side, indicator in zip(_clip_sides(ctx), clipped, strict=True):
+        for side, indicator in zip(_clip_sides(ctx), clipped, strict=False):  # no dual side without dual clip
             selected = indicator & batch.seq_valid
             metrics.update(
                 mean_entries(f"clip_frac_token_{side}", (selected * batch.lengths).sum(), batch.lengths.sum())
@@ -279,7 +279,7 @@ def _clip_metrics_per_token(
     """Clip fractions when clipping is decided per token ([B, T] indicators low, high, dual)."""
     metrics = {}
     with torch.no_grad():
-        for side, indicator in zip(_clip_sides(ctx), clipped, strict=True):
+        for side, indicator in zip(_clip_sides(ctx), clipped, strict=False):  # no dual side without dual clip
             per_seq = ctx.sequence_sum((indicator & batch.mask).float())  # clipped tokens per sequence
             seq_fraction = torch.where(batch.seq_valid, per_seq / batch.lengths.clamp_min(1), 0.0)
             metrics.update(mean_entries(f"clip_frac_token_{side}", per_seq.sum(), batch.lengths.sum()))
