@@ -1,18 +1,32 @@
-"""Test tiers: unit (default), distributed (gloo ranks on CPU), e2e (tiny training runs), gpu.
+"""Test tiers: unit (default), distributed (gloo ranks on CPU), e2e (tiny training runs), faults,
+gpu, contract (SGLang's own code, in its venv).
 
-GPU tests are skipped without CUDA. Every test gets a fixed seed and a single intra-op thread so
-results do not depend on what else shares the 2-core machine.
+The fast tier is ``python3 -m pytest -m "not slow"``: every tier that starts processes (distributed,
+e2e, faults, gpu, contract) is ``slow`` here, and so are the unit tests marked ``slow`` one by one
+(a spawned rank, a subprocess, mypy, or seconds of work). GPU tests are skipped without CUDA. Every
+test gets a fixed seed and a single intra-op thread so results do not depend on what else shares
+the 2-core machine.
 """
+
+from pathlib import Path
 
 import pytest
 import torch
 
+TESTS = Path(__file__).resolve().parent
+SLOW_TIERS = ("distributed", "e2e", "faults", "gpu", "contract")
 
+
+# tryfirst: the tier's slow mark must be set before pytest's own hook applies `-m "not slow"`
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+        tier = item.path.resolve().relative_to(TESTS).parts[0]
+        if tier in SLOW_TIERS or any(marker in item.keywords for marker in SLOW_TIERS):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)

@@ -46,7 +46,7 @@ def parse_args():
 
 
 def hf_config(args) -> Qwen3MoeConfig:
-    return Qwen3MoeConfig(
+    config = Qwen3MoeConfig(
         vocab_size=args.vocab,
         hidden_size=args.hidden,
         intermediate_size=2 * args.hidden,
@@ -54,11 +54,12 @@ def hf_config(args) -> Qwen3MoeConfig:
         num_hidden_layers=args.layers,
         num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads,
-        head_dim=args.hidden // args.heads,
         num_experts=args.experts,
         num_experts_per_tok=args.top_k,
         max_position_embeddings=args.prompt_len + args.new_tokens + 8,
     )
+    config.head_dim = args.hidden // args.heads  # read by the attention; not an __init__ keyword in transformers 5
+    return config
 
 
 def best_time(fn, repeats: int) -> float:

@@ -33,7 +33,7 @@ from gspo_megatron.algorithms import LossContext, get_policy_loss, vocab_paralle
 from gspo_megatron.testing.memory import peak_bytes
 
 
-def _inputs(args):
+def _inputs(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
     batch = args.tokens // args.seq_len
@@ -96,7 +96,7 @@ def main(argv=None) -> None:
     }
     for fn in paths.values():  # warm-up
         _timed(fn, args.device)
-    times = {name: [] for name in paths}
+    times: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(args.repeats):
         for name, fn in paths.items():
             times[name].append(_timed(fn, args.device))

@@ -35,7 +35,7 @@ def bench_worker(ctx, args) -> dict:
     from gspo_megatron.models.schedule import run_schedule, wrap_for_training
     from gspo_megatron.parallel.layout import ParallelLayout
     from gspo_megatron.parallel.mesh import initialize_parallel
-    from gspo_megatron.rollout.types import Sample
+    from gspo_megatron.rollout.types import FinishReason, Sample
     from gspo_megatron.testing.model_fixtures import tiny_test_config
     from gspo_megatron.trainer.batch import pack_samples, partition
     from gspo_megatron.trainer.loss_head import PolicyLossHead
@@ -62,7 +62,7 @@ def bench_worker(ctx, args) -> dict:
             prompt_ids=torch.randint(1, 256, (args.prompt,), generator=generator).tolist(),
             output_ids=torch.randint(1, 256, (n,), generator=generator).tolist(),
             output_log_probs=-torch.rand(n, generator=generator),
-            finish_reason="stop",
+            finish_reason=FinishReason.STOP,
         )
         for n in lengths
     ]
@@ -79,8 +79,13 @@ def bench_worker(ctx, args) -> dict:
         global_num_tokens=mask.sum(),
     )
     variants = {"padded": None, "budget": args.budget}
-    parts = {name: partition(batch, 1, args.micro_batch_size, 1, 0, budget) for name, budget in variants.items()}
-    seconds = {name: [] for name in variants}
+    parts = {
+        name: partition(
+            batch, updates=1, micro_batch_size=args.micro_batch_size, dp_size=1, dp_rank=0, micro_batch_tokens=budget
+        )
+        for name, budget in variants.items()
+    }
+    seconds: dict[str, list[float]] = {name: [] for name in variants}
     for round_ in range(args.rounds + 1):  # round 0 warms up
         for name, part in parts.items():
             ddp.zero_grad_buffer()

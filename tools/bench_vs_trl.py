@@ -140,7 +140,10 @@ def trl_run(cfg, hf_dir: str, rounds: int, out_dir: str, threads: int) -> dict:
         """Our reward function on the text our run would score: the generated ids decoded with the stop
         token kept (TRL's ``completions`` drop it, and our verifiers check that a response ended)."""
         generated_tokens.append(sum(len(ids) for ids in completion_ids))
-        return [float(score(tokenizer.decode(ids), records[i]).reward) for ids, i in zip(completion_ids, record)]
+        return [
+            float(score(tokenizer.decode(ids), records[i]).reward)
+            for ids, i in zip(completion_ids, record, strict=True)
+        ]
 
     args = GRPOConfig(
         output_dir=out_dir,
@@ -275,7 +278,7 @@ def run_ours(cfg, overrides: list[str], rounds: int, threads: int) -> dict:
         total = time.perf_counter() - started
         records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     rows = cfg.trainer.prompts_per_step * cfg.rollout.group_size
-    for step, record in zip(steps, records):
+    for step, record in zip(steps, records, strict=False):
         step["tokens"] = record["response/length_mean"] * rows
     return {"process_startup": total - sum(s["step"] for s in steps), "rounds": steps}
 

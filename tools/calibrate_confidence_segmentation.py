@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     from gspo_megatron.config.schema import to_train_config
     from gspo_megatron.config.store import register_configs
     from gspo_megatron.data.tasks import build_task
-    from gspo_megatron.data.tokenizer import build_tokenizer
+    from gspo_megatron.data.tokenizer import SymbolTokenizer
     from gspo_megatron.rollout.config import EmbeddedConfig
     from gspo_megatron.rollout.embedded import EmbeddedEngine
     from gspo_megatron.rollout.types import SamplingParams
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
 
     register_configs()
     cfg = to_train_config(compose(["+experiment=shaping_from_sft", "shaping=grsp"]))
-    tokenizer = build_tokenizer("symbol", model_vocab_size=cfg.model.vocab_size)
+    tokenizer = SymbolTokenizer(cfg.model.vocab_size)  # the keyword lookup below needs its token table
     task = build_task(cfg.task, tokenizer)
     model = Qwen3MoeForCausalLM.from_pretrained(args.checkpoint, torch_dtype=torch.float32).eval()
     hf_config = Qwen3MoeConfig.from_pretrained(args.checkpoint)
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
         stop_token_ids=tuple(tokenizer.stop_token_ids),
         seed=args.seed,
     )
-    samples = [s for group in engine.generate([list(r.prompt_ids) for r in records], params) for s in group]
+    samples = [s for group in engine.generate([list(r.prompt_ids or ()) for r in records], params) for s in group]
     keyword_ids = {tokenizer.token_id(k) for k in cfg.shaping.grsp.keywords if k in tokenizer.tokens}
     references = [[t for t, token in enumerate(s.output_ids) if token in keyword_ids and t > 0] for s in samples]
 
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     for window in (1, 2, 3, 4, 6):
         for threshold in (-0.1, -0.25, -0.5, -1.0, -1.5, -2.0):
             agree = predicted = matched = reference = 0
-            for sample, ref in zip(samples, references):
+            for sample, ref in zip(samples, references, strict=True):
                 found = confidence_boundaries(sample.output_log_probs, window, threshold).tolist()
                 a, m = boundary_matches(found, ref, args.tolerance)
                 agree, matched = agree + a, matched + m

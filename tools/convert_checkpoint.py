@@ -125,6 +125,8 @@ def _trainer_model_config(state_file: Path):
         raise SystemExit(f"{state_file} is missing: not a complete trainer checkpoint (pass --hf-config)")
     state = torch.load(state_file, weights_only=True)  # plain data: a checkpoint cannot run code
     model = OmegaConf.to_container(OmegaConf.create(state["config"]).model, resolve=True)
+    if not isinstance(model, dict):
+        raise SystemExit(f"{state_file}: the saved config's model section is not a mapping (pass --hf-config)")
     return MoEModelConfig(**{k: model[k] for k in MoEModelConfig.field_names() if k in model})
 
 

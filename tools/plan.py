@@ -64,7 +64,14 @@ def parse_layout(name: str, gpus: int) -> ParallelLayout:
             raise SystemExit(f"LAYOUT part {part!r} of {name!r} is not one of tpN ppN epN etpN cpN dpN")
         sizes[match.group(1)] = int(match.group(2))
     dp = sizes.pop("dp", None)
-    layout = ParallelLayout(world_size=gpus, **sizes)
+    layout = ParallelLayout(
+        world_size=gpus,
+        tp=sizes.get("tp", 1),
+        pp=sizes.get("pp", 1),
+        ep=sizes.get("ep", 1),
+        etp=sizes.get("etp"),
+        cp=sizes.get("cp", 1),
+    )
     if dp is not None and layout.tp * layout.pp * layout.cp * dp != gpus:
         product = layout.tp * layout.pp * layout.cp * dp
         raise SystemExit(f"LAYOUT {name!r}: tp*pp*cp*dp = {product} != --gpus {gpus}")
@@ -157,7 +164,7 @@ def main(argv=None) -> int:
     hw.add_argument("--link-efficiency", type=float)
     args = parser.parse_args(argv)
 
-    scale = lambda v: None if v is None else v * GB  # noqa: E731
+    scale = lambda v: None if v is None else v * GB
     gpu = gpu_spec(
         args.gpu,
         bf16_tflops=args.bf16_tflops,

@@ -63,15 +63,13 @@ def _finished(run_dir: Path, steps: int) -> bool:
 def evaluate_warm_start(checkpoint: Path, overrides: list[str]) -> dict[str, float]:
     """pass@1 and response length of the warm start itself, on the study's evaluation prompts and
     settings (the trainer's own evaluation: same prompts, sampling and verifier)."""
-    from omegaconf import OmegaConf
     from transformers import Qwen3MoeForCausalLM
 
     from gspo_megatron.config.compose import compose
+    from gspo_megatron.config.schema import to_train_config
     from gspo_megatron.trainer.setup import build_evaluation
 
-    cfg = OmegaConf.to_object(
-        compose(["+experiment=shaping_from_sft", f"model.hf_checkpoint={checkpoint}", *overrides])
-    )
+    cfg = to_train_config(compose(["+experiment=shaping_from_sft", f"model.hf_checkpoint={checkpoint}", *overrides]))
     phase, records, params = build_evaluation(cfg)
     weights = Qwen3MoeForCausalLM.from_pretrained(str(checkpoint)).state_dict()
     phase.engine.update_weights(weights.items(), version=0)

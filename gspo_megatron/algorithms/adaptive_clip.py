@@ -32,6 +32,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gspo_megatron.algorithms.config import AlgorithmConfig
 
 SEQUENCE_LEVEL_LOSSES = ("gspo", "gspo_token")
 
@@ -48,7 +52,7 @@ class AdaptiveClipController:
     scale: float = 1.0
 
     @classmethod
-    def from_config(cls, cfg) -> AdaptiveClipController | None:
+    def from_config(cls, cfg: AlgorithmConfig) -> AdaptiveClipController | None:
         """None unless ``cfg.adaptive_clip_target`` is set (``cfg`` is an ``AlgorithmConfig``)."""
         if cfg.adaptive_clip_target is None:
             return None

@@ -29,7 +29,7 @@ class AdvantageContext:
     normalize_std: bool = True
     eps: float = 1e-6
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {self.group_size}")
         if self.normalize_std and self.group_size < 2:

@@ -37,7 +37,8 @@ RL, where we need log pi(y_t) itself, a temperature, and an entropy metric):
 
 from __future__ import annotations
 
-from typing import Literal, overload
+from collections.abc import Iterator
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -122,7 +123,7 @@ def _shard_info(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group=tp_group), dist.get_world_size(group=tp_group)
 
 
-def _chunks(num_tokens: int, chunk_size: int | None):
+def _chunks(num_tokens: int, chunk_size: int | None) -> Iterator[slice]:
     step = num_tokens if chunk_size is None else chunk_size
     for start in range(0, num_tokens, max(step, 1)):
         yield slice(start, min(start + step, num_tokens))
@@ -160,7 +161,9 @@ def _local_stats(shifted: torch.Tensor, local_targets: torch.Tensor, scratch: to
     return stats
 
 
-def _combine_stats(all_stats: torch.Tensor, flat_targets: torch.Tensor, vocab_local: int):
+def _combine_stats(
+    all_stats: torch.Tensor, flat_targets: torch.Tensor, vocab_local: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[tp, N, 4] per-rank stats -> (lse [N], log p(y) [N], entropy [N]); see the module docstring."""
     global_max = all_stats[..., 0].amax(dim=0)  # M
     rel_lse = all_stats[..., 0] - global_max + all_stats[..., 1]  # lse_r - M
@@ -176,7 +179,16 @@ def _combine_stats(all_stats: torch.Tensor, flat_targets: torch.Tensor, vocab_lo
 
 class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, tp_group, temperature, chunk_size, with_entropy, entropy_grad):
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        tp_group: dist.ProcessGroup | None,
+        temperature: float,
+        chunk_size: int | None,
+        with_entropy: bool,
+        entropy_grad: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         rank, world = _shard_info(tp_group)
         vocab_local = logits.shape[-1]
         flat_logits = logits.reshape(-1, vocab_local)
@@ -215,7 +227,9 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         return log_probs, entropy
 
     @staticmethod
-    def backward(ctx, grad_log_probs, grad_entropy):
+    def backward(
+        ctx: Any, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
         # grad_entropy is None unless entropy_grad=True and the entropy reached the loss.
         no_grads = (None,) * 6
         if grad_log_probs is None and grad_entropy is None:
@@ -229,26 +243,30 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             grad_log_probs = flat_logits.new_zeros(num_tokens, dtype=torch.float32)
         # d log p(y) / d logits_j = (1[j = y] - p_j) / T, times the incoming gradient g.
         scale = torch.where(valid, grad_log_probs.reshape(-1).float(), 0.0) / temperature
-        entropy_scale = None if grad_entropy is None else grad_entropy.reshape(-1).float()
         grad_logits = torch.empty_like(flat_logits)
         # fp32 logits: the gradient buffer itself is the workspace; otherwise one fp32 chunk is reused.
-        in_place = logits.dtype == torch.float32
         rows_per_chunk = max(min(ctx.chunk_size or num_tokens, num_tokens), 1)
-        workspace = None if in_place else flat_logits.new_empty(rows_per_chunk, vocab_local, dtype=torch.float32)
-        probs = None  # p beside log p, for the entropy gradient only
-        if entropy_scale is not None:
-            probs = flat_logits.new_empty(rows_per_chunk, vocab_local, dtype=torch.float32)
+        workspace = None
+        if logits.dtype != torch.float32:
+            workspace = flat_logits.new_empty(rows_per_chunk, vocab_local, dtype=torch.float32)
+        # The entropy gradient's inputs, when the entropy reached the loss: g_H per token and a buffer
+        # for p beside log p.
+        entropy_terms = None
+        if grad_entropy is not None:
+            probs_buffer = flat_logits.new_empty(rows_per_chunk, vocab_local, dtype=torch.float32)
+            entropy_terms = (grad_entropy.reshape(-1).float(), probs_buffer)
         for rows in _chunks(num_tokens, ctx.chunk_size):
             n = rows.stop - rows.start
-            grad = grad_logits[rows] if in_place else workspace[:n]
+            grad = grad_logits[rows] if workspace is None else workspace[:n]
             grad.copy_(flat_logits[rows])
             grad.sub_((lse[rows] * temperature).unsqueeze(-1))  # x - T lse
             if temperature != 1.0:
                 grad.mul_(1.0 / temperature)  # log p = x / T - lse
-            if entropy_scale is None:
+            if entropy_terms is None:
                 grad.exp_()  # p
                 grad.mul_(-scale[rows].unsqueeze(-1))  # -g p / T
             else:
+                entropy_scale, probs = entropy_terms
                 p = torch.exp(grad, out=probs[:n])
                 grad.add_(entropy[rows].unsqueeze(-1))
                 grad.mul_(entropy_scale[rows].unsqueeze(-1))  # g_H (log p + H)
@@ -257,6 +275,6 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             row_ids = torch.arange(n, device=grad.device)
             target_cols = local_targets[rows].clamp(0, vocab_local - 1)
             grad.index_put_((row_ids, target_cols), torch.where(owned[rows], scale[rows], 0.0), accumulate=True)
-            if not in_place:
+            if workspace is not None:
                 grad_logits[rows].copy_(grad)
         return (grad_logits.view(logits.shape),) + no_grads

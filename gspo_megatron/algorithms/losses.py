@@ -37,7 +37,7 @@ GRPO, Shao et al., "DeepSeekMath", arXiv 2402.03300; clip-higher from DAPO, arXi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -78,7 +78,7 @@ class LossContext:
     clip_ratio_c: float | None = None  # dual clip: floor c A where A < 0; None: off
     gspo_log_ratio_max: float | None = None  # upper bound on GSPO's log s_i; None: log_ratio_clamp
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_loss_settings(self.aggregation, self.clip_low, self.clip_high, self.log_ratio_clamp)
         check_clip_extensions(self.clip_ratio_c, self.gspo_log_ratio_max)
 
@@ -150,7 +150,9 @@ class _Batch:
     num_tokens: torch.Tensor
 
 
-def _mask_and_counts(response_mask: torch.Tensor, ctx: LossContext, dtype: torch.dtype):
+def _mask_and_counts(
+    response_mask: torch.Tensor, ctx: LossContext, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(bool mask, whole-sequence lengths [B], valid sequences [B], N_seq, N_tok) of ``response_mask``."""
     mask = response_mask.bool()
     with torch.no_grad():
@@ -172,7 +174,13 @@ def aggregate_tokens(per_token: torch.Tensor, response_mask: torch.Tensor, ctx: 
     return _aggregate_tokens(per_token, batch, ctx)
 
 
-def _prepare(log_probs, old_log_probs, advantages, response_mask, ctx: LossContext) -> _Batch:
+def _prepare(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    ctx: LossContext,
+) -> _Batch:
     if log_probs.dim() != 2 or old_log_probs.shape != log_probs.shape or response_mask.shape != log_probs.shape:
         raise ValueError(
             f"log_probs, old_log_probs and response_mask must all be [B, T]; got "
@@ -190,7 +198,9 @@ def _denominator(global_count: Count, local_count: torch.Tensor) -> torch.Tensor
     return count.detach().float().clamp_min(1.0)  # an empty batch contributes 0, not NaN
 
 
-def _clipped_objective(ratio, advantages, ctx: LossContext):
+def _clipped_objective(
+    ratio: torch.Tensor, advantages: torch.Tensor, ctx: LossContext
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), floored at c A where A < 0 with dual clip;
     and where each clip is active (low, high, dual)."""
     objective = torch.minimum(ratio * advantages, ratio.clamp(1 - ctx.clip_low, 1 + ctx.clip_high) * advantages)
@@ -243,11 +253,13 @@ def _common_metrics(batch: _Batch, ctx: LossContext) -> dict[str, torch.Tensor]:
     return metrics
 
 
-def _clip_metrics_per_sequence(clipped, batch: _Batch, ctx: LossContext) -> dict[str, torch.Tensor]:
+def _clip_metrics_per_sequence(
+    clipped: Sequence[torch.Tensor], batch: _Batch, ctx: LossContext
+) -> dict[str, torch.Tensor]:
     """Clip fractions when clipping is decided per sequence ([B] indicators low, high, dual), as GSPO does."""
     metrics = {}
     with torch.no_grad():
-        for side, indicator in zip(_clip_sides(ctx), clipped):
+        for side, indicator in zip(_clip_sides(ctx), clipped, strict=False):  # no dual side without dual clip
             selected = indicator & batch.seq_valid
             metrics.update(
                 mean_entries(f"clip_frac_token_{side}", (selected * batch.lengths).sum(), batch.lengths.sum())
@@ -261,11 +273,13 @@ def _clip_sides(ctx: LossContext) -> tuple[str, ...]:
     return ("low", "high") if ctx.clip_ratio_c is None else ("low", "high", "dual")
 
 
-def _clip_metrics_per_token(clipped, batch: _Batch, ctx: LossContext) -> dict[str, torch.Tensor]:
+def _clip_metrics_per_token(
+    clipped: Sequence[torch.Tensor], batch: _Batch, ctx: LossContext
+) -> dict[str, torch.Tensor]:
     """Clip fractions when clipping is decided per token ([B, T] indicators low, high, dual)."""
     metrics = {}
     with torch.no_grad():
-        for side, indicator in zip(_clip_sides(ctx), clipped):
+        for side, indicator in zip(_clip_sides(ctx), clipped, strict=False):  # no dual side without dual clip
             per_seq = ctx.sequence_sum((indicator & batch.mask).float())  # clipped tokens per sequence
             seq_fraction = torch.where(batch.seq_valid, per_seq / batch.lengths.clamp_min(1), 0.0)
             metrics.update(mean_entries(f"clip_frac_token_{side}", per_seq.sum(), batch.lengths.sum()))
@@ -285,7 +299,13 @@ def _ratio_metrics(ratio: torch.Tensor, select: torch.Tensor, ctx: LossContext) 
 
 
 @POLICY_LOSSES.register("gspo")
-def gspo_loss(log_probs, old_log_probs, advantages, response_mask, ctx: LossContext) -> PolicyLossOutput:
+def gspo_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    ctx: LossContext,
+) -> PolicyLossOutput:
     """GSPO (arXiv 2507.18071): one clipped, length-normalised importance ratio per sequence.
 
     s_i = exp( clamp( (1/|y_i|) sum_t log(pi_theta / pi_old)(y_{i,t}) ) )
@@ -311,7 +331,13 @@ def gspo_loss(log_probs, old_log_probs, advantages, response_mask, ctx: LossCont
 
 
 @POLICY_LOSSES.register("gspo_token")
-def gspo_token_loss(log_probs, old_log_probs, advantages, response_mask, ctx: LossContext) -> PolicyLossOutput:
+def gspo_token_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    ctx: LossContext,
+) -> PolicyLossOutput:
     """GSPO-token (arXiv 2507.18071, sec. 4.3): GSPO's ratio value with per-token advantages.
 
         log s_{i,t} = sg[log s_i] + log pi_theta(y_{i,t}) - sg[log pi_theta(y_{i,t})]
@@ -338,7 +364,13 @@ def gspo_token_loss(log_probs, old_log_probs, advantages, response_mask, ctx: Lo
 
 
 @POLICY_LOSSES.register("grpo")
-def grpo_loss(log_probs, old_log_probs, advantages, response_mask, ctx: LossContext) -> PolicyLossOutput:
+def grpo_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    ctx: LossContext,
+) -> PolicyLossOutput:
     """GRPO (arXiv 2402.03300) with asymmetric (clip-higher) PPO clipping on every token.
 
         w_{i,t} = exp( clamp( log pi_theta(y_{i,t}) - log pi_old(y_{i,t}) ) )

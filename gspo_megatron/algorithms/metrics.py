@@ -14,7 +14,7 @@ Design decisions:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -48,7 +48,7 @@ def token_mean_metric(
     name: str,
     values: torch.Tensor,
     response_mask: torch.Tensor,
-    sequence_sum=None,
+    sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Mean of a per-token quantity over valid tokens (e.g. the entropy from ``vocab_parallel_log_probs``).
 

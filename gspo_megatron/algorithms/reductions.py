@@ -90,6 +90,6 @@ def all_reduce_metrics(
             continue
         stacked = torch.stack([out[key].float().reshape(()) for key in selected])
         dist.all_reduce(stacked, op=op, group=op_group)
-        for key, value in zip(selected, stacked.unbind()):
+        for key, value in zip(selected, stacked.unbind(), strict=True):
             out[key] = value
     return out

@@ -95,13 +95,13 @@ class SafetensorsSource(WeightSource):
                     f"{self.directory} has neither model.safetensors nor model.safetensors.index.json"
                 )
             with _open_shard(single) as handle:
-                weight_map = {k: "model.safetensors" for k in handle.keys()}
+                weight_map = {k: "model.safetensors" for k in handle.keys()}  # noqa: SIM118 - keys() only: not a mapping, not iterable
         self.weight_map = weight_map
         for file in sorted(set(weight_map.values())):  # a missing or truncated shard fails here, named
             with _open_shard(self.directory / file):
                 pass
         self._open = safe_open
-        self._handles: dict[str, object] = {}
+        self._handles: dict[str, safe_open] = {}
 
     def keys(self):
         return self.weight_map.keys()
@@ -388,7 +388,7 @@ def _gather_row(row, params, cfg, mesh, ep_size, tensor_of) -> dict[str, torch.T
         if dist.get_world_size(group) > 1:
             pieces = [_all_gather_cat(piece, row.shard_dim, group) for piece in pieces]
     if row.expert_local is None or ep_size == 1:
-        return dict(zip(row.hf_names, pieces))
+        return dict(zip(row.hf_names, pieces, strict=True))
     # expert e lives on EP rank e // experts_per_rank: gather this local slot from every EP rank
     out: dict[str, torch.Tensor] = {}
     names = iter(_row_names(row, cfg, ep_size))

@@ -63,7 +63,7 @@ def share_one_storage(weights: list[torch.Tensor]) -> None:
     if len(weights) < 2 or weights[0].device.type == "meta":
         return
     stacked = torch.stack([weight.detach() for weight in weights])
-    for weight, view in zip(weights, stacked):
+    for weight, view in zip(weights, stacked, strict=True):
         weight.data = view
 
 

@@ -265,11 +265,11 @@ def _cuda_type_names():
             return name
         return name.replace("torch.", "torch.cuda.", 1)
 
-    torch.Tensor.type = cuda_type_name
+    torch.Tensor.type = cuda_type_name  # type: ignore[method-assign]  # the bridge: patched, then restored
     try:
         yield
     finally:
-        torch.Tensor.type = torch_type
+        torch.Tensor.type = torch_type  # type: ignore[method-assign]
 
 
 class _NoStream:
@@ -314,7 +314,7 @@ def _uneven_all_gather_through_padding() -> None:
         padded[: input_.shape[0]] = input_
         blocks = input_.new_empty((longest * len(sizes), *input_.shape[1:]))
         torch.distributed.all_gather_into_tensor(blocks, padded, group=group)
-        return torch.cat([block[:size] for block, size in zip(blocks.split(longest), sizes)])
+        return torch.cat([block[:size] for block, size in zip(blocks.split(longest), sizes, strict=True)])
 
     _patch(mappings, "_gather_along_first_dim", _gather_along_first_dim)
 

@@ -18,6 +18,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from datetime import timedelta
 
@@ -58,10 +59,8 @@ class Heartbeat:
     def _beat(self) -> None:
         while not self._stopped.is_set():
             self._beats += 1
-            try:
+            with contextlib.suppress(RuntimeError):  # the store is gone: the job is ending
                 self._store.set(str(self.rank), f"{self._beats} {self.where}")
-            except RuntimeError:  # the store is gone: the job is ending
-                pass
             with self._beaten:
                 self._beaten.notify_all()
             self._stopped.wait(self.interval_s)

@@ -22,6 +22,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing
 import signal
@@ -41,13 +42,13 @@ def call_reward(fn: RewardFn, response: str, record: PromptRecord) -> RewardResu
     """Call a verifier; every way it can fail becomes a failed (0-reward) result of its kind."""
     try:
         result = fn(response, record)
-    except Exception as error:  # the verifier's bug costs this sample only
+    except Exception as error:  # noqa: BLE001 - the verifier's bug costs this sample only
         return RewardResult.failed(f"verifier raised {type(error).__name__}: {error}", "raised")
     if not isinstance(result, RewardResult):
         return RewardResult.failed(f"verifier returned {type(result).__name__}, expected RewardResult", "bad_type")
     try:  # inside the guard: a RewardResult holding a string or an array must not crash the caller
         reward, correct, format_ok = float(result.reward), bool(result.correct), bool(result.format_ok)
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001 - whatever float() and bool() raise on the verifier's values
         return RewardResult.failed(f"verifier returned a RewardResult with a non-number ({error})", "bad_type")
     if not math.isfinite(reward):
         return RewardResult.failed(f"verifier returned reward {reward}", "nonfinite")
@@ -66,7 +67,7 @@ def _worker_main(conn: Connection, reward_name: str) -> None:
         warm_up = getattr(fn, "warm_up", None)
         if warm_up is not None:
             warm_up()
-    except BaseException as error:  # report why this worker cannot serve, then exit
+    except BaseException as error:  # noqa: BLE001 - report why this worker cannot serve, then exit
         conn.send(("fatal", f"{type(error).__name__}: {error}"))
         return
     conn.send(("ready",))
@@ -146,7 +147,7 @@ class RewardPool:
         if len(responses) != len(records):
             raise ValueError(f"{len(responses)} responses but {len(records)} records; pass one record per response")
         if self.in_process:
-            results = [call_reward(self._fn, r, rec) for r, rec in zip(responses, records)]
+            results = [call_reward(self._fn, r, rec) for r, rec in zip(responses, records, strict=True)]
         else:
             if not self._workers:
                 raise RuntimeError("RewardPool is closed; build a new one")
@@ -230,10 +231,8 @@ class RewardPool:
     def close(self) -> None:
         """Stop the workers this pool started. Safe to call twice."""
         for worker in self._workers:
-            try:
+            with contextlib.suppress(BrokenPipeError, OSError):
                 worker.conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
         for worker in self._workers:
             worker.process.join(timeout=2)
             worker.stop()

@@ -229,7 +229,7 @@ class EmbeddedEngine(RolloutEngine):
 
     def _record(self, rows, tokens, token_log_probs, outputs, log_probs, finish, params: SamplingParams) -> None:
         """Append each active row's sampled token (``rows[i]`` sampled ``tokens[i]``); mark rows that stop."""
-        for row, token, log_prob in zip(rows, tokens.tolist(), token_log_probs.tolist()):
+        for row, token, log_prob in zip(rows, tokens.tolist(), token_log_probs.tolist(), strict=True):
             outputs[row].append(token)
             log_probs[row].append(log_prob)
             if token in params.stop_token_ids or self._hit_stop_string(outputs[row], params.stop):

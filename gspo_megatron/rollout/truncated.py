@@ -146,7 +146,7 @@ class TruncatedRolloutEngine(RolloutEngine):
         self._calls = 0
         probing = self.config.max_probes > 0
         first = self._call(prompts, self._think_params(params, probing=probing, n=params.n, max_new=think_budget))
-        for trace, segment in zip(traces, [s for group in first for s in group]):
+        for trace, segment in zip(traces, [s for group in first for s in group], strict=True):
             self._after_think(trace, segment, params)
         while any(t.phase != DONE for t in traces):
             self._round(traces, params)
@@ -159,7 +159,7 @@ class TruncatedRolloutEngine(RolloutEngine):
             results = self._call(
                 [t.prompt + t.ids + self.probe_suffix_ids for t in probing], self._probe_params(params)
             )
-            for trace, probe_group in zip(probing, results):
+            for trace, probe_group in zip(probing, results, strict=True):
                 self._after_probe(trace, probe_group[0])
         for phase, probes_left in ((THINK, True), (THINK, False), (ANSWER, None)):
             batch = [
@@ -176,7 +176,7 @@ class TruncatedRolloutEngine(RolloutEngine):
                     params, n=1, max_new_tokens=max(t.remaining for t in batch), stop_token_ids=self._end_ids(params)
                 )
             results = self._call([t.prompt + t.ids for t in batch], call_params)
-            for trace, result in zip(batch, results):
+            for trace, result in zip(batch, results, strict=True):
                 (self._after_think if phase == THINK else self._after_answer)(trace, result[0], params)
 
     def _after_think(self, trace: _Trace, segment: Sample, params: SamplingParams) -> None:

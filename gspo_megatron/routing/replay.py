@@ -167,7 +167,7 @@ class RoutingReplay:
             raise ReplayError(
                 f"forward {self._consumed + 1} has no replay targets: only {len(self._targets)} were recorded"
             )
-        for instance, target in zip(self.instances, self._targets[self._consumed]):
+        for instance, target in zip(self.instances, self._targets[self._consumed], strict=True):
             instance.set_target_indices(target)
         self._consumed += 1
 

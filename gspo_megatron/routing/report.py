@@ -218,7 +218,8 @@ def _volatility_section(run: RunData, summary: dict) -> str:
             parts.append(f"<p><b>{html.escape(kind_summary['zero_reason'])}</b></p>")
         parts.append(png_img(figure_png(volatility_figure(kind, run.routing_records(kind))), f"volatility {kind}"))
         changed, overlap = kind_summary["changed_frac"] or [], kind_summary["overlap"] or []
-        rows = [[layer, c, o] for layer, (c, o) in enumerate(zip(changed, overlap))]
+        # strict=False: either series may be absent from the summary
+        rows = [[layer, c, o] for layer, (c, o) in enumerate(zip(changed, overlap, strict=False))]
         parts.append(html_table(["layer", "changed fraction (step mean)", "overlap (step mean)"], rows))
     return "".join(parts)
 

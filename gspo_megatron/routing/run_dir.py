@@ -94,7 +94,7 @@ class JsonlLog:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         _cut_partial_last_line(self.path)
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - held by the log until close()
 
     def append(self, record: dict) -> None:
         if self._file.closed:

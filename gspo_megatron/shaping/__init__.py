@@ -17,8 +17,8 @@ from gspo_megatron.shaping.registry import SHAPERS, UnknownNameError
 from gspo_megatron.shaping.types import ShapedRewards, ShapingGroup, group_from_samples
 
 # Importing the shaper modules registers them.
-from gspo_megatron.shaping import grsp, identity, length, step_grpo  # noqa: E402,F401  isort: skip
-from gspo_megatron.shaping.apply import ShapedBatch, shape_batch, shape_group  # noqa: E402
+from gspo_megatron.shaping import grsp, identity, length, step_grpo  # noqa: F401  isort: skip
+from gspo_megatron.shaping.apply import ShapedBatch, shape_batch, shape_group
 
 __all__ = [
     "SHAPERS",

@@ -15,6 +15,7 @@ Design decisions:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 from gspo_megatron.config_node import ConfigNode
 
@@ -30,7 +31,7 @@ def _check_edges(owner: str, edges: list[float]) -> None:
     values = list(edges)
     if not values:
         raise ValueError(f"{owner}.bucket_edges must hold at least one edge (two length clusters)")
-    if any(v <= 0 for v in values) or any(b <= a for a, b in zip(values, values[1:])):
+    if any(v <= 0 for v in values) or any(b <= a for a, b in pairwise(values)):
         raise ValueError(f"{owner}.bucket_edges must be positive and strictly increasing, got {values}")
 
 
@@ -123,7 +124,7 @@ class GRSPConfig(ConfigNode):
                 )
             if any(w < 0 for w in weights):
                 raise ValueError(f"{owner}.cluster_weights must be >= 0, got {weights}")
-            pairs = list(zip(weights, weights[1:]))
+            pairs = list(pairwise(weights))
             monotone = (
                 all(a >= b for a, b in pairs) if self.weight_order == "descending" else all(a <= b for a, b in pairs)
             )

@@ -60,7 +60,7 @@ def segment_lengths(group: ShapingGroup, cfg: GRSPConfig) -> list[torch.Tensor]:
     if cfg.segmentation == "keyword":
         return [
             keyword_segment_lengths(text, int(n), cfg.keywords, cfg.case_sensitive)
-            for text, n in zip(group.response_texts, group.response_lengths.tolist())
+            for text, n in zip(group.response_texts, group.response_lengths.tolist(), strict=True)
         ]
     if group.token_log_probs is None:
         raise ValueError(

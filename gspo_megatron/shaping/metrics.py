@@ -28,7 +28,7 @@ def group_metrics(
     lengths = group.response_lengths.tolist()
     segments = [
         keyword_segment_lengths(text, n, cfg.triggers, cfg.case_sensitive)
-        for text, n in zip(group.response_texts, lengths)
+        for text, n in zip(group.response_texts, lengths, strict=True)
     ]
     return {
         "steps_per_response": step_counts(group.response_texts, cfg.triggers, cfg.case_sensitive).float(),

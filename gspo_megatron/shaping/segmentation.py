@@ -20,6 +20,7 @@ Design decisions:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 
 import torch
 
@@ -38,7 +39,7 @@ def step_counts(texts: Sequence[str], triggers: Sequence[str], case_sensitive: b
 def keyword_segment_spans(text: str, triggers: Sequence[str], case_sensitive: bool = True) -> list[tuple[int, int]]:
     """Character spans [start, end) of the segments, cut at each trigger's start; blank pieces dropped."""
     cuts = [0] + [m.start() for m in trigger_matches(text, triggers, case_sensitive)] + [len(text)]
-    return [(a, b) for a, b in zip(cuts[:-1], cuts[1:]) if text[a:b].strip()]
+    return [(a, b) for a, b in pairwise(cuts) if text[a:b].strip()]
 
 
 def keyword_segment_lengths(

@@ -71,7 +71,7 @@ class ShapingGroup:
                     f"ShapingGroup.token_log_probs has {len(self.token_log_probs)} entries, expected {size}"
                 )
             lengths = self.response_lengths.tolist()
-            for i, (log_probs, length) in enumerate(zip(self.token_log_probs, lengths)):
+            for i, (log_probs, length) in enumerate(zip(self.token_log_probs, lengths, strict=True)):
                 if log_probs.dim() != 1 or log_probs.numel() != length:
                     raise ValueError(
                         f"ShapingGroup.token_log_probs[{i}] has shape {tuple(log_probs.shape)}, expected "

@@ -12,6 +12,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import traceback
@@ -59,10 +60,8 @@ def _rank_main(rank, world_size, port, fn, args, kwargs, results, threads):
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            try:
+            with contextlib.suppress(Exception):  # best effort during teardown
                 dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - best effort during teardown
-                pass
 
 
 def run_distributed(

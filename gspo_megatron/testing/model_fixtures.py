@@ -202,7 +202,7 @@ def _forward_backward(cfg: MoEModelConfig, state: dict, layout, mesh, policy: di
     loss = torch.tensor(0.0)
     if metrics and budget is not None:  # rows in plan order, each micro-batch cut to its own width
         full = torch.zeros(inputs.shape)
-        for mb, m in zip(micro_batches, metrics):
+        for mb, m in zip(micro_batches, metrics, strict=True):
             full[mb.rows, : m["log_probs"].shape[1]] = m["log_probs"]
         log_probs[mesh.dp_rank] = full
     elif metrics:
@@ -220,7 +220,12 @@ def _token_budget_micro_batches(inputs, targets, per_row: dict, mask, budget: in
     positions = torch.arange(mask.shape[1]).expand_as(mask)
     lengths = torch.where(mask > 0, positions, torch.zeros_like(positions)).max(dim=1).values + 2
     plans = token_budget_plan(
-        lengths, 0, layout.dp, budget, multiple=sequence_multiple(layout), max_width=inputs.shape[1] + 1
+        lengths,
+        first_row=0,
+        dp_size=layout.dp,
+        budget=budget,
+        multiple=sequence_multiple(layout),
+        max_width=inputs.shape[1] + 1,
     )
     out = []
     for plan in plans:

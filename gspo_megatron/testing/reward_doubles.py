@@ -22,7 +22,8 @@ def misbehaves_by_digit(response, record):
     if first == "0":
         raise ValueError("verifier bug")
     if first == "1":
-        return RewardResult(reward="high", correct=True, format_ok=True)
+        # deliberately not a number (a verifier bug): the reward phase must refuse it
+        return RewardResult(reward="high", correct=True, format_ok=True)  # type: ignore[arg-type]
     if first in ("2", "3"):
         return RewardResult(reward=math.nan if first == "2" else math.inf, correct=False, format_ok=True)
     if first == "4":

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import hashlib
 import json
 import random
@@ -343,12 +344,13 @@ class SGLangServerDouble:
 
     def _update_from_disk(self, body):
         error = _check_fields(body, {"model_path": str})
-        path = Path(body["model_path"]) if not error else None
-        if not error and not (path / "config.json").is_file():
-            error = f"{path} has no config.json"
-        shards = sorted(path.glob("*.safetensors")) if path and not error else []
-        if not error and not shards:
-            error = f"{path} has no *.safetensors"
+        shards: list[Path] = []
+        if not error:
+            path = Path(body["model_path"])
+            if not (path / "config.json").is_file():
+                error = f"{path} has no config.json"
+            elif not (shards := sorted(path.glob("*.safetensors"))):
+                error = f"{path} has no *.safetensors"
         if not error and self._disk_failures < self.faults.fail_disk_updates:
             self._disk_failures += 1
             error = "injected fault: loading the checkpoint failed"
@@ -358,7 +360,7 @@ class SGLangServerDouble:
 
         for shard in shards:
             with safe_open(str(shard), framework="pt") as handle:
-                for name in handle.keys():
+                for name in handle.keys():  # noqa: SIM118 - keys() only: not a mapping, not iterable
                     tensor = handle.get_tensor(name)
                     self._weights.received[name] = _describe(tensor)
         self.model_path = str(path)
@@ -397,7 +399,7 @@ class SGLangServerDouble:
         import torch
         import torch.distributed as dist
 
-        for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
+        for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"], strict=True):
             tensor = torch.empty(shape, dtype=getattr(torch, dtype))
             dist.broadcast(tensor, src=0, group=self._weights.group)
             self._weights.received[name] = _describe(tensor)
@@ -476,10 +478,8 @@ class SGLangServerDouble:
 
             def _drop(self) -> None:
                 self.close_connection = True
-                try:
+                with contextlib.suppress(OSError):
                     self.connection.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
         return Handler
 

@@ -156,6 +156,7 @@ MicroBatchRows = tuple[torch.Tensor, int]
 
 def plan_partition(
     batch: RolloutBatch,
+    *,
     updates: int,
     micro_batch_size: int,
     dp_size: int,
@@ -180,18 +181,18 @@ def plan_partition(
     for update in range(updates):
         first = update * per_update
         if micro_batch_tokens is not None:
-            data_parallel_slice(per_update, dp_size, dp_rank)  # the same divisibility check
+            data_parallel_slice(per_update, dp_size=dp_size, dp_rank=dp_rank)  # the same divisibility check
             plans = token_budget_plan(
                 lengths[first : first + per_update],
-                first,
-                dp_size,
-                micro_batch_tokens,
+                first_row=first,
+                dp_size=dp_size,
+                budget=micro_batch_tokens,
                 multiple=seq_multiple,
                 max_width=width,
             )
             out.append([(plan.rows[dp_rank], plan.width) for plan in plans])
             continue
-        rows = data_parallel_slice(per_update, dp_size, dp_rank)
+        rows = data_parallel_slice(per_update, dp_size=dp_size, dp_rank=dp_rank)
         start = first + rows.start
         out.append(
             [
@@ -215,6 +216,7 @@ def cut_micro_batches(batch: RolloutBatch, plan: list[list[MicroBatchRows]]) -> 
 
 def partition(
     batch: RolloutBatch,
+    *,
     updates: int,
     micro_batch_size: int,
     dp_size: int,
@@ -228,11 +230,19 @@ def partition(
     per micro-batch (log-probs, routing) lines up with the training forwards that replay it. With
     ``micro_batch_tokens`` the rows are packed by length under that budget (``token_budget.py``).
     """
-    plan = plan_partition(batch, updates, micro_batch_size, dp_size, dp_rank, micro_batch_tokens, seq_multiple)
+    plan = plan_partition(
+        batch,
+        updates=updates,
+        micro_batch_size=micro_batch_size,
+        dp_size=dp_size,
+        dp_rank=dp_rank,
+        micro_batch_tokens=micro_batch_tokens,
+        seq_multiple=seq_multiple,
+    )
     return cut_micro_batches(batch, plan)
 
 
-def data_parallel_slice(num_rows: int, dp_size: int, dp_rank: int) -> slice:
+def data_parallel_slice(num_rows: int, *, dp_size: int, dp_rank: int) -> slice:
     if num_rows % dp_size:
         raise ValueError(
             f"{num_rows} sequences cannot be split evenly over {dp_size} data-parallel ranks; make "

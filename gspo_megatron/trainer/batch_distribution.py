@@ -59,6 +59,7 @@ def step_totals(batch: RolloutBatch, updates: int) -> StepTotals:
 def rank_shares(
     batch: RolloutBatch,
     metrics: dict[str, Any],
+    *,
     dp_size: int,
     updates: int,
     micro_batch_size: int,
@@ -69,7 +70,15 @@ def rank_shares(
     totals = step_totals(batch, updates)
     shares = []
     for dp_rank in range(dp_size):
-        plan = plan_partition(batch, updates, micro_batch_size, dp_size, dp_rank, micro_batch_tokens, seq_multiple)
+        plan = plan_partition(
+            batch,
+            updates=updates,
+            micro_batch_size=micro_batch_size,
+            dp_size=dp_size,
+            dp_rank=dp_rank,
+            micro_batch_tokens=micro_batch_tokens,
+            seq_multiple=seq_multiple,
+        )
         rows = batch if dp_size == 1 else batch.select(planned_rows(plan))
         shares.append(RankShare(batch=rows, plan=plan, totals=totals, metrics=metrics))
     return shares

@@ -24,9 +24,14 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import MegatronOptimizer
 
 STATE_FILE = "trainer_state.pt"
 MODEL_DIR = "model_optim"
@@ -57,12 +62,12 @@ OPTIMIZER_CHECKPOINT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"
 DISTRIBUTED_KEY = "distributed_optimizer"  # in the trainer state: which optimizer wrote the checkpoint
 
 
-def is_distributed(optimizer) -> bool:
+def is_distributed(optimizer: MegatronOptimizer) -> bool:
     """Whether megatron's distributed optimizer (sharded state) is in use."""
     return any(part.config.use_distributed_optimizer for part in getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def check_optimizer_kind(path: Path, state: dict, optimizer) -> None:
+def check_optimizer_kind(path: Path, state: dict, optimizer: MegatronOptimizer) -> None:
     """Refuse, before anything is read, to load one optimizer's state into the other.
 
     The distributed optimizer's state resumes on any data-parallel size (megatron reshards its
@@ -79,7 +84,7 @@ def check_optimizer_kind(path: Path, state: dict, optimizer) -> None:
         )
 
 
-def _sharded_state(model, optimizer, is_loading: bool):
+def _sharded_state(model: DistributedDataParallel, optimizer: MegatronOptimizer, is_loading: bool) -> dict[str, Any]:
     model_sd = model.sharded_state_dict()
     optimizer_sd = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIMIZER_CHECKPOINT_METADATA)
     return {"model": model_sd, "optimizer": optimizer_sd}
@@ -95,7 +100,14 @@ def read_trainer_state(path: Path) -> dict:
 
 
 def save_checkpoint(
-    run_dir, step: int, model, optimizer, trainer_state: dict, keep_last: int, is_driver: bool, run_id: str = ""
+    run_dir: Path,
+    step: int,
+    model: DistributedDataParallel,
+    optimizer: MegatronOptimizer,
+    trainer_state: dict,
+    keep_last: int,
+    is_driver: bool,
+    run_id: str = "",
 ) -> Path:
     from megatron.core import dist_checkpointing
 
@@ -161,7 +173,7 @@ def _prune(root: Path, keep_last: int, run_id: str) -> None:
         shutil.rmtree(old)
 
 
-def load_checkpoint(path: Path, model, optimizer) -> dict:
+def load_checkpoint(path: Path, model: DistributedDataParallel, optimizer: MegatronOptimizer) -> dict:
     """Restore model and optimizer in place (any layout); returns the trainer state dict."""
     from gspo_megatron.trainer.checkpoint_reader import load_dist_checkpoint
     from gspo_megatron.trainer.optim import allocate_optimizer_state

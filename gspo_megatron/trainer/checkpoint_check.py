@@ -15,9 +15,14 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gspo_megatron.trainer.checkpoint import MODEL_DIR, STATE_FILE, load_checkpoint, read_trainer_state
 from gspo_megatron.trainer.run_dir_owner import RunDirError
+
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import MegatronOptimizer
 
 # megatron's distributed checkpoint: its common (non-sharded) state and torch's shard index
 MODEL_FILES = ("common.pt", ".metadata")
@@ -68,7 +73,7 @@ def checked_trainer_state(path: Path) -> dict:
             f"{file} holds objects other than plain data ({_unpickling_reason(error)}): it was not written by "
             f"this trainer, or was altered; it is not loaded; {_fix(path)}"
         ) from None
-    except Exception as error:  # torch reports a truncated or foreign file as EOFError, OSError, KeyError...
+    except Exception as error:  # noqa: BLE001 - torch reports a truncated or foreign file as EOFError, OSError, KeyError...
         detail = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
         raise CheckpointError(f"{file} cannot be read ({detail}): it is truncated or damaged; {_fix(path)}") from None
     if not isinstance(state, dict):
@@ -88,7 +93,7 @@ def checked_trainer_state(path: Path) -> dict:
     return state
 
 
-def load_checked_checkpoint(path: Path, model, optimizer) -> dict:
+def load_checked_checkpoint(path: Path, model: DistributedDataParallel, optimizer: MegatronOptimizer) -> dict:
     """``load_checkpoint``, then refuse weights that are not finite (collective: every rank decides alike)."""
     from gspo_megatron.trainer.nonfinite import NonFiniteError, parameters_finite
 

@@ -41,6 +41,7 @@ from torch.distributed import checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
 
 # (module, name) pairs DCP's metadata pickle references; torch dtypes are admitted by type below.
 METADATA_CLASSES = frozenset(
@@ -69,7 +70,7 @@ class UnsafeCheckpointError(RuntimeError):
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, file, path: str):
+    def __init__(self, file: io.BufferedIOBase, path: str):
         super().__init__(file)
         self._path = path
 
@@ -121,7 +122,7 @@ class SafeLoadPlanner(MCoreLoadPlanner):
         super().__init__(*args, **kwargs)
         self._checkpoint_dir = Path(checkpoint_dir)
 
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         try:
             loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as error:
@@ -139,7 +140,7 @@ class SafeLoadPlanner(MCoreLoadPlanner):
 class SafeTorchDistLoadStrategy(TorchDistLoadShardedStrategy):
     """``TorchDistLoadShardedStrategy.load`` with ``SafeFileSystemReader`` and ``SafeLoadPlanner``."""
 
-    def load(self, sharded_state_dict, checkpoint_dir: Path):
+    def load(self, sharded_state_dict: dict, checkpoint_dir: Path) -> dict:
         from megatron.core.dist_checkpointing.dict_utils import nested_values
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
@@ -164,12 +165,12 @@ class SafeTorchDistLoadStrategy(TorchDistLoadShardedStrategy):
         _restore_dict_types(state, original)
         return state
 
-    def load_tensors_metadata(self, checkpoint_dir: Path, metadata: Metadata | None = None):
+    def load_tensors_metadata(self, checkpoint_dir: Path, metadata: Metadata | None = None) -> dict[str, Any]:
         if metadata is None:
             metadata = SafeFileSystemReader(checkpoint_dir).read_metadata()
         return super().load_tensors_metadata(checkpoint_dir, metadata)
 
-    def load_sharded_metadata(self, checkpoint_dir: Path):
+    def load_sharded_metadata(self, checkpoint_dir: Path) -> dict[str, Any]:
         from megatron.core.dist_checkpointing.mapping import ShardedObject
 
         metadata = SafeFileSystemReader(checkpoint_dir).read_metadata()
@@ -184,7 +185,7 @@ class SafeTorchDistLoadStrategy(TorchDistLoadShardedStrategy):
 class SafeCommonLoadStrategy(TorchCommonLoadStrategy):
     """``common.pt`` read with ``weights_only=True`` stated (not left to torch's default)."""
 
-    def load_common(self, checkpoint_dir: str | Path):
+    def load_common(self, checkpoint_dir: str | Path) -> Any:
         path = Path(checkpoint_dir) / COMMON_STATE_FNAME
         if not path.is_file():
             raise FileNotFoundError(f"{path}: missing; {Path(checkpoint_dir).parent} is not a complete checkpoint")

@@ -33,7 +33,7 @@ def correct_mismatch(
     parts: list[list[MicroBatch]],
     algorithm: AlgorithmConfig,
     totals: StepTotals,
-    dp_group=None,
+    dp_group: dist.ProcessGroup | None = None,
 ) -> tuple[dict[str, float], StepTotals]:
     """Re-weight the advantages of every micro-batch in ``parts``; returns the weights' metrics and
     the step's denominators (less the dropped tokens with ``mismatch_rejected=drop``, else ``totals``).
@@ -66,7 +66,14 @@ def correct_mismatch(
     return metrics, totals
 
 
-def _drop_rejected(parts, batch: RolloutBatch, weights, mode: str, totals: StepTotals, dp_group) -> StepTotals:
+def _drop_rejected(
+    parts: list[list[MicroBatch]],
+    batch: RolloutBatch,
+    weights: torch.Tensor,
+    mode: str,
+    totals: StepTotals,
+    dp_group: dist.ProcessGroup | None,
+) -> StepTotals:
     """Take rejected tokens out of each micro-batch's response mask; the totals lose them too.
 
     N_tok(u) -= sum over ranks of the rejected tokens of mini-batch u

@@ -21,9 +21,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
 
 
 class NonFiniteError(FloatingPointError):
@@ -34,7 +38,7 @@ def _all_finite(values: Iterable[torch.Tensor]) -> bool:
     return all(bool(torch.isfinite(v.detach().float().sum())) for v in values)
 
 
-def local_gradient_tensors(ddp) -> list[torch.Tensor]:
+def local_gradient_tensors(ddp: DistributedDataParallel) -> list[torch.Tensor]:
     """This rank's gradient storage: megatron DDP's contiguous buffers (dense and expert)."""
     return [buffer.grad_data for buffer in ddp.buffers + ddp.expert_parallel_buffers]
 
@@ -60,14 +64,14 @@ class NonFiniteGuard:
     consecutive: int = 0
     skipped_in_step: int = 0
 
-    def check(self, loss_values: Iterable[torch.Tensor], ddp) -> str | None:
+    def check(self, loss_values: Iterable[torch.Tensor], ddp: DistributedDataParallel) -> str | None:
         """Collective: None when loss and gradients are finite on every rank, else what was not."""
         bad_loss, bad_grad = _any_rank([not _all_finite(loss_values), not _all_finite(local_gradient_tensors(ddp))])
         found = [name for name, bad in (("loss", bad_loss), ("gradients", bad_grad)) if bad]
         return " and ".join(found) + " non-finite" if found else None
 
     @staticmethod
-    def after_step(stepped: bool, grad_norm) -> str | None:
+    def after_step(stepped: bool, grad_norm: float | None) -> str | None:
         """What the optimizer itself reported: a skipped step (loss-scaled path) or a non-finite norm."""
         if not stepped:
             return "optimizer skipped the step (non-finite gradients)"

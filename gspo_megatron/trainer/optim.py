@@ -23,11 +23,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 
 from gspo_megatron.config.schema import DecayStyle, DistributedOptimizerChoice
 from gspo_megatron.parallel.layout import ParallelLayout
+
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from gspo_megatron.config.schema import OptimizerSection
 
 
 def use_distributed_optimizer(choice: str, layout: ParallelLayout) -> bool:
@@ -45,7 +53,9 @@ def use_distributed_optimizer(choice: str, layout: ParallelLayout) -> bool:
     return choice == DistributedOptimizerChoice.true
 
 
-def build_optimizer(ddp_model, section, total_updates: int):
+def build_optimizer(
+    ddp_model: DistributedDataParallel, section: OptimizerSection, total_updates: int
+) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
     from megatron.core.optimizer import get_megatron_optimizer
 
     optimizer = get_megatron_optimizer(optimizer_config(ddp_model, section), [ddp_model])
@@ -53,7 +63,7 @@ def build_optimizer(ddp_model, section, total_updates: int):
     return optimizer, build_scheduler(optimizer, section, total_updates)
 
 
-def optimizer_config(ddp_model, section):
+def optimizer_config(ddp_model: DistributedDataParallel, section: OptimizerSection) -> OptimizerConfig:
     """megatron's ``OptimizerConfig`` for the optimizer section (Adam; bf16 as the model is; the
     distributed optimizer exactly when the DDP wrapper was built for it)."""
     from megatron.core.optimizer import OptimizerConfig
@@ -74,7 +84,7 @@ def optimizer_config(ddp_model, section):
     )
 
 
-def use_fused_torch_adam(optimizer) -> None:
+def use_fused_torch_adam(optimizer: MegatronOptimizer) -> None:
     """Switch megatron's torch Adam fallback to torch's fused kernel.
 
     Without TransformerEngine or Apex, megatron builds ``torch.optim.AdamW`` with torch's defaults,
@@ -91,7 +101,7 @@ def use_fused_torch_adam(optimizer) -> None:
                 group["foreach"], group["fused"] = False, True
 
 
-def allocate_optimizer_state(optimizer) -> None:
+def allocate_optimizer_state(optimizer: MegatronOptimizer) -> None:
     """Give a fresh optimizer's torch Adam its state (zero moments, step 0) before a checkpoint loads.
 
     megatron's distributed optimizer, with torch's Adam (no TE/Apex), reads the Adam ``step`` of its
@@ -114,7 +124,9 @@ def allocate_optimizer_state(optimizer) -> None:
                     }
 
 
-def build_scheduler(optimizer, section, total_updates: int):
+def build_scheduler(
+    optimizer: MegatronOptimizer, section: OptimizerSection, total_updates: int
+) -> OptimizerParamScheduler:
     """megatron's LR/weight-decay scheduler. Its ``state_dict`` goes into the checkpoint's trainer state,
     which is loaded with ``weights_only=True``: the decay style is handed over as a plain string, not as
     the ``DecayStyle`` enum (which the unpickler would refuse on resume)."""
@@ -142,7 +154,7 @@ def build_scheduler(optimizer, section, total_updates: int):
 
 
 @contextmanager
-def keep_configured_hyperparameters(optimizer) -> Iterator[None]:
+def keep_configured_hyperparameters(optimizer: MegatronOptimizer) -> Iterator[None]:
     """Around loading optimizer state: the param groups keep the config's hyperparameters (max_lr,
     min_lr, betas, eps, ...) and take only the moments and step counts from the checkpoint."""
     configured = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
@@ -154,7 +166,7 @@ def keep_configured_hyperparameters(optimizer) -> Iterator[None]:
         group.update(values)
 
 
-def restore_schedule(scheduler, saved: dict, log: Callable[[str], None] | None = None) -> None:
+def restore_schedule(scheduler: OptimizerParamScheduler, saved: dict, log: Callable[[str], None] | None = None) -> None:
     """The checkpoint's step count on the config's schedule; ``log`` gets a line per changed setting."""
     changed = {
         name: (saved.get(name), getattr(scheduler, name))

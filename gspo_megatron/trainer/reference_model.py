@@ -23,7 +23,11 @@ Design decisions:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
 import torch
+import torch.distributed as dist
 
 from gspo_megatron.models.builder import build_model
 from gspo_megatron.models.conversion import SafetensorsSource, load_hf_weights
@@ -31,11 +35,23 @@ from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.models.schedule import run_schedule
 from gspo_megatron.trainer.loss_head import LogProbHead
 
+if TYPE_CHECKING:
+    from gspo_megatron.config.schema import TrainConfig
+    from gspo_megatron.models.conversion import WeightSource
+    from gspo_megatron.parallel.layout import ParallelLayout
+    from gspo_megatron.parallel.mesh import ParallelMesh
+
 
 class ReferenceModel:
     """A frozen GPTModel stage whose routers have no RouterReplay; adds ``ref_log_probs`` to micro-batches."""
 
-    def __init__(self, model_chunk: torch.nn.Module, tp_group, temperature: float, chunk_size: int | None):
+    def __init__(
+        self,
+        model_chunk: torch.nn.Module,
+        tp_group: dist.ProcessGroup | None,
+        temperature: float,
+        chunk_size: int | None,
+    ):
         self.model_chunk = model_chunk
         from megatron.core import parallel_state as ps
 
@@ -47,7 +63,14 @@ class ReferenceModel:
             param.requires_grad_(False)
 
     @classmethod
-    def build(cls, cfg, layout, mesh, policy_source, dtype: torch.dtype) -> ReferenceModel:
+    def build(
+        cls,
+        cfg: TrainConfig,
+        layout: ParallelLayout,
+        mesh: ParallelMesh,
+        policy_source: WeightSource | Mapping[str, torch.Tensor],
+        dtype: torch.dtype,
+    ) -> ReferenceModel:
         """``policy_source``: where the policy's initial weights came from (unless kl_reference is set)."""
         path = cfg.algorithm.kl_reference
         source = SafetensorsSource(path) if path else policy_source
@@ -71,5 +94,5 @@ class ReferenceModel:
             outputs = run_schedule([self.model_chunk], micro_batches, self.head, forward_only=True)
         if outputs and len(outputs) != len(micro_batches):
             raise RuntimeError(f"reference pass returned {len(outputs)} outputs for {len(micro_batches)} micro-batches")
-        for mb, out in zip(micro_batches, outputs):
+        for mb, out in zip(micro_batches, outputs, strict=False):  # no outputs on earlier pipeline stages
             mb.ref_log_probs = out["log_probs"]

@@ -31,9 +31,12 @@ import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gspo_megatron.routing.run_dir import CONFIG_FILE, METRICS_FILE, ROUTING_FILE
+
+if TYPE_CHECKING:
+    from gspo_megatron.config.schema import CheckpointSection
 
 LOCK_FILE = ".gspo.lock"
 # what a run writes: a directory holding any of these holds a run
@@ -45,7 +48,7 @@ class RunDirError(RuntimeError):
     """The run directory cannot be used as asked (locked, holds another run, nothing to resume)."""
 
 
-def resume_mode(value) -> str:
+def resume_mode(value: object) -> str:
     """``checkpoint.resume`` as one of false | true | auto (Hydra hands booleans over as 'True')."""
     mode = str(value).strip().lower()
     if mode not in RESUME_MODES:
@@ -217,7 +220,7 @@ class RunClaim:
         self.lock.release()
 
 
-def claim_run_dir(run_dir: Path, section, config_yaml: str) -> RunClaim:
+def claim_run_dir(run_dir: Path, section: CheckpointSection, config_yaml: str) -> RunClaim:
     """Lock ``run_dir`` and decide fresh vs resume by ``section`` (a ``CheckpointSection``), or refuse.
 
     Runs on the driver before anything is built: a refusal costs seconds and touches no file.
@@ -234,7 +237,7 @@ def claim_run_dir(run_dir: Path, section, config_yaml: str) -> RunClaim:
         raise
 
 
-def _decide(run_dir: Path, mode: str, section, config_yaml: str, lock: RunDirLock) -> RunClaim:
+def _decide(run_dir: Path, mode: str, section: CheckpointSection, config_yaml: str, lock: RunDirLock) -> RunClaim:
     from gspo_megatron.config.resume_check import check_resume_config
     from gspo_megatron.trainer.checkpoint import latest_checkpoint
     from gspo_megatron.trainer.checkpoint_check import checked_trainer_state

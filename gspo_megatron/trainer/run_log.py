@@ -14,6 +14,7 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 from gspo_megatron.provenance import PROVENANCE_FILE, provenance
 from gspo_megatron.routing.run_dir import CONFIG_FILE, METRICS_FILE, JsonlLog, drop_records_from_step, read_jsonl
@@ -120,7 +121,7 @@ class RunLog:
         for key, label in (("reward/mean", "train reward"), ("eval/pass@1", "eval pass@1")):
             pts = [(r["step"], r[key]) for r in self.history if r.get(key) is not None]
             if pts:
-                axes[0].plot(*zip(*pts), marker="o" if key.startswith("eval") else None, label=label)
+                axes[0].plot(*zip(*pts, strict=True), marker="o" if key.startswith("eval") else None, label=label)
         axes[0].set_xlabel("step")
         axes[0].set_title("reward")
         axes[0].legend()
@@ -134,7 +135,7 @@ class RunLog:
         return path
 
 
-def _number(value) -> float | None:
+def _number(value: Any) -> float | None:
     try:
         return float(value)
     except (TypeError, ValueError):

@@ -16,7 +16,7 @@ import torch
 
 from gspo_megatron.config.schema import TrainConfig
 from gspo_megatron.data.tasks import Task, build_task
-from gspo_megatron.data.tokenizer import build_tokenizer
+from gspo_megatron.data.tokenizer import Tokenizer, build_tokenizer
 from gspo_megatron.models.builder import build_model
 from gspo_megatron.models.conversion import SafetensorsSource, hf_shapes, load_hf_weights
 from gspo_megatron.models.schedule import wrap_for_training
@@ -93,7 +93,7 @@ def random_hf_weights(cfg: TrainConfig) -> dict[str, torch.Tensor]:
     return weights
 
 
-def stage_moe_layers(model_chunk) -> list[int]:
+def stage_moe_layers(model_chunk: GPTModel) -> list[int]:
     """Global indices of this stage's MoE layers, in the order their routers were built."""
     layers = []
     for layer in model_chunk.decoder.layers:
@@ -241,7 +241,7 @@ def _resume_step(c: Components) -> int:
     return int(path.name.split("_")[-1]) if path is not None else 0
 
 
-def _build_engine(cfg: TrainConfig, tokenizer) -> RolloutEngine:
+def _build_engine(cfg: TrainConfig, tokenizer: Tokenizer) -> RolloutEngine:
     if cfg.rollout.engine == "embedded":
         from gspo_megatron.rollout.embedded import EmbeddedEngine
 

@@ -38,7 +38,7 @@ class TrainingInterrupted(Exception):
 class SignalWatch:
     """Context manager: records the first SIGTERM/SIGINT; a second one interrupts immediately."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.signum: int | None = None
         self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
 
@@ -48,12 +48,12 @@ class SignalWatch:
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
 
-    def _handle(self, signum: int, frame) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.signum is not None:
             raise TrainingInterrupted(signum, f"{name} received twice: abandoned the current step")

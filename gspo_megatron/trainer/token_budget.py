@@ -27,10 +27,14 @@ Design decisions:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from gspo_megatron.models.micro_batch import MicroBatch
+
+if TYPE_CHECKING:
+    from gspo_megatron.parallel.layout import ParallelLayout
 
 
 @dataclass
@@ -40,7 +44,7 @@ class MicroBatchPlan:
 
 
 def token_budget_plan(
-    lengths: torch.Tensor, first_row: int, dp_size: int, budget: int, *, multiple: int = 1, max_width: int | None = None
+    lengths: torch.Tensor, *, first_row: int, dp_size: int, budget: int, multiple: int = 1, max_width: int | None = None
 ) -> list[MicroBatchPlan]:
     """The micro-batches of one mini-batch whose rows are ``first_row + i`` with lengths ``lengths[i]``.
 
@@ -90,7 +94,7 @@ def step_padded_fraction(input_tokens: float, parts: list[list[MicroBatch]], dp_
     return 1.0 - input_tokens / fed if fed else 0.0
 
 
-def sequence_multiple(layout) -> int:
+def sequence_multiple(layout: ParallelLayout) -> int:
     """What the fed length must be a multiple of: tp under sequence parallelism, 2 * cp under
     context parallelism (load-balanced chunks)."""
     multiple = layout.tp if layout.use_sequence_parallel else 1

@@ -196,11 +196,11 @@ class RLTrainer:
                 # TP under sequence parallelism and CP split the fed length: pad it to their multiple
                 pad_sequence_length(batch, sequence_multiple(layout)),
                 metrics,  # train_step copies before adding to it
-                layout.dp,
-                t.updates_per_rollout,
-                t.micro_batch_size,
-                t.micro_batch_tokens,
-                sequence_multiple(layout),
+                dp_size=layout.dp,
+                updates=t.updates_per_rollout,
+                micro_batch_size=t.micro_batch_size,
+                micro_batch_tokens=t.micro_batch_tokens,
+                seq_multiple=sequence_multiple(layout),
             )
         return scatter_shares(shares, self._dp_rank_of)
 

@@ -18,6 +18,7 @@ Design decisions:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,12 @@ import torch.distributed as dist
 from gspo_megatron.models.conversion import export_hf_tensors
 from gspo_megatron.rollout.engine import RolloutEngine
 from gspo_megatron.weights.named_tensors import NamedTensor
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+
+    from gspo_megatron.models.config import MoEModelConfig
+    from gspo_megatron.parallel.mesh import ParallelMesh
 
 MORE, DONE = 1, 0
 
@@ -67,7 +74,9 @@ def follow_weight_stream(export_pass: Callable[[], Iterator[NamedTensor]], recei
     return passes
 
 
-def sync_engine_weights(engine: RolloutEngine | None, model_chunk, model_cfg, mesh, version: int) -> int:
+def sync_engine_weights(
+    engine: RolloutEngine | None, model_chunk: GPTModel, model_cfg: MoEModelConfig, mesh: ParallelMesh, version: int
+) -> int:
     """Stream the policy's HF-named weights into ``engine`` (the driver's; None elsewhere).
     Collective on every rank; returns the export passes made (2 when the engine read twice)."""
 

@@ -60,14 +60,24 @@ def distribution_worker(ctx, micro_batch_tokens):
     whole = whole_batch()
     shares = None
     if ctx.rank == 0:
-        shares = rank_shares(whole, {"rollout/x": 1.0}, 2, UPDATES, 3, micro_batch_tokens, 1)
+        shares = rank_shares(
+            whole,
+            {"rollout/x": 1.0},
+            dp_size=2,
+            updates=UPDATES,
+            micro_batch_size=3,
+            micro_batch_tokens=micro_batch_tokens,
+            seq_multiple=1,
+        )
     share = scatter_shares(shares, dp_rank_of)
     got = cut_micro_batches(share.batch, share.plan)
-    expected = partition(whole, UPDATES, 3, 2, ctx.rank, micro_batch_tokens)
+    expected = partition(
+        whole, updates=UPDATES, micro_batch_size=3, dp_size=2, dp_rank=ctx.rank, micro_batch_tokens=micro_batch_tokens
+    )
     assert len(got) == len(expected) == UPDATES
-    for part, part_expected in zip(got, expected):
+    for part, part_expected in zip(got, expected, strict=True):
         assert len(part) == len(part_expected)
-        for mb, mb_expected in zip(part, part_expected):
+        for mb, mb_expected in zip(part, part_expected, strict=True):
             for name, value in vars(mb_expected).items():
                 other = getattr(mb, name)
                 assert (other is None and value is None) or torch.equal(other, value), name
@@ -117,7 +127,11 @@ def rejection_worker(ctx, mode):
     dist.init_process_group("gloo")
     whole = whole_batch()
     whole.old_log_probs = _old_log_probs(whole)
-    shares = rank_shares(whole, {}, 2, UPDATES, 3, 24, 1) if ctx.rank == 0 else None
+    shares = (
+        rank_shares(whole, {}, dp_size=2, updates=UPDATES, micro_batch_size=3, micro_batch_tokens=24, seq_multiple=1)
+        if ctx.rank == 0
+        else None
+    )
     share = scatter_shares(shares, data_parallel_rank_of_each_rank(ctx.rank))
     share.batch.old_log_probs = whole.old_log_probs[share.batch.row_ids]
     parts = cut_micro_batches(share.batch, share.plan)

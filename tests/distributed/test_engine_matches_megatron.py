@@ -72,7 +72,7 @@ def engine_vs_megatron_worker(ctx, cfg, state: dict, layout_kwargs: dict) -> dic
 
     # Megatron order per micro-batch: [s_local * b, k] per layer -> [b, s, layers, k] on every rank.
     routing = []
-    for mb, per_layer in zip(micro_batches, recorded):
+    for mb, per_layer in zip(micro_batches, recorded, strict=True):
         local = layer_topk_to_tensor(per_layer, mb.tokens.shape[0])
         if layout.use_sequence_parallel:
             parts = [torch.empty_like(local) for _ in range(layout.tp)]
@@ -97,7 +97,7 @@ def engine_vs_megatron_worker(ctx, cfg, state: dict, layout_kwargs: dict) -> dic
             layout.use_sequence_parallel,
         )
         mask = _megatron_order(valid[rows], mesh.tp_rank, layout.tp, layout.use_sequence_parallel)
-        for target, rec in zip(targets, recorded[index]):
+        for target, rec in zip(targets, recorded[index], strict=True):
             same = (target.sort(-1).values == rec.sort(-1).values).all(-1)
             r3_targets_match &= bool(same[mask].all())
 

@@ -54,7 +54,7 @@ def fused_vs_loop_worker(ctx):
         return -(mb.weights * logp).sum() / mb.weights.sum(), {}
 
     for _ in range(3):
-        for ddp, optimizer in zip(models, optimizers):
+        for ddp, optimizer in zip(models, optimizers, strict=True):
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
             run_schedule([ddp], batch, loss, forward_only=False)

@@ -99,9 +99,13 @@ def old_policy_replay_worker(ctx, use_replay: bool, layout_kwargs: dict | None =
     now = [used[i * layers : (i + 1) * layers] for i in range(len(mbs))]
     changed = sum(
         routing_volatility(torch.stack(o, 1).sort(-1).values, torch.stack(n, 1)).changed_count.sum().item()
-        for o, n in zip(old, now)
+        for o, n in zip(old, now, strict=True)
     )
-    identical = all(torch.equal(o_l.sort(-1).values, n_l) for o, n in zip(old, now) for o_l, n_l in zip(o, n))
+    identical = all(
+        torch.equal(o_l.sort(-1).values, n_l)
+        for o, n in zip(old, now, strict=True)
+        for o_l, n_l in zip(o, n, strict=True)
+    )
     mesh.destroy()
     return {"changed": changed, "identical": identical}
 

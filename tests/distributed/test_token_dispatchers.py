@@ -48,6 +48,6 @@ def test_alltoall_equals_allgather(policy_setup, name, budget):
     )
     allgather, alltoall = ([rank[i] for rank in per_rank] for i in range(2))
     assert any(r["log_probs"] for r in alltoall)
-    for rank, (gathered, routed) in enumerate(zip(allgather, alltoall)):
+    for rank, (gathered, routed) in enumerate(zip(allgather, alltoall, strict=True)):
         assert_same_results(gathered, routed, rank, tol=1e-6)
     assert max(g.abs().max().item() for g in alltoall[0]["grads"].values()) > 0

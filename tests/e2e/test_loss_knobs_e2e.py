@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 import pytest
 
@@ -82,7 +83,7 @@ def test_dynamic_sampling_and_adaptive_clip(tmp_path):
         assert zero_variance == m["dynamic_sampling/padded_groups"] / 4
         assert math.isfinite(m["loss/policy"])
     assert metrics[0]["clip/eps_low"] == pytest.approx(3e-4) and metrics[0]["clip/eps_high"] == pytest.approx(4e-4)
-    for before, after in zip(metrics, metrics[1:]):
+    for before, after in pairwise(metrics):
         assert before["clip/measured"] == before["loss/clip_frac_seq"]
         error = max(-1.0, min(1.0, (before["clip/measured"] - target) / target))
         expected = min(4.0, max(0.25, before["clip/scale"] * math.exp(rate * error)))
@@ -178,7 +179,7 @@ def test_async_rollout_with_staleness_zero_is_the_synchronous_run(tmp_path):
         timeout=600,
     )
     assert len(sync) == len(zero) == 3
-    for a, b in zip(sync, zero):
+    for a, b in zip(sync, zero, strict=True):
         same = {k: v for k, v in a.items() if not k.startswith(("time/", "async/"))}
         assert same == {k: v for k, v in b.items() if not k.startswith(("time/", "async/"))}
         assert b["async/staleness_max"] == 0.0
@@ -192,7 +193,7 @@ def test_async_rollout_resume_continues_exactly(tmp_path):
     run_distributed(train_worker, 1, base + ["trainer.stop_after_steps=2"], str(tmp_path / "resumed"))
     (resumed,) = run_distributed(train_worker, 1, base + ["checkpoint.resume=true"], str(tmp_path / "resumed"))
     assert len(full) == len(resumed) == 4 and resumed[2]["async/staleness_max"] == 1.0
-    for a, b in zip(full, resumed):
+    for a, b in zip(full, resumed, strict=True):
         same = {k: a[k] for k in a if not k.startswith("time/")}
         assert same == {k: b[k] for k in b if not k.startswith("time/")}, f"step {a['step']} differs after resume"
 
@@ -220,7 +221,7 @@ def test_adaptive_clip_state_resumes_exactly_with_a_prefetched_async_batch(tmp_p
     # The engine-vs-trainer log-prob gap (mismatch/*) jitters at ~1e-9 between two identical runs here
     # (seen at step 2, before any resume: the background generation runs beside the old-log-prob pass);
     # it is compared to 1e-6, every other metric exactly.
-    for a, b in zip(full, resumed):
+    for a, b in zip(full, resumed, strict=True):
         assert a.keys() == b.keys()
         for key in (k for k in a if not k.startswith("time/")):
             expected = pytest.approx(a[key], rel=1e-6) if key.startswith("mismatch/") else a[key]
@@ -295,6 +296,6 @@ def test_every_loss_feature_on_each_layout_equals_one_rank(
     assert every_feature_one_rank[1]["async/staleness_max"] == 1.0
     assert 0 < every_feature_one_rank[0]["mismatch_is/masked_frac"] < 1
     assert every_feature_one_rank[0]["loss/kl_ref"] > 0  # step 1 (LR 0): the reference is another model
-    for one, many in zip(every_feature_one_rank, metrics):
+    for one, many in zip(every_feature_one_rank, metrics, strict=True):
         for key in LAYOUT_KEYS:
             assert many[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7), f"step {one['step']} {key}"

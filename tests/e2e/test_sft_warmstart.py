@@ -12,7 +12,7 @@ from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.train_runs import FAST, train_worker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import sft_warmstart  # noqa: E402
+import sft_warmstart
 
 pytestmark = pytest.mark.e2e
 

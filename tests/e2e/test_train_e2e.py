@@ -141,7 +141,7 @@ def test_resume_continues_exactly(tmp_path, dtype):
     (resumed,) = run_distributed(train_worker, 1, base + ["checkpoint.resume=true"], str(tmp_path / "resumed"))
     assert len(full) == len(resumed) == 4
     assert all(m["grad_norm"] > 0 for m in full)
-    for a, b in zip(full, resumed):
+    for a, b in zip(full, resumed, strict=True):
         same = {k: a[k] for k in a if not k.startswith("time/")}
         assert same == {k: b[k] for k in b if not k.startswith("time/")}, f"step {a['step']} differs after resume"
     assert (tmp_path / "resumed" / "checkpoints" / "latest").read_text() == "step_000004"

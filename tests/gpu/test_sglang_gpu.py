@@ -65,7 +65,7 @@ def test_real_server_generates_and_takes_a_weight_update(tmp_path):
     with SGLangEngine(config) as engine:
         params = SamplingParams(max_new_tokens=8, n=2, seed=1, return_routed_experts=True)
         samples = engine.generate([[1, 2, 3, 4], [5, 6]], params)
-        for prompt, row in zip([[1, 2, 3, 4], [5, 6]], samples):
+        for prompt, row in zip([[1, 2, 3, 4], [5, 6]], samples, strict=True):
             for sample in row:
                 assert 1 <= len(sample.output_ids) <= 8
                 assert sample.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from gspo_megatron.deferred_compile import deferring_compile
@@ -28,6 +29,7 @@ def test_a_deferred_function_compiles_once_on_its_first_call():
     assert compiled_functions == ["scaled_silu"]
 
 
+@pytest.mark.slow
 def test_importing_megatron_through_the_package_imports_no_dynamo():
     probe = (
         "import sys, torch, gspo_megatron\n"

@@ -1,6 +1,7 @@
 """The checks every commit must pass, run as part of the README's test command: ruff's lint rules,
-ruff's formatter (no file it would change) and mypy on the package (configured in pyproject.toml).
-Each failure prints the tool's own findings."""
+ruff's formatter (no file it would change) and mypy on the package and tools/ (configured in
+pyproject.toml). Each failure prints the tool's own findings. mypy is `slow` (~45 s on a cold cache),
+so the fast tier (`-m "not slow"`) runs the two ruff checks and the full run all three."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def test_ruff_format_would_change_nothing():
     assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
 
 
+@pytest.mark.slow
 def test_mypy_finds_nothing():
     # ~45 s on a cold cache (a fresh clone), seconds with .mypy_cache
     done = _run(*_tool("mypy"))

@@ -113,7 +113,7 @@ def group_runs(
             defining.append(key)
     varying = defining
     groups: dict[tuple, RunGroup] = {}
-    for run, values in zip(runs, flat):
+    for run, values in zip(runs, flat, strict=True):
         settings = {k: values.get(k) for k in varying}
         ident = tuple(repr(settings[k]) for k in varying)
         if ident not in groups:
@@ -151,7 +151,7 @@ def metric_curve(group: RunGroup, key: str) -> tuple[list[int], list[float], lis
     """(steps, mean over seeds, std over seeds) of a per-step metric."""
     by_step: dict[int, list[float]] = {}
     for run in group.runs:
-        for step, value in zip(*run.metric_series(key)):
+        for step, value in zip(*run.metric_series(key), strict=True):
             if math.isfinite(value):
                 by_step.setdefault(step, []).append(value)
     steps = sorted(by_step)
@@ -175,7 +175,7 @@ def routing_layer_means(group: RunGroup, kind: str, key: str = "changed_frac") -
     for run in group.runs:
         rows = [r[key] for r in run.routing_records(kind) if key in r]
         if rows:
-            per_run.append([Stat.of(column).mean for column in zip(*rows)])
+            per_run.append([Stat.of(column).mean for column in zip(*rows, strict=True)])
     if not per_run:
         return None
-    return [Stat.of(column).mean for column in zip(*per_run)]
+    return [Stat.of(column).mean for column in zip(*per_run, strict=True)]

@@ -299,7 +299,7 @@ def _mechanism_row(groups: list[RunGroup], stats: dict[str, dict[str, Stat]], to
 
 
 def _band(mean: list[float], std: list[float]) -> tuple[list[float], list[float]]:
-    return [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)]
+    return [m - s for m, s in zip(mean, std, strict=True)], [m + s for m, s in zip(mean, std, strict=True)]
 
 
 def curve_panels(groups: list[RunGroup]) -> list[Panel]:
@@ -394,7 +394,7 @@ def study_report(groups: list[RunGroup], skipped: list[str], sources: dict | Non
             }
             for g in groups
         ],
-        "paper_vs_ours": [dict(zip(("claim", "paper", "ours", "verdict"), row)) for row in claims],
+        "paper_vs_ours": [dict(zip(("claim", "paper", "ours", "verdict"), row, strict=True)) for row in claims],
         "skipped": skipped,
     }
     if sources is not None:

@@ -113,7 +113,7 @@ class SGLangEngine(RolloutEngine):
         """Check each server's SGLang version; in attach mode learn whether seeds are honoured."""
         servers = self._client.pool.servers
         infos = self._on_all(servers, "GET", "/server_info", None)
-        for server, info in zip(servers, infos):
+        for server, info in zip(servers, infos, strict=True):
             info = info if isinstance(info, dict) else {}
             check_sglang_version(info.get("version"), server.url)
         if self.config.mode == "attach":
@@ -195,7 +195,7 @@ class SGLangEngine(RolloutEngine):
             if self.config.weight_sync == "distributed":
                 try:
                     self._in_session(servers, lambda: self._sync_distributed(servers, named_tensors, version))
-                except Exception as error:  # noqa: BLE001 - the group is in an unknown state
+                except Exception as error:  # the group is in an unknown state
                     self._drop_update_group()
                     if not (self.config.fallback_to_disk and self.config.model_path):
                         raise
@@ -348,7 +348,7 @@ class SGLangEngine(RolloutEngine):
                     "backend": config.weight_sync_backend,
                 },
             )
-            for server, offset in zip(servers, offsets)
+            for server, offset in zip(servers, offsets, strict=True)
         ]
         pending = self._loop.submit(_gather(requests))
         try:

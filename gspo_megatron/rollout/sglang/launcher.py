@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import os
 import signal
 import socket
@@ -131,10 +132,8 @@ class LaunchedServer:
         atexit.unregister(self.stop)
         if process.poll() is None or _group_exists(process.pid):
             self._signal_group(process, signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                pass
             # Children may outlive the leader; kill whatever is left of the group.
             self._signal_group(process, signal.SIGKILL)
             process.wait(timeout=grace_s)
@@ -150,10 +149,8 @@ class LaunchedServer:
     @staticmethod
     def _signal_group(process: subprocess.Popen, sig: int) -> None:
         # The group id is the pid we started (start_new_session); never signal any other group.
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 def _group_exists(pgid: int) -> bool:

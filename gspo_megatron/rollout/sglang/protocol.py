@@ -129,7 +129,7 @@ def decode_output_logprobs(entries: Any, output_ids: list[int]) -> torch.Tensor:
             f"meta_info.output_token_logprobs has {len(entries)} entries but output_ids has {len(output_ids)} tokens"
         )
     values = []
-    for position, (entry, token_id) in enumerate(zip(entries, output_ids)):
+    for position, (entry, token_id) in enumerate(zip(entries, output_ids, strict=True)):
         if not isinstance(entry, (list, tuple)) or len(entry) < 2:
             raise ProtocolError(f"output_token_logprobs[{position}] = {entry!r}, expected [logprob, token_id, text]")
         log_prob, entry_id = entry[0], entry[1]

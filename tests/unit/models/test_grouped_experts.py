@@ -138,7 +138,7 @@ def compare_worker(ctx, cfg, dtype: torch.dtype) -> dict:
 
 def _assert_same(result, case, tol):
     grouped, sequential = result[case]["grouped"], result[case]["sequential"]
-    for got, expected in zip(grouped[:3], sequential[:3]):
+    for got, expected in zip(grouped[:3], sequential[:3], strict=True):
         torch.testing.assert_close(got, expected, **tol)
     assert grouped[3].keys() == sequential[3].keys()
     for name, grad in sequential[3].items():
@@ -150,6 +150,7 @@ def _assert_same(result, case, tol):
     [(torch.float32, dict(rtol=1e-5, atol=1e-5)), (torch.bfloat16, dict(rtol=1.6e-2, atol=1e-2))],
     ids=["fp32", "bf16"],
 )
+@pytest.mark.slow
 def test_grouped_experts_equal_sequential_mlp(dtype, tol):
     cfg = tiny_test_config()
     (result,) = run_distributed(compare_worker, 1, cfg, dtype, timeout=300)
@@ -168,6 +169,7 @@ def test_grouped_experts_equal_sequential_mlp(dtype, tol):
     assert result["one_storage"] == {"views": [True, True], "moved_is_copy": True, "moved_equal": True}
 
 
+@pytest.mark.slow
 def test_widths_grouped_mm_refuses_run_sequential_mlps_loop():
     # moe_intermediate_size 6: the fc2 input rows are 24 bytes, not a multiple of 16
     cfg = tiny_test_config(moe_intermediate_size=6)

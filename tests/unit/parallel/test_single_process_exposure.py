@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
+
+import pytest
 
 from gspo_megatron.testing.distributed import run_distributed
 
@@ -21,7 +24,7 @@ def _listening_addresses() -> list[str]:
             inodes.add(target[len("socket:[") : -1])
     found = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in open(table).read().splitlines()[1:]:
+        for line in Path(table).read_text().splitlines()[1:]:
             fields = line.split()
             if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
                 found.append(fields[1].split(":")[0])
@@ -39,6 +42,7 @@ def _init_and_list(ctx):
         mesh.destroy()
 
 
+@pytest.mark.slow
 def test_single_process_listens_on_loopback_only():
     (addresses,) = run_distributed(_init_and_list, 1)
     exposed = [a for a in addresses if a not in LOOPBACK]

@@ -48,7 +48,7 @@ def test_verifier_that_kills_its_process():
     with _pool("kills_process_on_bad") as pool:
         results = pool.score(["7", "bad", "7", "8"], [RECORD] * 4)
         assert [results[i] for i in (0, 2, 3)] == [OK, OK, WRONG]
-        assert "verifier process died (exit code -9)" == results[1].error
+        assert results[1].error == "verifier process died (exit code -9)"
         assert (pool.stats.crashes, pool.stats.restarts) == (1, 1)
         assert pool.score(["7"], [RECORD]) == [OK]
 

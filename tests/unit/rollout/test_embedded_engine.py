@@ -85,8 +85,8 @@ def test_kv_cache_matches_no_cache(source):
         SamplingParams(temperature=1.0, max_new_tokens=10, n=2, seed=5),
     ):
         a, b = cached.generate(PROMPTS, params), uncached.generate(PROMPTS, params)
-        for group_a, group_b in zip(a, b):
-            for x, y in zip(group_a, group_b):
+        for group_a, group_b in zip(a, b, strict=True):
+            for x, y in zip(group_a, group_b, strict=True):
                 assert x.output_ids == y.output_ids
                 torch.testing.assert_close(x.output_log_probs, y.output_log_probs, atol=1e-5, rtol=1e-5)
 
@@ -107,7 +107,7 @@ def test_greedy_output_is_argmax_and_not_degenerate(source):
         group[0].output_ids for group in engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=8))
     ]
     assert len({tuple(o) for o in outputs}) == len(PROMPTS)  # prompts lead to different continuations
-    for prompt, output in zip(PROMPTS, outputs):
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
         ids = torch.tensor([prompt + output])
         with torch.no_grad():
             logits = source(input_ids=ids).logits[0]
@@ -118,7 +118,7 @@ def test_greedy_output_is_argmax_and_not_degenerate(source):
 def test_log_probs_equal_full_forward(source, temperature, top_k, top_p):
     engine = engine_from(source)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=9, n=2, seed=3)
-    for prompt, group in zip(PROMPTS, engine.generate(PROMPTS, params)):
+    for prompt, group in zip(PROMPTS, engine.generate(PROMPTS, params), strict=True):
         for sample in group:
             expected = full_forward_log_probs(source, prompt, sample.output_ids, temperature or 1.0)
             torch.testing.assert_close(sample.output_log_probs, expected, atol=1e-5, rtol=1e-5)
@@ -128,13 +128,13 @@ def test_log_probs_equal_full_forward(source, temperature, top_k, top_p):
 def test_top_k_restricts_sampled_tokens(source):
     engine = engine_from(source)
     params = SamplingParams(temperature=1.5, top_k=2, max_new_tokens=6, n=4, seed=0)
-    for prompt, group in zip(PROMPTS, engine.generate(PROMPTS, params)):
+    for prompt, group in zip(PROMPTS, engine.generate(PROMPTS, params), strict=True):
         for sample in group:
             ids = torch.tensor([prompt + sample.output_ids])
             with torch.no_grad():
                 logits = source(input_ids=ids).logits[0, len(prompt) - 1 : -1]
             top2 = logits.topk(2, dim=-1).indices.tolist()
-            assert all(token in allowed for token, allowed in zip(sample.output_ids, top2))
+            assert all(token in allowed for token, allowed in zip(sample.output_ids, top2, strict=True))
 
 
 def test_seed_determinism_and_batch_independence(source):
@@ -177,8 +177,8 @@ def test_finished_rows_leave_the_batch(use_cache):
     assert fed_rows[0] == len(samples) and fed_rows == sorted(fed_rows, reverse=True)
     assert fed_rows[-1] == sum(1 for n in lengths if n == lengths[-1])
     assert len(fed_rows) == lengths[-1]
-    for prompt, group, group_alone in zip(PROMPTS, result, alone.generate(PROMPTS, params)):
-        for sample, single in zip(group, group_alone):
+    for prompt, group, group_alone in zip(PROMPTS, result, alone.generate(PROMPTS, params), strict=True):
+        for sample, single in zip(group, group_alone, strict=True):
             assert sample.output_ids == single.output_ids and sample.finish_reason == single.finish_reason
             assert torch.equal(sample.routed_experts, single.routed_experts)
             expected = full_forward_log_probs(source, prompt, sample.output_ids, 1.0)
@@ -213,7 +213,7 @@ def test_routed_experts_equal_full_forward_router_top_k(use_cache):
     source = peaked_source_model(tiny_config(mlp_only_layers=[1]), seed=2)
     engine = engine_from(source, use_cache=use_cache)
     params = SamplingParams(temperature=1.0, max_new_tokens=7, n=2, seed=9, return_routed_experts=True)
-    for prompt, group in zip(PROMPTS, engine.generate(PROMPTS, params)):
+    for prompt, group in zip(PROMPTS, engine.generate(PROMPTS, params), strict=True):
         for sample in group:
             fed = prompt + sample.output_ids[:-1]
             assert sample.routed_experts.shape == (len(fed), 2, 2) and sample.routed_experts.dtype == torch.int32
@@ -281,8 +281,8 @@ def test_tied_embeddings_round_trip_and_config_file(tmp_path):
     engine = EmbeddedEngine.from_config(EmbeddedConfig(model_config_path=str(tmp_path)))
     assert engine.model.config.tie_word_embeddings and engine.model.config.num_experts == 4
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as handle:
-        assert "lm_head.weight" not in handle.keys()
-        engine.update_weights(((n, handle.get_tensor(n)) for n in handle.keys()), version=1)
+        assert "lm_head.weight" not in handle.keys()  # noqa: SIM118 - keys() only: not a mapping, not iterable
+        engine.update_weights(((n, handle.get_tensor(n)) for n in handle.keys()), version=1)  # noqa: SIM118 - keys() only: not a mapping, not iterable
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
         assert torch.equal(engine.model(input_ids=ids).logits, source(input_ids=ids).logits)

@@ -151,9 +151,11 @@ def test_routed_experts_round_trip_and_wrong_size(doubles):
     wrong = doubles(
         enable_return_routed_experts=True, num_layers=3, top_k=2, faults=DoubleFaults(wrong_routed_experts=True)
     )
-    with _engine([wrong.url], enable_return_routed_experts=True, num_hidden_layers=3, num_experts_per_tok=2) as engine:
-        with pytest.raises(ProtocolError, match="expected .* layers, top_k 2"):
-            engine.generate([[1, 2, 3, 4]], params)
+    with (
+        _engine([wrong.url], enable_return_routed_experts=True, num_hidden_layers=3, num_experts_per_tok=2) as engine,
+        pytest.raises(ProtocolError, match="expected .* layers, top_k 2"),
+    ):
+        engine.generate([[1, 2, 3, 4]], params)
 
 
 def test_routed_experts_need_the_flag_and_layout(doubles):
@@ -163,9 +165,11 @@ def test_routed_experts_need_the_flag_and_layout(doubles):
     with pytest.raises(ValueError, match="num_hidden_layers"):
         _engine([double.url], enable_return_routed_experts=True)
     # attach to a server launched without the flag: the answer lacks routed_experts
-    with _engine([double.url], enable_return_routed_experts=True, num_hidden_layers=2, num_experts_per_tok=2) as engine:
-        with pytest.raises(ProtocolError, match="--enable-return-routed-experts"):
-            engine.generate([[1]], SamplingParams(return_routed_experts=True))
+    with (
+        _engine([double.url], enable_return_routed_experts=True, num_hidden_layers=2, num_experts_per_tok=2) as engine,
+        pytest.raises(ProtocolError, match="--enable-return-routed-experts"),
+    ):
+        engine.generate([[1]], SamplingParams(return_routed_experts=True))
 
 
 def test_bad_request_is_rejected_without_retries(doubles):

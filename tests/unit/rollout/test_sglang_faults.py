@@ -31,10 +31,9 @@ def _engine(urls, **overrides):
 def test_seed_is_not_sent_to_a_server_without_deterministic_inference(doubles):
     """Behaviour 1: SGLang ignores sampling_seed then; claiming reproducibility would be false."""
     double = doubles()
-    with _engine([double.url]) as engine:
-        with pytest.warns(RuntimeWarning, match="enable-deterministic-inference"):
-            first = engine.generate([[1, 2]], SamplingParams(max_new_tokens=8, seed=5))
-            second = engine.generate([[1, 2]], SamplingParams(max_new_tokens=8, seed=5))
+    with _engine([double.url]) as engine, pytest.warns(RuntimeWarning, match="enable-deterministic-inference"):
+        first = engine.generate([[1, 2]], SamplingParams(max_new_tokens=8, seed=5))
+        second = engine.generate([[1, 2]], SamplingParams(max_new_tokens=8, seed=5))
     bodies = [body for path, body in double.calls if path == "/generate"]
     assert all("sampling_seed" not in body["sampling_params"] for body in bodies)
     assert first[0][0].output_ids != second[0][0].output_ids  # as a real non-deterministic server behaves
@@ -158,7 +157,7 @@ def test_attach_to_a_server_that_never_answers_fails_within_attach_timeout():
     def attach(url: str) -> None:
         try:
             _engine([url], attach_timeout_s=attach_timeout_s, request_timeout_s=600.0)
-        except BaseException as error:  # reported to the test thread below
+        except BaseException as error:  # noqa: BLE001 - reported to the test thread below
             outcome.append(error)
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as mute:

@@ -68,6 +68,7 @@ def _config(urls, tmp_path, **overrides):
     return SGLangConfig(**settings)
 
 
+@pytest.mark.slow
 def test_second_run_can_form_the_group_again_and_a_failed_update_falls_back_to_disk(servers, tmp_path):
     """Behaviour 4 (attach never destroyed the group) and a fault in a distributed update."""
     server = servers("--fail-distributed-updates", "1")
@@ -87,6 +88,7 @@ def test_second_run_can_form_the_group_again_and_a_failed_update_falls_back_to_d
     assert _state(server.url)["received"]["a"]["sum"] == 8.0
 
 
+@pytest.mark.slow
 def test_group_is_reformed_when_a_server_dies(servers, tmp_path):
     """Issue 12 item 7: one dead server must not break every later distributed update."""
     first, second = servers(), servers()
@@ -133,6 +135,7 @@ def _update_in_thread(engine, tensors, version):
     return finished, outcome
 
 
+@pytest.mark.slow
 def test_a_refused_distributed_update_fails_fast_with_the_servers_message(servers, tmp_path):
     """Issue 27 item 2: without the begin/end bracket the server answers 400 and never joins the
     broadcast. The collective timeout is 600 s; the update must fail within the issue's 30 s bound."""
@@ -151,6 +154,7 @@ def test_a_refused_distributed_update_fails_fast_with_the_servers_message(server
     assert paths[-2:] == ["/destroy_weights_update_group", "/continue_generation"]  # torn down, then resumed
 
 
+@pytest.mark.slow
 def test_a_refused_bucket_falls_back_to_disk_and_the_group_forms_again(servers, tmp_path):
     """The refused bucket's group is torn down promptly, the disk path takes the update, and the next
     distributed update (bracketed this time) forms a new group and arrives."""
@@ -168,6 +172,7 @@ def test_a_refused_bucket_falls_back_to_disk_and_the_group_forms_again(servers, 
     assert paths.count("/init_weights_update_group") == 2 and paths.count("/update_weights_from_disk") == 1
 
 
+@pytest.mark.slow
 def test_a_one_shot_iterator_is_not_retried_through_disk(servers, tmp_path):
     """The disk path would read an exhausted iterator; the failure says why there was no fallback."""
     server = servers("--fail-distributed-updates", "1")

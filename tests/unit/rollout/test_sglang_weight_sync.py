@@ -135,6 +135,7 @@ def test_disk_update_needs_no_session_as_in_sglang(tmp_path):
         double.stop()
 
 
+@pytest.mark.slow
 def test_distributed_sync_broadcasts_into_two_servers(tmp_path):
     """Two launched doubles join a real gloo group with the trainer (ranks 1 and 2 of 3)."""
     model = _model_dir(tmp_path)

@@ -68,7 +68,7 @@ class ScriptedEngine(RolloutEngine):
                 original = prompt[:2]  # test prompts are [plan key, "?"]
                 ids, lps = self._continuation(original, prompt)
                 out, out_lps, finish = [], [], FinishReason.LENGTH
-                for token, lp in zip(ids, lps):
+                for token, lp in zip(ids, lps, strict=True):
                     out.append(token)
                     out_lps.append(lp)
                     if token in params.stop_token_ids or any(s in decode(out) for s in params.stop):
@@ -169,6 +169,7 @@ def test_natural_end_without_triggers_and_batching_of_mixed_samples():
             ("confident", 3, "ab Wait cd Wait ef \n</think>\nANS"),
             ("natural_end", 1, "xy Wait z</think>ANS"),
         ],
+        strict=True,
     ):
         assert len(group) == 2
         for sample in group:
@@ -265,7 +266,7 @@ def test_over_the_embedded_engine_kept_log_probs_match_a_full_forward():
     prompts = [encode("abc"), encode("hello")]
     params = SamplingParams(temperature=0.8, max_new_tokens=24, n=3, seed=11, return_routed_experts=True)
     reasons, probe_counts = set(), []
-    for prompt, group in zip(prompts, truncated.generate(prompts, params)):
+    for prompt, group in zip(prompts, truncated.generate(prompts, params), strict=True):
         for sample in group:
             reasons.add(sample.extra["exit_reason"])
             probe_counts.append(sample.extra["num_probes"])

@@ -34,7 +34,9 @@ def _forward(instances, scores, before=None) -> list[torch.Tensor]:
     """One model forward: each MoE layer's router picks its top-k through RouterReplay."""
     if before is not None:
         before()
-    return [inst.get_replay_topk(s, K, default_compute_topk=_topk)[1] for inst, s in zip(instances, scores)]
+    return [
+        inst.get_replay_topk(s, K, default_compute_topk=_topk)[1] for inst, s in zip(instances, scores, strict=True)
+    ]
 
 
 def _scores(seed: int) -> list[torch.Tensor]:
@@ -63,7 +65,7 @@ def _run_step(mode, instances):
 
 
 def _equal(a, b):
-    return all(torch.equal(x, y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
+    return all(torch.equal(x, y) for xs, ys in zip(a, b, strict=True) for x, y in zip(xs, ys, strict=True))
 
 
 def test_none_records_the_old_pass_and_routes_freely(instances):

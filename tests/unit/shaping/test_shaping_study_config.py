@@ -43,7 +43,9 @@ def test_warm_started_responses_populate_every_grsp_length_cluster_of_the_shippe
     lengths = [len(tokenizer.encode(t)) + 1 for t in texts]  # + EOS
     assert max(lengths) <= cfg.rollout.max_new_tokens, "warm-started responses would be cut off"
     for edges in (cfg.shaping.grsp.bucket_edges, cfg.shaping.metrics.bucket_edges):
-        segments = [keyword_segment_lengths(t, n, cfg.shaping.grsp.keywords) for t, n in zip(texts, lengths)]
+        segments = [
+            keyword_segment_lengths(t, n, cfg.shaping.grsp.keywords) for t, n in zip(texts, lengths, strict=True)
+        ]
         per_cluster = cluster_counts(segments, edges).sum(0)
         populated = int((per_cluster > 0).sum())
         assert populated == len(edges) + 1, f"clusters {per_cluster.tolist()} for edges {list(edges)}"

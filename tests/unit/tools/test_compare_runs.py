@@ -20,7 +20,7 @@ def make_run(path, algorithm, rewards, clip_token, clip_seq, routing=()):
     path.mkdir()
     (path / "config.yaml").write_text(f"algorithm:\n  name: {algorithm}\nseed: 1\n")
     with JsonlLog(path / "metrics.jsonl") as log:
-        for step, values in enumerate(zip(rewards, clip_token, clip_seq)):
+        for step, values in enumerate(zip(rewards, clip_token, clip_seq, strict=True)):
             log.append(
                 {
                     "step": step,
@@ -74,6 +74,7 @@ def _row(stdout, label):
     return line[len(label) :].split()
 
 
+@pytest.mark.slow
 def test_table_numbers_and_files(runs, tmp_path, capsys):
     out = tmp_path / "cmp"
     assert compare_runs.main([str(r) for r in runs] + ["--out", str(out)]) == 0
@@ -111,6 +112,7 @@ def test_not_a_run_dir_is_a_clear_error(runs, tmp_path, capsys):
     assert not (tmp_path / "cmp").exists()
 
 
+@pytest.mark.slow
 def test_script_entry_point(tmp_path):
     result = subprocess.run(
         [sys.executable, str(TOOL), str(tmp_path / "missing"), "--out", str(tmp_path / "cmp")],
@@ -138,7 +140,7 @@ def make_seeded_run(path, algorithm, seed, upr, rewards, update_changed, changed
                 }
             )
     with RoutingLog(path) as log:
-        for step, (changed, any_layer) in enumerate(zip(update_changed, changed_any), start=1):
+        for step, (changed, any_layer) in enumerate(zip(update_changed, changed_any, strict=True), start=1):
             log.append(
                 {
                     "step": step,
@@ -172,6 +174,7 @@ def test_a_shell_glob_over_a_sweep_skips_multirun_yaml(sweep, tmp_path, capsys):
     assert "skipping" in capsys.readouterr().err and (tmp_path / "cmp" / "study.html").is_file()
 
 
+@pytest.mark.slow
 def test_sweep_directory_groups_by_config_and_aggregates_seeds(sweep, tmp_path):
     out = tmp_path / "cmp"
     assert compare_runs.main([str(sweep), "--out", str(out)]) == 0
@@ -226,6 +229,7 @@ def _provenance(run, commit, dirty=False, command="python -m gspo_megatron.train
     (run / "provenance.json").write_text(json.dumps(record))
 
 
+@pytest.mark.slow
 def test_the_report_records_commits_commands_seeds_and_configs(runs, tmp_path, capsys):
     for run in runs:
         _provenance(run, "a" * 40, command=f"python -m gspo_megatron.train run_dir={run}")
@@ -242,6 +246,7 @@ def test_the_report_records_commits_commands_seeds_and_configs(runs, tmp_path, c
     assert '<section id="provenance">' in (out / "study.html").read_text()
 
 
+@pytest.mark.slow
 def test_runs_from_different_commits_are_warned_about(runs, tmp_path, capsys):
     _provenance(runs[0], "a" * 40)
     _provenance(runs[1], "b" * 40, dirty=True)  # runs[2] recorded nothing

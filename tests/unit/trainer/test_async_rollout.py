@@ -73,7 +73,7 @@ def test_in_flight_generation_keeps_the_stale_policys_experts():
     with_old = _experts(engine.generate(PROMPTS, PARAMS))
     engine.update_weights(new.items(), version=1)
     with_new = _experts(engine.generate(PROMPTS, PARAMS))
-    assert any(not torch.equal(a, b) for a, b in zip(with_old, with_new))  # the weights change routing
+    assert any(not torch.equal(a, b) for a, b in zip(with_old, with_new, strict=True))  # the weights change routing
 
     engine.update_weights(old.items(), version=0)
     scheduler = _scheduler(engine, max_staleness=1)
@@ -87,7 +87,7 @@ def test_in_flight_generation_keeps_the_stale_policys_experts():
     samples, metrics = scheduler.take(1)
     assert all(s.weight_version == 0 for group in samples for s in group)
     assert metrics["async/staleness_max"] == 1.0 and metrics["async/policy_version_min"] == 0.0
-    assert all(torch.equal(a, b) for a, b in zip(_experts(samples), with_old))  # what R3 will replay
+    assert all(torch.equal(a, b) for a, b in zip(_experts(samples), with_old, strict=True))  # what R3 will replay
 
 
 def test_staleness_bound_is_enforced_and_zero_means_synchronous():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gspo_megatron.rollout.types import Sample
-from gspo_megatron.trainer.batch import pack_samples, partition
+from gspo_megatron.trainer.batch import pack_samples, partition, plan_partition
 
 
 def _sample(prompt, output, log_probs, routed=None, **extra) -> Sample:
@@ -83,6 +83,16 @@ def test_partition_gives_each_rank_contiguous_rows_of_every_mini_batch():
     assert mb.old_log_probs is None and mb.routed_experts is None
     whole = partition(batch, updates=1, micro_batch_size=3, dp_size=1, dp_rank=0)
     assert [mb.rows.tolist() for mb in whole[0]] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+
+
+def test_the_planning_counts_are_keyword_only():
+    """updates, micro_batch_size, dp_size and dp_rank are all ints: passed by position, a swap of two
+    would plan a different batch silently, so they cannot be passed by position."""
+    batch = _rows_batch(8)
+    with pytest.raises(TypeError, match="positional argument"):
+        partition(batch, 2, 1, 2, 1)
+    with pytest.raises(TypeError, match="positional argument"):
+        plan_partition(batch, 2, 1, 2, 1)
 
 
 def test_partition_refuses_uneven_splits_naming_the_keys():

@@ -48,7 +48,7 @@ def test_loss_and_grad_equal_policy_loss_minus_entropy_plus_kl(loss, estimator):
     kl = {"k1": d, "k2": 0.5 * d**2, "k3": torch.exp(-d) - 1 + d}[estimator]
     ctx = LossContext(clip_low=0.2, clip_high=0.28)
     policy = get_policy_loss(loss)(logp, batch.old_log_probs.double(), batch.advantages.double(), mask, ctx).loss
-    seq_mean = lambda x: ((x * mask).sum(1) / mask.sum(1)).mean()  # noqa: E731  (seq_mean_token_mean)
+    seq_mean = lambda x: ((x * mask).sum(1) / mask.sum(1)).mean()  # seq_mean_token_mean
     expected = policy - 0.03 * seq_mean(entropy) + 0.2 * seq_mean(kl)
     expected.backward()
     torch.testing.assert_close(got.double(), expected.detach(), rtol=1e-5, atol=1e-6)

@@ -58,6 +58,7 @@ def _diagnose(ctx, run_dir: str):
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.slow
 def test_update_volatility_by_hand_merged_over_data_parallel_ranks(tmp_path, world_size):
     metrics = run_distributed(_diagnose, world_size, str(tmp_path))
     tokens = 2 * world_size

@@ -22,11 +22,11 @@ def test_plan_by_hand():
 
 
 def test_plan_rounds_the_fed_length_and_keeps_over_budget_rows_alone():
-    plans = token_budget_plan(torch.tensor([9, 6, 5, 2]), 0, 1, budget=4, multiple=4, max_width=10)
+    plans = token_budget_plan(torch.tensor([9, 6, 5, 2]), first_row=0, dp_size=1, budget=4, multiple=4, max_width=10)
     # fed lengths 8, 5, 4, 1 -> rounded 8, 8, 4, 4 (capped at the batch width 10 -> fed 9)
     assert [(p.rows.tolist(), p.width) for p in plans] == [([[0]], 9), ([[1]], 9), ([[2]], 5), ([[3]], 5)]
     with pytest.raises(ValueError, match="micro_batch_tokens must be >= 1"):
-        token_budget_plan(torch.tensor([3, 4]), 0, 1, budget=0)
+        token_budget_plan(torch.tensor([3, 4]), first_row=0, dp_size=1, budget=0)
 
 
 def _batch(lengths: list[int], prompt: int = 2) -> RolloutBatch:  # noqa: F821
@@ -50,7 +50,7 @@ def test_partition_with_budget_covers_every_row_once_cut_to_its_own_longest_row(
     seen = []
     same_index: dict[tuple[int, int], list] = {}  # (update, micro-batch) -> (rows, width) per rank
     for rank in range(dp_size):
-        parts = partition(batch, 2, 4, dp_size, rank, micro_batch_tokens=12)
+        parts = partition(batch, updates=2, micro_batch_size=4, dp_size=dp_size, dp_rank=rank, micro_batch_tokens=12)
         for update, part in enumerate(parts):
             for j, mb in enumerate(part):
                 rows = mb.rows
@@ -76,9 +76,13 @@ def test_partition_with_budget_covers_every_row_once_cut_to_its_own_longest_row(
 
 def test_budget_cuts_the_padded_fraction():
     batch = _batch([1, 30, 2, 3, 2, 28, 1, 4])
-    padded = step_padded_fraction(float(batch.input_mask.sum()), partition(batch, 2, 4, 1, 0), 1)
+    padded = step_padded_fraction(
+        float(batch.input_mask.sum()), partition(batch, updates=2, micro_batch_size=4, dp_size=1, dp_rank=0), 1
+    )
     budgeted = step_padded_fraction(
-        float(batch.input_mask.sum()), partition(batch, 2, 4, 1, 0, micro_batch_tokens=32), 1
+        float(batch.input_mask.sum()),
+        partition(batch, updates=2, micro_batch_size=4, dp_size=1, dp_rank=0, micro_batch_tokens=32),
+        1,
     )
     assert 0 <= budgeted < padded < 1
     # by hand: real inputs = sum(prompt + response - 1) = 8 + 71 = 79 of 8 * 31 = 248 fed without a budget
@@ -96,7 +100,7 @@ def test_mismatch_correction_follows_the_rows_and_width_of_budget_micro_batches(
     batch = _batch([1, 30, 2, 3, 2, 28, 1, 4])
     batch.old_log_probs = batch.rollout_log_probs + 0.3 * torch.randn_like(batch.rollout_log_probs)
     algorithm = AlgorithmConfig(loss="grpo", mismatch_correction=mode, mismatch_cap=1.5)
-    parts = partition(batch, 2, 4, 1, 0, micro_batch_tokens=12)
+    parts = partition(batch, updates=2, micro_batch_size=4, dp_size=1, dp_rank=0, micro_batch_tokens=12)
     totals = step_totals(batch, 2)
     _, after = correct_mismatch(batch, parts, algorithm, totals)
     assert after is totals  # mismatch_rejected=keep: the denominators stand
@@ -122,7 +126,7 @@ def test_dropped_rejections_leave_the_masks_and_the_denominators(mode):
     batch = _batch([1, 30, 2, 3, 2, 28, 1, 4])
     batch.old_log_probs = batch.rollout_log_probs + 0.5 * torch.randn_like(batch.rollout_log_probs)
     algorithm = AlgorithmConfig(loss="grpo", mismatch_correction=mode, mismatch_cap=1.2, mismatch_rejected="drop")
-    parts = partition(batch, 2, 4, 1, 0, micro_batch_tokens=12)
+    parts = partition(batch, updates=2, micro_batch_size=4, dp_size=1, dp_rank=0, micro_batch_tokens=12)
     totals = step_totals(batch, 2)
     _, after = correct_mismatch(batch, parts, algorithm, totals)
     weights, _ = mismatch_weights(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, mode, 1.2)
