@@ -5,7 +5,7 @@ The server runs in its own venv (``.venv-sglang-live``, made by ``launch/setup_s
 the tests, the engine and the trainer run in this interpreter. Where the venv is absent, an
 interpreter that imports SGLang itself serves (a machine with a real SGLang install); with neither
 the tier FAILS, so CI can never pass by silently skipping it. ``GSPO_SKIP_SGLANG_LIVE=1`` skips it
-where SGLang is intentionally absent.
+(where SGLang is intentionally absent; ``launch/setup.sh`` then makes no venv either).
 
 One server per session (start-up takes 1-2.5 minutes on 2 loaded cores): ``live_engine`` owns it in
 launch mode; attach-mode engines and the training run attach to its URL. Every test that changes the
@@ -17,7 +17,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -58,14 +59,14 @@ def pytest_collection_modifyitems(config, items):
 
 def server_python() -> Path:
     """The interpreter the server runs in: the live venv's, else this one if it imports SGLang."""
+    if os.environ.get(SKIP_ENV) == "1":
+        pytest.skip(f"the live SGLang tier is switched off ({SKIP_ENV}=1)")
     venv_python = LIVE_VENV / "bin" / "python"
     if (LIVE_VENV / ".gspo-live-stamp").exists():  # written by the set-up once the venv imports SGLang
         return venv_python
     probe = subprocess.run([sys.executable, "-c", "import sglang.launch_server"], capture_output=True, text=True)
     if probe.returncode == 0:
         return Path(sys.executable)
-    if os.environ.get(SKIP_ENV) == "1":
-        pytest.skip(f"SGLang intentionally absent ({SKIP_ENV}=1)")
     pytest.fail(
         f"no SGLang to run a live server: make its venv with `bash launch/setup_sglang_live.sh` "
         f"(launch/setup.sh does it), or set {SKIP_ENV}=1 where it is intentionally absent\n{probe.stderr[-600:]}",
@@ -98,6 +99,7 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 def live_engine(tiny_checkpoint, tmp_path_factory) -> Iterator[SGLangEngine]:
     """The session's server, launched by the project's engine (launch mode) and stopped at the end."""
     work = tmp_path_factory.mktemp("live_server")
+    started = time.monotonic()
     engine = SGLangEngine(
         live_config(
             mode="launch",
@@ -107,6 +109,7 @@ def live_engine(tiny_checkpoint, tmp_path_factory) -> Iterator[SGLangEngine]:
             weight_sync_group_name="live_launch",
         )
     )
+    print(f"\nlive: SGLang server {engine.server_urls[0]} started in {time.monotonic() - started:.0f}s")
     try:
         yield engine
     finally:
@@ -114,18 +117,21 @@ def live_engine(tiny_checkpoint, tmp_path_factory) -> Iterator[SGLangEngine]:
 
 
 @pytest.fixture
-def attach_engine(live_engine, tiny_checkpoint, tmp_path) -> Iterator[SGLangEngine]:
-    """An engine attached to the session's server (attach mode never stops it)."""
-    engine = SGLangEngine(
-        live_config(
+def attach(live_engine, tiny_checkpoint, tmp_path) -> Iterator[Callable[..., SGLangEngine]]:
+    """Engines attached to the session's server (attach mode never stops it), shut down after the test."""
+    engines: list[SGLangEngine] = []
+
+    def make(**overrides) -> SGLangEngine:
+        values: dict = dict(
             mode="attach",
             urls=live_engine.server_urls,
             model_path=str(tiny_checkpoint),
             disk_sync_dir=str(tmp_path / "disk_sync"),
-            weight_sync_group_name="live_attach",
+            weight_sync_group_name=f"live_attach_{len(engines)}",
         )
-    )
-    try:
-        yield engine
-    finally:
+        engines.append(SGLangEngine(live_config(**{**values, **overrides})))
+        return engines[-1]
+
+    yield make
+    for engine in engines:
         engine.shutdown()
