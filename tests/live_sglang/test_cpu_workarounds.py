@@ -17,7 +17,7 @@ import os
 import subprocess
 
 import pytest
-from conftest import CPU_LAUNCHER, server_python
+from support.live_server import CPU_LAUNCHER, server_python
 
 INSTALL_WORKAROUNDS = f"""
 import runpy, sys
