@@ -6,7 +6,9 @@
 #    (no SGLang, triton or torchvision: training never imports them);
 # 3. the SGLang contract tier in its own virtual environment, .venv-sglang-contract/
 #    (launch/setup_sglang_contract.sh), so that SGLang's pins never enter the training environment;
-#    GSPO_SKIP_SGLANG_CONTRACT=1 skips it (the tier then skips too; otherwise it fails without it).
+#    GSPO_SKIP_SGLANG_CONTRACT=1 skips it (the tier then skips too; otherwise it fails without it);
+# 4. the live SGLang tier's venv, .venv-sglang-live/ (launch/setup_sglang_live.sh: a real SGLang 0.5.23
+#    server on CPU, about 10 minutes to install on 2 cores); GSPO_SKIP_SGLANG_LIVE=1 skips it (and the tier).
 # PYTHON=<interpreter> picks the training environment (default python3). Idempotent: a second run
 # installs nothing; GSPO_REINSTALL=1 reinstalls.
 set -euo pipefail
@@ -24,5 +26,8 @@ if ! "$PYTHON" -c "import gspo_megatron, megatron.core, hydra, transformers, pyt
 fi
 if [ "${GSPO_SKIP_SGLANG_CONTRACT:-0}" != 1 ]; then
   bash launch/setup_sglang_contract.sh
+fi
+if [ "${GSPO_SKIP_SGLANG_LIVE:-0}" != 1 ]; then
+  bash launch/setup_sglang_live.sh
 fi
 "$PYTHON" -c 'from importlib.metadata import version as v; print("[setup] ready: torch", v("torch") + ", megatron-core", v("megatron-core"))'

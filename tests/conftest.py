@@ -1,8 +1,8 @@
 """Test tiers: unit (default), distributed (gloo ranks on CPU), e2e (tiny training runs), faults,
-gpu, contract (SGLang's own code, in its venv).
+gpu, contract (SGLang's own code, in its venv), live_sglang (a real SGLang server on CPU).
 
 The fast tier is ``python3 -m pytest -m "not slow"``: every tier that starts processes (distributed,
-e2e, faults, gpu, contract) is ``slow`` here, and so are the unit tests marked ``slow`` one by one
+e2e, faults, gpu, contract, live_sglang) is ``slow`` here, and so are the unit tests marked ``slow`` one by one
 (a spawned rank, a subprocess, mypy, or seconds of work). GPU tests are skipped without CUDA. Every
 test gets a fixed seed and a single intra-op thread so results do not depend on what else shares
 the 2-core machine.
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 TESTS = Path(__file__).resolve().parent
-SLOW_TIERS = ("distributed", "e2e", "faults", "gpu", "contract")
+SLOW_TIERS = ("distributed", "e2e", "faults", "gpu", "contract", "live_sglang")
 
 
 # tryfirst: the tier's slow mark must be set before pytest's own hook applies `-m "not slow"`

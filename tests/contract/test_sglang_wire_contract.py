@@ -135,3 +135,13 @@ def test_response_fields_decode_from_what_sglang_fills(sglang_reference):
         parse_generate_response({"output_ids": output, "meta_info": meta}, len(prompt))
     with pytest.raises(Exception, match="holds 36 int32 values, expected 42"):
         decode_routed_experts(encoded, len(prompt) + len(output), layers, top_k)  # one row too many
+
+
+def test_client_keep_alive_expires_before_sglangs(sglang_reference):
+    """An idle pooled connection must be dropped by the client before the server closes it, or a
+    request reuses it as it closes (ReadError; two of them marked a healthy server dead, seen live)."""
+    from sglang.srt.environ import envs
+
+    from gspo_megatron.rollout.sglang.config import SGLangConfig
+
+    assert SGLangConfig().keepalive_expiry_s < envs.SGLANG_TIMEOUT_KEEP_ALIVE.get()

@@ -115,12 +115,18 @@ class SGLangHTTPClient:
         max_concurrency: int = 256,
         request_timeout_s: float = 1800.0,
         connect_timeout_s: float = 10.0,
+        keepalive_expiry_s: float = 2.0,
     ):
         self.pool = ServerPool.from_urls(urls)
         self.retry = retry
         self._semaphore = asyncio.Semaphore(max_concurrency)
         timeout = httpx.Timeout(request_timeout_s, connect=connect_timeout_s)
-        limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
+        # keep-alive shorter than the server's, so a pooled connection is never reused as it closes
+        limits = httpx.Limits(
+            max_connections=max_concurrency,
+            max_keepalive_connections=max_concurrency,
+            keepalive_expiry=keepalive_expiry_s,
+        )
         self._http = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
 
     async def aclose(self) -> None:

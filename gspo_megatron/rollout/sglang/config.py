@@ -50,6 +50,11 @@ class SGLangConfig(ConfigNode):
     max_concurrency: int = 256  # requests in flight over all servers
     request_timeout_s: float = 1800.0  # one /generate may decode thousands of tokens
     connect_timeout_s: float = 10.0
+    # An idle pooled connection is dropped after this long. It must stay below the server's keep-alive
+    # (SGLang: uvicorn's timeout_keep_alive, SGLANG_TIMEOUT_KEEP_ALIVE = 5 s): at httpx's default of
+    # the same 5 s, connections left idle across a weight sync were reused just as the server closed
+    # them, two ReadErrors marked a healthy server dead (seen live: tests/live_sglang).
+    keepalive_expiry_s: float = 2.0
     max_retries: int = 4  # per request, on 5xx / timeouts / connection errors (not on 4xx)
     backoff_base_s: float = 0.5  # sleep base * 2**attempt, capped by backoff_max_s
     backoff_max_s: float = 15.0
@@ -96,6 +101,11 @@ class SGLangConfig(ConfigNode):
             raise ValueError(f"weight_sync must be one of {WEIGHT_SYNC_MODES}, got {self.weight_sync!r}")
         if self.pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {self.pause_mode!r}")
+        if self.keepalive_expiry_s <= 0:
+            raise ValueError(
+                f"SGLangConfig.keepalive_expiry_s must be > 0 (and below the server's keep-alive, 5 s for "
+                f"SGLang), got {self.keepalive_expiry_s}"
+            )
         if self.attach_timeout_s <= 0 or self.progress_every_s <= 0:
             raise ValueError("SGLangConfig.attach_timeout_s and progress_every_s must be > 0")
         for name in ("tp", "num_servers", "max_concurrency", "dead_after_failures", "weight_bucket_bytes"):

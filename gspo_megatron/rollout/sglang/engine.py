@@ -456,6 +456,7 @@ class SGLangEngine(RolloutEngine):
             max_concurrency=config.max_concurrency,
             request_timeout_s=config.request_timeout_s,
             connect_timeout_s=config.connect_timeout_s,
+            keepalive_expiry_s=config.keepalive_expiry_s,
         )
 
 

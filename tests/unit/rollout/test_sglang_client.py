@@ -228,3 +228,36 @@ def test_a_socket_torn_down_while_connecting_counts_as_a_dead_server(doubles):
             client._http = real
         assert len(samples) == 2
         assert "connection lost" in (client.pool.servers[0].last_error or "")
+
+
+def test_idle_connections_are_not_reused_after_keepalive_expiry():
+    """The client drops a pooled connection idle longer than keepalive_expiry_s (SGLangConfig), so it
+    never reuses one the server is closing: a second request after the expiry opens a new connection."""
+    import asyncio
+
+    from gspo_megatron.rollout.sglang.client import RetryPolicy, SGLangHTTPClient
+
+    async def run() -> int:
+        connections = 0
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal connections
+            connections += 1
+            while await reader.readuntil(b"\r\n\r\n"):  # requests without a body (GET); keeps it alive
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+                await writer.drain()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        client = SGLangHTTPClient([url], retry=RetryPolicy(0, 0.01, 0.01, 2), keepalive_expiry_s=0.05)
+        try:
+            (state,) = client.pool.servers
+            await client.call(state, "GET", "/server_info")
+            await asyncio.sleep(0.3)  # idle past the expiry (the server would keep it open forever)
+            await client.call(state, "GET", "/server_info")
+        finally:
+            await client.aclose()
+            server.close()
+        return connections
+
+    assert asyncio.run(run()) == 2

@@ -1,0 +1,71 @@
+"""Where the live tier's server comes from and how the project's SGLangEngine is configured for it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gspo_megatron.rollout.sglang.config import SGLangConfig
+
+SKIP_ENV = "GSPO_SKIP_SGLANG_LIVE"
+LIVE_DIR = Path(__file__).resolve().parents[1]
+REPO = LIVE_DIR.parents[1]
+LIVE_VENV = REPO / ".venv-sglang-live"
+CPU_LAUNCHER = REPO / "launch" / "sglang_cpu" / "launch_server.py"
+# The launch that works on a 2-core CPU (issue 27); each flag's reason is in docs/sglang.md.
+CPU_SERVER_ARGS = [
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--disable-cuda-graph",
+    "--skip-server-warmup",
+    "--disable-overlap-schedule",
+    "--max-total-tokens",
+    "8192",
+    "--mem-fraction-static",
+    "0.05",
+    # a cached prompt prefix is computed by other kernel shapes than a fresh one (last-bit differences):
+    # the tier compares outputs across weight updates exactly, so every prompt is computed afresh
+    "--disable-radix-cache",
+    "--log-level",
+    "warning",
+]
+STARTUP_TIMEOUT_S = 600.0  # 1-2.5 minutes quiet; below pytest's 900 s so the log tail is reported
+
+
+def server_python() -> Path:
+    """The interpreter the server runs in: the live venv's, else this one if it imports SGLang."""
+    if os.environ.get(SKIP_ENV) == "1":
+        pytest.skip(f"the live SGLang tier is switched off ({SKIP_ENV}=1)")
+    venv_python = LIVE_VENV / "bin" / "python"
+    if (LIVE_VENV / ".gspo-live-stamp").exists():  # written by the set-up once the venv imports SGLang
+        return venv_python
+    probe = subprocess.run([sys.executable, "-c", "import sglang.launch_server"], capture_output=True, text=True)
+    if probe.returncode == 0:
+        return Path(sys.executable)
+    pytest.fail(
+        f"no SGLang to run a live server: make its venv with `bash launch/setup_sglang_live.sh` "
+        f"(launch/setup.sh does it), or set {SKIP_ENV}=1 where it is intentionally absent\n{probe.stderr[-600:]}",
+        pytrace=False,
+    )
+
+
+def live_config(**overrides) -> SGLangConfig:
+    """The tier's SGLangConfig: the CPU launcher under the server's python, gloo weight sync."""
+    values: dict = dict(
+        launch_command=[str(server_python()), str(CPU_LAUNCHER)],
+        extra_args=list(CPU_SERVER_ARGS),
+        enable_return_routed_experts=True,
+        startup_timeout_s=STARTUP_TIMEOUT_S,
+        request_timeout_s=600.0,
+        weight_sync_backend="gloo",
+        weight_sync_timeout_s=300.0,
+        pause_mode="abort",
+    )
+    values.update(overrides)
+    return SGLangConfig(**values)

@@ -1,0 +1,26 @@
+"""The tiny HF Qwen3-MoE checkpoint a live SGLang server loads, written by the project's own export.
+
+The shape is ``conf/model/tiny.yaml`` (the model the 20-step ``rollout=sglang`` job trains), the
+weights ``random_hf_state`` (HF checkpoint names, as ``models.conversion`` exports them), written by
+``models.hf_checkpoint.write_hf_checkpoint`` with the symbol tokenizer saved as a HF tokenizer. No hub.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from gspo_megatron.data.symbol_hf import symbol_tokenizer_as_hf
+from gspo_megatron.data.tokenizer import SymbolTokenizer
+from gspo_megatron.models.config import preset
+from gspo_megatron.models.hf_checkpoint import write_hf_checkpoint
+from gspo_megatron.testing.model_fixtures import random_hf_state
+
+
+def write_tiny_checkpoint(out_dir: Path, seed: int = 0) -> Path:
+    cfg = preset("tiny")
+    tokenizer_dir = out_dir.with_name(out_dir.name + ".tokenizer")
+    symbol_tokenizer_as_hf(SymbolTokenizer(cfg.vocab_size)).save_pretrained(tokenizer_dir)
+    state = {name: tensor.to(torch.float32) for name, tensor in random_hf_state(cfg, seed=seed).items()}
+    return write_hf_checkpoint([list(state.items())], cfg, out_dir, tokenizer_dir=tokenizer_dir)
