@@ -61,7 +61,7 @@ def _torch_compile_deferred() -> Iterator[None]:
     import torch  # megatron.core has imported it already
 
     real_compile = torch.compile
-    torch.compile = deferring_compile(real_compile)  # type: ignore[assignment]
+    torch.compile = deferring_compile(real_compile)
     try:
         yield
     finally:

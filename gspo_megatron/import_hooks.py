@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from types import ModuleType
 
@@ -36,7 +36,9 @@ class ImportWithin(importlib.abc.MetaPathFinder):
     def __init__(self, module_name: str, around: AroundImport):
         self.module_name, self._around = module_name, around
 
-    def find_spec(self, fullname, path, target=None):
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname != self.module_name:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
