@@ -16,20 +16,20 @@ Design decisions:
   its first call and the compiled function from then on: what runs, and when compilation happens
   (the first call, as with torch.compile itself), is unchanged; only the dynamo import moves.
   Anything that is not a plain function (a module) is compiled at once, as before.
-- Installed once, from ``gspo_megatron/__init__.py``, as a meta-path finder for that one module, so
-  every way into megatron (trainer, tools, tests, spawned ranks) behaves the same; it imports
-  nothing until megatron is imported (reward workers never import torch).
+- Installed once, from ``gspo_megatron/__init__.py``, as a meta-path finder for that one module
+  (``import_hooks.py``), so every way into megatron (trainer, tools, tests, spawned ranks) behaves
+  the same; it imports nothing until megatron is imported (reward workers never import torch).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.machinery
 import inspect
-import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
+
+from gspo_megatron.import_hooks import import_within
 
 MEGATRON_JIT_MODULE = "megatron.core.jit"
 
@@ -56,35 +56,18 @@ def deferring_compile(real_compile: Callable[..., Any]) -> Callable[..., Any]:
     return compile_later
 
 
-class _DeferringLoader(importlib.abc.Loader):
-    def __init__(self, loader: importlib.abc.Loader):
-        self._loader = loader
+@contextmanager
+def _torch_compile_deferred() -> Iterator[None]:
+    import torch  # megatron.core has imported it already
 
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        import torch  # megatron.core has imported it already
-
-        real_compile = torch.compile
-        torch.compile = deferring_compile(real_compile)
-        try:
-            self._loader.exec_module(module)
-        finally:
-            torch.compile = real_compile
-
-
-class _MegatronJitFinder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path, target=None):
-        if fullname != MEGATRON_JIT_MODULE:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _DeferringLoader(spec.loader)
-        return spec
+    real_compile = torch.compile
+    torch.compile = deferring_compile(real_compile)
+    try:
+        yield
+    finally:
+        torch.compile = real_compile
 
 
 def install() -> None:
     """Defer megatron's jit compilation (idempotent; no effect if megatron.core.jit is already loaded)."""
-    if not any(isinstance(finder, _MegatronJitFinder) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _MegatronJitFinder())
+    import_within(MEGATRON_JIT_MODULE, _torch_compile_deferred)

@@ -26,7 +26,12 @@ Same work on both sides, all taken from this project's composed config:
 Each side runs ``--rounds`` rounds in a fresh process; the sides alternate ``--reps`` times (ours,
 TRL, ours, TRL, ...) so load on the shared cores hits both alike. The first round of every run is
 warm-up and is not counted; per-round times are the median over all later rounds of all repetitions.
-Start-up (process start to the first round) is reported apart.
+Reported apart, medians over the repetitions with their min-max: start-up, from starting the
+process to the beginning of the first round (ours: the first ``train_step``, after the build and the
+first weight sync; TRL: ``on_train_begin``, after its optimizer is built, where its round clock
+starts), also as the CPU seconds the process itself had used by then (steadier than wall time on a
+loaded machine); and wind-down, from the end of the last round to the process's exit (ours writes
+the final checkpoint, the run summary and the routing report there; TRL saves nothing).
 
 Phases: ours as ``tools/bench_rl_step.py`` splits them (generate, reward, advantages, old_logp,
 update, weight_sync, other). TRL: ``generate`` (``_generate_single_turn``), ``reward``
@@ -123,7 +128,7 @@ def trl_run(cfg, hf_dir: str, rounds: int, out_dir: str, threads: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    started = time.perf_counter()
+    first_round: dict[str, float] = {}
     torch.set_num_threads(threads)
     t, r, a, o = cfg.trainer, cfg.rollout, cfg.algorithm, cfg.optimizer
     rows = t.prompts_per_step * r.group_size
@@ -201,6 +206,7 @@ def trl_run(cfg, hf_dir: str, rounds: int, out_dir: str, threads: int) -> dict:
 
         def on_train_begin(self, *_, **__):
             self._last = time.perf_counter()
+            first_round.update(at=time.time(), cpu=time.process_time())
 
         def on_step_end(self, *_, **__):
             now = time.perf_counter()
@@ -209,7 +215,6 @@ def trl_run(cfg, hf_dir: str, rounds: int, out_dir: str, threads: int) -> dict:
 
     clock = RoundClock()
     trainer.add_callback(clock)
-    startup = time.perf_counter() - started
     trainer.train()
     per = t.updates_per_rollout
     out = []
@@ -226,7 +231,7 @@ def trl_run(cfg, hf_dir: str, rounds: int, out_dir: str, threads: int) -> dict:
                 "tokens": generated_tokens[k],
             }
         )
-    return {"startup": startup, "rounds": out}
+    return {"first_round": first_round, "rounds": out}
 
 
 def _wrap(trainer, name: str) -> list[float]:
@@ -252,35 +257,63 @@ def _trl_process(cfg, hf_dir: str, rounds: int, threads: int, queue) -> None:
 def run_trl(cfg, hf_dir: str, rounds: int, threads: int) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    started = time.perf_counter()
+    started = time.time()
     process = ctx.Process(target=_trl_process, args=(cfg, hf_dir, rounds, threads, queue))
     process.start()
     result = queue.get()
     process.join()
     if process.exitcode:
         raise SystemExit(f"the TRL run failed (exit {process.exitcode})")
-    result["process_startup"] = time.perf_counter() - started - sum(r["step"] for r in result["rounds"])
-    return result
+    return {**result, **outside_rounds(started, result["first_round"], time.time(), result["rounds"])}
+
+
+def outside_rounds(started: float, first_round: dict[str, float], ended: float, rounds: list[dict]) -> dict:
+    """Start-up (process start to the first round, wall and the process's CPU seconds) and wind-down
+    (the last round's end to the process's exit), from wall-clock times (``time.time()``: the same
+    clock in parent and child)."""
+    startup = first_round["at"] - started
+    return {
+        "startup": startup,
+        "startup_cpu": first_round["cpu"],
+        "wind_down": ended - started - startup - sum(r["step"] for r in rounds),
+    }
 
 
 # ---------------------------------------------------------------- our side
 def run_ours(cfg, overrides: list[str], rounds: int, threads: int) -> dict:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_rl_step import bench_worker
-
     from gspo_megatron.testing.distributed import run_distributed
 
     with tempfile.TemporaryDirectory(prefix="bench_ours_") as run_dir:
-        started = time.perf_counter()
-        (steps,) = run_distributed(
-            bench_worker, 1, [f"trainer.steps={rounds}", *overrides], run_dir, timeout=3600, threads_per_rank=threads
+        started = time.time()
+        (result,) = run_distributed(
+            _ours_worker, 1, [f"trainer.steps={rounds}", *overrides], run_dir, timeout=3600, threads_per_rank=threads
         )[:1]
-        total = time.perf_counter() - started
+        ended = time.time()
         records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    steps = result["rounds"]
     rows = cfg.trainer.prompts_per_step * cfg.rollout.group_size
     for step, record in zip(steps, records, strict=False):
         step["tokens"] = record["response/length_mean"] * rows
-    return {"process_startup": total - sum(s["step"] for s in steps), "rounds": steps}
+    return {**result, **outside_rounds(started, result["first_round"], ended, steps)}
+
+
+def _ours_worker(ctx, overrides: list[str], run_dir: str) -> dict:
+    """``tools/bench_rl_step.py``'s worker, also noting when the first round began."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_rl_step import bench_worker
+
+    from gspo_megatron.trainer.trainer import RLTrainer
+
+    first_round: dict[str, float] = {}
+    train_step = RLTrainer.train_step
+
+    def noting_the_first_round(trainer):
+        if not first_round:
+            first_round.update(at=time.time(), cpu=time.process_time())
+        return train_step(trainer)
+
+    RLTrainer.train_step = noting_the_first_round  # this rank's process only
+    return {"first_round": first_round, "rounds": bench_worker(ctx, overrides, run_dir)}
 
 
 # ---------------------------------------------------------------- report
@@ -292,7 +325,9 @@ def summarise(runs: list[dict], phases: list[str]) -> dict:
     later = [r for run in runs for r in run["rounds"][1:]]
     out = {k: statistics.median(r[k] for r in later) for k in [*phases, "step"]}
     out["tokens_per_s"] = statistics.median(r["tokens"] / r["step"] for r in later)
-    out["startup"] = statistics.median(run["process_startup"] for run in runs)
+    for key in ("startup", "startup_cpu", "wind_down"):
+        values = [run[key] for run in runs]
+        out[key], out[f"{key}_spread"] = statistics.median(values), (min(values), max(values))
     out["step_spread"] = (min(r["step"] for r in later), max(r["step"] for r in later))
     return out
 
@@ -305,7 +340,16 @@ def report(ours: dict, trl: dict, rounds_counted: int) -> str:
     for name in TRL:
         lines.append(f"  {name:<12}{'':>9}{trl[name]:>9.3f}")
     lines.append(f"{'tokens/s':<14}{ours['tokens_per_s']:>9.0f}{trl['tokens_per_s']:>9.0f}  (completion tokens)")
-    lines.append(f"{'start-up':<14}{ours['startup']:>9.1f}{trl['startup']:>9.1f}  (process start to first round)")
+    for key, label, what in (
+        ("startup", "start-up", "process start to the first round"),
+        ("startup_cpu", "  CPU s", "the process's CPU seconds by then"),
+        ("wind_down", "wind-down", "the last round's end to the process's exit"),
+    ):
+        (o_min, o_max), (t_min, t_max) = ours[f"{key}_spread"], trl[f"{key}_spread"]
+        lines.append(
+            f"{label:<14}{ours[key]:>9.1f}{trl[key]:>9.1f}  ({what}; min-max ours {o_min:.1f}-{o_max:.1f}, "
+            f"TRL {t_min:.1f}-{t_max:.1f})"
+        )
     lines.append(
         f"round min-max  ours {ours['step_spread'][0]:.3f}-{ours['step_spread'][1]:.3f}  "
         f"TRL {trl['step_spread'][0]:.3f}-{trl['step_spread'][1]:.3f}; medians over {rounds_counted} rounds each"

@@ -27,8 +27,8 @@ PACKAGE = ROOT / "gspo_megatron"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("config_node", "registry", "provenance", "known_warnings", "deferred_compile", "trigger_words", "weights", "conf"),
-    ("parallel", "data", "rollout"),
+    ("config_node", "registry", "provenance", "known_warnings", "import_hooks", "trigger_words", "weights", "conf"),
+    ("parallel", "data", "rollout", "deferred_compile", "deferred_tensorboard"),
     ("models",),
     ("routing",),
     ("algorithms", "rewards"),
