@@ -27,6 +27,15 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class LogProbOutput:
+    """What ``LogProbHead`` hands back per micro-batch (last pipeline stage): whole rows."""
+
+    log_probs: torch.Tensor  # [b, s] log pi(target) at the head's temperature
+    entropy: torch.Tensor  # [b, s] entropy of the same distribution
+    rows: torch.Tensor | None  # the micro-batch's row indices into its RolloutBatch
+
+
+@dataclass
 class LogProbHead:
     """Forward-only: per-token log-probs of the targets (old policy, or a reference pass)."""
 
@@ -35,7 +44,7 @@ class LogProbHead:
     chunk_size: int | None = None
     cp_group: ProcessGroup | None = None  # context parallel: the rank's share of each row -> whole rows
 
-    def __call__(self, logits: torch.Tensor, batch: MicroBatch):
+    def __call__(self, logits: torch.Tensor, batch: MicroBatch) -> tuple[torch.Tensor, LogProbOutput]:
         with torch.no_grad():
             log_probs, entropy = vocab_parallel_log_probs(
                 logits,
@@ -46,7 +55,7 @@ class LogProbHead:
                 with_entropy=True,
             )
             log_probs, entropy = (gather_sequence(t, self.cp_group) for t in (log_probs, entropy))
-        return logits.new_zeros(()), {"log_probs": log_probs, "entropy": entropy, "rows": batch.rows}
+        return logits.new_zeros(()), LogProbOutput(log_probs, entropy, batch.rows)
 
 
 @dataclass
@@ -65,7 +74,7 @@ class PolicyLossHead:
         self.loss_fn = get_policy_loss(self.algorithm.loss)
         self.sequence_sum = context_parallel_sequence_sum_fn(self.cp_group)
 
-    def __call__(self, logits: torch.Tensor, batch: MicroBatch):
+    def __call__(self, logits: torch.Tensor, batch: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         algorithm = self.algorithm
         log_probs, entropy = vocab_parallel_log_probs(
             logits,

@@ -3,11 +3,15 @@
 One step, top to bottom (``train_step``):
     rollout -> reward -> shaped reward -> advantages      (driver rank: ``RolloutPhase``)
     -> each data-parallel rank's rows and micro-batch plan scattered to it (``batch_distribution``)
-    -> old log-probs: Megatron forward over the batch      (routing recorded / replayed if on)
+    -> old log-probs: Megatron forward over the batch, or the engine's   (``old_policy_phase``)
     -> reference log-probs when algorithm.kl_coef > 0      (frozen model; its routers never replay)
     -> k mini-batch policy updates through megatron's schedule and optimizer
     -> weight sync: HF-named export streamed tensor by tensor -> engine.update_weights (trainer/weight_stream.py)
     -> metrics, routing diagnostics, evaluation, checkpoint
+
+What a step runs is resolved once from the config (``StepPlan``: pi_old source, replay strategy,
+which forwards are recorded for the routing diagnostics); ``train_step`` only calls the phases.
+Every routing recording starts and stops in one ``RoutingRecorder`` (``routing/recorder.py``).
 
 Every rank runs this loop (SPMD); the driver (global rank 0) additionally owns the rollout engine,
 the task and the reward pool. Each data-parallel rank receives only the rows of its micro-batches
@@ -34,10 +38,10 @@ from gspo_megatron.models.micro_batch import MicroBatch, required
 from gspo_megatron.models.schedule import run_schedule
 from gspo_megatron.parallel.context_parallel import pad_sequence_length
 from gspo_megatron.parallel.heartbeat import is_collective_failure
-from gspo_megatron.rollout.mismatch import finalize_mismatch, train_inference_mismatch
+from gspo_megatron.routing.recorder import RoutingRecorder
 from gspo_megatron.routing.replay_strategy import build_replay_strategy
 from gspo_megatron.trainer.async_rollout import RolloutScheduler
-from gspo_megatron.trainer.batch import RolloutBatch, cut_micro_batches
+from gspo_megatron.trainer.batch import cut_micro_batches
 from gspo_megatron.trainer.batch_distribution import (
     RankShare,
     StepTotals,
@@ -47,21 +51,23 @@ from gspo_megatron.trainer.batch_distribution import (
 )
 from gspo_megatron.trainer.checkpoint import latest_checkpoint, save_checkpoint
 from gspo_megatron.trainer.checkpoint_check import load_checked_checkpoint
+from gspo_megatron.trainer.diagnostic_passes import DiagnosticPasses
 from gspo_megatron.trainer.diagnostics import RoutingDiagnostics
-from gspo_megatron.trainer.engine_old_log_probs import use_engine_log_probs
 from gspo_megatron.trainer.loss_head import LogProbHead, PolicyLossHead
 from gspo_megatron.trainer.micro_batches import sequence_multiple, step_padded_fraction
 from gspo_megatron.trainer.mismatch_phase import correct_mismatch
 from gspo_megatron.trainer.nonfinite import NonFiniteError, NonFiniteGuard, parameters_finite
+from gspo_megatron.trainer.old_policy_phase import OldPolicyResult, build_old_policy_phase
 from gspo_megatron.trainer.optim import keep_configured_hyperparameters, restore_schedule
 from gspo_megatron.trainer.run_dir_owner import RunDirError, new_run_id, resume_mode
-from gspo_megatron.trainer.setup import evaluation_inputs
+from gspo_megatron.trainer.setup import Components, evaluation_inputs
 from gspo_megatron.trainer.signals import SignalWatch, TrainingInterrupted
+from gspo_megatron.trainer.step_plan import StepPlan
 from gspo_megatron.trainer.weight_stream import sync_engine_weights
 
 
 class RLTrainer:
-    def __init__(self, components, signals: SignalWatch | None = None):
+    def __init__(self, components: Components, signals: SignalWatch | None = None):
         """``components`` is a ``trainer.setup.Components`` (built by ``trainer.setup.build``);
         ``signals``, if given, is looked at between steps (SIGTERM/SIGINT: save and stop)."""
         self.c = components
@@ -70,10 +76,17 @@ class RLTrainer:
         self.mesh = components.mesh
         self.step = 0
         self.run_id = new_run_id()  # a resumed run takes its checkpoint's id (pruning is per run)
+        self.plan = StepPlan.from_config(self.cfg, has_routers=components.replay is not None)
+        self.recorder = RoutingRecorder(components.replay)  # every routing recording starts and stops there
         # routing replay (none / R2 / R3) as one strategy object: the phases below call its hooks
-        self.replay = build_replay_strategy(self.cfg.algorithm.routing_replay, components.replay, self._rollout_targets)
-        self.diagnostics = RoutingDiagnostics(
-            self.cfg.routing, components, self.mesh, replays_in_training=self.replay.replays_in_training
+        self.replay = build_replay_strategy(self.plan.routing_replay, self.recorder, self._rollout_targets)
+        self.diagnostics = RoutingDiagnostics(self.plan, self.mesh, self.cfg.model.num_experts, components.routing_log)
+        head = self._log_prob_head()
+        self.old_policy = build_old_policy_phase(
+            self.plan.old_log_probs, components.model, self.mesh, self.replay, head
+        )
+        self.diagnostic_passes = DiagnosticPasses(
+            components.model, self.plan, self.recorder, self.replay, self.diagnostics, head
         )
         self.clip_controller = AdaptiveClipController.from_config(self.cfg.algorithm)  # None: fixed eps
         self.rollouts: RolloutScheduler | None = None  # the driver's rollout schedule (synchronous or one step ahead)
@@ -154,16 +167,19 @@ class RLTrainer:
         batch, totals, metrics = share.batch, share.totals, dict(share.metrics)
         parts = cut_micro_batches(batch, share.plan)
         metrics["batch/padded_token_frac"] = step_padded_fraction(totals.input_tokens, parts, self.mesh.layout.dp)
+        flat = [mb for part in parts for mb in part]
         with self._phase(timings, "old_logp"):
-            old_metrics = self._old_log_probs(batch, parts)
-        if self.cfg.algorithm.mismatch_correction != "none":  # importance weights pi_old / pi_rollout
+            old = self.old_policy.run(batch, flat)
+            self.diagnostics.begin_step(self.step, old, flat, self._rollout_targets)
+        old_metrics = dict(old.metrics)
+        if self.plan.corrects_mismatch:  # importance weights pi_old / pi_rollout
             mismatch_metrics, totals = correct_mismatch(batch, parts, self.cfg.algorithm, totals, self._dp_group())
             old_metrics.update(mismatch_metrics)
         if self.c.reference is not None:  # algorithm.kl_coef > 0: frozen reference, routers never replay
             with self._phase(timings, "ref_logp"):
-                self.c.reference.attach_log_probs([mb for part in parts for mb in part])
+                self.c.reference.attach_log_probs(flat)
         with self._phase(timings, "update"):
-            update_metrics = self._policy_updates(parts, totals)
+            update_metrics = self._policy_updates(parts, totals, old)
         with self._phase(timings, "weight_sync"):
             self.sync_weights()
         metrics.update(old_metrics)
@@ -208,62 +224,15 @@ class RLTrainer:
         """The data-parallel group where sums over rows must be completed (None: one DP rank)."""
         return self.mesh.dp_group if self.mesh.layout.dp > 1 else None
 
-    def _old_log_probs(self, batch: RolloutBatch, parts: list[list[MicroBatch]]) -> dict:
-        """pi_old log-probs (and the routing they used) for every row, on every rank.
-
-        Runs over exactly the micro-batches the updates will use (``parts``, flattened), so what it
-        records per micro-batch lines up with the replaying forwards; it adds ``old_log_probs`` to
-        each of those micro-batches.
-        """
+    def _log_prob_head(self) -> LogProbHead:
+        """Forward-only log-probs at the rollout temperature (old policy, diagnostics' passes)."""
         cfg, mesh = self.cfg, self.mesh
-        flat = [mb for part in parts for mb in part]
-        if cfg.algorithm.old_log_probs == "rollout":
-            self.diagnostics.remember_old_routing(None, flat)
-            return use_engine_log_probs(batch, flat)
-        head = LogProbHead(
+        return LogProbHead(
             mesh.tp_group,
             cfg.rollout.temperature,
             cfg.algorithm.logprob_chunk_size,
             cp_group=mesh.cp_group if mesh.layout.cp > 1 else None,
         )
-        before = self.replay.old_pass_begin(flat)
-        outputs = run_schedule(self.c.model, flat, head, forward_only=True, before_forward=before)
-        routing = self.replay.old_pass_end()
-        if self.c.replay is not None:  # an MoE model: its routing is measured
-            self.diagnostics.remember_old_routing(routing.old_policy_routing, flat, routing.trainer_routing)
-            self.diagnostics.rollout_vs_train(self.step, flat, self._rollout_targets, routing.trainer_routing)
-        batch.old_log_probs = self._gather_rows(outputs, "log_probs", batch)
-        mask = batch.mismatch_mask
-        sums = train_inference_mismatch(batch.old_log_probs, batch.rollout_log_probs, mask)
-        entropy = self._gather_rows(outputs, "entropy", batch)
-        sums["entropy_sum"] = (entropy * mask).sum().double()
-        sums = self._sum_over_dp(sums)  # data-parallel ranks hold disjoint rows
-        out = {k: float(v) for k, v in finalize_mismatch(sums).items()}
-        out["policy/entropy_old"] = float(sums["entropy_sum"] / sums["token_count"].clamp_min(1))
-        # the update micro-batches carry the old log-probs from here on
-        for mb in flat:
-            mb.old_log_probs = batch.old_log_probs[
-                batch.local(required(mb.rows, "rows", "old log-probs")), : mb.seq_len
-            ]
-        return out
-
-    def _sum_over_dp(self, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        group = self._dp_group()
-        if group is None:
-            return sums
-        keys = sorted(sums)
-        stacked = torch.stack([sums[k].double() for k in keys])
-        dist.all_reduce(stacked, group=group)
-        return dict(zip(keys, stacked.unbind()))
-
-    def _gather_rows(self, outputs: list[dict], key: str, batch: RolloutBatch) -> torch.Tensor:
-        """Per-token values of this rank's rows, from the last stage to every stage of its pipeline."""
-        full = torch.zeros(batch.num_sequences, batch.tokens.shape[1] - 1, device=self.mesh.device)
-        for out in outputs:
-            full[batch.local(out["rows"]).to(full.device), : out[key].shape[1]] = out[key].float()
-        if self.mesh.layout.pp > 1:
-            dist.broadcast(full, src=self.mesh.last_stage_global_rank, group=self.mesh.pp_group)
-        return full.cpu()
 
     def _rollout_targets(self, micro_batch: MicroBatch) -> list[torch.Tensor]:
         from gspo_megatron.routing.replay import rollout_targets
@@ -279,7 +248,7 @@ class RLTrainer:
             self.mesh.cp_rank if layout.cp > 1 else 0,
         )
 
-    def _policy_updates(self, parts: list[list[MicroBatch]], totals: StepTotals) -> dict:
+    def _policy_updates(self, parts: list[list[MicroBatch]], totals: StepTotals, old: OldPolicyResult) -> dict:
         cfg, mesh = self.cfg, self.mesh
         merged = None
         grad_norms = []
@@ -296,24 +265,21 @@ class RLTrainer:
                 clip=None if self.clip_controller is None else self.clip_controller.eps,  # None: configured eps
             )
             # routing part vs weight part of this update's ratio (diagnosed steps, last update; same weights)
-            self.diagnostics.decompose_ratio(update, self.step, mbs, offset, self.replay, head.algorithm)
-            before = self.replay.update_begin(mbs, partial(self.diagnostics.old_routing_for, offset, len(mbs)))
-            record = self.diagnostics.records_training_forward(update, self.step)
-            if record:
-                self.c.replay.start_recording()
-            self.c.model.zero_grad_buffer()
-            self.c.optimizer.zero_grad()
-            outputs = run_schedule(self.c.model, mbs, head, forward_only=False, before_forward=before)
-            if record:
-                self.diagnostics.from_training_forward(
-                    self.c.replay.recorded(), offset, mbs, self._rollout_targets, self.step
+            self.diagnostic_passes.decompose_ratio(update, self.step, mbs, offset, head.algorithm)
+            record = self.plan.records_training_forward(update, self.step)
+            with self.replay.update(mbs, partial(old.routing_of, offset, len(mbs)), record=record) as routing:
+                self.c.model.zero_grad_buffer()
+                self.c.optimizer.zero_grad()
+                outputs = run_schedule(
+                    self.c.model, mbs, head, forward_only=False, before_forward=routing.before_forward
                 )
-            self.replay.update_end()
+            if record:
+                self.diagnostics.from_training_forward(routing.routing, offset, mbs, self._rollout_targets, self.step)
             grad_norm = self._guarded_optimizer_step(outputs, f"step {self.step + 1} update {update}")
             grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
             for out in outputs:
                 merged = merge_metrics(merged, {k: v for k, v in out.items() if "/" in k})
-            self.diagnostics.after_update(update, self.step, parts[0])
+            self.diagnostic_passes.recording_pass_after(update, self.step, parts[0])
             offset += len(mbs)
         metrics = self._reduce_loss_metrics(merged)
         metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
