@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-SEQUENCE_LEVEL_LOSSES = ("gspo", "gspo_token")
+from gspo_megatron.algorithms.losses import SEQUENCE_LEVEL_LOSSES
 
 
 @dataclass

@@ -13,6 +13,7 @@ from gspo_megatron.algorithms.mismatch_correction import MismatchCorrection
 from gspo_megatron.config.schema import TrainConfig
 from gspo_megatron.config_node import config_nodes
 from gspo_megatron.parallel.context_parallel import validate_context_parallel
+from gspo_megatron.routing.config import DiagnosticKind
 from gspo_megatron.routing.replay import validate_replay_mode
 from gspo_megatron.routing.replay_strategy import needs_engine_routing, replays
 from gspo_megatron.shaping.triggers import check_shared_triggers
@@ -73,7 +74,11 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
     if cfg.model.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype must be float32 or bfloat16, got {cfg.model.dtype!r}")
     _validate_routed_experts_source(cfg)
-    if cfg.routing.enabled and "ratio_decomposition" in cfg.routing.kinds and cfg.algorithm.old_log_probs == "rollout":
+    if (
+        cfg.routing.enabled
+        and DiagnosticKind.ratio_decomposition in cfg.routing.kinds
+        and cfg.algorithm.old_log_probs == OldLogProbSource.rollout
+    ):
         raise ConfigError(
             "routing.kinds contains ratio_decomposition, which replays the old-log-prob pass's routing, but "
             "algorithm.old_log_probs=rollout skips that pass; set algorithm.old_log_probs=trainer or drop "

@@ -78,7 +78,7 @@ class RolloutPhase:
         g = self.sampling.n
         shaped = shape_batch([group.shaping for group in drawn], self.shaping)
         shaped_rewards = torch.cat([s.rewards for s in shaped.groups]).float()
-        shaped_rewards = rewards + self.shaping.strength(step) * (shaped_rewards - rewards)
+        shaped_rewards = self._mixed(rewards, shaped_rewards, step)
         estimator = ADVANTAGE_ESTIMATORS.get(self.algorithm.advantage_estimator)
         context = make_advantage_context(self.algorithm, g)
         advantage = shaped_advantages(rewards, shaped_rewards, lambda r: estimator(r, context), g, self.shaping.combine)
@@ -94,12 +94,16 @@ class RolloutPhase:
         metrics = self._metrics(step, samples, scored, shaped, advantage, batch)
         return batch, {**{k: float(v) for k, v in metrics.items()}, **extra_metrics}
 
+    def _mixed(self, rewards: torch.Tensor, shaped: torch.Tensor, step: int) -> torch.Tensor:
+        """The rewards the advantages see: r + strength(step) * (r_shaped - r) (strength ramps shaping in)."""
+        return rewards + self.shaping.strength(step) * (shaped - rewards)
+
     def _has_reward_variance(self, group: DrawnGroup, step: int) -> bool:
         """Whether the rewards the advantages will see (shaping mixed in at this step's strength) differ
         within the group; exact equality, as ``advantage/zero_variance_group_frac`` counts it."""
         rewards = group.shaping.rewards.float()
         shaped = shape_group(group.shaping, self.shaping).rewards.float()
-        mixed = rewards + self.shaping.strength(step) * (shaped - rewards)
+        mixed = self._mixed(rewards, shaped, step)
         if self.shaping.combine == "advantage":  # A = normalised task reward + centred shaping term
             return _varies(rewards) or _varies(mixed - rewards)
         return _varies(mixed)

@@ -233,9 +233,9 @@ def _build_driver_side(c: Components) -> None:
 
 def _resume_step(c: Components) -> int:
     from gspo_megatron.trainer.checkpoint import latest_checkpoint
-    from gspo_megatron.trainer.run_dir_owner import resume_mode
+    from gspo_megatron.trainer.run_dir_owner import ResumeMode, resume_mode
 
-    if resume_mode(c.cfg.checkpoint.resume) == "false":
+    if resume_mode(c.cfg.checkpoint.resume) is ResumeMode.false:
         return 0
     path = latest_checkpoint(c.run_dir)
     return int(path.name.split("_")[-1]) if path is not None else 0

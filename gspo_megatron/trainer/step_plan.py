@@ -69,7 +69,7 @@ class StepPlan:
     @property
     def engine_old_policy(self) -> bool:
         """pi_old is the engine's: no old-policy forward runs (and records nothing)."""
-        return self.old_log_probs is OldLogProbSource.rollout
+        return self.old_log_probs == OldLogProbSource.rollout
 
     def due(self, kind: DiagnosticKind, step: int) -> bool:
         return self.has_routers and self.diagnostics.is_due(step, kind)

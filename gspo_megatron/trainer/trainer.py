@@ -59,7 +59,7 @@ from gspo_megatron.trainer.mismatch_phase import correct_mismatch
 from gspo_megatron.trainer.nonfinite import NonFiniteError, NonFiniteGuard, parameters_finite
 from gspo_megatron.trainer.old_policy_phase import OldPolicyResult, build_old_policy_phase
 from gspo_megatron.trainer.optim import keep_configured_hyperparameters, restore_schedule
-from gspo_megatron.trainer.run_dir_owner import RunDirError, new_run_id, resume_mode
+from gspo_megatron.trainer.run_dir_owner import ResumeMode, RunDirError, new_run_id, resume_mode
 from gspo_megatron.trainer.setup import Components, evaluation_inputs
 from gspo_megatron.trainer.signals import SignalWatch, TrainingInterrupted
 from gspo_megatron.trainer.step_plan import StepPlan
@@ -387,11 +387,11 @@ class RLTrainer:
 
     def _maybe_resume(self) -> None:
         mode = resume_mode(self.cfg.checkpoint.resume)
-        if mode == "false":
+        if mode is ResumeMode.false:
             return
         path = latest_checkpoint(self.c.run_dir)
         if path is None:
-            if mode == "true":
+            if mode is ResumeMode.true:
                 raise RunDirError(f"checkpoint.resume=true but {self.c.run_dir}/checkpoints holds no checkpoint")
             return
         with keep_configured_hyperparameters(self.c.optimizer):  # allowed optimizer changes take effect
