@@ -3,7 +3,9 @@ entropy bonus and reference KL when their coefficients are non-zero).
 
 Runs on the last pipeline stage, on vocab-parallel logits [b, s, V/tp]. The math lives in
 ``gspo_megatron.algorithms``; this module only plumbs: which tensors of the micro-batch feed it,
-which denominators and groups it uses, and which metrics come back.
+which denominators and groups it uses, and which metrics come back. ``PolicyLossHead``'s metric
+entries carry the names the run logs (the loss's own and the KL's under ``loss/``, the policy's
+entropy as ``entropy``): the trainer reduces them and renames nothing.
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ class PolicyLossHead:
         out = self.loss_fn(
             log_probs, old_log_probs, required(batch.advantages, "advantages", "the policy loss"), mask, ctx
         )
-        metrics = dict(out.metrics)
+        metrics = _under_loss(out.metrics)
         metrics.update(token_mean_metric("entropy", entropy, mask, self.sequence_sum))
         # The losses of all micro-batches and ranks add up to the mini-batch loss; a count equal to
         # this micro-batch's share of the sequences makes the merged "mean" that total.
@@ -114,7 +116,12 @@ class PolicyLossHead:
             term, kl_metrics = kl_penalty(
                 log_probs, batch.ref_log_probs, mask, ctx, algorithm.kl_coef, algorithm.kl_estimator
             )
-            metrics.update(kl_metrics)
+            metrics.update(_under_loss(kl_metrics))
             metrics.update(mean_entries("loss/kl_term", term.detach(), share))
             loss = loss + term
         return loss, metrics
+
+
+def _under_loss(entries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The loss functions' metric entries (``ratio/sum``, ...) as logged: ``loss/ratio/sum``."""
+    return {f"loss/{key}": value for key, value in entries.items()}

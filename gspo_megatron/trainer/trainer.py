@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import signal
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.algorithms.adaptive_clip import AdaptiveClipController
+from gspo_megatron.algorithms.adaptive_clip import AdaptiveClipController, ClipFractions
 from gspo_megatron.algorithms.metrics import SUM, finalize_metrics, merge_metrics
 from gspo_megatron.algorithms.reductions import all_reduce_metrics
 from gspo_megatron.models.micro_batch import MicroBatch, required
@@ -179,13 +180,13 @@ class RLTrainer:
             with self._phase(timings, "ref_logp"):
                 self.c.reference.attach_log_probs(flat)
         with self._phase(timings, "update"):
-            update_metrics = self._policy_updates(parts, totals, old)
+            update = self._policy_updates(parts, totals, old)
         with self._phase(timings, "weight_sync"):
             self.sync_weights()
         metrics.update(old_metrics)
-        metrics.update(update_metrics)
+        metrics.update(update.metrics)
         if self.clip_controller is not None:  # adapts eps for the next step from this step's clip fraction
-            clipped = update_metrics.get(self.clip_controller.metric, float("nan"))
+            clipped = self.clip_controller.measured(update.clip_fractions)
             metrics.update(self.clip_controller.update(clipped))
             if metrics["clip/held"] and self.mesh.is_driver:
                 print(
@@ -248,7 +249,7 @@ class RLTrainer:
             self.mesh.cp_rank if layout.cp > 1 else 0,
         )
 
-    def _policy_updates(self, parts: list[list[MicroBatch]], totals: StepTotals, old: OldPolicyResult) -> dict:
+    def _policy_updates(self, parts: list[list[MicroBatch]], totals: StepTotals, old: OldPolicyResult) -> UpdateResult:
         cfg, mesh = self.cfg, self.mesh
         merged = None
         grad_norms = []
@@ -278,13 +279,14 @@ class RLTrainer:
             grad_norm = self._guarded_optimizer_step(outputs, f"step {self.step + 1} update {update}")
             grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
             for out in outputs:
-                merged = merge_metrics(merged, {k: v for k, v in out.items() if "/" in k})
+                merged = merge_metrics(merged, out)
             self.diagnostic_passes.recording_pass_after(update, self.step, parts[0])
             offset += len(mbs)
         metrics = self._reduce_loss_metrics(merged)
+        clip_fractions = ClipFractions(metrics["loss/clip_frac_token"], metrics["loss/clip_frac_seq"])
         metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics.update(self.nonfinite.step_metrics())
-        return metrics
+        return UpdateResult(metrics, clip_fractions)
 
     def _guarded_optimizer_step(self, outputs: list[dict], where: str):
         """Step optimizer and LR schedule only when loss and gradients are finite on every rank."""
@@ -302,8 +304,9 @@ class RLTrainer:
         self.nonfinite.record(problem, where)
         return grad_norm if problem is None else float("nan")
 
-    def _reduce_loss_metrics(self, merged: dict | None) -> dict:
-        """Sum/min/max over micro-batches (done) and data-parallel ranks, then to the driver."""
+    def _reduce_loss_metrics(self, merged: dict[str, torch.Tensor] | None) -> dict[str, float]:
+        """Sum/min/max over micro-batches (done) and data-parallel ranks, then to every pipeline stage.
+        The entries carry their logged names (``PolicyLossHead``)."""
         payload: list[Any] = [None]
         if merged is not None:
             layout = self.mesh.layout
@@ -315,9 +318,9 @@ class RLTrainer:
             )
             # a response-length bucket with no response this step is left out (not logged as NaN)
             final = {
-                f"loss/{k}" if not k.startswith(("loss/", "entropy")) else k: float(v)
+                k: float(v)
                 for k, v in finalize_metrics(reduced).items()
-                if not (k.startswith("ratio_var_") and math.isnan(float(v)))
+                if not (k.startswith("loss/ratio_var_") and math.isnan(float(v)))
             }
             for unit in ("token", "seq"):  # the run-dir format's headline clip fractions
                 final[f"loss/clip_frac_{unit}"] = (
@@ -326,7 +329,9 @@ class RLTrainer:
             payload = [final]
         if self.mesh.layout.pp > 1:
             dist.broadcast_object_list(payload, src=self.mesh.last_stage_global_rank, group=self.mesh.pp_group)
-        return payload[0] or {}
+        if payload[0] is None:
+            raise RuntimeError("the policy update returned no loss metrics (no micro-batch reached the loss)")
+        return payload[0]
 
     def sync_weights(self, version: int | None = None) -> None:
         """Stream the policy's HF-named weights into the rollout engine (collective on all ranks).
@@ -408,6 +413,14 @@ class RLTrainer:
         if self.mesh.is_driver:
             lr = self.c.optimizer.param_groups[0]["lr"]
             print(f"[gspo] resumed from {path} at step {self.step}; lr {lr:.6g}")
+
+
+@dataclass
+class UpdateResult:
+    """The policy-update phase of one step, on every rank."""
+
+    metrics: dict[str, float]  # logged names: loss/*, entropy, grad_norm, nonfinite/*
+    clip_fractions: ClipFractions  # what adaptive clipping steers by
 
 
 class CollectiveFailure(RuntimeError):
