@@ -166,15 +166,14 @@ class RolloutPhase:
                 metrics[f"shaping/{key}"] = value
             elif value.dim() == 1:  # per length cluster (segments_per_cluster): one scalar per cluster
                 metrics.update({f"shaping/{key}/{k}": v for k, v in enumerate(value)})
-        exit_reasons = [s.extra.get("exit_reason") for s in samples if "exit_reason" in s.extra]
+        truncations = [s.truncation for s in samples if s.truncation is not None]
+        exit_reasons = [t.exit_reason for t in truncations]
         for reason in sorted(set(exit_reasons)):
             metrics[f"truncation/exit_{reason}_frac"] = torch.tensor(exit_reasons.count(reason) / len(samples))
         if exit_reasons:  # inserted (forced) tokens, and how many the loss mask actually leaves out
-            metrics["truncation/forced_tokens"] = torch.tensor(
-                float(sum(int(s.extra["forced_mask"].sum()) for s in samples))
-            )
+            metrics["truncation/forced_tokens"] = torch.tensor(float(sum(t.forced_tokens for t in truncations)))
             metrics["truncation/loss_masked_tokens"] = batch.response_lengths.sum() - batch.response_mask.sum()
-            metrics["truncation/probes_mean"] = torch.tensor(sum(s.extra["num_probes"] for s in samples) / len(samples))
+            metrics["truncation/probes_mean"] = torch.tensor(sum(t.num_probes for t in truncations) / len(samples))
         return metrics
 
     def _score(self, texts: list[str], records: list[PromptRecord]):
