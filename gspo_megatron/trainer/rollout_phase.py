@@ -25,7 +25,7 @@ from gspo_megatron.rollout.engine import RolloutEngine
 from gspo_megatron.rollout.types import Sample, SamplingParams
 from gspo_megatron.shaping.apply import shape_batch, shape_group
 from gspo_megatron.shaping.combine import shaped_advantages
-from gspo_megatron.shaping.config import ShapingConfig
+from gspo_megatron.shaping.config import ShapingCombine, ShapingConfig
 from gspo_megatron.shaping.types import ShapingGroup, group_from_samples
 from gspo_megatron.trainer.batch import RolloutBatch, pack_samples
 from gspo_megatron.trainer.dynamic_sampling import collect_informative_groups
@@ -104,7 +104,7 @@ class RolloutPhase:
         rewards = group.shaping.rewards.float()
         shaped = shape_group(group.shaping, self.shaping).rewards.float()
         mixed = self._mixed(rewards, shaped, step)
-        if self.shaping.combine == "advantage":  # A = normalised task reward + centred shaping term
+        if self.shaping.combine == ShapingCombine.advantage:  # A = normalised task reward + centred shaping term
             return _varies(rewards) or _varies(mixed - rewards)
         return _varies(mixed)
 
