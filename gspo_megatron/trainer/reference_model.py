@@ -23,6 +23,8 @@ Design decisions:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from gspo_megatron.models.builder import build_model
@@ -30,6 +32,11 @@ from gspo_megatron.models.conversion import SafetensorsSource, load_hf_weights
 from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.models.schedule import run_schedule
 from gspo_megatron.trainer.loss_head import LogProbHead
+
+if TYPE_CHECKING:
+    from gspo_megatron.config.schema import TrainConfig
+    from gspo_megatron.parallel.layout import ParallelLayout
+    from gspo_megatron.parallel.mesh import ParallelMesh
 
 
 class ReferenceModel:
@@ -47,7 +54,14 @@ class ReferenceModel:
             param.requires_grad_(False)
 
     @classmethod
-    def build(cls, cfg, layout, mesh, policy_source, dtype: torch.dtype) -> ReferenceModel:
+    def build(
+        cls,
+        cfg: TrainConfig,
+        layout: ParallelLayout,
+        mesh: ParallelMesh,
+        policy_source: SafetensorsSource | dict[str, torch.Tensor],
+        dtype: torch.dtype,
+    ) -> ReferenceModel:
         """``policy_source``: where the policy's initial weights came from (unless kl_reference is set)."""
         path = cfg.algorithm.kl_reference
         source = SafetensorsSource(path) if path else policy_source

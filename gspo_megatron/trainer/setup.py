@@ -57,6 +57,18 @@ class Components:
     routing_log: RoutingLog | None = None
     reference: ReferenceModel | None = None  # frozen KL reference; None unless algorithm.kl_coef > 0
 
+    def driver_rollout(self) -> RolloutPhase:
+        """The rollout phase, which only the driver (global rank 0) builds."""
+        if self.rollout is None:
+            raise RuntimeError("only the driver (global rank 0) holds the rollout phase")
+        return self.rollout
+
+    def driver_task(self) -> Task:
+        """The task, which only the driver (global rank 0) builds."""
+        if self.task is None:
+            raise RuntimeError("only the driver (global rank 0) holds the task")
+        return self.task
+
     @property
     def model_chunk(self) -> GPTModel:
         """The unwrapped GPTModel stage (weights, export, checkpoints)."""

@@ -92,9 +92,9 @@ class RLTrainer:
         self.clip_controller = AdaptiveClipController.from_config(self.cfg.algorithm)  # None: fixed eps
         self.rollouts: RolloutScheduler | None = None  # the driver's rollout schedule (synchronous or one step ahead)
         if self.mesh.is_driver:
-            rollout = self.cfg.rollout
+            rollout, rollout_phase = self.cfg.rollout, components.driver_rollout()
             self.rollouts = RolloutScheduler(
-                lambda step: components.rollout.run(step, self.cfg.trainer.prompts_per_step),
+                lambda step: rollout_phase.run(step, self.cfg.trainer.prompts_per_step),
                 # bounded by trainer.steps, not stop_after_steps: a job stopped early still prefetches
                 # (and checkpoints) the batch the uninterrupted run would train next
                 rollout.max_staleness if rollout.async_rollout else 0,
@@ -345,8 +345,9 @@ class RLTrainer:
     def _evaluate(self) -> dict:
         payload: list[Any] = [None]
         if self.mesh.is_driver:
-            records, params = evaluation_inputs(self.cfg, self.c.rollout)
-            payload = [self.c.rollout.evaluate(records, params)]
+            rollout = self.c.driver_rollout()
+            records, params = evaluation_inputs(self.cfg, rollout)
+            payload = [rollout.evaluate(records, params)]
         dist.broadcast_object_list(payload, src=0)
         return payload[0]
 
@@ -360,7 +361,7 @@ class RLTrainer:
             )
         state = {
             "scheduler": self.c.scheduler.state_dict(),
-            "task": self.c.task.state_dict() if self.mesh.is_driver else None,
+            "task": self.c.driver_task().state_dict() if self.mesh.is_driver else None,
             "config": self.c.config_yaml,
             "clip_controller": self.clip_controller.state_dict() if self.clip_controller else None,
             "rollout_scheduler": self.rollouts.state_dict() if self.rollouts is not None else None,
@@ -404,7 +405,7 @@ class RLTrainer:
         self.run_id = state.get("run_id", "")
         restore_schedule(self.c.scheduler, state["scheduler"], print if self.mesh.is_driver else None)
         if self.mesh.is_driver and state.get("task") is not None:
-            self.c.task.load_state_dict(state["task"])
+            self.c.driver_task().load_state_dict(state["task"])
         if self.rollouts is not None and state.get("rollout_scheduler") is not None:
             self.rollouts.load_state_dict(state["rollout_scheduler"])
         self.step = int(state["step"])
