@@ -136,13 +136,13 @@ def _check_algorithm(cfg: AlgorithmConfig) -> None:
             f"algorithm.mismatch_correction={cfg.mismatch_correction} gives per-token weights, but loss=gspo has one "
             "ratio per sequence; use sequence_truncate/sequence_mask with gspo (or loss=gspo_token / grpo)"
         )
-    if cfg.mismatch_sequence_ratio == "product" and not cfg.mismatch_correction.startswith("sequence_"):
+    if cfg.mismatch_sequence_ratio == SequenceRatio.product and not cfg.mismatch_correction.startswith("sequence_"):
         raise ValueError(
             f"algorithm.mismatch_sequence_ratio=product combines a row's token ratios, but "
             f"mismatch_correction={cfg.mismatch_correction} has no sequence weight; use sequence_truncate or "
             "sequence_mask, or leave mismatch_sequence_ratio=geometric"
         )
-    if cfg.mismatch_rejected == "drop" and not cfg.mismatch_correction.endswith("_mask"):
+    if cfg.mismatch_rejected == RejectedTokens.drop and not cfg.mismatch_correction.endswith("_mask"):
         raise ValueError(
             f"algorithm.mismatch_rejected=drop removes the tokens a mask mode rejects, but "
             f"mismatch_correction={cfg.mismatch_correction} rejects none; use token_mask or sequence_mask, "

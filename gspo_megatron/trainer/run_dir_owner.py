@@ -155,7 +155,7 @@ def check_fresh_start(run_dir: Path, overwrite: bool, mode: str = "false") -> No
     found = existing_run_files(run_dir)
     if not found or overwrite:
         return
-    if mode == "auto":  # resume was asked for, and there is nothing to resume
+    if mode == ResumeMode.auto:  # resume was asked for, and there is nothing to resume
         raise RunDirError(
             f"run_dir {run_dir} holds a run ({', '.join(found)}) but no checkpoint to resume "
             "(checkpoint.resume=auto): that run stopped before its first save. Start over in it with "

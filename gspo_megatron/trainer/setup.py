@@ -22,6 +22,7 @@ from gspo_megatron.models.conversion import SafetensorsSource, hf_shapes, load_h
 from gspo_megatron.models.schedule import wrap_for_training
 from gspo_megatron.parallel.mesh import ParallelMesh, initialize_parallel
 from gspo_megatron.rewards.pool import RewardPool
+from gspo_megatron.rollout.config import RolloutEngineName
 from gspo_megatron.rollout.engine import RolloutEngine
 from gspo_megatron.rollout.types import SamplingParams
 from gspo_megatron.routing.replay import RoutingReplay
@@ -254,11 +255,11 @@ def _resume_step(c: Components) -> int:
 
 
 def _build_engine(cfg: TrainConfig, tokenizer) -> RolloutEngine:
-    if cfg.rollout.engine == "embedded":
+    if cfg.rollout.engine == RolloutEngineName.embedded:
         from gspo_megatron.rollout.embedded import EmbeddedEngine
 
         return EmbeddedEngine(cfg.model.to_hf_config(), cfg.rollout.embedded, decode=tokenizer.decode)
-    if cfg.rollout.engine == "sglang":
+    if cfg.rollout.engine == RolloutEngineName.sglang:
         from gspo_megatron.rollout.sglang.engine import SGLangEngine
 
         return SGLangEngine(cfg.rollout.sglang)
