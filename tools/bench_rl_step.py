@@ -114,9 +114,9 @@ def bench_worker(
     policy_updates = trainer._policy_updates
     profiler = cProfile.Profile() if profile_top and ctx.rank == 0 else None
 
-    def counted_updates(parts, totals):
+    def counted_updates(parts, *rest):
         padded_tokens.append(sum(mb.tokens.numel() for part in parts for mb in part))
-        return policy_updates(parts, totals)
+        return policy_updates(parts, *rest)
 
     trainer._policy_updates = counted_updates
 
