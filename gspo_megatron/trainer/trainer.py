@@ -185,14 +185,7 @@ class RLTrainer:
             self.sync_weights()
         metrics.update(old_metrics)
         metrics.update(update.metrics)
-        if self.clip_controller is not None:  # adapts eps for the next step from this step's clip fraction
-            clipped = self.clip_controller.measured(update.clip_fractions)
-            metrics.update(self.clip_controller.update(clipped))
-            if metrics["clip/held"] and self.mesh.is_driver:
-                print(
-                    f"[gspo] step {self.step + 1}: {self.clip_controller.metric} is {clipped} (no valid token "
-                    "or a skipped update); adaptive clip held eps for the next step (metric clip/held=1)"
-                )
+        metrics.update(self._adapt_clip(update))
         metrics.update(self.diagnostics.finish_step(self.step + 1))
         eval_every = self.cfg.trainer.eval_every
         if eval_every and (self.step + 1) % eval_every == 0:
@@ -202,6 +195,19 @@ class RLTrainer:
         return metrics
 
     # ------------------------------------------------------------------ phases
+    def _adapt_clip(self, update: UpdateResult) -> dict[str, float]:
+        """Adaptive clipping (off: no metrics): eps for the next step from this step's clip fraction."""
+        if self.clip_controller is None:
+            return {}
+        clipped = self.clip_controller.measured(update.clip_fractions)
+        metrics = self.clip_controller.update(clipped)
+        if metrics["clip/held"] and self.mesh.is_driver:
+            print(
+                f"[gspo] step {self.step + 1}: {self.clip_controller.metric} is {clipped} (no valid token "
+                "or a skipped update); adaptive clip held eps for the next step (metric clip/held=1)"
+            )
+        return metrics
+
     def _rollout(self) -> RankShare:
         """The driver's rollout, then each data-parallel rank's rows and micro-batch plan to it."""
         shares = None
