@@ -64,7 +64,7 @@ class ExitReason(StrEnum):
 class Truncation:
     """How a Dynamic Truncated Rollout (``rollout/truncated.py``) ended a sample's thinking."""
 
-    exit_reason: str  # an ExitReason
+    exit_reason: str | None  # an ExitReason (None only if the trace ended without setting one)
     num_probes: int
     probe_confidences: list[float]
     forced_mask: torch.Tensor  # bool [len(output_ids)]: tokens inserted (not sampled); kept out of the loss
