@@ -138,14 +138,14 @@ def bench_worker(
 
     operator_times: dict[str, OperatorTimes] = {}
 
-    def counted_updates(parts, totals):
+    def counted_updates(parts, *rest):
         padded_tokens.append(sum(mb.tokens.numel() for part in parts for mb in part))
         measured = len(step_seconds) >= max(1, len(expert_arms))  # after the warm-up step(s)
         if not (torch_profile_top and ctx.rank == 0 and measured):
-            return policy_updates(parts, totals)
+            return policy_updates(parts, *rest)
         arm = expert_arms[len(step_seconds) % len(expert_arms)] if expert_arms else "update"
         with profile_operators(operator_times.setdefault(arm, OperatorTimes())):
-            return policy_updates(parts, totals)
+            return policy_updates(parts, *rest)
 
     trainer._policy_updates = counted_updates
 
@@ -180,7 +180,7 @@ def bench_worker(
             pstats.Stats(profiler, stream=sys.stdout).sort_stats(order).print_stats(profile_top)
         sys.stdout.flush()
     steps = []
-    records = zip(read_metrics(run_dir), generate.seconds, score.seconds, step_seconds, padded_tokens)
+    records = zip(read_metrics(run_dir), generate.seconds, score.seconds, step_seconds, padded_tokens, strict=True)
     for index, (record, gen_s, score_s, step_s, tokens) in enumerate(records):
         phases = {
             "generate": gen_s,

@@ -23,8 +23,10 @@ Design decisions:
 - The step's eps reach the loss as a clip range beside the config (``PolicyLossHead.clip``), never
   as an edited ``AlgorithmConfig``: the config keeps the *configured* eps, which is what its
   validation checks (``clip_low * max_scale < 1``), so the scaled eps are legal by construction.
-- A step with no clipped fraction to read (no valid token, a non-finite loss) holds eps where they
-  are; it is not silent: ``clip/held`` is 1 for that step and the trainer prints it.
+- The trainer hands the step's fractions over as a typed ``ClipFractions`` (never looked up by
+  metric name, so a renamed metric cannot turn the controller off). A step with no clipped fraction
+  (NaN: no valid token, a skipped non-finite update) holds eps where they are; it is not silent:
+  ``clip/held`` is 1 for that step and the trainer prints it.
 - The state is one float; it is checkpointed so a resumed run continues exactly.
 """
 
@@ -37,7 +39,15 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from gspo_megatron.algorithms.config import AlgorithmConfig
 
-SEQUENCE_LEVEL_LOSSES = ("gspo", "gspo_token")
+from gspo_megatron.algorithms.losses import SEQUENCE_LEVEL_LOSSES
+
+
+@dataclass(frozen=True)
+class ClipFractions:
+    """A step's clipped fractions (low + high side; the mean over its updates; NaN: nothing measured)."""
+
+    token: float  # loss/clip_frac_token
+    seq: float  # loss/clip_frac_seq
 
 
 @dataclass
@@ -48,7 +58,7 @@ class AdaptiveClipController:
     rate: float  # log-space gain
     min_scale: float
     max_scale: float
-    metric: str  # the trainer metric it reads
+    per_sequence: bool  # steers the per-sequence fraction (sequence-level losses), else the per-token one
     scale: float = 1.0
 
     @classmethod
@@ -56,7 +66,6 @@ class AdaptiveClipController:
         """None unless ``cfg.adaptive_clip_target`` is set (``cfg`` is an ``AlgorithmConfig``)."""
         if cfg.adaptive_clip_target is None:
             return None
-        unit = "seq" if cfg.loss in SEQUENCE_LEVEL_LOSSES else "token"
         return cls(
             cfg.clip_low,
             cfg.clip_high,
@@ -64,8 +73,16 @@ class AdaptiveClipController:
             cfg.adaptive_clip_rate,
             cfg.adaptive_clip_min_scale,
             cfg.adaptive_clip_max_scale,
-            f"loss/clip_frac_{unit}",
+            cfg.loss in SEQUENCE_LEVEL_LOSSES,
         )
+
+    @property
+    def metric(self) -> str:
+        """The logged name of the fraction it steers."""
+        return "loss/clip_frac_seq" if self.per_sequence else "loss/clip_frac_token"
+
+    def measured(self, fractions: ClipFractions) -> float:
+        return fractions.seq if self.per_sequence else fractions.token
 
     @property
     def eps(self) -> tuple[float, float]:

@@ -136,13 +136,13 @@ def _check_algorithm(cfg: AlgorithmConfig) -> None:
             f"algorithm.mismatch_correction={cfg.mismatch_correction} gives per-token weights, but loss=gspo has one "
             "ratio per sequence; use sequence_truncate/sequence_mask with gspo (or loss=gspo_token / grpo)"
         )
-    if cfg.mismatch_sequence_ratio == "product" and not cfg.mismatch_correction.startswith("sequence_"):
+    if cfg.mismatch_sequence_ratio == SequenceRatio.product and not cfg.mismatch_correction.startswith("sequence_"):
         raise ValueError(
             f"algorithm.mismatch_sequence_ratio=product combines a row's token ratios, but "
             f"mismatch_correction={cfg.mismatch_correction} has no sequence weight; use sequence_truncate or "
             "sequence_mask, or leave mismatch_sequence_ratio=geometric"
         )
-    if cfg.mismatch_rejected == "drop" and not cfg.mismatch_correction.endswith("_mask"):
+    if cfg.mismatch_rejected == RejectedTokens.drop and not cfg.mismatch_correction.endswith("_mask"):
         raise ValueError(
             f"algorithm.mismatch_rejected=drop removes the tokens a mask mode rejects, but "
             f"mismatch_correction={cfg.mismatch_correction} rejects none; use token_mask or sequence_mask, "
@@ -159,14 +159,14 @@ def _check_algorithm(cfg: AlgorithmConfig) -> None:
         raise ValueError(
             f"algorithm.old_log_probs={cfg.old_log_probs!r} is unknown; valid: {', '.join(OLD_LOG_PROB_SOURCES)}"
         )
-    if cfg.old_log_probs == "rollout" and needs_trainer_old_pass(cfg.routing_replay):
+    if cfg.old_log_probs == OldLogProbSource.rollout and needs_trainer_old_pass(cfg.routing_replay):
         raise ValueError(
             "algorithm.old_log_probs=rollout skips the trainer's old-policy forward, but "
             "routing_replay=old_policy replays the routing recorded in exactly that forward; use "
             "routing_replay=rollout (R3: the engine's routing, which produced the engine's log-probs) "
             "or none, or set algorithm.old_log_probs=trainer"
         )
-    if cfg.old_log_probs == "rollout" and cfg.mismatch_correction != "none":
+    if cfg.old_log_probs == OldLogProbSource.rollout and cfg.mismatch_correction != MismatchCorrection.none:
         raise ValueError(
             f"algorithm.mismatch_correction={cfg.mismatch_correction} weighs by pi_old / pi_rollout, which is "
             "exactly 1 when algorithm.old_log_probs=rollout takes pi_old from the engine; set "

@@ -218,9 +218,9 @@ def _clipped_objective(
 def _aggregate_tokens(per_token: torch.Tensor, batch: _Batch, ctx: LossContext) -> torch.Tensor:
     """Sum a per-token objective [B, T] into this micro-batch's share of the whole-batch mean."""
     seq_sums = ctx.sequence_sum(torch.where(batch.mask, per_token, 0.0))  # sum_t, whole sequence
-    if ctx.aggregation == "seq_mean_token_mean":  # (1/N_seq) sum_i (1/|y_i|) sum_t
+    if ctx.aggregation == Aggregation.seq_mean_token_mean:  # (1/N_seq) sum_i (1/|y_i|) sum_t
         return (seq_sums / batch.lengths.clamp_min(1)).sum() / batch.num_sequences
-    if ctx.aggregation == "token_mean":  # (1/N_tok) sum_i sum_t
+    if ctx.aggregation == Aggregation.token_mean:  # (1/N_tok) sum_i sum_t
         return seq_sums.sum() / batch.num_tokens
     return seq_sums.sum() / batch.num_sequences  # seq_mean_token_sum: (1/N_seq) sum_i sum_t
 

@@ -89,7 +89,7 @@ def mismatch_weight_stats(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``mismatch_weights`` with its metrics as additive entries (``algorithms/metrics.py``: sums,
     counts, mins, maxes), so rows held by different data-parallel ranks reduce exactly."""
-    if mode not in MISMATCH_MODES or mode == "none":
+    if mode not in MISMATCH_MODES or mode == MismatchCorrection.none:
         raise ValueError(
             f"mismatch correction mode {mode!r} is not a correction; valid: {', '.join(MISMATCH_MODES[1:])}"
         )

@@ -27,7 +27,12 @@ from gspo_megatron.data.config import TaskConfig, TokenizerConfig
 from gspo_megatron.models.config import ExpertMLP, LayerSpec, MoEModelConfig, TokenDispatcher
 from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.rewards.config import RewardConfig
-from gspo_megatron.rollout.config import EmbeddedConfig, RolloutEngineName, TruncatedRolloutConfig
+from gspo_megatron.rollout.config import (
+    EmbeddedConfig,
+    RolloutEngineName,
+    TruncatedRolloutConfig,
+    check_max_staleness,
+)
 from gspo_megatron.rollout.sglang.config import SGLangConfig
 from gspo_megatron.routing.config import RoutingDiagnosticsConfig
 from gspo_megatron.shaping.config import ShapingConfig
@@ -144,11 +149,7 @@ class RolloutSection(ConfigNode):
             raise ValueError(
                 f"rollout.group_size={self.group_size}: group-relative advantages need >= 2 responses per prompt"
             )
-        if self.max_staleness not in (0, 1):
-            raise ValueError(
-                f"rollout.max_staleness={self.max_staleness}: one-step asynchronous rollout supports 0 "
-                "(synchronous) or 1"
-            )
+        check_max_staleness(self.max_staleness)
 
 
 @dataclass

@@ -13,6 +13,8 @@ from gspo_megatron.algorithms.mismatch_correction import MismatchCorrection
 from gspo_megatron.config.schema import TrainConfig
 from gspo_megatron.config_node import config_nodes
 from gspo_megatron.parallel.context_parallel import validate_context_parallel
+from gspo_megatron.rollout.config import RolloutEngineName
+from gspo_megatron.routing.config import DiagnosticKind
 from gspo_megatron.routing.replay import validate_replay_mode
 from gspo_megatron.routing.replay_strategy import needs_engine_routing, replays
 from gspo_megatron.shaping.triggers import check_shared_triggers
@@ -61,19 +63,23 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
         )
     if cfg.rollout.engine not in ("embedded", "sglang"):
         raise ConfigError(f"rollout.engine={cfg.rollout.engine!r} is unknown; valid: embedded, sglang")
-    if cfg.rollout.engine == "sglang":  # before the model is built, not when the engine starts
+    if cfg.rollout.engine == RolloutEngineName.sglang:  # before the model is built, not when the engine starts
         try:
             cfg.rollout.sglang.require_targets()
         except ValueError as error:
             raise ConfigError(f"rollout.sglang: {error}") from error
-    if cfg.rollout.engine == "embedded" and cfg.model.shared_expert_intermediate_size:
+    if cfg.rollout.engine == RolloutEngineName.embedded and cfg.model.shared_expert_intermediate_size:
         raise ConfigError(
             "the embedded engine (HF Qwen3-MoE) has no shared expert; set model.shared_expert_intermediate_size=0"
         )
     if cfg.model.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype must be float32 or bfloat16, got {cfg.model.dtype!r}")
     _validate_routed_experts_source(cfg)
-    if cfg.routing.enabled and "ratio_decomposition" in cfg.routing.kinds and cfg.algorithm.old_log_probs == "rollout":
+    if (
+        cfg.routing.enabled
+        and DiagnosticKind.ratio_decomposition in cfg.routing.kinds
+        and cfg.algorithm.old_log_probs == OldLogProbSource.rollout
+    ):
         raise ConfigError(
             "routing.kinds contains ratio_decomposition, which replays the old-log-prob pass's routing, but "
             "algorithm.old_log_probs=rollout skips that pass; set algorithm.old_log_probs=trainer or drop "
@@ -84,7 +90,7 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
         raise ConfigError("algorithm.routing_replay needs an MoE model (model.num_experts > 0)")
     if (
         needs_engine_routing(cfg.algorithm.routing_replay)
-        and cfg.rollout.engine == "sglang"
+        and cfg.rollout.engine == RolloutEngineName.sglang
         and not cfg.rollout.sglang.enable_return_routed_experts
     ):
         raise ConfigError(
@@ -126,7 +132,7 @@ def validate_for_machine(cfg: TrainConfig) -> None:
 
 def _validate_routed_experts_source(cfg: TrainConfig) -> None:
     """Whatever needs the engine's routed experts needs SGLang launched to return them."""
-    if cfg.rollout.engine != "sglang" or cfg.rollout.sglang.enable_return_routed_experts:
+    if cfg.rollout.engine != RolloutEngineName.sglang or cfg.rollout.sglang.enable_return_routed_experts:
         return
     wants = []
     if cfg.rollout.return_routed_experts:

@@ -22,13 +22,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 
 from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.parallel.context_parallel import chunk_positions, split_micro_batch
 
-LossCallback = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict]]
+# (loss, what comes back for the micro-batch: a metric dict, or a head's typed output)
+LossCallback = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, Any]]
 
 
 def wrap_for_training(
@@ -93,10 +95,10 @@ def run_schedule(
     *,
     forward_only: bool,
     before_forward: Callable[[], None] | None = None,
-) -> list[dict]:
+) -> list[Any]:
     """Forward (and backward unless ``forward_only``) every micro-batch through megatron's schedule.
 
-    Returns the metric dicts of each micro-batch on the last pipeline stage (empty list elsewhere).
+    Returns what the loss callback handed back for each micro-batch on the last pipeline stage (empty list elsewhere).
     Micro-batches may differ in [b, s] (see the module notes). ``before_forward`` runs before each
     micro-batch's forward, in micro-batch order (routing replay sets its targets there).
     """

@@ -18,6 +18,14 @@ from typing import Any
 from gspo_megatron.config_node import ConfigChoice, ConfigNode
 
 
+def check_max_staleness(max_staleness: int) -> None:
+    """``rollout.max_staleness``: the one rule, read by the config section and the rollout scheduler."""
+    if max_staleness not in (0, 1):
+        raise ValueError(
+            f"rollout.max_staleness={max_staleness}: one-step asynchronous rollout supports 0 (synchronous) or 1"
+        )
+
+
 class RolloutEngineName(ConfigChoice):
     """``rollout.engine``."""
 

@@ -32,13 +32,13 @@ Design decisions:
   are discarded, and a restored trigger is the very tokens that were sampled there), so its log-prob
   is the sampling distribution's log-prob in the final context -- what the trainer recomputes.
 - The closing text after an exit is inserted, not sampled: its log-probs are 0.0 (the procedure emits
-  it with probability 1) and ``extra["forced_mask"]`` marks it; the trainer masks it out of the loss.
+  it with probability 1) and ``Sample.truncation.forced_mask`` marks it; the trainer masks it out of the loss.
 - ``max_new_tokens`` is the budget of the whole returned output (kept thinking + closing + answer).
-- ``extra["exit_reason"]`` says how THINKING ended: "confident" (a probe passed), "think_budget"
+- ``Sample.truncation.exit_reason`` says how THINKING ended: "confident" (a probe passed), "think_budget"
   (forced answer), "repetition", "natural_end" (the model closed thinking or ended the response itself,
   probes left), "max_probes" (it did so after all probes were spent), "length" (the whole budget ran
   out while thinking), "abort" (the engine aborted). ``finish_reason`` is the usual one of the last
-  generated piece. ``extra["num_probes"]`` and ``extra["probe_confidences"]`` are recorded.
+  generated piece. ``truncation.num_probes`` and ``truncation.probe_confidences`` are recorded.
 - Routed experts, when asked for, come from the last non-probe call: its prompt + output is a prefix
   cover of the final sequence, so its rows (sliced) are the final sequence's routing.
 - Rounds are batched: all samples in the same phase go to the engine in one ``generate`` call. With
@@ -56,7 +56,7 @@ import torch
 
 from gspo_megatron.rollout.config import TruncatedRolloutConfig
 from gspo_megatron.rollout.engine import RolloutEngine
-from gspo_megatron.rollout.types import FinishReason, Sample, SamplingParams
+from gspo_megatron.rollout.types import FinishReason, Sample, SamplingParams, Truncation
 from gspo_megatron.trigger_words import trigger_matches
 
 THINK, PROBE, ANSWER, DONE = "think", "probe", "answer", "done"
@@ -342,10 +342,10 @@ class TruncatedRolloutEngine(RolloutEngine):
             finish_reason=trace.finish,
             routed_experts=routed,
             weight_version=trace.cover.weight_version if trace.cover else self.weight_version,
-            extra={
-                "exit_reason": trace.exit_reason,
-                "num_probes": trace.probes,
-                "probe_confidences": trace.confidences,
-                "forced_mask": torch.tensor(trace.forced, dtype=torch.bool),
-            },
+            truncation=Truncation(
+                exit_reason=trace.exit_reason,
+                num_probes=trace.probes,
+                probe_confidences=trace.confidences,
+                forced_mask=torch.tensor(trace.forced, dtype=torch.bool),
+            ),
         )

@@ -12,7 +12,7 @@ Design decisions:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 
 import torch
 
@@ -48,6 +48,37 @@ class SamplingParams:
             raise ValueError(f"n (samples per prompt) must be >= 1, got {self.n}")
 
 
+class ExitReason(StrEnum):
+    """How a truncated rollout's thinking ended (``rollout/truncated.py`` says when each happens)."""
+
+    confident = "confident"
+    think_budget = "think_budget"
+    repetition = "repetition"
+    natural_end = "natural_end"
+    max_probes = "max_probes"
+    length = "length"
+    abort = "abort"
+
+
+@dataclass
+class Truncation:
+    """How a Dynamic Truncated Rollout (``rollout/truncated.py``) ended a sample's thinking."""
+
+    exit_reason: str | None  # an ExitReason (None only if the trace ended without setting one)
+    num_probes: int
+    probe_confidences: list[float]
+    forced_mask: torch.Tensor  # bool [len(output_ids)]: tokens inserted (not sampled); kept out of the loss
+
+    @property
+    def confident(self) -> bool:
+        """A probe passed: the thinking was cut there (its trigger dropped)."""
+        return self.exit_reason == ExitReason.confident
+
+    @property
+    def forced_tokens(self) -> int:
+        return int(self.forced_mask.sum())
+
+
 @dataclass
 class Sample:
     """One generated response to one prompt."""
@@ -58,13 +89,19 @@ class Sample:
     finish_reason: FinishReason
     routed_experts: torch.Tensor | None = None  # int32 [len(prompt)+len(output)-1, layers, top_k]
     weight_version: int = 0  # the engine's weight version that produced this sample
-    extra: dict = field(default_factory=dict)  # engine-specific details (e.g. truncated-rollout exit reason)
+    truncation: Truncation | None = None  # set by a truncated rollout
+    extra: dict = field(default_factory=dict)  # engine-specific details (e.g. SGLang's weight versions)
 
     def __post_init__(self):
         if self.output_log_probs.shape != (len(self.output_ids),):
             raise ValueError(
                 f"output_log_probs has shape {tuple(self.output_log_probs.shape)}, expected "
                 f"({len(self.output_ids)},) -- one log-prob per output token"
+            )
+        if self.truncation is not None and self.truncation.forced_mask.shape != (len(self.output_ids),):
+            raise ValueError(
+                f"truncation.forced_mask has shape {tuple(self.truncation.forced_mask.shape)}, expected "
+                f"({len(self.output_ids)},) -- one flag per output token"
             )
         if self.routed_experts is not None:
             rows = len(self.prompt_ids) + len(self.output_ids) - 1

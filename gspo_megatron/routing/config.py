@@ -1,8 +1,8 @@
 """Configuration of the routing diagnostics (activation volatility, expert load).
 
 Design decisions:
-- The diagnostic kinds are a closed set of names (``DIAGNOSTIC_KINDS``); a typo in the config fails
-  at construction with the list of valid names, not silently at step 500.
+- The diagnostic kinds are a closed choice (``DiagnosticKind``): Hydra refuses a typo at compose
+  time, and a direct construction fails with the list of valid names, not silently at step 500.
 - The schedule is a pure function of the step (``is_due``), so every rank agrees on whether a
   diagnostic runs without communicating.
 """
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gspo_megatron.config_node import ConfigNode
+from gspo_megatron.config_node import ConfigChoice, ConfigNode
+
 
 # What each kind compares (the trainer decides where to call them; routing/volatility.py computes):
 #   update           -- same tokens, router top-k of the policy before vs after one optimizer step
@@ -20,7 +21,14 @@ from gspo_megatron.config_node import ConfigNode
 #   minibatch        -- consecutive mini-batch updates within one RL step (drift across updates)
 #   ratio_decomposition -- the last update's importance ratio split into its routing part and its
 #                       weight part (routing/ratio_decomposition.py; two extra forward-only passes)
-DIAGNOSTIC_KINDS: tuple[str, ...] = ("update", "rollout_vs_train", "minibatch", "ratio_decomposition")
+class DiagnosticKind(ConfigChoice):
+    update = "update"
+    rollout_vs_train = "rollout_vs_train"
+    minibatch = "minibatch"
+    ratio_decomposition = "ratio_decomposition"
+
+
+DIAGNOSTIC_KINDS: tuple[str, ...] = tuple(DiagnosticKind)
 
 
 def validate_kind(kind: str) -> str:
@@ -34,7 +42,9 @@ def validate_kind(kind: str) -> str:
 class RoutingDiagnosticsConfig(ConfigNode):
     enabled: bool = True
     every_n_steps: int = 1  # run the diagnostics on steps where step % every_n_steps == 0
-    kinds: list[str] = field(default_factory=lambda: ["update", "rollout_vs_train"])
+    kinds: list[DiagnosticKind] = field(
+        default_factory=lambda: [DiagnosticKind.update, DiagnosticKind.rollout_vs_train]
+    )
 
     def validate(self) -> None:
         if self.every_n_steps < 1:

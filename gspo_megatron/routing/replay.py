@@ -55,11 +55,11 @@ class ReplayError(RuntimeError):
 def validate_replay_mode(mode: str, *, router_fusion: bool = False, recompute: bool = False, pp: int = 1) -> None:
     if mode not in REPLAY_MODES:
         raise ValueError(f"algorithm.routing_replay={mode!r} is unknown; valid: {', '.join(REPLAY_MODES)}")
-    if mode != "none" and router_fusion:
+    if mode != ReplayMode.none and router_fusion:
         raise ValueError(
             "routing replay cannot be combined with router fusion (the fused kernel bypasses RouterReplay)"
         )
-    if mode != "none" and recompute and pp > 1:
+    if mode != ReplayMode.none and recompute and pp > 1:
         raise ValueError(
             "routing replay with activation recompute needs pp=1 (the 1F1B schedule recomputes a "
             "micro-batch after later forwards have replaced its replay targets)"

@@ -9,28 +9,30 @@ A step runs the old-log-prob pass, then one training forward per mini-batch (see
     rollout     REPLAY the engine's experts, observed     REPLAY the engine's experts (R3)
 
 Design decisions:
-- The strategies drive ``routing/replay.py``'s ``RoutingReplay`` (megatron's ``RouterReplay``
-  instances of one model); without MoE layers there is no ``RoutingReplay`` and every hook is a no-op.
-- ``old_pass_end`` returns what the pass recorded: the routing R2 replays and the diagnostics compare
-  against (``old_policy_routing``; None under R3, where the pass itself replays) and the routing the
-  trainer actually used (``trainer_routing``, for the engine-vs-trainer measurement).
-- The strategies own no state of megatron's: ``RoutingReplay.restore`` (called by
-  ``Components.close``) gives megatron's instances back the attributes it patched.
+- The strategies say *what* a forward replays; ``routing/recorder.py``'s ``RoutingRecorder`` owns
+  every start and stop (each hook returns one of its context managers, which yields a
+  ``Recording``). Without MoE layers every recording is empty.
+- ``old_policy_routing`` picks, from the old pass's recording, the routing R2 replays and the
+  diagnostics compare against (None under R3, where the pass itself replays); the recording's own
+  ``routing`` is what the trainer actually routed with (for the engine-vs-trainer measurement).
+- Which training forward is recorded for the diagnostics is the step plan's decision
+  (``trainer/step_plan.py``): ``update(..., record=True)`` is asked only of a strategy that routes
+  freely in training.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from contextlib import AbstractContextManager
 
 import torch
 
 from gspo_megatron.models.micro_batch import MicroBatch
-from gspo_megatron.routing.replay import REPLAY_MODES, RoutingReplay
+from gspo_megatron.routing.recorder import Recording, Routing, RoutingRecorder
+from gspo_megatron.routing.replay import REPLAY_MODES, ReplayMode
 
-Routing = list[list[torch.Tensor]]  # [micro_batch][moe_layer] -> int [tokens, k]
 TargetsOf = Callable[[MicroBatch], list[torch.Tensor]]  # a micro-batch -> the engine's experts per MoE layer
-BeforeForward = Callable[[], None]
+Pass = AbstractContextManager[Recording]
 
 
 def needs_engine_routing(mode: str) -> bool:
@@ -49,90 +51,65 @@ def replays(mode: str) -> bool:
     return _strategy_class(mode).replays_in_training
 
 
-@dataclass
-class OldPassRouting:
-    old_policy_routing: Routing | None  # what R2 replays and "update" volatility compares against
-    trainer_routing: Routing  # what the trainer routed with in the old pass (empty without MoE)
-
-
 class ReplayStrategy:
     """``routing_replay=none``: routers choose freely; the old pass only records (for diagnostics)."""
 
-    name = "none"
+    name = ReplayMode.none
     replays_in_training = False
     uses_engine_routing = False
     replays_old_pass = False
 
-    def __init__(self, replay: RoutingReplay | None, targets_of: TargetsOf):
-        self.replay = replay
+    def __init__(self, recorder: RoutingRecorder, targets_of: TargetsOf):
+        self.recorder = recorder
         self.targets_of = targets_of
 
     # --- the old-log-prob pass -------------------------------------------------------------
-    def old_pass_begin(self, micro_batches: list[MicroBatch]) -> BeforeForward | None:
-        if self.replay is not None:
-            self.replay.start_recording()
-        return None
+    def old_pass(self, micro_batches: list[MicroBatch]) -> Pass:
+        return self.recorder.record()
 
-    def old_pass_end(self) -> OldPassRouting:
-        if self.replay is None:
-            return OldPassRouting(None, [])
-        recorded = self.replay.recorded()
-        self.replay.stop()
-        return OldPassRouting(recorded, recorded)
+    def old_policy_routing(self, old_pass: Recording) -> Routing | None:
+        """What R2 replays and the "update" volatility compares against (None: nothing recorded)."""
+        return old_pass.routing
 
     # --- each training forward -------------------------------------------------------------
-    def update_begin(self, micro_batches: list[MicroBatch], old_routing: Callable[[], Routing]) -> BeforeForward | None:
-        """Queue this mini-batch's replay targets; ``old_routing()`` gives the old pass's routing of
-        exactly these micro-batches (asked for only by R2)."""
-        return None
-
-    def update_end(self) -> None:
-        if self.replay is not None:
-            self.replay.assert_fully_consumed()
-            self.replay.stop()
+    def update(self, micro_batches: list[MicroBatch], old_routing: Callable[[], Routing], *, record: bool) -> Pass:
+        """This mini-batch's forward; ``old_routing()`` gives the old pass's routing of exactly these
+        micro-batches (asked for only by R2); ``record``: the diagnostics want its free routing."""
+        return self.recorder.record() if record else self.recorder.route_freely()
 
 
 class OldPolicyReplay(ReplayStrategy):
     """``routing_replay=old_policy`` (R2): training forwards replay the old pass's recorded experts."""
 
-    name = "old_policy"
+    name = ReplayMode.old_policy
     replays_in_training = True
     replays_old_pass = True
 
-    def update_begin(self, micro_batches: list[MicroBatch], old_routing: Callable[[], Routing]) -> BeforeForward | None:
-        if self.replay is None:
-            return None
-        self.replay.load_targets(old_routing())
-        return self.replay.before_forward
+    def update(self, micro_batches: list[MicroBatch], old_routing: Callable[[], Routing], *, record: bool) -> Pass:
+        return self.recorder.replay(old_routing()) if self.recorder.has_routers else self.recorder.route_freely()
 
 
 class RolloutReplay(ReplayStrategy):
     """``routing_replay=rollout`` (R3): every forward replays the engine's experts; the old pass is
     observed, so engine-vs-trainer routing is measured in the replaying forward (0 when it works)."""
 
-    name = "rollout"
+    name = ReplayMode.rollout
     replays_in_training = True
     uses_engine_routing = True
 
-    def old_pass_begin(self, micro_batches: list[MicroBatch]) -> BeforeForward | None:
-        if self.replay is None:
-            return None
-        self.replay.load_targets([self.targets_of(mb) for mb in micro_batches], observe=True)
-        return self.replay.before_forward
+    def old_pass(self, micro_batches: list[MicroBatch]) -> Pass:
+        return self._engine_routing(micro_batches, observe=True)
 
-    def old_pass_end(self) -> OldPassRouting:
-        if self.replay is None:
-            return OldPassRouting(None, [])
-        self.replay.assert_fully_consumed()
-        recorded = self.replay.recorded()
-        self.replay.stop()
-        return OldPassRouting(None, recorded)
+    def old_policy_routing(self, old_pass: Recording) -> Routing | None:
+        return None  # the old pass replayed the engine's routing: nothing of the trainer's to replay
 
-    def update_begin(self, micro_batches: list[MicroBatch], old_routing: Callable[[], Routing]) -> BeforeForward | None:
-        if self.replay is None:
-            return None
-        self.replay.load_targets([self.targets_of(mb) for mb in micro_batches])
-        return self.replay.before_forward
+    def update(self, micro_batches: list[MicroBatch], old_routing: Callable[[], Routing], *, record: bool) -> Pass:
+        return self._engine_routing(micro_batches, observe=False)
+
+    def _engine_routing(self, micro_batches: list[MicroBatch], *, observe: bool) -> Pass:
+        if not self.recorder.has_routers:
+            return self.recorder.route_freely()
+        return self.recorder.replay([self.targets_of(mb) for mb in micro_batches], observe=observe)
 
 
 _STRATEGIES: dict[str, type[ReplayStrategy]] = {
@@ -148,5 +125,5 @@ def _strategy_class(mode: str) -> type[ReplayStrategy]:
     return _STRATEGIES[mode]
 
 
-def build_replay_strategy(mode: str, replay: RoutingReplay | None, targets_of: TargetsOf) -> ReplayStrategy:
-    return _strategy_class(mode)(replay, targets_of)
+def build_replay_strategy(mode: str, recorder: RoutingRecorder, targets_of: TargetsOf) -> ReplayStrategy:
+    return _strategy_class(mode)(recorder, targets_of)

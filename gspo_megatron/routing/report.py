@@ -26,8 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from gspo_megatron.routing.config import DIAGNOSTIC_KINDS
+from gspo_megatron.rollout.config import RolloutEngineName
+from gspo_megatron.routing.config import DIAGNOSTIC_KINDS, DiagnosticKind
 from gspo_megatron.routing.plots import Panel, Series, expert_load_figure, figure_png, line_panels, volatility_figure
+from gspo_megatron.routing.replay import ReplayMode
 from gspo_megatron.routing.run_dir import (
     CLIP_FRAC_SEQ_KEY,
     CLIP_FRAC_TOKEN_KEY,
@@ -89,13 +91,21 @@ def routing_kind_summary(run: RunData, kind: str) -> dict:
 def zero_panel_reason(run: RunData, kind: str) -> str | None:
     """Why every record of ``kind`` is exactly zero, from the run's config; None if some record is not."""
     records = run.routing_records(kind)
-    if kind != "rollout_vs_train" or not records or any(r.get("changed_frac_overall") != 0.0 for r in records):
+    if (
+        kind != DiagnosticKind.rollout_vs_train
+        or not records
+        or any(r.get("changed_frac_overall") != 0.0 for r in records)
+    ):
         return None
     algorithm, rollout, model = (run.config.get(key) or {} for key in ("algorithm", "rollout", "model"))
-    if algorithm.get("routing_replay") == "rollout":
+    if algorithm.get("routing_replay") == ReplayMode.rollout:
         return "Zero by construction: R3 replays the engine's routing in every trainer forward."
     engine_dtype = (rollout.get("embedded") or {}).get("dtype")
-    if rollout.get("engine") == "embedded" and engine_dtype is not None and engine_dtype == model.get("dtype"):
+    if (
+        rollout.get("engine") == RolloutEngineName.embedded
+        and engine_dtype is not None
+        and engine_dtype == model.get("dtype")
+    ):
         return (
             f"Zero as expected: the embedded engine computes in {engine_dtype}, as the trainer does, so both route "
             "every token to the same experts. An engine in another precision (rollout.embedded.dtype=bfloat16) or "

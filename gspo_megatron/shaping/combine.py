@@ -32,8 +32,9 @@ from collections.abc import Callable
 import torch
 
 from gspo_megatron.algorithms.advantages import AdvantageOutput
+from gspo_megatron.shaping.config import ShapingCombine
 
-SHAPING_COMBINES = ("reward", "advantage")
+SHAPING_COMBINES = tuple(ShapingCombine)
 
 
 def shaped_advantages(
@@ -44,9 +45,9 @@ def shaped_advantages(
     combine: str,
 ) -> AdvantageOutput:
     """Advantages [N] from raw and shaped rewards [N] (groups of ``group_size`` contiguous)."""
-    if combine == "reward":
+    if combine == ShapingCombine.reward:
         return estimate(shaped_rewards)
-    if combine != "advantage":
+    if combine != ShapingCombine.advantage:
         raise ValueError(f"shaping.combine must be one of {SHAPING_COMBINES}, got {combine!r}")
     out = estimate(rewards)
     delta = (shaped_rewards.float() - rewards.float()).view(-1, group_size)

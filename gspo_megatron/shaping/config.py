@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import pairwise
 
-from gspo_megatron.config_node import ConfigNode
+from gspo_megatron.config_node import ConfigChoice, ConfigNode
 
 
 def _check_triggers(owner: str, triggers: list[str]) -> None:
@@ -35,7 +35,42 @@ def _check_edges(owner: str, edges: list[float]) -> None:
         raise ValueError(f"{owner}.bucket_edges must be positive and strictly increasing, got {values}")
 
 
-STEP_GRPO_OUTCOMES = ("boxed", "verifier")
+class StepGRPOOutcome(ConfigChoice):
+    """``shaping.step_grpo.outcome`` (see ``StepGRPOConfig.outcome``)."""
+
+    boxed = "boxed"
+    verifier = "verifier"
+
+
+class Segmentation(ConfigChoice):
+    """``shaping.grsp.segmentation``."""
+
+    keyword = "keyword"  # text triggers
+    confidence = "confidence"  # log-prob local minima
+
+
+class WeightOrder(ConfigChoice):
+    """``shaping.grsp.weight_order``."""
+
+    descending = "descending"  # short-segment clusters weigh most (the paper)
+    ascending = "ascending"
+
+
+class ApplyTo(ConfigChoice):
+    """``shaping.grsp.apply_to``."""
+
+    correct = "correct"  # z-score and penalise correct responses only
+    all = "all"
+
+
+class ShapingCombine(ConfigChoice):
+    """``shaping.combine`` (``shaping/combine.py``)."""
+
+    reward = "reward"  # shape the reward, then the advantage estimator (the papers)
+    advantage = "advantage"  # normalise the task reward, then add the centred shaping term
+
+
+STEP_GRPO_OUTCOMES = tuple(StepGRPOOutcome)
 # task verifier -> the verifier that grades as Step-GRPO defines acc/fmt (boxed answer)
 BOXED_OUTCOME_REWARDS = {"math_verify": "math_verify_boxed"}
 
@@ -53,7 +88,7 @@ class StepGRPOConfig(ConfigNode):
     # math_verify_boxed) acc grades the last \boxed{} and fmt = 1 when a box exists; other tasks keep
     # their verifier. "verifier": the task verifier's correct/format_ok as they are (math_verify also
     # accepts the last number without a box, and its format_ok requires termination).
-    outcome: str = "boxed"
+    outcome: StepGRPOOutcome = StepGRPOOutcome.boxed
     # CHOICE: how steps are counted before a Dynamic Truncated Rollout exit. A confident exit drops the
     # trigger word it probed at (the paper: "discard the probe, close the thinking block"), so the text
     # holds k = 1 + the triggers that were restored. false (default): count the text as it is -- the
@@ -75,9 +110,9 @@ class StepGRPOConfig(ConfigNode):
         _check_triggers("shaping.step_grpo", self.triggers)
 
 
-GRSP_SEGMENTATIONS = ("keyword", "confidence")
-GRSP_WEIGHT_ORDERS = ("descending", "ascending")
-GRSP_APPLY_TO = ("correct", "all")
+GRSP_SEGMENTATIONS = tuple(Segmentation)
+GRSP_WEIGHT_ORDERS = tuple(WeightOrder)
+GRSP_APPLY_TO = tuple(ApplyTo)
 
 
 @dataclass
@@ -85,7 +120,7 @@ class GRSPConfig(ConfigNode):
     """GRSP segment penalty (arXiv 2510.09535) -- a RECONSTRUCTION; every constant is a guess to tune."""
 
     penalty_coef: float = 0.1  # lambda in r_i - lambda * P_i
-    segmentation: str = "keyword"  # "keyword" (text triggers) or "confidence" (log-prob local minima)
+    segmentation: Segmentation = Segmentation.keyword
     keywords: list[str] = field(default_factory=lambda: ["Wait", "Alternatively", "Hmm", "However", "But wait"])
     case_sensitive: bool = True
     # Calibrated against keyword boundaries on the warm-started tiny model (tools/
@@ -95,9 +130,9 @@ class GRSPConfig(ConfigNode):
     confidence_window: int = 1  # tokens on each side a boundary must be the minimum of
     confidence_threshold: float = -0.1  # boundary log-prob must be below this (p < ~0.90)
     bucket_edges: list[float] = field(default_factory=lambda: [64.0, 256.0])  # tokens; K = len + 1
-    weight_order: str = "descending"  # "descending": short-segment clusters weigh most (paper)
+    weight_order: WeightOrder = WeightOrder.descending
     cluster_weights: list[float] = field(default_factory=list)  # empty: linear K..1 profile, normalised
-    apply_to: str = "correct"  # "correct": z-score and penalise correct responses only; or "all"
+    apply_to: ApplyTo = ApplyTo.correct
 
     def validate(self) -> None:
         owner = "shaping.grsp"
@@ -126,7 +161,9 @@ class GRSPConfig(ConfigNode):
                 raise ValueError(f"{owner}.cluster_weights must be >= 0, got {weights}")
             pairs = list(pairwise(weights))
             monotone = (
-                all(a >= b for a, b in pairs) if self.weight_order == "descending" else all(a <= b for a, b in pairs)
+                all(a >= b for a, b in pairs)
+                if self.weight_order == WeightOrder.descending
+                else all(a <= b for a, b in pairs)
             )
             if not monotone:
                 raise ValueError(
@@ -141,7 +178,7 @@ class GRSPConfig(ConfigNode):
         clusters = len(self.bucket_edges) + 1
         total = clusters * (clusters + 1) / 2
         descending = [(clusters - k) / total for k in range(clusters)]
-        return descending if self.weight_order == "descending" else descending[::-1]
+        return descending if self.weight_order == WeightOrder.descending else descending[::-1]
 
 
 @dataclass
@@ -199,15 +236,14 @@ class ShapingConfig(ConfigNode):
     # "advantage" (default): normalise the task reward, then add the centred shaping term -- keeps
     # lambda/beta's scale in all-correct groups, where std normalisation erases it (shaping/combine.py
     # says why this is the default). "reward": shape the reward, then the advantage estimator (the papers).
-    combine: str = "advantage"
+    combine: ShapingCombine = ShapingCombine.advantage
 
     def validate(self) -> None:
-        from gspo_megatron.shaping.combine import SHAPING_COMBINES
         from gspo_megatron.shaping.registry import SHAPERS
 
         SHAPERS.get(self.name)  # raises with the list of valid names
-        if self.combine not in SHAPING_COMBINES:
-            raise ValueError(f"shaping.combine must be one of {SHAPING_COMBINES}, got {self.combine!r}")
+        if self.combine not in tuple(ShapingCombine):
+            raise ValueError(f"shaping.combine must be one of {tuple(ShapingCombine)}, got {self.combine!r}")
         if self.warmup_steps < 0:
             raise ValueError(f"shaping.warmup_steps must be >= 0, got {self.warmup_steps}")
 
@@ -217,7 +253,7 @@ class ShapingConfig(ConfigNode):
 
     def reward_name(self, task_reward: str) -> str:
         """The verifier to score with: Step-GRPO's boxed acc/fmt where the task has one, else the task's."""
-        if self.name == "step_grpo" and self.step_grpo.outcome == "boxed":
+        if self.name == "step_grpo" and self.step_grpo.outcome == StepGRPOOutcome.boxed:
             return BOXED_OUTCOME_REWARDS.get(task_reward, task_reward)
         return task_reward
 

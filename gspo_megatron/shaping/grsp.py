@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from gspo_megatron.shaping.config import GRSPConfig
+from gspo_megatron.shaping.config import ApplyTo, GRSPConfig, Segmentation
 from gspo_megatron.shaping.registry import SHAPERS
 from gspo_megatron.shaping.segmentation import (
     cluster_counts,
@@ -57,7 +57,7 @@ def grsp_penalty(counts: torch.Tensor, scored: torch.Tensor, weights: torch.Tens
 
 def segment_lengths(group: ShapingGroup, cfg: GRSPConfig) -> list[torch.Tensor]:
     """Per response, float [S_i] segment lengths in tokens, by the configured segmentation."""
-    if cfg.segmentation == "keyword":
+    if cfg.segmentation == Segmentation.keyword:
         return [
             keyword_segment_lengths(text, int(n), cfg.keywords, cfg.case_sensitive)
             for text, n in zip(group.response_texts, group.response_lengths.tolist(), strict=True)
@@ -75,7 +75,7 @@ def segment_lengths(group: ShapingGroup, cfg: GRSPConfig) -> list[torch.Tensor]:
 @SHAPERS.register("grsp")
 def grsp(group: ShapingGroup, cfg: GRSPConfig) -> ShapedRewards:
     counts = cluster_counts(segment_lengths(group, cfg), cfg.bucket_edges)
-    scored = group.correct if cfg.apply_to == "correct" else torch.ones_like(group.correct)
+    scored = group.correct if cfg.apply_to == ApplyTo.correct else torch.ones_like(group.correct)
     penalty = grsp_penalty(counts, scored, torch.tensor(cfg.resolved_weights()))
     return ShapedRewards(
         rewards=group.rewards.float() - cfg.penalty_coef * penalty,

@@ -116,8 +116,8 @@ def group_from_samples(
         max_response_length=max_response_length,
         token_log_probs=[s.output_log_probs.float() for s in samples],
         dropped_triggers=(
-            torch.tensor([s.extra.get("exit_reason") == "confident" for s in samples], dtype=torch.long)
-            if any("exit_reason" in s.extra for s in samples)
+            torch.tensor([s.truncation is not None and s.truncation.confident for s in samples], dtype=torch.long)
+            if any(s.truncation is not None for s in samples)
             else None
         ),
     )

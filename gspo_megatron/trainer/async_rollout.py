@@ -32,6 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from gspo_megatron.rollout.config import check_max_staleness
+
 
 class StalenessError(RuntimeError):
     """A batch would be trained on a policy more than ``max_staleness`` versions newer than its own."""
@@ -57,8 +59,7 @@ class RolloutScheduler:
         last_step: int,
         versions_of: Callable[[Any], list[int]],
     ):
-        if max_staleness not in (0, 1):
-            raise ValueError(f"max_staleness must be 0 or 1 (one-step asynchronous rollout), got {max_staleness}")
+        check_max_staleness(max_staleness)
         self.produce = produce
         self.max_staleness = max_staleness
         self.last_step = last_step

@@ -114,12 +114,12 @@ def pack_samples(
     rollout_logp[response] = torch.cat([s.output_log_probs.float() for s in samples])
     sampled = response.float()
     for i, sample in enumerate(samples):
-        if "forced_mask" in sample.extra:
+        if sample.truncation is not None:
             # tokens the truncated rollout inserted (closing the thinking block) were not sampled by the
             # policy: never compared with the engine's log-probs (it reports 0.0 for them), and trained on
             # only when rollout.truncation.train_on_exit_tokens (the exit decision then gets gradient)
             p, r = len(sample.prompt_ids), len(sample.output_ids)
-            sampled[i, p - 1 : p + r - 1] *= 1.0 - sample.extra["forced_mask"].float()
+            sampled[i, p - 1 : p + r - 1] *= 1.0 - sample.truncation.forced_mask.float()
     mask = response.float() if train_on_exit_tokens else sampled
     routed = None
     if with_routed_experts:

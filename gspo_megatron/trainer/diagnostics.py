@@ -30,6 +30,10 @@ update phase at k = 16 on small_moe, README "The mechanism"). Reading the traini
 log-probs would save one of the two passes; not done, to leave the loss path untouched. It needs
 the trainer's old-log-prob pass (not ``algorithm.old_log_probs=rollout``).
 
+This module only consumes recordings: which forward is recorded is the step plan's decision
+(``trainer/step_plan.py``), the extra passes run in ``trainer/diagnostic_passes.py`` and every
+recording starts and stops in ``routing/recorder.py``.
+
 Counts are merged exactly over micro-batches, data-parallel ranks and (under sequence parallelism)
 tensor-parallel ranks; pipeline stages contribute their own layers, concatenated in stage order.
 Only the driver writes ``routing.jsonl``.
@@ -37,16 +41,21 @@ Only the driver writes ``routing.jsonl``.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.algorithms.config import AlgorithmConfig
 from gspo_megatron.models.micro_batch import MicroBatch, required
 from gspo_megatron.parallel.context_parallel import split_sequence
+from gspo_megatron.parallel.mesh import ParallelMesh
+from gspo_megatron.routing.config import DiagnosticKind
 from gspo_megatron.routing.ratio_decomposition import RatioDecomposition, changed_in_any_layer, decompose_log_ratio
+from gspo_megatron.routing.recorder import Routing
+from gspo_megatron.routing.replay_strategy import TargetsOf
+from gspo_megatron.routing.run_dir import RoutingLog
 from gspo_megatron.routing.volatility import (
     ExpertLoad,
     RoutingVolatility,
@@ -55,155 +64,118 @@ from gspo_megatron.routing.volatility import (
     expert_load,
     routing_volatility,
 )
+from gspo_megatron.trainer.loss_head import LogProbOutput
+from gspo_megatron.trainer.step_plan import RecordingPass, StepPlan
+
+if TYPE_CHECKING:
+    from gspo_megatron.trainer.old_policy_phase import OldPolicyResult
 
 Counts = TypeVar("Counts", RoutingVolatility, ExpertLoad)
 
 
 class RoutingDiagnostics:
-    def __init__(self, config, components, mesh, *, replays_in_training: bool):
-        self.config = config
-        self.replays_in_training = replays_in_training  # R2/R3: no free routing in a training forward
-        self.c = components
+    def __init__(self, plan: StepPlan, mesh: ParallelMesh, num_experts: int, routing_log: RoutingLog | None):
+        self.plan = plan
         self.mesh = mesh
-        self.old: list[list[torch.Tensor]] = []  # per old-pass micro-batch: per layer [tokens, k]
+        self.num_experts = num_experts
+        self.routing_log = routing_log  # the driver's routing.jsonl
+        self.old: Routing = []  # per old-pass micro-batch: per layer [tokens, k]
         self.old_masks: list[torch.Tensor] = []
-        self.old_used: list[list[torch.Tensor]] = []  # the routing the old pass used (R3: the engine's)
+        self.old_used: Routing = []  # the routing the old pass used (R3: the engine's)
         self.decomposition: RatioDecomposition | None = None
         self.decomposition_seconds = 0.0  # its cost, logged as time/ratio_decomposition
-        self.previous: list | None = None
+        self.previous: Routing | None = None
         self.step_records: list[tuple[str, RoutingVolatility, ExpertLoad | None]] = []
 
     # --- old-policy routing --------------------------------------------------------------------
-    @property
-    def _engine_old_policy(self) -> bool:
-        """pi_old is the engine's (``algorithm.old_log_probs=rollout``): no old-policy pass runs."""
-        return self.c.cfg.algorithm.old_log_probs == "rollout"
-
-    def remember_old_routing(
-        self, recorded: list | None, micro_batches: list[MicroBatch], used: list | None = None
+    def begin_step(
+        self, step: int, old: OldPolicyResult, micro_batches: list[MicroBatch], targets_of: TargetsOf
     ) -> None:
-        self.old = recorded or []
-        self.old_used = used or []
+        """The old-policy phase's routing of ``micro_batches`` (all of the step's, in update order)."""
+        self.old = old.routing or []
+        self.old_used = old.trainer_routing
         self.old_masks = [_token_mask(mb, self.mesh) for mb in micro_batches]
         self.step_records = []
         self.previous = None
+        self.rollout_vs_train(step, micro_batches, targets_of, old.trainer_routing)
 
-    def old_routing_for(self, first: int, count: int) -> list[list[torch.Tensor]]:
-        if first + count > len(self.old):
-            raise RuntimeError(
-                f"old-policy replay needs recorded routing for micro-batches {first}..{first + count - 1} "
-                f"but only {len(self.old)} were recorded"
-            )
-        return self.old[first : first + count]
+    @property
+    def has_old_routing(self) -> bool:
+        return bool(self.old)
+
+    def old_used_of(self, first: int, count: int) -> Routing:
+        """The routing the old pass used for micro-batches ``first .. first + count - 1`` (empty: none ran)."""
+        return self.old_used[first : first + count]
 
     # --- diagnostics ---------------------------------------------------------------------------
-    def due(self, kind: str, step: int) -> bool:
-        return self.c.replay is not None and self.config.is_due(step, kind)
-
-    def rollout_vs_train(self, step: int, micro_batches: list[MicroBatch], targets_of, trainer_routing: list) -> None:
+    def rollout_vs_train(
+        self, step: int, micro_batches: list[MicroBatch], targets_of: TargetsOf, trainer_routing: Routing
+    ) -> None:
         """Engine routing (per micro-batch, megatron order) vs the routing of the old-log-prob pass."""
-        if not self.due("rollout_vs_train", step) or not trainer_routing or micro_batches[0].routed_experts is None:
+        due = self.plan.due(DiagnosticKind.rollout_vs_train, step)
+        if not due or not trainer_routing or micro_batches[0].routed_experts is None:
             return
         parts = []
-        for mb, recorded, mask in zip(micro_batches, trainer_routing, self.old_masks):
+        # strict=False: the masks (and micro-batches) cover the whole step, ``trainer_routing`` may cover only the
+        # first mini-batch (the engine's pi_old: the first update's forward is the one recorded)
+        for mb, recorded, mask in zip(micro_batches, trainer_routing, self.old_masks, strict=False):
             engine = torch.stack(targets_of(mb), dim=1)
             trainer = torch.stack(recorded, dim=1)
             parts.append(routing_volatility(engine, trainer, mask))
         self.step_records.append(("rollout_vs_train", RoutingVolatility.merge_all(parts), None))
 
-    def records_training_forward(self, update: int, step: int) -> bool:
-        """Whether update ``update``'s training forward is recorded: the free "update" measurement
-        (update 1), or -- with pi_old from the engine, when no old-policy pass ran -- the old
-        policy's routing of the first mini-batch (update 0, before any optimizer step)."""
-        if self.replays_in_training:
-            return False
-        if self._engine_old_policy:
-            kinds = ("update", "minibatch", "rollout_vs_train")
-            return update == 0 and any(self.due(kind, step) for kind in kinds)
-        return update == 1 and self.due("update", step)
-
     def from_training_forward(
-        self, recorded: list, old_offset: int, micro_batches: list[MicroBatch], targets_of, step: int
+        self, recorded: Routing, old_offset: int, micro_batches: list[MicroBatch], targets_of: TargetsOf, step: int
     ) -> None:
-        if self._engine_old_policy:
+        """A training forward the plan chose to record (``StepPlan.records_training_forward``)."""
+        if self.plan.engine_old_policy:
             self.old = recorded  # the old policy's routing of the first mini-batch
             self.rollout_vs_train(step, micro_batches, targets_of, recorded)
             return
         masks = self.old_masks[old_offset : old_offset + len(recorded)]
         base = self.old[old_offset : old_offset + len(recorded)]
-        self.step_records.append(("update", _compare(base, recorded, masks), _load(recorded, masks, self.c)))
+        self.step_records.append(("update", _compare(base, recorded, masks), self._load(recorded, masks)))
 
-    def after_update(self, update: int, step: int, first_micro_batches: list[MicroBatch]) -> None:
-        """Recording pass over the first mini-batch after optimizer step ``update``, when needed."""
-        free = (
-            not self.replays_in_training and self.c.cfg.trainer.updates_per_rollout > 1 and not self._engine_old_policy
-        )
-        want_update = update == 0 and self.due("update", step) and not free
-        want_minibatch = self.due("minibatch", step) and self.c.cfg.trainer.updates_per_rollout > 1
-        if not (want_update or want_minibatch) or not self.old:
-            return
-        from gspo_megatron.models.schedule import run_schedule
-
-        replay = self.c.replay
-        replay.start_recording()
-        run_schedule(self.c.model, first_micro_batches, None, forward_only=True)
-        now = replay.recorded()
-        replay.stop()
-        masks = self.old_masks[: len(first_micro_batches)]
-        if want_update:
-            base = self.old[: len(first_micro_batches)]
-            self.step_records.append(("update", _compare(base, now, masks), _load(now, masks, self.c)))
-        if want_minibatch and self.previous is not None:
+    def from_recording_pass(self, purpose: RecordingPass, now: Routing) -> None:
+        """The first mini-batch's routing, recorded after an optimizer step (``StepPlan.recording_pass_after``)."""
+        masks = self.old_masks[: len(now)]
+        if purpose.compares_to_old_policy:
+            base = self.old[: len(now)]
+            self.step_records.append(("update", _compare(base, now, masks), self._load(now, masks)))
+        if purpose.compares_to_previous and self.previous is not None:
             self.step_records.append(("minibatch", _compare(self.previous, now, masks), None))
         self.previous = now
 
-    def decompose_ratio(
-        self, update: int, step: int, micro_batches: list[MicroBatch], old_offset: int, strategy, algorithm
+    def add_ratio_decomposition(
+        self,
+        micro_batches: list[MicroBatch],
+        loss_outputs: list[LogProbOutput],
+        old_routing_outputs: list[LogProbOutput],
+        loss_routing: Routing,
+        old_routing: Routing,
+        algorithm: AlgorithmConfig,
     ) -> None:
-        """At the last update of a due step, before its training forward (same weights): the log-probs
-        under the loss's routing and under the old pass's routing, split by ``decompose_log_ratio``."""
-        last = update == self.c.cfg.trainer.updates_per_rollout - 1
-        if not (last and self.due("ratio_decomposition", step)) or not self.old_used:
-            return
-        from gspo_megatron.models.schedule import run_schedule
-        from gspo_megatron.trainer.loss_head import LogProbHead
-
-        started = time.perf_counter()
-        cfg, mesh, replay = self.c.cfg, self.mesh, self.c.replay
-        head = LogProbHead(
-            mesh.tp_group,
-            cfg.rollout.temperature,
-            cfg.algorithm.logprob_chunk_size,
-            cp_group=mesh.cp_group if mesh.layout.cp > 1 else None,
-        )
-        old = self.old_used[old_offset : old_offset + len(micro_batches)]
-        if self.replays_in_training:  # R2/R3: the loss replays the old pass's routing
-            before = strategy.update_begin(micro_batches, lambda: old)
-            train = run_schedule(self.c.model, micro_batches, head, forward_only=True, before_forward=before)
-            strategy.update_end()
-            changed = [torch.zeros(mb.num_rows * mb.seq_len, dtype=torch.bool) for mb in micro_batches]
-        else:
-            replay.start_recording()
-            train = run_schedule(self.c.model, micro_batches, head, forward_only=True)
-            now = replay.recorded()
-            replay.stop()
+        """The log-probs under the loss's routing and under the old pass's routing (same weights),
+        split by ``decompose_log_ratio``. ``loss_routing`` is what the loss's forward recorded (empty
+        when it replayed the old pass's routing: then no token's experts changed)."""
+        mesh = self.mesh
+        if loss_routing:
             changed = [
                 _rows_of_tokens(changed_in_any_layer(torch.stack(a, 1), torch.stack(b, 1)), mb, mesh)
-                for a, b, mb in zip(old, now, micro_batches)
+                for a, b, mb in zip(old_routing, loss_routing, micro_batches, strict=True)
             ]
-        replay.load_targets(old)
-        replayed = run_schedule(
-            self.c.model, micro_batches, head, forward_only=True, before_forward=replay.before_forward
-        )
-        replay.assert_fully_consumed()
-        replay.stop()
+        else:
+            changed = [torch.zeros(mb.num_rows * mb.seq_len, dtype=torch.bool) for mb in micro_batches]
         changed = self._any_rank(changed)
         total = RatioDecomposition.zeros()
-        for mb, flags, train_out, old_out in zip(micro_batches, changed, train, replayed):
+        # strict=False: only the last pipeline stage has log-probs (the outputs are empty on the others)
+        for mb, flags, train_out, old_out in zip(
+            micro_batches, changed, loss_outputs, old_routing_outputs, strict=False
+        ):
             total = total.merge(
                 decompose_log_ratio(
-                    train_out["log_probs"].cpu(),
-                    old_out["log_probs"].cpu(),
+                    train_out.log_probs.cpu(),
+                    old_out.log_probs.cpu(),
                     required(mb.old_log_probs, "old_log_probs", "ratio decomposition").cpu(),
                     required(mb.response_mask, "response_mask", "ratio decomposition").cpu(),
                     flags.reshape(mb.num_rows, mb.seq_len),
@@ -217,7 +189,16 @@ class RoutingDiagnostics:
             if size > 1:
                 total = RatioDecomposition(total.all_reduce_on(mesh.device, group))
         self.decomposition = total if self.decomposition is None else self.decomposition.merge(total)
-        self.decomposition_seconds += time.perf_counter() - started
+
+    def add_decomposition_seconds(self, seconds: float) -> None:
+        self.decomposition_seconds += seconds
+
+    def _load(self, routing: Routing, masks: list[torch.Tensor]) -> ExpertLoad:
+        parts = [expert_load(torch.stack(r, dim=1), self.num_experts, m) for r, m in zip(routing, masks, strict=True)]
+        total = parts[0]
+        for part in parts[1:]:
+            total = total.merge(part)
+        return total
 
     def _any_rank(self, flags: list[torch.Tensor]) -> list[torch.Tensor]:
         """OR over the ranks that hold other tokens (CP, sequence-parallel TP) or other layers (PP)."""
@@ -251,8 +232,8 @@ class RoutingDiagnostics:
             metrics[f"routing/{kind}_changed_frac"] = float(volatility.changed_frac_overall)
             metrics[f"routing/{kind}_overlap"] = float(volatility.overlap_overall)
             metrics[f"routing/{kind}_changed_any_frac"] = float(volatility.changed_any_frac)
-            if self.mesh.is_driver and self.c.routing_log is not None:
-                self.c.routing_log.log(step, kind, volatility=volatility, load=load)
+            if self.mesh.is_driver and self.routing_log is not None:
+                self.routing_log.log(step, kind, volatility=volatility, load=load)
         self.step_records = []
         return metrics
 
@@ -280,17 +261,10 @@ class RoutingDiagnostics:
 
 def _compare(before: list, after: list, masks: list) -> RoutingVolatility:
     parts = [
-        routing_volatility(torch.stack(a, dim=1), torch.stack(b, dim=1), m) for a, b, m in zip(before, after, masks)
+        routing_volatility(torch.stack(a, dim=1), torch.stack(b, dim=1), m)
+        for a, b, m in zip(before, after, masks, strict=True)
     ]
     return RoutingVolatility.merge_all(parts)
-
-
-def _load(routing: list, masks: list, components):
-    parts = [expert_load(torch.stack(r, dim=1), components.cfg.model.num_experts, m) for r, m in zip(routing, masks)]
-    total = parts[0]
-    for part in parts[1:]:
-        total = total.merge(part)
-    return total
 
 
 def _rows_of_tokens(local: torch.Tensor, micro_batch: MicroBatch, mesh) -> torch.Tensor:

@@ -3,7 +3,9 @@ entropy bonus and reference KL when their coefficients are non-zero).
 
 Runs on the last pipeline stage, on vocab-parallel logits [b, s, V/tp]. The math lives in
 ``gspo_megatron.algorithms``; this module only plumbs: which tensors of the micro-batch feed it,
-which denominators and groups it uses, and which metrics come back.
+which denominators and groups it uses, and which metrics come back. ``PolicyLossHead``'s metric
+entries carry the names the run logs (the loss's own and the KL's under ``loss/``, the policy's
+entropy as ``entropy``): the trainer reduces them and renames nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +29,15 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class LogProbOutput:
+    """What ``LogProbHead`` hands back per micro-batch (last pipeline stage): whole rows."""
+
+    log_probs: torch.Tensor  # [b, s] log pi(target) at the head's temperature
+    entropy: torch.Tensor  # [b, s] entropy of the same distribution
+    rows: torch.Tensor | None  # the micro-batch's row indices into its RolloutBatch
+
+
+@dataclass
 class LogProbHead:
     """Forward-only: per-token log-probs of the targets (old policy, or a reference pass)."""
 
@@ -35,7 +46,7 @@ class LogProbHead:
     chunk_size: int | None = None
     cp_group: ProcessGroup | None = None  # context parallel: the rank's share of each row -> whole rows
 
-    def __call__(self, logits: torch.Tensor, batch: MicroBatch):
+    def __call__(self, logits: torch.Tensor, batch: MicroBatch) -> tuple[torch.Tensor, LogProbOutput]:
         with torch.no_grad():
             log_probs, entropy = vocab_parallel_log_probs(
                 logits,
@@ -46,7 +57,7 @@ class LogProbHead:
                 with_entropy=True,
             )
             log_probs, entropy = (gather_sequence(t, self.cp_group) for t in (log_probs, entropy))
-        return logits.new_zeros(()), {"log_probs": log_probs, "entropy": entropy, "rows": batch.rows}
+        return logits.new_zeros(()), LogProbOutput(log_probs, entropy, batch.rows)
 
 
 @dataclass
@@ -65,7 +76,7 @@ class PolicyLossHead:
         self.loss_fn = get_policy_loss(self.algorithm.loss)
         self.sequence_sum = context_parallel_sequence_sum_fn(self.cp_group)
 
-    def __call__(self, logits: torch.Tensor, batch: MicroBatch):
+    def __call__(self, logits: torch.Tensor, batch: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         algorithm = self.algorithm
         log_probs, entropy = vocab_parallel_log_probs(
             logits,
@@ -88,7 +99,7 @@ class PolicyLossHead:
         out = self.loss_fn(
             log_probs, old_log_probs, required(batch.advantages, "advantages", "the policy loss"), mask, ctx
         )
-        metrics = dict(out.metrics)
+        metrics = _under_loss(out.metrics)
         metrics.update(token_mean_metric("entropy", entropy, mask, self.sequence_sum))
         # The losses of all micro-batches and ranks add up to the mini-batch loss; a count equal to
         # this micro-batch's share of the sequences makes the merged "mean" that total.
@@ -105,7 +116,12 @@ class PolicyLossHead:
             term, kl_metrics = kl_penalty(
                 log_probs, batch.ref_log_probs, mask, ctx, algorithm.kl_coef, algorithm.kl_estimator
             )
-            metrics.update(kl_metrics)
+            metrics.update(_under_loss(kl_metrics))
             metrics.update(mean_entries("loss/kl_term", term.detach(), share))
             loss = loss + term
         return loss, metrics
+
+
+def _under_loss(entries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The loss functions' metric entries (``ratio/sum``, ...) as logged: ``loss/ratio/sum``."""
+    return {f"loss/{key}": value for key, value in entries.items()}

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from gspo_megatron.algorithms.config import AlgorithmConfig
 from gspo_megatron.algorithms.mismatch_correction import (
+    RejectedTokens,
     finalize_mismatch_weight_stats,
     mismatch_weight_stats,
     rejected_mask,
@@ -61,7 +62,7 @@ def correct_mismatch(
         row_weights = row_weights[:, :width] if row_weights.dim() > 1 else row_weights
         mb.advantages = weighted_advantages(advantages, row_weights)
     metrics = {key: float(value) for key, value in finalize_mismatch_weight_stats(stats).items()}
-    if algorithm.mismatch_rejected == "drop":
+    if algorithm.mismatch_rejected == RejectedTokens.drop:
         totals = _drop_rejected(parts, batch, weights, algorithm.mismatch_correction, totals, dp_group)
     return metrics, totals
 

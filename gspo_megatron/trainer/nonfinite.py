@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.config.schema import NonFinitePolicy
+
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
 
@@ -91,7 +93,7 @@ class NonFiniteGuard:
             "checkpoint.resume=true optimizer.lr=<lower> checkpoint.resume_allow_changes=[optimizer.lr], "
             "or check the rewards and advantages of the failing step"
         )
-        if self.policy == "stop":
+        if self.policy == NonFinitePolicy.stop:
             raise NonFiniteError(f"{where}: {problem} (trainer.on_nonfinite=stop); {advice}")
         if self.consecutive >= self.max_consecutive:
             raise NonFiniteError(

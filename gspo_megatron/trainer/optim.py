@@ -140,7 +140,7 @@ def build_scheduler(
         optimizer,
         init_lr=0.0 if warmup else section.lr,
         max_lr=section.lr,
-        min_lr=section.min_lr if decay_style != "constant" else section.lr,
+        min_lr=section.min_lr if decay_style != DecayStyle.constant else section.lr,
         lr_warmup_steps=warmup,
         lr_decay_steps=max(total_updates, warmup + 1),
         lr_decay_style=decay_style,

@@ -95,4 +95,4 @@ class ReferenceModel:
         if outputs and len(outputs) != len(micro_batches):
             raise RuntimeError(f"reference pass returned {len(outputs)} outputs for {len(micro_batches)} micro-batches")
         for mb, out in zip(micro_batches, outputs, strict=False):  # no outputs on earlier pipeline stages
-            mb.ref_log_probs = out["log_probs"]
+            mb.ref_log_probs = out.log_probs

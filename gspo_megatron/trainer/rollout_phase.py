@@ -25,7 +25,7 @@ from gspo_megatron.rollout.engine import RolloutEngine
 from gspo_megatron.rollout.types import Sample, SamplingParams
 from gspo_megatron.shaping.apply import shape_batch, shape_group
 from gspo_megatron.shaping.combine import shaped_advantages
-from gspo_megatron.shaping.config import ShapingConfig
+from gspo_megatron.shaping.config import ShapingCombine, ShapingConfig
 from gspo_megatron.shaping.types import ShapingGroup, group_from_samples
 from gspo_megatron.trainer.batch import RolloutBatch, pack_samples
 from gspo_megatron.trainer.dynamic_sampling import collect_informative_groups
@@ -78,7 +78,7 @@ class RolloutPhase:
         g = self.sampling.n
         shaped = shape_batch([group.shaping for group in drawn], self.shaping)
         shaped_rewards = torch.cat([s.rewards for s in shaped.groups]).float()
-        shaped_rewards = rewards + self.shaping.strength(step) * (shaped_rewards - rewards)
+        shaped_rewards = self._mixed(rewards, shaped_rewards, step)
         estimator = ADVANTAGE_ESTIMATORS.get(self.algorithm.advantage_estimator)
         context = make_advantage_context(self.algorithm, g)
         advantage = shaped_advantages(rewards, shaped_rewards, lambda r: estimator(r, context), g, self.shaping.combine)
@@ -94,13 +94,17 @@ class RolloutPhase:
         metrics = self._metrics(step, samples, scored, shaped, advantage, batch)
         return batch, {**{k: float(v) for k, v in metrics.items()}, **extra_metrics}
 
+    def _mixed(self, rewards: torch.Tensor, shaped: torch.Tensor, step: int) -> torch.Tensor:
+        """The rewards the advantages see: r + strength(step) * (r_shaped - r) (strength ramps shaping in)."""
+        return rewards + self.shaping.strength(step) * (shaped - rewards)
+
     def _has_reward_variance(self, group: DrawnGroup, step: int) -> bool:
         """Whether the rewards the advantages will see (shaping mixed in at this step's strength) differ
         within the group; exact equality, as ``advantage/zero_variance_group_frac`` counts it."""
         rewards = group.shaping.rewards.float()
         shaped = shape_group(group.shaping, self.shaping).rewards.float()
-        mixed = rewards + self.shaping.strength(step) * (shaped - rewards)
-        if self.shaping.combine == "advantage":  # A = normalised task reward + centred shaping term
+        mixed = self._mixed(rewards, shaped, step)
+        if self.shaping.combine == ShapingCombine.advantage:  # A = normalised task reward + centred shaping term
             return _varies(rewards) or _varies(mixed - rewards)
         return _varies(mixed)
 
@@ -113,7 +117,7 @@ class RolloutPhase:
         grouped = generate(_prompt_ids(records), params)
         samples = [s for group in grouped for s in group]
         texts = [self.tokenizer.decode(s.output_ids) for s in samples]
-        scored = self._score(texts, [r for r, g in zip(records, grouped) for _ in g])
+        scored = self._score(texts, [r for r, g in zip(records, grouped, strict=True) for _ in g])
         rewards = torch.tensor([r.reward for r in scored], dtype=torch.float32)
         correct = torch.tensor([r.correct for r in scored])
         format_ok = torch.tensor([r.format_ok for r in scored])
@@ -162,15 +166,14 @@ class RolloutPhase:
                 metrics[f"shaping/{key}"] = value
             elif value.dim() == 1:  # per length cluster (segments_per_cluster): one scalar per cluster
                 metrics.update({f"shaping/{key}/{k}": v for k, v in enumerate(value)})
-        exit_reasons = [s.extra.get("exit_reason") for s in samples if "exit_reason" in s.extra]
+        truncations = [s.truncation for s in samples if s.truncation is not None]
+        exit_reasons = [t.exit_reason for t in truncations]
         for reason in sorted(set(exit_reasons)):
             metrics[f"truncation/exit_{reason}_frac"] = torch.tensor(exit_reasons.count(reason) / len(samples))
         if exit_reasons:  # inserted (forced) tokens, and how many the loss mask actually leaves out
-            metrics["truncation/forced_tokens"] = torch.tensor(
-                float(sum(int(s.extra["forced_mask"].sum()) for s in samples))
-            )
+            metrics["truncation/forced_tokens"] = torch.tensor(float(sum(t.forced_tokens for t in truncations)))
             metrics["truncation/loss_masked_tokens"] = batch.response_lengths.sum() - batch.response_mask.sum()
-            metrics["truncation/probes_mean"] = torch.tensor(sum(s.extra["num_probes"] for s in samples) / len(samples))
+            metrics["truncation/probes_mean"] = torch.tensor(sum(t.num_probes for t in truncations) / len(samples))
         return metrics
 
     def _score(self, texts: list[str], records: list[PromptRecord]):
@@ -188,7 +191,7 @@ class RolloutPhase:
         grouped = self.engine.generate(_prompt_ids(records), params)
         samples = [s for group in grouped for s in group]
         texts = [self.tokenizer.decode(s.output_ids) for s in samples]
-        scored = self.rewards.score(texts, [r for r, g in zip(records, grouped) for _ in g])
+        scored = self.rewards.score(texts, [r for r, g in zip(records, grouped, strict=True) for _ in g])
         k = params.n
         correct = torch.tensor([r.correct for r in scored], dtype=torch.float32).reshape(len(records), k)
         metrics = {

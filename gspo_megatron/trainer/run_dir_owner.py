@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gspo_megatron.config_node import ConfigChoice
 from gspo_megatron.routing.run_dir import CONFIG_FILE, METRICS_FILE, ROUTING_FILE
 
 if TYPE_CHECKING:
@@ -41,19 +42,30 @@ if TYPE_CHECKING:
 LOCK_FILE = ".gspo.lock"
 # what a run writes: a directory holding any of these holds a run
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, ROUTING_FILE, "checkpoints", "hf_export", "tensorboard")
-RESUME_MODES = ("false", "true", "auto")
+
+
+class ResumeMode(ConfigChoice):
+    """``checkpoint.resume``. The field stays a string in the schema: Hydra hands ``true``/``false``
+    over as booleans, which an enum node would refuse; ``resume_mode`` reads it as one of these."""
+
+    false = "false"  # a fresh run
+    true = "true"  # a checkpoint must exist
+    auto = "auto"  # resume if there is one
+
+
+RESUME_MODES = tuple(ResumeMode)
 
 
 class RunDirError(RuntimeError):
     """The run directory cannot be used as asked (locked, holds another run, nothing to resume)."""
 
 
-def resume_mode(value: object) -> str:
+def resume_mode(value: object) -> ResumeMode:
     """``checkpoint.resume`` as one of false | true | auto (Hydra hands booleans over as 'True')."""
     mode = str(value).strip().lower()
     if mode not in RESUME_MODES:
-        raise RunDirError(f"checkpoint.resume={value!r} is not one of {list(RESUME_MODES)}")
-    return mode
+        raise RunDirError(f"checkpoint.resume={value!r} is not one of {[str(m) for m in RESUME_MODES]}")
+    return ResumeMode(mode)
 
 
 def new_run_id() -> str:
@@ -146,7 +158,7 @@ def check_fresh_start(run_dir: Path, overwrite: bool, mode: str = "false") -> No
     found = existing_run_files(run_dir)
     if not found or overwrite:
         return
-    if mode == "auto":  # resume was asked for, and there is nothing to resume
+    if mode == ResumeMode.auto:  # resume was asked for, and there is nothing to resume
         raise RunDirError(
             f"run_dir {run_dir} holds a run ({', '.join(found)}) but no checkpoint to resume "
             "(checkpoint.resume=auto): that run stopped before its first save. Start over in it with "
@@ -237,14 +249,16 @@ def claim_run_dir(run_dir: Path, section: CheckpointSection, config_yaml: str) -
         raise
 
 
-def _decide(run_dir: Path, mode: str, section: CheckpointSection, config_yaml: str, lock: RunDirLock) -> RunClaim:
+def _decide(
+    run_dir: Path, mode: ResumeMode, section: CheckpointSection, config_yaml: str, lock: RunDirLock
+) -> RunClaim:
     from gspo_megatron.config.resume_check import check_resume_config
     from gspo_megatron.trainer.checkpoint import latest_checkpoint
     from gspo_megatron.trainer.checkpoint_check import checked_trainer_state
 
-    latest = latest_checkpoint(run_dir) if mode != "false" else None
+    latest = latest_checkpoint(run_dir) if mode is not ResumeMode.false else None
     if latest is None:
-        if mode == "true":
+        if mode is ResumeMode.true:
             raise _nothing_to_resume(run_dir)
         check_fresh_start(run_dir, section.overwrite, mode)
         return RunClaim(lock, None, [])

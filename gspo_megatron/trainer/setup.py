@@ -22,6 +22,7 @@ from gspo_megatron.models.conversion import SafetensorsSource, hf_shapes, load_h
 from gspo_megatron.models.schedule import wrap_for_training
 from gspo_megatron.parallel.mesh import ParallelMesh, initialize_parallel
 from gspo_megatron.rewards.pool import RewardPool
+from gspo_megatron.rollout.config import RolloutEngineName
 from gspo_megatron.rollout.engine import RolloutEngine
 from gspo_megatron.rollout.types import SamplingParams
 from gspo_megatron.routing.replay import RoutingReplay
@@ -56,6 +57,18 @@ class Components:
     run_log: RunLog | None = None
     routing_log: RoutingLog | None = None
     reference: ReferenceModel | None = None  # frozen KL reference; None unless algorithm.kl_coef > 0
+
+    def driver_rollout(self) -> RolloutPhase:
+        """The rollout phase, which only the driver (global rank 0) builds."""
+        if self.rollout is None:
+            raise RuntimeError("only the driver (global rank 0) holds the rollout phase")
+        return self.rollout
+
+    def driver_task(self) -> Task:
+        """The task, which only the driver (global rank 0) builds."""
+        if self.task is None:
+            raise RuntimeError("only the driver (global rank 0) holds the task")
+        return self.task
 
     @property
     def model_chunk(self) -> GPTModel:
@@ -233,20 +246,20 @@ def _build_driver_side(c: Components) -> None:
 
 def _resume_step(c: Components) -> int:
     from gspo_megatron.trainer.checkpoint import latest_checkpoint
-    from gspo_megatron.trainer.run_dir_owner import resume_mode
+    from gspo_megatron.trainer.run_dir_owner import ResumeMode, resume_mode
 
-    if resume_mode(c.cfg.checkpoint.resume) == "false":
+    if resume_mode(c.cfg.checkpoint.resume) is ResumeMode.false:
         return 0
     path = latest_checkpoint(c.run_dir)
     return int(path.name.split("_")[-1]) if path is not None else 0
 
 
 def _build_engine(cfg: TrainConfig, tokenizer: Tokenizer) -> RolloutEngine:
-    if cfg.rollout.engine == "embedded":
+    if cfg.rollout.engine == RolloutEngineName.embedded:
         from gspo_megatron.rollout.embedded import EmbeddedEngine
 
         return EmbeddedEngine(cfg.model.to_hf_config(), cfg.rollout.embedded, decode=tokenizer.decode)
-    if cfg.rollout.engine == "sglang":
+    if cfg.rollout.engine == RolloutEngineName.sglang:
         from gspo_megatron.rollout.sglang.engine import SGLangEngine
 
         return SGLangEngine(cfg.rollout.sglang)

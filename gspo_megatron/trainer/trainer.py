@@ -3,11 +3,15 @@
 One step, top to bottom (``train_step``):
     rollout -> reward -> shaped reward -> advantages      (driver rank: ``RolloutPhase``)
     -> each data-parallel rank's rows and micro-batch plan scattered to it (``batch_distribution``)
-    -> old log-probs: Megatron forward over the batch      (routing recorded / replayed if on)
+    -> old log-probs: Megatron forward over the batch, or the engine's   (``old_policy_phase``)
     -> reference log-probs when algorithm.kl_coef > 0      (frozen model; its routers never replay)
     -> k mini-batch policy updates through megatron's schedule and optimizer
     -> weight sync: HF-named export streamed tensor by tensor -> engine.update_weights (trainer/weight_stream.py)
     -> metrics, routing diagnostics, evaluation, checkpoint
+
+What a step runs is resolved once from the config (``StepPlan``: pi_old source, replay strategy,
+which forwards are recorded for the routing diagnostics); ``train_step`` only calls the phases.
+Every routing recording starts and stops in one ``RoutingRecorder`` (``routing/recorder.py``).
 
 Every rank runs this loop (SPMD); the driver (global rank 0) additionally owns the rollout engine,
 the task and the reward pool. Each data-parallel rank receives only the rows of its micro-batches
@@ -20,6 +24,7 @@ from __future__ import annotations
 import math
 import signal
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -27,17 +32,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.algorithms.adaptive_clip import AdaptiveClipController
+from gspo_megatron.algorithms.adaptive_clip import AdaptiveClipController, ClipFractions
 from gspo_megatron.algorithms.metrics import SUM, finalize_metrics, merge_metrics
 from gspo_megatron.algorithms.reductions import all_reduce_metrics
 from gspo_megatron.models.micro_batch import MicroBatch, required
 from gspo_megatron.models.schedule import run_schedule
 from gspo_megatron.parallel.context_parallel import pad_sequence_length
 from gspo_megatron.parallel.heartbeat import is_collective_failure
-from gspo_megatron.rollout.mismatch import finalize_mismatch, train_inference_mismatch
+from gspo_megatron.routing.recorder import RoutingRecorder
 from gspo_megatron.routing.replay_strategy import build_replay_strategy
 from gspo_megatron.trainer.async_rollout import RolloutScheduler
-from gspo_megatron.trainer.batch import RolloutBatch, cut_micro_batches
+from gspo_megatron.trainer.batch import cut_micro_batches
 from gspo_megatron.trainer.batch_distribution import (
     RankShare,
     StepTotals,
@@ -47,21 +52,23 @@ from gspo_megatron.trainer.batch_distribution import (
 )
 from gspo_megatron.trainer.checkpoint import latest_checkpoint, save_checkpoint
 from gspo_megatron.trainer.checkpoint_check import load_checked_checkpoint
+from gspo_megatron.trainer.diagnostic_passes import DiagnosticPasses
 from gspo_megatron.trainer.diagnostics import RoutingDiagnostics
-from gspo_megatron.trainer.engine_old_log_probs import use_engine_log_probs
 from gspo_megatron.trainer.loss_head import LogProbHead, PolicyLossHead
 from gspo_megatron.trainer.mismatch_phase import correct_mismatch
 from gspo_megatron.trainer.nonfinite import NonFiniteError, NonFiniteGuard, parameters_finite
+from gspo_megatron.trainer.old_policy_phase import OldPolicyResult, build_old_policy_phase
 from gspo_megatron.trainer.optim import keep_configured_hyperparameters, restore_schedule
-from gspo_megatron.trainer.run_dir_owner import RunDirError, new_run_id, resume_mode
-from gspo_megatron.trainer.setup import evaluation_inputs
+from gspo_megatron.trainer.run_dir_owner import ResumeMode, RunDirError, new_run_id, resume_mode
+from gspo_megatron.trainer.setup import Components, evaluation_inputs
 from gspo_megatron.trainer.signals import SignalWatch, TrainingInterrupted
+from gspo_megatron.trainer.step_plan import StepPlan
 from gspo_megatron.trainer.token_budget import sequence_multiple, step_padded_fraction
 from gspo_megatron.trainer.weight_stream import sync_engine_weights
 
 
 class RLTrainer:
-    def __init__(self, components, signals: SignalWatch | None = None):
+    def __init__(self, components: Components, signals: SignalWatch | None = None):
         """``components`` is a ``trainer.setup.Components`` (built by ``trainer.setup.build``);
         ``signals``, if given, is looked at between steps (SIGTERM/SIGINT: save and stop)."""
         self.c = components
@@ -70,17 +77,24 @@ class RLTrainer:
         self.mesh = components.mesh
         self.step = 0
         self.run_id = new_run_id()  # a resumed run takes its checkpoint's id (pruning is per run)
+        self.plan = StepPlan.from_config(self.cfg, has_routers=components.replay is not None)
+        self.recorder = RoutingRecorder(components.replay)  # every routing recording starts and stops there
         # routing replay (none / R2 / R3) as one strategy object: the phases below call its hooks
-        self.replay = build_replay_strategy(self.cfg.algorithm.routing_replay, components.replay, self._rollout_targets)
-        self.diagnostics = RoutingDiagnostics(
-            self.cfg.routing, components, self.mesh, replays_in_training=self.replay.replays_in_training
+        self.replay = build_replay_strategy(self.plan.routing_replay, self.recorder, self._rollout_targets)
+        self.diagnostics = RoutingDiagnostics(self.plan, self.mesh, self.cfg.model.num_experts, components.routing_log)
+        head = self._log_prob_head()
+        self.old_policy = build_old_policy_phase(
+            self.plan.old_log_probs, components.model, self.mesh, self.replay, head
+        )
+        self.diagnostic_passes = DiagnosticPasses(
+            components.model, self.plan, self.recorder, self.replay, self.diagnostics, head
         )
         self.clip_controller = AdaptiveClipController.from_config(self.cfg.algorithm)  # None: fixed eps
         self.rollouts: RolloutScheduler | None = None  # the driver's rollout schedule (synchronous or one step ahead)
         if self.mesh.is_driver:
-            rollout = self.cfg.rollout
+            rollout, rollout_phase = self.cfg.rollout, components.driver_rollout()
             self.rollouts = RolloutScheduler(
-                lambda step: components.rollout.run(step, self.cfg.trainer.prompts_per_step),
+                lambda step: rollout_phase.run(step, self.cfg.trainer.prompts_per_step),
                 # bounded by trainer.steps, not stop_after_steps: a job stopped early still prefetches
                 # (and checkpoints) the batch the uninterrupted run would train next
                 rollout.max_staleness if rollout.async_rollout else 0,
@@ -154,28 +168,24 @@ class RLTrainer:
         batch, totals, metrics = share.batch, share.totals, dict(share.metrics)
         parts = cut_micro_batches(batch, share.plan)
         metrics["batch/padded_token_frac"] = step_padded_fraction(totals.input_tokens, parts, self.mesh.layout.dp)
+        flat = [mb for part in parts for mb in part]
         with self._phase(timings, "old_logp"):
-            old_metrics = self._old_log_probs(batch, parts)
-        if self.cfg.algorithm.mismatch_correction != "none":  # importance weights pi_old / pi_rollout
+            old = self.old_policy.run(batch, flat)
+            self.diagnostics.begin_step(self.step, old, flat, self._rollout_targets)
+        old_metrics = dict(old.metrics)
+        if self.plan.corrects_mismatch:  # importance weights pi_old / pi_rollout
             mismatch_metrics, totals = correct_mismatch(batch, parts, self.cfg.algorithm, totals, self._dp_group())
             old_metrics.update(mismatch_metrics)
         if self.c.reference is not None:  # algorithm.kl_coef > 0: frozen reference, routers never replay
             with self._phase(timings, "ref_logp"):
-                self.c.reference.attach_log_probs([mb for part in parts for mb in part])
+                self.c.reference.attach_log_probs(flat)
         with self._phase(timings, "update"):
-            update_metrics = self._policy_updates(parts, totals)
+            update = self._policy_updates(parts, totals, old)
         with self._phase(timings, "weight_sync"):
             self.sync_weights()
         metrics.update(old_metrics)
-        metrics.update(update_metrics)
-        if self.clip_controller is not None:  # adapts eps for the next step from this step's clip fraction
-            clipped = update_metrics.get(self.clip_controller.metric, float("nan"))
-            metrics.update(self.clip_controller.update(clipped))
-            if metrics["clip/held"] and self.mesh.is_driver:
-                print(
-                    f"[gspo] step {self.step + 1}: {self.clip_controller.metric} is {clipped} (no valid token "
-                    "or a skipped update); adaptive clip held eps for the next step (metric clip/held=1)"
-                )
+        metrics.update(update.metrics)
+        metrics.update(self._adapt_clip(update))
         metrics.update(self.diagnostics.finish_step(self.step + 1))
         eval_every = self.cfg.trainer.eval_every
         if eval_every and (self.step + 1) % eval_every == 0:
@@ -185,6 +195,19 @@ class RLTrainer:
         return metrics
 
     # ------------------------------------------------------------------ phases
+    def _adapt_clip(self, update: UpdateResult) -> dict[str, float]:
+        """Adaptive clipping (off: no metrics): eps for the next step from this step's clip fraction."""
+        if self.clip_controller is None:
+            return {}
+        clipped = self.clip_controller.measured(update.clip_fractions)
+        metrics = self.clip_controller.update(clipped)
+        if metrics["clip/held"] and self.mesh.is_driver:
+            print(
+                f"[gspo] step {self.step + 1}: {self.clip_controller.metric} is {clipped} (no valid token "
+                "or a skipped update); adaptive clip held eps for the next step (metric clip/held=1)"
+            )
+        return metrics
+
     def _rollout(self) -> RankShare:
         """The driver's rollout, then each data-parallel rank's rows and micro-batch plan to it."""
         shares = None
@@ -208,62 +231,15 @@ class RLTrainer:
         """The data-parallel group where sums over rows must be completed (None: one DP rank)."""
         return self.mesh.dp_group if self.mesh.layout.dp > 1 else None
 
-    def _old_log_probs(self, batch: RolloutBatch, parts: list[list[MicroBatch]]) -> dict:
-        """pi_old log-probs (and the routing they used) for every row, on every rank.
-
-        Runs over exactly the micro-batches the updates will use (``parts``, flattened), so what it
-        records per micro-batch lines up with the replaying forwards; it adds ``old_log_probs`` to
-        each of those micro-batches.
-        """
+    def _log_prob_head(self) -> LogProbHead:
+        """Forward-only log-probs at the rollout temperature (old policy, diagnostics' passes)."""
         cfg, mesh = self.cfg, self.mesh
-        flat = [mb for part in parts for mb in part]
-        if cfg.algorithm.old_log_probs == "rollout":
-            self.diagnostics.remember_old_routing(None, flat)
-            return use_engine_log_probs(batch, flat)
-        head = LogProbHead(
+        return LogProbHead(
             mesh.tp_group,
             cfg.rollout.temperature,
             cfg.algorithm.logprob_chunk_size,
             cp_group=mesh.cp_group if mesh.layout.cp > 1 else None,
         )
-        before = self.replay.old_pass_begin(flat)
-        outputs = run_schedule(self.c.model, flat, head, forward_only=True, before_forward=before)
-        routing = self.replay.old_pass_end()
-        if self.c.replay is not None:  # an MoE model: its routing is measured
-            self.diagnostics.remember_old_routing(routing.old_policy_routing, flat, routing.trainer_routing)
-            self.diagnostics.rollout_vs_train(self.step, flat, self._rollout_targets, routing.trainer_routing)
-        batch.old_log_probs = self._gather_rows(outputs, "log_probs", batch)
-        mask = batch.mismatch_mask
-        sums = train_inference_mismatch(batch.old_log_probs, batch.rollout_log_probs, mask)
-        entropy = self._gather_rows(outputs, "entropy", batch)
-        sums["entropy_sum"] = (entropy * mask).sum().double()
-        sums = self._sum_over_dp(sums)  # data-parallel ranks hold disjoint rows
-        out = {k: float(v) for k, v in finalize_mismatch(sums).items()}
-        out["policy/entropy_old"] = float(sums["entropy_sum"] / sums["token_count"].clamp_min(1))
-        # the update micro-batches carry the old log-probs from here on
-        for mb in flat:
-            mb.old_log_probs = batch.old_log_probs[
-                batch.local(required(mb.rows, "rows", "old log-probs")), : mb.seq_len
-            ]
-        return out
-
-    def _sum_over_dp(self, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        group = self._dp_group()
-        if group is None:
-            return sums
-        keys = sorted(sums)
-        stacked = torch.stack([sums[k].double() for k in keys])
-        dist.all_reduce(stacked, group=group)
-        return dict(zip(keys, stacked.unbind()))
-
-    def _gather_rows(self, outputs: list[dict], key: str, batch: RolloutBatch) -> torch.Tensor:
-        """Per-token values of this rank's rows, from the last stage to every stage of its pipeline."""
-        full = torch.zeros(batch.num_sequences, batch.tokens.shape[1] - 1, device=self.mesh.device)
-        for out in outputs:
-            full[batch.local(out["rows"]).to(full.device), : out[key].shape[1]] = out[key].float()
-        if self.mesh.layout.pp > 1:
-            dist.broadcast(full, src=self.mesh.last_stage_global_rank, group=self.mesh.pp_group)
-        return full.cpu()
 
     def _rollout_targets(self, micro_batch: MicroBatch) -> list[torch.Tensor]:
         from gspo_megatron.routing.replay import rollout_targets
@@ -279,7 +255,7 @@ class RLTrainer:
             self.mesh.cp_rank if layout.cp > 1 else 0,
         )
 
-    def _policy_updates(self, parts: list[list[MicroBatch]], totals: StepTotals) -> dict:
+    def _policy_updates(self, parts: list[list[MicroBatch]], totals: StepTotals, old: OldPolicyResult) -> UpdateResult:
         cfg, mesh = self.cfg, self.mesh
         merged = None
         grad_norms = []
@@ -296,29 +272,27 @@ class RLTrainer:
                 clip=None if self.clip_controller is None else self.clip_controller.eps,  # None: configured eps
             )
             # routing part vs weight part of this update's ratio (diagnosed steps, last update; same weights)
-            self.diagnostics.decompose_ratio(update, self.step, mbs, offset, self.replay, head.algorithm)
-            before = self.replay.update_begin(mbs, partial(self.diagnostics.old_routing_for, offset, len(mbs)))
-            record = self.diagnostics.records_training_forward(update, self.step)
-            if record:
-                self.c.replay.start_recording()
-            self.c.model.zero_grad_buffer()
-            self.c.optimizer.zero_grad()
-            outputs = run_schedule(self.c.model, mbs, head, forward_only=False, before_forward=before)
-            if record:
-                self.diagnostics.from_training_forward(
-                    self.c.replay.recorded(), offset, mbs, self._rollout_targets, self.step
+            self.diagnostic_passes.decompose_ratio(update, self.step, mbs, offset, head.algorithm)
+            record = self.plan.records_training_forward(update, self.step)
+            with self.replay.update(mbs, partial(old.routing_of, offset, len(mbs)), record=record) as routing:
+                self.c.model.zero_grad_buffer()
+                self.c.optimizer.zero_grad()
+                outputs = run_schedule(
+                    self.c.model, mbs, head, forward_only=False, before_forward=routing.before_forward
                 )
-            self.replay.update_end()
+            if record:
+                self.diagnostics.from_training_forward(routing.routing, offset, mbs, self._rollout_targets, self.step)
             grad_norm = self._guarded_optimizer_step(outputs, f"step {self.step + 1} update {update}")
             grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
             for out in outputs:
-                merged = merge_metrics(merged, {k: v for k, v in out.items() if "/" in k})
-            self.diagnostics.after_update(update, self.step, parts[0])
+                merged = merge_metrics(merged, out)
+            self.diagnostic_passes.recording_pass_after(update, self.step, parts[0])
             offset += len(mbs)
         metrics = self._reduce_loss_metrics(merged)
+        clip_fractions = ClipFractions(metrics["loss/clip_frac_token"], metrics["loss/clip_frac_seq"])
         metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics.update(self.nonfinite.step_metrics())
-        return metrics
+        return UpdateResult(metrics, clip_fractions)
 
     def _guarded_optimizer_step(self, outputs: list[dict], where: str):
         """Step optimizer and LR schedule only when loss and gradients are finite on every rank."""
@@ -336,8 +310,9 @@ class RLTrainer:
         self.nonfinite.record(problem, where)
         return grad_norm if problem is None else float("nan")
 
-    def _reduce_loss_metrics(self, merged: dict | None) -> dict:
-        """Sum/min/max over micro-batches (done) and data-parallel ranks, then to the driver."""
+    def _reduce_loss_metrics(self, merged: dict[str, torch.Tensor] | None) -> dict[str, float]:
+        """Sum/min/max over micro-batches (done) and data-parallel ranks, then to every pipeline stage.
+        The entries carry their logged names (``PolicyLossHead``)."""
         payload: list[Any] = [None]
         if merged is not None:
             layout = self.mesh.layout
@@ -349,9 +324,9 @@ class RLTrainer:
             )
             # a response-length bucket with no response this step is left out (not logged as NaN)
             final = {
-                f"loss/{k}" if not k.startswith(("loss/", "entropy")) else k: float(v)
+                k: float(v)
                 for k, v in finalize_metrics(reduced).items()
-                if not (k.startswith("ratio_var_") and math.isnan(float(v)))
+                if not (k.startswith("loss/ratio_var_") and math.isnan(float(v)))
             }
             for unit in ("token", "seq"):  # the run-dir format's headline clip fractions
                 final[f"loss/clip_frac_{unit}"] = (
@@ -360,7 +335,9 @@ class RLTrainer:
             payload = [final]
         if self.mesh.layout.pp > 1:
             dist.broadcast_object_list(payload, src=self.mesh.last_stage_global_rank, group=self.mesh.pp_group)
-        return payload[0] or {}
+        if payload[0] is None:
+            raise RuntimeError("the policy update returned no loss metrics (no micro-batch reached the loss)")
+        return payload[0]
 
     def sync_weights(self, version: int | None = None) -> None:
         """Stream the policy's HF-named weights into the rollout engine (collective on all ranks).
@@ -374,8 +351,9 @@ class RLTrainer:
     def _evaluate(self) -> dict:
         payload: list[Any] = [None]
         if self.mesh.is_driver:
-            records, params = evaluation_inputs(self.cfg, self.c.rollout)
-            payload = [self.c.rollout.evaluate(records, params)]
+            rollout = self.c.driver_rollout()
+            records, params = evaluation_inputs(self.cfg, rollout)
+            payload = [rollout.evaluate(records, params)]
         dist.broadcast_object_list(payload, src=0)
         return payload[0]
 
@@ -389,7 +367,7 @@ class RLTrainer:
             )
         state = {
             "scheduler": self.c.scheduler.state_dict(),
-            "task": self.c.task.state_dict() if self.mesh.is_driver else None,
+            "task": self.c.driver_task().state_dict() if self.mesh.is_driver else None,
             "config": self.c.config_yaml,
             "clip_controller": self.clip_controller.state_dict() if self.clip_controller else None,
             "rollout_scheduler": self.rollouts.state_dict() if self.rollouts is not None else None,
@@ -421,11 +399,11 @@ class RLTrainer:
 
     def _maybe_resume(self) -> None:
         mode = resume_mode(self.cfg.checkpoint.resume)
-        if mode == "false":
+        if mode is ResumeMode.false:
             return
         path = latest_checkpoint(self.c.run_dir)
         if path is None:
-            if mode == "true":
+            if mode is ResumeMode.true:
                 raise RunDirError(f"checkpoint.resume=true but {self.c.run_dir}/checkpoints holds no checkpoint")
             return
         with keep_configured_hyperparameters(self.c.optimizer):  # allowed optimizer changes take effect
@@ -433,7 +411,7 @@ class RLTrainer:
         self.run_id = state.get("run_id", "")
         restore_schedule(self.c.scheduler, state["scheduler"], print if self.mesh.is_driver else None)
         if self.mesh.is_driver and state.get("task") is not None:
-            self.c.task.load_state_dict(state["task"])
+            self.c.driver_task().load_state_dict(state["task"])
         if self.rollouts is not None and state.get("rollout_scheduler") is not None:
             self.rollouts.load_state_dict(state["rollout_scheduler"])
         self.step = int(state["step"])
@@ -442,6 +420,14 @@ class RLTrainer:
         if self.mesh.is_driver:
             lr = self.c.optimizer.param_groups[0]["lr"]
             print(f"[gspo] resumed from {path} at step {self.step}; lr {lr:.6g}")
+
+
+@dataclass
+class UpdateResult:
+    """The policy-update phase of one step, on every rank."""
+
+    metrics: dict[str, float]  # logged names: loss/*, entropy, grad_norm, nonfinite/*
+    clip_fractions: ClipFractions  # what adaptive clipping steers by
 
 
 class CollectiveFailure(RuntimeError):

@@ -30,7 +30,7 @@ def install_cpu_workarounds() -> None:
     inherited = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join([str(STANDIN_DIR), *([inherited] if inherited else [])])
     sys.path.insert(0, str(STANDIN_DIR))
-    import sitecustomize  # noqa: F401 - this process started before PYTHONPATH named standin/
+    import sitecustomize  # this process started before PYTHONPATH named standin/
 
     if Path(sitecustomize.__file__).resolve().parent != STANDIN_DIR:
         raise RuntimeError(f"another sitecustomize shadows the CPU workarounds: {sitecustomize.__file__}")

@@ -101,7 +101,7 @@ def engine_vs_megatron_worker(ctx, cfg, state: dict, layout_kwargs: dict) -> dic
             same = (target.sort(-1).values == rec.sort(-1).values).all(-1)
             r3_targets_match &= bool(same[mask].all())
 
-    log_probs = torch.cat([out["log_probs"] for out in outputs], dim=0) if outputs else None
+    log_probs = torch.cat([out.log_probs for out in outputs], dim=0) if outputs else None
     mesh.destroy()
     return {
         "samples": samples,

@@ -54,7 +54,7 @@ def reference_worker(ctx, layout_kwargs):
 
     def policy_log_probs(before_forward=None):
         outs = run_schedule([policy], mbs, head, forward_only=True, before_forward=before_forward)
-        return [o["log_probs"] for o in outs]
+        return [o.log_probs for o in outs]
 
     free = policy_log_probs()
     # R2: the reference forward runs while the policy records; only the policy's forwards are recorded

@@ -57,7 +57,7 @@ def test_generate_decodes_log_probs_and_routed_experts_as_the_trainer_reads_them
     groups = live_engine.generate(PROMPTS, params)
     assert [len(group) for group in groups] == [2, 2, 2]
     worst_log_prob, compared, same_experts, rows = 0.0, 0, 0, 0
-    for prompt, group in zip(PROMPTS, groups):
+    for prompt, group in zip(PROMPTS, groups, strict=True):
         for sample in group:
             assert sample.prompt_ids == prompt and 1 <= len(sample.output_ids) <= 6
             assert sample.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
@@ -65,7 +65,7 @@ def test_generate_decodes_log_probs_and_routed_experts_as_the_trainer_reads_them
             tokens = prompt + sample.output_ids
             assert sample.routed_experts is not None and sample.routed_experts.dtype == torch.int32
             assert tuple(sample.routed_experts.shape) == (len(tokens) - 1, TINY.num_layers, TINY.top_k)
-            assert 0 <= int(sample.routed_experts.min()) and int(sample.routed_experts.max()) < TINY.num_experts
+            assert int(sample.routed_experts.min()) >= 0 and int(sample.routed_experts.max()) < TINY.num_experts
             log_probs, experts = reference_forward(tiny_checkpoint, tokens[:-1])
             # experts are unsorted within the top-k: compare the sets, per token and layer
             same = (sample.routed_experts.sort(dim=-1).values == experts.sort(dim=-1).values).all(dim=-1)

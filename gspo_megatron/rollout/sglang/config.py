@@ -17,16 +17,46 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gspo_megatron.config_node import ConfigNode
+from gspo_megatron.config_node import ConfigChoice, ConfigNode
 
-LAUNCH_MODES = ("launch", "attach")
-WEIGHT_SYNC_MODES = ("distributed", "disk")
-PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's PauseGenerationReqInput.mode
+
+class LaunchMode(ConfigChoice):
+    """``rollout.sglang.mode``."""
+
+    launch = "launch"  # start and own the server processes
+    attach = "attach"  # talk to servers somebody else runs; never stop them
+
+
+class WeightSync(ConfigChoice):
+    """``rollout.sglang.weight_sync``."""
+
+    distributed = "distributed"  # broadcast from the trainer into the servers (the fast path)
+    disk = "disk"  # safetensors on disk, then /update_weights_from_disk (the fallback)
+
+
+class PauseMode(ConfigChoice):
+    """``rollout.sglang.pause_mode``: SGLang's PauseGenerationReqInput.mode."""
+
+    abort = "abort"
+    retract = "retract"
+    in_place = "in_place"
+
+
+class WeightSyncBackend(ConfigChoice):
+    """``rollout.sglang.weight_sync_backend``: the process-group backend of the weight broadcast."""
+
+    nccl = "nccl"
+    gloo = "gloo"  # CPU tests
+
+
+LAUNCH_MODES = tuple(LaunchMode)
+WEIGHT_SYNC_MODES = tuple(WeightSync)
+PAUSE_MODES = tuple(PauseMode)
 
 
 @dataclass
 class SGLangConfig(ConfigNode):
-    mode: str = "launch"  # launch | attach
+    mode: LaunchMode = LaunchMode.launch
 
     # --- launch mode: `<launch_command> --model-path M --tp-size N --host H --port P [...] <extra_args>`
     model_path: str | None = None
@@ -72,30 +102,30 @@ class SGLangConfig(ConfigNode):
     no_stop_trim: bool = True
 
     # --- weight sync
-    weight_sync: str = "distributed"  # distributed | disk
+    weight_sync: WeightSync = WeightSync.distributed
     weight_bucket_bytes: int = 512 * 1024 * 1024  # bytes broadcast per /update_weights_from_distributed
-    weight_sync_backend: str = "nccl"  # gloo for CPU tests
+    weight_sync_backend: WeightSyncBackend = WeightSyncBackend.nccl  # gloo for CPU tests
     weight_sync_master_address: str = "127.0.0.1"  # an address of the trainer the servers can reach
     weight_sync_master_port: int | None = None  # None: a free port
     weight_sync_group_name: str = "gspo_weight_update"
     weight_sync_timeout_s: float = 600.0
     disk_sync_dir: str = "checkpoints/sglang_sync"  # writes <dir>/v<version>/ (absolute; older v* removed)
     fallback_to_disk: bool = True  # a failed distributed update is retried through the disk path
-    pause_mode: str = "retract"  # in-flight requests are retracted and resume on the new weights
+    pause_mode: PauseMode = PauseMode.retract  # in-flight requests are retracted and resume on the new weights
     bracket_weight_update: bool = True  # /begin_weight_update.../end_weight_update (newer 0.5.x)
 
     def require_targets(self) -> None:
         """What the engine needs to reach servers; checked when the engine starts, not at construction,
         so the config can sit unused (and incomplete) in a run that uses the embedded engine."""
-        if self.mode == "launch" and not self.model_path:
+        if self.mode == LaunchMode.launch and not self.model_path:
             raise ValueError("SGLangConfig.mode='launch' needs model_path (an HF checkpoint directory)")
-        if self.mode == "attach" and not self.urls:
+        if self.mode == LaunchMode.attach and not self.urls:
             raise ValueError("SGLangConfig.mode='attach' needs urls, e.g. ['http://127.0.0.1:30000']")
 
     def validate(self) -> None:
         if self.mode not in LAUNCH_MODES:
             raise ValueError(f"SGLangConfig.mode must be one of {LAUNCH_MODES}, got {self.mode!r}")
-        if self.mode == "launch" and self.ports and len(self.ports) != self.num_servers:
+        if self.mode == LaunchMode.launch and self.ports and len(self.ports) != self.num_servers:
             raise ValueError(f"ports has {len(self.ports)} entries but num_servers={self.num_servers}")
         if self.weight_sync not in WEIGHT_SYNC_MODES:
             raise ValueError(f"weight_sync must be one of {WEIGHT_SYNC_MODES}, got {self.weight_sync!r}")
@@ -105,6 +135,10 @@ class SGLangConfig(ConfigNode):
             raise ValueError(
                 f"SGLangConfig.keepalive_expiry_s must be > 0 (and below the server's keep-alive, 5 s for "
                 f"SGLang), got {self.keepalive_expiry_s}"
+            )
+        if self.weight_sync_backend not in tuple(WeightSyncBackend):
+            raise ValueError(
+                f"weight_sync_backend must be one of {tuple(WeightSyncBackend)}, got {self.weight_sync_backend!r}"
             )
         if self.attach_timeout_s <= 0 or self.progress_every_s <= 0:
             raise ValueError("SGLangConfig.attach_timeout_s and progress_every_s must be > 0")

@@ -53,7 +53,7 @@ import torch
 
 from gspo_megatron.rollout.engine import RolloutEngine
 from gspo_megatron.rollout.sglang.client import RetryPolicy, SGLangHTTPClient
-from gspo_megatron.rollout.sglang.config import SGLangConfig
+from gspo_megatron.rollout.sglang.config import LaunchMode, PauseMode, SGLangConfig, WeightSync
 from gspo_megatron.rollout.sglang.launcher import LaunchedServer, build_launch_command, free_port
 from gspo_megatron.rollout.sglang.protocol import build_generate_request, parse_generate_response
 from gspo_megatron.rollout.sglang.version import check_sglang_version
@@ -93,12 +93,12 @@ class SGLangEngine(RolloutEngine):
         self._seeds_honoured = config.enable_deterministic_inference
         self._loop = _LoopThread()
         try:
-            urls = self._launch_servers() if config.mode == "launch" else list(config.urls)
+            urls = self._launch_servers() if config.mode == LaunchMode.launch else list(config.urls)
             retry = RetryPolicy(
                 config.max_retries, config.backoff_base_s, config.backoff_max_s, config.dead_after_failures
             )
             self._client: SGLangHTTPClient = self._loop.run(self._make_client(urls, retry))
-            if config.mode == "attach":
+            if config.mode == LaunchMode.attach:
                 self._loop.run(
                     self._client.wait_healthy(
                         config.attach_timeout_s, config.health_poll_interval_s, config.progress_every_s
@@ -116,7 +116,7 @@ class SGLangEngine(RolloutEngine):
         for server, info in zip(servers, infos, strict=True):
             info = info if isinstance(info, dict) else {}
             check_sglang_version(info.get("version"), server.url)
-        if self.config.mode == "attach":
+        if self.config.mode == LaunchMode.attach:
             self._seeds_honoured = all(isinstance(i, dict) and i.get("enable_deterministic_inference") for i in infos)
 
     # ------------------------------------------------------------------ generation
@@ -192,7 +192,7 @@ class SGLangEngine(RolloutEngine):
         failure: BaseException | None = None
         try:
             self._on_all(servers, "POST", "/pause_generation", {"mode": self.config.pause_mode})
-            if self.config.weight_sync == "distributed":
+            if self.config.weight_sync == WeightSync.distributed:
                 try:
                     self._in_session(servers, lambda: self._sync_distributed(servers, named_tensors, version))
                 except Exception as error:  # the group is in an unknown state
@@ -213,7 +213,7 @@ class SGLangEngine(RolloutEngine):
                     self._in_session(servers, lambda: self._sync_from_disk(servers, named_tensors, version))
             else:
                 self._in_session(servers, lambda: self._sync_from_disk(servers, named_tensors, version))
-            if self.config.pause_mode != "in_place":  # in_place requests stay running: SGLang refuses
+            if self.config.pause_mode != PauseMode.in_place:  # in_place requests stay running: SGLang refuses
                 self._on_all(servers, "POST", "/flush_cache", None)
         except BaseException as error:  # noqa: BLE001 - re-raised below after un-pausing
             failure = error
@@ -366,7 +366,7 @@ class SGLangEngine(RolloutEngine):
         return group
 
     async def _server_tp_sizes(self, servers) -> list[int]:
-        if self.config.mode == "launch":
+        if self.config.mode == LaunchMode.launch:
             return [self.config.tp] * len(servers)
         infos = await _gather([self._client.call(server, "GET", "/server_info") for server in servers])
         return [

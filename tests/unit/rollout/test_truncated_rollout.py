@@ -11,7 +11,7 @@ from gspo_megatron.rollout.config import EmbeddedConfig, TruncatedRolloutConfig
 from gspo_megatron.rollout.embedded import EmbeddedEngine
 from gspo_megatron.rollout.engine import RolloutEngine
 from gspo_megatron.rollout.truncated import TruncatedRolloutEngine, probe_confidence
-from gspo_megatron.rollout.types import FinishReason, Sample, SamplingParams
+from gspo_megatron.rollout.types import FinishReason, Sample, SamplingParams, Truncation
 
 CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 <>/|=?!.,:{}\\\n*"
 EOS = len(CHARS)  # one id past the characters
@@ -133,13 +133,13 @@ def test_probe_suffix_and_first_token_rule_must_agree():
 
 def test_confident_exit_on_second_probe_drops_probe_and_trigger():
     [[sample]], engine = run({0: PLAN}, {0: {1: 0.5, 2: 0.99, 3: 0.99}})
-    assert sample.extra["exit_reason"] == "confident" and sample.extra["num_probes"] == 2
-    assert sample.extra["probe_confidences"] == pytest.approx([0.5, 0.99])
+    assert sample.truncation.exit_reason == "confident" and sample.truncation.num_probes == 2
+    assert sample.truncation.probe_confidences == pytest.approx([0.5, 0.99])
     text = decode(sample.output_ids)
     # first trigger restored (probe 1 not confident), second trigger dropped, thinking closed, answer
     assert text == "ab Wait cd \n</think>\nANS" and sample.output_ids[-1] == EOS
     assert "42}" not in text and "boxed" not in text  # probe tokens and suffix never kept
-    forced = sample.extra["forced_mask"]
+    forced = sample.truncation.forced_mask
     assert forced.tolist() == [False] * 11 + [True] * 10 + [False] * 4
     torch.testing.assert_close(sample.output_log_probs[:11], plan_log_probs("ab Wait cd "))
     assert (sample.output_log_probs[forced] == 0).all()
@@ -152,10 +152,10 @@ def test_confident_exit_on_second_probe_drops_probe_and_trigger():
 def test_never_confident_stops_probing_at_max_probes():
     config = with_config(max_probes=2)
     [[sample]], _ = run({0: PLAN}, {0: {1: 0.9, 2: 0.2, 3: 0.99}}, config)
-    assert sample.extra["exit_reason"] == "max_probes" and sample.extra["num_probes"] == 2
+    assert sample.truncation.exit_reason == "max_probes" and sample.truncation.num_probes == 2
     assert decode(sample.output_ids) == PLAN + "ANS"  # third Wait not probed: triggers off after 2
     torch.testing.assert_close(sample.output_log_probs[: len(PLAN)], plan_log_probs(PLAN))
-    assert not sample.extra["forced_mask"].any()
+    assert not sample.truncation.forced_mask.any()
 
 
 def test_natural_end_without_triggers_and_batching_of_mixed_samples():
@@ -173,7 +173,7 @@ def test_natural_end_without_triggers_and_batching_of_mixed_samples():
     ):
         assert len(group) == 2
         for sample in group:
-            assert (sample.extra["exit_reason"], sample.extra["num_probes"], decode(sample.output_ids)) == (
+            assert (sample.truncation.exit_reason, sample.truncation.num_probes, decode(sample.output_ids)) == (
                 reason,
                 probes,
                 text,
@@ -182,39 +182,39 @@ def test_natural_end_without_triggers_and_batching_of_mixed_samples():
 
 def test_length_exit_counts_the_whole_output_budget():
     [[sample]], _ = run({0: PLAN}, {0: {1: 0.1, 2: 0.1}}, max_new_tokens=12)
-    assert sample.extra["exit_reason"] == "length" and sample.finish_reason == FinishReason.LENGTH
-    assert decode(sample.output_ids) == PLAN[:12] and sample.extra["num_probes"] == 1
+    assert sample.truncation.exit_reason == "length" and sample.finish_reason == FinishReason.LENGTH
+    assert decode(sample.output_ids) == PLAN[:12] and sample.truncation.num_probes == 1
 
 
 def test_strict_qwen3_rule_a_probe_that_does_not_close_thinking_has_confidence_zero():
     plans, confidences = {0: PLAN, 1: PLAN}, {0: {1: 0.99}, 1: {1: 0.99, 2: 0.99, 3: 0.99}}
     loose, _ = run(plans, confidences, open_probes={1})
-    assert [g[0].extra["exit_reason"] for g in loose] == ["confident", "confident"]
+    assert [g[0].truncation.exit_reason for g in loose] == ["confident", "confident"]
     strict, _ = run(plans, confidences, with_config(probe_require_end_think=True), open_probes={1})
-    assert strict[0][0].extra["exit_reason"] == "confident"  # its probe closed thinking
+    assert strict[0][0].truncation.exit_reason == "confident"  # its probe closed thinking
     open_sample = strict[1][0]
-    assert open_sample.extra["probe_confidences"][0] == 0.0
-    assert open_sample.extra["exit_reason"] != "confident"
+    assert open_sample.truncation.probe_confidences[0] == 0.0
+    assert open_sample.truncation.exit_reason != "confident"
 
 
 def test_forced_answer_at_the_thinking_budget():
     """think_ratio 0.5 of 30 tokens: thinking stops at 15 tokens, is closed (forced) and answered."""
     [[sample]], _ = run({0: PLAN}, {0: {1: 0.1, 2: 0.1, 3: 0.1}}, with_config(think_ratio=0.5), max_new_tokens=30)
-    assert sample.extra["exit_reason"] == "think_budget" and sample.finish_reason == FinishReason.STOP
+    assert sample.truncation.exit_reason == "think_budget" and sample.finish_reason == FinishReason.STOP
     assert decode(sample.output_ids) == PLAN[:15] + "\n</think>\nANS" and sample.output_ids[-1] == EOS
-    assert sample.extra["forced_mask"].tolist() == [False] * 15 + [True] * 10 + [False] * 4
+    assert sample.truncation.forced_mask.tolist() == [False] * 15 + [True] * 10 + [False] * 4
     # without the forced answer (think_ratio 1) the same budget ends mid-thinking with no answer
     [[plain]], _ = run({0: PLAN}, {0: {1: 0.1, 2: 0.1, 3: 0.1}}, max_new_tokens=30)
-    assert plain.extra["exit_reason"] == "length" and "ANS" not in decode(plain.output_ids)
+    assert plain.truncation.exit_reason == "length" and "ANS" not in decode(plain.output_ids)
 
 
 def test_repetition_exit_after_chunks_with_the_same_words():
     plan = "ab Wait ab Wait ab Wait ab Wait cd</think>"
     [[sample]], _ = run({0: plan}, {0: {k: 0.1 for k in range(1, 6)}}, with_config(repetition_exit=2))
-    assert sample.extra["exit_reason"] == "repetition" and sample.extra["num_probes"] == 2
+    assert sample.truncation.exit_reason == "repetition" and sample.truncation.num_probes == 2
     assert decode(sample.output_ids) == "ab Wait ab Wait ab \n</think>\nANS"
     [[off]], _ = run({0: plan}, {0: {k: 0.1 for k in range(1, 6)}})
-    assert off.extra["exit_reason"] == "natural_end" and off.extra["num_probes"] == 4
+    assert off.truncation.exit_reason == "natural_end" and off.truncation.num_probes == 4
 
 
 def test_trigger_text_inside_a_word_is_not_a_trigger_in_rollout_or_step_counting():
@@ -223,8 +223,8 @@ def test_trigger_text_inside_a_word_is_not_a_trigger_in_rollout_or_step_counting
 
     plan = "ab Await cd Wait ef</think>"
     [[sample]], _ = run({0: plan}, {0: {1: 0.1}})
-    assert decode(sample.output_ids) == plan + "ANS" and sample.extra["exit_reason"] == "natural_end"
-    assert sample.extra["num_probes"] == 1 == count_trigger_words(plan, CONFIG.trigger_words)
+    assert decode(sample.output_ids) == plan + "ANS" and sample.truncation.exit_reason == "natural_end"
+    assert sample.truncation.num_probes == 1 == count_trigger_words(plan, CONFIG.trigger_words)
 
 
 def test_over_the_embedded_engine_kept_log_probs_match_a_full_forward():
@@ -268,18 +268,29 @@ def test_over_the_embedded_engine_kept_log_probs_match_a_full_forward():
     reasons, probe_counts = set(), []
     for prompt, group in zip(prompts, truncated.generate(prompts, params), strict=True):
         for sample in group:
-            reasons.add(sample.extra["exit_reason"])
-            probe_counts.append(sample.extra["num_probes"])
-            assert sample.extra["num_probes"] <= 3 and sample.weight_version == 3
+            reasons.add(sample.truncation.exit_reason)
+            probe_counts.append(sample.truncation.num_probes)
+            assert sample.truncation.num_probes <= 3 and sample.weight_version == 3
             ids = torch.tensor([prompt + sample.output_ids])
             with torch.no_grad():
                 out = source(input_ids=ids, output_router_logits=True)
             full = torch.log_softmax(out.logits[0].float() / 0.8, -1)[len(prompt) - 1 : -1]
             expected = full.gather(-1, torch.tensor(sample.output_ids)[:, None]).squeeze(-1)
-            sampled = ~sample.extra["forced_mask"]
+            sampled = ~sample.truncation.forced_mask
             torch.testing.assert_close(sample.output_log_probs[sampled], expected[sampled], atol=1e-5, rtol=1e-5)
             for layer, logits in enumerate(out.router_logits):
                 top = torch.softmax(logits.float(), -1).topk(2, dim=-1).indices[:-1]
                 assert torch.equal(sample.routed_experts[:, layer].long(), top)
     # fixed seeds: both the confident exit (forced closing token) and a restored trigger occur
     assert "confident" in reasons and max(probe_counts) >= 2
+
+
+def test_a_forced_mask_of_the_wrong_length_is_refused():
+    with pytest.raises(ValueError, match=r"truncation.forced_mask has shape \(2,\), expected \(3,\)"):
+        Sample(
+            prompt_ids=[1],
+            output_ids=[2, 3, 4],
+            output_log_probs=torch.zeros(3),
+            finish_reason=FinishReason.STOP,
+            truncation=Truncation("confident", 1, [0.9], torch.tensor([False, True])),
+        )

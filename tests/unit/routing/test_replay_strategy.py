@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 import pytest
 import torch
 from megatron.core.transformer.moe.router_replay import RouterReplay
 
+from gspo_megatron.routing.recorder import RoutingRecorder
 from gspo_megatron.routing.replay import RoutingReplay
 from gspo_megatron.routing.replay_strategy import (
     build_replay_strategy,
@@ -16,6 +19,7 @@ from gspo_megatron.routing.replay_strategy import (
 )
 
 K = 2
+OldPassRouting = namedtuple("OldPassRouting", "old_policy_routing trainer_routing")
 
 
 @pytest.fixture
@@ -53,14 +57,13 @@ MICRO_BATCHES = [{"id": 0}, {"id": 1}]
 
 
 def _run_step(mode, instances):
-    strategy = build_replay_strategy(mode, RoutingReplay(instances), lambda mb: ENGINE[mb["id"]])
+    strategy = build_replay_strategy(mode, RoutingRecorder(RoutingReplay(instances)), lambda mb: ENGINE[mb["id"]])
     old_scores, new_scores = [_scores(0), _scores(1)], [_scores(2), _scores(3)]  # the policy moved
-    before = strategy.old_pass_begin(MICRO_BATCHES)
-    old_routed = [_forward(instances, s, before) for s in old_scores]
-    routing = strategy.old_pass_end()
-    before = strategy.update_begin(MICRO_BATCHES, lambda: routing.old_policy_routing)
-    new_routed = [_forward(instances, s, before) for s in new_scores]
-    strategy.update_end()
+    with strategy.old_pass(MICRO_BATCHES) as old_pass:
+        old_routed = [_forward(instances, s, old_pass.before_forward) for s in old_scores]
+    routing = OldPassRouting(strategy.old_policy_routing(old_pass), old_pass.routing)
+    with strategy.update(MICRO_BATCHES, lambda: routing.old_policy_routing, record=False) as update:
+        new_routed = [_forward(instances, s, update.before_forward) for s in new_scores]
     return strategy, routing, old_scores, new_scores, old_routed, new_routed
 
 
@@ -115,4 +118,4 @@ def test_mode_table_and_unknown_mode():
         with pytest.raises(ValueError, match="algorithm.routing_replay='old' is unknown"):
             helper("old")
     with pytest.raises(ValueError, match="algorithm.routing_replay='old' is unknown; valid: none, old_policy, rollout"):
-        build_replay_strategy("old", None, lambda mb: [])
+        build_replay_strategy("old", RoutingRecorder(None), lambda mb: [])

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from gspo_megatron.config.compose import compose
 from gspo_megatron.config.store import register_configs
 from gspo_megatron.config.validate import ConfigError, validate_config
-from gspo_megatron.rollout.types import Sample
+from gspo_megatron.rollout.types import Sample, Truncation
 from gspo_megatron.shaping import GRSPConfig, ShapingGroup, StepGRPOConfig
 from gspo_megatron.shaping.grsp import grsp
 from gspo_megatron.shaping.step_grpo import step_grpo
@@ -30,7 +30,7 @@ def _dtr_sample(exit_reason: str, forced: list[bool]) -> Sample:
         output_ids=list(range(10, 10 + n)),
         output_log_probs=torch.tensor([0.0 if f else -0.5 for f in forced]),
         finish_reason="stop",
-        extra={"exit_reason": exit_reason, "num_probes": 1, "forced_mask": torch.tensor(forced)},
+        truncation=Truncation(exit_reason, 1, [], torch.tensor(forced)),
     )
 
 

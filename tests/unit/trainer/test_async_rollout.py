@@ -99,7 +99,7 @@ def test_staleness_bound_is_enforced_and_zero_means_synchronous():
     scheduler.take(0)
     with pytest.raises(StalenessError, match="staleness 1 exceeds rollout.max_staleness=0"):
         scheduler.take(1)  # the engine still holds version 0: one step stale
-    with pytest.raises(ValueError, match="max_staleness must be 0 or 1"):
+    with pytest.raises(ValueError, match=r"rollout.max_staleness=2: .* supports 0 \(synchronous\) or 1"):
         _scheduler(engine, max_staleness=2)
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gspo_megatron.rollout.types import Sample
+from gspo_megatron.rollout.types import Sample, Truncation
 from gspo_megatron.trainer.batch import pack_samples, partition, plan_partition
 
 
-def _sample(prompt, output, log_probs, routed=None, **extra) -> Sample:
+def _sample(prompt, output, log_probs, routed=None, forced_mask=None) -> Sample:
     return Sample(
         prompt_ids=prompt,
         output_ids=output,
@@ -17,7 +17,7 @@ def _sample(prompt, output, log_probs, routed=None, **extra) -> Sample:
         finish_reason="stop",
         routed_experts=routed,
         weight_version=len(prompt),
-        extra=extra,
+        truncation=None if forced_mask is None else Truncation("think_budget", 0, [], forced_mask.bool()),
     )
 
 
@@ -113,7 +113,7 @@ def _pack_row_by_row(samples, pad):
     for i, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.output_ids)
         tokens[i, : p + r] = torch.tensor(s.prompt_ids + s.output_ids)
-        mask[i, p - 1 : p + r - 1] = 1.0 - s.extra.get("forced_mask", torch.zeros(r)).float()
+        mask[i, p - 1 : p + r - 1] = 1.0 - (s.truncation.forced_mask.float() if s.truncation else torch.zeros(r))
         input_mask[i, : p + r - 1] = 1.0
         logp[i, p - 1 : p + r - 1] = s.output_log_probs
         routed[i, : p + r - 1] = s.routed_experts
@@ -125,7 +125,7 @@ def test_flat_packing_equals_row_by_row_on_ragged_rows():
     samples = []
     for i in range(23):
         p, r = (int(x) for x in torch.randint(1, 9, (2,), generator=generator))
-        extra = {"forced_mask": torch.rand(r, generator=generator) < 0.3} if i % 4 == 0 else {}
+        forced = torch.rand(r, generator=generator) < 0.3 if i % 4 == 0 else None
         samples.append(
             Sample(
                 prompt_ids=torch.randint(1, 50, (p,), generator=generator).tolist(),
@@ -133,7 +133,7 @@ def test_flat_packing_equals_row_by_row_on_ragged_rows():
                 output_log_probs=-torch.rand(r, generator=generator),
                 finish_reason="stop",
                 routed_experts=torch.randint(0, 8, (p + r - 1, 3, 2), generator=generator, dtype=torch.int32),
-                extra=extra,
+                truncation=None if forced is None else Truncation("think_budget", 0, [], forced),
             )
         )
     zeros = torch.zeros(len(samples))

@@ -13,15 +13,17 @@ changed_frac_overall = 2 / (4 * 2), overlap_overall = (6 + 8) / (4 * 2 * 2), cha
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
+from gspo_megatron.algorithms.config import OldLogProbSource
 from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.routing.config import RoutingDiagnosticsConfig
+from gspo_megatron.routing.replay import ReplayMode
 from gspo_megatron.routing.run_dir import RoutingLog, read_jsonl
 from gspo_megatron.testing.distributed import run_distributed
+from gspo_megatron.trainer.old_policy_phase import OldPolicyResult
+from gspo_megatron.trainer.step_plan import StepPlan
 
 OLD = [torch.tensor([[0, 1], [2, 3], [0, 1]]), torch.tensor([[0, 1], [0, 1], [0, 1]])]
 NEW = [torch.tensor([[0, 1], [2, 0], [3, 2]]), torch.tensor([[1, 0], [0, 2], [1, 2]])]
@@ -34,22 +36,20 @@ def _diagnose(ctx, run_dir: str):
 
     mesh = initialize_parallel(ParallelLayout(world_size=ctx.world_size).validate())
     try:
-        cfg = SimpleNamespace(
-            algorithm=SimpleNamespace(old_log_probs="trainer"),
-            model=SimpleNamespace(num_experts=4),
-            trainer=SimpleNamespace(updates_per_rollout=2),
+        plan = StepPlan(
+            OldLogProbSource.trainer,
+            ReplayMode.none,
+            updates=2,
+            has_routers=True,
+            diagnostics=RoutingDiagnosticsConfig(kinds=["update"]),
+            corrects_mismatch=False,
         )
-        components = SimpleNamespace(
-            cfg=cfg, replay=object(), routing_log=RoutingLog(run_dir) if mesh.is_driver else None
-        )
-        diagnostics = RoutingDiagnostics(
-            RoutingDiagnosticsConfig(kinds=["update"]), components, mesh, replays_in_training=False
-        )
+        diagnostics = RoutingDiagnostics(plan, mesh, 4, RoutingLog(run_dir) if mesh.is_driver else None)
         mb = MicroBatch(tokens=torch.ones(1, 3, dtype=torch.long), targets=torch.ones(1, 3, dtype=torch.long))
         mb.input_mask = torch.tensor([[1.0, 1.0, 0.0]])
-        diagnostics.remember_old_routing([OLD], [mb])
-        assert diagnostics.records_training_forward(update=1, step=4)  # the free measurement after step 1
-        assert not diagnostics.records_training_forward(update=0, step=4)
+        diagnostics.begin_step(4, OldPolicyResult({}, [OLD], [OLD]), [mb], lambda mb: [])
+        assert plan.records_training_forward(update=1, step=4)  # the free measurement after step 1
+        assert not plan.records_training_forward(update=0, step=4)
         after = NEW if ctx.rank == 0 else OLD  # rank 1's routing did not move
         diagnostics.from_training_forward([after], 0, [mb], None, step=4)
         return diagnostics.finish_step(step=4)
