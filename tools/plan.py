@@ -18,7 +18,10 @@ same config. Prompt length is data, not config: ``--prompt-tokens`` (an assumpti
 Name mode: MODEL is a preset of ``models/config.py``, a shape shipped in
 ``gspo_megatron/planning/hf_configs/`` or a Hugging Face ``config.json``; LAYOUT is ``rank``, a
 ``conf/parallel`` name (``tp4_ep8`` means what ``parallel=tp4_ep8`` means: etp 1) or sizes such as
-``tp4_pp2_ep8_etp1_cp2`` (omitted sizes are 1; etp defaults to tp, as ``parallel.etp=null``).
+``tp4_pp2_ep8_etp1_cp2`` (omitted sizes are 1; etp defaults to tp, as ``parallel.etp=null``), with
+``vpN`` (virtual pipeline chunks) and ``firstN``/``lastN`` (decoder layers of the first/last virtual
+stage, as megatron's flags) for the layouts people run that the trainer does not build:
+``tp4_pp4_cp2_ep16_etp1_last22`` (slime's 235B), ``tp1_pp8_ep32_etp1_vp4_first2_last2`` (Megatron-Bridge's).
 
 Every hardware number is an assumption printed with the result (``planning/hardware.py``);
 override it with the flags below. What the model was checked against on CPU:
@@ -37,6 +40,7 @@ from gspo_megatron.models.config import PRESETS, MoEModelConfig, preset
 from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.planning.hardware import GB, GPUS, gpu_spec
 from gspo_megatron.planning.job import compose_job, plan_job, rank_job
+from gspo_megatron.planning.pipeline import PipelineLayout
 from gspo_megatron.planning.planner import (
     GiB,
     Plan,
@@ -48,7 +52,7 @@ from gspo_megatron.planning.planner import (
 )
 from gspo_megatron.routing.replay import REPLAY_MODES
 
-LAYOUT_PART = re.compile(r"^(tp|pp|ep|etp|cp|dp)(\d+)$")
+LAYOUT_PART = re.compile(r"^(tp|pp|ep|etp|cp|dp|vp|first|last)(\d+)$")
 
 
 # Shapes shipped for planning only (HF config.json files; no weights): qwen3_235b_a22b.
@@ -81,10 +85,17 @@ def parse_layout(name: str, gpus: int) -> ParallelLayout:
     for part in name.split("_"):
         match = LAYOUT_PART.match(part)
         if not match:
-            raise SystemExit(f"LAYOUT part {part!r} of {name!r} is not one of tpN ppN epN etpN cpN dpN")
+            raise SystemExit(
+                f"LAYOUT part {part!r} of {name!r} is not one of tpN ppN epN etpN cpN dpN vpN firstN lastN"
+            )
         sizes[match.group(1)] = int(match.group(2))
     dp = sizes.pop("dp", None)
-    layout = ParallelLayout(world_size=gpus, **sizes)
+    pipeline = {key: sizes.pop(key) for key in ("first", "last") if key in sizes}
+    if "vp" in sizes:
+        pipeline["vpp"] = sizes.pop("vp")
+    layout = (
+        PipelineLayout(world_size=gpus, **sizes, **pipeline) if pipeline else ParallelLayout(world_size=gpus, **sizes)
+    )
     if dp is not None and layout.tp * layout.pp * layout.cp * dp != gpus:
         product = layout.tp * layout.pp * layout.cp * dp
         raise SystemExit(f"LAYOUT {name!r}: tp*pp*cp*dp = {product} != --gpus {gpus}")
@@ -165,6 +176,8 @@ def print_detail(plan: Plan) -> None:
             f"{plan.layout.world_size} training + {plan.rollout_gpus} rollout = {plan.total_gpus}"
         )
     print(f"fits: {plan.fits} {' '.join(plan.problems)}")
+    if plan.trainer_refuses:
+        print(f"trainer: {plan.trainer_refuses}")
 
 
 def hardware(args) -> object:

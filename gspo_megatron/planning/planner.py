@@ -26,6 +26,7 @@ from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.planning.activations import FP32, MicroBatchShape, activation_bytes
 from gspo_megatron.planning.comm import Traffic, WeightSyncPlan, step_traffic, weight_sync_plan
 from gspo_megatron.planning.hardware import GPUSpec
+from gspo_megatron.planning.pipeline import TRAINER_REFUSES, PipelineLayout, in_flight_factor
 from gspo_megatron.planning.parameters import DTYPE_BYTES, StateBytes, stage_layers, stage_parameters, state_bytes
 from gspo_megatron.planning.step_time import (
     RLStepTime,
@@ -103,6 +104,7 @@ class Plan:
     capacity: float = 0.0  # bytes the counted tensors may use on one GPU
     tied: bool = False  # within the time band of the fastest fitting layout (rank_layouts)
     rollout_planned: bool = False
+    trainer_refuses: str | None = None  # a layout the planner expresses and the trainer cannot build
 
     @property
     def headroom(self) -> float:
@@ -173,7 +175,7 @@ def memory_of_stage(
         model, layout, pp_rank, dtype=options.dtype, distributed_optimizer=options.distributed_optimizer
     )
     act = activation_bytes(model, layout, options.micro, pp_rank, width=width, spec=options.layer_spec)
-    in_flight = min(layout.pp - pp_rank, micro_batches)
+    in_flight = min(layout.pp - pp_rank, micro_batches) * in_flight_factor(layout)
     layers = act.total(options.recompute) - act.loss_head
     tokens = options.micro.tokens / layout.cp
     sp_tokens = tokens / layout.tp if layout.use_sequence_parallel else tokens
@@ -188,7 +190,7 @@ def memory_of_stage(
         replay = int(micro_batches * len(moe) * sp_tokens * model.top_k * 8)
     return MemoryRow(
         state,
-        layers * in_flight,
+        int(layers * in_flight),
         act.loss_head,
         old_pass,
         replay,
@@ -202,7 +204,10 @@ def plan_layout(
 ) -> Plan:
     """Everything the planner predicts for one layout; raises PlanError if the trainer would refuse it.
     ``validated``: the options come from a config the trainer's validation already accepted (``job.py``)."""
-    if not validated:
+    beyond_trainer = isinstance(layout, PipelineLayout) and not layout.is_trainer_layout
+    if beyond_trainer:
+        layout.validate(model)
+    elif not validated:
         check_with_trainer_rules(model, layout, options)
     micro_batches = micro_batches_per_rank(layout, options)
     rows = [memory_of_stage(model, layout, options, r, micro_batches) for r in range(layout.pp)]
@@ -259,6 +264,7 @@ def plan_layout(
         rollout_gpus=rollout.servers * rollout.engine_tp if separate else 0,
         capacity=gpu.usable_memory_bytes,
         rollout_planned=rollout is not None,
+        trainer_refuses=TRAINER_REFUSES if beyond_trainer else None,
     )
 
 

@@ -37,6 +37,7 @@ from gspo_megatron.planning.activations import MicroBatchShape
 from gspo_megatron.planning.comm import Traffic
 from gspo_megatron.planning.hardware import GPUSpec
 from gspo_megatron.planning.parameters import stage_layers
+from gspo_megatron.planning.pipeline import bubble_slots
 
 
 def forward_flops(model: MoEModelConfig, layout: ParallelLayout, micro: MicroBatchShape, pp_rank: int) -> float:
@@ -111,7 +112,7 @@ def step_time(
     comm = {kind: traffic.wire_bytes(kind) / group_bandwidth(kind, layout, gpu) for kind in traffic.group_size}
     per_micro_comm = sum(v for k, v in comm.items() if not k.startswith("dp")) / micro_batches
     dp_comm = sum(v for k, v in comm.items() if k.startswith("dp"))
-    slots = micro_batches + layout.pp - 1
+    slots = micro_batches + bubble_slots(layout)
     total = slots * (per_stage[slowest] + per_micro_comm) + dp_comm
     lower = slots * max(per_stage[slowest], per_micro_comm) + dp_comm
     forward = slots * (per_stage[slowest] / (4 if recompute else 3) + per_micro_comm / 2)
@@ -119,7 +120,7 @@ def step_time(
     return StepTime(
         per_stage[slowest] * micro_batches,
         comm,
-        (layout.pp - 1) / slots,
+        bubble_slots(layout) / slots,
         total,
         tokens / total / layout.world_size,
         lower_s=lower,

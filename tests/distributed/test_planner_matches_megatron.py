@@ -313,7 +313,6 @@ def test_planner_plans_the_job_the_trainer_builds(built_jobs, name):
             dp_rank=got["dp"],
             expert_dp_rank=got["edp"],
         )
-        assert row.state == predicted
         for field in ("parameters", "gradients", "param_buffers", "optimizer"):
             assert getattr(predicted, field) == got[field], f"{where}: {field}"
         assert row.reference_weights == got["reference"], where
