@@ -26,8 +26,8 @@ from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.planning.activations import FP32, MicroBatchShape, activation_bytes
 from gspo_megatron.planning.comm import Traffic, WeightSyncPlan, step_traffic, weight_sync_plan
 from gspo_megatron.planning.hardware import GPUSpec
-from gspo_megatron.planning.pipeline import TRAINER_REFUSES, PipelineLayout, in_flight_factor
 from gspo_megatron.planning.parameters import DTYPE_BYTES, StateBytes, stage_layers, stage_parameters, state_bytes
+from gspo_megatron.planning.pipeline import TRAINER_REFUSES, PipelineLayout, in_flight_factor
 from gspo_megatron.planning.step_time import (
     RLStepTime,
     RolloutShape,

@@ -225,8 +225,7 @@ def _tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def built_job_worker(ctx, overrides: list[str]) -> dict:
-    import tempfile
+def built_job_worker(ctx, overrides: list[str], run_dir: str) -> dict:
     from pathlib import Path
 
     from megatron.core import parallel_state as ps
@@ -239,8 +238,7 @@ def built_job_worker(ctx, overrides: list[str]) -> dict:
 
     composed = compose(overrides)
     cfg = to_train_config(composed)
-    run_dir = Path(tempfile.mkdtemp(prefix="planned_job_"))
-    components = build(cfg, run_dir, OmegaConf.to_yaml(composed), world_size=ctx.world_size)
+    components = build(cfg, Path(run_dir), OmegaConf.to_yaml(composed), world_size=ctx.world_size)
     try:  # one build per launch (the fixture): ranks are spawned for each job
         ddp, chunk = components.model, components.model_chunk
         distributed = ddp.ddp_config.use_distributed_optimizer
@@ -275,9 +273,9 @@ def built_job_worker(ctx, overrides: list[str]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def built_jobs():
+def built_jobs(tmp_path_factory):
     return {
-        name: run_distributed(built_job_worker, world, overrides, timeout=600)
+        name: run_distributed(built_job_worker, world, overrides, str(tmp_path_factory.mktemp("job")), timeout=600)
         for name, (world, overrides) in JOBS.items()
     }
 
