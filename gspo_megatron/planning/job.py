@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.planning.hardware import GPUSpec
@@ -35,6 +35,8 @@ from gspo_megatron.planning.planner import Plan, PlanOptions, candidate_layouts,
 from gspo_megatron.planning.step_time import RolloutShape
 
 if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
     from gspo_megatron.config.schema import TrainConfig
 
 
@@ -82,7 +84,7 @@ def compose_job(overrides: list[str], gpus: int, prompt_tokens: int) -> PlannedJ
     if cfg.model.hf_checkpoint:  # as train.py: the weights decide the model's shape
         from gspo_megatron.models.hf_checkpoint import hf_shape_fields
 
-        cfg = OmegaConf.merge(cfg, {"model": hf_shape_fields(cfg.model.hf_checkpoint)})
+        cfg = cast("DictConfig", OmegaConf.merge(cfg, {"model": hf_shape_fields(cfg.model.hf_checkpoint)}))
     return job_from_config(to_train_config(cfg), gpus, prompt_tokens)
 
 

@@ -261,7 +261,7 @@ def plan_layout(
         fits,
         problems,
         rl=rl,
-        rollout_gpus=rollout.servers * rollout.engine_tp if separate else 0,
+        rollout_gpus=rollout.servers * rollout.engine_tp if rollout is not None and separate else 0,
         capacity=gpu.usable_memory_bytes,
         rollout_planned=rollout is not None,
         trainer_refuses=TRAINER_REFUSES if beyond_trainer else None,
@@ -274,7 +274,10 @@ def _divisors(n: int, limit: int | None = None) -> list[int]:
 
 def candidate_layouts(model: MoEModelConfig, gpus: int, gpu: GPUSpec, max_cp: int = 2) -> list[ParallelLayout]:
     """Every (tp <= node, pp, ep, etp <= node, cp <= max_cp) layout of ``gpus`` ranks that
-    ``ParallelLayout.validate`` accepts for this model."""
+    ``ParallelLayout.validate`` accepts for this model. etp != tp only with ep > 1: megatron-core puts
+    expert parameters in their own (expert-data-parallel) buffer only under expert parallelism, so
+    with ep = 1 an expert sharded differently from the dense layers would have its gradients reduced
+    over the dense data-parallel group; not verified on CPU, so not proposed."""
     out = []
     for tp in _divisors(gpus, gpu.gpus_per_node):
         for cp in _divisors(gpus // tp, max_cp):
@@ -282,6 +285,8 @@ def candidate_layouts(model: MoEModelConfig, gpus: int, gpu: GPUSpec, max_cp: in
                 experts = model.num_experts if model.is_moe else 1
                 for ep in _divisors(experts):
                     for etp in _divisors(gpus, gpu.gpus_per_node):
+                        if ep == 1 and etp != tp:  # see the docstring
+                            continue
                         layout = ParallelLayout(
                             tp=tp, pp=pp, ep=ep, etp=None if etp == tp else etp, cp=cp, world_size=gpus
                         )
