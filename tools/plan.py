@@ -3,7 +3,7 @@
     # the job `python -m gspo_megatron.train <overrides>` would run, planned on 8 H100s
     python tools/plan.py model=qwen3_30b_a3b parallel=tp4_ep8 rollout=sglang rollout.sglang.tp=4 \
         trainer.recompute_activations=true algorithm.kl_coef=0.001 --gpus 8 --prompt-tokens 1024
-    python tools/plan.py model=qwen3_235b_a22b rollout=sglang --gpus 64 --rank --top 5   # every layout
+    python tools/plan.py model=qwen3_235b_a22b rollout=sglang rollout.sglang.model_path=/ckpt --gpus 64 --rank
     # a bare model and layout name (no training config: every option a flag)
     python tools/plan.py qwen3_30b_a3b tp4_ep8 --gpus 8 --recompute
     python tools/plan.py /models/Qwen3-30B-A3B/config.json rank --gpus 16 --gpu h200 --mfu 0.25
