@@ -180,9 +180,17 @@ def print_detail(plan: Plan) -> None:
         print(f"trainer: {plan.trainer_refuses}")
 
 
+def _times(value: float | None, unit: float) -> float | None:
+    return None if value is None else value * unit
+
+
 def hardware(args) -> object:
-    gib_scale = lambda v: None if v is None else v * 2**30  # noqa: E731
-    scale = lambda v: None if v is None else v * GB  # noqa: E731
+    def gib_scale(value):
+        return _times(value, 2**30)
+
+    def scale(value):
+        return _times(value, GB)
+
     return gpu_spec(
         args.gpu,
         bf16_tflops=args.bf16_tflops,
