@@ -1,18 +1,31 @@
-"""Plan a cluster run: per-rank memory, per-step communication and step time of a parallel layout.
+"""Plan a cluster run: per-rank memory, communication, the RL step's time by phase, and layouts.
 
-    python tools/plan.py qwen3_30b_a3b tp4_ep8_etp1 --gpus 8            # one layout, in detail
-    python tools/plan.py qwen3_30b_a3b rank --gpus 16 --top 5           # rank every valid layout
-    python tools/plan.py /models/Qwen3-30B-A3B/config.json tp2_pp2_ep4 --gpus 8 --gpu h200 \\
-        --seq-len 16384 --micro-batch-tokens 16384 --recompute --mfu 0.3 --ib-gbps 25
+    # the job `python -m gspo_megatron.train <overrides>` would run, planned on 8 H100s
+    python tools/plan.py model=qwen3_30b_a3b parallel=tp4_ep8 rollout=sglang rollout.sglang.tp=4 \
+        trainer.recompute_activations=true algorithm.kl_coef=0.001 --gpus 8 --prompt-tokens 1024
+    python tools/plan.py model=qwen3_235b_a22b rollout=sglang rollout.sglang.model_path=/ckpt --gpus 64 --rank
+    # a bare model and layout name (no training config: every option a flag)
+    python tools/plan.py qwen3_30b_a3b tp4_ep8 --gpus 8 --recompute
+    python tools/plan.py /models/Qwen3-30B-A3B/config.json rank --gpus 16 --gpu h200 --mfu 0.25
 
-MODEL is a preset of ``models/config.py``, a shape shipped in ``gspo_megatron/planning/hf_configs/``
-(``qwen3_235b_a22b``) or a Hugging Face ``config.json`` (file or directory).
-LAYOUT is ``rank`` or a name of sizes: ``tp4_pp2_ep8_etp1_cp2`` (omitted sizes are 1; etp defaults
-to tp, as in ``parallel.etp=null``; dp fills the GPUs). Layouts are checked with the trainer's own
-validation (``config/validate.py``) and refused with its message. Every hardware number is an
-assumption printed with the result; override it with the flags below. The model behind the numbers
-is ``gspo_megatron/planning/`` (its module docstrings state each formula); what it was checked
-against on CPU: tests/distributed/test_planner_matches_megatron.py and tools/bench_plan_memory.py.
+Config mode (any ``key=value`` argument, or none): the arguments are Hydra overrides of ``conf/``,
+composed, typed and validated exactly as the entry point does (``planning/job.py``); every option
+(distributed optimizer, dtype, recompute, reference model, old-log-prob pass, updates per rollout,
+replay, dispatcher, rollout engine GPUs, sync bucket) comes from that config, and the trainer's
+refusal is printed as the trainer words it. ``--rank`` plans every layout of ``--gpus`` for the
+same config. Prompt length is data, not config: ``--prompt-tokens`` (an assumption, printed).
+
+Name mode: MODEL is a preset of ``models/config.py``, a shape shipped in
+``gspo_megatron/planning/hf_configs/`` or a Hugging Face ``config.json``; LAYOUT is ``rank``, a
+``conf/parallel`` name (``tp4_ep8`` means what ``parallel=tp4_ep8`` means: etp 1) or sizes such as
+``tp4_pp2_ep8_etp1_cp2`` (omitted sizes are 1; etp defaults to tp, as ``parallel.etp=null``), with
+``vpN`` (virtual pipeline chunks) and ``firstN``/``lastN`` (decoder layers of the first/last virtual
+stage, as megatron's flags) for the layouts people run that the trainer does not build:
+``tp4_pp4_cp2_ep16_etp1_last22`` (slime's 235B), ``tp1_pp8_ep32_etp1_vp4_first2_last2`` (Megatron-Bridge's).
+
+Every hardware number is an assumption printed with the result (``planning/hardware.py``);
+override it with the flags below. What the model was checked against on CPU:
+tests/distributed/test_planner_matches_megatron.py and tools/bench_plan_memory.py.
 """
 
 from __future__ import annotations
@@ -22,9 +35,12 @@ import re
 import sys
 from pathlib import Path
 
+from gspo_megatron.config.compose import CONF_DIR
 from gspo_megatron.models.config import PRESETS, MoEModelConfig, preset
 from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.planning.hardware import GB, GPUS, gpu_spec
+from gspo_megatron.planning.job import compose_job, plan_job, rank_job
+from gspo_megatron.planning.pipeline import PipelineLayout
 from gspo_megatron.planning.planner import (
     GiB,
     Plan,
@@ -36,7 +52,7 @@ from gspo_megatron.planning.planner import (
 )
 from gspo_megatron.routing.replay import REPLAY_MODES
 
-LAYOUT_PART = re.compile(r"^(tp|pp|ep|etp|cp|dp)(\d+)$")
+LAYOUT_PART = re.compile(r"^(tp|pp|ep|etp|cp|dp|vp|first|last)(\d+)$")
 
 
 # Shapes shipped for planning only (HF config.json files; no weights): qwen3_235b_a22b.
@@ -57,20 +73,28 @@ def load_model(spec: str) -> MoEModelConfig:
 
 
 def parse_layout(name: str, gpus: int) -> ParallelLayout:
+    named = Path(CONF_DIR) / "parallel" / f"{name}.yaml"
+    if named.is_file():  # the shipped layout of that name, exactly as parallel=NAME sets it
+        from omegaconf import OmegaConf
+
+        values = OmegaConf.to_container(OmegaConf.load(named))
+        assert isinstance(values, dict)
+        fields = ("tp", "pp", "ep", "etp", "cp", "sequence_parallel")
+        return ParallelLayout(world_size=gpus, **{k: values[k] for k in fields if k in values})
     sizes: dict[str, int] = {}
     for part in name.split("_"):
         match = LAYOUT_PART.match(part)
         if not match:
-            raise SystemExit(f"LAYOUT part {part!r} of {name!r} is not one of tpN ppN epN etpN cpN dpN")
+            raise SystemExit(
+                f"LAYOUT part {part!r} of {name!r} is not one of tpN ppN epN etpN cpN dpN vpN firstN lastN"
+            )
         sizes[match.group(1)] = int(match.group(2))
     dp = sizes.pop("dp", None)
-    layout = ParallelLayout(
-        world_size=gpus,
-        tp=sizes.get("tp", 1),
-        pp=sizes.get("pp", 1),
-        ep=sizes.get("ep", 1),
-        etp=sizes.get("etp"),
-        cp=sizes.get("cp", 1),
+    pipeline = {key: sizes.pop(key) for key in ("first", "last") if key in sizes}
+    if "vp" in sizes:
+        pipeline["vpp"] = sizes.pop("vp")
+    layout = (
+        PipelineLayout(world_size=gpus, **sizes, **pipeline) if pipeline else ParallelLayout(world_size=gpus, **sizes)
     )
     if dp is not None and layout.tp * layout.pp * layout.cp * dp != gpus:
         product = layout.tp * layout.pp * layout.cp * dp
@@ -82,42 +106,54 @@ def gib(n: float) -> str:
     return f"{n / GiB:.1f}"
 
 
+def rl_split(plan: Plan) -> str:
+    rl = plan.rl
+    assert rl is not None
+    return (
+        f"{rl.total_s:.0f} ({rl.rollout_s:.0f} / {rl.old_log_prob_s:.0f} / {rl.reference_s:.0f} / "
+        f"{rl.updates_s:.0f} / {rl.sync_s:.1f})"
+    )
+
+
 def table_row(plan: Plan) -> str:
     m, t = plan.memory, plan.time
     return (
         f"| {layout_name(plan.layout)} | {plan.micro_batches} | {gib(m.state.parameters)} | "
-        f"{gib(m.state.gradients)} | "
-        f"{gib(m.state.optimizer)} | {gib(m.activations)} | {gib(m.loss_head)} | {gib(m.total)} | "
-        f"{t.total_s:.1f} | {t.bubble_fraction:.0%} | {t.tokens_per_s_per_gpu:,.0f} | "
-        f"{'yes' if plan.fits else 'no'} |"
+        f"{gib(m.state.gradients)} | {gib(m.state.optimizer)} | {gib(m.reference_weights)} | "
+        f"{gib(m.activations + m.loss_head)} | {gib(m.total)} | {gib(plan.sync.driver_extra_bytes)} | "
+        f"{t.lower_s:.0f}-{t.total_s:.0f}{' (tied)' if plan.tied else ''} | {rl_split(plan)} | "
+        f"{plan.layout.world_size} + {plan.rollout_gpus} | {'yes' if plan.fits else 'no'} |"
     )
 
 
 TABLE_HEAD = (
-    "| layout | micro-batches | weights GiB | grads GiB | optimizer GiB | activations GiB | loss head GiB | "
-    "peak GiB | step s | bubble | tokens/s/GPU | fits |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "| layout | micro-batches | weights | grads | optimizer | reference | activations + loss head | peak GiB | "
+    "sync (driver) | update s | RL step s (rollout / old log-probs / reference / updates / sync) | "
+    "GPUs (train + rollout) | fits |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
-def print_detail(plan: Plan, gpu) -> None:
+def print_detail(plan: Plan) -> None:
     m = plan.memory
     print(
-        f"layout {layout_name(plan.layout)}: {plan.micro_batches} micro-batches per dp rank, "
+        f"layout {layout_name(plan.layout)}: {plan.micro_batches} micro-batches per dp rank and update, "
         f"worst stage {plan.worst_stage}"
     )
     print("per-rank memory (GiB), worst stage:")
     for label, value in [
-        ("weights (bf16; param buffer with dist. opt.)", m.state.parameters),
+        ("weights (param buffer with dist. opt.)", m.state.parameters),
         ("gradient buffers (fp32)", m.state.gradients),
         ("optimizer (Adam moments + fp32 master)" + ("" if m.optimizer_on_gpu else ", offloaded"), m.state.optimizer),
+        ("reference model (algorithm.kl_coef > 0)", m.reference_weights),
         ("activations (micro-batches in flight)", m.activations),
         ("loss head (logits + grad)", m.loss_head),
-        ("old-log-prob forward (not concurrent)", m.old_log_prob_pass),
+        ("forward-only pass (old/ref log-probs; not concurrent)", m.old_log_prob_pass),
         ("routing replay buffers", m.routing_replay),
         ("peak total", m.total),
+        ("capacity for counted tensors", plan.capacity),
     ]:
-        print(f"  {label:48s} {gib(value):>8s}")
-    print("per-step communication per rank (payload GB, wire GB, seconds):")
+        print(f"  {label:54s} {gib(value):>8s}")
+    print("per-update communication per rank (payload GB, wire GB, seconds):")
     for kind in sorted(plan.traffic.group_size):
         payload = plan.traffic.by_kind()[kind]
         wire = plan.traffic.wire_bytes(kind)
@@ -125,57 +161,104 @@ def print_detail(plan: Plan, gpu) -> None:
             f"  {kind:10s} group {plan.traffic.group_size[kind]:3d}  {payload / GB:9.2f} {wire / GB:9.2f} "
             f"{plan.time.comm_s[kind]:8.3f}"
         )
-    print(f"  weight sync trainer -> engine (bf16, not in the step time): {plan.sync.describe()}")
-    t = plan.time
+    print(f"  weight sync trainer -> engine (bf16): {plan.sync.describe()}")
+    t, rl = plan.time, plan.rl
     print(
-        f"step: {t.total_s:.2f} s (compute {t.compute_s:.2f} s, bubble {t.bubble_fraction:.0%}), "
-        f"{t.tokens_per_s_per_gpu:,.0f} tokens/s/GPU; fits: {plan.fits} {' '.join(plan.problems)}"
+        f"update: {t.lower_s:.2f}-{t.total_s:.2f} s (communication all hidden .. none hidden; compute "
+        f"{t.compute_s:.2f} s, bubble {t.bubble_fraction:.0%}), {t.tokens_per_s_per_gpu:,.0f} tokens/s/GPU"
     )
+    if rl is not None:
+        rollout = f">= {rl.rollout_s:.1f} (roofline)" if plan.rollout_planned else "not planned (name mode)"
+        print(
+            f"RL step: {rl.total_s:.1f} s = rollout {rollout} + old log-probs "
+            f"{rl.old_log_prob_s:.1f} + reference {rl.reference_s:.1f} + updates {rl.updates_s:.1f} + sync "
+            f"{rl.sync_s:.1f}{' (rollout overlapped: async)' if rl.overlapped else ''}; GPUs: "
+            f"{plan.layout.world_size} training + {plan.rollout_gpus} rollout = {plan.total_gpus}"
+        )
+    print(f"fits: {plan.fits} {' '.join(plan.problems)}")
+    if plan.trainer_refuses:
+        print(f"trainer: {plan.trainer_refuses}")
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model")
-    parser.add_argument("layout", nargs="?", default="rank")
-    parser.add_argument("--gpus", type=int, default=8)
-    parser.add_argument("--gpu", choices=sorted(GPUS), default="h100")
-    parser.add_argument("--seq-len", type=int, default=8192)
-    parser.add_argument("--micro-batch-tokens", type=int, default=16384)
-    parser.add_argument("--global-batch-tokens", type=int, default=32 * 8192)
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    parser.add_argument("--no-distributed-optimizer", action="store_true")
-    parser.add_argument("--optimizer-offload", action="store_true", help="Adam state in host memory")
-    parser.add_argument("--recompute", action="store_true", help="full activation recompute")
-    parser.add_argument("--routing-replay", choices=list(REPLAY_MODES), default="none")
-    parser.add_argument("--dispatcher", choices=["alltoall", "allgather"], default="alltoall")
-    parser.add_argument("--layer-spec", choices=["te", "portable"], default="te")
-    parser.add_argument("--sync-bucket-mib", type=int, default=512, help="rollout.sglang.weight_bucket_bytes")
-    parser.add_argument("--max-cp", type=int, default=2, help="largest cp tried when ranking")
-    parser.add_argument("--top", type=int, default=5)
-    parser.add_argument("--markdown", action="store_true", help="print a markdown table")
-    hw = parser.add_argument_group("hardware assumptions (defaults: the --gpu preset)")
-    hw.add_argument("--bf16-tflops", type=float)
-    hw.add_argument("--memory-gb", type=float)
-    hw.add_argument("--nvlink-gbps", type=float, help="GB/s per GPU per direction")
-    hw.add_argument("--ib-gbps", type=float, help="GB/s per GPU per direction")
-    hw.add_argument("--gpus-per-node", type=int)
-    hw.add_argument("--mfu", type=float)
-    hw.add_argument("--link-efficiency", type=float)
-    args = parser.parse_args(argv)
+def _times(value: float | None, unit: float) -> float | None:
+    return None if value is None else value * unit
 
-    scale = lambda v: None if v is None else v * GB
-    gpu = gpu_spec(
+
+def hardware(args) -> object:
+    def gib_scale(value):
+        return _times(value, 2**30)
+
+    def scale(value):
+        return _times(value, GB)
+
+    return gpu_spec(
         args.gpu,
         bf16_tflops=args.bf16_tflops,
-        memory_bytes=scale(args.memory_gb),
+        memory_bytes=gib_scale(args.memory_gib),
+        reserve_bytes=gib_scale(args.reserve_gib),
         nvlink_bandwidth=scale(args.nvlink_gbps),
         ib_bandwidth=scale(args.ib_gbps),
         gpus_per_node=args.gpus_per_node,
         mfu=args.mfu,
         link_efficiency=args.link_efficiency,
     )
-    model = load_model(args.model)
+
+
+NAME_MODE_ONLY = {  # flags that set what a training config decides; config mode takes the config's
+    "seq_len": "rollout.max_new_tokens (+ --prompt-tokens)",
+    "micro_batch_tokens": "trainer.micro_batch_size or trainer.micro_batch_tokens",
+    "global_batch_tokens": "trainer.prompts_per_step x rollout.group_size / trainer.updates_per_rollout",
+    "group_size": "rollout.group_size",
+    "dtype": "model.dtype",
+    "no_distributed_optimizer": "optimizer.distributed=false",
+    "optimizer_offload": "(the trainer keeps Adam on the GPU)",
+    "recompute": "trainer.recompute_activations=true",
+    "routing_replay": "algorithm.routing_replay",
+    "dispatcher": "model.token_dispatcher",
+    "layer_spec": "model.layer_spec",
+    "sync_bucket_mib": "rollout.sglang.weight_bucket_bytes",
+}
+
+
+def plan_config(args, gpu) -> int:
+    for flag, key in NAME_MODE_ONLY.items():
+        if getattr(args, flag) != getattr(DEFAULTS, flag):
+            raise SystemExit(f"--{flag.replace('_', '-')} is for a bare model name; with a config set {key}")
+    try:
+        job = compose_job(args.targets, args.gpus, args.prompt_tokens)
+    except ValueError as exc:
+        print(f"refused by the trainer's validation: {exc}")
+        return 2
+    counts = job.config.model.parameter_count()
+    print(
+        f"model {job.config.model.preset or 'from the config'}: {counts['total'] / 1e9:.2f}B parameters, "
+        f"{counts['active'] / 1e9:.2f}B active; {args.gpus} training GPUs"
+    )
+    print("from the config: " + "\n  ".join(job.describe()))
+    print(f"assumptions: {gpu.describe()}")
+    if not args.rank:
+        print_detail(plan_job(job, gpu))
+        return 0
+    return print_ranking(*rank_job(job, gpu, args.max_cp), gpu, args.top)
+
+
+def print_ranking(plans: list[Plan], too_big: list[Plan], gpu, top: int) -> int:
+    tied = sum(p.tied for p in plans)
+    print(
+        f"{len(plans)} layouts fit in {gib(gpu.usable_memory_bytes)} GiB ({tied} tied with the fastest: their "
+        f"update-time bands overlap; most headroom first), {len(too_big)} valid layouts do not:"
+    )
+    print(TABLE_HEAD)
+    for plan in plans[:top] + too_big[: max(0, top - len(plans))]:
+        print(table_row(plan))
+    return 0 if plans else 1
+
+
+def plan_name(args, gpu) -> int:
+    if len(args.targets) not in (1, 2):
+        raise SystemExit("name mode takes MODEL [LAYOUT]; config mode takes key=value overrides")
+    model = load_model(args.targets[0])
+    layout_arg = args.targets[1] if len(args.targets) == 2 else "rank"
     options = PlanOptions(
         seq_len=args.seq_len,
         micro_batch_tokens=args.micro_batch_tokens,
@@ -192,30 +275,63 @@ def main(argv=None) -> int:
     )
     counts = model.parameter_count()
     print(
-        f"model {args.model}: {counts['total'] / 1e9:.2f}B parameters, "
-        f"{counts['active'] / 1e9:.2f}B active; "
-        f"{args.gpus} GPUs; {options}"
+        f"model {args.targets[0]}: {counts['total'] / 1e9:.2f}B parameters, "
+        f"{counts['active'] / 1e9:.2f}B active; {args.gpus} GPUs; {options}"
     )
     print(f"assumptions: {gpu.describe()}")
-    if args.layout != "rank":
+    if layout_arg != "rank":
         try:
-            plan = plan_layout(model, parse_layout(args.layout, args.gpus), options, gpu)
+            plan = plan_layout(model, parse_layout(layout_arg, args.gpus), options, gpu)
         except (PlanError, ValueError) as exc:
             print(f"refused: {exc}")
             return 2
-        print_detail(plan, gpu)
+        print_detail(plan)
         return 0
-    plans, too_big = rank_layouts(model, args.gpus, options, gpu, args.max_cp)
-    print(
-        f"{len(plans)} layouts fit in {gib(gpu.usable_memory_bytes)} GiB, "
-        f"{len(too_big)} valid layouts do not; "
-        "fitting ones fastest first, then the smallest that do not fit:"
-    )
-    print(TABLE_HEAD)
-    shown = plans[: args.top] + too_big[: max(0, args.top - len(plans))]
-    for plan in shown:
-        print(table_row(plan))
-    return 0 if plans else 1
+    return print_ranking(*rank_layouts(model, args.gpus, options, gpu, args.max_cp), gpu, args.top)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("targets", nargs="*", help="key=value overrides, or MODEL [LAYOUT]")
+    parser.add_argument("--gpus", type=int, default=8, help="training GPUs (the world size)")
+    parser.add_argument("--gpu", choices=sorted(GPUS), default="h100")
+    parser.add_argument("--rank", action="store_true", help="config mode: plan every layout of --gpus")
+    parser.add_argument("--prompt-tokens", type=int, default=1024, help="config mode: longest prompt (assumed)")
+    parser.add_argument("--max-cp", type=int, default=2, help="largest cp tried when ranking")
+    parser.add_argument("--top", type=int, default=5)
+    name = parser.add_argument_group("name mode (MODEL LAYOUT): what a training config would set")
+    name.add_argument("--seq-len", type=int, default=8192)
+    name.add_argument("--micro-batch-tokens", type=int, default=16384)
+    name.add_argument("--global-batch-tokens", type=int, default=32 * 8192)
+    name.add_argument("--group-size", type=int, default=8)
+    name.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    name.add_argument("--no-distributed-optimizer", action="store_true")
+    name.add_argument("--optimizer-offload", action="store_true", help="Adam state in host memory")
+    name.add_argument("--recompute", action="store_true", help="full activation recompute")
+    name.add_argument("--routing-replay", choices=list(REPLAY_MODES), default="none")
+    name.add_argument("--dispatcher", choices=["alltoall", "allgather"], default="alltoall")
+    name.add_argument("--layer-spec", choices=["te", "portable"], default="te")
+    name.add_argument("--sync-bucket-mib", type=int, default=512, help="rollout.sglang.weight_bucket_bytes")
+    hw = parser.add_argument_group("hardware assumptions (defaults: the --gpu preset)")
+    hw.add_argument("--bf16-tflops", type=float)
+    hw.add_argument("--memory-gib", type=float, help="what torch can allocate per GPU")
+    hw.add_argument("--reserve-gib", type=float, help="CUDA context, NCCL, fragmentation")
+    hw.add_argument("--nvlink-gbps", type=float, help="GB/s per GPU per direction")
+    hw.add_argument("--ib-gbps", type=float, help="GB/s per GPU per direction")
+    hw.add_argument("--gpus-per-node", type=int)
+    hw.add_argument("--mfu", type=float)
+    hw.add_argument("--link-efficiency", type=float)
+    return parser
+
+
+DEFAULTS = build_parser().parse_args([])
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    gpu = hardware(args)
+    config_mode = not args.targets or any("=" in t for t in args.targets)
+    return plan_config(args, gpu) if config_mode else plan_name(args, gpu)
 
 
 if __name__ == "__main__":

@@ -132,7 +132,8 @@ def step_traffic(
     if layout.cp > 1:
         kv = 2 * tokens * model.num_kv_heads * model.head_dim / tp * width
         per_mb.add("cp", "send_recv", layout.cp, len(layers) * 3 * (layout.cp - 1) * kv)
-    boundaries = (pp_rank > 0) + (pp_rank < layout.pp - 1)
+    # each of the rank's virtual chunks receives and sends, except the model's first and last
+    boundaries = 2 * getattr(layout, "vpp", 1) - (pp_rank == 0) - (pp_rank == layout.pp - 1)
     per_mb.add("pp", "send_recv", layout.pp, 2 * boundaries * sp_tokens * h * width)
     for (kind, collective), payload in per_mb.payload.items():
         traffic.add(kind, collective, per_mb.group_size[kind], payload * micro_batches)

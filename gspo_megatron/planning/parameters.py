@@ -37,9 +37,10 @@ class ParamSpec:
     shared_embedding: bool = False  # tied output layer on a later stage: its own bucket (dist. opt.)
 
 
-def stage_layers(model: MoEModelConfig, layout: ParallelLayout, pp_rank: int) -> range:
-    per_stage = model.num_layers // layout.pp
-    return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+def stage_layers(model: MoEModelConfig, layout: ParallelLayout, pp_rank: int) -> list[int]:
+    from gspo_megatron.planning.pipeline import stage_layers as pipeline_stage_layers
+
+    return pipeline_stage_layers(model, layout, pp_rank)
 
 
 _CACHE: dict[tuple, object] = {}  # the ranking tool asks for the same stage many times

@@ -6,9 +6,14 @@ Design decisions:
   runs ``ParallelLayout.validate`` and the batch-divisibility rules), so the planner can never
   recommend what the trainer would reject.
 - Memory of a rank = weights + grad buffers + optimizer state (``parameters.py``, exact for
-  megatron-core 0.16) + the larger of the training activations and the old-log-prob forward. 1F1B
-  keeps up to ``pp - stage`` micro-batches in flight on a stage, so stage 0 usually peaks. R3's
-  replayed experts are int64 [T_sp, k] per MoE layer and micro-batch, held for the whole step.
+  megatron-core 0.16) + the frozen reference model's weights when ``algorithm.kl_coef > 0`` (the
+  stage's parameters in the model dtype, no buffers: ``trainer/reference_model.py``) + the larger of
+  the training activations and a forward-only pass (old log-probs, reference log-probs: one layer's
+  activations and the logits at a time). 1F1B keeps up to ``pp - stage`` micro-batches in flight on
+  a stage, so stage 0 usually peaks. R3's replayed experts are int64 [T_sp, k] per MoE layer and
+  micro-batch, held for the whole step.
+- The driver (global rank 0, stage 0) also holds the weight sync's bucket and the tensor being
+  gathered after the update (``comm.py``): checked against the same capacity.
 - The worst stage's numbers are reported (ranks of one stage are alike up to the expert-dp shard).
 """
 
@@ -21,8 +26,16 @@ from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.planning.activations import FP32, MicroBatchShape, activation_bytes
 from gspo_megatron.planning.comm import Traffic, WeightSyncPlan, step_traffic, weight_sync_plan
 from gspo_megatron.planning.hardware import GPUSpec
-from gspo_megatron.planning.parameters import DTYPE_BYTES, StateBytes, stage_layers, state_bytes
-from gspo_megatron.planning.step_time import StepTime, step_time
+from gspo_megatron.planning.parameters import DTYPE_BYTES, StateBytes, stage_layers, stage_parameters, state_bytes
+from gspo_megatron.planning.pipeline import TRAINER_REFUSES, PipelineLayout, in_flight_factor
+from gspo_megatron.planning.step_time import (
+    RLStepTime,
+    RolloutShape,
+    StepTime,
+    rl_step_time,
+    rollout_seconds,
+    step_time,
+)
 from gspo_megatron.routing.replay_strategy import needs_engine_routing, replays
 
 GiB = 2**30
@@ -42,6 +55,11 @@ class PlanOptions:
     dispatcher: str = "alltoall"  # model.token_dispatcher (the trainer's default: alltoall)
     layer_spec: str = "te"  # te on GPU; portable is what the CPU build uses (and what is measured)
     sync_bucket_bytes: int = 512 * 2**20  # rollout.sglang.weight_bucket_bytes
+    reference_model: bool = False  # algorithm.kl_coef > 0: a frozen copy of the policy's weights
+    old_log_prob_pass: bool = True  # algorithm.old_log_probs=trainer: a forward pass before the updates
+    updates_per_rollout: int = 1  # trainer.updates_per_rollout: optimizer steps per RL step
+    rollout: RolloutShape | None = None  # the generation phase; None: not planned (0 s)
+    async_rollout: bool = False  # rollout.async_rollout: generation beside training (separate GPUs only)
 
     @property
     def micro(self) -> MicroBatchShape:
@@ -56,13 +74,18 @@ class MemoryRow:
     old_log_prob_pass: int
     routing_replay: int
     optimizer_on_gpu: bool = True
+    reference_weights: int = 0  # the frozen KL reference's weights (algorithm.kl_coef > 0)
+
+    @property
+    def resident(self) -> int:
+        """Bytes held for the whole run: model state (optimizer excluded when offloaded) + reference."""
+        return self.state.total - (0 if self.optimizer_on_gpu else self.state.optimizer) + self.reference_weights
 
     @property
     def total(self) -> int:
-        """GPU bytes at the step's peak (optimizer state excluded when it is offloaded)."""
+        """GPU bytes at the step's peak."""
         train = self.activations + self.loss_head
-        state = self.state.total - (0 if self.optimizer_on_gpu else self.state.optimizer)
-        return state + max(train, self.old_log_prob_pass) + self.routing_replay
+        return self.resident + max(train, self.old_log_prob_pass) + self.routing_replay
 
 
 @dataclass
@@ -76,6 +99,20 @@ class Plan:
     sync: WeightSyncPlan
     fits: bool
     problems: list[str] = field(default_factory=list)
+    rl: RLStepTime | None = None
+    rollout_gpus: int = 0  # separate engine GPUs (0: colocated with the trainer, or not planned)
+    capacity: float = 0.0  # bytes the counted tensors may use on one GPU
+    tied: bool = False  # within the time band of the fastest fitting layout (rank_layouts)
+    rollout_planned: bool = False
+    trainer_refuses: str | None = None  # a layout the planner expresses and the trainer cannot build
+
+    @property
+    def headroom(self) -> float:
+        return self.capacity - self.memory.total
+
+    @property
+    def total_gpus(self) -> int:
+        return self.layout.world_size + self.rollout_gpus
 
 
 class PlanError(ValueError):
@@ -119,18 +156,15 @@ def check_with_trainer_rules(model: MoEModelConfig, layout: ParallelLayout, opti
 
 
 def micro_batches_per_rank(layout: ParallelLayout, options: PlanOptions) -> int:
+    """ceil(rows per rank / rows per micro-batch): the trainer's last micro-batch may be smaller."""
     if options.micro_batch_tokens % options.seq_len:
         raise PlanError(
             f"micro_batch_tokens={options.micro_batch_tokens} is not a multiple of seq_len={options.seq_len}"
         )
     per_rank = options.global_batch_tokens // layout.dp
-    if per_rank % options.micro_batch_tokens or per_rank == 0:
-        raise PlanError(
-            f"{options.global_batch_tokens} tokens per step over dp={layout.dp} is "
-            f"{per_rank} per rank, not a multiple of "
-            f"micro_batch_tokens={options.micro_batch_tokens}"
-        )
-    return per_rank // options.micro_batch_tokens
+    if per_rank == 0 or options.global_batch_tokens % layout.dp:
+        raise PlanError(f"{options.global_batch_tokens} tokens per step do not split over dp={layout.dp}")
+    return -(-per_rank // options.micro_batch_tokens)
 
 
 def memory_of_stage(
@@ -141,24 +175,40 @@ def memory_of_stage(
         model, layout, pp_rank, dtype=options.dtype, distributed_optimizer=options.distributed_optimizer
     )
     act = activation_bytes(model, layout, options.micro, pp_rank, width=width, spec=options.layer_spec)
-    in_flight = min(layout.pp - pp_rank, micro_batches)
+    in_flight = min(layout.pp - pp_rank, micro_batches) * in_flight_factor(layout)
     layers = act.total(options.recompute) - act.loss_head
     tokens = options.micro.tokens / layout.cp
     sp_tokens = tokens / layout.tp if layout.use_sequence_parallel else tokens
     logits = int(tokens * model.vocab_size / layout.tp * FP32)
-    old_pass = logits + (max(act.per_layer) if act.per_layer else 0)
+    forward_only = options.old_log_prob_pass or options.reference_model
+    old_pass = logits + (max(act.per_layer) if act.per_layer else 0) if forward_only else 0
+    params = stage_parameters(model, layout, pp_rank)
+    reference = sum(p.numel for p in params) * width if options.reference_model else 0
     replay = 0
     if replays(options.routing_replay) and model.is_moe:
         moe = [i for i in stage_layers(model, layout, pp_rank) if i not in set(model.dense_layers)]
         replay = int(micro_batches * len(moe) * sp_tokens * model.top_k * 8)
     return MemoryRow(
-        state, layers * in_flight, act.loss_head, old_pass, replay, optimizer_on_gpu=not options.optimizer_offload
+        state,
+        int(layers * in_flight),
+        act.loss_head,
+        old_pass,
+        replay,
+        optimizer_on_gpu=not options.optimizer_offload,
+        reference_weights=reference,
     )
 
 
-def plan_layout(model: MoEModelConfig, layout: ParallelLayout, options: PlanOptions, gpu: GPUSpec) -> Plan:
-    """Everything the planner predicts for one layout; raises PlanError if the trainer would refuse it."""
-    check_with_trainer_rules(model, layout, options)
+def plan_layout(
+    model: MoEModelConfig, layout: ParallelLayout, options: PlanOptions, gpu: GPUSpec, *, validated: bool = False
+) -> Plan:
+    """Everything the planner predicts for one layout; raises PlanError if the trainer would refuse it.
+    ``validated``: the options come from a config the trainer's validation already accepted (``job.py``)."""
+    beyond_trainer = isinstance(layout, PipelineLayout) and not layout.is_trainer_layout
+    if beyond_trainer:
+        layout.validate(model)
+    elif not validated:
+        check_with_trainer_rules(model, layout, options)
     micro_batches = micro_batches_per_rank(layout, options)
     rows = [memory_of_stage(model, layout, options, r, micro_batches) for r in range(layout.pp)]
     worst = max(range(layout.pp), key=lambda r: rows[r].total)
@@ -181,15 +231,41 @@ def plan_layout(model: MoEModelConfig, layout: ParallelLayout, options: PlanOpti
     fits = rows[worst].total <= gpu.usable_memory_bytes
     problems = [] if fits else [f"needs {rows[worst].total / GiB:.1f} GiB > {gpu.usable_memory_bytes / GiB:.1f} GiB"]
     sync = weight_sync_plan(model, options.sync_bucket_bytes, gpu.ib_bandwidth * gpu.link_efficiency, width)
-    driver = rows[0]  # the driver is global rank 0: stage 0; the sync runs when activations are freed
-    driver_state = driver.state.total - (0 if driver.optimizer_on_gpu else driver.state.optimizer)
+    driver_state = rows[0].resident  # the driver is global rank 0: stage 0; the sync runs when activations are freed
     if driver_state + sync.driver_extra_bytes > gpu.usable_memory_bytes:
         fits = False
         problems.append(
             f"weight sync: the driver's {driver_state / GiB:.1f} GiB + {sync.driver_extra_bytes / GiB:.2f} GiB "
             f"(bucket + largest tensor) > {gpu.usable_memory_bytes / GiB:.1f} GiB; lower the sync bucket"
         )
-    return Plan(layout, micro_batches, rows[worst], worst, traffic[worst], time, sync, fits, problems)
+    rollout = options.rollout
+    rollout_s = rollout_seconds(model, rollout, gpu, width=2) if rollout else 0.0
+    separate = rollout is not None and not rollout.colocated
+    rl = rl_step_time(
+        time,
+        rollout_s,
+        sync.seconds,
+        updates_per_rollout=options.updates_per_rollout,
+        old_log_prob_pass=options.old_log_prob_pass,
+        reference_model=options.reference_model,
+        overlapped=separate and options.async_rollout,
+    )
+    return Plan(
+        layout,
+        micro_batches,
+        rows[worst],
+        worst,
+        traffic[worst],
+        time,
+        sync,
+        fits,
+        problems,
+        rl=rl,
+        rollout_gpus=rollout.servers * rollout.engine_tp if rollout is not None and separate else 0,
+        capacity=gpu.usable_memory_bytes,
+        rollout_planned=rollout is not None,
+        trainer_refuses=TRAINER_REFUSES if beyond_trainer else None,
+    )
 
 
 def _divisors(n: int, limit: int | None = None) -> list[int]:
@@ -197,15 +273,20 @@ def _divisors(n: int, limit: int | None = None) -> list[int]:
 
 
 def candidate_layouts(model: MoEModelConfig, gpus: int, gpu: GPUSpec, max_cp: int = 2) -> list[ParallelLayout]:
-    """Every (tp <= node, pp, ep, etp in {1, tp}, cp <= max_cp) layout of ``gpus`` ranks that
-    ``ParallelLayout.validate`` accepts for this model."""
+    """Every (tp <= node, pp, ep, etp <= node, cp <= max_cp) layout of ``gpus`` ranks that
+    ``ParallelLayout.validate`` accepts for this model. etp != tp only with ep > 1: megatron-core puts
+    expert parameters in their own (expert-data-parallel) buffer only under expert parallelism, so
+    with ep = 1 an expert sharded differently from the dense layers would have its gradients reduced
+    over the dense data-parallel group; not verified on CPU, so not proposed."""
     out = []
     for tp in _divisors(gpus, gpu.gpus_per_node):
         for cp in _divisors(gpus // tp, max_cp):
             for pp in _divisors(gpus // (tp * cp)):
                 experts = model.num_experts if model.is_moe else 1
                 for ep in _divisors(experts):
-                    for etp in sorted({1, tp}):
+                    for etp in _divisors(gpus, gpu.gpus_per_node):
+                        if ep == 1 and etp != tp:  # see the docstring
+                            continue
                         layout = ParallelLayout(
                             tp=tp, pp=pp, ep=ep, etp=None if etp == tp else etp, cp=cp, world_size=gpus
                         )
@@ -219,17 +300,30 @@ def candidate_layouts(model: MoEModelConfig, gpus: int, gpu: GPUSpec, max_cp: in
 def rank_layouts(
     model: MoEModelConfig, gpus: int, options: PlanOptions, gpu: GPUSpec, max_cp: int = 2
 ) -> tuple[list[Plan], list[Plan]]:
-    """Plans the trainer accepts: those that fit, fastest first; those that do not, smallest first."""
-    fitting: list = []
-    too_big: list = []
+    """Plans of every layout the trainer accepts, ordered by ``order_plans``."""
+    plans = []
     for layout in candidate_layouts(model, gpus, gpu, max_cp):
         try:
-            plan = plan_layout(model, layout, options, gpu)
+            plans.append(plan_layout(model, layout, options, gpu))
         except PlanError:
             continue
-        (fitting if plan.fits else too_big).append(plan)
-    fitting.sort(key=lambda p: p.time.total_s)
-    too_big.sort(key=lambda p: p.memory.total)
+    return order_plans(plans)
+
+
+def order_plans(plans: list[Plan]) -> tuple[list[Plan], list[Plan]]:
+    """Those that fit, then those that do not (smallest first).
+
+    Fitting plans whose time band (``StepTime.lower_s`` .. ``total_s``) reaches the fastest one's
+    upper end are tied with it (marked ``tied``) and come first, most headroom first; the rest
+    follow fastest first. Layouts whose step times differ by 1-2% are not told apart by a model
+    whose known error is larger."""
+    fitting = sorted((p for p in plans if p.fits), key=lambda p: p.time.total_s)
+    too_big = sorted((p for p in plans if not p.fits), key=lambda p: p.memory.total)
+    if fitting:
+        best = fitting[0].time.total_s
+        for plan in fitting:
+            plan.tied = plan.time.lower_s <= best
+        fitting.sort(key=lambda p: (not p.tied, -p.headroom if p.tied else p.time.total_s))
     return fitting, too_big
 
 

@@ -13,6 +13,18 @@ Design decisions (all stated, all approximate; nothing here was timed on a GPU):
   cp, dp, pp; the expert mesh etp, ep, expert-dp, pp), else InfiniBand.
 - Pipeline: (m + pp - 1) micro-batch slots for m micro-batches (the 1F1B bubble), each as long as
   the slowest stage's forward + backward.
+- The band: ``lower_s`` hides all model-parallel communication behind compute (perfect overlap; the
+  DP reduction stays exposed: ``overlap_grad_reduce=False``), ``total_s`` hides none. How much a
+  real run overlaps is not known here, so two layouts whose bands overlap are not told apart.
+- A forward-only pass (old log-probs, reference log-probs) costs one forward per micro-batch plus
+  half the per-micro-batch traffic (forward issues 2 of a linear pair's 5 TP collectives, 2 of 4
+  all-to-alls, 1 of 2 pipeline sends: half is the upper end).
+- The RL step (``rl_step_time``) is rollout + old-log-prob pass + reference pass + k updates +
+  weight sync, in that order (the trainer's phases). Rollout on separate engine GPUs overlaps the
+  training phases only with ``rollout.async_rollout``. Rollout time is a roofline lower bound:
+  decode steps of the whole batch, each reading the weights the batch touches and its KV cache at
+  the full HBM bandwidth, or computing 2 x active parameters per token at ``mfu``, whichever is
+  longer; prefill at ``mfu``. No engine was timed here.
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ from gspo_megatron.planning.activations import MicroBatchShape
 from gspo_megatron.planning.comm import Traffic
 from gspo_megatron.planning.hardware import GPUSpec
 from gspo_megatron.planning.parameters import stage_layers
+from gspo_megatron.planning.pipeline import bubble_slots
 
 
 def forward_flops(model: MoEModelConfig, layout: ParallelLayout, micro: MicroBatchShape, pp_rank: int) -> float:
@@ -69,11 +82,15 @@ def group_bandwidth(kind: str, layout: ParallelLayout, gpu: GPUSpec) -> float:
 
 @dataclass(frozen=True)
 class StepTime:
+    """One optimizer step (a mini-batch of ``micro_batches`` per data-parallel rank)."""
+
     compute_s: float
     comm_s: dict[str, float]
     bubble_fraction: float
-    total_s: float
+    total_s: float  # no communication overlapped: the band's upper end
     tokens_per_s_per_gpu: float
+    lower_s: float = 0.0  # model-parallel communication fully overlapped: the band's lower end
+    forward_s: float = 0.0  # one forward-only pass over the same mini-batch
 
 
 def step_time(
@@ -95,9 +112,91 @@ def step_time(
     comm = {kind: traffic.wire_bytes(kind) / group_bandwidth(kind, layout, gpu) for kind in traffic.group_size}
     per_micro_comm = sum(v for k, v in comm.items() if not k.startswith("dp")) / micro_batches
     dp_comm = sum(v for k, v in comm.items() if k.startswith("dp"))
-    slots = micro_batches + layout.pp - 1
+    slots = micro_batches + bubble_slots(layout)
     total = slots * (per_stage[slowest] + per_micro_comm) + dp_comm
+    lower = slots * max(per_stage[slowest], per_micro_comm) + dp_comm
+    forward = slots * (per_stage[slowest] / (4 if recompute else 3) + per_micro_comm / 2)
     tokens = micro.tokens * micro_batches * layout.dp
     return StepTime(
-        per_stage[slowest] * micro_batches, comm, (layout.pp - 1) / slots, total, tokens / total / layout.world_size
+        per_stage[slowest] * micro_batches,
+        comm,
+        bubble_slots(layout) / slots,
+        total,
+        tokens / total / layout.world_size,
+        lower_s=lower,
+        forward_s=forward,
+    )
+
+
+@dataclass(frozen=True)
+class RolloutShape:
+    """One RL step's generation: ``sequences`` = prompts x group size, on ``servers`` engines of ``engine_tp`` GPUs."""
+
+    sequences: int
+    prompt_tokens: int
+    response_tokens: int  # rollout.max_new_tokens: every sequence decodes this many (an upper bound)
+    servers: int
+    engine_tp: int
+    colocated: bool  # the engine shares the trainer's GPUs (phases run one after the other)
+
+
+def rollout_seconds(model: MoEModelConfig, shape: RolloutShape, gpu: GPUSpec, width: int = 2) -> float:
+    """Roofline lower bound of the generation phase (see the module docstring)."""
+    counts = model.parameter_count()
+    per_server = -(-shape.sequences // shape.servers)
+    flops_rate = gpu.bf16_tflops * 1e12 * gpu.mfu * shape.engine_tp
+    prefill = 2 * counts["active"] * per_server * shape.prompt_tokens / flops_rate
+    moe_layers = model.num_layers - len(model.dense_layers)
+    expert_params = moe_layers * model.num_experts * 3 * model.hidden_size * model.moe_intermediate_size
+    # expected fraction of a layer's experts that some token of a decode step picks (uniform routing)
+    touched = 1 - (1 - model.top_k / model.num_experts) ** per_server if model.is_moe else 1.0
+    weights = (counts["total"] - expert_params + touched * expert_params) * width
+    kv_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * width
+    kv = per_server * (shape.prompt_tokens + shape.response_tokens / 2) * kv_per_token
+    memory_bound = (weights + kv) / (gpu.hbm_bandwidth * shape.engine_tp)
+    compute_bound = 2 * counts["active"] * per_server / flops_rate
+    return prefill + shape.response_tokens * max(memory_bound, compute_bound)
+
+
+@dataclass(frozen=True)
+class RLStepTime:
+    """Seconds of one RL step by phase, in the trainer's order."""
+
+    rollout_s: float
+    old_log_prob_s: float
+    reference_s: float
+    updates_s: float  # updates_per_rollout optimizer steps
+    sync_s: float
+    overlapped: bool  # async rollout on separate GPUs: generation runs beside the training phases
+
+    @property
+    def training_s(self) -> float:
+        return self.old_log_prob_s + self.reference_s + self.updates_s
+
+    @property
+    def total_s(self) -> float:
+        if self.overlapped:
+            return max(self.rollout_s, self.training_s) + self.sync_s
+        return self.rollout_s + self.training_s + self.sync_s
+
+
+def rl_step_time(
+    step: StepTime,
+    rollout_s: float,
+    sync_s: float,
+    *,
+    updates_per_rollout: int,
+    old_log_prob_pass: bool,
+    reference_model: bool,
+    overlapped: bool,
+) -> RLStepTime:
+    """Each forward-only pass covers the whole rollout batch: ``updates_per_rollout`` mini-batches."""
+    forward = step.forward_s * updates_per_rollout
+    return RLStepTime(
+        rollout_s,
+        forward if old_log_prob_pass else 0.0,
+        forward if reference_model else 0.0,
+        step.total_s * updates_per_rollout,
+        sync_s,
+        overlapped,
     )

@@ -194,3 +194,123 @@ def test_communication_equals_gloo_payloads(measured, name):
         )
         measured_payload = {key: float(value) for key, value in got["payload"].items()}
         assert measured_payload == predicted.payload, f"{name} rank {rank}"
+
+
+# --- the planner plans the trainer's own job ---------------------------------------------------
+# Hydra overrides of conf/ and the world size; each case is built by trainer/setup.py:build (the
+# trainer's DDP wrapper, optimizer and reference model), then planned by planning/job.py.
+JOBS = {
+    "dp2 auto -> distributed optimizer": (2, ["model.layer_spec=portable"]),
+    "tp2 bf16 kl reference": (
+        2,
+        ["parallel=tp2", "model.dtype=bfloat16", "algorithm.kl_coef=0.01", "model.layer_spec=portable"],
+    ),
+    "ep2 distributed=false recompute": (
+        2,
+        [
+            "parallel=ep2",
+            "optimizer.distributed=false",
+            "trainer.recompute_activations=true",
+            "model.layer_spec=portable",
+        ],
+    ),
+    "pp2 bf16 distributed=true allgather": (
+        2,
+        ["parallel=pp2", "model.dtype=bfloat16", "optimizer.distributed=true", "model.token_dispatcher=allgather"],
+    ),
+}
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def built_job_worker(ctx, overrides: list[str], run_dir: str) -> dict:
+    from pathlib import Path
+
+    from megatron.core import parallel_state as ps
+    from omegaconf import OmegaConf
+
+    from gspo_megatron.config.compose import compose
+    from gspo_megatron.config.schema import to_train_config
+    from gspo_megatron.trainer.optim import allocate_optimizer_state
+    from gspo_megatron.trainer.setup import build
+
+    composed = compose(overrides)
+    cfg = to_train_config(composed)
+    components = build(cfg, Path(run_dir), OmegaConf.to_yaml(composed), world_size=ctx.world_size)
+    try:  # one build per launch (the fixture): ranks are spawned for each job
+        ddp, chunk = components.model, components.model_chunk
+        distributed = ddp.ddp_config.use_distributed_optimizer
+        buffers = ddp.buffers + ddp.expert_parallel_buffers
+        param_buffers = _tensor_bytes(b.param_data for b in buffers if b.param_data is not None)
+        allocate_optimizer_state(components.optimizer)  # what the first step() allocates
+        moments = master = 0
+        bf16 = next(chunk.parameters()).dtype == torch.bfloat16
+        for part in getattr(components.optimizer, "chained_optimizers", [components.optimizer]):
+            for group in part.optimizer.param_groups:
+                for param in group["params"]:
+                    state = part.optimizer.state[param]
+                    moments += _tensor_bytes([state["exp_avg"], state["exp_avg_sq"]])
+                    master += _tensor_bytes([param]) if bf16 else 0  # fp32 main copies of bf16 weights
+        reference = components.reference
+        return {
+            "distributed_optimizer": distributed,
+            "dtype": str(next(chunk.parameters()).dtype).removeprefix("torch."),
+            "recompute": chunk.config.recompute_granularity == "full",
+            "dispatcher": chunk.config.moe_token_dispatcher_type,
+            "parameters": param_buffers if distributed else _tensor_bytes(chunk.parameters()),
+            "gradients": _tensor_bytes(b.grad_data for b in buffers),
+            "param_buffers": param_buffers,
+            "optimizer": moments + master,
+            "reference": _tensor_bytes(reference.model_chunk.parameters()) if reference else 0,
+            "pp": ps.get_pipeline_model_parallel_rank(),
+            "dp": ps.get_data_parallel_rank(with_context_parallel=True),
+            "edp": ps.get_expert_data_parallel_rank(),
+        }
+    finally:
+        components.close()
+
+
+@pytest.fixture(scope="module")
+def built_jobs(tmp_path_factory):
+    return {
+        name: run_distributed(built_job_worker, world, overrides, str(tmp_path_factory.mktemp("job")), timeout=600)
+        for name, (world, overrides) in JOBS.items()
+    }
+
+
+@pytest.mark.parametrize("name", list(JOBS))
+def test_planner_plans_the_job_the_trainer_builds(built_jobs, name):
+    """``tools/plan.py <overrides>`` and ``python -m gspo_megatron.train <overrides>`` see one job: every
+    option the plan derives equals what the trainer's build made of the same config, and the planned
+    state and reference-model bytes equal the allocated ones on every rank."""
+    from gspo_megatron.config.compose import compose
+    from gspo_megatron.config.schema import to_train_config
+    from gspo_megatron.planning.job import job_from_config
+    from gspo_megatron.planning.planner import memory_of_stage, micro_batches_per_rank
+
+    world, overrides = JOBS[name]
+    job = job_from_config(to_train_config(compose(overrides)), world, prompt_tokens=8)
+    model, layout, options = job.config.model, job.layout, job.options
+    micro_batches = micro_batches_per_rank(layout, options)
+    for rank, got in enumerate(built_jobs[name]):
+        where = f"{name} rank {rank}"
+        assert options.distributed_optimizer == got["distributed_optimizer"], where
+        assert options.dtype == got["dtype"], where
+        assert options.recompute == got["recompute"], where
+        if model.is_moe and (layout.tp > 1 or layout.ep > 1):  # megatron records the dispatcher it uses
+            assert options.dispatcher == got["dispatcher"], where
+        row = memory_of_stage(model, layout, options, got["pp"], micro_batches)
+        predicted = state_bytes(
+            model,
+            layout,
+            got["pp"],
+            dtype=options.dtype,
+            distributed_optimizer=options.distributed_optimizer,
+            dp_rank=got["dp"],
+            expert_dp_rank=got["edp"],
+        )
+        for field in ("parameters", "gradients", "param_buffers", "optimizer"):
+            assert getattr(predicted, field) == got[field], f"{where}: {field}"
+        assert row.reference_weights == got["reference"], where

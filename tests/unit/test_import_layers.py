@@ -34,8 +34,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("algorithms", "rewards"),
     ("shaping",),
     ("config",),
-    ("trainer", "planning"),
-    ("train", "launcher", "__init__"),
+    ("trainer",),
+    ("planning", "train", "launcher", "__init__"),
     ("__main__",),
     ("testing",),
 )

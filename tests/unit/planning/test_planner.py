@@ -59,7 +59,7 @@ def test_trainer_batch_rules_refuse_a_batch_the_layout_cannot_split():
         plan_layout(model, ParallelLayout(tp=1, ep=16, world_size=16), options, gpu_spec("h100"))
 
 
-def test_ranking_orders_fitting_layouts_by_step_time():
+def test_ranking_ties_layouts_within_the_time_band_and_prefers_headroom():
     model = MoEModelConfig(
         vocab_size=4096,
         hidden_size=512,
@@ -74,8 +74,15 @@ def test_ranking_orders_fitting_layouts_by_step_time():
     options = PlanOptions(seq_len=1024, micro_batch_tokens=2048, global_batch_tokens=16 * 1024, group_size=4)
     fitting, too_big = rank_layouts(model, 4, options, gpu_spec("h100"))
     assert fitting and not too_big
-    times = [plan.time.total_s for plan in fitting]
-    assert times == sorted(times)
+    fastest = min(plan.time.total_s for plan in fitting)
+    tied = [plan for plan in fitting if plan.tied]
+    assert tied == fitting[: len(tied)] and tied  # the fastest is tied with itself
+    # tied: the band reaches the fastest layout's upper end; most headroom (least memory) first
+    assert all(plan.time.lower_s <= fastest for plan in tied)
+    assert all(plan.time.lower_s > fastest for plan in fitting[len(tied) :])
+    assert [p.memory.total for p in tied] == sorted(p.memory.total for p in tied)
+    rest = [plan.time.total_s for plan in fitting[len(tied) :]]
+    assert rest == sorted(rest)
     tiny_gpu = gpu_spec("h100", memory_bytes=1e6)  # nothing fits in 1 MB
     fitting, too_big = rank_layouts(model, 4, options, tiny_gpu)
     assert not fitting and too_big
@@ -91,7 +98,7 @@ def test_plan_cli_prints_a_layout_and_refuses_a_bad_one(capsys):
     assert main(["qwen3_235b_a22b", "tp4_ep16_etp1", "--gpus", "64", "--recompute"]) == 0
     out = capsys.readouterr().out
     assert "235.09B parameters, 22.19B active" in out and "peak total" in out
-    assert main(["qwen3_30b_a3b", "tp4_ep8", "--gpus", "8"]) == 2
+    assert main(["qwen3_30b_a3b", "tp4_ep8_etp4", "--gpus", "8"]) == 2
     assert "refused: etp*ep*pp" in capsys.readouterr().out
 
 
@@ -128,3 +135,163 @@ def test_weight_sync_plan_packs_the_export_greedily_and_bounds_the_driver_by_han
     assert whole.buckets == 1 and whole.driver_extra_bytes == 10**9 + 2048
     tiny = weight_sync_plan(cfg, bucket_bytes=1, link_bytes_per_s=1000.0)  # every tensor alone
     assert tiny.buckets == 3 + 2 * (9 + 4 * 3)  # embedding, norm, head; per layer 9 + 3 per expert
+
+
+def load_plan_tool():
+    tool = Path(__file__).resolve().parents[3] / "tools" / "plan.py"
+    spec = importlib.util.spec_from_file_location("plan_tool", tool)
+    plan_tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan_tool)
+    return plan_tool
+
+
+def test_capacity_is_what_torch_allocates_in_gib():
+    h100 = gpu_spec("h100")
+    assert h100.memory_bytes == 79.19 * 2**30  # torch's total_memory on an H100 80GB, not 80e9 bytes
+    assert h100.usable_memory_bytes == (79.19 - 4) * 2**30  # less the stated 4 GiB reserve
+    assert gpu_spec("h100", reserve_bytes=0).usable_memory_bytes == h100.memory_bytes
+
+
+def test_a_shipped_layout_name_means_what_parallel_name_means():
+    from gspo_megatron.config.compose import compose
+    from gspo_megatron.config.schema import to_train_config
+
+    plan_tool = load_plan_tool()
+    for name in ("tp4_ep8", "tp2_ep2", "cp2"):
+        shipped = to_train_config(compose([f"parallel={name}"])).parallel.layout(8)
+        assert plan_tool.parse_layout(name, 8) == shipped, name
+    assert plan_tool.parse_layout("tp4_ep8", 8).expert_tp == 1  # conf/parallel/tp4_ep8.yaml: etp 1
+    assert plan_tool.parse_layout("tp2_ep8", 8).expert_tp == 2  # an unshipped name: etp = tp (etp=null)
+
+
+def test_the_235b_model_config_is_the_shipped_shape():
+    from gspo_megatron.config.compose import compose
+    from gspo_megatron.config.schema import to_train_config
+
+    model = to_train_config(compose(["model=qwen3_235b_a22b"])).model
+    shipped = MoEModelConfig.from_hf_config_file(
+        Path(__file__).resolve().parents[3] / "gspo_megatron" / "planning" / "hf_configs" / "qwen3_235b_a22b.json"
+    )
+    assert {key: getattr(model, key) for key in shipped.to_dict()} == shipped.to_dict()
+    assert model.parameter_count() == shipped.parameter_count()
+
+
+def test_job_options_come_from_the_composed_config_by_hand():
+    from gspo_megatron.planning.job import compose_job
+
+    job = compose_job(
+        ["parallel=tp2", "algorithm.kl_coef=0.1", "trainer.updates_per_rollout=4", "model.dtype=bfloat16"],
+        gpus=4,
+        prompt_tokens=8,
+    )
+    o = job.options
+    # conf/config.yaml: 16 prompts x 16 responses, max_new_tokens 1, micro_batch_size 128
+    assert o.seq_len == 8 + 1
+    assert o.global_batch_tokens == 16 * 16 // 4 * 9  # 64 rows per optimizer step
+    assert o.micro_batch_tokens == 32 * 9  # min(128, 64 rows / dp 2) rows per micro-batch
+    assert o.distributed_optimizer  # optimizer.distributed=auto and dp = 4 / tp 2 = 2 > 1
+    assert o.reference_model and o.old_log_prob_pass and o.updates_per_rollout == 4
+    assert o.dtype == "bfloat16" and o.dispatcher == "alltoall" and not o.recompute
+    assert o.rollout is not None and o.rollout.colocated and o.rollout.sequences == 256  # embedded engine
+    off = compose_job(["optimizer.distributed=false", "algorithm.old_log_probs=rollout"], gpus=2, prompt_tokens=8)
+    assert not off.options.distributed_optimizer and not off.options.old_log_prob_pass
+    assert not off.options.reference_model  # kl_coef 0: no reference model
+    single = compose_job([], gpus=1, prompt_tokens=8)
+    assert not single.options.distributed_optimizer  # auto with dp 1
+
+
+def test_job_refuses_what_the_trainer_refuses_with_its_message(capsys):
+    from gspo_megatron.planning.job import compose_job
+
+    with pytest.raises(ValueError, match="etp\\*ep\\*pp = 1\\*8\\*1 = 8 does not divide the world size 4"):
+        compose_job(["model=qwen3_30b_a3b", "parallel=tp4_ep8"], gpus=4, prompt_tokens=8)
+    plan_tool = load_plan_tool()
+    assert plan_tool.main(["model=qwen3_30b_a3b", "parallel=tp4_ep8", "--gpus", "4"]) == 2
+    assert "refused by the trainer's validation: etp*ep*pp" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="trainer.recompute_activations=true"):
+        plan_tool.main(["model=qwen3_30b_a3b", "--recompute"])  # config mode: the config decides
+
+
+def test_reference_model_costs_its_weights_in_the_model_dtype_by_hand():
+    from gspo_megatron.planning.planner import memory_of_stage
+
+    cfg = tiny_test_config()
+    layout = ParallelLayout(pp=2, world_size=2).validate(cfg)
+    layer = 32 + 32 + 32 * 32 + (4 + 4) * 8 * 32 + 8 + 8 + 4 * 32 + 4 * (2 * 16 * 32 + 32 * 16)
+    options = PlanOptions(seq_len=8, micro_batch_tokens=16, global_batch_tokens=64, group_size=4)
+    without = memory_of_stage(cfg, layout, options, 0, micro_batches=4)
+    ref = PlanOptions(**{**options.__dict__, "reference_model": True})
+    with_ref = memory_of_stage(cfg, layout, ref, 0, micro_batches=4)
+    assert with_ref.reference_weights == (32 * 32 + layer) * 2  # embedding + layer 0, bf16
+    assert with_ref.total - without.total == with_ref.reference_weights
+
+
+def test_rl_step_adds_its_phases_in_the_trainers_order_by_hand():
+    from gspo_megatron.planning.step_time import StepTime, rl_step_time
+
+    update = StepTime(8.0, {}, 0.0, total_s=10.0, tokens_per_s_per_gpu=0.0, lower_s=8.0, forward_s=3.0)
+    kwargs = dict(updates_per_rollout=2, old_log_prob_pass=True, reference_model=True)
+    rl = rl_step_time(update, rollout_s=20.0, sync_s=1.0, overlapped=False, **kwargs)
+    # rollout 20 + old log-probs 2 x 3 + reference 2 x 3 + 2 updates x 10 + sync 1
+    assert (rl.old_log_prob_s, rl.reference_s, rl.updates_s) == (6.0, 6.0, 20.0)
+    assert rl.total_s == 53.0
+    # async rollout on GPUs of its own: generation beside the 32 s of training, then the sync
+    assert rl_step_time(update, rollout_s=20.0, sync_s=1.0, overlapped=True, **kwargs).total_s == 33.0
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_forward_pass_is_a_third_of_an_update_without_communication(recompute):
+    """One rank: no traffic, no bubble; backward = 2 forwards (+1 with full recompute)."""
+    from gspo_megatron.planning.activations import MicroBatchShape
+    from gspo_megatron.planning.comm import Traffic
+    from gspo_megatron.planning.step_time import step_time
+
+    cfg = tiny_test_config()
+    layout = ParallelLayout().validate(cfg)
+    update = step_time(cfg, layout, MicroBatchShape(2, 8), 3, [Traffic()], gpu_spec("h100"), recompute)
+    assert update.forward_s == pytest.approx(update.total_s / (4 if recompute else 3))
+    assert update.lower_s == update.total_s  # nothing to overlap
+
+
+def test_rollout_roofline_by_hand():
+    from gspo_megatron.planning.step_time import RolloutShape, rollout_seconds
+
+    cfg = tiny_test_config()  # 20928 parameters, 14784 active; 2 layers of 4 experts (3 x 32 x 16 each), top-2
+    gpu = gpu_spec("h100", bf16_tflops=1e-6, mfu=1.0, hbm_bandwidth=1e6)  # 1e6 FLOP/s, 1e6 B/s
+    shape = RolloutShape(sequences=4, prompt_tokens=10, response_tokens=6, servers=2, engine_tp=1, colocated=False)
+    # 2 sequences per server; prefill 2 x 14784 x 2 x 10 FLOPs
+    prefill = 2 * 14784 * 2 * 10 / 1e6
+    # decode: every expert is touched with probability 1 - (1 - 2/4)^2 = 0.75; expert weights 2 x 4 x 1536
+    weights = (20928 - 12288 + 0.75 * 12288) * 2
+    kv = 2 * (10 + 3) * (2 * 2 * 2 * 8 * 2)  # 2 sequences x mean context x K and V of 2 layers, bf16
+    per_token = max((weights + kv) / 1e6, 2 * 14784 * 2 / 1e6)
+    assert rollout_seconds(cfg, shape, gpu) == pytest.approx(prefill + 6 * per_token)
+
+
+def test_uneven_and_virtual_pipeline_stages_by_hand():
+    from gspo_megatron.planning.pipeline import PipelineLayout, bubble_slots, in_flight_factor, stage_layers
+
+    shape = tiny_test_config(num_layers=10)
+    slime_like = PipelineLayout(pp=4, last=1, world_size=4).validate(shape)  # 10 = 3 + 3 + 3 + 1
+    assert [len(stage_layers(shape, slime_like, r)) for r in range(4)] == [3, 3, 3, 1]
+    assert stage_layers(shape, slime_like, 3) == [9]
+    # pp 2 x vpp 2 = 4 virtual stages, first 1 and last 3 layers, the middle two 3 each: 1 | 3 | 3 | 3
+    bridge_like = PipelineLayout(pp=2, vpp=2, first=1, last=3, world_size=2).validate(shape)
+    assert stage_layers(shape, bridge_like, 0) == [0, 4, 5, 6]  # virtual stages 0 and 2
+    assert stage_layers(shape, bridge_like, 1) == [1, 2, 3, 7, 8, 9]  # virtual stages 1 and 3
+    assert in_flight_factor(bridge_like) == 1 + 1 / 4 and bubble_slots(bridge_like) == 0.5
+    with pytest.raises(ValueError, match="cannot split 9 evenly"):
+        PipelineLayout(pp=3, last=1, world_size=3).validate(shape)  # 9 over the other 2 stages
+    # the plan: planned, and named as a layout the trainer does not build
+    options = PlanOptions(seq_len=8, micro_batch_tokens=16, global_batch_tokens=64, group_size=4)
+    plan = plan_layout(shape, slime_like, options, gpu_spec("h100"))
+    assert plan.trainer_refuses and "even pipeline split" in plan.trainer_refuses
+    plain = plan_layout(shape, ParallelLayout(pp=2, world_size=2), options, gpu_spec("h100"))
+    assert plain.trainer_refuses is None
+
+
+def test_the_published_235b_layouts_are_plannable():
+    plan_tool = load_plan_tool()
+    for layout, gpus in (("tp4_pp4_cp2_ep16_etp1_last22", 64), ("tp1_pp8_ep32_etp1_vp4_first2_last2", 256)):
+        args = ["qwen3_235b_a22b", layout, "--gpus", str(gpus), "--recompute", "--global-batch-tokens", "2097152"]
+        assert plan_tool.main(args) == 0, layout
