@@ -90,12 +90,27 @@ def parse_layout(name: str, gpus: int) -> ParallelLayout:
             )
         sizes[match.group(1)] = int(match.group(2))
     dp = sizes.pop("dp", None)
-    pipeline = {key: sizes.pop(key) for key in ("first", "last") if key in sizes}
-    if "vp" in sizes:
-        pipeline["vpp"] = sizes.pop("vp")
-    layout = (
-        PipelineLayout(world_size=gpus, **sizes, **pipeline) if pipeline else ParallelLayout(world_size=gpus, **sizes)
+    parallel = ParallelLayout(
+        world_size=gpus,
+        tp=sizes.get("tp", 1),
+        pp=sizes.get("pp", 1),
+        ep=sizes.get("ep", 1),
+        etp=sizes.get("etp"),
+        cp=sizes.get("cp", 1),
     )
+    layout = parallel
+    if {"first", "last", "vp"} & sizes.keys():
+        layout = PipelineLayout(
+            world_size=gpus,
+            tp=parallel.tp,
+            pp=parallel.pp,
+            ep=parallel.ep,
+            etp=sizes.get("etp"),
+            cp=parallel.cp,
+            vpp=sizes.get("vp", 1),
+            first=sizes.get("first"),
+            last=sizes.get("last"),
+        )
     if dp is not None and layout.tp * layout.pp * layout.cp * dp != gpus:
         product = layout.tp * layout.pp * layout.cp * dp
         raise SystemExit(f"LAYOUT {name!r}: tp*pp*cp*dp = {product} != --gpus {gpus}")
