@@ -42,7 +42,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
+from typing import Any
 
 PHASES = ["generate", "reward", "advantages", "old_logp", "update", "weight_sync", "other"]
 EXPERT_ARMS = ("sequential", "grouped")  # --compare-expert-mlp: step i (from 0) runs arm i % len(arms)
@@ -53,6 +55,14 @@ def _shape_overrides(name: str) -> list[str]:
     from bench_vs_trl import SHAPES  # tools/ is on sys.path when this file runs as a script
 
     return list(SHAPES[name])
+
+
+def shadow_method(owner: object, name: str, replacement: Callable[..., Any]) -> None:
+    """Replace ``owner.name`` in this process: on an instance, an attribute that shadows the class's
+    method for that object only; on a class, the method itself. The benchmarks time the real trainer
+    by wrapping its methods instead of adding timing hooks to it; this is the one place that assigns
+    to a method (which mypy refuses in plain code, rightly everywhere else)."""
+    setattr(owner, name, replacement)
 
 
 class _Timed:
@@ -83,11 +93,11 @@ def _use_expert_mlp(model, arm: str) -> None:
 
     for module in model.modules():
         if isinstance(module, GroupedExperts):
-            vars(module).pop("forward", None)
+            module.__dict__.pop("forward", None)  # back to GroupedExperts' own (grouped) forward
             if arm == "sequential":
-                module.forward = SequentialMLP.forward.__get__(module)
+                shadow_method(module, "forward", SequentialMLP.forward.__get__(module))
             elif arm == NO_EXPERTS:
-                module.forward = _skip_experts
+                shadow_method(module, "forward", _skip_experts)
 
 
 def bench_worker(
@@ -122,13 +132,14 @@ def bench_worker(
     typed = to_train_config(cfg)
     validate_config(typed, ctx.world_size)
     components = build(typed, Path(run_dir), OmegaConf.to_yaml(cfg, resolve=True), world_size=ctx.world_size)
-    generate = score = None
+    generate: _Timed | None = None
+    score: _Timed | None = None
     if components.mesh.is_driver:
-        rollout = components.rollout
+        rollout = components.driver_rollout()
         generate = _Timed(rollout.generate_fn or rollout.engine.generate)
         rollout.generate_fn = generate
         score = _Timed(rollout._score)
-        rollout._score = score
+        shadow_method(rollout, "_score", score)
     trainer = RLTrainer(components)
     step_seconds: list[float] = []
     padded_tokens: list[int] = []  # tokens of the micro-batches this rank ran, per step
@@ -147,28 +158,30 @@ def bench_worker(
         with profile_operators(operator_times.setdefault(arm, OperatorTimes())):
             return policy_updates(parts, *rest)
 
-    trainer._policy_updates = counted_updates
+    shadow_method(trainer, "_policy_updates", counted_updates)
 
     def timed_step():
-        profiling = profiler is not None and step_seconds  # the first step is warm-up
+        profiling = profiler if step_seconds else None  # the first step is warm-up
         if expert_arms:
             _use_expert_mlp(components.model, expert_arms[len(step_seconds) % len(expert_arms)])
-        if profiling:
-            profiler.enable()
+        if profiling is not None:
+            profiling.enable()
         start = time.perf_counter()
         metrics = train_step()
         step_seconds.append(time.perf_counter() - start)
-        if profiling:
-            profiler.disable()
+        if profiling is not None:
+            profiling.disable()
         return metrics
 
-    trainer.train_step = timed_step
+    shadow_method(trainer, "train_step", timed_step)
     try:
         trainer.train()
     finally:
         components.close()
     if ctx.rank != 0:
         return []
+    if generate is None or score is None:  # rank 0 is the driver, which wrapped both
+        raise RuntimeError("bench_rl_step: rank 0 is not the driver, so generate and reward were not timed")
     for arm, times in operator_times.items():
         print(
             f"--- torch.profiler, update phase ({arm}), {times.steps} steps: top {torch_profile_top} by self CPU time"

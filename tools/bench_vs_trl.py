@@ -300,7 +300,7 @@ def run_ours(cfg, overrides: list[str], rounds: int, threads: int) -> dict:
 def _ours_worker(ctx, overrides: list[str], run_dir: str) -> dict:
     """``tools/bench_rl_step.py``'s worker, also noting when the first round began."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_rl_step import bench_worker
+    from bench_rl_step import bench_worker, shadow_method
 
     from gspo_megatron.trainer.trainer import RLTrainer
 
@@ -312,7 +312,7 @@ def _ours_worker(ctx, overrides: list[str], run_dir: str) -> dict:
             first_round.update(at=time.time(), cpu=time.process_time())
         return train_step(trainer)
 
-    RLTrainer.train_step = noting_the_first_round  # this rank's process only
+    shadow_method(RLTrainer, "train_step", noting_the_first_round)  # this rank's process only
     return {"first_round": first_round, "rounds": bench_worker(ctx, overrides, run_dir)}
 
 

@@ -13,6 +13,7 @@ Recordings start and stop in ``routing/recorder.py``; ``trainer/diagnostics.py``
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from gspo_megatron.algorithms.config import AlgorithmConfig
 from gspo_megatron.models.micro_batch import MicroBatch
@@ -23,17 +24,20 @@ from gspo_megatron.trainer.diagnostics import RoutingDiagnostics
 from gspo_megatron.trainer.loss_head import LogProbHead
 from gspo_megatron.trainer.step_plan import StepPlan
 
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
+
 
 class DiagnosticPasses:
     def __init__(
         self,
-        model,
+        model: DistributedDataParallel,
         plan: StepPlan,
         recorder: RoutingRecorder,
         strategy: ReplayStrategy,
         diagnostics: RoutingDiagnostics,
         head: LogProbHead,
-    ):
+    ) -> None:
         self.model, self.plan, self.recorder, self.strategy = model, plan, recorder, strategy
         self.diagnostics, self.head = diagnostics, head
 

@@ -68,6 +68,8 @@ from gspo_megatron.trainer.loss_head import LogProbOutput
 from gspo_megatron.trainer.step_plan import RecordingPass, StepPlan
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
     from gspo_megatron.trainer.old_policy_phase import OldPolicyResult
 
 Counts = TypeVar("Counts", RoutingVolatility, ExpertLoad)
@@ -237,7 +239,7 @@ class RoutingDiagnostics:
         self.step_records = []
         return metrics
 
-    def _groups(self):
+    def _groups(self) -> list[ProcessGroup]:
         groups = [self.mesh.dp_group]
         if self.mesh.layout.cp > 1:  # CP ranks hold different tokens of the same rows
             groups.append(self.mesh.cp_group)
@@ -267,7 +269,7 @@ def _compare(before: list, after: list, masks: list) -> RoutingVolatility:
     return RoutingVolatility.merge_all(parts)
 
 
-def _rows_of_tokens(local: torch.Tensor, micro_batch: MicroBatch, mesh) -> torch.Tensor:
+def _rows_of_tokens(local: torch.Tensor, micro_batch: MicroBatch, mesh: ParallelMesh) -> torch.Tensor:
     """Per-token flags of this rank's tokens (megatron order, like ``_token_mask``) -> bool [b * s]
     over whole rows (row-major), False where another rank holds the token."""
     b, s = micro_batch.num_rows, micro_batch.seq_len
@@ -280,7 +282,7 @@ def _rows_of_tokens(local: torch.Tensor, micro_batch: MicroBatch, mesh) -> torch
     return rows
 
 
-def _token_mask(micro_batch: MicroBatch, mesh) -> torch.Tensor:
+def _token_mask(micro_batch: MicroBatch, mesh: ParallelMesh) -> torch.Tensor:
     """bool [s_local * b] in megatron's token order: real (non-padding) input tokens."""
     mask = split_sequence(
         required(micro_batch.input_mask, "input_mask", "routing diagnostics"),

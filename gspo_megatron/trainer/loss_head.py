@@ -72,7 +72,7 @@ class PolicyLossHead:
     global_num_tokens: torch.Tensor
     clip: tuple[float, float] | None = None  # this step's (eps_low, eps_high) from the adaptive controller
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.loss_fn = get_policy_loss(self.algorithm.loss)
         self.sequence_sum = context_parallel_sequence_sum_fn(self.cp_group)
 

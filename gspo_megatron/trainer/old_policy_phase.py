@@ -25,8 +25,9 @@ Both set ``old_log_probs`` on the batch and on every micro-batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,9 @@ from gspo_megatron.routing.recorder import Routing
 from gspo_megatron.routing.replay_strategy import ReplayStrategy
 from gspo_megatron.trainer.batch import RolloutBatch
 from gspo_megatron.trainer.loss_head import LogProbHead, LogProbOutput
+
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
 
 
 @dataclass
@@ -76,7 +80,9 @@ class EngineOldPolicy:
 class TrainerOldPolicy:
     """``algorithm.old_log_probs=trainer``: a forward-only pass of the policy."""
 
-    def __init__(self, model, mesh: ParallelMesh, strategy: ReplayStrategy, head: LogProbHead):
+    def __init__(
+        self, model: DistributedDataParallel, mesh: ParallelMesh, strategy: ReplayStrategy, head: LogProbHead
+    ) -> None:
         self.model, self.mesh, self.strategy, self.head = model, mesh, strategy, head
 
     def run(self, batch: RolloutBatch, micro_batches: list[MicroBatch]) -> OldPolicyResult:
@@ -107,7 +113,12 @@ class TrainerOldPolicy:
         dist.all_reduce(stacked, group=self.mesh.dp_group)
         return dict(zip(keys, stacked.unbind(), strict=True))
 
-    def _gather_rows(self, outputs: list[LogProbOutput], batch: RolloutBatch, value) -> torch.Tensor:
+    def _gather_rows(
+        self,
+        outputs: list[LogProbOutput],
+        batch: RolloutBatch,
+        value: Callable[[LogProbOutput], torch.Tensor],
+    ) -> torch.Tensor:
         """Per-token values of this rank's rows, from the last stage to every stage of its pipeline."""
         full = torch.zeros(batch.num_sequences, batch.tokens.shape[1] - 1, device=self.mesh.device)
         for out in outputs:
@@ -120,7 +131,11 @@ class TrainerOldPolicy:
 
 
 def build_old_policy_phase(
-    source: OldLogProbSource, model, mesh: ParallelMesh, strategy: ReplayStrategy, head: LogProbHead
+    source: OldLogProbSource,
+    model: DistributedDataParallel,
+    mesh: ParallelMesh,
+    strategy: ReplayStrategy,
+    head: LogProbHead,
 ) -> OldPolicyPhase:
     """The phase ``algorithm.old_log_probs`` names (the one place that reads it)."""
     phases: dict[OldLogProbSource, OldPolicyPhase] = {

@@ -14,16 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
-from gspo_megatron.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from gspo_megatron.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageOutput
 from gspo_megatron.algorithms.config import AlgorithmConfig, make_advantage_context
 from gspo_megatron.data.records import PromptRecord
 from gspo_megatron.data.tasks import Task
 from gspo_megatron.data.tokenizer import Tokenizer
 from gspo_megatron.rewards.pool import RewardPool
-from gspo_megatron.rewards.types import FAILURE_KINDS
+from gspo_megatron.rewards.types import FAILURE_KINDS, RewardResult
 from gspo_megatron.rollout.engine import RolloutEngine
 from gspo_megatron.rollout.types import Sample, SamplingParams
-from gspo_megatron.shaping.apply import shape_batch, shape_group
+from gspo_megatron.shaping.apply import ShapedBatch, shape_batch, shape_group
 from gspo_megatron.shaping.combine import shaped_advantages
 from gspo_megatron.shaping.config import ShapingCombine, ShapingConfig
 from gspo_megatron.shaping.types import ShapingGroup, group_from_samples
@@ -138,7 +138,15 @@ class RolloutPhase:
             for i in range(0, len(samples), g)
         ]
 
-    def _metrics(self, step, samples, scored, shaped, advantage, batch: RolloutBatch) -> dict:
+    def _metrics(
+        self,
+        step: int,
+        samples: list[Sample],
+        scored: list[RewardResult],
+        shaped: ShapedBatch,
+        advantage: AdvantageOutput,
+        batch: RolloutBatch,
+    ) -> dict[str, torch.Tensor]:
         rewards, shaped_rewards = batch.rewards, batch.shaped_rewards
         correct = torch.tensor([r.correct for r in scored])
         format_ok = torch.tensor([r.format_ok for r in scored])
@@ -168,7 +176,7 @@ class RolloutPhase:
                 metrics.update({f"shaping/{key}/{k}": v for k, v in enumerate(value)})
         truncations = [s.truncation for s in samples if s.truncation is not None]
         exit_reasons = [t.exit_reason for t in truncations]
-        for reason in sorted(set(exit_reasons)):
+        for reason in sorted(set(exit_reasons), key=str):  # None: a trace that ended without setting one
             metrics[f"truncation/exit_{reason}_frac"] = torch.tensor(exit_reasons.count(reason) / len(samples))
         if exit_reasons:  # inserted (forced) tokens, and how many the loss mask actually leaves out
             metrics["truncation/forced_tokens"] = torch.tensor(float(sum(t.forced_tokens for t in truncations)))
@@ -176,7 +184,7 @@ class RolloutPhase:
             metrics["truncation/probes_mean"] = torch.tensor(sum(t.num_probes for t in truncations) / len(samples))
         return metrics
 
-    def _score(self, texts: list[str], records: list[PromptRecord]):
+    def _score(self, texts: list[str], records: list[PromptRecord]) -> list[RewardResult]:
         scored = self.rewards.score(texts, records)
         errors = [r.error for r in scored if r.error is not None]
         if errors and len(errors) == len(scored):

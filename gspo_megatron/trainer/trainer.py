@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -65,6 +65,9 @@ from gspo_megatron.trainer.signals import SignalWatch, TrainingInterrupted
 from gspo_megatron.trainer.step_plan import StepPlan
 from gspo_megatron.trainer.token_budget import sequence_multiple, step_padded_fraction
 from gspo_megatron.trainer.weight_stream import sync_engine_weights
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 class RLTrainer:
@@ -227,7 +230,7 @@ class RLTrainer:
             )
         return scatter_shares(shares, self._dp_rank_of)
 
-    def _dp_group(self):
+    def _dp_group(self) -> ProcessGroup | None:
         """The data-parallel group where sums over rows must be completed (None: one DP rank)."""
         return self.mesh.dp_group if self.mesh.layout.dp > 1 else None
 
@@ -294,12 +297,12 @@ class RLTrainer:
         metrics.update(self.nonfinite.step_metrics())
         return UpdateResult(metrics, clip_fractions)
 
-    def _guarded_optimizer_step(self, outputs: list[dict], where: str):
+    def _guarded_optimizer_step(self, outputs: list[dict], where: str) -> float:
         """Step optimizer and LR schedule only when loss and gradients are finite on every rank."""
         # sums only: empty min/max selections are +-inf by design (algorithms/metrics.py)
         losses = [v for out in outputs for k, v in out.items() if k.endswith(SUM) and torch.is_tensor(v)]
         problem = self.nonfinite.check(losses, self.c.model)
-        grad_norm = None
+        grad_norm = float("nan")  # what a skipped update reports
         if problem is None:
             stepped, grad_norm, _ = self.c.optimizer.step()
             problem = self.nonfinite.after_step(stepped, grad_norm)
@@ -444,11 +447,11 @@ def signal_stop_outcome(saved: Path | None, latest: Path | None) -> str:
 
 
 class _timed:
-    def __init__(self, store: dict, name: str):
+    def __init__(self, store: dict, name: str) -> None:
         self.store, self.name = store, name
 
-    def __enter__(self):
+    def __enter__(self) -> None:
         self.start = time.perf_counter()
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.store[self.name] = time.perf_counter() - self.start
