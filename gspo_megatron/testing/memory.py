@@ -40,6 +40,7 @@ import torch
 SENTINEL_BYTES = 1_000_003
 _LINE = re.compile(rb"C10 (alloc|deleted) (\d+) bytes, total alloc (\d+) bytes\.")
 _INFO = 0  # c10's log severity of LOG(INFO); the reporter logs its changes at INFO
+_C10_INFO = re.compile(rb"\[I\d{4} \d")  # the head of a c10 INFO line: [I<month><day> <time>
 
 
 def peak_bytes(fn: Callable[[], object], device) -> int:
@@ -83,7 +84,8 @@ class _AllocatorLog:
 @contextlib.contextmanager
 def _cpu_allocator_log() -> Iterator[_AllocatorLog]:
     """Sets c10's report flag and INFO level, with the process's stderr (fd 2, where c10 logs) captured
-    into a file; afterwards restores both and passes the other lines on to stderr."""
+    into a file; afterwards restores both and passes the other lines on to stderr (a process killed
+    inside the window loses what it wrote there)."""
     c10 = _c10_library()
     report = ctypes.c_bool.in_dll(c10, "FLAGS_caffe2_report_cpu_memory_usage")
     level = ctypes.c_int.in_dll(c10, "FLAGS_caffe2_log_level")
@@ -104,13 +106,19 @@ def _cpu_allocator_log() -> Iterator[_AllocatorLog]:
             capture.seek(0)
             lines = capture.read().splitlines(keepends=True)
             log.text = b"".join(line for line in lines if _is_allocator_line(line))
-            others = b"".join(line for line in lines if not _is_allocator_line(line))
+            # c10's other INFO lines were only written because of the raised level: dropped as before
+            hidden = _is_allocator_line if saved_level <= _INFO else _is_allocator_or_c10_info_line
+            others = b"".join(line for line in lines if not hidden(line))
             if others:
                 os.write(2, others)
 
 
 def _is_allocator_line(line: bytes) -> bool:
     return _LINE.search(line) is not None or b"Memory block of unknown size" in line
+
+
+def _is_allocator_or_c10_info_line(line: bytes) -> bool:
+    return _is_allocator_line(line) or _C10_INFO.match(line) is not None
 
 
 def _c10_library() -> ctypes.CDLL:
