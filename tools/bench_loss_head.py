@@ -8,11 +8,10 @@ hits them alike; the median and the minimum wall time of forward + backward are 
 ratio ours / cross_entropy. On a GPU (``--device cuda``) times are synchronised and peak memory comes
 from ``torch.cuda.max_memory_allocated``.
 
-How CPU peak memory is measured: under ``torch.profiler.profile(profile_memory=True)`` every tensor
-allocation and free made by the CPU allocator is recorded as an allocation event (in the profiler's
-event tree, ``kineto_results.experimental_event_tree()``) with its signed byte count, including the
-temporaries inside fused ops and in the backward. Replaying those events in time order gives the bytes
-live at each moment; the maximum is the
+How CPU peak memory is measured (``testing/memory.py:peak_bytes``): every allocation and free of
+torch's CPU allocator, on every thread, is counted by c10's allocation reporter, including the
+temporaries inside fused ops and in the backward; its running total gives the bytes live at each
+moment; the maximum is the
 peak *above what existed before the step* (the logits, targets and other inputs are allocated
 beforehand and are not counted; the logits' gradient is counted, since backward creates it). The
 script also prints the size of one full-vocabulary fp32 copy of the logits so the peak can be read in

@@ -17,8 +17,8 @@ What is reported per layout:
 - step peak MiB/rank: the largest rank's peak of memory allocated *during* the step above what
   existed before it (activations, temporaries, logits; the model and DDP's grad buffer are
   allocated beforehand). On CUDA: ``torch.cuda.max_memory_allocated`` minus the allocation before
-  the step. On CPU: a step under ``torch.profiler`` with ``profile_memory=True``, replaying its
-  allocation/free events in time order (the same method as ``tools/bench_loss_head.py``).
+  the step. On CPU: the running total of the CPU allocator's allocations and frees on every thread
+  (``testing/memory.py:peak_bytes``, the same method as ``tools/bench_loss_head.py``).
 
 On a machine with fewer cores than ranks the multi-rank layouts time-share cores: their tokens/s
 measures communication and scheduling overhead more than speed-up. Each rank uses

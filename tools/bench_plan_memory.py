@@ -5,9 +5,9 @@
 One rank (world 1, fp32, portable spec, CPU). The model and megatron's DDP grad buffers are built
 first; the window measured is one call of megatron's forward-backward schedule on one micro-batch
 with the project's vocab-parallel log-prob loss, so what it allocates is the activations autograd
-keeps, the loss head's logits and gradient, and transients (``testing/memory.py:peak_bytes``: CPU
-allocator events replayed in time order; on CUDA the allocator's peak). The prediction is
-``planning/activations.py:activation_bytes(...).total()``. Prints both and their ratio; exits 1 if
+keeps, the loss head's logits and gradient, and transients (``testing/memory.py:peak_bytes``: the CPU
+allocator's running total of allocations and frees on every thread; on CUDA the allocator's peak).
+The prediction is ``planning/activations.py:activation_bytes(...).total()``. Prints both and their ratio; exits 1 if
 any ratio leaves [1/1.2, 1.2]. Full recompute cannot be measured on CPU: megatron's checkpoint
 function saves the CUDA RNG state (its prediction is the documented formula only).
 """

@@ -1,19 +1,46 @@
-"""Peak memory of one call, for the benchmarks in ``tools/``.
+"""Peak memory of one call, for the benchmarks in ``tools/`` and the weight-sync memory test.
 
-CUDA: the allocator's peak above what was allocated before the call. CPU: torch's profiler reports
-the CPU allocator's allocations and frees; replaying them in time order gives the peak of live bytes
-during the call (inputs allocated before the call are not counted, anything the call allocates --
-gradients included -- is). The replay keeps live blocks by address: a free the profiler did not see
-(a block released on a thread it does not follow, e.g. a collective backend's worker) would otherwise
-count forever, so a new block at a live block's address replaces it (the old one must have been
-freed). A free that is never followed by reuse of its address still counts: the result errs high.
+CUDA: the allocator's peak above what was allocated before the call.
+
+CPU: every allocation and free of torch's CPU allocator, on every thread. The CPU allocator reports to
+c10's ``ProfiledCPUMemoryReporter``, which -- while c10's flag ``caffe2_report_cpu_memory_usage`` is
+set -- keeps a table of the live blocks and their running total under one mutex, whichever thread
+allocates or frees, and logs each change as ``C10 alloc|deleted N bytes, total alloc T bytes``. T is
+the exact sum of the blocks allocated since the flag was set and not yet freed, at that instant; so
+the peak of the call is ``max(T) - T0`` over the log lines of the window, T0 being the total just
+before it. T0 comes from a sentinel block of a size nothing else allocates: its line says
+``total alloc T`` with T = T0 + its size. The maximum does not depend on the order in which threads
+write their lines, only on the totals, and every total is counted under the reporter's mutex.
+
+Why not torch's profiler (what this module replayed before): it records only the threads it follows
+(the one that started it and those torch hands its state to). A gloo worker that drops the last
+reference of a broadcast tensor frees it unseen (the replay kept counting it until its address was
+reused: it erred high), and gloo's own buffers (an all-gather's flat output) are allocated and freed
+unseen (it erred low). ``profile_all_threads`` records other threads' operators but no memory events.
+
+What is not counted: blocks allocated before the window (a free of one is unknown to the reporter and
+leaves the total as it is, so an input freed by the call does not lower the peak), memory outside
+torch's CPU allocator (Python objects, pinned memory, a backend's own buffers).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import ctypes
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
+
+# A size no other allocation in a window has (an odd prime): its log line marks the window's start.
+SENTINEL_BYTES = 1_000_003
+_LINE = re.compile(rb"C10 (alloc|deleted) (\d+) bytes, total alloc (\d+) bytes\.")
+_INFO = 0  # c10's log severity of LOG(INFO); the reporter logs its changes at INFO
+_C10_INFO = re.compile(rb"\[I\d{4} \d")  # the head of a c10 INFO line: [I<month><day> <time>
 
 
 def peak_bytes(fn: Callable[[], object], device) -> int:
@@ -26,34 +53,77 @@ def peak_bytes(fn: Callable[[], object], device) -> int:
         torch.cuda.synchronize()
         del result
         return torch.cuda.max_memory_allocated() - base
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _cpu_allocator_log() as log:
+        sentinel = torch.empty(SENTINEL_BYTES, dtype=torch.uint8)
+        del sentinel
         result = fn()
         del result
-    events = []  # (time, signed bytes, address)
+    return peak_from_allocator_log(log.text)
 
-    def walk(node):
-        if type(node.extra_fields).__name__ == "_ExtraFields_Allocation":
-            fields = node.extra_fields
-            events.append((node.start_time_ns, fields.alloc_size, fields.ptr))
-        for child in node.children:
-            walk(child)
 
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root)
-    if not events:
-        raise RuntimeError("the profiler recorded no allocations; this torch build cannot measure CPU memory")
-    live_blocks: dict[int, int] = {}  # address -> bytes, of blocks allocated inside the window
-    live = peak = 0
-    for _, delta, address in sorted(events):
-        if delta > 0:
-            live += delta - live_blocks.pop(address, 0)  # a reused address: its earlier block was freed
-            live_blocks[address] = delta
-        else:
-            # a block from before the window shrinks the total too; one of ours leaves the table
-            live += delta
-            if live_blocks.get(address) == -delta:
-                del live_blocks[address]
-        peak = max(peak, live)
-    return peak
+def peak_from_allocator_log(log: bytes) -> int:
+    """``max(T) - T0`` over the reporter's lines after the sentinel's (see the module docstring)."""
+    changes = [(kind, int(size), int(total)) for kind, size, total in _LINE.findall(log)]
+    starts = [i for i, (kind, size, _) in enumerate(changes) if kind == b"alloc" and size == SENTINEL_BYTES]
+    if not starts:
+        raise RuntimeError(
+            "torch's CPU allocator logged no allocations: this torch build does not report CPU memory "
+            "through c10's ProfiledCPUMemoryReporter, so the CPU peak cannot be measured"
+        )
+    _, _, sentinel_total = changes[starts[0]]
+    before = sentinel_total - SENTINEL_BYTES
+    return max([0] + [total - before for _, _, total in changes[starts[0] + 1 :]])
+
+
+class _AllocatorLog:
+    """The reporter's lines of one window; ``text`` is filled when the window closes."""
+
+    text: bytes = b""
+
+
+@contextlib.contextmanager
+def _cpu_allocator_log() -> Iterator[_AllocatorLog]:
+    """Sets c10's report flag and INFO level, with the process's stderr (fd 2, where c10 logs) captured
+    into a file; afterwards restores both and passes the other lines on to stderr (a process killed
+    inside the window loses what it wrote there)."""
+    c10 = _c10_library()
+    report = ctypes.c_bool.in_dll(c10, "FLAGS_caffe2_report_cpu_memory_usage")
+    level = ctypes.c_int.in_dll(c10, "FLAGS_caffe2_log_level")
+    saved_report, saved_level = report.value, level.value
+    log = _AllocatorLog()
+    with tempfile.TemporaryFile() as capture:
+        sys.stderr.flush()
+        saved_stderr = os.dup(2)
+        os.dup2(capture.fileno(), 2)
+        try:
+            report.value, level.value = True, _INFO
+            yield log
+        finally:
+            report.value, level.value = saved_report, saved_level
+            sys.stderr.flush()
+            os.dup2(saved_stderr, 2)
+            os.close(saved_stderr)
+            capture.seek(0)
+            lines = capture.read().splitlines(keepends=True)
+            log.text = b"".join(line for line in lines if _is_allocator_line(line))
+            # c10's other INFO lines were only written because of the raised level: dropped as before
+            hidden = _is_allocator_line if saved_level <= _INFO else _is_allocator_or_c10_info_line
+            others = b"".join(line for line in lines if not hidden(line))
+            if others:
+                os.write(2, others)
+
+
+def _is_allocator_line(line: bytes) -> bool:
+    return _LINE.search(line) is not None or b"Memory block of unknown size" in line
+
+
+def _is_allocator_or_c10_info_line(line: bytes) -> bool:
+    return _is_allocator_line(line) or _C10_INFO.match(line) is not None
+
+
+def _c10_library() -> ctypes.CDLL:
+    path = Path(torch.__file__).parent / "lib" / "libc10.so"
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as error:
+        raise RuntimeError(f"cannot load {path} to switch on c10's CPU memory report: {error}") from error
