@@ -13,7 +13,7 @@
 # server with a torch stand-in for the one symbol a CPU server calls, and the start-up fix for
 # --enable-return-routed-experts on CPU (docs/sglang.md).
 # `python3 -m pytest` in the training environment runs the tier in this venv
-# (tests/live_sglang/test_live_tier_in_its_venv.py). Idempotent: a second run installs nothing unless
+# (tests/live_sglang: the tests run here, the server in the venv). Idempotent: a second run installs nothing unless
 # the package's dependencies or the requirement lists changed; GSPO_REINSTALL=1 starts the venv afresh.
 # GSPO_LIVE_VENV=<dir> builds it elsewhere (the tier looks for it only in the default place).
 set -euo pipefail

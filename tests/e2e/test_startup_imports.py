@@ -14,6 +14,7 @@ import textwrap
 
 import pytest
 
+from gspo_megatron.testing.fresh_interpreter import run_in_fresh_interpreter
 from gspo_megatron.testing.train_runs import FAST
 
 pytestmark = pytest.mark.e2e
@@ -83,6 +84,4 @@ def test_the_sglang_engine_is_imported_on_first_use_only():
         "except AttributeError as error:\n"
         "    print(error)\n"
     )
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip() == "module 'gspo_megatron.rollout.sglang' has no attribute 'NoSuchName'"
+    assert run_in_fresh_interpreter(probe) == "module 'gspo_megatron.rollout.sglang' has no attribute 'NoSuchName'"

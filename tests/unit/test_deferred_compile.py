@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from gspo_megatron.deferred_compile import deferring_compile
+from gspo_megatron.testing.fresh_interpreter import run_in_fresh_interpreter
 
 
 def test_a_deferred_function_compiles_once_on_its_first_call():
@@ -40,6 +38,5 @@ def test_importing_megatron_through_the_package_imports_no_dynamo():
         "assert jit.jit_fuser is not torch.compile\n"
         "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'torch._inductor'))))\n"
     )
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip() == "[]", result.stdout
+    printed = run_in_fresh_interpreter(probe)
+    assert printed == "[]", printed

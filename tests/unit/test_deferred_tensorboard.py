@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
+
+from gspo_megatron.testing.fresh_interpreter import run_in_fresh_interpreter
 
 pytest.importorskip("tensorboard")  # without it megatron sets SummaryWriter = None and nothing is deferred
 
@@ -23,9 +22,8 @@ def test_importing_megatron_through_the_package_imports_no_tensorboard():
         "assert issubclass(SummaryWriter, timers.SummaryWriter)\n"
         "writer.close()\n"
     )
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip() == "[]", result.stdout
+    printed = run_in_fresh_interpreter(probe)
+    assert printed == "[]", printed
 
 
 def test_a_tensorboard_imported_first_is_used_as_it_is():
@@ -34,5 +32,4 @@ def test_a_tensorboard_imported_first_is_used_as_it_is():
         "import megatron.core.timers as timers\n"
         "assert timers.SummaryWriter is real.SummaryWriter\n"
     )
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_in_fresh_interpreter(probe)
