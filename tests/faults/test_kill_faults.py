@@ -51,6 +51,22 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
+def _sigterm_after_first_step(overrides, run_dir) -> tuple[subprocess.Popen, set[int], str]:
+    """Start a run and SIGTERM it once its first step is logged: (the finished process, the processes it
+    had started just before the signal, its stderr)."""
+    run = _start(overrides, run_dir)
+    try:
+        _wait_for(lambda: len(read_metrics(run_dir)) >= 1, run)
+        helpers = _descendants(run.pid)
+        run.send_signal(signal.SIGTERM)
+        _, err = run.communicate(timeout=600)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    return run, helpers, err
+
+
 def _running(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -61,17 +77,10 @@ def _running(pid: int) -> bool:
 
 def test_sigterm_mid_run_saves_stops_helpers_and_exits_nonzero(tmp_path):
     run_dir = tmp_path / "run"
-    run = _start(FAST + ["trainer.steps=20", WORKER_REWARD, "routing.enabled=false"], run_dir)
-    try:
-        _wait_for(lambda: len(read_metrics(run_dir)) >= 1, run)
-        helpers = _descendants(run.pid)
-        assert helpers, "the reward workers should be running"
-        run.send_signal(signal.SIGTERM)
-        out, err = run.communicate(timeout=600)
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait()
+    run, helpers, err = _sigterm_after_first_step(
+        FAST + ["trainer.steps=20", WORKER_REWARD, "routing.enabled=false"], run_dir
+    )
+    assert helpers, "the reward workers should be running"
     assert run.returncode == 128 + signal.SIGTERM, err[-3000:]
     reason = [line for line in err.splitlines() if "stopped by SIGTERM" in line]
     assert len(reason) == 1 and "continue with checkpoint.resume=true" in reason[0]
@@ -122,15 +131,7 @@ def test_sigterm_without_save_on_signal_names_the_checkpoint_the_step_saved(tmp_
     step's scheduled save (save_every=1) had just written one."""
     run_dir = tmp_path / "run"
     overrides = ["trainer.steps=20", "checkpoint.save_every=1", "checkpoint.save_on_signal=false"]
-    run = _start(FAST + overrides + ["routing.enabled=false"], run_dir)
-    try:
-        _wait_for(lambda: len(read_metrics(run_dir)) >= 1, run)
-        run.send_signal(signal.SIGTERM)
-        out, err = run.communicate(timeout=600)
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait()
+    run, _, err = _sigterm_after_first_step(FAST + overrides + ["routing.enabled=false"], run_dir)
     assert run.returncode == 128 + signal.SIGTERM, err[-3000:]
     (reason,) = [line for line in err.splitlines() if "stopped by SIGTERM" in line]
     latest = latest_checkpoint(run_dir)
