@@ -23,6 +23,11 @@ Name mode: MODEL is a preset of ``models/config.py``, a shape shipped in
 stage, as megatron's flags) for the layouts people run that the trainer does not build:
 ``tp4_pp4_cp2_ep16_etp1_last22`` (slime's 235B), ``tp1_pp8_ep32_etp1_vp4_first2_last2`` (Megatron-Bridge's).
 
+``--calibrate`` (config mode) runs ``--calibrate-steps`` steps of that very job first (the
+entry point, or the launcher with --gpus ranks) and replaces the assumptions with what it fitted:
+mfu, link efficiency, expert-load imbalance, and on a GPU its capacity and reserve
+(``planning/calibrate.py``); the plan that follows uses them.
+
 Every hardware number is an assumption printed with the result (``planning/hardware.py``);
 override it with the flags below. What the model was checked against on CPU:
 tests/distributed/test_planner_matches_megatron.py and tools/bench_plan_memory.py.
@@ -31,6 +36,7 @@ tests/distributed/test_planner_matches_megatron.py and tools/bench_plan_memory.p
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from pathlib import Path
@@ -250,11 +256,31 @@ def plan_config(args, gpu) -> int:
         f"{counts['active'] / 1e9:.2f}B active; {args.gpus} training GPUs"
     )
     print("from the config: " + "\n  ".join(job.describe()))
+    if args.calibrate:
+        job, gpu = run_calibration(args, job, gpu)
     print(f"assumptions: {gpu.describe()}")
     if not args.rank:
         print_detail(plan_job(job, gpu))
         return 0
     return print_ranking(*rank_job(job, gpu, args.max_cp), gpu, args.top)
+
+
+def run_calibration(args, job, gpu):
+    """Run the job for ``--calibrate-steps`` steps, print the fit, return the job and GPU it fitted."""
+    import dataclasses
+    import tempfile
+
+    from gspo_megatron.planning.calibrate import calibrate, describe
+
+    work = Path(args.calibrate_dir) if args.calibrate_dir else Path(tempfile.mkdtemp(prefix="gspo_calibrate_"))
+    print(f"calibrating: {args.calibrate_steps} steps of the job in {work} ...", flush=True)
+    cal = calibrate(job, args.targets, gpu, args.calibrate_steps, work)
+    print("calibration:\n  " + "\n  ".join(describe(cal)))
+    if args.calibrate_out:
+        Path(args.calibrate_out).write_text(json.dumps(dataclasses.asdict(cal), indent=2))
+    if cal.expert_imbalance is not None:
+        job = dataclasses.replace(job, options=dataclasses.replace(job.options, expert_imbalance=cal.expert_imbalance))
+    return job, cal.spec(gpu)
 
 
 def print_ranking(plans: list[Plan], too_big: list[Plan], gpu, top: int) -> int:
@@ -314,6 +340,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-tokens", type=int, default=1024, help="config mode: longest prompt (assumed)")
     parser.add_argument("--max-cp", type=int, default=2, help="largest cp tried when ranking")
     parser.add_argument("--top", type=int, default=5)
+    cal = parser.add_argument_group("calibration (config mode): run the job, fit mfu, link efficiency, imbalance")
+    cal.add_argument("--calibrate", action="store_true", help="run --calibrate-steps steps of the job and fit")
+    cal.add_argument("--calibrate-steps", type=int, default=4, help="the first warms up, the last is diagnosed")
+    cal.add_argument("--calibrate-dir", help="where the calibration run writes (default: a new temp dir)")
+    cal.add_argument("--calibrate-out", help="write the fit as JSON here")
     name = parser.add_argument_group("name mode (MODEL LAYOUT): what a training config would set")
     name.add_argument("--seq-len", type=int, default=8192)
     name.add_argument("--micro-batch-tokens", type=int, default=16384)

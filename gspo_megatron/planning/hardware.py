@@ -49,11 +49,11 @@ class GPUSpec:
 
     def describe(self) -> str:
         return (
-            f"{self.name}: bf16 {self.bf16_tflops:.0f} TFLOP/s dense at mfu {self.mfu:.0%} "
+            f"{self.name}: bf16 {self.bf16_tflops:.4g} TFLOP/s dense at mfu {self.mfu:.0%} "
             f"(NVIDIA's published Qwen3-MoE runs: {PUBLISHED_MFU_RANGE[0]:.0%}-{PUBLISHED_MFU_RANGE[1]:.0%}), "
             f"{self.memory_bytes / GiB:.2f} GiB per GPU less {self.reserve_bytes / GiB:.1f} GiB reserve, "
-            f"HBM {self.hbm_bandwidth / 1e12:.2f} TB/s, NVLink {self.nvlink_bandwidth / GB:.0f} GB/s/dir, "
-            f"IB {self.ib_bandwidth / GB:.0f} GB/s/dir per GPU "
+            f"HBM {self.hbm_bandwidth / 1e12:.3g} TB/s, NVLink {self.nvlink_bandwidth / GB:.3g} GB/s/dir, "
+            f"IB {self.ib_bandwidth / GB:.3g} GB/s/dir per GPU "
             f"(link efficiency {self.link_efficiency:.0%}), {self.gpus_per_node} GPUs/node"
         )
 

@@ -60,6 +60,7 @@ class PlanOptions:
     updates_per_rollout: int = 1  # trainer.updates_per_rollout: optimizer steps per RL step
     rollout: RolloutShape | None = None  # the generation phase; None: not planned (0 s)
     async_rollout: bool = False  # rollout.async_rollout: generation beside training (separate GPUs only)
+    expert_imbalance: float = 1.0  # busiest EP rank's expert rows / the balanced share (calibrate.py)
 
     @property
     def micro(self) -> MicroBatchShape:
@@ -227,7 +228,9 @@ def plan_layout(
         )
         for r in range(layout.pp)
     ]
-    time = step_time(model, layout, options.micro, micro_batches, traffic, gpu, options.recompute)
+    time = step_time(
+        model, layout, options.micro, micro_batches, traffic, gpu, options.recompute, options.expert_imbalance
+    )
     fits = rows[worst].total <= gpu.usable_memory_bytes
     problems = [] if fits else [f"needs {rows[worst].total / GiB:.1f} GiB > {gpu.usable_memory_bytes / GiB:.1f} GiB"]
     sync = weight_sync_plan(model, options.sync_bucket_bytes, gpu.ib_bandwidth * gpu.link_efficiency, width)

@@ -40,8 +40,16 @@ from gspo_megatron.planning.parameters import stage_layers
 from gspo_megatron.planning.pipeline import bubble_slots
 
 
-def forward_flops(model: MoEModelConfig, layout: ParallelLayout, micro: MicroBatchShape, pp_rank: int) -> float:
-    """Forward matmul FLOPs of one micro-batch on one rank of stage ``pp_rank``."""
+def forward_flops(
+    model: MoEModelConfig,
+    layout: ParallelLayout,
+    micro: MicroBatchShape,
+    pp_rank: int,
+    expert_imbalance: float = 1.0,
+) -> float:
+    """Forward matmul FLOPs of one micro-batch on one rank of stage ``pp_rank``; the expert rows of the
+    busiest expert-parallel rank are ``expert_imbalance`` x the balanced share (1: uniform routing;
+    ``calibrate.py`` measures it from the trainer's expert loads)."""
     tp, etp = layout.tp, layout.expert_tp
     h, d = model.hidden_size, model.head_dim
     tokens = micro.tokens / layout.cp
@@ -56,7 +64,7 @@ def forward_flops(model: MoEModelConfig, layout: ParallelLayout, micro: MicroBat
             flops += 6 * tokens * h * model.dense_intermediate_size / tp
             continue
         flops += 2 * sp_tokens * h * model.num_experts  # router
-        flops += 6 * sp_tokens * etp * model.top_k * h * model.moe_intermediate_size / etp
+        flops += 6 * sp_tokens * etp * model.top_k * h * model.moe_intermediate_size / etp * expert_imbalance
         flops += 6 * tokens * h * model.shared_expert_intermediate_size / tp
     if pp_rank == layout.pp - 1:
         flops += 2 * tokens * h * model.vocab_size / tp
@@ -101,11 +109,12 @@ def step_time(
     traffic_by_stage: list[Traffic],
     gpu: GPUSpec,
     recompute: bool = False,
+    expert_imbalance: float = 1.0,
 ) -> StepTime:
     """Seconds per optimizer step (``micro_batches`` per data-parallel rank)."""
     per_stage = []
     for pp_rank in range(layout.pp):
-        fwd = forward_flops(model, layout, micro, pp_rank)
+        fwd = forward_flops(model, layout, micro, pp_rank, expert_imbalance)
         per_stage.append(fwd * (4 if recompute else 3) / (gpu.bf16_tflops * 1e12 * gpu.mfu))
     slowest = max(range(layout.pp), key=lambda r: per_stage[r])
     traffic = traffic_by_stage[slowest]

@@ -94,6 +94,30 @@ def step_padded_fraction(input_tokens: float, parts: list[list[MicroBatch]], dp_
     return 1.0 - input_tokens / fed if fed else 0.0
 
 
+@dataclass(frozen=True)
+class FedShape:
+    """What one RL step fed the model in its update passes, padding included, over all data-parallel
+    ranks (``tools/plan.py --calibrate`` plans exactly this shape to fit its time model)."""
+
+    rows: int
+    tokens: int
+    micro_batches_per_rank: int  # over all of the step's updates
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "batch/fed_rows": float(self.rows),
+            "batch/fed_tokens": float(self.tokens),
+            "batch/micro_batches_per_rank": float(self.micro_batches_per_rank),
+        }
+
+
+def step_fed_shape(parts: list[list[MicroBatch]], dp_size: int) -> FedShape:
+    """Every data-parallel rank feeds micro-batches of the same shapes (see above): this rank's x dp."""
+    rows = dp_size * sum(mb.tokens.shape[0] for part in parts for mb in part)
+    tokens = dp_size * sum(mb.tokens.numel() for part in parts for mb in part)
+    return FedShape(rows, tokens, sum(len(part) for part in parts))
+
+
 def sequence_multiple(layout: ParallelLayout) -> int:
     """What the fed length must be a multiple of: tp under sequence parallelism, 2 * cp under
     context parallelism (load-balanced chunks)."""

@@ -52,6 +52,7 @@ from gspo_megatron.trainer.batch_distribution import (
 )
 from gspo_megatron.trainer.checkpoint import latest_checkpoint, save_checkpoint
 from gspo_megatron.trainer.checkpoint_check import load_checked_checkpoint
+from gspo_megatron.trainer.device_memory import device_memory_peaks
 from gspo_megatron.trainer.diagnostic_passes import DiagnosticPasses
 from gspo_megatron.trainer.diagnostics import RoutingDiagnostics
 from gspo_megatron.trainer.loss_head import LogProbHead, PolicyLossHead
@@ -63,7 +64,7 @@ from gspo_megatron.trainer.run_dir_owner import ResumeMode, RunDirError, new_run
 from gspo_megatron.trainer.setup import Components, evaluation_inputs
 from gspo_megatron.trainer.signals import SignalWatch, TrainingInterrupted
 from gspo_megatron.trainer.step_plan import StepPlan
-from gspo_megatron.trainer.token_budget import sequence_multiple, step_padded_fraction
+from gspo_megatron.trainer.token_budget import sequence_multiple, step_fed_shape, step_padded_fraction
 from gspo_megatron.trainer.weight_stream import sync_engine_weights
 
 if TYPE_CHECKING:
@@ -171,6 +172,7 @@ class RLTrainer:
         batch, totals, metrics = share.batch, share.totals, dict(share.metrics)
         parts = cut_micro_batches(batch, share.plan)
         metrics["batch/padded_token_frac"] = step_padded_fraction(totals.input_tokens, parts, self.mesh.layout.dp)
+        metrics.update(step_fed_shape(parts, self.mesh.layout.dp).metrics())
         flat = [mb for part in parts for mb in part]
         with self._phase(timings, "old_logp"):
             old = self.old_policy.run(batch, flat)
@@ -194,6 +196,7 @@ class RLTrainer:
         if eval_every and (self.step + 1) % eval_every == 0:
             metrics.update(self._evaluate())
         metrics.update({f"time/{k}": v for k, v in timings.items()})
+        metrics.update(device_memory_peaks(self.mesh.device))
         metrics["lr"] = self.c.optimizer.param_groups[0]["lr"]
         return metrics
 

@@ -74,6 +74,19 @@ def test_partition_with_budget_covers_every_row_once_cut_to_its_own_longest_row(
         assert entries[0][1][1] == longest - 1  # padded only to the micro-batch's longest row
 
 
+def test_fed_shape_counts_rows_tokens_and_micro_batches_of_all_ranks():
+    from gspo_megatron.trainer.token_budget import step_fed_shape
+
+    batch = _batch([1, 30, 2, 3, 2, 28, 1, 4])
+    plain = step_fed_shape(partition(batch, updates=2, micro_batch_size=2, dp_size=1, dp_rank=0), 1)
+    # by hand: 8 rows, each fed at the batch width 31, in 2 micro-batches per update
+    assert (plain.rows, plain.tokens, plain.micro_batches_per_rank) == (8, 8 * 31, 4)
+    # two data-parallel ranks feed the same shapes: this rank's counts x 2
+    half = step_fed_shape(partition(batch, updates=2, micro_batch_size=2, dp_size=2, dp_rank=0), 2)
+    assert (half.rows, half.tokens, half.micro_batches_per_rank) == (8, 8 * 31, 2)
+    assert plain.metrics()["batch/fed_tokens"] == 248.0
+
+
 def test_budget_cuts_the_padded_fraction():
     batch = _batch([1, 30, 2, 3, 2, 28, 1, 4])
     padded = step_padded_fraction(
