@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from gspo_megatron.parallel.device import cuda_kernels
 from gspo_megatron.planning.hardware import GPUSpec
 from gspo_megatron.planning.job import PlannedJob
 from gspo_megatron.planning.planner import Plan, plan_layout
@@ -237,7 +238,7 @@ def _sync(device: torch.device) -> None:
 def _all_reduce_worker(rank: int, world: int, store_path: str, nbytes: int, repeats: int, out: str) -> None:
     import torch.distributed as dist
 
-    cuda = torch.cuda.is_available()
+    cuda = cuda_kernels()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -306,7 +307,7 @@ def calibrate(job: PlannedJob, overrides: list[str], base: GPUSpec, steps: int, 
     if steps < 3:
         raise ValueError(f"--calibrate-steps={steps} must be >= 3 (the first warms up, the last is diagnosed)")
     world = job.layout.world_size
-    cuda = torch.cuda.is_available()
+    cuda = cuda_kernels()
     if cuda and torch.cuda.device_count() < world:
         raise ValueError(f"--gpus {world} but this machine has {torch.cuda.device_count()} GPU(s)")
     run_dir = work_dir / "run"
