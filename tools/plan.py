@@ -298,6 +298,8 @@ def print_ranking(plans: list[Plan], too_big: list[Plan], gpu, top: int) -> int:
 def plan_name(args, gpu) -> int:
     if len(args.targets) not in (1, 2):
         raise SystemExit("name mode takes MODEL [LAYOUT]; config mode takes key=value overrides")
+    if args.calibrate:
+        raise SystemExit("--calibrate runs a training job: give its config overrides (key=value), not a model name")
     model = load_model(args.targets[0])
     layout_arg = args.targets[1] if len(args.targets) == 2 else "rank"
     options = PlanOptions(

@@ -90,3 +90,16 @@ def test_calibration_overrides_compose_with_the_job():
     cfg = to_train_config(compose(["parallel=ep2", *calibration_overrides(Path("/tmp/x"), 4)]))
     assert cfg.trainer.steps == 4 and cfg.trainer.eval_every == 0
     assert cfg.routing.every_n_steps == 3 and list(cfg.routing.kinds) == ["update"]
+
+
+def test_name_mode_refuses_calibrate():
+    """A bare model name has no job to run: --calibrate says so instead of planning without it."""
+    import importlib.util
+
+    tool = Path(__file__).resolve().parents[3] / "tools" / "plan.py"
+    spec = importlib.util.spec_from_file_location("plan_tool", tool)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit, match="config overrides"):
+        module.main(["qwen3_30b_a3b", "tp4_ep8", "--calibrate"])
