@@ -127,3 +127,59 @@ def _c10_library() -> ctypes.CDLL:
         return ctypes.CDLL(str(path))
     except OSError as error:
         raise RuntimeError(f"cannot load {path} to switch on c10's CPU memory report: {error}") from error
+
+
+# --- a whole run, by phase ----------------------------------------------------------------------
+# Phase markers: blocks of sizes nothing else allocates (odd, just above the sentinel), one per mark.
+_MARKER_BYTES = SENTINEL_BYTES + 2
+
+
+class RunMemory:
+    """The allocator's running total over a whole run, split at ``mark(name)`` calls.
+
+    Opened before the model is built, so the total includes every resident tensor (weights, buffers,
+    optimizer state, the engine's copy); ``peaks()`` is then the per-phase maximum of all bytes live
+    in torch's CPU allocator, not the increase of one call. A phase's peak is the largest total
+    logged between its mark and the next one (a marker's own line is left out)."""
+
+    def __init__(self) -> None:
+        self._names: list[str] = []
+        self._log: _AllocatorLog | None = None
+
+    def mark(self, name: str) -> None:
+        marker = torch.empty(_MARKER_BYTES + 2 * len(self._names), dtype=torch.uint8)
+        self._names.append(name)
+        del marker
+
+    def windows(self) -> list[tuple[str, int, int]]:
+        """(phase, total when it began, largest total inside it) per mark, in order."""
+        if self._log is None:
+            raise RuntimeError("RunMemory is read after the recording closed")
+        sizes = {_MARKER_BYTES + 2 * i: i for i in range(len(self._names))}
+        out: list[tuple[str, int, int]] = []
+        for kind, size, total in _LINE.findall(self._log.text):
+            if int(size) in sizes:
+                if kind == b"alloc":  # the marker's line counts the marker: the phase begins below it
+                    start = int(total) - int(size)
+                    out.append((self._names[sizes[int(size)]], start, start))
+                continue
+            if out:
+                name, start, peak = out[-1]
+                out[-1] = (name, start, max(peak, int(total)))
+        return out
+
+    def peaks(self) -> dict[str, int]:
+        """Phase name -> the largest total in any of its windows."""
+        out: dict[str, int] = {}
+        for name, _, peak in self.windows():
+            out[name] = max(out.get(name, 0), peak)
+        return out
+
+
+@contextlib.contextmanager
+def run_memory() -> Iterator[RunMemory]:
+    """Record the CPU allocator's running total from now until the block ends (``RunMemory``)."""
+    record = RunMemory()
+    with _cpu_allocator_log() as log:
+        yield record
+    record._log = log

@@ -86,7 +86,9 @@ class TrainerOldPolicy:
         self.model, self.mesh, self.strategy, self.head = model, mesh, strategy, head
 
     def run(self, batch: RolloutBatch, micro_batches: list[MicroBatch]) -> OldPolicyResult:
-        with self.strategy.old_pass(micro_batches) as recording:
+        # no autograd graph: a forward-only pass keeps one layer's tensors at a time, not the whole
+        # micro-batch's saved activations (as the reference pass, trainer/reference_model.py)
+        with self.strategy.old_pass(micro_batches) as recording, torch.no_grad():
             outputs = run_schedule(
                 self.model, micro_batches, self.head, forward_only=True, before_forward=recording.before_forward
             )
