@@ -19,7 +19,8 @@ Design decisions:
   dp; a micro-batch holds ``min(trainer.micro_batch_size, rows per rank)`` rows, or with
   ``trainer.micro_batch_tokens`` as many rows as the budget takes (the trainer packs by real
   lengths; the plan pads every row to the longest). Rows are ``prompt_tokens + rollout.max_new_tokens``
-  long: how long prompts are is a property of the data, the one number the config cannot say, so
+  long and the model reads ``tokens[:, :-1]`` of them (``trainer/batch.py``), padded to tp (under
+  sequence parallelism) x 2cp as the trainer pads them: ``seq_len`` is that fed length. How long prompts are is a property of the data, the one number the config cannot say, so
   it is an explicit assumption of the plan.
 """
 
@@ -58,8 +59,8 @@ class PlannedJob:
             f"algorithm.old_log_probs={cfg.algorithm.old_log_probs} -> old-log-prob pass {o.old_log_prob_pass}",
             f"trainer.updates_per_rollout={o.updates_per_rollout}; algorithm.routing_replay={o.routing_replay}; "
             f"model.token_dispatcher={o.dispatcher}; model.layer_spec={cfg.model.layer_spec} -> {o.layer_spec}",
-            f"rows of {o.seq_len} tokens (prompt {self.prompt_tokens} assumed + rollout.max_new_tokens "
-            f"{cfg.rollout.max_new_tokens}); {o.global_batch_tokens // o.seq_len} rows per optimizer step, "
+            f"rows of {o.seq_len} fed tokens (prompt {self.prompt_tokens} assumed + rollout.max_new_tokens "
+            f"{cfg.rollout.max_new_tokens} - 1, padded); {o.global_batch_tokens // o.seq_len} rows per optimizer step, "
             f"{o.micro_batch_tokens // o.seq_len} per micro-batch",
             f"rollout.engine={cfg.rollout.engine} -> {_describe_rollout(o.rollout)}; "
             f"rollout.async_rollout={o.async_rollout}; weight_bucket_bytes={o.sync_bucket_bytes}",
@@ -111,8 +112,14 @@ def options_from_config(cfg: TrainConfig, layout: ParallelLayout, prompt_tokens:
     from gspo_megatron.rollout.config import RolloutEngineName
     from gspo_megatron.trainer.optim import use_distributed_optimizer
 
+    from gspo_megatron.planning.rl_step_memory import EmbeddedEngineShape
+    from gspo_megatron.trainer.token_budget import sequence_multiple
+
     t, rollout = cfg.trainer, cfg.rollout
-    seq_len = prompt_tokens + rollout.max_new_tokens
+    # the model reads tokens[:, :-1] of each prompt + response row (trainer/batch.py), padded to the
+    # layout's multiple (parallel/context_parallel.py:pad_sequence_length)
+    multiple = sequence_multiple(layout)
+    seq_len = -(-(prompt_tokens + rollout.max_new_tokens - 1) // multiple) * multiple
     sequences = t.prompts_per_step * rollout.group_size
     per_update = sequences // t.updates_per_rollout
     per_rank = per_update // layout.dp
@@ -120,12 +127,14 @@ def options_from_config(cfg: TrainConfig, layout: ParallelLayout, prompt_tokens:
         rows = max(1, min(per_rank, t.micro_batch_tokens // seq_len))
     else:
         rows = min(t.micro_batch_size, per_rank)
+    embedded = None
     if rollout.engine == RolloutEngineName.sglang:
         sg = rollout.sglang
         servers = len(sg.urls) if sg.mode == "attach" else sg.num_servers
         shape = RolloutShape(sequences, prompt_tokens, rollout.max_new_tokens, servers, sg.tp, colocated=False)
     else:  # the embedded engine generates in the driver's process, on its GPU, between training phases
         shape = RolloutShape(sequences, prompt_tokens, rollout.max_new_tokens, 1, 1, colocated=True)
+        embedded = EmbeddedEngineShape(str(rollout.embedded.dtype), rollout.embedded.max_batch_size)
     layer_spec = "portable" if str(cfg.model.layer_spec) == "portable" else "te"
     return PlanOptions(
         seq_len=seq_len,
@@ -145,6 +154,7 @@ def options_from_config(cfg: TrainConfig, layout: ParallelLayout, prompt_tokens:
         updates_per_rollout=t.updates_per_rollout,
         rollout=shape,
         async_rollout=rollout.async_rollout,
+        embedded_engine=embedded,
     )
 
 

@@ -28,6 +28,7 @@ from gspo_megatron.planning.comm import Traffic, WeightSyncPlan, step_traffic, w
 from gspo_megatron.planning.hardware import GPUSpec
 from gspo_megatron.planning.parameters import DTYPE_BYTES, StateBytes, stage_layers, stage_parameters, state_bytes
 from gspo_megatron.planning.pipeline import TRAINER_REFUSES, PipelineLayout, in_flight_factor
+from gspo_megatron.planning.rl_step_memory import EmbeddedEngineShape, RLStepMemory, rl_step_memory
 from gspo_megatron.planning.step_time import (
     RLStepTime,
     RolloutShape,
@@ -61,6 +62,7 @@ class PlanOptions:
     rollout: RolloutShape | None = None  # the generation phase; None: not planned (0 s)
     async_rollout: bool = False  # rollout.async_rollout: generation beside training (separate GPUs only)
     expert_imbalance: float = 1.0  # busiest EP rank's expert rows / the balanced share (calibrate.py)
+    embedded_engine: EmbeddedEngineShape | None = None  # rollout.engine=embedded: in the driver's process
 
     @property
     def micro(self) -> MicroBatchShape:
@@ -106,6 +108,14 @@ class Plan:
     tied: bool = False  # within the time band of the fastest fitting layout (rank_layouts)
     rollout_planned: bool = False
     trainer_refuses: str | None = None  # a layout the planner expresses and the trainer cannot build
+    rl_memory: list[RLStepMemory] = field(default_factory=list)  # the whole RL step: each stage's ranks
+    driver_memory: RLStepMemory | None = None  # ... and the driver (global rank 0, stage 0)
+
+    @property
+    def rl_peak(self) -> RLStepMemory | None:
+        """The rank whose whole RL step peaks highest (``rl_step_memory.py``)."""
+        ranks = self.rl_memory + ([self.driver_memory] if self.driver_memory is not None else [])
+        return max(ranks, key=lambda m: m.peak) if ranks else None
 
     @property
     def headroom(self) -> float:
@@ -268,6 +278,8 @@ def plan_layout(
         capacity=gpu.usable_memory_bytes,
         rollout_planned=rollout is not None,
         trainer_refuses=TRAINER_REFUSES if beyond_trainer else None,
+        rl_memory=[rl_step_memory(model, layout, options, row, driver=False) for row in rows],
+        driver_memory=rl_step_memory(model, layout, options, rows[0], driver=True),
     )
 
 
