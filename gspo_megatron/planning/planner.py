@@ -179,11 +179,25 @@ def micro_batches_per_rank(layout: ParallelLayout, options: PlanOptions) -> int:
 
 
 def memory_of_stage(
-    model: MoEModelConfig, layout: ParallelLayout, options: PlanOptions, pp_rank: int, micro_batches: int
+    model: MoEModelConfig,
+    layout: ParallelLayout,
+    options: PlanOptions,
+    pp_rank: int,
+    micro_batches: int,
+    *,
+    dp_rank: int = 0,
+    expert_dp_rank: int = 0,
 ) -> MemoryRow:
+    """``dp_rank``/``expert_dp_rank``: whose shard of the distributed optimizer (ranks differ by its padding)."""
     width = DTYPE_BYTES[options.dtype]
     state = state_bytes(
-        model, layout, pp_rank, dtype=options.dtype, distributed_optimizer=options.distributed_optimizer
+        model,
+        layout,
+        pp_rank,
+        dtype=options.dtype,
+        distributed_optimizer=options.distributed_optimizer,
+        dp_rank=dp_rank,
+        expert_dp_rank=expert_dp_rank,
     )
     act = activation_bytes(model, layout, options.micro, pp_rank, width=width, spec=options.layer_spec)
     in_flight = min(layout.pp - pp_rank, micro_batches) * in_flight_factor(layout)

@@ -140,7 +140,11 @@ class RunMemory:
     Opened before the model is built, so the total includes every resident tensor (weights, buffers,
     optimizer state, the engine's copy); ``peaks()`` is then the per-phase maximum of all bytes live
     in torch's CPU allocator, not the increase of one call. A phase's peak is the largest total
-    logged between its mark and the next one (a marker's own line is left out)."""
+    logged between its mark and the next one (a marker's own line is left out). Totals count from
+    the first mark: the reporter's total persists across recordings in one process, and blocks an
+    earlier recording left that were freed while nothing recorded are never taken off it. Collect
+    garbage before opening a second recording (a block of the first one freed inside the second
+    would lower its totals)."""
 
     def __init__(self) -> None:
         self._names: list[str] = []
@@ -157,15 +161,18 @@ class RunMemory:
             raise RuntimeError("RunMemory is read after the recording closed")
         sizes = {_MARKER_BYTES + 2 * i: i for i in range(len(self._names))}
         out: list[tuple[str, int, int]] = []
+        base = 0
         for kind, size, total in _LINE.findall(self._log.text):
             if int(size) in sizes:
                 if kind == b"alloc":  # the marker's line counts the marker: the phase begins below it
-                    start = int(total) - int(size)
+                    if not out:
+                        base = int(total) - int(size)
+                    start = int(total) - int(size) - base
                     out.append((self._names[sizes[int(size)]], start, start))
                 continue
             if out:
                 name, start, peak = out[-1]
-                out[-1] = (name, start, max(peak, int(total)))
+                out[-1] = (name, start, max(peak, int(total) - base))
         return out
 
     def peaks(self) -> dict[str, int]:
