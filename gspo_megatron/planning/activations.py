@@ -12,8 +12,9 @@ Design decisions:
   the projection reads (no TQ copy). Only the portable spec is measured here (no GPU).
 - Notation per layer: T tokens of the micro-batch on this rank (after CP), T_sp = T / tp with
   sequence parallelism, h hidden, Q = heads*d/tp, K = kv_heads*d/tp, F = moe_ffn/etp, E experts,
-  k top-k, N = T_sp * etp * k expert rows (tokens the allgather dispatcher routes to this rank's
-  experts, on average; routing imbalance moves the real number).
+  k top-k, N = b T_sp * etp * k expert rows (tokens the dispatcher routes to this rank's experts;
+  b = ``expert_load_imbalance``, the rank's routed rows over the balanced share: 1 on average,
+  an input of the plan since routing depends on the data and the weights).
 - RMSNorm (fp32 math): saves its input, the normalised x and its output: 3 T_sp h (fp32 inputs).
 - Attention: fused QKV output T(Q + 2K) stays alive through the q/k-norm views; q/k norms add
   normalised + output 2T(Q + K); RoPE'd queries TQ; K and V repeated to all query heads 2TQ (GQA;
@@ -89,13 +90,13 @@ def attention_elements(model: MoEModelConfig, layout: ParallelLayout, tokens: fl
     return norm + qkv + qk_norms + rope_q + repeated_kv + output + lse
 
 
-def moe_elements(model: MoEModelConfig, layout: ParallelLayout, tokens: float) -> float:
+def moe_elements(model: MoEModelConfig, layout: ParallelLayout, tokens: float, imbalance: float = 1.0) -> float:
     tp, etp = layout.tp, layout.expert_tp
     sp_tokens = tokens / tp if layout.use_sequence_parallel else tokens
     h = model.hidden_size
     norm = 3 * sp_tokens * h
     router = 3 * sp_tokens * model.num_experts
-    rows = sp_tokens * etp * model.top_k
+    rows = imbalance * sp_tokens * etp * model.top_k
     ffn = model.moe_intermediate_size / etp
     experts = rows * (2 * h + 4 * ffn)
     shared = dense_mlp_elements(model.shared_expert_intermediate_size / tp, tokens)
@@ -113,8 +114,10 @@ def activation_bytes(
     pp_rank: int,
     width: int = FP32,
     spec: str = "portable",
+    imbalance: float = 1.0,
 ) -> ActivationBytes:
-    """Bytes one rank of stage ``pp_rank`` keeps for the backward of one micro-batch."""
+    """Bytes one rank of stage ``pp_rank`` keeps for the backward of one micro-batch (``imbalance``:
+    its experts' routed rows over the balanced share)."""
     from gspo_megatron.planning.parameters import stage_layers
 
     tokens = micro.tokens / layout.cp
@@ -128,7 +131,7 @@ def activation_bytes(
             norm = 3 * sp_tokens * h
             mlp = norm + dense_mlp_elements(model.dense_intermediate_size / layout.tp, tokens)
         else:
-            mlp = moe_elements(model, layout, tokens)
+            mlp = moe_elements(model, layout, tokens, imbalance)
         per_layer.append(int((attention + mlp) * width))
     last = pp_rank == layout.pp - 1
     boundary = int(3 * sp_tokens * h * width) if last else 0

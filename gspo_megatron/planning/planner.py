@@ -63,6 +63,7 @@ class PlanOptions:
     async_rollout: bool = False  # rollout.async_rollout: generation beside training (separate GPUs only)
     expert_imbalance: float = 1.0  # busiest EP rank's expert rows / the balanced share (calibrate.py)
     embedded_engine: EmbeddedEngineShape | None = None  # rollout.engine=embedded: in the driver's process
+    expert_load_imbalance: float = 1.0  # a rank's routed expert rows / the balanced share (data-dependent)
 
     @property
     def micro(self) -> MicroBatchShape:
@@ -199,7 +200,9 @@ def memory_of_stage(
         dp_rank=dp_rank,
         expert_dp_rank=expert_dp_rank,
     )
-    act = activation_bytes(model, layout, options.micro, pp_rank, width=width, spec=options.layer_spec)
+    act = activation_bytes(
+        model, layout, options.micro, pp_rank, width=width, spec=options.layer_spec, imbalance=options.expert_load_imbalance
+    )
     in_flight = min(layout.pp - pp_rank, micro_batches) * in_flight_factor(layout)
     layers = act.total(options.recompute) - act.loss_head
     tokens = options.micro.tokens / layout.cp

@@ -50,11 +50,27 @@ class PhaseMarkingTrainer(RLTrainer):
 
     def __init__(self, components, memory: RunMemory):
         self.memory = memory
+        self.phase = ""
+        self.update_expert_rows: list[int] = []  # rows each MoE layer's experts got, update forwards
         super().__init__(components)
+        for name, module in components.model_chunk.named_modules():
+            if name.endswith("mlp.experts"):
+                module.register_forward_pre_hook(self._count_rows)
 
     def _phase(self, timings: dict, name: str):
         self.memory.mark(name)
+        self.phase = name
         return super()._phase(timings, name)
+
+    def _count_rows(self, module, args) -> None:
+        if self.phase == "update":
+            self.update_expert_rows.append(int(args[0].shape[0]))
+
+    def largest_forward_expert_rows(self) -> int:
+        """The most rows the stage's experts got in one micro-batch's forward, over its MoE layers."""
+        layers = len(self.c.stage_moe_layers)
+        rows = self.update_expert_rows
+        return max((sum(rows[i : i + layers]) for i in range(0, len(rows), layers)), default=0)
 
 
 def rl_steps_worker(ctx, jobs: dict[str, list[str]], run_dir: str) -> dict:
@@ -88,6 +104,8 @@ def rl_steps_worker(ctx, jobs: dict[str, list[str]], run_dir: str) -> dict:
                     trainer.train_step()
                     trainer.step += 1
                 ranks = {
+                    "expert_rows": trainer.largest_forward_expert_rows(),
+                    "moe_layers": len(components.stage_moe_layers),
                     "pp": ps.get_pipeline_model_parallel_rank(),
                     "dp": ps.get_data_parallel_rank(with_context_parallel=True),
                     "edp": ps.get_expert_data_parallel_rank(),
@@ -122,7 +140,10 @@ def measured(tmp_path_factory):
 
 
 def predicted(name: str, rank: int, got: dict):
-    """The planner's RL step of this rank: its stage's row with its own optimizer shard."""
+    """The planner's RL step of this rank: its stage's row with its own optimizer shard and the
+    expert load its routing gave it (an input of the plan: ``PlanOptions.expert_load_imbalance``)."""
+    import dataclasses
+
     from gspo_megatron.config.compose import compose
     from gspo_megatron.config.schema import to_train_config
     from gspo_megatron.planning.job import job_from_config
@@ -132,28 +153,39 @@ def predicted(name: str, rank: int, got: dict):
     layout_kwargs = LAYOUTS[name]
     cfg = to_train_config(compose(overrides_of(layout_kwargs)))
     job = job_from_config(cfg, layout_kwargs["world_size"], longest_prompt_tokens(cfg))
+    options = dataclasses.replace(job.options, expert_load_imbalance=expert_load_imbalance(job, got))
     row = memory_of_stage(
         job.config.model,
         job.layout,
-        job.options,
+        options,
         got["pp"],
         micro_batches_per_rank(job.layout, job.options),
         dp_rank=got["dp"],
         expert_dp_rank=got["edp"],
     )
-    return rl_step_memory(job.config.model, job.layout, job.options, row, driver=rank == 0)
+    return rl_step_memory(job.config.model, job.layout, options, row, driver=rank == 0), options.expert_load_imbalance
+
+
+def expert_load_imbalance(job, got: dict) -> float:
+    """Rows the rank's experts got in its largest forward over the balanced share the planner
+    counts per MoE layer, T_sp etp k (``planning/activations.py``)."""
+    layout, model = job.layout, job.config.model
+    tokens = job.options.micro.tokens / layout.cp
+    sp_tokens = tokens / layout.tp if layout.use_sequence_parallel else tokens
+    balanced = got["moe_layers"] * sp_tokens * layout.expert_tp * model.top_k
+    return got["expert_rows"] / balanced if balanced else 1.0
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_rl_step_peak_within_10_percent_of_measured(measured, name):
     lines, failures = [], []
     for rank, got in enumerate(measured[name]):
-        plan = predicted(name, rank, got)
+        plan, load = predicted(name, rank, got)
         peak_phase = max(got["peaks"], key=got["peaks"].get)
         peak = got["peaks"][peak_phase]
         ratio = plan.peak / peak
         lines.append(
-            f"{name} rank {rank}: planned {plan.peak} B ({plan.peak_phase}) measured {peak} B ({peak_phase}) "
+            f"{name} rank {rank} (expert load {load:.3f}): planned {plan.peak} B ({plan.peak_phase}) measured {peak} B ({peak_phase}) "
             f"ratio {ratio:.3f}; by phase planned/measured "
             + ", ".join(f"{p} {plan.phase_total(p)}/{got['peaks'].get(p, 0)}" for p in plan.phases)
         )
