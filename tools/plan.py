@@ -196,9 +196,21 @@ def print_detail(plan: Plan) -> None:
             f"{rl.sync_s:.1f}{' (rollout overlapped: async)' if rl.overlapped else ''}; GPUs: "
             f"{plan.layout.world_size} training + {plan.rollout_gpus} rollout = {plan.total_gpus}"
         )
+    print_rl_step_memory(plan)
     print(f"fits: {plan.fits} {' '.join(plan.problems)}")
     if plan.trainer_refuses:
         print(f"trainer: {plan.trainer_refuses}")
+
+
+def print_rl_step_memory(plan: Plan) -> None:
+    """The whole RL step's peak by phase (planning/rl_step_memory.py): the driver and each stage."""
+    ranks = [("driver (rank 0)", plan.driver_memory)] + [(f"stage {i}", m) for i, m in enumerate(plan.rl_memory)]
+    print("RL step peak by phase (GiB; resident + held across phases + the phase):")
+    for label, m in ranks:
+        if m is None:
+            continue
+        phases = " ".join(f"{name} {gib(m.phase_total(name))}" for name in m.phases)
+        print(f"  {label:16s} {phases}  -> peak {gib(m.peak)} ({m.peak_phase})")
 
 
 def _times(value: float | None, unit: float) -> float | None:

@@ -15,6 +15,7 @@ from gspo_megatron.models.config import MoEModelConfig, preset
 from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.planning.hardware import gpu_spec
 from gspo_megatron.planning.parameters import ParamSpec, buffer_layout, owned_elements, state_bytes
+from gspo_megatron.planning.rl_step_memory import EmbeddedEngineShape
 from gspo_megatron.planning.planner import PlanError, PlanOptions, plan_layout, rank_layouts
 from gspo_megatron.testing.model_fixtures import tiny_test_config
 
@@ -186,13 +187,16 @@ def test_job_options_come_from_the_composed_config_by_hand():
     )
     o = job.options
     # conf/config.yaml: 16 prompts x 16 responses, max_new_tokens 1, micro_batch_size 128
-    assert o.seq_len == 8 + 1
-    assert o.global_batch_tokens == 16 * 16 // 4 * 9  # 64 rows per optimizer step
-    assert o.micro_batch_tokens == 32 * 9  # min(128, 64 rows / dp 2) rows per micro-batch
+    assert o.seq_len == 8 + 1 - 1  # the fed tokens[:, :-1], a multiple of tp 2 (sequence parallelism)
+    assert o.global_batch_tokens == 16 * 16 // 4 * 8  # 64 rows per optimizer step
+    assert o.micro_batch_tokens == 32 * 8  # min(128, 64 rows / dp 2) rows per micro-batch
     assert o.distributed_optimizer  # optimizer.distributed=auto and dp = 4 / tp 2 = 2 > 1
     assert o.reference_model and o.old_log_prob_pass and o.updates_per_rollout == 4
     assert o.dtype == "bfloat16" and o.dispatcher == "alltoall" and not o.recompute
     assert o.rollout is not None and o.rollout.colocated and o.rollout.sequences == 256  # embedded engine
+    assert o.embedded_engine == EmbeddedEngineShape("float32", 256)  # rollout.embedded.dtype, max_batch_size
+    padded = compose_job(["parallel=tp2"], gpus=2, prompt_tokens=9).options
+    assert padded.seq_len == 10  # 9 + 1 - 1 fed tokens, padded to the multiple of tp 2
     off = compose_job(["optimizer.distributed=false", "algorithm.old_log_probs=rollout"], gpus=2, prompt_tokens=8)
     assert not off.options.distributed_optimizer and not off.options.old_log_prob_pass
     assert not off.options.reference_model  # kl_coef 0: no reference model
