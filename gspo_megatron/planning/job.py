@@ -20,8 +20,9 @@ Design decisions:
   ``trainer.micro_batch_tokens`` as many rows as the budget takes (the trainer packs by real
   lengths; the plan pads every row to the longest). Rows are ``prompt_tokens + rollout.max_new_tokens``
   long and the model reads ``tokens[:, :-1]`` of them (``trainer/batch.py``), padded to tp (under
-  sequence parallelism) x 2cp as the trainer pads them: ``seq_len`` is that fed length. How long prompts are is a property of the data, the one number the config cannot say, so
-  it is an explicit assumption of the plan.
+  sequence parallelism) x 2cp as the trainer pads them: ``seq_len`` is that fed length. How long
+  prompts are is a property of the data, the one number the config cannot say, so it is an
+  explicit assumption of the plan.
 """
 
 from __future__ import annotations
@@ -109,10 +110,9 @@ def with_layout(job: PlannedJob, layout: ParallelLayout) -> PlannedJob:
 
 def options_from_config(cfg: TrainConfig, layout: ParallelLayout, prompt_tokens: int) -> PlanOptions:
     from gspo_megatron.algorithms.config import OldLogProbSource
+    from gspo_megatron.planning.rl_step_memory import EmbeddedEngineShape
     from gspo_megatron.rollout.config import RolloutEngineName
     from gspo_megatron.trainer.optim import use_distributed_optimizer
-
-    from gspo_megatron.planning.rl_step_memory import EmbeddedEngineShape
     from gspo_megatron.trainer.token_budget import sequence_multiple
 
     t, rollout = cfg.trainer, cfg.rollout

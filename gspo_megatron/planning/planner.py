@@ -201,7 +201,13 @@ def memory_of_stage(
         expert_dp_rank=expert_dp_rank,
     )
     act = activation_bytes(
-        model, layout, options.micro, pp_rank, width=width, spec=options.layer_spec, imbalance=options.expert_load_imbalance
+        model,
+        layout,
+        options.micro,
+        pp_rank,
+        width=width,
+        spec=options.layer_spec,
+        imbalance=options.expert_load_imbalance,
     )
     in_flight = min(layout.pp - pp_rank, micro_batches) * in_flight_factor(layout)
     layers = act.total(options.recompute) - act.loss_head

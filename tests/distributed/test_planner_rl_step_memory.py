@@ -185,8 +185,8 @@ def test_rl_step_peak_within_10_percent_of_measured(measured, name):
         peak = got["peaks"][peak_phase]
         ratio = plan.peak / peak
         lines.append(
-            f"{name} rank {rank} (expert load {load:.3f}): planned {plan.peak} B ({plan.peak_phase}) measured {peak} B ({peak_phase}) "
-            f"ratio {ratio:.3f}; by phase planned/measured "
+            f"{name} rank {rank} (expert load {load:.3f}): planned {plan.peak} B ({plan.peak_phase}) "
+            f"measured {peak} B ({peak_phase}) ratio {ratio:.3f}; by phase planned/measured "
             + ", ".join(f"{p} {plan.phase_total(p)}/{got['peaks'].get(p, 0)}" for p in plan.phases)
         )
         if abs(ratio - 1) > TOLERANCE:

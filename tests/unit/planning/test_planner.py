@@ -15,8 +15,8 @@ from gspo_megatron.models.config import MoEModelConfig, preset
 from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.planning.hardware import gpu_spec
 from gspo_megatron.planning.parameters import ParamSpec, buffer_layout, owned_elements, state_bytes
-from gspo_megatron.planning.rl_step_memory import EmbeddedEngineShape
 from gspo_megatron.planning.planner import PlanError, PlanOptions, plan_layout, rank_layouts
+from gspo_megatron.planning.rl_step_memory import EmbeddedEngineShape
 from gspo_megatron.testing.model_fixtures import tiny_test_config
 
 

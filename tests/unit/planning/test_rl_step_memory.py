@@ -71,7 +71,9 @@ def test_rl_step_by_phase_by_hand():
         rollout=RolloutShape(sequences=6, prompt_tokens=5, response_tokens=3, servers=1, engine_tp=1, colocated=True),
         embedded_engine=ENGINE,
     )
-    row = MemoryRow(StateBytes(1000, 1000, 0, 2000), activations=50000, loss_head=3000, old_log_prob_pass=7000, routing_replay=0)
+    row = MemoryRow(
+        StateBytes(1000, 1000, 0, 2000), activations=50000, loss_head=3000, old_log_prob_pass=7000, routing_replay=0
+    )
     driver = rl_step_memory(model, layout, options, row, driver=True)
     assert driver.resident == 4000 + 83712  # model state + the engine's weights
     assert driver.across_phases == 3 * 288
