@@ -9,7 +9,10 @@ Design decisions:
 - Resident: the rank's model state (``parameters.state_bytes``, exact), the frozen reference's
   weights when ``algorithm.kl_coef > 0``, and on the driver (global rank 0) the embedded engine's own
   ``Qwen3MoeForCausalLM``: every HF tensor once (``models/hf_shapes.py``) in ``rollout.embedded.dtype``.
-  SGLang's engines live in their own processes and GPUs: nothing on the trainer's ranks.
+  SGLang's engines live in their own processes and GPUs: nothing on the trainer's ranks. Under
+  sequence parallelism (tp > 1) megatron gathers a column-parallel linear's input into its global
+  memory buffer ("mpu", ``megatron/core/tensor_parallel/layers.py``), allocated at the first forward
+  and kept for the run: the largest gathered input, [T, h] of a micro-batch (T its tokens over cp).
 - Held across phases (``trainer/batch.py``): the rank's rows of the ``RolloutBatch`` -- tokens int64
   [n, s+1], four fp32 [n, s] (response and input masks, rollout and old log-probs), three fp32 and
   four int64 per row -- and its micro-batches cut from them (``micro_batch``: indexing copies):
@@ -139,6 +142,13 @@ def sync_sender_bytes(model: MoEModelConfig, dtype: str) -> int:
     return 2 * max(math.prod(shape) for shape in hf_shapes(model).values()) * DTYPE_BYTES[dtype]
 
 
+def sequence_parallel_buffer_bytes(model: MoEModelConfig, layout: ParallelLayout, options: PlanOptions) -> int:
+    """Megatron's "mpu" all-gather buffer under sequence parallelism: [T, h] in the model dtype."""
+    if not layout.use_sequence_parallel:
+        return 0
+    return int(options.micro.tokens / layout.cp) * model.hidden_size * DTYPE_BYTES[options.dtype]
+
+
 def held_rows(layout: ParallelLayout, sequences: int) -> int:
     """Rows a rank holds from rollout to sync: its data-parallel share of every update's rows."""
     return sequences // layout.dp
@@ -154,7 +164,8 @@ def rl_step_memory(
     sequences = shape.sequences if shape is not None else options.global_batch_tokens // options.seq_len
     per_row = batch_bytes_per_row(options.seq_len, reference=options.reference_model)
     across = held_rows(layout, sequences) * per_row + row.routing_replay
-    resident = row.resident + (engine_weight_bytes(model, engine) if driver and engine is not None else 0)
+    resident = row.resident + sequence_parallel_buffer_bytes(model, layout, options)
+    resident += engine_weight_bytes(model, engine) if driver and engine is not None else 0
     rollout = across  # a rank receives its rows
     if driver:
         rollout = sequences * per_row  # the whole batch, before it is scattered

@@ -14,6 +14,7 @@ from gspo_megatron.planning.rl_step_memory import (
     engine_weight_bytes,
     generation_bytes,
     rl_step_memory,
+    sequence_parallel_buffer_bytes,
     sync_sender_bytes,
 )
 from gspo_megatron.planning.step_time import RolloutShape
@@ -93,3 +94,13 @@ def test_rl_step_by_phase_by_hand():
     on_driver = rl_step_memory(model, layout, sglang, row, driver=True)
     assert on_driver.resident == 4000  # the engine is elsewhere
     assert on_driver.phases["rollout"] == 6 * 288 and on_driver.phases["weight_sync"] == 5000 + 4096
+
+
+def test_sequence_parallel_buffer_is_resident_by_hand():
+    model = tiny_test_config()
+    options = PlanOptions(seq_len=4, micro_batch_tokens=12, global_batch_tokens=24, group_size=2, dtype="float32")
+    tp2 = ParallelLayout(tp=2, world_size=2).validate(model)  # sequence parallelism: on with tp > 1
+    assert sequence_parallel_buffer_bytes(model, tp2, options) == 12 * 32 * 4  # megatron's "mpu" [T, h]
+    assert sequence_parallel_buffer_bytes(model, ParallelLayout(world_size=2).validate(model), options) == 0
+    row = MemoryRow(StateBytes(1000, 1000, 0, 2000), activations=0, loss_head=0, old_log_prob_pass=0, routing_replay=0)
+    assert rl_step_memory(model, tp2, options, row, driver=False).resident == 4000 + 1536
