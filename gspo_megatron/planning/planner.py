@@ -301,8 +301,11 @@ def plan_layout(
         capacity=gpu.usable_memory_bytes,
         rollout_planned=rollout is not None,
         trainer_refuses=TRAINER_REFUSES if beyond_trainer else None,
-        rl_memory=[rl_step_memory(model, layout, options, row, driver=False) for row in rows],
-        driver_memory=rl_step_memory(model, layout, options, rows[0], driver=True),
+        rl_memory=[
+            rl_step_memory(model, layout, options, row, driver=False, pp_rank=r, micro_batches=micro_batches)
+            for r, row in enumerate(rows)
+        ],
+        driver_memory=rl_step_memory(model, layout, options, rows[0], driver=True, micro_batches=micro_batches),
     )
 
 

@@ -33,7 +33,10 @@ Design decisions:
   The driver also holds the whole batch before it is scattered (its per-row bytes above, N rows).
 - Old log-probs / reference log-probs: forward-only under ``torch.no_grad`` (one layer's tensors and
   the logits at a time: ``planner.memory_of_stage``'s forward-only pass).
-- Update: the training activations of the micro-batches in flight and the loss head (``activations.py``).
+- Update: the training activations of the micro-batches in flight and the loss head (``activations.py``);
+  on a stage before the last, each in-flight micro-batch's output [T_sp, h] (megatron keeps it for
+  the backward: ``deallocate_pipeline_outputs=False``, ``models/builder.py``) and the output
+  gradient received for the backward, [T_sp, h].
 - Weight sync (``trainer/weight_stream.py``): SGLang -- the driver holds the bucket being filled plus
   the tensor being gathered (``comm.weight_sync_plan``); the embedded engine loads each tensor as it
   arrives, so a sender holds the tensor being gathered and its HF-named conversion: 2 x the largest
@@ -50,6 +53,7 @@ from gspo_megatron.models.config import MoEModelConfig
 from gspo_megatron.models.hf_shapes import hf_shapes
 from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.planning.parameters import DTYPE_BYTES
+from gspo_megatron.planning.pipeline import in_flight_factor
 from gspo_megatron.routing.replay_strategy import needs_engine_routing
 
 if TYPE_CHECKING:
@@ -154,8 +158,27 @@ def held_rows(layout: ParallelLayout, sequences: int) -> int:
     return sequences // layout.dp
 
 
+def pipeline_output_bytes(
+    model: MoEModelConfig, layout: ParallelLayout, options: PlanOptions, pp_rank: int, micro_batches: int
+) -> int:
+    """A stage before the last: its in-flight micro-batches' outputs and one received gradient."""
+    if pp_rank == layout.pp - 1:
+        return 0
+    tokens = options.micro.tokens / layout.cp
+    sp_tokens = tokens / layout.tp if layout.use_sequence_parallel else tokens
+    in_flight = min(layout.pp - pp_rank, micro_batches) * in_flight_factor(layout)
+    return int((in_flight + 1) * sp_tokens * model.hidden_size * DTYPE_BYTES[options.dtype])
+
+
 def rl_step_memory(
-    model: MoEModelConfig, layout: ParallelLayout, options: PlanOptions, row: MemoryRow, *, driver: bool
+    model: MoEModelConfig,
+    layout: ParallelLayout,
+    options: PlanOptions,
+    row: MemoryRow,
+    *,
+    driver: bool,
+    pp_rank: int = 0,
+    micro_batches: int = 1,
 ) -> RLStepMemory:
     """One rank's RL step from its stage's ``MemoryRow`` (``planner.memory_of_stage``): the driver is
     global rank 0 (stage 0), where the embedded engine lives and the rollout batch is made."""
@@ -189,7 +212,9 @@ def rl_step_memory(
         "rollout": rollout,
         "old_logp": forward_only if options.old_log_prob_pass else 0,
         "ref_logp": forward_only if options.reference_model else 0,
-        "update": row.activations + row.loss_head,
+        "update": row.activations
+        + row.loss_head
+        + pipeline_output_bytes(model, layout, options, pp_rank, micro_batches),
         "weight_sync": sync,
     }
     return RLStepMemory(resident, across, phases)

@@ -154,16 +154,20 @@ def predicted(name: str, rank: int, got: dict):
     cfg = to_train_config(compose(overrides_of(layout_kwargs)))
     job = job_from_config(cfg, layout_kwargs["world_size"], longest_prompt_tokens(cfg))
     options = dataclasses.replace(job.options, expert_load_imbalance=expert_load_imbalance(job, got))
+    micro_batches = micro_batches_per_rank(job.layout, job.options)
     row = memory_of_stage(
         job.config.model,
         job.layout,
         options,
         got["pp"],
-        micro_batches_per_rank(job.layout, job.options),
+        micro_batches,
         dp_rank=got["dp"],
         expert_dp_rank=got["edp"],
     )
-    return rl_step_memory(job.config.model, job.layout, options, row, driver=rank == 0), options.expert_load_imbalance
+    memory = rl_step_memory(
+        job.config.model, job.layout, options, row, driver=rank == 0, pp_rank=got["pp"], micro_batches=micro_batches
+    )
+    return memory, options.expert_load_imbalance
 
 
 def expert_load_imbalance(job, got: dict) -> float:

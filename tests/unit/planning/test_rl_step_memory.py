@@ -13,6 +13,7 @@ from gspo_megatron.planning.rl_step_memory import (
     batch_bytes_per_row,
     engine_weight_bytes,
     generation_bytes,
+    pipeline_output_bytes,
     rl_step_memory,
     sequence_parallel_buffer_bytes,
     sync_sender_bytes,
@@ -104,3 +105,12 @@ def test_sequence_parallel_buffer_is_resident_by_hand():
     assert sequence_parallel_buffer_bytes(model, ParallelLayout(world_size=2).validate(model), options) == 0
     row = MemoryRow(StateBytes(1000, 1000, 0, 2000), activations=0, loss_head=0, old_log_prob_pass=0, routing_replay=0)
     assert rl_step_memory(model, tp2, options, row, driver=False).resident == 4000 + 1536
+
+
+def test_pipeline_outputs_held_for_the_backward_by_hand():
+    model = tiny_test_config()
+    options = PlanOptions(seq_len=4, micro_batch_tokens=12, global_batch_tokens=24, group_size=2, dtype="float32")
+    pp2 = ParallelLayout(pp=2, world_size=2).validate(model)
+    # stage 0, 3 micro-batches: min(pp - 0, 3) = 2 in flight, each output [12, 32] fp32, + the received gradient
+    assert pipeline_output_bytes(model, pp2, options, pp_rank=0, micro_batches=3) == (2 + 1) * 12 * 32 * 4
+    assert pipeline_output_bytes(model, pp2, options, pp_rank=1, micro_batches=3) == 0  # the last stage
