@@ -15,6 +15,9 @@ Design decisions:
 - The driver (global rank 0, stage 0) also holds the weight sync's bucket and the tensor being
   gathered after the update (``comm.py``): checked against the same capacity.
 - The worst stage's numbers are reported (ranks of one stage are alike up to the expert-dp shard).
+- The whole RL step per rank -- rollout (the embedded engine on the driver), old and reference
+  log-probs, update, weight sync, and what lives across them -- is ``rl_step_memory.py``
+  (``Plan.rl_memory`` per stage, ``Plan.driver_memory``); ``MemoryRow`` stays the training ranks' view.
 """
 
 from __future__ import annotations
