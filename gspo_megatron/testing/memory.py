@@ -40,7 +40,8 @@ import torch
 SENTINEL_BYTES = 1_000_003
 _LINE = re.compile(rb"C10 (alloc|deleted) (\d+) bytes, total alloc (\d+) bytes\.")
 _INFO = 0  # c10's log severity of LOG(INFO); the reporter logs its changes at INFO
-_C10_INFO = re.compile(rb"\[I\d{4} \d")  # the head of a c10 INFO line: [I<month><day> <time>
+# the head of a c10 INFO line: [I<month><day> <time>, after "[rank<N>]:" once a process group exists
+_C10_INFO = re.compile(rb"(\[rank\d+\]:)?\[I\d{4} \d")
 
 
 def peak_bytes(fn: Callable[[], object], device) -> int:

@@ -74,3 +74,28 @@ def test_the_peak_is_taken_from_the_totals_after_the_sentinel_whatever_the_line_
         ]
     )
     assert peak_from_allocator_log(log) == 50
+
+
+def test_run_memory_counts_resident_blocks_and_splits_at_marks():
+    from gspo_megatron.testing.memory import run_memory
+
+    with run_memory() as memory:
+        memory.mark("build")
+        resident = _block(4)  # lives through every later phase
+        memory.mark("rollout")
+        transient = _block(3)  # 7 live
+        del transient
+        memory.mark("update")
+        held = [_block(2)]  # 6 live
+        memory.mark("rollout")  # a second window of the same phase
+        _on_other_thread(held.clear)  # the last reference dropped on another thread: 4 live
+        late = _block(1)  # 5 live
+        del late
+    assert memory.windows() == [
+        ("build", 0, 4 * MiB),
+        ("rollout", 4 * MiB, 7 * MiB),
+        ("update", 4 * MiB, 6 * MiB),
+        ("rollout", 6 * MiB, 6 * MiB),
+    ]
+    assert memory.peaks() == {"build": 4 * MiB, "rollout": 7 * MiB, "update": 6 * MiB}
+    del resident
