@@ -13,8 +13,9 @@ Design decisions:
 - Notation per layer: T tokens of the micro-batch on this rank (after CP), T_sp = T / tp with
   sequence parallelism, h hidden, Q = heads*d/tp, K = kv_heads*d/tp, F = moe_ffn/etp, E experts,
   k top-k, N = b T_sp * etp * k expert rows (tokens the dispatcher routes to this rank's experts;
-  b = ``expert_load_imbalance``, the rank's routed rows over the balanced share: 1 on average,
-  an input of the plan since routing depends on the data and the weights).
+  b = ``PlanOptions.expert_imbalance``, the rank's routed rows over the balanced share: 1 on
+  average, an input of the plan since routing depends on the data and the weights; ``--calibrate``
+  fits it).
 - RMSNorm (fp32 math): saves its input, the normalised x and its output: 3 T_sp h (fp32 inputs).
 - Attention: fused QKV output T(Q + 2K) stays alive through the q/k-norm views; q/k norms add
   normalised + output 2T(Q + K); RoPE'd queries TQ; K and V repeated to all query heads 2TQ (GQA;

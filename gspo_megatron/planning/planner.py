@@ -66,7 +66,6 @@ class PlanOptions:
     async_rollout: bool = False  # rollout.async_rollout: generation beside training (separate GPUs only)
     expert_imbalance: float = 1.0  # busiest EP rank's expert rows / the balanced share (calibrate.py)
     embedded_engine: EmbeddedEngineShape | None = None  # rollout.engine=embedded: in the driver's process
-    expert_load_imbalance: float = 1.0  # a rank's routed expert rows / the balanced share (data-dependent)
 
     @property
     def micro(self) -> MicroBatchShape:
@@ -210,7 +209,7 @@ def memory_of_stage(
         pp_rank,
         width=width,
         spec=options.layer_spec,
-        imbalance=options.expert_load_imbalance,
+        imbalance=options.expert_imbalance,
     )
     in_flight = min(layout.pp - pp_rank, micro_batches) * in_flight_factor(layout)
     layers = act.total(options.recompute) - act.loss_head

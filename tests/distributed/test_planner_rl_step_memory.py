@@ -141,7 +141,7 @@ def measured(tmp_path_factory):
 
 def predicted(name: str, rank: int, got: dict):
     """The planner's RL step of this rank: its stage's row with its own optimizer shard and the
-    expert load its routing gave it (an input of the plan: ``PlanOptions.expert_load_imbalance``)."""
+    expert load its routing gave it (an input of the plan: ``PlanOptions.expert_imbalance``)."""
     import dataclasses
 
     from gspo_megatron.config.compose import compose
@@ -153,7 +153,7 @@ def predicted(name: str, rank: int, got: dict):
     layout_kwargs = LAYOUTS[name]
     cfg = to_train_config(compose(overrides_of(layout_kwargs)))
     job = job_from_config(cfg, layout_kwargs["world_size"], longest_prompt_tokens(cfg))
-    options = dataclasses.replace(job.options, expert_load_imbalance=expert_load_imbalance(job, got))
+    options = dataclasses.replace(job.options, expert_imbalance=expert_load(job, got))
     micro_batches = micro_batches_per_rank(job.layout, job.options)
     row = memory_of_stage(
         job.config.model,
@@ -167,10 +167,10 @@ def predicted(name: str, rank: int, got: dict):
     memory = rl_step_memory(
         job.config.model, job.layout, options, row, driver=rank == 0, pp_rank=got["pp"], micro_batches=micro_batches
     )
-    return memory, options.expert_load_imbalance
+    return memory, options.expert_imbalance
 
 
-def expert_load_imbalance(job, got: dict) -> float:
+def expert_load(job, got: dict) -> float:
     """Rows the rank's experts got in its largest forward over the balanced share the planner
     counts per MoE layer, T_sp etp k (``planning/activations.py``)."""
     layout, model = job.layout, job.config.model
