@@ -133,8 +133,7 @@ def generation_bytes(
         experts = t * k * (h + 2 * f + f + f) * w
         layer = 2 * t * h * w + routing + experts
     else:
-        ffn = model.dense_intermediate_size if model.is_moe else model.moe_intermediate_size
-        layer = 2 * t * h * w + 4 * t * ffn * w
+        layer = 2 * t * h * w + 4 * t * model.dense_intermediate_size * w  # as parameters.py: a dense layer's ffn
     prefill = held + layer
     decode = 2 * layers * r * (prompt_tokens + new_tokens) * kv * w + r * model.vocab_size * (w + 2 * FP32)
     capture = r * (prompt_tokens + new_tokens) * layers * model.top_k * INT32 if routed_experts else 0

@@ -114,3 +114,11 @@ def test_pipeline_outputs_held_for_the_backward_by_hand():
     # stage 0, 3 micro-batches: min(pp - 0, 3) = 2 in flight, each output [12, 32] fp32, + the received gradient
     assert pipeline_output_bytes(model, pp2, options, pp_rank=0, micro_batches=3) == (2 + 1) * 12 * 32 * 4
     assert pipeline_output_bytes(model, pp2, options, pp_rank=1, micro_batches=3) == 0  # the last stage
+
+
+def test_generation_with_a_dense_last_layer_by_hand():
+    model = tiny_test_config(dense_layers=[1], dense_intermediate_size=24)
+    t, w = 20, 4  # 4 rows x 5 prompt tokens, fp32
+    held = 2560 + 1280 + 5120 + 2560  # as in test_generation_by_hand
+    dense = 2 * t * 32 * w + 4 * t * 24 * w  # residual + normed input; gate, up, SiLU, product
+    assert generation_bytes(model, ENGINE, rows=6, prompt_tokens=5, new_tokens=3) == held + dense
