@@ -141,14 +141,14 @@ def table_row(plan: Plan) -> str:
     return (
         f"| {layout_name(plan.layout)} | {plan.micro_batches} | {gib(m.state.parameters)} | "
         f"{gib(m.state.gradients)} | {gib(m.state.optimizer)} | {gib(m.reference_weights)} | "
-        f"{gib(m.activations + m.loss_head)} | {gib(m.total)} | {gib(plan.sync.driver_extra_bytes)} | "
+        f"{gib(m.activations + m.loss_head)} | {gib(plan.peak_bytes)} | {gib(plan.sync.driver_extra_bytes)} | "
         f"{t.lower_s:.0f}-{t.total_s:.0f}{' (tied)' if plan.tied else ''} | {rl_split(plan)} | "
         f"{plan.layout.world_size} + {plan.rollout_gpus} | {'yes' if plan.fits else 'no'} |"
     )
 
 
 TABLE_HEAD = (
-    "| layout | micro-batches | weights | grads | optimizer | reference | activations + loss head | peak GiB | "
+    "| layout | micro-batches | weights | grads | optimizer | reference | activations + loss head | RL-step peak GiB | "
     "sync (driver) | update s | RL step s (rollout / old log-probs / reference / updates / sync) | "
     "GPUs (train + rollout) | fits |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
@@ -170,7 +170,7 @@ def print_detail(plan: Plan) -> None:
         ("loss head (logits + grad)", m.loss_head),
         ("forward-only pass (old/ref log-probs; not concurrent)", m.old_log_prob_pass),
         ("routing replay buffers", m.routing_replay),
-        ("peak total", m.total),
+        ("update phase total (the RL step's peak: below)", m.total),
         ("capacity for counted tensors", plan.capacity),
     ]:
         print(f"  {label:54s} {gib(value):>8s}")

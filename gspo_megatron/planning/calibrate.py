@@ -384,7 +384,7 @@ def calibrate(job: PlannedJob, overrides: list[str], base: GPUSpec, steps: int, 
             "max_allocated_bytes": max(peaks),
             "max_reserved_bytes": reserved,
             "reserved_gap_bytes": reserved - max(peaks),
-            "planned_peak_bytes": float(plan.memory.total),
+            "planned_peak_bytes": float(plan.peak_bytes),
         }
     elif not cuda:  # the ranks share the host's memory
         memory = {"capacity_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world}

@@ -121,8 +121,14 @@ class Plan:
         return max(ranks, key=lambda m: m.peak) if ranks else None
 
     @property
+    def peak_bytes(self) -> int:
+        """The whole RL step's peak on its highest rank (what ``fits`` compares with the capacity)."""
+        peak = self.rl_peak
+        return peak.peak if peak is not None else self.memory.total
+
+    @property
     def headroom(self) -> float:
-        return self.capacity - self.memory.total
+        return self.capacity - self.peak_bytes
 
     @property
     def total_gpus(self) -> int:
@@ -266,15 +272,21 @@ def plan_layout(
     time = step_time(
         model, layout, options.micro, micro_batches, traffic, gpu, options.recompute, options.expert_imbalance
     )
-    fits = rows[worst].total <= gpu.usable_memory_bytes
-    problems = [] if fits else [f"needs {rows[worst].total / GiB:.1f} GiB > {gpu.usable_memory_bytes / GiB:.1f} GiB"]
     sync = weight_sync_plan(model, options.sync_bucket_bytes, gpu.ib_bandwidth * gpu.link_efficiency, width)
-    driver_state = rows[0].resident  # the driver is global rank 0: stage 0; the sync runs when activations are freed
-    if driver_state + sync.driver_extra_bytes > gpu.usable_memory_bytes:
-        fits = False
+    rl_memory = [
+        rl_step_memory(model, layout, options, row, driver=False, pp_rank=r, micro_batches=micro_batches)
+        for r, row in enumerate(rows)
+    ]
+    driver_memory = rl_step_memory(model, layout, options, rows[0], driver=True, micro_batches=micro_batches)
+    # fits: the whole RL step's peak on its highest rank (the driver's weight-sync bucket included)
+    highest = max([*rl_memory, driver_memory], key=lambda m: m.peak)
+    fits = highest.peak <= gpu.usable_memory_bytes
+    problems = []
+    if not fits:
         problems.append(
-            f"weight sync: the driver's {driver_state / GiB:.1f} GiB + {sync.driver_extra_bytes / GiB:.2f} GiB "
-            f"(bucket + largest tensor) > {gpu.usable_memory_bytes / GiB:.1f} GiB; lower the sync bucket"
+            f"needs {highest.peak / GiB:.1f} GiB at its {highest.peak_phase} phase "
+            f"> {gpu.usable_memory_bytes / GiB:.1f} GiB"
+            + ("; lower the sync bucket" if highest.peak_phase == "weight_sync" else "")
         )
     rollout = options.rollout
     rollout_s = rollout_seconds(model, rollout, gpu, width=2) if rollout else 0.0
@@ -303,11 +315,8 @@ def plan_layout(
         capacity=gpu.usable_memory_bytes,
         rollout_planned=rollout is not None,
         trainer_refuses=TRAINER_REFUSES if beyond_trainer else None,
-        rl_memory=[
-            rl_step_memory(model, layout, options, row, driver=False, pp_rank=r, micro_batches=micro_batches)
-            for r, row in enumerate(rows)
-        ],
-        driver_memory=rl_step_memory(model, layout, options, rows[0], driver=True, micro_batches=micro_batches),
+        rl_memory=rl_memory,
+        driver_memory=driver_memory,
     )
 
 
@@ -361,7 +370,7 @@ def order_plans(plans: list[Plan]) -> tuple[list[Plan], list[Plan]]:
     follow fastest first. Layouts whose step times differ by 1-2% are not told apart by a model
     whose known error is larger."""
     fitting = sorted((p for p in plans if p.fits), key=lambda p: p.time.total_s)
-    too_big = sorted((p for p in plans if not p.fits), key=lambda p: p.memory.total)
+    too_big = sorted((p for p in plans if not p.fits), key=lambda p: p.peak_bytes)
     if fitting:
         best = fitting[0].time.total_s
         for plan in fitting:

@@ -81,7 +81,7 @@ def test_ranking_ties_layouts_within_the_time_band_and_prefers_headroom():
     # tied: the band reaches the fastest layout's upper end; most headroom (least memory) first
     assert all(plan.time.lower_s <= fastest for plan in tied)
     assert all(plan.time.lower_s > fastest for plan in fitting[len(tied) :])
-    assert [p.memory.total for p in tied] == sorted(p.memory.total for p in tied)
+    assert [p.peak_bytes for p in tied] == sorted(p.peak_bytes for p in tied)  # the whole RL step's peak
     rest = [plan.time.total_s for plan in fitting[len(tied) :]]
     assert rest == sorted(rest)
     tiny_gpu = gpu_spec("h100", memory_bytes=1e6)  # nothing fits in 1 MB
@@ -98,7 +98,7 @@ def test_plan_cli_prints_a_layout_and_refuses_a_bad_one(capsys):
 
     assert main(["qwen3_235b_a22b", "tp4_ep16_etp1", "--gpus", "64", "--recompute"]) == 0
     out = capsys.readouterr().out
-    assert "235.09B parameters, 22.19B active" in out and "peak total" in out
+    assert "235.09B parameters, 22.19B active" in out and "update phase total" in out and "RL step peak by phase" in out
     assert main(["qwen3_30b_a3b", "tp4_ep8_etp4", "--gpus", "8"]) == 2
     assert "refused: etp*ep*pp" in capsys.readouterr().out
 
