@@ -159,8 +159,8 @@ def fed_options(job: PlannedJob, step: MeasuredStep):
     micro_batches = max(1, step.micro_batches_per_rank // updates)
     rows_per_micro = max(1, -(-rows_per_update // dp) // micro_batches)
     rollout = options.rollout
-    if rollout is not None:  # the prompts that ran, not the assumed length
-        rollout = replace(rollout, prompt_tokens=max(1, width - rollout.response_tokens))
+    if rollout is not None:  # the prompts that ran, not the assumed length (fed = prompt + response - 1)
+        rollout = replace(rollout, prompt_tokens=max(1, width + 1 - rollout.response_tokens))
     return replace(
         options,
         rollout=rollout,

@@ -48,7 +48,7 @@ def test_fed_options_plan_what_the_step_fed():
     assert options.seq_len == 10
     assert options.micro_batch_tokens == 4 * 10
     assert options.global_batch_tokens == 4 * 3 * 2 * 10
-    assert options.rollout is not None and options.rollout.prompt_tokens == 10 - job.options.rollout.response_tokens
+    assert options.rollout is not None and options.rollout.prompt_tokens == 10 + 1 - job.options.rollout.response_tokens
 
 
 @pytest.mark.parametrize("parallel", ["parallel=ep2", "parallel=tp2"])
