@@ -367,13 +367,13 @@ def calibrate(job: PlannedJob, overrides: list[str], base: GPUSpec, steps: int, 
         notes=notes,
     )
     step = timed[-1]
-    mfu, why = fit_mfu(_with_imbalance(job, imbalance), step, fitted_spec(base, cal), measured["update"])
+    job = _with_imbalance(job, imbalance)
+    mfu, why = fit_mfu(job, step, fitted_spec(base, cal), measured["update"])
     if why:
         notes.append(f"mfu: {why}")
     cal = replace(cal, mfu=mfu)
     spec = fitted_spec(base, cal)
-    as_run = replace(_with_imbalance(job, imbalance), options=fed_options(_with_imbalance(job, imbalance), step))
-    plan = plan_layout(job.config.model, job.layout, as_run.options, spec, validated=True)
+    plan = plan_layout(job.config.model, job.layout, fed_options(job, step), spec, validated=True)
     predicted = _predicted_phases(plan)
     memory: dict[str, float] = {}
     peaks = [s.max_allocated_bytes for s in all_steps if s.max_allocated_bytes is not None]

@@ -90,8 +90,7 @@ def step_padded_fraction(input_tokens: float, parts: list[list[MicroBatch]], dp_
     budget: equal slices padded to the batch width), so this rank's shapes times ``dp_size`` are
     the whole step's.
     """
-    fed = dp_size * sum(mb.tokens.numel() for part in parts for mb in part)
-    return 1.0 - input_tokens / fed if fed else 0.0
+    return step_fed_shape(parts, dp_size).padded_fraction(input_tokens)
 
 
 @dataclass(frozen=True)
@@ -102,6 +101,10 @@ class FedShape:
     rows: int
     tokens: int
     micro_batches_per_rank: int  # over all of the step's updates
+
+    def padded_fraction(self, input_tokens: float) -> float:
+        """1 - real input tokens / tokens fed (``step_padded_fraction``)."""
+        return 1.0 - input_tokens / self.tokens if self.tokens else 0.0
 
     def metrics(self) -> dict[str, float]:
         return {

@@ -64,7 +64,7 @@ from gspo_megatron.trainer.run_dir_owner import ResumeMode, RunDirError, new_run
 from gspo_megatron.trainer.setup import Components, evaluation_inputs
 from gspo_megatron.trainer.signals import SignalWatch, TrainingInterrupted
 from gspo_megatron.trainer.step_plan import StepPlan
-from gspo_megatron.trainer.token_budget import sequence_multiple, step_fed_shape, step_padded_fraction
+from gspo_megatron.trainer.token_budget import sequence_multiple, step_fed_shape
 from gspo_megatron.trainer.weight_stream import sync_engine_weights
 
 if TYPE_CHECKING:
@@ -171,8 +171,9 @@ class RLTrainer:
             share = self._rollout()
         batch, totals, metrics = share.batch, share.totals, dict(share.metrics)
         parts = cut_micro_batches(batch, share.plan)
-        metrics["batch/padded_token_frac"] = step_padded_fraction(totals.input_tokens, parts, self.mesh.layout.dp)
-        metrics.update(step_fed_shape(parts, self.mesh.layout.dp).metrics())
+        fed = step_fed_shape(parts, self.mesh.layout.dp)
+        metrics["batch/padded_token_frac"] = fed.padded_fraction(totals.input_tokens)
+        metrics.update(fed.metrics())
         flat = [mb for part in parts for mb in part]
         with self._phase(timings, "old_logp"):
             old = self.old_policy.run(batch, flat)
