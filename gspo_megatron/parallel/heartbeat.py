@@ -2,11 +2,11 @@
 
 A gloo collective that times out says only ``Timed out waiting 600000ms for recv operation`` on the
 ranks that waited, and nothing names the rank they waited for. Here every rank of a multi-rank run
-runs a daemon thread that bumps a beat counter in the rendezvous store every ``interval_s`` with the
-step and phase the rank is in. A rank that catches a failed collective reads every rank's beat twice,
-``SILENCE_FACTOR`` intervals apart: a rank whose counter did not move is stopped (SIGSTOP, a
-debugger), dead, or stuck holding the GIL, and the error names it with the step and phase it was last
-seen in.
+runs a daemon thread that bumps a beat counter in the rendezvous store every ``interval_s``, and at
+once when the rank enters a phase, with the step and phase the rank is in. A rank that catches a
+failed collective reads every rank's beat twice, ``SILENCE_FACTOR`` intervals apart: a rank whose
+counter did not move is stopped (SIGSTOP, a debugger), dead, or stuck holding the GIL, and the error
+names it with the step and phase it was last seen in.
 
 Design decisions:
 - Counters, not clocks: the nodes' clocks need not agree.
@@ -49,21 +49,25 @@ class Heartbeat:
         self._beats = 0
         self._beaten = threading.Condition()
         self._stopped = threading.Event()
+        self._wake = threading.Event()  # set by enter() and close(): beat now, not at the next interval
         self._thread = threading.Thread(target=self._beat, name="gspo-heartbeat", daemon=True)
         self._thread.start()
 
     def enter(self, where: str) -> None:
-        """What this rank is doing now (e.g. ``step 3, update``); published with the next beat."""
+        """What this rank is doing now (e.g. ``step 3, update``); published at once, so a rank stopped a
+        moment after entering a phase is reported in it, not in the phase the last periodic beat saw."""
         self.where = where
+        self._wake.set()
 
     def _beat(self) -> None:
         while not self._stopped.is_set():
+            self._wake.clear()  # before reading where: an enter() after this read beats again at once
             self._beats += 1
             with contextlib.suppress(RuntimeError):  # the store is gone: the job is ending
                 self._store.set(str(self.rank), f"{self._beats} {self.where}")
             with self._beaten:
                 self._beaten.notify_all()
-            self._stopped.wait(self.interval_s)
+            self._wake.wait(self.interval_s)
 
     def wait_for_beats(self, count: int, timeout_s: float = STORE_TIMEOUT_S) -> bool:
         """Block until this rank has published ``count`` beats (tests, and start-up checks)."""
@@ -111,4 +115,5 @@ class Heartbeat:
 
     def close(self) -> None:
         self._stopped.set()
+        self._wake.set()
         self._thread.join(timeout=STORE_TIMEOUT_S)

@@ -48,6 +48,20 @@ def test_the_rank_that_stopped_beating_is_named(store_port):
             beat.close()
 
 
+def test_a_new_phase_is_published_at_once_not_at_the_next_beat(store_port):
+    """A rank stopped right after it entered a phase is reported in that phase (CI: a SIGSTOP within
+    one interval of step 1 named the rank's start-up, the last phase a periodic beat had published)."""
+    watcher, beat = (Heartbeat(rank, 2, "127.0.0.1", store_port, interval_s=3600.0) for rank in range(2))
+    try:
+        beat.wait_for_beats(1)
+        beat.enter("step 1, rollout")
+        assert beat.wait_for_beats(2), "entering a phase did not publish a beat"
+        assert watcher._read()[1] == (2, "step 1, rollout")
+    finally:
+        watcher.close()
+        beat.close()
+
+
 def test_collective_failures_are_recognised():
     assert is_collective_failure(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:21210"))
     assert is_collective_failure(RuntimeError("[unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation"))
