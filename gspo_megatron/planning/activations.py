@@ -9,7 +9,12 @@ Design decisions:
   fused norm and flash attention save a little less (no repeated K/V heads), so GPU numbers err high.
 - ``spec="te"`` (TransformerEngine + flash attention, the GPU default) differs only in attention:
   flash attention saves K and V unrepeated (2TK instead of 2TQ) and writes its output in the layout
-  the projection reads (no TQ copy). Only the portable spec is measured here (no GPU).
+  the projection reads (no TQ copy); under CP its ring attention passes K/V blocks around the ring
+  and keeps only the rank's own. Only the portable spec is measured here (no GPU).
+- Portable CP attention (``parallel/context_parallel.py``) all-gathers K and V over the CP group
+  before SDPA: what SDPA saves is the gathered length cp*T, 2 cp T Q repeated (GQA; 2 cp T K without
+  GQA, K and V both gathered copies), and it keeps the bool causal mask [S/cp, S] of each layer
+  (S the padded sequence length: one byte per query-key pair of a sequence, shared by the batch).
 - Notation per layer: T tokens of the micro-batch on this rank (after CP), T_sp = T / tp with
   sequence parallelism, h hidden, Q = heads*d/tp, K = kv_heads*d/tp, F = moe_ffn/etp, E experts,
   k top-k, N = b T_sp * etp * k expert rows (tokens the dispatcher routes to this rank's experts;
@@ -19,7 +24,8 @@ Design decisions:
 - RMSNorm (fp32 math): saves its input, the normalised x and its output: 3 T_sp h (fp32 inputs).
 - Attention: fused QKV output T(Q + 2K) stays alive through the q/k-norm views; q/k norms add
   normalised + output 2T(Q + K); RoPE'd queries TQ; K and V repeated to all query heads 2TQ (GQA;
-  TK without GQA); SDPA output TQ and its [s, b, hQ] copy TQ; log-sum-exp T*heads/tp fp32.
+  TK without GQA: the RoPE'd keys; V is a view of the QKV output); SDPA output TQ and its
+  [s, b, hQ] copy TQ; log-sum-exp T*heads/tp fp32.
 - MoE: router logits, scores and top-k probabilities ~3 T_sp E fp32; experts keep the permuted
   tokens N h, fc1 output 2NF, SiLU output NF, gated product NF and the expert outputs before the
   probability weighting N h.
@@ -84,6 +90,10 @@ def attention_elements(model: MoEModelConfig, layout: ParallelLayout, tokens: fl
         raise ValueError(f"spec must be 'portable' or 'te', got {spec!r}")
     if spec == "te":
         repeated_kv, output = 2 * tokens * kv, tokens * q
+    elif layout.cp > 1:  # K and V all-gathered over the CP group: SDPA saves cp*T keys and values
+        gathered = layout.cp * tokens
+        repeated_kv = 2 * gathered * (q if gqa else kv)
+        output = 2 * tokens * q
     else:
         repeated_kv = 2 * tokens * q if gqa else tokens * kv
         output = 2 * tokens * q
@@ -125,6 +135,8 @@ def activation_bytes(
     sp_tokens = tokens / layout.tp if layout.use_sequence_parallel else tokens
     h = model.hidden_size
     dense = set(model.dense_layers)
+    # portable CP attention: each layer's SDPA keeps its bool causal mask [S/cp, S] (one byte a pair)
+    cp_mask = micro.seq_len // layout.cp * micro.seq_len if spec == "portable" and layout.cp > 1 else 0
     per_layer = []
     for i in stage_layers(model, layout, pp_rank):
         attention = attention_elements(model, layout, tokens, spec)
@@ -133,7 +145,7 @@ def activation_bytes(
             mlp = norm + dense_mlp_elements(model.dense_intermediate_size / layout.tp, tokens)
         else:
             mlp = moe_elements(model, layout, tokens, imbalance)
-        per_layer.append(int((attention + mlp) * width))
+        per_layer.append(int((attention + mlp) * width) + cp_mask)
     last = pp_rank == layout.pp - 1
     boundary = int(3 * sp_tokens * h * width) if last else 0
     vocab = model.vocab_size / layout.tp

@@ -99,7 +99,9 @@ def test_a_stopped_rank_is_named_within_the_timeout(tmp_path):
         wait_until(_running_step(run_dir, process), timeout=600, what="the first step")
         os.kill(_rank_process(process, marker, 1), signal.SIGSTOP)
         named = eventually(lambda: "silent: rank 1 (last seen in step" in _log(run_dir).read_text(), timeout_s + 60)
-        assert named, f"rank 0 did not name the stopped rank 1 within {timeout_s + 60} s:\n{_log(run_dir).read_text()[-4000:]}"
+        assert named, (
+            f"rank 0 did not name the stopped rank 1 within {timeout_s + 60} s:\n{_log(run_dir).read_text()[-4000:]}"
+        )
         report = [line for line in _log(run_dir).read_text().splitlines() if "silent: rank 1" in line]
     finally:
         _stop(process, marker)

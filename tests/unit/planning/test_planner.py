@@ -299,3 +299,29 @@ def test_the_published_235b_layouts_are_plannable():
     for layout, gpus in (("tp4_pp4_cp2_ep16_etp1_last22", 64), ("tp1_pp8_ep32_etp1_vp4_first2_last2", 256)):
         args = ["qwen3_235b_a22b", layout, "--gpus", str(gpus), "--recompute", "--global-batch-tokens", "2097152"]
         assert plan_tool.main(args) == 0, layout
+
+
+def test_portable_context_parallel_attention_counts_the_gathered_keys_and_values_by_hand():
+    """Portable CP attention all-gathers K/V before SDPA (``parallel/context_parallel.py``): SDPA keeps
+    cp*T repeated keys and values, and each layer keeps its bool causal mask [S/cp, S]."""
+    from gspo_megatron.planning.activations import MicroBatchShape, activation_bytes, attention_elements
+
+    model = MoEModelConfig(
+        num_layers=1, hidden_size=8, num_attention_heads=4, num_kv_heads=2, head_dim=2, vocab_size=16,
+        num_experts=2, top_k=1, moe_intermediate_size=4, max_position_embeddings=64,
+    )  # fmt: skip
+    cp2, one = ParallelLayout(world_size=2, cp=2), ParallelLayout(world_size=1)
+    t = 6.0  # tokens on the rank after the CP split; Q = 4*2 = 8, K = 2*2 = 4 per token
+    # norm 3*6*8=144, qkv 6*16=96, q/k norms 2*6*12=144, rope'd q 48, SDPA output and copy 2*6*8=96, lse 24
+    shared = 144 + 96 + 144 + 48 + 96 + 24
+    assert attention_elements(model, one, t) == shared + 2 * 6 * 8  # GQA: K and V repeated to Q heads
+    assert attention_elements(model, cp2, t) == shared + 2 * (2 * 6) * 8  # ... of the gathered 12 tokens
+    assert attention_elements(model, cp2, t, spec="te") == attention_elements(model, one, t, spec="te")
+    micro = MicroBatchShape(sequences=3, seq_len=4)  # 12 tokens, 6 per CP rank
+    portable = activation_bytes(model, cp2, micro, pp_rank=0)
+    te = activation_bytes(model, cp2, micro, pp_rank=0, spec="te")
+    mask = 4 // 2 * 4  # [S/cp, S] bools
+    assert (
+        portable.per_layer[0] - te.per_layer[0]
+        == 4 * (attention_elements(model, cp2, t) - attention_elements(model, cp2, t, spec="te")) + mask
+    )
