@@ -31,6 +31,16 @@ Design decisions:
   the layer stacks the weights into [E, out, in] for the duration of one grouped GEMM instead.
   The copy it saves is the largest non-GEMM item of the layer: at the medium shape (16 experts,
   hidden 256, FFN 128) 6 MiB per layer, forward and again backward.
+- Padded expert groups on CPU for bf16/fp16: there the per-group GEMMs go to oneDNN, which compiles
+  (JITs) a kernel for every new GEMM shape and keeps a bounded cache of them. Routed row counts
+  change every micro-batch, so nearly every expert GEMM was a new shape: in the medium benchmark's
+  bf16 update the expert GEMMs ran at 9-50 GFLOP/s against 200-500 for repeated shapes
+  (torch.profiler, ``tools/bench_rl_step.py --torch-profile``). Each expert's rows are therefore
+  padded with zero rows to a multiple of ``CPU_ROW_MULTIPLE`` (once before fc1, removed once after
+  fc2: zero rows give zero outputs and zero weight gradients, so results are unchanged), and the
+  shapes repeat. fp32 goes to MKL's sgemm (no per-shape compilation) and CUDA to its own grouped
+  GEMM: neither pads. The padding costs at most ``CPU_ROW_MULTIPLE - 1`` rows per expert of
+  activation memory, forward and backward.
 - Memory: ``GroupedLinear`` saves for backward the rows and the parameters themselves, so what
   autograd keeps per layer is no more than SequentialMLP keeps (``tests/unit/models/
   test_grouped_experts.py`` counts the saved bytes); plain autograd through ``torch.stack`` would keep a
@@ -45,6 +55,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 _STRIDE_BYTES = 16  # torch._grouped_mm: every stride of its operands a multiple of 16 bytes
+CPU_ROW_MULTIPLE = 32  # bf16/fp16 on CPU: each expert's rows padded to a multiple of this (see above)
 
 
 def grouped_mm_fits(hidden_size: int, fc1_width: int, ffn_width: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -81,6 +92,19 @@ def stacked_weights(weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
     if in_place:
         return first.as_strided((len(weights), *first.shape), (step, *first.stride()))
     return torch.stack(weights)
+
+
+def padded_positions(counts: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert's rows (``counts`` [E], rows sorted by expert) moved to groups padded to a multiple of
+    ``multiple`` rows: (position of every row in the padded layout [N], padded counts [E]).
+
+        padded_e = ceil(n_e / m) m;   row i of expert e: i + (sum_{j<e} padded_j - sum_{j<e} n_j)
+    """
+    counts = counts.to(torch.int64)
+    padded = (counts + multiple - 1) // multiple * multiple
+    shift = (padded.cumsum(0) - padded) - (counts.cumsum(0) - counts)
+    positions = torch.arange(int(counts.sum()), device=counts.device) + shift.repeat_interleave(counts)
+    return positions, padded
 
 
 class GroupedLinear(torch.autograd.Function):
@@ -132,14 +156,21 @@ class GroupedExperts(SequentialMLP):
         if self.config.moe_apply_probs_on_input:  # megatron: top-1 only, probabilities scale the input
             rows = (probs.unsqueeze(-1) * rows).to(rows.dtype)
             probs = torch.ones_like(probs)
-        # [E] row counts -> int32 end offsets of each expert's rows
-        offsets = torch.as_tensor(tokens_per_expert, device=rows.device).cumsum(0).to(torch.int32)
+        counts = torch.as_tensor(tokens_per_expert, device=rows.device)
+        positions = None
+        if rows.device.type == "cpu" and rows.dtype in (torch.bfloat16, torch.float16):
+            positions, counts = padded_positions(counts, CPU_ROW_MULTIPLE)
+            total = int(counts.sum())
+            rows = rows.new_zeros(total, rows.shape[-1]).index_copy(0, positions, rows)
+            probs = probs.new_zeros(total).index_copy(0, positions, probs)
+        offsets = counts.cumsum(0).to(torch.int32)  # int32 end offsets of each expert's rows
         fc1 = [expert.linear_fc1.weight for expert in self.local_experts]  # each [2F, h]: gate rows, up rows
         fc2 = [expert.linear_fc2.weight for expert in self.local_experts]  # each [h, F]
         gate, up = GroupedLinear.apply(rows, offsets, *fc1).chunk(2, dim=-1)
         hidden = self.config.activation_func(gate) * up
         hidden = (hidden * probs.unsqueeze(-1)).to(hidden.dtype)
-        return GroupedLinear.apply(hidden, offsets, *fc2), None
+        output = GroupedLinear.apply(hidden, offsets, *fc2)
+        return (output if positions is None else output.index_select(0, positions)), None
 
     def _grouped_supported(self, rows: torch.Tensor) -> bool:
         config = self.config

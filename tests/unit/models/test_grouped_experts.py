@@ -1,6 +1,7 @@
 """``GroupedExperts`` against megatron's ``SequentialMLP`` on the very same module (its parent's
 ``forward`` on the same parameters): forward, and gradients of the rows, the routing probabilities and
-every expert weight, for token counts with idle experts, one busy expert and no rows at all; bf16;
+every expert weight, for token counts with idle experts, one busy expert and no rows at all; bf16 (whose expert groups
+are padded on CPU);
 widths ``torch._grouped_mm`` cannot take (SequentialMLP's loop runs instead). Built in a spawned rank
 (megatron's parallel state never touches the test process). Also: what autograd keeps for backward
 (bytes of saved tensors other than the parameters) is no more than SequentialMLP keeps."""
@@ -145,6 +146,14 @@ def _assert_same(result, case, tol):
         torch.testing.assert_close(grouped[3][name], grad, **tol, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def _padded(rows: int, dtype: torch.dtype) -> int:
+    """An expert's rows in the grouped GEMMs: bf16/fp16 on CPU pad them to ``CPU_ROW_MULTIPLE``."""
+    from gspo_megatron.models.grouped_experts import CPU_ROW_MULTIPLE
+
+    multiple = CPU_ROW_MULTIPLE if dtype in (torch.bfloat16, torch.float16) else 1
+    return -(-rows // multiple) * multiple
+
+
 @pytest.mark.parametrize(
     "dtype, tol",
     [(torch.float32, dict(rtol=1e-5, atol=1e-5)), (torch.bfloat16, dict(rtol=1.6e-2, atol=1e-2))],
@@ -161,7 +170,10 @@ def test_grouped_experts_equal_sequential_mlp(dtype, tol):
         _assert_same(result, case, tol)
         saved = result[case]["saved_bytes"]
         offsets = 4 * len(COUNTS[case])  # the int32 end offsets of the experts' rows
-        assert saved["grouped"] <= saved["sequential"] + offsets, (case, saved)  # no stacked weight copy kept
+        rows, padded = sum(COUNTS[case]), sum(_padded(n, dtype) for n in COUNTS[case])
+        per_row = saved["sequential"] / rows if rows else 0
+        # no stacked weight copy kept; bf16 on CPU keeps its padded rows (and their int64 positions)
+        assert saved["grouped"] <= per_row * padded + offsets + 8 * rows, (case, saved)
         # fc1 and fc2 over all experts at once; backward: their row and weight gradients
         assert result[case]["grouped_mm_calls"] == 2 + 4, case
     assert result["idle_experts"]["grouped"][3]["local_experts.1.linear_fc1.weight"].abs().max() == 0
@@ -187,3 +199,45 @@ def test_grouped_mm_fits():
     assert grouped_mm_fits(32, 12, 6, torch.bfloat16, cpu) is False  # 6 bf16 = 12 bytes
     assert grouped_mm_fits(30, 32, 16, torch.float32, cpu) is False
     assert grouped_mm_fits(32, 16, 8, torch.bfloat16, cpu)
+
+
+def test_padded_positions_by_hand():
+    """Rows sorted by expert, counts [3, 0, 5, 1], groups padded to 4: expert 0 keeps 0-2, expert 2
+    starts at 4 (4-8), expert 3 at 12; padded counts [4, 0, 8, 4]."""
+    from gspo_megatron.models.grouped_experts import padded_positions
+
+    positions, padded = padded_positions(torch.tensor([3, 0, 5, 1]), 4)
+    assert positions.tolist() == [0, 1, 2, 4, 5, 6, 7, 8, 12]
+    assert padded.tolist() == [4, 0, 8, 4]
+    positions, padded = padded_positions(torch.tensor([0, 0]), 32)
+    assert positions.tolist() == [] and padded.tolist() == [0, 0]
+
+
+def test_padding_the_groups_changes_no_result():
+    """The grouped GEMMs on zero-padded groups (as bf16 on CPU runs them) equal them on the rows as
+    they come, forward and every gradient, bit for bit in fp32 (a padded row contributes zeros)."""
+    from gspo_megatron.models.grouped_experts import GroupedLinear, padded_positions
+
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.tensor([5, 0, 9, 2])
+    rows = torch.randn(16, 16, generator=generator)
+    weights = [torch.randn(8, 16, generator=generator) for _ in range(4)]
+    grad_out = torch.randn(16, 8, generator=generator)
+
+    def run(pad: bool):
+        x = rows.clone().requires_grad_()
+        ws = [w.clone().requires_grad_() for w in weights]
+        group_counts, inputs, positions = counts, x, None
+        if pad:
+            positions, group_counts = padded_positions(counts, 32)
+            inputs = x.new_zeros(int(group_counts.sum()), 16).index_copy(0, positions, x)
+        out = GroupedLinear.apply(inputs, group_counts.cumsum(0).to(torch.int32), *ws)
+        out = out if positions is None else out.index_select(0, positions)
+        (out * grad_out).sum().backward()
+        return out.detach(), x.grad, [w.grad for w in ws]
+
+    (out, grad_rows, grad_weights), (out_p, grad_rows_p, grad_weights_p) = run(False), run(True)
+    torch.testing.assert_close(out_p, out, rtol=0, atol=0)
+    torch.testing.assert_close(grad_rows_p, grad_rows, rtol=0, atol=0)
+    for got, expected in zip(grad_weights_p, grad_weights, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)  # sums over more (zero) rows
