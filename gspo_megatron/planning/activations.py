@@ -4,10 +4,11 @@ Design decisions:
 - Counted tensor by tensor from what each op of this project's layer stack saves (portable spec:
   ``models/layers.py`` RMSNorm and SDPA attention, megatron's column/row-parallel linears with
   sequence parallelism, the allgather token dispatcher and ``SequentialMLP`` experts; the grouped
-  experts of ``models/grouped_experts.py`` keep no more for backward, but for bf16/fp16 on CPU,
-  where each expert's rows are padded to a multiple of 32: at most 31 rows per expert more, not
-  counted), in elements per token, then times the activation width. The same counts are used for the TE spec on GPU; TE's
-  fused norm and flash attention save a little less (no repeated K/V heads), so GPU numbers err high.
+  experts of ``models/grouped_experts.py`` keep no more for backward, but for bf16/fp16 on
+  CPU, where each expert's rows are padded to a multiple of 32: at most 31 rows per expert more,
+  not counted), in elements per token, then times the activation width. The same counts are used
+  for the TE spec on GPU; TE's fused norm and flash attention save a little less (no repeated K/V
+  heads), so GPU numbers err high.
 - ``spec="te"`` (TransformerEngine + flash attention, the GPU default) differs only in attention:
   flash attention saves K and V unrepeated (2TK instead of 2TQ) and writes its output in the layout
   the projection reads (no TQ copy); under CP its ring attention passes K/V blocks around the ring

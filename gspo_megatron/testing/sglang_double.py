@@ -60,6 +60,9 @@ _DTYPE_NAMES = {"float32", "float16", "bfloat16", "float64", "int64", "int32", "
 _PAUSE_MODES = {"abort", "retract", "in_place"}
 
 
+HOLD_TIMEOUT_S = 30.0  # DoubleFaults.hold_until_in_flight gives up after this (the test then fails on the count)
+
+
 @dataclass
 class DoubleFaults:
     startup_503: int = 0  # /health answers 503 this many times before 200 (server warming up)
@@ -70,6 +73,9 @@ class DoubleFaults:
     wrong_routed_experts: bool = False  # routed_experts has one token row too few
     mismatched_logprob_ids: bool = False  # output_token_logprobs names other tokens than output_ids
     generate_delay_s: float = 0.0  # keeps requests in flight (load-balancing and dying tests)
+    # each /generate waits until this many have been in flight at once (at most HOLD_TIMEOUT_S): a
+    # test of a concurrency limit then sees the limit reached without racing a clock
+    hold_until_in_flight: int = 0
     fail_distributed_updates: int = 0  # the first N /update_weights_from_distributed answer 400
     fail_disk_updates: int = 0  # the first N /update_weights_from_disk answer 400
 
@@ -130,6 +136,7 @@ class SGLangServerDouble:
         self._health_calls = 0
         self._unseeded = 0
         self._lock = threading.Lock()
+        self._in_flight_changed = threading.Condition(self._lock)
         self._running = threading.Event()
         self._running.set()
         self._weights = _WeightState()
@@ -210,6 +217,10 @@ class SGLangServerDouble:
         with self._lock:
             self._in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self._in_flight)
+            self._in_flight_changed.notify_all()
+            if self.faults.hold_until_in_flight:
+                held = self.faults.hold_until_in_flight
+                self._in_flight_changed.wait_for(lambda: self.max_in_flight >= held, timeout=HOLD_TIMEOUT_S)
         try:
             if self.faults.generate_delay_s:
                 threading.Event().wait(self.faults.generate_delay_s)

@@ -187,7 +187,9 @@ def test_concurrency_limit_holds_over_all_servers(doubles):
     with _engine([a.url, b.url], max_concurrency=1) as engine:
         engine.generate([[1]] * 3, SamplingParams(max_new_tokens=2, n=2))
     assert a.max_in_flight == 1 and b.max_in_flight == 1 and a.generate_count + b.generate_count == 6
-    c = doubles(faults=DoubleFaults(generate_delay_s=0.1))
+    # the server holds each request until 3 are in flight at once (was: a 0.1 s delay, which a busy
+    # machine did not always fill with 3 requests); more than 3 would break the limit
+    c = doubles(faults=DoubleFaults(hold_until_in_flight=3))
     with _engine([c.url], max_concurrency=3) as engine:
         engine.generate([[1]] * 6, SamplingParams(max_new_tokens=2))
     assert c.max_in_flight == 3
