@@ -76,6 +76,9 @@ class DoubleFaults:
     # each /generate waits until this many have been in flight at once (at most HOLD_TIMEOUT_S): a
     # test of a concurrency limit then sees the limit reached without racing a clock
     hold_until_in_flight: int = 0
+    # each /generate waits until the server is paused (at most HOLD_TIMEOUT_S), then until it continues:
+    # a request is certainly in flight when a test pauses, without racing a clock
+    hold_until_paused: bool = False
     fail_distributed_updates: int = 0  # the first N /update_weights_from_distributed answer 400
     fail_disk_updates: int = 0  # the first N /update_weights_from_disk answer 400
 
@@ -139,6 +142,7 @@ class SGLangServerDouble:
         self._in_flight_changed = threading.Condition(self._lock)
         self._running = threading.Event()
         self._running.set()
+        self._paused_event = threading.Event()  # set while paused (DoubleFaults.hold_until_paused)
         self._weights = _WeightState()
         self._server = _DoubleHTTPServer((host, port), self._handler_class())
         self._thread: threading.Thread | None = None
@@ -168,7 +172,8 @@ class SGLangServerDouble:
     def stop(self) -> None:
         """Stop serving and close the listening socket (new connections are refused)."""
         self.dead = True
-        self._running.set()  # release paused generates so they can drop their connections
+        self._paused_event.set()  # release held and paused generates so they can drop their connections
+        self._running.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._server.shutdown()
             self._thread = None
@@ -222,6 +227,8 @@ class SGLangServerDouble:
                 held = self.faults.hold_until_in_flight
                 self._in_flight_changed.wait_for(lambda: self.max_in_flight >= held, timeout=HOLD_TIMEOUT_S)
         try:
+            if self.faults.hold_until_paused:
+                self._paused_event.wait(HOLD_TIMEOUT_S)
             if self.faults.generate_delay_s:
                 threading.Event().wait(self.faults.generate_delay_s)
             self._running.wait()
@@ -283,11 +290,13 @@ class SGLangServerDouble:
         self.paused = True
         self.pause_mode = mode
         self._running.clear()
+        self._paused_event.set()
         return 200, {"message": "Generation paused successfully.", "status": "ok"}
 
     def _continue(self, _body):
         self.paused = False
         self.pause_mode = None
+        self._paused_event.clear()
         self._running.set()
         return 200, {"message": "Generation continued successfully.", "status": "ok"}
 

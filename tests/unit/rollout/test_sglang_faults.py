@@ -53,7 +53,7 @@ def test_weight_update_under_load_succeeds(doubles, tmp_path, pause_mode):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    double = doubles(faults=DoubleFaults(generate_delay_s=0.3))
+    double = doubles(faults=DoubleFaults(hold_until_paused=True))  # in flight until the update pauses
     with _engine(
         [double.url],
         weight_sync="disk",
@@ -79,7 +79,7 @@ def test_weight_update_under_load_succeeds(doubles, tmp_path, pause_mode):
 
 
 def test_double_flush_refuses_while_requests_run(doubles):
-    double = doubles(faults=DoubleFaults(generate_delay_s=0.5))
+    double = doubles(faults=DoubleFaults(hold_until_paused=True))  # in flight until paused, then held
     with httpx.Client(base_url=double.url, trust_env=False, timeout=10) as http:
         worker = threading.Thread(target=lambda: http.post("/generate", json={"input_ids": [1]}))
         worker.start()
