@@ -94,6 +94,12 @@ def stacked_weights(weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return torch.stack(weights)
 
 
+def group_row_multiple(dtype: torch.dtype, device: torch.device) -> int:
+    """Rows per expert group are padded to a multiple of this: ``CPU_ROW_MULTIPLE`` for bf16/fp16 on
+    CPU (oneDNN's per-shape kernels), 1 (no padding) otherwise."""
+    return CPU_ROW_MULTIPLE if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) else 1
+
+
 def padded_positions(counts: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each expert's rows (``counts`` [E], rows sorted by expert) moved to groups padded to a multiple of
     ``multiple`` rows: (position of every row in the padded layout [N], padded counts [E]).
@@ -158,8 +164,9 @@ class GroupedExperts(SequentialMLP):
             probs = torch.ones_like(probs)
         counts = torch.as_tensor(tokens_per_expert, device=rows.device)
         positions = None
-        if rows.device.type == "cpu" and rows.dtype in (torch.bfloat16, torch.float16):
-            positions, counts = padded_positions(counts, CPU_ROW_MULTIPLE)
+        multiple = group_row_multiple(rows.dtype, rows.device)
+        if multiple > 1:
+            positions, counts = padded_positions(counts, multiple)
             total = int(counts.sum())
             rows = rows.new_zeros(total, rows.shape[-1]).index_copy(0, positions, rows)
             probs = probs.new_zeros(total).index_copy(0, positions, probs)

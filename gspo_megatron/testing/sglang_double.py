@@ -60,7 +60,7 @@ _DTYPE_NAMES = {"float32", "float16", "bfloat16", "float64", "int64", "int32", "
 _PAUSE_MODES = {"abort", "retract", "in_place"}
 
 
-HOLD_TIMEOUT_S = 30.0  # DoubleFaults.hold_until_in_flight gives up after this (the test then fails on the count)
+HOLD_TIMEOUT_S = 30.0  # DoubleFaults.hold_until_* give up after this (the test then fails on what it counts)
 
 
 @dataclass
@@ -135,14 +135,13 @@ class SGLangServerDouble:
         self.max_in_flight = 0  # most /generate requests handled at once
         self._in_flight = 0
         self.dead = False
-        self.paused = False
         self._health_calls = 0
         self._unseeded = 0
         self._lock = threading.Lock()
         self._in_flight_changed = threading.Condition(self._lock)
         self._running = threading.Event()
         self._running.set()
-        self._paused_event = threading.Event()  # set while paused (DoubleFaults.hold_until_paused)
+        self._paused_event = threading.Event()  # set while paused (``paused``; DoubleFaults.hold_until_paused)
         self._weights = _WeightState()
         self._server = _DoubleHTTPServer((host, port), self._handler_class())
         self._thread: threading.Thread | None = None
@@ -168,6 +167,11 @@ class SGLangServerDouble:
         )
         self._thread.start()
         return self
+
+    @property
+    def paused(self) -> bool:
+        """Between /pause_generation and /continue_generation (a stopped server is not paused)."""
+        return self._paused_event.is_set() and not self.dead
 
     def stop(self) -> None:
         """Stop serving and close the listening socket (new connections are refused)."""
@@ -287,14 +291,12 @@ class SGLangServerDouble:
         mode = (body or {}).get("mode", "abort")
         if mode not in _PAUSE_MODES:
             return 400, {"error": {"message": f"mode {mode!r} not in {sorted(_PAUSE_MODES)}"}}
-        self.paused = True
         self.pause_mode = mode
         self._running.clear()
         self._paused_event.set()
         return 200, {"message": "Generation paused successfully.", "status": "ok"}
 
     def _continue(self, _body):
-        self.paused = False
         self.pause_mode = None
         self._paused_event.clear()
         self._running.set()

@@ -148,9 +148,9 @@ def _assert_same(result, case, tol):
 
 def _padded(rows: int, dtype: torch.dtype) -> int:
     """An expert's rows in the grouped GEMMs: bf16/fp16 on CPU pad them to ``CPU_ROW_MULTIPLE``."""
-    from gspo_megatron.models.grouped_experts import CPU_ROW_MULTIPLE
+    from gspo_megatron.models.grouped_experts import group_row_multiple
 
-    multiple = CPU_ROW_MULTIPLE if dtype in (torch.bfloat16, torch.float16) else 1
+    multiple = group_row_multiple(dtype, torch.device("cpu"))
     return -(-rows // multiple) * multiple
 
 
