@@ -9,7 +9,8 @@ minima of the log-prob, ``shaping.segmentation.confidence_boundaries``) with the
 (positions of the trigger tokens of ``shaping.grsp.keywords``). A confidence boundary agrees when it
 lies within ``--tolerance`` tokens of a keyword boundary; agreement is the F1 of precision (agreeing
 confidence boundaries / all) and recall (matched keyword boundaries / all). The best pair is what
-``GRSPConfig``'s defaults are set from; the JSON holds the whole grid.
+``GRSPConfig``'s defaults are set from; the JSON holds the whole grid, the commit and the command.
+``tools/shaping_study.py`` runs this on its own warm start and stores the result beside its report.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def main(argv=None) -> int:
     from gspo_megatron.config.store import register_configs
     from gspo_megatron.data.tasks import build_task
     from gspo_megatron.data.tokenizer import SymbolTokenizer
+    from gspo_megatron.provenance import code_version, command_line
     from gspo_megatron.rollout.config import EmbeddedConfig
     from gspo_megatron.rollout.embedded import EmbeddedEngine
     from gspo_megatron.rollout.types import SamplingParams
@@ -78,7 +80,7 @@ def main(argv=None) -> int:
 
     grid = []
     for window in (1, 2, 3, 4, 6):
-        for threshold in (-0.1, -0.25, -0.5, -1.0, -1.5, -2.0):
+        for threshold in (-0.05, -0.1, -0.25, -0.5, -1.0, -1.5, -2.0):
             agree = predicted = matched = reference = 0
             for sample, ref in zip(samples, references, strict=True):
                 found = confidence_boundaries(sample.output_log_probs, window, threshold).tolist()
@@ -96,6 +98,8 @@ def main(argv=None) -> int:
             )
     best = max(grid, key=lambda g: (g["f1"], g["precision"]))
     result = {
+        **code_version(),
+        "command": command_line(),
         "checkpoint": str(args.checkpoint),
         "responses": len(samples),
         "tolerance": args.tolerance,

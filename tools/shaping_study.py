@@ -5,25 +5,32 @@
 
 1. Warm-starts the tiny MoE to long, verbose reasoning (``tools/sft_warmstart.py``: 2-5 digit
    problems, 0-5 useless "Wait" re-checks, so keyword segments fall in all three length clusters of
-   ``conf/experiment/shaping_from_sft.yaml``), unless ``--checkpoint`` already exists. Deterministic:
-   the same command writes the same weights.
+   ``conf/experiment/shaping_from_sft.yaml``). Deterministic: the same command writes the same
+   weights; the report records their sha256. An existing ``--checkpoint`` is reused only when its
+   ``warm_start.json`` names the same command and commit (a clean checkout); otherwise it is rebuilt.
 2. Evaluates that warm start as it is (the "vanilla model" the Step-GRPO paper compares against).
-3. Trains every arm from it with ``+experiment=shaping_from_sft`` for each seed (ARMS below: plain
+3. Calibrates GRSP's confidence segmentation on that warm start
+   (``tools/calibrate_confidence_segmentation.py``, written to ``OUT/confidence_calibration.json``);
+   the ``grsp_confidence`` arm uses the calibrated window and threshold.
+4. Trains every arm from it with ``+experiment=shaping_from_sft`` for each seed (ARMS below: plain
    GSPO, DTR only, Step-GRPO's reward only, Step-GRPO + DTR, GRSP keyword, GRSP confidence). A finished
-   run (its metrics.jsonl has the last step) is reused, so an interrupted study resumes.
-4. Writes ``OUT/report.md`` and ``OUT/report.json`` (``study_reports.shaping_report``): per arm, seed
+   run (its metrics.jsonl has the last step) of the same clean commit is reused, so an interrupted
+   study resumes; a run of other code is trained again.
+5. Writes ``OUT/report.md`` and ``OUT/report.json`` (``study_reports.shaping_report``): per arm, seed
    mean ± sample std. Learned brevity is measured on EVALUATION responses (plain decoding, no
    truncation, >= 64 prompts); rollout-token savings (DTR cuts rollouts before any update) are reported
    separately. The report records the commit, the full command, the seeds and each run's composed
    config (``OUT/configs/``).
 
-Runs go to ``OUT/runs/<arm>_s<seed>`` (their metrics.jsonl copied to ``OUT/metrics/``, logs beside);
-extra Hydra overrides after ``--`` apply to every arm.
+Runs go to ``OUT/runs/<arm>_s<seed>`` (logs beside). The tracked outputs (report, step logs in
+``OUT/metrics/``, configs, calibration) are written only after every run finished, so no run sees a
+checkout that the study itself made dirty. Extra Hydra overrides after ``--`` apply to every arm.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -60,6 +67,39 @@ def _finished(run_dir: Path, steps: int) -> bool:
     return any(m.get("step") == steps for m in lines)
 
 
+def _same_clean_code(record: dict, version: dict) -> bool:
+    """A result can stand for this code only when both were made from the same commit, neither dirty."""
+    return (
+        version["dirty"] is False
+        and record.get("dirty") is False
+        and record.get("commit") == version["commit"] != "unknown"
+    )
+
+
+def reusable_run(run_dir: Path, steps: int, version: dict) -> bool:
+    """A finished run of this very (clean) code: its provenance.json names the current commit."""
+    path = run_dir / "provenance.json"
+    return _finished(run_dir, steps) and path.is_file() and _same_clean_code(json.loads(path.read_text()), version)
+
+
+WARM_START_RECORD = "warm_start.json"  # in the checkpoint directory: the command and code that wrote it
+
+
+def reusable_warm_start(checkpoint: Path, command: list[str], version: dict) -> bool:
+    path = checkpoint / WARM_START_RECORD
+    if not (checkpoint / "config.json").is_file() or not path.is_file():
+        return False
+    record = json.loads(path.read_text())
+    return record.get("command") == command and _same_clean_code(record, version)
+
+
+def weights_sha256(checkpoint: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(checkpoint.glob("*.safetensors")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
 def evaluate_warm_start(checkpoint: Path, overrides: list[str]) -> dict[str, float]:
     """pass@1 and response length of the warm start itself, on the study's evaluation prompts and
     settings (the trainer's own evaluation: same prompts, sampling and verifier)."""
@@ -79,11 +119,17 @@ def evaluate_warm_start(checkpoint: Path, overrides: list[str]) -> dict[str, flo
         phase.rewards.close()
 
 
-def _commit() -> str:
-    from gspo_megatron.provenance import code_version
-
-    version = code_version()
+def _commit(version: dict) -> str:
     return version["commit"] + (" (with uncommitted changes)" if version["dirty"] else "")
+
+
+def calibrated_overrides(calibration: dict) -> list[str]:
+    """The grsp_confidence arm's segmentation settings, from the calibration on the study's warm start."""
+    best = calibration["best"]
+    return [
+        f"shaping.grsp.confidence_window={best['window']}",
+        f"shaping.grsp.confidence_threshold={best['threshold']}",
+    ]
 
 
 def main(argv=None) -> int:
@@ -111,19 +157,35 @@ def main(argv=None) -> int:
         summarize_run,
     )
 
+    from gspo_megatron.provenance import code_version
+
+    version = code_version()
     out = (REPO / args.out).resolve()
     (out / "runs").mkdir(parents=True, exist_ok=True)
     checkpoint = (REPO / args.checkpoint).resolve()
-    if not (checkpoint / "config.json").is_file():
+    warm_args = ["tools/sft_warmstart.py", "--out", args.checkpoint, "--steps", str(args.warm_start_steps), *WARM_START]
+    if not reusable_warm_start(checkpoint, warm_args, version):
         print(f"warm start -> {checkpoint}", flush=True)
-        warm = [sys.executable, "tools/sft_warmstart.py", "--out", str(checkpoint)]
-        _run([*warm, "--steps", str(args.warm_start_steps), *WARM_START], out / "warm_start.log")
+        shutil.rmtree(checkpoint, ignore_errors=True)
+        _run([sys.executable, *warm_args], out / "warm_start.log")
+        record = {"command": warm_args, "commit": version["commit"], "dirty": version["dirty"]}
+        (checkpoint / WARM_START_RECORD).write_text(json.dumps(record, indent=2))
+    warm_sha = weights_sha256(checkpoint)
     vanilla = evaluate_warm_start(checkpoint, args.overrides)
+    calibration_path = out / "runs" / "confidence_calibration.json"
+    print(f"calibrate confidence segmentation -> {calibration_path}", flush=True)
+    calibrate = ["tools/calibrate_confidence_segmentation.py", "--checkpoint", args.checkpoint]
+    _run([sys.executable, *calibrate, "--out", os.path.relpath(calibration_path, REPO)], out / "calibration.log")
+    calibration = json.loads(calibration_path.read_text())
+    arm_overrides = {arm: list(ARMS[arm]) for arm in args.arms}
+    if "grsp_confidence" in arm_overrides:
+        arm_overrides["grsp_confidence"] += calibrated_overrides(calibration)
     arms: dict[str, list[dict]] = {}
     for arm in args.arms:
         for seed in args.seeds:
             run_dir = out / "runs" / f"{arm}_s{seed}"
-            if not _finished(run_dir, args.steps):
+            if not reusable_run(run_dir, args.steps, version):
+                shutil.rmtree(run_dir, ignore_errors=True)
                 print(f"train {arm} seed {seed} -> {run_dir}", flush=True)
                 _run(
                     [
@@ -136,29 +198,35 @@ def main(argv=None) -> int:
                         f"trainer.steps={args.steps}",
                         f"trainer.eval_every={args.steps}",
                         f"run_dir={run_dir}",
-                        *ARMS[arm],
+                        *arm_overrides[arm],
                         *args.overrides,
                     ],
                     out / f"{arm}_s{seed}.log",
                 )
-            metrics = read_metrics(run_dir)
+            arms.setdefault(arm, []).append(summarize_run(read_metrics(run_dir), args.last_steps))
+    # Tracked outputs only now: the runs' step logs and composed configs, the calibration, the report.
+    for arm in args.arms:
+        for seed in args.seeds:
             for folder, name, suffix in (("metrics", "metrics.jsonl", "jsonl"), ("configs", "config.yaml", "yaml")):
-                (out / folder).mkdir(exist_ok=True)  # the runs' step logs and composed configs, beside the report
-                shutil.copyfile(run_dir / name, out / folder / f"{arm}_s{seed}.{suffix}")
-            arms.setdefault(arm, []).append(summarize_run(metrics, args.last_steps))
+                (out / folder).mkdir(exist_ok=True)
+                shutil.copyfile(out / "runs" / f"{arm}_s{seed}" / name, out / folder / f"{arm}_s{seed}.{suffix}")
+    shutil.copyfile(calibration_path, out / "confidence_calibration.json")
     stats = {arm: aggregate(runs) for arm, runs in arms.items()}
     relative = relative_to_baseline(stats)
     against_vanilla = relative_to_vanilla(stats, vanilla)
     notes = [
-        f"commit: {_commit()}",
+        f"commit: {_commit(version)}",
         f"command: {command}",
         f"seeds: {args.seeds}; {args.steps} RL steps per run; evaluation at the last step",
-        f"warm start: tools/sft_warmstart.py --steps {args.warm_start_steps} {' '.join(WARM_START)}; "
+        f"warm start: {' '.join(warm_args)} (weights sha256 {warm_sha[:16]}); "
         f"evaluated as it is (the vanilla model): {json.dumps(vanilla)}",
+        f"confidence segmentation calibrated on the warm start ({' '.join(calibrate)}): "
+        f"window {calibration['best']['window']}, threshold {calibration['best']['threshold']} "
+        f"(F1 {calibration['best']['f1']:.2f} against keyword boundaries; confidence_calibration.json)",
         f"per run: mean over its last {args.last_steps} training steps (rollout tokens: DTR arms cut these "
         "before any update); eval_* = the last evaluation (held-out prompts, plain decoding, no truncation: "
         "learned brevity); ± is the sample std over seeds",
-        "arms: " + "; ".join(f"{a}: {' '.join(ARMS[a])}" for a in arms),
+        "arms: " + "; ".join(f"{a}: {' '.join(arm_overrides[a])}" for a in arms),
     ]
     (out / "report.json").write_text(
         json.dumps(
@@ -167,6 +235,8 @@ def main(argv=None) -> int:
                 "relative": relative,
                 "vs_vanilla": against_vanilla,
                 "vanilla": vanilla,
+                "warm_start_sha256": warm_sha,
+                "confidence_calibration": calibration["best"],
                 "notes": notes,
                 "runs": arms,
             },

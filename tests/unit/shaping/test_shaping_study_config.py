@@ -2,6 +2,7 @@
 warm-started policy's responses, and those responses fit the rollout budget."""
 
 import importlib.util
+import json
 import random
 from pathlib import Path
 
@@ -83,3 +84,51 @@ def test_every_arm_of_the_study_composes_and_validates_with_enough_evidence():
         assert cfg.trainer.eval_prompts >= 64 and cfg.trainer.steps >= 50
     method = OmegaConf.to_object(compose(["+experiment=shaping_study"]))
     assert method.shaping.name == "step_grpo" and method.rollout.truncated
+
+
+def _finished_run(run_dir, steps, **provenance):
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, steps + 1)))
+    (run_dir / "provenance.json").write_text(json.dumps(provenance))
+
+
+def test_a_finished_run_is_reused_only_for_the_same_clean_commit(tmp_path):
+    """A stored report must come from its commit: a run of other (or uncommitted) code is trained again."""
+    reusable_run = _tool("shaping_study").reusable_run
+    here = {"commit": "a" * 40, "dirty": False}
+    _finished_run(tmp_path / "same", 3, commit="a" * 40, dirty=False)
+    _finished_run(tmp_path / "other", 3, commit="b" * 40, dirty=False)
+    _finished_run(tmp_path / "dirty", 3, commit="a" * 40, dirty=True)
+    _finished_run(tmp_path / "short", 2, commit="a" * 40, dirty=False)
+    assert reusable_run(tmp_path / "same", 3, here)
+    assert not reusable_run(tmp_path / "other", 3, here)
+    assert not reusable_run(tmp_path / "dirty", 3, here)
+    assert not reusable_run(tmp_path / "short", 3, here)
+    assert not reusable_run(tmp_path / "same", 3, {"commit": "a" * 40, "dirty": True})  # this checkout is dirty
+
+
+def test_a_warm_start_is_reused_only_when_the_same_command_and_clean_commit_wrote_it(tmp_path):
+    tool = _tool("shaping_study")
+    command = ["tools/sft_warmstart.py", "--out", "ckpt", "--steps", "300", *tool.WARM_START]
+    here = {"commit": "a" * 40, "dirty": False}
+    (tmp_path / "config.json").write_text("{}")
+    assert not tool.reusable_warm_start(tmp_path, command, here)  # no record: rebuilt
+    record = {"command": command, "commit": "a" * 40, "dirty": False}
+    (tmp_path / tool.WARM_START_RECORD).write_text(json.dumps(record))
+    assert tool.reusable_warm_start(tmp_path, command, here)
+    assert not tool.reusable_warm_start(tmp_path, [*command[:-1], "4"], here)
+    assert not tool.reusable_warm_start(tmp_path, command, {"commit": "b" * 40, "dirty": False})
+
+
+def test_the_confidence_arm_trains_with_the_calibrated_segmentation_and_the_defaults_are_the_stored_calibration():
+    tool = _tool("shaping_study")
+    overrides = tool.calibrated_overrides({"best": {"window": 3, "threshold": -0.5}})
+    cfg = OmegaConf.to_object(compose(["+experiment=shaping_from_sft", *tool.ARMS["grsp_confidence"], *overrides]))
+    assert (cfg.shaping.grsp.confidence_window, cfg.shaping.grsp.confidence_threshold) == (3, -0.5)
+    stored = json.loads((TOOLS.parent / "reports/shaping_study/confidence_calibration.json").read_text())
+    defaults = OmegaConf.to_object(compose(["shaping=grsp"])).shaping.grsp
+    assert (defaults.confidence_window, defaults.confidence_threshold) == (
+        stored["best"]["window"],
+        stored["best"]["threshold"],
+    ), "conf/shaping/grsp.yaml's confidence settings must be the study's stored calibration"
+    assert stored["commit"] and stored["command"].startswith("python tools/calibrate_confidence_segmentation.py")
