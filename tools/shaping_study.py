@@ -5,9 +5,10 @@
 
 1. Warm-starts the tiny MoE to long, verbose reasoning (``tools/sft_warmstart.py``: 2-5 digit
    problems, 0-5 useless "Wait" re-checks, so keyword segments fall in all three length clusters of
-   ``conf/experiment/shaping_from_sft.yaml``). Deterministic: the same command writes the same
-   weights; the report records their sha256. An existing ``--checkpoint`` is reused only when its
-   ``warm_start.json`` names the same command and commit (a clean checkout); otherwise it is rebuilt.
+   ``conf/experiment/shaping_from_sft.yaml``). Deterministic at a fixed thread count (THREADS, pinned
+   here): the same command writes the same weights; the report records their sha256. An existing
+   ``--checkpoint`` is reused only when its ``warm_start.json`` names the same command and commit (a
+   clean checkout); otherwise it is rebuilt.
 2. Evaluates that warm start as it is (the "vanilla model" the Step-GRPO paper compares against).
 3. Calibrates GRSP's confidence segmentation on that warm start
    (``tools/calibrate_confidence_segmentation.py``, written to ``OUT/confidence_calibration.json``);
@@ -48,11 +49,16 @@ ARMS = {
     "grsp_confidence": ["shaping=grsp", "shaping.grsp.segmentation=confidence"],
 }
 QUICK = {"steps": 10, "seeds": [0, 1]}
+# torch's CPU kernels reduce in an order that depends on the thread count, so the same command writes
+# the same weights only at the same count (measured: tools/sft_warmstart.py, 20 steps, twice at 1 thread
+# identical, at 2 threads different). The study pins it for every process it starts and for itself.
+THREADS = 1
 WARM_START = ["--digits", "5", "--min-digits", "2", "--max-waits", "5"]
 
 
 def _run(cmd: list[str], log: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    pythonpath = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    env = {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": str(THREADS)}
     with log.open("w") as out:
         done = subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     if done.returncode != 0:
@@ -148,6 +154,7 @@ def main(argv=None) -> int:
         args.steps, args.seeds = QUICK["steps"], QUICK["seeds"]
     command = "python3 tools/shaping_study.py " + " ".join(argv if argv is not None else sys.argv[1:])
 
+    import torch
     from study_reports.shaping_report import (
         aggregate,
         read_metrics,
@@ -159,6 +166,7 @@ def main(argv=None) -> int:
 
     from gspo_megatron.provenance import code_version
 
+    torch.set_num_threads(THREADS)  # the warm start's evaluation runs in this process
     version = code_version()
     out = (REPO / args.out).resolve()
     (out / "runs").mkdir(parents=True, exist_ok=True)
@@ -217,7 +225,8 @@ def main(argv=None) -> int:
     notes = [
         f"commit: {_commit(version)}",
         f"command: {command}",
-        f"seeds: {args.seeds}; {args.steps} RL steps per run; evaluation at the last step",
+        f"seeds: {args.seeds}; {args.steps} RL steps per run; evaluation at the last step; "
+        f"{THREADS} CPU thread per process (OMP_NUM_THREADS; results depend on it)",
         f"warm start: {' '.join(warm_args)} (weights sha256 {warm_sha[:16]}); "
         f"evaluated as it is (the vanilla model): {json.dumps(vanilla)}",
         f"confidence segmentation calibrated on the warm start ({' '.join(calibrate)}): "
