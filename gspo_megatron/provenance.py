@@ -12,11 +12,19 @@ Design decisions:
 - The command is the process's own argv, re-spelled as ``python -m <module>`` when it ran as a
   module, so it can be pasted back. Under a Hydra multirun every job records the sweep command;
   the job's own overrides are its composed ``config.yaml`` beside it.
+- A result depends on more than the commit: torch's CPU kernels reduce in an order set by the thread
+  count (the same warm start at 1 and at 2 threads gives different weights), and a run starts from
+  a checkpoint that another command wrote. Runs record their thread count (``cpu_threads``) and,
+  when their ``model.hf_checkpoint`` was written by ``tools/sft_warmstart.py``, that checkpoint's
+  ``warm_start.json`` (its commit, command, thread count and weights' sha256); reports warn when
+  these differ between runs.
 - Torch-free and dependency-free: tools and report writers import it without building a model.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shlex
 import subprocess
 import sys
@@ -24,6 +32,7 @@ import time
 from pathlib import Path
 
 PROVENANCE_FILE = "provenance.json"
+WARM_START_FILE = "warm_start.json"  # in a checkpoint directory tools/sft_warmstart.py wrote
 UNKNOWN = "unknown"
 _ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,3 +75,32 @@ def provenance(**extra) -> dict:
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         **extra,
     }
+
+
+def same_clean_code(record: dict, version: dict | None = None) -> bool:
+    """Whether a recorded result stands for this checkout: the same commit, neither with uncommitted
+    changes (a dirty result, or a dirty checkout, cannot be told apart from other code)."""
+    version = code_version() if version is None else version
+    return (
+        version["dirty"] is False
+        and record.get("dirty") is False
+        and record.get("commit") == version["commit"] != UNKNOWN
+    )
+
+
+def weights_sha256(checkpoint: str | Path) -> str:
+    """sha256 over a checkpoint directory's ``*.safetensors`` files, in name order."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(checkpoint).glob("*.safetensors")):
+        with path.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def warm_start_record(checkpoint: str | Path | None) -> dict | None:
+    """The ``warm_start.json`` that ``tools/sft_warmstart.py`` wrote beside a checkpoint, if any."""
+    if checkpoint is None:
+        return None
+    path = Path(checkpoint) / WARM_START_FILE
+    return json.loads(path.read_text()) if path.is_file() else None

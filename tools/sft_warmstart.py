@@ -17,13 +17,42 @@ fits the tiny model, with megatron's own schedule and optimizer, to responses of
 Every re-check is correct but useless, so a shaper that counts steps or short segments can shorten
 the responses without losing accuracy, while plain GSPO has no reason to. The loss is the mean
 negative log-likelihood of the response tokens (the prompt is context only).
+
+Beside the weights it writes ``warm_start.json`` (``gspo_megatron.provenance``: commit, command, thread
+count, weights' sha256); every run started from the checkpoint records it. The same command at the
+same commit and thread count writes the same weights. ``--keep-if-current`` keeps an existing
+checkpoint only when its record says exactly that (same command, same clean commit, same threads),
+and rebuilds it otherwise -- what the study scripts use instead of "reuse whatever is there".
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import sys
 from pathlib import Path
+
+KEEP_FLAG = "--keep-if-current"
+
+
+def record_command(argv: list[str]) -> str:
+    """The command a warm start records (without ``--keep-if-current``, which changes no weight)."""
+    from gspo_megatron.provenance import command_line
+
+    return command_line([a for a in argv if a != KEEP_FLAG])
+
+
+def is_current(record: dict | None, command: str, threads: int, version: dict | None = None) -> bool:
+    """Whether an existing warm start is what this command would write now."""
+    from gspo_megatron.provenance import same_clean_code
+
+    return (
+        record is not None
+        and record.get("command") == command
+        and record.get("cpu_threads") == threads
+        and same_clean_code(record, version)
+    )
 
 
 def verbose_response(record, rng: random.Random, max_waits: int) -> str:
@@ -64,8 +93,18 @@ def main(argv=None) -> None:
     parser.add_argument("--min-digits", type=int, default=None, help="fewest digits (default: --digits)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default="tiny", help="model preset (conf/model/<name>.yaml), e.g. small_moe")
+    parser.add_argument(KEEP_FLAG, action="store_true", help="keep --out if its warm_start.json says it is current")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for the model, e.g. model.hidden_size=128")
     args = parser.parse_args(argv)
+    import torch
+
+    from gspo_megatron.provenance import WARM_START_FILE, provenance, warm_start_record, weights_sha256
+
+    command = record_command(sys.argv if argv is None else ["tools/sft_warmstart.py", *argv])
+    if args.keep_if_current and is_current(warm_start_record(args.out), command, torch.get_num_threads()):
+        print(f"kept {args.out} (its {WARM_START_FILE} names this command, commit and thread count)")
+        return
+    (Path(args.out) / WARM_START_FILE).unlink(missing_ok=True)  # a stale record must not outlive a failed rebuild
 
     from gspo_megatron.algorithms.logprobs import vocab_parallel_log_probs
     from gspo_megatron.config.compose import compose
@@ -123,6 +162,9 @@ def main(argv=None) -> None:
             if step % 25 == 0 or step == 1:
                 print(f"step {step:4d}  response NLL per token {float(out['nll']):.4f}", flush=True)
         save_hf_checkpoint(model, cfg.model, mesh, Path(args.out))
+        record = provenance(cpu_threads=torch.get_num_threads(), weights_sha256=weights_sha256(args.out))
+        record["command"] = command
+        (Path(args.out) / WARM_START_FILE).write_text(json.dumps(record, indent=2) + "\n")
         print(f"wrote {args.out}")
     finally:
         mesh.destroy()

@@ -6,9 +6,10 @@
 1. Warm-starts the tiny MoE to long, verbose reasoning (``tools/sft_warmstart.py``: 2-5 digit
    problems, 0-5 useless "Wait" re-checks, so keyword segments fall in all three length clusters of
    ``conf/experiment/shaping_from_sft.yaml``). Deterministic at a fixed thread count (THREADS, pinned
-   here): the same command writes the same weights; the report records their sha256. An existing
-   ``--checkpoint`` is reused only when its ``warm_start.json`` names the same command and commit (a
-   clean checkout); otherwise it is rebuilt.
+   here): the same command writes the same weights; the report records the checkpoint's
+   ``warm_start.json`` (commit, command, sha256). An existing ``--checkpoint`` is kept only when that
+   record names this command, a clean checkout of this commit and this thread count
+   (``sft_warmstart.py --keep-if-current``); otherwise it is rebuilt.
 2. Evaluates that warm start as it is (the "vanilla model" the Step-GRPO paper compares against).
 3. Calibrates GRSP's confidence segmentation on that warm start
    (``tools/calibrate_confidence_segmentation.py``, written to ``OUT/confidence_calibration.json``);
@@ -31,7 +32,6 @@ checkout that the study itself made dirty. Extra Hydra overrides after ``--`` ap
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -73,37 +73,12 @@ def _finished(run_dir: Path, steps: int) -> bool:
     return any(m.get("step") == steps for m in lines)
 
 
-def _same_clean_code(record: dict, version: dict) -> bool:
-    """A result can stand for this code only when both were made from the same commit, neither dirty."""
-    return (
-        version["dirty"] is False
-        and record.get("dirty") is False
-        and record.get("commit") == version["commit"] != "unknown"
-    )
-
-
 def reusable_run(run_dir: Path, steps: int, version: dict) -> bool:
     """A finished run of this very (clean) code: its provenance.json names the current commit."""
+    from gspo_megatron.provenance import same_clean_code
+
     path = run_dir / "provenance.json"
-    return _finished(run_dir, steps) and path.is_file() and _same_clean_code(json.loads(path.read_text()), version)
-
-
-WARM_START_RECORD = "warm_start.json"  # in the checkpoint directory: the command and code that wrote it
-
-
-def reusable_warm_start(checkpoint: Path, command: list[str], version: dict) -> bool:
-    path = checkpoint / WARM_START_RECORD
-    if not (checkpoint / "config.json").is_file() or not path.is_file():
-        return False
-    record = json.loads(path.read_text())
-    return record.get("command") == command and _same_clean_code(record, version)
-
-
-def weights_sha256(checkpoint: Path) -> str:
-    digest = hashlib.sha256()
-    for path in sorted(checkpoint.glob("*.safetensors")):
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
+    return _finished(run_dir, steps) and path.is_file() and same_clean_code(json.loads(path.read_text()), version)
 
 
 def evaluate_warm_start(checkpoint: Path, overrides: list[str]) -> dict[str, float]:
@@ -164,7 +139,7 @@ def main(argv=None) -> int:
         summarize_run,
     )
 
-    from gspo_megatron.provenance import code_version
+    from gspo_megatron.provenance import code_version, warm_start_record
 
     torch.set_num_threads(THREADS)  # the warm start's evaluation runs in this process
     version = code_version()
@@ -172,13 +147,9 @@ def main(argv=None) -> int:
     (out / "runs").mkdir(parents=True, exist_ok=True)
     checkpoint = (REPO / args.checkpoint).resolve()
     warm_args = ["tools/sft_warmstart.py", "--out", args.checkpoint, "--steps", str(args.warm_start_steps), *WARM_START]
-    if not reusable_warm_start(checkpoint, warm_args, version):
-        print(f"warm start -> {checkpoint}", flush=True)
-        shutil.rmtree(checkpoint, ignore_errors=True)
-        _run([sys.executable, *warm_args], out / "warm_start.log")
-        record = {"command": warm_args, "commit": version["commit"], "dirty": version["dirty"]}
-        (checkpoint / WARM_START_RECORD).write_text(json.dumps(record, indent=2))
-    warm_sha = weights_sha256(checkpoint)
+    print(f"warm start -> {checkpoint}", flush=True)  # kept when its warm_start.json says it is current
+    _run([sys.executable, *warm_args, "--keep-if-current"], out / "warm_start.log")
+    warm_record = warm_start_record(checkpoint)
     vanilla = evaluate_warm_start(checkpoint, args.overrides)
     calibration_path = out / "runs" / "confidence_calibration.json"
     print(f"calibrate confidence segmentation -> {calibration_path}", flush=True)
@@ -227,7 +198,8 @@ def main(argv=None) -> int:
         f"command: {command}",
         f"seeds: {args.seeds}; {args.steps} RL steps per run; evaluation at the last step; "
         f"{THREADS} CPU thread per process (OMP_NUM_THREADS; results depend on it)",
-        f"warm start: {' '.join(warm_args)} (weights sha256 {warm_sha[:16]}); "
+        f"warm start: {warm_record['command']} (commit {warm_record['commit'][:12]}, "
+        f"weights sha256 {warm_record['weights_sha256'][:16]}); "
         f"evaluated as it is (the vanilla model): {json.dumps(vanilla)}",
         f"confidence segmentation calibrated on the warm start ({' '.join(calibrate)}): "
         f"window {calibration['best']['window']}, threshold {calibration['best']['threshold']} "
@@ -244,7 +216,7 @@ def main(argv=None) -> int:
                 "relative": relative,
                 "vs_vanilla": against_vanilla,
                 "vanilla": vanilla,
-                "warm_start_sha256": warm_sha,
+                "warm_start": warm_record,
                 "confidence_calibration": calibration["best"],
                 "notes": notes,
                 "runs": arms,

@@ -61,13 +61,14 @@ class RunLog:
             self.bar = tqdm(total=total_steps, initial=resume_step, desc="RL steps", unit="step", dynamic_ncols=True)
         self.started = time.monotonic()
 
-    def write_config(self) -> None:
-        """``config.yaml`` and ``provenance.json`` (commit, command; a resume keeps the earlier starts
-        under ``previous``, so a run continued on other code says so)."""
+    def write_config(self, **inputs) -> None:
+        """``config.yaml`` and ``provenance.json`` (commit, command and ``inputs`` such as the thread
+        count; a resume keeps the earlier starts under ``previous``, so a run continued on other code
+        says so)."""
         (self.run_dir / CONFIG_FILE).write_text(self.config_yaml)
         path = self.run_dir / PROVENANCE_FILE
         earlier = json.loads(path.read_text()) if path.is_file() else None
-        record = provenance()
+        record = provenance(**inputs)
         if earlier is not None:
             record["previous"] = earlier.pop("previous", []) + [earlier]
         path.write_text(json.dumps(record, indent=2) + "\n")

@@ -39,6 +39,7 @@ from gspo_megatron.models.micro_batch import MicroBatch, required
 from gspo_megatron.models.schedule import run_schedule
 from gspo_megatron.parallel.context_parallel import pad_sequence_length
 from gspo_megatron.parallel.heartbeat import is_collective_failure
+from gspo_megatron.provenance import warm_start_record
 from gspo_megatron.routing.recorder import RoutingRecorder
 from gspo_megatron.routing.replay_strategy import build_replay_strategy
 from gspo_megatron.trainer.async_rollout import RolloutScheduler
@@ -126,7 +127,9 @@ class RLTrainer:
         cfg = self.cfg
         self._maybe_resume()
         if self.c.run_log is not None:  # only now: a refused or failed resume leaves config.yaml alone
-            self.c.run_log.write_config()
+            self.c.run_log.write_config(
+                cpu_threads=torch.get_num_threads(), warm_start=warm_start_record(cfg.model.hf_checkpoint)
+            )
         self.sync_weights(version=self.step)
         last = self._last_step()
         while self.step < last:

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from gspo_megatron.provenance import PROVENANCE_FILE, WARM_START_FILE, code_version, weights_sha256
 from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.train_runs import FAST, train_worker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import sft_warmstart
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.e2e
 
@@ -55,3 +61,36 @@ def test_warm_started_policy_trains_with_the_shapers(tmp_path):
     assert len(metrics) == 2
     # the warm start already answers in the reasoning format, verbosely
     assert metrics[0]["reward/accuracy"] > 0.5 and metrics[0]["response/length_mean"] > 20
+    # the RL run records which warm start it came from, and its thread count
+    record = json.loads((tmp_path / "sft" / WARM_START_FILE).read_text())
+    assert record["weights_sha256"] == weights_sha256(tmp_path / "sft") and record["commit"] == code_version()["commit"]
+    assert record["command"] == "python tools/sft_warmstart.py --out {} --steps 200".format(tmp_path / "sft")
+    run = json.loads((tmp_path / "rl" / PROVENANCE_FILE).read_text())
+    assert run["warm_start"] == record and isinstance(run["cpu_threads"], int)
+
+
+def _warm_start(out: Path) -> str:
+    command = [sys.executable, "tools/sft_warmstart.py", "--out", str(out), "--steps", "2", "--keep-if-current"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_keep_if_current_keeps_only_a_warm_start_of_this_command_commit_and_thread_count(tmp_path):
+    """A study reuses a warm start only when the same command, clean commit and thread count wrote it;
+    anything else (no record, a record of another commit, other threads) is rebuilt."""
+    out = tmp_path / "ws"
+    assert "wrote" in _warm_start(out)
+    first = json.loads((out / WARM_START_FILE).read_text())
+    assert first["cpu_threads"] == 1
+    second = _warm_start(out)
+    if code_version()["dirty"] is False:  # a clean checkout (CI's clone): the same command keeps it
+        assert "kept" in second and json.loads((out / WARM_START_FILE).read_text()) == first
+    else:  # uncommitted changes: no record can vouch for this code, so it is rebuilt
+        assert "wrote" in second
+    (out / WARM_START_FILE).write_text(json.dumps({**first, "commit": "0" * 40}))
+    assert "wrote" in _warm_start(out)
+    record = json.loads((out / WARM_START_FILE).read_text())
+    assert record["weights_sha256"] == first["weights_sha256"]  # the same command wrote the same weights

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 from pathlib import Path
 
-from gspo_megatron.provenance import PROVENANCE_FILE, code_version, command_line
+from gspo_megatron.provenance import (
+    PROVENANCE_FILE,
+    WARM_START_FILE,
+    code_version,
+    command_line,
+    same_clean_code,
+    warm_start_record,
+    weights_sha256,
+)
 from gspo_megatron.trainer.run_log import RunLog
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,3 +58,31 @@ def test_run_log_writes_provenance_and_a_resume_keeps_the_earlier_start(tmp_path
     assert [p["time"] for p in second["previous"]] == [first["time"]]
     third = start(1)
     assert len(third["previous"]) == 2 and "previous" not in third["previous"][1]
+
+
+def test_a_record_stands_for_this_code_only_at_the_same_clean_commit():
+    clean = {"commit": "a" * 40, "dirty": False}
+    assert same_clean_code({"commit": "a" * 40, "dirty": False}, clean)
+    assert not same_clean_code({"commit": "b" * 40, "dirty": False}, clean)
+    assert not same_clean_code({"commit": "a" * 40, "dirty": True}, clean)
+    assert not same_clean_code({"commit": "a" * 40}, clean)  # dirty not recorded: cannot vouch
+    assert not same_clean_code({"commit": "a" * 40, "dirty": False}, {"commit": "a" * 40, "dirty": True})
+    assert not same_clean_code({"commit": "unknown", "dirty": False}, {"commit": "unknown", "dirty": False})
+
+
+def test_weights_sha256_is_over_the_safetensors_files_in_name_order(tmp_path):
+    (tmp_path / "b.safetensors").write_bytes(b"second")
+    (tmp_path / "a.safetensors").write_bytes(b"first")
+    (tmp_path / "config.json").write_text("{}")  # not weights
+    assert weights_sha256(tmp_path) == hashlib.sha256(b"firstsecond").hexdigest()
+    assert warm_start_record(tmp_path) is None and warm_start_record(None) is None
+    (tmp_path / WARM_START_FILE).write_text('{"commit": "c"}')
+    assert warm_start_record(tmp_path) == {"commit": "c"}
+
+
+def test_run_log_records_the_inputs_it_is_given(tmp_path):
+    log = RunLog(tmp_path, 1, tensorboard=False, wandb_project=None, progress=False, config_yaml="a: 1\n")
+    log.write_config(cpu_threads=3, warm_start={"weights_sha256": "f" * 64})
+    log.close()
+    record = json.loads((tmp_path / PROVENANCE_FILE).read_text())
+    assert record["cpu_threads"] == 3 and record["warm_start"] == {"weights_sha256": "f" * 64}

@@ -6,7 +6,9 @@ Design decisions:
   where it differs (``config_diff``); together they are each run's whole composed ``config.yaml``.
 - Runs from different commits (or with uncommitted changes, or from before runs recorded their
   commit) are not refused -- a sweep may be resumed on newer code on purpose -- but warned about,
-  in the report and on stderr: such numbers may not come from one piece of code.
+  in the report and on stderr: such numbers may not come from one piece of code. So are runs that
+  used different CPU thread counts or started from different warm starts (different weights' sha256):
+  the same code then gives different numbers (``gspo_megatron/provenance.py``).
 """
 
 from __future__ import annotations
@@ -29,14 +31,16 @@ def runs_provenance(runs: Sequence[RunData]) -> dict:
     commits: dict[str, list[str]] = {}
     for run in runs:
         commits.setdefault(run.commit or NOT_RECORDED, []).append(str(run.path))
+    inputs = {str(run.path): run_inputs(run.provenance) for run in runs}
     return {
         "generated_by": provenance(),
         "commits": commits,
-        "warnings": commit_warnings(commits),
+        "warnings": commit_warnings(commits) + input_warnings(inputs),
         "runs": {
             str(run.path): {
                 "commit": run.commit or NOT_RECORDED,
                 "command": run.provenance.get("command", NOT_RECORDED),
+                **inputs[str(run.path)],
                 "seeds": {key: flat[str(run.path)].get(key) for key in SEED_CONFIG_KEYS},
                 "config_diff": {k: v for k, v in flat[str(run.path)].items() if k not in common_keys},
             }
@@ -44,6 +48,29 @@ def runs_provenance(runs: Sequence[RunData]) -> dict:
         },
         "config_common": {k: v for k, v in sorted(flat[str(runs[0].path)].items()) if k in common_keys} if runs else {},
     }
+
+
+def run_inputs(record: dict) -> dict:
+    """What besides the code a run's numbers depend on: its CPU thread count and its warm start."""
+    warm = record.get("warm_start")
+    return {
+        "cpu_threads": record.get("cpu_threads", NOT_RECORDED),
+        "warm_start": NOT_RECORDED if not warm else f"{warm.get('weights_sha256', '?')[:16]} ({warm.get('command')})",
+    }
+
+
+def input_warnings(inputs: dict[str, dict]) -> list[str]:
+    """One line per input that differs between the runs that recorded it."""
+    warnings = []
+    for key, what in (("cpu_threads", "CPU thread counts"), ("warm_start", "warm starts")):
+        seen: dict[str, int] = {}
+        for run in inputs.values():
+            if run[key] != NOT_RECORDED:
+                seen[str(run[key])] = seen.get(str(run[key]), 0) + 1
+        if len(seen) > 1:
+            counts = ", ".join(f"{value} ({n} runs)" for value, n in sorted(seen.items()))
+            warnings.append(f"the runs used different {what}: {counts}")
+    return warnings
 
 
 def _short(commit: str) -> str:

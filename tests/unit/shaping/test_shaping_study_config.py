@@ -107,19 +107,6 @@ def test_a_finished_run_is_reused_only_for_the_same_clean_commit(tmp_path):
     assert not reusable_run(tmp_path / "same", 3, {"commit": "a" * 40, "dirty": True})  # this checkout is dirty
 
 
-def test_a_warm_start_is_reused_only_when_the_same_command_and_clean_commit_wrote_it(tmp_path):
-    tool = _tool("shaping_study")
-    command = ["tools/sft_warmstart.py", "--out", "ckpt", "--steps", "300", *tool.WARM_START]
-    here = {"commit": "a" * 40, "dirty": False}
-    (tmp_path / "config.json").write_text("{}")
-    assert not tool.reusable_warm_start(tmp_path, command, here)  # no record: rebuilt
-    record = {"command": command, "commit": "a" * 40, "dirty": False}
-    (tmp_path / tool.WARM_START_RECORD).write_text(json.dumps(record))
-    assert tool.reusable_warm_start(tmp_path, command, here)
-    assert not tool.reusable_warm_start(tmp_path, [*command[:-1], "4"], here)
-    assert not tool.reusable_warm_start(tmp_path, command, {"commit": "b" * 40, "dirty": False})
-
-
 def test_the_confidence_arm_trains_with_the_calibrated_segmentation_and_the_defaults_are_the_stored_calibration():
     tool = _tool("shaping_study")
     overrides = tool.calibrated_overrides({"best": {"window": 3, "threshold": -0.5}})

@@ -259,6 +259,22 @@ def test_runs_from_different_commits_are_warned_about(runs, tmp_path, capsys):
     assert len(warnings) == 3 and "Warning:" in (out / "study.html").read_text()
 
 
+def test_runs_with_other_thread_counts_or_warm_starts_are_warned_about():
+    from study_reports.report_provenance import NOT_RECORDED, input_warnings, run_inputs
+
+    warm = {"weights_sha256": "a" * 64, "command": "python tools/sft_warmstart.py --out w"}
+    same = [run_inputs({"cpu_threads": 1, "warm_start": warm}) for _ in range(2)]
+    assert input_warnings(dict(enumerate(same))) == []
+    assert run_inputs({}) == {"cpu_threads": NOT_RECORDED, "warm_start": NOT_RECORDED}
+    assert input_warnings(dict(enumerate([*same, run_inputs({})]))) == []  # older runs recorded nothing
+    other = run_inputs({"cpu_threads": 2, "warm_start": {**warm, "weights_sha256": "b" * 64}})
+    assert input_warnings(dict(enumerate([*same, other]))) == [
+        "the runs used different CPU thread counts: 1 (2 runs), 2 (1 runs)",
+        "the runs used different warm starts: aaaaaaaaaaaaaaaa (python tools/sft_warmstart.py --out w) (2 runs), "
+        "bbbbbbbbbbbbbbbb (python tools/sft_warmstart.py --out w) (1 runs)",
+    ]
+
+
 def test_the_mechanism_row_reads_the_ratio_decomposition(tmp_path):
     from study_reports.aggregate import group_runs
     from study_reports.study_report import study_report
