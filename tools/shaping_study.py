@@ -150,6 +150,8 @@ def main(argv=None) -> int:
     print(f"warm start -> {checkpoint}", flush=True)  # kept when its warm_start.json says it is current
     _run([sys.executable, *warm_args, "--keep-if-current"], out / "warm_start.log")
     warm_record = warm_start_record(checkpoint)
+    if warm_record is None:
+        raise SystemExit(f"no warm_start.json in {checkpoint} after sft_warmstart.py: see {out / 'warm_start.log'}")
     vanilla = evaluate_warm_start(checkpoint, args.overrides)
     calibration_path = out / "runs" / "confidence_calibration.json"
     print(f"calibrate confidence segmentation -> {calibration_path}", flush=True)

@@ -61,7 +61,7 @@ class RunLog:
             self.bar = tqdm(total=total_steps, initial=resume_step, desc="RL steps", unit="step", dynamic_ncols=True)
         self.started = time.monotonic()
 
-    def write_config(self, **inputs) -> None:
+    def write_config(self, **inputs: object) -> None:
         """``config.yaml`` and ``provenance.json`` (commit, command and ``inputs`` such as the thread
         count; a resume keeps the earlier starts under ``previous``, so a run continued on other code
         says so)."""
