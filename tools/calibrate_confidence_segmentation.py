@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, whatever is installed
 
 
 def boundary_matches(predicted: list[int], reference: list[int], tolerance: int) -> tuple[int, int]:

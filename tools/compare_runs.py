@@ -34,6 +34,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, whatever is installed
+
 from study_reports.aggregate import DEFAULT_SEED_KEYS, expand_run_paths, group_runs
 from study_reports.report_provenance import runs_provenance
 from study_reports.study_report import study_report

@@ -33,6 +33,8 @@ import random
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, whatever is installed
+
 KEEP_FLAG = "--keep-if-current"
 
 

@@ -39,6 +39,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, whatever is installed
+
 REPO = Path(__file__).resolve().parent.parent
 ARMS = {
     "baseline": ["shaping=none"],
