@@ -1,4 +1,4 @@
-"""The shaping study in one command: warm start, 6 arms x N seeds, the warm start evaluated, report.
+"""The shaping study in one command: warm start, 7 arms x N seeds, the warm start evaluated, report.
 
     python tools/shaping_study.py --out reports/shaping_study            # >= 50 RL steps, 3 seeds
     python tools/shaping_study.py --quick --out /tmp/shaping_quick        # 10 steps, 2 seeds: a smoke run
@@ -15,7 +15,8 @@
    (``tools/calibrate_confidence_segmentation.py``, written to ``OUT/confidence_calibration.json``);
    the ``grsp_confidence`` arm uses the calibrated window and threshold.
 4. Trains every arm from it with ``+experiment=shaping_from_sft`` for each seed (ARMS below: plain
-   GSPO, DTR only, Step-GRPO's reward only, Step-GRPO + DTR, GRSP keyword, GRSP confidence). A finished
+   GSPO, DTR only, Step-GRPO's reward only, Step-GRPO + DTR, the same with the exit tokens trained on,
+   GRSP keyword, GRSP confidence). A finished
    run (its metrics.jsonl has the last step) of the same clean commit is reused, so an interrupted
    study resumes; a run of other code is trained again.
 5. Writes ``OUT/report.md`` and ``OUT/report.json`` (``study_reports.shaping_report``): per arm, seed
@@ -47,6 +48,13 @@ ARMS = {
     "dtr_only": ["shaping=none", "rollout.truncated=true"],
     "step_grpo_reward": ["shaping=step_grpo"],
     "step_grpo_dtr": ["shaping=step_grpo", "rollout.truncated=true"],
+    # the same, with the exit decision trained on (the forced "</think>" is an action, not context):
+    # does DTR then teach brevity that survives decoding without it?
+    "step_grpo_dtr_exit_trained": [
+        "shaping=step_grpo",
+        "rollout.truncated=true",
+        "rollout.truncation.train_on_exit_tokens=true",
+    ],
     "grsp_keyword": ["shaping=grsp", "shaping.grsp.segmentation=keyword"],
     "grsp_confidence": ["shaping=grsp", "shaping.grsp.segmentation=confidence"],
 }

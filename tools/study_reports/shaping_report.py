@@ -32,11 +32,13 @@ TRAIN_KEYS = {
 EVAL_KEYS = {"eval_accuracy": "eval/pass@1", "eval_tokens": "eval/response_length"}
 CLUSTER_PREFIX = "shaping/segments_per_cluster/"
 # Only figures the method descriptions contain, with the baseline they are measured against.
+STEP_GRPO_CLAIM = (
+    "Step-GRPO (Qwen3-8B, arXiv 2604.16890 abstract): -32.0% tokens vs the vanilla model, without "
+    "the accuracy degradation of length penalties -- compare eval_tokens vs vanilla"
+)
 PAPER_CLAIMS = {
-    "step_grpo_dtr": (
-        "Step-GRPO (Qwen3-8B, arXiv 2604.16890 abstract): -32.0% tokens vs the vanilla model, without "
-        "the accuracy degradation of length penalties -- compare eval_tokens vs vanilla"
-    ),
+    "step_grpo_dtr": STEP_GRPO_CLAIM,
+    "step_grpo_dtr_exit_trained": STEP_GRPO_CLAIM,  # the same method; only what the loss sees differs
     "grsp_keyword": "GRSP (arXiv 2510.09535): no figure quoted here (constants not available; reconstruction)",
     "grsp_confidence": "GRSP (arXiv 2510.09535): no figure quoted here (constants not available; reconstruction)",
 }

@@ -74,6 +74,7 @@ def test_every_arm_of_the_study_composes_and_validates_with_enough_evidence():
         "dtr_only",
         "step_grpo_reward",
         "step_grpo_dtr",
+        "step_grpo_dtr_exit_trained",
         "grsp_keyword",
         "grsp_confidence",
     }
