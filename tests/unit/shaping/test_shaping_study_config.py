@@ -85,6 +85,7 @@ def test_every_arm_of_the_study_composes_and_validates_with_enough_evidence():
         assert cfg.trainer.eval_prompts >= 64 and cfg.trainer.steps >= 50
     method = OmegaConf.to_object(compose(["+experiment=shaping_study"]))
     assert method.shaping.name == "step_grpo" and method.rollout.truncated
+    assert method.rollout.truncation.train_on_exit_tokens  # the study's finding: the exit must be learned
 
 
 def _finished_run(run_dir, steps, **provenance):
