@@ -16,9 +16,8 @@
    the ``grsp_confidence`` arm uses the calibrated window and threshold.
 4. Trains every arm from it with ``+experiment=shaping_from_sft`` for each seed (ARMS below: plain
    GSPO, DTR only, Step-GRPO's reward only, Step-GRPO + DTR, the same with the exit tokens trained on,
-   GRSP keyword, GRSP confidence). A finished
-   run (its metrics.jsonl has the last step) of the same clean commit is reused, so an interrupted
-   study resumes; a run of other code is trained again.
+   GRSP keyword, GRSP confidence). A finished run (its metrics.jsonl has the last step) of the same
+   clean commit is reused, so an interrupted study resumes; a run of other code is trained again.
 5. Writes ``OUT/report.md`` and ``OUT/report.json`` (``study_reports.shaping_report``): per arm, seed
    mean ± sample std. Learned brevity is measured on EVALUATION responses (plain decoding, no
    truncation, >= 64 prompts); rollout-token savings (DTR cuts rollouts before any update) are reported
@@ -40,9 +39,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, whatever is installed
-
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's package, whatever is installed
 ARMS = {
     "baseline": ["shaping=none"],
     "dtr_only": ["shaping=none", "rollout.truncated=true"],
