@@ -62,10 +62,11 @@ class Heartbeat:
     def _beat(self) -> None:
         while not self._stopped.is_set():
             self._wake.clear()  # before reading where: an enter() after this read beats again at once
-            self._beats += 1
+            beat = self._beats + 1
             with contextlib.suppress(RuntimeError):  # the store is gone: the job is ending
-                self._store.set(str(self.rank), f"{self._beats} {self.where}")
-            with self._beaten:
+                self._store.set(str(self.rank), f"{beat} {self.where}")
+            with self._beaten:  # counted only once in the store: wait_for_beats then reads it there
+                self._beats = beat
                 self._beaten.notify_all()
             self._wake.wait(self.interval_s)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 from datetime import timedelta
 
 import pytest
@@ -48,13 +49,32 @@ def test_the_rank_that_stopped_beating_is_named(store_port):
             beat.close()
 
 
+class _SlowWrites:
+    """The rendezvous store with a write that is still in flight when the test reads (CI: a loaded
+    machine). Before the fix the beat was counted before its write, so wait_for_beats returned while
+    the store still held the old phase."""
+
+    def __init__(self, store):
+        self._store = store
+        self.writing = threading.Event()
+        self.release = threading.Event()
+
+    def set(self, key, value):
+        self.writing.set()
+        self.release.wait(30)  # until the test has read (the fixed code waits here for the write)
+        self._store.set(key, value)
+
+
 def test_a_new_phase_is_published_at_once_not_at_the_next_beat(store_port):
     """A rank stopped right after it entered a phase is reported in that phase (CI: a SIGSTOP within
     one interval of step 1 named the rank's start-up, the last phase a periodic beat had published)."""
     watcher, beat = (Heartbeat(rank, 2, "127.0.0.1", store_port, interval_s=3600.0) for rank in range(2))
     try:
         beat.wait_for_beats(1)
+        beat._store = slow = _SlowWrites(beat._store)
         beat.enter("step 1, rollout")
+        assert slow.writing.wait(30), "entering a phase did not start a beat"
+        threading.Timer(1.0, slow.release.set).start()  # only bounds the old code's wait; no result rests on it
         assert beat.wait_for_beats(2), "entering a phase did not publish a beat"
         assert watcher._read()[1] == (2, "step 1, rollout")
     finally:
