@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     from gspo_megatron.config.store import register_configs
     from gspo_megatron.data.tasks import build_task
     from gspo_megatron.data.tokenizer import SymbolTokenizer
-    from gspo_megatron.provenance import code_version, command_line
+    from gspo_megatron.provenance import provenance
     from gspo_megatron.rollout.config import EmbeddedConfig
     from gspo_megatron.rollout.embedded import EmbeddedEngine
     from gspo_megatron.rollout.types import SamplingParams
@@ -101,8 +101,7 @@ def main(argv=None) -> int:
             )
     best = max(grid, key=lambda g: (g["f1"], g["precision"]))
     result = {
-        **code_version(),
-        "command": command_line(),
+        **provenance(),
         "checkpoint": str(args.checkpoint),
         "responses": len(samples),
         "tolerance": args.tolerance,

@@ -164,8 +164,9 @@ def main(argv=None) -> None:
             if step % 25 == 0 or step == 1:
                 print(f"step {step:4d}  response NLL per token {float(out['nll']):.4f}", flush=True)
         save_hf_checkpoint(model, cfg.model, mesh, Path(args.out))
-        record = provenance(cpu_threads=torch.get_num_threads(), weights_sha256=weights_sha256(args.out))
-        record["command"] = command
+        record = provenance(
+            command=command, cpu_threads=torch.get_num_threads(), weights_sha256=weights_sha256(args.out)
+        )
         (Path(args.out) / WARM_START_FILE).write_text(json.dumps(record, indent=2) + "\n")
         print(f"wrote {args.out}")
     finally:
