@@ -21,6 +21,8 @@ Design decisions:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib.util
 
 import torch
@@ -155,11 +157,31 @@ def make_block_spec(config, spec_name: str, expert_mlp: str = ExpertMLP.grouped)
         attn.core_attention = SDPACoreAttention
         attn.q_layernorm = QKRMSNorm
         attn.k_layernorm = QKRMSNorm
-        experts = getattr(sub.mlp.submodules, "experts", None)
+        moe = _submodules_of(sub.mlp)
+        experts = getattr(moe, "experts", None)
         if experts is not None and grouped:
-            experts.module = GroupedExperts  # SequentialMLP's parameters, one grouped GEMM
+            moe.experts = _with_module(experts, GroupedExperts)  # SequentialMLP's parameters, one grouped GEMM
     block.layer_norm = RMSNorm
     return block
+
+
+# megatron-core writes a layer's MLP entry in one of two styles: a ``ModuleSpec`` (0.16) or, from 0.17,
+# a builder, ``functools.partial(MoELayer, submodules=MoESubmodules(...))`` whose experts entry is
+# ``partial(SequentialMLP, submodules=...)``. The two functions below read and rewrite either style.
+
+
+def _submodules_of(entry):
+    """The ``submodules`` of a layer-spec entry in either style (None for a plain class)."""
+    if isinstance(entry, functools.partial):
+        return entry.keywords.get("submodules")
+    return getattr(entry, "submodules", None)
+
+
+def _with_module(entry, module: type):
+    """``entry`` building ``module`` instead, with the same arguments and submodules."""
+    if isinstance(entry, functools.partial):
+        return functools.partial(module, *entry.args, **entry.keywords)
+    return dataclasses.replace(entry, module=module)
 
 
 def build_model(

@@ -111,6 +111,7 @@ def _current_device_is_cpu() -> None:
 
 def _cuda_sync_noops() -> None:
     _patch(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+    _patch(torch.cuda, "current_stream", torch.cpu.current_stream)  # its wait_event/wait_stream do nothing
     _patch(torch.Tensor, "record_stream", lambda self, stream: None)
 
 

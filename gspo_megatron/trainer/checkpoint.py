@@ -15,8 +15,12 @@ keeps its id), so checkpoints a run found in its directory are never pruned by i
 
 No checkpoint file can run code when loaded: trainer state is plain data (numbers, strings,
 tensors) loaded with ``weights_only=True``; ``model_optim/`` is read by ``checkpoint_reader.py``
-(DCP's ``.metadata`` through an allow-listed unpickler, ``_extra_state`` and ``common.pt`` as
+(DCP's ``.metadata`` through an allow-listed unpickler, ``_extra_state`` and the common state as
 weights only), not by megatron's default loader, which unpickles both without restriction.
+
+Versions: megatron-core 0.16 and 0.17+ lay the checkpoint out differently (``checkpoint_format.py``);
+the reader takes both. The trainer state records the megatron-core and torch that wrote it, and a load
+that fails names them beside the ones installed.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+from gspo_megatron.trainer.checkpoint_format import WRITTEN_BY_KEY, installed_versions, written_by
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
@@ -125,7 +131,13 @@ def save_checkpoint(
     states = [None] * dist.get_world_size() if is_driver else None
     dist.gather_object(rng, states, dst=0)
     if is_driver:
-        written = {"step": step, "rng_per_rank": states, "run_id": run_id, DISTRIBUTED_KEY: is_distributed(optimizer)}
+        written = {
+            "step": step,
+            "rng_per_rank": states,
+            "run_id": run_id,
+            DISTRIBUTED_KEY: is_distributed(optimizer),
+            WRITTEN_BY_KEY: installed_versions(),
+        }
         torch.save({**trainer_state, **written}, partial / STATE_FILE)
         (partial / RUN_ID_FILE).write_text(run_id)
         if final.exists():
@@ -173,15 +185,40 @@ def _prune(root: Path, keep_last: int, run_id: str) -> None:
         shutil.rmtree(old)
 
 
+class CheckpointVersionError(RuntimeError):
+    """megatron could not load a checkpoint; the message says which megatron-core and torch wrote it and
+    which run now, so a version difference is named rather than left to an error from inside DCP."""
+
+    def __init__(self, path: Path, state: dict, error: Exception) -> None:
+        wrote, now = written_by(state, path / MODEL_DIR), installed_versions()
+        differ = {k: (wrote.get(k, "unknown"), v) for k, v in now.items() if wrote.get(k, "unknown") != v}
+        detail = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        if differ:
+            versions = "; ".join(f"{k} {old} wrote it, {new} reads it" for k, (old, new) in differ.items())
+            advice = (
+                f"the versions differ ({versions}): resume it with the versions that wrote it "
+                "(README, 'Tested versions'), or convert it to HF weights there (tools/convert_checkpoint.py) "
+                "and start from those"
+            )
+        else:
+            advice = "the same versions wrote it: the checkpoint is damaged; resume from an earlier one"
+        super().__init__(f"checkpoint {path} could not be loaded ({detail}); {advice}")
+
+
 def load_checkpoint(path: Path, model: DistributedDataParallel, optimizer: MegatronOptimizer) -> dict:
     """Restore model and optimizer in place (any layout); returns the trainer state dict."""
-    from gspo_megatron.trainer.checkpoint_reader import load_dist_checkpoint
+    from gspo_megatron.trainer.checkpoint_reader import UnsafeCheckpointError, load_dist_checkpoint
     from gspo_megatron.trainer.optim import allocate_optimizer_state
 
     state = read_trainer_state(path)
     check_optimizer_kind(path, state, optimizer)
     allocate_optimizer_state(optimizer)
-    loaded = load_dist_checkpoint(_sharded_state(model, optimizer, is_loading=True), path / MODEL_DIR)
+    try:
+        loaded = load_dist_checkpoint(_sharded_state(model, optimizer, is_loading=True), path / MODEL_DIR)
+    except UnsafeCheckpointError:
+        raise
+    except Exception as error:  # noqa: BLE001 - megatron's and DCP's load errors, named with the versions
+        raise CheckpointVersionError(path, state, error) from error
     model.load_state_dict(loaded["model"])
     # no_grad: with fp32 weights the distributed optimizer's main weights are views of the model's
     # (leaf, requires_grad) parameters, which megatron copies the loaded shards into in place

@@ -2,7 +2,8 @@
 
 Design decisions:
 - The driver checks the checkpoint when it claims the run directory, before anything is built: the
-  files megatron reads exist, ``trainer_state.pt`` loads as plain data, and it holds the fields
+  files megatron reads exist (by the format megatron-core's ``metadata.json`` declares:
+  ``checkpoint_format.py``), ``trainer_state.pt`` loads as plain data, and it holds the fields
   resume reads, of the types resume reads them as. A truncated, damaged, older or foreign file is
   refused naming the path and the fault; the advice is an earlier checkpoint or a fresh run, never
   a less safe loader (torch's own message suggests ``weights_only=False``: it is not passed on).
@@ -18,14 +19,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gspo_megatron.trainer.checkpoint import MODEL_DIR, STATE_FILE, load_checkpoint, read_trainer_state
+from gspo_megatron.trainer.checkpoint_format import CONFIG_FILE, CheckpointFormatError, model_files
 from gspo_megatron.trainer.run_dir_owner import RunDirError
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.optimizer import MegatronOptimizer
 
-# megatron's distributed checkpoint: its common (non-sharded) state and torch's shard index
-MODEL_FILES = ("common.pt", ".metadata")
 # what resume reads from the trainer state, and as what; (type, required)
 STATE_FIELDS: dict[str, tuple[type | tuple[type, ...], bool]] = {
     "step": (int, True),
@@ -57,14 +57,24 @@ def _unpickling_reason(error: Exception) -> str:
     return found[0] if found else "not a file torch.save wrote"
 
 
+def _missing(path: Path, file: Path) -> CheckpointError:
+    return CheckpointError(
+        f"{file} is missing: checkpoint {path} is incomplete (copied or deleted in part); {_fix(path)}"
+    )
+
+
 def checked_trainer_state(path: Path) -> dict:
     """The trainer state of checkpoint ``path``, after checking the checkpoint is complete and readable."""
-    for name in MODEL_FILES:
-        if not (path / MODEL_DIR / name).is_file():
-            raise CheckpointError(
-                f"{path / MODEL_DIR / name} is missing: checkpoint {path} is incomplete (copied or "
-                f"deleted in part); {_fix(path)}"
-            )
+    model_dir = path / MODEL_DIR
+    if not (model_dir / CONFIG_FILE).is_file():  # written last: without it nothing else is known
+        raise _missing(path, model_dir / CONFIG_FILE)
+    try:
+        names = model_files(model_dir)
+    except CheckpointFormatError as error:
+        raise CheckpointError(f"checkpoint {path} is damaged: {error}; {_fix(path)}") from None
+    for name in names:
+        if not (model_dir / name).is_file():
+            raise _missing(path, model_dir / name)
     file = path / STATE_FILE
     try:
         state = read_trainer_state(path)

@@ -1,9 +1,10 @@
-"""Read a megatron ``dist_checkpointing`` directory without running code from it.
+"""Read a megatron ``dist_checkpointing`` directory, as megatron-core 0.16 to 0.19 write it, without
+running code from it.
 
 Megatron's torch_dist loader hands the directory to torch's DCP, which unpickles ``.metadata`` with
-plain ``pickle.load`` and every byte item (the layers' ``_extra_state``) with
-``torch.load(weights_only=False)``: a crafted checkpoint executes code in the trainer on resume.
-This module is the same load with every unpickling restricted:
+plain ``pickle.load`` and every byte item (the layers' ``_extra_state``, and from megatron-core 0.17
+the common state) with ``torch.load(weights_only=False)``: a crafted checkpoint executes code in the
+trainer on resume. This module is the same load with every unpickling restricted:
 
 - ``.metadata`` is read by an unpickler whose ``find_class`` admits only the classes DCP's own
   metadata is made of (``Metadata``, its storage/chunk/tensor descriptors, ``_StorageInfo``, the
@@ -11,11 +12,20 @@ This module is the same load with every unpickling restricted:
   types: constructing them runs no user code. (torch's weights-only unpickler cannot read it: DCP
   writes pickle protocol 4 frames, which that unpickler refuses.)
 - byte items are read with ``torch.load(weights_only=True)``: tensors and plain containers only.
-- ``common.pt`` likewise with ``weights_only=True`` stated, not left to torch's default.
+- the common (non-sharded) state likewise, wherever the checkpoint keeps it (below).
 
 Anything else is refused with ``UnsafeCheckpointError`` naming the file and the class it asked for.
-The loader is megatron's ``TorchDistLoadShardedStrategy.load`` with the reader and the planner
-swapped; the private helpers it calls are megatron's own.
+
+Two formats, told apart by the ``metadata.json`` megatron writes last:
+- megatron-core <= 0.16 keeps the common state in ``common.pt`` (``metadata.json`` names a
+  ``common_backend``);
+- megatron-core >= 0.17 keeps it inside the DCP checkpoint, as the byte object ``common_state``
+  (``metadata.json`` names only the sharded backend).
+Both are read under every supported megatron-core: ``load_dist_checkpoint`` takes the steps of
+megatron's own ``dist_checkpointing.load`` (the same in 0.16 and 0.19) with megatron's own helpers,
+and reads the common state and the shards itself. Megatron's ``load`` is not called: in 0.16 it
+needs a common-state strategy class that 0.17 removed, and from 0.17 it reads ``.metadata`` through
+torch's unrestricted reader before any strategy is asked.
 """
 
 from __future__ import annotations
@@ -27,10 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME, TorchCommonLoadStrategy
 from megatron.core.dist_checkpointing.strategies.torch import (
     MCoreLoadPlanner,
-    TorchDistLoadShardedStrategy,
     _replace_sharded_keys_with_state_dict_keys,
     _replace_state_dict_keys_with_sharded_keys,
     _restore_dict_types,
@@ -40,8 +48,17 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 from torch.distributed import checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
+
+from gspo_megatron.trainer.checkpoint_format import (
+    COMMON_STATE_FILE,
+    COMMON_STATE_OBJECT,
+    CONFIG_FILE,
+    METADATA_FILE,
+    CheckpointFormatError,
+    common_state_in_file,
+)
 
 # (module, name) pairs DCP's metadata pickle references; torch dtypes are admitted by type below.
 METADATA_CLASSES = frozenset(
@@ -91,7 +108,8 @@ def read_metadata_safely(path: str | os.PathLike) -> Metadata:
         try:
             metadata = _MetadataUnpickler(file, str(path)).load()
         except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as error:
-            raise UnsafeCheckpointError(f"{path}: not a readable checkpoint metadata file ({error})") from error
+            # a damaged file, or one a newer torch wrote with more fields per record
+            raise CheckpointFormatError(f"{path}: not a readable checkpoint metadata file ({error})") from error
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpointError(f"{path}: holds a {type(metadata).__name__}, not checkpoint metadata")
     return metadata
@@ -116,10 +134,11 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 class SafeLoadPlanner(MCoreLoadPlanner):
-    """Megatron's load planner with byte items (``_extra_state``) read as weights only."""
+    """Megatron's load planner with byte items (``_extra_state``, the common state) read as weights only."""
 
     def __init__(self, *args: Any, checkpoint_dir: str | Path, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        # flat state dicts, as megatron >= 0.17 plans them (0.16's flattening found nothing to flatten)
+        super().__init__(*args, flatten_state_dict=False, flatten_sharded_tensors=False, **kwargs)
         self._checkpoint_dir = Path(checkpoint_dir)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
@@ -137,73 +156,89 @@ class SafeLoadPlanner(MCoreLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
-class SafeTorchDistLoadStrategy(TorchDistLoadShardedStrategy):
-    """``TorchDistLoadShardedStrategy.load`` with ``SafeFileSystemReader`` and ``SafeLoadPlanner``."""
-
-    def load(self, sharded_state_dict: dict, checkpoint_dir: Path) -> dict:
-        from megatron.core.dist_checkpointing.dict_utils import nested_values
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-        tensors = [t for t in nested_values(sharded_state_dict) if isinstance(t, ShardedTensor)]
-        flexible_shape = [t for t in tensors if not t.allow_shape_mismatch]
-        shape_mismatch_allowed = {t.key: t for t in tensors if t.allow_shape_mismatch}
-        original = sharded_state_dict
-        sharded_state_dict, flat_mapping, rename_mapping = _replace_state_dict_keys_with_sharded_keys(
-            sharded_state_dict
-        )
-        pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, True)
-        reader = SafeFileSystemReader(checkpoint_dir)
-        planner = SafeLoadPlanner(
-            shapes_validation_sharded_tensors=flexible_shape,
-            allow_shape_mismatch_sharded_tensors=shape_mismatch_allowed,
-            checkpoint_dir=checkpoint_dir,
-        )
-        dcp.load_state_dict(pyt_state_dict, reader, planner=planner)
-        self.cached_global_metadata = reader.read_metadata()
-        state = {k: _unwrap_pyt_sharded_tensor(v) for k, v in pyt_state_dict.items()}
-        state = _replace_sharded_keys_with_state_dict_keys(state, flat_mapping, rename_mapping)
-        _restore_dict_types(state, original)
-        return state
-
-    def load_tensors_metadata(self, checkpoint_dir: Path, metadata: Metadata | None = None) -> dict[str, Any]:
-        if metadata is None:
-            metadata = SafeFileSystemReader(checkpoint_dir).read_metadata()
-        return super().load_tensors_metadata(checkpoint_dir, metadata)
-
-    def load_sharded_metadata(self, checkpoint_dir: Path) -> dict[str, Any]:
-        from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-        metadata = SafeFileSystemReader(checkpoint_dir).read_metadata()
-        objects = [
-            ShardedObject.empty_from_unique_key(key)
-            for key, stored in metadata.state_dict_metadata.items()
-            if isinstance(stored, BytesStorageMetadata)
-        ]
-        return {**{o.unique_key: o for o in objects}, **self.load_tensors_metadata(checkpoint_dir, metadata)}
-
-
-class SafeCommonLoadStrategy(TorchCommonLoadStrategy):
-    """``common.pt`` read with ``weights_only=True`` stated (not left to torch's default)."""
-
-    def load_common(self, checkpoint_dir: str | Path) -> Any:
-        path = Path(checkpoint_dir) / COMMON_STATE_FNAME
+def read_common_state(directory: str | Path) -> dict:
+    """The checkpoint's common (non-sharded) state, from either format, as plain data only."""
+    directory = Path(directory)
+    if common_state_in_file(directory):
+        path = directory / COMMON_STATE_FILE
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: missing; {Path(checkpoint_dir).parent} is not a complete checkpoint")
+            raise CheckpointFormatError(f"{path}: missing; {directory.parent} is not a complete checkpoint")
         try:
             return torch.load(path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as error:
             raise UnsafeCheckpointError(
                 f"{path}: not plain data; refusing to load it: {str(error).splitlines()[0]}"
             ) from None
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    key = ShardedObject(COMMON_STATE_OBJECT, None, (1,), (0,)).unique_key
+    reader = SafeFileSystemReader(directory)
+    if key not in reader.read_metadata().state_dict_metadata:
+        raise CheckpointFormatError(
+            f"{directory / METADATA_FILE} lists no {COMMON_STATE_OBJECT!r} object, and {CONFIG_FILE} names no "
+            f"common.pt: {directory} is damaged or was not written by megatron-core"
+        )
+    state: dict[str, Any] = {key: io.BytesIO()}
+    dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(checkpoint_dir=directory), no_dist=True)
+    objects = state[key]  # megatron saves the list of the object's shards' data: one shard
+    if not (isinstance(objects, list) and len(objects) == 1 and isinstance(objects[0], dict)):
+        raise CheckpointFormatError(f"{directory}: the {COMMON_STATE_OBJECT!r} object is not a state dict")
+    return objects[0]
+
+
+def _load_shards(sharded_state_dict: dict, directory: Path) -> dict:
+    """megatron's ``TorchDistLoadShardedStrategy.load`` (0.16 to 0.19) with ``SafeFileSystemReader``
+    and ``SafeLoadPlanner``; the private helpers it calls are megatron's own."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    tensors = [t for t in nested_values(sharded_state_dict) if isinstance(t, ShardedTensor)]
+    flexible_shape = [t for t in tensors if not t.allow_shape_mismatch]
+    shape_mismatch_allowed = {t.key: t for t in tensors if t.allow_shape_mismatch}
+    original = sharded_state_dict
+    sharded_state_dict, flat_mapping, rename_mapping = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict)
+    pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, True)
+    planner = SafeLoadPlanner(
+        shapes_validation_sharded_tensors=flexible_shape,
+        allow_shape_mismatch_sharded_tensors=shape_mismatch_allowed,
+        checkpoint_dir=directory,
+    )
+    # no_dist: every rank plans and reads its own shards (megatron >= 0.17 does the same)
+    dcp.load(pyt_state_dict, storage_reader=SafeFileSystemReader(directory), planner=planner, no_dist=True)
+    state = {k: _unwrap_pyt_sharded_tensor(v) for k, v in pyt_state_dict.items()}
+    state = _replace_sharded_keys_with_state_dict_keys(state, flat_mapping, rename_mapping)
+    _restore_dict_types(state, original)
+    return state
 
 
 def load_dist_checkpoint(sharded_state_dict: dict, directory: str | Path) -> dict:
-    """``dist_checkpointing.load`` of ``directory`` with no unpickling that can run code."""
-    from megatron.core import dist_checkpointing
-
-    return dist_checkpointing.load(
-        sharded_state_dict,
-        str(directory),
-        sharded_strategy=SafeTorchDistLoadStrategy(),
-        common_strategy=SafeCommonLoadStrategy(),
+    """``dist_checkpointing.load`` of ``directory`` with no unpickling that can run code: megatron's
+    steps (common state, preprocessing, access validation, shards, factory merges) in megatron's order,
+    for a checkpoint of either format."""
+    from megatron.core.dist_checkpointing.dict_utils import merge
+    from megatron.core.dist_checkpointing.mapping import apply_factory_merges
+    from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
+    from megatron.core.dist_checkpointing.utils import extract_sharded_base, force_all_tensors_to_non_fp8
+    from megatron.core.dist_checkpointing.validation import (
+        StrictHandling,
+        determine_global_metadata,
+        validate_integrity_and_strict_load,
     )
+
+    directory = Path(directory)
+    force_all_tensors_to_non_fp8(sharded_state_dict)
+    common_state = read_common_state(directory)
+    sharded_state_dict, nonpersistent_state_dict, factories = load_preprocess(sharded_state_dict)
+    merge(common_state, nonpersistent_state_dict)
+    sharded_state_dict, _ = extract_sharded_base(sharded_state_dict)
+    local_metadata, global_metadata = determine_global_metadata(sharded_state_dict)
+    sharded_state_dict, _, _ = validate_integrity_and_strict_load(
+        sharded_state_dict,
+        StrictHandling.ASSUME_OK_UNEXPECTED,  # megatron's default
+        True,  # each shard is loaded by exactly one rank as its main replica
+        local_metadata,
+        global_metadata,
+        None,
+    )
+    merge(common_state, _load_shards(sharded_state_dict, directory))
+    return apply_factory_merges(common_state, factories)
