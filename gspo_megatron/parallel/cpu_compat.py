@@ -1,10 +1,12 @@
-"""Let megatron-core 0.16.x run on a machine without CUDA (CPU tensors, gloo collectives).
+"""Let megatron-core (0.16.1 to 0.19.2) run on a machine without CUDA (CPU tensors, gloo collectives).
 
 Activated only without CUDA (``parallel/device.py:cuda_kernels``), by ``enable_cpu_megatron()``; on a GPU
 machine nothing here runs. ``disable_cpu_megatron()`` puts back every attribute the bridges replaced
 (each bridge is applied through ``_patch``, which remembers the original). Written against
-megatron-core 0.16.1 and torch 2.13 (CPU build); ``tests/unit/parallel/test_cpu_compat.py`` shows,
-per bridge, what megatron does on a machine without CUDA without it and with it.
+megatron-core 0.16.1 (torch 2.13, CPU build) and checked against 0.19.2 (torch 2.15, CUDA build on
+CPU); a bridge whose upstream fact depends on the version looks for the fact, not the version number.
+``tests/unit/parallel/test_cpu_compat.py`` shows, per bridge, what megatron does on a machine without
+CUDA without it and with it, on whichever version is installed.
 
 Where megatron-core has a seam we use it instead of patching, elsewhere in the package:
 - core attention: the portable layer spec uses ``models/layers.py:SDPACoreAttention`` (torch SDPA)
@@ -23,16 +25,20 @@ What has no seam is bridged here, one function per fact:
 2. The RNG tracker (``model_parallel_cuda_manual_seed``, ``get_cuda_rng_tracker().fork()``) keeps
    CUDA generator states. We install a tracker that keeps CPU generator states instead, so forked
    regions (weight init of TP-sharded layers) still get their own reproducible streams.
-3. megatron-core 0.16.1 BUG: ``moe_utils.py`` imports ``te_general_gemm`` only inside a
-   ``try`` that fails without TransformerEngine, then tests ``te_general_gemm is not None`` in the
-   router GEMM -> ``NameError``. We define the missing name as ``None`` (the intended fallback).
+3. megatron-core 0.16 defines ``te_general_gemm`` in ``moe_utils.py`` only inside a ``try`` that
+   fails without TransformerEngine, then tests ``te_general_gemm is not None`` in the router GEMM ->
+   ``NameError``. Where the name is missing we define it as ``None`` (the intended fallback); 0.17+
+   defines it as ``None`` itself, and the bridge then patches nothing.
 4. The pipeline schedules (token counter, ``torch.autocast("cuda")``), the optimizer wrappers
    (loss-scale and found-inf tensors), grad clipping (norm all-reduce buffer) and the local
    multi-tensor l2-norm fallback in ``megatron.core.utils`` allocate with the
    literal ``device="cuda"``. Each of those modules gets a torch namespace whose factories
    (zeros/ones/empty/tensor) map "cuda" to CPU and whose ``autocast("cuda")`` is a no-op.
-5. ``torch.cuda.synchronize`` / ``current_stream`` are called by p2p communication and
-   ``record_stream`` paths; without CUDA they become no-ops.
+5. ``torch.cuda.synchronize`` is called by p2p communication and ``record_stream`` on
+   communication paths; megatron 0.19's ``start_grad_sync`` (``param_and_grad_buffer.py:632``) calls
+   ``torch.cuda.current_stream()`` unconditionally and waits on CUDA-graph events only where a
+   parameter carries one. Without CUDA the first two become no-ops and ``current_stream`` returns
+   torch's CPU stream, whose ``wait_event``/``wait_stream`` do nothing.
 6. ``clip_grad_by_total_norm_fp32`` asserts every grad is a ``torch.cuda.FloatTensor``; the
    optimizer module gets a version that scales fp32 CPU grads in place by the same coefficient.
 7. Context parallelism: ``rope_utils.get_pos_emb_on_this_cp_rank`` builds its chunk index with

@@ -217,7 +217,7 @@ def load_checkpoint(path: Path, model: DistributedDataParallel, optimizer: Megat
         loaded = load_dist_checkpoint(_sharded_state(model, optimizer, is_loading=True), path / MODEL_DIR)
     except UnsafeCheckpointError:
         raise
-    except Exception as error:  # noqa: BLE001 - megatron's and DCP's load errors, named with the versions
+    except Exception as error:  # megatron's and DCP's load errors, re-raised naming the versions
         raise CheckpointVersionError(path, state, error) from error
     model.load_state_dict(loaded["model"])
     # no_grad: with fp32 weights the distributed optimizer's main weights are views of the model's

@@ -72,12 +72,22 @@ def test_2_without_the_bridge_megatron_keeps_cuda_generator_states(bridges):
         tracker.add("model-parallel-rng", 123)  # torch.cuda.get_rng_state / manual_seed need CUDA
 
 
-def test_3_te_general_gemm_is_defined(bridges):
+def test_3_router_gemm_runs_without_transformer_engine(bridges):
+    """megatron-core 0.16 defines ``te_general_gemm`` only when TransformerEngine imports, then reads it
+    in the router GEMM (NameError); 0.17+ defines it as None. The bridge is applied exactly where the
+    name is missing, and either way the router's logits are x @ w^T."""
     from megatron.core.transformer.moe import moe_utils
 
-    assert not hasattr(moe_utils, "te_general_gemm")  # megatron 0.16.1: NameError in the router GEMM
+    x, w = torch.randn(5, 8), torch.randn(4, 8)
+    name_missing = not hasattr(moe_utils, "te_general_gemm")
+    if name_missing:
+        with pytest.raises(NameError, match="te_general_gemm"):
+            moe_utils.router_gating_linear(x, w, None, torch.float32)
     cpu_compat.enable_cpu_megatron()
-    assert moe_utils.te_general_gemm is None  # the intended "no TE" fallback
+    bridged = any(owner is moe_utils and name == "te_general_gemm" for owner, name, _ in cpu_compat._applied)
+    assert bridged == name_missing  # keyed to the version's need: nothing patched where megatron has it
+    assert moe_utils.te_general_gemm is None  # the intended "no TE" fallback, megatron's or ours
+    torch.testing.assert_close(moe_utils.router_gating_linear(x, w, None, torch.float32), x @ w.T)
 
 
 def test_4_cuda_literals_allocate_on_cpu(bridges):
@@ -93,12 +103,16 @@ def test_4_cuda_literals_allocate_on_cpu(bridges):
     assert schedules.torch.float32 is torch.float32  # everything else is torch itself
 
 
-def test_5_synchronize_and_record_stream_are_noops(bridges):
+def test_5_synchronize_streams_and_record_stream_are_noops(bridges):
     with pytest.raises((RuntimeError, AssertionError)):
         torch.cuda.synchronize()
+    with pytest.raises((RuntimeError, AssertionError)):  # megatron 0.19's grad sync asks for it unconditionally
+        torch.cuda.current_stream()
     cpu_compat.enable_cpu_megatron()
     assert torch.cuda.synchronize() is None
     assert torch.ones(1).record_stream(None) is None
+    stream = torch.cuda.current_stream()  # what megatron's start_grad_sync calls wait_event / wait_stream on
+    assert stream.wait_stream(stream) is None and stream.wait_event(torch.cpu.Event()) is None
 
 
 def test_6_clip_grads_scales_cpu_fp32_grads(bridges):

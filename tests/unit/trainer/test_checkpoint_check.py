@@ -34,12 +34,19 @@ def _state(**changes) -> dict:
 _DROP = object()
 
 
-def _checkpoint(run_dir: Path, state: dict | None = None) -> Path:
+# megatron's metadata.json, as each megatron-core writes it: 0.16 keeps the common state in common.pt
+CONFIG_017 = '{"sharded_backend": "torch_dist", "sharded_backend_version": 1}'  # 0.17+: common state inside DCP
+CONFIG_016 = CONFIG_017[:-1] + ', "common_backend": "torch", "common_backend_version": 1}'
+
+
+def _checkpoint(run_dir: Path, state: dict | None = None, config: str = CONFIG_016) -> Path:
     """A checkpoint's files as save_checkpoint lays them out (megatron's shards are not read by the claim)."""
     path = run_dir / "checkpoints" / "step_000001"
     (path / "model_optim").mkdir(parents=True)
-    for name in ("common.pt", ".metadata", "__0_0.distcp"):
+    names = (".metadata", "__0_0.distcp") + (("common.pt",) if "common_backend" in config else ())
+    for name in names:
         (path / "model_optim" / name).write_bytes(b"megatron's")
+    (path / "model_optim" / "metadata.json").write_text(config)
     torch.save(_state() if state is None else state, path / "trainer_state.pt")
     (path / "run_id").write_text("a" * 32)
     (run_dir / "checkpoints" / "latest").write_text(path.name)
@@ -97,13 +104,43 @@ def test_a_state_file_carrying_code_is_refused_without_advising_weights_only_fal
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("name", ["common.pt", ".metadata"])
-def test_missing_model_files_are_named(tmp_path, name):
-    """megatron reported a missing common.pt as "'str' object has no attribute 'iterdir'"."""
-    path = _checkpoint(tmp_path)
+@pytest.mark.parametrize(
+    "config, name",
+    [
+        (CONFIG_016, "common.pt"),
+        (CONFIG_016, ".metadata"),
+        (CONFIG_016, "metadata.json"),
+        (CONFIG_017, ".metadata"),
+        (CONFIG_017, "metadata.json"),
+    ],
+    ids=["0.16_common", "0.16_metadata", "0.16_config", "0.17_metadata", "0.17_config"],
+)
+def test_missing_model_files_are_named(tmp_path, config, name):
+    """megatron reported a missing common.pt as "'str' object has no attribute 'iterdir'"; which files a
+    checkpoint needs depends on the megatron-core that wrote it (its metadata.json says)."""
+    path = _checkpoint(tmp_path, config=config)
     (path / "model_optim" / name).unlink()
     refusal = _refusal(tmp_path)
     assert f"{path / 'model_optim' / name} is missing: checkpoint {path} is incomplete" in refusal
+
+
+def test_a_checkpoint_of_megatron_017_needs_no_common_pt(tmp_path):
+    path = _checkpoint(tmp_path, config=CONFIG_017)
+    assert not (path / "model_optim" / "common.pt").exists()
+    claim = claim_run_dir(tmp_path, CheckpointSection(resume="true"), CONFIG)
+    assert claim.resume_from == path
+    claim.release()
+
+
+@pytest.mark.parametrize(
+    "config", ["not json", '{"sharded_backend": "zarr"}', "[1, 2]", " " * 70000], ids=["text", "zarr", "list", "huge"]
+)
+def test_a_foreign_checkpoint_description_is_named(tmp_path, config):
+    path = _checkpoint(tmp_path, config=config)
+    refusal = _refusal(tmp_path)
+    assert f"checkpoint {path} is damaged: {path / 'model_optim' / 'metadata.json'} does not describe a torch_dist" in (
+        refusal
+    )
 
 
 def test_checkpoint_without_its_config_is_resumed_only_when_allowed(tmp_path):
