@@ -11,11 +11,16 @@ Design decisions:
   ``cuda_graph_scope="full"`` is overridden in ``models/builder.py``; the embedded engine uses
   transformers' current cache argument).
 - What the accelerator warnings meant is said once, in one line (``optional_accelerators_notice``).
+- Some libraries say the same through ``logging`` at WARNING (megatron-core 0.19, torch's CUDA build
+  on a machine without a GPU): those are reviewed the same way (``KNOWN_LOG_MESSAGES``), each filtered
+  on the one logger that emits it.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -55,12 +60,57 @@ KNOWN_WARNINGS: tuple[KnownWarning, ...] = (
     ),
     KnownWarning(
         UserWarning,
+        r"MimoModelConfig is experimental",
+        r"megatron\.core\.models\.mimo\.",
+        "megatron-core 0.19 defines its multimodal config when the package is imported; never used here",
+    ),
+    KnownWarning(
+        UserWarning,
         r"Failed to load image Python extension",
         r"torchvision\.",
         "a torchvision that does not match torch (transformers imports it if present); training never "
         "uses it, and launch/setup.sh does not install it",
     ),
 )
+
+
+@dataclass(frozen=True)
+class KnownLogMessage:
+    logger: str  # the exact logger name that emits it
+    message: str  # regular expression matched at the start of the formatted message
+    why: str
+
+
+KNOWN_LOG_MESSAGES: tuple[KnownLogMessage, ...] = (
+    KnownLogMessage(
+        "megatron.core.models.gpt.gpt_model",
+        r"GPTModel IS DEPRECATED",
+        "megatron-core 0.19 asks new code to build HybridModel; GPTModel is still built, fixed and tested "
+        "there (README, 'Tested versions'), and the move is megatron's next change for us to follow",
+    ),
+    KnownLogMessage(
+        "megatron.core.dist_checkpointing.strategies.torch",
+        r"MCore's async save is deprecated",
+        "megatron-core 0.19's synchronous save runs through its own deprecated async path "
+        "(TorchDistSaveShardedStrategy.save); the trainer asks for a synchronous save",
+    ),
+    KnownLogMessage(
+        "torch.utils.cpp_extension",
+        r"No CUDA runtime is found",
+        "a CUDA build of torch on a machine without a GPU (what pip gives on Python 3.12 here); nothing compiles",
+    ),
+)
+
+
+class _ReviewedLogFilter(logging.Filter):
+    def __init__(self, patterns: list[str]) -> None:
+        super().__init__()
+        self._patterns = [re.compile(p) for p in patterns]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not any(pattern.match(text) for pattern in self._patterns)
+
 
 _ACCELERATORS = (("TransformerEngine", "transformer_engine"), ("Apex", "apex"))
 
@@ -69,6 +119,13 @@ def filter_known_warnings() -> None:
     """Hide the reviewed warnings in this process (and in processes that import the entry point)."""
     for known in KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=known.message, category=known.category, module=known.module)
+    by_logger: dict[str, list[str]] = {}
+    for entry in KNOWN_LOG_MESSAGES:
+        by_logger.setdefault(entry.logger, []).append(entry.message)
+    for name, patterns in by_logger.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _ReviewedLogFilter) for f in logger.filters):  # once per process
+            logger.addFilter(_ReviewedLogFilter(patterns))
 
 
 def optional_accelerators_notice() -> str | None:

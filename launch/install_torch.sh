@@ -1,9 +1,10 @@
 # Sourced by launch/setup.sh and launch/setup_sglang_contract.sh:  install_torch PYTHON
 #
 # Installs torch before anything else, so that pip never resolves an unpinned torch to a multi-GB
-# CUDA build on a machine without a GPU: the CUDA build of torch==${GSPO_TORCH_VERSION:-2.13.0} where
-# an NVIDIA driver is visible, the CPU build where none is; an interpreter that already has
-# torch >= 2.6 keeps it. Where the packages come from is pip's own configuration (pip.conf,
+# CUDA build on a machine without a GPU: torch==${GSPO_TORCH_VERSION:-the tested release} -- 2.13.0 on
+# Python < 3.12, 2.15.0 on 3.12+ (README, "Tested versions") -- as the CUDA build where an NVIDIA
+# driver is visible, the CPU build where none is; an interpreter that already has a torch within
+# pyproject's range (2.6 to 2.15) keeps it. Where the packages come from is pip's own configuration (pip.conf,
 # PIP_INDEX_URL / PIP_EXTRA_INDEX_URL, PIP_FIND_LINKS): the repository names no package index.
 
 _have_torch() {
@@ -14,12 +15,17 @@ try:
 except Exception:
     sys.exit(1)
 major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-sys.exit(0 if (major, minor) >= (2, 6) else 1)
+sys.exit(0 if (2, 6) <= (major, minor) <= (2, 15) else 1)
 PY
 }
 
+_tested_torch() {
+  "$1" -c 'import sys; print("2.15.0" if sys.version_info >= (3, 12) else "2.13.0")'
+}
+
 install_torch() {
-  local python=$1 version=${GSPO_TORCH_VERSION:-2.13.0}
+  local python=$1 version
+  version=${GSPO_TORCH_VERSION:-$(_tested_torch "$1")}
   if _have_torch "$python"; then
     return 0
   fi

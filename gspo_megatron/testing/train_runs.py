@@ -37,12 +37,13 @@ def train_command(overrides: list[str], run_dir: str | Path) -> list[str]:
     return [sys.executable, "-m", "gspo_megatron.train", f"run_dir={run_dir}", *overrides]
 
 
-def run_training(overrides: list[str], run_dir: str | Path, timeout: float = 600):
-    """Run training to the end in a child process; returns the ``CompletedProcess`` (text output)."""
+def run_training(overrides: list[str], run_dir: str | Path, timeout: float = 600, env: dict | None = None):
+    """Run training to the end in a child process; returns the ``CompletedProcess`` (text output).
+    ``env``: variables set for the child beside this process's (e.g. ``PYTHONPATH``)."""
     import os
     import subprocess
 
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     env.pop("WORLD_SIZE", None)
     return subprocess.run(train_command(overrides, run_dir), env=env, capture_output=True, text=True, timeout=timeout)
 

@@ -143,6 +143,15 @@ def _number(value: Any) -> float | None:
         return None
 
 
+def fifth_mean(history: list[dict], key: str, first: bool) -> float:
+    """The mean of ``key`` over the first (or last) fifth of the steps that report it (nan if none do)."""
+    values = [r[key] for r in history if r.get(key) is not None]
+    if not values:
+        return float("nan")
+    part = values[: max(1, len(values) // 5)] if first else values[-max(1, len(values) // 5) :]
+    return sum(part) / len(part)
+
+
 def summary_text(
     history: list[dict], wall_s: float, plot: Path | None, resumed: tuple[int, float] | None = None
 ) -> str:
@@ -151,11 +160,7 @@ def summary_text(
         return "no steps were run"
 
     def window(key: str, first: bool) -> float:
-        values = [r[key] for r in history if r.get(key) is not None]
-        if not values:
-            return float("nan")
-        part = values[: max(1, len(values) // 5)] if first else values[-max(1, len(values) // 5) :]
-        return sum(part) / len(part)
+        return fifth_mean(history, key, first)
 
     lines = [
         "=" * 64,
