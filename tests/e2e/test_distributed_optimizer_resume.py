@@ -1,7 +1,7 @@
 """The distributed optimizer's sharded state through the dist checkpoint, on 2 gloo ranks.
 
-A 2-rank run (torchrun, as the launcher runs it) is SIGKILLed right after its step-2 checkpoint is
-complete; resumed, it reproduces every metric of an uninterrupted run. The same checkpoint resumes
+A 2-rank run (torchrun, as the launcher runs it), in fp32 and in bf16, is SIGKILLed right after its
+step-2 checkpoint is complete; resumed, it reproduces every metric of an uninterrupted run. The same checkpoint resumes
 on one rank with the distributed optimizer (megatron reshards its state over the new data-parallel
 size); a resume whose ``optimizer.distributed`` resolves to the other optimizer is refused before
 anything is loaded, naming the fix.
@@ -68,15 +68,26 @@ def uninterrupted(tmp_path_factory):
     return run_dir, metrics
 
 
-def test_sigkill_then_resume_continues_exactly(uninterrupted, tmp_path):
-    _, full = uninterrupted
+@pytest.fixture(scope="module")
+def uninterrupted_bf16(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("full_bf16")
+    metrics = run_distributed(train_worker, 2, DISTRIBUTED + ["model.dtype=bfloat16"], str(run_dir), timeout=900)[0]
+    return run_dir, metrics
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sigkill_then_resume_continues_exactly(request, tmp_path, dtype):
+    """bf16: bf16 weights with fp32 main weights, sharded Adam state and gradient buffers (the cluster's setting)."""
+    _, full = request.getfixturevalue("uninterrupted" if dtype == "float32" else "uninterrupted_bf16")
+    overrides = DISTRIBUTED + [f"model.dtype={dtype}"]
     run_dir = tmp_path / "killed"
-    _kill_after_first_checkpoint(_start_two_ranks(DISTRIBUTED, run_dir), run_dir)
+    _kill_after_first_checkpoint(_start_two_ranks(overrides, run_dir), run_dir)
     saved = latest_checkpoint(run_dir)
     state = read_trainer_state(saved)
     assert state[DISTRIBUTED_KEY] is True and 2 <= state["step"] < 6
-    resumed = run_distributed(train_worker, 2, DISTRIBUTED + ["checkpoint.resume=true"], str(run_dir), timeout=900)[0]
+    resumed = run_distributed(train_worker, 2, overrides + ["checkpoint.resume=true"], str(run_dir), timeout=900)[0]
     assert len(full) == len(resumed) == 6
+    assert all(m["grad_norm"] > 0 for m in full)
     assert _without_time(resumed) == _without_time(full)
 
 
