@@ -16,7 +16,12 @@ VENV=.venv-newest
 OLDEST_MCORE=0.16.1
 start=$(date +%s)
 if [ ! -x "$VENV/bin/python" ]; then
-  "${NEWEST_PYTHON:-python3.12}" -m venv "$VENV"
+  PY=${NEWEST_PYTHON:-python3.12}
+  if ! "$PY" -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 12) else 1)' 2>/dev/null; then
+    echo "[setup] no Python 3.12 at '$PY': set NEWEST_PYTHON to a python3.12 (with pyenv: PYENV_VERSION=3.12.1)" >&2
+    exit 2
+  fi
+  "$PY" -m venv "$VENV"
 fi
 PIP_CONSTRAINT="$PWD/requirements/newest-stack.txt" PYTHON="$VENV/bin/python" \
   GSPO_SKIP_SGLANG_CONTRACT=1 GSPO_SKIP_SGLANG_LIVE=1 bash launch/setup.sh
