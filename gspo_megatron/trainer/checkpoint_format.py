@@ -26,7 +26,12 @@ _CONFIG_MAX_BYTES = 1 << 16  # metadata.json holds four short fields
 
 
 class CheckpointFormatError(RuntimeError):
-    """A checkpoint directory is not laid out as megatron-core writes one (missing or foreign files)."""
+    """A checkpoint directory is not laid out as megatron-core writes one (missing, damaged or foreign files)."""
+
+
+class UnsafeCheckpointError(RuntimeError):
+    """A checkpoint file asked for something other than plain checkpoint data (code, a change to an
+    existing object, a file outside its directory)."""
 
 
 def common_state_in_file(directory: str | Path) -> bool:

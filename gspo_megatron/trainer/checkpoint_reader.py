@@ -6,15 +6,16 @@ plain ``pickle.load`` and every byte item (the layers' ``_extra_state``, and fro
 the common state) with ``torch.load(weights_only=False)``: a crafted checkpoint executes code in the
 trainer on resume. This module is the same load with every unpickling restricted:
 
-- ``.metadata`` is read by an unpickler whose ``find_class`` admits only the classes DCP's own
-  metadata is made of (``Metadata``, its storage/chunk/tensor descriptors, ``_StorageInfo``, the
-  save-plan records, ``torch.Size``, dtypes, layouts). Those are dataclasses, enums and torch value
-  types: constructing them runs no user code. (torch's weights-only unpickler cannot read it: DCP
-  writes pickle protocol 4 frames, which that unpickler refuses.)
+- ``.metadata`` is read by ``checkpoint_metadata.py``: an unpickler that admits only the classes
+  DCP's metadata is made of and changes no object it did not create, then a check of the whole
+  decoded index (types, and every storage path a regular file inside the checkpoint holding the
+  bytes it is said to hold). (torch's weights-only unpickler cannot read it: DCP writes pickle
+  protocol 4 frames, which that unpickler refuses.)
 - byte items are read with ``torch.load(weights_only=True)``: tensors and plain containers only.
 - the common (non-sharded) state likewise, wherever the checkpoint keeps it (below).
 
-Anything else is refused with ``UnsafeCheckpointError`` naming the file and the class it asked for.
+Anything else is refused with ``UnsafeCheckpointError`` naming the file and what it asked for; a
+damaged or foreign file with ``CheckpointFormatError``.
 
 Two formats, told apart by the ``metadata.json`` megatron writes last:
 - megatron-core <= 0.16 keeps the common state in ``common.pt`` (``metadata.json`` names a
@@ -31,7 +32,6 @@ torch's unrestricted reader before any strategy is asked.
 from __future__ import annotations
 
 import io
-import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -57,62 +57,10 @@ from gspo_megatron.trainer.checkpoint_format import (
     CONFIG_FILE,
     METADATA_FILE,
     CheckpointFormatError,
+    UnsafeCheckpointError,
     common_state_in_file,
 )
-
-# (module, name) pairs DCP's metadata pickle references; torch dtypes are admitted by type below.
-METADATA_CLASSES = frozenset(
-    {
-        ("torch.distributed.checkpoint.metadata", "Metadata"),
-        ("torch.distributed.checkpoint.metadata", "StorageMeta"),
-        ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
-        ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
-        ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
-        ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
-        ("torch.distributed.checkpoint.metadata", "TensorProperties"),
-        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
-        ("torch.distributed.checkpoint.planner", "SavePlan"),
-        ("torch.distributed.checkpoint.planner", "WriteItem"),
-        ("torch.distributed.checkpoint.planner", "WriteItemType"),
-        ("torch.distributed.checkpoint.planner", "TensorWriteData"),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-    }
-)
-
-
-class UnsafeCheckpointError(RuntimeError):
-    """A checkpoint file asked to construct something other than plain checkpoint data."""
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BufferedIOBase, path: str):
-        super().__init__(file)
-        self._path = path
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in METADATA_CLASSES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise UnsafeCheckpointError(
-            f"{self._path}: refusing to load: it references {module}.{name}, which is not part of a "
-            "checkpoint's metadata (the file may have been crafted to run code; do not load it)"
-        )
-
-
-def read_metadata_safely(path: str | os.PathLike) -> Metadata:
-    """DCP metadata from ``path`` through the allow-listed unpickler."""
-    with open(path, "rb") as file:
-        try:
-            metadata = _MetadataUnpickler(file, str(path)).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as error:
-            # a damaged file, or one a newer torch wrote with more fields per record
-            raise CheckpointFormatError(f"{path}: not a readable checkpoint metadata file ({error})") from error
-    if not isinstance(metadata, Metadata):
-        raise UnsafeCheckpointError(f"{path}: holds a {type(metadata).__name__}, not checkpoint metadata")
-    return metadata
+from gspo_megatron.trainer.checkpoint_metadata import read_metadata_safely
 
 
 class SafeFileSystemReader(FileSystemReader):
