@@ -13,6 +13,8 @@ Design decisions:
   decision, never an accident.
 - A key only one side has comes from another version of the code (a setting added or removed): it
   is accepted and reported, since the user did not choose it.
+- The saved config comes from a file someone may have crafted: it is read as plain data
+  (``plain_config``) and a message shows at most ``MAX_SHOWN`` characters of a value.
 """
 
 from __future__ import annotations
@@ -64,12 +66,57 @@ def _matches(key: str, patterns: Iterable[str]) -> bool:
     return any(key == p or (p.endswith(".") and key.startswith(p)) for p in patterns)
 
 
-def config_differences(saved_yaml: str, new_yaml: str) -> dict[str, tuple[Any, Any]]:
-    """Dotted key -> (saved value, new value) for every key whose value differs (or exists on one side)."""
-    from omegaconf import OmegaConf
+MAX_CONFIG_BYTES = 1 << 20  # a run's resolved config.yaml is a few KB
+MAX_CONFIG_DEPTH = 32
+MAX_SHOWN = 200  # characters of a value shown in a message
 
-    saved = flatten_dotted(OmegaConf.to_container(OmegaConf.create(saved_yaml), resolve=True))
-    new = flatten_dotted(OmegaConf.to_container(OmegaConf.create(new_yaml), resolve=True))
+
+def plain_config(text: object, source: str) -> dict:
+    """A config YAML as plain data, expanding nothing: no anchors or aliases (the trainer never writes
+    them; expanding nested ones is the "billion laughs"), no interpolation or resolver (``${...}`` stays
+    the string it is: a checkpoint's config must not read this process's environment), size and
+    nesting bounded. ``ResumeConfigError`` names ``source`` otherwise."""
+    import yaml
+
+    if not isinstance(text, str) or len(text) > MAX_CONFIG_BYTES:
+        raise ResumeConfigError(f"{source}: the saved config is not a config of this trainer (too large or not text)")
+
+    class Loader(yaml.SafeLoader):
+        depth = 0
+
+        def compose_node(self, parent, index):  # type: ignore[no-untyped-def]
+            if self.check_event(yaml.AliasEvent) or getattr(self.peek_event(), "anchor", None) is not None:
+                raise ResumeConfigError(
+                    f"{source}: the saved config uses YAML anchors or aliases, which this trainer never writes "
+                    "(a crafted config can expand without bound); it is not read"
+                )
+            self.depth += 1
+            if self.depth > MAX_CONFIG_DEPTH:
+                raise ResumeConfigError(f"{source}: the saved config nests deeper than {MAX_CONFIG_DEPTH} levels")
+            try:
+                return super().compose_node(parent, index)
+            finally:
+                self.depth -= 1
+
+    try:
+        data = yaml.load(text, Loader=Loader)  # a SafeLoader: plain types only
+    except yaml.YAMLError as error:
+        raise ResumeConfigError(f"{source}: the saved config is not valid YAML ({str(error)[:MAX_SHOWN]})") from None
+    if not isinstance(data, dict):
+        raise ResumeConfigError(f"{source}: the saved config is a {type(data).__name__}, not a mapping")
+    return data
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN] + f"... ({len(text)} characters)"
+
+
+def config_differences(saved_yaml: str, new_yaml: str, source: str = "the checkpoint") -> dict[str, tuple[Any, Any]]:
+    """Dotted key -> (saved value, new value) for every key whose value differs (or exists on one side),
+    both sides read as plain data (``plain_config``)."""
+    saved = flatten_dotted(plain_config(saved_yaml, source))
+    new = flatten_dotted(plain_config(new_yaml, "this run's config"))
     return {
         k: (saved.get(k, ABSENT), new.get(k, ABSENT))
         for k in sorted(set(saved) | set(new))
@@ -90,8 +137,8 @@ def check_resume_config(saved_yaml: str, new_yaml: str, allowed: Iterable[str], 
     allowed = list(allowed)
     validate_allow_list(allowed)
     refused, accepted = [], []
-    for key, (old, new) in config_differences(saved_yaml, new_yaml).items():
-        line = f"{key}: {old!r} -> {new!r}"
+    for key, (old, new) in config_differences(saved_yaml, new_yaml, checkpoint).items():
+        line = f"{key}: {_shown(old)} -> {_shown(new)}"
         schema_change = old is ABSENT or new is ABSENT  # another code version, not another choice
         if schema_change or _matches(key, FREE_KEYS) or (not _matches(key, FIXED_KEYS) and _matches(key, allowed)):
             accepted.append(line)

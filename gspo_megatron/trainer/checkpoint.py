@@ -26,6 +26,7 @@ that fails names them beside the ones installed.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.trainer.checkpoint_format import WRITTEN_BY_KEY, installed_versions, written_by
+from gspo_megatron.trainer.run_dir_owner import RunDirError
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
@@ -48,14 +50,31 @@ def checkpoint_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+_STEP_NAME = re.compile(r"step_\d{6,}")
+
+
+class LatestPointerError(RunDirError):
+    """``checkpoints/latest`` does not name a complete checkpoint of this run directory."""
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The checkpoint ``checkpoints/latest`` names: always a ``step_NNNNNN`` directory of this run
+    directory's ``checkpoints/`` (never a path elsewhere), holding a trainer state."""
     root = checkpoint_root(run_dir)
     pointer = root / "latest"
     if not pointer.is_file():
         return None
-    path = root / pointer.read_text().strip()
+    with open(pointer, "rb") as file:
+        raw = file.read(256)
+    name = raw.decode("utf-8", errors="replace").strip()
+    fix = f"write the name of a complete checkpoint of this run (a step_NNNNNN directory in {root}) into it"
+    if not name:
+        raise LatestPointerError(f"{pointer} is empty (a write was cut short); {fix}")
+    if not _STEP_NAME.fullmatch(name):
+        raise LatestPointerError(f"{pointer} names {name[:100]!r}, which is not a checkpoint of {root}; {fix}")
+    path = root / name
     if not (path / STATE_FILE).is_file():
-        raise RuntimeError(f"{pointer} names {path.name}, which is not a complete checkpoint")
+        raise LatestPointerError(f"{pointer} names {name}, which is not a complete checkpoint; {fix}")
     return path
 
 

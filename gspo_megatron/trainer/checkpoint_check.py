@@ -7,8 +7,9 @@ Design decisions:
   resume reads, of the types resume reads them as. A truncated, damaged, older or foreign file is
   refused naming the path and the fault; the advice is an earlier checkpoint or a fresh run, never
   a less safe loader (torch's own message suggests ``weights_only=False``: it is not passed on).
-- After megatron has loaded the weights, every rank checks its parameters for NaN/inf (one
-  all-reduce, ``parameters_finite``): a poisoned checkpoint is refused when it is loaded, naming it,
+- After megatron has loaded the weights, every rank checks its parameters and its optimizer state
+  (main weights, Adam moments) for NaN/inf (``parameters_finite``, ``optimizer_state_finite``: one
+  all-reduce each): a poisoned checkpoint is refused when it is loaded, naming it and the tensor,
   instead of being found at the next save and blamed on training.
 """
 
@@ -105,12 +106,18 @@ def checked_trainer_state(path: Path) -> dict:
 
 def load_checked_checkpoint(path: Path, model: DistributedDataParallel, optimizer: MegatronOptimizer) -> dict:
     """``load_checkpoint``, then refuse weights that are not finite (collective: every rank decides alike)."""
-    from gspo_megatron.trainer.nonfinite import NonFiniteError, parameters_finite
+    from gspo_megatron.trainer.nonfinite import NonFiniteError, optimizer_state_finite, parameters_finite
 
     state = load_checkpoint(path, model, optimizer)
     if not parameters_finite(model):
         raise NonFiniteError(
             f"checkpoint {path} holds non-finite (NaN/inf) weights: it was damaged after it was written (this "
             f"trainer never saves non-finite weights); {_fix(path)}"
+        )
+    bad = optimizer_state_finite(optimizer, model)
+    if bad is not None:
+        raise NonFiniteError(
+            f"checkpoint {path} holds non-finite (NaN/inf) optimizer state: {bad}; it was damaged after it was "
+            f"written (this trainer never saves non-finite state); {_fix(path)}"
         )
     return state

@@ -30,6 +30,7 @@ from gspo_megatron.config.schema import NonFinitePolicy
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import MegatronOptimizer
 
 
 class NonFiniteError(FloatingPointError):
@@ -57,6 +58,42 @@ def parameters_finite(model: torch.nn.Module) -> bool:
     """True when every rank's parameters are finite (collective)."""
     (bad,) = _any_rank([not _all_finite(p for p in model.parameters())])
     return not bad
+
+
+def _local_nonfinite_optimizer_tensor(optimizer: MegatronOptimizer, model: torch.nn.Module) -> str | None:
+    """The first non-finite tensor of this rank's optimizer (main weights, Adam moments), named by the
+    model parameter it belongs to where megatron links them (``main_param``), else by group and index."""
+    names: dict[int, str] = {}
+    for name, param in model.named_parameters():
+        names[id(param)] = name
+        main = getattr(param, "main_param", None)
+        if main is not None:
+            names[id(main)] = name
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(part, "optimizer", None)
+        if inner is None:
+            continue
+        for group_index, group in enumerate(inner.param_groups):
+            for index, param in enumerate(group["params"]):
+                owner = names.get(id(param), f"group {group_index} parameter {index} {list(param.shape)}")
+                tensors = {"main weight": param, **{k: v for k, v in inner.state.get(param, {}).items()}}
+                for kind, value in tensors.items():
+                    if torch.is_tensor(value) and value.is_floating_point() and not _all_finite([value]):
+                        return f"{kind} of {owner}"
+    return None
+
+
+def optimizer_state_finite(optimizer: MegatronOptimizer, model: torch.nn.Module) -> str | None:
+    """Collective: None when every rank's optimizer state is finite, else the first bad tensor a rank found."""
+    found = _local_nonfinite_optimizer_tensor(optimizer, model)
+    (bad,) = _any_rank([found is not None])
+    if not bad:
+        return None
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return found
+    everyone: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, found)
+    return next(f"{name} (rank {rank})" for rank, name in enumerate(everyone) if name is not None)
 
 
 @dataclass

@@ -165,17 +165,26 @@ def _poison_weight(model_optim: Path, key: str) -> None:
     shard.write_bytes(blob[: info.offset] + out.getvalue() + blob[info.offset + info.length :])
 
 
-def test_nan_weights_in_a_checkpoint_are_refused_when_loaded(finished_run, tmp_path):
+@pytest.mark.parametrize(
+    "key, named",
+    [
+        ("output_layer.weight", "holds non-finite (NaN/inf) weights"),
+        # issue 43: NaN in Adam's state trained one step, then was blamed on training
+        ("optimizer.state.exp_avg.output_layer.weight", "holds non-finite (NaN/inf) optimizer state: exp_avg of "),
+    ],
+    ids=["weight", "exp_avg"],
+)
+def test_nan_in_a_checkpoint_is_refused_when_loaded(finished_run, tmp_path, key, named):
     """D21: a poisoned checkpoint was trained on and found only at the next save ('the parameters
-    hold non-finite values'), blamed on training; now the load names the checkpoint."""
+    hold non-finite values'), blamed on training; now the load names the checkpoint (and the tensor)."""
     run_dir = _copy(finished_run, tmp_path)
     checkpoint = run_dir / "checkpoints" / "step_000002"
-    _poison_weight(checkpoint / "model_optim", "output_layer.weight")
+    _poison_weight(checkpoint / "model_optim", key)
     before = [m["step"] for m in read_metrics(run_dir)]
     done = run_training(
         BASE + ["checkpoint.resume=true", "trainer.steps=3", "checkpoint.resume_allow_changes=[trainer.steps]"], run_dir
     )
     assert done.returncode != 0
-    assert f"checkpoint {checkpoint} holds non-finite (NaN/inf) weights" in done.stderr, done.stderr[-3000:]
+    assert f"checkpoint {checkpoint} {named}" in done.stderr, done.stderr[-3000:]
     assert [m["step"] for m in read_metrics(run_dir)] == before  # nothing trained on it
     assert latest_checkpoint(run_dir) == checkpoint

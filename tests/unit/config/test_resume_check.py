@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from gspo_megatron.config.resume_check import ResumeConfigError, check_resume_config, config_differences
@@ -15,6 +17,7 @@ trainer: {steps: 10, stop_after_steps: 5, micro_batch_size: 4}
 parallel: {tp: 1}
 checkpoint: {resume: 'false'}
 """
+NEW = "optimizer: {lr: 0.001}\n"
 
 
 def test_differences_are_listed_by_dotted_key():
@@ -56,3 +59,61 @@ def test_model_shape_can_never_change():
 def test_keys_of_another_code_version_are_accepted():
     new = SAVED.replace("micro_batch_size: 4}", "micro_batch_size: 4, on_nonfinite: skip}")
     assert check_resume_config(SAVED, new, [], "ckpt") == ["trainer.on_nonfinite: <absent> -> 'skip'"]
+
+
+# --- issue 43, N3/N4: the saved config is read as plain data, expanding nothing ----------------------
+
+
+def _bomb(levels: int) -> str:
+    """The "billion laughs": each anchor a list of nine aliases of the one before (9^levels leaves)."""
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    for level in range(1, levels + 1):
+        lines.append(f"a{level}: &a{level} [" + ", ".join([f"*a{level - 1}"] * 9) + "]")
+    return "\n".join(lines) + f"\noptimizer: {{lr: 0.001}}\nbomb: *a{levels}\n"
+
+
+def test_an_alias_bomb_is_refused_without_expanding_it():
+    start = time.monotonic()
+    with pytest.raises(ResumeConfigError, match="uses YAML anchors or aliases, which this trainer never writes"):
+        check_resume_config(_bomb(9), NEW, [], "ckpt/step_000002")  # 9^9 leaves if expanded
+    assert time.monotonic() - start < 1.0
+
+
+def test_interpolations_stay_strings_and_no_environment_value_is_printed(monkeypatch):
+    monkeypatch.setenv("GSPO_TEST_SECRET_TOKEN", "hunter2-secret")
+    saved = "optimizer:\n  lr: ${oc.env:GSPO_TEST_SECRET_TOKEN}\n"
+    with pytest.raises(ResumeConfigError) as refused:
+        check_resume_config(saved, NEW, [], "ckpt/step_000002")
+    message = str(refused.value)
+    assert "hunter2" not in message
+    assert "optimizer.lr: '${oc.env:GSPO_TEST_SECRET_TOKEN}' -> 0.001" in message
+
+
+@pytest.mark.parametrize("saved", ["optimizer:\n  lr: ${nope}\n", "optimizer:\n  lr: ${optimizer.lr}\n"])
+def test_broken_or_recursive_interpolations_are_compared_as_text(saved):
+    with pytest.raises(ResumeConfigError, match="refusing to resume ckpt/step_000002"):
+        check_resume_config(saved, NEW, [], "ckpt/step_000002")
+
+
+@pytest.mark.parametrize(
+    "saved, match",
+    [
+        ("[1, 2]", "the saved config is a list, not a mapping"),
+        ("a: [" * 40 + "]" * 40, "nests deeper than 32 levels"),
+        ("a: {b: [1, 2", "is not valid YAML"),
+        ("x" * (2 << 20), "too large or not text"),
+        ("!!python/object/apply:os.system ['true']", "is not valid YAML"),
+    ],
+    ids=["list", "deep", "broken", "huge", "python_tag"],
+)
+def test_a_saved_config_that_is_not_plain_data_is_named(saved, match):
+    with pytest.raises(ResumeConfigError, match=match) as refused:
+        check_resume_config(saved, NEW, [], "ckpt/step_000002")
+    assert "ckpt/step_000002" in str(refused.value)
+
+
+def test_a_long_value_is_shown_shortened():
+    saved = "optimizer:\n  lr: '" + "z" * 5000 + "'\n"
+    with pytest.raises(ResumeConfigError) as refused:
+        check_resume_config(saved, NEW, [], "ckpt/step_000002")
+    assert "... (5002 characters)" in str(refused.value) and "z" * 300 not in str(refused.value)

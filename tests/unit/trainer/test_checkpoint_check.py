@@ -152,3 +152,27 @@ def test_checkpoint_without_its_config_is_resumed_only_when_allowed(tmp_path):
     claim = claim_run_dir(tmp_path, CheckpointSection(resume="true", allow_resume_without_config=True), CONFIG)
     assert claim.resume_from == path
     claim.release()
+
+
+@pytest.mark.parametrize(
+    "pointer, message",
+    [
+        ("", "is empty (a write was cut short)"),
+        ("   \n", "is empty (a write was cut short)"),
+        ("../../other_run/checkpoints/step_000001", "names '../../other_run/checkpoints/step_000001', which is not"),
+        ("/tmp/other_run/checkpoints/step_000001", "which is not a checkpoint of"),
+        ("step_000009", "names step_000009, which is not a complete checkpoint"),
+    ],
+    ids=["empty", "blank", "relative_elsewhere", "absolute_elsewhere", "missing"],
+)
+def test_latest_names_only_a_complete_checkpoint_of_this_run(tmp_path, pointer, message):
+    """issue 43: an empty ``latest`` was reported as naming 'checkpoints'; one naming another run's
+    directory was followed and trained on."""
+    other = tmp_path / "other_run"
+    _checkpoint(other)  # a complete checkpoint elsewhere: never to be followed
+    run_dir = tmp_path / "run"
+    _checkpoint(run_dir)
+    (run_dir / "checkpoints" / "latest").write_text(pointer)
+    refusal = _refusal(run_dir)
+    assert f"{run_dir / 'checkpoints' / 'latest'} " in refusal and message in refusal, refusal
+    assert "write the name of a complete checkpoint of this run" in refusal
