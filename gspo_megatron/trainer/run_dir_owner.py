@@ -3,8 +3,11 @@
 Design decisions:
 - The lock is a file (``<run>/.gspo.lock``) holding the owner's host, pid and process start time,
   created atomically (written to a temporary name, then ``os.link``ed, which fails if the lock
-  exists), so a lock file is never half-written. ``flock`` would release itself on death, but it
-  is unreliable on the network file systems clusters share run directories over.
+  exists), so a lock file is never half-written. A stale lock is removed by one process at a time
+  (under ``.gspo.lock.takeover``, itself linked into place) and only if the file there is still the
+  one judged stale (its inode and bytes): of processes racing for one directory exactly one owns it.
+  ``flock`` would release itself on death, but it is unreliable on the network file systems clusters
+  share run directories over.
 - A lock is stale when its host is this host and its pid is gone (or now belongs to a younger
   process: pid reuse), or when it names no owner at all (empty or not JSON: never one of ours, as
   ours are linked into place complete). A lock held from another host is never taken over; the
@@ -28,6 +31,7 @@ import json
 import os
 import socket
 import sys
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +95,10 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+TAKEOVER_FILE = f"{LOCK_FILE}.takeover"  # held while one process removes a stale lock
+TAKEOVER_WAIT_S = 10.0  # a take-over lasts milliseconds; waiting longer means its holder is stuck
+
+
 @dataclass
 class RunDirLock:
     path: Path
@@ -98,36 +106,87 @@ class RunDirLock:
 
     @classmethod
     def acquire(cls, run_dir: Path) -> RunDirLock:
+        """Link a complete lock file into place; a stale or ownerless lock is removed first, by one
+        process at a time (``_remove_if_unchanged``), so racing processes end with exactly one owner."""
         run_dir.mkdir(parents=True, exist_ok=True)
         path = run_dir / LOCK_FILE
         me: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(), "start": _process_start(os.getpid())}
-        for _ in range(2):  # a second try after clearing a stale lock
-            tmp = run_dir / f"{LOCK_FILE}.{me['host']}.{me['pid']}"
-            tmp.write_text(json.dumps(me))
-            try:
-                os.link(tmp, path)
-                return cls(path, me)
-            except FileExistsError:
-                holder = _read_holder(path)
-                if not path.exists():  # released meanwhile: try again
+        tmp = run_dir / f"{LOCK_FILE}.{me['host']}.{me['pid']}.{uuid.uuid4().hex[:8]}"
+        tmp.write_text(json.dumps(me))
+        try:
+            for _ in range(3):  # a second and third try after a stale lock was removed
+                try:
+                    os.link(tmp, path)
+                    return cls(path, me)
+                except FileExistsError:
+                    pass
+                observed = _observe(path)
+                if observed is None:  # released meanwhile: try again
                     continue
-                if not holder:
-                    print(f"[gspo] {path} names no owner (empty or damaged): taking it over", file=sys.stderr)
-                elif not _is_stale(holder, me["host"]):
+                holder, judged = observed
+                if holder and not _is_stale(holder, me["host"]):
                     raise RunDirError(
                         f"run_dir {run_dir} is in use by pid {holder.get('pid')} on host {holder.get('host')} "
                         f"(lock {path}); two runs must not share a run_dir. If that process is gone, delete "
                         f"{path}; otherwise choose another run_dir"
                     ) from None
-                path.unlink(missing_ok=True)
-            finally:
-                tmp.unlink(missing_ok=True)
+                if _remove_if_unchanged(path, judged, me) and not holder:
+                    print(f"[gspo] {path} names no owner (empty or damaged): taking it over", file=sys.stderr)
+        finally:
+            tmp.unlink(missing_ok=True)
         raise RunDirError(f"could not take the lock {path}: another run took it first")
 
     def release(self) -> None:
         """Remove the lock if it is still ours (safe to call twice)."""
         if _read_holder(self.path) == self.owner:
             self.path.unlink(missing_ok=True)
+
+
+def _observe(path: Path) -> tuple[dict, tuple[int, bytes]] | None:
+    """The lock's holder, and what identifies the file judged (inode and bytes: a freed inode number is
+    soon reused, a file's bytes name its holder), or None when there is no lock."""
+    try:
+        inode = os.stat(path).st_ino
+        raw = path.read_bytes()[:4096]
+    except FileNotFoundError:
+        return None
+    return _read_holder(path), (inode, raw)
+
+
+def _remove_if_unchanged(path: Path, judged: tuple[int, bytes], me: dict) -> bool:
+    """Remove the lock at ``path`` only if it is still the file judged stale (same inode and bytes),
+    under the take-over guard: only one process removes at a time, and a lock linked by a winner
+    meanwhile names its live holder, so it is never removed. (Processes only ever link a lock into a
+    free path or remove one here, so the file cannot change between this check and the removal.)"""
+    guard = path.with_name(TAKEOVER_FILE)
+    mine = path.with_name(f"{TAKEOVER_FILE}.{me['pid']}.{uuid.uuid4().hex[:8]}")
+    mine.write_text(json.dumps(me))
+    deadline = time.monotonic() + TAKEOVER_WAIT_S
+    try:
+        while True:
+            try:
+                os.link(mine, guard)
+                break
+            except FileExistsError:
+                holder = _read_holder(guard)
+                if holder and _is_stale(holder, me["host"]):  # its owner died inside a take-over
+                    guard.unlink(missing_ok=True)
+                elif time.monotonic() > deadline:
+                    raise RunDirError(
+                        f"{guard} has been held for {TAKEOVER_WAIT_S:.0f} s by pid {holder.get('pid')} on host "
+                        f"{holder.get('host')}: another process is stuck taking over {path}; delete {guard} "
+                        "if no run is starting in this directory"
+                    ) from None
+                time.sleep(0.005)
+        now = _observe(path)
+        if now is None or now[1] != judged:
+            return False  # gone, or another process took it over first: judge the new lock again
+        path.unlink()
+        return True
+    finally:
+        if _read_holder(guard) == me:
+            guard.unlink(missing_ok=True)
+        mine.unlink(missing_ok=True)
 
 
 def _read_holder(path: Path) -> dict:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +16,7 @@ import pytest
 from gspo_megatron.config.schema import CheckpointSection
 from gspo_megatron.trainer.run_dir_owner import (
     LOCK_FILE,
+    TAKEOVER_FILE,
     RunDirError,
     RunDirLock,
     check_fresh_start,
@@ -169,3 +172,46 @@ def test_unwritable_checkpoints_dir_is_refused_at_the_claim(tmp_path):
     finally:
         subprocess.run(undo, check=True)
     assert not (tmp_path / LOCK_FILE).exists()
+
+
+def _race_for_the_lock(run_dir: str, start, done, owners) -> None:
+    """One contender: wait for the common start, try the lock, hold it until every contender has tried."""
+    start.wait()
+    try:
+        lock = RunDirLock.acquire(Path(run_dir))
+    except RunDirError:
+        done.wait()
+        return
+    owners.put(os.getpid())
+    done.wait()
+    lock.release()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("found", ["empty", "stale"])
+def test_exactly_one_owner_when_processes_race_for_a_lock(tmp_path, found):
+    """issue 43, N6: two processes taking over an empty lock at the same instant both 'owned' it (2 of 11
+    races). 50 races of 8 processes started at one barrier: exactly one owner each time."""
+    context = multiprocessing.get_context("fork")
+    contenders = 8
+    for race in range(50):
+        run_dir = tmp_path / f"race_{race}"
+        run_dir.mkdir()
+        dead = {"host": socket.gethostname(), "pid": _dead_pid(), "start": "0"}
+        (run_dir / LOCK_FILE).write_text("" if found == "empty" else json.dumps(dead))
+        start, done, owners = context.Barrier(contenders), context.Barrier(contenders + 1), context.Queue()
+        processes = [
+            context.Process(target=_race_for_the_lock, args=(str(run_dir), start, done, owners))
+            for _ in range(contenders)
+        ]
+        for process in processes:
+            process.start()
+        done.wait(timeout=60)  # every contender has tried (the owner still holds the lock)
+        for process in processes:
+            process.join(timeout=60)
+        assert all(process.exitcode == 0 for process in processes)
+        won = []
+        while not owners.empty():
+            won.append(owners.get())
+        assert len(won) == 1, f"race {race}: {len(won)} owners {won}"
+        assert not (run_dir / TAKEOVER_FILE).exists()
