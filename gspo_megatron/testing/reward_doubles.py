@@ -52,3 +52,30 @@ def announces_and_hangs(response, record):
 
     Path(os.environ["GSPO_TEST_REWARD_STARTED"]).touch()
     time.sleep(3600)
+
+
+def starts_a_detached_service(response, record):
+    """max_digit's exact match; the first call in a run also starts a long-lived service the way a user's
+    verifier might (``setsid nohup sleep 600``: out of the trainer's session) and writes its pid to the
+    file named by ``GSPO_TEST_SERVICE_PID``."""
+    import os
+    import subprocess
+
+    from gspo_megatron.rewards.builtin import exact_match
+
+    try:
+        claim = os.open(os.environ["GSPO_TEST_SERVICE_PID"] + ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:  # another worker started it
+        return exact_match(response, record)
+    os.close(claim)
+    service = subprocess.Popen(
+        ["setsid", "nohup", "sleep", "600"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    tmp = os.environ["GSPO_TEST_SERVICE_PID"] + ".tmp"
+    with open(tmp, "w") as file:
+        file.write(str(service.pid))
+    os.replace(tmp, os.environ["GSPO_TEST_SERVICE_PID"])
+    return exact_match(response, record)

@@ -7,18 +7,25 @@ Most of them are started by megatron or ``multiprocessing``, with no hook to run
 ``PR_SET_PDEATHSIG`` in them, and a killed process runs no cleanup of its own.
 
 Design:
-- ``start_reaper()`` tags the trainer's environment with a fresh id (``PROCESS_TAG``), which every
-  process it starts inherits (spawned, forked, forkserver children, launched servers alike), and
-  starts ``python -m gspo_megatron.trainer.reaper PID TAG`` without the tag, in its own session
-  (a terminal's Ctrl-C does not reach it), dying with the trainer's parent process tree only
+- ``start_reaper()`` tags the trainer's environment with a fresh id (``process_tags.PROCESS_TAG``),
+  which every process it starts inherits (spawned, forked, forkserver children, launched servers
+  alike), and starts ``python -m gspo_megatron.trainer.reaper PID TAG`` without the tag, in its own
+  session (a terminal's Ctrl-C does not reach it), dying with the trainer's parent process tree only
   through the trainer's own death.
+- What is the trainer's own: a tagged process still in the trainer's session (reward workers,
+  megatron's checkpoint writers, multiprocessing's helpers), or one carrying ``HELPER_TAG`` with the
+  trainer's id (helpers the trainer starts in a session of their own on purpose: SGLang servers, and
+  their children). A tagged process that left the session (``setsid``: a service a reward function
+  started and detached, another run launched from inside this one) is not the trainer's and is never
+  signalled, whether the trainer ended normally or was SIGKILLed.
 - ``/proc/PID/environ`` shows the environment a process was exec'd with, so a child forked without
   exec (megatron's shard writers) does not show the tag: those get ``PR_SET_PDEATHSIG`` (SIGKILL)
   from an ``os.register_at_fork`` hook instead, which the kernel fires when the forking thread ends
   (the trainer forks only from its main thread: checkpoint writes; the reward pool uses forkserver).
 - The reaper waits on a pidfd of the trainer (no polling). When the trainer is gone, however it
-  went, it SIGKILLs every process still carrying the tag, repeating until none is left (a dying
-  process may still fork), then exits. A trainer that stopped its helpers itself leaves nothing to kill.
+  went, its own processes get ``GRACE_S`` to end by themselves (multiprocessing's resource tracker
+  ends when the trainer's end closes its pipe: a normal run leaves nothing to stop); whatever is left
+  is SIGKILLed, repeatedly until none is left (a dying process may still fork), and named.
 - Torch-free and small: it costs a bare interpreter per rank.
 """
 
@@ -30,11 +37,14 @@ import select
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
-PROCESS_TAG = "GSPO_TRAINER_PROCESS_TAG"
+from gspo_megatron.process_tags import HELPER_TAG, PROCESS_TAG
+
 ROUNDS = 20  # scans for late forks; each round kills what the previous one missed
+GRACE_S = 2.0  # how long the trainer's own processes may take to end by themselves once it has ended
 PR_SET_PDEATHSIG = 1
 _hooked_pids: set[int] = set()
 _forking_pid = 0
@@ -65,7 +75,7 @@ def start_reaper() -> subprocess.Popen:
         os.register_at_fork(before=_remember_forking_process, after_in_child=_die_with_parent_after_fork)
         _hooked_pids.add(os.getpid())
     env = {k: v for k, v in os.environ.items() if k != PROCESS_TAG}
-    command = [sys.executable, "-m", "gspo_megatron.trainer.reaper", str(os.getpid()), tag]
+    command = [sys.executable, "-m", "gspo_megatron.trainer.reaper", str(os.getpid()), tag, str(os.getsid(0))]
     return subprocess.Popen(command, env=env, start_new_session=True, stdin=subprocess.DEVNULL)
 
 
@@ -80,6 +90,25 @@ def keep_reaper(reaper: subprocess.Popen) -> None:
 
 def tagged_processes(tag: str) -> list[int]:
     return processes_with_env(PROCESS_TAG, tag)
+
+
+def session_of(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:  # gone
+        return None
+
+
+def own_processes(tag: str, session: int | None) -> list[int]:
+    """The trainer's own processes: tagged and in its session, or marked as its helpers."""
+    helpers = set(processes_with_env(HELPER_TAG, tag))
+    found = []
+    for pid in tagged_processes(tag):
+        if pid == os.getpid():
+            continue
+        if pid in helpers or (session is not None and session_of(pid) == session):
+            found.append(pid)
+    return found
 
 
 def processes_with_env(variable: str, value: str) -> list[int]:
@@ -97,11 +126,15 @@ def processes_with_env(variable: str, value: str) -> list[int]:
     return found
 
 
-def kill_tagged(tag: str) -> int:
-    """SIGKILL every process carrying ``tag`` until none is left; returns how many were killed."""
+def stop_own_processes(tag: str, session: int | None, grace_s: float = GRACE_S) -> int:
+    """Give the trainer's own processes ``grace_s`` to end, then SIGKILL them until none is left;
+    returns how many were killed."""
+    deadline = time.monotonic() + grace_s
+    while own_processes(tag, session) and time.monotonic() < deadline:
+        time.sleep(0.02)
     killed: set[int] = set()
     for _ in range(ROUNDS):
-        alive = [pid for pid in tagged_processes(tag) if pid != os.getpid()]
+        alive = own_processes(tag, session)
         if not alive:
             break
         for pid in alive:
@@ -116,6 +149,7 @@ def kill_tagged(tag: str) -> int:
 def main(argv: list[str]) -> int:
     trainer_pid, tag = int(argv[0]), argv[1]
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the trainer's end ends the reaper
+    session = int(argv[2]) if len(argv) > 2 else session_of(trainer_pid)
     try:
         pidfd = os.pidfd_open(trainer_pid)
     except ProcessLookupError:
@@ -123,7 +157,7 @@ def main(argv: list[str]) -> int:
     if pidfd is not None:
         select.select([pidfd], [], [])  # readable when the trainer has exited
         os.close(pidfd)
-    killed = kill_tagged(tag)
+    killed = stop_own_processes(tag, session)
     if killed:
         print(
             f"[gspo] reaper: the trainer (pid {trainer_pid}) ended; stopped {killed} process(es) it left",

@@ -174,3 +174,43 @@ def test_sigkill_of_the_trainer_leaves_no_process_of_the_run(tmp_path, phase):
         for pid in left:
             os.kill(pid, signal.SIGKILL)
     assert not left, f"left running after the trainer was killed ({phase}):\n{describe(left)}"
+
+
+DETACHED_REWARD = "task.reward=import:gspo_megatron.testing.reward_doubles:starts_a_detached_service"
+
+
+@pytest.mark.parametrize("end", ["normal", "sigkill"])
+def test_a_service_the_user_detached_outlives_the_run_and_nothing_else_does(tmp_path, end):
+    """issue 43, N7: every process inheriting the run's tag was killed at the end, so a service a verifier
+    started with ``setsid nohup`` died with a normal run ("stopped 3 process(es)"). Now the reaper stops
+    only the trainer's own processes: the detached service survives a normal end and a SIGKILL, while
+    nothing else of the run is left; a normal run leaves nothing for the reaper to stop."""
+    run_dir, pid_file = tmp_path / "run", tmp_path / "service.pid"
+    env, marker = marked_env(dict(os.environ, OMP_NUM_THREADS="1", GSPO_TEST_SERVICE_PID=str(pid_file)))
+    env.pop("WORLD_SIZE", None)
+    steps = "trainer.steps=2" if end == "normal" else "trainer.steps=200"
+    overrides = FAST + [steps, "routing.enabled=false", DETACHED_REWARD]
+    run = subprocess.Popen(
+        train_command(overrides, run_dir), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    service = None
+    try:
+        _wait_for(pid_file.exists, run, poll=0.01)
+        service = int(pid_file.read_text())
+        if end == "sigkill":
+            _wait_for(lambda: len(read_metrics(run_dir)) >= 1, run)
+            run.kill()
+        _, err = run.communicate(timeout=600)
+        assert end == "sigkill" or run.returncode == 0, err[-3000:]
+        eventually(lambda: run_processes(marker) == [service], timeout=60)
+        assert _running(service), "the detached service was killed with the run"
+        if end == "normal":
+            assert "reaper:" not in err, err[-2000:]  # the trainer stopped its helpers itself
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+        left = run_processes(marker)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    assert left == [service], f"left running besides the detached service:\n{describe(left)}"

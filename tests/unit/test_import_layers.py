@@ -27,7 +27,17 @@ PACKAGE = ROOT / "gspo_megatron"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("config_node", "registry", "provenance", "known_warnings", "import_hooks", "trigger_words", "weights", "conf"),
+    (
+        "config_node",
+        "registry",
+        "provenance",
+        "known_warnings",
+        "import_hooks",
+        "process_tags",
+        "trigger_words",
+        "weights",
+        "conf",
+    ),
     ("parallel", "data", "rollout", "deferred_compile", "deferred_tensorboard"),
     ("models",),
     ("routing",),

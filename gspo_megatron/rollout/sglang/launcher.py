@@ -27,6 +27,7 @@ from pathlib import Path
 
 import httpx
 
+from gspo_megatron.process_tags import as_own_helper
 from gspo_megatron.rollout.sglang.health import wait_until_healthy
 
 
@@ -90,6 +91,7 @@ class LaunchedServer:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # own session and process group: stop() signals only it
+                env=as_own_helper(),  # the trainer's reaper stops it even outside the trainer's session
             )
         atexit.register(self.stop)
 
