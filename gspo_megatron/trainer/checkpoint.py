@@ -25,9 +25,12 @@ that fails names them beside the ones installed.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -145,7 +148,8 @@ def save_checkpoint(
             shutil.rmtree(stale)
         (partial / MODEL_DIR).mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(partial / MODEL_DIR))
+    with _disk_full_named(partial, run_dir):
+        dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(partial / MODEL_DIR))
     rng = {"torch": torch.get_rng_state()}
     states = [None] * dist.get_world_size() if is_driver else None
     dist.gather_object(rng, states, dst=0)
@@ -157,8 +161,9 @@ def save_checkpoint(
             DISTRIBUTED_KEY: is_distributed(optimizer),
             WRITTEN_BY_KEY: installed_versions(),
         }
-        torch.save({**trainer_state, **written}, partial / STATE_FILE)
-        (partial / RUN_ID_FILE).write_text(run_id)
+        with _disk_full_named(partial, run_dir):
+            torch.save({**trainer_state, **written}, partial / STATE_FILE)
+            (partial / RUN_ID_FILE).write_text(run_id)
         if final.exists():
             _replace_own_or_keep_other(final, run_id)
         os.replace(partial, final)
@@ -168,6 +173,56 @@ def save_checkpoint(
         _prune(root, keep_last, run_id)
     dist.barrier()
     return final
+
+
+class CheckpointDiskFullError(OSError):
+    """A checkpoint could not be written for want of space: names the device's path and the bytes needed."""
+
+
+def _directory_bytes(path: Path) -> int:
+    total = 0
+    for file in path.rglob("*"):
+        with contextlib.suppress(OSError):
+            if file.is_file():
+                total += file.stat().st_size
+    return total
+
+
+@contextlib.contextmanager
+def _disk_full_named(partial: Path, run_dir: Path) -> Iterator[None]:
+    """Turn a write that failed for want of space into one error naming the path and the bytes needed.
+
+    torch's zip writer and megatron's writer threads lose the errno ("unexpected pos 704 vs 598",
+    "Worker failure"), so a failed write is judged by the device instead: ENOSPC anywhere in the chain,
+    or less space free than the checkpoint still needed. The estimate is the size of the last complete
+    checkpoint of this run (same model and layout), else what this save had written when it failed."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+    try:
+        yield
+    except (Exception, CheckpointException) as error:  # any writer error; re-raised unless the device is full
+        chain, cause = [], error
+        while cause is not None and len(chain) < 16:
+            chain.append(cause)
+            cause = cause.__cause__ or cause.__context__
+        no_space = any(getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e) for e in chain)
+        written = _directory_bytes(partial)
+        free = shutil.disk_usage(partial if partial.exists() else partial.parent).free
+        try:
+            previous = latest_checkpoint(run_dir)
+        except RunDirError:
+            previous = None
+        needed = _directory_bytes(previous) if previous is not None else written
+        if not no_space and free >= max(needed - written, 1 << 20):
+            raise
+        kept = f"{previous} is still the latest complete checkpoint" if previous else "no earlier checkpoint exists"
+        raise CheckpointDiskFullError(
+            errno.ENOSPC,
+            f"no space left on the device holding {partial}: a checkpoint of this run needs about {needed} bytes, "
+            f"{written} were written before the failure and {free} are free; nothing written so far is lost "
+            f"({kept}; the incomplete {partial.name} is removed at the next save). Free space there, lower "
+            f"checkpoint.keep_last, or resume in another run_dir copied from this one",
+        ) from error
 
 
 def checkpoint_run_id(path: Path) -> str:
