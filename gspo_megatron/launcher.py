@@ -1,4 +1,5 @@
-"""Start the trainer's ranks on this node: ``python -m gspo_megatron.launcher --nproc-per-node N [overrides]``.
+"""Start the trainer's ranks on this node: ``python -m gspo_megatron.launcher --nproc-per-node N [overrides]``
+(``--script tools/convert_checkpoint.py ARGS`` runs that script on every rank instead).
 
 What torchrun did for us, without what it did wrong (issue 34, D2/D4/D7/D16):
 
@@ -17,6 +18,8 @@ What torchrun did for us, without what it did wrong (issue 34, D2/D4/D7/D16):
 - **No rank outlives the launcher or its job.** Ranks get ``PR_SET_PDEATHSIG`` (SIGKILL when the
   launcher dies, even by SIGKILL); when one rank fails the others get SIGTERM, then SIGKILL after
   ``STOP_GRACE_S``; the exit status is the first failure's (128 + signal for a rank killed by one).
+- **Loud when exposed.** A single-node job whose ``--master-addr`` is not a loopback address (e.g.
+  ``0.0.0.0``) is started, but the launcher says that its store can be reached from other machines.
 - Processes are awaited through pidfds (no polling); the ranks are forked before the store's thread
   starts, so the pre-exec hook runs in a single-threaded parent.
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import ipaddress
 import os
 import selectors
 import signal
@@ -55,6 +59,12 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--node-rank", type=int, default=0)
     parser.add_argument("--master-addr", default="127.0.0.1", help="node 0's address; the store listens only there")
     parser.add_argument("--master-port", type=int, default=0, help="0: any free port (one node only)")
+    parser.add_argument(
+        "--script",
+        default=None,
+        help="a Python script every rank runs instead of the trainer (e.g. tools/convert_checkpoint.py); "
+        "the remaining arguments are its own",
+    )
     args, overrides = parser.parse_known_args(argv)
     if args.nproc_per_node < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         parser.error(f"need nproc-per-node >= 1 and 0 <= node-rank < nnodes; got {vars(args)}")
@@ -93,7 +103,8 @@ def _start_rank(args, overrides: list[str], local_rank: int, port: int) -> subpr
     )
     if args.nnodes == 1:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    command = [sys.executable, "-m", "gspo_megatron.train", *overrides]
+    program = [args.script] if args.script else ["-m", "gspo_megatron.train"]
+    command = [sys.executable, *program, *overrides]
     return subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=die_with_parent)
 
 
@@ -149,8 +160,23 @@ class _Ranks:
                 process.kill()
 
 
+def _beyond_loopback(address: str) -> bool:
+    try:
+        return not ipaddress.ip_address(socket.gethostbyname(address) if ":" not in address else address).is_loopback
+    except (OSError, ValueError):
+        return True
+
+
 def main(argv: list[str] | None = None) -> int:
     args, overrides = _parse(sys.argv[1:] if argv is None else argv)
+    serves_store = args.node_rank == 0
+    if serves_store and args.nnodes == 1 and _beyond_loopback(args.master_addr):
+        print(
+            f"launcher: warning: one node, but the rendezvous store will listen on {args.master_addr}, which other "
+            "machines can reach (it is unauthenticated); use --master-addr 127.0.0.1 unless they must",
+            file=sys.stderr,
+            flush=True,
+        )
     serves_store = args.node_rank == 0
     listener = _listen(args.master_addr, args.master_port) if serves_store else None
     port = listener.getsockname()[1] if listener is not None else args.master_port

@@ -1,8 +1,13 @@
-"""Offline conversion between a HF checkpoint directory and a megatron distributed checkpoint.
+r"""Offline conversion between a HF checkpoint directory and a megatron distributed checkpoint.
 
-    torchrun --nproc-per-node 2 tools/convert_checkpoint.py hf-to-mcore --hf-dir HF --out MCORE --tp 2
-    torchrun --nproc-per-node 2 tools/convert_checkpoint.py mcore-to-hf --mcore-dir MCORE --out HF2 --ep 2
+    python -m gspo_megatron.launcher --nproc-per-node 2 --script tools/convert_checkpoint.py \
+        hf-to-mcore --hf-dir HF --out MCORE --tp 2
+    python -m gspo_megatron.launcher --nproc-per-node 2 --script tools/convert_checkpoint.py \
+        mcore-to-hf --mcore-dir MCORE --out HF2 --ep 2
     python tools/convert_checkpoint.py mcore-to-hf --mcore-dir runs/x/checkpoints/step_000200 --out HF3
+
+(the project's launcher: one rendezvous store, on loopback; torchrun works too, on a single machine
+its stores listen on every interface).
 
 Design decisions:
 - The megatron side is ``dist_checkpointing`` of ``{"model": GPTModel.sharded_state_dict()}``, the
@@ -156,4 +161,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from gspo_megatron.known_warnings import filter_known_warnings
+
+    filter_known_warnings()  # the trainer's reviewed third-party warnings, hidden here as there
     sys.exit(main())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,17 @@ def test_a_killed_rank_ends_the_job_and_leaves_no_process(tmp_path):
         _stop(process, marker)
     assert code == 128 + signal.SIGKILL, _log(run_dir).read_text()[-3000:]
     assert not left, f"left running after rank 1 was killed:\n{describe(left)}"
+
+
+@pytest.mark.parametrize("address, warned", [("0.0.0.0", True), ("127.0.0.1", False)])
+def test_a_single_node_store_beyond_loopback_is_announced(tmp_path, address, warned):
+    """issue 43: ``--master-addr 0.0.0.0`` on one node listened on every interface without a word."""
+    script = tmp_path / "rank.py"
+    script.write_text("import os; print('rank', os.environ['RANK'])\n")
+    env = dict(os.environ)
+    env.pop("WORLD_SIZE", None)
+    command = [sys.executable, "-m", "gspo_megatron.launcher", "--nproc-per-node", "1", "--master-addr", address]
+    done = subprocess.run([*command, "--script", str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "rank 0" in done.stdout, done.stderr[-2000:]
+    notice = f"one node, but the rendezvous store will listen on {address}, which other machines can reach"
+    assert (notice in done.stderr) == warned, done.stderr
