@@ -84,7 +84,7 @@ def plain_config(text: object, source: str) -> dict:
     class Loader(yaml.SafeLoader):
         depth = 0
 
-        def compose_node(self, parent, index):  # type: ignore[no-untyped-def]
+        def compose_node(self, parent, index):
             if self.check_event(yaml.AliasEvent) or getattr(self.peek_event(), "anchor", None) is not None:
                 raise ResumeConfigError(
                     f"{source}: the saved config uses YAML anchors or aliases, which this trainer never writes "

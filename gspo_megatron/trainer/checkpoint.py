@@ -151,7 +151,7 @@ def save_checkpoint(
     with _disk_full_named(partial, run_dir):
         dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(partial / MODEL_DIR))
     rng = {"torch": torch.get_rng_state()}
-    states = [None] * dist.get_world_size() if is_driver else None
+    states: list[dict | None] | None = [None] * dist.get_world_size() if is_driver else None
     dist.gather_object(rng, states, dst=0)
     if is_driver:
         written = {
@@ -201,7 +201,8 @@ def _disk_full_named(partial: Path, run_dir: Path) -> Iterator[None]:
     try:
         yield
     except (Exception, CheckpointException) as error:  # any writer error; re-raised unless the device is full
-        chain, cause = [], error
+        chain: list[BaseException] = []
+        cause: BaseException | None = error
         while cause is not None and len(chain) < 16:
             chain.append(cause)
             cause = cause.__cause__ or cause.__context__

@@ -32,6 +32,7 @@ import os
 import pickle
 import re
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,8 +86,13 @@ _MUTATIONS = {
 }
 
 
-class _StrictUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # the Python unpickler: its opcodes can be replaced
-    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+# Python's own unpickler (the C one's opcode handlers cannot be replaced); private to the pickle
+# module, unchanged in meaning since Python 3.0, and untyped in typeshed.
+_PythonUnpickler: Any = pickle._Unpickler
+
+
+class _StrictUnpickler(_PythonUnpickler):
+    dispatch = dict(_PythonUnpickler.dispatch)
 
     def __init__(self, data: bytes, path: str) -> None:
         super().__init__(io.BytesIO(data))
@@ -174,9 +180,9 @@ class _StrictUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # the 
         raise self._refuse("it constructs an object with INST/OBJ")
 
 
-def _only_own_containers(opcode: int):  # type: ignore[no-untyped-def]
+def _only_own_containers(opcode: int) -> Callable[[_StrictUnpickler], None]:
     """``opcode``'s handler, run only when its target is a container of the kind it expects that this load made."""
-    original = pickle._Unpickler.dispatch[opcode]  # type: ignore[attr-defined]
+    original = _PythonUnpickler.dispatch[opcode]
     kind = _MUTATIONS[opcode]
 
     def handler(self: _StrictUnpickler) -> None:
@@ -219,22 +225,22 @@ def _is_size(value: Any) -> bool:
 
 
 @functools.cache
-def _field_names(cls: type) -> frozenset[str]:
+def _field_names(cls: Any) -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(cls))
 
 
 @functools.cache
-def _required_fields(cls: type) -> frozenset[str]:
+def _required_fields(cls: Any) -> frozenset[str]:
     fields = dataclasses.fields(cls)
     return frozenset(f.name for f in fields if f.default is f.default_factory is dataclasses.MISSING)
 
 
 def _check_attributes(obj: Any, path: str, allowed: frozenset[str] = frozenset()) -> None:
     """Only the dataclass's own fields (and ``allowed``), and every field without a default present."""
-    present = vars(obj).keys()
-    extra = present - _field_names(type(obj)) - allowed
-    _check(not extra, path, f"a {type(obj).__name__} with unknown attributes {sorted(map(str, extra))[:5]}")
-    missing = _required_fields(type(obj)) - present
+    present, cls = vars(obj).keys(), obj.__class__
+    extra = present - _field_names(cls) - allowed
+    _check(not extra, path, f"a {cls.__name__} with unknown attributes {sorted(map(str, extra))[:5]}")
+    missing = _required_fields(cls) - present
     _check(not missing, path, f"a {type(obj).__name__} without {sorted(missing)[:5]}")
 
 

@@ -122,6 +122,7 @@ class WeightBroadcaster:
                 tensor = tensor.to(self.device)
             tensor = tensor.contiguous()
             work = dist.broadcast(tensor, src=self.src, group=self.group, async_op=True)
+            assert work is not None  # async_op=True always returns its Work (torch 2.15 types it Optional)
             tensors.append(tensor)
             futures.append(work.get_future())
         done: concurrent.futures.Future = concurrent.futures.Future()
