@@ -86,7 +86,7 @@ KNOWN_LOG_MESSAGES: tuple[KnownLogMessage, ...] = (
         "megatron.core.models.gpt.gpt_model",
         r"GPTModel IS DEPRECATED",
         "megatron-core 0.19 asks new code to build HybridModel; GPTModel is still built, fixed and tested "
-        "there (README, 'Tested versions'), and the move is megatron's next change for us to follow",
+        "there (docs/development.md, 'Tested versions'), and the move is megatron's next change for us to follow",
     ),
     KnownLogMessage(
         "megatron.core.dist_checkpointing.strategies.torch",

@@ -2,7 +2,7 @@
 #
 # Installs torch before anything else, so that pip never resolves an unpinned torch to a multi-GB
 # CUDA build on a machine without a GPU: torch==${GSPO_TORCH_VERSION:-the tested release} -- 2.13.0 on
-# Python < 3.12, 2.15.0 on 3.12+ (README, "Tested versions") -- as the CUDA build where an NVIDIA
+# Python < 3.12, 2.15.0 on 3.12+ (docs/development.md, "Tested versions") -- as the CUDA build where an NVIDIA
 # driver is visible, the CPU build where none is; an interpreter that already has a torch within
 # pyproject's range (2.6 to 2.15) keeps it. Where the packages come from is pip's own configuration (pip.conf,
 # PIP_INDEX_URL / PIP_EXTRA_INDEX_URL, PIP_FIND_LINKS): the repository names no package index.
@@ -40,6 +40,6 @@ install_torch() {
     return 0
   fi
   echo "[setup] warning: pip chose a CUDA build of torch (${version}) on a machine without a GPU: it" \
-       "works on CPU but is several GB. Point pip at a CPU wheel index (README, Quickstart) and run" \
+       "works on CPU but is several GB. Point pip at a CPU wheel index (docs/development.md, "Set-up in detail") and run" \
        "'$python -m pip install --force-reinstall torch==${version}'." >&2
 }

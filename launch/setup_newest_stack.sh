@@ -4,7 +4,7 @@
 #
 # Python 3.12 (NEWEST_PYTHON, default python3.12) with torch, megatron-core and transformers at the upper
 # bounds pyproject.toml allows (requirements/newest-stack.txt, given to pip as constraints), installed by
-# launch/setup.sh exactly as on the main interpreter (without the SGLang tiers: they run on the main leg).
+# launch/setup_tests.sh exactly as on the main interpreter (without the SGLang tiers: they run on the main leg).
 # Beside it, megatron-core 0.16.1 unpacked into .venv-newest/megatron-core-0.16.1/ (no dependencies: the
 # venv's own serve it) for the test that resumes a 0.16.1 checkpoint under the newest megatron-core and
 # back (tests/e2e/test_megatron_versions.py). On a machine without a GPU and without a CPU wheel index in
@@ -24,7 +24,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 PIP_CONSTRAINT="$PWD/requirements/newest-stack.txt" PYTHON="$VENV/bin/python" \
-  GSPO_SKIP_SGLANG_CONTRACT=1 GSPO_SKIP_SGLANG_LIVE=1 bash launch/setup.sh
+  GSPO_SKIP_SGLANG_CONTRACT=1 GSPO_SKIP_SGLANG_LIVE=1 bash launch/setup_tests.sh
 if [ ! -d "$VENV/megatron-core-$OLDEST_MCORE/megatron" ]; then
   "$VENV/bin/python" -m pip install -q --no-deps --target "$VENV/megatron-core-$OLDEST_MCORE" \
     "megatron-core==$OLDEST_MCORE"

@@ -3,7 +3,7 @@
 It picks kernels, never training behaviour: with CUDA, NCCL collectives and CUDA tensors; without,
 gloo collectives, CPU tensors and megatron-core's CPU bridges (``parallel/cpu_compat.py``). The
 optimizer, DDP, precision and dispatcher choices are config keys whose defaults are the same on both
-(README, "Where it has run"). TransformerEngine layers are the other kernel choice
+(docs/cluster.md, "Where it has run"). TransformerEngine layers are the other kernel choice
 (``models/builder.py:transformer_engine_available``).
 """
 

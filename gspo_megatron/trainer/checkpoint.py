@@ -272,8 +272,8 @@ class CheckpointVersionError(RuntimeError):
             versions = "; ".join(f"{k} {old} wrote it, {new} reads it" for k, (old, new) in differ.items())
             advice = (
                 f"the versions differ ({versions}): resume it with the versions that wrote it "
-                "(README, 'Tested versions'), or convert it to HF weights there (tools/convert_checkpoint.py) "
-                "and start from those"
+                "(docs/development.md, 'Tested versions'), or convert it to HF weights there "
+                "(tools/convert_checkpoint.py) and start from those"
             )
         else:
             advice = "the same versions wrote it: the checkpoint is damaged; resume from an earlier one"

@@ -26,7 +26,7 @@ passes over that update's mini-batch (the loss's routing -- a repeat of the trai
 log-probs the loss head does not hand back -- and the old pass's routing replayed), i.e. about
 2/3 of one more forward-backward of one mini-batch per diagnosed step, ~2/(3k) of the update phase
 with k updates per rollout; logged as ``time/ratio_decomposition`` (measured: 0.97 s of a 20.7 s
-update phase at k = 16 on small_moe, README "The mechanism"). Reading the training forward's own
+update phase at k = 16 on small_moe, docs/studies.md "The mechanism"). Reading the training forward's own
 log-probs would save one of the two passes; not done, to leave the loss path untouched. It needs
 the trainer's old-log-prob pass (not ``algorithm.old_log_probs=rollout``).
 

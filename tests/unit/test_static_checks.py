@@ -21,7 +21,7 @@ def _run(*command: str) -> subprocess.CompletedProcess:
 
 def _tool(name: str) -> list[str]:
     if importlib.util.find_spec(name) is None:
-        pytest.fail(f"{name} is not installed: `pip install -e .[test]` (launch/setup.sh) installs it")
+        pytest.fail(f"{name} is not installed: `pip install -e .[test]` (launch/setup_tests.sh) installs it")
     return [sys.executable, "-m", name]
 
 

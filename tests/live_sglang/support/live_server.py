@@ -50,7 +50,7 @@ def server_python() -> Path:
         return Path(sys.executable)
     pytest.fail(
         f"no SGLang to run a live server: make its venv with `bash launch/setup_sglang_live.sh` "
-        f"(launch/setup.sh does it), or set {SKIP_ENV}=1 where it is intentionally absent\n{probe.stderr[-600:]}",
+        f"(launch/setup_tests.sh does it), or set {SKIP_ENV}=1 where it is intentionally absent\n{probe.stderr[-600:]}",
         pytrace=False,
     )
 

@@ -106,7 +106,7 @@ def test_model_yamls_equal_the_code_presets():
 
 @pytest.mark.parametrize("world", [8, 16])
 def test_the_readme_30b_layout_validates_on_whole_nodes(world):
-    # README: parallel=tp4_ep8 for Qwen3-30B-A3B on 8-GPU nodes; with etp = tp = 4 it needed
+    # docs/cluster.md: parallel=tp4_ep8 for Qwen3-30B-A3B on 8-GPU nodes; with etp = tp = 4 it needed
     # etp*ep*pp = 32 to divide the world size and was refused on 8 and 16 GPUs.
     typed = OmegaConf.to_object(compose(["model=qwen3_30b_a3b", "parallel=tp4_ep8"]))
     validate_config(typed, world)

@@ -5,7 +5,7 @@ Our side is the trainer's path: the composed preset -> mismatch weights folded i
 ``PolicyLossHead`` (policy loss + KL + entropy, global denominators) -> loss and gradient w.r.t. the
 logits. Their side recomputes the log-probs from the same logits in float64 and applies the
 transcribed formula. Each test also turns the preset's distinguishing knobs back to our defaults and
-checks the loss moves, so every knob is shown to matter on this batch (the README's migration table
+checks the loss moves, so every knob is shown to matter on this batch (docs/migration.md's table
 quotes those numbers).
 
 Sources (read, not copied; transcriptions are ours):
@@ -193,7 +193,7 @@ LOSS_RTOL, GRAD_RTOL = 2e-6, 1e-5
 def test_preset_loss_and_gradient_equal_the_anchor(name):
     """The one remaining difference on this batch sits below float32 resolution: verl bounds GSPO's
     log s_i only from above, ours also at -log_ratio_clamp = -20, so row 5 (log s = -22, A = 1.1) adds
-    e^-20 A / 6 = 3.8e-10 to the loss instead of e^-22 A / 6 = 5.1e-11 (README, "Anchor presets")."""
+    e^-20 A / 6 = 3.8e-10 to the loss instead of e^-22 A / 6 = 5.1e-11 (docs/migration.md, "Anchor presets")."""
     logits, batch = _inputs()
     got_loss, got_grad = ours(preset(name), logits, batch)
     want_loss, want_grad = theirs(ANCHORS[name], logits, batch)

@@ -1,0 +1,149 @@
+"""Every command the README and docs/ show in a ```bash block is checked against the code it names.
+
+- ``python3 -m gspo_megatron.train OVERRIDES`` (and the launch scripts that pass overrides on): the
+  overrides compose into a valid config, as ``train.py`` composes them (keys, types, closed choices).
+- scripts (``bash launch/X.sh``, ``sbatch launch/train.slurm``, ``bash tools/X.sh``): the file exists
+  and ``bash -n`` parses it; a study script's experiment exists.
+- ``python3 tools/X.py``: the tool exists; its arguments parse (``--help`` exits 0); a planner
+  command that needs no ranking runs as written and prints its verdict.
+- the launcher with ``--script``: the script exists and its arguments parse.
+Placeholders a reader fills in (``...``, ``<date>``, ``CKPT``) are dropped or taken as they are.
+The set-up and test commands themselves are what CI runs, so they are only parsed here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gspo_megatron.config.compose import compose
+from gspo_megatron.config.schema import to_train_config
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+ENV_PREFIX = re.compile(r"^(?:[A-Z_][A-Z0-9_]*=\S+\s+)+")
+
+
+def _commands() -> list[tuple[str, str]]:
+    """(document:line, command) for every command line of every ```bash block, continuations joined."""
+    found = []
+    for document in DOCUMENTS:
+        lines = document.read_text().splitlines()
+        inside, pending, start = False, "", 0
+        for number, line in enumerate(lines, start=1):
+            if line.startswith("```"):
+                inside = line.strip() == "```bash"
+                continue
+            if not inside:
+                continue
+            text = line.split(" #")[0].rstrip() if not line.lstrip().startswith("#") else ""
+            if not pending:
+                start = number
+            if text.endswith("\\"):
+                pending += text[:-1] + " "
+                continue
+            command = (pending + text).strip()
+            pending = ""
+            if command:
+                found.append((f"{document.relative_to(ROOT)}:{start}", command))
+    return found
+
+
+COMMANDS = _commands()
+
+
+def _words(command: str) -> list[str]:
+    return [w for w in shlex.split(ENV_PREFIX.sub("", command)) if w != "..."]
+
+
+def _overrides(words: list[str]) -> list[str]:
+    return [w for w in words if "=" in w and not w.startswith("-")]
+
+
+def _compose_ok(overrides: list[str]) -> None:
+    sweeps = [o.split(",")[0] if "," in o and "[" not in o else o for o in overrides]  # --multirun a=x,y: x
+    to_train_config(compose(sweeps))
+
+
+def _kind(command: str) -> str:
+    words = _words(command)
+    if " && " in command:
+        return "setup"
+    if words[:3] == ["python3", "-m", "gspo_megatron.train"]:
+        return "train"
+    if words[:3] == ["python3", "-m", "gspo_megatron.launcher"]:
+        return "launcher"
+    if words[0] in ("bash", "sbatch"):
+        return "script"
+    if words[0] == "python3" and words[1].startswith("tools/"):
+        return "tool"
+    return "other"
+
+
+def test_the_documents_show_commands_and_each_is_of_a_known_kind():
+    assert len(COMMANDS) > 20
+    unknown = [(where, c) for where, c in COMMANDS if _kind(c) == "other"]
+    assert not unknown, f"commands this test does not know how to check: {unknown}"
+
+
+@pytest.mark.parametrize("where, command", [c for c in COMMANDS if _kind(c[1]) == "train"], ids=lambda v: v)
+def test_training_commands_compose(where, command):
+    _compose_ok(_overrides(_words(command)))
+
+
+@pytest.mark.parametrize("where, command", [c for c in COMMANDS if _kind(c[1]) == "script"], ids=lambda v: v)
+def test_scripts_exist_parse_and_their_overrides_compose(where, command):
+    words = _words(command)
+    script = next(ROOT / w for w in words if w.endswith((".sh", ".slurm")))
+    assert script.is_file(), f"{where}: {script} does not exist"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    if script.name == "routing_study.sh":
+        experiment = words[words.index(str(script.relative_to(ROOT))) + 1]
+        assert (ROOT / "gspo_megatron" / "conf" / "experiment" / f"{experiment}.yaml").is_file(), where
+    else:
+        _compose_ok(_overrides(words))
+
+
+@pytest.mark.parametrize("where, command", [c for c in COMMANDS if _kind(c[1]) == "setup"], ids=lambda v: v)
+def test_setup_commands_name_scripts_that_parse(where, command):
+    for part in command.split(" && "):
+        words = _words(part)
+        if words[0] == "bash":
+            assert subprocess.run(["bash", "-n", str(ROOT / words[1])], capture_output=True).returncode == 0, where
+
+
+def _help_exits_zero(script: Path) -> bool:
+    done = subprocess.run([sys.executable, str(script), "--help"], cwd=ROOT, capture_output=True, timeout=300)
+    return done.returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where, command", [c for c in COMMANDS if _kind(c[1]) == "tool"], ids=lambda v: v)
+def test_tools_exist_and_parse_their_arguments(where, command):
+    words = _words(command)
+    tool = ROOT / words[1]
+    assert tool.is_file(), f"{where}: {tool} does not exist"
+    assert _help_exits_zero(tool), f"{where}: {tool} --help failed"
+    if tool.name == "plan.py" and "--rank" not in words and "--calibrate" not in words:
+        done = subprocess.run([sys.executable, *words[1:]], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode in (0, 1) and "fits" in done.stdout, f"{where}: {done.stderr[-2000:]}"  # 1: no fit
+    elif tool.name == "plan.py":
+        _compose_ok([w for w in _overrides(words) if not w.startswith("--")])
+
+
+@pytest.mark.parametrize("where, command", [c for c in COMMANDS if _kind(c[1]) == "launcher"], ids=lambda v: v)
+def test_launcher_scripts_exist_and_parse_their_arguments(where, command):
+    words = _words(command)
+    at = words.index("--script") + 1
+    script = ROOT / words[at]
+    assert script.is_file(), f"{where}: {script} does not exist"
+    spec = importlib.util.spec_from_file_location(script.stem, script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.parse_args(words[at + 1 :])  # argparse exits (a SystemExit failure) on arguments it does not take
