@@ -165,6 +165,23 @@ class CopyReverseTask(SyntheticDigitTask):
         return f"reverse {digits}=", answer, answer
 
 
+@register_task("running_max")
+class RunningMaxTask(SyntheticDigitTask):
+    """ "max 3817=" -> "3888": the largest digit so far at each position (3-5 answer tokens). Each
+    position is a max_digit problem over a prefix, and the default reward credits each position, so a
+    random model earns some reward from its first step and GSPO's sequence ratio averages tokens that
+    are each right or wrong."""
+
+    default_reward = "position_match"
+
+    def problem(self, digits):
+        running, answer = "0", []
+        for digit in digits:
+            running = max(running, digit)
+            answer.append(running)
+        return f"max {digits}=", "".join(answer), "".join(answer)
+
+
 @register_task("reasoning_max_digit")
 class ReasoningMaxDigitTask(SyntheticDigitTask):
     default_reward = "think_answer"

@@ -51,6 +51,18 @@ def exact_match(response: str, record: PromptRecord) -> RewardResult:
     return _graded(answer == record.answer.strip(), terminated and _answer_shape_ok(answer, record))
 
 
+@register_reward("position_match", trivial=True)
+def position_match(response: str, record: PromptRecord) -> RewardResult:
+    """The fraction of the gold answer's characters the response has at the same positions:
+    reward = #{i : body[i] == answer[i]} / max(len(body), len(answer)), so a longer or shorter response
+    loses what it adds or misses. correct: the whole answer; format_ok: terminated, answer-shaped."""
+    body, terminated = split_at_stop(response, record)
+    body, answer = body.strip(), record.answer.strip()
+    matched = sum(a == b for a, b in zip(body, answer, strict=False))
+    reward = matched / max(len(body), len(answer), 1)
+    return RewardResult(reward=reward, correct=body == answer, format_ok=terminated and _answer_shape_ok(body, record))
+
+
 _NO_THINK_TAG = r"(?:(?!</?think>).)"
 _THINK_FORMAT = re.compile(rf"\s*<think>{_NO_THINK_TAG}*</think>\s*answer\s*({_NO_THINK_TAG}*?)\s*", re.DOTALL)
 

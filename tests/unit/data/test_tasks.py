@@ -14,7 +14,7 @@ def _task(name, **overrides):
 
 
 def test_registry_lists_tasks_and_rejects_unknown():
-    assert {"max_digit", "sum_mod10", "copy_reverse", "reasoning_max_digit", "jsonl", "parquet"} <= set(
+    assert {"max_digit", "sum_mod10", "copy_reverse", "reasoning_max_digit", "running_max", "jsonl", "parquet"} <= set(
         available_tasks()
     )
     with pytest.raises(UnknownNameError, match="max_digit"):
@@ -43,7 +43,7 @@ def test_reasoning_reference_scans_with_running_max_and_one_wait():
     assert TOK.encode(reference).count(TOK.token_id("Wait")) == 1
 
 
-@pytest.mark.parametrize("name", ["max_digit", "sum_mod10", "copy_reverse", "reasoning_max_digit"])
+@pytest.mark.parametrize("name", ["max_digit", "sum_mod10", "copy_reverse", "reasoning_max_digit", "running_max"])
 def test_synthetic_stream_is_a_function_of_seed(name):
     a, b = _task(name, seed=7, max_digits=4), _task(name, seed=7, max_digits=4)
     first = a.next_batch(5) + a.next_batch(3)
@@ -110,3 +110,9 @@ def test_jsonl_task_needs_reward_and_serves_dataset(tmp_path):
     assert [r.answer for r in resumed.next_batch(3)] == ["6", "8", "0"]  # wraps into epoch 1
     with pytest.raises(ValueError, match="reads parquet files"):
         _task("parquet", dataset=DatasetConfig(path=str(path), format="jsonl"), reward="exact_match")
+
+
+def test_running_max_answers_the_largest_digit_so_far():
+    task = _task("running_max")
+    assert task.problem("3817") == ("max 3817=", "3888", "3888")
+    assert task.problem("09") == ("max 09=", "09", "09")

@@ -3,7 +3,14 @@ import pytest
 from gspo_megatron.data import PromptRecord, SymbolTokenizer, TaskConfig, build_task
 from gspo_megatron.registry import UnknownNameError
 from gspo_megatron.rewards import RewardResult, available_rewards, resolve_reward
-from gspo_megatron.rewards.builtin import exact_match, last_boxed, math_verify, split_at_stop, think_answer
+from gspo_megatron.rewards.builtin import (
+    exact_match,
+    last_boxed,
+    math_verify,
+    position_match,
+    split_at_stop,
+    think_answer,
+)
 
 DIGITS = {"stop_strings": ["<eos>"], "answer_pattern": r"\d+"}
 
@@ -59,7 +66,7 @@ def test_think_answer(response, expected):
     assert think_answer(response, _digit_record("8")) == expected
 
 
-@pytest.mark.parametrize("name", ["max_digit", "sum_mod10", "copy_reverse", "reasoning_max_digit"])
+@pytest.mark.parametrize("name", ["max_digit", "sum_mod10", "copy_reverse", "reasoning_max_digit", "running_max"])
 def test_task_reference_responses_score_full_marks(name):
     tok = SymbolTokenizer()
     task = build_task(TaskConfig(name=name, max_digits=4), tok)
@@ -69,6 +76,22 @@ def test_task_reference_responses_score_full_marks(name):
         assert reward(response, record) == _r(1.0, True, True)
         wrong = str((int(record.answer[0]) + 1) % 10) + record.answer[1:]
         assert reward(response.replace(record.answer + "<eos>", wrong + "<eos>"), record).correct is False
+
+
+@pytest.mark.parametrize(
+    "response, expected",
+    [
+        ("3888<eos>", _r(1.0, True, True)),
+        ("3878<eos>", _r(0.75, False, True)),  # 3 of 4 positions
+        ("38<eos>", _r(0.5, False, True)),  # 2 of the 4 the answer has
+        ("38889<eos>", _r(0.8, False, True)),  # 4 right of the 5 given
+        ("9888<eos>", _r(0.75, False, True)),
+        ("3888", _r(1.0, True, False)),  # not terminated: right, but not well-formed
+        ("<eos>", _r(0.0, False, False)),
+    ],
+)
+def test_position_match_credits_each_position(response, expected):
+    assert position_match(response, _digit_record("3888")) == expected
 
 
 MATH = {"stop_strings": ["<|im_end|>"]}
