@@ -1,4 +1,4 @@
-# Sourced by launch/setup.sh and launch/setup_sglang_contract.sh:  install_torch PYTHON
+# Sourced by launch/setup.sh and launch/setup_sglang.sh:  install_torch PYTHON
 #
 # Installs torch before anything else, so that pip never resolves an unpinned torch to a multi-GB
 # CUDA build on a machine without a GPU: torch==${GSPO_TORCH_VERSION:-the tested release} -- 2.13.0 on

@@ -24,7 +24,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 PIP_CONSTRAINT="$PWD/requirements/newest-stack.txt" PYTHON="$VENV/bin/python" \
-  GSPO_SKIP_SGLANG_CONTRACT=1 GSPO_SKIP_SGLANG_LIVE=1 bash launch/setup_tests.sh
+  GSPO_SKIP_SGLANG=1 bash launch/setup_tests.sh
 if [ ! -d "$VENV/megatron-core-$OLDEST_MCORE/megatron" ]; then
   "$VENV/bin/python" -m pip install -q --no-deps --target "$VENV/megatron-core-$OLDEST_MCORE" \
     "megatron-core==$OLDEST_MCORE"

@@ -3,12 +3,10 @@
 #
 # 1. launch/setup.sh (torch and the package);
 # 2. the package's test extra: pytest, pytest-timeout, ruff, mypy;
-# 3. the SGLang contract tier's venv, .venv-sglang-contract/ (launch/setup_sglang_contract.sh: SGLang's
-#    own request classes and HTTP app without CUDA; about 7 minutes the first time on 2 cores);
-#    GSPO_SKIP_SGLANG_CONTRACT=1 skips it (the tier then skips too; otherwise it fails without it);
-# 4. the live SGLang tier's venv, .venv-sglang-live/ (launch/setup_sglang_live.sh: a real SGLang 0.5.23
-#    server on CPU; about 10 minutes the first time); GSPO_SKIP_SGLANG_LIVE=1 skips it (and the tier).
-# Both SGLang venvs stay out of the training environment (SGLang's pins never enter it). Idempotent.
+# 3. the SGLang tiers' venv, .venv-sglang/ (launch/setup_sglang.sh: SGLang 0.5.23 for CPU, for the contract
+#    tier's checks against SGLang's own classes and the live tier's real server; about 10 minutes the
+#    first time on 2 cores); GSPO_SKIP_SGLANG=1 skips it and both tiers (otherwise they fail without it).
+# The SGLang venv stays out of the training environment (SGLang's pins never enter it). Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -18,10 +16,7 @@ if ! "$PYTHON" -c "import pytest, pytest_timeout, ruff, mypy" 2>/dev/null || [ "
   echo "[setup] installing the test extra (pytest, ruff, mypy)"
   "$PYTHON" -m pip install -q -e ".[test]"
 fi
-if [ "${GSPO_SKIP_SGLANG_CONTRACT:-0}" != 1 ]; then
-  bash launch/setup_sglang_contract.sh
-fi
-if [ "${GSPO_SKIP_SGLANG_LIVE:-0}" != 1 ]; then
-  bash launch/setup_sglang_live.sh
+if [ "${GSPO_SKIP_SGLANG:-0}" != 1 ]; then
+  bash launch/setup_sglang.sh
 fi
 echo "[setup] ready to test ($(( $(date +%s) - start )) s)"

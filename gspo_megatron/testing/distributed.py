@@ -1,8 +1,14 @@
 """Run a function on N gloo ranks on this machine and collect what each rank returns.
 
 Design decisions:
-- Ranks are spawned processes (``torch.multiprocessing`` with the ``spawn`` start method), not
-  torchrun, so a pytest test can call a plain Python function and get per-rank return values back.
+- Ranks are fresh processes started by ``multiprocessing``, not torchrun, so a pytest test can call a
+  plain Python function and get per-rank return values back.
+- Without CUDA they are forked from a fork server that imported torch and megatron-core once
+  (``rank_preload``): importing them costs each spawned rank 5-12 s on a loaded 2-core machine, about
+  as much as most tests compute. A forked rank is still a new process that ran no test: module state is
+  as the import left it, and the caller's environment, working directory, stdout and stderr are handed
+  over per call. With CUDA (forking after CUDA initialises breaks it), or with GSPO_RANK_START=spawn
+  (tools/bench_rank_start.py compares the two), ranks are spawned.
 - Each rank's result or traceback travels back over a queue; the first failure is re-raised in the
   caller with every failing rank's traceback, so a broken rank names itself.
 - Processes are always reaped: on timeout or failure every rank this call started is killed, and
@@ -15,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +30,9 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from gspo_megatron.parallel.mesh import free_port
+
+
+RANK_START_ENV = "GSPO_RANK_START"
 
 
 class DistributedRunError(RuntimeError):
@@ -35,7 +45,63 @@ class RankContext:
     world_size: int
 
 
-def _rank_main(rank, world_size, port, fn, args, kwargs, results, threads):
+class _InheritedFd:
+    """A file descriptor of the caller's, duplicated into the rank when the process is started."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        # DupFd is only valid while multiprocessing pickles the process (it registers the fd with the
+        # starting Popen), so it is made here, at pickling time.
+        from multiprocessing import reduction
+
+        return (_detach, (reduction.DupFd(self.fd),))
+
+
+def _detach(dup_fd) -> int:
+    return dup_fd.detach()
+
+
+@dataclass(frozen=True)
+class _CallerState:
+    """What a spawned rank would inherit from the caller and a forked one must be given."""
+
+    environ: dict[str, str]
+    cwd: str
+    stdout: Any
+    stderr: Any
+
+    @staticmethod
+    def capture() -> _CallerState:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        return _CallerState(dict(os.environ), os.getcwd(), _InheritedFd(1), _InheritedFd(2))
+
+    def apply(self) -> None:
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.chdir(self.cwd)
+        for fd, target in ((self.stdout, 1), (self.stderr, 2)):
+            if fd != target:  # a spawned rank receives the caller's descriptor under its own number
+                os.dup2(fd, target)
+                os.close(fd)
+
+
+def _rank_context():
+    """Fork server with torch and megatron-core imported where there is no CUDA; spawn otherwise."""
+    import torch
+
+    if torch.cuda.is_available() or os.environ.get(RANK_START_ENV) == "spawn":
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    # effective once, before the fork server starts (the first call); later calls reuse it
+    context.set_forkserver_preload(["gspo_megatron.testing.rank_preload"])
+    return context
+
+
+def _rank_main(rank, world_size, port, fn, args, kwargs, results, threads, caller: _CallerState):
+    caller.apply()
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -79,13 +145,14 @@ def run_distributed(
     Returns the per-rank return values ordered by rank (values must be picklable; move tensors to
     CPU). Raises ``DistributedRunError`` with every failing rank's traceback.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     results = ctx.Queue()
     port = free_port()
+    caller = _CallerState.capture()
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, port, fn, args, kwargs, results, threads_per_rank),
+            args=(rank, world_size, port, fn, args, kwargs, results, threads_per_rank, caller),
             daemon=False,
         )
         for rank in range(world_size)

@@ -1,7 +1,7 @@
 """Contract tier: the project's SGLang wire format checked against SGLang's own code, without a GPU.
 
-SGLang 0.5.x imports without CUDA when installed as ``launch/setup_sglang_contract.sh`` does it, in
-its own venv ``.venv-sglang-contract/`` (SGLang's pins -- triton, torchvision, xgrammar, a CUDA torch
+SGLang 0.5.x imports without CUDA when installed as ``launch/setup_sglang.sh`` does it, in
+the SGLang tiers' own venv ``.venv-sglang/`` (SGLang's pins -- triton, torchvision, xgrammar, a CUDA torch
 -- never enter the training environment). Its FastAPI app is driven with Starlette's TestClient: a
 body that passes the app's validation reaches the (absent) tokenizer manager and answers 500; an
 invalid one 400/422. The checks the tokenizer manager would run next (``SamplingParams.normalize``/
@@ -13,7 +13,7 @@ Where the tier runs (``contract_tier_placement``), so that a plain ``python3 -m 
   (``test_contract_tier_in_its_venv.py``); the tier's own tests are deselected in this interpreter;
 - elsewhere, without the venv: in this interpreter (a machine with a real SGLang install). If SGLang
   cannot be imported the tier FAILS, so CI can never pass by silently skipping it; set
-  ``GSPO_SKIP_SGLANG_CONTRACT=1`` only where the contract dependencies are intentionally absent.
+  ``GSPO_SKIP_SGLANG=1`` only where the contract dependencies are intentionally absent.
 """
 
 from __future__ import annotations
@@ -28,16 +28,16 @@ from typing import Any
 
 import pytest
 
-SKIP_ENV = "GSPO_SKIP_SGLANG_CONTRACT"
+SKIP_ENV = "GSPO_SKIP_SGLANG"
 VOCAB_SIZE = 1000  # the double's vocabulary; SamplingParams.verify only uses it for logit_bias
 CONTRACT_DIR = Path(__file__).resolve().parent
-CONTRACT_VENV = CONTRACT_DIR.parents[1] / ".venv-sglang-contract"
+CONTRACT_VENV = CONTRACT_DIR.parents[1] / ".venv-sglang"
 VENV_RUNNER = "test_contract_tier_in_its_venv.py"
 
 
 class Placement(enum.Enum):
     HERE = "here"  # the tier's tests run in this interpreter
-    IN_VENV = "in_venv"  # one test runs the tier in .venv-sglang-contract
+    IN_VENV = "in_venv"  # one test runs the tier in .venv-sglang
 
 
 def contract_tier_placement() -> Placement:
@@ -145,7 +145,7 @@ def sglang_reference() -> SGLangReference:
                 pytest.skip(f"SGLang contract deps intentionally absent ({SKIP_ENV}=1): {error}")
             pytest.fail(
                 f"SGLang cannot be imported ({error}); make the contract tier's venv with "
-                f"`bash launch/setup_sglang_contract.sh` (launch/setup.sh does it), or set {SKIP_ENV}=1 "
+                f"`bash launch/setup_sglang.sh` (launch/setup_tests.sh does it), or set {SKIP_ENV}=1 "
                 "where it is intentionally absent",
                 pytrace=False,
             )

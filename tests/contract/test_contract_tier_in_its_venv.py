@@ -1,4 +1,4 @@
-"""The contract tier, run inside its own venv (.venv-sglang-contract) from the training environment.
+"""The contract tier, run inside its own venv (.venv-sglang) from the training environment.
 
 Collected only where that venv exists and this interpreter is not it (conftest.contract_tier_placement);
 the tier's own tests are then deselected here, so a plain ``python3 -m pytest`` runs them exactly once.

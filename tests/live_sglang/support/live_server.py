@@ -11,10 +11,10 @@ import pytest
 
 from gspo_megatron.rollout.sglang.config import SGLangConfig
 
-SKIP_ENV = "GSPO_SKIP_SGLANG_LIVE"
+SKIP_ENV = "GSPO_SKIP_SGLANG"
 LIVE_DIR = Path(__file__).resolve().parents[1]
 REPO = LIVE_DIR.parents[1]
-LIVE_VENV = REPO / ".venv-sglang-live"
+LIVE_VENV = REPO / ".venv-sglang"
 CPU_LAUNCHER = REPO / "launch" / "sglang_cpu" / "launch_server.py"
 # The launch that works on a 2-core CPU (issue 27); each flag's reason is in docs/sglang.md.
 CPU_SERVER_ARGS = [
@@ -43,13 +43,13 @@ def server_python() -> Path:
     if os.environ.get(SKIP_ENV) == "1":
         pytest.skip(f"the live SGLang tier is switched off ({SKIP_ENV}=1)")
     venv_python = LIVE_VENV / "bin" / "python"
-    if (LIVE_VENV / ".gspo-live-stamp").exists():  # written by the set-up once the venv imports SGLang
+    if (LIVE_VENV / ".gspo-sglang-stamp").exists():  # written by the set-up once the venv imports SGLang
         return venv_python
     probe = subprocess.run([sys.executable, "-c", "import sglang.launch_server"], capture_output=True, text=True)
     if probe.returncode == 0:
         return Path(sys.executable)
     pytest.fail(
-        f"no SGLang to run a live server: make its venv with `bash launch/setup_sglang_live.sh` "
+        f"no SGLang to run a live server: make its venv with `bash launch/setup_sglang.sh` "
         f"(launch/setup_tests.sh does it), or set {SKIP_ENV}=1 where it is intentionally absent\n{probe.stderr[-600:]}",
         pytrace=False,
     )
