@@ -56,7 +56,8 @@ def main() -> None:
         for start in times:
             times[start].append(_timed_call(start, args.ranks))
     for start, values in times.items():
-        print(f"{start:12s} median {statistics.median(values):6.2f} s   min {min(values):6.2f} s   ({args.ranks} ranks)")
+        median, fastest = statistics.median(values), min(values)
+        print(f"{start:12s} median {median:6.2f} s   min {fastest:6.2f} s   ({args.ranks} ranks)")
     ratio = statistics.median(times["fork server"]) / statistics.median(times["spawn"])
     print(f"fork server / spawn (median): {ratio:.2f}")
 

@@ -31,7 +31,6 @@ import torch.multiprocessing as mp
 
 from gspo_megatron.parallel.mesh import free_port
 
-
 RANK_START_ENV = "GSPO_RANK_START"
 
 

@@ -12,11 +12,11 @@ import warnings
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    import torch  # noqa: F401
-    import torch.distributed  # noqa: F401
-    import megatron.core.dist_checkpointing  # noqa: F401
-    import megatron.core.distributed  # noqa: F401
-    import megatron.core.models.gpt  # noqa: F401
-    import megatron.core.optimizer  # noqa: F401
-    import megatron.core.parallel_state  # noqa: F401
+    import megatron.core.dist_checkpointing
+    import megatron.core.distributed
+    import megatron.core.models.gpt
+    import megatron.core.optimizer
+    import megatron.core.parallel_state
     import megatron.core.transformer.moe.moe_layer  # noqa: F401
+    import torch
+    import torch.distributed  # noqa: F401
