@@ -85,14 +85,25 @@ def _process_start(pid: int) -> str | None:
     return stat[stat.rindex(")") + 2 :].split()[19]  # field 22, counted after "pid (comm) "
 
 
+def _process_state(pid: int) -> str | None:
+    """The state letter of ``pid`` (Linux /proc: R, S, D, Z, ...), or None where /proc cannot say."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()[0]
+
+
 def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` can still hold a lock: it exists and is not a zombie. A killed holder stays a
+    zombie until its parent (or init, for an orphan) reaps it; it can write nothing any more."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # someone else's live process
         return True
-    return True
+    return _process_state(pid) not in ("Z", "X")
 
 
 TAKEOVER_FILE = f"{LOCK_FILE}.takeover"  # held while one process removes a stale lock

@@ -60,6 +60,24 @@ def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
     lock.release()
 
 
+def test_lock_of_a_killed_holder_not_yet_reaped_is_taken_over(tmp_path):
+    """A SIGKILLed holder stays a zombie until its parent reaps it (a run restarted right after
+    ``kill -9``): it still answers kill(pid, 0) but can hold nothing, so its lock is stale."""
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = Path(f"/proc/{holder.pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        (tmp_path / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": holder.pid, "start": start}))
+        holder.kill()
+        os.waitid(os.P_PID, holder.pid, os.WEXITED | os.WNOWAIT)  # dead, and left unreaped
+        os.kill(holder.pid, 0)  # a zombie still answers
+        lock = RunDirLock.acquire(tmp_path)
+        assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+        lock.release()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_reused_pid_makes_a_lock_stale(tmp_path):
     """Our own pid with another start time: the process that wrote the lock is gone."""
     (tmp_path / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "start": "-1"}))
