@@ -89,16 +89,17 @@ def uninterrupted_bf16(tmp_path_factory):
 
 
 # Known defect, found 2026-11-28 when this test's kill began to reach the ranks (before, torchrun's group
-# kill missed them: they ran on to step 6 and the "resume" replayed their metrics): resumed from a step-2
-# checkpoint of this 2-rank distributed-optimizer run, step 3's second update already differs (grad_norm
-# 0.4%, the ratio's spread), the same at the base commit b725e57, under megatron-core 0.19.2, and with the
-# plain optimizer on the same 2 ranks (one rank resumes exactly: test_train_e2e). The weights come back
-# exactly (step 3's old-policy entropy matches); what follows the first optimizer step does not.
-# Strict: the test fails once the resume is exact again, so the mark goes then.
+# kill missed them: they ran on to step 6 and the "resume" replayed their metrics): a resume on two
+# data-parallel ranks is not exact. Resumed from step 2, step 3's gradient is the uninterrupted run's (with
+# one update per rollout step 3 matches in every metric) but the optimizer step that follows is not (step
+# 4's old-policy entropy differs; with two updates, step 3's second update already differs). The same at
+# the base commit b725e57, under megatron-core 0.19.2, and with the plain optimizer on dp2; tp2 (two ranks,
+# one data-parallel rank) and one rank resume exactly (test_train_e2e). Strict: the test fails once the
+# resume is exact again, so the mark goes then.
 RESUME_NOT_EXACT = pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
-    reason="a 2-rank resume is not exact after its first optimizer step (known defect)",
+    reason="a resume on 2 data-parallel ranks is not exact after its first optimizer step (known defect)",
 )
 
 
