@@ -7,7 +7,9 @@ after their parent died and they were re-parented: ``run_processes(marker)``.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import struct
 import time
@@ -39,6 +41,15 @@ def _alive(pid: int) -> bool:
 def run_processes(marker: str) -> list[int]:
     """Live (non-zombie) processes whose environment carries ``marker``."""
     return sorted(pid for pid in processes_with_env(MARKER_VARIABLE, marker) if _alive(pid))
+
+
+def kill_run_processes(marker: str) -> list[int]:
+    """SIGKILL every live process carrying ``marker``; returns the pids it found."""
+    found = run_processes(marker)
+    for pid in found:
+        with contextlib.suppress(ProcessLookupError):  # ended meanwhile
+            os.kill(pid, signal.SIGKILL)
+    return found
 
 
 def describe(pids: list[int]) -> str:

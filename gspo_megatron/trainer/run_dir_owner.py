@@ -76,22 +76,19 @@ def new_run_id() -> str:
     return uuid.uuid4().hex
 
 
+def _stat_fields(pid: int) -> list[str] | None:
+    """``/proc/<pid>/stat`` after "pid (comm) ": field 3 (the state) first; None where /proc cannot say."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()
+
+
 def _process_start(pid: int) -> str | None:
     """Start time of ``pid`` in clock ticks since boot (Linux), or None where /proc cannot say."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat[stat.rindex(")") + 2 :].split()[19]  # field 22, counted after "pid (comm) "
-
-
-def _process_state(pid: int) -> str | None:
-    """The state letter of ``pid`` (Linux /proc: R, S, D, Z, ...), or None where /proc cannot say."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat[stat.rindex(")") + 2 :].split()[0]
+    fields = _stat_fields(pid)
+    return fields[19] if fields else None  # field 22
 
 
 def _pid_alive(pid: int) -> bool:
@@ -103,7 +100,8 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:  # someone else's live process
         return True
-    return _process_state(pid) not in ("Z", "X")
+    fields = _stat_fields(pid)
+    return not fields or fields[0] not in ("Z", "X")
 
 
 TAKEOVER_FILE = f"{LOCK_FILE}.takeover"  # held while one process removes a stale lock

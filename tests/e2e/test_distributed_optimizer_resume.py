@@ -9,10 +9,8 @@ anything is loaded, naming the fix.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +18,7 @@ import time
 import pytest
 
 from gspo_megatron.testing.distributed import DistributedRunError, run_distributed
-from gspo_megatron.testing.processes import marked_env, run_processes, wait_until
+from gspo_megatron.testing.processes import kill_run_processes, marked_env, wait_until
 from gspo_megatron.testing.train_runs import FAST, train_worker
 from gspo_megatron.trainer.checkpoint import DISTRIBUTED_KEY, latest_checkpoint, read_trainer_state
 
@@ -49,14 +47,6 @@ def _start_two_ranks(overrides: list[str], run_dir) -> tuple[subprocess.Popen, s
     return run, marker
 
 
-def _kill_everything(marker: str) -> bool:
-    """SIGKILL every live process of the run; True once none is left."""
-    for pid in run_processes(marker):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    return not run_processes(marker)
-
-
 def _kill_after_first_checkpoint(started: tuple[subprocess.Popen, str], run_dir, timeout: float = 600) -> None:
     """SIGKILL the whole run (torchrun, the ranks -- each in a session of its own, which torchrun's
     group kill does not reach -- and their helpers) once its first checkpoint is complete, as a lost node
@@ -70,7 +60,7 @@ def _kill_after_first_checkpoint(started: tuple[subprocess.Popen, str], run_dir,
             assert time.monotonic() < deadline, "timed out waiting for the first checkpoint"
             time.sleep(0.02)
     finally:
-        wait_until(lambda: _kill_everything(marker), 60, "the run's processes to die")
+        wait_until(lambda: not kill_run_processes(marker), 60, "the run's processes to die")
         run.wait()
 
 

@@ -19,6 +19,7 @@ from gspo_megatron.trainer.run_dir_owner import (
     TAKEOVER_FILE,
     RunDirError,
     RunDirLock,
+    _process_start,
     check_fresh_start,
     claim_run_dir,
     resume_mode,
@@ -65,7 +66,7 @@ def test_lock_of_a_killed_holder_not_yet_reaped_is_taken_over(tmp_path):
     ``kill -9``): it still answers kill(pid, 0) but can hold nothing, so its lock is stale."""
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        start = Path(f"/proc/{holder.pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        start = _process_start(holder.pid)
         (tmp_path / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": holder.pid, "start": start}))
         holder.kill()
         os.waitid(os.P_PID, holder.pid, os.WEXITED | os.WNOWAIT)  # dead, and left unreaped
