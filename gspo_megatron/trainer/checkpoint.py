@@ -283,7 +283,7 @@ class CheckpointVersionError(RuntimeError):
 def load_checkpoint(path: Path, model: DistributedDataParallel, optimizer: MegatronOptimizer) -> dict:
     """Restore model and optimizer in place (any layout); returns the trainer state dict."""
     from gspo_megatron.trainer.checkpoint_reader import UnsafeCheckpointError, load_dist_checkpoint
-    from gspo_megatron.trainer.optim import allocate_optimizer_state
+    from gspo_megatron.trainer.optim import allocate_optimizer_state, restore_adam_steps
 
     state = read_trainer_state(path)
     check_optimizer_kind(path, state, optimizer)
@@ -299,6 +299,7 @@ def load_checkpoint(path: Path, model: DistributedDataParallel, optimizer: Megat
     # (leaf, requires_grad) parameters, which megatron copies the loaded shards into in place
     with torch.no_grad():
         optimizer.load_state_dict(loaded["optimizer"])
+    restore_adam_steps(optimizer)
     rank = dist.get_rank()
     per_rank = state.get("rng_per_rank") or []
     if rank < len(per_rank) and per_rank[rank] is not None:

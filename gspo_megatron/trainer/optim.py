@@ -124,6 +124,31 @@ def allocate_optimizer_state(optimizer: MegatronOptimizer) -> None:
                     }
 
 
+def restore_adam_steps(optimizer: MegatronOptimizer) -> None:
+    """Give every parameter's Adam ``step`` after a load its checkpoint's value, in a tensor of its own.
+
+    megatron's distributed optimizer without TE/Apex keeps the Adam step count in its param groups
+    (``DistributedOptimizer.state_dict``), and its load leaves two faults in torch's per-parameter
+    ``step``: ``load_state_dict`` puts one tensor into every parameter's state, and the parameter-state
+    load that follows (``_set_main_param_and_optimizer_states``) copies into it the template's step --
+    the 0 of the state allocated before the load (``allocate_optimizer_state``), since megatron does
+    not shard the step. torch's Adam then starts again at step 1 and adds 1 to the shared tensor once
+    per parameter, so the bias corrections ``1 - beta^t`` of every update after a resume are wrong.
+    The loaded param group's ``step`` is the checkpoint's count; an optimizer whose groups hold none
+    (the plain one loads torch's own per-parameter state) keeps its values, each in its own tensor.
+    """
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(part, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            continue
+        for group in inner.param_groups:
+            for param in group["params"]:
+                step = inner.state.get(param, {}).get("step")
+                if torch.is_tensor(step):
+                    value = torch.tensor(float(group["step"])) if "step" in group else step
+                    inner.state[param]["step"] = value.to(dtype=step.dtype, device=step.device).clone()
+
+
 def build_scheduler(
     optimizer: MegatronOptimizer, section: OptimizerSection, total_updates: int
 ) -> OptimizerParamScheduler:

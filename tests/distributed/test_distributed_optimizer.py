@@ -73,11 +73,12 @@ def train_steps_worker(
         model, model.config, use_distributed_optimizer=use_distributed_optimizer(section.distributed, layout)
     )
     optimizer, scheduler = build_optimizer(ddp, section, total_updates=STEPS)
+    resumed = {}
     if checkpoint_dir is not None and ctx.world_size == 1:  # resume what 2 ranks saved
         from gspo_megatron.trainer.checkpoint import latest_checkpoint, load_checkpoint
 
         load_checkpoint(latest_checkpoint(checkpoint_dir), model, optimizer)
-        return {"moments": full_adam_moments(model, optimizer)}
+        resumed["moments"] = full_adam_moments(model, optimizer)
     inputs, targets, weights = fixed_batch(cfg)
     rows = inputs.shape[0] // layout.dp  # data-parallel ranks split the rows, run_schedule the sequences (CP)
     mine = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
@@ -88,7 +89,7 @@ def train_steps_worker(
         return -(mb.weights * logp).sum() / weights.sum(), {}
 
     grad_norms = []
-    for _ in range(STEPS):
+    for _ in range(1 if resumed else STEPS):
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         run_schedule(ddp, batch, loss, forward_only=False)
@@ -96,6 +97,13 @@ def train_steps_worker(
         scheduler.step(1)
         assert stepped
         grad_norms.append(grad_norm)
+    if resumed:  # one step after the resume: every parameter's Adam step count
+        resumed["adam_steps"] = [
+            state["step"].item()
+            for part in getattr(optimizer, "chained_optimizers", [optimizer])
+            for state in part.optimizer.state.values()
+        ]
+        return resumed
     weights_after = {k: v.float() for k, v in export_hf_state_dict(model, cfg, mesh).items()}
     saved = {}
     if checkpoint_dir is not None:
@@ -167,3 +175,6 @@ def test_sharded_state_resumes_on_one_rank_exactly(tmp_path):
             saved = two[0]["moments"][name][key] + two[1]["moments"][name][key]  # disjoint shards
             assert torch.equal(value, saved), f"{name} {key}"
             assert value.abs().sum() > 0 or "norm" in name, f"{name} {key}: no state was loaded"
+    # megatron (no TE/Apex) loads every parameter's Adam step as one shared tensor holding 0 (torch's Adam
+    # then counted every parameter: 0 -> 33 after one step): after one more step each count is 3 + 1
+    assert one["adam_steps"] and set(one["adam_steps"]) == {STEPS + 1}, one["adam_steps"]

@@ -78,24 +78,10 @@ def uninterrupted_bf16(tmp_path_factory):
     return run_dir, metrics
 
 
-# Known defect, found 2026-11-28 when this test's kill began to reach the ranks (before, torchrun's group
-# kill missed them: they ran on to step 6 and the "resume" replayed their metrics): a resume on two
-# data-parallel ranks is not exact. Resumed from step 2, step 3's gradient is the uninterrupted run's (with
-# one update per rollout step 3 matches in every metric) but the optimizer step that follows is not (step
-# 4's old-policy entropy differs; with two updates, step 3's second update already differs). The same at
-# the base commit b725e57, under megatron-core 0.19.2, and with the plain optimizer on dp2; tp2 (two ranks,
-# one data-parallel rank) and one rank resume exactly (test_train_e2e). Strict: the test fails once the
-# resume is exact again, so the mark goes then.
-RESUME_NOT_EXACT = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="a resume on 2 data-parallel ranks is not exact after its first optimizer step (known defect)",
-)
-
-
-@pytest.mark.parametrize(
-    "dtype", [pytest.param("float32", marks=RESUME_NOT_EXACT), pytest.param("bfloat16", marks=RESUME_NOT_EXACT)]
-)
+# Every Adam step count is the checkpoint's after the load (trainer/optim.py restore_adam_steps): before,
+# megatron's load left one shared step tensor holding 0, and the first optimizer step after a resume
+# already differed (found when this test's kill began to reach the ranks).
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_sigkill_then_resume_continues_exactly(request, tmp_path, dtype):
     """bf16: bf16 weights with fp32 main weights, sharded Adam state and gradient buffers (the cluster's setting)."""
     _, full = request.getfixturevalue("uninterrupted" if dtype == "float32" else "uninterrupted_bf16")
