@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-FAST = [
+# Two short steps of small batches, for any config (an experiment's included).
+SHORT = [
     "trainer.steps=2",
     "trainer.prompts_per_step=4",
     "rollout.group_size=4",
@@ -14,6 +15,10 @@ FAST = [
     "logging.progress=false",
     "logging.tensorboard=false",
 ]
+# The tests' runs: SHORT on the tiny model and the one-token task, the smallest that exercises every
+# phase (a test's own task=/model=/rollout.max_new_tokens= after these wins; with +experiment=, whose
+# values these would override, use SHORT).
+FAST = ["model=tiny", "task=max_digit", "rollout.max_new_tokens=1", *SHORT]
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gspo_megatron.algorithms.ratio_dispersion import LENGTH_BUCKETS, bucket_name
 from gspo_megatron.provenance import PROVENANCE_FILE, provenance
 from gspo_megatron.routing.run_dir import CONFIG_FILE, METRICS_FILE, JsonlLog, drop_records_from_step, read_jsonl
 
@@ -175,14 +176,27 @@ def summary_text(
     ]
     gaps = [r["loss/ratio_token_seq_gap"] for r in history if r.get("loss/ratio_token_seq_gap") is not None]
     if gaps:  # 0 for one-token answers, where GSPO's sequence ratio is GRPO's token ratio
-        spread_token = window("loss/ratio_var_token/len_5_16", False)
-        spread_seq = window("loss/ratio_var_seq/len_5_16", False)
-        spreads = (
-            f"token ratio spread E[(w-1)^2] {spread_token:.3g} vs sequence {spread_seq:.3g} at 5-16 tokens"
-            if not (math.isnan(spread_token) or math.isnan(spread_seq))
-            else "no responses of 5-16 tokens, so no spread by length"
-        )
+        spreads = "no length bucket measured"
+        for low, high in sorted(LENGTH_BUCKETS, key=lambda bucket: bucket != (5, 16)):  # 5-16 first, if measured
+            name = bucket_name(low, high)
+            spread_token = window(f"loss/ratio_var_token/{name}", False)
+            spread_seq = window(f"loss/ratio_var_seq/{name}", False)
+            if not (math.isnan(spread_token) or math.isnan(spread_seq)):
+                tokens = f"{low}-{high}" if high is not None else f"{low}+"
+                spreads = (
+                    f"token ratio spread E[(w-1)^2] {spread_token:.3g} vs sequence {spread_seq:.3g} at {tokens} tokens"
+                )
+                break
         lines.append(f"  sequence vs token ratio: mean |w_t - s_i| = {sum(gaps) / len(gaps):.4g} ({spreads})")
+    changed = [r["routing/update_changed_frac"] for r in history if r.get("routing/update_changed_frac") is not None]
+    if changed:  # activation volatility: the fraction of (token, layer) whose expert set an update changed
+        engine = window("routing/rollout_vs_train_changed_frac", False)
+        lines.append(
+            f"  routing volatility  experts changed by an update: {sum(changed) / len(changed):.3f} of tokens per layer"
+            f" (first 20%: {window('routing/update_changed_frac', True):.3f},"
+            f" last 20%: {window('routing/update_changed_frac', False):.3f})"
+            + ("" if math.isnan(engine) else f"; engine vs trainer: {engine:.3f}")
+        )
     evals = [r for r in history if r.get("eval/pass@1") is not None]
     if evals:
         lines.append(f"  eval pass@1       first: {evals[0]['eval/pass@1']:.3f}   last: {evals[-1]['eval/pass@1']:.3f}")

@@ -186,17 +186,17 @@ def test_job_options_come_from_the_composed_config_by_hand():
         prompt_tokens=8,
     )
     o = job.options
-    # conf/config.yaml: 16 prompts x 16 responses, max_new_tokens 1, micro_batch_size 128
-    assert o.seq_len == 8 + 1 - 1  # the fed tokens[:, :-1], a multiple of tp 2 (sequence parallelism)
-    assert o.global_batch_tokens == 16 * 16 // 4 * 8  # 64 rows per optimizer step
-    assert o.micro_batch_tokens == 32 * 8  # min(128, 64 rows / dp 2) rows per micro-batch
+    # conf/config.yaml: 16 prompts x 16 responses, max_new_tokens 3, micro_batch_size 128
+    assert o.seq_len == 8 + 3 - 1  # the fed tokens[:, :-1], a multiple of tp 2 (sequence parallelism)
+    assert o.global_batch_tokens == 16 * 16 // 4 * 10  # 64 rows per optimizer step
+    assert o.micro_batch_tokens == 32 * 10  # min(128, 64 rows / dp 2) rows per micro-batch
     assert o.distributed_optimizer  # optimizer.distributed=auto and dp = 4 / tp 2 = 2 > 1
     assert o.reference_model and o.old_log_prob_pass and o.updates_per_rollout == 4
     assert o.dtype == "bfloat16" and o.dispatcher == "alltoall" and not o.recompute
     assert o.rollout is not None and o.rollout.colocated and o.rollout.sequences == 256  # embedded engine
     assert o.embedded_engine == EmbeddedEngineShape("float32", 256)  # rollout.embedded.dtype, max_batch_size
-    padded = compose_job(["parallel=tp2"], gpus=2, prompt_tokens=9).options
-    assert padded.seq_len == 10  # 9 + 1 - 1 fed tokens, padded to the multiple of tp 2
+    padded = compose_job(["parallel=tp2"], gpus=2, prompt_tokens=8 + 1).options
+    assert padded.seq_len == 12  # 9 + 3 - 1 fed tokens, padded to the multiple of tp 2
     off = compose_job(["optimizer.distributed=false", "algorithm.old_log_probs=rollout"], gpus=2, prompt_tokens=8)
     assert not off.options.distributed_optimizer and not off.options.old_log_prob_pass
     assert not off.options.reference_model  # kl_coef 0: no reference model

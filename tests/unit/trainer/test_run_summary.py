@@ -23,11 +23,38 @@ def test_reward_windows_are_the_first_and_last_fifth():
 
 
 def test_one_token_answers_print_no_nan_for_the_length_bucket():
-    """The main job's answers are one token: no 5-16-token bucket exists, and the summary says so."""
+    """One-token answers with no bucket logged: the summary says so, no nan."""
     history = [_step(i + 1, 0.5, **{"loss/ratio_token_seq_gap": 0.0}) for i in range(5)]
     text = summary_text(history, wall_s=6.0, plot=None)
     assert "nan" not in text
-    assert "mean |w_t - s_i| = 0 (no responses of 5-16 tokens, so no spread by length)" in text
+    assert "mean |w_t - s_i| = 0 (no length bucket measured)" in text
+
+
+def test_short_answers_print_the_spread_of_their_bucket():
+    """The main job's answers are 3 tokens: the 1-4 bucket is the one measured."""
+    extra = {
+        "loss/ratio_token_seq_gap": 0.008,
+        "loss/ratio_var_token/len_1_4": 0.03,
+        "loss/ratio_var_seq/len_1_4": 0.02,
+    }
+    history = [_step(i + 1, 0.5, **extra) for i in range(5)]
+    text = summary_text(history, wall_s=6.0, plot=None)
+    assert "mean |w_t - s_i| = 0.008 (token ratio spread E[(w-1)^2] 0.03 vs sequence 0.02 at 1-4 tokens)" in text
+
+
+def test_routing_volatility_is_printed_with_its_first_and_last_fifth():
+    # first fifth: 0.1, 0.1; last fifth: 0.0, 0.0 -> mean 0.05; the engine's line from the last fifth
+    changed = [0.1, 0.1, 0.05, 0.05, 0.1, 0.05, 0.05, 0.0, 0.0, 0.0]
+    history = [
+        _step(i + 1, 0.5, **{"routing/update_changed_frac": c, "routing/rollout_vs_train_changed_frac": 0.25})
+        for i, c in enumerate(changed)
+    ]
+    text = summary_text(history, wall_s=6.0, plot=None)
+    assert (
+        "experts changed by an update: 0.050 of tokens per layer (first 20%: 0.100, last 20%: 0.000);"
+        " engine vs trainer: 0.250" in text
+    )
+    assert "routing" not in summary_text([_step(1, 0.5)], wall_s=6.0, plot=None)
 
 
 def test_the_length_bucket_spreads_are_printed_when_measured():
