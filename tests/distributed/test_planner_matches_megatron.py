@@ -23,6 +23,7 @@ from gspo_megatron.planning.comm import step_traffic
 from gspo_megatron.planning.parameters import state_bytes
 from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.model_fixtures import EQUIVALENCE_LAYOUTS, fixed_batch, tiny_test_config
+from gspo_megatron.testing.train_runs import TINY_JOB
 
 pytestmark = pytest.mark.distributed
 
@@ -200,14 +201,15 @@ def test_communication_equals_gloo_payloads(measured, name):
 # Hydra overrides of conf/ and the world size; each case is built by trainer/setup.py:build (the
 # trainer's DDP wrapper, optimizer and reference model), then planned by planning/job.py.
 JOBS = {
-    "dp2 auto -> distributed optimizer": (2, ["model.layer_spec=portable"]),
+    "dp2 auto -> distributed optimizer": (2, [*TINY_JOB, "model.layer_spec=portable"]),
     "tp2 bf16 kl reference": (
         2,
-        ["parallel=tp2", "model.dtype=bfloat16", "algorithm.kl_coef=0.01", "model.layer_spec=portable"],
+        [*TINY_JOB, "parallel=tp2", "model.dtype=bfloat16", "algorithm.kl_coef=0.01", "model.layer_spec=portable"],
     ),
     "ep2 distributed=false recompute": (
         2,
         [
+            *TINY_JOB,
             "parallel=ep2",
             "optimizer.distributed=false",
             "trainer.recompute_activations=true",
@@ -216,7 +218,13 @@ JOBS = {
     ),
     "pp2 bf16 distributed=true allgather": (
         2,
-        ["parallel=pp2", "model.dtype=bfloat16", "optimizer.distributed=true", "model.token_dispatcher=allgather"],
+        [
+            *TINY_JOB,
+            "parallel=pp2",
+            "model.dtype=bfloat16",
+            "optimizer.distributed=true",
+            "model.token_dispatcher=allgather",
+        ],
     ),
 }
 

@@ -3,7 +3,7 @@
 The real trainer (``trainer/setup.py:build`` + ``RLTrainer.train_step``: the embedded engine in the
 driver's process, rollout, old log-probs, the policy updates, the weight sync) runs 2 RL steps on
 gloo ranks, from the config ``config/compose.py`` composes of the overrides below (the default job:
-the tiny model, fp32, 16 prompts x 16 samples, two updates per rollout). Every rank records the
+the tiny model on the one-token task, fp32, 16 prompts x 16 samples, two updates per rollout). Every rank records the
 running total of torch's CPU allocator from before the model is built (``testing/memory.run_memory``:
 the total includes every resident tensor), split at the trainer's phases (``RLTrainer._phase``);
 the planner predicts the same composed config (``planning/job.py:job_from_config``) and its peak for
@@ -32,13 +32,14 @@ import pytest
 from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.memory import RunMemory
 from gspo_megatron.testing.model_fixtures import EQUIVALENCE_LAYOUTS
+from gspo_megatron.testing.train_runs import TINY_JOB
 from gspo_megatron.trainer.trainer import RLTrainer
 
 pytestmark = pytest.mark.distributed
 
 TOLERANCE = 0.10
 STEPS = 2
-COMMON = ["model.layer_spec=portable", "model.dtype=float32", "trainer.eval_every=0"]
+COMMON = [*TINY_JOB, "model.layer_spec=portable", "model.dtype=float32", "trainer.eval_every=0"]
 LAYOUTS = {"single": {"world_size": 1}} | EQUIVALENCE_LAYOUTS
 
 

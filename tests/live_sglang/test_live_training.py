@@ -13,7 +13,7 @@ Runs after the engine tests (file order): it leaves trained weights on the sessi
 from __future__ import annotations
 
 from gspo_megatron.testing.distributed import run_distributed
-from gspo_megatron.testing.train_runs import train_worker
+from gspo_megatron.testing.train_runs import TINY_JOB, train_worker
 
 STEPS = 20
 MISMATCH = "mismatch/abs_log_prob_diff_mean"
@@ -30,8 +30,8 @@ def test_twenty_steps_with_sglang_learn_with_zero_routing_mismatch_under_r3(live
         "trainer.eval_every=0",
         "logging.progress=false",
         "logging.tensorboard=false",
-        # the main job's task shape (conf/config.yaml): one answer token, large groups
-        "rollout.max_new_tokens=1",
+        # the tiny checkpoint's model on the one-token task (+experiment=max_digit_one_token), large groups
+        *TINY_JOB,
         "rollout.group_size=16",
         "optimizer.lr=3e-3",
         "rollout.sglang.mode=attach",
