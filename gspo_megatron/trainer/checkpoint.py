@@ -127,6 +127,26 @@ def read_trainer_state(path: Path) -> dict:
         return torch.load(path / STATE_FILE, weights_only=True)
 
 
+def forked_write_results_queue() -> None:
+    """Serve megatron's checkpoint-writer results from a manager forked from this process, not spawned.
+
+    megatron's writers (forked per save) report to a queue that a ``multiprocessing`` manager serves;
+    megatron starts it with spawn at the first save (``filesystem_async``: ``_get_write_results_queue``
+    in 0.16, ``get_write_results_queue`` in 0.17+, both caching it in ``_results_queue``). The first
+    result it unpickles (DCP's ``WriteResult``) imports torch in that fresh interpreter: 2.2 s of the
+    run's first save on 2 cores (cProfile: the ``put``), the main job's final save being its only one.
+    A forked manager has torch already. megatron forks its writers from this same thread; the manager
+    serves a socket and never touches an accelerator. A no-op once a queue exists, or where a megatron
+    without that cache would make its own.
+    """
+    import multiprocessing
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+
+
 def save_checkpoint(
     run_dir: Path,
     step: int,
@@ -148,6 +168,7 @@ def save_checkpoint(
             shutil.rmtree(stale)
         (partial / MODEL_DIR).mkdir(parents=True)
     dist.barrier()
+    forked_write_results_queue()
     with _disk_full_named(partial, run_dir):
         dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(partial / MODEL_DIR))
     rng = {"torch": torch.get_rng_state()}

@@ -1,0 +1,69 @@
+"""The processes a checkpoint save leaves behind: megatron's writer-results manager is a fork of the
+trainer, not a spawned interpreter that imports torch again on the first result it unpickles (2.2 s of
+the main job's only save on 2 cores, before ``checkpoint.forked_write_results_queue``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from gspo_megatron.testing.distributed import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+
+def _children(pid: int) -> dict[int, str]:
+    """pid -> command line of this process's live children."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found[int(entry.name)] = cmdline
+    return found
+
+
+def save_twice_worker(ctx, checkpoint_dir: str) -> dict:
+    import torch
+
+    from gspo_megatron.config.schema import OptimizerSection
+    from gspo_megatron.models.builder import build_model
+    from gspo_megatron.models.schedule import wrap_for_training
+    from gspo_megatron.parallel.layout import ParallelLayout
+    from gspo_megatron.parallel.mesh import initialize_parallel
+    from gspo_megatron.testing.model_fixtures import tiny_test_config
+    from gspo_megatron.trainer.checkpoint import latest_checkpoint, save_checkpoint
+    from gspo_megatron.trainer.optim import build_optimizer
+
+    cfg = tiny_test_config()
+    layout = ParallelLayout(world_size=1).validate(cfg)
+    initialize_parallel(layout, seed=11)
+    model = build_model(cfg, layout, params_dtype=torch.float32)
+    ddp = wrap_for_training(model, model.config, use_distributed_optimizer=False)
+    optimizer, _ = build_optimizer(ddp, OptimizerSection(distributed="false"), total_updates=2)
+    before = set(_children(os.getpid()))
+    for step in (1, 2):
+        save_checkpoint(Path(checkpoint_dir), step, ddp, optimizer, {}, keep_last=1, is_driver=True)
+    own = open("/proc/self/cmdline", "rb").read().replace(b"\0", b" ").decode()
+    return {
+        "left": {pid: cmd for pid, cmd in _children(os.getpid()).items() if pid not in before},
+        "own": own,
+        "latest": latest_checkpoint(checkpoint_dir).name,
+    }
+
+
+def test_the_writer_results_manager_is_forked_not_spawned(tmp_path):
+    (result,) = run_distributed(save_twice_worker, 1, str(tmp_path), timeout=300)
+    assert result["latest"] == "step_000002"
+    # what outlives a save: the results manager, once (megatron caches its queue), as a fork of this
+    # process (the same command line); a spawned one runs "from multiprocessing.spawn import spawn_main"
+    assert len(result["left"]) == 1, result["left"]
+    (cmdline,) = result["left"].values()
+    assert "spawn_main" not in cmdline and cmdline == result["own"]
