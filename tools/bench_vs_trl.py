@@ -2,7 +2,7 @@
 
     pip install -e '.[bench]'                       # TRL and what it needs (not part of setup.sh)
     python tools/bench_vs_trl.py --shape medium      # 4-layer 16-expert MoE, 32 x <= 64-token answers
-    python tools/bench_vs_trl.py --shape default     # the main job: tiny MoE, 256 one-token answers
+    python tools/bench_vs_trl.py --shape default     # the main job: fine-grained MoE, 256 three-token answers
     python tools/bench_vs_trl.py --shape medium algorithm.old_log_probs=rollout  # any of our overrides
 
 Same work on both sides, all taken from this project's composed config:
@@ -305,15 +305,25 @@ def _ours_worker(ctx, overrides: list[str], run_dir: str) -> dict:
     from gspo_megatron.trainer.trainer import RLTrainer
 
     first_round: dict[str, float] = {}
-    train_step = RLTrainer.train_step
+    saves: list[float] = []
+    train_step, save = RLTrainer.train_step, RLTrainer.save
 
     def noting_the_first_round(trainer):
         if not first_round:
             first_round.update(at=time.time(), cpu=time.process_time())
         return train_step(trainer)
 
+    def timing_the_save(trainer, *args, **kwargs):
+        started = time.monotonic()
+        try:
+            return save(trainer, *args, **kwargs)
+        finally:
+            saves.append(time.monotonic() - started)
+
     shadow_method(RLTrainer, "train_step", noting_the_first_round)  # this rank's process only
-    return {"first_round": first_round, "rounds": bench_worker(ctx, overrides, run_dir)}
+    shadow_method(RLTrainer, "save", timing_the_save)
+    rounds = bench_worker(ctx, overrides, run_dir)
+    return {"first_round": first_round, "rounds": rounds, "checkpoint": saves[-1] if saves else 0.0}
 
 
 # ---------------------------------------------------------------- report
@@ -325,8 +335,8 @@ def summarise(runs: list[dict], phases: list[str]) -> dict:
     later = [r for run in runs for r in run["rounds"][1:]]
     out = {k: statistics.median(r[k] for r in later) for k in [*phases, "step"]}
     out["tokens_per_s"] = statistics.median(r["tokens"] / r["step"] for r in later)
-    for key in ("startup", "startup_cpu", "wind_down"):
-        values = [run[key] for run in runs]
+    for key in ("startup", "startup_cpu", "wind_down", "checkpoint"):
+        values = [run.get(key, 0.0) for run in runs]
         out[key], out[f"{key}_spread"] = statistics.median(values), (min(values), max(values))
     out["step_spread"] = (min(r["step"] for r in later), max(r["step"] for r in later))
     return out
@@ -350,6 +360,11 @@ def report(ours: dict, trl: dict, rounds_counted: int) -> str:
             f"{label:<14}{ours[key]:>9.1f}{trl[key]:>9.1f}  ({what}; min-max ours {o_min:.1f}-{o_max:.1f}, "
             f"TRL {t_min:.1f}-{t_max:.1f})"
         )
+    (o_min, o_max) = ours["checkpoint_spread"]
+    lines.append(
+        f"{'  checkpoint':<14}{ours['checkpoint']:>9.1f}{'':>9}  (ours: writing the final checkpoint, part of the "
+        f"wind-down; TRL writes none; min-max {o_min:.1f}-{o_max:.1f})"
+    )
     lines.append(
         f"round min-max  ours {ours['step_spread'][0]:.3f}-{ours['step_spread'][1]:.3f}  "
         f"TRL {trl['step_spread'][0]:.3f}-{trl['step_spread'][1]:.3f}; medians over {rounds_counted} rounds each"

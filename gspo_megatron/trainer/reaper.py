@@ -1,7 +1,8 @@
 """No helper outlives its trainer (issue 34, D4): a small watchdog process per rank.
 
 After a SIGKILL of the trainer, what it started stayed alive with parent 1: megatron's checkpoint
-writer manager (a spawned ``multiprocessing`` manager) and a shard writer blocked on its queue,
+writer manager (a ``multiprocessing`` manager, spawned then, forked now: ``checkpoint.forked_write_results_queue``)
+and a shard writer blocked on its queue,
 the resource tracker and the reward fork server (kept alive by the fds those orphans inherited).
 Most of them are started by megatron or ``multiprocessing``, with no hook to run
 ``PR_SET_PDEATHSIG`` in them, and a killed process runs no cleanup of its own.

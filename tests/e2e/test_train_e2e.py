@@ -149,7 +149,10 @@ def test_resume_continues_exactly(tmp_path, dtype):
 
 @pytest.mark.slow
 def test_default_run_learns(tmp_path):
-    overrides = ["trainer.steps=60", "trainer.eval_every=0", "logging.progress=false", "logging.tensorboard=false"]
+    """The main job (conf/config.yaml's defaults) on its own 200-step schedule, stopped at step 80: the
+    reward has risen from about 0.01 to about 0.38 there (0.82 at 200)."""
+    overrides = ["trainer.stop_after_steps=80", "trainer.eval_every=0", "logging.progress=false"]
+    overrides += ["logging.tensorboard=false"]
     (metrics,) = run_distributed(train_worker, 1, overrides, str(tmp_path), timeout=900)
     rewards = [m["reward/mean"] for m in metrics]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
