@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, NoReturn, cast
 
 from gspo_megatron.known_warnings import filter_known_warnings, optional_accelerators_notice
 
@@ -75,7 +75,35 @@ def main() -> None:
     from gspo_megatron.config.store import register_configs
 
     register_configs()
-    hydra.main(config_path="pkg://gspo_megatron.conf", config_name="config", version_base="1.3")(train_from_hydra)()
+    try:
+        hydra.main(config_path="pkg://gspo_megatron.conf", config_name="config", version_base="1.3")(train_from_hydra)()
+    except SystemExit as stop:  # Hydra's own (a bad override, --help) and a signalled stop's
+        exit_without_teardown(stop.code)
+    exit_without_teardown(0)
+
+
+def exit_without_teardown(code: object) -> NoReturn:
+    """End the process the way ``multiprocessing`` ends its children: the non-daemon threads joined, the
+    atexit handlers run (logging, multiprocessing's managers and children, wandb, ...), stdout and
+    stderr flushed, then ``os._exit``. What is skipped is the interpreter's module teardown, which
+    frees torch, megatron-core, matplotlib and transformers object by object after every file of the
+    run is closed: 1.8 s of the main job's exit on 2 cores (0.1 s with this), and 1.2 s for
+    ``python -c "import torch, megatron.core.models.gpt, megatron.core.optimizer"`` alone. An
+    exception other than ``SystemExit`` does not come here: it ends the process as Python does.
+    ``code`` is ``SystemExit``'s: None (0), an int, or a message (printed to stderr, exit 1)."""
+    import atexit
+    import threading
+
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code or 0)
 
 
 def train_from_hydra(cfg: DictConfig) -> None:

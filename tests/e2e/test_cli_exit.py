@@ -1,0 +1,76 @@
+"""How ``python -m gspo_megatron.train`` ends (``train.exit_without_teardown``): its atexit handlers run
+and its exit status is kept, but the interpreter's module teardown (1.8 s of the main job's exit on 2
+cores) is skipped, as ``multiprocessing`` skips it in its children. A ``sitecustomize`` in the child's
+path marks both: an atexit handler, and a module global whose finalizer runs only in the teardown."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gspo_megatron.testing.train_runs import FAST, train_command
+
+pytestmark = pytest.mark.e2e
+
+MARKERS = """
+import atexit, os
+_DIR = os.environ["EXIT_MARKERS"]
+def _mark(what):
+    with open(os.path.join(_DIR, f"{what}-{os.getpid()}"), "w"):
+        pass
+atexit.register(_mark, "atexit")
+class _Teardown:  # holds what its finalizer needs: module globals may be gone by then
+    def __init__(self):
+        self.dir, self.join, self.getpid, self.open = _DIR, os.path.join, os.getpid, open
+    def __del__(self):
+        with self.open(self.join(self.dir, f"teardown-{self.getpid()}"), "w"):
+            pass
+_held_until_teardown = _Teardown()
+"""
+
+
+def _run(tmp_path, overrides):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(MARKERS)
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1", EXIT_MARKERS=str(markers))
+    env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [env.get("PYTHONPATH")])])
+    env.pop("WORLD_SIZE", None)
+    run = subprocess.Popen(
+        train_command(overrides, tmp_path / "run"), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    out, err = run.communicate(timeout=600)
+    return run, out, err, {p.name for p in markers.iterdir()}
+
+
+def test_a_finished_run_runs_its_atexit_handlers_and_skips_the_teardown(tmp_path):
+    run, out, err, marks = _run(tmp_path, FAST)
+    assert run.returncode == 0, err[-3000:]
+    assert "run summary: 2 steps" in out
+    assert f"atexit-{run.pid}" in marks  # the trainer's handlers ran
+    assert f"teardown-{run.pid}" not in marks  # its module teardown did not
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step_000002"
+
+
+def test_a_refused_config_keeps_its_exit_status(tmp_path):
+    run, _, err, marks = _run(tmp_path, [*FAST, "trainer.no_such_key=1"])
+    assert run.returncode == 1 and "no_such_key" in err
+    assert f"atexit-{run.pid}" in marks and f"teardown-{run.pid}" not in marks
+
+
+def test_sitecustomize_marks_a_teardown_where_one_happens(tmp_path):
+    """The double check: the same markers in a plain interpreter mark both."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(MARKERS)
+    env = dict(os.environ, EXIT_MARKERS=str(tmp_path), PYTHONPATH=str(site))
+    run = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], env=env, capture_output=True, text=True
+    )
+    pid = run.stdout.strip()
+    assert {f"atexit-{pid}", f"teardown-{pid}"} <= {p.name for p in tmp_path.iterdir()}
