@@ -51,7 +51,7 @@ def save_twice_worker(ctx, checkpoint_dir: str) -> dict:
     before = set(_children(os.getpid()))
     for step in (1, 2):
         save_checkpoint(Path(checkpoint_dir), step, ddp, optimizer, {}, keep_last=1, is_driver=True)
-    own = open("/proc/self/cmdline", "rb").read().replace(b"\0", b" ").decode()
+    own = Path("/proc/self/cmdline").read_bytes().replace(b"\0", b" ").decode()
     return {
         "left": {pid: cmd for pid, cmd in _children(os.getpid()).items() if pid not in before},
         "own": own,

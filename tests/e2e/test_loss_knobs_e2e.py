@@ -8,7 +8,7 @@ from itertools import pairwise
 import pytest
 
 from gspo_megatron.testing.distributed import run_distributed
-from gspo_megatron.testing.train_runs import FAST, train_worker
+from gspo_megatron.testing.train_runs import FAST, TINY_JOB, train_worker
 
 pytestmark = pytest.mark.e2e
 
@@ -96,6 +96,7 @@ def test_adaptive_clip_with_grpo_runs_past_scale_1_25(tmp_path):
     re-validating the scaled eps as a config raised inside the update; the run now finishes and logs
     the controller's scale and bounds each step."""
     overrides = [
+        *TINY_JOB,
         "algorithm=grpo",
         "algorithm.adaptive_clip_target=0.01",
         "optimizer.lr=0.02",

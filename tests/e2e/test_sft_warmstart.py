@@ -13,7 +13,7 @@ import pytest
 
 from gspo_megatron.provenance import PROVENANCE_FILE, WARM_START_FILE, code_version, weights_sha256
 from gspo_megatron.testing.distributed import run_distributed
-from gspo_megatron.testing.train_runs import FAST, train_worker
+from gspo_megatron.testing.train_runs import SHORT, train_worker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import sft_warmstart
@@ -48,7 +48,7 @@ def _sft_worker(ctx, out: str):
 def test_warm_started_policy_trains_with_the_shapers(tmp_path):
     run_distributed(_sft_worker, 1, str(tmp_path / "sft"))
     assert (tmp_path / "sft" / "config.json").is_file()
-    overrides = FAST + [
+    overrides = SHORT + [
         "+experiment=shaping_from_sft",
         f"model.hf_checkpoint={tmp_path / 'sft'}",
         "shaping=step_grpo",
