@@ -300,30 +300,22 @@ def run_ours(cfg, overrides: list[str], rounds: int, threads: int) -> dict:
 def _ours_worker(ctx, overrides: list[str], run_dir: str) -> dict:
     """``tools/bench_rl_step.py``'s worker, also noting when the first round began."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_rl_step import bench_worker, shadow_method
+    from bench_rl_step import _Timed, bench_worker, shadow_method
 
     from gspo_megatron.trainer.trainer import RLTrainer
 
     first_round: dict[str, float] = {}
-    saves: list[float] = []
-    train_step, save = RLTrainer.train_step, RLTrainer.save
+    train_step, save = RLTrainer.train_step, _Timed(RLTrainer.save)
 
     def noting_the_first_round(trainer):
         if not first_round:
             first_round.update(at=time.time(), cpu=time.process_time())
         return train_step(trainer)
 
-    def timing_the_save(trainer, *args, **kwargs):
-        started = time.monotonic()
-        try:
-            return save(trainer, *args, **kwargs)
-        finally:
-            saves.append(time.monotonic() - started)
-
     shadow_method(RLTrainer, "train_step", noting_the_first_round)  # this rank's process only
-    shadow_method(RLTrainer, "save", timing_the_save)
+    shadow_method(RLTrainer, "save", lambda trainer, *args, **kwargs: save(trainer, *args, **kwargs))
     rounds = bench_worker(ctx, overrides, run_dir)
-    return {"first_round": first_round, "rounds": rounds, "checkpoint": saves[-1] if saves else 0.0}
+    return {"first_round": first_round, "rounds": rounds, "checkpoint": save.seconds[-1] if save.seconds else 0.0}
 
 
 # ---------------------------------------------------------------- report

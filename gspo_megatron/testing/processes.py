@@ -52,17 +52,33 @@ def kill_run_processes(marker: str) -> list[int]:
     return found
 
 
+def _parent_and_command(pid: int) -> tuple[int, str] | None:
+    """(parent pid, command line) of ``pid``, or None once it is gone."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2 :].split()[1]), cmdline
+
+
+def children(pid: int) -> dict[int, str]:
+    """pid -> command line of the live children of ``pid``."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        known = _parent_and_command(int(entry.name)) if entry.name.isdigit() else None
+        if known is not None and known[0] == pid:
+            found[int(entry.name)] = known[1]
+    return found
+
+
 def describe(pids: list[int]) -> str:
     """``pid (ppid) command line`` per process, for failure messages."""
     lines = []
     for pid in pids:
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:160]
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            parent = stat[stat.rindex(")") + 2 :].split()[1]
-        except OSError:
-            continue
-        lines.append(f"{pid} (parent {parent}) {cmdline}")
+        known = _parent_and_command(pid)
+        if known is not None:
+            lines.append(f"{pid} (parent {known[0]}) {known[1][:160]}")
     return "\n".join(lines)
 
 

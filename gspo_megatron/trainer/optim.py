@@ -84,6 +84,16 @@ def optimizer_config(ddp_model: DistributedDataParallel, section: OptimizerSecti
     )
 
 
+def _inner_optimizers(
+    optimizer: MegatronOptimizer, kind: tuple[type[torch.optim.Optimizer], ...]
+) -> Iterator[torch.optim.Optimizer]:
+    """The torch optimizers of ``kind`` inside megatron's optimizer (each part of a chained one)."""
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(part, "optimizer", None)
+        if isinstance(inner, kind):
+            yield inner
+
+
 def use_fused_torch_adam(optimizer: MegatronOptimizer) -> None:
     """Switch megatron's torch Adam fallback to torch's fused kernel.
 
@@ -94,11 +104,9 @@ def use_fused_torch_adam(optimizer: MegatronOptimizer) -> None:
     FusedAdam, where megatron found one, is left as it is. The flag lives in the param groups, so it
     is saved with the optimizer state and a resumed run steps with the same kernel.
     """
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(part, "optimizer", None)
-        if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
-            for group in inner.param_groups:
-                group["foreach"], group["fused"] = False, True
+    for inner in _inner_optimizers(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        for group in inner.param_groups:
+            group["foreach"], group["fused"] = False, True
 
 
 def allocate_optimizer_state(optimizer: MegatronOptimizer) -> None:
@@ -110,10 +118,7 @@ def allocate_optimizer_state(optimizer: MegatronOptimizer) -> None:
     This allocates what the first ``step()`` would (megatron's ``init_state_fn`` plus ``step``); the
     load then overwrites every value, the step included. A no-op for state that exists.
     """
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(part, "optimizer", None)
-        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
-            continue
+    for inner in _inner_optimizers(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         for group in inner.param_groups:
             for param in group["params"]:
                 if not inner.state[param]:
@@ -137,10 +142,7 @@ def restore_adam_steps(optimizer: MegatronOptimizer) -> None:
     The loaded param group's ``step`` is the checkpoint's count; an optimizer whose groups hold none
     (the plain one loads torch's own per-parameter state) keeps its values, each in its own tensor.
     """
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(part, "optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer):
-            continue
+    for inner in _inner_optimizers(optimizer, (torch.optim.Optimizer,)):
         for group in inner.param_groups:
             for param in group["params"]:
                 step = inner.state.get(param, {}).get("step")

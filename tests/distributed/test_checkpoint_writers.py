@@ -10,24 +10,9 @@ from pathlib import Path
 import pytest
 
 from gspo_megatron.testing.distributed import run_distributed
+from gspo_megatron.testing.processes import children
 
 pytestmark = pytest.mark.distributed
-
-
-def _children(pid: int) -> dict[int, str]:
-    """pid -> command line of this process's live children."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            found[int(entry.name)] = cmdline
-    return found
 
 
 def save_twice_worker(ctx, checkpoint_dir: str) -> dict:
@@ -48,12 +33,12 @@ def save_twice_worker(ctx, checkpoint_dir: str) -> dict:
     model = build_model(cfg, layout, params_dtype=torch.float32)
     ddp = wrap_for_training(model, model.config, use_distributed_optimizer=False)
     optimizer, _ = build_optimizer(ddp, OptimizerSection(distributed="false"), total_updates=2)
-    before = set(_children(os.getpid()))
+    before = set(children(os.getpid()))
     for step in (1, 2):
         save_checkpoint(Path(checkpoint_dir), step, ddp, optimizer, {}, keep_last=1, is_driver=True)
     own = Path("/proc/self/cmdline").read_bytes().replace(b"\0", b" ").decode()
     return {
-        "left": {pid: cmd for pid, cmd in _children(os.getpid()).items() if pid not in before},
+        "left": {pid: cmd for pid, cmd in children(os.getpid()).items() if pid not in before},
         "own": own,
         "latest": latest_checkpoint(checkpoint_dir).name,
     }

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -32,14 +33,20 @@ _held_until_teardown = _Teardown()
 """
 
 
-def _run(tmp_path, overrides):
-    site = tmp_path / "site"
+def _marking_env(tmp_path) -> tuple[dict[str, str], Path]:
+    """(this environment with the marking sitecustomize first on the path, the folder of the marks)."""
+    site, markers = tmp_path / "site", tmp_path / "markers"
     site.mkdir()
-    (site / "sitecustomize.py").write_text(MARKERS)
-    markers = tmp_path / "markers"
     markers.mkdir()
-    env = dict(os.environ, OMP_NUM_THREADS="1", EXIT_MARKERS=str(markers))
+    (site / "sitecustomize.py").write_text(MARKERS)
+    env = dict(os.environ, EXIT_MARKERS=str(markers))
     env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [env.get("PYTHONPATH")])])
+    return env, markers
+
+
+def _run(tmp_path, overrides):
+    env, markers = _marking_env(tmp_path)
+    env["OMP_NUM_THREADS"] = "1"
     env.pop("WORLD_SIZE", None)
     run = subprocess.Popen(
         train_command(overrides, tmp_path / "run"), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -65,12 +72,9 @@ def test_a_refused_config_keeps_its_exit_status(tmp_path):
 
 def test_sitecustomize_marks_a_teardown_where_one_happens(tmp_path):
     """The double check: the same markers in a plain interpreter mark both."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(MARKERS)
-    env = dict(os.environ, EXIT_MARKERS=str(tmp_path), PYTHONPATH=str(site))
+    env, markers = _marking_env(tmp_path)
     run = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], env=env, capture_output=True, text=True
     )
     pid = run.stdout.strip()
-    assert {f"atexit-{pid}", f"teardown-{pid}"} <= {p.name for p in tmp_path.iterdir()}
+    assert {f"atexit-{pid}", f"teardown-{pid}"} <= {p.name for p in markers.iterdir()}

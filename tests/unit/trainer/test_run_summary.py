@@ -6,6 +6,8 @@ import json
 import re
 import time
 
+import pytest
+
 from gspo_megatron.routing.run_dir import METRICS_FILE, read_jsonl
 from gspo_megatron.trainer.run_log import RUN_WALL_KEY, RunLog, summary_text
 
@@ -30,18 +32,6 @@ def test_one_token_answers_print_no_nan_for_the_length_bucket():
     assert "mean |w_t - s_i| = 0 (no length bucket measured)" in text
 
 
-def test_short_answers_print_the_spread_of_their_bucket():
-    """The main job's answers are 3 tokens: the 1-4 bucket is the one measured."""
-    extra = {
-        "loss/ratio_token_seq_gap": 0.008,
-        "loss/ratio_var_token/len_1_4": 0.03,
-        "loss/ratio_var_seq/len_1_4": 0.02,
-    }
-    history = [_step(i + 1, 0.5, **extra) for i in range(5)]
-    text = summary_text(history, wall_s=6.0, plot=None)
-    assert "mean |w_t - s_i| = 0.008 (token ratio spread E[(w-1)^2] 0.03 vs sequence 0.02 at 1-4 tokens)" in text
-
-
 def test_routing_volatility_is_printed_with_its_first_and_last_fifth():
     # first fifth: 0.1, 0.1; last fifth: 0.0, 0.0 -> mean 0.05; the engine's line from the last fifth
     changed = [0.1, 0.1, 0.05, 0.05, 0.1, 0.05, 0.05, 0.0, 0.0, 0.0]
@@ -57,15 +47,24 @@ def test_routing_volatility_is_printed_with_its_first_and_last_fifth():
     assert "routing" not in summary_text([_step(1, 0.5)], wall_s=6.0, plot=None)
 
 
-def test_the_length_bucket_spreads_are_printed_when_measured():
+@pytest.mark.parametrize(
+    ("bucket", "gap", "token", "seq", "expected"),
+    [
+        # 5-16 tokens, printed first where measured
+        ("len_5_16", 0.02, 0.04, 0.01, "= 0.02 (token ratio spread E[(w-1)^2] 0.04 vs sequence 0.01 at 5-16 tokens)"),
+        # the main job's answers are 3 tokens: the 1-4 bucket is the one measured
+        ("len_1_4", 0.008, 0.03, 0.02, "= 0.008 (token ratio spread E[(w-1)^2] 0.03 vs sequence 0.02 at 1-4 tokens)"),
+    ],
+)
+def test_the_measured_length_bucket_spreads_are_printed(bucket, gap, token, seq, expected):
     extra = {
-        "loss/ratio_token_seq_gap": 0.02,
-        "loss/ratio_var_token/len_5_16": 0.04,
-        "loss/ratio_var_seq/len_5_16": 0.01,
+        "loss/ratio_token_seq_gap": gap,
+        f"loss/ratio_var_token/{bucket}": token,
+        f"loss/ratio_var_seq/{bucket}": seq,
     }
     history = [_step(i + 1, 0.5, **extra) for i in range(5)]
     text = summary_text(history, wall_s=6.0, plot=None)
-    assert "mean |w_t - s_i| = 0.02 (token ratio spread E[(w-1)^2] 0.04 vs sequence 0.01 at 5-16 tokens)" in text
+    assert f"mean |w_t - s_i| {expected}" in text
 
 
 def test_wall_time_covers_the_whole_run_across_a_resume(tmp_path):
