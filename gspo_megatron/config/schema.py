@@ -273,6 +273,11 @@ class LoggingSection(ConfigNode):
     wandb: bool = False
     wandb_project: str = "gspo-megatron"
     progress: bool = True
+    # Draw the PNG charts at the end of a run (reward_curve.png, the routing report's figures: 1-3 s on
+    # 2 cores). false keeps every number (metrics.jsonl, routing_report.json, the report's tables); a
+    # sweep or a test that reads only numbers saves the drawing, and
+    # ``python -m gspo_megatron.routing.report RUN_DIR`` draws the report's figures later.
+    charts: bool = True
 
 
 @dataclass

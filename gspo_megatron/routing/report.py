@@ -9,6 +9,8 @@ Design decisions:
   so it can be mailed or attached to an issue as one file.
 - JSON output holds only finite numbers: NaN/inf (e.g. a step with no valid tokens) become null.
 - The summary and HTML helpers are shared with ``tools/compare_runs.py``.
+- ``charts=False`` (the trainer's ``logging.charts=false``) writes the same JSON and tables without
+  drawing a figure (1-3 s of matplotlib on 2 cores); each figure's place says how to draw it later.
 - A panel that is exactly zero says why (``zero_panel_reason``), read from the run's config: the
   engine-vs-trainer comparison is zero by construction under R3 and expected when the engine computes
   in the trainer's precision (the default fp32 embedded engine), not a broken diagnostic.
@@ -17,14 +19,17 @@ Design decisions:
 from __future__ import annotations
 
 import base64
+import functools
 import html
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from matplotlib.figure import Figure
 
 from gspo_megatron.rollout.config import RolloutEngineName
 from gspo_megatron.routing.config import DIAGNOSTIC_KINDS, DiagnosticKind
@@ -218,7 +223,18 @@ def _summary_section(summary: dict) -> str:
     return html_table(["quantity", "value"], rows)
 
 
-def _volatility_section(run: RunData, summary: dict) -> str:
+NOT_DRAWN = (
+    "<p>Chart not drawn (<code>logging.charts=false</code>): "
+    "<code>python -m gspo_megatron.routing.report RUN_DIR</code> draws it.</p>"
+)
+
+
+def chart(draw: Callable[[], Figure], alt: str, charts: bool) -> str:
+    """``draw()``'s figure as an inline PNG, or, without charts, the note that says how to draw it."""
+    return png_img(figure_png(draw()), alt) if charts else NOT_DRAWN
+
+
+def _volatility_section(run: RunData, summary: dict, charts: bool) -> str:
     if not summary["routing"]:
         return "<p>No routing diagnostics recorded (no routing.jsonl records).</p>"
     parts = []
@@ -226,7 +242,8 @@ def _volatility_section(run: RunData, summary: dict) -> str:
         parts.append(f"<h3>{html.escape(kind)}</h3>")
         if kind_summary.get("zero_reason"):
             parts.append(f"<p><b>{html.escape(kind_summary['zero_reason'])}</b></p>")
-        parts.append(png_img(figure_png(volatility_figure(kind, run.routing_records(kind))), f"volatility {kind}"))
+        draw = functools.partial(volatility_figure, kind, run.routing_records(kind))
+        parts.append(chart(draw, f"volatility {kind}", charts))
         changed, overlap = kind_summary["changed_frac"] or [], kind_summary["overlap"] or []
         # strict=False: either series may be absent from the summary
         rows = [[layer, c, o] for layer, (c, o) in enumerate(zip(changed, overlap, strict=False))]
@@ -234,27 +251,28 @@ def _volatility_section(run: RunData, summary: dict) -> str:
     return "".join(parts)
 
 
-def _expert_load_section(run: RunData) -> str:
+def _expert_load_section(run: RunData, charts: bool) -> str:
     with_load = [r for r in run.routing if "expert_load" in r]
     if not with_load:
         return "<p>No expert-load records.</p>"
     last = max(with_load, key=lambda r: r.get("step", 0))
-    return png_img(figure_png(expert_load_figure(last)), "expert load heatmap")
+    return chart(functools.partial(expert_load_figure, last), "expert load heatmap", charts)
 
 
-def write_routing_report(run_dir: str | os.PathLike) -> tuple[Path, Path]:
-    """Write ``routing_report.json`` and ``routing_report.html`` into ``run_dir``; returns both paths."""
+def write_routing_report(run_dir: str | os.PathLike, charts: bool = True) -> tuple[Path, Path]:
+    """Write ``routing_report.json`` and ``routing_report.html`` into ``run_dir``; returns both paths.
+    ``charts=False``: the page without its figures (the numbers are the same)."""
     run = load_run(run_dir)
     summary = summarize_run(run)
     json_path, html_path = run.path / REPORT_JSON, run.path / REPORT_HTML
     json_path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    curves = png_img(figure_png(line_panels(training_panels([run]))), "reward and clip fraction")
+    curves = chart(functools.partial(line_panels, training_panels([run])), "reward and clip fraction", charts)
     page = html_page(
         f"Routing report: {run.label}",
         [
             ("summary", "Summary", _summary_section(summary)),
-            ("volatility", "Routing volatility", _volatility_section(run, summary)),
-            ("expert-load", "Expert load (last step)", _expert_load_section(run)),
+            ("volatility", "Routing volatility", _volatility_section(run, summary, charts)),
+            ("expert-load", "Expert load (last step)", _expert_load_section(run, charts)),
             ("training-curves", "Reward and clip fraction", curves),
         ],
     )

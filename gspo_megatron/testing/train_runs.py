@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-# Two short steps of small batches, for any config (an experiment's included).
+# Two short steps of small batches, for any config (an experiment's included); no charts drawn (the
+# numbers are all written; the charts cost a tiny run most of its time: tests that check them leave
+# SHORT out or add logging.charts=true).
 SHORT = [
     "trainer.steps=2",
     "trainer.prompts_per_step=4",
@@ -14,6 +16,7 @@ SHORT = [
     "trainer.eval_every=0",
     "logging.progress=false",
     "logging.tensorboard=false",
+    "logging.charts=false",
 ]
 # The tiny model on the one-token task (+experiment=max_digit_one_token, the main job before
 # 2026-11-28): the smallest job that exercises every phase. A test's own task=/model=/

@@ -33,6 +33,7 @@ class RunLog:
         wandb_project: str | None,
         progress: bool,
         config_yaml: str,
+        charts: bool = True,
         resume_step: int = 0,
     ):
         self.run_dir = run_dir
@@ -43,6 +44,7 @@ class RunLog:
         self.metrics = JsonlLog(run_dir / METRICS_FILE)
         self.history: list[dict] = read_jsonl(run_dir / METRICS_FILE) if resume_step else []
         self.resume_step = resume_step
+        self.charts = charts
         # the wall time earlier processes spent on the steps kept (0 on a fresh run)
         self.wall_before = (_number(self.history[-1].get(RUN_WALL_KEY)) or 0.0) if self.history else 0.0
         self.tb = None
@@ -111,7 +113,7 @@ class RunLog:
         return self.wall_before + time.monotonic() - self.started
 
     def _plot(self) -> Path | None:
-        if not self.history:
+        if not self.history or not self.charts:
             return None
         import matplotlib
 

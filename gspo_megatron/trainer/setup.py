@@ -236,6 +236,7 @@ def _build_driver_side(c: Components) -> None:
         tensorboard=cfg.logging.tensorboard,
         wandb_project=cfg.logging.wandb_project if cfg.logging.wandb else None,
         progress=cfg.logging.progress,
+        charts=cfg.logging.charts,
         config_yaml=c.config_yaml,
         resume_step=resume_step,
     )

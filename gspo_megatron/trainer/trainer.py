@@ -151,7 +151,7 @@ class RLTrainer:
         if self.mesh.is_driver:
             from gspo_megatron.routing.report import write_routing_report
 
-            write_routing_report(self.c.run_dir)
+            write_routing_report(self.c.run_dir, charts=self.cfg.logging.charts)
         return summary
 
     def _last_step(self) -> int:

@@ -82,6 +82,20 @@ def test_report_without_routing(tmp_path):
     assert page.count("data:image/png;base64,") == 1  # training curves only
 
 
+def test_report_without_charts_has_the_same_numbers_and_says_how_to_draw_them(tmp_path):
+    """logging.charts=false: the JSON is the same, the page keeps its tables, each of the 4 figures is
+    replaced by the note naming the command that draws it (which then does)."""
+    from gspo_megatron.routing.report import NOT_DRAWN, main
+
+    json_path, html_path = write_routing_report(make_run(tmp_path / "run"), charts=False)
+    page, numbers = html_path.read_text(), json_path.read_text()
+    assert "data:image/png" not in page and page.count(NOT_DRAWN) == 4
+    assert "<h3>update</h3>" in page and "<table" in page
+    assert main([str(tmp_path / "run")]) == 0
+    assert html_path.read_text().count('src="data:image/png;base64,iVBORw0KGgo') == 4
+    assert json_path.read_text() == numbers
+
+
 def test_report_cli(tmp_path, capsys):
     from gspo_megatron.routing.report import main
 

@@ -89,3 +89,14 @@ def test_a_fresh_run_starts_its_clock_at_zero(tmp_path):
     (record,) = read_jsonl(tmp_path / METRICS_FILE)
     assert 0.0 <= record[RUN_WALL_KEY] <= time.monotonic() - before
     assert "resumed" not in log.close()
+
+
+@pytest.mark.parametrize("charts", [True, False])
+def test_the_reward_curve_is_drawn_only_with_charts(tmp_path, charts):
+    """logging.charts=false: no reward_curve.png and no line for it; the numbers are all written."""
+    log = RunLog(tmp_path, 1, tensorboard=False, wandb_project=None, progress=False, config_yaml="", charts=charts)
+    log.log_step(1, {k: v for k, v in _step(1, 0.5).items() if k != "step"})
+    text = log.close()
+    assert (tmp_path / "reward_curve.png").is_file() == charts
+    assert ("reward curve:" in text) == charts
+    assert [r["reward/mean"] for r in read_jsonl(tmp_path / METRICS_FILE)] == [0.5]
