@@ -13,6 +13,7 @@ The set-up and test commands themselves are what CI runs, so they are only parse
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 import shlex
@@ -118,13 +119,24 @@ def test_setup_commands_name_scripts_that_parse(where, command):
             assert subprocess.run(["bash", "-n", str(ROOT / words[1])], capture_output=True).returncode == 0, where
 
 
+def _distinct(kind: str) -> list[tuple[str, str]]:
+    """The commands of one kind, each once (a command shown in several places runs once; ``where``
+    names every place)."""
+    places: dict[str, list[str]] = {}
+    for where, command in COMMANDS:
+        if _kind(command) == kind:
+            places.setdefault(" ".join(command.split()), []).append(where)
+    return [(", ".join(wheres), command) for command, wheres in places.items()]
+
+
+@functools.cache  # one --help per tool, however many commands name it
 def _help_exits_zero(script: Path) -> bool:
     done = subprocess.run([sys.executable, str(script), "--help"], cwd=ROOT, capture_output=True, timeout=300)
     return done.returncode == 0
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where, command", [c for c in COMMANDS if _kind(c[1]) == "tool"], ids=lambda v: v)
+@pytest.mark.parametrize("where, command", _distinct("tool"), ids=lambda v: v)
 def test_tools_exist_and_parse_their_arguments(where, command):
     words = _words(command)
     tool = ROOT / words[1]
