@@ -26,7 +26,7 @@ _tested_torch() {
 install_torch() {
   local python=$1 version
   shift
-  version=${GSPO_TORCH_VERSION:-$(_tested_torch "$1")}
+  version=${GSPO_TORCH_VERSION:-$(_tested_torch "$python")}
   if _have_torch "$python"; then
     return 0
   fi

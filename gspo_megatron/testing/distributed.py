@@ -3,9 +3,9 @@
 Design decisions:
 - Ranks are fresh processes started by ``multiprocessing``, not torchrun, so a pytest test can call a
   plain Python function and get per-rank return values back.
-- Without CUDA they are forked from a fork server that imported torch and megatron-core once
-  (``rank_preload``): importing them costs each spawned rank 5-12 s on a loaded 2-core machine, about
-  as much as most tests compute. A forked rank is still a new process that ran no test: module state is
+- Without CUDA they are forked from a fork server that imported torch, megatron-core and the rest of
+  a training run's third-party modules once (``rank_preload``): importing them costs each spawned rank
+  5-12 s on a loaded 2-core machine, more than most tests compute. A forked rank is still a new process that ran no test: module state is
   as the import left it, and the caller's environment, working directory, stdout and stderr are handed
   over per call. With CUDA (forking after CUDA initialises breaks it), or with GSPO_RANK_START=spawn
   (tools/bench_rank_start.py compares the two), ranks are spawned.
