@@ -1,4 +1,4 @@
-# Sourced by launch/setup.sh and launch/setup_sglang.sh:  install_torch PYTHON [PIP_INSTALL_OPTION ...]
+# Sourced by launch/setup.sh and launch/setup_sglang.sh:  install_torch PYTHON
 #
 # Installs torch before anything else, so that pip never resolves an unpinned torch to a multi-GB
 # CUDA build on a machine without a GPU: torch==${GSPO_TORCH_VERSION:-the tested release} -- 2.13.0 on
@@ -25,18 +25,17 @@ _tested_torch() {
 
 install_torch() {
   local python=$1 version
-  shift
-  version=${GSPO_TORCH_VERSION:-$(_tested_torch "$python")}
+  version=${GSPO_TORCH_VERSION:-$(_tested_torch "$1")}
   if _have_torch "$python"; then
     return 0
   fi
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     echo "[setup] NVIDIA GPU found: installing torch==${version} (CUDA build)"
-    "$python" -m pip install -q "$@" "torch==${version}"
+    "$python" -m pip install -q "torch==${version}"
     return 0
   fi
   echo "[setup] no GPU: installing the CPU build of torch==${version}"
-  "$python" -m pip install -q "$@" "torch==${version}"
+  "$python" -m pip install -q "torch==${version}"
   if "$python" -c "import sys, torch; sys.exit(0 if torch.version.cuda is None else 1)" 2>/dev/null; then
     return 0
   fi

@@ -63,11 +63,9 @@ if [ ! -x "$VENV/bin/python" ] || [ "${GSPO_REINSTALL:-0}" = 1 ]; then
   rm -rf "$VENV"
   "$BASE_PYTHON" -m venv "$VENV"
 fi
-# --no-compile: a test venv; its modules compile when the tiers import them (writing bytecode for all
-# of torch at install took half of torch's install, 37 s against 17 s on 2 cores)
-install_torch "$VENV/bin/python" --no-compile
-"$VENV/bin/python" -m pip install -q --no-compile -e ".[test,sglang-contract]" -r requirements/sglang-live.txt
-"$VENV/bin/python" -m pip install -q --no-compile --no-deps -r requirements/sglang-contract-nodeps.txt
+install_torch "$VENV/bin/python"
+"$VENV/bin/python" -m pip install -q -e ".[test,sglang-contract]" -r requirements/sglang-live.txt
+"$VENV/bin/python" -m pip install -q --no-deps -r requirements/sglang-contract-nodeps.txt
 imports_ok || { echo "[setup] the SGLang venv does not import SGLang's app and server (errors above)" >&2; exit 1; }
 echo "$stamp" > "$stamp_file"
 echo "[setup] SGLang venv ready: $VENV ($((SECONDS - started)) s)"
