@@ -5,10 +5,11 @@ Design decisions:
   plain Python function and get per-rank return values back.
 - Without CUDA they are forked from a fork server that imported torch, megatron-core and the rest of
   a training run's third-party modules once (``rank_preload``): importing them costs each spawned rank
-  5-12 s on a loaded 2-core machine, more than most tests compute. A forked rank is still a new process that ran no test: module state is
-  as the import left it, and the caller's environment, working directory, stdout and stderr are handed
-  over per call. With CUDA (forking after CUDA initialises breaks it), or with GSPO_RANK_START=spawn
-  (tools/bench_rank_start.py compares the two), ranks are spawned.
+  5-12 s on a loaded 2-core machine, more than most tests compute. A forked rank is still a new
+  process that ran no test: module state is as the import left it, and the caller's environment,
+  working directory, stdout and stderr are handed over per call. With CUDA (forking after CUDA
+  initialises breaks it), or with GSPO_RANK_START=spawn (tools/bench_rank_start.py compares the two),
+  ranks are spawned.
 - Each rank's result or traceback travels back over a queue; the first failure is re-raised in the
   caller with every failing rank's traceback, so a broken rank names itself.
 - Processes are always reaped: on timeout or failure every rank this call started is killed, and
