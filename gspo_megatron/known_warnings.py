@@ -59,6 +59,27 @@ KNOWN_WARNINGS: tuple[KnownWarning, ...] = (
         "megatron 0.16's distributed checkpoints are ShardedTensors (seen on resume); megatron's to change",
     ),
     KnownWarning(
+        FutureWarning,
+        r"`torch\.distributed\.reduce_scatter_tensor` is deprecated",
+        r"torch\.distributed\.c10d_logger",
+        "megatron's distributed optimizer calls torch's older collective name (seen on every rank of a "
+        "multi-rank run); the same operation, megatron's to change",
+    ),
+    KnownWarning(
+        FutureWarning,
+        r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+        r"torch\.distributed\.c10d_logger",
+        "megatron's distributed optimizer calls torch's older collective name (seen on every rank of a "
+        "multi-rank run); the same operation, megatron's to change",
+    ),
+    KnownWarning(
+        UserWarning,
+        r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
+        r"megatron\.core\.optimizer\.optimizer",
+        "megatron's zero_grad helper asks every parameter view of the distributed optimizer's shards "
+        "whether it has a .grad (a view never has one; nothing is lost); megatron's to change",
+    ),
+    KnownWarning(
         UserWarning,
         r"MimoModelConfig is experimental",
         r"megatron\.core\.models\.mimo\.",

@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.parallel.attempt_store import AttemptStore, open_attempt_store, restarts_possible
 from gspo_megatron.parallel.cpu_compat import enable_cpu_megatron
 from gspo_megatron.parallel.device import compute_device, cuda_kernels
 from gspo_megatron.parallel.heartbeat import Heartbeat
@@ -27,6 +28,7 @@ class ParallelMesh:
     device: torch.device
     timeout_s: float = 600.0  # every collective's bound (parallel.timeout_s)
     heartbeat: Heartbeat | None = None  # multi-rank runs: names the silent rank when a collective fails
+    attempt_store: AttemptStore | None = None  # torchrun --max-restarts: this attempt's rendezvous store
 
     def enter(self, where: str) -> None:
         """Record what this rank is doing (``step 3, update``): a failed collective's report names it."""
@@ -153,6 +155,7 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: flo
     from megatron.core import tensor_parallel
 
     use_cuda = cuda_kernels()
+    attempt: AttemptStore | None = None
     if not use_cuda:
         enable_cpu_megatron()
     if not dist.is_initialized():
@@ -161,6 +164,17 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: flo
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if int(os.environ.get("WORLD_SIZE", "1")) == 1:
             _init_single_process(backend, timeout_s)
+        elif restarts_possible():  # torchrun --max-restarts: this attempt's own store (attempt_store.py)
+            attempt = open_attempt_store(
+                int(os.environ["RANK"]), os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout_s
+            )
+            dist.init_process_group(
+                backend,
+                store=attempt.store,
+                rank=int(os.environ["RANK"]),
+                world_size=int(os.environ["WORLD_SIZE"]),
+                timeout=timedelta(seconds=timeout_s),
+            )
         else:
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     world = dist.get_world_size()
@@ -180,6 +194,10 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: flo
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
     heartbeat = None
-    if world > 1 and "MASTER_ADDR" in os.environ:  # env:// rendezvous: the store every rank met at
+    if world > 1 and attempt is not None:
+        heartbeat = Heartbeat(dist.get_rank(), world, attempt.host, attempt.port)
+    elif world > 1 and "MASTER_ADDR" in os.environ:  # env:// rendezvous: the store every rank met at
         heartbeat = Heartbeat(dist.get_rank(), world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-    return ParallelMesh(layout=layout, device=compute_device(), timeout_s=timeout_s, heartbeat=heartbeat)
+    return ParallelMesh(
+        layout=layout, device=compute_device(), timeout_s=timeout_s, heartbeat=heartbeat, attempt_store=attempt
+    )
