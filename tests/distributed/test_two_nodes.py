@@ -1,0 +1,95 @@
+"""Two nodes on this machine (two network namespaces joined by a veth pair), one rank each (issue 48).
+
+The same run is launched across them with torchrun (c10d rendezvous, ``--max-restarts``: the
+multi-node launch the README shows first) and with the project's launcher; both finish, and node 1's
+output (a rank other than 0) shows no unreviewed warning. Needs root and ``ip netns`` (skipped, saying
+so, where either is missing); the namespaces are removed afterwards, which removes the veth pair.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from gspo_megatron.testing.processes import kill_run_processes, marked_env
+from gspo_megatron.testing.train_runs import FAST, read_metrics
+
+pytestmark = [pytest.mark.distributed, pytest.mark.e2e]
+
+SUBNET = "10.231.{}.{}"
+WARNING_LINE = re.compile(r"^\S.*:\d+: (\w*Warning): (.*)$", re.MULTILINE)
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture
+def two_nodes():
+    """[(namespace, interface, address)] for nodes 0 and 1."""
+    if shutil.which("ip") is None or os.geteuid() != 0:
+        pytest.skip("two network namespaces need root and iproute2's `ip`")
+    tag = uuid.uuid4().hex[:6]
+    subnet = int(tag[:2], 16)  # 10.231.<0-255>.0/24: two tests at once do not meet
+    nodes = [(f"gspo{tag}n{i}", f"gv{tag}{i}", SUBNET.format(subnet, i + 1)) for i in range(2)]
+    try:
+        for namespace, _, _ in nodes:
+            _ip("netns", "add", namespace)
+    except subprocess.CalledProcessError as error:
+        pytest.skip(f"`ip netns add` is not allowed here: {error.stderr.strip()}")
+    try:
+        (ns0, if0, _), (ns1, if1, _) = nodes
+        _ip("link", "add", if0, "netns", ns0, "type", "veth", "peer", "name", if1, "netns", ns1)
+        for namespace, interface, address in nodes:
+            _ip("-n", namespace, "addr", "add", f"{address}/24", "dev", interface)
+            _ip("-n", namespace, "link", "set", interface, "up")
+            _ip("-n", namespace, "link", "set", "lo", "up")
+        yield nodes
+    finally:
+        for namespace, _, _ in nodes:
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30)
+
+
+def _torchrun(node: int, master: str, local: str) -> list[str]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
+    command += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master}:29400", "--rdzv-id", "two-nodes"]
+    # is_host: which node serves the rendezvous (torchrun guesses it from host names, which a network
+    # namespace does not resolve); local-addr: the address the other node reaches this one at
+    command += ["--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", local, "--max-restarts", "1"]
+    return [*command, "-m", "gspo_megatron.train"]
+
+
+def _launcher(node: int, master: str, local: str) -> list[str]:
+    command = [sys.executable, "-m", "gspo_megatron.launcher", "--nnodes", "2", "--node-rank", str(node)]
+    return [*command, "--nproc-per-node", "1", "--master-addr", master, "--master-port", "29500"]
+
+
+@pytest.mark.parametrize("launch", [_torchrun, _launcher], ids=["torchrun", "launcher"])
+def test_a_run_across_two_nodes(tmp_path, two_nodes, launch):
+    master = two_nodes[0][2]
+    run_dir = tmp_path / "run"  # one file system, as a cluster's shared one
+    env, marker = marked_env(dict(os.environ, OMP_NUM_THREADS="1"))
+    for variable in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(variable, None)
+    nodes = []
+    try:
+        for node, (namespace, interface, address) in enumerate(two_nodes):
+            command = ["ip", "netns", "exec", namespace, *launch(node, master, address), f"run_dir={run_dir}", *FAST]
+            node_env = dict(env, GLOO_SOCKET_IFNAME=interface)
+            nodes.append(
+                subprocess.Popen(command, env=node_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            )
+        outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    finally:
+        kill_run_processes(marker)
+    for index, (node, output) in enumerate(zip(nodes, outputs, strict=True)):
+        assert node.returncode == 0, f"node {index}: {output[-4000:]}"
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2]
+    assert "run summary: 2 steps" in outputs[0]
+    assert WARNING_LINE.findall(outputs[1]) == [], outputs[1][-4000:]
