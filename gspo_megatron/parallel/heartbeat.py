@@ -10,7 +10,8 @@ names it with the step and phase it was last seen in.
 
 Design decisions:
 - Counters, not clocks: the nodes' clocks need not agree.
-- The thread has its own store client (to ``MASTER_ADDR:MASTER_PORT``, where every rank met), so it
+- The thread has its own store client (to the store every rank met at: ``MASTER_ADDR:MASTER_PORT``,
+  or this attempt's own under torchrun's restarts, ``attempt_store.py``), so it
   never shares a connection with the process group; its keys live under ``gspo_heartbeat/``.
 - Collectives release the GIL while they wait, so a waiting rank keeps beating: only the silent one
   stops. A store that no longer answers (the job is ending) is ignored by the thread.

@@ -1,7 +1,8 @@
 """Two nodes on this machine (two network namespaces joined by a veth pair), one rank each (issue 48).
 
-The same run is launched across them with torchrun (c10d rendezvous, ``--max-restarts``: the
-multi-node launch the README shows first) and with the project's launcher; both finish, and node 1's
+The same run is launched across them by ``launch/train_multinode.sh`` with torchrun (c10d rendezvous,
+``--max-restarts``: the multi-node launch the README shows first) and with the project's launcher
+(``LAUNCHER=gspo``); both finish, and node 1's
 output (a rank other than 0) shows no unreviewed warning. Needs root and ``ip netns`` (skipped, saying
 so, where either is missing); the namespaces are removed afterwards, which removes the veth pair.
 """
@@ -12,8 +13,8 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -56,22 +57,13 @@ def two_nodes():
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30)
 
 
-def _torchrun(node: int, master: str, local: str) -> list[str]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
-    command += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master}:29400", "--rdzv-id", "two-nodes"]
-    # is_host: which node serves the rendezvous (torchrun guesses it from host names, which a network
-    # namespace does not resolve); local-addr: the address the other node reaches this one at
-    command += ["--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", local, "--max-restarts", "1"]
-    return [*command, "-m", "gspo_megatron.train"]
+SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "train_multinode.sh"
 
 
-def _launcher(node: int, master: str, local: str) -> list[str]:
-    command = [sys.executable, "-m", "gspo_megatron.launcher", "--nnodes", "2", "--node-rank", str(node)]
-    return [*command, "--nproc-per-node", "1", "--master-addr", master, "--master-port", "29500"]
-
-
-@pytest.mark.parametrize("launch", [_torchrun, _launcher], ids=["torchrun", "launcher"])
-def test_a_run_across_two_nodes(tmp_path, two_nodes, launch):
+@pytest.mark.parametrize("launcher", ["torchrun", "gspo"])
+def test_launch_script_runs_across_two_nodes(tmp_path, two_nodes, launcher):
+    """``launch/train_multinode.sh`` as the README shows it, on each node: torchrun (c10d rendezvous,
+    elastic restarts) by default, or the project's launcher."""
     master = two_nodes[0][2]
     run_dir = tmp_path / "run"  # one file system, as a cluster's shared one
     env, marker = marked_env(dict(os.environ, OMP_NUM_THREADS="1"))
@@ -80,8 +72,10 @@ def test_a_run_across_two_nodes(tmp_path, two_nodes, launch):
     nodes = []
     try:
         for node, (namespace, interface, address) in enumerate(two_nodes):
-            command = ["ip", "netns", "exec", namespace, *launch(node, master, address), f"run_dir={run_dir}", *FAST]
-            node_env = dict(env, GLOO_SOCKET_IFNAME=interface)
+            command = ["ip", "netns", "exec", namespace, "bash", str(SCRIPT), f"run_dir={run_dir}", *FAST]
+            node_env = dict(env, NNODES="2", NODE_RANK=str(node), MASTER_ADDR=master, NPROC_PER_NODE="1")
+            # a namespace resolves no host name: the interface and this node's address on it
+            node_env.update(LAUNCHER=launcher, SOCKET_IFNAME=interface, LOCAL_ADDR=address)
             nodes.append(
                 subprocess.Popen(command, env=node_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             )

@@ -7,6 +7,8 @@
 - ``python3 tools/X.py``: the tool exists; its arguments parse (``--help`` exits 0); a planner
   command that needs no ranking runs as written and prints its verdict.
 - the launcher with ``--script``: the script exists and its arguments parse.
+- ``torchrun ... -m gspo_megatron.train OVERRIDES``: torchrun's own parser takes its options and the
+  overrides compose.
 Placeholders a reader fills in (``...``, ``<date>``, ``CKPT``) are dropped or taken as they are.
 The set-up and test commands themselves are what CI runs, so they are only parsed here.
 """
@@ -80,6 +82,8 @@ def _kind(command: str) -> str:
         return "train"
     if words[:3] == ["python3", "-m", "gspo_megatron.launcher"]:
         return "launcher"
+    if words[0] == "torchrun" and "gspo_megatron.train" in words:
+        return "torchrun"
     if words[0] in ("bash", "sbatch"):
         return "script"
     if words[0] == "python3" and words[1].startswith("tools/"):
@@ -159,3 +163,13 @@ def test_launcher_scripts_exist_and_parse_their_arguments(where, command):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     module.parse_args(words[at + 1 :])  # argparse exits (a SystemExit failure) on arguments it does not take
+
+
+@pytest.mark.parametrize("where, command", [c for c in COMMANDS if _kind(c[1]) == "torchrun"], ids=lambda v: v)
+def test_torchrun_commands_parse_and_their_overrides_compose(where, command):
+    from torch.distributed.run import get_args_parser
+
+    words = _words(command)
+    arguments = get_args_parser().parse_args(words[1:])  # argparse exits (a failure) on what it does not take
+    assert arguments.module and arguments.training_script == "gspo_megatron.train", where
+    _compose_ok(_overrides(arguments.training_script_args))
