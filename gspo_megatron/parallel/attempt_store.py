@@ -23,6 +23,7 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -46,11 +47,11 @@ class AttemptStore:
     server: dist.TCPStore | None = None  # rank 0 keeps its server alive by holding it
 
 
-def restarts_possible(env: dict[str, str] | None = None) -> bool:
+def restarts_possible(env: Mapping[str, str] | None = None) -> bool:
     """torchrun may start this job's ranks again (``--max-restarts`` > 0), in the store it shares."""
-    env = os.environ if env is None else env
-    shared = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    return shared and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0
+    variables: Mapping[str, str] = os.environ if env is None else env
+    shared = variables.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return shared and int(variables.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0
 
 
 def open_attempt_store(rank: int, host: str, port: int, timeout_s: float) -> AttemptStore:
