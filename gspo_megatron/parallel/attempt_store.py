@@ -41,10 +41,9 @@ class AttemptStoreError(RuntimeError):
 
 @dataclass(frozen=True)
 class AttemptStore:
-    store: dist.Store  # this attempt's rendezvous store (process groups, heartbeat)
+    store: dist.TCPStore  # this attempt's rendezvous store (process groups, heartbeat); rank 0's serves
     host: str
     port: int
-    server: dist.TCPStore | None = None  # rank 0 keeps its server alive by holding it
 
 
 def restarts_possible(env: Mapping[str, str] | None = None) -> bool:
@@ -62,7 +61,7 @@ def open_attempt_store(rank: int, host: str, port: int, timeout_s: float) -> Att
         nonce = secrets.token_hex(16)
         server.set(NONCE_KEY, nonce)
         agent.set(ANNOUNCEMENT, f"{host} {server.port} {nonce}")
-        return AttemptStore(store=server, host=host, port=server.port, server=server)
+        return AttemptStore(store=server, host=host, port=server.port)
     deadline = time.monotonic() + timeout_s
     while True:
         own_host, own_port, nonce = agent.get(ANNOUNCEMENT).decode().split()
