@@ -278,8 +278,11 @@ def all_reduce_seconds(world: int, nbytes: int, repeats: int = 5) -> float:
 # --------------------------------------------------------------------------- the run
 def calibration_overrides(run_dir: Path, steps: int) -> list[str]:
     """What the calibration run changes of the configured job: its length, where it writes, no
-    evaluation or intermediate checkpoint, and the ``update`` diagnostic on the last step only."""
+    evaluation or intermediate checkpoint, no charts or TensorBoard (only numbers are read), and the
+    ``update`` diagnostic on the last step only."""
     return [
+        "logging.charts=false",
+        "logging.tensorboard=false",
         f"trainer.steps={steps}",
         f"run_dir={run_dir}",
         "trainer.eval_every=0",
