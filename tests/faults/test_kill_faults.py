@@ -96,11 +96,12 @@ def test_sigterm_mid_run_saves_stops_helpers_and_exits_nonzero(tmp_path):
 def test_sigkill_during_a_save_then_resume(tmp_path):
     """Killed at a random moment of a checkpoint write: ``latest`` stays complete, resume finishes the run.
 
-    The run has far more steps than fit in the random delay (steps now take ~0.1 s), so the kill lands
-    mid-run; the test asserts that it did rather than assuming it.
+    The run has far more steps than fit in the random delay (steps with a save take ~0.5 s; 8 are left
+    when the delay starts), so the kill lands mid-run; the test asserts that it did rather than
+    assuming it.
     """
     run_dir = tmp_path / "run"
-    steps = 20
+    steps = 10
     overrides = FAST + [f"trainer.steps={steps}", "checkpoint.save_every=1", "checkpoint.keep_last=2"]
     overrides += ["routing.enabled=false"]
     run = _start(overrides, run_dir)
