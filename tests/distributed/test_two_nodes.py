@@ -23,6 +23,7 @@ from gspo_megatron.testing.train_runs import FAST, read_metrics
 
 pytestmark = [pytest.mark.distributed, pytest.mark.e2e]
 
+SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "train_multinode.sh"
 SUBNET = "10.231.{}.{}"
 WARNING_LINE = re.compile(r"^\S.*:\d+: (\w*Warning): (.*)$", re.MULTILINE)
 
@@ -57,9 +58,6 @@ def two_nodes():
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30)
 
 
-SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "train_multinode.sh"
-
-
 @pytest.mark.parametrize("launcher", ["torchrun", "gspo"])
 def test_launch_script_runs_across_two_nodes(tmp_path, two_nodes, launcher):
     """``launch/train_multinode.sh`` as the README shows it, on each node: torchrun (c10d rendezvous,
@@ -76,12 +74,13 @@ def test_launch_script_runs_across_two_nodes(tmp_path, two_nodes, launcher):
             node_env = dict(env, NNODES="2", NODE_RANK=str(node), MASTER_ADDR=master, NPROC_PER_NODE="1")
             # a namespace resolves no host name: the interface and this node's address on it
             node_env.update(LAUNCHER=launcher, SOCKET_IFNAME=interface, LOCAL_ADDR=address)
-            nodes.append(
-                subprocess.Popen(command, env=node_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            )
-        outputs = [node.communicate(timeout=600)[0] for node in nodes]
+            with (tmp_path / f"node{node}.log").open("w") as log:  # files: neither node blocks on a full pipe
+                nodes.append(subprocess.Popen(command, env=node_env, stdout=log, stderr=subprocess.STDOUT))
+        for node in nodes:
+            node.wait(timeout=600)
     finally:
         kill_run_processes(marker)
+    outputs = [(tmp_path / f"node{node}.log").read_text(errors="replace") for node in range(2)]
     for index, (node, output) in enumerate(zip(nodes, outputs, strict=True)):
         assert node.returncode == 0, f"node {index}: {output[-4000:]}"
     assert [m["step"] for m in read_metrics(run_dir)] == [1, 2]
