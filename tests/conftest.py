@@ -6,14 +6,23 @@ e2e, faults, gpu, contract, live_sglang) is ``slow`` here, and so are the unit t
 (a spawned rank, a subprocess, mypy, or seconds of work). GPU tests are skipped without CUDA. Every
 test gets a fixed seed and a single intra-op thread so results do not depend on what else shares
 the 2-core machine.
+
+mypy (``tests/unit/test_static_checks.py``, ~50 s on a cold cache) starts in the background when the
+session's tests are collected, on the core the single-threaded tests leave idle; its test waits
+for it and reads its findings.
 """
 
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 TESTS = Path(__file__).resolve().parent
+MYPY_TEST = "test_mypy_finds_nothing"
+_mypy = pytest.StashKey[tuple[subprocess.Popen, Path]]()
 SLOW_TIERS = ("distributed", "e2e", "faults", "gpu", "contract", "live_sglang")
 
 
@@ -27,6 +36,32 @@ def pytest_collection_modifyitems(config, items):
         tier = item.path.resolve().relative_to(TESTS).parts[0]
         if tier in SLOW_TIERS or any(marker in item.keywords for marker in SLOW_TIERS):
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_collection_finish(session):
+    if any(item.name == MYPY_TEST for item in session.items) and not session.config.option.collectonly:
+        output = Path(tempfile.mkstemp(prefix="mypy-", suffix=".log")[1])
+        with output.open("w") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "mypy"], cwd=TESTS.parent, stdout=log, stderr=subprocess.STDOUT
+            )
+        session.config.stash[_mypy] = (process, output)
+
+
+def pytest_sessionfinish(session):
+    started = session.config.stash.get(_mypy, None)
+    if started is not None:
+        process, output = started
+        if process.poll() is None:  # the session ended before the test read it (-x, Ctrl-C)
+            process.kill()
+        process.wait()
+        output.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def background_mypy(request) -> tuple[subprocess.Popen, Path] | None:
+    """The mypy process started when the tests were collected, and its output file (None if not started)."""
+    return request.config.stash.get(_mypy, None)
 
 
 @pytest.fixture(autouse=True)
