@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+
+# what warnings.showwarning prints: "<file>:<line>: <Category>: <message>"
+WARNING_LINE = re.compile(r"^\S.*:\d+: (\w*Warning): (.*)$", re.MULTILINE)
 
 # Two short steps of small batches, for any config (an experiment's included); no charts drawn (the
 # numbers are all written; the charts cost a tiny run most of its time: tests that check them leave
@@ -25,6 +29,11 @@ SHORT = [
 TINY_JOB = ["model=tiny", "task=max_digit", "rollout.max_new_tokens=1"]
 # The tests' runs: the tiny job, two short steps.
 FAST = [*TINY_JOB, *SHORT]
+
+
+def without_time(metrics: list[dict]) -> list[dict]:
+    """Metrics with the wall-clock ``time/`` keys left out: what two equal runs share exactly."""
+    return [{k: v for k, v in m.items() if not k.startswith("time/")} for m in metrics]
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

@@ -10,7 +10,6 @@ so, where either is missing); the namespaces are removed afterwards, which remov
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 import uuid
@@ -19,13 +18,12 @@ from pathlib import Path
 import pytest
 
 from gspo_megatron.testing.processes import kill_run_processes, marked_env
-from gspo_megatron.testing.train_runs import FAST, read_metrics
+from gspo_megatron.testing.train_runs import FAST, WARNING_LINE, read_metrics
 
 pytestmark = [pytest.mark.distributed, pytest.mark.e2e]
 
 SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "train_multinode.sh"
 SUBNET = "10.231.{}.{}"
-WARNING_LINE = re.compile(r"^\S.*:\d+: (\w*Warning): (.*)$", re.MULTILINE)
 
 
 def _ip(*args: str) -> None:

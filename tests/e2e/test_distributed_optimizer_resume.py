@@ -19,7 +19,7 @@ import pytest
 
 from gspo_megatron.testing.distributed import DistributedRunError, run_distributed
 from gspo_megatron.testing.processes import kill_run_processes, marked_env, wait_until
-from gspo_megatron.testing.train_runs import FAST, train_worker
+from gspo_megatron.testing.train_runs import FAST, train_worker, without_time
 from gspo_megatron.trainer.checkpoint import DISTRIBUTED_KEY, latest_checkpoint, read_trainer_state
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.faults]
@@ -29,10 +29,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.faults]
 BASE = FAST + ["trainer.steps=40", "trainer.stop_after_steps=6", "checkpoint.save_every=2", "routing.enabled=false"]
 BASE += ["algorithm.entropy_coef=0.01", "optimizer.warmup_steps=0"]
 DISTRIBUTED = BASE + ["optimizer.distributed=true"]
-
-
-def _without_time(metrics: list[dict]) -> list[dict]:
-    return [{k: v for k, v in m.items() if not k.startswith("time/")} for m in metrics]
 
 
 def _start_two_ranks(overrides: list[str], run_dir) -> tuple[subprocess.Popen, str]:
@@ -94,7 +90,7 @@ def test_sigkill_then_resume_continues_exactly(request, tmp_path, dtype):
     resumed = run_distributed(train_worker, 2, overrides + ["checkpoint.resume=true"], str(run_dir), timeout=900)[0]
     assert len(full) == len(resumed) == 6
     assert all(m["grad_norm"] > 0 for m in full)
-    assert _without_time(resumed) == _without_time(full)
+    assert without_time(resumed) == without_time(full)
 
 
 def test_resume_on_another_data_parallel_size(uninterrupted, tmp_path):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gspo_megatron.testing.train_runs import FAST, read_metrics, run_training
+from gspo_megatron.testing.train_runs import FAST, read_metrics, run_training, without_time
 from gspo_megatron.trainer.checkpoint import read_trainer_state
 from gspo_megatron.trainer.checkpoint_format import COMMON_STATE_FILE, WRITTEN_BY_KEY
 
@@ -36,10 +36,6 @@ if not (OLDEST_DIR / "megatron" / "core").is_dir() or INSTALLED == OLDEST:
 # the entropy bonus gives every step a gradient, so the resumed steps depend on the restored Adam state
 BASE = FAST + ["trainer.steps=4", "checkpoint.save_every=2", "algorithm.entropy_coef=0.01", "routing.enabled=false"]
 WITH_OLDEST = {"PYTHONPATH": str(OLDEST_DIR)}
-
-
-def _without_time(metrics: list[dict]) -> list[dict]:
-    return [{k: v for k, v in m.items() if not k.startswith("time/")} for m in metrics]
 
 
 def _run(run_dir: Path, env: dict | None, *extra: str) -> list[dict]:
@@ -66,4 +62,4 @@ def test_a_checkpoint_resumes_exactly_under_the_other_megatron_core(tmp_path, wr
     assert (saved / "model_optim" / COMMON_STATE_FILE).is_file() == (writer == "oldest")  # the two formats
     resumed = _resume_from_step_2(tmp_path / "full", tmp_path, read_env)
     assert len(full) == len(resumed) == 4 and all(m["grad_norm"] > 0 for m in full)
-    assert _without_time(resumed) == _without_time(full)
+    assert without_time(resumed) == without_time(full)

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 
 import pytest
 
 from gspo_megatron.known_warnings import optional_accelerators_notice
+from gspo_megatron.testing.train_runs import WARNING_LINE
 
 pytestmark = pytest.mark.e2e
-
-# what warnings.showwarning prints: "<file>:<line>: <Category>: <message>"
-WARNING_LINE = re.compile(r"^\S.*:\d+: (\w*Warning): (.*)$", re.MULTILINE)
 
 
 def test_main_job_shows_no_unreviewed_warning(tmp_path):

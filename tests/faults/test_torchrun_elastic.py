@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from gspo_megatron.testing.processes import children, kill_run_processes, marked_env, wait_until
-from gspo_megatron.testing.train_runs import FAST, read_metrics
+from gspo_megatron.testing.train_runs import FAST, WARNING_LINE, read_metrics, without_time
 from gspo_megatron.trainer.checkpoint import latest_checkpoint
 
 pytestmark = [pytest.mark.faults, pytest.mark.distributed]
@@ -32,12 +32,7 @@ pytestmark = [pytest.mark.faults, pytest.mark.distributed]
 BASE = FAST + ["trainer.steps=40", "trainer.stop_after_steps=6", "checkpoint.save_every=1", "routing.enabled=false"]
 BASE += ["algorithm.entropy_coef=0.01", "optimizer.warmup_steps=0", "checkpoint.resume=auto"]
 RESTART_BOUND_S = 120  # kill -> the restarted ranks resumed; the collective timeout is 600 s
-WARNING_LINE = re.compile(r"^\S.*:\d+: (\w*Warning): (.*)$", re.MULTILINE)
 RESUMED = re.compile(r"\[gspo\] resumed from \S+ at step (\d+)")
-
-
-def _without_time(metrics: list[dict]) -> list[dict]:
-    return [{k: v for k, v in m.items() if not k.startswith("time/")} for m in metrics]
 
 
 class TorchrunJob:
@@ -140,4 +135,4 @@ def test_sigkill_of_a_rank_then_of_a_helper_is_recovered_by_torchrun_restarts(tm
     assert len(_resumes(job)) == 2 and _resumes(job)[0] >= 2, output[-4000:]
     assert "Connection refused" not in output, output[-4000:]
     expected, _ = uninterrupted  # every step: before the kills, and after each exact resume
-    assert _without_time(read_metrics(job.run_dir)) == _without_time(expected), restart_s
+    assert without_time(read_metrics(job.run_dir)) == without_time(expected), restart_s
