@@ -16,7 +16,8 @@ CONTRACT_DIR = Path(__file__).resolve().parent
 
 def test_contract_tier_passes_in_its_own_venv(contract_venv: Path):
     repo = CONTRACT_DIR.parents[1]
-    env = {key: value for key, value in os.environ.items() if key != "PYTHONHOME"}
+    # PYTEST_ADDOPTS is this session's (.ci/run sets --junitxml): the tier writes no report over it
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONHOME", "PYTEST_ADDOPTS")}
     env["PYTHONPATH"] = str(repo)  # this checkout's package, as the venv's editable install points at it
     result = subprocess.run(
         [str(contract_venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CONTRACT_DIR)],
