@@ -77,7 +77,7 @@ class DistributedOptimizerChoice(ConfigChoice):
 @dataclass
 class ModelSection(MoEModelConfig):
     preset: str | None = None  # documentation of where the numbers came from ("tiny", ...)
-    hf_checkpoint: str | None = None  # a local HF Qwen3-MoE directory to start from; its config.json sets the shape
+    hf_checkpoint: str | None = None  # a local HF directory (model_families.py); its config.json sets the shape
     layer_spec: LayerSpec = LayerSpec.auto
     token_dispatcher: TokenDispatcher = TokenDispatcher.alltoall  # MoE with EP or TP; same results either way
     expert_mlp: ExpertMLP = ExpertMLP.grouped

@@ -1,4 +1,4 @@
-"""Build a megatron-core ``GPTModel`` of the Qwen3-MoE family from a ``MoEModelConfig``.
+"""Build a megatron-core ``GPTModel`` of any model family (``model_families.py``) from a ``MoEModelConfig``.
 
 Design decisions:
 - The TransformerConfig is derived here, in one function, from the HF-terms model config and the
@@ -75,7 +75,7 @@ def make_transformer_config(
             moe_router_topk=model.top_k,
             moe_ffn_hidden_size=model.moe_intermediate_size,
             moe_layer_freq=moe_layer_freq,
-            # Qwen3 with norm_topk_prob: softmax over the k chosen logits == softmax-topk-renormalise.
+            # norm_topk_prob: softmax over the k chosen logits == softmax-topk-renormalise (model_families.py).
             moe_router_pre_softmax=not model.norm_topk_prob,
             moe_router_score_function="softmax",
             moe_router_load_balancing_type="aux_loss" if model.router_aux_loss_coef > 0 else "none",
@@ -104,7 +104,7 @@ def make_transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=False,
-        qk_layernorm=True,
+        qk_layernorm=model.architecture.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=layout.tp,
@@ -155,8 +155,9 @@ def make_block_spec(config, spec_name: str, expert_mlp: str = ExpertMLP.grouped)
         sub.pre_mlp_layernorm = RMSNorm
         attn = sub.self_attention.submodules
         attn.core_attention = SDPACoreAttention
-        attn.q_layernorm = QKRMSNorm
-        attn.k_layernorm = QKRMSNorm
+        if config.qk_layernorm:  # else megatron's spec has IdentityOp there
+            attn.q_layernorm = QKRMSNorm
+            attn.k_layernorm = QKRMSNorm
         moe = _submodules_of(sub.mlp)
         experts = getattr(moe, "experts", None)
         if experts is not None and grouped:

@@ -1,13 +1,16 @@
-"""Model configuration for the Qwen3-MoE family, its presets, and conversion to/from HF configs.
+"""Model configuration of the MoE families (``model_families.py``), its presets, and conversion to/from
+HF configs.
 
 Design decisions:
 - One dataclass in Hugging Face terms (hidden size, experts, top-k, ...); the Megatron
   TransformerConfig is derived from it in ``models/builder.py`` so there is one source of truth.
+  ``family`` (an HF ``model_type``) picks what differs between architectures; the rest is common.
 - ``dense_layers`` lists layers whose MLP is dense (HF ``mlp_only_layers``); every other layer is MoE.
-- The router is Qwen3's: softmax over all experts, top-k, renormalised over the k chosen
+- The router is softmax top-k: softmax over all experts, top-k, renormalised over the k chosen
   (``norm_topk_prob``), which equals megatron's top-k on logits followed by a softmax over the k.
-- A shared expert is supported by the Megatron model (Qwen2-MoE style, sigmoid-gated) but not by
-  the HF Qwen3-MoE architecture, so exporting such a model to HF is refused.
+- A shared expert is supported by the Megatron model (Qwen2-MoE style, sigmoid-gated); exporting it
+  to HF is refused for a family whose architecture has none (Qwen3-MoE, Mixtral), and so are dense
+  layers for one whose architecture makes every layer MoE (Mixtral).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gspo_megatron.config_node import ConfigChoice, ConfigNode
+from gspo_megatron.model_families import FAMILIES, ModelFamily
 
 
 class ModelConfigError(ValueError):
@@ -50,6 +54,7 @@ class ExpertMLP(ConfigChoice):
 
 @dataclass
 class MoEModelConfig(ConfigNode):
+    family: str = "qwen3_moe"  # HF model_type of the architecture (model_families.py)
     vocab_size: int = 256
     hidden_size: int = 64
     num_layers: int = 2
@@ -73,7 +78,19 @@ class MoEModelConfig(ConfigNode):
     def is_moe(self) -> bool:
         return self.num_experts > 0 and len(self.dense_layers) < self.num_layers
 
+    @property
+    def architecture(self) -> ModelFamily:
+        """The registered family (``model.family``); validate() names the key when it is unknown."""
+        return FAMILIES[self.family]
+
     def validate(self) -> None:
+        if self.family not in FAMILIES:
+            raise ModelConfigError(f"model.family={self.family!r} is not a model family; valid: {sorted(FAMILIES)}")
+        if self.architecture.topk_renormalised_always and not self.norm_topk_prob:
+            raise ModelConfigError(
+                f"model.norm_topk_prob=false, but {self.architecture.title}'s router always renormalises "
+                "the top-k scores; set model.norm_topk_prob=true"
+            )
         positive = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim")
         for name in positive:
             if getattr(self, name) < 1:
@@ -97,7 +114,8 @@ class MoEModelConfig(ConfigNode):
     def parameter_count(self) -> dict[str, int]:
         """Total and per-token active parameters, computed from the shape (nothing allocated)."""
         h, layers = self.hidden_size, self.num_layers
-        attn = h * self.head_dim * (self.num_attention_heads * 2 + self.num_kv_heads * 2) + 2 * self.head_dim
+        attn = h * self.head_dim * (self.num_attention_heads * 2 + self.num_kv_heads * 2)
+        attn += 2 * self.head_dim if self.architecture.qk_norm else 0
         norms = 2 * h
         expert = 3 * h * self.moe_intermediate_size
         shared = 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_intermediate_size else 0)
@@ -113,28 +131,29 @@ class MoEModelConfig(ConfigNode):
 
     # --- Hugging Face interop ---------------------------------------------------------------
     def to_hf_dict(self) -> dict[str, Any]:
-        """A Qwen3-MoE ``config.json`` dictionary for this model."""
-        if self.shared_expert_intermediate_size:
+        """The family's ``config.json`` dictionary for this model."""
+        family = self.architecture
+        if self.shared_expert_intermediate_size and not family.shared_expert:
             raise ModelConfigError(
-                "the HF Qwen3-MoE architecture has no shared expert; set "
+                f"the HF {family.title} architecture has no shared expert; set "
                 "model.shared_expert_intermediate_size=0 to export or serve this model"
             )
+        if self.dense_layers and not family.dense_layers:
+            raise ModelConfigError(
+                f"the HF {family.title} architecture makes every layer MoE; set model.dense_layers=[] "
+                "to export or serve this model"
+            )
         return {
-            "architectures": ["Qwen3MoeForCausalLM"],
-            "model_type": "qwen3_moe",
+            "architectures": [family.architecture],
+            "model_type": family.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
-            "intermediate_size": self.dense_intermediate_size or self.moe_intermediate_size,
-            "moe_intermediate_size": self.moe_intermediate_size,
             "num_hidden_layers": self.num_layers,
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
-            "num_experts": self.num_experts,
             "num_experts_per_tok": self.top_k,
-            "norm_topk_prob": self.norm_topk_prob,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": list(self.dense_layers),
+            **family.hf_fields(self),
             "router_aux_loss_coef": self.router_aux_loss_coef,
             "output_router_logits": False,
             "rope_theta": self.rope_theta,
@@ -148,47 +167,43 @@ class MoEModelConfig(ConfigNode):
         }
 
     def to_hf_config(self):
-        from transformers import Qwen3MoeConfig
-
-        return Qwen3MoeConfig(**self.to_hf_dict())
+        config_class, _ = self.architecture.transformers_classes()
+        return config_class(**self.to_hf_dict())
 
     @classmethod
     def from_hf_dict(cls, hf: Mapping[str, Any]) -> MoEModelConfig:
         model_type = hf.get("model_type")
-        if model_type != "qwen3_moe":
+        if model_type not in FAMILIES:
+            titles = ", ".join(f"{f.title} ({name})" for name, f in FAMILIES.items())
             raise ModelConfigError(
-                f"config.json has model_type={model_type!r}; only Qwen3-MoE (qwen3_moe) checkpoints are "
-                "supported (Qwen2-MoE has q/k/v biases and no q/k norms, which this builder does not make)"
+                f"config.json has model_type={model_type!r}; the model families built here are {titles} "
+                "(README, 'Model families')"
             )
         missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if k not in hf]
         if missing:
             raise ModelConfigError(f"config.json lacks required fields {missing}")
         layers = hf["num_hidden_layers"]
-        step = hf.get("decoder_sparse_step", 1) or 1
-        mlp_only = set(hf.get("mlp_only_layers", []) or [])
-        dense = [i for i in range(layers) if i in mlp_only or (i + 1) % step != 0]
         heads = hf["num_attention_heads"]
         rope = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
+        try:
+            family_fields = FAMILIES[model_type].read_hf_fields(hf, layers)
+        except ValueError as error:
+            raise ModelConfigError(str(error)) from error
         return cls(
+            family=model_type,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             num_layers=layers,
             num_attention_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads", heads),
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            # transformers >= 5 writes num_local_experts (num_experts is its attribute alias)
-            num_experts=hf.get("num_experts", hf.get("num_local_experts", 0)) or 0,
             top_k=hf.get("num_experts_per_tok", 1),
-            moe_intermediate_size=hf.get("moe_intermediate_size", 0),
-            norm_topk_prob=hf.get("norm_topk_prob", True),
-            dense_layers=dense,
-            dense_intermediate_size=hf.get("intermediate_size", 0) if dense else 0,
-            shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0) or 0,
             router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.0),
             rope_theta=float(rope),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            **family_fields,
         )
 
     @classmethod

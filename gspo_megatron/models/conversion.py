@@ -1,7 +1,9 @@
-"""Hugging Face <-> Megatron weight conversion for the Qwen3-MoE family, on any parallel layout.
+"""Hugging Face <-> Megatron weight conversion for every model family, on any parallel layout.
 
-HF names are the *checkpoint* names (what ``save_pretrained`` writes): per-expert
-``model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight`` and separate q/k/v projections.
+HF names are the *checkpoint* names (what ``save_pretrained`` writes): separate q/k/v projections and
+per-expert projections under the family's names (``model_families.py``: Qwen3-MoE's
+``model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight``, Mixtral's
+``model.layers.{l}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight``).
 
 Design decisions:
 - One table of ``ParamMapping`` rows, built by walking this rank's megatron parameters, drives both
@@ -20,6 +22,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -175,7 +178,7 @@ def _mapping_for(model, name: str, cfg: MoEModelConfig, first_expert: int) -> Pa
         "self_attention.q_layernorm.weight": (p + "self_attn.q_norm.weight", None, None),
         "self_attention.k_layernorm.weight": (p + "self_attn.k_norm.weight", None, None),
         "self_attention.linear_proj.weight": (p + "self_attn.o_proj.weight", 1, "tp"),
-        "mlp.router.weight": (p + "mlp.gate.weight", None, None),
+        "mlp.router.weight": (cfg.architecture.router_name(layer), None, None),
         "mlp.linear_fc2.weight": (p + "mlp.down_proj.weight", 1, "tp"),
         "mlp.shared_experts.linear_fc2.weight": (p + "mlp.shared_expert.down_proj.weight", 1, "tp"),
         "mlp.shared_experts.gate_weight": (p + "mlp.shared_expert_gate.weight", None, None),
@@ -194,12 +197,12 @@ def _mapping_for(model, name: str, cfg: MoEModelConfig, first_expert: int) -> Pa
     expert = _EXPERT.match(rest) or _TE_GROUPED_EXPERT.match(rest)
     if expert:
         local_expert, which = int(expert["index"]), expert["which"]
-        e = p + f"mlp.experts.{first_expert + local_expert}."
+        e = first_expert + local_expert
+        expert_name = functools.partial(cfg.architecture.expert_name, layer, e)
         if which == "linear_fc1":
-            return ParamMapping(
-                name, (e + "gate_proj.weight", e + "up_proj.weight"), "gate_up", 0, "etp", unit, local_expert
-            )
-        return ParamMapping(name, (e + "down_proj.weight",), "copy", 1, "etp", unit, local_expert)
+            names = (expert_name("gate"), expert_name("up"))
+            return ParamMapping(name, names, "gate_up", 0, "etp", unit, local_expert)
+        return ParamMapping(name, (expert_name("down"),), "copy", 1, "etp", unit, local_expert)
     raise ConversionError(f"no HF mapping for megatron parameter {name!r}")
 
 

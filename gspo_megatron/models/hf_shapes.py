@@ -1,5 +1,6 @@
-"""Every Hugging Face checkpoint tensor of a Qwen3-MoE shape, with its full shape (torch-free, so the
-planner can size a weight sync without importing torch)."""
+"""Every Hugging Face checkpoint tensor of a model, under its family's checkpoint names
+(``model_families.py``), with its full shape (torch-free, so the planner can size a weight sync
+without importing torch)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def hf_shapes(cfg: MoEModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _layer_shapes(cfg: MoEModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
-    h, hd = cfg.hidden_size, cfg.head_dim
+    h, hd, family = cfg.hidden_size, cfg.head_dim, cfg.architecture
     p = f"model.layers.{layer}."
     out = {
         p + "input_layernorm.weight": (h,),
@@ -27,21 +28,26 @@ def _layer_shapes(cfg: MoEModelConfig, layer: int) -> dict[str, tuple[int, ...]]
         p + "self_attn.k_proj.weight": (cfg.num_kv_heads * hd, h),
         p + "self_attn.v_proj.weight": (cfg.num_kv_heads * hd, h),
         p + "self_attn.o_proj.weight": (h, cfg.num_attention_heads * hd),
-        p + "self_attn.q_norm.weight": (hd,),
-        p + "self_attn.k_norm.weight": (hd,),
-        p + "post_attention_layernorm.weight": (h,),
     }
+    if family.qk_norm:
+        out.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+    out[p + "post_attention_layernorm.weight"] = (h,)
     if layer in set(cfg.dense_layers) or not cfg.is_moe:
         f = cfg.dense_intermediate_size
         out.update(
             {p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f)}
         )
         return out
-    out[p + "mlp.gate.weight"] = (cfg.num_experts, h)
+    out[family.router_name(layer)] = (cfg.num_experts, h)
     i = cfg.moe_intermediate_size
     for e in range(cfg.num_experts):
-        q = p + f"mlp.experts.{e}."
-        out.update({q + "gate_proj.weight": (i, h), q + "up_proj.weight": (i, h), q + "down_proj.weight": (h, i)})
+        out.update(
+            {
+                family.expert_name(layer, e, "gate"): (i, h),
+                family.expert_name(layer, e, "up"): (i, h),
+                family.expert_name(layer, e, "down"): (h, i),
+            }
+        )
     if cfg.shared_expert_intermediate_size:
         s = cfg.shared_expert_intermediate_size
         q = p + "mlp.shared_expert."

@@ -3,9 +3,10 @@
 Design decisions:
 - Plain dataclasses with typed defaults; the lead registers them in Hydra's ConfigStore
   (``conf/rollout/embedded.yaml`` holds the YAML defaults of the embedded engine).
-- The model shape is not duplicated here: ``model`` holds ``transformers.Qwen3MoeConfig`` keyword
-  arguments (the same numbers the trainer's model config uses) and ``model_config_path`` may point at
-  an HF checkpoint's ``config.json``; ``model`` entries override what the file says.
+- The model shape is not duplicated here: ``model`` holds the family's transformers config keyword
+  arguments (``model_type`` picks the family, Qwen3-MoE by default; the same numbers the trainer's
+  model config uses) and ``model_config_path`` may point at an HF checkpoint's ``config.json``;
+  ``model`` entries override what the file says.
 - Truncated-rollout strings (trigger words, probe suffix, thinking close) are text, turned into token
   ids by the caller's tokenizer at run time, so the same config serves any tokenizer.
 """
@@ -50,7 +51,7 @@ class AttentionImplementation(ConfigChoice):
 class EmbeddedConfig(ConfigNode):
     """The transformers-based rollout engine that runs inside the trainer process."""
 
-    model: dict[str, Any] = field(default_factory=dict)  # Qwen3MoeConfig kwargs (override the file)
+    model: dict[str, Any] = field(default_factory=dict)  # the family's HF config kwargs (override the file)
     model_config_path: str | None = None  # HF checkpoint dir or config.json; None: `model` only
     dtype: EngineDtype = EngineDtype.float32
     device: str = "cpu"

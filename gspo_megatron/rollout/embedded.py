@@ -1,7 +1,8 @@
-"""In-process rollout engine: transformers' Qwen3-MoE with our own KV-cache decode loop.
+"""In-process rollout engine: transformers' model of the family with our own KV-cache decode loop.
 
 Design decisions:
-- The model is ``transformers.Qwen3MoeForCausalLM`` built from a ``Qwen3MoeConfig`` with random init;
+- The model is the family's transformers causal LM (``model_families.py``: ``Qwen3MoeForCausalLM``,
+  ``MixtralForCausalLM``) built from its config (``model_type`` picks the family) with random init;
   real weights arrive through ``update_weights`` as HF checkpoint-named tensors (see
   ``embedded_weights``), the same path that feeds SGLang.
 - Our own decode loop (not ``model.generate``): it gives exact control of sampling, log-probs, stop
@@ -14,7 +15,7 @@ Design decisions:
 - ``use_cache=False`` re-runs the whole sequence each step (reference and benchmark for the cache).
 - The KV cache is passed under the name the installed transformers' forward declares: ``cache``
   (5.x; ``past_key_values`` is deprecated there and removed in 5.40) or ``past_key_values`` (older
-  releases), read once from the signature (``_CACHE_ARGUMENT``), so no deprecated argument is ever passed.
+  releases), read once from the class's signature (``_cache_argument``), so no deprecated argument is ever passed.
 - Log-probs are log_softmax(logits / T) of the sampled token before top-k/top-p (see ``sampling``).
 - Stop rules (checked in this order after each token): a ``stop_token_ids`` token, a ``stop`` string
   in the decoded tail (needs ``decode``), then ``max_new_tokens``. The stop token / the tokens that
@@ -35,9 +36,10 @@ import os
 from collections.abc import Callable, Iterable
 
 import torch
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
+from gspo_megatron.model_families import family
 from gspo_megatron.rollout.config import EmbeddedConfig
 from gspo_megatron.rollout.embedded_weights import HfWeightLoader
 from gspo_megatron.rollout.engine import RolloutEngine
@@ -46,12 +48,16 @@ from gspo_megatron.rollout.types import FinishReason, Sample, SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _STOP_TAIL_EXTRA_TOKENS = 8  # decode this many tokens beyond the longest stop string's length
-# transformers 5.x renamed the forward's KV-cache argument (``inspect`` follows the deprecation wrapper)
-_CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(Qwen3MoeForCausalLM.forward).parameters else "past_key_values"
 
 
-def build_hf_config(config: EmbeddedConfig) -> Qwen3MoeConfig:
-    """Qwen3MoeConfig from ``model_config_path`` (optional) overridden by ``config.model``."""
+def _cache_argument(model_class: type[PreTrainedModel]) -> str:
+    """transformers 5.x renamed the forward's KV-cache argument (``inspect`` follows the deprecation wrapper)."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def build_hf_config(config: EmbeddedConfig) -> PretrainedConfig:
+    """The family's HF config from ``model_config_path`` (optional) overridden by ``config.model``; the
+    ``model_type`` key picks the family (Qwen3-MoE when neither names one)."""
     values = {}
     if config.model_config_path:
         path = config.model_config_path
@@ -59,13 +65,14 @@ def build_hf_config(config: EmbeddedConfig) -> Qwen3MoeConfig:
         with open(path) as handle:
             values = json.load(handle)
     values.update(config.model)
-    return Qwen3MoeConfig(**values)
+    config_class, _ = family(values.pop("model_type", "qwen3_moe")).transformers_classes()
+    return config_class(**values)
 
 
 class _RouterCapture:
     """Forward hooks on every MoE router; collects top-k indices [B, S, k] per layer per forward."""
 
-    def __init__(self, model: Qwen3MoeForCausalLM):
+    def __init__(self, model: PreTrainedModel):
         self._routers = {
             i: layer.mlp.gate
             for i, layer in enumerate(model.model.layers)
@@ -102,11 +109,11 @@ class _RouterCapture:
 
 
 class EmbeddedEngine(RolloutEngine):
-    """Generation with transformers' Qwen3-MoE in the caller's process."""
+    """Generation with transformers' model of the family in the caller's process."""
 
     def __init__(
         self,
-        hf_config: Qwen3MoeConfig,
+        hf_config: PretrainedConfig,
         config: EmbeddedConfig | None = None,
         decode: Callable[[list[int]], str] | None = None,
     ):
@@ -114,11 +121,9 @@ class EmbeddedEngine(RolloutEngine):
         self.decode = decode
         hf_config = copy.deepcopy(hf_config)  # the attention choice below must not leak to the caller
         hf_config._attn_implementation = self.config.attn_implementation
-        self.model = (
-            Qwen3MoeForCausalLM(hf_config)  # type: ignore[call-arg]  # transformers types the class as a wrapper
-            .to(device=self.config.device, dtype=_DTYPES[self.config.dtype])
-            .eval()
-        )
+        _, model_class = family(hf_config.model_type).transformers_classes()
+        self._cache_argument = _cache_argument(model_class)
+        self.model = model_class(hf_config).to(device=self.config.device, dtype=_DTYPES[self.config.dtype]).eval()
         self._loader = HfWeightLoader(self.model)
         self._seed_source = torch.Generator().manual_seed(self.config.seed)
         self.weight_version = 0
@@ -192,7 +197,7 @@ class EmbeddedEngine(RolloutEngine):
                     position_ids=feed_positions,
                     use_cache=cache is not None,
                     logits_to_keep=1,
-                    **{_CACHE_ARGUMENT: cache},
+                    **{self._cache_argument: cache},
                 ).logits
                 new = feed_ids.shape[1] if cache is not None or fed == 0 else 1
                 if capture is not None and routing is not None:

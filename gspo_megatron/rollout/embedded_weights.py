@@ -1,9 +1,11 @@
-"""Load Hugging-Face checkpoint-named tensors into a transformers 5.x Qwen3-MoE model in place.
+"""Load Hugging-Face checkpoint-named tensors into a transformers 5.x MoE model of any family in place.
 
 Design decisions:
-- The trainer exports the names ``save_pretrained`` writes to safetensors (per-expert
-  ``mlp.experts.{e}.{gate,up,down}_proj.weight``). transformers 5.x holds experts FUSED in memory,
-  which was checked by saving a tiny model and comparing:
+- The trainer exports the names ``save_pretrained`` writes to safetensors (per-expert, under the
+  family's names: Qwen3-MoE's ``mlp.experts.{e}.{gate,up,down}_proj.weight``, Mixtral's
+  ``block_sparse_moe.experts.{e}.{w1,w3,w2}.weight``; ``model_families.py``). transformers 5.x holds
+  experts FUSED in memory under ``mlp.experts`` for every family, which was checked by saving a tiny
+  model of each and comparing:
       mlp.experts.gate_up_proj  [E, 2 * I, H]  -- rows [0, I) are expert e's gate_proj, [I, 2I) its up_proj
       mlp.experts.down_proj     [E, H, I]      -- expert e's down_proj
   so a per-expert tensor is copied into its slice of the fused parameter. The fused in-memory names
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 
-_EXPERT_NAME = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+from gspo_megatron.model_families import family
 
 
 @dataclass(frozen=True)
@@ -37,13 +39,18 @@ class WeightTarget:
 
 
 class HfWeightLoader:
-    """Resolves checkpoint names onto a ``Qwen3MoeForCausalLM``'s parameters and copies tensors in."""
+    """Resolves checkpoint names onto a transformers MoE causal LM's parameters and copies tensors in."""
 
-    def __init__(self, model: Any):  # a transformers Qwen3MoeForCausalLM
+    def __init__(self, model: Any):  # e.g. a transformers Qwen3MoeForCausalLM or MixtralForCausalLM
         self._model = model
-        # remove_duplicate=False keeps both names of a tied parameter
+        self._family = family(model.config.model_type)
+        self._expert_name = re.compile(self._family.expert_name_pattern())
+        # remove_duplicate=False keeps both names of a tied parameter; checkpoint names of the MoE block
+        # (``model_families.py``: Mixtral's ``block_sparse_moe``) as well as the in-memory ``mlp``
         self._direct = dict(model.named_parameters(remove_duplicate=False))
         self._num_layers = model.config.num_hidden_layers
+        self._memory_prefix = re.compile(rf"^(model\.layers\.\d+\.){re.escape(self._family.moe_module)}\.")
+        self._checkpoint_prefix = re.compile(r"^(model\.layers\.\d+\.)mlp\.")
 
     def checkpoint_names(self) -> list[str]:
         """Every name a full checkpoint of this model has (per-expert names, as on disk)."""
@@ -51,22 +58,25 @@ class HfWeightLoader:
         for name in self._direct:
             match = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$", name)
             if match is None:
-                names.append(name)
+                names.append(self._checkpoint_prefix.sub(rf"\g<1>{self._family.moe_module}.", name))
                 continue
-            experts = self._experts_of(int(name.split(".")[2]))
-            projections = ("gate_proj", "up_proj") if match.group(2) == "gate_up_proj" else ("down_proj",)
-            names += [f"{match.group(1)}.{e}.{p}.weight" for e in range(experts.num_experts) for p in projections]
+            layer = int(name.split(".")[2])
+            experts = self._experts_of(layer)
+            projections = ("gate", "up") if match.group(2) == "gate_up_proj" else ("down",)
+            names += [self._family.expert_name(layer, e, p) for e in range(experts.num_experts) for p in projections]
         return names
 
     def resolve(self, name: str) -> WeightTarget:
         """Map a checkpoint (or in-memory) name onto its parameter slice; KeyError names the problem."""
-        if name in self._direct:
-            parameter = self._direct[name]
+        direct = name if name in self._direct else self._memory_prefix.sub(r"\g<1>mlp.", name)
+        if direct in self._direct:
+            parameter = self._direct[direct]
             return WeightTarget(parameter, (), tuple(parameter.shape))
-        match = _EXPERT_NAME.match(name)
+        match = self._expert_name.match(name)
         if match is None:
             raise KeyError(self._unknown_message(name))
-        layer, expert, projection = int(match.group(1)), int(match.group(2)), match.group(3)
+        layer, expert = int(match.group(1)), int(match.group(2))
+        projection = self._family.projection_of(match.group(3))
         experts = self._experts_of(layer)
         if experts is None:
             raise KeyError(
@@ -80,9 +90,9 @@ class HfWeightLoader:
                 f"{experts.num_experts} experts per layer; model configs disagree"
             )
         inter = experts.intermediate_dim
-        if projection == "down_proj":
+        if projection == "down":
             return WeightTarget(experts.down_proj, (expert,), tuple(experts.down_proj.shape[1:]))
-        rows = slice(0, inter) if projection == "gate_proj" else slice(inter, 2 * inter)
+        rows = slice(0, inter) if projection == "gate" else slice(inter, 2 * inter)
         return WeightTarget(experts.gate_up_proj, (expert, rows), (inter, experts.gate_up_proj.shape[-1]))
 
     @torch.no_grad()
@@ -109,11 +119,11 @@ class HfWeightLoader:
             if close
             else (
                 "valid names look like 'model.layers.0.self_attn.q_proj.weight', "
-                "'model.layers.0.mlp.experts.3.gate_proj.weight', 'model.layers.0.mlp.gate.weight', "
+                f"'{self._family.expert_name(0, 3, 'gate')}', '{self._family.router_name(0)}', "
                 "'model.norm.weight', 'lm_head.weight'"
             )
         )
         return (
-            f"unknown weight name {name!r} for this Qwen3-MoE model (expected Hugging-Face "
+            f"unknown weight name {name!r} for this {self._family.title} model (expected Hugging-Face "
             f"checkpoint names as save_pretrained writes them); {hint}"
         )

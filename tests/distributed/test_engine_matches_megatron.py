@@ -10,6 +10,8 @@ sequences (right-padded, two micro-batches, ``LogProbHead`` = the trainer's old-
 - its per-token log-probs equal the engine's within fp32 tolerance;
 - its recorded top-k expert sets equal the engine's routed experts at every real token of every
   MoE layer (the layout R3 replays; ``rollout_targets`` puts them back into megatron's order).
+Both for Qwen3-MoE and for Mixtral (``model_families.py``): the engine is transformers' own class of
+the family, so this is also megatron's forward against transformers' on the same weights.
 """
 
 from __future__ import annotations
@@ -172,9 +174,9 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def setup():
-    cfg = tiny_test_config()
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def setup(request):
+    cfg = tiny_test_config(family=request.param)
     return cfg, random_hf_state(cfg, seed=11, scale=0.3)
 
 

@@ -1,5 +1,6 @@
 """The tiny MoE under TP=2, PP=2, EP=2 and TP=2xEP=2 (sequence parallel) equals one rank (fp32), and
-under TP=2, PP=2, EP=2 in bf16 within bf16 rounding.
+under TP=2, PP=2, EP=2 in bf16 within bf16 rounding; the tiny Mixtral (another family: no q/k norms,
+its own checkpoint names) under TP=2, PP=2, EP=2 equals one rank (fp32).
 
 Every layout is built from the same HF-named weights; log-probs of a fixed batch and the gradients
 of a fixed loss (gathered back to HF names) must match the single-rank run within fp32 tolerance,
@@ -32,7 +33,23 @@ def reference():
 
 @pytest.mark.parametrize("name", list(EQUIVALENCE_LAYOUTS))
 def test_layout_matches_single_rank(reference, name):
-    cfg, state, single = reference
+    _assert_layout_matches(*reference, name)
+
+
+@pytest.fixture(scope="module")
+def mixtral_reference():
+    cfg = tiny_test_config(family="mixtral")
+    state = random_hf_state(cfg, seed=3)
+    (single,) = run_distributed(model_layout_worker, 1, cfg, state, dict(world_size=1), timeout=300)
+    return cfg, state, single
+
+
+@pytest.mark.parametrize("name", ["tp2", "pp2", "ep2"])
+def test_mixtral_layout_matches_single_rank(mixtral_reference, name):
+    _assert_layout_matches(*mixtral_reference, name)
+
+
+def _assert_layout_matches(cfg, state, single, name: str) -> None:
     results = run_distributed(
         model_layout_worker, EQUIVALENCE_LAYOUTS[name]["world_size"], cfg, state, EQUIVALENCE_LAYOUTS[name], timeout=600
     )

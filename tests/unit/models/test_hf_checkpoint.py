@@ -54,14 +54,16 @@ def test_views_sharing_storage_are_written(tmp_path):
     assert torch.equal(source.get("gate"), gate) and torch.equal(source.get("up"), up)
 
 
-def test_transformers_loads_the_export_with_the_written_weights(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_transformers_loads_the_export_with_the_written_weights(tmp_path, family):
     from transformers import AutoModelForCausalLM
 
-    cfg = tiny_test_config()
+    cfg = tiny_test_config(family=family)
     state = random_hf_state(cfg, seed=5)
     out = write_hf_checkpoint(_buckets(state), cfg, tmp_path / "export", shard_bytes=20_000)
     assert len(set(json.loads((out / INDEX_FILE).read_text())["weight_map"].values())) > 1
     model = AutoModelForCausalLM.from_pretrained(out)
+    assert type(model).__name__ == cfg.architecture.architecture
     loaded = model.state_dict()
     for name, value in state.items():
         # transformers 5 fuses experts in memory; compare through the checkpoint names it saves back

@@ -1,0 +1,25 @@
+"""Every model family trains end to end (``python -m gspo_megatron.train model=<family>_tiny``): the
+embedded engine serves transformers' class of the family, weights synced from the trainer each step.
+With R3 (``algorithm.routing_replay=rollout``) the trainer replays the engine's routed experts, so the
+engine-vs-trainer routing differs in no token; and the engine's log-probs equal the trainer's (the
+mismatch metrics are float noise)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gspo_megatron.testing.train_runs import SHORT, read_metrics, run_training
+
+pytestmark = [pytest.mark.e2e]
+
+
+@pytest.mark.parametrize("model", ["mixtral_tiny"])
+def test_a_family_trains_with_rollout_routing_replay(tmp_path, model):
+    overrides = [f"model={model}", "task=max_digit", "rollout.max_new_tokens=1", *SHORT]
+    result = run_training([*overrides, "algorithm.routing_replay=rollout"], tmp_path / "run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["step"] for m in metrics] == [1, 2]
+    for step in metrics:
+        assert step["routing/rollout_vs_train_changed_frac"] == 0.0, step
+        assert step["mismatch/abs_log_prob_diff_mean"] < 1e-5, step

@@ -1,0 +1,104 @@
+"""Model families as data (``model_families.py``): each family's config.json keys, checkpoint names and
+transformers classes agree with transformers' own; what a family's HF architecture cannot represent is
+refused naming the key. The forward and layouts: ``tests/distributed/test_engine_matches_megatron.py``
+and ``test_model_layouts.py``; the checkpoint written and read back by transformers:
+``test_hf_checkpoint.py``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from gspo_megatron.model_families import FAMILIES, PROJECTIONS, family
+from gspo_megatron.models.config import ModelConfigError, MoEModelConfig
+from gspo_megatron.models.hf_shapes import hf_shapes
+from gspo_megatron.testing.model_fixtures import tiny_test_config
+
+SHIPPED = Path(__file__).resolve().parents[3] / "gspo_megatron" / "planning" / "hf_configs"
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_checkpoint_names_and_shapes_are_what_transformers_saves(tmp_path, model_type):
+    from safetensors import safe_open
+
+    cfg = tiny_test_config(family=model_type)
+    _, model_class = cfg.architecture.transformers_classes()
+    model_class(cfg.to_hf_config()).save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as handle:
+        saved = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}  # noqa: SIM118
+    assert saved == hf_shapes(cfg)
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_config_json_round_trips_through_transformers(model_type):
+    cfg = tiny_test_config(family=model_type, tie_word_embeddings=True, router_aux_loss_coef=0.01)
+    written = cfg.to_hf_config().to_dict()  # transformers' own config class, its own keys back
+    assert written["model_type"] == model_type
+    assert asdict(MoEModelConfig.from_hf_dict(written)) == asdict(cfg)
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_parameter_count_equals_transformers_model(model_type):
+    cfg = tiny_test_config(family=model_type)
+    _, model_class = cfg.architecture.transformers_classes()
+    with torch.device("meta"):
+        model = model_class(cfg.to_hf_config())
+    assert sum(p.numel() for p in model.parameters()) == cfg.parameter_count()["total"]
+
+
+def test_mixtral_expert_names_follow_w1_gate_w3_up_w2_down():
+    mixtral = family("mixtral")
+    names = [mixtral.expert_name(5, 7, p) for p in PROJECTIONS]
+    assert names == [f"model.layers.5.block_sparse_moe.experts.7.{w}.weight" for w in ("w1", "w3", "w2")]
+    assert mixtral.router_name(5) == "model.layers.5.block_sparse_moe.gate.weight"
+    assert [mixtral.projection_of(w) for w in ("w1", "w3", "w2")] == list(PROJECTIONS)
+
+
+def test_mixtral_8x22b_shape_is_141b_with_39b_active():
+    cfg = MoEModelConfig.from_hf_config_file(SHIPPED / "mixtral_8x22b.json")
+    counts = cfg.parameter_count()
+    # Mistral AI states 141B parameters, 39B active, for Mixtral 8x22B
+    assert (cfg.family, cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size) == ("mixtral", 8, 2, 16384)
+    assert round(counts["total"] / 1e9) == 141 and round(counts["active"] / 1e9) == 39
+
+
+def test_a_shipped_config_names_its_family():
+    for path in SHIPPED.glob("*.json"):
+        assert json.loads(path.read_text())["model_type"] in FAMILIES, path.name
+
+
+def test_what_a_family_cannot_represent_is_refused_naming_the_key():
+    with pytest.raises(ModelConfigError, match=r"model\.norm_topk_prob=false.*Mixtral.*norm_topk_prob=true"):
+        tiny_test_config(family="mixtral", norm_topk_prob=False).validate()
+    with pytest.raises(ModelConfigError, match=r"Mixtral architecture makes every layer MoE.*model\.dense_layers=\[\]"):
+        tiny_test_config(family="mixtral", num_layers=3, dense_layers=[0], dense_intermediate_size=8).to_hf_dict()
+    with pytest.raises(ModelConfigError, match=r"Mixtral architecture has no shared expert"):
+        tiny_test_config(family="mixtral", shared_expert_intermediate_size=8).to_hf_dict()
+    with pytest.raises(ModelConfigError, match=r"model\.family='llama'.*mixtral.*qwen3_moe"):
+        tiny_test_config(family="llama").validate()
+
+
+def test_an_unknown_model_type_lists_the_families():
+    listed = r"model_type='deepseek_v3'.*Qwen3-MoE \(qwen3_moe\).*Mixtral \(mixtral\)"
+    with pytest.raises(ModelConfigError, match=listed):
+        MoEModelConfig.from_hf_dict({"model_type": "deepseek_v3"})
+
+
+def test_sliding_window_attention_is_refused():
+    hf = tiny_test_config(family="mixtral").to_hf_dict() | {"sliding_window": 4096}
+    with pytest.raises(ModelConfigError, match=r"sliding_window=4096.*set it to null"):
+        MoEModelConfig.from_hf_dict(hf)
+
+
+def test_the_embedded_engine_refuses_what_the_family_cannot_serve():
+    from gspo_megatron.config.compose import compose
+    from gspo_megatron.config.schema import to_train_config
+    from gspo_megatron.config.validate import ConfigError, validate_config
+
+    cfg = to_train_config(compose(["model=mixtral_tiny", "model.shared_expert_intermediate_size=8"]))
+    with pytest.raises(ConfigError, match=r"embedded engine.*Mixtral architecture has no shared expert"):
+        validate_config(cfg, world_size=1)
