@@ -61,7 +61,7 @@ from gspo_megatron.routing.replay import REPLAY_MODES
 LAYOUT_PART = re.compile(r"^(tp|pp|ep|etp|cp|dp|vp|first|last)(\d+)$")
 
 
-# Shapes shipped for planning only (HF config.json files; no weights): qwen3_235b_a22b, mixtral_8x22b.
+# Shapes shipped for planning only (HF config.json files; no weights): qwen3_235b_a22b, qwen2_57b_a14b, mixtral_8x22b.
 SHIPPED = Path(__file__).resolve().parent.parent / "gspo_megatron" / "planning" / "hf_configs"
 
 

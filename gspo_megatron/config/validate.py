@@ -68,11 +68,6 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
             cfg.rollout.sglang.require_targets()
         except ValueError as error:
             raise ConfigError(f"rollout.sglang: {error}") from error
-    if cfg.rollout.engine == RolloutEngineName.embedded:
-        try:  # the engine serves the family's HF architecture: it must represent the model
-            cfg.model.to_hf_dict()
-        except ValueError as error:
-            raise ConfigError(f"the embedded engine serves transformers' model: {error}") from error
     if cfg.model.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype must be float32 or bfloat16, got {cfg.model.dtype!r}")
     _validate_routed_experts_source(cfg)

@@ -103,7 +103,7 @@ def make_transformer_config(
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=model.architecture.qkv_bias,
         qk_layernorm=model.architecture.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,

@@ -8,9 +8,10 @@ Design decisions:
 - ``dense_layers`` lists layers whose MLP is dense (HF ``mlp_only_layers``); every other layer is MoE.
 - The router is softmax top-k: softmax over all experts, top-k, renormalised over the k chosen
   (``norm_topk_prob``), which equals megatron's top-k on logits followed by a softmax over the k.
-- A shared expert is supported by the Megatron model (Qwen2-MoE style, sigmoid-gated); exporting it
-  to HF is refused for a family whose architecture has none (Qwen3-MoE, Mixtral), and so are dense
-  layers for one whose architecture makes every layer MoE (Mixtral).
+- What a family's HF architecture cannot represent is refused by ``validate()`` (no engine could serve
+  it, no HF checkpoint hold it): a shared expert (sigmoid-gated) where the architecture has none
+  (Qwen3-MoE, Mixtral) or none where it has one (Qwen2-MoE), dense layers where every layer is MoE
+  (Mixtral), a router setting the architecture ignores.
 """
 
 from __future__ import annotations
@@ -86,11 +87,7 @@ class MoEModelConfig(ConfigNode):
     def validate(self) -> None:
         if self.family not in FAMILIES:
             raise ModelConfigError(f"model.family={self.family!r} is not a model family; valid: {sorted(FAMILIES)}")
-        if self.architecture.topk_renormalised_always and not self.norm_topk_prob:
-            raise ModelConfigError(
-                f"model.norm_topk_prob=false, but {self.architecture.title}'s router always renormalises "
-                "the top-k scores; set model.norm_topk_prob=true"
-            )
+        self._validate_family()
         positive = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim")
         for name in positive:
             if getattr(self, name) < 1:
@@ -111,11 +108,38 @@ class MoEModelConfig(ConfigNode):
             if self.moe_intermediate_size < 1:
                 raise ModelConfigError("model.moe_intermediate_size must be >= 1 for an MoE model")
 
+    def _validate_family(self) -> None:
+        """What the family's HF architecture cannot represent: no engine could serve it, no checkpoint hold it."""
+        family = self.architecture
+        if family.topk_renormalised_always and not self.norm_topk_prob:
+            raise ModelConfigError(
+                f"model.norm_topk_prob=false, but {family.title}'s router always renormalises "
+                "the top-k scores; set model.norm_topk_prob=true"
+            )
+        if self.shared_expert_intermediate_size and family.shared_expert is None:
+            with_one = [f.model_type for f in FAMILIES.values() if f.shared_expert is not None]
+            raise ModelConfigError(
+                f"model.shared_expert_intermediate_size={self.shared_expert_intermediate_size}, but the "
+                f"{family.title} architecture has no shared expert; set it to 0, or model.family to one with a "
+                f"shared expert: {with_one}"
+            )
+        if self.is_moe and not self.shared_expert_intermediate_size and family.shared_expert is not None:
+            raise ModelConfigError(
+                f"the {family.title} architecture has a shared expert in every MoE layer; set "
+                "model.shared_expert_intermediate_size (its FFN size)"
+            )
+        if self.dense_layers and not family.dense_layers:
+            raise ModelConfigError(
+                f"model.dense_layers={self.dense_layers}, but the {family.title} architecture makes every "
+                "layer MoE; set model.dense_layers=[]"
+            )
+
     def parameter_count(self) -> dict[str, int]:
         """Total and per-token active parameters, computed from the shape (nothing allocated)."""
         h, layers = self.hidden_size, self.num_layers
         attn = h * self.head_dim * (self.num_attention_heads * 2 + self.num_kv_heads * 2)
         attn += 2 * self.head_dim if self.architecture.qk_norm else 0
+        attn += (self.num_attention_heads + 2 * self.num_kv_heads) * self.head_dim if self.architecture.qkv_bias else 0
         norms = 2 * h
         expert = 3 * h * self.moe_intermediate_size
         shared = 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_intermediate_size else 0)
@@ -132,17 +156,8 @@ class MoEModelConfig(ConfigNode):
     # --- Hugging Face interop ---------------------------------------------------------------
     def to_hf_dict(self) -> dict[str, Any]:
         """The family's ``config.json`` dictionary for this model."""
+        self.validate()  # the family's architecture can represent it
         family = self.architecture
-        if self.shared_expert_intermediate_size and not family.shared_expert:
-            raise ModelConfigError(
-                f"the HF {family.title} architecture has no shared expert; set "
-                "model.shared_expert_intermediate_size=0 to export or serve this model"
-            )
-        if self.dense_layers and not family.dense_layers:
-            raise ModelConfigError(
-                f"the HF {family.title} architecture makes every layer MoE; set model.dense_layers=[] "
-                "to export or serve this model"
-            )
         return {
             "architectures": [family.architecture],
             "model_type": family.model_type,

@@ -180,20 +180,22 @@ def _mapping_for(model, name: str, cfg: MoEModelConfig, first_expert: int) -> Pa
         "self_attention.linear_proj.weight": (p + "self_attn.o_proj.weight", 1, "tp"),
         "mlp.router.weight": (cfg.architecture.router_name(layer), None, None),
         "mlp.linear_fc2.weight": (p + "mlp.down_proj.weight", 1, "tp"),
-        "mlp.shared_experts.linear_fc2.weight": (p + "mlp.shared_expert.down_proj.weight", 1, "tp"),
-        "mlp.shared_experts.gate_weight": (p + "mlp.shared_expert_gate.weight", None, None),
     }
+    if cfg.architecture.shared_expert is not None:
+        shared = cfg.architecture.shared_expert_names(layer)
+        simple["mlp.shared_experts.linear_fc2.weight"] = (shared["down"], 1, "tp")
+        simple["mlp.shared_experts.gate_weight"] = (shared["gate_weight"], None, None)
     if rest in simple:
         hf, dim, group = simple[rest]
         return ParamMapping(name, (hf,), "copy", dim, group, unit)
-    if rest == "self_attention.linear_qkv.weight":
-        names = tuple(p + f"self_attn.{x}_proj.weight" for x in "qkv")
+    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        names = tuple(p + f"self_attn.{x}_proj.{rest.rsplit('.', 1)[1]}" for x in "qkv")
         return ParamMapping(name, names, "qkv", 0, "tp", unit)
     if rest == "mlp.linear_fc1.weight":
         return ParamMapping(name, (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), "gate_up", 0, "tp", unit)
-    if rest == "mlp.shared_experts.linear_fc1.weight":
-        names = (p + "mlp.shared_expert.gate_proj.weight", p + "mlp.shared_expert.up_proj.weight")
-        return ParamMapping(name, names, "gate_up", 0, "tp", unit)
+    if rest == "mlp.shared_experts.linear_fc1.weight" and cfg.architecture.shared_expert is not None:
+        shared = cfg.architecture.shared_expert_names(layer)
+        return ParamMapping(name, (shared["gate"], shared["up"]), "gate_up", 0, "tp", unit)
     expert = _EXPERT.match(rest) or _TE_GROUPED_EXPERT.match(rest)
     if expert:
         local_expert, which = int(expert["index"]), expert["which"]
@@ -215,15 +217,17 @@ def fuse(fusion: str, pieces: list[torch.Tensor], cfg: MoEModelConfig) -> torch.
     if fusion == "gate_up":
         return torch.cat(pieces, dim=0)
     if fusion == "qkv":
-        # megatron interleaves by query group: [g0: q heads of g0, k0, v0 | g1: ...]
-        q, k, v = pieces
+        # megatron interleaves by query group: [g0: q heads of g0, k0, v0 | g1: ...]; a bias as one column
+        bias = pieces[0].dim() == 1
+        q, k, v = (piece.unsqueeze(-1) if bias else piece for piece in pieces)
         hd = cfg.head_dim
         groups = k.shape[0] // hd
         hidden = q.shape[1]
         q = q.reshape(groups, -1, hd, hidden)
         k = k.reshape(groups, 1, hd, hidden)
         v = v.reshape(groups, 1, hd, hidden)
-        return torch.cat([q, k, v], dim=1).reshape(-1, hidden)
+        fused = torch.cat([q, k, v], dim=1).reshape(-1, hidden)
+        return fused.squeeze(-1) if bias else fused
     raise ValueError(f"unknown fusion {fusion!r}")
 
 
@@ -233,6 +237,8 @@ def split(fusion: str, tensor: torch.Tensor, cfg: MoEModelConfig) -> list[torch.
     if fusion == "gate_up":
         return list(tensor.chunk(2, dim=0))
     if fusion == "qkv":
+        bias = tensor.dim() == 1
+        tensor = tensor.unsqueeze(-1) if bias else tensor
         hd = cfg.head_dim
         q_per_group = cfg.num_attention_heads // cfg.num_kv_heads
         hidden = tensor.shape[1]
@@ -240,7 +246,7 @@ def split(fusion: str, tensor: torch.Tensor, cfg: MoEModelConfig) -> list[torch.
         q = grouped[:, :q_per_group].reshape(-1, hidden)
         k = grouped[:, q_per_group].reshape(-1, hidden)
         v = grouped[:, q_per_group + 1].reshape(-1, hidden)
-        return [q, k, v]
+        return [piece.squeeze(-1) if bias else piece for piece in (q, k, v)]
     raise ValueError(f"unknown fusion {fusion!r}")
 
 

@@ -29,6 +29,9 @@ def _layer_shapes(cfg: MoEModelConfig, layer: int) -> dict[str, tuple[int, ...]]
         p + "self_attn.v_proj.weight": (cfg.num_kv_heads * hd, h),
         p + "self_attn.o_proj.weight": (h, cfg.num_attention_heads * hd),
     }
+    if family.qkv_bias:
+        for which, heads in (("q", cfg.num_attention_heads), ("k", cfg.num_kv_heads), ("v", cfg.num_kv_heads)):
+            out[p + f"self_attn.{which}_proj.bias"] = (heads * hd,)
     if family.qk_norm:
         out.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
     out[p + "post_attention_layernorm.weight"] = (h,)
@@ -48,9 +51,8 @@ def _layer_shapes(cfg: MoEModelConfig, layer: int) -> dict[str, tuple[int, ...]]
                 family.expert_name(layer, e, "down"): (h, i),
             }
         )
-    if cfg.shared_expert_intermediate_size:
+    if cfg.shared_expert_intermediate_size and family.shared_expert is not None:
         s = cfg.shared_expert_intermediate_size
-        q = p + "mlp.shared_expert."
-        out.update({q + "gate_proj.weight": (s, h), q + "up_proj.weight": (s, h), q + "down_proj.weight": (h, s)})
-        out[p + "mlp.shared_expert_gate.weight"] = (1, h)
+        names = family.shared_expert_names(layer)
+        out.update({names["gate"]: (s, h), names["up"]: (s, h), names["down"]: (h, s), names["gate_weight"]: (1, h)})
     return out

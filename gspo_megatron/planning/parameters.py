@@ -79,8 +79,11 @@ def _stage_parameters(model: MoEModelConfig, layout: ParallelLayout, pp_rank: in
         add(p + "input_layernorm.weight", h)
         add(p + "self_attention.linear_proj.weight", h * q_width)
         add(p + "self_attention.linear_qkv.weight", qkv_rows * h)
-        add(p + "self_attention.q_layernorm.weight", d)
-        add(p + "self_attention.k_layernorm.weight", d)
+        if model.architecture.qkv_bias:
+            add(p + "self_attention.linear_qkv.bias", qkv_rows)
+        if model.architecture.qk_norm:
+            add(p + "self_attention.q_layernorm.weight", d)
+            add(p + "self_attention.k_layernorm.weight", d)
         add(p + "pre_mlp_layernorm.weight", h)
         if i in dense or not model.is_moe:
             ffn = model.dense_intermediate_size // tp

@@ -44,6 +44,20 @@ def tiny_test_config(**overrides) -> MoEModelConfig:
     return MoEModelConfig(**values)
 
 
+# What each family's architecture needs beside the tiny shape (model_families.py): Qwen2-MoE always has a
+# shared expert and by default does not renormalise the top-k.
+FAMILY_TEST_OVERRIDES: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {},
+    "qwen2_moe": dict(shared_expert_intermediate_size=24, norm_topk_prob=False),
+    "mixtral": {},
+}
+
+
+def tiny_family_config(family: str, **overrides) -> MoEModelConfig:
+    """``tiny_test_config`` as a model of ``family``."""
+    return tiny_test_config(family=family, **{**FAMILY_TEST_OVERRIDES[family], **overrides})
+
+
 def medium_test_config() -> MoEModelConfig:
     """The medium shape (``tools/bench_plan_memory.py``): 4 MoE layers, hidden 256, 16 experts top-4,
     vocabulary 8192; 43 MiB of fp32 weights, the largest tensors (embedding, head) 8 MiB each."""

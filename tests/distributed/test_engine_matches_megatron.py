@@ -10,7 +10,7 @@ sequences (right-padded, two micro-batches, ``LogProbHead`` = the trainer's old-
 - its per-token log-probs equal the engine's within fp32 tolerance;
 - its recorded top-k expert sets equal the engine's routed experts at every real token of every
   MoE layer (the layout R3 replays; ``rollout_targets`` puts them back into megatron's order).
-Both for Qwen3-MoE and for Mixtral (``model_families.py``): the engine is transformers' own class of
+For every model family (``model_families.py``): the engine is transformers' own class of
 the family, so this is also megatron's forward against transformers' on the same weights.
 """
 
@@ -21,7 +21,7 @@ import torch
 
 from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.testing.distributed import run_distributed
-from gspo_megatron.testing.model_fixtures import random_hf_state, tiny_test_config
+from gspo_megatron.testing.model_fixtures import FAMILY_TEST_OVERRIDES, random_hf_state, tiny_family_config
 
 pytestmark = pytest.mark.distributed
 
@@ -174,9 +174,9 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+@pytest.fixture(scope="module", params=sorted(FAMILY_TEST_OVERRIDES))
 def setup(request):
-    cfg = tiny_test_config(family=request.param)
+    cfg = tiny_family_config(request.param)
     return cfg, random_hf_state(cfg, seed=11, scale=0.3)
 
 

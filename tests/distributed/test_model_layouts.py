@@ -1,6 +1,7 @@
 """The tiny MoE under TP=2, PP=2, EP=2 and TP=2xEP=2 (sequence parallel) equals one rank (fp32), and
-under TP=2, PP=2, EP=2 in bf16 within bf16 rounding; the tiny Mixtral (another family: no q/k norms,
-its own checkpoint names) under TP=2, PP=2, EP=2 equals one rank (fp32).
+under TP=2, PP=2, EP=2 in bf16 within bf16 rounding; the tiny model of each other family (Mixtral: no
+q/k norms, its own checkpoint names; Qwen2-MoE: q/k/v biases, a gated shared expert, top-k not
+renormalised) under TP=2, PP=2, EP=2 equals one rank (fp32).
 
 Every layout is built from the same HF-named weights; log-probs of a fixed batch and the gradients
 of a fixed loss (gathered back to HF names) must match the single-rank run within fp32 tolerance,
@@ -17,6 +18,7 @@ from gspo_megatron.testing.model_fixtures import (
     EQUIVALENCE_LAYOUTS,
     model_layout_worker,
     random_hf_state,
+    tiny_family_config,
     tiny_test_config,
 )
 
@@ -36,17 +38,17 @@ def test_layout_matches_single_rank(reference, name):
     _assert_layout_matches(*reference, name)
 
 
-@pytest.fixture(scope="module")
-def mixtral_reference():
-    cfg = tiny_test_config(family="mixtral")
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])
+def family_reference(request):
+    cfg = tiny_family_config(request.param)
     state = random_hf_state(cfg, seed=3)
     (single,) = run_distributed(model_layout_worker, 1, cfg, state, dict(world_size=1), timeout=300)
     return cfg, state, single
 
 
 @pytest.mark.parametrize("name", ["tp2", "pp2", "ep2"])
-def test_mixtral_layout_matches_single_rank(mixtral_reference, name):
-    _assert_layout_matches(*mixtral_reference, name)
+def test_family_layout_matches_single_rank(family_reference, name):
+    _assert_layout_matches(*family_reference, name)
 
 
 def _assert_layout_matches(cfg, state, single, name: str) -> None:

@@ -216,6 +216,7 @@ JOBS = {
             "model.layer_spec=portable",
         ],
     ),
+    "tp2 qwen2_moe (q/k/v biases, shared expert)": (2, [*TINY_JOB, "model=qwen2_moe_tiny", "parallel=tp2"]),
     "pp2 bf16 distributed=true allgather": (
         2,
         [

@@ -12,7 +12,7 @@ import torch
 
 from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.testing.distributed import run_distributed
-from gspo_megatron.testing.model_fixtures import fixed_batch, random_hf_state, tiny_test_config
+from gspo_megatron.testing.model_fixtures import FAMILY_TEST_OVERRIDES, fixed_batch, random_hf_state, tiny_family_config
 
 pytestmark = pytest.mark.distributed
 
@@ -29,7 +29,7 @@ def _routing_used(model_chunk):
     return used, handles
 
 
-def _setup(layout_kwargs, seed=3):
+def _setup(layout_kwargs, seed=3, family="qwen3_moe"):
     from gspo_megatron.models.builder import build_model
     from gspo_megatron.models.conversion import load_hf_weights
     from gspo_megatron.models.schedule import wrap_for_training
@@ -37,7 +37,7 @@ def _setup(layout_kwargs, seed=3):
     from gspo_megatron.parallel.mesh import initialize_parallel
     from gspo_megatron.routing.replay import RoutingReplay
 
-    cfg = tiny_test_config()
+    cfg = tiny_family_config(family)
     layout = ParallelLayout(**layout_kwargs).validate(cfg)
     mesh = initialize_parallel(layout, seed=11)
     before = RoutingReplay.instance_count()
@@ -58,14 +58,14 @@ def _micro_batches(cfg, layout, mesh):
     ]
 
 
-def old_policy_replay_worker(ctx, use_replay: bool, layout_kwargs: dict | None = None):
+def old_policy_replay_worker(ctx, use_replay: bool, layout_kwargs: dict | None = None, family: str = "qwen3_moe"):
     from megatron.core import tensor_parallel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from gspo_megatron.models.schedule import run_schedule
     from gspo_megatron.routing.volatility import routing_volatility
 
-    cfg, layout, mesh, model, ddp, replay = _setup(layout_kwargs or dict(world_size=1))
+    cfg, layout, mesh, model, ddp, replay = _setup(layout_kwargs or dict(world_size=1), family=family)
     mbs = _micro_batches(cfg, layout, mesh)
     # 1. old-policy pass records the routing of every micro-batch
     replay.start_recording()
@@ -110,8 +110,9 @@ def old_policy_replay_worker(ctx, use_replay: bool, layout_kwargs: dict | None =
     return {"changed": changed, "identical": identical}
 
 
-def test_replayed_training_forward_routes_exactly_as_recorded():
-    (result,) = run_distributed(old_policy_replay_worker, 1, True)
+@pytest.mark.parametrize("family", sorted(FAMILY_TEST_OVERRIDES))
+def test_replayed_training_forward_routes_exactly_as_recorded(family):
+    (result,) = run_distributed(old_policy_replay_worker, 1, True, None, family)
     assert result["identical"] and result["changed"] == 0
 
 
@@ -121,8 +122,9 @@ def test_replayed_training_forward_routes_as_recorded_under_context_parallelism(
     assert all(r["identical"] and r["changed"] == 0 for r in results)
 
 
-def test_without_replay_routing_moves_after_an_update():
-    (result,) = run_distributed(old_policy_replay_worker, 1, False)
+@pytest.mark.parametrize("family", sorted(FAMILY_TEST_OVERRIDES))
+def test_without_replay_routing_moves_after_an_update(family):
+    (result,) = run_distributed(old_policy_replay_worker, 1, False, None, family)
     assert result["changed"] > 0 and not result["identical"]
 
 

@@ -16,7 +16,12 @@ from gspo_megatron.models.hf_checkpoint import (
     hf_shape_fields,
     write_hf_checkpoint,
 )
-from gspo_megatron.testing.model_fixtures import random_hf_state, tiny_test_config
+from gspo_megatron.testing.model_fixtures import (
+    FAMILY_TEST_OVERRIDES,
+    random_hf_state,
+    tiny_family_config,
+    tiny_test_config,
+)
 from gspo_megatron.weights.safetensors_writer import INDEX_FILE
 
 
@@ -54,11 +59,11 @@ def test_views_sharing_storage_are_written(tmp_path):
     assert torch.equal(source.get("gate"), gate) and torch.equal(source.get("up"), up)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", sorted(FAMILY_TEST_OVERRIDES))
 def test_transformers_loads_the_export_with_the_written_weights(tmp_path, family):
     from transformers import AutoModelForCausalLM
 
-    cfg = tiny_test_config(family=family)
+    cfg = tiny_family_config(family)
     state = random_hf_state(cfg, seed=5)
     out = write_hf_checkpoint(_buckets(state), cfg, tmp_path / "export", shard_bytes=20_000)
     assert len(set(json.loads((out / INDEX_FILE).read_text())["weight_map"].values())) > 1
@@ -118,9 +123,6 @@ def test_clear_errors(tmp_path):
         write_hf_checkpoint([[("w", torch.ones(1))], [("w", torch.ones(1))]], cfg, tmp_path / "e")
     with pytest.raises(ValueError, match="shard_bytes"):
         write_hf_checkpoint([[("w", torch.ones(1))]], cfg, tmp_path / "e", shard_bytes=0)
-    shared = tiny_test_config(shared_expert_intermediate_size=8)
-    with pytest.raises(ValueError, match="shared expert"):
-        write_hf_checkpoint([[("w", torch.ones(1))]], shared, tmp_path / "e")
     assert not (tmp_path / "e").exists() and not (tmp_path / "e.partial").exists()
     with pytest.raises(HFCheckpointError, match="not a directory"):
         hf_shape_fields(tmp_path / "missing")

@@ -125,12 +125,14 @@ def test_parameter_count_by_hand():
     assert counts["total"] - tied["total"] == 256 * 64
 
 
-def test_shared_expert_counts_in_total_and_active():
-    base = MoEModelConfig().parameter_count()
-    shared = MoEModelConfig(shared_expert_intermediate_size=48).parameter_count()
-    per_layer = 3 * 64 * 48 + 64  # three projections + the sigmoid gate
-    assert shared["total"] - base["total"] == 2 * per_layer
-    assert shared["active"] - base["active"] == 2 * per_layer
+def test_shared_expert_and_qkv_biases_count_in_total_and_active():
+    base = MoEModelConfig().parameter_count()  # Qwen3-MoE: q/k norms, no biases, no shared expert
+    qwen2 = MoEModelConfig(family="qwen2_moe", shared_expert_intermediate_size=48).parameter_count()
+    shared = 3 * 64 * 48 + 64  # three projections + the sigmoid gate
+    biases = (4 + 2 + 2) * 16  # q, k, v: heads x head_dim each
+    norms = 2 * 16  # Qwen3-MoE's q and k norms, which Qwen2-MoE lacks
+    assert qwen2["total"] - base["total"] == 2 * (shared + biases - norms)
+    assert qwen2["active"] - base["active"] == 2 * (shared + biases - norms)
 
 
 @pytest.mark.parametrize(

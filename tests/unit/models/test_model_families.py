@@ -16,7 +16,7 @@ import torch
 from gspo_megatron.model_families import FAMILIES, PROJECTIONS, family
 from gspo_megatron.models.config import ModelConfigError, MoEModelConfig
 from gspo_megatron.models.hf_shapes import hf_shapes
-from gspo_megatron.testing.model_fixtures import tiny_test_config
+from gspo_megatron.testing.model_fixtures import tiny_family_config, tiny_test_config
 
 SHIPPED = Path(__file__).resolve().parents[3] / "gspo_megatron" / "planning" / "hf_configs"
 
@@ -25,7 +25,7 @@ SHIPPED = Path(__file__).resolve().parents[3] / "gspo_megatron" / "planning" / "
 def test_checkpoint_names_and_shapes_are_what_transformers_saves(tmp_path, model_type):
     from safetensors import safe_open
 
-    cfg = tiny_test_config(family=model_type)
+    cfg = tiny_family_config(model_type)
     _, model_class = cfg.architecture.transformers_classes()
     model_class(cfg.to_hf_config()).save_pretrained(tmp_path)
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as handle:
@@ -35,7 +35,7 @@ def test_checkpoint_names_and_shapes_are_what_transformers_saves(tmp_path, model
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_config_json_round_trips_through_transformers(model_type):
-    cfg = tiny_test_config(family=model_type, tie_word_embeddings=True, router_aux_loss_coef=0.01)
+    cfg = tiny_family_config(model_type, tie_word_embeddings=True, router_aux_loss_coef=0.01)
     written = cfg.to_hf_config().to_dict()  # transformers' own config class, its own keys back
     assert written["model_type"] == model_type
     assert asdict(MoEModelConfig.from_hf_dict(written)) == asdict(cfg)
@@ -43,7 +43,7 @@ def test_config_json_round_trips_through_transformers(model_type):
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_parameter_count_equals_transformers_model(model_type):
-    cfg = tiny_test_config(family=model_type)
+    cfg = tiny_family_config(model_type)
     _, model_class = cfg.architecture.transformers_classes()
     with torch.device("meta"):
         model = model_class(cfg.to_hf_config())
@@ -66,6 +66,13 @@ def test_mixtral_8x22b_shape_is_141b_with_39b_active():
     assert round(counts["total"] / 1e9) == 141 and round(counts["active"] / 1e9) == 39
 
 
+def test_qwen2_57b_a14b_shape_is_57b_with_14b_active():
+    cfg = MoEModelConfig.from_hf_config_file(SHIPPED / "qwen2_57b_a14b.json")
+    counts = cfg.parameter_count()
+    assert (cfg.family, cfg.shared_expert_intermediate_size, cfg.norm_topk_prob) == ("qwen2_moe", 20480, False)
+    assert round(counts["total"] / 1e9) == 57 and round(counts["active"] / 1e9) == 14  # the name's "57B-A14B"
+
+
 def test_a_shipped_config_names_its_family():
     for path in SHIPPED.glob("*.json"):
         assert json.loads(path.read_text())["model_type"] in FAMILIES, path.name
@@ -75,9 +82,11 @@ def test_what_a_family_cannot_represent_is_refused_naming_the_key():
     with pytest.raises(ModelConfigError, match=r"model\.norm_topk_prob=false.*Mixtral.*norm_topk_prob=true"):
         tiny_test_config(family="mixtral", norm_topk_prob=False).validate()
     with pytest.raises(ModelConfigError, match=r"Mixtral architecture makes every layer MoE.*model\.dense_layers=\[\]"):
-        tiny_test_config(family="mixtral", num_layers=3, dense_layers=[0], dense_intermediate_size=8).to_hf_dict()
+        tiny_test_config(family="mixtral", num_layers=3, dense_layers=[0], dense_intermediate_size=8).validate()
     with pytest.raises(ModelConfigError, match=r"Mixtral architecture has no shared expert"):
-        tiny_test_config(family="mixtral", shared_expert_intermediate_size=8).to_hf_dict()
+        tiny_test_config(family="mixtral", shared_expert_intermediate_size=8).validate()
+    with pytest.raises(ModelConfigError, match=r"Qwen2-MoE architecture has a shared expert.*intermediate_size"):
+        tiny_test_config(family="qwen2_moe").validate()
     with pytest.raises(ModelConfigError, match=r"model\.family='llama'.*mixtral.*qwen3_moe"):
         tiny_test_config(family="llama").validate()
 
@@ -94,11 +103,10 @@ def test_sliding_window_attention_is_refused():
         MoEModelConfig.from_hf_dict(hf)
 
 
-def test_the_embedded_engine_refuses_what_the_family_cannot_serve():
+def test_what_a_family_cannot_represent_is_refused_at_start_up():
     from gspo_megatron.config.compose import compose
     from gspo_megatron.config.schema import to_train_config
-    from gspo_megatron.config.validate import ConfigError, validate_config
+    from gspo_megatron.config.validate import validate_config
 
-    cfg = to_train_config(compose(["model=mixtral_tiny", "model.shared_expert_intermediate_size=8"]))
-    with pytest.raises(ConfigError, match=r"embedded engine.*Mixtral architecture has no shared expert"):
-        validate_config(cfg, world_size=1)
+    with pytest.raises(ModelConfigError, match=r"Mixtral architecture has no shared expert.*qwen2_moe"):
+        validate_config(to_train_config(compose(["model=mixtral_tiny", "model.shared_expert_intermediate_size=8"])), 1)

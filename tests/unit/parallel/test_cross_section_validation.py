@@ -117,13 +117,16 @@ def test_unknown_engine():
     refused(cfg, 1, "'vllm'", "embedded, sglang")
 
 
-def test_embedded_engine_refuses_a_shared_expert():
+def test_a_shared_expert_needs_a_family_that_has_one():
+    """Neither engine serves, and no HF checkpoint holds, a shared expert the architecture lacks."""
     cfg = TrainConfig()
     cfg.model.shared_expert_intermediate_size = 32
-    refused(cfg, 1, "embedded engine", "shared_expert_intermediate_size=0")
-    cfg.rollout.engine = "sglang"  # the Megatron side supports it; only the HF engine lacks it
-    cfg.rollout.sglang.enable_return_routed_experts = True  # what the default diagnostics need
-    cfg.rollout.sglang.model_path = "/ckpt"  # what the engine launches
+    for engine in ("embedded", "sglang"):
+        cfg.rollout.engine = engine
+        cfg.rollout.sglang.enable_return_routed_experts = True  # what the default diagnostics need
+        cfg.rollout.sglang.model_path = "/ckpt"  # what the engine launches
+        refused(cfg, 1, "Qwen3-MoE architecture has no shared expert", "qwen2_moe", error=ModelConfigError)
+    cfg.model.family = "qwen2_moe"
     validate_config(cfg, 1)
 
 
