@@ -1,20 +1,22 @@
 """Model families as data: what differs between the MoE architectures the trainer builds, converts
 and serves, one registered ``ModelFamily`` each (``FAMILIES``, keyed by HF ``model_type``).
 
-A family says: its HF config keys (``hf_fields`` writes them, ``read_hf_fields`` reads them back into
-``MoEModelConfig`` terms), its transformers classes, whether attention has per-head q/k RMSNorm and
-q/k/v biases, its router kind, its checkpoint names for the router, the experts' three projections and
-the shared expert, and which of the model config's features its HF architecture can represent (dense
-layers, a shared expert). Everything
-else -- attention, RMSNorm, RoPE, SwiGLU experts, the QKV and gate/up fusions -- is common, so the
-builder (``models/builder.py``), the conversion (``models/conversion.py``, ``models/hf_shapes.py``) and
-the embedded engine (``rollout/embedded.py``, ``rollout/embedded_weights.py``) read their differences
-from here and name no family.
+The model config (``models/config.py``) says what the model is -- q/k norms, q/k/v biases, the router's
+score function, expert bias, groups and scaling, the rotary fraction, dense layers, a shared expert --
+and the family says how its HF architecture writes that down and what it can represent: its
+config.json keys (``hf_fields`` writes them, ``read_hf_fields`` reads them back into model-config
+terms), its transformers classes, its checkpoint names (router, expert bias, the experts' three
+projections, the shared expert), the settings its architecture fixes (``fixed``: a model config with
+another value cannot be served or exported, and is refused naming the key), where dense layers may be,
+and whether a shared expert is sigmoid-gated. Attention, RMSNorm, RoPE, SwiGLU experts and the QKV and
+gate/up fusions are common, so the builder (``models/builder.py``), the conversion
+(``models/conversion.py``, ``models/hf_shapes.py``) and the embedded engine (``rollout/embedded.py``,
+``rollout/embedded_weights.py``) read the differences from here and the model config, and name no family.
 
 Families:
-- ``qwen3_moe`` (Qwen3-MoE): per-head q/k RMSNorm; softmax over all experts, top-k, renormalised over the
-  k when ``norm_topk_prob``; dense layers by ``mlp_only_layers``; checkpoint names ``mlp.gate`` and
-  ``mlp.experts.{e}.{gate,up,down}_proj``.
+- ``qwen3_moe`` (Qwen3-MoE): per-head q/k RMSNorm; softmax over all experts, top-k, renormalised over
+  the k when ``norm_topk_prob``; dense layers anywhere (``mlp_only_layers``); checkpoint names
+  ``mlp.gate`` and ``mlp.experts.{e}.{gate,up,down}_proj``.
 - ``qwen2_moe`` (Qwen2-MoE): no q/k norm, q/k/v biases; softmax top-k, by default NOT renormalised
   (``norm_topk_prob=false``: megatron's softmax over all experts before the top-k); a shared expert
   beside the routed ones, its output scaled by ``sigmoid(shared_expert_gate(x))`` (megatron's
@@ -24,24 +26,31 @@ Families:
   ``MixtralTopKRouter``); every layer MoE, no shared expert; ``intermediate_size`` is the expert's FFN
   size; checkpoint names ``block_sparse_moe.gate`` and ``block_sparse_moe.experts.{e}.w1/w3/w2``
   (gate, up, down).
-
-Router kinds: ``softmax_topk`` is megatron's ``moe_router_score_function="softmax"`` (with
-``moe_router_pre_softmax=False`` when the k are renormalised: a softmax over the k chosen logits equals
-softmax-over-all, top-k, renormalise). Families with sigmoid scores and an expert bias add a kind.
+- ``glm4_moe`` (GLM-4.5, -Air): the DeepSeek-V3 router -- sigmoid scores; the expert bias
+  (``e_score_correction_bias``, a buffer, not trained by gradients) is added to pick the experts only,
+  the unbiased scores of the picked ones weight them, renormalised and times
+  ``routed_scaling_factor``; group-limited top-k (``n_group`` groups scored by their top-2 experts,
+  ``topk_group`` kept). Un-gated shared experts (``n_shared_experts`` x the expert size); the first
+  ``first_k_dense_replace`` layers dense; optional q/k norms and q/k/v biases; RoPE on a fraction of
+  each head (``partial_rotary_factor``). Checkpoint names ``mlp.gate``, ``mlp.gate.e_score_correction_bias``,
+  ``mlp.experts.{e}.{gate,up,down}_proj``, ``mlp.shared_experts.{gate,up,down}_proj``. GLM-4.5's
+  multi-token-prediction layer (``num_nextn_predict_layers``) is not built (RL trains the next token).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 PROJECTIONS = ("gate", "up", "down")  # an expert's SwiGLU: down(silu(gate(x)) * up(x))
 
 
-class RouterKind(str, Enum):
-    softmax_topk = "softmax_topk"  # softmax scores, top-k (renormalised over the k or not)
+class DenseLayers(str, Enum):
+    anywhere = "anywhere"  # any layer may be dense (Qwen: mlp_only_layers, decoder_sparse_step)
+    first = "first"  # only the first k (GLM, DeepSeek: first_k_dense_replace)
+    none = "none"  # every layer MoE (Mixtral)
 
 
 @dataclass(frozen=True)
@@ -50,19 +59,20 @@ class ModelFamily:
     title: str  # for messages and the README
     architecture: str  # transformers' causal-LM class (config.json ``architectures``)
     config_class: str  # transformers' config class
-    qk_norm: bool  # per-head RMSNorm on queries and keys before RoPE
-    qkv_bias: bool  # q/k/v projections have biases (o_proj never)
-    router: RouterKind
     moe_module: str  # checkpoint name of a layer's MoE block: ``model.layers.{l}.{moe_module}``
     expert_projections: tuple[str, str, str]  # checkpoint names of the gate, up and down projections
-    dense_layers: bool  # the HF architecture can make some layers dense
-    shared_expert: str | None  # checkpoint module of the sigmoid-gated shared expert (None: the architecture has none)
-    topk_renormalised_always: bool  # the HF router renormalises the k scores whatever the config says
-    hf_fields: Callable[[Any], dict[str, Any]]  # MoEModelConfig -> the family's own config.json keys
+    dense_layers: DenseLayers
+    shared_expert: str | None  # checkpoint module of the shared expert (None: the architecture has none)
+    shared_expert_gated: bool  # its output is scaled by sigmoid(shared_expert_gate(x))
+    hf_fields: Callable[[Any], dict[str, Any]]  # model config -> the family's own config.json keys
     read_hf_fields: Callable[[Mapping[str, Any], int], dict[str, Any]]  # config.json, layers -> config kwargs
+    fixed: Mapping[str, Any] = field(default_factory=dict)  # model-config fields the architecture fixes
 
     def router_name(self, layer: int) -> str:
         return f"model.layers.{layer}.{self.moe_module}.gate.weight"
+
+    def expert_bias_name(self, layer: int) -> str:
+        return f"model.layers.{layer}.{self.moe_module}.gate.e_score_correction_bias"
 
     def expert_name(self, layer: int, expert: int, projection: str) -> str:
         """Checkpoint name of one expert's ``projection`` ("gate", "up" or "down")."""
@@ -70,12 +80,14 @@ class ModelFamily:
         return f"model.layers.{layer}.{self.moe_module}.experts.{expert}.{which}.weight"
 
     def shared_expert_names(self, layer: int) -> dict[str, str]:
-        """Checkpoint names of the shared expert's "gate", "up", "down" and its sigmoid's "gate_weight"."""
+        """Checkpoint names of the shared expert's "gate", "up", "down" (and its sigmoid's "gate_weight")."""
         if self.shared_expert is None:
             raise ValueError(f"the {self.title} architecture has no shared expert")
         p = f"model.layers.{layer}.{self.moe_module}."
         names = {which: f"{p}{self.shared_expert}.{which}_proj.weight" for which in PROJECTIONS}
-        return names | {"gate_weight": f"{p}{self.shared_expert}_gate.weight"}
+        if self.shared_expert_gated:
+            names["gate_weight"] = f"{p}{self.shared_expert}_gate.weight"
+        return names
 
     def expert_name_pattern(self) -> str:
         """A regex over checkpoint names with groups (layer, expert, checkpoint projection name)."""
@@ -91,6 +103,17 @@ class ModelFamily:
         import transformers
 
         return getattr(transformers, self.config_class), getattr(transformers, self.architecture)
+
+
+# The settings every family but GLM's fixes: the softmax router, no expert bias, no groups, full RoPE.
+_SOFTMAX_ROUTER = dict(
+    router_score="softmax",
+    expert_bias=False,
+    router_groups=1,
+    router_group_topk=1,
+    routed_scaling_factor=1.0,
+    rotary_fraction=1.0,
+)
 
 
 def _qwen3_moe_fields(cfg) -> dict[str, Any]:
@@ -130,9 +153,7 @@ def _qwen2_moe_fields(cfg) -> dict[str, Any]:
 def _read_qwen2_moe(hf: Mapping[str, Any], layers: int) -> dict[str, Any]:
     if hf.get("use_sliding_window"):
         raise ValueError("config.json has use_sliding_window=true: sliding-window attention is not built here")
-    if hf.get("qkv_bias") is False:
-        raise ValueError("config.json has qkv_bias=false: Qwen2-MoE is built with q/k/v biases here")
-    return _read_qwen3_moe(hf, layers)
+    return _read_qwen3_moe(hf, layers) | {"qkv_bias": hf.get("qkv_bias", True), "qk_norm": False}
 
 
 def _mixtral_fields(cfg) -> dict[str, Any]:
@@ -154,6 +175,52 @@ def _read_mixtral(hf: Mapping[str, Any], layers: int) -> dict[str, Any]:
         "num_experts": hf.get("num_local_experts", hf.get("num_experts", 0)) or 0,
         "moe_intermediate_size": hf.get("intermediate_size", 0),
         "norm_topk_prob": True,
+        "qk_norm": False,
+    }
+
+
+def _glm4_moe_fields(cfg) -> dict[str, Any]:
+    if cfg.shared_expert_intermediate_size % max(cfg.moe_intermediate_size, 1):
+        raise ValueError(
+            f"model.shared_expert_intermediate_size={cfg.shared_expert_intermediate_size} must be a multiple of "
+            f"model.moe_intermediate_size={cfg.moe_intermediate_size} (GLM's n_shared_experts experts)"
+        )
+    return {
+        "intermediate_size": cfg.dense_intermediate_size or cfg.moe_intermediate_size,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "n_routed_experts": cfg.num_experts,
+        "n_shared_experts": cfg.shared_expert_intermediate_size // cfg.moe_intermediate_size,
+        "first_k_dense_replace": len(cfg.dense_layers),
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "routed_scaling_factor": cfg.routed_scaling_factor,
+        "n_group": cfg.router_groups,
+        "topk_group": cfg.router_group_topk,
+        "use_qk_norm": cfg.qk_norm,
+        "attention_bias": cfg.qkv_bias,
+        "partial_rotary_factor": cfg.rotary_fraction,
+        "num_nextn_predict_layers": 0,
+    }
+
+
+def _read_glm4_moe(hf: Mapping[str, Any], layers: int) -> dict[str, Any]:
+    first_dense = hf.get("first_k_dense_replace", 1)
+    expert_size = hf.get("moe_intermediate_size", 0)
+    rope = hf.get("rope_parameters") or {}
+    return {
+        "num_experts": hf.get("n_routed_experts", hf.get("num_local_experts", 0)) or 0,
+        "moe_intermediate_size": expert_size,
+        "norm_topk_prob": hf.get("norm_topk_prob", True),
+        "dense_layers": list(range(min(first_dense, layers))),
+        "dense_intermediate_size": hf.get("intermediate_size", 0) if first_dense else 0,
+        "shared_expert_intermediate_size": (hf.get("n_shared_experts", 1) or 0) * expert_size,
+        "qk_norm": hf.get("use_qk_norm", False),
+        "qkv_bias": hf.get("attention_bias", False),
+        "rotary_fraction": float(hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.5))),
+        "router_score": "sigmoid",
+        "expert_bias": True,
+        "router_groups": hf.get("n_group", 1) or 1,
+        "router_group_topk": hf.get("topk_group", 1) or 1,
+        "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
     }
 
 
@@ -165,48 +232,58 @@ FAMILIES: dict[str, ModelFamily] = {
             title="Qwen3-MoE",
             architecture="Qwen3MoeForCausalLM",
             config_class="Qwen3MoeConfig",
-            qk_norm=True,
-            qkv_bias=False,
-            router=RouterKind.softmax_topk,
             moe_module="mlp",
             expert_projections=("gate_proj", "up_proj", "down_proj"),
-            dense_layers=True,
+            dense_layers=DenseLayers.anywhere,
             shared_expert=None,
-            topk_renormalised_always=False,
+            shared_expert_gated=False,
             hf_fields=_qwen3_moe_fields,
             read_hf_fields=_read_qwen3_moe,
+            fixed=dict(_SOFTMAX_ROUTER, qk_norm=True, qkv_bias=False),
         ),
         ModelFamily(
             model_type="qwen2_moe",
             title="Qwen2-MoE",
             architecture="Qwen2MoeForCausalLM",
             config_class="Qwen2MoeConfig",
-            qk_norm=False,
-            qkv_bias=True,
-            router=RouterKind.softmax_topk,
             moe_module="mlp",
             expert_projections=("gate_proj", "up_proj", "down_proj"),
-            dense_layers=True,
+            dense_layers=DenseLayers.anywhere,
             shared_expert="shared_expert",
-            topk_renormalised_always=False,
+            shared_expert_gated=True,
             hf_fields=_qwen2_moe_fields,
             read_hf_fields=_read_qwen2_moe,
+            fixed=dict(_SOFTMAX_ROUTER, qk_norm=False, qkv_bias=True),
         ),
         ModelFamily(
             model_type="mixtral",
             title="Mixtral",
             architecture="MixtralForCausalLM",
             config_class="MixtralConfig",
-            qk_norm=False,
-            qkv_bias=False,
-            router=RouterKind.softmax_topk,
             moe_module="block_sparse_moe",
             expert_projections=("w1", "w3", "w2"),
-            dense_layers=False,
+            dense_layers=DenseLayers.none,
             shared_expert=None,
-            topk_renormalised_always=True,
+            shared_expert_gated=False,
             hf_fields=_mixtral_fields,
             read_hf_fields=_read_mixtral,
+            # transformers' MixtralTopKRouter renormalises the k scores whatever the config says
+            fixed=dict(_SOFTMAX_ROUTER, qk_norm=False, qkv_bias=False, norm_topk_prob=True),
+        ),
+        ModelFamily(
+            model_type="glm4_moe",
+            title="GLM-4.5 (Glm4Moe)",
+            architecture="Glm4MoeForCausalLM",
+            config_class="Glm4MoeConfig",
+            moe_module="mlp",
+            expert_projections=("gate_proj", "up_proj", "down_proj"),
+            dense_layers=DenseLayers.first,
+            shared_expert="shared_experts",
+            shared_expert_gated=False,
+            hf_fields=_glm4_moe_fields,
+            read_hf_fields=_read_glm4_moe,
+            # megatron renormalises a sigmoid router's top-k always (moe_utils.topk_routing_with_score_function)
+            fixed=dict(router_score="sigmoid", expert_bias=True, norm_topk_prob=True),
         ),
     )
 }

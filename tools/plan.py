@@ -61,7 +61,8 @@ from gspo_megatron.routing.replay import REPLAY_MODES
 LAYOUT_PART = re.compile(r"^(tp|pp|ep|etp|cp|dp|vp|first|last)(\d+)$")
 
 
-# Shapes shipped for planning only (HF config.json files; no weights): qwen3_235b_a22b, qwen2_57b_a14b, mixtral_8x22b.
+# Shapes shipped for planning only (HF config.json files; no weights): qwen3_235b_a22b, qwen2_57b_a14b,
+# mixtral_8x22b, glm4_5, glm4_5_air.
 SHIPPED = Path(__file__).resolve().parent.parent / "gspo_megatron" / "planning" / "hf_configs"
 
 

@@ -75,9 +75,15 @@ def make_transformer_config(
             moe_router_topk=model.top_k,
             moe_ffn_hidden_size=model.moe_intermediate_size,
             moe_layer_freq=moe_layer_freq,
-            # norm_topk_prob: softmax over the k chosen logits == softmax-topk-renormalise (model_families.py).
+            # softmax with norm_topk_prob: softmax over the k chosen logits == softmax-topk-renormalise;
+            # sigmoid: the biased scores pick, the unbiased ones of the picked weight, renormalised, x scaling
             moe_router_pre_softmax=not model.norm_topk_prob,
-            moe_router_score_function="softmax",
+            moe_router_score_function=str(model.router_score),
+            moe_router_enable_expert_bias=model.expert_bias,
+            moe_router_bias_update_rate=model.expert_bias_update_rate,
+            moe_router_num_groups=model.router_groups if model.router_groups > 1 else None,
+            moe_router_group_topk=model.router_group_topk if model.router_groups > 1 else None,
+            moe_router_topk_scaling_factor=model.routed_scaling_factor if model.routed_scaling_factor != 1.0 else None,
             moe_router_load_balancing_type="aux_loss" if model.router_aux_loss_coef > 0 else "none",
             moe_aux_loss_coeff=model.router_aux_loss_coef,
             moe_router_dtype="fp32",
@@ -85,7 +91,8 @@ def make_transformer_config(
             moe_grouped_gemm=te_grouped_experts,
             moe_permute_fusion=False,
             moe_shared_expert_intermediate_size=model.shared_expert_intermediate_size or None,
-            moe_shared_expert_gate=bool(model.shared_expert_intermediate_size),
+            moe_shared_expert_gate=bool(model.shared_expert_intermediate_size)
+            and model.architecture.shared_expert_gated,
             # Gives every router a RouterReplay: idle unless an action is set (routing/replay.py).
             # A frozen reference model passes False: its routers have none, so they can never record
             # or replay (megatron's RouterReplay instances live in one process-global list).
@@ -103,8 +110,8 @@ def make_transformer_config(
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=model.architecture.qkv_bias,
-        qk_layernorm=model.architecture.qk_norm,
+        add_qkv_bias=model.qkv_bias,
+        qk_layernorm=model.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=layout.tp,
@@ -236,7 +243,7 @@ def build_model(
         parallel_output=True,
         share_embeddings_and_output_weights=model.tie_word_embeddings,
         position_embedding_type="rope",
-        rotary_percent=1.0,
+        rotary_percent=model.rotary_fraction,
         rotary_base=int(model.rope_theta),
     )
     if on_meta:

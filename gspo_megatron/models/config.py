@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from gspo_megatron.config_node import ConfigChoice, ConfigNode
-from gspo_megatron.model_families import FAMILIES, ModelFamily
+from gspo_megatron.model_families import FAMILIES, DenseLayers, ModelFamily
 
 
 class ModelConfigError(ValueError):
@@ -44,6 +44,13 @@ class TokenDispatcher(ConfigChoice):
 
     alltoall = "alltoall"  # each routed token goes to the rank owning its expert (all-to-all-v over EP)
     allgather = "allgather"  # every rank gathers all tokens of the TP x EP group, keeps its experts' share
+
+
+class RouterScore(ConfigChoice):
+    """``model.router_score``: the router's score function (megatron's ``moe_router_score_function``)."""
+
+    softmax = "softmax"  # Qwen, Mixtral
+    sigmoid = "sigmoid"  # DeepSeek-V3, GLM-4.5: with an expert bias; the top-k always renormalised
 
 
 class ExpertMLP(ConfigChoice):
@@ -74,6 +81,19 @@ class MoEModelConfig(ConfigNode):
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
+    # attention
+    qk_norm: bool = True  # per-head RMSNorm on queries and keys (Qwen3-MoE)
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2-MoE, GLM-4.5)
+    rotary_fraction: float = 1.0  # share of each head's dims RoPE rotates (GLM-4.5: 0.5)
+    # the router (model_families.py): score function, expert bias, groups, scaling
+    router_score: RouterScore = RouterScore.softmax
+    expert_bias: bool = False  # sigmoid + a per-expert bias that picks, never weights (aux-loss-free balancing)
+    # the bias's update per step from the experts' load (megatron's moe_router_bias_update_rate); 0 keeps the
+    # checkpoint's bias, as DeepSeek-V3's last pre-training tokens did (its gamma: 0.001, then 0)
+    expert_bias_update_rate: float = 0.0
+    router_groups: int = 1  # group-limited top-k: experts in this many groups, scored by their top-2 ...
+    router_group_topk: int = 1  # ... of which this many are kept per token
+    routed_scaling_factor: float = 1.0  # the routed experts' weights times this (after renormalising)
 
     @property
     def is_moe(self) -> bool:
@@ -88,6 +108,7 @@ class MoEModelConfig(ConfigNode):
         if self.family not in FAMILIES:
             raise ModelConfigError(f"model.family={self.family!r} is not a model family; valid: {sorted(FAMILIES)}")
         self._validate_family()
+        self._validate_router()
         positive = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim")
         for name in positive:
             if getattr(self, name) < 1:
@@ -111,11 +132,13 @@ class MoEModelConfig(ConfigNode):
     def _validate_family(self) -> None:
         """What the family's HF architecture cannot represent: no engine could serve it, no checkpoint hold it."""
         family = self.architecture
-        if family.topk_renormalised_always and not self.norm_topk_prob:
-            raise ModelConfigError(
-                f"model.norm_topk_prob=false, but {family.title}'s router always renormalises "
-                "the top-k scores; set model.norm_topk_prob=true"
-            )
+        for name, value in family.fixed.items():
+            if getattr(self, name) != value:
+                shown = str(value).lower() if isinstance(value, bool) else value
+                raise ModelConfigError(
+                    f"model.{name}={getattr(self, name)!r}, but the {family.title} architecture has "
+                    f"{name}={shown}; set model.{name}={shown}"
+                )
         if self.shared_expert_intermediate_size and family.shared_expert is None:
             with_one = [f.model_type for f in FAMILIES.values() if f.shared_expert is not None]
             raise ModelConfigError(
@@ -128,21 +151,62 @@ class MoEModelConfig(ConfigNode):
                 f"the {family.title} architecture has a shared expert in every MoE layer; set "
                 "model.shared_expert_intermediate_size (its FFN size)"
             )
-        if self.dense_layers and not family.dense_layers:
+        if self.dense_layers and family.dense_layers == DenseLayers.none:
             raise ModelConfigError(
                 f"model.dense_layers={self.dense_layers}, but the {family.title} architecture makes every "
                 "layer MoE; set model.dense_layers=[]"
+            )
+        first = list(range(len(self.dense_layers)))
+        if family.dense_layers == DenseLayers.first and sorted(self.dense_layers) != first:
+            raise ModelConfigError(
+                f"model.dense_layers={self.dense_layers}, but the {family.title} architecture makes only the "
+                f"first k layers dense; set model.dense_layers={first}"
+            )
+
+        try:
+            family.hf_fields(self)  # what only the family's config.json keys can say (e.g. GLM's shared experts)
+        except ValueError as error:
+            raise ModelConfigError(str(error)) from error
+
+    def _validate_router(self) -> None:
+        if self.expert_bias and self.router_score != RouterScore.sigmoid:
+            raise ModelConfigError("model.expert_bias=true needs model.router_score=sigmoid (megatron's expert bias)")
+        if self.router_score == RouterScore.sigmoid and not self.norm_topk_prob:
+            raise ModelConfigError(
+                "model.router_score=sigmoid renormalises the top-k scores always (megatron); "
+                "set model.norm_topk_prob=true"
+            )
+        if not 0.0 < self.rotary_fraction <= 1.0 or int(self.head_dim * self.rotary_fraction) % 2:
+            raise ModelConfigError(
+                f"model.rotary_fraction={self.rotary_fraction} must be in (0, 1] and rotate an even number of "
+                f"the head's {self.head_dim} dims"
+            )
+        if self.expert_bias_update_rate < 0:
+            raise ModelConfigError(f"model.expert_bias_update_rate={self.expert_bias_update_rate} must be >= 0")
+        groups, keep = self.router_groups, self.router_group_topk
+        if groups == 1 and keep == 1:
+            return
+        if not self.is_moe or self.num_experts % groups or not 1 <= keep <= groups:
+            raise ModelConfigError(
+                f"model.router_groups={groups} must divide model.num_experts={self.num_experts} and "
+                f"model.router_group_topk={keep} be in 1..{groups}"
+            )
+        if self.top_k != 2 * keep:  # megatron scores a group by its top (top_k // group_topk), HF by its top 2
+            raise ModelConfigError(
+                f"group-limited routing scores each group by its top-2 experts (HF), which megatron does when "
+                f"model.top_k = 2 x model.router_group_topk; got top_k={self.top_k}, router_group_topk={keep}"
             )
 
     def parameter_count(self) -> dict[str, int]:
         """Total and per-token active parameters, computed from the shape (nothing allocated)."""
         h, layers = self.hidden_size, self.num_layers
         attn = h * self.head_dim * (self.num_attention_heads * 2 + self.num_kv_heads * 2)
-        attn += 2 * self.head_dim if self.architecture.qk_norm else 0
-        attn += (self.num_attention_heads + 2 * self.num_kv_heads) * self.head_dim if self.architecture.qkv_bias else 0
+        attn += 2 * self.head_dim if self.qk_norm else 0
+        attn += (self.num_attention_heads + 2 * self.num_kv_heads) * self.head_dim if self.qkv_bias else 0
         norms = 2 * h
         expert = 3 * h * self.moe_intermediate_size
-        shared = 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_intermediate_size else 0)
+        gated = self.shared_expert_intermediate_size and self.architecture.shared_expert_gated
+        shared = 3 * h * self.shared_expert_intermediate_size + (h if gated else 0)
         moe_total = self.num_experts * expert + self.num_experts * h + shared
         moe_active = self.top_k * expert + self.num_experts * h + shared
         dense = 3 * h * self.dense_intermediate_size
@@ -168,7 +232,6 @@ class MoEModelConfig(ConfigNode):
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "num_experts_per_tok": self.top_k,
-            **family.hf_fields(self),
             "router_aux_loss_coef": self.router_aux_loss_coef,
             "output_router_logits": False,
             "rope_theta": self.rope_theta,
@@ -179,6 +242,7 @@ class MoEModelConfig(ConfigNode):
             "attention_bias": False,
             "attention_dropout": 0.0,
             "torch_dtype": "float32",
+            **family.hf_fields(self),  # last: a family's own meaning of a common key wins (GLM's attention_bias)
         }
 
     def to_hf_config(self):

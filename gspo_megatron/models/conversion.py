@@ -145,12 +145,21 @@ _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(?P<index>\d+)\.(?P<which>l
 _TE_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(?P<which>linear_fc1|linear_fc2)\.weight(?P<index>\d+)$")
 
 
+def converted_tensors(model) -> dict[str, torch.Tensor]:
+    """This rank's megatron tensors that have HF counterparts: every parameter, and the routers' expert
+    bias (a buffer: set from the load, not trained; HF's ``e_score_correction_bias``)."""
+    model = unwrap(model)
+    tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
+    tensors.update({name: b for name, b in model.named_buffers() if name.endswith("mlp.router.expert_bias")})
+    return tensors
+
+
 def build_mappings(model, cfg: MoEModelConfig, ep_rank: int = 0, ep_size: int = 1) -> list[ParamMapping]:
-    """One row per megatron parameter of this rank's model chunk."""
+    """One row per megatron parameter (and expert bias) of this rank's model chunk."""
     model = unwrap(model)
     rows = []
     experts_per_rank = cfg.num_experts // ep_size if cfg.num_experts else 0
-    for name, _ in model.named_parameters():
+    for name in converted_tensors(model):
         rows.append(_mapping_for(model, name, cfg, ep_rank * experts_per_rank))
     return rows
 
@@ -184,7 +193,10 @@ def _mapping_for(model, name: str, cfg: MoEModelConfig, first_expert: int) -> Pa
     if cfg.architecture.shared_expert is not None:
         shared = cfg.architecture.shared_expert_names(layer)
         simple["mlp.shared_experts.linear_fc2.weight"] = (shared["down"], 1, "tp")
-        simple["mlp.shared_experts.gate_weight"] = (shared["gate_weight"], None, None)
+        if "gate_weight" in shared:
+            simple["mlp.shared_experts.gate_weight"] = (shared["gate_weight"], None, None)
+    if cfg.expert_bias:
+        simple["mlp.router.expert_bias"] = (cfg.architecture.expert_bias_name(layer), None, None)
     if rest in simple:
         hf, dim, group = simple[rest]
         return ParamMapping(name, (hf,), "copy", dim, group, unit)
@@ -269,7 +281,7 @@ def load_hf_weights(model, cfg: MoEModelConfig, source: WeightSource | Mapping[s
     if not isinstance(source, WeightSource):
         source = DictSource(source)
     ep_rank, ep_size = (mesh.ep_rank, mesh.layout.ep) if mesh is not None else (0, 1)
-    params = dict(unwrap(model).named_parameters())
+    params = converted_tensors(model)
     expected = hf_shapes(cfg)
     count = 0
     with torch.no_grad():
@@ -333,9 +345,10 @@ def export_hf_tensors(
     Order: units (embedding, layers, head), inside a unit the owning stage's parameter order.
     """
     ep_rank, ep_size = (mesh.ep_rank, mesh.layout.ep) if mesh is not None else (0, 1)
-    params = dict(unwrap(model).named_parameters())
+    params = converted_tensors(model)
     # what non-owning pipeline stages allocate to receive: the exported tensors' dtype (e.g. fp32
-    # main grads of bf16 parameters), identical on every rank
+    # main grads of bf16 parameters), identical on every rank; an fp32 expert bias of a bf16 model is
+    # sent in it too
     wire_dtype = tensor_of(next(iter(params.values()))).dtype
     by_unit: dict[str, list[ParamMapping]] = {}
     for row in build_mappings(model, cfg, ep_rank, ep_size):
@@ -345,7 +358,7 @@ def export_hf_tensors(
         rows = by_unit.get(unit, [])
         plan, source = _unit_plan(rows, shapes, cfg, mesh, ep_size)
         for index, names in enumerate(plan):
-            gathered = _gather_row(rows[index], params, cfg, mesh, ep_size, tensor_of) if rows else {}
+            gathered = _gather_row(rows[index], params, cfg, mesh, ep_size, tensor_of, wire_dtype) if rows else {}
             for name in names:
                 tensor = _share_across_stages(gathered.get(name), name, shapes, mesh, source, wire_dtype)
                 gathered.pop(name, None)  # the consumer holds it now, or nobody does
@@ -388,9 +401,9 @@ def _unit_plan(rows, shapes, cfg, mesh, ep_size) -> tuple[list[list[str]], int |
     return plans[owner_stage], dist.get_global_rank(mesh.pp_group, owner_stage)
 
 
-def _gather_row(row, params, cfg, mesh, ep_size, tensor_of) -> dict[str, torch.Tensor]:
+def _gather_row(row, params, cfg, mesh, ep_size, tensor_of, wire_dtype) -> dict[str, torch.Tensor]:
     """Full HF tensors of one megatron parameter, on the ranks of the stage that owns it."""
-    local = tensor_of(params[row.megatron_name]).detach()
+    local = tensor_of(params[row.megatron_name]).detach().to(wire_dtype)
     pieces = split(row.fusion, local, cfg)
     if row.shard_dim is not None and mesh is not None:
         group = mesh.tp_group if row.shard_group == "tp" else mesh.etp_group

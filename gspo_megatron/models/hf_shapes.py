@@ -29,10 +29,10 @@ def _layer_shapes(cfg: MoEModelConfig, layer: int) -> dict[str, tuple[int, ...]]
         p + "self_attn.v_proj.weight": (cfg.num_kv_heads * hd, h),
         p + "self_attn.o_proj.weight": (h, cfg.num_attention_heads * hd),
     }
-    if family.qkv_bias:
+    if cfg.qkv_bias:
         for which, heads in (("q", cfg.num_attention_heads), ("k", cfg.num_kv_heads), ("v", cfg.num_kv_heads)):
             out[p + f"self_attn.{which}_proj.bias"] = (heads * hd,)
-    if family.qk_norm:
+    if cfg.qk_norm:
         out.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
     out[p + "post_attention_layernorm.weight"] = (h,)
     if layer in set(cfg.dense_layers) or not cfg.is_moe:
@@ -42,6 +42,8 @@ def _layer_shapes(cfg: MoEModelConfig, layer: int) -> dict[str, tuple[int, ...]]
         )
         return out
     out[family.router_name(layer)] = (cfg.num_experts, h)
+    if cfg.expert_bias:
+        out[family.expert_bias_name(layer)] = (cfg.num_experts,)
     i = cfg.moe_intermediate_size
     for e in range(cfg.num_experts):
         out.update(
@@ -54,5 +56,7 @@ def _layer_shapes(cfg: MoEModelConfig, layer: int) -> dict[str, tuple[int, ...]]
     if cfg.shared_expert_intermediate_size and family.shared_expert is not None:
         s = cfg.shared_expert_intermediate_size
         names = family.shared_expert_names(layer)
-        out.update({names["gate"]: (s, h), names["up"]: (s, h), names["down"]: (h, s), names["gate_weight"]: (1, h)})
+        out.update({names["gate"]: (s, h), names["up"]: (s, h), names["down"]: (h, s)})
+        if "gate_weight" in names:
+            out[names["gate_weight"]] = (1, h)
     return out

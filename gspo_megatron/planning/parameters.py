@@ -79,9 +79,9 @@ def _stage_parameters(model: MoEModelConfig, layout: ParallelLayout, pp_rank: in
         add(p + "input_layernorm.weight", h)
         add(p + "self_attention.linear_proj.weight", h * q_width)
         add(p + "self_attention.linear_qkv.weight", qkv_rows * h)
-        if model.architecture.qkv_bias:
+        if model.qkv_bias:
             add(p + "self_attention.linear_qkv.bias", qkv_rows)
-        if model.architecture.qk_norm:
+        if model.qk_norm:
             add(p + "self_attention.q_layernorm.weight", d)
             add(p + "self_attention.k_layernorm.weight", d)
         add(p + "pre_mlp_layernorm.weight", h)
@@ -99,7 +99,8 @@ def _stage_parameters(model: MoEModelConfig, layout: ParallelLayout, pp_rank: in
             sffn = model.shared_expert_intermediate_size // tp
             add(p + "mlp.shared_experts.linear_fc1.weight", 2 * sffn * h)
             add(p + "mlp.shared_experts.linear_fc2.weight", h * sffn)
-            add(p + "mlp.shared_experts.gate_weight", h)
+            if model.architecture.shared_expert_gated:
+                add(p + "mlp.shared_experts.gate_weight", h)
     if last:
         add("decoder.final_layernorm.weight", h)
         if not model.tie_word_embeddings:

@@ -33,7 +33,7 @@ from gspo_megatron.model_families import family
 class WeightTarget:
     """Where one checkpoint tensor lands: a parameter and the index of the slice it fills."""
 
-    parameter: torch.nn.Parameter
+    parameter: torch.Tensor  # a parameter, or the expert-bias buffer
     index: tuple  # () for the whole parameter, (expert, row-slice) for fused experts
     shape: tuple[int, ...]
 
@@ -48,6 +48,10 @@ class HfWeightLoader:
         # remove_duplicate=False keeps both names of a tied parameter; checkpoint names of the MoE block
         # (``model_families.py``: Mixtral's ``block_sparse_moe``) as well as the in-memory ``mlp``
         self._direct = dict(model.named_parameters(remove_duplicate=False))
+        # the routers' expert bias (GLM-4.5, DeepSeek-V3) is a buffer: set from the load, not trained
+        self._direct.update(
+            {name: b for name, b in model.named_buffers() if name.endswith(".gate.e_score_correction_bias")}
+        )
         self._num_layers = model.config.num_hidden_layers
         self._memory_prefix = re.compile(rf"^(model\.layers\.\d+\.){re.escape(self._family.moe_module)}\.")
         self._checkpoint_prefix = re.compile(r"^(model\.layers\.\d+\.)mlp\.")

@@ -234,10 +234,28 @@ def chart(draw: Callable[[], Figure], alt: str, charts: bool) -> str:
     return png_img(figure_png(draw()), alt) if charts else NOT_DRAWN
 
 
+def _routed_layers(run: RunData) -> tuple[list[int] | None, str]:
+    """The model layers the per-layer series are of (MoE layers only), and a note on what is not routed:
+    dense layers (no router) and a shared expert (every token, no choice). (None, "") without a config."""
+    model = run.config.get("model")
+    if not isinstance(model, dict):
+        return None, ""
+    layers = model.get("num_layers")
+    if not isinstance(layers, int):
+        return None, ""
+    dense = sorted(model.get("dense_layers") or [])
+    notes = [f"dense layers {dense} have no router" if dense else ""]
+    if model.get("shared_expert_intermediate_size"):
+        notes.append("the shared expert runs for every token, unrouted")
+    note = "; ".join(n for n in notes if n)
+    return [i for i in range(layers) if i not in set(dense)], (f"<p>Not in the tables: {note}.</p>" if note else "")
+
+
 def _volatility_section(run: RunData, summary: dict, charts: bool) -> str:
     if not summary["routing"]:
         return "<p>No routing diagnostics recorded (no routing.jsonl records).</p>"
-    parts = []
+    moe_layers, note = _routed_layers(run)
+    parts = [note]
     for kind, kind_summary in summary["routing"].items():
         parts.append(f"<h3>{html.escape(kind)}</h3>")
         if kind_summary.get("zero_reason"):
@@ -246,7 +264,10 @@ def _volatility_section(run: RunData, summary: dict, charts: bool) -> str:
         parts.append(chart(draw, f"volatility {kind}", charts))
         changed, overlap = kind_summary["changed_frac"] or [], kind_summary["overlap"] or []
         # strict=False: either series may be absent from the summary
-        rows = [[layer, c, o] for layer, (c, o) in enumerate(zip(changed, overlap, strict=False))]
+        pairs = list(zip(changed, overlap, strict=False))
+        # the model's own layer numbers where the config says which layers are routed
+        names = moe_layers if moe_layers is not None and len(moe_layers) == len(pairs) else range(len(pairs))
+        rows = [[layer, c, o] for layer, (c, o) in zip(names, pairs, strict=True)]
         parts.append(html_table(["layer", "changed fraction (step mean)", "overlap (step mean)"], rows))
     return "".join(parts)
 

@@ -44,12 +44,28 @@ def tiny_test_config(**overrides) -> MoEModelConfig:
     return MoEModelConfig(**values)
 
 
-# What each family's architecture needs beside the tiny shape (model_families.py): Qwen2-MoE always has a
-# shared expert and by default does not renormalise the top-k.
+# Each family's tiny model (model_families.py): what its architecture fixes, and its own features on.
 FAMILY_TEST_OVERRIDES: dict[str, dict[str, Any]] = {
     "qwen3_moe": {},
-    "qwen2_moe": dict(shared_expert_intermediate_size=24, norm_topk_prob=False),
-    "mixtral": {},
+    # q/k/v biases, a gated shared expert, top-k not renormalised
+    "qwen2_moe": dict(qk_norm=False, qkv_bias=True, shared_expert_intermediate_size=24, norm_topk_prob=False),
+    "mixtral": dict(qk_norm=False),
+    # one dense layer, 8 experts in 2 groups (1 kept, top-2), sigmoid + expert bias, scaling, an un-gated
+    # shared expert, q/k norms and biases, RoPE on half of each head
+    "glm4_moe": dict(
+        num_layers=4,
+        dense_layers=[0],
+        dense_intermediate_size=24,
+        num_experts=8,
+        shared_expert_intermediate_size=16,
+        qkv_bias=True,
+        rotary_fraction=0.5,
+        router_score="sigmoid",
+        expert_bias=True,
+        router_groups=2,
+        router_group_topk=1,
+        routed_scaling_factor=2.5,
+    ),
 }
 
 

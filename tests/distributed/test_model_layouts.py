@@ -1,7 +1,8 @@
 """The tiny MoE under TP=2, PP=2, EP=2 and TP=2xEP=2 (sequence parallel) equals one rank (fp32), and
 under TP=2, PP=2, EP=2 in bf16 within bf16 rounding; the tiny model of each other family (Mixtral: no
 q/k norms, its own checkpoint names; Qwen2-MoE: q/k/v biases, a gated shared expert, top-k not
-renormalised) under TP=2, PP=2, EP=2 equals one rank (fp32).
+renormalised; GLM-4.5: sigmoid router with expert bias, groups and scaling, an un-gated shared expert, a
+dense first layer, partial RoPE) under TP=2, PP=2, EP=2 equals one rank (fp32).
 
 Every layout is built from the same HF-named weights; log-probs of a fixed batch and the gradients
 of a fixed loss (gathered back to HF names) must match the single-rank run within fp32 tolerance,
@@ -38,7 +39,7 @@ def test_layout_matches_single_rank(reference, name):
     _assert_layout_matches(*reference, name)
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])
+@pytest.fixture(scope="module", params=["glm4_moe", "mixtral", "qwen2_moe"])
 def family_reference(request):
     cfg = tiny_family_config(request.param)
     state = random_hf_state(cfg, seed=3)

@@ -18,18 +18,22 @@ pytestmark = pytest.mark.distributed
 
 
 def _routing_used(model_chunk):
-    """Hooks on every router: the top-k sets it actually used, per forward, as sorted indices."""
+    """Hooks on every router (dense layers have none): the top-k sets it used, per forward, as sorted indices."""
     used = []
 
     def hook(module, inputs, output):
         _, routing_map = output
         used.append(routing_map.nonzero()[:, 1].reshape(routing_map.shape[0], -1))
 
-    handles = [layer.mlp.router.register_forward_hook(hook) for layer in model_chunk.decoder.layers]
+    handles = [
+        layer.mlp.router.register_forward_hook(hook)
+        for layer in model_chunk.decoder.layers
+        if hasattr(layer.mlp, "router")
+    ]
     return used, handles
 
 
-def _setup(layout_kwargs, seed=3, family="qwen3_moe"):
+def _setup(layout_kwargs, seed=3, family="qwen3_moe", **overrides):
     from gspo_megatron.models.builder import build_model
     from gspo_megatron.models.conversion import load_hf_weights
     from gspo_megatron.models.schedule import wrap_for_training
@@ -37,7 +41,7 @@ def _setup(layout_kwargs, seed=3, family="qwen3_moe"):
     from gspo_megatron.parallel.mesh import initialize_parallel
     from gspo_megatron.routing.replay import RoutingReplay
 
-    cfg = tiny_family_config(family)
+    cfg = tiny_family_config(family, **overrides)
     layout = ParallelLayout(**layout_kwargs).validate(cfg)
     mesh = initialize_parallel(layout, seed=11)
     before = RoutingReplay.instance_count()
@@ -58,15 +62,20 @@ def _micro_batches(cfg, layout, mesh):
     ]
 
 
-def old_policy_replay_worker(ctx, use_replay: bool, layout_kwargs: dict | None = None, family: str = "qwen3_moe"):
+def old_policy_replay_worker(
+    ctx, use_replay: bool, layout_kwargs: dict | None = None, family: str = "qwen3_moe", overrides: dict | None = None
+):
     from megatron.core import tensor_parallel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from gspo_megatron.models.schedule import run_schedule
     from gspo_megatron.routing.volatility import routing_volatility
 
-    cfg, layout, mesh, model, ddp, replay = _setup(layout_kwargs or dict(world_size=1), family=family)
+    cfg, layout, mesh, model, ddp, replay = _setup(
+        layout_kwargs or dict(world_size=1), family=family, **(overrides or {})
+    )
     mbs = _micro_batches(cfg, layout, mesh)
+    biases = _expert_biases(model)
     # 1. old-policy pass records the routing of every micro-batch
     replay.start_recording()
     run_schedule([ddp], mbs, None, forward_only=True)
@@ -95,7 +104,7 @@ def old_policy_replay_worker(ctx, use_replay: bool, layout_kwargs: dict | None =
         replay.stop()
     for handle in handles:
         handle.remove()
-    layers = len(model.decoder.layers)
+    layers = sum(hasattr(layer.mlp, "router") for layer in model.decoder.layers)
     now = [used[i * layers : (i + 1) * layers] for i in range(len(mbs))]
     changed = sum(
         routing_volatility(torch.stack(o, 1).sort(-1).values, torch.stack(n, 1)).changed_count.sum().item()
@@ -106,8 +115,13 @@ def old_policy_replay_worker(ctx, use_replay: bool, layout_kwargs: dict | None =
         for o, n in zip(old, now, strict=True)
         for o_l, n_l in zip(o, n, strict=True)
     )
+    bias_moved = any(not torch.equal(b0, b1) for b0, b1 in zip(biases, _expert_biases(model), strict=True))
     mesh.destroy()
-    return {"changed": changed, "identical": identical}
+    return {"changed": changed, "identical": identical, "bias_moved": bias_moved}
+
+
+def _expert_biases(model) -> list[torch.Tensor]:
+    return [b.detach().clone() for name, b in model.named_buffers() if name.endswith("router.expert_bias")]
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_TEST_OVERRIDES))
@@ -120,6 +134,23 @@ def test_replayed_training_forward_routes_as_recorded_under_context_parallelism(
     """R2 with each CP rank holding half of every sequence: the replay covers exactly its tokens."""
     results = run_distributed(old_policy_replay_worker, 2, True, dict(cp=2, world_size=2))
     assert all(r["identical"] and r["changed"] == 0 for r in results)
+
+
+# megatron moves the expert bias from the experts' load in the update (finalize_model_grads); a large rate
+# makes the biased argmax differ from the recorded choice
+MOVING_BIAS = {"expert_bias_update_rate": 0.5}
+
+
+@pytest.mark.parametrize("use_replay", [True, False], ids=["replayed", "free"])
+def test_replay_keeps_the_recorded_experts_when_the_expert_bias_moves(use_replay):
+    """GLM-4.5's router: the expert bias picks the experts. Between recording (old policy) and the training
+    forward the update moves the bias; R2 replays the recorded set, not the new biased argmax."""
+    (result,) = run_distributed(old_policy_replay_worker, 1, use_replay, None, "glm4_moe", MOVING_BIAS)
+    assert result["bias_moved"]
+    if use_replay:
+        assert result["identical"] and result["changed"] == 0
+    else:
+        assert result["changed"] > 0 and not result["identical"]
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_TEST_OVERRIDES))
@@ -158,7 +189,7 @@ def rollout_replay_worker(ctx, layout_kwargs):
     replay.stop()
     for handle in handles:
         handle.remove()
-    layers = len(model.decoder.layers)
+    layers = sum(hasattr(layer.mlp, "router") for layer in model.decoder.layers)
     ok = all(
         torch.equal(used[i * layers + j], targets[i][j].sort(-1).values) for i in range(len(mbs)) for j in range(layers)
     )

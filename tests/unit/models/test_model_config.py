@@ -127,7 +127,9 @@ def test_parameter_count_by_hand():
 
 def test_shared_expert_and_qkv_biases_count_in_total_and_active():
     base = MoEModelConfig().parameter_count()  # Qwen3-MoE: q/k norms, no biases, no shared expert
-    qwen2 = MoEModelConfig(family="qwen2_moe", shared_expert_intermediate_size=48).parameter_count()
+    qwen2 = MoEModelConfig(
+        family="qwen2_moe", qk_norm=False, qkv_bias=True, shared_expert_intermediate_size=48
+    ).parameter_count()
     shared = 3 * 64 * 48 + 64  # three projections + the sigmoid gate
     biases = (4 + 2 + 2) * 16  # q, k, v: heads x head_dim each
     norms = 2 * 16  # Qwen3-MoE's q and k norms, which Qwen2-MoE lacks

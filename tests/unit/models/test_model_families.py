@@ -73,20 +73,39 @@ def test_qwen2_57b_a14b_shape_is_57b_with_14b_active():
     assert round(counts["total"] / 1e9) == 57 and round(counts["active"] / 1e9) == 14  # the name's "57B-A14B"
 
 
+@pytest.mark.parametrize(
+    "name, total, active_without_embeddings",
+    # Z.ai states 355B / 32B active and 106B / 12B active; the multi-token-prediction layer is not built
+    # here (RL trains the next token), so the total is one MoE layer short of GLM-4.5's (352.8B)
+    [("glm4_5", 353, 32), ("glm4_5_air", 107, 12)],
+)
+def test_glm4_5_shapes(name, total, active_without_embeddings):
+    cfg = MoEModelConfig.from_hf_config_file(SHIPPED / f"{name}.json")
+    counts = cfg.parameter_count()
+    embeddings = 2 * cfg.vocab_size * cfg.hidden_size
+    assert (cfg.router_score, cfg.expert_bias, cfg.rotary_fraction, cfg.qkv_bias) == ("sigmoid", True, 0.5, True)
+    assert cfg.dense_layers == list(range(3 if name == "glm4_5" else 1))
+    assert cfg.shared_expert_intermediate_size == cfg.moe_intermediate_size  # n_shared_experts = 1
+    assert round(counts["total"] / 1e9) == total
+    assert round((counts["active"] - embeddings) / 1e9) == active_without_embeddings
+
+
 def test_a_shipped_config_names_its_family():
     for path in SHIPPED.glob("*.json"):
         assert json.loads(path.read_text())["model_type"] in FAMILIES, path.name
 
 
 def test_what_a_family_cannot_represent_is_refused_naming_the_key():
-    with pytest.raises(ModelConfigError, match=r"model\.norm_topk_prob=false.*Mixtral.*norm_topk_prob=true"):
-        tiny_test_config(family="mixtral", norm_topk_prob=False).validate()
+    with pytest.raises(ModelConfigError, match=r"model\.norm_topk_prob=False.*Mixtral.*set model\.norm_topk_prob=true"):
+        tiny_family_config("mixtral", norm_topk_prob=False)
+    with pytest.raises(ModelConfigError, match=r"model\.qk_norm=True.*Mixtral.*set model\.qk_norm=false"):
+        tiny_family_config("mixtral", qk_norm=True)
     with pytest.raises(ModelConfigError, match=r"Mixtral architecture makes every layer MoE.*model\.dense_layers=\[\]"):
-        tiny_test_config(family="mixtral", num_layers=3, dense_layers=[0], dense_intermediate_size=8).validate()
+        tiny_family_config("mixtral", num_layers=3, dense_layers=[0], dense_intermediate_size=8)
     with pytest.raises(ModelConfigError, match=r"Mixtral architecture has no shared expert"):
-        tiny_test_config(family="mixtral", shared_expert_intermediate_size=8).validate()
+        tiny_family_config("mixtral", shared_expert_intermediate_size=8)
     with pytest.raises(ModelConfigError, match=r"Qwen2-MoE architecture has a shared expert.*intermediate_size"):
-        tiny_test_config(family="qwen2_moe").validate()
+        tiny_family_config("qwen2_moe", shared_expert_intermediate_size=0)
     with pytest.raises(ModelConfigError, match=r"model\.family='llama'.*mixtral.*qwen3_moe"):
         tiny_test_config(family="llama").validate()
 
@@ -98,7 +117,7 @@ def test_an_unknown_model_type_lists_the_families():
 
 
 def test_sliding_window_attention_is_refused():
-    hf = tiny_test_config(family="mixtral").to_hf_dict() | {"sliding_window": 4096}
+    hf = tiny_family_config("mixtral").to_hf_dict() | {"sliding_window": 4096}
     with pytest.raises(ModelConfigError, match=r"sliding_window=4096.*set it to null"):
         MoEModelConfig.from_hf_dict(hf)
 

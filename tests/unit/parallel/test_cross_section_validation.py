@@ -126,7 +126,7 @@ def test_a_shared_expert_needs_a_family_that_has_one():
         cfg.rollout.sglang.enable_return_routed_experts = True  # what the default diagnostics need
         cfg.rollout.sglang.model_path = "/ckpt"  # what the engine launches
         refused(cfg, 1, "Qwen3-MoE architecture has no shared expert", "qwen2_moe", error=ModelConfigError)
-    cfg.model.family = "qwen2_moe"
+    cfg.model.family, cfg.model.qk_norm, cfg.model.qkv_bias = "qwen2_moe", False, True
     validate_config(cfg, 1)
 
 

@@ -144,3 +144,16 @@ def test_an_all_zero_engine_vs_trainer_panel_says_why(tmp_path, config_yaml, rea
 def test_a_nonzero_engine_vs_trainer_panel_has_no_zero_note(tmp_path):
     json_path, _ = write_routing_report(make_run(tmp_path / "run"))
     assert json.loads(json_path.read_text())["routing"]["rollout_vs_train"]["zero_reason"] is None
+
+
+def test_layers_are_the_models_own_and_dense_and_shared_ones_are_named(tmp_path):
+    """GLM-4.5's first layer is dense: the two routed series are model layers 1 and 2, and the report
+    says the dense layer and the shared expert are not in its tables."""
+    run = make_run(tmp_path / "run")
+    model = "model:\n  num_layers: 3\n  dense_layers: [0]\n  shared_expert_intermediate_size: 64\n"
+    (run / "config.yaml").write_text("algorithm:\n  name: gspo\n" + model)
+    _, html_path = write_routing_report(run, charts=False)
+    page = html_path.read_text()
+    assert "dense layers [0] have no router" in page and "the shared expert runs for every token, unrouted" in page
+    update = page.split("<h3>update</h3>")[1].split("<h3>")[0]
+    assert [row.split("</td>")[0] for row in update.split("<tr><td>")[1:]] == ["1", "2"]
