@@ -23,3 +23,19 @@ def test_a_family_trains_with_rollout_routing_replay(tmp_path, model):
     for step in metrics:
         assert step["routing/rollout_vs_train_changed_frac"] == 0.0, step
         assert step["mismatch/abs_log_prob_diff_mean"] < 1e-5, step
+
+
+def test_a_moving_expert_bias_resumes_exactly(tmp_path):
+    """GLM-4.5's expert bias moves each step from the experts' load (``model.expert_bias_update_rate``);
+    it is a buffer, not a parameter, and the checkpoint must carry it: stopped after step 2 and resumed,
+    the run's metrics equal the uninterrupted run's, step by step."""
+    from gspo_megatron.testing.distributed import run_distributed
+    from gspo_megatron.testing.train_runs import train_worker, without_time
+
+    base = ["model=glm4_moe_tiny", "task=max_digit", "rollout.max_new_tokens=1", *SHORT, "trainer.steps=4"]
+    base += ["model.expert_bias_update_rate=0.05", "algorithm.entropy_coef=0.01"]
+    (full,) = run_distributed(train_worker, 1, base, str(tmp_path / "full"))
+    run_distributed(train_worker, 1, base + ["trainer.stop_after_steps=2"], str(tmp_path / "resumed"))
+    (resumed,) = run_distributed(train_worker, 1, base + ["checkpoint.resume=true"], str(tmp_path / "resumed"))
+    assert len(full) == len(resumed) == 4
+    assert without_time(full) == without_time(resumed)
