@@ -35,6 +35,12 @@ Families:
   each head (``partial_rotary_factor``). Checkpoint names ``mlp.gate``, ``mlp.gate.e_score_correction_bias``,
   ``mlp.experts.{e}.{gate,up,down}_proj``, ``mlp.shared_experts.{gate,up,down}_proj``. GLM-4.5's
   multi-token-prediction layer (``num_nextn_predict_layers``) is not built (RL trains the next token).
+- ``deepseek_v3`` (DeepSeek-V3, R1, Kimi-K2): GLM's MoE (the same router, shared experts, dense first
+  layers and checkpoint names) with multi-latent attention: ``q_a_proj`` -> ``q_a_layernorm`` ->
+  ``q_b_proj`` (or ``q_proj``), ``kv_a_proj_with_mqa`` (the kv latent and one RoPE key) ->
+  ``kv_a_layernorm`` -> ``kv_b_proj`` (per head: key without RoPE, value), interleaved RoPE
+  (megatron's MLA de-interleaves the same way). YaRN RoPE scaling (the real checkpoints' 128K context)
+  is read for planning, not built.
 """
 
 from __future__ import annotations
@@ -107,6 +113,8 @@ class ModelFamily:
 
 # The settings every family but GLM's fixes: the softmax router, no expert bias, no groups, full RoPE.
 _SOFTMAX_ROUTER = dict(
+    attention="gqa",
+    rope_yarn_factor=1.0,
     router_score="softmax",
     expert_bias=False,
     router_groups=1,
@@ -224,6 +232,45 @@ def _read_glm4_moe(hf: Mapping[str, Any], layers: int) -> dict[str, Any]:
     }
 
 
+def _deepseek_v3_fields(cfg) -> dict[str, Any]:
+    fields = _glm4_moe_fields(cfg)
+    for glm_only in ("use_qk_norm", "attention_bias", "partial_rotary_factor", "num_nextn_predict_layers"):
+        del fields[glm_only]
+    return fields | {
+        "q_lora_rank": cfg.q_lora_rank or None,
+        "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "v_head_dim": cfg.v_head_dim,
+        "head_dim": cfg.qk_rope_head_dim,  # HF's meaning: the RoPE part (the rotary embedding's width)
+        "num_key_value_heads": cfg.num_attention_heads,
+        "rope_interleave": True,
+    }
+
+
+def _read_deepseek_v3(hf: Mapping[str, Any], layers: int) -> dict[str, Any]:
+    if hf.get("rope_interleave", True) is False:
+        raise ValueError("config.json has rope_interleave=false: DeepSeek-V3's RoPE is built interleaved here")
+    nope, rope = hf.get("qk_nope_head_dim", 128), hf.get("qk_rope_head_dim", 64)
+    scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    yarn = scaling.get("rope_type", scaling.get("type")) == "yarn"
+    fields = _read_glm4_moe(hf, layers) | {
+        "attention": "mla",
+        "qk_norm": True,
+        "qkv_bias": False,
+        "rotary_fraction": 1.0,
+        "q_lora_rank": hf.get("q_lora_rank") or 0,
+        "kv_lora_rank": hf.get("kv_lora_rank", 512),
+        "qk_nope_head_dim": nope,
+        "qk_rope_head_dim": rope,
+        "v_head_dim": hf.get("v_head_dim", 128),
+        "head_dim": nope + rope,
+        "num_kv_heads": hf["num_attention_heads"],
+        "rope_yarn_factor": float(scaling.get("factor", 1.0)) if yarn else 1.0,
+    }
+    return fields
+
+
 FAMILIES: dict[str, ModelFamily] = {
     family.model_type: family
     for family in (
@@ -283,10 +330,38 @@ FAMILIES: dict[str, ModelFamily] = {
             hf_fields=_glm4_moe_fields,
             read_hf_fields=_read_glm4_moe,
             # megatron renormalises a sigmoid router's top-k always (moe_utils.topk_routing_with_score_function)
-            fixed=dict(router_score="sigmoid", expert_bias=True, norm_topk_prob=True),
+            fixed=dict(
+                attention="gqa", rope_yarn_factor=1.0, router_score="sigmoid", expert_bias=True, norm_topk_prob=True
+            ),
+        ),
+        ModelFamily(
+            model_type="deepseek_v3",
+            title="DeepSeek-V3 (also Kimi-K2)",
+            architecture="DeepseekV3ForCausalLM",
+            config_class="DeepseekV3Config",
+            moe_module="mlp",
+            expert_projections=("gate_proj", "up_proj", "down_proj"),
+            dense_layers=DenseLayers.first,
+            shared_expert="shared_experts",
+            shared_expert_gated=False,
+            hf_fields=_deepseek_v3_fields,
+            read_hf_fields=_read_deepseek_v3,
+            fixed=dict(
+                attention="mla",
+                qk_norm=True,
+                qkv_bias=False,
+                rotary_fraction=1.0,
+                router_score="sigmoid",
+                expert_bias=True,
+                norm_topk_prob=True,
+            ),
         ),
     )
 }
+
+
+# config.json model_types that are a registered family's architecture under another name
+ALIASES = {"kimi_k2": "deepseek_v3"}  # Kimi-K2: DeepSeek-V3's architecture (its config names DeepseekV3ForCausalLM)
 
 
 def family(model_type: str) -> ModelFamily:

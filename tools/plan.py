@@ -62,7 +62,7 @@ LAYOUT_PART = re.compile(r"^(tp|pp|ep|etp|cp|dp|vp|first|last)(\d+)$")
 
 
 # Shapes shipped for planning only (HF config.json files; no weights): qwen3_235b_a22b, qwen2_57b_a14b,
-# mixtral_8x22b, glm4_5, glm4_5_air.
+# mixtral_8x22b, glm4_5, glm4_5_air, deepseek_v3, kimi_k2.
 SHIPPED = Path(__file__).resolve().parent.parent / "gspo_megatron" / "planning" / "hf_configs"
 
 

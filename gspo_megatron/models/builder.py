@@ -28,7 +28,14 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from gspo_megatron.models.config import ExpertMLP, LayerSpec, MoEModelConfig, TokenDispatcher
+from gspo_megatron.models.config import (
+    AttentionKind,
+    ExpertMLP,
+    LayerSpec,
+    ModelConfigError,
+    MoEModelConfig,
+    TokenDispatcher,
+)
 from gspo_megatron.parallel.device import compute_device, cuda_kernels
 from gspo_megatron.parallel.layout import ParallelLayout
 
@@ -65,8 +72,28 @@ def make_transformer_config(
     """``te_grouped_experts``: TransformerEngine's grouped GEMM experts (the TE spec with
     ``model.expert_mlp=grouped``); the portable spec swaps its experts in ``make_block_spec``."""
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     model.validate()
+    if model.rope_yarn_factor != 1.0:
+        raise ModelConfigError(
+            f"model.rope_yarn_factor={model.rope_yarn_factor}: YaRN RoPE scaling is not built here (the planner "
+            "reads it); set model.rope_yarn_factor=1.0 to train within the checkpoint's original context"
+        )
+    attention_kwargs: dict = {}
+    config_class = TransformerConfig
+    if model.attention == AttentionKind.mla:
+        config_class = MLATransformerConfig
+        attention_kwargs = dict(
+            multi_latent_attention=True,
+            q_lora_rank=model.q_lora_rank or None,
+            kv_lora_rank=model.kv_lora_rank,
+            qk_head_dim=model.qk_nope_head_dim,
+            qk_pos_emb_head_dim=model.qk_rope_head_dim,
+            v_head_dim=model.v_head_dim,
+            rope_type="rope",
+            rotary_base=int(model.rope_theta),
+        )
     moe_layer_freq = [0 if i in set(model.dense_layers) else 1 for i in range(model.num_layers)]
     moe_kwargs = {}
     if model.is_moe:
@@ -98,7 +125,7 @@ def make_transformer_config(
             # or replay (megatron's RouterReplay instances live in one process-global list).
             moe_enable_routing_replay=routing_replay,
         )
-    return TransformerConfig(
+    return config_class(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
@@ -142,7 +169,46 @@ def make_transformer_config(
         recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None,
         **moe_kwargs,
+        **attention_kwargs,
     )
+
+
+def _mla_without_transformer_engine() -> None:
+    """megatron-core's MLA (``multi_latent_attention.py``, 0.16) imports TE's linears inside a ``try`` that
+    succeeds without TransformerEngine (megatron's extension module then defines placeholders that are not
+    classes), sets ``HAVE_TE = True`` and tests ``isinstance(self.linear_proj, TELinear)``: a TypeError at
+    build. Where ``TELinear`` is not a class, TE is absent and ``HAVE_TE`` is set to what it means."""
+    from megatron.core.transformer import multi_latent_attention
+
+    if getattr(multi_latent_attention, "HAVE_TE", False) and not isinstance(multi_latent_attention.TELinear, type):
+        multi_latent_attention.HAVE_TE = False
+
+
+def _mla_shared_rope_key_gradient() -> None:
+    """megatron-core's MLA with column-parallel down projections (its local spec, which the portable spec
+    keeps) all-gathers the kv latent and the RoPE key over TP and hands each rank the whole key, which the
+    rank's heads use; the all-gather's backward keeps only each rank's own slice of *its* gradient, so the
+    key's gradient loses the other ranks' heads (found by the tp2 layout test: every gradient differed from
+    one rank's, up to 25%). The latents are fine: their next layer is column-parallel, whose backward
+    all-reduces. Fixed at the one place the shared key passes alone, its RoPE: the key (one head,
+    ``[s, b, 1, d]``) goes through ``copy_to_tensor_model_parallel_region`` first (identity forward,
+    all-reduce backward). Queries (``[s, b, heads / tp, d]``) are told apart by their head count, which
+    ``ParallelLayout`` keeps >= 2 for MLA."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+    from megatron.core.transformer import multi_latent_attention
+
+    original = multi_latent_attention.apply_rotary_pos_emb
+    if getattr(original, "sums_the_shared_key_gradient", False):
+        return
+
+    def apply_rotary_pos_emb(t, *args, **kwargs):
+        if t.dim() == 4 and t.shape[-2] == 1 and ps.get_tensor_model_parallel_world_size() > 1:
+            t = copy_to_tensor_model_parallel_region(t)
+        return original(t, *args, **kwargs)
+
+    apply_rotary_pos_emb.sums_the_shared_key_gradient = True  # type: ignore[attr-defined]
+    multi_latent_attention.apply_rotary_pos_emb = apply_rotary_pos_emb
 
 
 def make_block_spec(config, spec_name: str, expert_mlp: str = ExpertMLP.grouped):
@@ -162,7 +228,12 @@ def make_block_spec(config, spec_name: str, expert_mlp: str = ExpertMLP.grouped)
         sub.pre_mlp_layernorm = RMSNorm
         attn = sub.self_attention.submodules
         attn.core_attention = SDPACoreAttention
-        if config.qk_layernorm:  # else megatron's spec has IdentityOp there
+        if config.multi_latent_attention:  # RMSNorm on the q and kv latents (their widths, not a head's)
+            _mla_without_transformer_engine()
+            _mla_shared_rope_key_gradient()
+            attn.q_layernorm = RMSNorm
+            attn.kv_layernorm = RMSNorm
+        elif config.qk_layernorm:  # else megatron's spec has IdentityOp there
             attn.q_layernorm = QKRMSNorm
             attn.k_layernorm = QKRMSNorm
         moe = _submodules_of(sub.mlp)

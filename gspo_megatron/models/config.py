@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from gspo_megatron.config_node import ConfigChoice, ConfigNode
-from gspo_megatron.model_families import FAMILIES, DenseLayers, ModelFamily
+from gspo_megatron.model_families import ALIASES, FAMILIES, DenseLayers, ModelFamily
 
 
 class ModelConfigError(ValueError):
@@ -44,6 +44,13 @@ class TokenDispatcher(ConfigChoice):
 
     alltoall = "alltoall"  # each routed token goes to the rank owning its expert (all-to-all-v over EP)
     allgather = "allgather"  # every rank gathers all tokens of the TP x EP group, keeps its experts' share
+
+
+class AttentionKind(ConfigChoice):
+    """``model.attention``: how queries, keys and values are made."""
+
+    gqa = "gqa"  # grouped-query attention (Qwen, Mixtral, GLM)
+    mla = "mla"  # multi-latent attention (DeepSeek-V3, Kimi-K2): low-rank latents, decoupled RoPE
 
 
 class RouterScore(ConfigChoice):
@@ -82,7 +89,18 @@ class MoEModelConfig(ConfigNode):
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     # attention
-    qk_norm: bool = True  # per-head RMSNorm on queries and keys (Qwen3-MoE)
+    attention: AttentionKind = AttentionKind.gqa
+    # multi-latent attention (attention=mla, DeepSeek-V3): queries from a q_lora_rank latent (0: projected
+    # directly), keys and values from a kv_lora_rank latent, each head's query/key = qk_nope_head_dim dims
+    # without RoPE + qk_rope_head_dim with it (one RoPE key shared by the heads), values v_head_dim;
+    # head_dim is then qk_nope_head_dim + qk_rope_head_dim
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_yarn_factor: float = 1.0  # YaRN RoPE scaling (DeepSeek-V3: 40); read for planning, not built (> 1 refused)
+    qk_norm: bool = True  # per-head RMSNorm on queries and keys (Qwen3-MoE); MLA: RMSNorm on the latents
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2-MoE, GLM-4.5)
     rotary_fraction: float = 1.0  # share of each head's dims RoPE rotates (GLM-4.5: 0.5)
     # the router (model_families.py): score function, expert bias, groups, scaling
@@ -108,6 +126,7 @@ class MoEModelConfig(ConfigNode):
         if self.family not in FAMILIES:
             raise ModelConfigError(f"model.family={self.family!r} is not a model family; valid: {sorted(FAMILIES)}")
         self._validate_family()
+        self._validate_attention()
         self._validate_router()
         positive = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim")
         for name in positive:
@@ -168,6 +187,27 @@ class MoEModelConfig(ConfigNode):
         except ValueError as error:
             raise ModelConfigError(str(error)) from error
 
+    def _validate_attention(self) -> None:
+        if self.attention != AttentionKind.mla:
+            return
+        sizes = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        small = [name for name in sizes if getattr(self, name) < 1]
+        if small or self.q_lora_rank < 0 or self.qk_rope_head_dim % 2:
+            raise ModelConfigError(
+                f"model.attention=mla needs model.{', model.'.join(sizes)} >= 1 (got {small} below), "
+                "model.q_lora_rank >= 0 and an even model.qk_rope_head_dim"
+            )
+        if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
+            raise ModelConfigError(
+                f"model.attention=mla: model.head_dim={self.head_dim} must be qk_nope_head_dim + qk_rope_head_dim = "
+                f"{self.qk_nope_head_dim + self.qk_rope_head_dim} (a query's and a key's width)"
+            )
+        if self.qkv_bias or not self.qk_norm or self.rotary_fraction != 1.0:
+            raise ModelConfigError(
+                "model.attention=mla has RMSNorm on its latents and no q/k/v biases, and RoPE rotates its "
+                "qk_rope_head_dim dims: set model.qk_norm=true, model.qkv_bias=false, model.rotary_fraction=1.0"
+            )
+
     def _validate_router(self) -> None:
         if self.expert_bias and self.router_score != RouterScore.sigmoid:
             raise ModelConfigError("model.expert_bias=true needs model.router_score=sigmoid (megatron's expert bias)")
@@ -202,6 +242,8 @@ class MoEModelConfig(ConfigNode):
         h, layers = self.hidden_size, self.num_layers
         attn = h * self.head_dim * (self.num_attention_heads * 2 + self.num_kv_heads * 2)
         attn += 2 * self.head_dim if self.qk_norm else 0
+        if self.attention == AttentionKind.mla:
+            attn = self._mla_parameters()
         attn += (self.num_attention_heads + 2 * self.num_kv_heads) * self.head_dim if self.qkv_bias else 0
         norms = 2 * h
         expert = 3 * h * self.moe_intermediate_size
@@ -217,10 +259,26 @@ class MoEModelConfig(ConfigNode):
         active = embed + layers * (attn + norms) + n_moe * moe_active + n_dense * dense
         return {"total": total, "active": active}
 
+    def _mla_parameters(self) -> int:
+        """One MLA block: q (down, norm, up or direct), kv down (+ the shared RoPE key), norm, up, output."""
+        h, heads, q_width = self.hidden_size, self.num_attention_heads, self.head_dim
+        q = h * heads * q_width
+        if self.q_lora_rank:
+            q = h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * heads * q_width
+        kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+        kv += self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + heads * self.v_head_dim * h
+
     # --- Hugging Face interop ---------------------------------------------------------------
     def to_hf_dict(self) -> dict[str, Any]:
         """The family's ``config.json`` dictionary for this model."""
         self.validate()  # the family's architecture can represent it
+        if self.rope_yarn_factor != 1.0:
+            raise ModelConfigError(
+                f"model.rope_yarn_factor={self.rope_yarn_factor}: YaRN RoPE scaling is read for planning but not "
+                "built, served or exported here; set model.rope_yarn_factor=1.0 (sequences within the "
+                "checkpoint's original context)"
+            )
         family = self.architecture
         return {
             "architectures": [family.architecture],
@@ -252,6 +310,7 @@ class MoEModelConfig(ConfigNode):
     @classmethod
     def from_hf_dict(cls, hf: Mapping[str, Any]) -> MoEModelConfig:
         model_type = hf.get("model_type")
+        model_type = ALIASES.get(model_type, model_type) if isinstance(model_type, str) else model_type
         if model_type not in FAMILIES:
             titles = ", ".join(f"{f.title} ({name})" for name, f in FAMILIES.items())
             raise ModelConfigError(
@@ -268,7 +327,7 @@ class MoEModelConfig(ConfigNode):
             family_fields = FAMILIES[model_type].read_hf_fields(hf, layers)
         except ValueError as error:
             raise ModelConfigError(str(error)) from error
-        return cls(
+        values: dict[str, Any] = dict(
             family=model_type,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -282,8 +341,8 @@ class MoEModelConfig(ConfigNode):
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            **family_fields,
         )
+        return cls(**(values | family_fields))  # a family's reading of a common key wins (MLA's head_dim)
 
     @classmethod
     def from_hf_config_file(cls, path: str | Path) -> MoEModelConfig:

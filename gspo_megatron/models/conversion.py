@@ -197,6 +197,8 @@ def _mapping_for(model, name: str, cfg: MoEModelConfig, first_expert: int) -> Pa
             simple["mlp.shared_experts.gate_weight"] = (shared["gate_weight"], None, None)
     if cfg.expert_bias:
         simple["mlp.router.expert_bias"] = (cfg.architecture.expert_bias_name(layer), None, None)
+    if cfg.attention == "mla" and rest.startswith("self_attention."):
+        simple.update(_mla_rows(model, name, cfg, p + "self_attn."))
     if rest in simple:
         hf, dim, group = simple[rest]
         return ParamMapping(name, (hf,), "copy", dim, group, unit)
@@ -218,6 +220,27 @@ def _mapping_for(model, name: str, cfg: MoEModelConfig, first_expert: int) -> Pa
             return ParamMapping(name, names, "gate_up", 0, "etp", unit, local_expert)
         return ParamMapping(name, (expert_name("down"),), "copy", 1, "etp", unit, local_expert)
     raise ConversionError(f"no HF mapping for megatron parameter {name!r}")
+
+
+def _mla_rows(model, name: str, cfg: MoEModelConfig, a: str) -> dict[str, tuple[str, int | None, str | None]]:
+    """Multi-latent attention's rows (megatron's MLASelfAttention <-> DeepSeek-V3's names): the up
+    projections are column-parallel by heads; the down projections are column-parallel in megatron's
+    local spec (gathered after) and duplicated in the TE spec, which the parameter's own shape tells."""
+    down_rows = {"linear_q_down_proj": cfg.q_lora_rank, "linear_kv_down_proj": cfg.kv_lora_rank + cfg.qk_rope_head_dim}
+    which = name.split(".")[-2]
+    sharded_down = which in down_rows and unwrap(model).get_parameter(name).shape[0] < down_rows[which]
+    down_dim, down_group = (0, "tp") if sharded_down else (None, None)
+    return {
+        "self_attention.linear_q_proj.weight": (a + "q_proj.weight", 0, "tp"),
+        "self_attention.linear_q_down_proj.weight": (a + "q_a_proj.weight", down_dim, down_group),
+        "self_attention.q_layernorm.weight": (a + "q_a_layernorm.weight", None, None),
+        "self_attention.linear_q_up_proj.layer_norm_weight": (a + "q_a_layernorm.weight", None, None),
+        "self_attention.linear_q_up_proj.weight": (a + "q_b_proj.weight", 0, "tp"),
+        "self_attention.linear_kv_down_proj.weight": (a + "kv_a_proj_with_mqa.weight", down_dim, down_group),
+        "self_attention.kv_layernorm.weight": (a + "kv_a_layernorm.weight", None, None),
+        "self_attention.linear_kv_up_proj.layer_norm_weight": (a + "kv_a_layernorm.weight", None, None),
+        "self_attention.linear_kv_up_proj.weight": (a + "kv_b_proj.weight", 0, "tp"),
+    }
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,20 +20,12 @@ def hf_shapes(cfg: MoEModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _layer_shapes(cfg: MoEModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
-    h, hd, family = cfg.hidden_size, cfg.head_dim, cfg.architecture
+    h, family = cfg.hidden_size, cfg.architecture
     p = f"model.layers.{layer}."
-    out = {
-        p + "input_layernorm.weight": (h,),
-        p + "self_attn.q_proj.weight": (cfg.num_attention_heads * hd, h),
-        p + "self_attn.k_proj.weight": (cfg.num_kv_heads * hd, h),
-        p + "self_attn.v_proj.weight": (cfg.num_kv_heads * hd, h),
-        p + "self_attn.o_proj.weight": (h, cfg.num_attention_heads * hd),
-    }
-    if cfg.qkv_bias:
-        for which, heads in (("q", cfg.num_attention_heads), ("k", cfg.num_kv_heads), ("v", cfg.num_kv_heads)):
-            out[p + f"self_attn.{which}_proj.bias"] = (heads * hd,)
-    if cfg.qk_norm:
-        out.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+    if cfg.attention == "mla":
+        out = {p + "input_layernorm.weight": (h,), **_mla_shapes(cfg, p + "self_attn.")}
+    else:
+        out = _gqa_shapes(cfg, p)
     out[p + "post_attention_layernorm.weight"] = (h,)
     if layer in set(cfg.dense_layers) or not cfg.is_moe:
         f = cfg.dense_intermediate_size
@@ -59,4 +51,40 @@ def _layer_shapes(cfg: MoEModelConfig, layer: int) -> dict[str, tuple[int, ...]]
         out.update({names["gate"]: (s, h), names["up"]: (s, h), names["down"]: (h, s)})
         if "gate_weight" in names:
             out[names["gate_weight"]] = (1, h)
+    return out
+
+
+def _gqa_shapes(cfg: MoEModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    h, hd = cfg.hidden_size, cfg.head_dim
+    out = {
+        p + "input_layernorm.weight": (h,),
+        p + "self_attn.q_proj.weight": (cfg.num_attention_heads * hd, h),
+        p + "self_attn.k_proj.weight": (cfg.num_kv_heads * hd, h),
+        p + "self_attn.v_proj.weight": (cfg.num_kv_heads * hd, h),
+        p + "self_attn.o_proj.weight": (h, cfg.num_attention_heads * hd),
+    }
+    if cfg.qkv_bias:
+        for which, heads in (("q", cfg.num_attention_heads), ("k", cfg.num_kv_heads), ("v", cfg.num_kv_heads)):
+            out[p + f"self_attn.{which}_proj.bias"] = (heads * hd,)
+    if cfg.qk_norm:
+        out.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+    return out
+
+
+def _mla_shapes(cfg: MoEModelConfig, a: str) -> dict[str, tuple[int, ...]]:
+    """Multi-latent attention (DeepSeek-V3): q from a latent (or directly), k/v from one latent plus a shared
+    RoPE key; per head the query/key is [no-RoPE | RoPE] and kv_b_proj gives [key without RoPE | value]."""
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    q_rows = heads * cfg.head_dim
+    out: dict[str, tuple[int, ...]] = {}
+    if cfg.q_lora_rank:
+        out[a + "q_a_proj.weight"] = (cfg.q_lora_rank, h)
+        out[a + "q_a_layernorm.weight"] = (cfg.q_lora_rank,)
+        out[a + "q_b_proj.weight"] = (q_rows, cfg.q_lora_rank)
+    else:
+        out[a + "q_proj.weight"] = (q_rows, h)
+    out[a + "kv_a_proj_with_mqa.weight"] = (cfg.kv_lora_rank + cfg.qk_rope_head_dim, h)
+    out[a + "kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
+    out[a + "kv_b_proj.weight"] = (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+    out[a + "o_proj.weight"] = (h, heads * cfg.v_head_dim)
     return out

@@ -59,6 +59,8 @@ class SDPACoreAttention(MegatronModule):
         softmax_scale=None,
         cp_comm_type=None,
         pg_collection=None,
+        k_channels=None,  # multi-latent attention: a key's and a value's widths (SDPA takes them from
+        v_channels=None,  # the tensors; MLA passes its softmax_scale)
     ):
         super().__init__(config=config)
         self.cp_size = config.context_parallel_size

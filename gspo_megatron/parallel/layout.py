@@ -85,12 +85,24 @@ class ParallelLayout:
             ]
         if model.dense_intermediate_size:
             checks.append((model.dense_intermediate_size, self.tp, "dense_intermediate_size", "tp"))
+        if getattr(model, "attention", "gqa") == "mla":  # megatron's column-parallel down projections
+            checks.append((model.q_lora_rank, self.tp, "q_lora_rank", "tp"))
+            checks.append(
+                (model.kv_lora_rank + model.qk_rope_head_dim, self.tp, "kv_lora_rank + qk_rope_head_dim", "tp")
+            )
         for value, size, what, dim in checks:
             if value % size:
                 raise LayoutError(
                     f"model.{what} = {value} is not divisible by parallel.{dim} = {size}; "
                     f"choose a {dim} that divides {value}"
                 )
+        if getattr(model, "attention", "gqa") == "mla" and self.tp > 1 and model.num_attention_heads // self.tp < 2:
+            # models/builder.py:_mla_shared_rope_key_gradient tells the shared RoPE key from queries by heads
+            raise LayoutError(
+                f"multi-latent attention with parallel.tp = {self.tp} needs >= 2 heads per rank: "
+                f"model.num_attention_heads = {model.num_attention_heads} gives "
+                f"{model.num_attention_heads // self.tp}; choose a smaller tp"
+            )
         if model.is_moe and self.tp > 1 and not self.use_sequence_parallel:
             raise LayoutError(
                 f"tp = {self.tp} with an MoE model needs sequence parallelism (megatron-core's MoE "

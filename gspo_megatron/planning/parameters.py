@@ -77,13 +77,17 @@ def _stage_parameters(model: MoEModelConfig, layout: ParallelLayout, pp_rank: in
         q_width = model.num_attention_heads * d // tp
         qkv_rows = (model.num_attention_heads + 2 * model.num_kv_heads) * d // tp
         add(p + "input_layernorm.weight", h)
-        add(p + "self_attention.linear_proj.weight", h * q_width)
-        add(p + "self_attention.linear_qkv.weight", qkv_rows * h)
-        if model.qkv_bias:
-            add(p + "self_attention.linear_qkv.bias", qkv_rows)
-        if model.qk_norm:
-            add(p + "self_attention.q_layernorm.weight", d)
-            add(p + "self_attention.k_layernorm.weight", d)
+        if model.attention == "mla":
+            for name, numel in _mla_parameters(model, tp):
+                add(p + "self_attention." + name, numel)
+        else:
+            add(p + "self_attention.linear_proj.weight", h * q_width)
+            add(p + "self_attention.linear_qkv.weight", qkv_rows * h)
+            if model.qkv_bias:
+                add(p + "self_attention.linear_qkv.bias", qkv_rows)
+            if model.qk_norm:
+                add(p + "self_attention.q_layernorm.weight", d)
+                add(p + "self_attention.k_layernorm.weight", d)
         add(p + "pre_mlp_layernorm.weight", h)
         if i in dense or not model.is_moe:
             ffn = model.dense_intermediate_size // tp
@@ -108,6 +112,28 @@ def _stage_parameters(model: MoEModelConfig, layout: ParallelLayout, pp_rank: in
         elif not first:
             add("output_layer.weight", model.vocab_size // tp * h, shared=True)
     return params
+
+
+def _mla_parameters(model: MoEModelConfig, tp: int) -> list[tuple[str, int]]:
+    """Multi-latent attention's parameters on one TP rank, in megatron's order (its local spec: every
+    projection column-parallel, the down projections too, gathered after; the TE spec's duplicated down
+    projections hold tp x these rows, under 1% of a DeepSeek-V3 layer)."""
+    h, heads = model.hidden_size, model.num_attention_heads // tp
+    out = [("linear_proj.weight", h * heads * model.v_head_dim)]
+    if model.q_lora_rank:
+        out += [
+            ("linear_q_down_proj.weight", model.q_lora_rank // tp * h),
+            ("linear_q_up_proj.weight", heads * model.head_dim * model.q_lora_rank),
+        ]
+    else:
+        out.append(("linear_q_proj.weight", heads * model.head_dim * h))
+    out += [
+        ("linear_kv_down_proj.weight", (model.kv_lora_rank + model.qk_rope_head_dim) // tp * h),
+        ("linear_kv_up_proj.weight", heads * (model.qk_nope_head_dim + model.v_head_dim) * model.kv_lora_rank),
+    ]
+    if model.q_lora_rank:
+        out.append(("q_layernorm.weight", model.q_lora_rank))
+    return out + [("kv_layernorm.weight", model.kv_lora_rank)]
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,27 @@ FAMILY_TEST_OVERRIDES: dict[str, dict[str, Any]] = {
         router_group_topk=1,
         routed_scaling_factor=2.5,
     ),
+    # GLM's MoE with multi-latent attention: q and kv latents, 6 + 2 dims per head for the query/key, 8
+    # for the value
+    "deepseek_v3": dict(
+        num_layers=4,
+        dense_layers=[0],
+        dense_intermediate_size=24,
+        num_experts=8,
+        shared_expert_intermediate_size=16,
+        num_kv_heads=4,
+        attention="mla",
+        q_lora_rank=12,
+        kv_lora_rank=10,
+        qk_nope_head_dim=6,
+        qk_rope_head_dim=2,
+        v_head_dim=8,
+        router_score="sigmoid",
+        expert_bias=True,
+        router_groups=2,
+        router_group_topk=1,
+        routed_scaling_factor=2.5,
+    ),
 }
 
 

@@ -39,7 +39,7 @@ def test_layout_matches_single_rank(reference, name):
     _assert_layout_matches(*reference, name)
 
 
-@pytest.fixture(scope="module", params=["glm4_moe", "mixtral", "qwen2_moe"])
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe", "mixtral", "qwen2_moe"])
 def family_reference(request):
     cfg = tiny_family_config(request.param)
     state = random_hf_state(cfg, seed=3)

@@ -13,7 +13,7 @@ from gspo_megatron.testing.train_runs import SHORT, read_metrics, run_training
 pytestmark = [pytest.mark.e2e]
 
 
-@pytest.mark.parametrize("model", ["mixtral_tiny", "qwen2_moe_tiny", "glm4_moe_tiny"])
+@pytest.mark.parametrize("model", ["mixtral_tiny", "qwen2_moe_tiny", "glm4_moe_tiny", "deepseek_v3_tiny"])
 def test_a_family_trains_with_rollout_routing_replay(tmp_path, model):
     overrides = [f"model={model}", "task=max_digit", "rollout.max_new_tokens=1", *SHORT]
     result = run_training([*overrides, "algorithm.routing_replay=rollout"], tmp_path / "run")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gspo_megatron.model_families import FAMILIES, PROJECTIONS, family
+from gspo_megatron.model_families import ALIASES, FAMILIES, PROJECTIONS, family
 from gspo_megatron.models.config import ModelConfigError, MoEModelConfig
 from gspo_megatron.models.hf_shapes import hf_shapes
 from gspo_megatron.testing.model_fixtures import tiny_family_config, tiny_test_config
@@ -90,9 +90,35 @@ def test_glm4_5_shapes(name, total, active_without_embeddings):
     assert round((counts["active"] - embeddings) / 1e9) == active_without_embeddings
 
 
+@pytest.mark.parametrize(
+    "name, total, active, groups",
+    # DeepSeek states 671B (without its multi-token-prediction module) and 37B active; Moonshot 1T and 32B
+    [("deepseek_v3", 671, 38, 8), ("kimi_k2", 1026, 33, 1)],
+)
+def test_deepseek_v3_and_kimi_k2_shapes(name, total, active, groups):
+    cfg = MoEModelConfig.from_hf_config_file(SHIPPED / f"{name}.json")  # kimi_k2: an alias of deepseek_v3
+    counts = cfg.parameter_count()
+    assert (cfg.family, cfg.attention, cfg.q_lora_rank, cfg.kv_lora_rank) == ("deepseek_v3", "mla", 1536, 512)
+    assert (cfg.head_dim, cfg.v_head_dim, cfg.router_groups, cfg.top_k) == (192, 128, groups, 8)
+    assert round(counts["total"] / 1e9) == total and round(counts["active"] / 1e9) == active
+    assert cfg.rope_yarn_factor > 1  # read for planning; building refuses it (below)
+
+
+def test_yarn_rope_scaling_is_refused_when_built_or_exported():
+    from gspo_megatron.models.builder import make_transformer_config
+    from gspo_megatron.parallel.layout import ParallelLayout
+
+    yarn = tiny_family_config("deepseek_v3", rope_yarn_factor=40.0)
+    with pytest.raises(ModelConfigError, match=r"model\.rope_yarn_factor=40\.0.*set model\.rope_yarn_factor=1\.0"):
+        make_transformer_config(yarn, ParallelLayout(world_size=1))
+    with pytest.raises(ModelConfigError, match=r"model\.rope_yarn_factor=40\.0"):
+        yarn.to_hf_dict()
+
+
 def test_a_shipped_config_names_its_family():
     for path in SHIPPED.glob("*.json"):
-        assert json.loads(path.read_text())["model_type"] in FAMILIES, path.name
+        model_type = json.loads(path.read_text())["model_type"]
+        assert ALIASES.get(model_type, model_type) in FAMILIES, path.name
 
 
 def test_what_a_family_cannot_represent_is_refused_naming_the_key():
@@ -111,9 +137,9 @@ def test_what_a_family_cannot_represent_is_refused_naming_the_key():
 
 
 def test_an_unknown_model_type_lists_the_families():
-    listed = r"model_type='deepseek_v3'.*Qwen3-MoE \(qwen3_moe\).*Mixtral \(mixtral\)"
+    listed = r"model_type='olmoe'.*Qwen3-MoE \(qwen3_moe\).*Mixtral \(mixtral\).*DeepSeek-V3.*\(deepseek_v3\)"
     with pytest.raises(ModelConfigError, match=listed):
-        MoEModelConfig.from_hf_dict({"model_type": "deepseek_v3"})
+        MoEModelConfig.from_hf_dict({"model_type": "olmoe"})
 
 
 def test_sliding_window_attention_is_refused():
