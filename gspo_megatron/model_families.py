@@ -147,6 +147,8 @@ def _read_qwen3_moe(hf: Mapping[str, Any], layers: int) -> dict[str, Any]:
         "dense_layers": dense,
         "dense_intermediate_size": hf.get("intermediate_size", 0) if dense else 0,
         "shared_expert_intermediate_size": hf.get("shared_expert_intermediate_size", 0) or 0,
+        # read, not assumed: a config with attention biases is refused by name (``fixed``), never loaded without them
+        "qkv_bias": bool(hf.get("attention_bias", False)),
     }
 
 

@@ -188,6 +188,11 @@ class MoEModelConfig(ConfigNode):
             raise ModelConfigError(str(error)) from error
 
     def _validate_attention(self) -> None:
+        if not 0.0 < self.rotary_fraction <= 1.0 or int(self.head_dim * self.rotary_fraction) % 2:
+            raise ModelConfigError(
+                f"model.rotary_fraction={self.rotary_fraction} must be in (0, 1] and rotate an even number of "
+                f"the head's {self.head_dim} dims"
+            )
         if self.attention != AttentionKind.mla:
             return
         sizes = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -215,11 +220,6 @@ class MoEModelConfig(ConfigNode):
             raise ModelConfigError(
                 "model.router_score=sigmoid renormalises the top-k scores always (megatron); "
                 "set model.norm_topk_prob=true"
-            )
-        if not 0.0 < self.rotary_fraction <= 1.0 or int(self.head_dim * self.rotary_fraction) % 2:
-            raise ModelConfigError(
-                f"model.rotary_fraction={self.rotary_fraction} must be in (0, 1] and rotate an even number of "
-                f"the head's {self.head_dim} dims"
             )
         if self.expert_bias_update_rate < 0:
             raise ModelConfigError(f"model.expert_bias_update_rate={self.expert_bias_update_rate} must be >= 0")
@@ -315,7 +315,7 @@ class MoEModelConfig(ConfigNode):
             titles = ", ".join(f"{f.title} ({name})" for name, f in FAMILIES.items())
             raise ModelConfigError(
                 f"config.json has model_type={model_type!r}; the model families built here are {titles} "
-                "(README, 'Model families')"
+                "(docs/training.md, 'Model families')"
             )
         missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if k not in hf]
         if missing:

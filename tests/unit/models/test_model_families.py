@@ -142,6 +142,12 @@ def test_an_unknown_model_type_lists_the_families():
         MoEModelConfig.from_hf_dict({"model_type": "olmoe"})
 
 
+def test_a_qwen3_config_with_attention_biases_is_refused_not_loaded_without_them():
+    hf = tiny_test_config().to_hf_dict() | {"attention_bias": True}
+    with pytest.raises(ModelConfigError, match=r"model\.qkv_bias=True.*Qwen3-MoE.*set model\.qkv_bias=false"):
+        MoEModelConfig.from_hf_dict(hf)
+
+
 def test_sliding_window_attention_is_refused():
     hf = tiny_family_config("mixtral").to_hf_dict() | {"sliding_window": 4096}
     with pytest.raises(ModelConfigError, match=r"sliding_window=4096.*set it to null"):
