@@ -8,7 +8,7 @@ Design decisions:
   running total: tests/distributed/test_planner_rl_step_memory.py).
 - Resident: the rank's model state (``parameters.state_bytes``, exact), the frozen reference's
   weights when ``algorithm.kl_coef > 0``, and on the driver (global rank 0) the embedded engine's own
-  ``Qwen3MoeForCausalLM``: every HF tensor once (``models/hf_shapes.py``) in ``rollout.embedded.dtype``.
+  transformers model of the family: every HF tensor once (``models/hf_shapes.py``) in ``rollout.embedded.dtype``.
   SGLang's engines live in their own processes and GPUs: nothing on the trainer's ranks. Under
   sequence parallelism (tp > 1) megatron gathers a column-parallel linear's input into its global
   memory buffer ("mpu", ``megatron/core/tensor_parallel/layers.py``), allocated at the first forward
@@ -106,7 +106,7 @@ def batch_bytes_per_row(fed_tokens: int, *, reference: bool) -> int:
 
 
 def engine_weight_bytes(model: MoEModelConfig, engine: EmbeddedEngineShape) -> int:
-    """The embedded engine's ``Qwen3MoeForCausalLM``: every HF tensor once (tied head: once)."""
+    """The embedded engine's transformers model (the family's class): every HF tensor once (tied head: once)."""
     return sum(math.prod(shape) for shape in hf_shapes(model).values()) * ENGINE_DTYPE_BYTES[engine.dtype]
 
 
