@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+DEFAULT_FAMILY = "qwen3_moe"  # model.family when a config names none (and the embedded engine's config)
 PROJECTIONS = ("gate", "up", "down")  # an expert's SwiGLU: down(silu(gate(x)) * up(x))
 
 
@@ -65,14 +66,15 @@ class ModelFamily:
     title: str  # for messages and the README
     architecture: str  # transformers' causal-LM class (config.json ``architectures``)
     config_class: str  # transformers' config class
-    moe_module: str  # checkpoint name of a layer's MoE block: ``model.layers.{l}.{moe_module}``
-    expert_projections: tuple[str, str, str]  # checkpoint names of the gate, up and down projections
     dense_layers: DenseLayers
-    shared_expert: str | None  # checkpoint module of the shared expert (None: the architecture has none)
-    shared_expert_gated: bool  # its output is scaled by sigmoid(shared_expert_gate(x))
     hf_fields: Callable[[Any], dict[str, Any]]  # model config -> the family's own config.json keys
     read_hf_fields: Callable[[Mapping[str, Any], int], dict[str, Any]]  # config.json, layers -> config kwargs
     fixed: Mapping[str, Any] = field(default_factory=dict)  # model-config fields the architecture fixes
+    moe_module: str = "mlp"  # checkpoint name of a layer's MoE block: ``model.layers.{l}.{moe_module}``
+    # checkpoint names of the experts' gate, up and down projections
+    expert_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    shared_expert: str | None = None  # checkpoint module of the shared expert (None: the architecture has none)
+    shared_expert_gated: bool = False  # its output is scaled by sigmoid(shared_expert_gate(x))
 
     def router_name(self, layer: int) -> str:
         return f"model.layers.{layer}.{self.moe_module}.gate.weight"
@@ -189,7 +191,8 @@ def _read_mixtral(hf: Mapping[str, Any], layers: int) -> dict[str, Any]:
     }
 
 
-def _glm4_moe_fields(cfg) -> dict[str, Any]:
+def _sigmoid_moe_fields(cfg) -> dict[str, Any]:
+    """The MoE keys GLM-4.5 and DeepSeek-V3 write alike (router, shared experts, first-k dense)."""
     if cfg.shared_expert_intermediate_size % max(cfg.moe_intermediate_size, 1):
         raise ValueError(
             f"model.shared_expert_intermediate_size={cfg.shared_expert_intermediate_size} must be a multiple of "
@@ -205,17 +208,12 @@ def _glm4_moe_fields(cfg) -> dict[str, Any]:
         "routed_scaling_factor": cfg.routed_scaling_factor,
         "n_group": cfg.router_groups,
         "topk_group": cfg.router_group_topk,
-        "use_qk_norm": cfg.qk_norm,
-        "attention_bias": cfg.qkv_bias,
-        "partial_rotary_factor": cfg.rotary_fraction,
-        "num_nextn_predict_layers": 0,
     }
 
 
-def _read_glm4_moe(hf: Mapping[str, Any], layers: int) -> dict[str, Any]:
+def _read_sigmoid_moe(hf: Mapping[str, Any], layers: int) -> dict[str, Any]:
     first_dense = hf.get("first_k_dense_replace", 1)
     expert_size = hf.get("moe_intermediate_size", 0)
-    rope = hf.get("rope_parameters") or {}
     return {
         "num_experts": hf.get("n_routed_experts", hf.get("num_local_experts", 0)) or 0,
         "moe_intermediate_size": expert_size,
@@ -223,9 +221,6 @@ def _read_glm4_moe(hf: Mapping[str, Any], layers: int) -> dict[str, Any]:
         "dense_layers": list(range(min(first_dense, layers))),
         "dense_intermediate_size": hf.get("intermediate_size", 0) if first_dense else 0,
         "shared_expert_intermediate_size": (hf.get("n_shared_experts", 1) or 0) * expert_size,
-        "qk_norm": hf.get("use_qk_norm", False),
-        "qkv_bias": hf.get("attention_bias", False),
-        "rotary_fraction": float(hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.5))),
         "router_score": "sigmoid",
         "expert_bias": True,
         "router_groups": hf.get("n_group", 1) or 1,
@@ -234,11 +229,26 @@ def _read_glm4_moe(hf: Mapping[str, Any], layers: int) -> dict[str, Any]:
     }
 
 
+def _glm4_moe_fields(cfg) -> dict[str, Any]:
+    return _sigmoid_moe_fields(cfg) | {
+        "use_qk_norm": cfg.qk_norm,
+        "attention_bias": cfg.qkv_bias,
+        "partial_rotary_factor": cfg.rotary_fraction,
+        "num_nextn_predict_layers": 0,
+    }
+
+
+def _read_glm4_moe(hf: Mapping[str, Any], layers: int) -> dict[str, Any]:
+    rope = hf.get("rope_parameters") or {}
+    return _read_sigmoid_moe(hf, layers) | {
+        "qk_norm": hf.get("use_qk_norm", False),
+        "qkv_bias": hf.get("attention_bias", False),
+        "rotary_fraction": float(hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.5))),
+    }
+
+
 def _deepseek_v3_fields(cfg) -> dict[str, Any]:
-    fields = _glm4_moe_fields(cfg)
-    for glm_only in ("use_qk_norm", "attention_bias", "partial_rotary_factor", "num_nextn_predict_layers"):
-        del fields[glm_only]
-    return fields | {
+    return _sigmoid_moe_fields(cfg) | {
         "q_lora_rank": cfg.q_lora_rank or None,
         "kv_lora_rank": cfg.kv_lora_rank,
         "qk_nope_head_dim": cfg.qk_nope_head_dim,
@@ -256,7 +266,7 @@ def _read_deepseek_v3(hf: Mapping[str, Any], layers: int) -> dict[str, Any]:
     nope, rope = hf.get("qk_nope_head_dim", 128), hf.get("qk_rope_head_dim", 64)
     scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     yarn = scaling.get("rope_type", scaling.get("type")) == "yarn"
-    fields = _read_glm4_moe(hf, layers) | {
+    fields = _read_sigmoid_moe(hf, layers) | {
         "attention": "mla",
         "qk_norm": True,
         "qkv_bias": False,
@@ -281,11 +291,7 @@ FAMILIES: dict[str, ModelFamily] = {
             title="Qwen3-MoE",
             architecture="Qwen3MoeForCausalLM",
             config_class="Qwen3MoeConfig",
-            moe_module="mlp",
-            expert_projections=("gate_proj", "up_proj", "down_proj"),
             dense_layers=DenseLayers.anywhere,
-            shared_expert=None,
-            shared_expert_gated=False,
             hf_fields=_qwen3_moe_fields,
             read_hf_fields=_read_qwen3_moe,
             fixed=dict(_SOFTMAX_ROUTER, qk_norm=True, qkv_bias=False),
@@ -295,8 +301,6 @@ FAMILIES: dict[str, ModelFamily] = {
             title="Qwen2-MoE",
             architecture="Qwen2MoeForCausalLM",
             config_class="Qwen2MoeConfig",
-            moe_module="mlp",
-            expert_projections=("gate_proj", "up_proj", "down_proj"),
             dense_layers=DenseLayers.anywhere,
             shared_expert="shared_expert",
             shared_expert_gated=True,
@@ -312,8 +316,6 @@ FAMILIES: dict[str, ModelFamily] = {
             moe_module="block_sparse_moe",
             expert_projections=("w1", "w3", "w2"),
             dense_layers=DenseLayers.none,
-            shared_expert=None,
-            shared_expert_gated=False,
             hf_fields=_mixtral_fields,
             read_hf_fields=_read_mixtral,
             # transformers' MixtralTopKRouter renormalises the k scores whatever the config says
@@ -324,11 +326,8 @@ FAMILIES: dict[str, ModelFamily] = {
             title="GLM-4.5 (Glm4Moe)",
             architecture="Glm4MoeForCausalLM",
             config_class="Glm4MoeConfig",
-            moe_module="mlp",
-            expert_projections=("gate_proj", "up_proj", "down_proj"),
             dense_layers=DenseLayers.first,
             shared_expert="shared_experts",
-            shared_expert_gated=False,
             hf_fields=_glm4_moe_fields,
             read_hf_fields=_read_glm4_moe,
             # megatron renormalises a sigmoid router's top-k always (moe_utils.topk_routing_with_score_function)
@@ -341,11 +340,8 @@ FAMILIES: dict[str, ModelFamily] = {
             title="DeepSeek-V3 (also Kimi-K2)",
             architecture="DeepseekV3ForCausalLM",
             config_class="DeepseekV3Config",
-            moe_module="mlp",
-            expert_projections=("gate_proj", "up_proj", "down_proj"),
             dense_layers=DenseLayers.first,
             shared_expert="shared_experts",
-            shared_expert_gated=False,
             hf_fields=_deepseek_v3_fields,
             read_hf_fields=_read_deepseek_v3,
             fixed=dict(

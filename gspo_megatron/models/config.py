@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from gspo_megatron.config_node import ConfigChoice, ConfigNode
-from gspo_megatron.model_families import ALIASES, FAMILIES, DenseLayers, ModelFamily
+from gspo_megatron.model_families import ALIASES, DEFAULT_FAMILY, FAMILIES, DenseLayers, ModelFamily
 
 
 class ModelConfigError(ValueError):
@@ -69,7 +69,7 @@ class ExpertMLP(ConfigChoice):
 
 @dataclass
 class MoEModelConfig(ConfigNode):
-    family: str = "qwen3_moe"  # HF model_type of the architecture (model_families.py)
+    family: str = DEFAULT_FAMILY  # HF model_type of the architecture (model_families.py)
     vocab_size: int = 256
     hidden_size: int = 64
     num_layers: int = 2

@@ -39,7 +39,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
-from gspo_megatron.model_families import family
+from gspo_megatron.model_families import DEFAULT_FAMILY, family
 from gspo_megatron.rollout.config import EmbeddedConfig
 from gspo_megatron.rollout.embedded_weights import HfWeightLoader
 from gspo_megatron.rollout.engine import RolloutEngine
@@ -65,7 +65,7 @@ def build_hf_config(config: EmbeddedConfig) -> PretrainedConfig:
         with open(path) as handle:
             values = json.load(handle)
     values.update(config.model)
-    config_class, _ = family(values.pop("model_type", "qwen3_moe")).transformers_classes()
+    config_class, _ = family(values.pop("model_type", DEFAULT_FAMILY)).transformers_classes()
     return config_class(**values)
 
 

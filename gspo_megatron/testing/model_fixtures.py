@@ -44,36 +44,31 @@ def tiny_test_config(**overrides) -> MoEModelConfig:
     return MoEModelConfig(**values)
 
 
+# GLM-4.5's and DeepSeek-V3's MoE: one dense layer, 8 experts in 2 groups (1 kept, top-2), sigmoid + expert
+# bias, scaling, an un-gated shared expert
+_SIGMOID_MOE: dict[str, Any] = dict(
+    num_layers=4,
+    dense_layers=[0],
+    dense_intermediate_size=24,
+    num_experts=8,
+    shared_expert_intermediate_size=16,
+    router_score="sigmoid",
+    expert_bias=True,
+    router_groups=2,
+    router_group_topk=1,
+    routed_scaling_factor=2.5,
+)
 # Each family's tiny model (model_families.py): what its architecture fixes, and its own features on.
 FAMILY_TEST_OVERRIDES: dict[str, dict[str, Any]] = {
     "qwen3_moe": {},
     # q/k/v biases, a gated shared expert, top-k not renormalised
     "qwen2_moe": dict(qk_norm=False, qkv_bias=True, shared_expert_intermediate_size=24, norm_topk_prob=False),
     "mixtral": dict(qk_norm=False),
-    # one dense layer, 8 experts in 2 groups (1 kept, top-2), sigmoid + expert bias, scaling, an un-gated
-    # shared expert, q/k norms and biases, RoPE on half of each head
-    "glm4_moe": dict(
-        num_layers=4,
-        dense_layers=[0],
-        dense_intermediate_size=24,
-        num_experts=8,
-        shared_expert_intermediate_size=16,
-        qkv_bias=True,
-        rotary_fraction=0.5,
-        router_score="sigmoid",
-        expert_bias=True,
-        router_groups=2,
-        router_group_topk=1,
-        routed_scaling_factor=2.5,
-    ),
-    # GLM's MoE with multi-latent attention: q and kv latents, 6 + 2 dims per head for the query/key, 8
-    # for the value
+    # with q/k norms and biases, RoPE on half of each head
+    "glm4_moe": dict(_SIGMOID_MOE, qkv_bias=True, rotary_fraction=0.5),
+    # with multi-latent attention: q and kv latents, 6 + 2 dims per head for the query/key, 8 for the value
     "deepseek_v3": dict(
-        num_layers=4,
-        dense_layers=[0],
-        dense_intermediate_size=24,
-        num_experts=8,
-        shared_expert_intermediate_size=16,
+        _SIGMOID_MOE,
         num_kv_heads=4,
         attention="mla",
         q_lora_rank=12,
@@ -81,11 +76,6 @@ FAMILY_TEST_OVERRIDES: dict[str, dict[str, Any]] = {
         qk_nope_head_dim=6,
         qk_rope_head_dim=2,
         v_head_dim=8,
-        router_score="sigmoid",
-        expert_bias=True,
-        router_groups=2,
-        router_group_topk=1,
-        routed_scaling_factor=2.5,
     ),
 }
 
