@@ -19,9 +19,9 @@ Name mode: MODEL is a preset of ``models/config.py``, a shape shipped in
 ``gspo_megatron/planning/hf_configs/`` or a Hugging Face ``config.json``; LAYOUT is ``rank``, a
 ``conf/parallel`` name (``tp4_ep8`` means what ``parallel=tp4_ep8`` means: etp 1) or sizes such as
 ``tp4_pp2_ep8_etp1_cp2`` (omitted sizes are 1; etp defaults to tp, as ``parallel.etp=null``), with
-``vpN`` (virtual pipeline chunks) and ``firstN``/``lastN`` (decoder layers of the first/last virtual
-stage, as megatron's flags) for the layouts people run that the trainer does not build:
-``tp4_pp4_cp2_ep16_etp1_last22`` (slime's 235B), ``tp1_pp8_ep32_etp1_vp4_first2_last2`` (Megatron-Bridge's).
+``firstN``/``lastN`` (decoder layers of the first/last pipeline rank, as megatron's flags and
+``parallel.first_stage_layers`` / ``last_stage_layers``: ``tp4_pp4_cp2_ep16_etp1_last22`` is slime's
+235B) and ``vpN`` (virtual pipeline chunks per rank: planned, not built by the trainer).
 
 ``--calibrate`` (config mode) runs ``--calibrate-steps`` steps of that very job first (the
 entry point, or the launcher with --gpus ranks) and replaces the assumptions with what it fitted:
@@ -46,7 +46,6 @@ from gspo_megatron.models.config import PRESETS, MoEModelConfig, preset
 from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.planning.hardware import GB, GPUS, gpu_spec
 from gspo_megatron.planning.job import compose_job, plan_job, rank_job
-from gspo_megatron.planning.pipeline import PipelineLayout
 from gspo_megatron.planning.planner import (
     GiB,
     Plan,
@@ -86,7 +85,7 @@ def parse_layout(name: str, gpus: int) -> ParallelLayout:
 
         values = OmegaConf.to_container(OmegaConf.load(named))
         assert isinstance(values, dict)
-        fields = ("tp", "pp", "ep", "etp", "cp", "sequence_parallel")
+        fields = ("tp", "pp", "ep", "etp", "cp", "sequence_parallel", "first_stage_layers", "last_stage_layers")
         return ParallelLayout(world_size=gpus, **{k: values[k] for k in fields if k in values})
     sizes: dict[str, int] = {}
     for part in name.split("_"):
@@ -97,27 +96,17 @@ def parse_layout(name: str, gpus: int) -> ParallelLayout:
             )
         sizes[match.group(1)] = int(match.group(2))
     dp = sizes.pop("dp", None)
-    parallel = ParallelLayout(
+    layout = ParallelLayout(
         world_size=gpus,
         tp=sizes.get("tp", 1),
         pp=sizes.get("pp", 1),
         ep=sizes.get("ep", 1),
         etp=sizes.get("etp"),
         cp=sizes.get("cp", 1),
+        vpp=sizes.get("vp", 1),
+        first_stage_layers=sizes.get("first"),
+        last_stage_layers=sizes.get("last"),
     )
-    layout = parallel
-    if {"first", "last", "vp"} & sizes.keys():
-        layout = PipelineLayout(
-            world_size=gpus,
-            tp=parallel.tp,
-            pp=parallel.pp,
-            ep=parallel.ep,
-            etp=sizes.get("etp"),
-            cp=parallel.cp,
-            vpp=sizes.get("vp", 1),
-            first=sizes.get("first"),
-            last=sizes.get("last"),
-        )
     if dp is not None and layout.tp * layout.pp * layout.cp * dp != gpus:
         product = layout.tp * layout.pp * layout.cp * dp
         raise SystemExit(f"LAYOUT {name!r}: tp*pp*cp*dp = {product} != --gpus {gpus}")

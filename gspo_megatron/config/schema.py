@@ -94,6 +94,8 @@ class ParallelSection(ConfigNode):
     etp: int | None = None
     cp: int = 1
     sequence_parallel: bool | None = None  # None: on exactly when tp > 1
+    first_stage_layers: int | None = None  # decoder layers on pipeline rank 0; None: an even share
+    last_stage_layers: int | None = None  # decoder layers on the last pipeline rank; None: an even share
     timeout_s: float = 600.0  # bound of every collective; a rank silent this long is named and the job stops
 
     def validate(self) -> None:
@@ -109,6 +111,8 @@ class ParallelSection(ConfigNode):
             cp=self.cp,
             sequence_parallel=self.sequence_parallel,
             world_size=world_size,
+            first_stage_layers=self.first_stage_layers,
+            last_stage_layers=self.last_stage_layers,
         )
 
 

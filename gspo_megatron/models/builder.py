@@ -37,7 +37,7 @@ from gspo_megatron.models.config import (
     TokenDispatcher,
 )
 from gspo_megatron.parallel.device import compute_device, cuda_kernels
-from gspo_megatron.parallel.layout import ParallelLayout
+from gspo_megatron.parallel.layout import LayoutError, ParallelLayout
 
 
 def transformer_engine_available() -> bool:
@@ -79,6 +79,11 @@ def make_transformer_config(
         raise ModelConfigError(
             f"model.rope_yarn_factor={model.rope_yarn_factor}: YaRN RoPE scaling is not built here (the planner "
             "reads it); set model.rope_yarn_factor=1.0 to train within the checkpoint's original context"
+        )
+    if layout.vpp > 1:
+        raise LayoutError(
+            f"vpp = {layout.vpp}: virtual pipeline stages (interleaved 1F1B) are planned by tools/plan.py, not "
+            "built by the trainer; use parallel.first_stage_layers / parallel.last_stage_layers for uneven stages"
         )
     attention_kwargs: dict = {}
     config_class = TransformerConfig
@@ -143,6 +148,9 @@ def make_transformer_config(
         attention_dropout=0.0,
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
+        # megatron's uneven stages: layers on the first / last pipeline rank (the rest split evenly)
+        num_layers_in_first_pipeline_stage=layout.first_stage_layers,
+        num_layers_in_last_pipeline_stage=layout.last_stage_layers,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.expert_tp,
         context_parallel_size=layout.cp,

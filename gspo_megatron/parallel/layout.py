@@ -8,6 +8,13 @@ Design decisions:
   is (etp, ep, expert-dp, pp) and must divide the same world; ep need not divide dp.
 - Call sites ask the initialised ``ParallelMesh`` (parallel/mesh.py) for groups and ranks; they
   never compute rank arithmetic themselves.
+- Pipeline stages follow megatron-core's own fields, so what is validated here is what megatron builds:
+  ``first_stage_layers`` / ``last_stage_layers`` are the decoder layers of the first / last pipeline
+  *rank* (``num_layers_in_first_pipeline_stage`` / ``..._last_...``; Megatron-LM's
+  ``--decoder-first-pipeline-num-layers``), the other ranks split the rest evenly. With ``vpp = v``
+  virtual chunks each rank's layers split evenly over its chunks and chunk c of rank r is virtual stage
+  c * pp + r (megatron's interleaved order, ``transformer_layer.get_transformer_layer_offset``). The
+  planner plans ``vpp > 1``; the trainer builds ``vpp = 1`` (models/builder.py refuses more).
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ class ParallelLayout:
     cp: int = 1  # context parallel
     sequence_parallel: bool | None = None  # None = on exactly when tp > 1
     world_size: int = 1
+    first_stage_layers: int | None = None  # decoder layers on pipeline rank 0; None: an even share
+    last_stage_layers: int | None = None  # decoder layers on the last pipeline rank; None: an even share
+    vpp: int = 1  # virtual pipeline chunks per rank (interleaved 1F1B); planned, the trainer builds 1
 
     @property
     def expert_tp(self) -> int:
@@ -47,7 +57,7 @@ class ParallelLayout:
 
     def validate(self, model=None) -> ParallelLayout:
         """Raise LayoutError on the first conflict; ``model`` is an optional MoEModelConfig."""
-        for name in ("tp", "pp", "ep", "cp", "world_size"):
+        for name in ("tp", "pp", "ep", "cp", "world_size", "vpp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"parallel.{name} must be a positive integer, got {value!r}")
@@ -65,6 +75,14 @@ class ParallelLayout:
                 f"etp*ep*pp = {self.expert_tp}*{self.ep}*{self.pp} = {expert} does not divide the world "
                 f"size {self.world_size}; lower ep or etp"
             )
+        for name in ("first_stage_layers", "last_stage_layers"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise LayoutError(f"parallel.{name} must be a positive integer or null, got {value!r}")
+            if value is not None and self.pp == 1:
+                raise LayoutError(f"parallel.{name} = {value} needs parallel.pp > 1 (it sizes a pipeline stage)")
+        if self.vpp > 1 and self.pp == 1:
+            raise LayoutError(f"vpp = {self.vpp} needs pp > 1 (virtual stages interleave pipeline ranks)")
         if self.sequence_parallel and self.tp == 1:
             raise LayoutError("sequence_parallel=true needs tp > 1 (it splits the sequence over the TP group)")
         if model is not None:
@@ -72,8 +90,8 @@ class ParallelLayout:
         return self
 
     def _validate_against_model(self, model) -> None:
+        self.stage_layer_counts(model.num_layers)
         checks = [
-            (model.num_layers, self.pp, "num_layers", "pp"),
             (model.num_attention_heads, self.tp, "num_attention_heads", "tp"),
             (model.num_kv_heads, self.tp, "num_kv_heads", "tp"),
             (model.vocab_size, self.tp, "vocab_size", "tp"),
@@ -108,3 +126,52 @@ class ParallelLayout:
                 f"tp = {self.tp} with an MoE model needs sequence parallelism (megatron-core's MoE "
                 "layer requires it with tensor parallelism); set parallel.sequence_parallel=true"
             )
+
+    @property
+    def uneven_pipeline(self) -> bool:
+        return self.first_stage_layers is not None or self.last_stage_layers is not None
+
+    def stage_layer_counts(self, num_layers: int) -> list[int]:
+        """Decoder layers on each pipeline rank, in rank order; LayoutError naming the keys if they do
+        not split: the ranks without a fixed count share the rest evenly, and every rank's count is a
+        multiple of ``vpp`` (its chunks are equal)."""
+        ends = {0: self.first_stage_layers, self.pp - 1: self.last_stage_layers} if self.pp > 1 else {}
+        fixed = {rank: n for rank, n in ends.items() if n is not None}
+        middle = self.pp - len(fixed)
+        rest = num_layers - sum(fixed.values())
+        if not self.uneven_pipeline and num_layers % self.pp:
+            raise LayoutError(
+                f"model.num_layers = {num_layers} is not divisible by parallel.pp = {self.pp}; choose a pp "
+                "that divides it, or size the end stages with parallel.first_stage_layers / "
+                "parallel.last_stage_layers"
+            )
+        if rest < 0 or (middle and (rest <= 0 or rest % middle)) or (not middle and rest):
+            raise LayoutError(
+                f"model.num_layers = {num_layers} over parallel.pp = {self.pp} stages with "
+                f"first_stage_layers={self.first_stage_layers} last_stage_layers={self.last_stage_layers}: "
+                f"the other {middle} stages cannot share the remaining {rest} layers evenly"
+            )
+        counts = [rest // middle if middle else 0] * self.pp
+        for rank, n in fixed.items():
+            counts[rank] = n
+        uneven_chunks = [(rank, n) for rank, n in enumerate(counts) if n % self.vpp]
+        if uneven_chunks:
+            rank, n = uneven_chunks[0]
+            raise LayoutError(
+                f"pipeline rank {rank} holds {n} layers, not a multiple of vpp = {self.vpp} (each rank's "
+                "virtual chunks are equal); choose stage sizes divisible by vpp"
+            )
+        return counts
+
+    def stage_layers(self, num_layers: int, pp_rank: int) -> list[int]:
+        """Global decoder-layer indices pipeline rank ``pp_rank`` holds, in model order: chunk c of rank
+        r is virtual stage c * pp + r, and virtual stages hold consecutive layers."""
+        chunk_sizes = [n // self.vpp for n in self.stage_layer_counts(num_layers)]
+        layers: list[int] = []
+        start = 0
+        for _chunk in range(self.vpp):
+            for rank, size in enumerate(chunk_sizes):
+                if rank == pp_rank:
+                    layers.extend(range(start, start + size))
+                start += size
+        return layers

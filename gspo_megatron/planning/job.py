@@ -103,7 +103,7 @@ def job_from_config(cfg: TrainConfig, gpus: int, prompt_tokens: int) -> PlannedJ
 def with_layout(job: PlannedJob, layout: ParallelLayout) -> PlannedJob:
     """The same job on another layout (for ranking): the config's parallel section replaced, validated."""
     cfg = copy.deepcopy(job.config)
-    for name in ("tp", "pp", "ep", "etp", "cp", "sequence_parallel"):
+    for name in ("tp", "pp", "ep", "etp", "cp", "sequence_parallel", "first_stage_layers", "last_stage_layers"):
         setattr(cfg.parallel, name, getattr(layout, name))
     return job_from_config(cfg, layout.world_size, job.prompt_tokens)
 

@@ -38,9 +38,7 @@ class ParamSpec:
 
 
 def stage_layers(model: MoEModelConfig, layout: ParallelLayout, pp_rank: int) -> list[int]:
-    from gspo_megatron.planning.pipeline import stage_layers as pipeline_stage_layers
-
-    return pipeline_stage_layers(model, layout, pp_rank)
+    return layout.stage_layers(model.num_layers, pp_rank)
 
 
 _CACHE: dict[tuple, object] = {}  # the ranking tool asks for the same stage many times

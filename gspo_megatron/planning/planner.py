@@ -30,7 +30,7 @@ from gspo_megatron.planning.activations import FP32, MicroBatchShape, activation
 from gspo_megatron.planning.comm import Traffic, WeightSyncPlan, step_traffic, weight_sync_plan
 from gspo_megatron.planning.hardware import GPUSpec
 from gspo_megatron.planning.parameters import DTYPE_BYTES, StateBytes, stage_layers, stage_parameters, state_bytes
-from gspo_megatron.planning.pipeline import TRAINER_REFUSES, PipelineLayout, in_flight_factor
+from gspo_megatron.planning.pipeline import TRAINER_REFUSES, in_flight_factor
 from gspo_megatron.planning.rl_step_memory import EmbeddedEngineShape, RLStepMemory, rl_step_memory
 from gspo_megatron.planning.step_time import (
     RLStepTime,
@@ -158,6 +158,8 @@ def check_with_trainer_rules(model: MoEModelConfig, layout: ParallelLayout, opti
         etp=layout.etp,
         cp=layout.cp,
         sequence_parallel=layout.sequence_parallel,
+        first_stage_layers=layout.first_stage_layers,
+        last_stage_layers=layout.last_stage_layers,
     )
     cfg.rollout.group_size = options.group_size
     cfg.trainer.prompts_per_step = sequences // options.group_size
@@ -246,7 +248,7 @@ def plan_layout(
 ) -> Plan:
     """Everything the planner predicts for one layout; raises PlanError if the trainer would refuse it.
     ``validated``: the options come from a config the trainer's validation already accepted (``job.py``)."""
-    beyond_trainer = isinstance(layout, PipelineLayout) and not layout.is_trainer_layout
+    beyond_trainer = layout.vpp > 1
     if beyond_trainer:
         layout.validate(model)
     elif not validated:
@@ -329,7 +331,8 @@ def candidate_layouts(model: MoEModelConfig, gpus: int, gpu: GPUSpec, max_cp: in
     ``ParallelLayout.validate`` accepts for this model. etp != tp only with ep > 1: megatron-core puts
     expert parameters in their own (expert-data-parallel) buffer only under expert parallelism, so
     with ep = 1 an expert sharded differently from the dense layers would have its gradients reduced
-    over the dense data-parallel group; not verified on CPU, so not proposed."""
+    over the dense data-parallel group; not verified on CPU, so not proposed. A pp that does not divide
+    the layers is proposed with slime's split (``_pipeline_split``)."""
     out = []
     for tp in _divisors(gpus, gpu.gpus_per_node):
         for cp in _divisors(gpus // tp, max_cp):
@@ -340,13 +343,29 @@ def candidate_layouts(model: MoEModelConfig, gpus: int, gpu: GPUSpec, max_cp: in
                         if ep == 1 and etp != tp:  # see the docstring
                             continue
                         layout = ParallelLayout(
-                            tp=tp, pp=pp, ep=ep, etp=None if etp == tp else etp, cp=cp, world_size=gpus
+                            tp=tp,
+                            pp=pp,
+                            ep=ep,
+                            etp=None if etp == tp else etp,
+                            cp=cp,
+                            world_size=gpus,
+                            last_stage_layers=_pipeline_split(model.num_layers, pp),
                         )
                         try:
                             out.append(layout.validate(model))
                         except ValueError:
                             continue
     return out
+
+
+def _pipeline_split(num_layers: int, pp: int) -> int | None:
+    """The last stage's layers when ``pp`` does not divide ``num_layers``: every other stage takes
+    ceil(layers / pp) and the last the rest (slime's Qwen3-235B: 94 layers on pp 4 = 24 + 24 + 24 + 22);
+    None for an even split, or when the rest would be empty."""
+    if num_layers % pp == 0:
+        return None
+    rest = num_layers - (pp - 1) * -(-num_layers // pp)
+    return rest if rest > 0 else None
 
 
 def rank_layouts(
@@ -389,4 +408,10 @@ def layout_name(layout: ParallelLayout) -> str:
     if layout.etp is not None and layout.etp != layout.tp:
         parts.append(f"etp{layout.etp}")
     parts.append(f"dp{layout.dp}")
+    if layout.vpp > 1:
+        parts.append(f"vp{layout.vpp}")
+    if layout.first_stage_layers is not None:
+        parts.append(f"first{layout.first_stage_layers}")
+    if layout.last_stage_layers is not None:
+        parts.append(f"last{layout.last_stage_layers}")
     return "_".join(parts)

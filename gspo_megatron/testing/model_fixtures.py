@@ -150,8 +150,8 @@ def model_layout_worker(
     "algorithm": any other ``AlgorithmConfig`` fields, e.g. an anchor preset's clip and KL settings).
     ``build_kwargs`` go to ``build_model`` (e.g. ``token_dispatcher``, ``expert_mlp``).
     Returns this rank's exported weights, the log-probs it holds (last stage, by dp rank), its loss
-    contribution and the gradients gathered to HF names. ``dtype="bfloat16"`` builds bf16 weights
-    (gradients reduced in fp32, as the trainer does).
+    contribution, the gradients gathered to HF names and the decoder layers it built ("layers").
+    ``dtype="bfloat16"`` builds bf16 weights (gradients reduced in fp32, as the trainer does).
     """
     variant = {"params_dtype": getattr(torch, dtype), **(build_kwargs or {})}
     (result,) = model_variants_worker(ctx, cfg, state, layout_kwargs, [variant], policy)
@@ -250,7 +250,8 @@ def _forward_backward(cfg: MoEModelConfig, state: dict, layout, mesh, policy: di
         log_probs[mesh.dp_rank] = torch.cat([m["log_probs"] for m in metrics], dim=0)
     if metrics:
         loss = sum(m["loss"] for m in metrics)
-    return {"exported": exported, "log_probs": log_probs, "grads": grads, "loss": loss}
+    layers = [layer.layer_number - 1 for layer in model.decoder.layers]  # global, 0-based
+    return {"exported": exported, "log_probs": log_probs, "grads": grads, "loss": loss, "layers": layers}
 
 
 def _token_budget_micro_batches(inputs, targets, per_row: dict, mask, budget: int, layout, dp_rank: int):

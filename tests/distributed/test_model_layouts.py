@@ -39,6 +39,35 @@ def test_layout_matches_single_rank(reference, name):
     _assert_layout_matches(*reference, name)
 
 
+UNEVEN_STAGE_LAYOUTS = {
+    "pp2_first3": dict(pp=2, first_stage_layers=3, world_size=2),  # 3 + 1 layers
+    "pp2_last3_ep2": dict(pp=2, last_stage_layers=3, ep=2, world_size=4),  # 1 + 3, experts over 2 ranks
+}
+
+
+@pytest.fixture(scope="module")
+def four_layer_reference():
+    cfg = tiny_test_config(num_layers=4)
+    state = random_hf_state(cfg, seed=5)
+    (single,) = run_distributed(model_layout_worker, 1, cfg, state, dict(world_size=1), timeout=300)
+    return cfg, state, single
+
+
+@pytest.mark.parametrize("name", list(UNEVEN_STAGE_LAYOUTS))
+def test_uneven_pipeline_stages_match_single_rank(four_layer_reference, name):
+    """megatron's uneven stages (parallel.first_stage_layers / last_stage_layers) built by the trainer's
+    builder: the same log-probs, loss and HF-named gradients as one rank, and an exact HF round trip."""
+    cfg, state, single = four_layer_reference
+    layout = UNEVEN_STAGE_LAYOUTS[name]
+    results = run_distributed(model_layout_worker, layout["world_size"], cfg, state, layout, timeout=600)
+    _assert_results_match(state, single, results)
+    first_stage = 3 if name == "pp2_first3" else 1
+    for rank, result in enumerate(results):  # pp is the outermost dimension: the first half is stage 0
+        stage = rank // (layout["world_size"] // 2)
+        expected = list(range(first_stage)) if stage == 0 else list(range(first_stage, 4))
+        assert result["layers"] == expected, f"rank {rank} built layers {result['layers']}"
+
+
 @pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe", "mixtral", "qwen2_moe"])
 def family_reference(request):
     cfg = tiny_family_config(request.param)
@@ -56,6 +85,10 @@ def _assert_layout_matches(cfg, state, single, name: str) -> None:
     results = run_distributed(
         model_layout_worker, EQUIVALENCE_LAYOUTS[name]["world_size"], cfg, state, EQUIVALENCE_LAYOUTS[name], timeout=600
     )
+    _assert_results_match(state, single, results)
+
+
+def _assert_results_match(state: dict, single: dict, results: list[dict]) -> None:
     # Round trip: every rank exports exactly the weights it was given.
     for result in results:
         assert result["exported"].keys() == state.keys()

@@ -26,11 +26,14 @@ NEEDS = {
 }
 
 
+CLUSTER_LAYOUT_MODELS = {"tp4_ep8": "qwen3_30b_a3b", "tp4_pp4_cp2_ep16_etp1_last22": "qwen3_235b_a22b"}
+
+
 @pytest.mark.parametrize("group, option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_every_group_option_composes_and_validates(group, option):
     overrides = [f"{group}={option}"] + NEEDS.get((group, option), [])
-    if group == "parallel" and option == "tp4_ep8":
-        overrides.append("model=qwen3_30b_a3b")
+    if group == "parallel" and option in CLUSTER_LAYOUT_MODELS:  # the model each cluster layout is for
+        overrides.append(f"model={CLUSTER_LAYOUT_MODELS[option]}")
     cfg = compose(overrides)
     typed = OmegaConf.to_object(cfg)
     world = typed.parallel.tp * typed.parallel.pp * typed.parallel.cp * typed.parallel.ep

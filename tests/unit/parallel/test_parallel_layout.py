@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from gspo_megatron.models.config import MoEModelConfig, preset
 from gspo_megatron.parallel.layout import LayoutError, ParallelLayout
@@ -169,3 +170,63 @@ def test_real_qwen3_30b_layouts():
     assert re.search(r"num_kv_heads = 4 .* parallel\.tp = 8", message)
     # 48 layers over 5 stages
     refused(ParallelLayout(pp=5, world_size=5), "num_layers = 48", "parallel.pp = 5", model=model)
+
+
+# --- pipeline stages ------------------------------------------------------------------------
+STAGE_LAYOUTS = [
+    dict(pp=2),
+    dict(pp=2, first_stage_layers=3),
+    dict(pp=2, last_stage_layers=1),
+    dict(pp=4, last_stage_layers=1, num_layers=10),  # slime's 235B shape: 3 + 3 + 3 + 1
+    dict(pp=4, first_stage_layers=2, last_stage_layers=2, num_layers=10),
+    dict(pp=2, vpp=2),
+    dict(pp=2, vpp=2, first_stage_layers=2, num_layers=10),
+    dict(pp=3, vpp=2, first_stage_layers=2, last_stage_layers=4, num_layers=12),
+]
+
+
+@pytest.mark.parametrize("spec", STAGE_LAYOUTS, ids=lambda s: "_".join(f"{k}{v}" for k, v in s.items()))
+def test_stage_layers_are_megatrons(spec):
+    """Which layers each pipeline rank (and each of its virtual chunks) holds is exactly what megatron-core
+    builds: ``get_num_layers_to_build`` and ``get_transformer_layer_offset`` for every rank and chunk."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    spec = dict(spec)
+    num_layers = spec.pop("num_layers", 4)
+    layout = ParallelLayout(world_size=spec["pp"], **spec).validate(tiny(num_layers=num_layers))
+    config = TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=8,
+        num_attention_heads=1,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        num_layers_in_first_pipeline_stage=layout.first_stage_layers,
+        num_layers_in_last_pipeline_stage=layout.last_stage_layers,
+        pipeline_dtype=torch.float32,
+    )
+    chunks = range(layout.vpp) if layout.vpp > 1 else [None]
+    for rank in range(layout.pp):
+        megatron_layers = []
+        for chunk in chunks:
+            offset = get_transformer_layer_offset(config, vp_stage=chunk, pp_rank=rank)
+            count = get_num_layers_to_build(config, vp_stage=chunk, pp_rank=rank)
+            megatron_layers += list(range(offset, offset + count))
+        assert layout.stage_layers(num_layers, rank) == megatron_layers, rank
+    assert sorted(sum((layout.stage_layers(num_layers, r) for r in range(layout.pp)), [])) == list(range(num_layers))
+
+
+@pytest.mark.parametrize(
+    "spec, fragments",
+    [
+        (dict(pp=1, first_stage_layers=2), ["parallel.first_stage_layers = 2 needs parallel.pp > 1"]),
+        (dict(pp=2, last_stage_layers=0), ["parallel.last_stage_layers must be a positive integer"]),
+        (dict(pp=2, first_stage_layers=4), ["first_stage_layers=4", "remaining 0 layers"]),
+        (dict(pp=3, last_stage_layers=1), ["other 2 stages cannot share the remaining 3 layers"]),
+        (dict(pp=2, vpp=2, first_stage_layers=3), ["pipeline rank 0 holds 3 layers, not a multiple of vpp = 2"]),
+        (dict(pp=1, vpp=2), ["vpp = 2 needs pp > 1"]),
+    ],
+)
+def test_uneven_stages_that_cannot_split_are_refused(spec, fragments):
+    refused(ParallelLayout(world_size=spec["pp"], **spec), *fragments, model=tiny(num_layers=4))

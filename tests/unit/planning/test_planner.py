@@ -273,30 +273,35 @@ def test_rollout_roofline_by_hand():
 
 
 def test_uneven_and_virtual_pipeline_stages_by_hand():
-    from gspo_megatron.planning.pipeline import PipelineLayout, bubble_slots, in_flight_factor, stage_layers
+    from gspo_megatron.planning.parameters import stage_layers
+    from gspo_megatron.planning.pipeline import bubble_slots, in_flight_factor
 
     shape = tiny_test_config(num_layers=10)
-    slime_like = PipelineLayout(pp=4, last=1, world_size=4).validate(shape)  # 10 = 3 + 3 + 3 + 1
+    slime_like = ParallelLayout(pp=4, last_stage_layers=1, world_size=4).validate(shape)  # 10 = 3 + 3 + 3 + 1
     assert [len(stage_layers(shape, slime_like, r)) for r in range(4)] == [3, 3, 3, 1]
     assert stage_layers(shape, slime_like, 3) == [9]
-    # pp 2 x vpp 2 = 4 virtual stages, first 1 and last 3 layers, the middle two 3 each: 1 | 3 | 3 | 3
-    bridge_like = PipelineLayout(pp=2, vpp=2, first=1, last=3, world_size=2).validate(shape)
-    assert stage_layers(shape, bridge_like, 0) == [0, 4, 5, 6]  # virtual stages 0 and 2
-    assert stage_layers(shape, bridge_like, 1) == [1, 2, 3, 7, 8, 9]  # virtual stages 1 and 3
-    assert in_flight_factor(bridge_like) == 1 + 1 / 4 and bubble_slots(bridge_like) == 0.5
-    with pytest.raises(ValueError, match="cannot split 9 evenly"):
-        PipelineLayout(pp=3, last=1, world_size=3).validate(shape)  # 9 over the other 2 stages
-    # the plan: planned, and named as a layout the trainer does not build
+    # pp 2 x vpp 2: rank 0 holds 2 layers (1 per chunk), rank 1 the other 8 (4 per chunk); virtual
+    # stages in model order are 1 | 4 | 1 | 4 layers (chunk c of rank r is virtual stage 2c + r)
+    interleaved = ParallelLayout(pp=2, vpp=2, first_stage_layers=2, world_size=2).validate(shape)
+    assert stage_layers(shape, interleaved, 0) == [0, 5]
+    assert stage_layers(shape, interleaved, 1) == [1, 2, 3, 4, 6, 7, 8, 9]
+    assert in_flight_factor(interleaved) == 1 + 1 / 4 and bubble_slots(interleaved) == 0.5
+    with pytest.raises(ValueError, match="cannot share the remaining 9 layers evenly"):
+        ParallelLayout(pp=3, last_stage_layers=1, world_size=3).validate(shape)  # 9 over the other 2 stages
+    with pytest.raises(ValueError, match="not a multiple of vpp = 2"):
+        ParallelLayout(pp=2, vpp=2, first_stage_layers=3, world_size=2).validate(shape)
+    # the plan: uneven stages are the trainer's; virtual stages are planned only, and named so
     options = PlanOptions(seq_len=8, micro_batch_tokens=16, global_batch_tokens=64, group_size=4)
-    plan = plan_layout(shape, slime_like, options, gpu_spec("h100"))
-    assert plan.trainer_refuses and "even pipeline split" in plan.trainer_refuses
+    assert plan_layout(shape, slime_like, options, gpu_spec("h100")).trainer_refuses is None
+    plan = plan_layout(shape, interleaved, options, gpu_spec("h100"))
+    assert plan.trainer_refuses and "no virtual pipeline stages" in plan.trainer_refuses
     plain = plan_layout(shape, ParallelLayout(pp=2, world_size=2), options, gpu_spec("h100"))
     assert plain.trainer_refuses is None
 
 
 def test_the_published_235b_layouts_are_plannable():
     plan_tool = load_plan_tool()
-    for layout, gpus in (("tp4_pp4_cp2_ep16_etp1_last22", 64), ("tp1_pp8_ep32_etp1_vp4_first2_last2", 256)):
+    for layout, gpus in (("tp4_pp4_cp2_ep16_etp1_last22", 64), ("tp1_pp8_ep32_etp1_vp2_last10", 256)):
         args = ["qwen3_235b_a22b", layout, "--gpus", str(gpus), "--recompute", "--global-batch-tokens", "2097152"]
         assert plan_tool.main(args) == 0, layout
 
