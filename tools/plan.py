@@ -154,7 +154,11 @@ def print_detail(plan: Plan) -> None:
     for label, value in [
         ("weights (param buffer with dist. opt.)", m.state.parameters),
         ("gradient buffers (fp32)", m.state.gradients),
-        ("optimizer (Adam moments + fp32 master)" + ("" if m.optimizer_on_gpu else ", offloaded"), m.state.optimizer),
+        (
+            "optimizer (Adam moments + fp32 master)"
+            + (f", {m.offloaded_moments / GiB:.1f} of its moments in host memory" if m.optimizer_offloaded else ""),
+            m.state.optimizer,
+        ),
         ("reference model (algorithm.kl_coef > 0)", m.reference_weights),
         ("activations (micro-batches in flight)", m.activations),
         ("loss head (logits + grad)", m.loss_head),
@@ -234,7 +238,7 @@ NAME_MODE_ONLY = {  # flags that set what a training config decides; config mode
     "group_size": "rollout.group_size",
     "dtype": "model.dtype",
     "no_distributed_optimizer": "optimizer.distributed=false",
-    "optimizer_offload": "(the trainer keeps Adam on the GPU)",
+    "optimizer_offload": "optimizer.cpu_offload=true (and optimizer.offload_fraction)",
     "recompute": "trainer.recompute_activations=true",
     "routing_replay": "algorithm.routing_replay",
     "dispatcher": "model.token_dispatcher",
@@ -311,7 +315,7 @@ def plan_name(args, gpu) -> int:
         group_size=args.group_size,
         dtype=args.dtype,
         distributed_optimizer=not args.no_distributed_optimizer,
-        optimizer_offload=args.optimizer_offload,
+        optimizer_offload=1.0 if args.optimizer_offload else 0.0,
         recompute=args.recompute,
         routing_replay=args.routing_replay,
         dispatcher=args.dispatcher,

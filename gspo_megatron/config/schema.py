@@ -156,6 +156,21 @@ class RolloutSection(ConfigNode):
         check_max_staleness(self.max_staleness)
 
 
+def use_distributed_optimizer(choice: str, layout: ParallelLayout) -> bool:
+    """``optimizer.distributed``: true/false as given; auto = on when the optimizer's data-parallel
+    group has more than one rank.
+
+    That group is megatron's, not our ``dp``: the DDP reduces the dense gradients over the dp x cp
+    ranks (``dp_cp_group``; context-parallel ranks hold the same weights and see other tokens) and the
+    distributed optimizer shards the dense state over the same ranks (``intra_dp_cp_group``), so
+    cp=2 with dp=1 has two ranks to shard with. (Expert state is sharded over the expert-dp ranks;
+    auto follows the dense group, which every layout has.)"""
+    choice = DistributedOptimizerChoice(str(choice).lower())
+    if choice == DistributedOptimizerChoice.auto:
+        return layout.dp * layout.cp > 1
+    return choice == DistributedOptimizerChoice.true
+
+
 @dataclass
 class OptimizerSection(ConfigNode):
     lr: float = 1e-3
@@ -170,8 +185,17 @@ class OptimizerSection(ConfigNode):
     # auto | true | false: megatron's distributed optimizer (state sharded over data-parallel ranks);
     # auto = on when dp x cp > 1 (the ranks megatron shards the optimizer state over)
     distributed: str = "auto"
+    # Adam on the host (megatron's HybridDeviceOptimizer; slime's --optimizer-cpu-offload): the
+    # offload_fraction of this rank's optimizer parameters is stepped by torch's AdamW on fp32 host
+    # copies, the rest on the device. Needs the distributed optimizer and bf16 weights (validate.py).
+    cpu_offload: bool = False
+    offload_fraction: float = 1.0
 
     def validate(self) -> None:
+        if not 0.0 < self.offload_fraction <= 1.0:
+            raise ValueError(
+                f"optimizer.offload_fraction={self.offload_fraction} must be in (0, 1] (1: all of Adam on the host)"
+            )
         for name in ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"optimizer.{name}={getattr(self, name)} must be a finite number")

@@ -10,7 +10,7 @@ import importlib.util
 
 from gspo_megatron.algorithms.config import OldLogProbSource
 from gspo_megatron.algorithms.mismatch_correction import MismatchCorrection
-from gspo_megatron.config.schema import TrainConfig
+from gspo_megatron.config.schema import TrainConfig, use_distributed_optimizer
 from gspo_megatron.config_node import config_nodes
 from gspo_megatron.parallel.context_parallel import validate_context_parallel
 from gspo_megatron.rollout.config import RolloutEngineName
@@ -71,6 +71,7 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
     if cfg.model.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype must be float32 or bfloat16, got {cfg.model.dtype!r}")
     _validate_routed_experts_source(cfg)
+    _validate_optimizer_offload(cfg, layout)
     if (
         cfg.routing.enabled
         and DiagnosticKind.ratio_decomposition in cfg.routing.kinds
@@ -124,6 +125,25 @@ def validate_for_machine(cfg: TrainConfig) -> None:
             raise ConfigError(
                 f"{key}=true but the {package} package is not installed here; install it, or set {key}=false"
             )
+
+
+def _validate_optimizer_offload(cfg: TrainConfig, layout) -> None:
+    """megatron-core's HybridDeviceOptimizer runs only inside its distributed optimizer and on the fp32 main
+    copies of bf16 weights: the distributed optimizer hands it views of fp32 weights, which torch refuses
+    ("can't optimize a non-leaf Tensor", ``distrib_optimizer.py:420`` in 0.16.1), and the plain
+    mixed-precision optimizer's step fails inside it (seen on 2 gloo ranks)."""
+    if not cfg.optimizer.cpu_offload:
+        return
+    if cfg.model.dtype != "bfloat16":
+        raise ConfigError(
+            f"optimizer.cpu_offload=true needs model.dtype=bfloat16 (got {cfg.model.dtype}): megatron's host "
+            "optimizer steps the fp32 main copies of bf16 weights; set model.dtype=bfloat16"
+        )
+    if not use_distributed_optimizer(cfg.optimizer.distributed, layout):
+        raise ConfigError(
+            f"optimizer.cpu_offload=true needs megatron's distributed optimizer (optimizer.distributed="
+            f"{cfg.optimizer.distributed} resolves to off here): set optimizer.distributed=true"
+        )
 
 
 def _validate_routed_experts_source(cfg: TrainConfig) -> None:

@@ -68,6 +68,17 @@ What has no seam is bridged here, one function per fact:
    sizes), which NCCL does and gloo refuses ("invalid tensor size"). The bridged function pads each
    rank's rows to the longest, all-gathers equal blocks and keeps each block's real rows; the even
    case is megatron's own. (The uneven reduce-scatter of the combine step runs on gloo as it is.)
+11. Optimizer offload (``optimizer.cpu_offload``): megatron's ``HybridDeviceOptimizer``
+   (``optimizer/cpu_offloading/hybrid_optimizer.py``) decides which parameters are device parameters
+   by ``param.is_cuda`` (``_get_sub_optimizer_param_groups``, line 194) and makes their host copies
+   with ``.cpu().pin_memory()``; its step runs the copies inside ``torch.cuda.stream(...)`` blocks.
+   On CPU every parameter would count as already on the host, with no host copy in its maps (a
+   ``KeyError`` at the first step). While that method runs, a CPU parameter counts as a device
+   parameter and "pinning" marks the fresh host copy as the host's (it is a separate tensor: the
+   clone megatron made), so the split, the host-side AdamW and the copy back are megatron's own
+   code; the module's ``torch.cuda.stream`` becomes a no-op context and its streams and events ones
+   that have finished (the copies are synchronous on CPU). Pinned host memory is off without a
+   device (``trainer/optim.py``).
 """
 
 from __future__ import annotations
@@ -279,6 +290,74 @@ def _cuda_type_names():
         torch.Tensor.type = torch_type  # type: ignore[method-assign]
 
 
+def _hybrid_optimizer_on_cpu() -> None:
+    from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
+
+    split = hybrid_optimizer.HybridDeviceOptimizer._get_sub_optimizer_param_groups
+
+    @functools.wraps(split)
+    def split_on_cpu(self, offload_fraction):
+        with _cpu_tensors_as_device_tensors():
+            return split(self, offload_fraction)
+
+    _patch(hybrid_optimizer.HybridDeviceOptimizer, "_get_sub_optimizer_param_groups", split_on_cpu)
+    _patch(hybrid_optimizer, "torch", _TorchWithoutCudaStreams())
+
+
+@contextlib.contextmanager
+def _cpu_tensors_as_device_tensors():
+    """For the block: ``pin_memory()`` marks the tensor as a host copy (and returns it), and
+    ``tensor.is_cuda`` is True for every CPU tensor but a marked one."""
+    is_cuda, pin_memory = torch.Tensor.is_cuda, torch.Tensor.pin_memory
+
+    def mark_host_copy(self, *args, **kwargs):
+        self._gspo_host_copy = True
+        return self
+
+    torch.Tensor.is_cuda = property(lambda self: not getattr(self, "_gspo_host_copy", False))  # type: ignore[assignment]
+    torch.Tensor.pin_memory = mark_host_copy  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.is_cuda = is_cuda
+        torch.Tensor.pin_memory = pin_memory  # type: ignore[method-assign]
+
+
+class _SynchronousStream:
+    """A stream on which every copy has already finished (CPU copies are synchronous): its waits and
+    recorded events do nothing."""
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def record_event(self) -> _SynchronousStream:
+        return self
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _TorchWithoutCudaStreams:
+    """``torch`` for the hybrid optimizer's module: ``torch.cuda.stream(s)`` is a no-op context and
+    ``current_stream()`` / ``Stream()`` a ``_SynchronousStream``."""
+
+    class _Cuda:
+        def __getattr__(self, item):
+            if item == "stream":
+                return lambda stream=None: contextlib.nullcontext()
+            if item in ("current_stream", "Stream"):
+                return lambda *args, **kwargs: _SynchronousStream()
+            return getattr(torch.cuda, item)
+
+    cuda = _Cuda()
+
+    def __getattr__(self, item):
+        return getattr(torch, item)
+
+
 class _NoStream:
     """Stands in for the alltoall dispatcher's DtoH stream on CPU; nothing may use it."""
 
@@ -337,4 +416,5 @@ BRIDGES = (
     _cpu_tensors_pass_optimizer_type_checks,
     _alltoall_dispatcher_without_streams,
     _uneven_all_gather_through_padding,
+    _hybrid_optimizer_on_cpu,
 )

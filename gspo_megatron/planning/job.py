@@ -110,9 +110,9 @@ def with_layout(job: PlannedJob, layout: ParallelLayout) -> PlannedJob:
 
 def options_from_config(cfg: TrainConfig, layout: ParallelLayout, prompt_tokens: int) -> PlanOptions:
     from gspo_megatron.algorithms.config import OldLogProbSource
+    from gspo_megatron.config.schema import use_distributed_optimizer
     from gspo_megatron.planning.rl_step_memory import EmbeddedEngineShape
     from gspo_megatron.rollout.config import RolloutEngineName
-    from gspo_megatron.trainer.optim import use_distributed_optimizer
     from gspo_megatron.trainer.token_budget import sequence_multiple
 
     t, rollout = cfg.trainer, cfg.rollout
@@ -143,7 +143,7 @@ def options_from_config(cfg: TrainConfig, layout: ParallelLayout, prompt_tokens:
         group_size=rollout.group_size,
         dtype=str(cfg.model.dtype),
         distributed_optimizer=use_distributed_optimizer(cfg.optimizer.distributed, layout),
-        optimizer_offload=False,  # the trainer keeps Adam on the GPU
+        optimizer_offload=cfg.optimizer.offload_fraction if cfg.optimizer.cpu_offload else 0.0,
         recompute=t.recompute_activations,
         routing_replay=str(cfg.algorithm.routing_replay),
         dispatcher=str(cfg.model.token_dispatcher),

@@ -53,7 +53,7 @@ class PlanOptions:
     group_size: int = 8  # responses per prompt (the trainer's batch rules use it)
     dtype: str = "bfloat16"
     distributed_optimizer: bool = True
-    optimizer_offload: bool = False  # Adam state + master weights in host memory (megatron's CPU Adam)
+    optimizer_offload: float = 0.0  # fraction of the Adam state stepped in host memory (optimizer.cpu_offload)
     recompute: bool = False
     routing_replay: str = "none"  # none | old_policy | rollout (R3 keeps the engine's experts)
     dispatcher: str = "alltoall"  # model.token_dispatcher (the trainer's default: alltoall)
@@ -79,13 +79,20 @@ class MemoryRow:
     loss_head: int
     old_log_prob_pass: int
     routing_replay: int
-    optimizer_on_gpu: bool = True
+    optimizer_offloaded: float = 0.0  # the fraction of the Adam moments in host memory (optimizer.cpu_offload)
     reference_weights: int = 0  # the frozen KL reference's weights (algorithm.kl_coef > 0)
 
     @property
     def resident(self) -> int:
-        """Bytes held for the whole run: model state (optimizer excluded when offloaded) + reference."""
-        return self.state.total - (0 if self.optimizer_on_gpu else self.state.optimizer) + self.reference_weights
+        """Bytes held for the whole run: model state (less the offloaded Adam moments) + reference."""
+        return self.state.total - self.offloaded_moments + self.reference_weights
+
+    @property
+    def offloaded_moments(self) -> int:
+        """Adam moments in host memory. megatron's host optimizer steps host copies of the distributed
+        optimizer's fp32 main shards, which stay on the device too, so only the moments leave it: 8 of
+        the 12 bytes per owned parameter (offload needs bf16 weights, config/validate.py)."""
+        return round(self.state.optimizer * 2 / 3 * self.optimizer_offloaded)
 
     @property
     def total(self) -> int:
@@ -238,7 +245,7 @@ def memory_of_stage(
         act.loss_head,
         old_pass,
         replay,
-        optimizer_on_gpu=not options.optimizer_offload,
+        optimizer_offloaded=options.optimizer_offload,
         reference_weights=reference,
     )
 

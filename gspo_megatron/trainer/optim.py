@@ -1,7 +1,7 @@
 """megatron-core's optimizer and LR/weight-decay scheduler, built from the optimizer section.
 
 Design decisions:
-- ``optimizer.distributed`` (auto | true | false) is resolved once, by ``use_distributed_optimizer``,
+- ``optimizer.distributed`` (auto | true | false) is resolved once, by ``config/schema.py:use_distributed_optimizer``,
   and handed to the DDP wrapper (``models/schedule.py:wrap_for_training``); the optimizer reads the
   choice back from that wrapper's ``ddp_config``, so the two can never disagree (megatron's
   distributed optimizer needs the DDP's parameter buffer; with a plain DDP it fails at the first step).
@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gspo_megatron.config.schema import DecayStyle, DistributedOptimizerChoice
-from gspo_megatron.parallel.layout import ParallelLayout
+from gspo_megatron.config.schema import DecayStyle
+from gspo_megatron.parallel.device import compute_device
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
@@ -38,29 +38,60 @@ if TYPE_CHECKING:
     from gspo_megatron.config.schema import OptimizerSection
 
 
-def use_distributed_optimizer(choice: str, layout: ParallelLayout) -> bool:
-    """``optimizer.distributed``: true/false as given; auto = on when the optimizer's data-parallel
-    group has more than one rank.
-
-    That group is megatron's, not our ``dp``: the DDP reduces the dense gradients over the dp x cp
-    ranks (``dp_cp_group``; context-parallel ranks hold the same weights and see other tokens) and the
-    distributed optimizer shards the dense state over the same ranks (``intra_dp_cp_group``), so
-    cp=2 with dp=1 has two ranks to shard with. (Expert state is sharded over the expert-dp ranks;
-    auto follows the dense group, which every layout has.)"""
-    choice = DistributedOptimizerChoice(str(choice).lower())
-    if choice == DistributedOptimizerChoice.auto:
-        return layout.dp * layout.cp > 1
-    return choice == DistributedOptimizerChoice.true
-
-
 def build_optimizer(
     ddp_model: DistributedDataParallel, section: OptimizerSection, total_updates: int
 ) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
     from megatron.core.optimizer import get_megatron_optimizer
 
+    if section.cpu_offload:
+        _hybrid_optimizer_loads_fp32_parameters()
     optimizer = get_megatron_optimizer(optimizer_config(ddp_model, section), [ddp_model])
+    if section.cpu_offload:
+        _hybrid_param_groups_as_plain_data(optimizer)
     use_fused_torch_adam(optimizer)
     return optimizer, build_scheduler(optimizer, section, total_updates)
+
+
+def _hybrid_optimizer_loads_fp32_parameters() -> None:
+    """megatron-core's ``HybridDeviceOptimizer._update_fp32_params_by_new_state`` (0.16.1 to 0.19.2), run
+    by its post-load hook and after the distributed optimizer loads parameter state, looks up an fp32
+    copy for every parameter with state -- but makes copies only of parameters that are not fp32, and
+    inside the distributed optimizer (the only place ``optimizer.cpu_offload`` runs) its parameters are
+    the fp32 main shards: every checkpoint load raised ``KeyError`` (found by the resume test). An fp32
+    parameter is its own fp32 copy; where it was offloaded, its host copy takes its (loaded) value, which
+    is what the copy for a bf16 parameter gets. Patched once, on every machine (it is not a CPU matter)."""
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    if getattr(HybridDeviceOptimizer._update_fp32_params_by_new_state, "loads_fp32_parameters", False):
+        return
+
+    def update_fp32_params_by_new_state(self: HybridDeviceOptimizer) -> None:
+        if not self.param_update_in_fp32:
+            return
+        for param, state in self.state.items():
+            fp32_param = self.param_to_fp32_param.get(param)
+            if fp32_param is not None:
+                fp32_param.data.copy_(state["master_param"])
+            elif param in self.gpu_params_map_cpu_copy:
+                self.gpu_params_map_cpu_copy[param].data.copy_(param.data)
+
+    update_fp32_params_by_new_state.loads_fp32_parameters = True  # type: ignore[attr-defined]
+    HybridDeviceOptimizer._update_fp32_params_by_new_state = update_fp32_params_by_new_state
+
+
+def _hybrid_param_groups_as_plain_data(optimizer: MegatronOptimizer) -> None:
+    """megatron's ``HybridDeviceOptimizer`` passes its sub-optimizer classes as optimizer defaults, so
+    torch copies ``cpu_optimizer_cls`` / ``gpu_optimizer_cls`` (classes) into every param group, and
+    from there into the checkpoint -- which ``checkpoint_reader.py`` then refuses to load (it takes
+    plain data only; a class reference is an import). Nothing reads those two keys from a group (the
+    optimizer keeps its classes as attributes and in ``defaults``): each becomes the class's dotted name."""
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    for hybrid in _inner_optimizers(optimizer, (HybridDeviceOptimizer,)):
+        for group in hybrid.param_groups:
+            for key, value in group.items():
+                if isinstance(value, type):
+                    group[key] = f"{value.__module__}.{value.__qualname__}"
 
 
 def optimizer_config(ddp_model: DistributedDataParallel, section: OptimizerSection) -> OptimizerConfig:
@@ -81,6 +112,11 @@ def optimizer_config(ddp_model: DistributedDataParallel, section: OptimizerSecti
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=ddp_model.ddp_config.use_distributed_optimizer,
+        optimizer_cpu_offload=section.cpu_offload,
+        optimizer_offload_fraction=section.offload_fraction if section.cpu_offload else 0.0,
+        # host copies in pinned memory where there is a device to copy from (no pinned allocator without one)
+        pin_cpu_grads=compute_device().type == "cuda",
+        pin_cpu_params=compute_device().type == "cuda",
     )
 
 
@@ -116,17 +152,32 @@ def allocate_optimizer_state(optimizer: MegatronOptimizer) -> None:
     existing state while it builds the sharded state dict to load into
     (``DistributedOptimizer.state_dict``: ``assert len(steps) == 1``), and a fresh optimizer has none.
     This allocates what the first ``step()`` would (megatron's ``init_state_fn`` plus ``step``); the
-    load then overwrites every value, the step included. A no-op for state that exists.
+    load then overwrites every value, the step included. A no-op for state that exists. With
+    ``optimizer.cpu_offload`` the Adams are the sub-optimizers of megatron's ``HybridDeviceOptimizer``
+    (host and device), whose state it then gathers under its own parameters, as its step does
+    (megatron's alternative, ``dummy_step``, steps with random gradients).
     """
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
     for inner in _inner_optimizers(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        for group in inner.param_groups:
-            for param in group["params"]:
-                if not inner.state[param]:
-                    inner.state[param] = {
-                        "step": torch.tensor(0.0),
-                        "exp_avg": torch.zeros_like(param),
-                        "exp_avg_sq": torch.zeros_like(param),
-                    }
+        _allocate_adam_state(inner)
+    for hybrid in _inner_optimizers(optimizer, (HybridDeviceOptimizer,)):
+        assert isinstance(hybrid, HybridDeviceOptimizer)
+        if not hybrid.state:
+            for sub in hybrid.sub_optimizers:
+                _allocate_adam_state(sub)
+            hybrid._sync_sub_optimizers_state_to_hdo()
+
+
+def _allocate_adam_state(inner: torch.optim.Optimizer) -> None:
+    for group in inner.param_groups:
+        for param in group["params"]:
+            if not inner.state[param]:
+                inner.state[param] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(param),
+                    "exp_avg_sq": torch.zeros_like(param),
+                }
 
 
 def restore_adam_steps(optimizer: MegatronOptimizer) -> None:

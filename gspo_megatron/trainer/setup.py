@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gspo_megatron.config.schema import TrainConfig
+from gspo_megatron.config.schema import TrainConfig, use_distributed_optimizer
 from gspo_megatron.data.tasks import Task, build_task
 from gspo_megatron.data.tokenizer import Tokenizer, build_tokenizer
 from gspo_megatron.models.builder import build_model
@@ -28,7 +28,7 @@ from gspo_megatron.rollout.types import SamplingParams
 from gspo_megatron.routing.replay import RoutingReplay
 from gspo_megatron.routing.replay_strategy import needs_engine_routing
 from gspo_megatron.routing.run_dir import ROUTING_FILE, RoutingLog, drop_records_from_step
-from gspo_megatron.trainer.optim import build_optimizer, use_distributed_optimizer
+from gspo_megatron.trainer.optim import build_optimizer
 from gspo_megatron.trainer.reference_model import ReferenceModel
 from gspo_megatron.trainer.rollout_phase import RolloutPhase
 from gspo_megatron.trainer.run_log import RunLog

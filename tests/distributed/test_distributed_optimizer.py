@@ -49,17 +49,23 @@ def full_adam_moments(model, optimizer) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def train_steps_worker(
-    ctx, distributed: str, dtype: str = "float32", checkpoint_dir: str | None = None, cp: int = 1
+    ctx,
+    distributed: str,
+    dtype: str = "float32",
+    checkpoint_dir: str | None = None,
+    cp: int = 1,
+    cpu_offload: bool = False,
+    offload_fraction: float = 1.0,
 ) -> dict:
     from megatron.core import tensor_parallel
 
-    from gspo_megatron.config.schema import OptimizerSection
+    from gspo_megatron.config.schema import OptimizerSection, use_distributed_optimizer
     from gspo_megatron.models.builder import build_model
     from gspo_megatron.models.conversion import export_hf_state_dict, load_hf_weights
     from gspo_megatron.models.schedule import run_schedule, wrap_for_training
     from gspo_megatron.parallel.layout import ParallelLayout
     from gspo_megatron.parallel.mesh import initialize_parallel
-    from gspo_megatron.trainer.optim import build_optimizer, use_distributed_optimizer
+    from gspo_megatron.trainer.optim import build_optimizer
 
     cfg = tiny_test_config()
     layout = ParallelLayout(cp=cp, world_size=ctx.world_size).validate(cfg)
@@ -67,7 +73,13 @@ def train_steps_worker(
     model = build_model(cfg, layout, params_dtype=getattr(torch, dtype))
     load_hf_weights(model, cfg, random_hf_state(cfg, seed=3), mesh)
     section = OptimizerSection(
-        lr=0.01, weight_decay=0.1, warmup_steps=0, decay_style="constant", distributed=distributed
+        lr=0.01,
+        weight_decay=0.1,
+        warmup_steps=0,
+        decay_style="constant",
+        distributed=distributed,
+        cpu_offload=cpu_offload,
+        offload_fraction=offload_fraction,
     )
     ddp = wrap_for_training(
         model, model.config, use_distributed_optimizer=use_distributed_optimizer(section.distributed, layout)
@@ -105,6 +117,7 @@ def train_steps_worker(
         ]
         return resumed
     weights_after = {k: v.float() for k, v in export_hf_state_dict(model, cfg, mesh).items()}
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
     saved = {}
     if checkpoint_dir is not None:
         from gspo_megatron.trainer.checkpoint import save_checkpoint
@@ -114,7 +127,8 @@ def train_steps_worker(
     return {
         **saved,
         "distributed": ddp.ddp_config.use_distributed_optimizer,
-        "optimizer_types": {type(part).__name__ for part in getattr(optimizer, "chained_optimizers", [optimizer])},
+        "optimizer_types": {type(part).__name__ for part in parts},
+        "inner_types": {type(part.optimizer).__name__ for part in parts},
         "state_bytes": adam_state_bytes(optimizer),
         "grad_norms": grad_norms,
         "weights": weights_after,
@@ -178,3 +192,24 @@ def test_sharded_state_resumes_on_one_rank_exactly(tmp_path):
     # megatron (no TE/Apex) loads every parameter's Adam step as one shared tensor holding 0 (torch's Adam
     # then counted every parameter: 0 -> 33 after one step): after one more step each count is 3 + 1
     assert one["adam_steps"] and set(one["adam_steps"]) == {STEPS + 1}, one["adam_steps"]
+
+
+def test_optimizer_offload_steps_equal_the_device_optimizer():
+    """optimizer.cpu_offload: megatron's HybridDeviceOptimizer inside its distributed optimizer (bf16 weights,
+    fp32 main copies) on 2 gloo ranks, with all (fraction 1) or half (0.5) of each rank's Adam on host
+    copies, steps 3 times exactly as the distributed optimizer without offload: the same grad norms and
+    weights to 1e-6 (both step fp32 main weights with torch's AdamW)."""
+    device = run_distributed(train_steps_worker, 2, "true", "bfloat16", timeout=600)
+    for fraction in (1.0, 0.5):
+        offloaded = run_distributed(
+            train_steps_worker, 2, "true", "bfloat16", cpu_offload=True, offload_fraction=fraction, timeout=600
+        )
+        for rank in range(2):
+            assert offloaded[rank]["inner_types"] == {"HybridDeviceOptimizer"}
+            assert device[rank]["inner_types"] != {"HybridDeviceOptimizer"}
+            assert offloaded[rank]["grad_norms"] == pytest.approx(device[rank]["grad_norms"], rel=1e-6)
+            for name, expected in device[rank]["weights"].items():
+                got = offloaded[rank]["weights"][name]
+                assert (got - expected).abs().max().item() < 1e-6, f"fraction {fraction} rank {rank} {name}"
+    initial = random_hf_state(tiny_test_config(), seed=3)
+    assert max((device[0]["weights"][k] - initial[k].float()).abs().max().item() for k in initial) > 0.01

@@ -229,6 +229,10 @@ JOBS = {
             "model.token_dispatcher=allgather",
         ],
     ),
+    "dp2 bf16 optimizer offload": (
+        2,
+        [*TINY_JOB, "model.dtype=bfloat16", "optimizer.cpu_offload=true", "optimizer.distributed=true"],
+    ),
     "pp2 uneven 2+1 kl reference": (
         2,
         [*TINY_JOB, "model.num_layers=3", "parallel=pp2", "parallel.last_stage_layers=1", "algorithm.kl_coef=0.01"],

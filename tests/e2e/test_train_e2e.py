@@ -132,11 +132,16 @@ def test_tp2_sequence_parallel_with_an_odd_fed_length(tmp_path):
     _check_run(results[0], 2)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_resume_continues_exactly(tmp_path, dtype):
-    """bf16: bf16 weights, fp32 main weights and Adam state (megatron's mixed-precision optimizer).
+@pytest.mark.parametrize(
+    "dtype, optimizer",
+    [("float32", []), ("bfloat16", []), ("bfloat16", ["optimizer.cpu_offload=true", "optimizer.distributed=true"])],
+    ids=["float32", "bfloat16", "bfloat16-cpu-offload"],
+)
+def test_resume_continues_exactly(tmp_path, dtype, optimizer):
+    """bf16: bf16 weights, fp32 main weights and Adam state (megatron's mixed-precision optimizer); with
+    optimizer.cpu_offload the Adam state lives in megatron's HybridDeviceOptimizer's host copies.
     The entropy bonus gives every step a gradient, so the resumed steps depend on the restored state."""
-    base = FAST + ["trainer.steps=4", f"model.dtype={dtype}", "algorithm.entropy_coef=0.01"]
+    base = FAST + ["trainer.steps=4", f"model.dtype={dtype}", "algorithm.entropy_coef=0.01", *optimizer]
     (full,) = run_distributed(train_worker, 1, base + ["checkpoint.save_every=2"], str(tmp_path / "full"))
     run_distributed(train_worker, 1, base + ["trainer.stop_after_steps=2"], str(tmp_path / "resumed"))
     (resumed,) = run_distributed(train_worker, 1, base + ["checkpoint.resume=true"], str(tmp_path / "resumed"))

@@ -34,8 +34,23 @@ def _typed(overrides):
             ["routing.kinds=[ratio_decomposition]", "algorithm.old_log_probs=rollout"],
             r"routing.kinds contains ratio_decomposition.*set algorithm.old_log_probs=trainer",
         ),
+        (
+            ["optimizer.cpu_offload=true", "optimizer.distributed=true"],
+            r"optimizer.cpu_offload=true needs model.dtype=bfloat16 \(got float32\)",
+        ),
+        (
+            ["optimizer.cpu_offload=true", "model.dtype=bfloat16", "optimizer.distributed=auto"],
+            r"optimizer.cpu_offload=true needs megatron's distributed optimizer .*set optimizer.distributed=true",
+        ),
     ],
-    ids=["micro_batch", "sglang_routed_experts", "eval_samples_greedy", "ratio_decomposition_needs_old_pass"],
+    ids=[
+        "micro_batch",
+        "sglang_routed_experts",
+        "eval_samples_greedy",
+        "ratio_decomposition_needs_old_pass",
+        "cpu_offload_needs_bf16",
+        "cpu_offload_needs_distributed_optimizer",
+    ],
 )
 def test_bad_value_is_refused_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -79,6 +94,7 @@ SECTION_RULES = [
     ("optimizer.adam_eps=0", r"optimizer.adam_eps=0.0 must be > 0"),
     ("optimizer.weight_decay=-1", r"optimizer.weight_decay=-1.0 must be >= 0"),
     ("optimizer.clip_grad=-1", r"optimizer.clip_grad=-1.0 must be >= 0 \(0: no clipping\)"),
+    ("optimizer.offload_fraction=0", r"optimizer.offload_fraction=0.0 must be in \(0, 1\]"),
     # the checkpoint section
     ("checkpoint.save_every=-1", r"checkpoint.save_every must be >= 0"),
     ("checkpoint.keep_last=-2", r"checkpoint.keep_last must be >= 0"),

@@ -249,3 +249,52 @@ def test_10_uneven_all_gather_through_padding():
         assert torch.equal(result["gathered"], expected)
         own = slice(0, 2) if rank == 0 else slice(2, 5)
         assert torch.equal(result["grad"], 2 * weights[own])  # both ranks' output gradients, summed
+
+
+def _hybrid_optimizer_steps(weights: torch.Tensor, grads: list[torch.Tensor], offload_fraction: float) -> torch.Tensor:
+    """megatron's HybridDeviceOptimizer as ``get_megatron_optimizer`` builds it (torch AdamW on both sides,
+    fp32 updates, no pinned memory here), stepped once per gradient; the weights after."""
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    params = [torch.nn.Parameter(w.clone()) for w in weights]
+    optimizer = HybridDeviceOptimizer(
+        [{"params": params}],
+        offload_fraction=offload_fraction,
+        cpu_optimizer_cls=torch.optim.AdamW,
+        gpu_optimizer_cls=torch.optim.AdamW,
+        param_update_in_fp32=True,
+        pin_cpu_grads=False,
+        pin_cpu_params=False,
+        overlap_cpu_optimizer_d2h_h2d=False,  # OptimizerConfig's default
+        lr=0.1,
+        weight_decay=0.01,
+    )
+    for grad in grads:
+        for param, g in zip(params, grad, strict=True):
+            param.grad = g.clone()
+        optimizer.step()
+    return torch.stack([p.detach() for p in params])
+
+
+def test_11_hybrid_optimizer_offloads_on_cpu(bridges):
+    """Without the bridge every CPU parameter counts as already on the host, with no host copy in the
+    optimizer's maps: KeyError at the first step. With it, all (fraction 1) or some (0.5) of the
+    parameters are stepped on host copies and copied back: the weights equal torch's own AdamW."""
+    torch.manual_seed(0)
+    weights = torch.randn(4, 6)
+    grads = [torch.randn(4, 6) for _ in range(3)]
+    cpu_compat._cuda_sync_noops()  # bridge 5 alone (torch.cuda.current_stream): the step is reached
+    with pytest.raises(KeyError):
+        _hybrid_optimizer_steps(weights, grads, offload_fraction=1.0)
+    cpu_compat.disable_cpu_megatron()
+    cpu_compat.enable_cpu_megatron()
+    reference = [torch.nn.Parameter(w.clone()) for w in weights]
+    adamw = torch.optim.AdamW(reference, lr=0.1, weight_decay=0.01)
+    for grad in grads:
+        for param, g in zip(reference, grad, strict=True):
+            param.grad = g.clone()
+        adamw.step()
+    expected = torch.stack([p.detach() for p in reference])
+    assert not torch.equal(expected, weights)
+    for fraction in (1.0, 0.5):
+        torch.testing.assert_close(_hybrid_optimizer_steps(weights, grads, fraction), expected, rtol=0, atol=1e-7)

@@ -330,3 +330,18 @@ def test_portable_context_parallel_attention_counts_the_gathered_keys_and_values
         portable.per_layer[0] - te.per_layer[0]
         == 4 * (attention_elements(model, cp2, t) - attention_elements(model, cp2, t, spec="te")) + mask
     )
+
+
+def test_optimizer_offload_moves_the_adam_moments_off_the_device_by_hand():
+    """optimizer.cpu_offload keeps the distributed optimizer's fp32 main shards on the device (megatron's
+    host optimizer steps host copies of them): with bf16 weights 8 of the 12 optimizer bytes per owned
+    parameter leave it, scaled by the offload fraction."""
+    shape = tiny_test_config(num_layers=2)
+    layout = ParallelLayout(world_size=2).validate(shape)
+    base = dict(seq_len=8, micro_batch_tokens=16, global_batch_tokens=64, group_size=4, dtype="bfloat16")
+    device = plan_layout(shape, layout, PlanOptions(**base), gpu_spec("h100")).memory
+    for fraction in (1.0, 0.5):
+        options = PlanOptions(**base, optimizer_offload=fraction)
+        offloaded = plan_layout(shape, layout, options, gpu_spec("h100")).memory
+        assert offloaded.state == device.state
+        assert device.resident - offloaded.resident == round(device.state.optimizer * 2 / 3 * fraction) > 0

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from gspo_megatron.config.schema import use_distributed_optimizer
 from gspo_megatron.parallel.layout import ParallelLayout
-from gspo_megatron.trainer.optim import use_distributed_optimizer
 
 
 @pytest.mark.parametrize(
