@@ -132,7 +132,10 @@ def pack_samples(
                 )
             experts.append(sample.routed_experts.to(torch.int32))
         layers, k = experts[0].shape[1:]
-        routed = torch.zeros(n, width - 1, layers, k, dtype=torch.int32)
+        # padding positions route to experts 0..k-1: a valid top-k (k distinct experts), which megatron's
+        # token dispatch needs even for tokens the loss ignores (0.19.2's alltoall dispatcher fails on
+        # [0, 0]: it counts a token's expert slots, not its distinct experts)
+        routed = torch.arange(k, dtype=torch.int32).expand(n, width - 1, layers, k).clone()
         routed[fed] = torch.cat(experts)  # row-major: each row's fed tokens in order
     return RolloutBatch(
         tokens=tokens,

@@ -59,6 +59,14 @@ def test_routed_experts_are_placed_at_the_fed_tokens_and_required_when_asked():
     assert batch.routed_experts.shape == (2, 3, 2, 1) and batch.routed_experts.dtype == torch.int32
     assert torch.equal(batch.routed_experts[0], routed0.int())
     assert batch.routed_experts[1, 0].flatten().tolist() == [7, 7] and not batch.routed_experts[1, 1:].any()
+    # k = 2: padding positions hold two distinct experts (a valid top-k for megatron's token dispatch)
+    two = [
+        _sample([1, 2], [3, 4], [-0.1, -0.2], torch.full((3, 2, 2), 3)),
+        _sample([5], [6], [-0.3], routed1.expand(1, 2, 2)),
+    ]
+    padded = pack_samples(two, torch.zeros(2), torch.zeros(2), torch.zeros(2), 0, with_routed_experts=True)
+    assert padded.routed_experts[1, 1:].reshape(-1, 2).tolist() == [[0, 1]] * 4
+    assert padded.routed_experts[1, 0].tolist() == [[7, 7], [7, 7]] and (padded.routed_experts[0] == 3).all()
     samples[1].routed_experts = None
     with pytest.raises(ValueError, match="needs routed experts from the engine"):
         pack_samples(samples, torch.zeros(2), torch.zeros(2), torch.zeros(2), 0, with_routed_experts=True)
@@ -109,7 +117,8 @@ def _pack_row_by_row(samples, pad):
     n = len(samples)
     tokens = torch.full((n, width), pad, dtype=torch.long)
     mask, input_mask, logp = torch.zeros(n, width - 1), torch.zeros(n, width - 1), torch.zeros(n, width - 1)
-    routed = torch.zeros(n, width - 1, *samples[0].routed_experts.shape[1:], dtype=torch.int32)
+    layers, k = samples[0].routed_experts.shape[1:]
+    routed = torch.arange(k, dtype=torch.int32).repeat(n, width - 1, layers, 1)  # padding: experts 0..k-1
     for i, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.output_ids)
         tokens[i, : p + r] = torch.tensor(s.prompt_ids + s.output_ids)
