@@ -32,11 +32,20 @@ PREFIX = "gspo_heartbeat/"
 
 
 def is_collective_failure(error: BaseException) -> bool:
-    """A gloo/NCCL collective that timed out, or whose peer closed the connection."""
+    """A gloo/NCCL collective that timed out, or whose peer closed the connection. gloo words a timeout
+    two ways: "Timed out waiting ...ms for recv" (an unbound buffer's wait) and, when the timeout closes a
+    pair with an operation pending on it, "Application timeout caused pair closure" (seen in CI: a
+    sequence-parallel reduce-scatter of a stopped peer, so the stopped rank went unnamed)."""
     text = str(error)
-    return isinstance(error, RuntimeError) and any(
-        marker in text for marker in ("Timed out waiting", "Connection closed by peer", "collective operation timeout")
-    )
+    return isinstance(error, RuntimeError) and any(marker in text for marker in COLLECTIVE_FAILURE_MARKERS)
+
+
+COLLECTIVE_FAILURE_MARKERS = (
+    "Timed out waiting",
+    "Application timeout caused pair closure",
+    "Connection closed by peer",
+    "collective operation timeout",
+)
 
 
 class Heartbeat:

@@ -85,6 +85,7 @@ def test_a_new_phase_is_published_at_once_not_at_the_next_beat(store_port):
 def test_collective_failures_are_recognised():
     assert is_collective_failure(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:21210"))
     assert is_collective_failure(RuntimeError("[unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation"))
+    assert is_collective_failure(RuntimeError("Application timeout caused pair closure"))  # gloo's other wording
     assert not is_collective_failure(RuntimeError("CUDA out of memory"))
     assert not is_collective_failure(ValueError("Timed out waiting"))
 
