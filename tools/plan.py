@@ -42,6 +42,7 @@ import sys
 from pathlib import Path
 
 from gspo_megatron.config.compose import CONF_DIR
+from gspo_megatron.config.schema import ParallelSection
 from gspo_megatron.models.config import PRESETS, MoEModelConfig, preset
 from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.planning.hardware import GB, GPUS, gpu_spec
@@ -85,8 +86,8 @@ def parse_layout(name: str, gpus: int) -> ParallelLayout:
 
         values = OmegaConf.to_container(OmegaConf.load(named))
         assert isinstance(values, dict)
-        fields = ("tp", "pp", "ep", "etp", "cp", "sequence_parallel", "first_stage_layers", "last_stage_layers")
-        return ParallelLayout(world_size=gpus, **{k: values[k] for k in fields if k in values})
+        keys = ParallelSection.LAYOUT_KEYS
+        return ParallelLayout(world_size=gpus, **{k: values[k] for k in keys if k in values})
     sizes: dict[str, int] = {}
     for part in name.split("_"):
         match = LAYOUT_PART.match(part)

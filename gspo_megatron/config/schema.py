@@ -102,18 +102,15 @@ class ParallelSection(ConfigNode):
         if not self.timeout_s > 0:  # also refuses nan
             raise ValueError(f"parallel.timeout_s={self.timeout_s} must be > 0 seconds (e.g. parallel.timeout_s=600)")
 
+    # the keys that are ParallelLayout fields (the rest, timeout_s, is how collectives are bounded)
+    LAYOUT_KEYS = ("tp", "pp", "ep", "etp", "cp", "sequence_parallel", "first_stage_layers", "last_stage_layers")
+
     def layout(self, world_size: int) -> ParallelLayout:
-        return ParallelLayout(
-            tp=self.tp,
-            pp=self.pp,
-            ep=self.ep,
-            etp=self.etp,
-            cp=self.cp,
-            sequence_parallel=self.sequence_parallel,
-            world_size=world_size,
-            first_stage_layers=self.first_stage_layers,
-            last_stage_layers=self.last_stage_layers,
-        )
+        return ParallelLayout(world_size=world_size, **{key: getattr(self, key) for key in self.LAYOUT_KEYS})
+
+    @classmethod
+    def from_layout(cls, layout: ParallelLayout) -> ParallelSection:
+        return cls(**{key: getattr(layout, key) for key in cls.LAYOUT_KEYS})
 
 
 @dataclass

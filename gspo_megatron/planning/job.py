@@ -102,8 +102,10 @@ def job_from_config(cfg: TrainConfig, gpus: int, prompt_tokens: int) -> PlannedJ
 
 def with_layout(job: PlannedJob, layout: ParallelLayout) -> PlannedJob:
     """The same job on another layout (for ranking): the config's parallel section replaced, validated."""
+    from gspo_megatron.config.schema import ParallelSection
+
     cfg = copy.deepcopy(job.config)
-    for name in ("tp", "pp", "ep", "etp", "cp", "sequence_parallel", "first_stage_layers", "last_stage_layers"):
+    for name in ParallelSection.LAYOUT_KEYS:
         setattr(cfg.parallel, name, getattr(layout, name))
     return job_from_config(cfg, layout.world_size, job.prompt_tokens)
 

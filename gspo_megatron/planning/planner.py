@@ -158,16 +158,7 @@ def check_with_trainer_rules(model: MoEModelConfig, layout: ParallelLayout, opti
         raise PlanError(f"{sequences} sequences per step do not form groups of {options.group_size}")
     cfg = TrainConfig()
     cfg.model = ModelSection(**model.to_dict(), dtype=TrainerDtype(options.dtype))
-    cfg.parallel = ParallelSection(
-        tp=layout.tp,
-        pp=layout.pp,
-        ep=layout.ep,
-        etp=layout.etp,
-        cp=layout.cp,
-        sequence_parallel=layout.sequence_parallel,
-        first_stage_layers=layout.first_stage_layers,
-        last_stage_layers=layout.last_stage_layers,
-    )
+    cfg.parallel = ParallelSection.from_layout(layout)
     cfg.rollout.group_size = options.group_size
     cfg.trainer.prompts_per_step = sequences // options.group_size
     cfg.trainer.updates_per_rollout = 1

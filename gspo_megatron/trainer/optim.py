@@ -100,6 +100,7 @@ def optimizer_config(ddp_model: DistributedDataParallel, section: OptimizerSecti
     from megatron.core.optimizer import OptimizerConfig
 
     bf16 = ddp_model.config.bf16
+    pinned = compute_device().type == "cuda"  # no pinned allocator without a device to copy from
     return OptimizerConfig(
         optimizer="adam",
         lr=section.lr,
@@ -114,9 +115,8 @@ def optimizer_config(ddp_model: DistributedDataParallel, section: OptimizerSecti
         use_distributed_optimizer=ddp_model.ddp_config.use_distributed_optimizer,
         optimizer_cpu_offload=section.cpu_offload,
         optimizer_offload_fraction=section.offload_fraction if section.cpu_offload else 0.0,
-        # host copies in pinned memory where there is a device to copy from (no pinned allocator without one)
-        pin_cpu_grads=compute_device().type == "cuda",
-        pin_cpu_params=compute_device().type == "cuda",
+        pin_cpu_grads=pinned,  # the host copies of optimizer.cpu_offload
+        pin_cpu_params=pinned,
     )
 
 
