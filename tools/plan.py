@@ -160,7 +160,11 @@ def print_detail(plan: Plan) -> None:
             + (f", {m.offloaded_moments / GiB:.1f} of its moments in host memory" if m.optimizer_offloaded else ""),
             m.state.optimizer,
         ),
-        ("reference model (algorithm.kl_coef > 0)", m.reference_weights),
+        (
+            "reference model (algorithm.kl_coef > 0)"
+            + (", in host memory between its passes" if m.reference_offloaded else ""),
+            m.reference_weights,
+        ),
         ("activations (micro-batches in flight)", m.activations),
         ("loss head (logits + grad)", m.loss_head),
         ("forward-only pass (old/ref log-probs; not concurrent)", m.old_log_prob_pass),
@@ -192,6 +196,10 @@ def print_detail(plan: Plan) -> None:
             f"{plan.layout.world_size} training + {plan.rollout_gpus} rollout = {plan.total_gpus}"
         )
     print_rl_step_memory(plan)
+    print(
+        f"host memory per node: {gib(plan.host_per_node)} GiB counted (Adam in host memory, the offloaded "
+        f"reference; each rank of a node at the worst rank's bytes) of {gib(plan.host_capacity)} GiB"
+    )
     print(f"fits: {plan.fits} {' '.join(plan.problems)}")
     if plan.trainer_refuses:
         print(f"trainer: {plan.trainer_refuses}")
@@ -224,7 +232,9 @@ def hardware(args) -> object:
         bf16_tflops=args.bf16_tflops,
         memory_bytes=gib_scale(args.memory_gib),
         reserve_bytes=gib_scale(args.reserve_gib),
+        host_memory_bytes=gib_scale(args.host_memory_gib),
         nvlink_bandwidth=scale(args.nvlink_gbps),
+        pcie_bandwidth=scale(args.pcie_gbps),
         ib_bandwidth=scale(args.ib_gbps),
         gpus_per_node=args.gpus_per_node,
         mfu=args.mfu,
@@ -371,7 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     hw.add_argument("--bf16-tflops", type=float)
     hw.add_argument("--memory-gib", type=float, help="what torch can allocate per GPU")
     hw.add_argument("--reserve-gib", type=float, help="CUDA context, NCCL, fragmentation")
+    hw.add_argument("--host-memory-gib", type=float, help="host RAM per node")
     hw.add_argument("--nvlink-gbps", type=float, help="GB/s per GPU per direction")
+    hw.add_argument("--pcie-gbps", type=float, help="host <-> GPU, GB/s per GPU per direction")
     hw.add_argument("--ib-gbps", type=float, help="GB/s per GPU per direction")
     hw.add_argument("--gpus-per-node", type=int)
     hw.add_argument("--mfu", type=float)

@@ -238,6 +238,9 @@ class TrainerSection(ConfigNode):
     eval_prompts: int = 64
     eval_samples: int = 1  # k: > 1 adds mean@k and pass@k (set rollout.eval_temperature > 0)
     recompute_activations: bool = False
+    # the KL reference's weights (algorithm.kl_coef > 0) in host memory between its forward passes,
+    # brought to the device for each (trainer/reference_model.py)
+    reference_offload: bool = False
     on_nonfinite: NonFinitePolicy = NonFinitePolicy.skip  # drop the update, or end the run
     max_consecutive_nonfinite: int = 3  # skipped updates in a row that end the run with a diagnosis
 

@@ -72,6 +72,11 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
         raise ConfigError(f"model.dtype must be float32 or bfloat16, got {cfg.model.dtype!r}")
     _validate_routed_experts_source(cfg)
     _validate_optimizer_offload(cfg, layout)
+    if t.reference_offload and cfg.algorithm.kl_coef == 0:
+        raise ConfigError(
+            "trainer.reference_offload=true but algorithm.kl_coef=0 builds no reference model; "
+            "set algorithm.kl_coef > 0 or trainer.reference_offload=false"
+        )
     if (
         cfg.routing.enabled
         and DiagnosticKind.ratio_decomposition in cfg.routing.kinds

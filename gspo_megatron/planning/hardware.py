@@ -18,6 +18,13 @@ Design decisions (sources: the vendors' data sheets, NVIDIA's published Megatron
   12-26% of the bf16 peak, some in FP8). The range is the time model's known error: at 0.12 a
   step takes 1.6x longer, at 0.26 0.73x. ``link_efficiency`` 0.70 (achieved fraction of a link's
   bandwidth in NCCL collectives) is an assumption, not measured here. Replace both with measured ones.
+- Host link: PCIe Gen5 x16, 64 GB/s per direction (the H100/H200 SXM's host interface), at
+  ``link_efficiency`` like the other links: what brings offloaded weights back to the device.
+- Host memory per node: 2 TB, the DGX H100 / DGX H200 data sheets' system memory (other nodes differ:
+  ``--host-memory-gib``). ``host_reserve_bytes``, 128 GiB per node, is an assumption: the operating
+  system and page cache (checkpoints, the dataset), and each rank's interpreter with torch, CUDA and
+  NCCL's host-side state, none of which the planner counts. What it counts in host memory is what
+  the trainer puts there (Adam in host memory, the reference model off the device: ``planner.py``).
 """
 
 from __future__ import annotations
@@ -42,10 +49,18 @@ class GPUSpec:
     mfu: float = 0.19  # achieved fraction of bf16 peak in training matmuls (assumption; see above)
     link_efficiency: float = 0.70  # achieved fraction of link bandwidth in collectives (assumption)
     reserve_bytes: float = 4 * GiB  # CUDA context, NCCL buffers, fragmentation: not counted tensors
+    pcie_bandwidth: float = 64 * GB  # bytes/s per GPU per direction, host <-> device
+    host_memory_bytes: float = 2e12  # host RAM per node (DGX H100/H200: 2 TB)
+    host_reserve_bytes: float = 128 * GiB  # per node: OS, page cache, the ranks' own processes (assumption)
 
     @property
     def usable_memory_bytes(self) -> float:
         return self.memory_bytes - self.reserve_bytes
+
+    @property
+    def usable_host_bytes(self) -> float:
+        """Host bytes per node that the counted tensors of its ranks may use."""
+        return self.host_memory_bytes - self.host_reserve_bytes
 
     def describe(self) -> str:
         return (
@@ -53,8 +68,9 @@ class GPUSpec:
             f"(NVIDIA's published Qwen3-MoE runs: {PUBLISHED_MFU_RANGE[0]:.0%}-{PUBLISHED_MFU_RANGE[1]:.0%}), "
             f"{self.memory_bytes / GiB:.2f} GiB per GPU less {self.reserve_bytes / GiB:.1f} GiB reserve, "
             f"HBM {self.hbm_bandwidth / 1e12:.3g} TB/s, NVLink {self.nvlink_bandwidth / GB:.3g} GB/s/dir, "
-            f"IB {self.ib_bandwidth / GB:.3g} GB/s/dir per GPU "
-            f"(link efficiency {self.link_efficiency:.0%}), {self.gpus_per_node} GPUs/node"
+            f"IB {self.ib_bandwidth / GB:.3g} GB/s/dir, PCIe {self.pcie_bandwidth / GB:.3g} GB/s/dir per GPU "
+            f"(link efficiency {self.link_efficiency:.0%}), {self.gpus_per_node} GPUs/node, "
+            f"{self.host_memory_bytes / GiB:.0f} GiB host memory per node less {self.host_reserve_bytes / GiB:.0f}"
         )
 
 

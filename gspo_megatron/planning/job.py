@@ -56,7 +56,9 @@ class PlannedJob:
             f"layout {self.layout} (parallel.*, world {self.layout.world_size})",
             f"optimizer.distributed={cfg.optimizer.distributed} -> distributed optimizer {o.distributed_optimizer}",
             f"model.dtype={o.dtype}; trainer.recompute_activations={o.recompute}",
-            f"algorithm.kl_coef={cfg.algorithm.kl_coef} -> reference model {o.reference_model}",
+            f"algorithm.kl_coef={cfg.algorithm.kl_coef} -> reference model {o.reference_model}; "
+            f"trainer.reference_offload={o.reference_offload}; optimizer.cpu_offload={cfg.optimizer.cpu_offload} "
+            f"-> {o.optimizer_offload:.0%} of Adam in host memory",
             f"algorithm.old_log_probs={cfg.algorithm.old_log_probs} -> old-log-prob pass {o.old_log_prob_pass}",
             f"trainer.updates_per_rollout={o.updates_per_rollout}; algorithm.routing_replay={o.routing_replay}; "
             f"model.token_dispatcher={o.dispatcher}; model.layer_spec={cfg.model.layer_spec} -> {o.layer_spec}",
@@ -152,6 +154,7 @@ def options_from_config(cfg: TrainConfig, layout: ParallelLayout, prompt_tokens:
         layer_spec=layer_spec,
         sync_bucket_bytes=rollout.sglang.weight_bucket_bytes,
         reference_model=cfg.algorithm.kl_coef > 0,
+        reference_offload=cfg.trainer.reference_offload,
         old_log_prob_pass=cfg.algorithm.old_log_probs == OldLogProbSource.trainer,
         updates_per_rollout=t.updates_per_rollout,
         rollout=shape,

@@ -12,6 +12,12 @@ Design decisions:
   activations and the logits at a time). 1F1B keeps up to ``pp - stage`` micro-batches in flight on
   a stage, so stage 0 usually peaks. R3's replayed experts are int64 [T_sp, k] per MoE layer and
   micro-batch, held for the whole step.
+- Off the device (host memory, counted per node: ``Plan.host_per_node`` against ``GPUSpec.usable_host_bytes``):
+  Adam's offloaded part (``optimizer.cpu_offload``: megatron's HybridDeviceOptimizer keeps, per
+  parameter it steps on the host, an fp32 copy, its fp32 gradient copy and the two moments, 16 bytes,
+  ``optimizer/cpu_offloading/hybrid_optimizer.py``) and the reference's weights with
+  ``trainer.reference_offload`` (which come to the device only for the reference pass:
+  ``trainer/host_weights.py``). A node holds ``gpus_per_node`` ranks, each counted at the worst rank's bytes.
 - The driver (global rank 0, stage 0) also holds the weight sync's bucket and the tensor being
   gathered after the update (``comm.py``): checked against the same capacity.
 - The worst stage's numbers are reported (ranks of one stage are alike up to the expert-dp shard).
@@ -60,6 +66,7 @@ class PlanOptions:
     layer_spec: str = "te"  # te on GPU; portable is what the CPU build uses (and what is measured)
     sync_bucket_bytes: int = 512 * 2**20  # rollout.sglang.weight_bucket_bytes
     reference_model: bool = False  # algorithm.kl_coef > 0: a frozen copy of the policy's weights
+    reference_offload: bool = False  # trainer.reference_offload: its weights on the device only for its pass
     old_log_prob_pass: bool = True  # algorithm.old_log_probs=trainer: a forward pass before the updates
     updates_per_rollout: int = 1  # trainer.updates_per_rollout: optimizer steps per RL step
     rollout: RolloutShape | None = None  # the generation phase; None: not planned (0 s)
@@ -81,11 +88,26 @@ class MemoryRow:
     routing_replay: int
     optimizer_offloaded: float = 0.0  # the fraction of the Adam moments in host memory (optimizer.cpu_offload)
     reference_weights: int = 0  # the frozen KL reference's weights (algorithm.kl_coef > 0)
+    reference_offloaded: bool = False  # trainer.reference_offload: on the device only during its pass
 
     @property
     def resident(self) -> int:
-        """Bytes held for the whole run: model state (less the offloaded Adam moments) + reference."""
-        return self.state.total - self.offloaded_moments + self.reference_weights
+        """Bytes held for the whole run: model state (less the offloaded Adam moments) + the reference
+        (unless it lives in host memory between its passes)."""
+        return self.state.total - self.offloaded_moments + (0 if self.reference_offloaded else self.reference_weights)
+
+    @property
+    def reference_pass(self) -> int:
+        """The reference pass's bytes on top of the resident ones: its forward-only activations, and its
+        weights when they come in from host memory for it."""
+        return self.old_log_prob_pass + (self.reference_weights if self.reference_offloaded else 0)
+
+    @property
+    def host(self) -> int:
+        """Host bytes of this rank (module docstring): 16 per parameter Adam steps on the host (the
+        optimizer's 12 per owned parameter, scaled) + the offloaded reference's weights."""
+        adam = round(self.state.optimizer * 16 / 12 * self.optimizer_offloaded)
+        return adam + (self.reference_weights if self.reference_offloaded else 0)
 
     @property
     def offloaded_moments(self) -> int:
@@ -98,7 +120,7 @@ class MemoryRow:
     def total(self) -> int:
         """GPU bytes at the step's peak."""
         train = self.activations + self.loss_head
-        return self.resident + max(train, self.old_log_prob_pass) + self.routing_replay
+        return self.resident + max(train, self.old_log_prob_pass, self.reference_pass) + self.routing_replay
 
 
 @dataclass
@@ -120,6 +142,8 @@ class Plan:
     trainer_refuses: str | None = None  # a layout the planner expresses and the trainer cannot build
     rl_memory: list[RLStepMemory] = field(default_factory=list)  # the whole RL step: each stage's ranks
     driver_memory: RLStepMemory | None = None  # ... and the driver (global rank 0, stage 0)
+    host_per_node: int = 0  # host bytes the trainer puts in one node's memory (module docstring)
+    host_capacity: float = 0.0  # host bytes per node the counted tensors may use
 
     @property
     def rl_peak(self) -> RLStepMemory | None:
@@ -238,6 +262,7 @@ def memory_of_stage(
         replay,
         optimizer_offloaded=options.optimizer_offload,
         reference_weights=reference,
+        reference_offloaded=options.reference_offload and options.reference_model,
     )
 
 
@@ -278,16 +303,24 @@ def plan_layout(
         for r, row in enumerate(rows)
     ]
     driver_memory = rl_step_memory(model, layout, options, rows[0], driver=True, micro_batches=micro_batches)
-    # fits: the whole RL step's peak on its highest rank (the driver's weight-sync bucket included)
+    # fits: the whole RL step's peak on its highest rank (the driver's weight-sync bucket included), and
+    # the host memory of a node
     highest = max([*rl_memory, driver_memory], key=lambda m: m.peak)
-    fits = highest.peak <= gpu.usable_memory_bytes
+    host_per_node = max(row.host for row in rows) * min(gpu.gpus_per_node, layout.world_size)
     problems = []
-    if not fits:
+    if highest.peak > gpu.usable_memory_bytes:
         problems.append(
             f"needs {highest.peak / GiB:.1f} GiB at its {highest.peak_phase} phase "
             f"> {gpu.usable_memory_bytes / GiB:.1f} GiB"
             + ("; lower the sync bucket" if highest.peak_phase == "weight_sync" else "")
         )
+    if host_per_node > gpu.usable_host_bytes:
+        problems.append(
+            f"needs {host_per_node / GiB:.0f} GiB of host memory per node > {gpu.usable_host_bytes / GiB:.0f} GiB "
+            "(optimizer.offload_fraction, trainer.reference_offload)"
+        )
+    fits = not problems
+    offloaded_reference = [row.reference_weights for row in rows if row.reference_offloaded]
     rollout = options.rollout
     rollout_s = rollout_seconds(model, rollout, gpu, width=2) if rollout else 0.0
     separate = rollout is not None and not rollout.colocated
@@ -299,6 +332,7 @@ def plan_layout(
         old_log_prob_pass=options.old_log_prob_pass,
         reference_model=options.reference_model,
         overlapped=separate and options.async_rollout,
+        reference_in_s=max(offloaded_reference, default=0) / (gpu.pcie_bandwidth * gpu.link_efficiency),
     )
     return Plan(
         layout,
@@ -317,6 +351,8 @@ def plan_layout(
         trainer_refuses=TRAINER_REFUSES if beyond_trainer else None,
         rl_memory=rl_memory,
         driver_memory=driver_memory,
+        host_per_node=host_per_node,
+        host_capacity=gpu.usable_host_bytes,
     )
 
 

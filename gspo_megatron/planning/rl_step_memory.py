@@ -32,7 +32,9 @@ Design decisions:
   log) -- the larger of the two moments counts. R3 keeps the captured experts int32 [R, P+N, L, k].
   The driver also holds the whole batch before it is scattered (its per-row bytes above, N rows).
 - Old log-probs / reference log-probs: forward-only under ``torch.no_grad`` (one layer's tensors and
-  the logits at a time: ``planner.memory_of_stage``'s forward-only pass).
+  the logits at a time: ``planner.memory_of_stage``'s forward-only pass); with
+  ``trainer.reference_offload`` the reference's weights are resident only in its phase
+  (``MemoryRow.reference_pass``).
 - Update: the training activations of the micro-batches in flight and the loss head (``activations.py``);
   on a stage before the last, each in-flight micro-batch's output [T_sp, h] (megatron keeps it for
   the backward: ``deallocate_pipeline_outputs=False``, ``models/builder.py``) and the output
@@ -210,7 +212,7 @@ def rl_step_memory(
     phases = {
         "rollout": rollout,
         "old_logp": forward_only if options.old_log_prob_pass else 0,
-        "ref_logp": forward_only if options.reference_model else 0,
+        "ref_logp": row.reference_pass if options.reference_model else 0,
         "update": row.activations
         + row.loss_head
         + pipeline_output_bytes(model, layout, options, pp_rank, micro_batches),

@@ -198,13 +198,15 @@ def rl_step_time(
     old_log_prob_pass: bool,
     reference_model: bool,
     overlapped: bool,
+    reference_in_s: float = 0.0,
 ) -> RLStepTime:
-    """Each forward-only pass covers the whole rollout batch: ``updates_per_rollout`` mini-batches."""
+    """Each forward-only pass covers the whole rollout batch: ``updates_per_rollout`` mini-batches.
+    ``reference_in_s``: the offloaded reference's weights brought to the device for its pass."""
     forward = step.forward_s * updates_per_rollout
     return RLStepTime(
         rollout_s,
         forward if old_log_prob_pass else 0.0,
-        forward if reference_model else 0.0,
+        forward + reference_in_s if reference_model else 0.0,
         step.total_s * updates_per_rollout,
         sync_s,
         overlapped,

@@ -19,10 +19,20 @@ Design decisions:
   ~25% of the policy's static memory at fp32 (~12.5% with bf16 params and fp32 optimizer state,
   master weights included). Activations of its forward-only pass are transient, the same size as the
   old-log-prob pass's.
+- ``trainer.reference_offload``: the weights live in pinned host memory between passes and come to the
+  device for each reference pass (``trainer/host_weights.py``: one transfer per RL step). Chosen over
+  slime's way (one model; the reference weights swapped into the policy's parameters for the pass and
+  the policy's swapped out and back) because the policy's routers carry RouterReplay state (R2/R3)
+  that the reference must neither consume nor use (above), and because a swap moves the policy's
+  weights twice per step besides the reference's once. The cost: during the reference pass the
+  device holds the reference's weights beside the policy's (the planner counts them in that phase,
+  ``planning/rl_step_memory.py``), which is below the update's peak whenever the training
+  activations are larger than one forward-only layer and the weights of a stage.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -33,6 +43,7 @@ from gspo_megatron.models.builder import build_model
 from gspo_megatron.models.conversion import SafetensorsSource, load_hf_weights
 from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.models.schedule import run_schedule
+from gspo_megatron.trainer.host_weights import HostResidentWeights
 from gspo_megatron.trainer.loss_head import LogProbHead
 
 if TYPE_CHECKING:
@@ -51,7 +62,10 @@ class ReferenceModel:
         tp_group: dist.ProcessGroup | None,
         temperature: float,
         chunk_size: int | None,
+        *,
+        offload: bool = False,
     ):
+        """``offload``: keep the weights in host memory between passes (``trainer.reference_offload``)."""
         self.model_chunk = model_chunk
         from megatron.core import parallel_state as ps
 
@@ -61,6 +75,7 @@ class ReferenceModel:
         model_chunk.eval()
         for param in model_chunk.parameters():
             param.requires_grad_(False)
+        self.host_weights = HostResidentWeights(model_chunk) if offload else None
 
     @classmethod
     def build(
@@ -85,12 +100,19 @@ class ReferenceModel:
             initialize=False,
         )
         load_hf_weights(chunk, cfg.model, source, mesh)
-        return cls(chunk, mesh.tp_group, cfg.rollout.temperature, cfg.algorithm.logprob_chunk_size)
+        return cls(
+            chunk,
+            mesh.tp_group,
+            cfg.rollout.temperature,
+            cfg.algorithm.logprob_chunk_size,
+            offload=cfg.trainer.reference_offload,
+        )
 
     def attach_log_probs(self, micro_batches: list[MicroBatch]) -> None:
         """Forward every micro-batch through the reference; on the last pipeline stage (where the loss
         head runs) each micro-batch gets ``ref_log_probs`` [b, s]. Collective over the stage group."""
-        with torch.no_grad():
+        on_device = self.host_weights.on_device() if self.host_weights is not None else contextlib.nullcontext()
+        with torch.no_grad(), on_device:
             outputs = run_schedule([self.model_chunk], micro_batches, self.head, forward_only=True)
         if outputs and len(outputs) != len(micro_batches):
             raise RuntimeError(f"reference pass returned {len(outputs)} outputs for {len(micro_batches)} micro-batches")

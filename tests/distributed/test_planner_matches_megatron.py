@@ -233,6 +233,10 @@ JOBS = {
         2,
         [*TINY_JOB, "model.dtype=bfloat16", "optimizer.cpu_offload=true", "optimizer.distributed=true"],
     ),
+    "tp2 bf16 kl reference offloaded": (
+        2,
+        [*TINY_JOB, "parallel=tp2", "model.dtype=bfloat16", "algorithm.kl_coef=0.01", "trainer.reference_offload=true"],
+    ),
     "pp2 uneven 2+1 kl reference": (
         2,
         [*TINY_JOB, "model.num_layers=3", "parallel=pp2", "parallel.last_stage_layers=1", "algorithm.kl_coef=0.01"],
@@ -273,6 +277,15 @@ def built_job_worker(ctx, overrides: list[str], run_dir: str) -> dict:
                     moments += _tensor_bytes([state["exp_avg"], state["exp_avg_sq"]])
                     master += _tensor_bytes([param]) if bf16 else 0  # fp32 main copies of bf16 weights
         reference = components.reference
+        host = reference.host_weights.nbytes if reference is not None and reference.host_weights is not None else 0
+        for part in getattr(components.optimizer, "chained_optimizers", [components.optimizer]):
+            hybrid = part.optimizer
+            for sub in getattr(hybrid, "cpu_optimizers", []):  # megatron's HybridDeviceOptimizer: its host side
+                for group in sub.param_groups:
+                    for param in group["params"]:  # the fp32 host copy; its gradient copy is allocated alike
+                        # at the first step (hybrid_optimizer.py:_set_sub_optimizer_grads)
+                        state = sub.state[param]
+                        host += 2 * _tensor_bytes([param]) + _tensor_bytes([state["exp_avg"], state["exp_avg_sq"]])
         return {
             "distributed_optimizer": distributed,
             "dtype": str(next(chunk.parameters()).dtype).removeprefix("torch."),
@@ -283,6 +296,7 @@ def built_job_worker(ctx, overrides: list[str], run_dir: str) -> dict:
             "param_buffers": param_buffers,
             "optimizer": moments + master,
             "reference": _tensor_bytes(reference.model_chunk.parameters()) if reference else 0,
+            "host": host,
             "pp": ps.get_pipeline_model_parallel_rank(),
             "dp": ps.get_data_parallel_rank(with_context_parallel=True),
             "edp": ps.get_expert_data_parallel_rank(),
@@ -303,7 +317,7 @@ def built_jobs(tmp_path_factory):
 def test_planner_plans_the_job_the_trainer_builds(built_jobs, name):
     """``tools/plan.py <overrides>`` and ``python -m gspo_megatron.train <overrides>`` see one job: every
     option the plan derives equals what the trainer's build made of the same config, and the planned
-    state and reference-model bytes equal the allocated ones on every rank."""
+    state, reference-model and host bytes equal the allocated ones on every rank."""
     from gspo_megatron.config.compose import compose
     from gspo_megatron.config.schema import to_train_config
     from gspo_megatron.planning.job import job_from_config
@@ -320,7 +334,9 @@ def test_planner_plans_the_job_the_trainer_builds(built_jobs, name):
         assert options.recompute == got["recompute"], where
         if model.is_moe and (layout.tp > 1 or layout.ep > 1):  # megatron records the dispatcher it uses
             assert options.dispatcher == got["dispatcher"], where
-        row = memory_of_stage(model, layout, options, got["pp"], micro_batches)
+        row = memory_of_stage(
+            model, layout, options, got["pp"], micro_batches, dp_rank=got["dp"], expert_dp_rank=got["edp"]
+        )
         predicted = state_bytes(
             model,
             layout,
@@ -333,3 +349,4 @@ def test_planner_plans_the_job_the_trainer_builds(built_jobs, name):
         for field in ("parameters", "gradients", "param_buffers", "optimizer"):
             assert getattr(predicted, field) == got[field], f"{where}: {field}"
         assert row.reference_weights == got["reference"], where
+        assert row.host == got["host"], where  # Adam's host side, the offloaded reference

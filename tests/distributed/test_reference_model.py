@@ -1,7 +1,9 @@
 """The frozen reference model: its routers never record or replay, whatever the policy's replay does.
 
 Megatron keeps RouterReplay instances in one process-global list; a second model must neither add
-to it nor consume the policy's recorded (R2) or engine (R3) routing. Checked on one rank and PP=2.
+to it nor consume the policy's recorded (R2) or engine (R3) routing. Checked on one rank and PP=2,
+and with the reference's weights in host memory between passes (``trainer.reference_offload``) on
+PP=2 and EP=2 (the grouped experts' shared storages kept).
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from gspo_megatron.testing.model_fixtures import fixed_batch, random_hf_state, t
 pytestmark = pytest.mark.distributed
 
 
-def reference_worker(ctx, layout_kwargs):
+def reference_worker(ctx, layout_kwargs, offload):
     from gspo_megatron.models.builder import build_model
     from gspo_megatron.models.conversion import load_hf_weights
+    from gspo_megatron.models.grouped_experts import stacked_weights
     from gspo_megatron.models.schedule import run_schedule
     from gspo_megatron.parallel.layout import ParallelLayout
     from gspo_megatron.parallel.mesh import initialize_parallel
@@ -37,7 +40,7 @@ def reference_worker(ctx, layout_kwargs):
     count_with_policy = RoutingReplay.instance_count()
     reference_chunk = build_model(cfg, layout, routing_replay=False, initialize=False)
     load_hf_weights(reference_chunk, cfg, state, mesh)
-    reference = ReferenceModel(reference_chunk, mesh.tp_group, 1.0, None)
+    reference = ReferenceModel(reference_chunk, mesh.tp_group, 1.0, None, offload=offload)
     result = {
         "instances_added_by_reference": RoutingReplay.instance_count() - count_with_policy,
         "reference_routers_with_replay": sum(
@@ -104,14 +107,39 @@ def reference_worker(ctx, layout_kwargs):
         any(not torch.equal(r, f) for r, f in zip(replayed, free, strict=True)) if free else True
     )
     result["has_outputs"] = bool(free) == (mbs[0].ref_log_probs is not None)
+    if offload:  # between passes every weight lies in the host buffers; each expert projection in one run
+        host = {flat.untyped_storage().data_ptr() for flat in reference.host_weights.host.values()}
+        result["weights_on_host"] = all(p.untyped_storage().data_ptr() in host for p in reference_chunk.parameters())
+        result["host_bytes"] = reference.host_weights.nbytes
+        result["param_bytes"] = sum(p.numel() * p.element_size() for p in reference_chunk.parameters())
+        experts = [layer.mlp.experts.local_experts for layer in reference_chunk.decoder.layers]
+        result["expert_projections_as_views"] = all(
+            stacked_weights(tuple(e.linear_fc1.weight for e in local)).untyped_storage().data_ptr()
+            == local[0].linear_fc1.weight.untyped_storage().data_ptr()
+            for local in experts
+            if len(local) > 1
+        )
     mesh.destroy()
     return result
 
 
-@pytest.mark.parametrize("layout", [dict(world_size=1), dict(pp=2, world_size=2)], ids=["one_rank", "pp2"])
-def test_reference_routers_never_record_or_replay(layout):
-    for result in run_distributed(reference_worker, layout["world_size"], layout):
+@pytest.mark.parametrize(
+    "layout, offload",
+    [
+        (dict(world_size=1), False),
+        (dict(pp=2, world_size=2), False),
+        (dict(pp=2, world_size=2), True),
+        (dict(ep=2, world_size=2), True),
+    ],
+    ids=["one_rank", "pp2", "pp2_offload", "ep2_offload"],
+)
+def test_reference_routers_never_record_or_replay(layout, offload):
+    for result in run_distributed(reference_worker, layout["world_size"], layout, offload):
         assert result["instances_added_by_reference"] == 0 and result["reference_routers_with_replay"] == 0
         assert result["recorded_forwards"] == 2  # the policy's two micro-batches, nothing from the reference
+        # the reference's log-probs equal the policy's own free forward, bit for bit
         assert result["ref_equals_free_policy"] and result["r3_ref_equals_free_policy"]
         assert result["r3_policy_moved"] and result["has_outputs"]
+        if offload:
+            assert result["weights_on_host"] and result["expert_projections_as_views"]
+            assert result["host_bytes"] == result["param_bytes"]

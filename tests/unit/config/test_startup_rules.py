@@ -42,6 +42,10 @@ def _typed(overrides):
             ["optimizer.cpu_offload=true", "model.dtype=bfloat16", "optimizer.distributed=auto"],
             r"optimizer.cpu_offload=true needs megatron's distributed optimizer .*set optimizer.distributed=true",
         ),
+        (
+            ["trainer.reference_offload=true"],
+            r"trainer.reference_offload=true but algorithm.kl_coef=0 builds no reference model",
+        ),
     ],
     ids=[
         "micro_batch",
@@ -50,6 +54,7 @@ def _typed(overrides):
         "ratio_decomposition_needs_old_pass",
         "cpu_offload_needs_bf16",
         "cpu_offload_needs_distributed_optimizer",
+        "reference_offload_needs_a_reference",
     ],
 )
 def test_bad_value_is_refused_naming_the_key(overrides, message):

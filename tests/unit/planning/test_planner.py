@@ -230,6 +230,36 @@ def test_reference_model_costs_its_weights_in_the_model_dtype_by_hand():
     assert with_ref.total - without.total == with_ref.reference_weights
 
 
+def test_an_offloaded_reference_is_on_the_device_only_in_its_pass_by_hand():
+    """trainer.reference_offload: the weights leave the resident bytes and the update's peak; the reference
+    pass holds them beside its forward-only activations; a node's host memory holds them, once per rank."""
+    from gspo_megatron.planning.planner import memory_of_stage
+
+    cfg = tiny_test_config()
+    layout = ParallelLayout(pp=2, world_size=2).validate(cfg)
+    base = dict(seq_len=8, micro_batch_tokens=16, global_batch_tokens=64, group_size=4, reference_model=True)
+    on_device = memory_of_stage(cfg, layout, PlanOptions(**base), 0, micro_batches=4)
+    offloaded = memory_of_stage(cfg, layout, PlanOptions(**base, reference_offload=True), 0, micro_batches=4)
+    weights = on_device.reference_weights
+    assert offloaded.reference_weights == weights > 0
+    assert on_device.resident - offloaded.resident == weights
+    assert offloaded.reference_pass == offloaded.old_log_prob_pass + weights
+    assert on_device.reference_pass == on_device.old_log_prob_pass
+    assert (on_device.host, offloaded.host) == (0, weights)
+    options = PlanOptions(**base, reference_offload=True)
+    plan = plan_layout(cfg, layout, options, gpu_spec("h100"))
+    last = memory_of_stage(cfg, layout, options, 1, micro_batches=4)
+    assert plan.host_per_node == 2 * max(offloaded.host, last.host)  # the node's 2 ranks at the worst one's
+    phases = plan.rl_memory[0].phases
+    assert phases["ref_logp"] - phases["old_logp"] == weights  # the weights come in for the reference pass only
+    # ... over the host link: the worst stage's reference bytes at PCIe x link efficiency
+    gpu = gpu_spec("h100")
+    on_device_plan = plan_layout(cfg, layout, PlanOptions(**base), gpu)
+    link = gpu.pcie_bandwidth * gpu.link_efficiency
+    in_s = plan.rl.reference_s - on_device_plan.rl.reference_s
+    assert in_s == pytest.approx(max(offloaded.reference_weights, last.reference_weights) / link)
+
+
 def test_rl_step_adds_its_phases_in_the_trainers_order_by_hand():
     from gspo_megatron.planning.step_time import StepTime, rl_step_time
 
@@ -345,3 +375,6 @@ def test_optimizer_offload_moves_the_adam_moments_off_the_device_by_hand():
         offloaded = plan_layout(shape, layout, options, gpu_spec("h100")).memory
         assert offloaded.state == device.state
         assert device.resident - offloaded.resident == round(device.state.optimizer * 2 / 3 * fraction) > 0
+        # on the host: an fp32 copy, its fp32 gradient and two fp32 moments per parameter stepped there
+        owned = device.state.optimizer / 12  # fp32 master + two moments per owned parameter (bf16 weights)
+        assert offloaded.host == round(owned * 16 * fraction)
