@@ -157,7 +157,7 @@ def print_detail(plan: Plan) -> None:
         ("gradient buffers (fp32)", m.state.gradients),
         (
             "optimizer (Adam moments + fp32 master)"
-            + (f", {m.offloaded_moments / GiB:.1f} of its moments in host memory" if m.optimizer_offloaded else ""),
+            + (f", {m.optimizer_off_device / GiB:.1f} of it in host memory" if m.optimizer_offloaded else ""),
             m.state.optimizer,
         ),
         (
@@ -250,6 +250,7 @@ NAME_MODE_ONLY = {  # flags that set what a training config decides; config mode
     "dtype": "model.dtype",
     "no_distributed_optimizer": "optimizer.distributed=false",
     "optimizer_offload": "optimizer.cpu_offload=true (and optimizer.offload_fraction)",
+    "precision_aware": "optimizer.precision_aware=true",
     "recompute": "trainer.recompute_activations=true",
     "routing_replay": "algorithm.routing_replay",
     "dispatcher": "model.token_dispatcher",
@@ -327,6 +328,7 @@ def plan_name(args, gpu) -> int:
         dtype=args.dtype,
         distributed_optimizer=not args.no_distributed_optimizer,
         optimizer_offload=1.0 if args.optimizer_offload else 0.0,
+        precision_aware=args.precision_aware,
         recompute=args.recompute,
         routing_replay=args.routing_replay,
         dispatcher=args.dispatcher,
@@ -372,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     name.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     name.add_argument("--no-distributed-optimizer", action="store_true")
     name.add_argument("--optimizer-offload", action="store_true", help="Adam state in host memory")
+    name.add_argument("--precision-aware", action="store_true", help="no fp32 main shards (the optimizer's own)")
     name.add_argument("--recompute", action="store_true", help="full activation recompute")
     name.add_argument("--routing-replay", choices=list(REPLAY_MODES), default="none")
     name.add_argument("--dispatcher", choices=["alltoall", "allgather"], default="alltoall")

@@ -40,6 +40,7 @@ FREE_KEYS = (
     "trainer.eval_samples",
     "trainer.micro_batch_size",
     "trainer.recompute_activations",
+    "trainer.reference_offload",  # where the reference waits between its passes (the same log-probs)
     "model.hf_checkpoint",
     "model.preset",
     # kernels with the same results: the dispatcher moves tokens differently; the portable grouped

@@ -187,6 +187,10 @@ class OptimizerSection(ConfigNode):
     # copies, the rest on the device. Needs the distributed optimizer and bf16 weights (validate.py).
     cpu_offload: bool = False
     offload_fraction: float = 1.0
+    # megatron's precision-aware optimizer (slime's --use-precision-aware-optimizer): the distributed
+    # optimizer keeps no fp32 main shards of the bf16 weights; the optimizer holds the master weights
+    # (with cpu_offload: HybridDeviceOptimizer's fp32 copies, on the host for what it offloads)
+    precision_aware: bool = False
 
     def validate(self) -> None:
         if not 0.0 < self.offload_fraction <= 1.0:

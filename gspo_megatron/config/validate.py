@@ -136,17 +136,24 @@ def _validate_optimizer_offload(cfg: TrainConfig, layout) -> None:
     """megatron-core's HybridDeviceOptimizer runs only inside its distributed optimizer and on the fp32 main
     copies of bf16 weights: the distributed optimizer hands it views of fp32 weights, which torch refuses
     ("can't optimize a non-leaf Tensor", ``distrib_optimizer.py:420`` in 0.16.1), and the plain
-    mixed-precision optimizer's step fails inside it (seen on 2 gloo ranks)."""
-    if not cfg.optimizer.cpu_offload:
-        return
+    mixed-precision optimizer's step fails inside it (seen on 2 gloo ranks). megatron's precision-aware
+    optimizer asserts the distributed optimizer and exists for bf16 weights (``optimizer_config.py``).
+    Its need for TransformerEngine's FusedAdam without offload is a property of the machine, checked
+    where the optimizer is built (``trainer/optim.py``), so a plan made on a laptop is not refused."""
+    for key in ("cpu_offload", "precision_aware"):
+        if getattr(cfg.optimizer, key):
+            _offload_needs_bf16_and_distributed(cfg, layout, f"optimizer.{key}")
+
+
+def _offload_needs_bf16_and_distributed(cfg: TrainConfig, layout, key: str) -> None:
     if cfg.model.dtype != "bfloat16":
         raise ConfigError(
-            f"optimizer.cpu_offload=true needs model.dtype=bfloat16 (got {cfg.model.dtype}): megatron's host "
-            "optimizer steps the fp32 main copies of bf16 weights; set model.dtype=bfloat16"
+            f"{key}=true needs model.dtype=bfloat16 (got {cfg.model.dtype}): megatron's host and precision-aware "
+            "optimizers step fp32 master copies of bf16 weights; set model.dtype=bfloat16"
         )
     if not use_distributed_optimizer(cfg.optimizer.distributed, layout):
         raise ConfigError(
-            f"optimizer.cpu_offload=true needs megatron's distributed optimizer (optimizer.distributed="
+            f"{key}=true needs megatron's distributed optimizer (optimizer.distributed="
             f"{cfg.optimizer.distributed} resolves to off here): set optimizer.distributed=true"
         )
 

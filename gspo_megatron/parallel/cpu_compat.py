@@ -306,21 +306,38 @@ def _hybrid_optimizer_on_cpu() -> None:
 
 @contextlib.contextmanager
 def _cpu_tensors_as_device_tensors():
-    """For the block: ``pin_memory()`` marks the tensor as a host copy (and returns it), and
-    ``tensor.is_cuda`` is True for every CPU tensor but a marked one."""
+    """For the block: ``pin_memory()`` marks the tensor as a host copy (and returns it), what
+    ``detach``/``clone``/``float`` make of a host copy is one too (on a GPU machine it stays on the
+    host: the fp32 copy the optimizer steps for an offloaded bf16 parameter), and ``tensor.is_cuda``
+    is True for every CPU tensor but a marked one."""
     is_cuda, pin_memory = torch.Tensor.is_cuda, torch.Tensor.pin_memory
+    derived = {name: getattr(torch.Tensor, name) for name in ("detach", "clone", "float")}
 
     def mark_host_copy(self, *args, **kwargs):
         self._gspo_host_copy = True
         return self
 
+    def keeps_the_mark(method):
+        @functools.wraps(method)
+        def made_from(self, *args, **kwargs):
+            out = method(self, *args, **kwargs)
+            if getattr(self, "_gspo_host_copy", False):
+                out._gspo_host_copy = True
+            return out
+
+        return made_from
+
     torch.Tensor.is_cuda = property(lambda self: not getattr(self, "_gspo_host_copy", False))  # type: ignore[assignment]
     torch.Tensor.pin_memory = mark_host_copy  # type: ignore[method-assign]
+    for name, method in derived.items():
+        setattr(torch.Tensor, name, keeps_the_mark(method))
     try:
         yield
     finally:
         torch.Tensor.is_cuda = is_cuda
         torch.Tensor.pin_memory = pin_memory  # type: ignore[method-assign]
+        for name, method in derived.items():
+            setattr(torch.Tensor, name, method)
 
 
 class _SynchronousStream:

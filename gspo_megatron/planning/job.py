@@ -58,7 +58,7 @@ class PlannedJob:
             f"model.dtype={o.dtype}; trainer.recompute_activations={o.recompute}",
             f"algorithm.kl_coef={cfg.algorithm.kl_coef} -> reference model {o.reference_model}; "
             f"trainer.reference_offload={o.reference_offload}; optimizer.cpu_offload={cfg.optimizer.cpu_offload} "
-            f"-> {o.optimizer_offload:.0%} of Adam in host memory",
+            f"-> {o.optimizer_offload:.0%} of Adam in host memory; optimizer.precision_aware={o.precision_aware}",
             f"algorithm.old_log_probs={cfg.algorithm.old_log_probs} -> old-log-prob pass {o.old_log_prob_pass}",
             f"trainer.updates_per_rollout={o.updates_per_rollout}; algorithm.routing_replay={o.routing_replay}; "
             f"model.token_dispatcher={o.dispatcher}; model.layer_spec={cfg.model.layer_spec} -> {o.layer_spec}",
@@ -148,6 +148,7 @@ def options_from_config(cfg: TrainConfig, layout: ParallelLayout, prompt_tokens:
         dtype=str(cfg.model.dtype),
         distributed_optimizer=use_distributed_optimizer(cfg.optimizer.distributed, layout),
         optimizer_offload=cfg.optimizer.offload_fraction if cfg.optimizer.cpu_offload else 0.0,
+        precision_aware=cfg.optimizer.precision_aware,
         recompute=t.recompute_activations,
         routing_replay=str(cfg.algorithm.routing_replay),
         dispatcher=str(cfg.model.token_dispatcher),

@@ -60,6 +60,7 @@ class PlanOptions:
     dtype: str = "bfloat16"
     distributed_optimizer: bool = True
     optimizer_offload: float = 0.0  # fraction of the Adam state stepped in host memory (optimizer.cpu_offload)
+    precision_aware: bool = False  # optimizer.precision_aware: the optimizer holds the fp32 master weights
     recompute: bool = False
     routing_replay: str = "none"  # none | old_policy | rollout (R3 keeps the engine's experts)
     dispatcher: str = "alltoall"  # model.token_dispatcher (the trainer's default: alltoall)
@@ -86,15 +87,17 @@ class MemoryRow:
     loss_head: int
     old_log_prob_pass: int
     routing_replay: int
-    optimizer_offloaded: float = 0.0  # the fraction of the Adam moments in host memory (optimizer.cpu_offload)
+    optimizer_offloaded: float = 0.0  # the fraction of Adam stepped in host memory (optimizer.cpu_offload)
+    precision_aware: bool = False  # optimizer.precision_aware: no fp32 main shards in the distributed optimizer
     reference_weights: int = 0  # the frozen KL reference's weights (algorithm.kl_coef > 0)
     reference_offloaded: bool = False  # trainer.reference_offload: on the device only during its pass
 
     @property
     def resident(self) -> int:
-        """Bytes held for the whole run: model state (less the offloaded Adam moments) + the reference
-        (unless it lives in host memory between its passes)."""
-        return self.state.total - self.offloaded_moments + (0 if self.reference_offloaded else self.reference_weights)
+        """Bytes held for the whole run: model state (less what of the optimizer is in host memory) + the
+        reference (unless it lives in host memory between its passes)."""
+        reference = 0 if self.reference_offloaded else self.reference_weights
+        return self.state.total - self.optimizer_off_device + reference
 
     @property
     def reference_pass(self) -> int:
@@ -105,16 +108,20 @@ class MemoryRow:
     @property
     def host(self) -> int:
         """Host bytes of this rank (module docstring): 16 per parameter Adam steps on the host (the
-        optimizer's 12 per owned parameter, scaled) + the offloaded reference's weights."""
+        optimizer's 12 per owned parameter, scaled; with or without the precision-aware optimizer, whose
+        host copies are made in fp32 from its bf16 shards) + the offloaded reference's weights."""
         adam = round(self.state.optimizer * 16 / 12 * self.optimizer_offloaded)
         return adam + (self.reference_weights if self.reference_offloaded else 0)
 
     @property
-    def offloaded_moments(self) -> int:
-        """Adam moments in host memory. megatron's host optimizer steps host copies of the distributed
-        optimizer's fp32 main shards, which stay on the device too, so only the moments leave it: 8 of
-        the 12 bytes per owned parameter (offload needs bf16 weights, config/validate.py)."""
-        return round(self.state.optimizer * 2 / 3 * self.optimizer_offloaded)
+    def optimizer_off_device(self) -> int:
+        """Optimizer bytes that leave the device (of the 12 per owned parameter: fp32 master + two moments;
+        offload needs bf16 weights, config/validate.py). megatron's host optimizer steps host copies of
+        what the distributed optimizer hands it: its fp32 main shards, which stay on the device too (8 of
+        the 12 bytes leave), or with the precision-aware optimizer the bf16 shards themselves, so that
+        the fp32 master exists only in host memory (all 12 leave); either scaled by the offload fraction."""
+        share = 1.0 if self.precision_aware else 2 / 3
+        return round(self.state.optimizer * share * self.optimizer_offloaded)
 
     @property
     def total(self) -> int:
@@ -261,6 +268,7 @@ def memory_of_stage(
         old_pass,
         replay,
         optimizer_offloaded=options.optimizer_offload,
+        precision_aware=options.precision_aware,
         reference_weights=reference,
         reference_offloaded=options.reference_offload and options.reference_model,
     )

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from gspo_megatron.config.schema import DecayStyle
+from gspo_megatron.models.builder import transformer_engine_available
 from gspo_megatron.parallel.device import compute_device
 
 if TYPE_CHECKING:
@@ -101,7 +102,9 @@ def optimizer_config(ddp_model: DistributedDataParallel, section: OptimizerSecti
 
     bf16 = ddp_model.config.bf16
     pinned = compute_device().type == "cuda"  # no pinned allocator without a device to copy from
-    return OptimizerConfig(
+    te = transformer_engine_available()
+    check_precision_aware(section, te)
+    config = OptimizerConfig(
         optimizer="adam",
         lr=section.lr,
         min_lr=section.min_lr,
@@ -115,9 +118,41 @@ def optimizer_config(ddp_model: DistributedDataParallel, section: OptimizerSecti
         use_distributed_optimizer=ddp_model.ddp_config.use_distributed_optimizer,
         optimizer_cpu_offload=section.cpu_offload,
         optimizer_offload_fraction=section.offload_fraction if section.cpu_offload else 0.0,
+        use_precision_aware_optimizer=section.precision_aware and te,
         pin_cpu_grads=pinned,  # the host copies of optimizer.cpu_offload
         pin_cpu_params=pinned,
     )
+    if section.precision_aware and not te:
+        _precision_aware_without_te(config)
+    return config
+
+
+def check_precision_aware(section: OptimizerSection, te: bool) -> None:
+    """The precision-aware optimizer needs TransformerEngine's FusedAdam (``te``), or the host optimizer."""
+    if section.precision_aware and not (te or section.cpu_offload):
+        raise ValueError(
+            "optimizer.precision_aware=true without optimizer.cpu_offload needs TransformerEngine's FusedAdam "
+            "(megatron's precision-aware optimizer), which this machine lacks (CUDA and the transformer_engine "
+            "package); set optimizer.cpu_offload=true (megatron's HybridDeviceOptimizer then holds the fp32 "
+            "master weights) or optimizer.precision_aware=false"
+        )
+
+
+def _precision_aware_without_te(config: OptimizerConfig) -> None:
+    """``optimizer.precision_aware`` with ``optimizer.cpu_offload`` where TransformerEngine is not installed.
+
+    megatron-core's ``OptimizerConfig.__post_init__`` (0.16.1 to 0.19.2) asks TE's version for every
+    precision-aware config (``is_te_min_version("2.1.0")``: TE's ``store_param_remainders``) before it
+    returns early for ``optimizer_cpu_offload`` -- the one case that does not use TE (its
+    HybridDeviceOptimizer holds the master weights) -- and without TE that comparison raises
+    ``TypeError`` (None >= Version). The config is built without the flag and given what
+    ``__post_init__`` would set: the flag, ``use_precision_aware_optimizer_no_fp8_or_ds_fp8`` (True
+    whenever ``optimizer_cpu_offload``) and ``store_param_remainders=False`` (TE below 2.1: none).
+    """
+    assert config.optimizer_cpu_offload and config.use_distributed_optimizer, "config/validate.py refuses others"
+    config.use_precision_aware_optimizer = True
+    config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
+    config.store_param_remainders = False
 
 
 def _inner_optimizers(

@@ -56,6 +56,7 @@ def train_steps_worker(
     cp: int = 1,
     cpu_offload: bool = False,
     offload_fraction: float = 1.0,
+    precision_aware: bool = False,
 ) -> dict:
     from megatron.core import tensor_parallel
 
@@ -80,6 +81,7 @@ def train_steps_worker(
         distributed=distributed,
         cpu_offload=cpu_offload,
         offload_fraction=offload_fraction,
+        precision_aware=precision_aware,
     )
     ddp = wrap_for_training(
         model, model.config, use_distributed_optimizer=use_distributed_optimizer(section.distributed, layout)
@@ -198,11 +200,21 @@ def test_optimizer_offload_steps_equal_the_device_optimizer():
     """optimizer.cpu_offload: megatron's HybridDeviceOptimizer inside its distributed optimizer (bf16 weights,
     fp32 main copies) on 2 gloo ranks, with all (fraction 1) or half (0.5) of each rank's Adam on host
     copies, steps 3 times exactly as the distributed optimizer without offload: the same grad norms and
-    weights to 1e-6 (both step fp32 main weights with torch's AdamW)."""
+    weights to 1e-6 (both step fp32 main weights with torch's AdamW). With ``optimizer.precision_aware``
+    too (slime's 30B flags) the distributed optimizer keeps no fp32 main shards and the host optimizer's
+    fp32 copies are the master weights: the same again (before ``parallel/cpu_compat.py`` kept the host
+    mark on the fp32 copy of a host copy, the CPU build stepped none of them: the weights never moved)."""
     device = run_distributed(train_steps_worker, 2, "true", "bfloat16", timeout=600)
-    for fraction in (1.0, 0.5):
+    for fraction, precision_aware in ((1.0, False), (0.5, False), (1.0, True), (0.5, True)):
         offloaded = run_distributed(
-            train_steps_worker, 2, "true", "bfloat16", cpu_offload=True, offload_fraction=fraction, timeout=600
+            train_steps_worker,
+            2,
+            "true",
+            "bfloat16",
+            cpu_offload=True,
+            offload_fraction=fraction,
+            precision_aware=precision_aware,
+            timeout=600,
         )
         for rank in range(2):
             assert offloaded[rank]["inner_types"] == {"HybridDeviceOptimizer"}
@@ -210,6 +222,7 @@ def test_optimizer_offload_steps_equal_the_device_optimizer():
             assert offloaded[rank]["grad_norms"] == pytest.approx(device[rank]["grad_norms"], rel=1e-6)
             for name, expected in device[rank]["weights"].items():
                 got = offloaded[rank]["weights"][name]
-                assert (got - expected).abs().max().item() < 1e-6, f"fraction {fraction} rank {rank} {name}"
+                where = f"fraction {fraction} precision_aware {precision_aware} rank {rank} {name}"
+                assert (got - expected).abs().max().item() < 1e-6, where
     initial = random_hf_state(tiny_test_config(), seed=3)
     assert max((device[0]["weights"][k] - initial[k].float()).abs().max().item() for k in initial) > 0.01

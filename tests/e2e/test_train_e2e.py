@@ -134,12 +134,23 @@ def test_tp2_sequence_parallel_with_an_odd_fed_length(tmp_path):
 
 @pytest.mark.parametrize(
     "dtype, optimizer",
-    [("float32", []), ("bfloat16", []), ("bfloat16", ["optimizer.cpu_offload=true", "optimizer.distributed=true"])],
-    ids=["float32", "bfloat16", "bfloat16-cpu-offload"],
+    [
+        ("float32", []),
+        ("bfloat16", []),
+        ("bfloat16", ["optimizer.cpu_offload=true", "optimizer.distributed=true"]),
+        (
+            "bfloat16",
+            ["optimizer.cpu_offload=true", "optimizer.precision_aware=true", "optimizer.offload_fraction=0.5"]
+            + ["optimizer.distributed=true"],
+        ),
+    ],
+    ids=["float32", "bfloat16", "bfloat16-cpu-offload", "bfloat16-precision-aware-half-offload"],
 )
 def test_resume_continues_exactly(tmp_path, dtype, optimizer):
     """bf16: bf16 weights, fp32 main weights and Adam state (megatron's mixed-precision optimizer); with
-    optimizer.cpu_offload the Adam state lives in megatron's HybridDeviceOptimizer's host copies.
+    optimizer.cpu_offload the Adam state lives in megatron's HybridDeviceOptimizer's host copies; with
+    optimizer.precision_aware the fp32 master weights are that optimizer's own (no main shards in the
+    distributed optimizer), half of them on the host.
     The entropy bonus gives every step a gradient, so the resumed steps depend on the restored state."""
     base = FAST + ["trainer.steps=4", f"model.dtype={dtype}", "algorithm.entropy_coef=0.01", *optimizer]
     (full,) = run_distributed(train_worker, 1, base + ["checkpoint.save_every=2"], str(tmp_path / "full"))

@@ -12,8 +12,8 @@ SAVED = """
 run_dir: /a
 model: {hidden_size: 64, num_experts: 4, token_dispatcher: alltoall, expert_mlp: grouped}
 algorithm: {name: gspo, clip_low: 0.0003}
-optimizer: {lr: 0.001}
-trainer: {steps: 10, stop_after_steps: 5, micro_batch_size: 4}
+optimizer: {lr: 0.001, precision_aware: false}
+trainer: {steps: 10, stop_after_steps: 5, micro_batch_size: 4, reference_offload: false}
 parallel: {tp: 1}
 checkpoint: {resume: 'false'}
 """
@@ -28,8 +28,15 @@ def test_differences_are_listed_by_dotted_key():
 def test_free_keys_pass():
     new = SAVED.replace("/a", "/b").replace("tp: 1", "tp: 2").replace("stop_after_steps: 5", "stop_after_steps: 9")
     new = new.replace("alltoall", "allgather").replace("expert_mlp: grouped", "expert_mlp: sequential")
+    new = new.replace("reference_offload: false", "reference_offload: true")  # the same log-probs
     accepted = check_resume_config(SAVED, new.replace("resume: 'false'", "resume: 'true'"), [], "ckpt")
-    assert len(accepted) == 6
+    assert len(accepted) == 7
+
+
+def test_the_precision_aware_optimizer_is_refused_by_name():
+    """Its checkpoint holds no fp32 main shards in the distributed optimizer's state: a change is named."""
+    with pytest.raises(ResumeConfigError, match=r"optimizer.precision_aware: False -> True"):
+        check_resume_config(SAVED, SAVED.replace("precision_aware: false", "precision_aware: true"), [], "ckpt")
 
 
 def test_algorithm_and_lr_changes_are_refused_with_every_key():
@@ -57,7 +64,7 @@ def test_model_shape_can_never_change():
 
 
 def test_keys_of_another_code_version_are_accepted():
-    new = SAVED.replace("micro_batch_size: 4}", "micro_batch_size: 4, on_nonfinite: skip}")
+    new = SAVED.replace("reference_offload: false}", "reference_offload: false, on_nonfinite: skip}")
     assert check_resume_config(SAVED, new, [], "ckpt") == ["trainer.on_nonfinite: <absent> -> 'skip'"]
 
 

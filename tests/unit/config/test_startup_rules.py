@@ -43,6 +43,14 @@ def _typed(overrides):
             r"optimizer.cpu_offload=true needs megatron's distributed optimizer .*set optimizer.distributed=true",
         ),
         (
+            ["optimizer.precision_aware=true", "optimizer.cpu_offload=true", "model.dtype=bfloat16"],
+            r"optimizer.cpu_offload=true needs megatron's distributed optimizer .*set optimizer.distributed=true",
+        ),
+        (
+            ["optimizer.precision_aware=true", "optimizer.distributed=true"],
+            r"optimizer.precision_aware=true needs model.dtype=bfloat16 \(got float32\)",
+        ),
+        (
             ["trainer.reference_offload=true"],
             r"trainer.reference_offload=true but algorithm.kl_coef=0 builds no reference model",
         ),
@@ -54,6 +62,8 @@ def _typed(overrides):
         "ratio_decomposition_needs_old_pass",
         "cpu_offload_needs_bf16",
         "cpu_offload_needs_distributed_optimizer",
+        "precision_aware_offload_needs_distributed_optimizer",
+        "precision_aware_needs_bf16",
         "reference_offload_needs_a_reference",
     ],
 )

@@ -215,7 +215,10 @@ def test_padded_positions_by_hand():
 
 def test_padding_the_groups_changes_no_result():
     """The grouped GEMMs on zero-padded groups (as bf16 on CPU runs them) equal them on the rows as
-    they come, forward and every gradient, bit for bit in fp32 (a padded row contributes zeros)."""
+    they come, forward and every gradient, in fp32 (a padded row contributes zeros). Within 1e-6, not
+    bit for bit: a group's GEMM has more rows padded, and the BLAS may pick another kernel (another
+    summation order) for another shape -- on an AMD EPYC the input gradient differed in 13 of 256
+    elements by at most 4.8e-7 (relative 1.9e-6); on CI's machine it had been exact."""
     from gspo_megatron.models.grouped_experts import GroupedLinear, padded_positions
 
     generator = torch.Generator().manual_seed(0)
@@ -237,7 +240,7 @@ def test_padding_the_groups_changes_no_result():
         return out.detach(), x.grad, [w.grad for w in ws]
 
     (out, grad_rows, grad_weights), (out_p, grad_rows_p, grad_weights_p) = run(False), run(True)
-    torch.testing.assert_close(out_p, out, rtol=0, atol=0)
-    torch.testing.assert_close(grad_rows_p, grad_rows, rtol=0, atol=0)
+    torch.testing.assert_close(out_p, out, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad_rows_p, grad_rows, rtol=1e-5, atol=1e-6)
     for got, expected in zip(grad_weights_p, grad_weights, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)  # sums over more (zero) rows

@@ -256,7 +256,7 @@ def _hybrid_optimizer_steps(weights: torch.Tensor, grads: list[torch.Tensor], of
     fp32 updates, no pinned memory here), stepped once per gradient; the weights after."""
     from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
-    params = [torch.nn.Parameter(w.clone()) for w in weights]
+    params = [torch.nn.Parameter(w.clone()) for w in weights]  # a bf16 ``weights``: fp32 copies are stepped
     optimizer = HybridDeviceOptimizer(
         [{"params": params}],
         offload_fraction=offload_fraction,
@@ -271,7 +271,7 @@ def _hybrid_optimizer_steps(weights: torch.Tensor, grads: list[torch.Tensor], of
     )
     for grad in grads:
         for param, g in zip(params, grad, strict=True):
-            param.grad = g.clone()
+            param.grad = g.clone().to(param.dtype)
         optimizer.step()
     return torch.stack([p.detach() for p in params])
 
@@ -298,3 +298,16 @@ def test_11_hybrid_optimizer_offloads_on_cpu(bridges):
     assert not torch.equal(expected, weights)
     for fraction in (1.0, 0.5):
         torch.testing.assert_close(_hybrid_optimizer_steps(weights, grads, fraction), expected, rtol=0, atol=1e-7)
+    # bf16 parameters (the precision-aware optimizer hands it the bf16 shards): the fp32 copy of a host copy
+    # stays on the host, as on a GPU machine, so the host optimizer steps it; the bf16 weights after equal
+    # torch's AdamW on fp32 copies of them (bf16 gradients), rounded to bf16
+    reference = [torch.nn.Parameter(w.to(torch.bfloat16).float()) for w in weights]
+    adamw = torch.optim.AdamW(reference, lr=0.1, weight_decay=0.01)
+    for grad in grads:
+        for param, g in zip(reference, grad, strict=True):
+            param.grad = g.to(torch.bfloat16).float()
+        adamw.step()
+    expected = torch.stack([p.detach() for p in reference]).to(torch.bfloat16)
+    for fraction in (1.0, 0.5):
+        got = _hybrid_optimizer_steps(weights.to(torch.bfloat16), grads, fraction)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)

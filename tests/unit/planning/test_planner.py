@@ -378,3 +378,9 @@ def test_optimizer_offload_moves_the_adam_moments_off_the_device_by_hand():
         # on the host: an fp32 copy, its fp32 gradient and two fp32 moments per parameter stepped there
         owned = device.state.optimizer / 12  # fp32 master + two moments per owned parameter (bf16 weights)
         assert offloaded.host == round(owned * 16 * fraction)
+        # the precision-aware optimizer: no fp32 main shards on the device, the master is the host copy
+        aware = plan_layout(
+            shape, layout, PlanOptions(**base, optimizer_offload=fraction, precision_aware=True), gpu_spec("h100")
+        ).memory
+        assert device.resident - aware.resident == round(device.state.optimizer * fraction)
+        assert aware.host == offloaded.host

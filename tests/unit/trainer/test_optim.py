@@ -27,3 +27,14 @@ def test_auto_is_on_when_dp_times_cp_exceeds_one(layout, auto):
     assert use_distributed_optimizer("auto", layout) is auto
     assert use_distributed_optimizer("true", layout) is True
     assert use_distributed_optimizer("false", layout) is False
+
+
+def test_precision_aware_without_offload_needs_transformer_engine():
+    from gspo_megatron.config.schema import OptimizerSection
+    from gspo_megatron.trainer.optim import check_precision_aware
+
+    alone = OptimizerSection(precision_aware=True)
+    with pytest.raises(ValueError, match=r"optimizer.precision_aware=true without optimizer.cpu_offload needs"):
+        check_precision_aware(alone, te=False)
+    check_precision_aware(alone, te=True)  # TE's FusedAdam holds the master weights
+    check_precision_aware(OptimizerSection(precision_aware=True, cpu_offload=True), te=False)  # the host optimizer
