@@ -151,7 +151,10 @@ def test_distributed_optimizer_steps_equal_the_plain_optimizer(plain_and_distrib
     for rank in range(2):
         for name, expected in plain[rank]["weights"].items():
             got = sharded[rank]["weights"][name]
-            assert (got - expected).abs().max().item() < 1e-6, f"rank {rank} {name}"
+            # within a thousandth of one step (lr 0.01): the sharded optimizer sums the data-parallel
+            # gradients in another order (reduce-scatter), and Adam's normalised step m / (sqrt(v) + eps)
+            # scales those last-bit differences up where a gradient is small (1.01e-6 seen on an AMD EPYC)
+            assert (got - expected).abs().max().item() < 1e-5, f"rank {rank} {name}"
         assert sharded[rank]["grad_norms"] == pytest.approx(plain[rank]["grad_norms"], rel=1e-6)
     moved = max((plain[0]["weights"][k] - initial[k]).abs().max().item() for k in initial)
     assert moved > 0.01  # three steps of lr 0.01 did move the weights
