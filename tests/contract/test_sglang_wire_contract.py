@@ -10,6 +10,7 @@ import torch
 
 from gspo_megatron.rollout.sglang.launcher import build_launch_command
 from gspo_megatron.rollout.sglang.protocol import decode_routed_experts, parse_generate_response
+from gspo_megatron.rollout.sglang.tensor_handles import update_from_tensor_body
 from gspo_megatron.rollout.sglang.version import MAX_SGLANG, MIN_SGLANG
 from gspo_megatron.rollout.sglang.weight_sync import bucket_metadata
 
@@ -64,6 +65,7 @@ def _control_bodies() -> list[tuple[str, dict]]:
         ),
         ("/destroy_weights_update_group", {"group_name": "gspo_weight_update"}),
         ("/update_weights_from_disk", {"model_path": "/abs/sync/v7", "weight_version": "7", "flush_cache": False}),
+        ("/update_weights_from_tensor", update_from_tensor_body(tensors, 2, 7)),
         ("/begin_weight_update", {}),
         ("/end_weight_update", {}),
         ("/pause_generation", {"mode": "abort"}),
@@ -79,6 +81,25 @@ def _control_bodies() -> list[tuple[str, dict]]:
 def test_every_control_body_passes_sglang_validation(sglang_reference, path, body):
     verdict = sglang_reference.post(path, body)
     assert verdict.accepted, f"SGLang's app refuses the project's {path} body {body}: {verdict.reason}"
+
+
+def test_sglangs_unpickler_rebuilds_the_tensor_handles_exactly():
+    """Each TP rank's payload passes SGLang's allow-listed unpickler (``SafeUnpickler``: no global
+    outside its list) and rebuilds the bucket's names, dtypes and values from the shared memory."""
+    from sglang.srt.utils.common import MultiprocessingSerializer
+
+    bucket = [
+        ("model.layers.0.mlp.experts.0.up_proj.weight", torch.randn(4, 3).to(torch.bfloat16)),
+        ("model.norm.weight", torch.randn(5)),
+        ("lm_head.weight", torch.randn(2, 5)[:, 1:]),  # a strided view travels as its own values
+    ]
+    body = update_from_tensor_body(bucket, 2, 9)
+    assert len(body["serialized_named_tensors"]) == 2 and body["weight_version"] == "9"
+    for payload in body["serialized_named_tensors"]:
+        rebuilt = MultiprocessingSerializer.deserialize(payload)
+        assert [name for name, _ in rebuilt] == [name for name, _ in bucket]
+        for (_, got), (_, sent) in zip(rebuilt, bucket, strict=True):
+            assert got.dtype == sent.dtype and torch.equal(got, sent)
 
 
 @pytest.mark.parametrize(

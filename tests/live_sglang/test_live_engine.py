@@ -3,7 +3,8 @@
 What is seen live here (docs/sglang.md lists it):
 - /generate with log-probs and routed experts decodes to the shapes the trainer expects, and the
   numbers agree with the reference forward of the same checkpoint (transformers' Qwen3-MoE, fp32);
-- weight sync by disk and by the distributed path over gloo: other weights change the greedy outputs,
+- weight sync by disk, by the distributed path over gloo and by tensor handles (shared memory): other
+  weights change the greedy outputs,
   the checkpoint's weights restore them exactly;
 - pause/continue around an update while a request is in flight;
 - fail fast: without the begin/end bracket the server refuses the bucket, and the engine raises the
@@ -114,6 +115,20 @@ def test_distributed_gloo_sync_changes_outputs_and_reverting_restores_them(attac
     assert greedy_outputs(attach_engine) == before
     (sample,) = attach_engine.generate([PROMPTS[0]], GREEDY)[0]
     assert sample.weight_version == 4
+
+
+def test_tensor_sync_changes_outputs_and_reverting_restores_them(attach):
+    """/update_weights_from_tensor with handles to the trainer's CPU memory (named shared-memory files,
+    ``tensor_handles.py``), in buckets smaller than the model, without the disk fallback."""
+    attach_engine = attach(weight_sync="tensor", fallback_to_disk=False, weight_bucket_bytes=64 * 1024)
+    before = greedy_outputs(attach_engine)
+    attach_engine.update_weights(hf_weights(seed=1), version=5)
+    perturbed = greedy_outputs(attach_engine)
+    attach_engine.update_weights(hf_weights(seed=0), version=6)
+    assert perturbed != before
+    assert greedy_outputs(attach_engine) == before
+    (sample,) = attach_engine.generate([PROMPTS[0]], GREEDY)[0]
+    assert sample.weight_version == 6
 
 
 def test_an_update_pauses_and_continues_a_request_in_flight(attach):

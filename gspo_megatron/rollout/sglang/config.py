@@ -32,6 +32,7 @@ class WeightSync(ConfigChoice):
 
     distributed = "distributed"  # broadcast from the trainer into the servers (the fast path)
     disk = "disk"  # safetensors on disk, then /update_weights_from_disk (the fallback)
+    tensor = "tensor"  # handles to the trainer's memory, /update_weights_from_tensor (servers on this host)
 
 
 class PauseMode(ConfigChoice):

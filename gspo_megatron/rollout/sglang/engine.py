@@ -9,7 +9,7 @@ Design decisions:
 - Weight sync follows SGLang 0.5.x's bracket on every server: pause_generation -> begin_weight_update
   -> updates -> end_weight_update -> flush_cache -> continue_generation. A fault never leaves a server
   unusable: the session is ended (SGLang refuses every later begin while one is open), the update group
-  is torn down, a distributed update is retried through the disk path (``fallback_to_disk``), and
+  is torn down, a distributed or tensor update is retried through the disk path (``fallback_to_disk``), and
   ``continue_generation`` is always sent; a failure that remains is raised.
 - The flush is skipped under ``pause_mode=in_place``: paused requests stay in SGLang's running batch and
   its flush answers 400 while the batch is not empty (those requests keep their KV cache by design).
@@ -24,6 +24,10 @@ Design decisions:
 - Memory: weights are streamed, never listed. The bucket being sent is the only one held (the next is
   gathered after it has left), so the driver's extra memory is about one bucket whatever the model size;
   a retry through the disk path reads the weights again (the trainer's stream re-exports).
+- Tensor sync (``weight_sync=tensor``, servers on the trainer's host: the colocated path): each bucket
+  is one ``/update_weights_from_tensor`` per server carrying handles to the driver's memory
+  (``tensor_handles.py``: named shared-memory files on CPU, CUDA IPC on a GPU), one payload per server
+  TP rank; the bucket is dropped once every server has answered. A failure falls back to disk as above.
 - Disk sync: buckets become safetensors shards plus an index under ``<disk_sync_dir>/v<version>/``
   (an absolute path: the server resolves a relative one against its own cwd) beside copies of the
   checkpoint's non-weight files, then ``/update_weights_from_disk``; older ``v*`` directories are
@@ -56,6 +60,7 @@ from gspo_megatron.rollout.sglang.client import RetryPolicy, SGLangHTTPClient
 from gspo_megatron.rollout.sglang.config import LaunchMode, PauseMode, SGLangConfig, WeightSync
 from gspo_megatron.rollout.sglang.launcher import LaunchedServer, build_launch_command, free_port
 from gspo_megatron.rollout.sglang.protocol import build_generate_request, parse_generate_response
+from gspo_megatron.rollout.sglang.tensor_handles import update_from_tensor_body
 from gspo_megatron.rollout.sglang.version import check_sglang_version
 from gspo_megatron.rollout.sglang.weight_sync import (
     InFlightBroadcast,
@@ -192,11 +197,13 @@ class SGLangEngine(RolloutEngine):
         failure: BaseException | None = None
         try:
             self._on_all(servers, "POST", "/pause_generation", {"mode": self.config.pause_mode})
-            if self.config.weight_sync == WeightSync.distributed:
+            direct = {WeightSync.distributed: self._sync_distributed, WeightSync.tensor: self._sync_by_tensor}
+            sync = direct.get(self.config.weight_sync)
+            if sync is not None:
                 try:
-                    self._in_session(servers, lambda: self._sync_distributed(servers, named_tensors, version))
-                except Exception as error:  # the group is in an unknown state
-                    self._drop_update_group()
+                    self._in_session(servers, lambda: sync(servers, named_tensors, version))
+                except Exception as error:
+                    self._drop_update_group()  # a distributed update's group is in an unknown state
                     if not (self.config.fallback_to_disk and self.config.model_path):
                         raise
                     if isinstance(named_tensors, Iterator):
@@ -372,6 +379,23 @@ class SGLangEngine(RolloutEngine):
         return [
             int(info.get("tp_size", self.config.tp)) if isinstance(info, dict) else self.config.tp for info in infos
         ]
+
+    def _sync_by_tensor(self, servers, named_tensors, version: int) -> None:
+        """Each bucket as handles to this process's memory (``tensor_handles.py``): servers on this host."""
+        tp_sizes = self._loop.run(self._server_tp_sizes(servers))
+        buckets = bucket_named_tensors(named_tensors, self.config.weight_bucket_bytes)
+        try:
+            for bucket in buckets:
+                calls = [
+                    self._client.call(
+                        server, "POST", "/update_weights_from_tensor", update_from_tensor_body(bucket, tp, version)
+                    )
+                    for server, tp in zip(servers, tp_sizes, strict=True)
+                ]
+                self._loop.run(_gather(calls))
+                del bucket, calls  # every rank has loaded it (the server's TP barrier): its memory may go
+        finally:
+            buckets.close()
 
     def _sync_from_disk(self, servers, named_tensors, version: int) -> None:
         directory = write_safetensors_checkpoint(

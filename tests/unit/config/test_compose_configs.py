@@ -40,11 +40,21 @@ def test_every_group_option_composes_and_validates(group, option):
     validate_config(typed, world)
 
 
+# cluster recipes: what their user adds (the tokenizer, the prompts, the engines' URLs) and their world size
+RECIPE_NEEDS = {
+    "qwen3_235b_a22b_64xh100": (
+        ["tokenizer.path=/ckpt", "task.dataset.path=/data/train.jsonl", "rollout.sglang.urls=[http://e0:30000]"],
+        64,
+    ),
+}
+
+
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_experiment_composes_and_validates(experiment):
-    typed = OmegaConf.to_object(compose([f"+experiment={experiment}"]))
+    needs, world = RECIPE_NEEDS.get(experiment, ([], None))
+    typed = OmegaConf.to_object(compose([f"+experiment={experiment}", *needs]))
     p = typed.parallel
-    validate_config(typed, p.tp * p.pp * p.cp * p.ep)
+    validate_config(typed, world or p.tp * p.pp * p.cp * p.ep)
 
 
 def test_unknown_key_fails_at_compose_time():
