@@ -29,6 +29,7 @@ from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.rewards.config import RewardConfig
 from gspo_megatron.rollout.config import (
     EmbeddedConfig,
+    Placement,
     RolloutEngineName,
     TruncatedRolloutConfig,
     check_max_staleness,
@@ -126,6 +127,8 @@ class RolloutSection(ConfigNode):
     return_routed_experts: bool = False  # set automatically when R3 replay needs them
     async_rollout: bool = False  # generate step k+1 while step k trains (trainer/async_rollout.py)
     max_staleness: int = 1  # policy versions a sample may lag in async mode: 0 (= synchronous) or 1
+    # separate | colocated: trainer and engine share the devices and take turns (trainer/colocation.py)
+    placement: Placement = Placement.separate
     embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     truncation: TruncatedRolloutConfig = field(default_factory=TruncatedRolloutConfig)
@@ -151,6 +154,12 @@ class RolloutSection(ConfigNode):
                 f"rollout.group_size={self.group_size}: group-relative advantages need >= 2 responses per prompt"
             )
         check_max_staleness(self.max_staleness)
+        if self.placement == Placement.colocated and self.async_rollout:
+            raise ValueError(
+                "rollout.placement=colocated with rollout.async_rollout=true: colocated, the engine and the "
+                "trainer take turns on the same devices, so generation cannot run beside training; set "
+                "rollout.async_rollout=false or rollout.placement=separate"
+            )
 
 
 def use_distributed_optimizer(choice: str, layout: ParallelLayout) -> bool:

@@ -34,6 +34,13 @@ class RolloutEngineName(ConfigChoice):
     sglang = "sglang"  # SGLang servers, launched or attached (rollout/sglang/)
 
 
+class Placement(ConfigChoice):
+    """``rollout.placement``: where the engine runs relative to the trainer (trainer/colocation.py)."""
+
+    separate = "separate"  # the engine keeps its memory (SGLang: GPUs of its own; embedded: beside the trainer)
+    colocated = "colocated"  # trainer and engine share the devices and take turns (release / resume)
+
+
 class EngineDtype(ConfigChoice):
     """``rollout.embedded.dtype``."""
 

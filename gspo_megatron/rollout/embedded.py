@@ -139,6 +139,15 @@ class EmbeddedEngine(RolloutEngine):
             self._loader.load(name, tensor)
         self.weight_version = version
 
+    def release_memory(self) -> None:
+        """Colocated: the model's weights to host memory (on a CPU engine they are there already)."""
+        if torch.device(self.config.device).type != "cpu":
+            self.model.to("cpu")
+
+    def resume_memory(self) -> None:
+        if torch.device(self.config.device).type != "cpu":
+            self.model.to(self.config.device)
+
     def health(self):
         return {"ok": True, "weight_version": self.weight_version, "device": self.config.device}
 

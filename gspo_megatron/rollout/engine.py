@@ -27,6 +27,12 @@ class RolloutEngine(abc.ABC):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load HF-named tensors (streamed; any subset of the model) and set the weight version."""
 
+    def release_memory(self) -> None:  # noqa: B027 - optional: an engine with nothing to give back keeps it
+        """Colocated placement: give the device memory (weights, KV cache) back after generating."""
+
+    def resume_memory(self) -> None:  # noqa: B027 - optional, as release_memory
+        """Colocated placement: take it again, before the weights are loaded and generation starts."""
+
     def health(self) -> Mapping[str, object]:
         """A small status dict; raises if the engine cannot serve."""
         return {"ok": True, "weight_version": self.weight_version}

@@ -40,6 +40,7 @@ from gspo_megatron.models.schedule import run_schedule
 from gspo_megatron.parallel.context_parallel import pad_sequence_length
 from gspo_megatron.parallel.heartbeat import is_collective_failure
 from gspo_megatron.provenance import warm_start_record
+from gspo_megatron.rollout.config import Placement
 from gspo_megatron.routing.recorder import RoutingRecorder
 from gspo_megatron.routing.replay_strategy import build_replay_strategy
 from gspo_megatron.trainer.async_rollout import RolloutScheduler
@@ -53,6 +54,7 @@ from gspo_megatron.trainer.batch_distribution import (
 )
 from gspo_megatron.trainer.checkpoint import latest_checkpoint, save_checkpoint
 from gspo_megatron.trainer.checkpoint_check import load_checked_checkpoint
+from gspo_megatron.trainer.colocation import ColocatedHandOver, SeparatePlacement
 from gspo_megatron.trainer.device_memory import device_memory_peaks
 from gspo_megatron.trainer.diagnostic_passes import DiagnosticPasses
 from gspo_megatron.trainer.diagnostics import RoutingDiagnostics
@@ -106,6 +108,9 @@ class RLTrainer:
                 self.cfg.trainer.steps,
                 versions_of=lambda batch: batch.policy_versions.tolist(),
             )
+        self.placement: SeparatePlacement | ColocatedHandOver = SeparatePlacement()
+        if self.cfg.rollout.placement == Placement.colocated:  # engine and trainer take turns on the devices
+            self.placement = ColocatedHandOver(components.engine if self.mesh.is_driver else None, components.model)
         self.nonfinite = NonFiniteGuard(self.cfg.trainer.on_nonfinite, self.cfg.trainer.max_consecutive_nonfinite)
         self._dp_rank_of = data_parallel_rank_of_each_rank(self.mesh.dp_rank)  # who gets which rows
 
@@ -172,6 +177,7 @@ class RLTrainer:
         timings: dict[str, float] = {}
         with self._phase(timings, "rollout"):
             share = self._rollout()
+            self.placement.after_generation()
         batch, totals, metrics = share.batch, share.totals, dict(share.metrics)
         parts = cut_micro_batches(batch, share.plan)
         fed = step_fed_shape(parts, self.mesh.layout.dp)
@@ -353,6 +359,7 @@ class RLTrainer:
         """Stream the policy's HF-named weights into the rollout engine (collective on all ranks).
         ``version``: optimizer steps trained into the weights (default: after this step's update)."""
         version = self.step + 1 if version is None else version
+        self.placement.before_weight_sync()
         if self.rollouts is not None:
             self.rollouts.before_weight_sync()  # an in-flight generation finishes on the old weights
         engine = self.c.engine if self.mesh.is_driver else None

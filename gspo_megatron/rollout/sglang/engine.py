@@ -416,6 +416,15 @@ class SGLangEngine(RolloutEngine):
     async def _all(self, servers, method: str, path: str, payload: dict | None) -> list[Any]:
         return await _gather([self._client.call(server, method, path, payload) for server in servers])
 
+    def release_memory(self) -> None:
+        """Colocated: every live server frees its weights and KV cache (SGLang's memory saver, launched
+        with ``--enable-memory-saver`` on a GPU; on CPU the saver is SGLang's no-op and the calls keep
+        only the protocol: the weights' static state is stashed and restored, the cache flushed)."""
+        self._on_all(self._client.pool.alive(), "POST", "/release_memory_occupation", {})
+
+    def resume_memory(self) -> None:
+        self._on_all(self._client.pool.alive(), "POST", "/resume_memory_occupation", {})
+
     # ------------------------------------------------------------------ lifecycle
     def health(self) -> Mapping[str, object]:
         pool = self._client.pool
