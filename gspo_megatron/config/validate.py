@@ -13,7 +13,8 @@ from gspo_megatron.algorithms.mismatch_correction import MismatchCorrection
 from gspo_megatron.config.schema import TrainConfig, use_distributed_optimizer
 from gspo_megatron.config_node import config_nodes
 from gspo_megatron.parallel.context_parallel import validate_context_parallel
-from gspo_megatron.rollout.config import RolloutEngineName
+from gspo_megatron.rollout.config import Placement, RolloutEngineName
+from gspo_megatron.rollout.sglang.config import WeightSync
 from gspo_megatron.routing.config import DiagnosticKind
 from gspo_megatron.routing.replay import validate_replay_mode
 from gspo_megatron.routing.replay_strategy import needs_engine_routing, replays
@@ -71,6 +72,7 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
     if cfg.model.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype must be float32 or bfloat16, got {cfg.model.dtype!r}")
     _validate_routed_experts_source(cfg)
+    _validate_colocated_sglang(cfg)
     _validate_optimizer_offload(cfg, layout)
     if t.reference_offload and cfg.algorithm.kl_coef == 0:
         raise ConfigError(
@@ -155,6 +157,18 @@ def _offload_needs_bf16_and_distributed(cfg: TrainConfig, layout, key: str) -> N
         raise ConfigError(
             f"{key}=true needs megatron's distributed optimizer (optimizer.distributed="
             f"{cfg.optimizer.distributed} resolves to off here): set optimizer.distributed=true"
+        )
+
+
+def _validate_colocated_sglang(cfg: TrainConfig) -> None:
+    """Colocated SGLang servers share the trainer's devices: the weights go in by tensor handles
+    (``rollout/sglang/tensor_handles.py``), not over a broadcast group or a disk."""
+    if cfg.rollout.placement != Placement.colocated or cfg.rollout.engine != RolloutEngineName.sglang:
+        return
+    if cfg.rollout.sglang.weight_sync != WeightSync.tensor:
+        raise ConfigError(
+            f"rollout.placement=colocated with SGLang sends the weights by tensor handles to servers on the "
+            f"trainer's devices: set rollout.sglang.weight_sync=tensor (got {cfg.rollout.sglang.weight_sync})"
         )
 
 

@@ -48,6 +48,9 @@ class SeparatePlacement:
     def before_weight_sync(self) -> None:
         pass
 
+    def metrics(self) -> dict[str, float]:
+        return {}
+
 
 class ColocatedHandOver:
     """The hand-over between engine and trainer (module docstring); collective over the world.
@@ -58,12 +61,14 @@ class ColocatedHandOver:
         self.model = model
         self.engine_released = False
         self.grads_freed = False
+        self.releases = self.resumes = 0  # hand-overs so far (logged: every step shows both)
 
     def after_generation(self) -> None:
         """The engine gives its memory back; then every rank's gradient buffers are reallocated."""
         if self.engine is not None:
             self.engine.release_memory()
         self.engine_released = True
+        self.releases += 1
         dist.barrier()
         if self.grads_freed:
             self.model.restore_grad_buffers(synchronize=cuda_kernels())
@@ -79,3 +84,8 @@ class ColocatedHandOver:
             if self.engine is not None:
                 self.engine.resume_memory()
             self.engine_released = False
+            self.resumes += 1
+
+    def metrics(self) -> dict[str, float]:
+        """Hand-overs since the start of this process: after step k's weight sync, k of each."""
+        return {"colocation/engine_releases": float(self.releases), "colocation/engine_resumes": float(self.resumes)}

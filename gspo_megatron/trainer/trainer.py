@@ -205,6 +205,7 @@ class RLTrainer:
         eval_every = self.cfg.trainer.eval_every
         if eval_every and (self.step + 1) % eval_every == 0:
             metrics.update(self._evaluate())
+        metrics.update(self.placement.metrics())
         metrics.update({f"time/{k}": v for k, v in timings.items()})
         metrics.update(device_memory_peaks(self.mesh.device))
         metrics["lr"] = self.c.optimizer.param_groups[0]["lr"]

@@ -77,6 +77,9 @@ def placement_worker(ctx, placement: str, run_dir: str) -> dict:
 def test_colocated_steps_hand_over_in_order_and_equal_the_separate_placement(tmp_path):
     separate = run_distributed(placement_worker, 2, "separate", str(tmp_path / "separate"), timeout=600)
     colocated = run_distributed(placement_worker, 2, "colocated", str(tmp_path / "colocated"), timeout=600)
+    counts = ("colocation/engine_releases", "colocation/engine_resumes")
+    hand_overs = [{key: m.pop(key) for key in counts} for m in colocated[0]["metrics"]]
+    assert hand_overs == [dict.fromkeys(counts, float(step)) for step in range(1, STEPS + 1)]
     assert colocated[0]["metrics"] == separate[0]["metrics"]
     driver = colocated[0]["events"]
     kinds = [kind for kind, _ in driver]

@@ -1,12 +1,20 @@
-"""The main job with ``rollout=sglang`` on the tiny task, 20 steps, attached to the live server.
+"""The main job with ``rollout=sglang`` on the tiny task, 20 steps, attached to the live server, colocated.
 
-GRPO with rollout routing replay (R3): the trainer replays the experts the SGLang server reported.
+Colocated placement (``rollout.placement=colocated``, ``trainer/colocation.py``) as slime and verl run by
+default: after each generation the server releases its memory (``/release_memory_occupation``) and the
+trainer takes the device, before each weight sync the trainer frees its gradient buffers and the server
+resumes (``/resume_memory_occupation``); the weights go in by tensor handles (``/update_weights_from_tensor``,
+shared memory on CPU). On CPU SGLang's memory saver is its no-op (``--enable-memory-saver`` needs CUDA and
+torch-memory-saver): what is checked is the protocol -- a release and a resume in every step, answered by
+the real server -- and the outputs. GRPO with rollout routing replay (R3): the trainer replays the experts
+the SGLang server reported.
 - it learns: the reward of the last steps is above that of the first ones;
 - the engine-vs-trainer log-prob mismatch is real (SGLang's CPU kernels vs Megatron's fp32) and
   nonzero at every step;
 - the routing mismatch is exactly zero at every step: under R3 the trainer routes every token as
   the server did (observed in Megatron's top-k, ``routing/rollout_vs_train_changed_frac``).
-Weights reach the server by the distributed path over gloo at every step (no disk fallback).
+Weights reach the server by tensor handles at every step (no disk fallback); the distributed path over
+gloo is seen live in ``test_live_engine.py``.
 Runs after the engine tests (file order): it leaves trained weights on the session's server.
 """
 
@@ -20,7 +28,9 @@ MISMATCH = "mismatch/abs_log_prob_diff_mean"
 ROUTING_CHANGED = "routing/rollout_vs_train_changed_frac"
 
 
-def test_twenty_steps_with_sglang_learn_with_zero_routing_mismatch_under_r3(live_engine, tiny_checkpoint, tmp_path):
+def test_twenty_colocated_steps_with_sglang_learn_with_zero_routing_mismatch_under_r3(
+    live_engine, tiny_checkpoint, tmp_path
+):
     (url,) = live_engine.server_urls
     overrides = [
         "rollout=sglang",
@@ -39,9 +49,8 @@ def test_twenty_steps_with_sglang_learn_with_zero_routing_mismatch_under_r3(live
         f"rollout.sglang.urls=[{url}]",
         f"rollout.sglang.model_path={tiny_checkpoint}",
         f"rollout.sglang.disk_sync_dir={tmp_path / 'disk_sync'}",
-        "rollout.sglang.weight_sync=distributed",
-        "rollout.sglang.weight_sync_backend=gloo",
-        "rollout.sglang.weight_sync_group_name=live_training",
+        "rollout.placement=colocated",
+        "rollout.sglang.weight_sync=tensor",
         "rollout.sglang.fallback_to_disk=false",
         "rollout.sglang.pause_mode=abort",
         "rollout.sglang.request_timeout_s=600",
@@ -59,3 +68,7 @@ def test_twenty_steps_with_sglang_learn_with_zero_routing_mismatch_under_r3(live
     assert last > first + 0.1, f"reward did not rise: {rewards}"
     assert all(m[MISMATCH] > 0 for m in metrics)
     assert all(m[ROUTING_CHANGED] == 0.0 for m in metrics)
+    # one release after the generation and one resume before the weight sync, in every step
+    assert [(m["colocation/engine_releases"], m["colocation/engine_resumes"]) for m in metrics] == [
+        (float(step), float(step)) for step in range(1, STEPS + 1)
+    ]

@@ -51,6 +51,10 @@ def _typed(overrides):
             r"optimizer.precision_aware=true needs model.dtype=bfloat16 \(got float32\)",
         ),
         (
+            ["rollout=sglang", "rollout.sglang.model_path=/ckpt", "rollout.placement=colocated"],
+            r"rollout.placement=colocated with SGLang .*set rollout.sglang.weight_sync=tensor \(got distributed\)",
+        ),
+        (
             ["trainer.reference_offload=true"],
             r"trainer.reference_offload=true but algorithm.kl_coef=0 builds no reference model",
         ),
@@ -64,6 +68,7 @@ def _typed(overrides):
         "cpu_offload_needs_distributed_optimizer",
         "precision_aware_offload_needs_distributed_optimizer",
         "precision_aware_needs_bf16",
+        "colocated_sglang_needs_tensor_sync",
         "reference_offload_needs_a_reference",
     ],
 )
@@ -77,6 +82,10 @@ def test_bad_value_is_refused_naming_the_key(overrides, message):
 # before anything is built or written. Issue 33's five are the first five.
 SECTION_RULES = [
     ("rollout.top_p=2.0", r"rollout.top_p=2.0 must be in \(0, 1\]"),
+    (
+        "rollout.placement=colocated rollout.async_rollout=true",
+        r"rollout.placement=colocated with rollout.async_rollout=true: .*cannot run beside training",
+    ),
     ("rollout.temperature=-1", r"rollout.temperature=-1.0: training rollouts need a finite temperature > 0"),
     ("optimizer.lr=-1", r"optimizer.lr=-1.0 must be > 0"),
     ("optimizer.warmup_steps=-5", r"optimizer.warmup_steps=-5 must be >= 0 \(0: no warmup\)"),
@@ -121,7 +130,7 @@ SECTION_RULES = [
 
 @pytest.mark.parametrize("override, message", SECTION_RULES, ids=[o for o, _ in SECTION_RULES])
 def test_section_refuses_its_bad_value_when_composed_naming_the_key(override, message):
-    cfg = compose([override])  # Hydra's composition itself accepts it (right type) ...
+    cfg = compose(override.split())  # Hydra's composition itself accepts it (right type) ...
     with pytest.raises(ValueError, match=message):
         to_train_config(cfg)  # ... the section's validate() refuses it, as train.run does first
 
