@@ -28,7 +28,9 @@ Design decisions:
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from gspo_megatron.parallel.layout import ParallelLayout
@@ -48,6 +50,7 @@ class PlannedJob:
     layout: ParallelLayout
     options: PlanOptions
     prompt_tokens: int
+    notes: tuple[str, ...] = ()  # what the plan assumed in place of what this machine lacks
 
     def describe(self) -> list[str]:
         """Each derived option beside the config key it came from."""
@@ -67,6 +70,7 @@ class PlannedJob:
             f"{o.micro_batch_tokens // o.seq_len} per micro-batch",
             f"rollout.engine={cfg.rollout.engine} -> {_describe_rollout(o.rollout)}; "
             f"rollout.async_rollout={o.async_rollout}; weight_bucket_bytes={o.sync_bucket_bytes}",
+            *self.notes,
         ]
 
 
@@ -85,11 +89,20 @@ def compose_job(overrides: list[str], gpus: int, prompt_tokens: int) -> PlannedJ
     from gspo_megatron.config.schema import to_train_config
 
     cfg = compose(list(overrides))
-    if cfg.model.hf_checkpoint:  # as train.py: the weights decide the model's shape
+    notes: tuple[str, ...] = ()
+    checkpoint = cfg.model.hf_checkpoint
+    if checkpoint and Path(checkpoint).is_dir():  # as train.py: the weights decide the model's shape
         from gspo_megatron.models.hf_checkpoint import hf_shape_fields
 
-        cfg = cast("DictConfig", OmegaConf.merge(cfg, {"model": hf_shape_fields(cfg.model.hf_checkpoint)}))
-    return job_from_config(to_train_config(cfg), gpus, prompt_tokens)
+        cfg = cast("DictConfig", OmegaConf.merge(cfg, {"model": hf_shape_fields(checkpoint)}))
+    elif checkpoint:  # a cluster's path, planned from elsewhere: the configured shape stands in for it
+        notes = (
+            f"model.hf_checkpoint={checkpoint} is not on this machine: planned with the configured shape "
+            f"(model.preset={cfg.model.preset}); the trainer reads the shape from the checkpoint",
+        )
+        cfg.model.hf_checkpoint = None
+    job = job_from_config(to_train_config(cfg), gpus, prompt_tokens)
+    return dataclasses.replace(job, notes=notes)
 
 
 def job_from_config(cfg: TrainConfig, gpus: int, prompt_tokens: int) -> PlannedJob:
@@ -116,7 +129,7 @@ def options_from_config(cfg: TrainConfig, layout: ParallelLayout, prompt_tokens:
     from gspo_megatron.algorithms.config import OldLogProbSource
     from gspo_megatron.config.schema import use_distributed_optimizer
     from gspo_megatron.planning.rl_step_memory import EmbeddedEngineShape
-    from gspo_megatron.rollout.config import RolloutEngineName
+    from gspo_megatron.rollout.config import Placement, RolloutEngineName
     from gspo_megatron.trainer.token_budget import sequence_multiple
 
     t, rollout = cfg.trainer, cfg.rollout
@@ -131,11 +144,13 @@ def options_from_config(cfg: TrainConfig, layout: ParallelLayout, prompt_tokens:
         rows = max(1, min(per_rank, t.micro_batch_tokens // seq_len))
     else:
         rows = min(t.micro_batch_size, per_rank)
-    embedded = None
+    embedded, engine_fraction = None, None
     if rollout.engine == RolloutEngineName.sglang:
         sg = rollout.sglang
         servers = len(sg.urls) if sg.mode == "attach" else sg.num_servers
-        shape = RolloutShape(sequences, prompt_tokens, rollout.max_new_tokens, servers, sg.tp, colocated=False)
+        colocated = rollout.placement == Placement.colocated
+        shape = RolloutShape(sequences, prompt_tokens, rollout.max_new_tokens, servers, sg.tp, colocated=colocated)
+        engine_fraction = static_memory_fraction(sg.extra_args) if colocated else None
     else:  # the embedded engine generates in the driver's process, on its GPU, between training phases
         shape = RolloutShape(sequences, prompt_tokens, rollout.max_new_tokens, 1, 1, colocated=True)
         embedded = EmbeddedEngineShape(str(rollout.embedded.dtype), rollout.embedded.max_batch_size)
@@ -161,6 +176,26 @@ def options_from_config(cfg: TrainConfig, layout: ParallelLayout, prompt_tokens:
         rollout=shape,
         async_rollout=rollout.async_rollout,
         embedded_engine=embedded,
+        colocated_engine_fraction=engine_fraction,
+    )
+
+
+def static_memory_fraction(extra_args: list[str]) -> float:
+    """A colocated SGLang server's share of each GPU: its ``--mem-fraction-static`` (weights and KV cache),
+    which the plan needs and SGLang would otherwise pick by itself from the free memory at launch."""
+    for i, arg in enumerate(extra_args):
+        value = arg.split("=", 1)[1] if arg.startswith("--mem-fraction-static=") else None
+        if arg == "--mem-fraction-static" and i + 1 < len(extra_args):
+            value = extra_args[i + 1]
+        if value is not None:
+            fraction = float(value)
+            if not 0 < fraction < 1:
+                raise ValueError(f"rollout.sglang.extra_args: --mem-fraction-static {value} must be in (0, 1)")
+            return fraction
+    raise ValueError(
+        "rollout.placement=colocated with SGLang: the plan needs the engine's share of each GPU; add "
+        "--mem-fraction-static to rollout.sglang.extra_args (e.g. "
+        "'rollout.sglang.extra_args=[--mem-fraction-static,\"0.7\"]')"
     )
 
 

@@ -74,6 +74,8 @@ class PlanOptions:
     async_rollout: bool = False  # rollout.async_rollout: generation beside training (separate GPUs only)
     expert_imbalance: float = 1.0  # busiest EP rank's expert rows / the balanced share (calibrate.py)
     embedded_engine: EmbeddedEngineShape | None = None  # rollout.engine=embedded: in the driver's process
+    # rollout.placement=colocated with SGLang: the share of each GPU the engine holds while it is resumed
+    colocated_engine_fraction: float | None = None
 
     @property
     def micro(self) -> MicroBatchShape:
@@ -306,11 +308,16 @@ def plan_layout(
         model, layout, options.micro, micro_batches, traffic, gpu, options.recompute, options.expert_imbalance
     )
     sync = weight_sync_plan(model, options.sync_bucket_bytes, gpu.ib_bandwidth * gpu.link_efficiency, width)
+    engine = int((options.colocated_engine_fraction or 0.0) * gpu.memory_bytes)  # a colocated SGLang's share
     rl_memory = [
-        rl_step_memory(model, layout, options, row, driver=False, pp_rank=r, micro_batches=micro_batches)
+        rl_step_memory(
+            model, layout, options, row, driver=False, pp_rank=r, micro_batches=micro_batches, colocated_engine=engine
+        )
         for r, row in enumerate(rows)
     ]
-    driver_memory = rl_step_memory(model, layout, options, rows[0], driver=True, micro_batches=micro_batches)
+    driver_memory = rl_step_memory(
+        model, layout, options, rows[0], driver=True, micro_batches=micro_batches, colocated_engine=engine
+    )
     # fits: the whole RL step's peak on its highest rank (the driver's weight-sync bucket included), and
     # the host memory of a node
     highest = max([*rl_memory, driver_memory], key=lambda m: m.peak)

@@ -39,6 +39,9 @@ Design decisions:
   on a stage before the last, each in-flight micro-batch's output [T_sp, h] (megatron keeps it for
   the backward: ``deallocate_pipeline_outputs=False``, ``models/builder.py``) and the output
   gradient received for the backward, [T_sp, h].
+- Colocated SGLang (``rollout.placement=colocated``): in the rollout and the weight sync the engine holds
+  its ``--mem-fraction-static`` share of the GPU and the trainer's gradient buffers are freed
+  (``trainer/colocation.py``); in the other phases the engine holds nothing (its memory saver).
 - Weight sync (``trainer/weight_stream.py``): SGLang -- the driver holds the bucket being filled plus
   the tensor being gathered (``comm.weight_sync_plan``); the embedded engine loads each tensor as it
   arrives, so a sender holds the tensor being gathered and its HF-named conversion: 2 x the largest
@@ -180,9 +183,12 @@ def rl_step_memory(
     driver: bool,
     pp_rank: int = 0,
     micro_batches: int = 1,
+    colocated_engine: int = 0,
 ) -> RLStepMemory:
     """One rank's RL step from its stage's ``MemoryRow`` (``planner.memory_of_stage``): the driver is
-    global rank 0 (stage 0), where the embedded engine lives and the rollout batch is made."""
+    global rank 0 (stage 0), where the embedded engine lives and the rollout batch is made.
+    ``colocated_engine``: bytes a colocated SGLang server holds on each GPU while resumed (rollout and
+    weight sync, ``trainer/colocation.py``), when the trainer's gradient buffers are freed."""
     engine = options.embedded_engine
     shape = options.rollout
     sequences = shape.sequences if shape is not None else options.global_batch_tokens // options.seq_len
@@ -218,4 +224,7 @@ def rl_step_memory(
         + pipeline_output_bytes(model, layout, options, pp_rank, micro_batches),
         "weight_sync": sync,
     }
+    if colocated_engine:  # the engine resumed, the gradient buffers freed (the phases may be negative)
+        for name in ("rollout", "weight_sync"):
+            phases[name] += colocated_engine - row.state.gradients
     return RLStepMemory(resident, across, phases)

@@ -384,3 +384,31 @@ def test_optimizer_offload_moves_the_adam_moments_off_the_device_by_hand():
         ).memory
         assert device.resident - aware.resident == round(device.state.optimizer * fraction)
         assert aware.host == offloaded.host
+
+
+def test_a_colocated_engine_holds_its_share_while_resumed_by_hand():
+    """rollout.placement=colocated with SGLang: in the rollout and the weight sync each GPU holds the
+    engine's --mem-fraction-static share and not the trainer's gradient buffers; elsewhere the reverse."""
+    from gspo_megatron.planning.job import static_memory_fraction
+    from gspo_megatron.planning.rl_step_memory import rl_step_memory
+
+    cfg = tiny_test_config()
+    layout = ParallelLayout(world_size=2).validate(cfg)
+    base = PlanOptions(seq_len=8, micro_batch_tokens=16, global_batch_tokens=64, group_size=4)
+    row = plan_layout(cfg, layout, base, gpu_spec("h100")).memory
+    separate = rl_step_memory(cfg, layout, base, row, driver=False)
+    colocated = rl_step_memory(cfg, layout, base, row, driver=False, colocated_engine=10**9)
+    for phase in ("rollout", "weight_sync"):
+        assert colocated.phases[phase] - separate.phases[phase] == 10**9 - row.state.gradients
+    for phase in ("old_logp", "ref_logp", "update"):
+        assert colocated.phases[phase] == separate.phases[phase]
+    options = PlanOptions(**{**base.__dict__, "colocated_engine_fraction": 0.5})
+    plan = plan_layout(cfg, layout, options, gpu_spec("h100"))
+    engine = int(0.5 * gpu_spec("h100").memory_bytes)
+    assert plan.rl_memory[0].phases["rollout"] == separate.phases["rollout"] + engine - row.state.gradients
+    assert static_memory_fraction(["--enable-memory-saver", "--mem-fraction-static", "0.7"]) == 0.7
+    assert static_memory_fraction(["--mem-fraction-static=0.6"]) == 0.6
+    with pytest.raises(ValueError, match="add --mem-fraction-static to rollout.sglang.extra_args"):
+        static_memory_fraction(["--enable-memory-saver"])
+    with pytest.raises(ValueError, match=r"--mem-fraction-static 1.5 must be in \(0, 1\)"):
+        static_memory_fraction(["--mem-fraction-static", "1.5"])
