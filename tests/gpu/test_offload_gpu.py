@@ -7,6 +7,8 @@ the protocol: tests/distributed/test_reference_model.py, test_distributed_optimi
   equal the on-device reference's bit for bit.
 - ``optimizer.cpu_offload``: megatron's HybridDeviceOptimizer on CUDA keeps the Adam moments of what it
   offloads in host memory after a real step (none of its host-side state on the device).
+- ``rollout.sglang.weight_sync=tensor`` on a GPU: the payload carries CUDA IPC handles, and another
+  process (not a child) maps the same device memory and reads the values the trainer holds.
 
 Skipped without CUDA.
 """
@@ -100,3 +102,28 @@ def hybrid_optimizer_worker(ctx, run_dir: str) -> dict:
 def test_hybrid_device_optimizer_keeps_its_host_side_in_host_memory(tmp_path):
     (result,) = run_distributed(hybrid_optimizer_worker, 1, str(tmp_path), timeout=600)
     assert result["host_side_devices"] == ["cpu"]
+
+
+IPC_READER = """
+import base64, pickle, sys, torch
+named = pickle.loads(base64.b64decode(sys.stdin.read()))
+print(";".join(f"{name}:{t.device.type}:{float(t.double().sum()):.6f}" for name, t in named))
+"""
+
+
+def test_cuda_tensor_handles_map_in_another_process():
+    import subprocess
+    import sys
+
+    from gspo_megatron.rollout.sglang.tensor_handles import serialize_named_tensors
+
+    bucket = [
+        ("w", torch.arange(12, dtype=torch.bfloat16, device="cuda").reshape(3, 4)),
+        ("b", torch.ones(5, device="cuda")),
+    ]
+    payload = serialize_named_tensors(bucket)
+    done = subprocess.run(
+        [sys.executable, "-c", IPC_READER], input=payload, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "w:cuda:66.000000;b:cuda:5.000000"
