@@ -91,7 +91,10 @@ def test_verl_grpo_knobs_match_one_rank(verl_grpo_reference, name):
     _check_layout(verl_grpo_reference, name, grad_atol=1e-6)
 
 
-def _check_layout(reference, name, grad_atol=1e-7):
+def _check_layout(reference, name, grad_atol=1e-6):
+    """``grad_atol`` 1e-6 (as the regularized and verl cases): a layout sums a gradient's fp32 partial sums
+    in another order; an embedding row near zero differed by 1.25e-7 under tp2_cp2 on an AMD EPYC, over
+    the 1e-7 this had been (a layout bug is orders of magnitude larger)."""
     cfg, state, policy, single = reference
     world = EQUIVALENCE_LAYOUTS[name]["world_size"]
     results = run_distributed(model_layout_worker, world, cfg, state, EQUIVALENCE_LAYOUTS[name], policy, timeout=600)
