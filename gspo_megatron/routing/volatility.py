@@ -98,9 +98,12 @@ class RoutingVolatility:
     tokens: torch.Tensor  # int64 []: tokens compared (the same for every layer)
     top_k: int
     # int64 []: tokens whose set changed in at least one of these layers. Pipeline stages hold
-    # disjoint layers, and an OR over stages cannot be formed from per-stage counts: the diagnostics
-    # log it as NaN (unknown) when pp > 1 rather than a wrong number.
+    # disjoint layers, and an OR over stages cannot be formed from per-stage counts: it is formed from
+    # ``changed_any_tokens`` (``or_over_stages``) before the counts of the stages are joined.
     changed_any_count: torch.Tensor
+    # bool [N]: per compared token, in order, whether its set changed in one of these layers (the
+    # per-token form of changed_any_count, kept until the stages' flags are OR-ed; None once reduced)
+    changed_any_tokens: torch.Tensor | None = None
 
     @property
     def num_layers(self) -> int:
@@ -139,33 +142,52 @@ class RoutingVolatility:
                 "cannot merge volatilities of different shapes: "
                 f"(layers={self.num_layers}, k={self.top_k}) vs (layers={other.num_layers}, k={other.top_k})"
             )
+        flags = None
+        if self.changed_any_tokens is not None and other.changed_any_tokens is not None:
+            flags = torch.cat([self.changed_any_tokens, other.changed_any_tokens])
         return RoutingVolatility(
             self.changed_count + other.changed_count,
             self.intersection_count + other.intersection_count,
             self.tokens + other.tokens,
             self.top_k,
             self.changed_any_count + other.changed_any_count,
+            flags,
         )
 
     def to(self, device) -> RoutingVolatility:
+        flags = self.changed_any_tokens
         return RoutingVolatility(
             self.changed_count.to(device),
             self.intersection_count.to(device),
             self.tokens.to(device),
             self.top_k,
             self.changed_any_count.to(device),
+            flags.to(device) if flags is not None else None,
         )
+
+    def or_over_stages(self, group) -> RoutingVolatility:
+        """The same tokens' "changed in any layer" over every pipeline stage of ``group``: the OR of the
+        stages' per-token flags (each stage compares the same micro-batches' tokens in the same order)."""
+        if self.changed_any_tokens is None:
+            raise ValueError("or_over_stages needs the per-token flags (changed_any_tokens)")
+        flags = self.changed_any_tokens.to(torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        count = flags.sum().to(torch.int64)
+        return RoutingVolatility(self.changed_count, self.intersection_count, self.tokens, self.top_k, count)
 
     @staticmethod
     def concat_layers(parts: list[RoutingVolatility]) -> RoutingVolatility:
-        """Pipeline stages' volatilities of the same tokens over disjoint layers, in stage order.
-        "Changed in any layer" is an OR over tokens across stages, not recoverable from counts: unknown (-1)."""
+        """Pipeline stages' volatilities of the same tokens over disjoint layers, in stage order. Their
+        "changed in any layer" counts agree once formed over all stages (``or_over_stages``); counts that
+        disagree were not, and are unknown (-1)."""
+        counts = {int(p.changed_any_count) for p in parts}
+        any_count = counts.pop() if len(counts) == 1 else -1
         return RoutingVolatility(
             torch.cat([p.changed_count for p in parts]),
             torch.cat([p.intersection_count for p in parts]),
             parts[0].tokens,
             parts[0].top_k,
-            torch.tensor(-1, dtype=torch.int64),
+            torch.tensor(any_count, dtype=torch.int64),
         )
 
     @staticmethod
@@ -193,6 +215,7 @@ def routing_volatility(a: torch.Tensor, b: torch.Tensor, token_mask: torch.Tenso
         tokens=torch.tensor(a.shape[0], dtype=torch.int64, device=a.device),
         top_k=top_k,
         changed_any_count=changed.any(dim=1).sum(),
+        changed_any_tokens=changed.any(dim=1),
     )
 
 

@@ -251,6 +251,8 @@ class RoutingDiagnostics:
         """Sum over the ranks that hold other tokens of the same layers; concatenate the pipeline
         stages' layers (in stage order)."""
         counts = counts.to(self.mesh.device)  # NCCL reduces device tensors only
+        if isinstance(counts, RoutingVolatility) and self.mesh.layout.pp > 1:
+            counts = counts.or_over_stages(self.mesh.pp_group)  # before the tokens of other ranks are summed
         for group in self._groups():
             counts = all_reduce(counts, group)
         counts = counts.to("cpu")

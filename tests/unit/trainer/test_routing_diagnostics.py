@@ -75,3 +75,43 @@ def test_update_volatility_by_hand_merged_over_data_parallel_ranks(tmp_path, wor
     # expert load of the new routing (layer 0 on rank 0: experts 0,1 | 2,0 -> counts 2,1,1,0 of 4)
     if world_size == 1:
         assert record["expert_load"][0] == pytest.approx([0.5, 0.25, 0.25, 0.0])
+
+
+def _diagnose_on_two_stages(ctx, run_dir: str):
+    """pp2: stage 0 holds layer 0, stage 1 layer 1, of the same 2 real tokens. Token 0 changes in both
+    layers, token 1 in neither: changed in any layer = 1 of 2 (per-stage counts would sum to 2)."""
+    from gspo_megatron.parallel.layout import ParallelLayout
+    from gspo_megatron.parallel.mesh import initialize_parallel
+    from gspo_megatron.trainer.diagnostics import RoutingDiagnostics
+
+    mesh = initialize_parallel(ParallelLayout(pp=2, world_size=2).validate())
+    try:
+        plan = StepPlan(
+            OldLogProbSource.trainer,
+            ReplayMode.none,
+            updates=2,
+            has_routers=True,
+            diagnostics=RoutingDiagnosticsConfig(kinds=["update"]),
+            corrects_mismatch=False,
+        )
+        diagnostics = RoutingDiagnostics(plan, mesh, 4, RoutingLog(run_dir) if mesh.is_driver else None)
+        mb = MicroBatch(tokens=torch.ones(1, 3, dtype=torch.long), targets=torch.ones(1, 3, dtype=torch.long))
+        mb.input_mask = torch.tensor([[1.0, 1.0, 0.0]])
+        old = [torch.tensor([[0, 1], [2, 3], [0, 1]])]  # this stage's one layer
+        new = (
+            [torch.tensor([[2, 3], [3, 2], [1, 2]])] if mesh.pp_rank == 0 else [torch.tensor([[0, 2], [2, 3], [0, 2]])]
+        )
+        diagnostics.begin_step(4, OldPolicyResult({}, [old], [old]), [mb], lambda mb: [])
+        diagnostics.from_training_forward([new], 0, [mb], None, step=4)
+        return diagnostics.finish_step(step=4)
+    finally:
+        mesh.destroy()
+
+
+@pytest.mark.slow
+def test_changed_in_any_layer_is_formed_over_pipeline_stages_by_hand(tmp_path):
+    """It was NaN (unknown) under pp > 1; the stages' per-token flags are OR-ed before the counts join."""
+    for metrics in run_distributed(_diagnose_on_two_stages, 2, str(tmp_path)):
+        assert metrics["routing/update_changed_any_frac"] == 0.5
+        # per layer: layer 0 changed token 0 (of 2), layer 1 changed token 0 as well
+        assert metrics["routing/update_changed_frac"] == pytest.approx(2 / (2 * 2))
