@@ -169,6 +169,9 @@ class RolloutPhase:
                 sum(s.finish_reason.value == "length" for s in samples) / len(samples)
             ),
         }
+        servers = {s.extra["server"] for s in samples if s.extra.get("server")}
+        if servers:  # SGLang: how many servers made this step's samples (each sample records its own)
+            metrics["rollout/servers_used"] = torch.tensor(float(len(servers)))
         for key, value in shaped.metrics.items():
             if value.numel() == 1:
                 metrics[f"shaping/{key}"] = value

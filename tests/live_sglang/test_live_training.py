@@ -1,4 +1,9 @@
-"""The main job with ``rollout=sglang`` on the tiny task, 20 steps, attached to the live server, colocated.
+"""The main job with ``rollout=sglang`` on the tiny task, 20 steps, attached to two live servers, colocated.
+
+Two servers: the session's and a second one this test launches. Each prompt's group goes to one server,
+groups spread by load, and every sample records the server that made it (``rollout/servers_used`` is 2
+at every step); R3's routes come back per sample from whichever server produced them, so the routing
+mismatch stays exactly zero on both.
 
 Colocated placement (``rollout.placement=colocated``, ``trainer/colocation.py``) as slime and verl run by
 default: after each generation the server releases its memory (``/release_memory_occupation``) and the
@@ -20,6 +25,9 @@ Runs after the engine tests (file order): it leaves trained weights on the sessi
 
 from __future__ import annotations
 
+from support.live_server import live_config
+
+from gspo_megatron.rollout.sglang.engine import SGLangEngine
 from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.train_runs import TINY_JOB, train_worker
 
@@ -32,6 +40,37 @@ def test_twenty_colocated_steps_with_sglang_learn_with_zero_routing_mismatch_und
     live_engine, tiny_checkpoint, tmp_path
 ):
     (url,) = live_engine.server_urls
+    second = SGLangEngine(
+        live_config(
+            mode="launch",
+            model_path=str(tiny_checkpoint),
+            log_dir=str(tmp_path / "second_logs"),
+            disk_sync_dir=str(tmp_path / "second_sync"),
+            weight_sync_group_name="live_second",
+        )
+    )
+    try:
+        metrics = _train_against([url, *second.server_urls], tiny_checkpoint, tmp_path)
+    finally:
+        second.shutdown()
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    rewards = [m["reward/mean"] for m in metrics]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    print(
+        f"live training: reward first 5 {first:.3f} last 5 {last:.3f}; mismatch "
+        f"{[round(m[MISMATCH], 4) for m in metrics]}; routing changed {[m[ROUTING_CHANGED] for m in metrics]}"
+    )
+    assert last > first + 0.1, f"reward did not rise: {rewards}"
+    assert all(m[MISMATCH] > 0 for m in metrics)
+    assert all(m[ROUTING_CHANGED] == 0.0 for m in metrics)
+    assert all(m["rollout/servers_used"] == 2.0 for m in metrics)  # samples from both servers, every step
+    # one release after the generation and one resume before the weight sync, in every step
+    assert [(m["colocation/engine_releases"], m["colocation/engine_resumes"]) for m in metrics] == [
+        (float(step), float(step)) for step in range(1, STEPS + 1)
+    ]
+
+
+def _train_against(urls: list[str], tiny_checkpoint, tmp_path) -> list[dict]:
     overrides = [
         "rollout=sglang",
         "algorithm=grpo_rollout_routing_replay",
@@ -46,7 +85,7 @@ def test_twenty_colocated_steps_with_sglang_learn_with_zero_routing_mismatch_und
         "rollout.group_size=16",
         "optimizer.lr=3e-3",
         "rollout.sglang.mode=attach",
-        f"rollout.sglang.urls=[{url}]",
+        f"rollout.sglang.urls=[{','.join(urls)}]",
         f"rollout.sglang.model_path={tiny_checkpoint}",
         f"rollout.sglang.disk_sync_dir={tmp_path / 'disk_sync'}",
         "rollout.placement=colocated",
@@ -58,17 +97,4 @@ def test_twenty_colocated_steps_with_sglang_learn_with_zero_routing_mismatch_und
     (metrics,) = run_distributed(
         train_worker, 1, overrides, str(tmp_path), timeout=840
     )  # below pytest's 900 s: a hang reports the rank's traceback
-    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
-    rewards = [m["reward/mean"] for m in metrics]
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    print(
-        f"live training: reward first 5 {first:.3f} last 5 {last:.3f}; mismatch "
-        f"{[round(m[MISMATCH], 4) for m in metrics]}; routing changed {[m[ROUTING_CHANGED] for m in metrics]}"
-    )
-    assert last > first + 0.1, f"reward did not rise: {rewards}"
-    assert all(m[MISMATCH] > 0 for m in metrics)
-    assert all(m[ROUTING_CHANGED] == 0.0 for m in metrics)
-    # one release after the generation and one resume before the weight sync, in every step
-    assert [(m["colocation/engine_releases"], m["colocation/engine_resumes"]) for m in metrics] == [
-        (float(step), float(step)) for step in range(1, STEPS + 1)
-    ]
+    return metrics

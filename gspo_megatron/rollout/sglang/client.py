@@ -134,11 +134,19 @@ class SGLangHTTPClient:
 
     async def post_balanced(self, path: str, payload: dict[str, Any]) -> Any:
         """POST to the least-loaded live server; fail over to others when one dies."""
+        response, _ = await self.post_preferring(None, path, payload)
+        return response
+
+    async def post_preferring(
+        self, preferred: ServerState | None, path: str, payload: dict[str, Any]
+    ) -> tuple[Any, ServerState]:
+        """POST to ``preferred`` while it is alive, else to the least-loaded live server (a server that
+        dies under the request has it re-sent elsewhere); returns the answer and the server that gave it."""
         attempt = 0
         while True:
-            server = self.pool.pick()  # raises NoServersLeftError
+            server = preferred if preferred is not None and preferred.alive else self.pool.pick()
             try:
-                return await self._send(server, "POST", path, payload)
+                return await self._send(server, "POST", path, payload), server
             except _Retryable as failure:
                 if not server.alive:
                     continue  # the server died under this request: re-send elsewhere, budget intact

@@ -56,7 +56,7 @@ from typing import Any, TypeVar
 import torch
 
 from gspo_megatron.rollout.engine import RolloutEngine
-from gspo_megatron.rollout.sglang.client import RetryPolicy, SGLangHTTPClient
+from gspo_megatron.rollout.sglang.client import RetryPolicy, ServerState, SGLangHTTPClient
 from gspo_megatron.rollout.sglang.config import LaunchMode, PauseMode, SGLangConfig, WeightSync
 from gspo_megatron.rollout.sglang.launcher import LaunchedServer, build_launch_command, free_port
 from gspo_megatron.rollout.sglang.protocol import build_generate_request, parse_generate_response
@@ -142,10 +142,29 @@ class SGLangEngine(RolloutEngine):
         return self._loop.run(self._generate_all(prompts, params))
 
     async def _generate_all(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
-        tasks = [
-            [asyncio.create_task(self._generate_one(prompt, params, index * params.n + k)) for k in range(params.n)]
-            for index, prompt in enumerate(prompts)
-        ]
+        """Each prompt's group goes to one server (the group shares its prompt's prefix cache there), the
+        groups spread over the live servers by load: the server with the fewest requests in flight plus
+        samples assigned by this call takes the next group. A server that dies has its requests re-sent
+        to the others (``SGLangHTTPClient.post_preferring``); each sample records the server that made it."""
+        assigned: dict[str, int] = {}
+
+        def server_for_group():
+            live = self._client.pool.alive()
+            if not live:
+                return None  # post_preferring raises NoServersLeftError, naming the servers
+            server = min(live, key=lambda s: (s.in_flight + assigned.get(s.url, 0), s.served))
+            assigned[server.url] = assigned.get(server.url, 0) + params.n
+            return server
+
+        tasks = []
+        for index, prompt in enumerate(prompts):
+            server = server_for_group()
+            tasks.append(
+                [
+                    asyncio.create_task(self._generate_one(prompt, params, index * params.n + k, server))
+                    for k in range(params.n)
+                ]
+            )
         flat = [task for row in tasks for task in row]
         try:
             await asyncio.gather(*flat)
@@ -156,7 +175,9 @@ class SGLangEngine(RolloutEngine):
             raise
         return [[task.result() for task in row] for row in tasks]
 
-    async def _generate_one(self, prompt: list[int], params: SamplingParams, sample_index: int) -> Sample:
+    async def _generate_one(
+        self, prompt: list[int], params: SamplingParams, sample_index: int, server: ServerState | None = None
+    ) -> Sample:
         seed = None if params.seed is None or not self._seeds_honoured else params.seed + sample_index
         body = build_generate_request(
             prompt,
@@ -167,13 +188,13 @@ class SGLangEngine(RolloutEngine):
         )
         layout = self._routed_layout if params.return_routed_experts else None
         for attempt in range(self.config.abort_retries + 1):  # noqa: B007 - read after the loop
-            response = await self._client.post_balanced("/generate", body)
+            response, server = await self._client.post_preferring(server, "/generate", body)
             result = parse_generate_response(response, len(prompt), routed_experts_layout=layout)
             if result.finish_reason is not FinishReason.ABORT:
                 break
         oldest = result.oldest_weight_version
         version = oldest if oldest is not None else self.weight_version
-        extra: dict[str, Any] = {"abort_retries": attempt}
+        extra: dict[str, Any] = {"abort_retries": attempt, "server": server.url if server is not None else None}
         if len(result.weight_versions) > 1:
             extra["weight_versions"] = [list(span) for span in result.weight_versions]
         return Sample(

@@ -128,6 +128,28 @@ def test_two_servers_share_the_load(doubles):
     assert a.generate_count == 4 and b.generate_count == 4
 
 
+def test_a_group_stays_on_one_server_and_each_sample_names_it(doubles):
+    """A prompt's samples go to one server (its prefix is cached there); groups alternate by load."""
+    a, b = doubles(), doubles()
+    with _engine([a.url, b.url]) as engine:
+        groups = engine.generate([[1, 2], [3, 4], [5, 6], [7, 8], [9, 10]], SamplingParams(max_new_tokens=3, n=3))
+    servers = [{sample.extra["server"] for sample in group} for group in groups]
+    assert all(len(group_servers) == 1 for group_servers in servers)  # one server per group
+    assert [next(iter(group_servers)) for group_servers in servers] == [a.url, b.url, a.url, b.url, a.url]
+    assert (a.generate_count, b.generate_count) == (9, 6)
+
+
+def test_a_group_whose_server_dies_finishes_on_another(doubles):
+    dying = doubles(faults=DoubleFaults(die_after=1, generate_delay_s=0.05))
+    healthy = doubles(faults=DoubleFaults(generate_delay_s=0.05))
+    with _engine([dying.url, healthy.url], max_concurrency=4) as engine:
+        groups = engine.generate([[1], [2]], SamplingParams(max_new_tokens=3, n=3))
+    assert [len(group) for group in groups] == [3, 3]
+    # the first group's server died after one answer: the rest of that group was re-sent to the healthy one
+    first = [sample.extra["server"] for sample in groups[0]]
+    assert first.count(healthy.url) >= 2 and all(s.extra["server"] == healthy.url for s in groups[1])
+
+
 def test_malformed_json_is_an_error(doubles):
     double = doubles(faults=DoubleFaults(malformed_json=True))
     with _engine([double.url]) as engine, pytest.raises(RequestFailedError, match="malformed JSON"):
