@@ -22,7 +22,10 @@ engine: its model to host memory and back where its device is not the host), cal
 between two barriers so that no rank allocates while the engine still holds its share, or the engine
 while a rank still holds its gradients.
 
-Separate placement (the default) uses ``SeparatePlacement``: the same calls, nothing moves.
+The engine is launched (``trainer/setup.py``) after the trainer's state is built and its gradient buffers
+freed (``before_engine_launch``), so a colocated server starts beside what the trainer keeps during
+rollout, as in every later step. Separate placement (the default) uses ``SeparatePlacement``: the same
+calls, nothing moves.
 """
 
 from __future__ import annotations
@@ -42,6 +45,12 @@ if TYPE_CHECKING:
 class SeparatePlacement:
     """The engine keeps its memory: the hand-over points do nothing."""
 
+    def before_engine_launch(self) -> None:
+        pass
+
+    def attach(self, engine: RolloutEngine | None) -> None:
+        pass
+
     def after_generation(self) -> None:
         pass
 
@@ -53,15 +62,29 @@ class SeparatePlacement:
 
 
 class ColocatedHandOver:
-    """The hand-over between engine and trainer (module docstring); collective over the world.
-    ``engine``: the driver's engine (None on every other rank)."""
+    """The hand-over between engine and trainer (module docstring); collective over the world. Built with
+    the trainer's model, before the engine; ``attach`` gives it the driver's engine (None elsewhere)."""
 
-    def __init__(self, engine: RolloutEngine | None, model: DistributedDataParallel):
-        self.engine = engine
+    def __init__(self, model: DistributedDataParallel):
+        self.engine: RolloutEngine | None = None
         self.model = model
         self.engine_released = False
         self.grads_freed = False
         self.releases = self.resumes = 0  # hand-overs so far (logged: every step shows both)
+
+    def before_engine_launch(self) -> None:
+        """Every rank frees its gradient buffers before the driver launches the engine, which then starts
+        beside the trainer's weights and optimizer state only (as in the rollout phase)."""
+        self._free_grads()
+        dist.barrier()
+
+    def attach(self, engine: RolloutEngine | None) -> None:
+        self.engine = engine
+
+    def _free_grads(self) -> None:
+        if not self.grads_freed:
+            self.model.offload_grad_buffers(synchronize=cuda_kernels(), empty_cache=cuda_kernels())
+            self.grads_freed = True
 
     def after_generation(self) -> None:
         """The engine gives its memory back; then every rank's gradient buffers are reallocated."""
@@ -76,9 +99,7 @@ class ColocatedHandOver:
 
     def before_weight_sync(self) -> None:
         """Every rank frees its gradient buffers; then the engine takes its memory again."""
-        if not self.grads_freed:
-            self.model.offload_grad_buffers(synchronize=cuda_kernels(), empty_cache=cuda_kernels())
-            self.grads_freed = True
+        self._free_grads()
         dist.barrier()
         if self.engine_released:
             if self.engine is not None:

@@ -8,7 +8,7 @@ seeded random init that is identical for any layout (drawn in HF names, then sha
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,12 +22,13 @@ from gspo_megatron.models.conversion import SafetensorsSource, hf_shapes, load_h
 from gspo_megatron.models.schedule import wrap_for_training
 from gspo_megatron.parallel.mesh import ParallelMesh, initialize_parallel
 from gspo_megatron.rewards.pool import RewardPool
-from gspo_megatron.rollout.config import RolloutEngineName
+from gspo_megatron.rollout.config import Placement, RolloutEngineName
 from gspo_megatron.rollout.engine import RolloutEngine
 from gspo_megatron.rollout.types import SamplingParams
 from gspo_megatron.routing.replay import RoutingReplay
 from gspo_megatron.routing.replay_strategy import needs_engine_routing
 from gspo_megatron.routing.run_dir import ROUTING_FILE, RoutingLog, drop_records_from_step
+from gspo_megatron.trainer.colocation import ColocatedHandOver, SeparatePlacement
 from gspo_megatron.trainer.optim import build_optimizer
 from gspo_megatron.trainer.reference_model import ReferenceModel
 from gspo_megatron.trainer.rollout_phase import RolloutPhase
@@ -57,6 +58,7 @@ class Components:
     run_log: RunLog | None = None
     routing_log: RoutingLog | None = None
     reference: ReferenceModel | None = None  # frozen KL reference; None unless algorithm.kl_coef > 0
+    placement: SeparatePlacement | ColocatedHandOver = field(default_factory=SeparatePlacement)
 
     def driver_rollout(self) -> RolloutPhase:
         """The rollout phase, which only the driver (global rank 0) builds."""
@@ -152,8 +154,12 @@ def build(cfg: TrainConfig, run_dir: Path, config_yaml: str, world_size: int | N
         stage_moe_layers=stage_moe_layers(model_chunk),
         reference=reference,
     )
+    if cfg.rollout.placement == Placement.colocated:  # trainer and engine take turns on the devices
+        components.placement = ColocatedHandOver(ddp)
+    components.placement.before_engine_launch()
     if mesh.is_driver:
         _build_driver_side(components)
+    components.placement.attach(components.engine)
     return components
 
 

@@ -40,7 +40,6 @@ from gspo_megatron.models.schedule import run_schedule
 from gspo_megatron.parallel.context_parallel import pad_sequence_length
 from gspo_megatron.parallel.heartbeat import is_collective_failure
 from gspo_megatron.provenance import warm_start_record
-from gspo_megatron.rollout.config import Placement
 from gspo_megatron.routing.recorder import RoutingRecorder
 from gspo_megatron.routing.replay_strategy import build_replay_strategy
 from gspo_megatron.trainer.async_rollout import RolloutScheduler
@@ -54,7 +53,6 @@ from gspo_megatron.trainer.batch_distribution import (
 )
 from gspo_megatron.trainer.checkpoint import latest_checkpoint, save_checkpoint
 from gspo_megatron.trainer.checkpoint_check import load_checked_checkpoint
-from gspo_megatron.trainer.colocation import ColocatedHandOver, SeparatePlacement
 from gspo_megatron.trainer.device_memory import device_memory_peaks
 from gspo_megatron.trainer.diagnostic_passes import DiagnosticPasses
 from gspo_megatron.trainer.diagnostics import RoutingDiagnostics
@@ -108,9 +106,7 @@ class RLTrainer:
                 self.cfg.trainer.steps,
                 versions_of=lambda batch: batch.policy_versions.tolist(),
             )
-        self.placement: SeparatePlacement | ColocatedHandOver = SeparatePlacement()
-        if self.cfg.rollout.placement == Placement.colocated:  # engine and trainer take turns on the devices
-            self.placement = ColocatedHandOver(components.engine if self.mesh.is_driver else None, components.model)
+        self.placement = components.placement  # rollout.placement: the hand-over between engine and trainer
         self.nonfinite = NonFiniteGuard(self.cfg.trainer.on_nonfinite, self.cfg.trainer.max_consecutive_nonfinite)
         self._dp_rank_of = data_parallel_rank_of_each_rank(self.mesh.dp_rank)  # who gets which rows
 

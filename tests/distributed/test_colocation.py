@@ -37,7 +37,7 @@ def placement_worker(ctx, placement: str, run_dir: str) -> dict:
     def grad_bytes() -> int:
         return sum(b.grad_data.untyped_storage().nbytes() for b in model.buffers + model.expert_parallel_buffers)
 
-    events: list[tuple[str, int]] = []
+    events: list[tuple[str, int]] = [("built", grad_bytes())]  # the engine was launched after this
     try:
         engine = components.engine
         if engine is not None:  # the driver: what the engine sees of the trainer's gradients
@@ -83,13 +83,14 @@ def test_colocated_steps_hand_over_in_order_and_equal_the_separate_placement(tmp
     assert colocated[0]["metrics"] == separate[0]["metrics"]
     driver = colocated[0]["events"]
     kinds = [kind for kind, _ in driver]
-    # per step: generate and release (grads freed), update (grads back), resume (grads freed again first)
-    assert kinds == ["generate", "release", "update", "resume"] * STEPS, kinds
+    # freed before the engine was launched; per step: generate and release (grads freed), update (grads
+    # back), resume (grads freed again first)
+    assert kinds == ["built"] + ["generate", "release", "update", "resume"] * STEPS, kinds
     for kind, nbytes in driver:
         assert (nbytes > 0) == (kind == "update"), (kind, nbytes)
-    other = [kind for kind, _ in colocated[1]["events"]]
-    assert other == ["update"] * STEPS and all(n > 0 for _, n in colocated[1]["events"])
+    other = colocated[1]["events"]
+    assert other == [("built", 0)] + [("update", n) for _, n in other[1:]] and all(n > 0 for _, n in other[1:])
     assert all(result["allocated"] == 0 for result in colocated)  # freed since the last weight sync
     # separate placement: nothing moves
     assert all(n > 0 for result in separate for _, n in result["events"])
-    assert [kind for kind, _ in separate[0]["events"]] == ["generate", "update"] * STEPS
+    assert [kind for kind, _ in separate[0]["events"]] == ["built"] + ["generate", "update"] * STEPS
