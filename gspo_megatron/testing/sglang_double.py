@@ -81,6 +81,7 @@ class DoubleFaults:
     hold_until_paused: bool = False
     fail_distributed_updates: int = 0  # the first N /update_weights_from_distributed answer 400
     fail_disk_updates: int = 0  # the first N /update_weights_from_disk answer 400
+    die_on_disk_update: bool = False  # the server stops serving when an /update_weights_from_disk arrives
 
 
 class _DoubleHTTPServer(ThreadingHTTPServer):
@@ -365,6 +366,9 @@ class SGLangServerDouble:
         return 200, {"success": True, "message": "Succeeded to update parameter online."}
 
     def _update_from_disk(self, body):
+        if self.faults.die_on_disk_update:
+            self._die()
+            return None  # drop the connection without an answer
         error = _check_fields(body, {"model_path": str})
         shards: list[Path] = []
         if not error:

@@ -56,7 +56,7 @@ from typing import Any, TypeVar
 import torch
 
 from gspo_megatron.rollout.engine import RolloutEngine
-from gspo_megatron.rollout.sglang.client import RetryPolicy, ServerState, SGLangHTTPClient
+from gspo_megatron.rollout.sglang.client import NoServersLeftError, RetryPolicy, ServerState, SGLangHTTPClient
 from gspo_megatron.rollout.sglang.config import LaunchMode, PauseMode, SGLangConfig, WeightSync
 from gspo_megatron.rollout.sglang.launcher import LaunchedServer, build_launch_command, free_port
 from gspo_megatron.rollout.sglang.protocol import build_generate_request, parse_generate_response
@@ -407,16 +407,21 @@ class SGLangEngine(RolloutEngine):
         buckets = bucket_named_tensors(named_tensors, self.config.weight_bucket_bytes)
         try:
             for bucket in buckets:
-                calls = [
-                    self._client.call(
-                        server, "POST", "/update_weights_from_tensor", update_from_tensor_body(bucket, tp, version)
-                    )
-                    for server, tp in zip(servers, tp_sizes, strict=True)
-                ]
-                self._loop.run(_gather(calls))
-                del bucket, calls  # every rank has loaded it (the server's TP barrier): its memory may go
+                self._loop.run(self._bucket_into_each(servers, tp_sizes, bucket, version))
+                del bucket  # every rank has loaded it (the server's TP barrier): its memory may go
         finally:
             buckets.close()
+
+    async def _bucket_into_each(self, servers, tp_sizes: list[int], bucket, version: int) -> None:
+        """One tensor bucket into every live server, each with its own TP ranks' payloads (as ``_all``)."""
+        path = "/update_weights_from_tensor"
+        await _gather(
+            [
+                self._all([server], "POST", path, update_from_tensor_body(bucket, tp, version))
+                for server, tp in zip(servers, tp_sizes, strict=True)
+                if server.alive
+            ]
+        )
 
     def _sync_from_disk(self, servers, named_tensors, version: int) -> None:
         directory = write_safetensors_checkpoint(
@@ -435,7 +440,25 @@ class SGLangEngine(RolloutEngine):
         return self._loop.run(self._all(servers, method, path, payload))
 
     async def _all(self, servers, method: str, path: str, payload: dict | None) -> list[Any]:
-        return await _gather([self._client.call(server, method, path, payload) for server in servers])
+        """The call on every server of ``servers`` still alive. A server that dies under it (its connection
+        lost: the pool marks it dead) is dropped with a warning -- it serves no later sample, so no sample
+        comes from a version it missed; any other failure (a refusal, a live server's error) is raised;
+        with no server left, ``NoServersLeftError``."""
+        live = [server for server in servers if server.alive]
+        results = await asyncio.gather(
+            *[self._client.call(server, method, path, payload) for server in live], return_exceptions=True
+        )
+        answers = []
+        for server, result in zip(live, results, strict=True):
+            if not isinstance(result, BaseException):
+                answers.append(result)
+            elif server.alive or isinstance(result, asyncio.CancelledError):
+                raise result
+            else:
+                warnings.warn(f"{server.url} died during {path} and is dropped: {result}", RuntimeWarning, stacklevel=2)
+        if not any(server.alive for server in live):
+            raise NoServersLeftError(f"no SGLang server is left alive after {path}:\n" + self._client.pool.describe())
+        return answers
 
     def release_memory(self) -> None:
         """Colocated: every live server frees its weights and KV cache (SGLang's memory saver, launched

@@ -14,7 +14,8 @@ import torch
 
 from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine, WeightSyncError
 from gspo_megatron.rollout.sglang.launcher import LaunchedServer, free_port
-from gspo_megatron.testing.sglang_double import SGLangServerDouble
+from gspo_megatron.rollout.types import SamplingParams
+from gspo_megatron.testing.sglang_double import DoubleFaults, SGLangServerDouble
 
 DOUBLE = [sys.executable, "-m", "gspo_megatron.testing.sglang_double"]
 
@@ -101,6 +102,26 @@ def test_group_is_reformed_when_a_server_dies(servers, tmp_path):
     inits = [body for path, body in _state(first.url)["calls"] if path == "/init_weights_update_group"]
     assert [init["world_size"] for init in inits] == [3, 2]  # trainer + 2 servers, then trainer + survivor
     assert _state(first.url)["received"]["a"]["sum"] == 9.0
+
+
+def test_a_server_that_dies_during_a_disk_sync_is_dropped_and_the_rest_take_the_version(tmp_path):
+    """The version reaches every server that is still alive; the dead one serves nothing later."""
+    dying = SGLangServerDouble(faults=DoubleFaults(die_on_disk_update=True)).start()
+    healthy = SGLangServerDouble().start()
+    try:
+        config = _config([dying.url, healthy.url], tmp_path, weight_sync="disk")
+        with SGLangEngine(config) as engine:
+            with pytest.warns(RuntimeWarning, match=f"{dying.url} died during /update_weights_from_disk"):
+                engine.update_weights([("w", torch.ones(2))], version=1)
+            assert engine.weight_version == 1 and healthy.weight_version == "1"
+            servers = engine.health()["servers"]
+            assert servers[dying.url]["alive"] is False and servers[healthy.url]["alive"] is True
+            (group,) = engine.generate([[1, 2]], SamplingParams(max_new_tokens=2, n=2))
+            assert {sample.extra["server"] for sample in group} == {healthy.url}
+            assert [path for path, _ in healthy.calls][-1] == "/generate"
+    finally:
+        dying.stop()
+        healthy.stop()
 
 
 def test_disk_sync_path_is_absolute_and_old_versions_are_removed(tmp_path, monkeypatch):
