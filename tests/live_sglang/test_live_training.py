@@ -2,8 +2,10 @@
 
 Two servers: the session's and a second one this test launches. Each prompt's group goes to one server,
 groups spread by load, and every sample records the server that made it (``rollout/servers_used`` is 2
-at every step); R3's routes come back per sample from whichever server produced them, so the routing
-mismatch stays exactly zero on both.
+per step); R3's routes come back per sample from whichever server produced them, so the routing
+mismatch stays exactly zero on both. Once step ``KILL_AFTER`` is logged the second server is killed:
+whatever the trainer was doing (generating, syncing, releasing), its requests go to the survivor and it
+is dropped from the hand-over and the syncs; the run finishes its 20 steps on one server.
 
 Colocated placement (``rollout.placement=colocated``, ``trainer/colocation.py``) as slime and verl run by
 default: after each generation the server releases its memory (``/release_memory_occupation``) and the
@@ -25,6 +27,9 @@ Runs after the engine tests (file order): it leaves trained weights on the sessi
 
 from __future__ import annotations
 
+import threading
+import time
+
 from support.live_server import live_config
 
 from gspo_megatron.rollout.sglang.engine import SGLangEngine
@@ -32,6 +37,8 @@ from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.train_runs import TINY_JOB, train_worker
 
 STEPS = 20
+KILL_AFTER = 8  # the second server is killed once this step's metrics are written
+KILL_DEADLINE_S = 600.0  # the wait for that step (a hang fails the test, it does not wait forever)
 MISMATCH = "mismatch/abs_log_prob_diff_mean"
 ROUTING_CHANGED = "routing/rollout_vs_train_changed_frac"
 
@@ -49,10 +56,13 @@ def test_twenty_colocated_steps_with_sglang_learn_with_zero_routing_mismatch_und
             weight_sync_group_name="live_second",
         )
     )
+    killer = threading.Thread(target=_kill_after_step, args=(second, tmp_path / "metrics.jsonl"), daemon=True)
+    killer.start()
     try:
         metrics = _train_against([url, *second.server_urls], tiny_checkpoint, tmp_path)
     finally:
         second.shutdown()
+        killer.join(timeout=60)
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     rewards = [m["reward/mean"] for m in metrics]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
@@ -63,11 +73,23 @@ def test_twenty_colocated_steps_with_sglang_learn_with_zero_routing_mismatch_und
     assert last > first + 0.1, f"reward did not rise: {rewards}"
     assert all(m[MISMATCH] > 0 for m in metrics)
     assert all(m[ROUTING_CHANGED] == 0.0 for m in metrics)
-    assert all(m["rollout/servers_used"] == 2.0 for m in metrics)  # samples from both servers, every step
+    used = [m["rollout/servers_used"] for m in metrics]
+    assert used[:KILL_AFTER] == [2.0] * KILL_AFTER  # samples from both servers until the kill
+    assert used[-5:] == [1.0] * 5 and sorted(used, reverse=True) == used  # then from the survivor only
     # one release after the generation and one resume before the weight sync, in every step
     assert [(m["colocation/engine_releases"], m["colocation/engine_resumes"]) for m in metrics] == [
         (float(step), float(step)) for step in range(1, STEPS + 1)
     ]
+
+
+def _kill_after_step(server: SGLangEngine, metrics_file) -> None:
+    """Kill ``server`` once ``KILL_AFTER`` steps are in the run's metrics (waits on the file, bounded)."""
+    deadline = time.monotonic() + KILL_DEADLINE_S
+    while time.monotonic() < deadline:
+        if metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= KILL_AFTER:
+            server.shutdown()
+            return
+        time.sleep(0.1)
 
 
 def _train_against(urls: list[str], tiny_checkpoint, tmp_path) -> list[dict]:
