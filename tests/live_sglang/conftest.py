@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from support.live_server import LIVE_DIR, live_config
+from support.live_server import LIVE_DIR, launch_live_server, live_config
 from support.tiny_checkpoint import write_tiny_checkpoint
 
 from gspo_megatron.rollout.sglang.engine import SGLangEngine
@@ -41,15 +41,7 @@ def live_engine(tiny_checkpoint, tmp_path_factory) -> Iterator[SGLangEngine]:
     """The session's server, launched by the project's engine (launch mode) and stopped at the end."""
     work = tmp_path_factory.mktemp("live_server")
     started = time.monotonic()
-    engine = SGLangEngine(
-        live_config(
-            mode="launch",
-            model_path=str(tiny_checkpoint),
-            log_dir=str(work / "logs"),
-            disk_sync_dir=str(work / "disk_sync"),
-            weight_sync_group_name="live_launch",
-        )
-    )
+    engine = launch_live_server(tiny_checkpoint, work, "live_launch")
     print(f"\nlive: SGLang server {engine.server_urls[0]} started in {time.monotonic() - started:.0f}s")
     try:
         yield engine

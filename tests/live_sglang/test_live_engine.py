@@ -41,6 +41,17 @@ def greedy_outputs(engine: SGLangEngine) -> list[tuple[list[int], list[float]]]:
     return [(sample.output_ids, torch.as_tensor(sample.output_log_probs).tolist()) for sample in samples]
 
 
+def changes_and_reverts(engine: SGLangEngine, first_version: int) -> None:
+    """Other weights (version ``first_version``) change the greedy outputs; the checkpoint's weights
+    (the next version) restore them exactly."""
+    before = greedy_outputs(engine)
+    engine.update_weights(hf_weights(seed=1), version=first_version)
+    perturbed = greedy_outputs(engine)
+    engine.update_weights(hf_weights(seed=0), version=first_version + 1)
+    assert perturbed != before
+    assert greedy_outputs(engine) == before
+
+
 def reference_forward(checkpoint, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of every next token and the top-k experts of every token, per layer, in fp32."""
     from transformers import Qwen3MoeForCausalLM
@@ -95,24 +106,13 @@ def test_generate_decodes_log_probs_and_routed_experts_as_the_trainer_reads_them
 
 
 def test_disk_sync_changes_outputs_and_reverting_restores_them(attach):
-    attach_engine = attach(weight_sync="disk")
-    before = greedy_outputs(attach_engine)
-    attach_engine.update_weights(hf_weights(seed=1), version=1)
-    perturbed = greedy_outputs(attach_engine)
-    attach_engine.update_weights(hf_weights(seed=0), version=2)
-    assert perturbed != before
-    assert greedy_outputs(attach_engine) == before
+    changes_and_reverts(attach(weight_sync="disk"), first_version=1)
 
 
 def test_distributed_gloo_sync_changes_outputs_and_reverting_restores_them(attach):
     # a failure must show, not be papered over by the disk path
     attach_engine = attach(weight_sync="distributed", fallback_to_disk=False)
-    before = greedy_outputs(attach_engine)
-    attach_engine.update_weights(hf_weights(seed=1), version=3)
-    perturbed = greedy_outputs(attach_engine)
-    attach_engine.update_weights(hf_weights(seed=0), version=4)
-    assert perturbed != before
-    assert greedy_outputs(attach_engine) == before
+    changes_and_reverts(attach_engine, first_version=3)
     (sample,) = attach_engine.generate([PROMPTS[0]], GREEDY)[0]
     assert sample.weight_version == 4
 
@@ -121,12 +121,7 @@ def test_tensor_sync_changes_outputs_and_reverting_restores_them(attach):
     """/update_weights_from_tensor with handles to the trainer's CPU memory (named shared-memory files,
     ``tensor_handles.py``), in buckets smaller than the model, without the disk fallback."""
     attach_engine = attach(weight_sync="tensor", fallback_to_disk=False, weight_bucket_bytes=64 * 1024)
-    before = greedy_outputs(attach_engine)
-    attach_engine.update_weights(hf_weights(seed=1), version=5)
-    perturbed = greedy_outputs(attach_engine)
-    attach_engine.update_weights(hf_weights(seed=0), version=6)
-    assert perturbed != before
-    assert greedy_outputs(attach_engine) == before
+    changes_and_reverts(attach_engine, first_version=5)
     (sample,) = attach_engine.generate([PROMPTS[0]], GREEDY)[0]
     assert sample.weight_version == 6
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 import time
 
-from support.live_server import live_config
+from support.live_server import launch_live_server
 
 from gspo_megatron.rollout.sglang.engine import SGLangEngine
 from gspo_megatron.testing.distributed import run_distributed
@@ -47,15 +47,7 @@ def test_twenty_colocated_steps_with_sglang_learn_with_zero_routing_mismatch_und
     live_engine, tiny_checkpoint, tmp_path
 ):
     (url,) = live_engine.server_urls
-    second = SGLangEngine(
-        live_config(
-            mode="launch",
-            model_path=str(tiny_checkpoint),
-            log_dir=str(tmp_path / "second_logs"),
-            disk_sync_dir=str(tmp_path / "second_sync"),
-            weight_sync_group_name="live_second",
-        )
-    )
+    second = launch_live_server(tiny_checkpoint, tmp_path / "second", "live_second")
     killer = threading.Thread(target=_kill_after_step, args=(second, tmp_path / "metrics.jsonl"), daemon=True)
     killer.start()
     try:

@@ -45,8 +45,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-import re
-import shutil
 import threading
 import warnings
 from collections.abc import Coroutine, Iterable, Iterator, Mapping
@@ -58,6 +56,7 @@ import torch
 from gspo_megatron.rollout.engine import RolloutEngine
 from gspo_megatron.rollout.sglang.client import NoServersLeftError, RetryPolicy, ServerState, SGLangHTTPClient
 from gspo_megatron.rollout.sglang.config import LaunchMode, PauseMode, SGLangConfig, WeightSync
+from gspo_megatron.rollout.sglang.disk_sync import remove_older_versions, write_safetensors_checkpoint
 from gspo_megatron.rollout.sglang.launcher import LaunchedServer, build_launch_command, free_port
 from gspo_megatron.rollout.sglang.protocol import build_generate_request, parse_generate_response
 from gspo_megatron.rollout.sglang.tensor_handles import update_from_tensor_body
@@ -96,6 +95,7 @@ class SGLangEngine(RolloutEngine):
         self._pending_broadcast: InFlightBroadcast | None = None  # a bucket on the wire (None between buckets)
         self._parked: list[tuple[Any, InFlightBroadcast]] = []  # abandoned groups whose operation never ended
         self._seeds_honoured = config.enable_deterministic_inference
+        self._tp_sizes: dict[str, int] = {}  # url -> the server's TP size (``_inspect_servers``)
         self._loop = _LoopThread()
         try:
             urls = self._launch_servers() if config.mode == LaunchMode.launch else list(config.urls)
@@ -115,12 +115,15 @@ class SGLangEngine(RolloutEngine):
             raise
 
     def _inspect_servers(self) -> None:
-        """Check each server's SGLang version; in attach mode learn whether seeds are honoured."""
+        """Check each server's SGLang version; in attach mode learn whether seeds are honoured and each
+        server's TP size (what a weight sync addresses: its ranks in the update group, its payloads)."""
         servers = self._client.pool.servers
-        infos = self._on_all(servers, "GET", "/server_info", None)
+        infos = self._loop.run(_gather([self._client.call(server, "GET", "/server_info") for server in servers]))
         for server, info in zip(servers, infos, strict=True):
             info = info if isinstance(info, dict) else {}
             check_sglang_version(info.get("version"), server.url)
+            attached = self.config.mode == LaunchMode.attach
+            self._tp_sizes[server.url] = int(info.get("tp_size", self.config.tp)) if attached else self.config.tp
         if self.config.mode == LaunchMode.attach:
             self._seeds_honoured = all(isinstance(i, dict) and i.get("enable_deterministic_inference") for i in infos)
 
@@ -253,7 +256,7 @@ class SGLangEngine(RolloutEngine):
         if failure is not None:
             raise WeightSyncError(f"weight update to version {version} failed: {failure}") from failure
         self.weight_version = version
-        _remove_older_versions(self._disk_sync_root(), keep=f"v{version}")
+        remove_older_versions(self._disk_sync_root(), keep=f"v{version}")
 
     def _in_session(self, servers, update) -> None:
         """Run ``update`` inside begin/end_weight_update; the session is ended even when it fails."""
@@ -359,7 +362,7 @@ class SGLangEngine(RolloutEngine):
     def _open_update_group(self, servers):
         config = self.config
         port = config.weight_sync_master_port or free_port()
-        tp_sizes = self._loop.run(self._server_tp_sizes(servers))
+        tp_sizes = self._server_tp_sizes(servers)
         world_size = 1 + sum(tp_sizes)
         offsets = [1 + sum(tp_sizes[:i]) for i in range(len(servers))]
         requests = [
@@ -393,17 +396,12 @@ class SGLangEngine(RolloutEngine):
             pending.result(timeout=config.weight_sync_timeout_s)
         return group
 
-    async def _server_tp_sizes(self, servers) -> list[int]:
-        if self.config.mode == LaunchMode.launch:
-            return [self.config.tp] * len(servers)
-        infos = await _gather([self._client.call(server, "GET", "/server_info") for server in servers])
-        return [
-            int(info.get("tp_size", self.config.tp)) if isinstance(info, dict) else self.config.tp for info in infos
-        ]
+    def _server_tp_sizes(self, servers) -> list[int]:
+        return [self._tp_sizes[server.url] for server in servers]
 
     def _sync_by_tensor(self, servers, named_tensors, version: int) -> None:
         """Each bucket as handles to this process's memory (``tensor_handles.py``): servers on this host."""
-        tp_sizes = self._loop.run(self._server_tp_sizes(servers))
+        tp_sizes = self._server_tp_sizes(servers)
         buckets = bucket_named_tensors(named_tensors, self.config.weight_bucket_bytes)
         try:
             for bucket in buckets:
@@ -535,35 +533,6 @@ class SGLangEngine(RolloutEngine):
             connect_timeout_s=config.connect_timeout_s,
             keepalive_expiry_s=config.keepalive_expiry_s,
         )
-
-
-def write_safetensors_checkpoint(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], directory: Path, *, template_dir: str | None, bucket_bytes: int
-) -> Path:
-    """Write HF-style shards + index into ``directory``, with the template's non-weight files copied.
-    Streamed (one shard in memory at a time, no copies); not fdatasync'ed: the servers read it at once."""
-    from gspo_megatron.weights.safetensors_writer import ShardWriter
-
-    if template_dir is None:
-        raise ValueError("weight_sync='disk' needs SGLangConfig.model_path (its config/tokenizer files are copied)")
-    directory.mkdir(parents=True, exist_ok=True)
-    for source in Path(template_dir).iterdir():
-        if source.is_file() and not source.name.endswith((".safetensors", ".bin", ".pt", ".index.json")):
-            shutil.copy2(source, directory / source.name)
-    writer = ShardWriter(directory, bucket_bytes, durable=False)
-    for name, tensor in named_tensors:
-        writer.add(name, tensor)
-    writer.close()
-    return directory
-
-
-def _remove_older_versions(root: Path, keep: str) -> None:
-    """Delete ``root/v<N>`` directories other than ``keep`` (only names this engine writes)."""
-    if not root.is_dir():
-        return
-    for child in root.iterdir():
-        if child.is_dir() and child.name != keep and re.fullmatch(r"v\d+", child.name):
-            shutil.rmtree(child, ignore_errors=True)
 
 
 def _routed_experts_layout(config: SGLangConfig) -> tuple[int, int] | None:

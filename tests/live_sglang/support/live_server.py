@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from gspo_megatron.rollout.sglang.config import SGLangConfig
+from gspo_megatron.rollout.sglang.engine import SGLangEngine
 
 SKIP_ENV = "GSPO_SKIP_SGLANG"
 LIVE_DIR = Path(__file__).resolve().parents[1]
@@ -69,3 +70,16 @@ def live_config(**overrides) -> SGLangConfig:
     )
     values.update(overrides)
     return SGLangConfig(**values)
+
+
+def launch_live_server(checkpoint: Path, work: Path, group_name: str) -> SGLangEngine:
+    """A real server of ``checkpoint`` launched by the project's engine (launch mode), writing under ``work``."""
+    return SGLangEngine(
+        live_config(
+            mode="launch",
+            model_path=str(checkpoint),
+            log_dir=str(work / "logs"),
+            disk_sync_dir=str(work / "disk_sync"),
+            weight_sync_group_name=group_name,
+        )
+    )

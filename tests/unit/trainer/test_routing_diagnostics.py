@@ -29,24 +29,32 @@ OLD = [torch.tensor([[0, 1], [2, 3], [0, 1]]), torch.tensor([[0, 1], [0, 1], [0,
 NEW = [torch.tensor([[0, 1], [2, 0], [3, 2]]), torch.tensor([[1, 0], [0, 2], [1, 2]])]
 
 
+def _update_diagnostics(mesh, run_dir: str):
+    """The "update" diagnostics of a two-update step on ``mesh`` and its one micro-batch: one row, 3 fed
+    tokens, the last padding."""
+    from gspo_megatron.trainer.diagnostics import RoutingDiagnostics
+
+    plan = StepPlan(
+        OldLogProbSource.trainer,
+        ReplayMode.none,
+        updates=2,
+        has_routers=True,
+        diagnostics=RoutingDiagnosticsConfig(kinds=["update"]),
+        corrects_mismatch=False,
+    )
+    diagnostics = RoutingDiagnostics(plan, mesh, 4, RoutingLog(run_dir) if mesh.is_driver else None)
+    mb = MicroBatch(tokens=torch.ones(1, 3, dtype=torch.long), targets=torch.ones(1, 3, dtype=torch.long))
+    mb.input_mask = torch.tensor([[1.0, 1.0, 0.0]])
+    return plan, diagnostics, mb
+
+
 def _diagnose(ctx, run_dir: str):
     from gspo_megatron.parallel.layout import ParallelLayout
     from gspo_megatron.parallel.mesh import initialize_parallel
-    from gspo_megatron.trainer.diagnostics import RoutingDiagnostics
 
     mesh = initialize_parallel(ParallelLayout(world_size=ctx.world_size).validate())
     try:
-        plan = StepPlan(
-            OldLogProbSource.trainer,
-            ReplayMode.none,
-            updates=2,
-            has_routers=True,
-            diagnostics=RoutingDiagnosticsConfig(kinds=["update"]),
-            corrects_mismatch=False,
-        )
-        diagnostics = RoutingDiagnostics(plan, mesh, 4, RoutingLog(run_dir) if mesh.is_driver else None)
-        mb = MicroBatch(tokens=torch.ones(1, 3, dtype=torch.long), targets=torch.ones(1, 3, dtype=torch.long))
-        mb.input_mask = torch.tensor([[1.0, 1.0, 0.0]])
+        plan, diagnostics, mb = _update_diagnostics(mesh, run_dir)
         diagnostics.begin_step(4, OldPolicyResult({}, [OLD], [OLD]), [mb], lambda mb: [])
         assert plan.records_training_forward(update=1, step=4)  # the free measurement after step 1
         assert not plan.records_training_forward(update=0, step=4)
@@ -82,21 +90,10 @@ def _diagnose_on_two_stages(ctx, run_dir: str):
     layers, token 1 in neither: changed in any layer = 1 of 2 (per-stage counts would sum to 2)."""
     from gspo_megatron.parallel.layout import ParallelLayout
     from gspo_megatron.parallel.mesh import initialize_parallel
-    from gspo_megatron.trainer.diagnostics import RoutingDiagnostics
 
     mesh = initialize_parallel(ParallelLayout(pp=2, world_size=2).validate())
     try:
-        plan = StepPlan(
-            OldLogProbSource.trainer,
-            ReplayMode.none,
-            updates=2,
-            has_routers=True,
-            diagnostics=RoutingDiagnosticsConfig(kinds=["update"]),
-            corrects_mismatch=False,
-        )
-        diagnostics = RoutingDiagnostics(plan, mesh, 4, RoutingLog(run_dir) if mesh.is_driver else None)
-        mb = MicroBatch(tokens=torch.ones(1, 3, dtype=torch.long), targets=torch.ones(1, 3, dtype=torch.long))
-        mb.input_mask = torch.tensor([[1.0, 1.0, 0.0]])
+        plan, diagnostics, mb = _update_diagnostics(mesh, run_dir)
         old = [torch.tensor([[0, 1], [2, 3], [0, 1]])]  # this stage's one layer
         new = (
             [torch.tensor([[2, 3], [3, 2], [1, 2]])] if mesh.pp_rank == 0 else [torch.tensor([[0, 2], [2, 3], [0, 2]])]
