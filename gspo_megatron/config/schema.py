@@ -97,6 +97,7 @@ class ParallelSection(ConfigNode):
     sequence_parallel: bool | None = None  # None: on exactly when tp > 1
     first_stage_layers: int | None = None  # decoder layers on pipeline rank 0; None: an even share
     last_stage_layers: int | None = None  # decoder layers on the last pipeline rank; None: an even share
+    vpp: int = 1  # virtual pipeline chunks per pipeline rank (interleaved 1F1B; needs pp > 1)
     timeout_s: float = 600.0  # bound of every collective; a rank silent this long is named and the job stops
 
     def validate(self) -> None:
@@ -104,7 +105,7 @@ class ParallelSection(ConfigNode):
             raise ValueError(f"parallel.timeout_s={self.timeout_s} must be > 0 seconds (e.g. parallel.timeout_s=600)")
 
     # the keys that are ParallelLayout fields (the rest, timeout_s, is how collectives are bounded)
-    LAYOUT_KEYS = ("tp", "pp", "ep", "etp", "cp", "sequence_parallel", "first_stage_layers", "last_stage_layers")
+    LAYOUT_KEYS = ("tp", "pp", "ep", "etp", "cp", "sequence_parallel", "first_stage_layers", "last_stage_layers", "vpp")
 
     def layout(self, world_size: int) -> ParallelLayout:
         return ParallelLayout(world_size=world_size, **{key: getattr(self, key) for key in self.LAYOUT_KEYS})

@@ -80,11 +80,6 @@ def make_transformer_config(
             f"model.rope_yarn_factor={model.rope_yarn_factor}: YaRN RoPE scaling is not built here (the planner "
             "reads it); set model.rope_yarn_factor=1.0 to train within the checkpoint's original context"
         )
-    if layout.vpp > 1:
-        raise LayoutError(
-            f"vpp = {layout.vpp}: virtual pipeline stages (interleaved 1F1B) are planned by tools/plan.py, not "
-            "built by the trainer; use parallel.first_stage_layers / parallel.last_stage_layers for uneven stages"
-        )
     attention_kwargs: dict = {}
     config_class = TransformerConfig
     if model.attention == AttentionKind.mla:
@@ -151,6 +146,8 @@ def make_transformer_config(
         # megatron's uneven stages: layers on the first / last pipeline rank (the rest split evenly)
         num_layers_in_first_pipeline_stage=layout.first_stage_layers,
         num_layers_in_last_pipeline_stage=layout.last_stage_layers,
+        # interleaved 1F1B: each pipeline rank holds vpp chunks (virtual stage c * pp + rank)
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.expert_tp,
         context_parallel_size=layout.cp,
@@ -219,11 +216,14 @@ def _mla_shared_rope_key_gradient() -> None:
     multi_latent_attention.apply_rotary_pos_emb = apply_rotary_pos_emb
 
 
-def make_block_spec(config, spec_name: str, expert_mlp: str = ExpertMLP.grouped):
+def make_block_spec(config, spec_name: str, expert_mlp: str = ExpertMLP.grouped, vp_stage: int | None = None):
+    """The decoder block spec of one model chunk (``vp_stage``: its virtual stage under vpp > 1)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     use_te = spec_name == "te"
-    block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+    block = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
+    )
     if use_te:  # grouped: config.moe_grouped_gemm already chose TEGroupedMLP
         return block
     from gspo_megatron.models.grouped_experts import GroupedExperts
@@ -271,7 +271,15 @@ def _with_module(entry, module: type):
     return dataclasses.replace(entry, module=module)
 
 
-def build_model(
+def build_model(model: MoEModelConfig, layout: ParallelLayout, **kwargs):
+    """This rank's one model chunk (a layout without virtual pipeline stages); see ``build_model_chunks``."""
+    chunks = build_model_chunks(model, layout, **kwargs)
+    if len(chunks) != 1:
+        raise LayoutError(f"vpp = {layout.vpp} gives each rank {len(chunks)} model chunks: use build_model_chunks")
+    return chunks[0]
+
+
+def build_model_chunks(
     model: MoEModelConfig,
     layout: ParallelLayout,
     *,
@@ -285,12 +293,16 @@ def build_model(
     initialize: bool = True,
     token_dispatcher: str = TokenDispatcher.alltoall,
     expert_mlp: str = ExpertMLP.grouped,
-):
-    """Build this rank's pipeline stage of the GPTModel (parallel state must be initialised).
+) -> list:
+    """Build this rank's GPTModel chunks (parallel state must be initialised): one per virtual pipeline
+    stage, in order (``layout.vpp``; one without virtual stages). Chunk c of pipeline rank r is virtual
+    stage c * pp + r; its layers are ``layout.stage_layers`` in chunk order. The chunks share one
+    TransformerConfig, as megatron's interleaved schedule expects.
 
     ``device="meta"`` builds without allocating parameters (and skips initialisation).
     ``routing_replay=False`` builds routers without megatron's RouterReplay (a reference model);
     ``initialize=False`` skips the random initialisation (weights are loaded afterwards).
+    ``pre_process`` / ``post_process`` override the embedding / head placement of a one-chunk build.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -307,28 +319,36 @@ def build_model(
         token_dispatcher=token_dispatcher,
         te_grouped_experts=spec_name == "te" and ExpertMLP(expert_mlp) == ExpertMLP.grouped,
     )
-    spec = make_block_spec(config, spec_name, expert_mlp)
-    if pre_process is None:
-        pre_process = ps.is_pipeline_first_stage()
-    if post_process is None:
-        post_process = ps.is_pipeline_last_stage()
-    kwargs = dict(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=model.vocab_size,
-        max_sequence_length=model.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        parallel_output=True,
-        share_embeddings_and_output_weights=model.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_percent=model.rotary_fraction,
-        rotary_base=int(model.rope_theta),
-    )
-    if on_meta:
-        with torch.device("meta"):
-            return GPTModel(**kwargs)
-    return GPTModel(**kwargs).to(compute_device())
+    virtual = layout.vpp > 1
+    if virtual and (pre_process is not None or post_process is not None):
+        raise LayoutError("pre_process / post_process overrides are for one-chunk builds (vpp = 1)")
+    chunks = []
+    for chunk in range(layout.vpp):
+        vp_stage = chunk if virtual else None
+        kwargs = dict(
+            config=config,
+            transformer_layer_spec=make_block_spec(config, spec_name, expert_mlp, vp_stage=vp_stage),
+            vocab_size=model.vocab_size,
+            max_sequence_length=model.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+            if pre_process is None
+            else pre_process,
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+            if post_process is None
+            else post_process,
+            parallel_output=True,
+            share_embeddings_and_output_weights=model.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_percent=model.rotary_fraction,
+            rotary_base=int(model.rope_theta),
+            vp_stage=vp_stage,
+        )
+        if on_meta:
+            with torch.device("meta"):
+                chunks.append(GPTModel(**kwargs))
+        else:
+            chunks.append(GPTModel(**kwargs).to(compute_device()))
+    return chunks
 
 
 def count_parameters(module: torch.nn.Module) -> int:

@@ -26,7 +26,7 @@ import functools
 import json
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -145,22 +145,43 @@ _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(?P<index>\d+)\.(?P<which>l
 _TE_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(?P<which>linear_fc1|linear_fc2)\.weight(?P<index>\d+)$")
 
 
+def model_chunks(model) -> list:
+    """The unwrapped GPTModel chunks of ``model``: one module (DDP-wrapped or not) or a list of
+    virtual-pipeline chunks (``models/builder.py:build_model_chunks``)."""
+    return [unwrap(chunk) for chunk in model] if isinstance(model, list | tuple) else [unwrap(model)]
+
+
+def chunk_prefix(chunk: int, count: int) -> str:
+    """Parameter names of chunk ``chunk`` carry ``chunk{c}.`` when a rank holds several chunks (each
+    chunk numbers its own layers from 0); one chunk keeps megatron's names."""
+    return f"chunk{chunk}." if count > 1 else ""
+
+
 def converted_tensors(model) -> dict[str, torch.Tensor]:
     """This rank's megatron tensors that have HF counterparts: every parameter, and the routers' expert
-    bias (a buffer: set from the load, not trained; HF's ``e_score_correction_bias``)."""
-    model = unwrap(model)
-    tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
-    tensors.update({name: b for name, b in model.named_buffers() if name.endswith("mlp.router.expert_bias")})
+    bias (a buffer: set from the load, not trained; HF's ``e_score_correction_bias``); names prefixed
+    per chunk under virtual pipeline stages (``chunk_prefix``)."""
+    chunks = model_chunks(model)
+    tensors: dict[str, torch.Tensor] = {}
+    for index, chunk in enumerate(chunks):
+        prefix = chunk_prefix(index, len(chunks))
+        tensors.update({prefix + name: p for name, p in chunk.named_parameters()})
+        tensors.update(
+            {prefix + name: b for name, b in chunk.named_buffers() if name.endswith("mlp.router.expert_bias")}
+        )
     return tensors
 
 
 def build_mappings(model, cfg: MoEModelConfig, ep_rank: int = 0, ep_size: int = 1) -> list[ParamMapping]:
-    """One row per megatron parameter (and expert bias) of this rank's model chunk."""
-    model = unwrap(model)
+    """One row per megatron parameter (and expert bias) of this rank's model chunks."""
+    chunks = model_chunks(model)
     rows = []
     experts_per_rank = cfg.num_experts // ep_size if cfg.num_experts else 0
-    for name in converted_tensors(model):
-        rows.append(_mapping_for(model, name, cfg, ep_rank * experts_per_rank))
+    for index, chunk in enumerate(chunks):
+        prefix = chunk_prefix(index, len(chunks))
+        for name in converted_tensors(chunk):
+            row = _mapping_for(chunk, name, cfg, ep_rank * experts_per_rank)
+            rows.append(replace(row, megatron_name=prefix + name))
     return rows
 
 

@@ -109,7 +109,7 @@ def write_hf_checkpoint(
 
 
 def save_hf_checkpoint(
-    model_chunk,
+    model,
     cfg: MoEModelConfig,
     mesh,
     out_dir: str | Path,
@@ -120,6 +120,7 @@ def save_hf_checkpoint(
     bucket_bytes: int = 64 << 20,
 ) -> Path:
     """Write this (possibly sharded) model as a HF checkpoint at ``out_dir``; collective on all ranks.
+    ``model``: one model chunk or a rank's list of chunks (``models/conversion.py:model_chunks``).
 
     ``mesh=None`` means a single process without torch.distributed. ``dtype`` casts the written
     tensors (default: the parameters' dtype). Returns ``out_dir`` on every rank once it is complete.
@@ -128,7 +129,7 @@ def save_hf_checkpoint(
 
     distributed = mesh is not None and dist.is_initialized()
     is_driver = not distributed or dist.get_rank() == 0
-    buckets = export_hf_weights(model_chunk, cfg, mesh, bucket_bytes=min(bucket_bytes, shard_bytes), dtype=dtype)
+    buckets = export_hf_weights(model, cfg, mesh, bucket_bytes=min(bucket_bytes, shard_bytes), dtype=dtype)
     error: BaseException | None = None
     if is_driver:
         try:

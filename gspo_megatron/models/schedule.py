@@ -16,6 +16,12 @@ Design decisions:
   model and the loss callback see this CP rank's share of every per-token tensor.
 - Micro-batches of one call may differ in shape (token budgets); then megatron's
   ``variable_seq_lengths`` is on for the call, so pipeline stages exchange shapes.
+- Virtual pipeline stages (a list of model chunks, ``models/builder.py:build_model_chunks``): megatron's
+  interleaved 1F1B runs every micro-batch through every chunk, each chunk reading its own iterator over
+  the same micro-batches; ``before_forward(chunk)`` is told which chunk is about to run. The schedule
+  wants at least pp micro-batches, in groups of ``microbatch_group_size_per_vp_stage`` whose last
+  remainder is 0 or >= pp; ``microbatch_group_size`` picks pp when it divides the count, else the
+  smallest size that leaves a legal remainder.
 """
 
 from __future__ import annotations
@@ -31,6 +37,11 @@ from gspo_megatron.parallel.context_parallel import chunk_positions, split_micro
 
 # (loss, what comes back for the micro-batch: a metric dict, or a head's typed output)
 LossCallback = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, Any]]
+BeforeForward = Callable[[int], None]  # called with the model chunk about to run a micro-batch's forward
+
+
+class ScheduleError(ValueError):
+    """A call the pipeline schedule cannot run; the message names the fix."""
 
 
 def wrap_for_training(
@@ -64,7 +75,23 @@ def wrap_for_training(
     return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
 
 
-def _forward_step(loss_callback: LossCallback | None, before_forward, data_iterator, model):
+def microbatch_group_size(num_micro_batches: int, pp: int) -> int:
+    """Contiguous micro-batches per virtual stage for megatron's interleaved schedule: in [pp, M], with the
+    last group's remainder 0 or >= pp (its ``forward_backward_pipelining_with_interleaving`` checks)."""
+    if num_micro_batches < pp:
+        raise ScheduleError(
+            f"{num_micro_batches} micro-batches cannot fill {pp} pipeline stages under virtual pipeline stages "
+            "(interleaved 1F1B needs at least pp micro-batches per call): lower trainer.micro_batch_size, "
+            "raise the batch, or set parallel.vpp=1"
+        )
+    for size in range(pp, num_micro_batches + 1):
+        remainder = num_micro_batches % size
+        if remainder == 0 or remainder >= pp:
+            return size
+    return num_micro_batches  # unreachable: size = M leaves remainder 0
+
+
+def _forward_step(loss_callback: LossCallback | None, before_forward, chunks: list, data_iterator, model):
     from megatron.core import parallel_state as ps
 
     batch: MicroBatch = next(data_iterator).to(next(model.parameters()).device)
@@ -72,7 +99,7 @@ def _forward_step(loss_callback: LossCallback | None, before_forward, data_itera
     seq_len = batch.seq_len
     batch = split_micro_batch(batch, cp_size, cp_rank)
     if before_forward is not None:
-        before_forward()
+        before_forward(next(i for i, chunk in enumerate(chunks) if chunk is model))
     tokens = batch.tokens
     positions = batch.position_ids
     if positions is None:  # global positions of this rank's tokens (RoPE splits its own table alike)
@@ -94,13 +121,14 @@ def run_schedule(
     loss_callback: LossCallback | None,
     *,
     forward_only: bool,
-    before_forward: Callable[[], None] | None = None,
+    before_forward: BeforeForward | None = None,
 ) -> list[Any]:
     """Forward (and backward unless ``forward_only``) every micro-batch through megatron's schedule.
 
     Returns what the loss callback handed back for each micro-batch on the last pipeline stage (empty list elsewhere).
     Micro-batches may differ in [b, s] (see the module notes). ``before_forward`` runs before each
-    micro-batch's forward, in micro-batch order (routing replay sets its targets there).
+    micro-batch's forward on each model chunk, in micro-batch order per chunk, with the chunk's index
+    (routing replay sets that chunk's targets there).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_model_config
@@ -109,23 +137,30 @@ def run_schedule(
         raise ValueError("run_schedule needs at least one micro-batch")
     shapes = {tuple(mb.tokens.shape) for mb in micro_batches}
     batch_size, seq_length = max(shapes, key=lambda shape: shape[0] * shape[1])
-    config = get_model_config(model[0] if isinstance(model, list) else model)
-    fixed = config.variable_seq_lengths
+    chunks = model if isinstance(model, list) else [model]
+    config = get_model_config(chunks[0])
+    fixed, group_size = config.variable_seq_lengths, config.microbatch_group_size_per_vp_stage
     # Different shapes in one call (token-budget micro-batches): pipeline stages exchange each
     # tensor's shape first. Set here rather than at build time because megatron refuses the flag with
     # the allgather dispatcher in general; the token-budget plan gives micro-batch j one shape on
     # every rank (trainer/token_budget.py), which is all that dispatcher's all-gathers need.
     config.variable_seq_lengths = fixed or len(shapes) > 1
+    data_iterator: Any = iter(micro_batches)
+    if len(chunks) > 1:  # interleaved 1F1B: every chunk reads every micro-batch, in order
+        config.microbatch_group_size_per_vp_stage = microbatch_group_size(
+            len(micro_batches), config.pipeline_model_parallel_size
+        )
+        data_iterator = [iter(micro_batches) for _ in chunks]
     try:
         results = get_forward_backward_func()(
-            forward_step_func=partial(_forward_step, loss_callback, before_forward),
-            data_iterator=iter(micro_batches),
-            model=model if isinstance(model, list) else [model],
+            forward_step_func=partial(_forward_step, loss_callback, before_forward, chunks),
+            data_iterator=data_iterator,
+            model=chunks,
             num_microbatches=len(micro_batches),
             seq_length=seq_length,
             micro_batch_size=batch_size,
             forward_only=forward_only,
         )
     finally:
-        config.variable_seq_lengths = fixed
+        config.variable_seq_lengths, config.microbatch_group_size_per_vp_stage = fixed, group_size
     return list(results or [])

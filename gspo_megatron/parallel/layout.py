@@ -13,8 +13,9 @@ Design decisions:
   *rank* (``num_layers_in_first_pipeline_stage`` / ``..._last_...``; Megatron-LM's
   ``--decoder-first-pipeline-num-layers``), the other ranks split the rest evenly. With ``vpp = v``
   virtual chunks each rank's layers split evenly over its chunks and chunk c of rank r is virtual stage
-  c * pp + r (megatron's interleaved order, ``transformer_layer.get_transformer_layer_offset``). The
-  planner plans ``vpp > 1``; the trainer builds ``vpp = 1`` (models/builder.py refuses more).
+  c * pp + r (megatron's interleaved order, ``transformer_layer.get_transformer_layer_offset``); the
+  trainer builds the chunks (``models/builder.py:build_model_chunks``) and runs megatron's interleaved
+  1F1B schedule over them.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class ParallelLayout:
     world_size: int = 1
     first_stage_layers: int | None = None  # decoder layers on pipeline rank 0; None: an even share
     last_stage_layers: int | None = None  # decoder layers on the last pipeline rank; None: an even share
-    vpp: int = 1  # virtual pipeline chunks per rank (interleaved 1F1B); planned, the trainer builds 1
+    vpp: int = 1  # virtual pipeline chunks per rank (interleaved 1F1B)
 
     @property
     def expert_tp(self) -> int:

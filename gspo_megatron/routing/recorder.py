@@ -20,16 +20,16 @@ Design decisions:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
+from gspo_megatron.models.schedule import BeforeForward
 from gspo_megatron.routing.replay import RoutingReplay
 
 Routing = list[list[torch.Tensor]]  # [micro_batch][moe_layer] -> int [tokens, k]
-BeforeForward = Callable[[], None]
 
 
 @dataclass

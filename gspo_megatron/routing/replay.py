@@ -12,8 +12,10 @@ Design decisions:
   built), not megatron's process-global list, so two models in one process cannot mix.
 - Recording appends per forward instead of overwriting (an instance-level override of
   ``record_indices``), because megatron keeps only the last call and a schedule runs many
-  micro-batches. Forwards on one pipeline stage run in micro-batch order under both schedules, so
-  the n-th recorded entry belongs to the n-th micro-batch. ``restore()`` removes the overrides
+  micro-batches. Forwards of one model chunk run in micro-batch order under every schedule, so
+  a layer's n-th recorded entry belongs to the n-th micro-batch. Under virtual pipeline stages the
+  chunks' forwards interleave: each instance knows its chunk (``chunk_of``) and ``before_forward(chunk)``
+  moves only that chunk's routers on to their next micro-batch. ``restore()`` removes the overrides
   (the trainer's replay strategy calls it when the run closes).
 - Bookkeeping is exact and checked: every recorded entry must be consumed exactly once by the
   training forwards of its batch (``assert_fully_consumed``).
@@ -67,16 +69,20 @@ def validate_replay_mode(mode: str, *, router_fusion: bool = False, recompute: b
 
 
 class RoutingReplay:
-    """The RouterReplay instances of one model chunk, in layer order."""
+    """The RouterReplay instances of this rank's model, in layer order (chunk by chunk under virtual stages);
+    ``chunk_of[i]``: the model chunk instance i lives in (all 0 without virtual stages)."""
 
-    def __init__(self, instances: list):
+    def __init__(self, instances: list, chunk_of: list[int] | None = None):
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         self.instances = list(instances)
+        self.chunk_of = list(chunk_of) if chunk_of is not None else [0] * len(self.instances)
+        if len(self.chunk_of) != len(self.instances):
+            raise ReplayError(f"{len(self.chunk_of)} chunk indices for {len(self.instances)} routers")
         self.action = RouterReplayAction
         self._recorded: list[list[torch.Tensor]] = [[] for _ in self.instances]
         self._targets: list[list[torch.Tensor]] = []  # per micro-batch: one tensor per layer
-        self._consumed = 0
+        self._consumed: dict[int, int] = {}  # chunk -> forwards that took their targets
         self._observe = False
         self._patched: list[tuple[object, str, object]] = []  # (instance, attribute, what it was)
         for layer, instance in enumerate(self.instances):
@@ -98,11 +104,16 @@ class RoutingReplay:
         self._patched = []
 
     @classmethod
-    def capture_new_instances(cls, before: int) -> RoutingReplay:
-        """The instances megatron created since the global list had ``before`` entries."""
+    def capture_new_instances(cls, before: int, routers_per_chunk: list[int] | None = None) -> RoutingReplay:
+        """The instances megatron created since the global list had ``before`` entries; built chunk after
+        chunk, ``routers_per_chunk`` of them in each (None: one chunk)."""
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
-        return cls(RouterReplay.global_router_replay_instances[before:])
+        instances = RouterReplay.global_router_replay_instances[before:]
+        chunk_of = None
+        if routers_per_chunk is not None:
+            chunk_of = [chunk for chunk, count in enumerate(routers_per_chunk) for _ in range(count)]
+        return cls(instances, chunk_of)
 
     @staticmethod
     def instance_count() -> int:
@@ -152,35 +163,42 @@ class RoutingReplay:
             if len(targets) != len(self.instances):
                 raise ReplayError(f"{len(targets)} replay tensors for {len(self.instances)} MoE layers")
         self._targets = list(per_micro_batch)
-        self._consumed = 0
+        self._consumed = {chunk: 0 for chunk in self.chunk_of}
         self._observe = observe
         self._recorded = [[] for _ in self.instances]
         for instance in self.instances:
             instance.clear_indices()
             instance.set_router_replay_action(self.action.REPLAY_FORWARD)
 
-    def before_forward(self) -> None:
-        """Called by the forward step: point every layer at the next micro-batch's targets."""
-        if not self._targets:
+    def before_forward(self, chunk: int = 0) -> None:
+        """Called by the forward step: point model chunk ``chunk``'s layers at its next micro-batch's targets."""
+        if not self._targets or chunk not in self._consumed:
             return
-        if self._consumed >= len(self._targets):
+        consumed = self._consumed[chunk]
+        if consumed >= len(self._targets):
             raise ReplayError(
-                f"forward {self._consumed + 1} has no replay targets: only {len(self._targets)} were recorded"
+                f"forward {consumed + 1} of model chunk {chunk} has no replay targets: only "
+                f"{len(self._targets)} were recorded"
             )
-        for instance, target in zip(self.instances, self._targets[self._consumed], strict=True):
-            instance.set_target_indices(target)
-        self._consumed += 1
+        targets = self._targets[consumed]
+        for instance, owner, target in zip(self.instances, self.chunk_of, targets, strict=True):
+            if owner == chunk:
+                instance.set_target_indices(target)
+        self._consumed[chunk] = consumed + 1
 
     def assert_fully_consumed(self) -> None:
-        if self._targets and self._consumed != len(self._targets):
-            raise ReplayError(f"{len(self._targets)} replay targets queued but {self._consumed} forwards consumed them")
+        short = {chunk: n for chunk, n in self._consumed.items() if n != len(self._targets)}
+        if self._targets and short:
+            raise ReplayError(
+                f"{len(self._targets)} replay targets queued but the forwards consumed {short} (chunk: count)"
+            )
 
     def stop(self) -> None:
         for instance in self.instances:
             instance.clear_indices()
             instance.clear_router_replay_action()
         self._targets = []
-        self._consumed = 0
+        self._consumed = {}
         self._observe = False
 
 

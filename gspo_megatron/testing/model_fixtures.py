@@ -192,14 +192,15 @@ def model_variants_worker(
 def _forward_backward(cfg: MoEModelConfig, state: dict, layout, mesh, policy: dict | None, build_kwargs: dict) -> dict:
     from megatron.core import tensor_parallel
 
-    from gspo_megatron.models.builder import build_model
+    from gspo_megatron.models.builder import build_model_chunks
+    from gspo_megatron.models.chunks import ModelChunks
     from gspo_megatron.models.schedule import run_schedule, wrap_for_training
     from gspo_megatron.parallel.context_parallel import gather_sequence
 
-    model = build_model(cfg, layout, **build_kwargs)
-    load_hf_weights(model, cfg, state, mesh)
-    exported = export_hf_state_dict(model, cfg, mesh)
-    ddp = wrap_for_training(model, model.config)
+    chunks = build_model_chunks(cfg, layout, **build_kwargs)
+    load_hf_weights(chunks, cfg, state, mesh)
+    exported = export_hf_state_dict(chunks, cfg, mesh)
+    ddp = ModelChunks(wrap_for_training(chunk, chunk.config) for chunk in chunks)
     ddp.zero_grad_buffer()
 
     inputs, targets, weights = fixed_batch(cfg)
@@ -237,8 +238,8 @@ def _forward_backward(cfg: MoEModelConfig, state: dict, layout, mesh, policy: di
     if policy is not None:
         loss_callback = _policy_callback(policy, mesh)
 
-    metrics = run_schedule([ddp], micro_batches, loss_callback, forward_only=False)
-    grads = export_hf_state_dict(model, cfg, mesh, tensor_of=gradient_of)
+    metrics = run_schedule(ddp, micro_batches, loss_callback, forward_only=False)
+    grads = export_hf_state_dict(chunks, cfg, mesh, tensor_of=gradient_of)
     log_probs = {}
     loss = torch.tensor(0.0)
     if metrics and budget is not None:  # rows in plan order, each micro-batch cut to its own width
@@ -250,7 +251,7 @@ def _forward_backward(cfg: MoEModelConfig, state: dict, layout, mesh, policy: di
         log_probs[mesh.dp_rank] = torch.cat([m["log_probs"] for m in metrics], dim=0)
     if metrics:
         loss = sum(m["loss"] for m in metrics)
-    layers = [layer.layer_number - 1 for layer in model.decoder.layers]  # global, 0-based
+    layers = [layer.layer_number - 1 for chunk in chunks for layer in chunk.decoder.layers]  # global, 0-based
     return {"exported": exported, "log_probs": log_probs, "grads": grads, "loss": loss, "layers": layers}
 
 

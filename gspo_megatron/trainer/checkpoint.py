@@ -44,6 +44,8 @@ if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.optimizer import MegatronOptimizer
 
+    from gspo_megatron.models.chunks import ModelChunks
+
 STATE_FILE = "trainer_state.pt"
 MODEL_DIR = "model_optim"
 RUN_ID_FILE = "run_id"
@@ -112,10 +114,18 @@ def check_optimizer_kind(path: Path, state: dict, optimizer: MegatronOptimizer) 
         )
 
 
-def _sharded_state(model: DistributedDataParallel, optimizer: MegatronOptimizer, is_loading: bool) -> dict[str, Any]:
-    model_sd = model.sharded_state_dict()
-    optimizer_sd = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIMIZER_CHECKPOINT_METADATA)
-    return {"model": model_sd, "optimizer": optimizer_sd}
+def _sharded_state(
+    model: ModelChunks | DistributedDataParallel, optimizer: MegatronOptimizer, is_loading: bool
+) -> dict[str, Any]:
+    """Model state under ``ModelChunks.state_keys`` (``model``; ``model0``, ``model1``, ... under virtual
+    pipeline stages) and the optimizer's, as Megatron-LM's ``generate_state_dict`` lays them out."""
+    from gspo_megatron.models.chunks import as_model_chunks
+
+    state = as_model_chunks(model).sharded_state_dict()
+    state["optimizer"] = optimizer.sharded_state_dict(
+        state, is_loading=is_loading, metadata=OPTIMIZER_CHECKPOINT_METADATA
+    )
+    return state
 
 
 def read_trainer_state(path: Path) -> dict:
@@ -150,7 +160,7 @@ def forked_write_results_queue() -> None:
 def save_checkpoint(
     run_dir: Path,
     step: int,
-    model: DistributedDataParallel,
+    model: ModelChunks | DistributedDataParallel,
     optimizer: MegatronOptimizer,
     trainer_state: dict,
     keep_last: int,
@@ -301,8 +311,9 @@ class CheckpointVersionError(RuntimeError):
         super().__init__(f"checkpoint {path} could not be loaded ({detail}); {advice}")
 
 
-def load_checkpoint(path: Path, model: DistributedDataParallel, optimizer: MegatronOptimizer) -> dict:
+def load_checkpoint(path: Path, model: ModelChunks | DistributedDataParallel, optimizer: MegatronOptimizer) -> dict:
     """Restore model and optimizer in place (any layout); returns the trainer state dict."""
+    from gspo_megatron.models.chunks import as_model_chunks
     from gspo_megatron.trainer.checkpoint_reader import UnsafeCheckpointError, load_dist_checkpoint
     from gspo_megatron.trainer.optim import allocate_optimizer_state, restore_adam_steps
 
@@ -315,7 +326,7 @@ def load_checkpoint(path: Path, model: DistributedDataParallel, optimizer: Megat
         raise
     except Exception as error:  # megatron's and DCP's load errors, re-raised naming the versions
         raise CheckpointVersionError(path, state, error) from error
-    model.load_state_dict(loaded["model"])
+    as_model_chunks(model).load_state_dict(loaded)
     # no_grad: with fp32 weights the distributed optimizer's main weights are views of the model's
     # (leaf, requires_grad) parameters, which megatron copies the loaded shards into in place
     with torch.no_grad():

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.optimizer import MegatronOptimizer
 
+    from gspo_megatron.models.chunks import ModelChunks
+
 # what resume reads from the trainer state, and as what; (type, required)
 STATE_FIELDS: dict[str, tuple[type | tuple[type, ...], bool]] = {
     "step": (int, True),
@@ -104,7 +106,9 @@ def checked_trainer_state(path: Path) -> dict:
     return state
 
 
-def load_checked_checkpoint(path: Path, model: DistributedDataParallel, optimizer: MegatronOptimizer) -> dict:
+def load_checked_checkpoint(
+    path: Path, model: ModelChunks | DistributedDataParallel, optimizer: MegatronOptimizer
+) -> dict:
     """``load_checkpoint``, then refuse weights that are not finite (collective: every rank decides alike)."""
     from gspo_megatron.trainer.nonfinite import NonFiniteError, optimizer_state_finite, parameters_finite
 

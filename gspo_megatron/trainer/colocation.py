@@ -37,8 +37,7 @@ import torch.distributed as dist
 from gspo_megatron.parallel.device import cuda_kernels
 
 if TYPE_CHECKING:
-    from megatron.core.distributed import DistributedDataParallel
-
+    from gspo_megatron.models.chunks import ModelChunks
     from gspo_megatron.rollout.engine import RolloutEngine
 
 
@@ -65,7 +64,7 @@ class ColocatedHandOver:
     """The hand-over between engine and trainer (module docstring); collective over the world. Built with
     the trainer's model, before the engine; ``attach`` gives it the driver's engine (None elsewhere)."""
 
-    def __init__(self, model: DistributedDataParallel):
+    def __init__(self, model: ModelChunks):
         self.engine: RolloutEngine | None = None
         self.model = model
         self.engine_released = False

@@ -25,13 +25,13 @@ from gspo_megatron.trainer.loss_head import LogProbHead
 from gspo_megatron.trainer.step_plan import StepPlan
 
 if TYPE_CHECKING:
-    from megatron.core.distributed import DistributedDataParallel
+    from gspo_megatron.models.chunks import ModelChunks
 
 
 class DiagnosticPasses:
     def __init__(
         self,
-        model: DistributedDataParallel,
+        model: ModelChunks,
         plan: StepPlan,
         recorder: RoutingRecorder,
         strategy: ReplayStrategy,

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.optimizer import MegatronOptimizer
 
+    from gspo_megatron.models.chunks import ModelChunks
+
 
 class NonFiniteError(FloatingPointError):
     """Training produced non-finite values and the policy (or the streak) says stop."""
@@ -41,9 +43,11 @@ def _all_finite(values: Iterable[torch.Tensor]) -> bool:
     return all(bool(torch.isfinite(v.detach().float().sum())) for v in values)
 
 
-def local_gradient_tensors(ddp: DistributedDataParallel) -> list[torch.Tensor]:
-    """This rank's gradient storage: megatron DDP's contiguous buffers (dense and expert)."""
-    return [buffer.grad_data for buffer in ddp.buffers + ddp.expert_parallel_buffers]
+def local_gradient_tensors(model: ModelChunks | DistributedDataParallel) -> list[torch.Tensor]:
+    """This rank's gradient storage: megatron DDP's contiguous buffers (dense and expert) of every chunk."""
+    from gspo_megatron.models.chunks import as_model_chunks
+
+    return as_model_chunks(model).grad_buffers()
 
 
 def _any_rank(flags: list[bool]) -> list[bool]:
@@ -103,9 +107,9 @@ class NonFiniteGuard:
     consecutive: int = 0
     skipped_in_step: int = 0
 
-    def check(self, loss_values: Iterable[torch.Tensor], ddp: DistributedDataParallel) -> str | None:
+    def check(self, loss_values: Iterable[torch.Tensor], model: ModelChunks | DistributedDataParallel) -> str | None:
         """Collective: None when loss and gradients are finite on every rank, else what was not."""
-        bad_loss, bad_grad = _any_rank([not _all_finite(loss_values), not _all_finite(local_gradient_tensors(ddp))])
+        bad_loss, bad_grad = _any_rank([not _all_finite(loss_values), not _all_finite(local_gradient_tensors(model))])
         found = [name for name, bad in (("loss", bad_loss), ("gradients", bad_grad)) if bad]
         return " and ".join(found) + " non-finite" if found else None
 

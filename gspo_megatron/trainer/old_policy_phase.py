@@ -43,7 +43,7 @@ from gspo_megatron.trainer.batch import RolloutBatch
 from gspo_megatron.trainer.loss_head import LogProbHead, LogProbOutput
 
 if TYPE_CHECKING:
-    from megatron.core.distributed import DistributedDataParallel
+    from gspo_megatron.models.chunks import ModelChunks
 
 
 @dataclass
@@ -80,9 +80,7 @@ class EngineOldPolicy:
 class TrainerOldPolicy:
     """``algorithm.old_log_probs=trainer``: a forward-only pass of the policy."""
 
-    def __init__(
-        self, model: DistributedDataParallel, mesh: ParallelMesh, strategy: ReplayStrategy, head: LogProbHead
-    ) -> None:
+    def __init__(self, model: ModelChunks, mesh: ParallelMesh, strategy: ReplayStrategy, head: LogProbHead) -> None:
         self.model, self.mesh, self.strategy, self.head = model, mesh, strategy, head
 
     def run(self, batch: RolloutBatch, micro_batches: list[MicroBatch]) -> OldPolicyResult:
@@ -134,7 +132,7 @@ class TrainerOldPolicy:
 
 def build_old_policy_phase(
     source: OldLogProbSource,
-    model: DistributedDataParallel,
+    model: ModelChunks,
     mesh: ParallelMesh,
     strategy: ReplayStrategy,
     head: LogProbHead,

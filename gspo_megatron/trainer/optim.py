@@ -40,13 +40,15 @@ if TYPE_CHECKING:
 
 
 def build_optimizer(
-    ddp_model: DistributedDataParallel, section: OptimizerSection, total_updates: int
+    ddp_model: DistributedDataParallel | list[DistributedDataParallel], section: OptimizerSection, total_updates: int
 ) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
+    """``ddp_model``: one DDP-wrapped model or the list of a rank's chunks (``models/chunks.py``)."""
     from megatron.core.optimizer import get_megatron_optimizer
 
+    chunks = list(ddp_model) if isinstance(ddp_model, list) else [ddp_model]
     if section.cpu_offload:
         _hybrid_optimizer_loads_fp32_parameters()
-    optimizer = get_megatron_optimizer(optimizer_config(ddp_model, section), [ddp_model])
+    optimizer = get_megatron_optimizer(optimizer_config(chunks[0], section), chunks)
     if section.cpu_offload:
         _hybrid_param_groups_as_plain_data(optimizer)
     use_fused_torch_adam(optimizer)

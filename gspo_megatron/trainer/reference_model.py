@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.models.builder import build_model
+from gspo_megatron.models.builder import build_model_chunks
 from gspo_megatron.models.conversion import SafetensorsSource, load_hf_weights
 from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.models.schedule import run_schedule
@@ -54,11 +54,12 @@ if TYPE_CHECKING:
 
 
 class ReferenceModel:
-    """A frozen GPTModel stage whose routers have no RouterReplay; adds ``ref_log_probs`` to micro-batches."""
+    """A frozen GPTModel stage (its chunks, under virtual pipeline stages) whose routers have no RouterReplay;
+    adds ``ref_log_probs`` to micro-batches."""
 
     def __init__(
         self,
-        model_chunk: torch.nn.Module,
+        chunks: list[torch.nn.Module],
         tp_group: dist.ProcessGroup | None,
         temperature: float,
         chunk_size: int | None,
@@ -66,16 +67,22 @@ class ReferenceModel:
         offload: bool = False,
     ):
         """``offload``: keep the weights in host memory between passes (``trainer.reference_offload``)."""
-        self.model_chunk = model_chunk
         from megatron.core import parallel_state as ps
+
+        self.chunks = list(chunks)
+        modules = torch.nn.ModuleList(self.chunks)  # every chunk's parameters as one module's
 
         # under context parallelism the head gathers each rank's share back into whole rows
         cp_group = ps.get_context_parallel_group() if ps.get_context_parallel_world_size() > 1 else None
         self.head = LogProbHead(tp_group, temperature, chunk_size, cp_group=cp_group)
-        model_chunk.eval()
-        for param in model_chunk.parameters():
+        modules.eval()
+        for param in modules.parameters():
             param.requires_grad_(False)
-        self.host_weights = HostResidentWeights(model_chunk) if offload else None
+        self.host_weights = HostResidentWeights(modules) if offload else None
+
+    def parameters(self):
+        for chunk in self.chunks:
+            yield from chunk.parameters()
 
     @classmethod
     def build(
@@ -89,7 +96,7 @@ class ReferenceModel:
         """``policy_source``: where the policy's initial weights came from (unless kl_reference is set)."""
         path = cfg.algorithm.kl_reference
         source = SafetensorsSource(path) if path else policy_source
-        chunk = build_model(
+        chunks = build_model_chunks(
             cfg.model,
             layout,
             params_dtype=dtype,
@@ -99,9 +106,9 @@ class ReferenceModel:
             routing_replay=False,
             initialize=False,
         )
-        load_hf_weights(chunk, cfg.model, source, mesh)
+        load_hf_weights(chunks, cfg.model, source, mesh)
         return cls(
-            chunk,
+            chunks,
             mesh.tp_group,
             cfg.rollout.temperature,
             cfg.algorithm.logprob_chunk_size,
@@ -113,7 +120,7 @@ class ReferenceModel:
         head runs) each micro-batch gets ``ref_log_probs`` [b, s]. Collective over the stage group."""
         on_device = self.host_weights.on_device() if self.host_weights is not None else contextlib.nullcontext()
         with torch.no_grad(), on_device:
-            outputs = run_schedule([self.model_chunk], micro_batches, self.head, forward_only=True)
+            outputs = run_schedule(self.chunks, micro_batches, self.head, forward_only=True)
         if outputs and len(outputs) != len(micro_batches):
             raise RuntimeError(f"reference pass returned {len(outputs)} outputs for {len(micro_batches)} micro-batches")
         for mb, out in zip(micro_batches, outputs, strict=False):  # no outputs on earlier pipeline stages

@@ -17,7 +17,8 @@ import torch
 from gspo_megatron.config.schema import TrainConfig, use_distributed_optimizer
 from gspo_megatron.data.tasks import Task, build_task
 from gspo_megatron.data.tokenizer import Tokenizer, build_tokenizer
-from gspo_megatron.models.builder import build_model
+from gspo_megatron.models.builder import build_model_chunks
+from gspo_megatron.models.chunks import ModelChunks
 from gspo_megatron.models.conversion import SafetensorsSource, hf_shapes, load_hf_weights
 from gspo_megatron.models.schedule import wrap_for_training
 from gspo_megatron.parallel.mesh import ParallelMesh, initialize_parallel
@@ -35,7 +36,6 @@ from gspo_megatron.trainer.rollout_phase import RolloutPhase
 from gspo_megatron.trainer.run_log import RunLog
 
 if TYPE_CHECKING:
-    from megatron.core.distributed import DistributedDataParallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.optimizer import MegatronOptimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -47,7 +47,7 @@ class Components:
     mesh: ParallelMesh
     run_dir: Path
     config_yaml: str
-    model: DistributedDataParallel  # the one model handle: megatron's DDP around this rank's GPTModel stage
+    model: ModelChunks  # the one model handle: megatron's DDP around each of this rank's GPTModel chunks
     optimizer: MegatronOptimizer
     scheduler: OptimizerParamScheduler
     replay: RoutingReplay | None
@@ -71,11 +71,6 @@ class Components:
         if self.task is None:
             raise RuntimeError("only the driver (global rank 0) holds the task")
         return self.task
-
-    @property
-    def model_chunk(self) -> GPTModel:
-        """The unwrapped GPTModel stage (weights, export, checkpoints)."""
-        return self.model.module
 
     def close(self) -> None:
         """Stop what the run started: reward workers, the engine (and servers it launched), groups."""
@@ -109,7 +104,7 @@ def random_hf_weights(cfg: TrainConfig) -> dict[str, torch.Tensor]:
 
 
 def stage_moe_layers(model_chunk: GPTModel) -> list[int]:
-    """Global indices of this stage's MoE layers, in the order their routers were built."""
+    """Global indices of a model chunk's MoE layers, in the order their routers were built."""
     layers = []
     for layer in model_chunk.decoder.layers:
         if hasattr(layer.mlp, "router"):
@@ -122,7 +117,7 @@ def build(cfg: TrainConfig, run_dir: Path, config_yaml: str, world_size: int | N
     mesh = initialize_parallel(layout, seed=cfg.trainer.seed, timeout_s=cfg.parallel.timeout_s)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
     instances_before = RoutingReplay.instance_count()
-    model_chunk = build_model(
+    chunks = build_model_chunks(
         cfg.model,
         layout,
         params_dtype=dtype,
@@ -131,15 +126,15 @@ def build(cfg: TrainConfig, run_dir: Path, config_yaml: str, world_size: int | N
         expert_mlp=cfg.model.expert_mlp,
         recompute=cfg.trainer.recompute_activations,
     )
-    replay = RoutingReplay.capture_new_instances(instances_before) if cfg.model.is_moe else None
+    moe_layers = [stage_moe_layers(chunk) for chunk in chunks]  # per chunk, in router build order
+    replay = None
+    if cfg.model.is_moe:
+        replay = RoutingReplay.capture_new_instances(instances_before, [len(layers) for layers in moe_layers])
     source = SafetensorsSource(cfg.model.hf_checkpoint) if cfg.model.hf_checkpoint else random_hf_weights(cfg)
-    load_hf_weights(model_chunk, cfg.model, source, mesh)
+    load_hf_weights(chunks, cfg.model, source, mesh)
     reference = ReferenceModel.build(cfg, layout, mesh, source, dtype) if cfg.algorithm.kl_coef > 0 else None
-    ddp = wrap_for_training(
-        model_chunk,
-        model_chunk.config,
-        use_distributed_optimizer=use_distributed_optimizer(cfg.optimizer.distributed, layout),
-    )
+    distributed = use_distributed_optimizer(cfg.optimizer.distributed, layout)
+    ddp = ModelChunks(wrap_for_training(chunk, chunk.config, use_distributed_optimizer=distributed) for chunk in chunks)
     total_updates = cfg.trainer.steps * cfg.trainer.updates_per_rollout
     optimizer, scheduler = build_optimizer(ddp, cfg.optimizer, total_updates)
     components = Components(
@@ -151,7 +146,7 @@ def build(cfg: TrainConfig, run_dir: Path, config_yaml: str, world_size: int | N
         optimizer=optimizer,
         scheduler=scheduler,
         replay=replay,
-        stage_moe_layers=stage_moe_layers(model_chunk),
+        stage_moe_layers=[layer for layers in moe_layers for layer in layers],
         reference=reference,
     )
     if cfg.rollout.placement == Placement.colocated:  # trainer and engine take turns on the devices

@@ -360,7 +360,7 @@ class RLTrainer:
         if self.rollouts is not None:
             self.rollouts.before_weight_sync()  # an in-flight generation finishes on the old weights
         engine = self.c.engine if self.mesh.is_driver else None
-        sync_engine_weights(engine, self.c.model_chunk, self.cfg.model, self.mesh, version)
+        sync_engine_weights(engine, self.c.model, self.cfg.model, self.mesh, version)
 
     def _evaluate(self) -> dict:
         payload: list[Any] = [None]
@@ -374,7 +374,7 @@ class RLTrainer:
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
         self.mesh.enter(f"step {self.step}, checkpoint save")
-        if not parameters_finite(self.c.model_chunk):  # collective: every rank refuses together
+        if not parameters_finite(self.c.model):  # collective: every rank refuses together
             raise NonFiniteError(
                 f"step {self.step}: the parameters hold non-finite values; refusing to write "
                 "a checkpoint (the latest one is untouched)"
@@ -389,7 +389,7 @@ class RLTrainer:
         return save_checkpoint(
             self.c.run_dir,
             self.step,
-            self.c.model_chunk,
+            self.c.model,
             self.c.optimizer,
             state,
             self.cfg.checkpoint.keep_last,
@@ -404,7 +404,7 @@ class RLTrainer:
         tokenizer = self.cfg.tokenizer
         out = Path(self.c.run_dir) / "hf_export"
         return save_hf_checkpoint(
-            self.c.model_chunk,
+            self.c.model,
             self.cfg.model,
             self.mesh,
             out,
@@ -421,7 +421,7 @@ class RLTrainer:
                 raise RunDirError(f"checkpoint.resume=true but {self.c.run_dir}/checkpoints holds no checkpoint")
             return
         with keep_configured_hyperparameters(self.c.optimizer):  # allowed optimizer changes take effect
-            state = load_checked_checkpoint(path, self.c.model_chunk, self.c.optimizer)  # NaN weights refused here
+            state = load_checked_checkpoint(path, self.c.model, self.c.optimizer)  # NaN weights refused here
         self.run_id = state.get("run_id", "")
         restore_schedule(self.c.scheduler, state["scheduler"], print if self.mesh.is_driver else None)
         if self.mesh.is_driver and state.get("task") is not None:

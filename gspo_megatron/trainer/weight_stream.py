@@ -30,6 +30,7 @@ from gspo_megatron.weights.named_tensors import NamedTensor
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
 
+    from gspo_megatron.models.chunks import ModelChunks
     from gspo_megatron.models.config import MoEModelConfig
     from gspo_megatron.parallel.mesh import ParallelMesh
 
@@ -75,13 +76,18 @@ def follow_weight_stream(export_pass: Callable[[], Iterator[NamedTensor]], recei
 
 
 def sync_engine_weights(
-    engine: RolloutEngine | None, model_chunk: GPTModel, model_cfg: MoEModelConfig, mesh: ParallelMesh, version: int
+    engine: RolloutEngine | None,
+    model: GPTModel | ModelChunks,
+    model_cfg: MoEModelConfig,
+    mesh: ParallelMesh,
+    version: int,
 ) -> int:
-    """Stream the policy's HF-named weights into ``engine`` (the driver's; None elsewhere).
+    """Stream the policy's HF-named weights into ``engine`` (the driver's; None elsewhere); ``model``: one
+    model chunk or this rank's ``ModelChunks``.
     Collective on every rank; returns the export passes made (2 when the engine read twice)."""
 
     def export_pass() -> Iterator[NamedTensor]:
-        return export_hf_tensors(model_chunk, model_cfg, mesh)
+        return export_hf_tensors(model, model_cfg, mesh)
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     signal = torch.zeros(1, dtype=torch.int64, device=mesh.device if mesh is not None else "cpu")

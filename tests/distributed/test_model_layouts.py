@@ -68,6 +68,29 @@ def test_uneven_pipeline_stages_match_single_rank(four_layer_reference, name):
         assert result["layers"] == expected, f"rank {rank} built layers {result['layers']}"
 
 
+VIRTUAL_STAGE_LAYOUTS = {
+    "pp2_vpp2": dict(pp=2, vpp=2, world_size=2),  # rank 0: layers 0 and 2, rank 1: layers 1 and 3
+    "pp2_vpp2_ep2": dict(pp=2, vpp=2, ep=2, world_size=4),
+}
+
+
+@pytest.mark.parametrize("name", list(VIRTUAL_STAGE_LAYOUTS))
+def test_virtual_pipeline_stages_match_single_rank(four_layer_reference, name):
+    """Virtual pipeline stages (parallel.vpp) built as model chunks and run through megatron's interleaved
+    1F1B: the same log-probs, loss and HF-named gradients as one rank, an exact HF round trip, and each
+    rank's chunks hold the layers ``ParallelLayout.stage_layers`` says (chunk c of rank r = stage c*pp + r)."""
+    from gspo_megatron.parallel.layout import ParallelLayout
+
+    cfg, state, single = four_layer_reference
+    layout = VIRTUAL_STAGE_LAYOUTS[name]
+    results = run_distributed(model_layout_worker, layout["world_size"], cfg, state, layout, timeout=600)
+    _assert_results_match(state, single, results)
+    planned = ParallelLayout(**layout)
+    for rank, result in enumerate(results):
+        stage = rank // (layout["world_size"] // 2)
+        assert result["layers"] == planned.stage_layers(4, stage) == [stage, stage + 2], result["layers"]
+
+
 @pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe", "mixtral", "qwen2_moe"])
 def family_reference(request):
     cfg = tiny_family_config(request.param)
