@@ -201,8 +201,6 @@ def print_detail(plan: Plan) -> None:
         f"reference; each rank of a node at the worst rank's bytes) of {gib(plan.host_capacity)} GiB"
     )
     print(f"fits: {plan.fits} {' '.join(plan.problems)}")
-    if plan.trainer_refuses:
-        print(f"trainer: {plan.trainer_refuses}")
 
 
 def print_rl_step_memory(plan: Plan) -> None:

@@ -62,6 +62,13 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
             f"data-parallel rank gets per mini-batch (megatron's schedule needs equal micro-batches); "
             f"choose a divisor of {per_rank}"
         )
+    micro_batches = -(-per_rank // t.micro_batch_size)
+    if layout.vpp > 1 and t.micro_batch_tokens is None and micro_batches < layout.pp:
+        raise ConfigError(  # token budgets decide the count per batch: models/schedule.py checks those
+            f"parallel.vpp={layout.vpp}: megatron's interleaved 1F1B needs at least pp = {layout.pp} micro-batches "
+            f"per call, each data-parallel rank has {micro_batches} ({per_rank} sequences / "
+            f"trainer.micro_batch_size={t.micro_batch_size}); lower trainer.micro_batch_size or set parallel.vpp=1"
+        )
     if cfg.rollout.engine not in ("embedded", "sglang"):
         raise ConfigError(f"rollout.engine={cfg.rollout.engine!r} is unknown; valid: embedded, sglang")
     if cfg.rollout.engine == RolloutEngineName.sglang:  # before the model is built, not when the engine starts

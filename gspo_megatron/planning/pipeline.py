@@ -3,8 +3,7 @@
 Design decisions:
 - The layer split -- uneven end stages and virtual chunks -- is ``ParallelLayout``'s
   (``stage_layer_counts`` / ``stage_layers``), in megatron's own terms, so the planner and the trainer
-  agree on which layers each rank holds. The trainer builds uneven end stages; it builds no virtual
-  chunks, and the planner names such a layout as planned only (``TRAINER_REFUSES``).
+  agree on which layers each rank holds; the trainer builds both (``models/builder.py:build_model_chunks``).
 - Interleaved 1F1B (Narayanan et al. 2021; megatron's ``theoretical_memory_usage.py``): the first
   stage keeps ``1 + (pp - 1) / (pp v)`` times the activations of plain 1F1B, and the bubble is
   ``(pp - 1) / v`` micro-batch slots instead of ``pp - 1``.
@@ -13,11 +12,6 @@ Design decisions:
 from __future__ import annotations
 
 from gspo_megatron.parallel.layout import ParallelLayout
-
-TRAINER_REFUSES = (
-    "the trainer builds no virtual pipeline stages (vpp > 1, interleaved 1F1B): this layout is planned, "
-    "not runnable here; uneven end stages (parallel.first_stage_layers / last_stage_layers) are"
-)
 
 
 def in_flight_factor(layout: ParallelLayout) -> float:

@@ -36,7 +36,7 @@ from gspo_megatron.planning.activations import FP32, MicroBatchShape, activation
 from gspo_megatron.planning.comm import Traffic, WeightSyncPlan, step_traffic, weight_sync_plan
 from gspo_megatron.planning.hardware import GPUSpec
 from gspo_megatron.planning.parameters import DTYPE_BYTES, StateBytes, stage_layers, stage_parameters, state_bytes
-from gspo_megatron.planning.pipeline import TRAINER_REFUSES, in_flight_factor
+from gspo_megatron.planning.pipeline import in_flight_factor
 from gspo_megatron.planning.rl_step_memory import EmbeddedEngineShape, RLStepMemory, rl_step_memory
 from gspo_megatron.planning.step_time import (
     RLStepTime,
@@ -148,7 +148,6 @@ class Plan:
     capacity: float = 0.0  # bytes the counted tensors may use on one GPU
     tied: bool = False  # within the time band of the fastest fitting layout (rank_layouts)
     rollout_planned: bool = False
-    trainer_refuses: str | None = None  # a layout the planner expresses and the trainer cannot build
     rl_memory: list[RLStepMemory] = field(default_factory=list)  # the whole RL step: each stage's ranks
     driver_memory: RLStepMemory | None = None  # ... and the driver (global rank 0, stage 0)
     host_per_node: int = 0  # host bytes the trainer puts in one node's memory (module docstring)
@@ -281,10 +280,7 @@ def plan_layout(
 ) -> Plan:
     """Everything the planner predicts for one layout; raises PlanError if the trainer would refuse it.
     ``validated``: the options come from a config the trainer's validation already accepted (``job.py``)."""
-    beyond_trainer = layout.vpp > 1
-    if beyond_trainer:
-        layout.validate(model)
-    elif not validated:
+    if not validated:
         check_with_trainer_rules(model, layout, options)
     micro_batches = micro_batches_per_rank(layout, options)
     rows = [memory_of_stage(model, layout, options, r, micro_batches) for r in range(layout.pp)]
@@ -363,7 +359,6 @@ def plan_layout(
         rollout_gpus=rollout.servers * rollout.engine_tp if rollout is not None and separate else 0,
         capacity=gpu.usable_memory_bytes,
         rollout_planned=rollout is not None,
-        trainer_refuses=TRAINER_REFUSES if beyond_trainer else None,
         rl_memory=rl_memory,
         driver_memory=driver_memory,
         host_per_node=host_per_node,

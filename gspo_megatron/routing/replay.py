@@ -189,9 +189,10 @@ class RoutingReplay:
     def assert_fully_consumed(self) -> None:
         short = {chunk: n for chunk, n in self._consumed.items() if n != len(self._targets)}
         if self._targets and short:
-            raise ReplayError(
-                f"{len(self._targets)} replay targets queued but the forwards consumed {short} (chunk: count)"
-            )
+            counts = " and ".join(f"{n} of model chunk {chunk}'s" for chunk, n in short.items())
+            if len(self._consumed) == 1:
+                counts = str(next(iter(short.values())))
+            raise ReplayError(f"{len(self._targets)} replay targets queued but {counts} forwards consumed them")
 
     def stop(self) -> None:
         for instance in self.instances:

@@ -58,13 +58,13 @@ def _any_rank(flags: list[bool]) -> list[bool]:
     return [bool(v) for v in tensor.tolist()]
 
 
-def parameters_finite(model: torch.nn.Module) -> bool:
+def parameters_finite(model: torch.nn.Module | ModelChunks) -> bool:
     """True when every rank's parameters are finite (collective)."""
     (bad,) = _any_rank([not _all_finite(p for p in model.parameters())])
     return not bad
 
 
-def _local_nonfinite_optimizer_tensor(optimizer: MegatronOptimizer, model: torch.nn.Module) -> str | None:
+def _local_nonfinite_optimizer_tensor(optimizer: MegatronOptimizer, model: torch.nn.Module | ModelChunks) -> str | None:
     """The first non-finite tensor of this rank's optimizer (main weights, Adam moments), named by the
     model parameter it belongs to where megatron links them (``main_param``), else by group and index."""
     names: dict[int, str] = {}
@@ -87,7 +87,7 @@ def _local_nonfinite_optimizer_tensor(optimizer: MegatronOptimizer, model: torch
     return None
 
 
-def optimizer_state_finite(optimizer: MegatronOptimizer, model: torch.nn.Module) -> str | None:
+def optimizer_state_finite(optimizer: MegatronOptimizer, model: torch.nn.Module | ModelChunks) -> str | None:
     """Collective: None when every rank's optimizer state is finite, else the first bad tensor a rank found."""
     found = _local_nonfinite_optimizer_tensor(optimizer, model)
     (bad,) = _any_rank([found is not None])

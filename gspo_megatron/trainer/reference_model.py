@@ -33,7 +33,7 @@ Design decisions:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -80,7 +80,8 @@ class ReferenceModel:
             param.requires_grad_(False)
         self.host_weights = HostResidentWeights(modules) if offload else None
 
-    def parameters(self):
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        """Every chunk's (frozen) parameters."""
         for chunk in self.chunks:
             yield from chunk.parameters()
 

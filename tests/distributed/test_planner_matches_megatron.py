@@ -252,6 +252,24 @@ JOBS = {
         2,
         [*TINY_JOB, "model.num_layers=3", "parallel=pp2", "parallel.last_stage_layers=1", "algorithm.kl_coef=0.01"],
     ),
+    # two chunks a rank (layers 0, 2 | 1, 3): each chunk its own DDP buffers, the optimizer over both
+    "pp2 vpp2 bf16 distributed, kl reference": (
+        2,
+        [
+            *TINY_JOB,
+            "model.num_layers=4",
+            "parallel=pp2",
+            "parallel.vpp=2",
+            "trainer.micro_batch_size=64",  # interleaved 1F1B: >= pp micro-batches
+            "model.dtype=bfloat16",
+            "optimizer.distributed=true",
+            "algorithm.kl_coef=0.01",
+        ],
+    ),
+    "pp2 vpp2 fp32": (
+        2,
+        [*TINY_JOB, "model.num_layers=4", "parallel=pp2", "parallel.vpp=2", "trainer.micro_batch_size=64"],
+    ),
 }
 
 
@@ -274,13 +292,13 @@ def built_job_worker(ctx, overrides: list[str], run_dir: str) -> dict:
     cfg = to_train_config(composed)
     components = build(cfg, Path(run_dir), OmegaConf.to_yaml(composed), world_size=ctx.world_size)
     try:  # one build per launch (the fixture): ranks are spawned for each job
-        ddp, chunk = components.model, components.model_chunk
-        distributed = ddp.ddp_config.use_distributed_optimizer
-        buffers = ddp.buffers + ddp.expert_parallel_buffers
+        chunks = components.model  # every chunk's DDP (one without virtual pipeline stages)
+        distributed = chunks.ddp_config.use_distributed_optimizer
+        buffers = [b for ddp in chunks for b in ddp.buffers + ddp.expert_parallel_buffers]
         param_buffers = _tensor_bytes(b.param_data for b in buffers if b.param_data is not None)
         allocate_optimizer_state(components.optimizer)  # what the first step() allocates
         moments = master = 0
-        bf16 = next(chunk.parameters()).dtype == torch.bfloat16
+        bf16 = next(chunks.parameters()).dtype == torch.bfloat16
         for part in getattr(components.optimizer, "chained_optimizers", [components.optimizer]):
             # the fp32 master of a bf16 weight: the distributed optimizer's main shard (the optimizer's
             # parameter), or with the precision-aware optimizer the host optimizer's fp32 copy of its bf16 shard
@@ -304,14 +322,14 @@ def built_job_worker(ctx, overrides: list[str], run_dir: str) -> dict:
                         granule = max(granule, 4 * _tensor_bytes([param]))
         return {
             "distributed_optimizer": distributed,
-            "dtype": str(next(chunk.parameters()).dtype).removeprefix("torch."),
-            "recompute": chunk.config.recompute_granularity == "full",
-            "dispatcher": chunk.config.moe_token_dispatcher_type,
-            "parameters": param_buffers if distributed else _tensor_bytes(chunk.parameters()),
+            "dtype": str(next(chunks.parameters()).dtype).removeprefix("torch."),
+            "recompute": chunks.config.recompute_granularity == "full",
+            "dispatcher": chunks.config.moe_token_dispatcher_type,
+            "parameters": param_buffers if distributed else _tensor_bytes(chunks.parameters()),
             "gradients": _tensor_bytes(b.grad_data for b in buffers),
             "param_buffers": param_buffers,
             "optimizer": moments + master,
-            "reference": _tensor_bytes(reference.model_chunk.parameters()) if reference else 0,
+            "reference": _tensor_bytes(reference.parameters()) if reference else 0,
             "host": host,
             "host_granule": granule,
             "pp": ps.get_pipeline_model_parallel_rank(),

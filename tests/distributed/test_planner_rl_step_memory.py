@@ -55,9 +55,10 @@ class PhaseMarkingTrainer(RLTrainer):
         self.phase = ""
         self.update_expert_rows: list[int] = []  # rows each MoE layer's experts got, update forwards
         super().__init__(components)
-        for name, module in components.model_chunk.named_modules():
-            if name.endswith("mlp.experts"):
-                module.register_forward_pre_hook(self._count_rows)
+        for chunk in components.model.modules:
+            for name, module in chunk.named_modules():
+                if name.endswith("mlp.experts"):
+                    module.register_forward_pre_hook(self._count_rows)
 
     def _phase(self, timings: dict, name: str):
         self.memory.mark(name)

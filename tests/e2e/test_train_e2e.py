@@ -193,6 +193,31 @@ def test_uneven_pipeline_stages_train_and_resume_across_splits(tmp_path):
     assert all(r["tokens"] > 0 and r["changed_frac_overall"] == 0.0 and len(r["changed_frac"]) == 3 for r in records)
 
 
+@pytest.mark.distributed
+def test_virtual_pipeline_stages_train_and_resume_without_them(tmp_path):
+    """A 4-layer model on pp2 with 2 virtual stages per rank (parallel.vpp=2: rank 0 holds layers 0 and 2,
+    rank 1 layers 1 and 3; megatron's interleaved 1F1B) trains with rollout routing replay like pp2 without
+    virtual stages, to fp32 reduction order; its step-2 checkpoint resumes on vpp 1 (megatron's checkpoint
+    moves the layers between ranks), the first steps exactly equal, the resumed ones to reduction order."""
+    base = FAST + ["model.num_layers=4", "parallel=pp2", "trainer.steps=4", "algorithm.entropy_coef=0.01"]
+    base += ["optimizer.warmup_steps=0", "algorithm=grpo_rollout_routing_replay"]  # R3 on each chunk's layers
+    (virtual,) = run_distributed(train_worker, 2, base + ["parallel.vpp=2"], str(tmp_path / "vpp2"), timeout=900)[:1]
+    (plain,) = run_distributed(train_worker, 2, base, str(tmp_path / "vpp1"), timeout=900)[:1]
+    resumed_dir = str(tmp_path / "resumed")
+    run_distributed(train_worker, 2, base + ["parallel.vpp=2", "trainer.stop_after_steps=2"], resumed_dir, timeout=900)
+    (resumed,) = run_distributed(train_worker, 2, base + ["checkpoint.resume=true"], resumed_dir, timeout=900)[:1]
+    assert [m["step"] for m in virtual] == [m["step"] for m in resumed] == [1, 2, 3, 4]
+    assert all(m["grad_norm"] > 0 and m["routing/rollout_vs_train_changed_any_frac"] == 0.0 for m in virtual)
+    assert without_time(resumed[:2]) == without_time(virtual[:2])
+    keys = ("loss/policy", "grad_norm", "policy/entropy_old", "reward/mean", "loss/ratio", "entropy")
+    for reference, other in ((plain, virtual), (virtual[2:], resumed[2:])):
+        for a, b in zip(reference, other, strict=True):
+            for key in keys:
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
+    records = [r for r in read_jsonl(tmp_path / "vpp2" / "routing.jsonl") if r["kind"] == "rollout_vs_train"]
+    assert all(r["tokens"] > 0 and r["changed_frac_overall"] == 0.0 and len(r["changed_frac"]) == 4 for r in records)
+
+
 @pytest.mark.slow
 def test_default_run_learns(tmp_path):
     """The main job (conf/config.yaml's defaults) on its own 200-step schedule, stopped at step 80: the

@@ -178,6 +178,18 @@ def test_micro_batch_rules_that_hold():
     validate_config(_typed(["rollout=sglang", "rollout.sglang.model_path=/ckpt"]), 1)  # the YAML default holds
 
 
+def test_virtual_stages_need_pp_micro_batches_per_rank():
+    """Interleaved 1F1B runs at least pp micro-batches per call: 16 samples in 2 updates are 8 sequences per
+    update on the one data-parallel rank; in micro-batches of 8 they are one, refused by name; of 4 they are
+    two, accepted; token budgets are checked per batch instead (models/schedule.py)."""
+    base = ["model.num_layers=4", "parallel.pp=2", "parallel.vpp=2", "trainer.prompts_per_step=4"]
+    base += ["rollout.group_size=4", "trainer.updates_per_rollout=2"]
+    with pytest.raises(ConfigError, match="parallel.vpp=2: .* at least pp = 2 micro-batches .* has 1 .8 sequences"):
+        validate_config(_typed(base + ["trainer.micro_batch_size=8"]), 2)
+    validate_config(_typed(base + ["trainer.micro_batch_size=4"]), 2)
+    validate_config(_typed(base + ["trainer.micro_batch_size=8", "trainer.micro_batch_tokens=64"]), 2)
+
+
 def test_bfloat16_is_accepted_on_any_machine():
     validate_config(_typed(["model.dtype=bfloat16"]), 1)  # megatron's bf16 optimizer runs on CPU too
     validate_for_machine(_typed(["model.dtype=bfloat16", "logging.tensorboard=false"]))
