@@ -85,13 +85,13 @@ def _skip_experts(rows, tokens_per_expert, probs):
 
 
 def _use_expert_mlp(model, arm: str) -> None:
-    """Every GroupedExperts of ``model`` runs its grouped forward, SequentialMLP's loop, or (arm
+    """Every GroupedExperts of ``model`` (the trainer's ``ModelChunks``) runs its grouped forward, SequentialMLP's loop, or (arm
     ``no_experts``) no expert GEMMs at all."""
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     from gspo_megatron.models.grouped_experts import GroupedExperts
 
-    for module in model.modules():
+    for module in (m for chunk in model.models for m in chunk.modules()):
         if isinstance(module, GroupedExperts):
             module.__dict__.pop("forward", None)  # back to GroupedExperts' own (grouped) forward
             if arm == "sequential":

@@ -29,7 +29,7 @@ class ModelChunks(list):
     """megatron DDP wrappers of this rank's model chunks, in virtual-stage order."""
 
     @property
-    def modules(self) -> list:
+    def models(self) -> list:
         """The unwrapped GPTModel chunks."""
         return [unwrap(chunk) for chunk in self]
 
@@ -48,7 +48,7 @@ class ModelChunks(list):
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """Every chunk's parameters under the conversion's names (``chunk{c}.`` with several chunks)."""
-        for index, module in enumerate(self.modules):
+        for index, module in enumerate(self.models):
             prefix = chunk_prefix(index, len(self))
             for name, param in module.named_parameters():
                 yield prefix + name, param
@@ -75,10 +75,10 @@ class ModelChunks(list):
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """{state key: the chunk's sharded state dict} (dist_checkpointing's form)."""
-        return {key: module.sharded_state_dict() for key, module in zip(self.state_keys(), self.modules, strict=True)}
+        return {key: module.sharded_state_dict() for key, module in zip(self.state_keys(), self.models, strict=True)}
 
     def load_state_dict(self, loaded: dict[str, Any]) -> None:
-        for key, module in zip(self.state_keys(), self.modules, strict=True):
+        for key, module in zip(self.state_keys(), self.models, strict=True):
             module.load_state_dict(loaded[key])
 
 

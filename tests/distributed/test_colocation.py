@@ -35,7 +35,7 @@ def placement_worker(ctx, placement: str, run_dir: str) -> dict:
     model = components.model
 
     def grad_bytes() -> int:
-        return sum(b.grad_data.untyped_storage().nbytes() for b in model.buffers + model.expert_parallel_buffers)
+        return sum(grad.untyped_storage().nbytes() for grad in model.grad_buffers())
 
     events: list[tuple[str, int]] = [("built", grad_bytes())]  # the engine was launched after this
     try:

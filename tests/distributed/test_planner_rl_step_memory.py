@@ -55,7 +55,7 @@ class PhaseMarkingTrainer(RLTrainer):
         self.phase = ""
         self.update_expert_rows: list[int] = []  # rows each MoE layer's experts got, update forwards
         super().__init__(components)
-        for chunk in components.model.modules:
+        for chunk in components.model.models:
             for name, module in chunk.named_modules():
                 if name.endswith("mlp.experts"):
                     module.register_forward_pre_hook(self._count_rows)
