@@ -85,8 +85,8 @@ def _skip_experts(rows, tokens_per_expert, probs):
 
 
 def _use_expert_mlp(model, arm: str) -> None:
-    """Every GroupedExperts of ``model`` (the trainer's ``ModelChunks``) runs its grouped forward, SequentialMLP's loop, or (arm
-    ``no_experts``) no expert GEMMs at all."""
+    """Every GroupedExperts of ``model`` (the trainer's ``ModelChunks``) runs its grouped forward,
+    SequentialMLP's loop, or (arm ``no_experts``) no expert GEMMs at all."""
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     from gspo_megatron.models.grouped_experts import GroupedExperts

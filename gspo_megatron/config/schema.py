@@ -61,6 +61,18 @@ class DecayStyle(ConfigChoice):
     cosine = "cosine"
 
 
+class StateDtype(ConfigChoice):
+    """The precision-aware optimizer's state dtypes (megatron's ``main_params_dtype`` / ``exp_avg_dtype`` /
+    ``exp_avg_sq_dtype``, TransformerEngine's FusedAdam)."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+STATE_DTYPE_BYTES = {StateDtype.float32: 4, StateDtype.bfloat16: 2, StateDtype.float16: 2}
+
+
 class DistributedOptimizerChoice(ConfigChoice):
     """``optimizer.distributed``: shard megatron's optimizer state over the data-parallel ranks.
 
@@ -201,8 +213,26 @@ class OptimizerSection(ConfigNode):
     # optimizer keeps no fp32 main shards of the bf16 weights; the optimizer holds the master weights
     # (with cpu_offload: HybridDeviceOptimizer's fp32 copies, on the host for what it offloads)
     precision_aware: bool = False
+    # ... and its state: the master weights (float32 | float16) and Adam's two moments (float32 | bfloat16 |
+    # float16), held by TransformerEngine's FusedAdam; anything but float32 needs precision_aware without
+    # cpu_offload (the host AdamW keeps float32 state) -- config/validate.py
+    main_params_dtype: StateDtype = StateDtype.float32
+    exp_avg_dtype: StateDtype = StateDtype.float32
+    exp_avg_sq_dtype: StateDtype = StateDtype.float32
+
+    STATE_DTYPE_KEYS = ("main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+
+    @property
+    def reduced_state_dtypes(self) -> list[str]:
+        """The state-dtype keys set to anything but float32."""
+        return [key for key in self.STATE_DTYPE_KEYS if getattr(self, key) != StateDtype.float32]
 
     def validate(self) -> None:
+        if self.main_params_dtype == StateDtype.bfloat16:
+            raise ValueError(
+                "optimizer.main_params_dtype=bfloat16 is not one megatron offers (its master weights are float32 "
+                "or float16); set optimizer.main_params_dtype=float32"
+            )
         if not 0.0 < self.offload_fraction <= 1.0:
             raise ValueError(
                 f"optimizer.offload_fraction={self.offload_fraction} must be in (0, 1] (1: all of Adam on the host)"

@@ -152,6 +152,14 @@ def _validate_optimizer_offload(cfg: TrainConfig, layout) -> None:
     for key in ("cpu_offload", "precision_aware"):
         if getattr(cfg.optimizer, key):
             _offload_needs_bf16_and_distributed(cfg, layout, f"optimizer.{key}")
+    reduced = cfg.optimizer.reduced_state_dtypes
+    if reduced and (not cfg.optimizer.precision_aware or cfg.optimizer.cpu_offload):
+        settings = " ".join(f"optimizer.{key}={getattr(cfg.optimizer, key)}" for key in reduced)
+        raise ConfigError(
+            f"{settings}: reduced optimizer state lives in TransformerEngine's FusedAdam, megatron's precision-aware "
+            "optimizer on the device; it needs optimizer.precision_aware=true and optimizer.cpu_offload=false "
+            "(the host optimizer keeps float32 state); set those, or the state dtypes back to float32"
+        )
 
 
 def _offload_needs_bf16_and_distributed(cfg: TrainConfig, layout, key: str) -> None:

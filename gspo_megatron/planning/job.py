@@ -61,7 +61,9 @@ class PlannedJob:
             f"model.dtype={o.dtype}; trainer.recompute_activations={o.recompute}",
             f"algorithm.kl_coef={cfg.algorithm.kl_coef} -> reference model {o.reference_model}; "
             f"trainer.reference_offload={o.reference_offload}; optimizer.cpu_offload={cfg.optimizer.cpu_offload} "
-            f"-> {o.optimizer_offload:.0%} of Adam in host memory; optimizer.precision_aware={o.precision_aware}",
+            f"-> {o.optimizer_offload:.0%} of Adam in host memory; optimizer.precision_aware={o.precision_aware}, "
+            f"state bytes per element (master, exp_avg, exp_avg_sq) {o.state_widths.master}, "
+            f"{o.state_widths.exp_avg}, {o.state_widths.exp_avg_sq}",
             f"algorithm.old_log_probs={cfg.algorithm.old_log_probs} -> old-log-prob pass {o.old_log_prob_pass}",
             f"trainer.updates_per_rollout={o.updates_per_rollout}; algorithm.routing_replay={o.routing_replay}; "
             f"model.token_dispatcher={o.dispatcher}; model.layer_spec={cfg.model.layer_spec} -> {o.layer_spec}",
@@ -127,7 +129,8 @@ def with_layout(job: PlannedJob, layout: ParallelLayout) -> PlannedJob:
 
 def options_from_config(cfg: TrainConfig, layout: ParallelLayout, prompt_tokens: int) -> PlanOptions:
     from gspo_megatron.algorithms.config import OldLogProbSource
-    from gspo_megatron.config.schema import use_distributed_optimizer
+    from gspo_megatron.config.schema import STATE_DTYPE_BYTES, use_distributed_optimizer
+    from gspo_megatron.planning.parameters import StateWidths
     from gspo_megatron.planning.rl_step_memory import EmbeddedEngineShape
     from gspo_megatron.rollout.config import Placement, RolloutEngineName
     from gspo_megatron.trainer.token_budget import sequence_multiple
@@ -164,6 +167,9 @@ def options_from_config(cfg: TrainConfig, layout: ParallelLayout, prompt_tokens:
         distributed_optimizer=use_distributed_optimizer(cfg.optimizer.distributed, layout),
         optimizer_offload=cfg.optimizer.offload_fraction if cfg.optimizer.cpu_offload else 0.0,
         precision_aware=cfg.optimizer.precision_aware,
+        state_widths=StateWidths(
+            *(STATE_DTYPE_BYTES[getattr(cfg.optimizer, key)] for key in cfg.optimizer.STATE_DTYPE_KEYS)
+        ),
         recompute=t.recompute_activations,
         routing_replay=str(cfg.algorithm.routing_replay),
         dispatcher=str(cfg.model.token_dispatcher),

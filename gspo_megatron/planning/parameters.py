@@ -11,9 +11,10 @@ Design decisions:
 - Expert parameters go to their own buffer, sharded over the expert-data-parallel group, exactly when
   ep > 1 (megatron marks them ``allreduce=False`` then); with ep = 1 they share the dense buffer.
 - Optimizer state (Adam): two fp32 moments per parameter element the rank owns, plus an fp32 master
-  copy when the parameters are bf16. Without the distributed optimizer a rank owns all its
-  parameters; with it, its contiguous 1/dp slice of each bucket (padding owns nothing), and fp32
-  parameters are their own master copy (a view, no extra bytes).
+  copy when the parameters are bf16 (the precision-aware optimizer's ``optimizer.main_params_dtype`` /
+  ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` set those widths: ``StateWidths``). Without the distributed
+  optimizer a rank owns all its parameters; with it, its contiguous 1/dp slice of each bucket (padding
+  owns nothing), and fp32 parameters are their own master copy (a view, no extra bytes).
 """
 
 from __future__ import annotations
@@ -26,6 +27,19 @@ from gspo_megatron.parallel.layout import ParallelLayout
 
 FP32 = 4
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class StateWidths:
+    """Bytes per owned element of the optimizer's master weights and Adam's two moments."""
+
+    master: int = FP32
+    exp_avg: int = FP32
+    exp_avg_sq: int = FP32
+
+    @property
+    def moments(self) -> int:
+        return self.exp_avg + self.exp_avg_sq
 
 
 @dataclass(frozen=True)
@@ -267,8 +281,10 @@ def state_bytes(
     dp_rank: int = 0,
     expert_dp_rank: int = 0,
     bucket_size: int | None = None,
+    widths: StateWidths = StateWidths(),
 ) -> StateBytes:
-    """Exact bytes of one rank's weights, gradient buffers and Adam state (megatron-core 0.16)."""
+    """Exact bytes of one rank's weights, gradient buffers and Adam state (megatron-core 0.16); ``widths``:
+    the optimizer state's dtypes (fp32 unless the precision-aware optimizer is given others)."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
     params = stage_parameters(model, layout, pp_rank)
@@ -276,13 +292,13 @@ def state_bytes(
     buffers = rank_buffers(model, layout, pp_rank, distributed_optimizer, dtype, bucket_size)
     grads = sum(b.numel for b in buffers) * FP32
     if not distributed_optimizer:
-        moments = 2 * sum(p.numel for p in params) * FP32
-        master = sum(p.numel * FP32 for p in params if param_width(p, dtype) != FP32)
+        moments = sum(p.numel for p in params) * widths.moments
+        master = sum(p.numel * widths.master for p in params if param_width(p, dtype) != FP32)
         return StateBytes(weights, grads, 0, moments + master)
     owned_moments = owned_master = 0
     for buffer in buffers:
         owned = owned_elements(buffer, expert_dp_rank if buffer.expert else dp_rank)
-        owned_moments += 2 * owned * FP32
-        owned_master += owned * FP32 if buffer.width != FP32 else 0
+        owned_moments += owned * widths.moments
+        owned_master += owned * widths.master if buffer.width != FP32 else 0
     param_buffers = sum(b.numel * b.width for b in buffers)
     return StateBytes(param_buffers, grads, param_buffers, owned_moments + owned_master)

@@ -35,7 +35,14 @@ from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.planning.activations import FP32, MicroBatchShape, activation_bytes
 from gspo_megatron.planning.comm import Traffic, WeightSyncPlan, step_traffic, weight_sync_plan
 from gspo_megatron.planning.hardware import GPUSpec
-from gspo_megatron.planning.parameters import DTYPE_BYTES, StateBytes, stage_layers, stage_parameters, state_bytes
+from gspo_megatron.planning.parameters import (
+    DTYPE_BYTES,
+    StateBytes,
+    StateWidths,
+    stage_layers,
+    stage_parameters,
+    state_bytes,
+)
 from gspo_megatron.planning.pipeline import in_flight_factor
 from gspo_megatron.planning.rl_step_memory import EmbeddedEngineShape, RLStepMemory, rl_step_memory
 from gspo_megatron.planning.step_time import (
@@ -61,6 +68,7 @@ class PlanOptions:
     distributed_optimizer: bool = True
     optimizer_offload: float = 0.0  # fraction of the Adam state stepped in host memory (optimizer.cpu_offload)
     precision_aware: bool = False  # optimizer.precision_aware: the optimizer holds the fp32 master weights
+    state_widths: StateWidths = StateWidths()  # optimizer.main_params_dtype / exp_avg_dtype / exp_avg_sq_dtype
     recompute: bool = False
     routing_replay: str = "none"  # none | old_policy | rollout (R3 keeps the engine's experts)
     dispatcher: str = "alltoall"  # model.token_dispatcher (the trainer's default: alltoall)
@@ -239,6 +247,7 @@ def memory_of_stage(
         distributed_optimizer=options.distributed_optimizer,
         dp_rank=dp_rank,
         expert_dp_rank=expert_dp_rank,
+        widths=options.state_widths,
     )
     act = activation_bytes(
         model,

@@ -97,6 +97,9 @@ def _hybrid_param_groups_as_plain_data(optimizer: MegatronOptimizer) -> None:
                     group[key] = f"{value.__module__}.{value.__qualname__}"
 
 
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def optimizer_config(ddp_model: DistributedDataParallel, section: OptimizerSection) -> OptimizerConfig:
     """megatron's ``OptimizerConfig`` for the optimizer section (Adam; bf16 as the model is; the
     distributed optimizer exactly when the DDP wrapper was built for it)."""
@@ -121,6 +124,10 @@ def optimizer_config(ddp_model: DistributedDataParallel, section: OptimizerSecti
         optimizer_cpu_offload=section.cpu_offload,
         optimizer_offload_fraction=section.offload_fraction if section.cpu_offload else 0.0,
         use_precision_aware_optimizer=section.precision_aware and te,
+        # float32 unless precision-aware (config/validate.py); TE's FusedAdam holds them
+        main_params_dtype=_TORCH_DTYPES[section.main_params_dtype],
+        exp_avg_dtype=_TORCH_DTYPES[section.exp_avg_dtype],
+        exp_avg_sq_dtype=_TORCH_DTYPES[section.exp_avg_sq_dtype],
         pin_cpu_grads=pinned,  # the host copies of optimizer.cpu_offload
         pin_cpu_params=pinned,
     )

@@ -58,6 +58,20 @@ def _typed(overrides):
             ["trainer.reference_offload=true"],
             r"trainer.reference_offload=true but algorithm.kl_coef=0 builds no reference model",
         ),
+        (
+            ["optimizer.exp_avg_dtype=bfloat16", "model.dtype=bfloat16", "optimizer.distributed=true"],
+            r"optimizer.exp_avg_dtype=bfloat16: .* needs optimizer.precision_aware=true and optimizer.cpu_offload=fal",
+        ),
+        (
+            [
+                "optimizer.exp_avg_sq_dtype=float16",
+                "optimizer.precision_aware=true",
+                "optimizer.cpu_offload=true",
+                "model.dtype=bfloat16",
+                "optimizer.distributed=true",
+            ],
+            r"optimizer.exp_avg_sq_dtype=float16: .*the host optimizer keeps float32 state",
+        ),
     ],
     ids=[
         "micro_batch",
@@ -70,6 +84,8 @@ def _typed(overrides):
         "precision_aware_needs_bf16",
         "colocated_sglang_needs_tensor_sync",
         "reference_offload_needs_a_reference",
+        "reduced_state_needs_precision_aware",
+        "reduced_state_not_on_the_host",
     ],
 )
 def test_bad_value_is_refused_naming_the_key(overrides, message):
@@ -188,6 +204,16 @@ def test_virtual_stages_need_pp_micro_batches_per_rank():
         validate_config(_typed(base + ["trainer.micro_batch_size=8"]), 2)
     validate_config(_typed(base + ["trainer.micro_batch_size=4"]), 2)
     validate_config(_typed(base + ["trainer.micro_batch_size=8", "trainer.micro_batch_tokens=64"]), 2)
+
+
+def test_reduced_optimizer_state_is_accepted_where_megatron_keeps_it():
+    """bf16 moments with the precision-aware optimizer on the device: accepted (TE's presence is the build's
+    question, trainer/optim.py); bf16 master weights are none of megatron's choices, refused by name."""
+    base = ["model.dtype=bfloat16", "optimizer.distributed=true", "optimizer.precision_aware=true"]
+    validate_config(_typed(base + ["optimizer.exp_avg_dtype=bfloat16", "optimizer.exp_avg_sq_dtype=bfloat16"]), 1)
+    validate_config(_typed(base + ["optimizer.main_params_dtype=float16"]), 1)
+    with pytest.raises(ValueError, match="optimizer.main_params_dtype=bfloat16 is not one megatron offers"):
+        validate_config(_typed(base + ["optimizer.main_params_dtype=bfloat16"]), 1)
 
 
 def test_bfloat16_is_accepted_on_any_machine():

@@ -14,7 +14,7 @@ import pytest
 from gspo_megatron.models.config import MoEModelConfig, preset
 from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.planning.hardware import gpu_spec
-from gspo_megatron.planning.parameters import ParamSpec, buffer_layout, owned_elements, state_bytes
+from gspo_megatron.planning.parameters import ParamSpec, StateWidths, buffer_layout, owned_elements, state_bytes
 from gspo_megatron.planning.planner import PlanError, PlanOptions, plan_layout, rank_layouts
 from gspo_megatron.planning.rl_step_memory import EmbeddedEngineShape
 from gspo_megatron.testing.model_fixtures import tiny_test_config
@@ -45,6 +45,30 @@ def test_state_bytes_by_hand_for_the_tiny_pp_stage():
     # every weight in bf16 (the RMSNorm weights too); each gets an fp32 master copy beside Adam's moments
     assert bf16.parameters == first * 2
     assert bf16.optimizer == 2 * first * 4 + first * 4
+    # the precision-aware optimizer's state dtypes: bf16 moments (2 + 2 bytes), an fp16 master (2)
+    reduced = state_bytes(
+        cfg,
+        layout,
+        0,
+        dtype="bfloat16",
+        distributed_optimizer=False,
+        widths=StateWidths(master=2, exp_avg=2, exp_avg_sq=2),
+    )
+    assert reduced.optimizer == first * (2 + 2 + 2) and reduced.parameters == bf16.parameters
+
+
+def test_the_planner_reads_the_state_dtypes_from_the_config():
+    from gspo_megatron.planning.job import compose_job, plan_job
+
+    base = ["model.dtype=bfloat16", "optimizer.distributed=true", "optimizer.precision_aware=true"]
+    fp32 = compose_job(base, gpus=2, prompt_tokens=8)
+    bf16 = compose_job(
+        base + ["optimizer.exp_avg_dtype=bfloat16", "optimizer.exp_avg_sq_dtype=bfloat16"], gpus=2, prompt_tokens=8
+    )
+    assert fp32.options.state_widths == StateWidths() and bf16.options.state_widths == StateWidths(4, 2, 2)
+    plans = [plan_job(job, gpu_spec("h100")) for job in (fp32, bf16)]
+    # Adam's moments are 8 of the 12 bytes per owned element: bf16 halves them
+    assert plans[1].memory.state.optimizer * 12 == plans[0].memory.state.optimizer * 8
 
 
 def test_trainer_validation_refuses_the_layout():
