@@ -40,6 +40,7 @@ from gspo_megatron.algorithms.mismatch_correction import (
     RejectedTokens,
     SequenceRatio,
 )
+from gspo_megatron.algorithms.mismatch_rejection import RejectionLevel, rejection_lower
 from gspo_megatron.algorithms.reductions import local_sequence_sum
 from gspo_megatron.config_node import ConfigChoice, ConfigNode
 from gspo_megatron.routing.replay import ReplayMode
@@ -82,6 +83,13 @@ class AlgorithmConfig(ConfigNode):
     mismatch_cap: float = 2.0  # C in min(pi_old / pi_rollout, C) (algorithms/mismatch_correction.py)
     mismatch_sequence_ratio: SequenceRatio = SequenceRatio.geometric  # sequence modes: geometric mean | product
     mismatch_rejected: RejectedTokens = RejectedTokens.keep  # mask modes: keep rejected tokens in denominators | drop
+    mismatch_lower: float = 0.0  # mask modes keep L <= rho <= C (token_mask with L: slime's IcePop)
+    # rejection sampling (algorithms/mismatch_rejection.py, verl rollout_rs): tokens / rows whose ratio leaves
+    # [lower, upper] leave the loss and its denominators; lower null: 1 / upper
+    mismatch_reject: RejectionLevel = RejectionLevel.none
+    mismatch_reject_upper: float = 2.0
+    mismatch_reject_lower: float | None = None
+    mismatch_veto: float | None = None  # a row with a token rho < veto is rejected (verl/slime veto); null: off
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups, draw more (trainer/dynamic_sampling.py)
     dynamic_sampling_max_extra_rounds: int = 4  # bound on extra generation rounds per step
     adaptive_clip_target: float | None = None  # target clipped fraction; None: fixed eps
@@ -150,6 +158,7 @@ def _check_algorithm(cfg: AlgorithmConfig) -> None:
         )
     if not cfg.mismatch_cap >= 1.0:
         raise ValueError(f"algorithm.mismatch_cap must be >= 1 (caps pi_old / pi_rollout), got {cfg.mismatch_cap}")
+    _validate_rejection(cfg)
     if cfg.dynamic_sampling_max_extra_rounds < 0:
         raise ValueError(
             f"algorithm.dynamic_sampling_max_extra_rounds must be >= 0, got {cfg.dynamic_sampling_max_extra_rounds}"
@@ -166,14 +175,48 @@ def _check_algorithm(cfg: AlgorithmConfig) -> None:
             "routing_replay=rollout (R3: the engine's routing, which produced the engine's log-probs) "
             "or none, or set algorithm.old_log_probs=trainer"
         )
-    if cfg.old_log_probs == OldLogProbSource.rollout and cfg.mismatch_correction != MismatchCorrection.none:
+    if cfg.old_log_probs == OldLogProbSource.rollout and corrects_mismatch(cfg):
         raise ValueError(
-            f"algorithm.mismatch_correction={cfg.mismatch_correction} weighs by pi_old / pi_rollout, which is "
-            "exactly 1 when algorithm.old_log_probs=rollout takes pi_old from the engine; set "
-            "mismatch_correction=none or old_log_probs=trainer"
+            f"algorithm.mismatch_correction={cfg.mismatch_correction} / mismatch_reject={cfg.mismatch_reject} / "
+            f"mismatch_veto={cfg.mismatch_veto} use pi_old / pi_rollout, which is exactly 1 when "
+            "algorithm.old_log_probs=rollout takes pi_old from the engine; turn them off or set old_log_probs=trainer"
         )
     if cfg.logprob_chunk_size is not None and cfg.logprob_chunk_size < 1:
         raise ValueError(f"algorithm.logprob_chunk_size must be >= 1 or null, got {cfg.logprob_chunk_size}")
+
+
+def corrects_mismatch(cfg: AlgorithmConfig) -> bool:
+    """Whether the step weighs or rejects by pi_old / pi_rollout (trainer/mismatch_phase.py runs)."""
+    return (
+        cfg.mismatch_correction != MismatchCorrection.none
+        or cfg.mismatch_reject != RejectionLevel.none
+        or cfg.mismatch_veto is not None
+    )
+
+
+def _validate_rejection(cfg: AlgorithmConfig) -> None:
+    if not 0.0 <= cfg.mismatch_lower < 1.0:
+        raise ValueError(
+            f"algorithm.mismatch_lower must be in [0, 1) (mask modes keep rho >= it), got {cfg.mismatch_lower}"
+        )
+    if cfg.mismatch_lower > 0 and not cfg.mismatch_correction.endswith("_mask"):
+        raise ValueError(
+            f"algorithm.mismatch_lower={cfg.mismatch_lower} bounds what a mask mode keeps, but mismatch_correction="
+            f"{cfg.mismatch_correction} masks nothing; use token_mask (slime's IcePop) or sequence_mask"
+        )
+    if cfg.mismatch_reject not in tuple(RejectionLevel):
+        raise ValueError(
+            f"algorithm.mismatch_reject={cfg.mismatch_reject!r} is unknown; valid: {', '.join(RejectionLevel)}"
+        )
+    lower = rejection_lower(cfg.mismatch_reject_upper, cfg.mismatch_reject_lower)
+    if not (cfg.mismatch_reject_upper > 1.0 and 0.0 <= lower < 1.0):
+        raise ValueError(
+            f"algorithm.mismatch_reject_upper={cfg.mismatch_reject_upper} / mismatch_reject_lower="
+            f"{cfg.mismatch_reject_lower} must give a band lower < 1 < upper around pi_old = pi_rollout "
+            "(e.g. upper 2; verl's geo_rs: 1.001 and 0.999)"
+        )
+    if cfg.mismatch_veto is not None and not 0.0 < cfg.mismatch_veto < 1.0:
+        raise ValueError(f"algorithm.mismatch_veto must be in (0, 1) or null (e.g. 1e-4), got {cfg.mismatch_veto}")
 
 
 def _validate_adaptive_clip(cfg: AlgorithmConfig) -> None:

@@ -7,9 +7,10 @@ correction re-weights each token (or sequence) by the importance ratio, capped a
 verl ``rollout_is``, TRL ``vllm_importance_sampling_*``, slime ``--use-tis``):
 
     token_truncate     w_{i,t} = min(rho_{i,t}, C),          rho_{i,t} = pi_old(y_{i,t}) / pi_rollout(y_{i,t})
-    token_mask         w_{i,t} = rho_{i,t} if rho_{i,t} <= C else 0
+    token_mask         w_{i,t} = rho_{i,t} if L <= rho_{i,t} <= C else 0   (L = ``mismatch_lower``, default 0;
+                       slime's IcePop, ``loss.py:icepop_function``: ``--tis-clip`` C = 2, ``--tis-clip-low`` L = 0)
     sequence_truncate  w_i = min(rho_i, C),  rho_i = exp( (1/|y_i|) sum_t log rho_{i,t} )  (geometric: GSPO's
-    sequence_mask      w_i = rho_i if rho_i <= C else 0                              length-normalised form)
+    sequence_mask      w_i = rho_i if L <= rho_i <= C else 0                         length-normalised form)
                        or, with ``sequence_ratio=product``, rho_i = exp( sum_t log rho_{i,t} ) (verl, TRL)
 
 Design decisions:
@@ -70,10 +71,11 @@ def mismatch_weights(
     cap: float,
     clamp: float = 20.0,
     sequence_ratio: str = SequenceRatio.geometric,
+    lower: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Importance weights ([B, T] for token modes, 0 off the mask; [B] for sequence modes) and metrics."""
     weights, stats = mismatch_weight_stats(
-        old_log_probs, rollout_log_probs, response_mask, mode, cap, clamp, sequence_ratio
+        old_log_probs, rollout_log_probs, response_mask, mode, cap, clamp, sequence_ratio, lower
     )
     return weights, finalize_mismatch_weight_stats(stats)
 
@@ -86,6 +88,7 @@ def mismatch_weight_stats(
     cap: float,
     clamp: float = 20.0,
     sequence_ratio: str = SequenceRatio.geometric,
+    lower: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``mismatch_weights`` with its metrics as additive entries (``algorithms/metrics.py``: sums,
     counts, mins, maxes), so rows held by different data-parallel ranks reduce exactly."""
@@ -107,7 +110,7 @@ def mismatch_weight_stats(
             log_rho = log_rho / lengths.clamp_min(1)  # (1/|y_i|) sum_t log rho_{i,t}
         select = lengths > 0
     rho = log_rho.clamp(-clamp, clamp).exp()
-    beyond = rho > cap
+    beyond = (rho > cap) | (rho < lower) if action == "mask" else rho > cap
     weights = rho.clamp(max=cap) if action == "truncate" else torch.where(beyond, 0.0, rho)
     weights = torch.where(select, weights, 0.0)
     count = select.sum().double()

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from gspo_megatron.algorithms.config import OldLogProbSource
-from gspo_megatron.algorithms.mismatch_correction import MismatchCorrection
+from gspo_megatron.algorithms.config import OldLogProbSource, corrects_mismatch
 from gspo_megatron.config.schema import TrainConfig, use_distributed_optimizer
 from gspo_megatron.config_node import config_nodes
 from gspo_megatron.parallel.context_parallel import validate_context_parallel
@@ -114,14 +113,14 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
         except ValueError as error:
             raise ConfigError(str(error)) from None
         if cfg.rollout.truncation.train_on_exit_tokens and (
-            cfg.algorithm.old_log_probs == OldLogProbSource.rollout
-            or cfg.algorithm.mismatch_correction != MismatchCorrection.none
+            cfg.algorithm.old_log_probs == OldLogProbSource.rollout or corrects_mismatch(cfg.algorithm)
         ):
             raise ConfigError(
                 "rollout.truncation.train_on_exit_tokens=true trains on tokens the engine did not sample "
                 f"and has no log-prob for, so algorithm.old_log_probs={cfg.algorithm.old_log_probs!s} / "
-                f"algorithm.mismatch_correction={cfg.algorithm.mismatch_correction!s} cannot use the engine's "
-                "log-probs for them: set algorithm.old_log_probs=trainer and algorithm.mismatch_correction=none, "
+                f"algorithm.mismatch_correction={cfg.algorithm.mismatch_correction!s} (or mismatch_reject / "
+                "mismatch_veto) cannot use the engine's log-probs for them: set algorithm.old_log_probs=trainer "
+                "and algorithm.mismatch_correction=none (mismatch_reject=none, mismatch_veto=null), "
                 "or leave train_on_exit_tokens=false"
             )
     if cfg.prompt_token_budget() < 1:

@@ -1,11 +1,13 @@
 """Apply the train/inference mismatch correction to a step's micro-batches (after old log-probs).
 
 The weights are computed per row from the rows this rank holds and folded into each micro-batch's
-advantages; their metrics are reduced over the data-parallel ranks. With
-``algorithm.mismatch_rejected=drop`` the rejected tokens also leave each micro-batch's response mask,
-and the step's denominators (``StepTotals``, counted before the correction) lose them: the counts
-removed per mini-batch are summed over the data-parallel ranks, so every rank divides by the same
-whole-batch totals (verl ``rollout_rs``). See ``algorithms/mismatch_correction.py`` for the math.
+advantages; their metrics are reduced over the data-parallel ranks. Tokens are rejected -- by a mask
+mode with ``algorithm.mismatch_rejected=drop``, by rejection sampling (``algorithm.mismatch_reject``) or
+by the veto (``algorithm.mismatch_veto``) -- by leaving each micro-batch's response mask, and the
+step's denominators (``StepTotals``, counted before the correction) lose them: the counts removed per
+mini-batch are summed over the data-parallel ranks, so every rank divides by the same whole-batch
+totals (verl ``rollout_rs``). See ``algorithms/mismatch_correction.py`` and
+``algorithms/mismatch_rejection.py`` for the math.
 """
 
 from __future__ import annotations
@@ -17,11 +19,17 @@ import torch.distributed as dist
 
 from gspo_megatron.algorithms.config import AlgorithmConfig
 from gspo_megatron.algorithms.mismatch_correction import (
+    MismatchCorrection,
     RejectedTokens,
     finalize_mismatch_weight_stats,
     mismatch_weight_stats,
     rejected_mask,
     weighted_advantages,
+)
+from gspo_megatron.algorithms.mismatch_rejection import (
+    RejectionLevel,
+    finalize_rejection_stats,
+    rejection_keep_mask,
 )
 from gspo_megatron.algorithms.reductions import all_reduce_metrics
 from gspo_megatron.models.micro_batch import MicroBatch, required
@@ -37,45 +45,66 @@ def correct_mismatch(
     dp_group: dist.ProcessGroup | None = None,
 ) -> tuple[dict[str, float], StepTotals]:
     """Re-weight the advantages of every micro-batch in ``parts``; returns the weights' metrics and
-    the step's denominators (less the dropped tokens with ``mismatch_rejected=drop``, else ``totals``).
+    the step's denominators (less the rejected tokens: module docstring).
 
     ``batch`` holds this rank's rows; the metrics cover every data-parallel rank's rows when
     ``dp_group`` is given (sums and counts summed, extremes reduced over it)."""
     if batch.old_log_probs is None:
         raise RuntimeError("mismatch correction needs the old log-probs: run the old-log-prob pass first")
-    weights, stats = mismatch_weight_stats(
-        batch.old_log_probs,
-        batch.rollout_log_probs,
-        batch.mismatch_mask,
-        algorithm.mismatch_correction,
-        algorithm.mismatch_cap,
-        algorithm.log_ratio_clamp,
-        algorithm.mismatch_sequence_ratio,
-    )
-    if dp_group is not None:
-        stats = all_reduce_metrics(stats, dp_group)
-    for mb in (mb for part in parts for mb in part):
-        # token-budget micro-batches hold any rows, cut to their own width
-        rows, width = batch.local(required(mb.rows, "rows", "mismatch correction")), mb.seq_len
-        advantages, row_weights = batch.advantages[rows], weights[rows]
-        advantages = advantages[:, :width] if advantages.dim() > 1 else advantages
-        row_weights = row_weights[:, :width] if row_weights.dim() > 1 else row_weights
-        mb.advantages = weighted_advantages(advantages, row_weights)
-    metrics = {key: float(value) for key, value in finalize_mismatch_weight_stats(stats).items()}
-    if algorithm.mismatch_rejected == RejectedTokens.drop:
-        totals = _drop_rejected(parts, batch, weights, algorithm.mismatch_correction, totals, dp_group)
+    metrics: dict[str, float] = {}
+    valid = batch.mismatch_mask.bool()
+    rejected = torch.zeros_like(valid)  # valid tokens that leave the loss (and its denominators)
+    if algorithm.mismatch_correction != MismatchCorrection.none:
+        weights, stats = mismatch_weight_stats(
+            batch.old_log_probs,
+            batch.rollout_log_probs,
+            batch.mismatch_mask,
+            algorithm.mismatch_correction,
+            algorithm.mismatch_cap,
+            algorithm.log_ratio_clamp,
+            algorithm.mismatch_sequence_ratio,
+            algorithm.mismatch_lower,
+        )
+        if dp_group is not None:
+            stats = all_reduce_metrics(stats, dp_group)
+        for mb in (mb for part in parts for mb in part):
+            # token-budget micro-batches hold any rows, cut to their own width
+            rows, width = batch.local(required(mb.rows, "rows", "mismatch correction")), mb.seq_len
+            advantages, row_weights = batch.advantages[rows], weights[rows]
+            advantages = advantages[:, :width] if advantages.dim() > 1 else advantages
+            row_weights = row_weights[:, :width] if row_weights.dim() > 1 else row_weights
+            mb.advantages = weighted_advantages(advantages, row_weights)
+        metrics.update({key: float(value) for key, value in finalize_mismatch_weight_stats(stats).items()})
+        if algorithm.mismatch_rejected == RejectedTokens.drop:
+            rejected |= valid & ~rejected_mask(weights, batch.mismatch_mask, algorithm.mismatch_correction)
+    if algorithm.mismatch_reject != RejectionLevel.none or algorithm.mismatch_veto is not None:
+        kept, stats = rejection_keep_mask(
+            batch.old_log_probs,
+            batch.rollout_log_probs,
+            batch.mismatch_mask,
+            algorithm.mismatch_reject,
+            algorithm.mismatch_reject_upper,
+            algorithm.mismatch_reject_lower,
+            algorithm.mismatch_veto,
+        )
+        if dp_group is not None:
+            stats = all_reduce_metrics(stats, dp_group)
+        metrics.update(finalize_rejection_stats(stats))
+        rejected |= valid & ~kept
+    if bool(rejected.any()) or dp_group is not None:  # collective: every data-parallel rank takes part
+        totals = _drop_rejected(parts, batch, rejected, totals, dp_group)
     return metrics, totals
 
 
 def _drop_rejected(
     parts: list[list[MicroBatch]],
     batch: RolloutBatch,
-    weights: torch.Tensor,
-    mode: str,
+    rejected: torch.Tensor,
     totals: StepTotals,
     dp_group: dist.ProcessGroup | None,
 ) -> StepTotals:
-    """Take rejected tokens out of each micro-batch's response mask; the totals lose them too.
+    """Take the ``rejected`` tokens ([B, T], this rank's rows) out of each micro-batch's response mask; the
+    totals lose them too (collective over ``dp_group``: every rank calls it when any may reject).
 
     N_tok(u) -= sum over ranks of the rejected tokens of mini-batch u
     N_seq(u) -= sum over ranks of its rows left with no valid token"""
@@ -84,8 +113,7 @@ def _drop_rejected(
         for mb in micro_batches:
             rows, width = batch.local(required(mb.rows, "rows", "mismatch rejection")), mb.seq_len
             before = required(mb.response_mask, "response_mask", "mismatch rejection")
-            row_weights = weights[rows][:, :width] if weights.dim() > 1 else weights[rows]
-            after = rejected_mask(row_weights, before, mode) & before.bool()
+            after = before.bool() & ~rejected[rows][:, :width]
             removed[update, 0] += float(before.sum() - after.sum())
             removed[update, 1] += float(((before.sum(-1) > 0) & ~after.any(-1)).sum())
             mb.response_mask = after.to(before.dtype)

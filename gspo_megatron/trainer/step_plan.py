@@ -22,8 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gspo_megatron.algorithms.config import OldLogProbSource
-from gspo_megatron.algorithms.mismatch_correction import MismatchCorrection
+from gspo_megatron.algorithms.config import OldLogProbSource, corrects_mismatch
 from gspo_megatron.config.schema import TrainConfig
 from gspo_megatron.routing.config import DiagnosticKind, RoutingDiagnosticsConfig
 from gspo_megatron.routing.replay import ReplayMode
@@ -48,7 +47,7 @@ class StepPlan:
     updates: int  # trainer.updates_per_rollout
     has_routers: bool  # an MoE model: routing is measured
     diagnostics: RoutingDiagnosticsConfig
-    corrects_mismatch: bool  # algorithm.mismatch_correction: advantages weighed by pi_old / pi_rollout
+    corrects_mismatch: bool  # algorithm.mismatch_*: advantages weighed / samples rejected by pi_old / pi_rollout
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, *, has_routers: bool) -> StepPlan:
@@ -58,7 +57,7 @@ class StepPlan:
             cfg.trainer.updates_per_rollout,
             has_routers,
             cfg.routing,
-            MismatchCorrection(cfg.algorithm.mismatch_correction) is not MismatchCorrection.none,
+            corrects_mismatch(cfg.algorithm),
         )
 
     @property
