@@ -114,7 +114,7 @@ def test_each_data_parallel_rank_receives_only_its_rows(micro_batch_tokens):
     assert inputs == batch.input_mask.sum().item()
 
 
-def rejection_worker(ctx, mode):
+def rejection_worker(ctx, algorithm_kwargs: dict):
     """Each DP rank drops the rejected tokens of its own rows; the totals it then divides by are the
     whole batch's kept counts, the same on both ranks."""
     import torch.distributed as dist
@@ -135,7 +135,7 @@ def rejection_worker(ctx, mode):
     share = scatter_shares(shares, data_parallel_rank_of_each_rank(ctx.rank))
     share.batch.old_log_probs = whole.old_log_probs[share.batch.row_ids]
     parts = cut_micro_batches(share.batch, share.plan)
-    algorithm = AlgorithmConfig(loss="grpo", mismatch_correction=mode, mismatch_cap=1.3, mismatch_rejected="drop")
+    algorithm = AlgorithmConfig(loss="grpo", **algorithm_kwargs)
     _, totals = correct_mismatch(share.batch, parts, algorithm, share.totals, dist.group.WORLD)
     kept = {
         int(row): mb.response_mask[i].sum().item() for part in parts for mb in part for i, row in enumerate(mb.rows)
@@ -148,14 +148,56 @@ def _old_log_probs(batch):
     return batch.rollout_log_probs + 0.4 * torch.randn(batch.rollout_log_probs.shape, generator=gen)
 
 
-@pytest.mark.parametrize("mode", ["token_mask", "sequence_mask"])
-def test_dropped_rejections_reduce_the_denominators_over_data_parallel_ranks(mode):
-    from gspo_megatron.algorithms.mismatch_correction import mismatch_weights, rejected_mask
+def _mask_drop(mode: str, **extra) -> dict:
+    return dict(mismatch_correction=mode, mismatch_cap=1.3, mismatch_rejected="drop", **extra)
 
-    first, second = run_distributed(rejection_worker, 2, mode, timeout=300)
+
+REJECTIONS = {
+    "token_mask": _mask_drop("token_mask"),
+    "sequence_mask": _mask_drop("sequence_mask"),
+    "icepop_band": _mask_drop("token_mask", mismatch_lower=0.8),
+    "sequence_rs": dict(mismatch_reject="sequence", mismatch_reject_upper=2.5),
+    "geometric_rs_veto": dict(mismatch_reject="geometric", mismatch_reject_upper=1.2, mismatch_veto=0.5),
+    "truncate_and_token_rs": dict(
+        mismatch_correction="token_truncate", mismatch_reject="token", mismatch_reject_upper=1.5
+    ),
+}
+
+
+def _expected_kept(batch, kwargs: dict) -> torch.Tensor:
+    """What one rank keeps of the whole batch: the mask mode's rejections, then rejection sampling's."""
+    from gspo_megatron.algorithms.mismatch_correction import mismatch_weights, rejected_mask
+    from gspo_megatron.algorithms.mismatch_rejection import rejection_keep_mask
+
+    old = _old_log_probs(batch)
+    kept = batch.response_mask.bool()
+    mode = kwargs.get("mismatch_correction", "none")
+    if kwargs.get("mismatch_rejected") == "drop":
+        weights, _ = mismatch_weights(
+            old, batch.rollout_log_probs, batch.response_mask, mode, 1.3, lower=kwargs.get("mismatch_lower", 0.0)
+        )
+        kept &= rejected_mask(weights, batch.response_mask, mode)
+    if "mismatch_reject" in kwargs or "mismatch_veto" in kwargs:
+        keep, _ = rejection_keep_mask(
+            old,
+            batch.rollout_log_probs,
+            batch.response_mask,
+            kwargs.get("mismatch_reject", "none"),
+            kwargs.get("mismatch_reject_upper", 2.0),
+            veto=kwargs.get("mismatch_veto"),
+        )
+        kept &= keep
+    return kept.float()
+
+
+@pytest.mark.parametrize("name", list(REJECTIONS))
+def test_dropped_rejections_reduce_the_denominators_over_data_parallel_ranks(name):
+    """Mask modes with mismatch_rejected=drop (IcePop's band too), rejection sampling at each level and the veto:
+    each data-parallel rank rejects from its own rows what one rank rejects from the whole batch, and both
+    divide by the whole batch's kept counts."""
+    first, second = run_distributed(rejection_worker, 2, REJECTIONS[name], timeout=300)
     batch = whole_batch()
-    weights, _ = mismatch_weights(_old_log_probs(batch), batch.rollout_log_probs, batch.response_mask, mode, 1.3)
-    kept = rejected_mask(weights, batch.response_mask, mode).float()
+    kept = _expected_kept(batch, REJECTIONS[name])
     assert 0 < kept.sum() < batch.response_mask.sum()  # some tokens rejected, not all
     halves = kept.reshape(UPDATES, 8, -1)
     for rank in (first, second):
