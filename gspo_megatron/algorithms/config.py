@@ -90,6 +90,9 @@ class AlgorithmConfig(ConfigNode):
     mismatch_reject_upper: float = 2.0
     mismatch_reject_lower: float | None = None
     mismatch_veto: float | None = None  # a row with a token rho < veto is rejected (verl/slime veto); null: off
+    # off-policy sequence masking (algorithms/off_policy_masking.py, slime --opsm-delta 1e-4): a sequence with
+    # A < 0 whose mean log pi_old - log pi_theta exceeds it leaves the policy-gradient term; null: off
+    opsm_delta: float | None = None
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups, draw more (trainer/dynamic_sampling.py)
     dynamic_sampling_max_extra_rounds: int = 4  # bound on extra generation rounds per step
     adaptive_clip_target: float | None = None  # target clipped fraction; None: fixed eps
@@ -159,6 +162,8 @@ def _check_algorithm(cfg: AlgorithmConfig) -> None:
     if not cfg.mismatch_cap >= 1.0:
         raise ValueError(f"algorithm.mismatch_cap must be >= 1 (caps pi_old / pi_rollout), got {cfg.mismatch_cap}")
     _validate_rejection(cfg)
+    if cfg.opsm_delta is not None and not cfg.opsm_delta >= 0:
+        raise ValueError(f"algorithm.opsm_delta must be >= 0 or null (slime's default 1e-4), got {cfg.opsm_delta}")
     if cfg.dynamic_sampling_max_extra_rounds < 0:
         raise ValueError(
             f"algorithm.dynamic_sampling_max_extra_rounds must be >= 0, got {cfg.dynamic_sampling_max_extra_rounds}"

@@ -19,6 +19,7 @@ from gspo_megatron.algorithms.config import AlgorithmConfig, make_loss_context
 from gspo_megatron.algorithms.logprobs import vocab_parallel_log_probs
 from gspo_megatron.algorithms.losses import get_policy_loss
 from gspo_megatron.algorithms.metrics import mean_entries, token_mean_metric
+from gspo_megatron.algorithms.off_policy_masking import off_policy_sequence_mask
 from gspo_megatron.algorithms.reductions import context_parallel_sequence_sum_fn
 from gspo_megatron.algorithms.regularizers import entropy_bonus, kl_penalty
 from gspo_megatron.models.micro_batch import MicroBatch, required
@@ -96,10 +97,15 @@ class PolicyLossHead:
         )
         mask = required(batch.response_mask, "response_mask", "the policy loss")
         old_log_probs = required(batch.old_log_probs, "old_log_probs", "the policy loss")
-        out = self.loss_fn(
-            log_probs, old_log_probs, required(batch.advantages, "advantages", "the policy loss"), mask, ctx
-        )
+        advantages = required(batch.advantages, "advantages", "the policy loss")
+        opsm: dict[str, torch.Tensor] = {}
+        if algorithm.opsm_delta is not None:  # slime's off-policy sequence masking
+            advantages, opsm = off_policy_sequence_mask(
+                log_probs, old_log_probs, advantages, mask, algorithm.opsm_delta, self.sequence_sum
+            )
+        out = self.loss_fn(log_probs, old_log_probs, advantages, mask, ctx)
         metrics = _under_loss(out.metrics)
+        metrics.update(opsm)
         metrics.update(token_mean_metric("entropy", entropy, mask, self.sequence_sum))
         # The losses of all micro-batches and ranks add up to the mini-batch loss; a count equal to
         # this micro-batch's share of the sequences makes the merged "mean" that total.

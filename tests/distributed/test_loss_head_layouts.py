@@ -58,6 +58,36 @@ def _verl_grpo_one_rank():
     return cfg, state, policy, single
 
 
+def _opsm_one_rank():
+    """slime's off-policy sequence masking (opsm_delta 1e-3) with old log-probs 0.01 nats above the policy's on
+    every other row: the drifted rows with a negative advantage leave the policy term (the loss differs from
+    the unmasked one); under CP each row's drift is summed over both halves of the sequence."""
+    cfg = tiny_test_config()
+    state = random_hf_state(cfg, seed=3)
+    (plain,) = run_distributed(model_layout_worker, 1, cfg, state, dict(world_size=1))
+    log_probs = plain["log_probs"][0]
+    policy = {"loss": "grpo", **policy_inputs(log_probs)}
+    drifted = (torch.arange(log_probs.shape[0]) % 2 == 1).float().unsqueeze(-1)
+    policy["old_log_probs"] = policy["old_log_probs"] + 0.01 * drifted
+    assert ((drifted.squeeze(-1) > 0) & (policy["advantages"] < 0)).any()
+    unmasked = dict(policy)
+    policy["algorithm"] = dict(opsm_delta=1e-3)
+    (single,) = run_distributed(model_layout_worker, 1, cfg, state, dict(world_size=1), policy)
+    (without,) = run_distributed(model_layout_worker, 1, cfg, state, dict(world_size=1), unmasked)
+    assert not torch.allclose(single["loss"], without["loss"])
+    return cfg, state, policy, single
+
+
+@pytest.fixture(scope="module")
+def opsm_reference():
+    return _opsm_one_rank()
+
+
+@pytest.mark.parametrize("name", ["tp2", "pp2", "ep2", "dp2", "cp2"])
+def test_off_policy_sequence_masking_matches_one_rank(opsm_reference, name):
+    _check_layout(opsm_reference, name)
+
+
 @pytest.fixture(scope="module")
 def verl_grpo_reference():
     return _verl_grpo_one_rank()
