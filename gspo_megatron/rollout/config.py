@@ -49,6 +49,13 @@ class EngineDtype(ConfigChoice):
     float16 = "float16"
 
 
+class WeightQuantization(ConfigChoice):
+    """How the engine holds the synced weights: as sent, or block FP8 (``weights/fp8_blocks.py``)."""
+
+    none = "none"
+    fp8_block = "fp8_block"  # e4m3, 128 x 128 blocks with float32 scales (the FP8 checkpoints' format)
+
+
 class AttentionImplementation(ConfigChoice):
     sdpa = "sdpa"
     eager = "eager"
@@ -61,6 +68,9 @@ class EmbeddedConfig(ConfigNode):
     model: dict[str, Any] = field(default_factory=dict)  # the family's HF config kwargs (override the file)
     model_config_path: str | None = None  # HF checkpoint dir or config.json; None: `model` only
     dtype: EngineDtype = EngineDtype.float32
+    # fp8_block: each synced projection weight rounded through block FP8 and back (an FP8 engine's weights,
+    # emulated: the compute stays in ``dtype``)
+    weight_quantization: WeightQuantization = WeightQuantization.none
     device: str = "cpu"
     max_batch_size: int = 32  # rows (prompt x sample) decoded together; more are split into chunks
     seed: int = 0  # seeds the engine's generator used when SamplingParams.seed is None

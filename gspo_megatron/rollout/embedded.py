@@ -40,11 +40,12 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
 from gspo_megatron.model_families import DEFAULT_FAMILY, family
-from gspo_megatron.rollout.config import EmbeddedConfig
+from gspo_megatron.rollout.config import EmbeddedConfig, WeightQuantization
 from gspo_megatron.rollout.embedded_weights import HfWeightLoader
 from gspo_megatron.rollout.engine import RolloutEngine
 from gspo_megatron.rollout.sampling import row_generators, sample_next_tokens
 from gspo_megatron.rollout.types import FinishReason, Sample, SamplingParams
+from gspo_megatron.weights.fp8_blocks import fake_quantize_named_tensors
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _STOP_TAIL_EXTRA_TOKENS = 8  # decode this many tokens beyond the longest stop string's length
@@ -134,7 +135,10 @@ class EmbeddedEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Copy HF-named tensors in as they stream; the version is set only after all loaded."""
+        """Copy HF-named tensors in as they stream; the version is set only after all loaded. With
+        ``weight_quantization=fp8_block`` each projection weight arrives through its FP8 round trip."""
+        if self.config.weight_quantization == WeightQuantization.fp8_block:
+            named_tensors = fake_quantize_named_tensors(named_tensors)
         for name, tensor in named_tensors:
             self._loader.load(name, tensor)
         self.weight_version = version

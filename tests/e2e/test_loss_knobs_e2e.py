@@ -170,6 +170,19 @@ def test_anchor_corrections_with_the_bf16_engine_equal_one_rank_under_tp2(tmp_pa
         assert tp2[0][name] == pytest.approx(m[name], rel=1e-4, abs=1e-6), name
 
 
+def test_an_emulated_fp8_engine_widens_the_mismatch_and_r3_still_replays_its_routing(tmp_path):
+    """rollout.embedded.weight_quantization=fp8_block: the engine samples with block-FP8-rounded projections, the
+    fp32 trainer scores with its own weights: the engine-vs-trainer log-prob gap is larger than a plain fp32
+    engine's, and under R3 the trainer still routes every token as the FP8 engine did."""
+    base = FAST + ["trainer.steps=1", "algorithm=grpo_rollout_routing_replay"]
+    (plain,) = run_distributed(train_worker, 1, base, str(tmp_path / "fp32"), timeout=600)
+    fp8 = base + ["rollout.embedded.weight_quantization=fp8_block"]
+    (quantized,) = run_distributed(train_worker, 1, fp8, str(tmp_path / "fp8"), timeout=600)
+    gap, fp8_gap = plain[0]["mismatch/abs_log_prob_diff_mean"], quantized[0]["mismatch/abs_log_prob_diff_mean"]
+    assert fp8_gap > 10 * max(gap, 1e-7), (gap, fp8_gap)
+    assert quantized[0]["routing/rollout_vs_train_changed_any_frac"] == 0.0
+
+
 def test_async_rollout_staleness_bound_with_rollout_replay(tmp_path):
     """One-step async with R3: samples lag one version from step 2 on, never more; replay completes."""
     overrides = FAST + [
