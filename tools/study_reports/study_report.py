@@ -46,6 +46,11 @@ METRIC_COLUMNS: list[tuple[str, str, str]] = [
     ("clip frac token", "loss/clip_frac_token", "mean"),
     ("clip frac seq", "loss/clip_frac_seq", "mean"),
     ("log-prob mismatch", "mismatch/abs_log_prob_diff_mean", "mean"),
+    # the corrections of the mismatch (algorithm.mismatch_*, opsm_delta): how much of the batch each touched
+    ("IS truncated frac", "mismatch_is/truncated_frac", "mean"),
+    ("IS masked frac", "mismatch_is/masked_frac", "mean"),
+    ("rejected token frac", "mismatch_rs/rejected_token_frac", "mean"),
+    ("OPSM masked frac", "loss/opsm_masked_frac", "mean"),
     ("token-seq ratio gap", "loss/ratio_token_seq_gap", "mean"),
     ("grad norm max", "grad_norm", "max"),
     # the mechanism (ratio_decomposition diagnostic): log w = routing part r + weight part v
