@@ -5,6 +5,7 @@ r"""Offline conversion between a HF checkpoint directory and a megatron distribu
     python -m gspo_megatron.launcher --nproc-per-node 2 --script tools/convert_checkpoint.py \
         mcore-to-hf --mcore-dir MCORE --out HF2 --ep 2
     python tools/convert_checkpoint.py mcore-to-hf --mcore-dir runs/x/checkpoints/step_000200 --out HF3
+    python tools/convert_checkpoint.py mcore-to-hf --mcore-dir runs/x/checkpoints/step_000200 --out HF3_FP8 --fp8-block
 
 (the project's launcher: one rendezvous store, on loopback; torchrun works too, on a single machine
 its stores listen on every interface).
@@ -52,6 +53,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     to_hf.add_argument("--tokenizer-dir", default=None, help="copy tokenizer files from here into the export")
     to_hf.add_argument("--shard-bytes", type=int, default=2 << 30)
+    to_hf.add_argument(
+        "--fp8-block",
+        action="store_true",
+        help="write the projections as block FP8 (e4m3, 128x128 scales): a checkpoint SGLang serves in FP8, for "
+        "rollout.sglang.weight_quantization=fp8_block",
+    )
     for p in (to_mcore, to_hf):
         p.add_argument("--out", required=True, help="output directory (must not exist for hf-to-mcore)")
         p.add_argument("--tp", type=int, default=1)
@@ -143,7 +150,15 @@ def mcore_to_hf(args) -> Path:
     mesh, model = _setup(args, cfg)
     loaded = load_dist_checkpoint({"model": model.sharded_state_dict()}, weights)  # runs no code from the files
     model.load_state_dict(loaded["model"])
-    out = save_hf_checkpoint(model, cfg, mesh, args.out, shard_bytes=args.shard_bytes, tokenizer_dir=args.tokenizer_dir)
+    out = save_hf_checkpoint(
+        model,
+        cfg,
+        mesh,
+        args.out,
+        shard_bytes=args.shard_bytes,
+        tokenizer_dir=args.tokenizer_dir,
+        fp8_block=args.fp8_block,
+    )
     mesh.destroy()
     return out
 

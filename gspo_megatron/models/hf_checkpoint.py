@@ -35,6 +35,7 @@ import torch
 
 from gspo_megatron.models.config import MoEModelConfig
 from gspo_megatron.models.conversion import export_hf_weights
+from gspo_megatron.weights.fp8_blocks import FP8_DTYPE, QUANTIZATION_CONFIG, SCALE_SUFFIX, quantize_named_tensors
 from gspo_megatron.weights.safetensors_writer import ShardWriter, fsync_path, write_durably
 
 CONFIG_FILE = "config.json"
@@ -75,8 +76,11 @@ def write_hf_checkpoint(
     *,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     tokenizer_dir: str | Path | None = None,
+    fp8_block: bool = False,
 ) -> Path:
-    """Driver side of ``save_hf_checkpoint``: write HF-named buckets as a checkpoint directory."""
+    """Driver side of ``save_hf_checkpoint``: write HF-named buckets as a checkpoint directory. ``fp8_block``:
+    the projections as block FP8 with their scales and ``quantization_config`` in ``config.json``
+    (``weights/fp8_blocks.py``: what SGLang serves as an FP8 model)."""
     out = Path(out_dir)
     tokenizer_files = _tokenizer_files(tokenizer_dir) if tokenizer_dir is not None else []
     config = cfg.to_hf_dict()  # refuses models HF cannot represent before anything is written
@@ -88,13 +92,16 @@ def write_hf_checkpoint(
         writer = ShardWriter(partial, shard_bytes)
         dtype = None
         for bucket in buckets:
-            for name, tensor in bucket:
+            for name, tensor in quantize_named_tensors(bucket) if fp8_block else bucket:
                 writer.add(name, tensor)
-                dtype = tensor.dtype if dtype is None else dtype
+                if dtype is None and tensor.dtype != FP8_DTYPE and not name.endswith(SCALE_SUFFIX):
+                    dtype = tensor.dtype  # the unquantized tensors' dtype
         writer.close()
         if dtype is None:
             raise ValueError(f"no tensors to write into the HF checkpoint {out_dir}")
         config = hf_config_dict(cfg, dtype)
+        if fp8_block:
+            config["quantization_config"] = dict(QUANTIZATION_CONFIG)
         write_durably(partial / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
         for file in tokenizer_files:
             shutil.copy2(file, partial / file.name)
@@ -118,6 +125,7 @@ def save_hf_checkpoint(
     dtype: torch.dtype | None = None,
     tokenizer_dir: str | Path | None = None,
     bucket_bytes: int = 64 << 20,
+    fp8_block: bool = False,
 ) -> Path:
     """Write this (possibly sharded) model as a HF checkpoint at ``out_dir``; collective on all ranks.
     ``model``: one model chunk or a rank's list of chunks (``models/conversion.py:model_chunks``).
@@ -133,7 +141,9 @@ def save_hf_checkpoint(
     error: BaseException | None = None
     if is_driver:
         try:
-            write_hf_checkpoint(buckets, cfg, out_dir, shard_bytes=shard_bytes, tokenizer_dir=tokenizer_dir)
+            write_hf_checkpoint(
+                buckets, cfg, out_dir, shard_bytes=shard_bytes, tokenizer_dir=tokenizer_dir, fp8_block=fp8_block
+            )
         except BaseException as exc:  # noqa: BLE001 - re-raised once the other ranks are released
             error = exc
     for _ in buckets:  # other ranks: the export's collectives; a failed driver: finish them too

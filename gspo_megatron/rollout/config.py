@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gspo_megatron.config_node import ConfigChoice, ConfigNode
+from gspo_megatron.rollout.sglang.config import WeightQuantization
 
 
 def check_max_staleness(max_staleness: int) -> None:
@@ -47,13 +48,6 @@ class EngineDtype(ConfigChoice):
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
-
-
-class WeightQuantization(ConfigChoice):
-    """How the engine holds the synced weights: as sent, or block FP8 (``weights/fp8_blocks.py``)."""
-
-    none = "none"
-    fp8_block = "fp8_block"  # e4m3, 128 x 128 blocks with float32 scales (the FP8 checkpoints' format)
 
 
 class AttentionImplementation(ConfigChoice):

@@ -40,10 +40,11 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
 from gspo_megatron.model_families import DEFAULT_FAMILY, family
-from gspo_megatron.rollout.config import EmbeddedConfig, WeightQuantization
+from gspo_megatron.rollout.config import EmbeddedConfig
 from gspo_megatron.rollout.embedded_weights import HfWeightLoader
 from gspo_megatron.rollout.engine import RolloutEngine
 from gspo_megatron.rollout.sampling import row_generators, sample_next_tokens
+from gspo_megatron.rollout.sglang.config import WeightQuantization
 from gspo_megatron.rollout.types import FinishReason, Sample, SamplingParams
 from gspo_megatron.weights.fp8_blocks import fake_quantize_named_tensors
 

@@ -102,3 +102,14 @@ def fake_quantize_named_tensors(tensors: Iterable[NamedTensor]) -> Iterator[Name
             yield name, dequantize_block_fp8(q, scale, tensor.dtype)
         else:
             yield name, tensor
+
+
+class QuantizedStream:
+    """``quantize_named_tensors`` over a re-iterable weight stream: each iteration quantizes a fresh pass (a
+    failed sync retried through the disk path reads the source again)."""
+
+    def __init__(self, source: Iterable[NamedTensor]):
+        self.source = source
+
+    def __iter__(self) -> Iterator[NamedTensor]:
+        return quantize_named_tensors(self.source)

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 from pathlib import Path
 
@@ -159,3 +160,37 @@ def test_export_is_the_trainers_final_policy(trained):
     assert converted.keys() == exported.keys()
     for name, value in exported.items():
         assert torch.equal(converted[name], value), name
+
+
+def test_an_fp8_block_export_holds_the_final_policy_within_fp8_rounding(trained):
+    """``mcore-to-hf --fp8-block``: every projection as e4m3 with its 128x128 scales (the rest bit-equal), the
+    quantization config SGLang reads, and the FP8-serving check of rollout.sglang.weight_quantization: it takes
+    this checkpoint and refuses the bf16 export by name."""
+    from gspo_megatron.rollout.sglang.config import SGLangConfig
+    from gspo_megatron.weights.fp8_blocks import FP8_DTYPE, QUANTIZATION_CONFIG, dequantize_block_fp8, scale_name
+
+    root, _ = trained
+    step_dir = root / "run" / "checkpoints" / "step_000002"
+    out = root / "converted_fp8"
+    argv = ["mcore-to-hf", "--mcore-dir", str(step_dir), "--out", str(out), "--layer-spec", "portable", "--fp8-block"]
+    run_distributed(tool_worker, 1, argv, timeout=300)
+    fp8, exported = _weights(out), _weights(root / "run" / "hf_export")
+    quantized = [name for name in exported if name.endswith("_proj.weight")]
+    assert quantized and set(fp8) == set(exported) | {scale_name(name) for name in quantized}
+    for name, value in exported.items():
+        if name not in quantized:
+            assert torch.equal(fp8[name], value), name
+            continue
+        assert fp8[name].dtype == FP8_DTYPE
+        back = dequantize_block_fp8(fp8[name], fp8[scale_name(name)])
+        scales = (
+            fp8[scale_name(name)]
+            .repeat_interleave(128, 0)
+            .repeat_interleave(128, 1)[: value.shape[0], : value.shape[1]]
+        )
+        bound = torch.maximum(2.0**-4 * value.float().abs(), scales * 2.0**-10) * (1 + 1e-6)
+        assert ((back - value.float()).abs() <= bound).all(), name
+    assert json.loads((out / "config.json").read_text())["quantization_config"] == QUANTIZATION_CONFIG
+    SGLangConfig(model_path=str(out), weight_quantization="fp8_block").validate()
+    with pytest.raises(ValueError, match="rollout.sglang.weight_quantization=fp8_block sends block-FP8 weights"):
+        SGLangConfig(model_path=str(root / "run" / "hf_export"), weight_quantization="fp8_block").validate()

@@ -99,3 +99,76 @@ def test_real_server_generates_and_takes_a_weight_update(tmp_path):
         torch.testing.assert_close(restored.output_log_probs, before.output_log_probs, rtol=0, atol=1e-2)
     log = next((tmp_path / "logs").glob("*.log")).read_text()
     assert json.dumps(str(model))[1:-1] in log
+
+
+def _fp8_checkpoint(path):
+    """A tiny Qwen3-MoE with every projection a multiple of SGLang's 128 x 128 blocks, written as a block-FP8
+    checkpoint (``weights/fp8_blocks.py``); returns the bf16 weights it was made from."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from gspo_megatron.weights.fp8_blocks import QUANTIZATION_CONFIG, quantize_named_tensors
+
+    config = Qwen3MoeConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=128,
+        moe_intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        torch_dtype="bfloat16",
+    )
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    weights = load_file(str(path / "model.safetensors"))
+    save_file(dict(quantize_named_tensors(sorted(weights.items()))), str(path / "model.safetensors"))
+    hf_config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**hf_config, "quantization_config": QUANTIZATION_CONFIG}))
+    return weights
+
+
+@pytest.mark.timeout(900)
+def test_an_fp8_server_takes_block_fp8_weights_from_the_trainer(tmp_path):
+    """rollout.sglang.weight_quantization=fp8_block into a server serving an FP8 checkpoint, over NCCL: the
+    trainer's bf16 weights go out as block FP8; perturbed weights change the outputs, the original ones bring
+    back the server's own start exactly (the same FP8 tensors it loaded)."""
+    from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine
+    from gspo_megatron.rollout.types import SamplingParams
+
+    model = tmp_path / "tiny_fp8"
+    weights = _fp8_checkpoint(model)
+    config = SGLangConfig(
+        mode="launch",
+        model_path=str(model),
+        log_dir=str(tmp_path / "logs"),
+        extra_args=["--skip-tokenizer-init", "--mem-fraction-static", "0.3", "--disable-cuda-graph"],
+        weight_sync="distributed",
+        weight_sync_backend="nccl",
+        weight_quantization="fp8_block",
+        startup_timeout_s=600,
+    )
+    config.validate()
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+    prompt = [[1, 2, 3, 4]]
+    with SGLangEngine(config) as engine:
+        (before,) = engine.generate(prompt, greedy)[0]
+        generator = torch.Generator().manual_seed(0)
+        perturbed = {
+            name: tensor + 0.5 * tensor.float().std() * torch.randn(tensor.shape, generator=generator).to(tensor.dtype)
+            for name, tensor in weights.items()
+        }
+        engine.update_weights(sorted(perturbed.items()), version=1)
+        (changed,) = engine.generate(prompt, greedy)[0]
+        first_moved = abs(float(changed.output_log_probs[0]) - float(before.output_log_probs[0]))
+        assert changed.output_ids[0] != before.output_ids[0] or first_moved > 1e-3, "the update did not reach the model"
+        engine.update_weights(sorted(weights.items()), version=2)
+        (restored,) = engine.generate(prompt, greedy)[0]
+        assert restored.weight_version == 2 and restored.output_ids == before.output_ids
+        torch.testing.assert_close(restored.output_log_probs, before.output_log_probs, rtol=0, atol=1e-2)

@@ -15,7 +15,9 @@ Design decisions:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from gspo_megatron.config_node import ConfigChoice, ConfigNode
 
@@ -53,6 +55,13 @@ class WeightSyncBackend(ConfigChoice):
 LAUNCH_MODES = tuple(LaunchMode)
 WEIGHT_SYNC_MODES = tuple(WeightSync)
 PAUSE_MODES = tuple(PauseMode)
+
+
+class WeightQuantization(ConfigChoice):
+    """How the engine holds the synced weights: as sent, or block FP8 (``weights/fp8_blocks.py``)."""
+
+    none = "none"
+    fp8_block = "fp8_block"  # e4m3, 128 x 128 blocks with float32 scales (the FP8 checkpoints' format)
 
 
 @dataclass
@@ -104,6 +113,9 @@ class SGLangConfig(ConfigNode):
 
     # --- weight sync
     weight_sync: WeightSync = WeightSync.distributed
+    # fp8_block: every projection weight is sent as block FP8 (e4m3 + weight_scale_inv), which an engine serving
+    # an FP8 checkpoint (model_path's config.json: quantization_config fp8, weight_block_size [128, 128]) loads
+    weight_quantization: WeightQuantization = WeightQuantization.none
     weight_bucket_bytes: int = 512 * 1024 * 1024  # bytes broadcast per /update_weights_from_distributed
     weight_sync_backend: WeightSyncBackend = WeightSyncBackend.nccl  # gloo for CPU tests
     weight_sync_master_address: str = "127.0.0.1"  # an address of the trainer the servers can reach
@@ -122,6 +134,21 @@ class SGLangConfig(ConfigNode):
             raise ValueError("SGLangConfig.mode='launch' needs model_path (an HF checkpoint directory)")
         if self.mode == LaunchMode.attach and not self.urls:
             raise ValueError("SGLangConfig.mode='attach' needs urls, e.g. ['http://127.0.0.1:30000']")
+
+    def _check_fp8_checkpoint(self) -> None:
+        """FP8 weights load only into a server that serves an FP8 checkpoint of the same block size: where
+        ``model_path`` is a local directory its ``config.json`` must say so (a remote one is the user's)."""
+        config_file = Path(self.model_path or "") / "config.json"
+        if not self.model_path or not config_file.is_file():
+            return
+        quantization = json.loads(config_file.read_text()).get("quantization_config") or {}
+        if quantization.get("quant_method") != "fp8" or quantization.get("weight_block_size") != [128, 128]:
+            raise ValueError(
+                f"rollout.sglang.weight_quantization=fp8_block sends block-FP8 weights, but {config_file} has "
+                f"quantization_config={quantization or None}: the server must serve an FP8 checkpoint with "
+                "weight_block_size [128, 128] (write one with tools/convert_checkpoint.py --fp8-block), or set "
+                "rollout.sglang.weight_quantization=none"
+            )
 
     def validate(self) -> None:
         if self.mode not in LAUNCH_MODES:
@@ -148,3 +175,5 @@ class SGLangConfig(ConfigNode):
                 raise ValueError(f"SGLangConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_retries < 0 or self.abort_retries < 0:
             raise ValueError("max_retries and abort_retries must be >= 0")
+        if self.weight_quantization == WeightQuantization.fp8_block:
+            self._check_fp8_checkpoint()

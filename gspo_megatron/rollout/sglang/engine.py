@@ -55,7 +55,7 @@ import torch
 
 from gspo_megatron.rollout.engine import RolloutEngine
 from gspo_megatron.rollout.sglang.client import NoServersLeftError, RetryPolicy, ServerState, SGLangHTTPClient
-from gspo_megatron.rollout.sglang.config import LaunchMode, PauseMode, SGLangConfig, WeightSync
+from gspo_megatron.rollout.sglang.config import LaunchMode, PauseMode, SGLangConfig, WeightQuantization, WeightSync
 from gspo_megatron.rollout.sglang.disk_sync import remove_older_versions, write_safetensors_checkpoint
 from gspo_megatron.rollout.sglang.launcher import LaunchedServer, build_launch_command, free_port
 from gspo_megatron.rollout.sglang.protocol import build_generate_request, parse_generate_response
@@ -70,6 +70,7 @@ from gspo_megatron.rollout.sglang.weight_sync import (
     open_weight_update_group,
 )
 from gspo_megatron.rollout.types import FinishReason, Sample, SamplingParams
+from gspo_megatron.weights.fp8_blocks import QuantizedStream, quantize_named_tensors
 
 T = TypeVar("T")
 
@@ -216,7 +217,15 @@ class SGLangEngine(RolloutEngine):
 
         Each attempt iterates ``named_tensors`` once. A re-iterable (a list, or the trainer's export
         stream, whose every pass is a fresh export) lets a failed distributed update be retried through
-        the disk path; a one-shot iterator cannot be read twice, so its failure is raised as it is."""
+        the disk path; a one-shot iterator cannot be read twice, so its failure is raised as it is. With
+        ``weight_quantization=fp8_block`` every projection goes out as block FP8 and its scales
+        (``weights/fp8_blocks.py``)."""
+        if self.config.weight_quantization == WeightQuantization.fp8_block:  # the FP8 checkpoint's tensors
+            named_tensors = (
+                quantize_named_tensors(named_tensors)
+                if isinstance(named_tensors, Iterator)
+                else QuantizedStream(named_tensors)
+            )
         servers = self._client.pool.alive()
         failure: BaseException | None = None
         try:

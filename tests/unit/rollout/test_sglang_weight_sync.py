@@ -187,3 +187,51 @@ def test_distributed_sync_broadcasts_into_two_servers(tmp_path):
         assert received["c"]["sum"] == 190.0
         assert state["weight_version"] == "2"
     assert sorted(offsets) == [1, 2]
+
+
+def test_fp8_block_weights_go_out_as_the_fp8_checkpoints_tensors(tmp_path):
+    """rollout.sglang.weight_quantization=fp8_block (disk path, a server serving an FP8 checkpoint): each
+    projection is written as e4m3 with its weight_scale_inv beside it, the norm as sent; what the server reads
+    back dequantizes to the weight within FP8's rounding. (gloo cannot broadcast float8 -- "Invalid scalar type"
+    -- so the distributed path's FP8 buckets are NCCL's: the GPU tier.)"""
+    from safetensors.torch import load_file
+
+    from gspo_megatron.weights.fp8_blocks import FP8_DTYPE, QUANTIZATION_CONFIG, dequantize_block_fp8
+
+    model = _model_dir(tmp_path)
+    config_json = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config_json, "quantization_config": QUANTIZATION_CONFIG}))
+    double = SGLangServerDouble().start()
+    try:
+        config = SGLangConfig(
+            mode="attach",
+            urls=[double.url],
+            weight_sync="disk",
+            weight_quantization="fp8_block",
+            model_path=str(model),
+            disk_sync_dir=str(tmp_path / "sync"),
+            health_poll_interval_s=0.01,
+        )
+        config.validate()
+        q_proj = torch.randn(130, 70, generator=torch.Generator().manual_seed(0))
+        tensors = [("model.layers.0.self_attn.q_proj.weight", q_proj), ("model.norm.weight", torch.ones(70))]
+        with SGLangEngine(config) as engine:
+            engine.update_weights(tensors, version=3)
+        written = {}
+        for file in sorted((tmp_path / "sync" / "v3").glob("*.safetensors")):
+            written.update(load_file(file))
+        assert sorted(written) == [
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.0.self_attn.q_proj.weight_scale_inv",
+            "model.norm.weight",
+        ]
+        assert written["model.layers.0.self_attn.q_proj.weight"].dtype == FP8_DTYPE
+        assert written["model.layers.0.self_attn.q_proj.weight_scale_inv"].shape == (2, 1)
+        back = dequantize_block_fp8(
+            written["model.layers.0.self_attn.q_proj.weight"],
+            written["model.layers.0.self_attn.q_proj.weight_scale_inv"],
+        )
+        assert ((back - q_proj).abs() <= 2.0**-4 * q_proj.abs() + 1e-3).all()
+        assert torch.equal(written["model.norm.weight"], torch.ones(70))
+    finally:
+        double.stop()
