@@ -152,22 +152,25 @@ def test_rejected_tokens_dropped_from_the_denominators(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("preset", ["grpo_icepop", "gspo_seq_mis", "gspo_geo_rs"])
-def test_anchor_corrections_with_the_bf16_engine_equal_one_rank_under_tp2(tmp_path, preset):
+def test_anchor_corrections_with_the_bf16_engine_equal_one_rank_under_tp2_and_ep2(tmp_path, preset):
     """slime's IcePop and verl's sequence MIS and geometric RS (presets) with a bf16 engine sampling for the fp32
     trainer: they weigh or reject (geometric RS's 0.999-1.001 band rejects some rows of a bf16 engine's, not all;
-    the other two get bands that narrow), and a tp2 run logs the same metrics as one rank."""
+    the other two get bands that narrow), and tp2 and ep2 runs log the same metrics as one rank."""
     overrides = FAST + ["trainer.steps=1", f"algorithm={preset}", "rollout.embedded.dtype=bfloat16"]
     if preset == "grpo_icepop":
         overrides += ["algorithm.mismatch_cap=1.001", "algorithm.mismatch_lower=0.999"]  # bf16's gap: some masked
     if preset == "gspo_seq_mis":  # a product within [1/2, 2] for every row of a bf16 engine's: a band it leaves
         overrides += ["algorithm.mismatch_reject_upper=1.002", "algorithm.mismatch_reject_lower=0.998"]
     (one,) = run_distributed(train_worker, 1, overrides, str(tmp_path / "one"), timeout=600)
-    (tp2,) = run_distributed(train_worker, 2, overrides + ["parallel=tp2"], str(tmp_path / "tp2"), timeout=600)[:1]
     m = one[0]
     key = "mismatch_is/masked_frac" if preset == "grpo_icepop" else "mismatch_rs/rejected_token_frac"
     assert 0 < m[key] < 1, m[key]
-    for name in (key, "loss/policy", "loss/response_length", "grad_norm"):
-        assert tp2[0][name] == pytest.approx(m[name], rel=1e-4, abs=1e-6), name
+    for layout in ("tp2", "ep2"):
+        (run,) = run_distributed(
+            train_worker, 2, overrides + [f"parallel={layout}"], str(tmp_path / layout), timeout=600
+        )[:1]
+        for name in (key, "loss/policy", "loss/response_length", "grad_norm"):
+            assert run[0][name] == pytest.approx(m[name], rel=1e-4, abs=1e-6), (layout, name)
 
 
 def test_an_emulated_fp8_engine_widens_the_mismatch_and_r3_still_replays_its_routing(tmp_path):
