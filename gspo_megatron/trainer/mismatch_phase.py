@@ -55,26 +55,8 @@ def correct_mismatch(
     valid = batch.mismatch_mask.bool()
     rejected = torch.zeros_like(valid)  # valid tokens that leave the loss (and its denominators)
     if algorithm.mismatch_correction != MismatchCorrection.none:
-        weights, stats = mismatch_weight_stats(
-            batch.old_log_probs,
-            batch.rollout_log_probs,
-            batch.mismatch_mask,
-            algorithm.mismatch_correction,
-            algorithm.mismatch_cap,
-            algorithm.log_ratio_clamp,
-            algorithm.mismatch_sequence_ratio,
-            algorithm.mismatch_lower,
-        )
-        if dp_group is not None:
-            stats = all_reduce_metrics(stats, dp_group)
-        for mb in (mb for part in parts for mb in part):
-            # token-budget micro-batches hold any rows, cut to their own width
-            rows, width = batch.local(required(mb.rows, "rows", "mismatch correction")), mb.seq_len
-            advantages, row_weights = batch.advantages[rows], weights[rows]
-            advantages = advantages[:, :width] if advantages.dim() > 1 else advantages
-            row_weights = row_weights[:, :width] if row_weights.dim() > 1 else row_weights
-            mb.advantages = weighted_advantages(advantages, row_weights)
-        metrics.update({key: float(value) for key, value in finalize_mismatch_weight_stats(stats).items()})
+        weights, weight_metrics = _weigh_advantages(batch, parts, algorithm, dp_group)
+        metrics.update(weight_metrics)
         if algorithm.mismatch_rejected == RejectedTokens.drop:
             rejected |= valid & ~rejected_mask(weights, batch.mismatch_mask, algorithm.mismatch_correction)
     if algorithm.mismatch_reject != RejectionLevel.none or algorithm.mismatch_veto is not None:
@@ -94,6 +76,33 @@ def correct_mismatch(
     if bool(rejected.any()) or dp_group is not None:  # collective: every data-parallel rank takes part
         totals = _drop_rejected(parts, batch, rejected, totals, dp_group)
     return metrics, totals
+
+
+def _weigh_advantages(
+    batch: RolloutBatch, parts: list[list[MicroBatch]], algorithm: AlgorithmConfig, dp_group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Each micro-batch's advantages times its rows' importance weights; returns the weights (this rank's rows)
+    and their metrics over every data-parallel rank."""
+    weights, stats = mismatch_weight_stats(
+        required(batch.old_log_probs, "old_log_probs", "mismatch correction"),
+        batch.rollout_log_probs,
+        batch.mismatch_mask,
+        algorithm.mismatch_correction,
+        algorithm.mismatch_cap,
+        algorithm.log_ratio_clamp,
+        algorithm.mismatch_sequence_ratio,
+        algorithm.mismatch_lower,
+    )
+    if dp_group is not None:
+        stats = all_reduce_metrics(stats, dp_group)
+    for mb in (mb for part in parts for mb in part):
+        # token-budget micro-batches hold any rows, cut to their own width
+        rows, width = batch.local(required(mb.rows, "rows", "mismatch correction")), mb.seq_len
+        advantages, row_weights = batch.advantages[rows], weights[rows]
+        advantages = advantages[:, :width] if advantages.dim() > 1 else advantages
+        row_weights = row_weights[:, :width] if row_weights.dim() > 1 else row_weights
+        mb.advantages = weighted_advantages(advantages, row_weights)
+    return weights, {key: float(value) for key, value in finalize_mismatch_weight_stats(stats).items()}
 
 
 def _drop_rejected(
