@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from gspo_megatron.algorithms.metrics import COUNT, SUM, mean_entries
+from gspo_megatron.algorithms.metrics import finalize_metrics, mean_entries
 from gspo_megatron.config_node import ConfigChoice
 
 
@@ -97,9 +97,5 @@ def rejection_keep_mask(
 
 
 def finalize_rejection_stats(stats: dict[str, torch.Tensor]) -> dict[str, float]:
-    """``mismatch_rs/<name>`` from (reduced) additive entries: sum / count, 0 where nothing was counted."""
-    names = sorted({key.removesuffix(SUM) for key in stats if key.endswith(SUM)})
-    return {
-        f"mismatch_rs/{name}": float(stats[name + SUM] / stats[name + COUNT]) if float(stats[name + COUNT]) else 0.0
-        for name in names
-    }
+    """``mismatch_rs/<name>`` from (reduced) additive entries: the means, 0 where nothing was counted."""
+    return {f"mismatch_rs/{name}": float(value.nan_to_num(0.0)) for name, value in finalize_metrics(stats).items()}

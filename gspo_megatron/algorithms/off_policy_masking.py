@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from gspo_megatron.algorithms.metrics import mean_entries
+from gspo_megatron.algorithms.reductions import local_sequence_sum
 
 
 def off_policy_sequence_mask(
@@ -32,7 +33,7 @@ def off_policy_sequence_mask(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     delta: float,
-    sequence_sum: Callable[[torch.Tensor], torch.Tensor] = lambda x: x.sum(-1),
+    sequence_sum: Callable[[torch.Tensor], torch.Tensor] = local_sequence_sum,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Advantages with the masked sequences' entries set to 0 (same shape: [B] or [B, T]) and metric entries."""
     mask = response_mask.bool()

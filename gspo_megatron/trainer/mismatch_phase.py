@@ -49,19 +49,20 @@ def correct_mismatch(
 
     ``batch`` holds this rank's rows; the metrics cover every data-parallel rank's rows when
     ``dp_group`` is given (sums and counts summed, extremes reduced over it)."""
-    if batch.old_log_probs is None:
+    old_log_probs = batch.old_log_probs
+    if old_log_probs is None:
         raise RuntimeError("mismatch correction needs the old log-probs: run the old-log-prob pass first")
     metrics: dict[str, float] = {}
     valid = batch.mismatch_mask.bool()
     rejected = torch.zeros_like(valid)  # valid tokens that leave the loss (and its denominators)
     if algorithm.mismatch_correction != MismatchCorrection.none:
-        weights, weight_metrics = _weigh_advantages(batch, parts, algorithm, dp_group)
+        weights, weight_metrics = _weigh_advantages(batch, old_log_probs, parts, algorithm, dp_group)
         metrics.update(weight_metrics)
         if algorithm.mismatch_rejected == RejectedTokens.drop:
             rejected |= valid & ~rejected_mask(weights, batch.mismatch_mask, algorithm.mismatch_correction)
     if algorithm.mismatch_reject != RejectionLevel.none or algorithm.mismatch_veto is not None:
         kept, stats = rejection_keep_mask(
-            batch.old_log_probs,
+            old_log_probs,
             batch.rollout_log_probs,
             batch.mismatch_mask,
             algorithm.mismatch_reject,
@@ -73,18 +74,27 @@ def correct_mismatch(
             stats = all_reduce_metrics(stats, dp_group)
         metrics.update(finalize_rejection_stats(stats))
         rejected |= valid & ~kept
-    if bool(rejected.any()) or dp_group is not None:  # collective: every data-parallel rank takes part
+    may_reject = (
+        algorithm.mismatch_rejected == RejectedTokens.drop
+        or algorithm.mismatch_reject != RejectionLevel.none
+        or algorithm.mismatch_veto is not None
+    )
+    if may_reject:  # the config's answer, the same on every data-parallel rank: the reduction is collective
         totals = _drop_rejected(parts, batch, rejected, totals, dp_group)
     return metrics, totals
 
 
 def _weigh_advantages(
-    batch: RolloutBatch, parts: list[list[MicroBatch]], algorithm: AlgorithmConfig, dp_group: dist.ProcessGroup | None
+    batch: RolloutBatch,
+    old_log_probs: torch.Tensor,
+    parts: list[list[MicroBatch]],
+    algorithm: AlgorithmConfig,
+    dp_group: dist.ProcessGroup | None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Each micro-batch's advantages times its rows' importance weights; returns the weights (this rank's rows)
     and their metrics over every data-parallel rank."""
     weights, stats = mismatch_weight_stats(
-        required(batch.old_log_probs, "old_log_probs", "mismatch correction"),
+        old_log_probs,
         batch.rollout_log_probs,
         batch.mismatch_mask,
         algorithm.mismatch_correction,

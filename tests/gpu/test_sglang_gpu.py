@@ -19,10 +19,10 @@ pytestmark = [
 ]
 
 
-def _tiny_moe_checkpoint(path):
+def _tiny_moe_checkpoint(path, **overrides):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(
+    shape = dict(
         vocab_size=512,
         hidden_size=64,
         intermediate_size=128,
@@ -38,6 +38,7 @@ def _tiny_moe_checkpoint(path):
         mlp_only_layers=[],
         torch_dtype="bfloat16",
     )
+    config = Qwen3MoeConfig(**{**shape, **overrides})
     torch.manual_seed(0)
     Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
     return config
@@ -105,28 +106,10 @@ def _fp8_checkpoint(path):
     """A tiny Qwen3-MoE with every projection a multiple of SGLang's 128 x 128 blocks, written as a block-FP8
     checkpoint (``weights/fp8_blocks.py``); returns the bf16 weights it was made from."""
     from safetensors.torch import load_file, save_file
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from gspo_megatron.weights.fp8_blocks import QUANTIZATION_CONFIG, quantize_named_tensors
 
-    config = Qwen3MoeConfig(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=128,
-        moe_intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=32,
-        num_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=256,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        torch_dtype="bfloat16",
-    )
-    torch.manual_seed(0)
-    Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    _tiny_moe_checkpoint(path, hidden_size=128, moe_intermediate_size=128, num_key_value_heads=4, head_dim=32)
     weights = load_file(str(path / "model.safetensors"))
     save_file(dict(quantize_named_tensors(sorted(weights.items()))), str(path / "model.safetensors"))
     hf_config = json.loads((path / "config.json").read_text())

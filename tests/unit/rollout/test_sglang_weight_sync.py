@@ -47,18 +47,23 @@ def _model_dir(tmp_path):
     return model
 
 
+def _disk_sync_config(double, model, tmp_path, **overrides) -> SGLangConfig:
+    """Attached to ``double``, weights through the disk path into ``tmp_path / "sync"``."""
+    return SGLangConfig(
+        mode="attach",
+        urls=[double.url],
+        weight_sync="disk",
+        model_path=str(model),
+        disk_sync_dir=str(tmp_path / "sync"),
+        health_poll_interval_s=0.01,
+        **overrides,
+    )
+
+
 def test_disk_sync_call_order_files_and_version(tmp_path):
     double = SGLangServerDouble().start()
     try:
-        config = SGLangConfig(
-            mode="attach",
-            urls=[double.url],
-            weight_sync="disk",
-            model_path=str(_model_dir(tmp_path)),
-            disk_sync_dir=str(tmp_path / "sync"),
-            weight_bucket_bytes=64,
-            health_poll_interval_s=0.01,
-        )
+        config = _disk_sync_config(double, _model_dir(tmp_path), tmp_path, weight_bucket_bytes=64)
         tensors = [
             ("layer.0.w", torch.arange(12.0).reshape(3, 4)),
             ("layer.0.b", torch.ones(4)),
@@ -203,15 +208,7 @@ def test_fp8_block_weights_go_out_as_the_fp8_checkpoints_tensors(tmp_path):
     (model / "config.json").write_text(json.dumps({**config_json, "quantization_config": QUANTIZATION_CONFIG}))
     double = SGLangServerDouble().start()
     try:
-        config = SGLangConfig(
-            mode="attach",
-            urls=[double.url],
-            weight_sync="disk",
-            weight_quantization="fp8_block",
-            model_path=str(model),
-            disk_sync_dir=str(tmp_path / "sync"),
-            health_poll_interval_s=0.01,
-        )
+        config = _disk_sync_config(double, model, tmp_path, weight_quantization="fp8_block")
         config.validate()
         q_proj = torch.randn(130, 70, generator=torch.Generator().manual_seed(0))
         tensors = [("model.layers.0.self_attn.q_proj.weight", q_proj), ("model.norm.weight", torch.ones(70))]
