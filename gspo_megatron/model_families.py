@@ -40,7 +40,7 @@ Families:
   ``q_b_proj`` (or ``q_proj``), ``kv_a_proj_with_mqa`` (the kv latent and one RoPE key) ->
   ``kv_a_layernorm`` -> ``kv_b_proj`` (per head: key without RoPE, value), interleaved RoPE
   (megatron's MLA de-interleaves the same way). YaRN RoPE scaling (the real checkpoints' 128K context)
-  is read for planning, not built.
+  is the model config's, common to the families (``models/config.py``).
 """
 
 from __future__ import annotations
@@ -116,7 +116,6 @@ class ModelFamily:
 # The settings every family but GLM's fixes: the softmax router, no expert bias, no groups, full RoPE.
 _SOFTMAX_ROUTER = dict(
     attention="gqa",
-    rope_yarn_factor=1.0,
     router_score="softmax",
     expert_bias=False,
     router_groups=1,
@@ -264,8 +263,6 @@ def _read_deepseek_v3(hf: Mapping[str, Any], layers: int) -> dict[str, Any]:
     if hf.get("rope_interleave", True) is False:
         raise ValueError("config.json has rope_interleave=false: DeepSeek-V3's RoPE is built interleaved here")
     nope, rope = hf.get("qk_nope_head_dim", 128), hf.get("qk_rope_head_dim", 64)
-    scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    yarn = scaling.get("rope_type", scaling.get("type")) == "yarn"
     fields = _read_sigmoid_moe(hf, layers) | {
         "attention": "mla",
         "qk_norm": True,
@@ -278,7 +275,6 @@ def _read_deepseek_v3(hf: Mapping[str, Any], layers: int) -> dict[str, Any]:
         "v_head_dim": hf.get("v_head_dim", 128),
         "head_dim": nope + rope,
         "num_kv_heads": hf["num_attention_heads"],
-        "rope_yarn_factor": float(scaling.get("factor", 1.0)) if yarn else 1.0,
     }
     return fields
 
@@ -331,9 +327,7 @@ FAMILIES: dict[str, ModelFamily] = {
             hf_fields=_glm4_moe_fields,
             read_hf_fields=_read_glm4_moe,
             # megatron renormalises a sigmoid router's top-k always (moe_utils.topk_routing_with_score_function)
-            fixed=dict(
-                attention="gqa", rope_yarn_factor=1.0, router_score="sigmoid", expert_bias=True, norm_topk_prob=True
-            ),
+            fixed=dict(attention="gqa", router_score="sigmoid", expert_bias=True, norm_topk_prob=True),
         ),
         ModelFamily(
             model_type="deepseek_v3",

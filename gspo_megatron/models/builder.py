@@ -32,7 +32,6 @@ from gspo_megatron.models.config import (
     AttentionKind,
     ExpertMLP,
     LayerSpec,
-    ModelConfigError,
     MoEModelConfig,
     TokenDispatcher,
 )
@@ -75,11 +74,6 @@ def make_transformer_config(
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     model.validate()
-    if model.rope_yarn_factor != 1.0:
-        raise ModelConfigError(
-            f"model.rope_yarn_factor={model.rope_yarn_factor}: YaRN RoPE scaling is not built here (the planner "
-            "reads it); set model.rope_yarn_factor=1.0 to train within the checkpoint's original context"
-        )
     attention_kwargs: dict = {}
     config_class = TransformerConfig
     if model.attention == AttentionKind.mla:
@@ -91,8 +85,15 @@ def make_transformer_config(
             qk_head_dim=model.qk_nope_head_dim,
             qk_pos_emb_head_dim=model.qk_rope_head_dim,
             v_head_dim=model.v_head_dim,
-            rope_type="rope",
             rotary_base=int(model.rope_theta),
+            # MLA's own YaRN: cos/sin x m(mscale) / m(mscale_all_dim), softmax scale x m(mscale_all_dim)^2
+            rope_type="yarn" if model.rope_yarn else "rope",
+            rotary_scaling_factor=model.rope_yarn_factor,
+            original_max_position_embeddings=model.rope_yarn_original_max_position_embeddings,
+            beta_fast=model.rope_yarn_beta_fast,
+            beta_slow=model.rope_yarn_beta_slow,
+            mscale=model.rope_yarn_mscale,
+            mscale_all_dim=model.rope_yarn_mscale_all_dim,
         )
     moe_layer_freq = [0 if i in set(model.dense_layers) else 1 for i in range(model.num_layers)]
     moe_kwargs = {}
@@ -125,7 +126,7 @@ def make_transformer_config(
             # or replay (megatron's RouterReplay instances live in one process-global list).
             moe_enable_routing_replay=routing_replay,
         )
-    return config_class(
+    config = config_class(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
@@ -176,6 +177,22 @@ def make_transformer_config(
         **moe_kwargs,
         **attention_kwargs,
     )
+    if model.rope_yarn and model.attention == AttentionKind.gqa:
+        _set_gqa_yarn(config, model)
+    return config
+
+
+def _set_gqa_yarn(config, model: MoEModelConfig) -> None:
+    """GPTModel's YaRN (``position_embedding_type="yarn"``) and its attention's cos/sin factor read these
+    attributes, which TransformerConfig does not declare (megatron-core 0.16 to 0.19): set on the config
+    before anything is built (0.19's attention reads them in its constructor)."""
+    config.yarn_rotary_scaling_factor = model.rope_yarn_factor
+    config.yarn_original_max_position_embeddings = model.rope_yarn_original_max_position_embeddings
+    config.yarn_beta_fast = model.rope_yarn_beta_fast
+    config.yarn_beta_slow = model.rope_yarn_beta_slow
+    config.yarn_mscale = model.rope_yarn_mscale
+    config.yarn_mscale_all_dim = model.rope_yarn_mscale_all_dim
+    config.yarn_correction_range_round_to_int = True  # transformers' truncate=true
 
 
 def _mla_without_transformer_engine() -> None:
@@ -338,7 +355,8 @@ def build_model_chunks(
             else post_process,
             parallel_output=True,
             share_embeddings_and_output_weights=model.tie_word_embeddings,
-            position_embedding_type="rope",
+            # MLA makes its own rotary embedding (above); this one is GQA's
+            position_embedding_type="yarn" if model.rope_yarn and model.attention == AttentionKind.gqa else "rope",
             rotary_percent=model.rotary_fraction,
             rotary_base=int(model.rope_theta),
             vp_stage=vp_stage,

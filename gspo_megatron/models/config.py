@@ -99,7 +99,18 @@ class MoEModelConfig(ConfigNode):
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
-    rope_yarn_factor: float = 1.0  # YaRN RoPE scaling (DeepSeek-V3: 40); read for planning, not built (> 1 refused)
+    # YaRN RoPE scaling (HF ``rope_scaling`` of type "yarn": DeepSeek-V3 40, Kimi-K2 32, Qwen3's long-context
+    # recipe 4); factor 1 is plain RoPE and the keys below are then unused. Frequency i of base^(-2i/d) is kept
+    # (extrapolated) where it turns more than beta_fast times over the original context, divided by the factor
+    # (interpolated) where less than beta_slow times, ramped between; cos and sin are multiplied by
+    # m(mscale) / m(mscale_all_dim), m(x) = 0.1 x ln(factor) + 1 (m(1) alone when mscale_all_dim = 0), and
+    # MLA's softmax scale by m(mscale_all_dim)^2 -- transformers' and megatron's formulas alike
+    rope_yarn_factor: float = 1.0
+    rope_yarn_original_max_position_embeddings: int = 4096  # the pre-training context the factor stretches
+    rope_yarn_beta_fast: float = 32.0
+    rope_yarn_beta_slow: float = 1.0
+    rope_yarn_mscale: float = 1.0
+    rope_yarn_mscale_all_dim: float = 0.0
     qk_norm: bool = True  # per-head RMSNorm on queries and keys (Qwen3-MoE); MLA: RMSNorm on the latents
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2-MoE, GLM-4.5)
     rotary_fraction: float = 1.0  # share of each head's dims RoPE rotates (GLM-4.5: 0.5)
@@ -127,6 +138,7 @@ class MoEModelConfig(ConfigNode):
             raise ModelConfigError(f"model.family={self.family!r} is not a model family; valid: {sorted(FAMILIES)}")
         self._validate_family()
         self._validate_attention()
+        self._validate_rope_scaling()
         self._validate_router()
         positive = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim")
         for name in positive:
@@ -213,6 +225,38 @@ class MoEModelConfig(ConfigNode):
                 "qk_rope_head_dim dims: set model.qk_norm=true, model.qkv_bias=false, model.rotary_fraction=1.0"
             )
 
+    @property
+    def rope_yarn(self) -> bool:
+        """Whether RoPE is YaRN-scaled (``rope_yarn_factor`` > 1)."""
+        return self.rope_yarn_factor != 1.0
+
+    def _validate_rope_scaling(self) -> None:
+        if not self.rope_yarn:
+            return
+        if self.rope_yarn_factor < 1.0:
+            raise ModelConfigError(
+                f"model.rope_yarn_factor={self.rope_yarn_factor} must be >= 1 "
+                "(1: plain RoPE; YaRN stretches the context by the factor)"
+            )
+        if self.rotary_fraction != 1.0:
+            raise ModelConfigError(
+                f"model.rope_yarn_factor={self.rope_yarn_factor} with model.rotary_fraction={self.rotary_fraction}: "
+                "megatron's YaRN rotates every dim of the head; set model.rotary_fraction=1.0 or "
+                "model.rope_yarn_factor=1.0"
+            )
+        positive = ("rope_yarn_original_max_position_embeddings", "rope_yarn_beta_fast", "rope_yarn_beta_slow")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ModelConfigError(f"model.{name} must be > 0, got {getattr(self, name)}")
+        mscale, all_dim = self.rope_yarn_mscale, self.rope_yarn_mscale_all_dim
+        if all_dim < 0 or mscale <= 0 or (mscale != 1.0 and not all_dim):
+            # transformers uses m(1) for cos/sin unless both are set (non-zero); megatron always m(mscale) / m(all_dim)
+            raise ModelConfigError(
+                f"model.rope_yarn_mscale={mscale}, model.rope_yarn_mscale_all_dim={all_dim}: the mscale counts only "
+                "beside an mscale_all_dim > 0 (transformers ignores it otherwise); set model.rope_yarn_mscale=1.0, "
+                "or model.rope_yarn_mscale_all_dim > 0"
+            )
+
     def _validate_router(self) -> None:
         if self.expert_bias and self.router_score != RouterScore.sigmoid:
             raise ModelConfigError("model.expert_bias=true needs model.router_score=sigmoid (megatron's expert bias)")
@@ -273,12 +317,6 @@ class MoEModelConfig(ConfigNode):
     def to_hf_dict(self) -> dict[str, Any]:
         """The family's ``config.json`` dictionary for this model."""
         self.validate()  # the family's architecture can represent it
-        if self.rope_yarn_factor != 1.0:
-            raise ModelConfigError(
-                f"model.rope_yarn_factor={self.rope_yarn_factor}: YaRN RoPE scaling is read for planning but not "
-                "built, served or exported here; set model.rope_yarn_factor=1.0 (sequences within the "
-                "checkpoint's original context)"
-            )
         family = self.architecture
         return {
             "architectures": [family.architecture],
@@ -296,11 +334,29 @@ class MoEModelConfig(ConfigNode):
             "rms_norm_eps": self.rms_norm_eps,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
+            **self._hf_rope_scaling(),
             "hidden_act": "silu",
             "attention_bias": False,
             "attention_dropout": 0.0,
             "torch_dtype": "float32",
             **family.hf_fields(self),  # last: a family's own meaning of a common key wins (GLM's attention_bias)
+        }
+
+    def _hf_rope_scaling(self) -> dict[str, Any]:
+        """``rope_scaling`` of a YaRN-scaled model (transformers >= 5 stores it as ``rope_parameters``)."""
+        if not self.rope_yarn:
+            return {}
+        return {
+            "rope_scaling": {
+                "type": "yarn",
+                "rope_type": "yarn",
+                "factor": self.rope_yarn_factor,
+                "original_max_position_embeddings": self.rope_yarn_original_max_position_embeddings,
+                "beta_fast": self.rope_yarn_beta_fast,
+                "beta_slow": self.rope_yarn_beta_slow,
+                "mscale": self.rope_yarn_mscale,
+                "mscale_all_dim": self.rope_yarn_mscale_all_dim,
+            }
         }
 
     def to_hf_config(self):
@@ -327,6 +383,7 @@ class MoEModelConfig(ConfigNode):
             family_fields = FAMILIES[model_type].read_hf_fields(hf, layers)
         except ValueError as error:
             raise ModelConfigError(str(error)) from error
+        family_fields = _read_rope_scaling(hf) | family_fields
         values: dict[str, Any] = dict(
             family=model_type,
             vocab_size=hf["vocab_size"],
@@ -363,6 +420,38 @@ class MoEModelConfig(ConfigNode):
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def _read_rope_scaling(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The model-config YaRN keys of a config.json's ``rope_scaling`` (transformers < 5) or ``rope_parameters``;
+    another scaling type, or a YaRN setting transformers has and megatron lacks, is refused by name."""
+    scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return {}
+    if kind != "yarn":
+        raise ModelConfigError(
+            f"config.json has RoPE scaling of type {kind!r}; only YaRN ('yarn') is built here (docs/training.md, "
+            "'Model families')"
+        )
+    for key, plain in (("attention_factor", None), ("truncate", True)):
+        if scaling.get(key, plain) != plain:
+            raise ModelConfigError(
+                f"config.json's YaRN has {key}={scaling[key]!r}, which megatron's YaRN cannot build; "
+                f"remove the key (transformers' default: {plain})"
+            )
+    original = scaling.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 4096)
+    # transformers: without a factor, the ratio of the context to the original one
+    factor = scaling.get("factor") or hf.get("max_position_embeddings", original) / original
+    return {
+        "rope_yarn_factor": float(factor),
+        "rope_yarn_original_max_position_embeddings": int(original),
+        "rope_yarn_beta_fast": float(scaling.get("beta_fast") or 32.0),  # transformers: `or 32`
+        "rope_yarn_beta_slow": float(scaling.get("beta_slow") or 1.0),
+        # transformers' cos/sin factor: m(mscale) / m(mscale_all_dim) when both are non-zero, else m(1)
+        "rope_yarn_mscale": float(scaling.get("mscale") or 1.0) if scaling.get("mscale_all_dim") else 1.0,
+        "rope_yarn_mscale_all_dim": float(scaling.get("mscale_all_dim") or 0.0),
+    }
 
 
 PRESETS: dict[str, MoEModelConfig] = {

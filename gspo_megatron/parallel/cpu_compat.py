@@ -42,8 +42,9 @@ What has no seam is bridged here, one function per fact:
 6. ``clip_grad_by_total_norm_fp32`` asserts every grad is a ``torch.cuda.FloatTensor``; the
    optimizer module gets a version that scales fp32 CPU grads in place by the same coefficient.
 7. Context parallelism: ``rope_utils.get_pos_emb_on_this_cp_rank`` builds its chunk index with
-   ``pin_memory=True`` and ``.cuda()``. ``rotary_pos_embedding`` (which imported it by name) gets
-   the same load-balanced split from ``parallel/context_parallel.split_sequence`` on CPU.
+   ``pin_memory=True`` and ``.cuda()``. ``rotary_pos_embedding`` and ``yarn_rotary_pos_embedding``
+   (which imported it by name) get the same load-balanced split from
+   ``parallel/context_parallel.split_sequence`` on CPU.
 8. The mixed-precision and distributed optimizers sort parameters by ``param.type()`` string
    (``optimizer/optimizer.py:671,690`` in ``Float16OptimizerWithFloat16Params.__init__``,
    ``optimizer/distrib_optimizer.py:361,420,582`` in ``DistributedOptimizer.__init__`` and the
@@ -243,7 +244,7 @@ def _clip_grads_on_cpu() -> None:
 
 
 def _rotary_cp_split_on_cpu() -> None:
-    from megatron.core.models.common.embeddings import rotary_pos_embedding
+    from megatron.core.models.common.embeddings import rotary_pos_embedding, yarn_rotary_pos_embedding
 
     from gspo_megatron.parallel.context_parallel import split_sequence
 
@@ -251,7 +252,8 @@ def _rotary_cp_split_on_cpu() -> None:
         # chunks r and 2*cp-1-r of the rotary table, exactly megatron's index_select
         return split_sequence(pos_emb, cp_group.size(), cp_group.rank(), seq_dim=seq_dim)
 
-    _patch(rotary_pos_embedding, "get_pos_emb_on_this_cp_rank", get_pos_emb_on_this_cp_rank)
+    for module in (rotary_pos_embedding, yarn_rotary_pos_embedding):
+        _patch(module, "get_pos_emb_on_this_cp_rank", get_pos_emb_on_this_cp_rank)
 
 
 def _cpu_tensors_pass_optimizer_type_checks() -> None:

@@ -80,6 +80,27 @@ FAMILY_TEST_OVERRIDES: dict[str, dict[str, Any]] = {
 }
 
 
+# YaRN at the tiny scale: a 16-token original context stretched 4x; with base 10^4 and betas 8 / 0.25 the ramp
+# keeps a head's first frequency, interpolates its last ones and mixes one between; the cos/sin factor
+# m(2) / m(1) and MLA's softmax factor m(1)^2 differ from 1. MLA gets 4 RoPE dims (2 frequencies).
+YARN_TEST_OVERRIDES: dict[str, Any] = dict(
+    rope_theta=10000.0,
+    rope_yarn_factor=4.0,
+    rope_yarn_original_max_position_embeddings=16,
+    rope_yarn_beta_fast=8.0,
+    rope_yarn_beta_slow=0.25,
+    rope_yarn_mscale=2.0,
+    rope_yarn_mscale_all_dim=1.0,
+)
+_MLA_YARN_WIDTHS = dict(qk_nope_head_dim=4, qk_rope_head_dim=4)
+
+
+def tiny_yarn_config(family: str, **overrides) -> MoEModelConfig:
+    """``tiny_family_config`` with YaRN RoPE scaling (``YARN_TEST_OVERRIDES``)."""
+    widths = _MLA_YARN_WIDTHS if FAMILY_TEST_OVERRIDES[family].get("attention") == "mla" else {}
+    return tiny_family_config(family, **{**YARN_TEST_OVERRIDES, **widths, **overrides})
+
+
 def tiny_family_config(family: str, **overrides) -> MoEModelConfig:
     """``tiny_test_config`` as a model of ``family``."""
     return tiny_test_config(family=family, **{**FAMILY_TEST_OVERRIDES[family], **overrides})

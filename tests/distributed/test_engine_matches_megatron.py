@@ -21,7 +21,12 @@ import torch
 
 from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.testing.distributed import run_distributed
-from gspo_megatron.testing.model_fixtures import FAMILY_TEST_OVERRIDES, random_hf_state, tiny_family_config
+from gspo_megatron.testing.model_fixtures import (
+    FAMILY_TEST_OVERRIDES,
+    random_hf_state,
+    tiny_family_config,
+    tiny_yarn_config,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -174,9 +179,14 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILY_TEST_OVERRIDES))
+# every family, and YaRN RoPE scaling under both attentions (transformers' YaRN against megatron's)
+MODELS = sorted(FAMILY_TEST_OVERRIDES) + ["qwen3_moe+yarn", "deepseek_v3+yarn"]
+
+
+@pytest.fixture(scope="module", params=MODELS)
 def setup(request):
-    cfg = tiny_family_config(request.param)
+    family, _, scaling = request.param.partition("+")
+    cfg = tiny_yarn_config(family) if scaling else tiny_family_config(family)
     return cfg, random_hf_state(cfg, seed=11, scale=0.3)
 
 

@@ -2,7 +2,8 @@
 under TP=2, PP=2, EP=2 in bf16 within bf16 rounding; the tiny model of each other family (Mixtral: no
 q/k norms, its own checkpoint names; Qwen2-MoE: q/k/v biases, a gated shared expert, top-k not
 renormalised; GLM-4.5: sigmoid router with expert bias, groups and scaling, an un-gated shared expert, a
-dense first layer, partial RoPE) under TP=2, PP=2, EP=2 equals one rank (fp32).
+dense first layer, partial RoPE) under TP=2, PP=2, EP=2 equals one rank (fp32); YaRN RoPE scaling
+(MLA's and GQA's) under TP=2 and CP=2 equals one rank.
 
 Every layout is built from the same HF-named weights; log-probs of a fixed batch and the gradients
 of a fixed loss (gathered back to HF names) must match the single-rank run within fp32 tolerance,
@@ -21,6 +22,7 @@ from gspo_megatron.testing.model_fixtures import (
     random_hf_state,
     tiny_family_config,
     tiny_test_config,
+    tiny_yarn_config,
 )
 
 pytestmark = pytest.mark.distributed
@@ -102,6 +104,20 @@ def family_reference(request):
 @pytest.mark.parametrize("name", ["tp2", "pp2", "ep2"])
 def test_family_layout_matches_single_rank(family_reference, name):
     _assert_layout_matches(*family_reference, name)
+
+
+@pytest.fixture(scope="module", params=["deepseek_v3", "qwen3_moe"])
+def yarn_reference(request):
+    cfg = tiny_yarn_config(request.param)
+    state = random_hf_state(cfg, seed=3)
+    (single,) = run_distributed(model_layout_worker, 1, cfg, state, dict(world_size=1), timeout=300)
+    return cfg, state, single
+
+
+@pytest.mark.parametrize("name", ["tp2", "cp2"])
+def test_yarn_rope_layout_matches_single_rank(yarn_reference, name):
+    """YaRN's cos/sin are sliced per context-parallel rank and (MLA) its shared key crosses TP ranks."""
+    _assert_layout_matches(*yarn_reference, name)
 
 
 def _assert_layout_matches(cfg, state, single, name: str) -> None:

@@ -101,18 +101,10 @@ def test_deepseek_v3_and_kimi_k2_shapes(name, total, active, groups):
     assert (cfg.family, cfg.attention, cfg.q_lora_rank, cfg.kv_lora_rank) == ("deepseek_v3", "mla", 1536, 512)
     assert (cfg.head_dim, cfg.v_head_dim, cfg.router_groups, cfg.top_k) == (192, 128, groups, 8)
     assert round(counts["total"] / 1e9) == total and round(counts["active"] / 1e9) == active
-    assert cfg.rope_yarn_factor > 1  # read for planning; building refuses it (below)
-
-
-def test_yarn_rope_scaling_is_refused_when_built_or_exported():
-    from gspo_megatron.models.builder import make_transformer_config
-    from gspo_megatron.parallel.layout import ParallelLayout
-
-    yarn = tiny_family_config("deepseek_v3", rope_yarn_factor=40.0)
-    with pytest.raises(ModelConfigError, match=r"model\.rope_yarn_factor=40\.0.*set model\.rope_yarn_factor=1\.0"):
-        make_transformer_config(yarn, ParallelLayout(world_size=1))
-    with pytest.raises(ModelConfigError, match=r"model\.rope_yarn_factor=40\.0"):
-        yarn.to_hf_dict()
+    # YaRN: DeepSeek-V3 stretches 4K by 40 (betas 32 / 1), Kimi-K2 by 32 (betas 1 / 1); mscale 1 / 1 both
+    yarn = (cfg.rope_yarn_factor, cfg.rope_yarn_original_max_position_embeddings, cfg.rope_yarn_beta_fast)
+    assert yarn == ({"deepseek_v3": 40.0, "kimi_k2": 32.0}[name], 4096, {"deepseek_v3": 32.0, "kimi_k2": 1.0}[name])
+    assert (cfg.rope_yarn_beta_slow, cfg.rope_yarn_mscale, cfg.rope_yarn_mscale_all_dim) == (1.0, 1.0, 1.0)
 
 
 def test_a_shipped_config_names_its_family():

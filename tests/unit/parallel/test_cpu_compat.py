@@ -144,8 +144,13 @@ class _Group:
         return self._rank
 
 
-def test_7_rotary_table_split_for_context_parallelism(bridges):
-    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+@pytest.mark.parametrize("embedding", ["rotary_pos_embedding", "yarn_rotary_pos_embedding"])
+def test_7_rotary_table_split_for_context_parallelism(bridges, embedding):
+    import importlib
+
+    from megatron.core.models.common.embeddings import rope_utils
+
+    rotary_pos_embedding = importlib.import_module(f"megatron.core.models.common.embeddings.{embedding}")
 
     table = torch.arange(8.0).view(8, 1, 1, 1)  # [seq, 1, 1, dim]
     with pytest.raises((RuntimeError, AssertionError)):  # pin_memory / .cuda() without CUDA
