@@ -100,7 +100,7 @@ def transformers_logits(hf_dir: Path) -> torch.Tensor:
 
 def _weights(directory: Path) -> dict[str, torch.Tensor]:
     source = SafetensorsSource(directory)
-    return {k: source.get(k) for k in source.keys()}  # noqa: SIM118 - keys() only: not a mapping, not iterable
+    return {k: source.stored(k) for k in source.keys()}  # noqa: SIM118 - keys() only: not a mapping, not iterable
 
 
 @pytest.fixture(scope="module")
