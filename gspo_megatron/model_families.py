@@ -26,6 +26,10 @@ Families:
   ``MixtralTopKRouter``); every layer MoE, no shared expert; ``intermediate_size`` is the expert's FFN
   size; checkpoint names ``block_sparse_moe.gate`` and ``block_sparse_moe.experts.{e}.w1/w3/w2``
   (gate, up, down).
+- ``olmoe`` (OLMoE): q/k RMSNorm over all heads' width at once (``q_norm`` over num_heads x head_dim =
+  hidden_size, ``k_norm`` over num_kv_heads x head_dim), before the split into heads; softmax top-k, by
+  default not renormalised; every layer MoE, no shared expert; ``intermediate_size`` is the expert's FFN
+  size; checkpoint names as Qwen3-MoE's.
 - ``glm4_moe`` (GLM-4.5, -Air): the DeepSeek-V3 router -- sigmoid scores; the expert bias
   (``e_score_correction_bias``, a buffer, not trained by gradients) is added to pick the experts only,
   the unbiased scores of the picked ones weight them, renormalised and times
@@ -75,6 +79,9 @@ class ModelFamily:
     expert_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     shared_expert: str | None = None  # checkpoint module of the shared expert (None: the architecture has none)
     shared_expert_gated: bool = False  # its output is scaled by sigmoid(shared_expert_gate(x))
+    # q/k RMSNorm over each head's head_dim (Qwen3); False: over all heads' width at once, before the split
+    # into heads (OLMoE: q_norm over num_heads x head_dim, k_norm over num_kv_heads x head_dim)
+    qk_norm_per_head: bool = True
 
     def router_name(self, layer: int) -> str:
         return f"model.layers.{layer}.{self.moe_module}.gate.weight"
@@ -190,6 +197,28 @@ def _read_mixtral(hf: Mapping[str, Any], layers: int) -> dict[str, Any]:
     }
 
 
+def _olmoe_fields(cfg) -> dict[str, Any]:
+    return {
+        "intermediate_size": cfg.moe_intermediate_size,
+        "num_experts": cfg.num_experts,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "clip_qkv": None,
+    }
+
+
+def _read_olmoe(hf: Mapping[str, Any], layers: int) -> dict[str, Any]:
+    if hf.get("clip_qkv") is not None:
+        raise ValueError(
+            f"config.json has clip_qkv={hf['clip_qkv']}: clamped q/k/v are not built here (OLMoE-1B-7B has none)"
+        )
+    return {
+        "num_experts": hf.get("num_experts", hf.get("num_local_experts", 0)) or 0,
+        "moe_intermediate_size": hf.get("intermediate_size", 0),
+        "norm_topk_prob": hf.get("norm_topk_prob", False),
+        "qkv_bias": bool(hf.get("attention_bias", False)),
+    }
+
+
 def _sigmoid_moe_fields(cfg) -> dict[str, Any]:
     """The MoE keys GLM-4.5 and DeepSeek-V3 write alike (router, shared experts, first-k dense)."""
     if cfg.shared_expert_intermediate_size % max(cfg.moe_intermediate_size, 1):
@@ -256,6 +285,12 @@ def _deepseek_v3_fields(cfg) -> dict[str, Any]:
         "head_dim": cfg.qk_rope_head_dim,  # HF's meaning: the RoPE part (the rotary embedding's width)
         "num_key_value_heads": cfg.num_attention_heads,
         "rope_interleave": True,
+        # the published config.json's router keys, which SGLang's DeepSeek model reads (transformers' class
+        # has no place for them): every layer past the dense ones MoE, sigmoid scores, bias-corrected top-k
+        "moe_layer_freq": 1,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "num_nextn_predict_layers": 0,
     }
 
 
@@ -316,6 +351,17 @@ FAMILIES: dict[str, ModelFamily] = {
             read_hf_fields=_read_mixtral,
             # transformers' MixtralTopKRouter renormalises the k scores whatever the config says
             fixed=dict(_SOFTMAX_ROUTER, qk_norm=False, qkv_bias=False, norm_topk_prob=True),
+        ),
+        ModelFamily(
+            model_type="olmoe",
+            title="OLMoE",
+            architecture="OlmoeForCausalLM",
+            config_class="OlmoeConfig",
+            dense_layers=DenseLayers.none,
+            hf_fields=_olmoe_fields,
+            read_hf_fields=_read_olmoe,
+            qk_norm_per_head=False,
+            fixed=dict(_SOFTMAX_ROUTER, qk_norm=True, qkv_bias=False),
         ),
         ModelFamily(
             model_type="glm4_moe",

@@ -32,6 +32,7 @@ from gspo_megatron.models.config import (
     AttentionKind,
     ExpertMLP,
     LayerSpec,
+    ModelConfigError,
     MoEModelConfig,
     TokenDispatcher,
 )
@@ -139,7 +140,7 @@ def make_transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=model.qkv_bias,
-        qk_layernorm=model.qk_norm,
+        qk_layernorm=model.qk_norm,  # per head, or (OLMoE) over all heads: make_block_spec picks the module
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=layout.tp,
@@ -233,18 +234,30 @@ def _mla_shared_rope_key_gradient() -> None:
     multi_latent_attention.apply_rotary_pos_emb = apply_rotary_pos_emb
 
 
-def make_block_spec(config, spec_name: str, expert_mlp: str = ExpertMLP.grouped, vp_stage: int | None = None):
-    """The decoder block spec of one model chunk (``vp_stage``: its virtual stage under vpp > 1)."""
+def make_block_spec(
+    config,
+    spec_name: str,
+    expert_mlp: str = ExpertMLP.grouped,
+    vp_stage: int | None = None,
+    all_heads_qk_norm: bool = False,
+):
+    """The decoder block spec of one model chunk (``vp_stage``: its virtual stage under vpp > 1).
+    ``all_heads_qk_norm``: q/k RMSNorm over all heads' width (OLMoE; ``models/layers.py:AllHeadsRMSNorm``)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     use_te = spec_name == "te"
     block = get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
     )
+    if use_te and all_heads_qk_norm:
+        raise ModelConfigError(
+            "q/k norms over all heads (OLMoE) are built with the portable layer spec only (TE's are per head); "
+            "set model.layer_spec=portable"
+        )
     if use_te:  # grouped: config.moe_grouped_gemm already chose TEGroupedMLP
         return block
     from gspo_megatron.models.grouped_experts import GroupedExperts
-    from gspo_megatron.models.layers import QKRMSNorm, RMSNorm, SDPACoreAttention
+    from gspo_megatron.models.layers import AllHeadsKeyRMSNorm, AllHeadsRMSNorm, QKRMSNorm, RMSNorm, SDPACoreAttention
 
     grouped = ExpertMLP(expert_mlp) == ExpertMLP.grouped
     for layer in block.layer_specs:
@@ -258,6 +271,9 @@ def make_block_spec(config, spec_name: str, expert_mlp: str = ExpertMLP.grouped,
             _mla_shared_rope_key_gradient()
             attn.q_layernorm = RMSNorm
             attn.kv_layernorm = RMSNorm
+        elif all_heads_qk_norm:
+            attn.q_layernorm = AllHeadsRMSNorm
+            attn.k_layernorm = AllHeadsKeyRMSNorm
         elif config.qk_layernorm:  # else megatron's spec has IdentityOp there
             attn.q_layernorm = QKRMSNorm
             attn.k_layernorm = QKRMSNorm
@@ -325,7 +341,9 @@ def build_model_chunks(
     from megatron.core.models.gpt import GPTModel
 
     on_meta = device == "meta"
-    spec_name = resolve_spec_name(layer_spec)
+    all_heads_qk_norm = model.qk_norm and not model.architecture.qk_norm_per_head
+    # OLMoE's all-heads q/k norms exist in the portable spec only: "auto" takes it on GPUs too
+    spec_name = "portable" if all_heads_qk_norm and layer_spec == "auto" else resolve_spec_name(layer_spec)
     config = make_transformer_config(
         model,
         layout,
@@ -344,7 +362,13 @@ def build_model_chunks(
         vp_stage = chunk if virtual else None
         kwargs = dict(
             config=config,
-            transformer_layer_spec=make_block_spec(config, spec_name, expert_mlp, vp_stage=vp_stage),
+            transformer_layer_spec=make_block_spec(
+                config,
+                spec_name,
+                expert_mlp,
+                vp_stage=vp_stage,
+                all_heads_qk_norm=all_heads_qk_norm,
+            ),
             vocab_size=model.vocab_size,
             max_sequence_length=model.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)

@@ -194,6 +194,13 @@ class MoEModelConfig(ConfigNode):
                 f"first k layers dense; set model.dense_layers={first}"
             )
 
+        width = self.num_attention_heads * self.head_dim
+        if self.qk_norm and not family.qk_norm_per_head and width != self.hidden_size:
+            raise ModelConfigError(
+                f"model.head_dim={self.head_dim}: the {family.title} architecture's q norm is hidden_size "
+                f"({self.hidden_size}) wide over num_attention_heads x head_dim ({width}); set "
+                f"model.head_dim={self.hidden_size // self.num_attention_heads}"
+            )
         try:
             family.hf_fields(self)  # what only the family's config.json keys can say (e.g. GLM's shared experts)
         except ValueError as error:
@@ -285,7 +292,7 @@ class MoEModelConfig(ConfigNode):
         """Total and per-token active parameters, computed from the shape (nothing allocated)."""
         h, layers = self.hidden_size, self.num_layers
         attn = h * self.head_dim * (self.num_attention_heads * 2 + self.num_kv_heads * 2)
-        attn += 2 * self.head_dim if self.qk_norm else 0
+        attn += self.qk_norm_widths()[0] + self.qk_norm_widths()[1] if self.qk_norm else 0
         if self.attention == AttentionKind.mla:
             attn = self._mla_parameters()
         attn += (self.num_attention_heads + 2 * self.num_kv_heads) * self.head_dim if self.qkv_bias else 0
@@ -302,6 +309,12 @@ class MoEModelConfig(ConfigNode):
         total = embed + layers * (attn + norms) + n_moe * moe_total + n_dense * dense
         active = embed + layers * (attn + norms) + n_moe * moe_active + n_dense * dense
         return {"total": total, "active": active}
+
+    def qk_norm_widths(self) -> tuple[int, int]:
+        """The q and k RMSNorm weights' lengths: head_dim (per head), or all heads' (OLMoE)."""
+        if self.architecture.qk_norm_per_head:
+            return self.head_dim, self.head_dim
+        return self.num_attention_heads * self.head_dim, self.num_kv_heads * self.head_dim
 
     def _mla_parameters(self) -> int:
         """One MLA block: q (down, norm, up or direct), kv down (+ the shared RoPE key), norm, up, output."""

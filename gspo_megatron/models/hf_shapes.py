@@ -67,7 +67,8 @@ def _gqa_shapes(cfg: MoEModelConfig, p: str) -> dict[str, tuple[int, ...]]:
         for which, heads in (("q", cfg.num_attention_heads), ("k", cfg.num_kv_heads), ("v", cfg.num_kv_heads)):
             out[p + f"self_attn.{which}_proj.bias"] = (heads * hd,)
     if cfg.qk_norm:
-        out.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+        q_width, k_width = cfg.qk_norm_widths()
+        out.update({p + "self_attn.q_norm.weight": (q_width,), p + "self_attn.k_norm.weight": (k_width,)})
     return out
 
 

@@ -48,6 +48,51 @@ class QKRMSNorm(RMSNorm):
         self.weight.sequence_parallel = False  # type: ignore[attr-defined]  # read by megatron
 
 
+class AllHeadsRMSNorm(torch.nn.Module):
+    """OLMoE's q/k norm: one RMSNorm over all heads' width (num_heads x head_dim), not per head. Megatron hands
+    it a rank's heads, ``[s, b, heads / tp, head_dim]``; the mean square is summed over the TP group (the other
+    ranks hold the other heads) and each rank multiplies by its heads' part of the whole weight:
+        y[h, d] = x[h, d] / sqrt(sum_{all heads h', d'} x[h', d']^2 / (heads x head_dim) + eps) * w[h, d]
+    The sum's backward sums its gradient over the group too (each rank's heads depend on every rank's x).
+    The weight is whole on every rank, like the per-head norms': its gradient is non-zero in the rank's
+    heads only, and megatron's TP all-reduce of q/k norm gradients (``finalize_model_grads``, under
+    ``config.qk_layernorm``) adds the ranks' parts into the whole gradient everywhere, so the copies stay
+    equal and checkpoints and the conversion treat it as replicated."""
+
+    heads_key = "num_attention_heads"
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused):
+        super().__init__()
+        self.heads = getattr(config, self.heads_key)
+        self.local_heads = self.heads // config.tensor_model_parallel_size
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(self.heads * hidden_size, dtype=config.params_dtype))
+        self.weight.sequence_parallel = False  # type: ignore[attr-defined]  # read by megatron
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel.mappings import (
+            copy_to_tensor_model_parallel_region,
+            reduce_from_tensor_model_parallel_region,
+        )
+
+        dtype = x.dtype
+        x = x.float()
+        squares = x.pow(2).sum(dim=(-2, -1), keepdim=True)
+        if self.local_heads != self.heads:  # forward: the sum over the group; backward: its gradient summed too
+            squares = reduce_from_tensor_model_parallel_region(copy_to_tensor_model_parallel_region(squares))
+        x = x * torch.rsqrt(squares / self.weight.numel() + self.eps)
+        first = ps.get_tensor_model_parallel_rank() * self.local_heads
+        weight = self.weight.view(self.heads, -1)[first : first + self.local_heads]
+        return weight * x.to(dtype)
+
+
+class AllHeadsKeyRMSNorm(AllHeadsRMSNorm):
+    """``AllHeadsRMSNorm`` over the key heads (num_kv_heads x head_dim)."""
+
+    heads_key = "num_query_groups"
+
+
 class SDPACoreAttention(MegatronModule):
     def __init__(
         self,

@@ -98,8 +98,9 @@ def _stage_parameters(model: MoEModelConfig, layout: ParallelLayout, pp_rank: in
             if model.qkv_bias:
                 add(p + "self_attention.linear_qkv.bias", qkv_rows)
             if model.qk_norm:
-                add(p + "self_attention.q_layernorm.weight", d)
-                add(p + "self_attention.k_layernorm.weight", d)
+                q_norm, k_norm = model.qk_norm_widths()  # whole on every TP rank (OLMoE's too)
+                add(p + "self_attention.q_layernorm.weight", q_norm)
+                add(p + "self_attention.k_layernorm.weight", k_norm)
         add(p + "pre_mlp_layernorm.weight", h)
         if i in dense or not model.is_moe:
             ffn = model.dense_intermediate_size // tp

@@ -64,6 +64,8 @@ FAMILY_TEST_OVERRIDES: dict[str, dict[str, Any]] = {
     # q/k/v biases, a gated shared expert, top-k not renormalised
     "qwen2_moe": dict(qk_norm=False, qkv_bias=True, shared_expert_intermediate_size=24, norm_topk_prob=False),
     "mixtral": dict(qk_norm=False),
+    # q/k norms over all heads' width (4 x 8 = hidden 32 for q, 2 x 8 for k), top-k not renormalised
+    "olmoe": dict(norm_topk_prob=False),
     # with q/k norms and biases, RoPE on half of each head
     "glm4_moe": dict(_SIGMOID_MOE, qkv_bias=True, rotary_fraction=0.5),
     # with multi-latent attention: q and kv latents, 6 + 2 dims per head for the query/key, 8 for the value

@@ -93,7 +93,7 @@ def test_virtual_pipeline_stages_match_single_rank(four_layer_reference, name):
         assert result["layers"] == planned.stage_layers(4, stage) == [stage, stage + 2], result["layers"]
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe", "mixtral", "qwen2_moe"])
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe", "mixtral", "olmoe", "qwen2_moe"])
 def family_reference(request):
     cfg = tiny_family_config(request.param)
     state = random_hf_state(cfg, seed=3)

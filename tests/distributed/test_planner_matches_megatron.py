@@ -219,6 +219,7 @@ JOBS = {
     "tp2 qwen2_moe (q/k/v biases, shared expert)": (2, [*TINY_JOB, "model=qwen2_moe_tiny", "parallel=tp2"]),
     "ep2 glm4_moe (dense first layer, un-gated shared expert)": (2, [*TINY_JOB, "model=glm4_moe_tiny", "parallel=ep2"]),
     "tp2 deepseek_v3 (multi-latent attention)": (2, [*TINY_JOB, "model=deepseek_v3_tiny", "parallel=tp2"]),
+    "tp2 olmoe (q/k norms over all heads, split with them)": (2, [*TINY_JOB, "model=olmoe_tiny", "parallel=tp2"]),
     "pp2 bf16 distributed=true allgather": (
         2,
         [

@@ -13,7 +13,7 @@ from gspo_megatron.testing.train_runs import SHORT, read_metrics, run_training
 pytestmark = [pytest.mark.e2e]
 
 
-@pytest.mark.parametrize("model", ["mixtral_tiny", "qwen2_moe_tiny", "glm4_moe_tiny", "deepseek_v3_tiny"])
+@pytest.mark.parametrize("model", ["mixtral_tiny", "olmoe_tiny", "qwen2_moe_tiny", "glm4_moe_tiny", "deepseek_v3_tiny"])
 def test_a_family_trains_with_rollout_routing_replay(tmp_path, model):
     overrides = [f"model={model}", "task=max_digit", "rollout.max_new_tokens=1", *SHORT]
     result = run_training([*overrides, "algorithm.routing_replay=rollout"], tmp_path / "run")
@@ -39,3 +39,25 @@ def test_a_moving_expert_bias_resumes_exactly(tmp_path):
     (resumed,) = run_distributed(train_worker, 1, base + ["checkpoint.resume=true"], str(tmp_path / "resumed"))
     assert len(full) == len(resumed) == 4
     assert without_time(full) == without_time(resumed)
+
+
+@pytest.mark.distributed
+def test_olmoe_all_heads_norms_train_on_tp2_and_resume_on_one_rank(tmp_path):
+    """OLMoE's q/k norms span all heads: under tp2 each rank normalises its heads by the mean square summed
+    over both and multiplies by its heads' part of the whole weight, whose gradient parts megatron's TP
+    all-reduce adds (``AllHeadsRMSNorm``). A tp2 run's step-2 checkpoint resumes on one rank; the resumed
+    steps equal the uninterrupted tp2 run's to fp32 reduction order."""
+    from gspo_megatron.testing.distributed import run_distributed
+    from gspo_megatron.testing.train_runs import train_worker, without_time
+
+    base = ["model=olmoe_tiny", "task=max_digit", "rollout.max_new_tokens=1", *SHORT, "trainer.steps=4"]
+    base += ["optimizer.warmup_steps=0", "algorithm.entropy_coef=0.01"]
+    (full,) = run_distributed(train_worker, 2, base + ["parallel=tp2"], str(tmp_path / "full"), timeout=900)[:1]
+    resumed_dir = str(tmp_path / "resumed")
+    run_distributed(train_worker, 2, base + ["parallel=tp2", "trainer.stop_after_steps=2"], resumed_dir, timeout=900)
+    (resumed,) = run_distributed(train_worker, 1, base + ["checkpoint.resume=true"], resumed_dir, timeout=900)
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4]
+    assert without_time(resumed[:2]) == without_time(full[:2])
+    for a, b in zip(full[2:], resumed[2:], strict=True):
+        for key in ("loss/policy", "grad_norm", "policy/entropy_old", "reward/mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)

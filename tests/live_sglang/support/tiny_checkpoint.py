@@ -1,4 +1,5 @@
-"""The tiny HF Qwen3-MoE checkpoint a live SGLang server loads, written by the project's own export.
+"""The tiny HF checkpoint a live SGLang server loads (Qwen3-MoE, or another family's), written by the project's
+own export.
 
 The shape is ``conf/model/tiny.yaml`` (the model the 20-step ``rollout=sglang`` job trains), the
 weights ``random_hf_state`` (HF checkpoint names, as ``models.conversion`` exports them), written by
@@ -13,13 +14,25 @@ import torch
 
 from gspo_megatron.data.symbol_hf import symbol_tokenizer_as_hf
 from gspo_megatron.data.tokenizer import SymbolTokenizer
-from gspo_megatron.models.config import preset
+from gspo_megatron.models.config import MoEModelConfig, preset
 from gspo_megatron.models.hf_checkpoint import write_hf_checkpoint
 from gspo_megatron.testing.model_fixtures import random_hf_state
 
 
-def write_tiny_checkpoint(out_dir: Path, seed: int = 0) -> Path:
-    cfg = preset("tiny")
+def model_preset(name: str) -> MoEModelConfig:
+    """A ``conf/model`` preset as the trainer composes it (``model=<name>``)."""
+    from omegaconf import OmegaConf
+
+    from gspo_megatron.config.compose import compose
+
+    section = OmegaConf.to_container(compose([f"model={name}"]).model, resolve=True)
+    assert isinstance(section, dict)
+    return MoEModelConfig(**{k: v for k, v in section.items() if k in MoEModelConfig.field_names()})
+
+
+def write_tiny_checkpoint(out_dir: Path, seed: int = 0, model: str = "tiny") -> Path:
+    """``model``: a ``conf/model`` preset (the tiny Qwen3-MoE, or another family's tiny model)."""
+    cfg = preset("tiny") if model == "tiny" else model_preset(model)
     tokenizer_dir = out_dir.with_name(out_dir.name + ".tokenizer")
     symbol_tokenizer_as_hf(SymbolTokenizer(cfg.vocab_size)).save_pretrained(tokenizer_dir)
     state = {name: tensor.to(torch.float32) for name, tensor in random_hf_state(cfg, seed=seed).items()}

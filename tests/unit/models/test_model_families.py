@@ -73,6 +73,23 @@ def test_qwen2_57b_a14b_shape_is_57b_with_14b_active():
     assert round(counts["total"] / 1e9) == 57 and round(counts["active"] / 1e9) == 14  # the name's "57B-A14B"
 
 
+def test_olmoe_1b_7b_shape_is_7b_with_1b_active():
+    cfg = MoEModelConfig.from_hf_config_file(SHIPPED / "olmoe_1b_7b.json")
+    counts = cfg.parameter_count()
+    # AI2 states 6.9B parameters, 1.3B active, for OLMoE-1B-7B; its q/k norms are 2048 wide (all 16 heads)
+    assert (cfg.family, cfg.num_experts, cfg.top_k, cfg.norm_topk_prob) == ("olmoe", 64, 8, False)
+    assert cfg.qk_norm_widths() == (2048, 2048) and hf_shapes(cfg)["model.layers.0.self_attn.q_norm.weight"] == (2048,)
+    assert round(counts["total"] / 1e8) == 69 and round(counts["active"] / 1e8) == 13
+
+
+def test_olmoe_q_norm_is_hidden_size_wide():
+    with pytest.raises(ModelConfigError, match=r"model\.head_dim=4: the OLMoE architecture's q norm.*head_dim=8"):
+        tiny_family_config("olmoe", head_dim=4)
+    hf = tiny_family_config("olmoe").to_hf_dict() | {"clip_qkv": 8.0}
+    with pytest.raises(ModelConfigError, match="clip_qkv=8.0"):
+        MoEModelConfig.from_hf_dict(hf)
+
+
 @pytest.mark.parametrize(
     "name, total, active_without_embeddings",
     # Z.ai states 355B / 32B active and 106B / 12B active; the multi-token-prediction layer is not built
@@ -129,9 +146,9 @@ def test_what_a_family_cannot_represent_is_refused_naming_the_key():
 
 
 def test_an_unknown_model_type_lists_the_families():
-    listed = r"model_type='olmoe'.*Qwen3-MoE \(qwen3_moe\).*Mixtral \(mixtral\).*DeepSeek-V3.*\(deepseek_v3\)"
+    listed = r"model_type='gpt_oss'.*Qwen3-MoE \(qwen3_moe\).*Mixtral \(mixtral\).*DeepSeek-V3.*\(deepseek_v3\)"
     with pytest.raises(ModelConfigError, match=listed):
-        MoEModelConfig.from_hf_dict({"model_type": "olmoe"})
+        MoEModelConfig.from_hf_dict({"model_type": "gpt_oss"})
 
 
 def test_a_qwen3_config_with_attention_biases_is_refused_not_loaded_without_them():
