@@ -46,13 +46,42 @@ def _tiny_moe_checkpoint(path, **overrides):
 
 @pytest.mark.timeout(900)
 def test_real_server_generates_and_takes_a_weight_update(tmp_path):
+    model = tmp_path / "tiny"
+    hf = _tiny_moe_checkpoint(model)
+    _serves_routes_and_takes_a_weight_update(tmp_path, model, hf.num_hidden_layers, hf.num_experts)
+
+
+def _deepseek_v3_tiny_checkpoint(path):
+    """The project's tiny DeepSeek-V3 (conf/model/deepseek_v3_tiny.yaml: MLA, YaRN, a dense first layer, sigmoid
+    router with expert bias and groups, a shared expert) as the trainer's export writes it, in bf16."""
+    from omegaconf import OmegaConf
+
+    from gspo_megatron.config.compose import compose
+    from gspo_megatron.models.config import MoEModelConfig
+    from gspo_megatron.models.hf_checkpoint import write_hf_checkpoint
+    from gspo_megatron.testing.model_fixtures import random_hf_state
+
+    section = OmegaConf.to_container(compose(["model=deepseek_v3_tiny"]).model, resolve=True)
+    cfg = MoEModelConfig(**{k: v for k, v in section.items() if k in MoEModelConfig.field_names()})
+    state = {name: tensor.to(torch.bfloat16) for name, tensor in random_hf_state(cfg, seed=0).items()}
+    write_hf_checkpoint([list(state.items())], cfg, path)
+    return cfg
+
+
+@pytest.mark.timeout(900)
+def test_a_deepseek_v3_server_generates_and_takes_a_weight_update(tmp_path):
+    """Multi-latent attention, which SGLang's CPU server cannot run (docs/sglang.md): served on a GPU."""
+    model = tmp_path / "deepseek_v3_tiny"
+    cfg = _deepseek_v3_tiny_checkpoint(model)
+    _serves_routes_and_takes_a_weight_update(tmp_path, model, cfg.num_layers, cfg.num_experts)
+
+
+def _serves_routes_and_takes_a_weight_update(tmp_path, model, layers: int, num_experts: int) -> None:
     from safetensors.torch import load_file
 
     from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine
     from gspo_megatron.rollout.types import FinishReason, SamplingParams
 
-    model = tmp_path / "tiny"
-    hf = _tiny_moe_checkpoint(model)
     config = SGLangConfig(
         mode="launch",
         model_path=str(model),
@@ -71,15 +100,19 @@ def test_real_server_generates_and_takes_a_weight_update(tmp_path):
                 assert 1 <= len(sample.output_ids) <= 8
                 assert sample.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
                 assert torch.all(sample.output_log_probs <= 0)
-                assert sample.routed_experts.shape == (len(prompt) + len(sample.output_ids) - 1, 2, 2)
-                assert int(sample.routed_experts.max()) < hf.num_experts
+                assert sample.routed_experts.shape == (len(prompt) + len(sample.output_ids) - 1, layers, 2)
+                assert int(sample.routed_experts.max()) < num_experts
 
         # The weight update must reach the kernels: perturbed weights change the greedy first token's
         # log-prob (same prompt), and the original weights bring back exactly the original output.
         greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
         prompt = [[1, 2, 3, 4]]
         (before,) = engine.generate(prompt, greedy)[0]
-        weights = load_file(str(model / "model.safetensors"), device="cuda")
+        weights = {
+            name: tensor
+            for file in sorted(model.glob("*.safetensors"))
+            for name, tensor in load_file(str(file), device="cuda").items()
+        }
         generator = torch.Generator(device="cuda").manual_seed(0)
         perturbed = {
             name: tensor
