@@ -335,7 +335,7 @@ class CheckpointSection(ConfigNode):
         try:  # each names the key
             resume_mode(self.resume)
             validate_allow_list(self.resume_allow_changes)
-        except RuntimeError as error:
+        except RuntimeError as error:  # ResumeConfigError; a RunDirError is a ValueError already
             raise ValueError(str(error)) from None
 
 

@@ -57,7 +57,9 @@ CLIP_FRAC_SEQ_KEY = "loss/clip_frac_seq"
 
 
 class RunDirError(ValueError):
-    """A path is not a readable run directory (missing, not a directory, no metrics.jsonl, corrupt)."""
+    """A run directory that cannot be used as asked: not a readable run directory (missing, not a directory,
+    no metrics.jsonl, corrupt), or -- for the trainer (``trainer/run_dir_owner.py``) -- locked, holding
+    another run, nothing to resume, a bad ``checkpoint.resume`` value."""
 
 
 def to_jsonable(value: Any) -> Any:

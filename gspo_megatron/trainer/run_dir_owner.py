@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gspo_megatron.config_node import ConfigChoice
-from gspo_megatron.routing.run_dir import CONFIG_FILE, METRICS_FILE, ROUTING_FILE
+from gspo_megatron.routing.run_dir import CONFIG_FILE, METRICS_FILE, ROUTING_FILE, RunDirError
 
 if TYPE_CHECKING:
     from gspo_megatron.config.schema import CheckpointSection
@@ -58,10 +58,6 @@ class ResumeMode(ConfigChoice):
 
 
 RESUME_MODES = tuple(ResumeMode)
-
-
-class RunDirError(RuntimeError):
-    """The run directory cannot be used as asked (locked, holds another run, nothing to resume)."""
 
 
 def resume_mode(value: object) -> ResumeMode:
