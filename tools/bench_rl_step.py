@@ -5,6 +5,8 @@
     python tools/bench_rl_step.py --world 2 parallel=tp2           # any Hydra overrides, N gloo ranks
     python tools/bench_rl_step.py --shape medium --steps 14 --compare-expert-mlp   # grouped vs sequential experts
     python tools/bench_rl_step.py --shape medium --steps 30 --compare-expert-mlp --expert-floor
+    python tools/bench_rl_step.py --steps 22 --compare-over-sample rollout.over_sample=2 rollout.partial=continue \
+        rollout.max_staleness=2 task=reasoning_max_digit model.hf_checkpoint=<tools/sft_warmstart.py --long-tail>
 
 The run is the trainer's own (``trainer.setup.build`` + ``RLTrainer``, composed from ``conf/`` like
 ``python -m gspo_megatron.train``), in spawned ranks. The trainer already times its phases
@@ -47,6 +49,8 @@ from contextlib import contextmanager
 from typing import Any
 
 PHASES = ["generate", "reward", "advantages", "old_logp", "update", "weight_sync", "other"]
+# --compare-over-sample: steps alternate between waiting for every started group and over-sampling
+SAMPLING_ARMS = ("all_groups", "over_sample")
 EXPERT_ARMS = ("sequential", "grouped")  # --compare-expert-mlp: step i (from 0) runs arm i % len(arms)
 NO_EXPERTS = "no_experts"  # --expert-floor: the expert MLP skipped, the update time no expert kernel beats
 
@@ -107,12 +111,14 @@ def bench_worker(
     profile_top: int = 0,
     expert_arms: tuple[str, ...] = (),
     torch_profile_top: int = 0,
+    sampling_arms: tuple[str, ...] = (),
 ) -> list[dict]:
     """One rank of the run; the driver returns one dict of phase seconds per step. With
     ``profile_top`` the driver also prints cProfile's top functions over the steps after the first.
     With ``expert_arms`` the steps take turns over those expert-MLP arms. With ``torch_profile_top``
     rank 0 prints torch.profiler's top operators of the update phase (per arm) over the measured
-    steps."""
+    steps. With ``sampling_arms`` the steps take turns over waiting for every group (the rollout phase
+    without its over-sampling state) and over-sampling (``rollout.over_sample``, with it)."""
     import cProfile
     import pstats
     from pathlib import Path
@@ -140,6 +146,13 @@ def bench_worker(
         rollout.generate_fn = generate
         score = _Timed(rollout._score)
         shadow_method(rollout, "_score", score)
+        rows = _Timed(rollout.engine.generate_rows)  # over-sampling's generation, timed with the other
+        rows.seconds = generate.seconds
+        shadow_method(rollout.engine, "generate_rows", rows)
+    over_sampling = components.driver_rollout().partial if components.mesh.is_driver else None
+    if sampling_arms and components.mesh.is_driver and over_sampling is None:
+        raise ValueError("--compare-over-sample needs rollout.over_sample > 1 in the overrides")
+    samples_per_step = typed.trainer.prompts_per_step * typed.rollout.group_size
     trainer = RLTrainer(components)
     step_seconds: list[float] = []
     padded_tokens: list[int] = []  # tokens of the micro-batches this rank ran, per step
@@ -164,6 +177,9 @@ def bench_worker(
         profiling = profiler if step_seconds else None  # the first step is warm-up
         if expert_arms:
             _use_expert_mlp(components.model, expert_arms[len(step_seconds) % len(expert_arms)])
+        if sampling_arms and components.mesh.is_driver:
+            arm = sampling_arms[len(step_seconds) % len(sampling_arms)]
+            components.driver_rollout().partial = over_sampling if arm == "over_sample" else None
         if profiling is not None:
             profiling.enable()
         start = time.perf_counter()
@@ -206,8 +222,11 @@ def bench_worker(
         phases["other"] = step_s - sum(phases.values())
         phases["step"] = step_s
         phases["padded_tokens"] = tokens
+        phases["trained_tokens"] = record["response/length_mean"] * samples_per_step
         if expert_arms:
             phases["arm"] = expert_arms[index % len(expert_arms)]
+        if sampling_arms:
+            phases["arm"] = sampling_arms[index % len(sampling_arms)]
         steps.append(phases)
     return steps
 
@@ -298,6 +317,35 @@ def format_expert_comparison(steps: list[dict], arms: tuple[str, ...]) -> str:
     return "\n".join(lines)
 
 
+def format_over_sample_comparison(steps: list[dict]) -> str:
+    """Per arm over the steps after the warm-up ones (one per arm): step and generation seconds per 1000
+    trained response tokens (totals, and the median of the steps), and the over-sampling speed-up."""
+    measured = steps[len(SAMPLING_ARMS) :]
+    lines = [
+        f"{'arm':<12} {'steps':>5} {'step s':>7} {'tokens':>7} {'step ms/1k tok':>15} {'median':>7} {'gen ms/1k':>10}"
+    ]
+    per_arm = {}
+    for arm in SAMPLING_ARMS:
+        rows = [s for s in measured if s["arm"] == arm]
+        if not rows:
+            return f"the over-sampling comparison needs --steps >= {2 * len(SAMPLING_ARMS)}"
+        tokens = sum(s["trained_tokens"] for s in rows) / 1000
+        per_step = [1e6 * s["step"] / s["trained_tokens"] for s in rows]
+        per_arm[arm] = (1000 * sum(s["step"] for s in rows) / tokens, statistics.median(per_step))
+        generate = 1000 * sum(s["generate"] for s in rows) / tokens
+        lines.append(
+            f"{arm:<12} {len(rows):>5} {statistics.fmean(s['step'] for s in rows):>7.3f} "
+            f"{statistics.fmean(s['trained_tokens'] for s in rows):>7.0f} {per_arm[arm][0]:>15.1f} "
+            f"{per_arm[arm][1]:>7.1f} {generate:>10.1f}"
+        )
+    (total, median), (over_total, over_median) = per_arm["all_groups"], per_arm["over_sample"]
+    lines.append(
+        f"all_groups / over_sample: step time per trained token {total / over_total:.2f}x (medians "
+        f"{median / over_median:.2f}x)"
+    )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     from gspo_megatron.testing.distributed import run_distributed
 
@@ -326,6 +374,11 @@ def main(argv=None) -> None:
         action="store_true",
         help="with --compare-expert-mlp: a third arm without expert GEMMs (the update time no expert kernel beats)",
     )
+    parser.add_argument(
+        "--compare-over-sample",
+        action="store_true",
+        help="alternate steps: every started group to its end vs rollout.over_sample (set it in the overrides)",
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. parallel=tp2 algorithm=grpo")
     args = parser.parse_args(argv)
     if args.steps < 1:
@@ -353,6 +406,7 @@ def main(argv=None) -> None:
             args.profile,
             arms,
             args.torch_profile,
+            SAMPLING_ARMS if args.compare_over_sample else (),
             timeout=args.timeout,
             threads_per_rank=args.threads_per_rank,
         )
@@ -361,6 +415,8 @@ def main(argv=None) -> None:
     print(format_breakdown(steps))
     if arms:
         print(format_expert_comparison(steps, arms))
+    if args.compare_over_sample:
+        print(format_over_sample_comparison(steps))
 
 
 if __name__ == "__main__":

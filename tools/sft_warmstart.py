@@ -57,15 +57,19 @@ def is_current(record: dict | None, command: str, threads: int, version: dict | 
     )
 
 
-def verbose_response(record, rng: random.Random, max_waits: int) -> str:
-    """The task's reference reasoning with 0..max_waits extra re-checks of the answer."""
+def verbose_response(record, rng: random.Random, max_waits: int, long_tail: tuple[float, int] = (0.0, 0)) -> str:
+    """The task's reference reasoning with 0..max_waits extra re-checks of the answer; with ``long_tail``
+    = (fraction, waits), that fraction of the responses re-checks ``waits`` times instead (a long-tailed
+    length distribution: ``--long-tail``)."""
     thinking = record.metadata["reference_response"].split(" </think>")[0]
     head = thinking.rsplit(" Wait ", 1)[0]  # the steps, without the reference's single re-check
-    waits = "".join(f" Wait {record.answer}" for _ in range(rng.randint(0, max_waits)))
+    fraction, long_waits = long_tail
+    count = long_waits if fraction and rng.random() < fraction else rng.randint(0, max_waits)
+    waits = "".join(f" Wait {record.answer}" for _ in range(count))
     return f"{head}{waits} </think> answer {record.answer}"
 
 
-def build_batch(records, tokenizer, rng, max_waits: int):
+def build_batch(records, tokenizer, rng, max_waits: int, long_tail: tuple[float, int] = (0.0, 0)):
     """Right-padded [b, s] inputs/targets, weighted 1 on the response targets (EOS included)."""
     import torch
 
@@ -73,7 +77,7 @@ def build_batch(records, tokenizer, rng, max_waits: int):
 
     rows = []
     for record in records:
-        response = tokenizer.encode(verbose_response(record, rng, max_waits)) + [tokenizer.eos_token_id]
+        response = tokenizer.encode(verbose_response(record, rng, max_waits, long_tail)) + [tokenizer.eos_token_id]
         rows.append((list(record.prompt_ids), response))
     width = max(len(p) + len(r) for p, r in rows)
     tokens = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
@@ -91,6 +95,14 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--max-waits", type=int, default=3)
+    parser.add_argument(
+        "--long-tail",
+        nargs=2,
+        type=float,
+        default=(0.0, 0),
+        metavar=("FRACTION", "WAITS"),
+        help="that fraction of the responses re-checks WAITS times (a long tail of lengths, for over-sampling)",
+    )
     parser.add_argument("--digits", type=int, default=3, help="most digits per problem (task max_digits)")
     parser.add_argument("--min-digits", type=int, default=None, help="fewest digits (default: --digits)")
     parser.add_argument("--seed", type=int, default=0)
@@ -155,7 +167,8 @@ def main(argv=None) -> None:
             return loss, {"nll": loss.detach()}
 
         for step in range(1, args.steps + 1):
-            batch = build_batch(task.next_batch(args.batch), tokenizer, rng, args.max_waits)
+            long_tail = (args.long_tail[0], int(args.long_tail[1]))
+            batch = build_batch(task.next_batch(args.batch), tokenizer, rng, args.max_waits, long_tail)
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
             (out,) = run_schedule([ddp], [batch], nll, forward_only=False)

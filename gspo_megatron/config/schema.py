@@ -28,7 +28,9 @@ from gspo_megatron.models.config import ExpertMLP, LayerSpec, MoEModelConfig, To
 from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.rewards.config import RewardConfig
 from gspo_megatron.rollout.config import (
+    PARTIAL_CONTINUE,
     EmbeddedConfig,
+    PartialRollout,
     Placement,
     RolloutEngineName,
     TruncatedRolloutConfig,
@@ -139,7 +141,11 @@ class RolloutSection(ConfigNode):
     truncated: bool = False  # dynamic truncated rollout (Step-GRPO), training rollouts only
     return_routed_experts: bool = False  # set automatically when R3 replay needs them
     async_rollout: bool = False  # generate step k+1 while step k trains (trainer/async_rollout.py)
-    max_staleness: int = 1  # policy versions a sample may lag in async mode: 0 (= synchronous) or 1
+    # policy versions a sample may lag: async mode 0 (= synchronous) or 1; partial=continue >= 1
+    max_staleness: int = 1
+    # start over_sample x the step's groups, stop once the step's groups are complete (trainer/partial_rollout.py)
+    over_sample: float = 1.0
+    partial: PartialRollout = PartialRollout.drop  # the groups not needed: drop | continue (into the next step)
     # separate | colocated: trainer and engine share the devices and take turns (trainer/colocation.py)
     placement: Placement = Placement.separate
     embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
@@ -166,13 +172,44 @@ class RolloutSection(ConfigNode):
             raise ValueError(
                 f"rollout.group_size={self.group_size}: group-relative advantages need >= 2 responses per prompt"
             )
-        check_max_staleness(self.max_staleness)
+        self._check_partial_rollouts()
         if self.placement == Placement.colocated and self.async_rollout:
             raise ValueError(
                 "rollout.placement=colocated with rollout.async_rollout=true: colocated, the engine and the "
                 "trainer take turns on the same devices, so generation cannot run beside training; set "
                 "rollout.async_rollout=false or rollout.placement=separate"
             )
+
+    def _check_partial_rollouts(self) -> None:
+        if not (math.isfinite(self.over_sample) and self.over_sample >= 1.0):
+            raise ValueError(f"rollout.over_sample={self.over_sample} must be >= 1 (1: no over-sampling)")
+        carries = self.partial == PARTIAL_CONTINUE
+        if carries and self.over_sample == 1.0:
+            raise ValueError(
+                "rollout.partial=continue carries the groups over-sampling started but did not need, and "
+                "rollout.over_sample=1 starts none more; set rollout.over_sample > 1 (e.g. 1.5)"
+            )
+        if carries and not self.async_rollout:  # async with over-sampling is refused below
+            if self.max_staleness < 1:
+                raise ValueError(
+                    f"rollout.max_staleness={self.max_staleness}: rollout.partial=continue trains samples started "
+                    "on an older policy; set rollout.max_staleness >= 1 (the versions a token may lag)"
+                )
+        else:
+            check_max_staleness(self.max_staleness)
+        if self.over_sample == 1.0:
+            return
+        refused = {
+            "rollout.async_rollout=true": self.async_rollout,
+            "rollout.truncated=true": self.truncated,
+            "rollout.engine=sglang": self.engine == RolloutEngineName.sglang,
+        }
+        for setting, on in refused.items():
+            if on:
+                raise ValueError(
+                    f"rollout.over_sample={self.over_sample} with {setting}: over-sampling is built for the "
+                    f"synchronous embedded engine without truncation; set rollout.over_sample=1 or drop {setting}"
+                )
 
 
 def use_distributed_optimizer(choice: str, layout: ParallelLayout) -> bool:

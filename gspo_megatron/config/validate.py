@@ -42,6 +42,11 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
             f"trainer.eval_samples={t.eval_samples} with greedy decoding (rollout.eval_temperature=0) gives "
             "k identical samples; set rollout.eval_temperature > 0 or trainer.eval_samples=1"
         )
+    if cfg.rollout.over_sample > 1 and cfg.algorithm.dynamic_sampling:
+        raise ConfigError(
+            f"rollout.over_sample={cfg.rollout.over_sample} with algorithm.dynamic_sampling=true: both decide which "
+            "groups a step trains and are not combined here; set one of them off"
+        )
     samples = t.prompts_per_step * cfg.rollout.group_size
     if samples % t.updates_per_rollout:
         raise ConfigError(

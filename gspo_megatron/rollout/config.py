@@ -28,6 +28,19 @@ def check_max_staleness(max_staleness: int) -> None:
         )
 
 
+class PartialRollout(ConfigChoice):
+    """``rollout.partial``: what becomes of the groups over-sampling started but a step did not need
+    (``trainer/partial_rollout.py``)."""
+
+    drop = "drop"  # discarded: their prompts are spent
+    # carried into the next step with their tokens, log-probs and weight versions (the member is named as the
+    # YAML value, which Hydra matches against member names; `continue` is a keyword: PARTIAL_CONTINUE below)
+    vars()["continue"] = "continue"
+
+
+PARTIAL_CONTINUE = PartialRollout("continue")
+
+
 class RolloutEngineName(ConfigChoice):
     """``rollout.engine``."""
 

@@ -33,6 +33,7 @@ import copy
 import inspect
 import json
 import os
+from collections import Counter
 from collections.abc import Callable, Iterable
 
 import torch
@@ -45,7 +46,7 @@ from gspo_megatron.rollout.embedded_weights import HfWeightLoader
 from gspo_megatron.rollout.engine import RolloutEngine
 from gspo_megatron.rollout.sampling import row_generators, sample_next_tokens
 from gspo_megatron.rollout.sglang.config import WeightQuantization
-from gspo_megatron.rollout.types import FinishReason, Sample, SamplingParams
+from gspo_megatron.rollout.types import FinishReason, RowRequest, Sample, SamplingParams
 from gspo_megatron.weights.fp8_blocks import fake_quantize_named_tensors
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -110,6 +111,26 @@ class _RouterCapture:
         return out
 
 
+class _GroupsDone:
+    """How many groups of a ``generate_rows`` call have all their rows finished, against how many are needed."""
+
+    def __init__(self, group_of_row: list[int], needed: int):
+        self.group_of_row = group_of_row
+        self.unfinished = Counter(group_of_row)  # rows still running, per group
+        self.needed = needed
+        self.complete = 0
+
+    @property
+    def reached(self) -> bool:
+        return self.complete >= self.needed
+
+    def finish(self, row: int) -> None:
+        group = self.group_of_row[row]
+        self.unfinished[group] -= 1
+        if self.unfinished[group] == 0:
+            self.complete += 1
+
+
 class EmbeddedEngine(RolloutEngine):
     """Generation with transformers' model of the family in the caller's process."""
 
@@ -168,6 +189,27 @@ class EmbeddedEngine(RolloutEngine):
             samples += self._generate_chunk(rows[start : start + step], generators[start : start + step], params)
         return [samples[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
 
+    def generate_rows(self, rows: list[RowRequest], params: SamplingParams, groups_needed: int) -> list[Sample]:
+        """``RolloutEngine.generate_rows``: rows in chunks of ``max_batch_size`` as ``generate``'s; after each
+        decoded token the rows that finished count towards their groups, and once ``groups_needed`` groups
+        are complete the rows still decoding stop (``ABORT``, their tokens kept) and later chunks do not start."""
+        self._check_request([row.prompt_ids for row in rows], params)
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (), generator=self._seed_source))
+        generators = row_generators(seed, len(rows))
+        done = _GroupsDone([row.group for row in rows], groups_needed)
+        samples: list[Sample] = []
+        step = self.config.max_batch_size
+        for start in range(0, len(rows), step):
+            chunk = rows[start : start + step]
+            if done.reached:
+                samples += [self._sample(row.prompt_ids, [], [], FinishReason.ABORT, None) for row in chunk]
+                continue
+            budgets = [row.max_new_tokens for row in chunk]
+            samples += self._generate_chunk(
+                [row.prompt_ids for row in chunk], generators[start : start + step], params, budgets, done, start
+            )
+        return samples
+
     def _check_request(self, prompts, params: SamplingParams) -> None:
         if params.stop and self.decode is None:
             raise ValueError(
@@ -181,7 +223,18 @@ class EmbeddedEngine(RolloutEngine):
                 raise ValueError(f"prompt {i} has token ids outside [0, {vocab}) (the model's vocab)")
 
     @torch.no_grad()
-    def _generate_chunk(self, prompts: list[list[int]], generators, params: SamplingParams) -> list[Sample]:
+    def _generate_chunk(
+        self,
+        prompts: list[list[int]],
+        generators,
+        params: SamplingParams,
+        budgets: list[int] | None = None,
+        done: _GroupsDone | None = None,
+        first_row: int = 0,
+    ) -> list[Sample]:
+        """``budgets``: each row's max_new_tokens (``params.max_new_tokens`` for all by default); ``done``: the
+        call's group count (``generate_rows``), rows numbered from ``first_row`` in it."""
+        budgets = budgets if budgets is not None else [params.max_new_tokens] * len(prompts)
         device = self.config.device
         batch, width = len(prompts), max(len(p) for p in prompts)
         ids = torch.full((batch, width), self.config.pad_token_id, dtype=torch.long)
@@ -198,13 +251,13 @@ class EmbeddedEngine(RolloutEngine):
         routing = None
         if params.return_routed_experts:
             layers, top_k = self.model.config.num_hidden_layers, self.model.config.num_experts_per_tok
-            routing = torch.full((batch, width + params.max_new_tokens, layers, top_k), -1, dtype=torch.int32)
+            routing = torch.full((batch, width + max(budgets), layers, top_k), -1, dtype=torch.int32)
         active = list(range(batch))  # chunk rows still generating, in the order of the model's batch
         cache = DynamicCache(config=self.model.config) if self.config.use_cache else None
         feed_ids, feed_positions, fed = ids, positions, 0
         capture = _RouterCapture(self.model) if routing is not None else None
         with capture if capture is not None else contextlib.nullcontext():
-            for _ in range(params.max_new_tokens):
+            for _ in range(max(budgets)):
                 logits = self.model(
                     input_ids=feed_ids,
                     attention_mask=mask,
@@ -218,8 +271,16 @@ class EmbeddedEngine(RolloutEngine):
                     routing[active, fed : fed + new] = capture.take(len(active), new)
                 fed += new
                 tokens, token_log_probs = sample_next_tokens(logits[:, -1], params, [generators[r] for r in active])
-                self._record(active, tokens, token_log_probs, outputs, log_probs, finish, params)
+                self._record(active, tokens, token_log_probs, outputs, log_probs, finish, params, budgets)
                 keep = [i for i, r in enumerate(active) if finish[r] is None]
+                if done is not None:
+                    for r in active:
+                        if finish[r] is not None:
+                            done.finish(first_row + r)
+                    if done.reached:  # enough groups are complete: the rows still decoding stop here
+                        for r in active:
+                            finish[r] = finish[r] or FinishReason.ABORT
+                        break
                 if not keep:
                     break
                 if len(keep) < len(active):
@@ -246,14 +307,16 @@ class EmbeddedEngine(RolloutEngine):
             for r in range(batch)
         ]
 
-    def _record(self, rows, tokens, token_log_probs, outputs, log_probs, finish, params: SamplingParams) -> None:
+    def _record(
+        self, rows, tokens, token_log_probs, outputs, log_probs, finish, params: SamplingParams, budgets: list[int]
+    ) -> None:
         """Append each active row's sampled token (``rows[i]`` sampled ``tokens[i]``); mark rows that stop."""
         for row, token, log_prob in zip(rows, tokens.tolist(), token_log_probs.tolist(), strict=True):
             outputs[row].append(token)
             log_probs[row].append(log_prob)
             if token in params.stop_token_ids or self._hit_stop_string(outputs[row], params.stop):
                 finish[row] = FinishReason.STOP
-            elif len(outputs[row]) >= params.max_new_tokens:
+            elif len(outputs[row]) >= budgets[row]:
                 finish[row] = FinishReason.LENGTH
 
     def _hit_stop_string(self, output: list[int], stops: tuple[str, ...]) -> bool:

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from gspo_megatron.rollout.types import Sample, SamplingParams
+from gspo_megatron.rollout.types import RowRequest, Sample, SamplingParams
 
 
 class RolloutEngine(abc.ABC):
@@ -22,6 +22,16 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
         """Return ``params.n`` samples for each prompt, in prompt order."""
+
+    def generate_rows(self, rows: list[RowRequest], params: SamplingParams, groups_needed: int) -> list[Sample]:
+        """One sample per row (``params.n`` and ``params.max_new_tokens`` give way to the rows), in row order;
+        generation stops once ``groups_needed`` groups (rows sharing ``RowRequest.group``) have all their rows
+        finished, and the rows still running then (or not started) come back with ``FinishReason.ABORT``
+        and the tokens they have. Over-sampling and partial rollouts (``trainer/partial_rollout.py``)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot stop generation once enough groups are complete: rollout.over_sample "
+            "> 1 needs the embedded engine (rollout.engine=embedded)"
+        )
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:

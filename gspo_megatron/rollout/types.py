@@ -48,6 +48,20 @@ class SamplingParams:
             raise ValueError(f"n (samples per prompt) must be >= 1, got {self.n}")
 
 
+@dataclass(frozen=True)
+class RowRequest:
+    """One sample to generate on its own (``RolloutEngine.generate_rows``): partial rollouts continue a
+    sample an earlier step stopped by giving its prompt followed by what it generated so far."""
+
+    prompt_ids: list[int]  # the model's input: a prompt, or a prompt and an unfinished sample's tokens
+    max_new_tokens: int  # this row's budget (what the sample has left of rollout.max_new_tokens)
+    group: int  # rows of one group (one prompt's samples) share it: a group is complete when all finished
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"a row needs a budget of >= 1 new tokens, got {self.max_new_tokens}")
+
+
 class ExitReason(StrEnum):
     """How a truncated rollout's thinking ended (``rollout/truncated.py`` says when each happens)."""
 

@@ -58,8 +58,13 @@ class RolloutScheduler:
         max_staleness: int,
         last_step: int,
         versions_of: Callable[[Any], list[int]],
+        carried_staleness: int = 0,
     ):
+        """``carried_staleness``: the versions a sample carried between steps may lag (partial rollouts,
+        ``rollout.partial=continue``: ``rollout.max_staleness``); the one-step-ahead generation is
+        ``max_staleness``'s alone."""
         check_max_staleness(max_staleness)
+        self.carried_staleness = carried_staleness
         self.produce = produce
         self.max_staleness = max_staleness
         self.last_step = last_step
@@ -81,10 +86,11 @@ class RolloutScheduler:
             timing = {"time/generation": elapsed, "time/generation_overlap_frac": 0.0}
         versions = self.versions_of(result)
         staleness = [step - v for v in versions]
-        if max(staleness) > self.max_staleness or min(staleness) < 0:
+        bound = max(self.max_staleness, self.carried_staleness)
+        if max(staleness) > bound or min(staleness) < 0:
             raise StalenessError(
                 f"step {step} got samples of policy versions {sorted(set(versions))}: staleness "
-                f"{max(staleness)} exceeds rollout.max_staleness={self.max_staleness}"
+                f"{max(staleness)} exceeds rollout.max_staleness={bound}"
             )
         metrics = {
             **metrics,

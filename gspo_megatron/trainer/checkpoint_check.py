@@ -39,6 +39,7 @@ STATE_FIELDS: dict[str, tuple[type | tuple[type, ...], bool]] = {
     "rng_per_rank": ((list, type(None)), False),
     "clip_controller": ((dict, type(None)), False),
     "rollout_scheduler": ((dict, type(None)), False),
+    "partial_rollouts": ((dict, type(None)), False),
 }
 
 

@@ -29,6 +29,7 @@ from gspo_megatron.shaping.config import ShapingCombine, ShapingConfig
 from gspo_megatron.shaping.types import ShapingGroup, group_from_samples
 from gspo_megatron.trainer.batch import RolloutBatch, pack_samples
 from gspo_megatron.trainer.dynamic_sampling import collect_informative_groups
+from gspo_megatron.trainer.partial_rollout import PartialRollouts
 
 
 @dataclass
@@ -59,6 +60,8 @@ class RolloutPhase:
     generate_fn: Callable[[list[list[int]], SamplingParams], list[list[Sample]]] | None = None
     # rollout.truncation.train_on_exit_tokens: the tokens a truncated rollout inserts enter the loss
     train_on_exit_tokens: bool = False
+    # rollout.over_sample > 1: start more groups than the step needs, stop once enough are complete
+    partial: PartialRollouts | None = None
 
     def run(self, step: int, prompts_per_step: int) -> tuple[RolloutBatch, dict[str, float]]:
         extra_metrics: dict[str, float] = {}
@@ -70,6 +73,8 @@ class RolloutPhase:
                 self.algorithm.dynamic_sampling_max_extra_rounds,
             )
             drawn, extra_metrics = collected.groups, collected.metrics()
+        elif self.partial is not None:
+            drawn, extra_metrics = self._draw_partial(step, prompts_per_step)
         else:
             drawn = self._draw(step, 0, prompts_per_step)
         samples = [s for group in drawn for s in group.samples]
@@ -114,7 +119,28 @@ class RolloutPhase:
         records = self.task.next_batch(prompts)
         params = _with_seed(self.sampling, self.seed * 1_000_003 + step + round_index * 2**24)
         generate = self.generate_fn or self.engine.generate
-        grouped = generate(_prompt_ids(records), params)
+        return self._scored(records, generate(_prompt_ids(records), params), params)
+
+    def _draw_partial(self, step: int, prompts: int) -> tuple[list[DrawnGroup], dict[str, float]]:
+        """Over-sampling (``trainer/partial_rollout.py``): ``prompts`` complete groups, from the carried
+        ones and fresh prompts; the seed is the step's, as ``_draw``'s."""
+        if self.partial is None:
+            raise RuntimeError("_draw_partial without rollout.over_sample")
+        params = _with_seed(self.sampling, self.seed * 1_000_003 + step)
+
+        def next_records(count: int) -> list[PromptRecord]:
+            records = self.task.next_batch(count)
+            _prompt_ids(records)  # every prompt tokenized (a clear error otherwise)
+            return records
+
+        drawn = self.partial.draw(prompts, next_records, self.engine.generate_rows, params, self.engine.weight_version)
+        records = [group.record for group in drawn.groups]
+        return self._scored(records, [group.samples for group in drawn.groups], params), drawn.metrics
+
+    def _scored(
+        self, records: list[PromptRecord], grouped: list[list[Sample]], params: SamplingParams
+    ) -> list[DrawnGroup]:
+        """Each prompt's samples scored by the reward pool, with their shaping view."""
         samples = [s for group in grouped for s in group]
         texts = [self.tokenizer.decode(s.output_ids) for s in samples]
         scored = self._score(texts, [r for r, g in zip(records, grouped, strict=True) for _ in g])

@@ -31,6 +31,7 @@ from gspo_megatron.routing.replay_strategy import needs_engine_routing
 from gspo_megatron.routing.run_dir import ROUTING_FILE, RoutingLog, drop_records_from_step
 from gspo_megatron.trainer.colocation import ColocatedHandOver, SeparatePlacement
 from gspo_megatron.trainer.optim import build_optimizer
+from gspo_megatron.trainer.partial_rollout import PartialRollouts
 from gspo_megatron.trainer.reference_model import ReferenceModel
 from gspo_megatron.trainer.rollout_phase import RolloutPhase
 from gspo_megatron.trainer.run_log import RunLog
@@ -203,6 +204,9 @@ def build_rollout_phase(cfg: TrainConfig) -> RolloutPhase:
         pad_token_id=tokenizer.pad_token_id,
         generate_fn=generate_fn,
         train_on_exit_tokens=cfg.rollout.truncated and cfg.rollout.truncation.train_on_exit_tokens,
+        partial=PartialRollouts(cfg.rollout.over_sample, cfg.rollout.partial, cfg.rollout.max_staleness)
+        if cfg.rollout.over_sample > 1
+        else None,
     )
 
 

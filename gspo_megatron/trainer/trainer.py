@@ -61,6 +61,7 @@ from gspo_megatron.trainer.mismatch_phase import correct_mismatch
 from gspo_megatron.trainer.nonfinite import NonFiniteError, NonFiniteGuard, parameters_finite
 from gspo_megatron.trainer.old_policy_phase import OldPolicyResult, build_old_policy_phase
 from gspo_megatron.trainer.optim import keep_configured_hyperparameters, restore_schedule
+from gspo_megatron.trainer.partial_rollout import PartialRollouts
 from gspo_megatron.trainer.run_dir_owner import ResumeMode, RunDirError, new_run_id, resume_mode
 from gspo_megatron.trainer.setup import Components, evaluation_inputs
 from gspo_megatron.trainer.signals import SignalWatch, TrainingInterrupted
@@ -105,6 +106,7 @@ class RLTrainer:
                 rollout.max_staleness if rollout.async_rollout else 0,
                 self.cfg.trainer.steps,
                 versions_of=lambda batch: batch.policy_versions.tolist(),
+                carried_staleness=rollout.max_staleness if rollout_phase.partial is not None else 0,
             )
         self.placement = components.placement  # rollout.placement: the hand-over between engine and trainer
         self.nonfinite = NonFiniteGuard(self.cfg.trainer.on_nonfinite, self.cfg.trainer.max_consecutive_nonfinite)
@@ -379,12 +381,14 @@ class RLTrainer:
                 f"step {self.step}: the parameters hold non-finite values; refusing to write "
                 "a checkpoint (the latest one is untouched)"
             )
+        partial = self._partial_rollouts()
         state = {
             "scheduler": self.c.scheduler.state_dict(),
             "task": self.c.driver_task().state_dict() if self.mesh.is_driver else None,
             "config": self.c.config_yaml,
             "clip_controller": self.clip_controller.state_dict() if self.clip_controller else None,
             "rollout_scheduler": self.rollouts.state_dict() if self.rollouts is not None else None,
+            "partial_rollouts": partial.state_dict() if partial is not None else None,
         }
         return save_checkpoint(
             self.c.run_dir,
@@ -411,6 +415,10 @@ class RLTrainer:
             tokenizer_dir=tokenizer.path if tokenizer.kind == "hf" else None,
         )
 
+    def _partial_rollouts(self) -> PartialRollouts | None:
+        """The driver's over-sampling state (``rollout.over_sample > 1``), carried groups and all."""
+        return self.c.driver_rollout().partial if self.mesh.is_driver else None
+
     def _maybe_resume(self) -> None:
         mode = resume_mode(self.cfg.checkpoint.resume)
         if mode is ResumeMode.false:
@@ -428,6 +436,9 @@ class RLTrainer:
             self.c.driver_task().load_state_dict(state["task"])
         if self.rollouts is not None and state.get("rollout_scheduler") is not None:
             self.rollouts.load_state_dict(state["rollout_scheduler"])
+        partial = self._partial_rollouts()
+        if partial is not None and state.get("partial_rollouts") is not None:
+            partial.load_state_dict(state["partial_rollouts"])
         self.step = int(state["step"])
         if self.clip_controller is not None and state.get("clip_controller") is not None:
             self.clip_controller.load_state_dict(state["clip_controller"])
