@@ -72,6 +72,10 @@ def _typed(overrides):
             ],
             r"optimizer.exp_avg_sq_dtype=float16: .*the host optimizer keeps float32 state",
         ),
+        (
+            ["rollout.over_sample=1.5", "algorithm.dynamic_sampling=true"],
+            r"rollout.over_sample=1.5 with algorithm.dynamic_sampling=true: .*set one of them off",
+        ),
     ],
     ids=[
         "micro_batch",
@@ -86,6 +90,7 @@ def _typed(overrides):
         "reference_offload_needs_a_reference",
         "reduced_state_needs_precision_aware",
         "reduced_state_not_on_the_host",
+        "over_sampling_or_dynamic_sampling",
     ],
 )
 def test_bad_value_is_refused_naming_the_key(overrides, message):
@@ -116,6 +121,16 @@ SECTION_RULES = [
     ("rollout.max_new_tokens=0", r"rollout.max_new_tokens=0 must be >= 1"),
     ("rollout.group_size=1", r"rollout.group_size=1: group-relative advantages need >= 2"),
     ("rollout.max_staleness=2", r"rollout.max_staleness=2: .* supports 0 \(synchronous\) or 1"),
+    # over-sampling and partial rollouts (trainer/partial_rollout.py)
+    ("rollout.over_sample=0.5", r"rollout.over_sample=0.5 must be >= 1 \(1: no over-sampling\)"),
+    ("rollout.partial=continue", r"rollout.partial=continue carries .*set rollout.over_sample > 1"),
+    (
+        "rollout.over_sample=2 rollout.partial=continue rollout.max_staleness=0",
+        r"rollout.max_staleness=0: rollout.partial=continue trains samples started on an older policy",
+    ),
+    ("rollout.over_sample=2 rollout.async_rollout=true", r"rollout.over_sample=2.0 with rollout.async_rollout=true"),
+    ("rollout.over_sample=2 rollout.truncated=true", r"rollout.over_sample=2.0 with rollout.truncated=true"),
+    ("rollout.over_sample=2 rollout=sglang", r"rollout.over_sample=2.0 with rollout.engine=sglang"),
     # D13
     ("trainer.eval_samples=0", r"trainer.eval_samples must be >= 1"),
     ("rollout.eval_temperature=-1", r"rollout.eval_temperature=-1.0 must be >= 0 \(0: greedy evaluation\)"),
