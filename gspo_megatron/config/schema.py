@@ -202,13 +202,12 @@ class RolloutSection(ConfigNode):
         refused = {
             "rollout.async_rollout=true": self.async_rollout,
             "rollout.truncated=true": self.truncated,
-            "rollout.engine=sglang": self.engine == RolloutEngineName.sglang,
         }
         for setting, on in refused.items():
             if on:
                 raise ValueError(
-                    f"rollout.over_sample={self.over_sample} with {setting}: over-sampling is built for the "
-                    f"synchronous embedded engine without truncation; set rollout.over_sample=1 or drop {setting}"
+                    f"rollout.over_sample={self.over_sample} with {setting}: over-sampling is built for "
+                    f"synchronous rollouts without truncation; set rollout.over_sample=1 or drop {setting}"
                 )
 
 

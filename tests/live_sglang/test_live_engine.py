@@ -7,6 +7,8 @@ What is seen live here (docs/sglang.md lists it):
   weights change the greedy outputs,
   the checkpoint's weights restore them exactly;
 - pause/continue around an update while a request is in flight;
+- over-sampling: rows stopped by ``/abort_request`` once enough groups are complete answer with their
+  tokens, and continue from them;
 - fail fast: without the begin/end bracket the server refuses the bucket, and the engine raises the
   server's message within 30 s although the collective timeout is 300 s.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -144,6 +147,33 @@ def test_an_update_pauses_and_continues_a_request_in_flight(attach):
     assert sample.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
     assert sample.weight_version <= 5  # the oldest version it was decoded with (older tests sent some)
     assert attach_engine.generate([PROMPTS[0]], GREEDY)[0][0].weight_version == 5
+
+
+def test_rows_stop_once_enough_groups_are_complete_and_continue_from_their_tokens(attach):
+    """Over-sampling on the real server (``SGLangEngine.generate_rows``): group 0's rows have a budget of 1
+    token, group 1's 200; once group 0 is complete the engine aborts group 1's requests by rid and SGLang
+    answers each with the tokens it had (finish reason abort, log-probs for each); fed back as a prompt with
+    the budget left, a stopped row goes on from its last token."""
+    from gspo_megatron.rollout.types import RowRequest
+
+    engine = attach()
+    params = SamplingParams(temperature=1.0, max_new_tokens=200, stop_token_ids=(), return_routed_experts=True)
+    rows = [RowRequest(PROMPTS[0], 1, 0)] * 2 + [RowRequest(PROMPTS[1], 200, 1)] * 6
+    samples = engine.generate_rows(rows, params, groups_needed=1)
+    assert [s.finish_reason for s in samples[:2]] == [FinishReason.LENGTH] * 2
+    assert all(len(s.output_ids) == 1 for s in samples[:2])
+    # 200 tokens take the CPU server ~20 s: a row of group 1 ends by the model's EOS or by the abort
+    assert all(s.finish_reason in (FinishReason.ABORT, FinishReason.STOP) for s in samples[2:])
+    aborted = [s for s in samples[2:] if s.finish_reason == FinishReason.ABORT]
+    assert aborted and all(len(s.output_log_probs) == len(s.output_ids) < 200 for s in aborted)
+    print(f"live: stopped rows kept {[len(s.output_ids) for s in aborted]} tokens")
+    stopped = aborted[0]
+    budget = 200 - len(stopped.output_ids)
+    more = engine.generate_rows(
+        [RowRequest(PROMPTS[1] + stopped.output_ids, 4, 0)], replace(params, max_new_tokens=4), 1
+    )
+    assert more[0].finish_reason == FinishReason.LENGTH and len(more[0].output_ids) == min(4, budget)
+    assert more[0].prompt_ids == PROMPTS[1] + stopped.output_ids
 
 
 def test_a_refused_distributed_update_fails_fast_with_the_servers_message(attach):

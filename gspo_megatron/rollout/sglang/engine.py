@@ -46,8 +46,11 @@ import asyncio
 import concurrent.futures
 import json
 import threading
+import uuid
 import warnings
+from collections import Counter
 from collections.abc import Coroutine, Iterable, Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -69,7 +72,7 @@ from gspo_megatron.rollout.sglang.weight_sync import (
     close_weight_update_group,
     open_weight_update_group,
 )
-from gspo_megatron.rollout.types import FinishReason, Sample, SamplingParams
+from gspo_megatron.rollout.types import FinishReason, RowRequest, Sample, SamplingParams
 from gspo_megatron.weights.fp8_blocks import QuantizedStream, quantize_named_tensors
 
 T = TypeVar("T")
@@ -130,6 +133,18 @@ class SGLangEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
+        self._check_sampling(params)
+        return self._loop.run(self._generate_all(prompts, params))
+
+    def generate_rows(self, rows: list[RowRequest], params: SamplingParams, groups_needed: int) -> list[Sample]:
+        """``RolloutEngine.generate_rows``: a request per row (its own ``max_new_tokens`` and ``rid``), a group's
+        rows on one server; once ``groups_needed`` groups have all their rows answered, every row still
+        running is stopped with ``POST /abort_request {"rid": ...}`` on the live servers, and SGLang answers
+        each with what it generated (finish reason abort; HTTP 503 for a non-streaming request)."""
+        self._check_sampling(params)
+        return self._loop.run(self._generate_rows(rows, params, groups_needed))
+
+    def _check_sampling(self, params: SamplingParams) -> None:
         if params.return_routed_experts and self._routed_layout is None:
             raise ValueError(
                 "return_routed_experts needs SGLangConfig.enable_return_routed_experts=true (the server "
@@ -141,9 +156,8 @@ class SGLangEngine(RolloutEngine):
                 "--enable-deterministic-inference (SGLangConfig.enable_deterministic_inference=true); samples "
                 "are not reproducible",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-        return self._loop.run(self._generate_all(prompts, params))
 
     async def _generate_all(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
         """Each prompt's group goes to one server (the group shares its prompt's prefix cache there), the
@@ -179,9 +193,62 @@ class SGLangEngine(RolloutEngine):
             raise
         return [[task.result() for task in row] for row in tasks]
 
+    async def _generate_rows(self, rows: list[RowRequest], params: SamplingParams, needed: int) -> list[Sample]:
+        if needed <= 0:  # the step is complete without them: nothing starts
+            return [_unstarted(row) for row in rows]
+        call = uuid.uuid4().hex[:12]
+        assigned: dict[str, int] = {}
+        server_of_group: dict[int, ServerState | None] = {}
+        stopping = asyncio.Event()  # set once enough groups are complete: an abort is then the answer
+        tasks = []
+        for index, row in enumerate(rows):
+            if row.group not in server_of_group:
+                live = self._client.pool.alive()
+                server = min(live, key=lambda s: (s.in_flight + assigned.get(s.url, 0), s.served)) if live else None
+                server_of_group[row.group] = server
+            server = server_of_group[row.group]
+            if server is not None:
+                assigned[server.url] = assigned.get(server.url, 0) + 1
+            row_params = replace(params, n=1, max_new_tokens=row.max_new_tokens)
+            request = self._generate_one(row.prompt_ids, row_params, index, server, f"gspo-{call}-{index}", stopping)
+            tasks.append(asyncio.create_task(request))
+        group_of = {task: row.group for task, row in zip(tasks, rows, strict=True)}
+        unfinished = Counter(row.group for row in rows)
+        complete, pending = 0, set(tasks)
+        try:
+            while pending and complete < needed:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    task.result()  # a failed request fails the call
+                    unfinished[group_of[task]] -= 1
+                    complete += unfinished[group_of[task]] == 0
+            if pending:
+                stopping.set()
+                await self._abort([f"gspo-{call}-{tasks.index(task)}" for task in pending])
+                await asyncio.gather(*pending)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return [task.result() for task in tasks]
+
+    async def _abort(self, rids: list[str]) -> None:
+        """``/abort_request`` for each request id on every live server (one that does not hold it ignores it)."""
+        live = self._client.pool.alive()
+        await _gather([self._client.post_preferring(s, "/abort_request", {"rid": rid}) for s in live for rid in rids])
+
     async def _generate_one(
-        self, prompt: list[int], params: SamplingParams, sample_index: int, server: ServerState | None = None
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        sample_index: int,
+        server: ServerState | None = None,
+        rid: str | None = None,
+        stopping: asyncio.Event | None = None,
     ) -> Sample:
+        """One sample; an aborted answer is retried (``abort_retries``: a pause in mode abort) unless
+        ``stopping`` is set, when the abort was the caller's own (``generate_rows``)."""
         seed = None if params.seed is None or not self._seeds_honoured else params.seed + sample_index
         body = build_generate_request(
             prompt,
@@ -189,12 +256,13 @@ class SGLangEngine(RolloutEngine):
             sampling_seed=seed,
             skip_special_tokens=self.config.skip_special_tokens,
             no_stop_trim=self.config.no_stop_trim,
+            rid=rid,
         )
         layout = self._routed_layout if params.return_routed_experts else None
         for attempt in range(self.config.abort_retries + 1):  # noqa: B007 - read after the loop
             response, server = await self._client.post_preferring(server, "/generate", body)
             result = parse_generate_response(response, len(prompt), routed_experts_layout=layout)
-            if result.finish_reason is not FinishReason.ABORT:
+            if result.finish_reason is not FinishReason.ABORT or (stopping is not None and stopping.is_set()):
                 break
         oldest = result.oldest_weight_version
         version = oldest if oldest is not None else self.weight_version
@@ -542,6 +610,11 @@ class SGLangEngine(RolloutEngine):
             connect_timeout_s=config.connect_timeout_s,
             keepalive_expiry_s=config.keepalive_expiry_s,
         )
+
+
+def _unstarted(row: RowRequest) -> Sample:
+    """A row ``generate_rows`` did not send: aborted before its first token."""
+    return Sample(list(row.prompt_ids), [], torch.zeros(0), FinishReason.ABORT)
 
 
 def _routed_experts_layout(config: SGLangConfig) -> tuple[int, int] | None:

@@ -59,8 +59,10 @@ def build_generate_request(
     sampling_seed: int | None = None,
     skip_special_tokens: bool = False,
     no_stop_trim: bool = True,
+    rid: str | None = None,
 ) -> dict[str, Any]:
-    """The JSON body of one ``POST /generate`` for one sample (SGLang's ``GenerateReqInput``)."""
+    """The JSON body of one ``POST /generate`` for one sample (SGLang's ``GenerateReqInput``); ``rid``: the
+    request's id, which ``POST /abort_request {"rid": ...}`` names to stop it."""
     sampling_params: dict[str, Any] = {
         "temperature": params.temperature,
         "top_p": params.top_p,
@@ -80,6 +82,8 @@ def build_generate_request(
     }
     if params.return_routed_experts:
         body["return_routed_experts"] = True
+    if rid is not None:
+        body["rid"] = rid
     return body
 
 

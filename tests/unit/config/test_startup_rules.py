@@ -130,7 +130,6 @@ SECTION_RULES = [
     ),
     ("rollout.over_sample=2 rollout.async_rollout=true", r"rollout.over_sample=2.0 with rollout.async_rollout=true"),
     ("rollout.over_sample=2 rollout.truncated=true", r"rollout.over_sample=2.0 with rollout.truncated=true"),
-    ("rollout.over_sample=2 rollout=sglang", r"rollout.over_sample=2.0 with rollout.engine=sglang"),
     # D13
     ("trainer.eval_samples=0", r"trainer.eval_samples must be >= 1"),
     ("rollout.eval_temperature=-1", r"rollout.eval_temperature=-1.0 must be >= 0 \(0: greedy evaluation\)"),
