@@ -20,7 +20,7 @@ def _project_bodies() -> list[tuple[str, dict]]:
         "stops": SamplingParams(stop=("</answer>", "\n\n"), stop_token_ids=(2, 151645)),
         "routed": SamplingParams(return_routed_experts=True, max_new_tokens=4096),
     }
-    bodies = []
+    bodies = [("project-rid", build_generate_request([1, 2, 3], SamplingParams(max_new_tokens=9), rid="gspo-ab-0"))]
     for name, params in settings.items():
         bodies.append((f"project-{name}", build_generate_request([1, 2, 3], params)))
         bodies.append(

@@ -83,6 +83,17 @@ def test_every_control_body_passes_sglang_validation(sglang_reference, path, bod
     assert verdict.accepted, f"SGLang's app refuses the project's {path} body {body}: {verdict.reason}"
 
 
+def test_the_abort_request_body_passes_sglang_validation(sglang_reference):
+    """Over-sampling stops a running row by its rid (``SGLangEngine.generate_rows``). SGLang's handler catches
+    its own failure without a tokenizer manager and answers 400 with it, so the check is the body's parse
+    into ``AbortReq`` and an answer past FastAPI's validation (422) that is that failure."""
+    body = {"rid": "gspo-0123456789ab-3"}
+    request = sglang_reference.io_struct.AbortReq(**body)
+    assert request.rid == body["rid"] and request.abort_all is False
+    response = sglang_reference.client.post("/abort_request", json=body)
+    assert response.status_code != 422 and "tokenizer_manager" in response.text, response.text
+
+
 def test_sglangs_unpickler_rebuilds_the_tensor_handles_exactly():
     """Each TP rank's payload passes SGLang's allow-listed unpickler (``SafeUnpickler``: no global
     outside its list) and rebuilds the bucket's names, dtypes and values from the shared memory."""
