@@ -165,18 +165,9 @@ class SGLangEngine(RolloutEngine):
         samples assigned by this call takes the next group. A server that dies has its requests re-sent
         to the others (``SGLangHTTPClient.post_preferring``); each sample records the server that made it."""
         assigned: dict[str, int] = {}
-
-        def server_for_group():
-            live = self._client.pool.alive()
-            if not live:
-                return None  # post_preferring raises NoServersLeftError, naming the servers
-            server = min(live, key=lambda s: (s.in_flight + assigned.get(s.url, 0), s.served))
-            assigned[server.url] = assigned.get(server.url, 0) + params.n
-            return server
-
         tasks = []
         for index, prompt in enumerate(prompts):
-            server = server_for_group()
+            server = self._server_for_group(assigned, params.n)
             tasks.append(
                 [
                     asyncio.create_task(self._generate_one(prompt, params, index * params.n + k, server))
@@ -197,23 +188,23 @@ class SGLangEngine(RolloutEngine):
         if needed <= 0:  # the step is complete without them: nothing starts
             return [_unstarted(row) for row in rows]
         call = uuid.uuid4().hex[:12]
+        rids = [f"gspo-{call}-{index}" for index in range(len(rows))]
+        group_sizes = Counter(row.group for row in rows)
         assigned: dict[str, int] = {}
         server_of_group: dict[int, ServerState | None] = {}
         stopping = asyncio.Event()  # set once enough groups are complete: an abort is then the answer
         tasks = []
         for index, row in enumerate(rows):
             if row.group not in server_of_group:
-                live = self._client.pool.alive()
-                server = min(live, key=lambda s: (s.in_flight + assigned.get(s.url, 0), s.served)) if live else None
-                server_of_group[row.group] = server
-            server = server_of_group[row.group]
-            if server is not None:
-                assigned[server.url] = assigned.get(server.url, 0) + 1
+                server_of_group[row.group] = self._server_for_group(assigned, group_sizes[row.group])
             row_params = replace(params, n=1, max_new_tokens=row.max_new_tokens)
-            request = self._generate_one(row.prompt_ids, row_params, index, server, f"gspo-{call}-{index}", stopping)
+            request = self._generate_one(
+                row.prompt_ids, row_params, index, server_of_group[row.group], rids[index], stopping
+            )
             tasks.append(asyncio.create_task(request))
+        rid_of = dict(zip(tasks, rids, strict=True))
         group_of = {task: row.group for task, row in zip(tasks, rows, strict=True)}
-        unfinished = Counter(row.group for row in rows)
+        unfinished = Counter(group_sizes)
         complete, pending = 0, set(tasks)
         try:
             while pending and complete < needed:
@@ -224,7 +215,7 @@ class SGLangEngine(RolloutEngine):
                     complete += unfinished[group_of[task]] == 0
             if pending:
                 stopping.set()
-                await self._abort([f"gspo-{call}-{tasks.index(task)}" for task in pending])
+                await self._abort([rid_of[task] for task in pending])
                 await asyncio.gather(*pending)
         except BaseException:
             for task in tasks:
@@ -232,6 +223,16 @@ class SGLangEngine(RolloutEngine):
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
         return [task.result() for task in tasks]
+
+    def _server_for_group(self, assigned: dict[str, int], samples: int) -> ServerState | None:
+        """The live server with the fewest requests in flight plus samples this call assigned it (``assigned``,
+        updated); None without one (``post_preferring`` then raises NoServersLeftError, naming the servers)."""
+        live = self._client.pool.alive()
+        if not live:
+            return None
+        server = min(live, key=lambda s: (s.in_flight + assigned.get(s.url, 0), s.served))
+        assigned[server.url] = assigned.get(server.url, 0) + samples
+        return server
 
     async def _abort(self, rids: list[str]) -> None:
         """``/abort_request`` for each request id on every live server (one that does not hold it ignores it)."""
