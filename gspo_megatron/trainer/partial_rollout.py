@@ -47,7 +47,7 @@ class Group:
 
     @property
     def complete(self) -> bool:
-        return all(finished(sample) for sample in self.samples)
+        return bool(self.samples) and all(finished(sample) for sample in self.samples)
 
     def oldest_version(self) -> int | None:
         versions = [v for sample in self.samples for v in token_versions(sample)]
@@ -110,7 +110,7 @@ class PartialRollouts:
     ) -> DrawnGroups:
         """``needed`` complete groups of ``params.n`` samples, generated on weight version ``version``."""
         carried, dropped_stale = self._still_fresh(version)
-        already = sum(group.complete and len(group.samples) == params.n for group in carried)
+        already = sum(group.complete for group in carried)
         started = math.ceil(self.over_sample * needed)
         # no fresh prompts when the carried groups complete the step already
         fresh = next_records(started - len(carried)) if started > len(carried) and already < needed else []
