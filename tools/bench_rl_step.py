@@ -278,6 +278,12 @@ def format_breakdown(steps: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def ms_per_1k_tokens(rows: list[dict], phase: str, tokens: str) -> tuple[float, list[float]]:
+    """``phase``'s milliseconds per 1000 of the steps' ``tokens``: from the totals of ``rows``, and step by step."""
+    total = 1e6 * sum(s[phase] for s in rows) / sum(s[tokens] for s in rows)
+    return total, [1e6 * s[phase] / s[tokens] for s in rows]
+
+
 def format_expert_comparison(steps: list[dict], arms: tuple[str, ...]) -> str:
     """Per arm over the steps after the warm-up ones (one per arm): the update and old-log-prob
     phases in ms per 1000 padded tokens (total time / total tokens, and the median, min and max of
@@ -293,13 +299,12 @@ def format_expert_comparison(steps: list[dict], arms: tuple[str, ...]) -> str:
         rows = [s for s in measured if s["arm"] == arm]
         if not rows:
             return f"the expert comparison needs --steps >= {2 * len(arms)} ({len(arms)} warm-up steps, then each arm)"
-        tokens = sum(s["padded_tokens"] for s in rows) / 1000
-        per_step = [1e6 * s["update"] / s["padded_tokens"] for s in rows]  # ms per 1000 tokens
+        update_per_tok, per_step = ms_per_1k_tokens(rows, "update", "padded_tokens")
         per_arm[arm] = {
             "update": statistics.fmean(s["update"] for s in rows),
-            "update_per_tok": 1000 * sum(s["update"] for s in rows) / tokens,
+            "update_per_tok": update_per_tok,
             "update_median": statistics.median(per_step),
-            "old_logp_per_tok": 1000 * sum(s["old_logp"] for s in rows) / tokens,
+            "old_logp_per_tok": ms_per_1k_tokens(rows, "old_logp", "padded_tokens")[0],
         }
         a = per_arm[arm]
         lines.append(
@@ -329,10 +334,9 @@ def format_over_sample_comparison(steps: list[dict]) -> str:
         rows = [s for s in measured if s["arm"] == arm]
         if not rows:
             return f"the over-sampling comparison needs --steps >= {2 * len(SAMPLING_ARMS)}"
-        tokens = sum(s["trained_tokens"] for s in rows) / 1000
-        per_step = [1e6 * s["step"] / s["trained_tokens"] for s in rows]
-        per_arm[arm] = (1000 * sum(s["step"] for s in rows) / tokens, statistics.median(per_step))
-        generate = 1000 * sum(s["generate"] for s in rows) / tokens
+        step_per_tok, per_step = ms_per_1k_tokens(rows, "step", "trained_tokens")
+        per_arm[arm] = (step_per_tok, statistics.median(per_step))
+        generate = ms_per_1k_tokens(rows, "generate", "trained_tokens")[0]
         lines.append(
             f"{arm:<12} {len(rows):>5} {statistics.fmean(s['step'] for s in rows):>7.3f} "
             f"{statistics.fmean(s['trained_tokens'] for s in rows):>7.0f} {per_arm[arm][0]:>15.1f} "

@@ -90,7 +90,8 @@ def hf_to_mcore(args) -> Path:
     from megatron.core import dist_checkpointing
 
     from gspo_megatron.models.config import MoEModelConfig
-    from gspo_megatron.models.conversion import SafetensorsSource, load_hf_weights
+    from gspo_megatron.models.conversion import load_hf_weights
+    from gspo_megatron.models.weight_sources import SafetensorsSource
 
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):

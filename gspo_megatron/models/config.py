@@ -292,7 +292,7 @@ class MoEModelConfig(ConfigNode):
         """Total and per-token active parameters, computed from the shape (nothing allocated)."""
         h, layers = self.hidden_size, self.num_layers
         attn = h * self.head_dim * (self.num_attention_heads * 2 + self.num_kv_heads * 2)
-        attn += self.qk_norm_widths()[0] + self.qk_norm_widths()[1] if self.qk_norm else 0
+        attn += sum(self.qk_norm_widths()) if self.qk_norm else 0
         if self.attention == AttentionKind.mla:
             attn = self._mla_parameters()
         attn += (self.num_attention_heads + 2 * self.num_kv_heads) * self.head_dim if self.qkv_bias else 0

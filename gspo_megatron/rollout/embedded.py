@@ -180,7 +180,7 @@ class EmbeddedEngine(RolloutEngine):
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
         self._check_request(prompts, params)
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (), generator=self._seed_source))
+        seed = self._call_seed(params)
         rows = [prompt for prompt in prompts for _ in range(params.n)]
         generators = row_generators(seed, len(rows))
         samples: list[Sample] = []
@@ -194,7 +194,7 @@ class EmbeddedEngine(RolloutEngine):
         decoded token the rows that finished count towards their groups, and once ``groups_needed`` groups
         are complete the rows still decoding stop (``ABORT``, their tokens kept) and later chunks do not start."""
         self._check_request([row.prompt_ids for row in rows], params)
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (), generator=self._seed_source))
+        seed = self._call_seed(params)
         generators = row_generators(seed, len(rows))
         done = _GroupsDone([row.group for row in rows], groups_needed)
         samples: list[Sample] = []
@@ -209,6 +209,10 @@ class EmbeddedEngine(RolloutEngine):
                 [row.prompt_ids for row in chunk], generators[start : start + step], params, budgets, done, start
             )
         return samples
+
+    def _call_seed(self, params: SamplingParams) -> int:
+        """The call's seed: ``params.seed``, else the next draw of the engine's own generator."""
+        return params.seed if params.seed is not None else int(torch.randint(0, 2**62, (), generator=self._seed_source))
 
     def _check_request(self, prompts, params: SamplingParams) -> None:
         if params.stop and self.decode is None:

@@ -55,12 +55,14 @@ def correct_mismatch(
     metrics: dict[str, float] = {}
     valid = batch.mismatch_mask.bool()
     rejected = torch.zeros_like(valid)  # valid tokens that leave the loss (and its denominators)
+    drops_masked = algorithm.mismatch_rejected == RejectedTokens.drop
+    rejects = algorithm.mismatch_reject != RejectionLevel.none or algorithm.mismatch_veto is not None
     if algorithm.mismatch_correction != MismatchCorrection.none:
         weights, weight_metrics = _weigh_advantages(batch, old_log_probs, parts, algorithm, dp_group)
         metrics.update(weight_metrics)
-        if algorithm.mismatch_rejected == RejectedTokens.drop:
+        if drops_masked:
             rejected |= valid & ~rejected_mask(weights, batch.mismatch_mask, algorithm.mismatch_correction)
-    if algorithm.mismatch_reject != RejectionLevel.none or algorithm.mismatch_veto is not None:
+    if rejects:
         kept, stats = rejection_keep_mask(
             old_log_probs,
             batch.rollout_log_probs,
@@ -74,12 +76,8 @@ def correct_mismatch(
             stats = all_reduce_metrics(stats, dp_group)
         metrics.update(finalize_rejection_stats(stats))
         rejected |= valid & ~kept
-    may_reject = (
-        algorithm.mismatch_rejected == RejectedTokens.drop
-        or algorithm.mismatch_reject != RejectionLevel.none
-        or algorithm.mismatch_veto is not None
-    )
-    if may_reject:  # the config's answer, the same on every data-parallel rank: the reduction is collective
+    # the config's answer, the same on every data-parallel rank: the reduction is collective
+    if drops_masked or rejects:
         totals = _drop_rejected(parts, batch, rejected, totals, dp_group)
     return metrics, totals
 

@@ -40,15 +40,16 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.models.builder import build_model_chunks
-from gspo_megatron.models.conversion import SafetensorsSource, load_hf_weights
+from gspo_megatron.models.conversion import load_hf_weights
 from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.models.schedule import run_schedule
+from gspo_megatron.models.weight_sources import SafetensorsSource
 from gspo_megatron.trainer.host_weights import HostResidentWeights
 from gspo_megatron.trainer.loss_head import LogProbHead
 
 if TYPE_CHECKING:
     from gspo_megatron.config.schema import TrainConfig
-    from gspo_megatron.models.conversion import WeightSource
+    from gspo_megatron.models.weight_sources import WeightSource
     from gspo_megatron.parallel.layout import ParallelLayout
     from gspo_megatron.parallel.mesh import ParallelMesh
 

@@ -19,8 +19,9 @@ from gspo_megatron.data.tasks import Task, build_task
 from gspo_megatron.data.tokenizer import Tokenizer, build_tokenizer
 from gspo_megatron.models.builder import build_model_chunks
 from gspo_megatron.models.chunks import ModelChunks
-from gspo_megatron.models.conversion import SafetensorsSource, hf_shapes, load_hf_weights
+from gspo_megatron.models.conversion import hf_shapes, load_hf_weights
 from gspo_megatron.models.schedule import wrap_for_training
+from gspo_megatron.models.weight_sources import SafetensorsSource
 from gspo_megatron.parallel.mesh import ParallelMesh, initialize_parallel
 from gspo_megatron.rewards.pool import RewardPool
 from gspo_megatron.rollout.config import Placement, RolloutEngineName

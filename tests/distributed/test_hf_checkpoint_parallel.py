@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from gspo_megatron.models.config import MoEModelConfig
-from gspo_megatron.models.conversion import SafetensorsSource
 from gspo_megatron.models.hf_checkpoint import write_hf_checkpoint
+from gspo_megatron.models.weight_sources import SafetensorsSource
 from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.model_fixtures import random_hf_state, tiny_test_config
 from gspo_megatron.weights.safetensors_writer import INDEX_FILE

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gspo_megatron.models.conversion import SafetensorsSource
+from gspo_megatron.models.weight_sources import SafetensorsSource
 from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.train_runs import FAST, train_worker
 

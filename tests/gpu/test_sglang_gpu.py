@@ -54,15 +54,12 @@ def test_real_server_generates_and_takes_a_weight_update(tmp_path):
 def _deepseek_v3_tiny_checkpoint(path):
     """The project's tiny DeepSeek-V3 (conf/model/deepseek_v3_tiny.yaml: MLA, YaRN, a dense first layer, sigmoid
     router with expert bias and groups, a shared expert) as the trainer's export writes it, in bf16."""
-    from omegaconf import OmegaConf
-
     from gspo_megatron.config.compose import compose
-    from gspo_megatron.models.config import MoEModelConfig
+    from gspo_megatron.config.schema import to_train_config
     from gspo_megatron.models.hf_checkpoint import write_hf_checkpoint
     from gspo_megatron.testing.model_fixtures import random_hf_state
 
-    section = OmegaConf.to_container(compose(["model=deepseek_v3_tiny"]).model, resolve=True)
-    cfg = MoEModelConfig(**{k: v for k, v in section.items() if k in MoEModelConfig.field_names()})
+    cfg = to_train_config(compose(["model=deepseek_v3_tiny"])).model
     state = {name: tensor.to(torch.bfloat16) for name, tensor in random_hf_state(cfg, seed=0).items()}
     write_hf_checkpoint([list(state.items())], cfg, path)
     return cfg

@@ -178,9 +178,7 @@ class SGLangEngine(RolloutEngine):
         try:
             await asyncio.gather(*flat)
         except BaseException:
-            for task in flat:
-                task.cancel()
-            await asyncio.gather(*flat, return_exceptions=True)
+            await _cancel(flat)
             raise
         return [[task.result() for task in row] for row in tasks]
 
@@ -218,9 +216,7 @@ class SGLangEngine(RolloutEngine):
                 await self._abort([rid_of[task] for task in pending])
                 await asyncio.gather(*pending)
         except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await _cancel(tasks)
             raise
         return [task.result() for task in tasks]
 
@@ -644,6 +640,13 @@ def _abort_locally(group) -> None:
         group.abort()
     except Exception as error:  # noqa: BLE001 - best effort: the group is being dropped anyway
         warnings.warn(f"aborting the local weight-update group failed: {error}", RuntimeWarning, stacklevel=2)
+
+
+async def _cancel(tasks: list[asyncio.Task]) -> None:
+    """Cancel the requests of a call that failed and wait until each has ended."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _gather(coroutines: list[Coroutine]) -> list[Any]:

@@ -21,13 +21,10 @@ from gspo_megatron.testing.model_fixtures import random_hf_state
 
 def model_preset(name: str) -> MoEModelConfig:
     """A ``conf/model`` preset as the trainer composes it (``model=<name>``)."""
-    from omegaconf import OmegaConf
-
     from gspo_megatron.config.compose import compose
+    from gspo_megatron.config.schema import to_train_config
 
-    section = OmegaConf.to_container(compose([f"model={name}"]).model, resolve=True)
-    assert isinstance(section, dict)
-    return MoEModelConfig(**{k: v for k, v in section.items() if k in MoEModelConfig.field_names()})
+    return to_train_config(compose([f"model={name}"])).model
 
 
 def write_tiny_checkpoint(out_dir: Path, seed: int = 0, model: str = "tiny") -> Path:

@@ -1,4 +1,4 @@
-"""What ``SafetensorsSource`` reads from a HF checkpoint directory.
+"""What ``models/weight_sources.py:SafetensorsSource`` reads from a HF checkpoint directory.
 
 A block-FP8 checkpoint (DeepSeek-V3's and Kimi-K2's published weights, this project's ``--fp8-block`` export)
 is read as the weights it stands for: each float8 projection times its ``_scale_inv`` blocks, at config.json's
@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from gspo_megatron.models.conversion import ConversionError, SafetensorsSource, check_checkpoint_names
 from gspo_megatron.models.hf_checkpoint import write_hf_checkpoint
+from gspo_megatron.models.weight_sources import ConversionError, SafetensorsSource, check_checkpoint_names
 from gspo_megatron.testing.model_fixtures import random_hf_state, tiny_family_config
 from gspo_megatron.weights.fp8_blocks import (
     FP8_DTYPE,

@@ -10,12 +10,12 @@ import json
 import pytest
 import torch
 
-from gspo_megatron.models.conversion import SafetensorsSource
 from gspo_megatron.models.hf_checkpoint import (
     HFCheckpointError,
     hf_shape_fields,
     write_hf_checkpoint,
 )
+from gspo_megatron.models.weight_sources import SafetensorsSource
 from gspo_megatron.testing.model_fixtures import (
     FAMILY_TEST_OVERRIDES,
     random_hf_state,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from gspo_megatron.models.conversion import ConversionError, SafetensorsSource
+from gspo_megatron.models.weight_sources import ConversionError, SafetensorsSource
 
 
 def _two_shards(directory):

@@ -6,36 +6,24 @@ them; a carried group older than ``max_staleness`` is dropped; the carried group
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 
 import pytest
 import torch
-from transformers import Qwen3MoeConfig
 
 from gspo_megatron.data.records import PromptRecord
 from gspo_megatron.rollout.config import EmbeddedConfig, PartialRollout
 from gspo_megatron.rollout.embedded import EmbeddedEngine
 from gspo_megatron.rollout.types import FinishReason, SamplingParams
+from gspo_megatron.testing.model_fixtures import tiny_test_config
 from gspo_megatron.trainer.partial_rollout import PartialRollouts, token_versions
 
 N, BUDGET = 2, 10
 
 
 def _engine() -> EmbeddedEngine:
-    config = Qwen3MoeConfig(
-        vocab_size=40,
-        hidden_size=32,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-    )
     torch.manual_seed(0)
-    return EmbeddedEngine(config, EmbeddedConfig(max_batch_size=64))
+    return EmbeddedEngine(tiny_test_config(vocab_size=40).to_hf_config(), EmbeddedConfig(max_batch_size=64))
 
 
 class _Prompts:
@@ -54,11 +42,8 @@ def _short_first(engine: EmbeddedEngine):
 
     def generate_rows(rows, params, needed):
         first = min(row.group for row in rows)
-        return engine.generate_rows(
-            [type(row)(row.prompt_ids, 2 if row.group == first else row.max_new_tokens, row.group) for row in rows],
-            params,
-            needed,
-        )
+        short = [replace(row, max_new_tokens=2) if row.group == first else row for row in rows]
+        return engine.generate_rows(short, params, needed)
 
     return generate_rows
 
