@@ -103,8 +103,10 @@ def parse_generate_response(
     log_probs = decode_output_logprobs(meta.get("output_token_logprobs"), output_ids)
     finish_reason = parse_finish_reason(meta.get("finish_reason"))
     routed = None
-    if routed_experts_layout is not None:
-        encoded = meta.get("routed_experts")
+    encoded = meta.get("routed_experts")
+    # a request aborted before it ran (in the waiting queue) comes back without routes: SGLang writes them only
+    # when its scheduler captured some
+    if routed_experts_layout is not None and not (encoded is None and finish_reason is FinishReason.ABORT):
         if encoded is None:
             raise ProtocolError(
                 "meta_info.routed_experts is missing although return_routed_experts was sent; launch the "

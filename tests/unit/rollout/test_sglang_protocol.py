@@ -102,6 +102,16 @@ def test_missing_routed_experts_explains_the_launch_flag():
         parse_generate_response(_response([7], [-1.0]), 2, routed_experts_layout=(2, 2))
 
 
+def test_a_request_aborted_before_it_ran_has_no_routed_experts():
+    """SGLang's tokenizer manager writes meta_info.routed_experts only when the scheduler captured some
+    (``tokenizer_manager.py``, 0.5.23: ``if getattr(recv_obj, "routed_experts", None)``); a request aborted in
+    the waiting queue -- over-sampling stopping a row that never started -- has none (seen live: "Abort in
+    waiting queue", no tokens). Its sample has no routes; a finished answer without them is still refused."""
+    body = _response([], [], finish="abort")
+    result = parse_generate_response(body, 4, routed_experts_layout=(2, 2))
+    assert result.finish_reason == FinishReason.ABORT and result.routed_experts is None
+
+
 @pytest.mark.parametrize(
     "body, message",
     [
