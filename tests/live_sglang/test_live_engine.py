@@ -168,11 +168,13 @@ def test_rows_stop_once_enough_groups_are_complete_and_continue_from_their_token
     assert aborted and all(len(s.output_log_probs) == len(s.output_ids) < 200 for s in aborted)
     print(f"live: stopped rows kept {[len(s.output_ids) for s in aborted]} tokens")
     stopped = aborted[0]
-    budget = 200 - len(stopped.output_ids)
     more = engine.generate_rows(
         [RowRequest(PROMPTS[1] + stopped.output_ids, 4, 0)], replace(params, max_new_tokens=4), 1
     )
-    assert more[0].finish_reason == FinishReason.LENGTH and len(more[0].output_ids) == min(4, budget)
+    # it goes on: to its 4-token budget, or sooner by the model's EOS (the server's own stop token)
+    assert (more[0].finish_reason, len(more[0].output_ids)) == (FinishReason.LENGTH, 4) or (
+        more[0].finish_reason == FinishReason.STOP and 1 <= len(more[0].output_ids) <= 4
+    )
     assert more[0].prompt_ids == PROMPTS[1] + stopped.output_ids
 
 
