@@ -317,8 +317,11 @@ def export_hf_tensors(
     *,
     tensor_of: Callable[[torch.Tensor], torch.Tensor] = parameter_data,
     dtype: torch.dtype | None = None,
+    own_stage_only: bool = False,
 ) -> Iterator[NamedTensor]:
     """Yield (HF name, full tensor) one at a time on every rank; collective: all ranks must iterate.
+    ``own_stage_only``: only the units of this rank's pipeline stage, gathered inside the stage and
+    shared with no other stage (collective over the stage's ranks only: a pipeline stage's sender).
 
     Each megatron parameter is gathered (TP/ETP, then EP) inside its pipeline stage when its turn
     comes, and its HF tensors are broadcast from that stage to the others one by one. Beyond its own
@@ -338,7 +341,9 @@ def export_hf_tensors(
     shapes = hf_shapes(cfg)
     for unit in _units(cfg):
         rows = by_unit.get(unit, [])
-        plan, source = _unit_plan(rows, shapes, cfg, mesh, ep_size)
+        if own_stage_only and not rows:
+            continue  # another stage's unit
+        plan, source = _unit_plan(rows, shapes, cfg, mesh, ep_size, own_stage_only)
         for index, names in enumerate(plan):
             gathered = _gather_row(rows[index], params, cfg, mesh, ep_size, tensor_of, wire_dtype) if rows else {}
             for name in names:
@@ -370,12 +375,12 @@ def _row_names(row: ParamMapping, cfg: MoEModelConfig, ep_size: int) -> list[str
     ]
 
 
-def _unit_plan(rows, shapes, cfg, mesh, ep_size) -> tuple[list[list[str]], int | None]:
+def _unit_plan(rows, shapes, cfg, mesh, ep_size, own_stage_only=False) -> tuple[list[list[str]], int | None]:
     """Per parameter of the unit, the HF names it exports; and the global rank of the owning stage
-    that broadcasts them (None without pipeline parallelism). Stages that do not own the unit learn
-    the plan from the one that does (one small object collective per unit)."""
+    that broadcasts them (None without pipeline parallelism, or when the stage keeps its units). Stages
+    that do not own the unit learn the plan from the one that does (one small object collective per unit)."""
     plan = [[name for name in _row_names(row, cfg, ep_size) if name in shapes] for row in rows]
-    if mesh is None or mesh.layout.pp == 1:
+    if mesh is None or mesh.layout.pp == 1 or own_stage_only:
         return plan, None
     plans: list = [None] * mesh.layout.pp
     dist.all_gather_object(plans, plan if rows else None, group=mesh.pp_group)

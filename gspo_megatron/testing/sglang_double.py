@@ -14,13 +14,14 @@ What it follows (SGLang 0.5.x ``http_server.py`` / ``io_struct.py``):
 - ``/health``, ``/health_generate``, ``/server_info``, ``/flush_cache``, ``/pause_generation``,
   ``/continue_generation``, ``/abort_request``, ``/init_weights_update_group``,
   ``/update_weights_from_distributed``, ``/update_weights_from_disk``, ``/begin_weight_update``,
-  ``/end_weight_update``, ``/destroy_weights_update_group``. ``/generate`` bodies are accepted or
-  refused exactly as SGLang 0.5.23 does (``sglang_double_rules``; tests/contract compares the two on a
-  table of bodies); control payloads are validated (missing / mistyped fields -> HTTP 400); the call
-  order is recorded. State SGLang keeps is modelled: a distributed update outside begin/end is refused
-  (the disk path has no session check), a second begin while a session is open is refused, a group
-  name cannot be initialised twice until destroyed, ``/flush_cache`` answers 400 while requests run
-  (an ``in_place`` pause keeps them running), an aborted non-streaming request answers HTTP 503, and
+  ``/end_weight_update``, ``/destroy_weights_update_group``, ``/update_weight_version``.
+  ``/generate`` bodies are accepted or refused exactly as SGLang 0.5.23 does (``sglang_double_rules``;
+  tests/contract compares the two on a table of bodies); control payloads are validated (missing /
+  mistyped fields -> HTTP 400); the call order is recorded. State SGLang keeps is modelled: a
+  distributed update outside begin/end is refused (the disk path has no session check), a second begin
+  while a session is open is refused, a group name cannot be initialised twice until destroyed
+  (several names may be open at once), ``/flush_cache`` answers 400 while requests run (an
+  ``in_place`` pause keeps them running), an aborted non-streaming request answers HTTP 503, and
   ``sampling_seed`` acts only with ``deterministic_inference`` (``--enable-deterministic-inference``).
 - With ``join_weight_groups`` it really joins the trainer's update group (gloo or nccl, rank =
   rank_offset) and receives each broadcast tensor, recording its shape, dtype and sum.
@@ -91,8 +92,7 @@ class _DoubleHTTPServer(ThreadingHTTPServer):
 
 @dataclass
 class _WeightState:
-    group: Any = None
-    group_name: str | None = None
+    groups: dict = field(default_factory=dict)  # group name -> the joined group (None without joining)
     in_update: bool = False
     received: dict = field(default_factory=dict)  # name -> {"shape", "dtype", "sum"}
 
@@ -334,11 +334,9 @@ class SGLangServerDouble:
         if error:
             return 400, {"success": False, "message": error}
         group_name = body.get("group_name", "weight_update_group")
-        if self._weights.group_name == group_name:
+        if group_name in self._weights.groups:
             return 400, {"success": False, "message": f"Process group {group_name} already exists."}
-        if self.join_weight_groups:
-            self._weights.group = _join_group(body, group_name)
-        self._weights.group_name = group_name
+        self._weights.groups[group_name] = _join_group(body, group_name) if self.join_weight_groups else None
         return 200, {"success": True, "message": "Succeeded to initialize custom process group."}
 
     def _update_distributed(self, body):
@@ -347,17 +345,15 @@ class SGLangServerDouble:
             error = "names, dtypes and shapes must have the same length"
         if not error and any(d not in _DTYPE_NAMES for d in body["dtypes"]):
             error = f"unknown dtype in {body['dtypes']}; valid: {sorted(_DTYPE_NAMES)}"
-        if not error and body.get("group_name", "weight_update_group") != self._weights.group_name:
-            error = (
-                f"Group {body.get('group_name')} not in [{self._weights.group_name}]. "
-                "Call init_weights_update_group first."
-            )
+        group_name = (body or {}).get("group_name", "weight_update_group")
+        if not error and group_name not in self._weights.groups:
+            error = f"Group {group_name} not in {list(self._weights.groups)}. Call init_weights_update_group first."
         if not error and not self._weights.in_update:
             error = "update_weights_from_distributed outside begin_weight_update / end_weight_update"
         if error:
             return 400, {"success": False, "message": error}
-        if self._weights.group is not None:
-            self._receive(body)
+        if self._weights.groups[group_name] is not None:
+            self._receive(body, group_name)
         if self._distributed_failures < self.faults.fail_distributed_updates:
             self._distributed_failures += 1  # received, then the weight loader fails (e.g. a name it lacks)
             return 400, {"success": False, "message": "injected fault: loading the received weights failed"}
@@ -396,14 +392,21 @@ class SGLangServerDouble:
 
     def _destroy_group(self, body):
         group_name = (body or {}).get("group_name", "weight_update_group")
-        if self._weights.group_name != group_name:
-            return 400, {"success": False, "message": f"Group {group_name} not in [{self._weights.group_name}]"}
-        if self._weights.group is not None:
+        if group_name not in self._weights.groups:
+            return 400, {"success": False, "message": f"Group {group_name} not in {list(self._weights.groups)}"}
+        group = self._weights.groups.pop(group_name)
+        if group is not None:
             import torch.distributed as dist
 
-            dist.destroy_process_group(self._weights.group)
-        self._weights.group, self._weights.group_name = None, None
+            dist.destroy_process_group(group)
         return 200, {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    def _update_weight_version(self, body):
+        error = _check_fields(body, {"new_version": str})
+        if error:
+            return 400, {"success": False, "message": error}
+        self.weight_version = body["new_version"]
+        return 200, {"success": True, "message": f"Weight version updated to {body['new_version']}"}
 
     @property
     def session_open(self) -> bool:
@@ -418,17 +421,17 @@ class SGLangServerDouble:
             "received": self._weights.received,
             "weight_version": self.weight_version,
             "session_open": self._weights.in_update,
-            "group_name": self._weights.group_name,
+            "group_names": list(self._weights.groups),
         }
 
-    def _receive(self, body: dict) -> None:
+    def _receive(self, body: dict, group_name: str) -> None:
         import torch
         import torch.distributed as dist
 
         for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"], strict=True):
             tensor = torch.empty(shape, dtype=getattr(torch, dtype))
-            dist.broadcast(tensor, src=0, group=self._weights.group)
-            self._weights.received[name] = _describe(tensor)
+            dist.broadcast(tensor, src=0, group=self._weights.groups[group_name])
+            self._weights.received[name] = {**_describe(tensor), "group": group_name}
 
     def _die(self) -> None:
         if not self.dead:
@@ -452,6 +455,7 @@ class SGLangServerDouble:
         ("POST", "/destroy_weights_update_group"): "_destroy_group",
         ("POST", "/update_weights_from_distributed"): "_update_distributed",
         ("POST", "/update_weights_from_disk"): "_update_from_disk",
+        ("POST", "/update_weight_version"): "_update_weight_version",
         ("GET", "/_double/state"): "_state",
     }
 

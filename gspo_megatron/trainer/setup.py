@@ -22,10 +22,12 @@ from gspo_megatron.models.chunks import ModelChunks
 from gspo_megatron.models.conversion import hf_shapes, load_hf_weights
 from gspo_megatron.models.schedule import wrap_for_training
 from gspo_megatron.models.weight_sources import SafetensorsSource
+from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.parallel.mesh import ParallelMesh, initialize_parallel
 from gspo_megatron.rewards.pool import RewardPool
 from gspo_megatron.rollout.config import Placement, RolloutEngineName
 from gspo_megatron.rollout.engine import RolloutEngine
+from gspo_megatron.rollout.sglang.config import WeightSenders, WeightSync
 from gspo_megatron.rollout.types import SamplingParams
 from gspo_megatron.routing.replay import RoutingReplay
 from gspo_megatron.routing.replay_strategy import needs_engine_routing
@@ -41,6 +43,8 @@ if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.optimizer import MegatronOptimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from gspo_megatron.trainer.stage_senders import StageTurns
 
 
 @dataclass
@@ -61,6 +65,7 @@ class Components:
     routing_log: RoutingLog | None = None
     reference: ReferenceModel | None = None  # frozen KL reference; None unless algorithm.kl_coef > 0
     placement: SeparatePlacement | ColocatedHandOver = field(default_factory=SeparatePlacement)
+    stage_turns: StageTurns | None = None  # every rank, when each pipeline stage sends its own weights
 
     def driver_rollout(self) -> RolloutPhase:
         """The rollout phase, which only the driver (global rank 0) builds."""
@@ -83,10 +88,23 @@ class Components:
                 self.rollout.rewards.close()
         finally:
             try:
+                if self.stage_turns is not None:
+                    self.stage_turns.close()
                 if self.engine is not None:
                     self.engine.shutdown()
             finally:
                 self.mesh.destroy()
+
+
+def senders_per_stage(cfg: TrainConfig, layout: ParallelLayout) -> bool:
+    """Each pipeline stage sends its own layers: SGLang's distributed sync, ``weight_senders=per_stage``, pp > 1."""
+    sglang = cfg.rollout.sglang
+    return (
+        cfg.rollout.engine == RolloutEngineName.sglang
+        and sglang.weight_sync == WeightSync.distributed
+        and sglang.weight_senders == WeightSenders.per_stage
+        and layout.pp > 1
+    )
 
 
 def world_size_from_env() -> int:
@@ -153,6 +171,10 @@ def build(cfg: TrainConfig, run_dir: Path, config_yaml: str, world_size: int | N
     )
     if cfg.rollout.placement == Placement.colocated:  # trainer and engine take turns on the devices
         components.placement = ColocatedHandOver(ddp)
+    if senders_per_stage(cfg, layout):
+        from gspo_megatron.trainer.stage_senders import StageTurns  # the HTTP client: SGLang runs only
+
+        components.stage_turns = StageTurns(ddp, cfg.model, mesh, cfg.rollout.sglang)
     components.placement.before_engine_launch()
     if mesh.is_driver:
         _build_driver_side(components)

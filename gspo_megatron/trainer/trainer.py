@@ -362,7 +362,7 @@ class RLTrainer:
         if self.rollouts is not None:
             self.rollouts.before_weight_sync()  # an in-flight generation finishes on the old weights
         engine = self.c.engine if self.mesh.is_driver else None
-        sync_engine_weights(engine, self.c.model, self.cfg.model, self.mesh, version)
+        sync_engine_weights(engine, self.c.model, self.cfg.model, self.mesh, version, self.c.stage_turns)
 
     def _evaluate(self) -> dict:
         payload: list[Any] = [None]

@@ -13,11 +13,17 @@ Design decisions:
 - A pass the engine abandoned half-way (a bucket refused by a server) is drained before anything
   else happens on the driver: the other ranks are inside that pass's collectives and would deadlock
   against a new pass or the DONE broadcast.
+- Per-stage senders (SGLang's distributed sync with pipeline stages, ``weight_senders=per_stage``): the
+  driver's stream is ``StagedDriverStream``; the engine calls its ``send_by_stages``, which announces
+  STAGES (2) and runs ``stage_senders.StageTurns`` on every rank; the disk fallback still iterates it
+  (a full export pass, MORE).
+- After DONE the driver broadcasts the outcome, so a failed sync raises on every rank (not only on the
+  driver, while the others wait in the next step's collectives).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,8 +39,14 @@ if TYPE_CHECKING:
     from gspo_megatron.models.chunks import ModelChunks
     from gspo_megatron.models.config import MoEModelConfig
     from gspo_megatron.parallel.mesh import ParallelMesh
+    from gspo_megatron.rollout.sglang.group_sender import SenderBrief
+    from gspo_megatron.trainer.stage_senders import StageTurns
 
-MORE, DONE = 1, 0
+MORE, DONE, STAGES = 1, 0, 2
+
+
+class WeightSyncFailed(RuntimeError):
+    """The driver's weight sync failed; raised on every rank."""
 
 
 class DriverWeightStream:
@@ -65,12 +77,38 @@ class DriverWeightStream:
             self._active = None
 
 
-def follow_weight_stream(export_pass: Callable[[], Iterator[NamedTensor]], receive: Callable[[], int]) -> int:
-    """A non-driver rank's half: join one export pass per MORE until DONE; returns the passes made."""
+class StagedDriverStream(DriverWeightStream):
+    """The driver's stream when every pipeline stage sends its own layers (``StagedWeights``)."""
+
+    def __init__(
+        self,
+        export_pass: Callable[[], Iterator[NamedTensor]],
+        announce: Callable[[int], None],
+        turns: StageTurns,
+    ):
+        super().__init__(export_pass, announce)
+        self._turns = turns
+
+    def send_by_stages(self, brief: SenderBrief, send_own: Callable[[Iterable[NamedTensor]], None]) -> None:
+        self._drain()
+        self._announce(STAGES)
+        self.passes += 1
+        self._turns.run(brief, send_own)
+
+
+def follow_weight_stream(
+    export_pass: Callable[[], Iterator[NamedTensor]], receive: Callable[[], int], turns: StageTurns | None = None
+) -> int:
+    """A non-driver rank's half: join one export pass per MORE, the stages' turns per STAGES, until
+    DONE; returns the passes made."""
     passes = 0
-    while receive() == MORE:
-        for _ in export_pass():
-            pass
+    while (command := receive()) != DONE:
+        if command == STAGES:
+            assert turns is not None, "the driver announced per-stage senders this rank was not built with"
+            turns.run(None, None)
+        else:
+            for _ in export_pass():
+                pass
         passes += 1
     return passes
 
@@ -81,10 +119,11 @@ def sync_engine_weights(
     model_cfg: MoEModelConfig,
     mesh: ParallelMesh,
     version: int,
+    turns: StageTurns | None = None,
 ) -> int:
     """Stream the policy's HF-named weights into ``engine`` (the driver's; None elsewhere); ``model``: one
-    model chunk or this rank's ``ModelChunks``.
-    Collective on every rank; returns the export passes made (2 when the engine read twice)."""
+    model chunk or this rank's ``ModelChunks``; ``turns``: every rank's, when pipeline stages send their
+    own layers. Collective on every rank; returns the export passes made (2 when the engine read twice)."""
 
     def export_pass() -> Iterator[NamedTensor]:
         return export_hf_tensors(model, model_cfg, mesh)
@@ -102,10 +141,28 @@ def sync_engine_weights(
         return int(signal.item())
 
     if engine is None:
-        return follow_weight_stream(export_pass, receive)
-    stream = DriverWeightStream(export_pass, announce)
+        passes = follow_weight_stream(export_pass, receive, turns)
+        _share_outcome(None, world)
+        return passes
+    stream = StagedDriverStream(export_pass, announce, turns) if turns else DriverWeightStream(export_pass, announce)
+    failure: BaseException | None = None
     try:
         engine.update_weights(stream, version)
+    except BaseException as error:  # noqa: BLE001 - re-raised once every rank knows
+        failure = error
     finally:
         stream.close()
+    _share_outcome(failure, world)
+    if failure is not None:
+        raise failure
     return stream.passes
+
+
+def _share_outcome(failure: BaseException | None, world: int) -> None:
+    """The driver's outcome on every rank: the others raise ``WeightSyncFailed`` when it failed."""
+    if world == 1:
+        return
+    outcome = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+    dist.broadcast_object_list(outcome, src=0)
+    if failure is None and outcome[0] is not None:
+        raise WeightSyncFailed(f"the driver's weight sync failed: {outcome[0]}")

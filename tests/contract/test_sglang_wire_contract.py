@@ -52,6 +52,8 @@ def _control_bodies() -> list[tuple[str, dict]]:
     tensors = [("model.layers.0.mlp.experts.w1", torch.zeros(2, 3, dtype=torch.bfloat16)), ("lm_head", torch.zeros(4))]
     return [
         ("/update_weights_from_distributed", bucket_metadata(tensors, "gspo_weight_update", 7)),
+        # a pipeline stage's sender: its own group, no version (set once every stage has sent)
+        ("/update_weights_from_distributed", bucket_metadata(tensors, "gspo_weight_update_stage1", None)),
         (
             "/init_weights_update_group",
             {
@@ -91,6 +93,16 @@ def test_the_abort_request_body_passes_sglang_validation(sglang_reference):
     request = sglang_reference.io_struct.AbortReq(**body)
     assert request.rid == body["rid"] and request.abort_all is False
     response = sglang_reference.client.post("/abort_request", json=body)
+    assert response.status_code != 422 and "tokenizer_manager" in response.text, response.text
+
+
+def test_the_weight_version_commit_body_passes_sglang_validation(sglang_reference):
+    """Per-stage senders set the version once every stage has sent (``SGLangEngine._sync_distributed``);
+    the handler catches its own failure without a tokenizer manager (as for abort_request)."""
+    body = {"new_version": "7", "abort_all_requests": False}
+    request = sglang_reference.io_struct.UpdateWeightVersionReqInput(**body)
+    assert request.new_version == "7" and request.abort_all_requests is False
+    response = sglang_reference.client.post("/update_weight_version", json=body)
     assert response.status_code != 422 and "tokenizer_manager" in response.text, response.text
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -34,7 +35,15 @@ BUCKET_BYTES = 8 << 20  # = the largest tensor of the medium model (embedding, h
 DOUBLE = [sys.executable, "-m", "gspo_megatron.testing.sglang_double", "--join-weight-groups"]
 
 
-def sync_worker(ctx, layout_kwargs: dict, work_dir: str, double_args: list[str], weight_sync: str = "distributed"):
+def sync_worker(
+    ctx,
+    layout_kwargs: dict,
+    work_dir: str,
+    double_args: list[str],
+    weight_sync: str = "distributed",
+    senders: str = "driver",
+    fallback_to_disk: bool = True,
+):
     from gspo_megatron.models.builder import build_model
     from gspo_megatron.models.conversion import load_hf_weights
     from gspo_megatron.parallel.layout import ParallelLayout
@@ -42,6 +51,7 @@ def sync_worker(ctx, layout_kwargs: dict, work_dir: str, double_args: list[str],
     from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine
     from gspo_megatron.rollout.sglang.launcher import LaunchedServer
     from gspo_megatron.testing.memory import peak_bytes
+    from gspo_megatron.trainer.stage_senders import StageTurns
     from gspo_megatron.trainer.weight_stream import sync_engine_weights
 
     cfg = medium_test_config()
@@ -49,12 +59,29 @@ def sync_worker(ctx, layout_kwargs: dict, work_dir: str, double_args: list[str],
     mesh = initialize_parallel(layout)
     model = build_model(cfg, layout, layer_spec="portable")
     load_hf_weights(model, cfg, random_hf_state(cfg, seed=11), mesh)
-    if not mesh.is_driver:
-        passes = sync_engine_weights(None, model, cfg, mesh, version=1)
-        mesh.destroy()
-        return {"passes": passes}
     work = Path(work_dir)
     model_dir = work / "model"
+    config = SGLangConfig(
+        mode="attach",
+        health_poll_interval_s=0.05,
+        weight_sync_backend="gloo",
+        weight_sync_group_name="memory",
+        weight_sync_timeout_s=120.0,
+        weight_bucket_bytes=BUCKET_BYTES,
+        weight_sync=weight_sync,
+        weight_senders=senders,
+        fallback_to_disk=fallback_to_disk,
+        model_path=str(model_dir),
+        disk_sync_dir=str(work / "sync"),
+    )
+    turns = StageTurns(model, cfg, mesh, config) if senders == "per_stage" else None
+    if not mesh.is_driver:
+        outcomes = _syncs(lambda version: sync_engine_weights(None, model, cfg, mesh, version, turns), SYNCS[senders])
+        sent = list(turns.sent_names) if turns is not None else []
+        if turns is not None:
+            turns.close()
+        mesh.destroy()
+        return {"outcomes": outcomes, "passes": outcomes[0], "sent": sent}
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
     port = free_port()
@@ -64,27 +91,53 @@ def sync_worker(ctx, layout_kwargs: dict, work_dir: str, double_args: list[str],
     server.start()
     try:
         server.wait_healthy(120, 0.05)
-        config = SGLangConfig(
-            mode="attach",
-            urls=[server.url],
-            health_poll_interval_s=0.05,
-            weight_sync_backend="gloo",
-            weight_sync_group_name="memory",
-            weight_sync_timeout_s=120.0,
-            weight_bucket_bytes=BUCKET_BYTES,
-            weight_sync=weight_sync,
-            model_path=str(model_dir),
-            disk_sync_dir=str(work / "sync"),
-        )
-        with SGLangEngine(config) as engine:
-            passes = []
-            peak = peak_bytes(lambda: passes.append(sync_engine_weights(engine, model, cfg, mesh, version=1)), "cpu")
-            state = httpx.get(server.url + "/_double/state", trust_env=False).json()
+        with SGLangEngine(replace(config, urls=[server.url])) as engine:
+            outcomes: list = []
+
+            def sync(version: int):
+                if version == 2 and senders == "per_stage":  # a group the server lost: stage 1 is refused
+                    body = {"group_name": "memory_stage1"}
+                    httpx.post(server.url + "/destroy_weights_update_group", json=body, trust_env=False)
+                outcomes.append(_syncs(lambda v: sync_engine_weights(engine, model, cfg, mesh, v, turns), [version]))
+                states.append(httpx.get(server.url + "/_double/state", trust_env=False).json())
+
+            states: list = []
+            peak = peak_bytes(lambda: sync(1), "cpu")
+            for version in SYNCS[senders][1:]:
+                sync(version)
+            sent = list(engine._sender.sent_names)  # the driver's own (stage 0's, with per-stage senders)
+            if turns is not None:
+                turns.close()
     finally:
         server.stop(5)
         mesh.destroy()
+    state = states[0]
     calls = [path for path, _ in state["calls"]]
-    return {"passes": passes[0], "peak": peak, "received": state["received"], "calls": calls}
+    outcomes = [outcome[0] for outcome in outcomes]
+    return {
+        "passes": outcomes[0],
+        "outcomes": outcomes,
+        "peak": peak,
+        "received": state["received"],
+        "calls": calls,
+        "bodies": state["calls"],
+        "states": states,
+        "sent": sent,
+    }
+
+
+SYNCS = {"driver": [1], "per_stage": [1, 2, 3]}  # per_stage: 2 is refused in stage 1, 3 succeeds again
+
+
+def _syncs(sync, versions: list[int]) -> list:
+    """Each version synced in turn: the passes made, or the error's type and message."""
+    outcomes: list = []
+    for version in versions:
+        try:
+            outcomes.append(sync(version))
+        except Exception as error:  # noqa: BLE001 - the test compares what every rank saw
+            outcomes.append(f"{type(error).__name__}: {error}")
+    return outcomes
 
 
 def _expected():
@@ -140,3 +193,50 @@ def test_a_failed_distributed_update_reexports_on_every_rank_for_the_disk_path(t
     assert driver["calls"].count("/update_weights_from_disk") == 1
     _check_received(driver["received"], state)  # the disk checkpoint holds every tensor
     assert set(hf_shapes(cfg)) == set(state)
+
+
+def _stage_names(cfg, stage: int) -> set[str]:
+    """HF names of pipeline stage ``stage``'s units at pp=2 (embedding and the first half of the layers;
+    the rest, the final norm and the head)."""
+    half = cfg.num_layers // 2
+    layers = range(half) if stage == 0 else range(half, cfg.num_layers)
+    names = {n for n in hf_shapes(cfg) if any(n.startswith(f"model.layers.{layer}.") for layer in layers)}
+    return names | ({"model.embed_tokens.weight"} if stage == 0 else {"model.norm.weight", "lm_head.weight"})
+
+
+def test_each_pipeline_stage_sends_its_own_layers_and_a_refused_stage_moves_no_server(tmp_path):
+    """pp=2, ``weight_senders=per_stage``: the driver sends stage 0's tensors over its group and holds none of
+    stage 1's (which rank 1 sends over ``<group>_stage1``); the buckets carry no version, which is set once
+    both stages have sent. Sync 2 finds stage 1's group gone from the server: the server refuses stage 1's
+    bucket, every rank raises, the server stays on version 1; sync 3 re-forms the group and succeeds."""
+    cfg, state = _expected()
+    driver, other = run_distributed(
+        sync_worker, 2, dict(pp=2, world_size=2), str(tmp_path), [], "distributed", "per_stage", False, timeout=600
+    )
+    stage0, stage1 = _stage_names(cfg, 0), _stage_names(cfg, 1)
+    assert stage0 | stage1 == set(state) and not stage0 & stage1
+    # sync 1: each stage's tensors from its own rank, over its own group; the version set after both
+    assert driver["outcomes"][0] == other["outcomes"][0] == 1
+    _check_received({n: {k: v for k, v in got.items() if k != "group"} for n, got in driver["received"].items()}, state)
+    assert {n for n, got in driver["received"].items() if got["group"] == "memory"} == stage0
+    assert {n for n, got in driver["received"].items() if got["group"] == "memory_stage1"} == stage1
+    assert set(driver["sent"]) == stage0 and set(other["sent"]) == stage1
+    buckets = [body for path, body in driver["bodies"] if path == "/update_weights_from_distributed"]
+    assert buckets and all(body["weight_version"] is None for body in buckets)
+    commits = [body for path, body in driver["bodies"] if path == "/update_weight_version"]
+    assert commits == [{"new_version": "1", "abort_all_requests": False}]
+    assert driver["calls"].index("/update_weight_version") > max(
+        i for i, path in enumerate(driver["calls"]) if path == "/update_weights_from_distributed"
+    )
+    # the driver allocates none of stage 1's tensors: its peak (0.75 MiB measured; its own tensors travel as
+    # views of its parameters) stays below stage 1's head alone, which the driver-only path receives by
+    # broadcast (10.9 MiB measured there)
+    head = state["lm_head.weight"]
+    assert driver["peak"] < head.numel() * head.element_size(), f"driver peak {driver['peak'] / 2**20:.2f} MiB"
+    # sync 2: refused in stage 1 -> an error on both ranks, no server on version 2
+    assert "pipeline stage 1" in driver["outcomes"][1] and "Group memory_stage1 not in" in driver["outcomes"][1]
+    assert other["outcomes"][1].startswith("WeightSyncFailed") and "pipeline stage 1" in other["outcomes"][1]
+    assert driver["states"][1]["weight_version"] == "1"
+    # sync 3: stage 1's sender formed its group again; both stages sent, the version moved
+    assert driver["outcomes"][2] == other["outcomes"][2] == 1
+    assert driver["states"][2]["weight_version"] == "3"

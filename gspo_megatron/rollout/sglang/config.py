@@ -52,6 +52,13 @@ class WeightSyncBackend(ConfigChoice):
     gloo = "gloo"  # CPU tests
 
 
+class WeightSenders(ConfigChoice):
+    """``rollout.sglang.weight_senders``: who broadcasts a distributed sync under pipeline parallelism."""
+
+    per_stage = "per_stage"  # each pipeline stage's first rank sends its own layers over its own group
+    driver = "driver"  # every layer is shared with the driver, which alone sends
+
+
 LAUNCH_MODES = tuple(LaunchMode)
 WEIGHT_SYNC_MODES = tuple(WeightSync)
 PAUSE_MODES = tuple(PauseMode)
@@ -120,7 +127,8 @@ class SGLangConfig(ConfigNode):
     weight_sync_backend: WeightSyncBackend = WeightSyncBackend.nccl  # gloo for CPU tests
     weight_sync_master_address: str = "127.0.0.1"  # an address of the trainer the servers can reach
     weight_sync_master_port: int | None = None  # None: a free port
-    weight_sync_group_name: str = "gspo_weight_update"
+    weight_sync_group_name: str = "gspo_weight_update"  # stage k > 0 of per_stage senders: <name>_stage<k>
+    weight_senders: WeightSenders = WeightSenders.per_stage  # distributed sync with pipeline stages
     weight_sync_timeout_s: float = 600.0
     disk_sync_dir: str = "checkpoints/sglang_sync"  # writes <dir>/v<version>/ (absolute; older v* removed)
     fallback_to_disk: bool = True  # a failed distributed update is retried through the disk path
@@ -163,6 +171,10 @@ class SGLangConfig(ConfigNode):
             raise ValueError(
                 f"SGLangConfig.keepalive_expiry_s must be > 0 (and below the server's keep-alive, 5 s for "
                 f"SGLang), got {self.keepalive_expiry_s}"
+            )
+        if self.weight_senders not in tuple(WeightSenders):
+            raise ValueError(
+                f"rollout.sglang.weight_senders must be one of {tuple(WeightSenders)}, got {self.weight_senders!r}"
             )
         if self.weight_sync_backend not in tuple(WeightSyncBackend):
             raise ValueError(

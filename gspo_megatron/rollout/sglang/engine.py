@@ -43,43 +43,30 @@ Design decisions:
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
-import threading
 import uuid
 import warnings
 from collections import Counter
-from collections.abc import Coroutine, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from gspo_megatron.rollout.engine import RolloutEngine
-from gspo_megatron.rollout.sglang.client import NoServersLeftError, RetryPolicy, ServerState, SGLangHTTPClient
+from gspo_megatron.rollout.sglang.client import ServerState, SGLangHTTPClient
 from gspo_megatron.rollout.sglang.config import LaunchMode, PauseMode, SGLangConfig, WeightQuantization, WeightSync
 from gspo_megatron.rollout.sglang.disk_sync import remove_older_versions, write_safetensors_checkpoint
+from gspo_megatron.rollout.sglang.group_sender import GroupSender, SenderBrief, StagedWeights
 from gspo_megatron.rollout.sglang.launcher import LaunchedServer, build_launch_command, free_port
 from gspo_megatron.rollout.sglang.protocol import build_generate_request, parse_generate_response
+from gspo_megatron.rollout.sglang.server_calls import LoopThread, ServerCalls, gather, make_client
 from gspo_megatron.rollout.sglang.tensor_handles import update_from_tensor_body
 from gspo_megatron.rollout.sglang.version import check_sglang_version
-from gspo_megatron.rollout.sglang.weight_sync import (
-    InFlightBroadcast,
-    WeightBroadcaster,
-    bucket_metadata,
-    bucket_named_tensors,
-    close_weight_update_group,
-    open_weight_update_group,
-)
+from gspo_megatron.rollout.sglang.weight_sync import bucket_named_tensors
 from gspo_megatron.rollout.types import FinishReason, RowRequest, Sample, SamplingParams
 from gspo_megatron.weights.fp8_blocks import QuantizedStream, quantize_named_tensors
-
-T = TypeVar("T")
-
-# How long an abandoned broadcast (its bucket refused by a server) may take to end once its group was
-# destroyed on the servers; SGLang tears its side down at once, so this is a bound, not a wait.
-ABANDONED_BROADCAST_WAIT_S = 10.0
 
 
 class WeightSyncError(RuntimeError):
@@ -94,19 +81,21 @@ class SGLangEngine(RolloutEngine):
         self._closed = False
         self._launched: list[LaunchedServer] = []
         self._routed_layout = _routed_experts_layout(config)
-        self._update_group = None
-        self._group_urls: tuple[str, ...] = ()  # the servers the update group was formed with
-        self._pending_broadcast: InFlightBroadcast | None = None  # a bucket on the wire (None between buckets)
-        self._parked: list[tuple[Any, InFlightBroadcast]] = []  # abandoned groups whose operation never ended
+        self._sender: GroupSender | None = None  # the driver's distributed sender (formed with the client)
         self._seeds_honoured = config.enable_deterministic_inference
         self._tp_sizes: dict[str, int] = {}  # url -> the server's TP size (``_inspect_servers``)
-        self._loop = _LoopThread()
+        self._loop = LoopThread()
         try:
             urls = self._launch_servers() if config.mode == LaunchMode.launch else list(config.urls)
-            retry = RetryPolicy(
-                config.max_retries, config.backoff_base_s, config.backoff_max_s, config.dead_after_failures
+            self._client: SGLangHTTPClient = self._loop.run(make_client(urls, config))
+            self._calls = ServerCalls(self._client, self._loop)
+            self._sender = GroupSender(
+                self._calls,
+                config,
+                config.weight_sync_group_name,
+                config.weight_sync_master_address,
+                config.weight_sync_master_port,
             )
-            self._client: SGLangHTTPClient = self._loop.run(self._make_client(urls, retry))
             if config.mode == LaunchMode.attach:
                 self._loop.run(
                     self._client.wait_healthy(
@@ -122,7 +111,7 @@ class SGLangEngine(RolloutEngine):
         """Check each server's SGLang version; in attach mode learn whether seeds are honoured and each
         server's TP size (what a weight sync addresses: its ranks in the update group, its payloads)."""
         servers = self._client.pool.servers
-        infos = self._loop.run(_gather([self._client.call(server, "GET", "/server_info") for server in servers]))
+        infos = self._loop.run(gather([self._client.call(server, "GET", "/server_info") for server in servers]))
         for server, info in zip(servers, infos, strict=True):
             info = info if isinstance(info, dict) else {}
             check_sglang_version(info.get("version"), server.url)
@@ -233,7 +222,7 @@ class SGLangEngine(RolloutEngine):
     async def _abort(self, rids: list[str]) -> None:
         """``/abort_request`` for each request id on every live server (one that does not hold it ignores it)."""
         live = self._client.pool.alive()
-        await _gather([self._client.post_preferring(s, "/abort_request", {"rid": rid}) for s in live for rid in rids])
+        await gather([self._client.post_preferring(s, "/abort_request", {"rid": rid}) for s in live for rid in rids])
 
     async def _generate_one(
         self,
@@ -285,6 +274,7 @@ class SGLangEngine(RolloutEngine):
         the disk path; a one-shot iterator cannot be read twice, so its failure is raised as it is. With
         ``weight_quantization=fp8_block`` every projection goes out as block FP8 and its scales
         (``weights/fp8_blocks.py``)."""
+        staged = named_tensors if isinstance(named_tensors, StagedWeights) else None
         if self.config.weight_quantization == WeightQuantization.fp8_block:  # the FP8 checkpoint's tensors
             named_tensors = (
                 quantize_named_tensors(named_tensors)
@@ -294,12 +284,12 @@ class SGLangEngine(RolloutEngine):
         servers = self._client.pool.alive()
         failure: BaseException | None = None
         try:
-            self._on_all(servers, "POST", "/pause_generation", {"mode": self.config.pause_mode})
+            self._calls.on_all(servers, "POST", "/pause_generation", {"mode": self.config.pause_mode})
             direct = {WeightSync.distributed: self._sync_distributed, WeightSync.tensor: self._sync_by_tensor}
             sync = direct.get(self.config.weight_sync)
             if sync is not None:
                 try:
-                    self._in_session(servers, lambda: sync(servers, named_tensors, version))
+                    self._in_session(servers, lambda: sync(servers, staged or named_tensors, version))
                 except Exception as error:
                     self._drop_update_group()  # a distributed update's group is in an unknown state
                     if not (self.config.fallback_to_disk and self.config.model_path):
@@ -319,12 +309,12 @@ class SGLangEngine(RolloutEngine):
             else:
                 self._in_session(servers, lambda: self._sync_from_disk(servers, named_tensors, version))
             if self.config.pause_mode != PauseMode.in_place:  # in_place requests stay running: SGLang refuses
-                self._on_all(servers, "POST", "/flush_cache", None)
+                self._calls.on_all(servers, "POST", "/flush_cache", None)
         except BaseException as error:  # noqa: BLE001 - re-raised below after un-pausing
             failure = error
         finally:
             try:
-                self._on_all(servers, "POST", "/continue_generation", {})
+                self._calls.on_all(servers, "POST", "/continue_generation", {})
             except BaseException as error:  # noqa: BLE001
                 failure = failure or error
         if failure is not None:
@@ -336,139 +326,36 @@ class SGLangEngine(RolloutEngine):
         """Run ``update`` inside begin/end_weight_update; the session is ended even when it fails."""
         if not self.config.bracket_weight_update:
             return update()
-        self._on_all(servers, "POST", "/begin_weight_update", {})
+        self._calls.on_all(servers, "POST", "/begin_weight_update", {})
         try:
             update()
         except BaseException:
-            self._best_effort(servers, "/end_weight_update", {})
+            self._calls.best_effort(servers, "/end_weight_update", {})
             raise
-        self._on_all(servers, "POST", "/end_weight_update", {})
-
-    def _best_effort(self, servers, path: str, payload: dict | None) -> None:
-        """Send a clean-up call to every server; failures are reported as warnings, not raised."""
-
-        async def one(server):
-            try:
-                await self._client.call(server, "POST", path, payload)
-            except Exception as error:  # noqa: BLE001
-                warnings.warn(f"{path} on {server.url} failed during clean-up: {error}", RuntimeWarning, stacklevel=2)
-
-        self._loop.run(_gather([one(server) for server in servers]))
+        self._calls.on_all(servers, "POST", "/end_weight_update", {})
 
     def _drop_update_group(self) -> None:
-        """Destroy the update group on the servers that are still alive, then locally.
-
-        A bucket still on the wire (its servers refused it and will never receive) is ended first: the
-        local group is aborted (cancels NCCL operations), the servers' groups are destroyed (closes
-        their side of gloo's connections, which fails the pending operation), and the operation gets
-        ``ABANDONED_BROADCAST_WAIT_S`` to end. One that still has not is parked with its group: releasing
-        a gloo group with a pending operation blocks until the group's timeout."""
-        if self._update_group is None and not self._group_urls:
-            return
-        group, urls, pending = self._update_group, self._group_urls, self._pending_broadcast
-        self._update_group, self._group_urls, self._pending_broadcast = None, (), None
-        if group is not None and pending is not None:
-            _abort_locally(group)
-        alive = [server for server in self._client.pool.alive() if server.url in urls]
-        self._best_effort(alive, "/destroy_weights_update_group", {"group_name": self.config.weight_sync_group_name})
-        if group is None:
-            return
-        if pending is not None and not pending.finished_within(ABANDONED_BROADCAST_WAIT_S):
-            self._parked.append((group, pending))
-            warnings.warn(
-                f"an abandoned weight broadcast did not end within {ABANDONED_BROADCAST_WAIT_S:.0f}s of destroying "
-                f"its group on the servers; the local group is kept until the process exits",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            return
-        try:
-            close_weight_update_group(group)
-        except Exception as error:  # noqa: BLE001 - a half-formed group may refuse; it is dropped anyway
-            warnings.warn(f"closing the local weight-update group failed: {error}", RuntimeWarning, stacklevel=2)
+        if self._sender is not None:
+            self._sender.drop()
 
     def _sync_distributed(self, servers, named_tensors, version: int) -> None:
-        config = self.config
-        urls = tuple(server.url for server in servers)
-        if self._update_group is not None and urls != self._group_urls:
-            self._drop_update_group()  # a server died or came back: the old group cannot broadcast
-        if self._update_group is None:
-            self._group_urls = urls
-            self._update_group = self._open_update_group(servers)
-        broadcaster = WeightBroadcaster(self._update_group)
-        buckets = bucket_named_tensors(named_tensors, config.weight_bucket_bytes)
-        try:
-            for bucket in buckets:
-                self._send_bucket(servers, broadcaster, bucket, version)
-                del bucket  # dropped before the next bucket is gathered: one bucket is held at a time
-        finally:
-            buckets.close()  # an abandoned bucket generator would keep its half-filled bucket alive
-
-    def _send_bucket(self, servers, broadcaster: WeightBroadcaster, bucket, version: int) -> None:
-        """POST the bucket's metadata to every server while broadcasting it; stop at the first failure.
-
-        The servers' handlers receive the broadcast, so both normally end together. A server that
-        refuses the bucket (HTTP 4xx: e.g. no begin_weight_update session, an unknown group) never
-        joins the broadcast: its answer is raised at once, with its message, and the broadcast is left
-        to ``_drop_update_group`` instead of being awaited until the collective times out."""
-        timeout = self.config.weight_sync_timeout_s
-        body = bucket_metadata(bucket, self.config.weight_sync_group_name, version)
-        posted = self._loop.submit(self._all(servers, "POST", "/update_weights_from_distributed", body))
-        sent = broadcaster.start(bucket)
-        self._pending_broadcast = sent
-        concurrent.futures.wait([posted, sent.done], timeout=timeout, return_when=concurrent.futures.FIRST_EXCEPTION)
-        refused = posted.exception() if posted.done() else None
-        if refused is not None:
-            raise refused  # the server's own message
-        broken = sent.done.exception() if sent.done.done() else None
-        if broken is not None:
-            # the collective broke (a server died mid-bucket); its HTTP answer, if any, says why
-            concurrent.futures.wait([posted], timeout=ABANDONED_BROADCAST_WAIT_S)
-            server = posted.exception() if posted.done() else "no answer"
-            raise RuntimeError(f"broadcasting the bucket failed: {broken} (server: {server})")
-        if not (posted.done() and sent.done.done()):
-            raise TimeoutError(
-                f"a weight bucket was not delivered within rollout.sglang.weight_sync_timeout_s={timeout:.0f}s "
-                f"(HTTP answered: {posted.done()}, broadcast ended: {sent.done.done()})"
-            )
-        self._pending_broadcast = None
-
-    def _open_update_group(self, servers):
-        config = self.config
-        port = config.weight_sync_master_port or free_port()
-        tp_sizes = self._server_tp_sizes(servers)
-        world_size = 1 + sum(tp_sizes)
-        offsets = [1 + sum(tp_sizes[:i]) for i in range(len(servers))]
-        requests = [
-            self._client.call(
-                server,
-                "POST",
-                "/init_weights_update_group",
-                {
-                    "master_address": config.weight_sync_master_address,
-                    "master_port": port,
-                    "rank_offset": offset,
-                    "world_size": world_size,
-                    "group_name": config.weight_sync_group_name,
-                    "backend": config.weight_sync_backend,
-                },
-            )
-            for server, offset in zip(servers, offsets, strict=True)
-        ]
-        pending = self._loop.submit(_gather(requests))
-        try:
-            group = open_weight_update_group(
-                config.weight_sync_master_address,
-                port,
-                world_size,
-                rank=0,
-                backend=config.weight_sync_backend,
-                group_name=config.weight_sync_group_name,
-                timeout_s=config.weight_sync_timeout_s,
-            )
-        finally:
-            pending.result(timeout=config.weight_sync_timeout_s)
-        return group
+        """One group from the driver; or, for ``StagedWeights``, a group per pipeline stage, each sending
+        its own layers in turn, the version set on every server only once every stage has sent."""
+        assert self._sender is not None
+        if not isinstance(named_tensors, StagedWeights):
+            self._sender.send(servers, self._tp_sizes, named_tensors, version)
+            return
+        brief = SenderBrief(
+            urls=tuple(server.url for server in servers),
+            tp_sizes={server.url: self._tp_sizes[server.url] for server in servers},
+            fp8_block=self.config.weight_quantization == WeightQuantization.fp8_block,
+        )
+        own = self._sender
+        named_tensors.send_by_stages(
+            brief, lambda named: own.send(servers, brief.tp_sizes, brief.quantized(named), None)
+        )
+        body = {"new_version": str(version), "abort_all_requests": False}
+        self._calls.on_all(servers, "POST", "/update_weight_version", body)
 
     def _server_tp_sizes(self, servers) -> list[int]:
         return [self._tp_sizes[server.url] for server in servers]
@@ -487,9 +374,9 @@ class SGLangEngine(RolloutEngine):
     async def _bucket_into_each(self, servers, tp_sizes: list[int], bucket, version: int) -> None:
         """One tensor bucket into every live server, each with its own TP ranks' payloads (as ``_all``)."""
         path = "/update_weights_from_tensor"
-        await _gather(
+        await gather(
             [
-                self._all([server], "POST", path, update_from_tensor_body(bucket, tp, version))
+                self._calls.all([server], "POST", path, update_from_tensor_body(bucket, tp, version))
                 for server, tp in zip(servers, tp_sizes, strict=True)
                 if server.alive
             ]
@@ -503,43 +390,19 @@ class SGLangEngine(RolloutEngine):
             bucket_bytes=self.config.weight_bucket_bytes,
         )
         body = {"model_path": str(directory), "weight_version": str(version), "flush_cache": False}
-        self._on_all(servers, "POST", "/update_weights_from_disk", body)
+        self._calls.on_all(servers, "POST", "/update_weights_from_disk", body)
 
     def _disk_sync_root(self) -> Path:
         return Path(self.config.disk_sync_dir).expanduser().resolve()
-
-    def _on_all(self, servers, method: str, path: str, payload: dict | None) -> list[Any]:
-        return self._loop.run(self._all(servers, method, path, payload))
-
-    async def _all(self, servers, method: str, path: str, payload: dict | None) -> list[Any]:
-        """The call on every server of ``servers`` still alive. A server that dies under it (its connection
-        lost: the pool marks it dead) is dropped with a warning -- it serves no later sample, so no sample
-        comes from a version it missed; any other failure (a refusal, a live server's error) is raised;
-        with no server left, ``NoServersLeftError``."""
-        live = [server for server in servers if server.alive]
-        results = await asyncio.gather(
-            *[self._client.call(server, method, path, payload) for server in live], return_exceptions=True
-        )
-        answers = []
-        for server, result in zip(live, results, strict=True):
-            if not isinstance(result, BaseException):
-                answers.append(result)
-            elif server.alive or isinstance(result, asyncio.CancelledError):
-                raise result
-            else:
-                warnings.warn(f"{server.url} died during {path} and is dropped: {result}", RuntimeWarning, stacklevel=2)
-        if not any(server.alive for server in live):
-            raise NoServersLeftError(f"no SGLang server is left alive after {path}:\n" + self._client.pool.describe())
-        return answers
 
     def release_memory(self) -> None:
         """Colocated: every live server frees its weights and KV cache (SGLang's memory saver, launched
         with ``--enable-memory-saver`` on a GPU; on CPU the saver is SGLang's no-op and the calls keep
         only the protocol: the weights' static state is stashed and restored, the cache flushed)."""
-        self._on_all(self._client.pool.alive(), "POST", "/release_memory_occupation", {})
+        self._calls.on_all(self._client.pool.alive(), "POST", "/release_memory_occupation", {})
 
     def resume_memory(self) -> None:
-        self._on_all(self._client.pool.alive(), "POST", "/resume_memory_occupation", {})
+        self._calls.on_all(self._client.pool.alive(), "POST", "/resume_memory_occupation", {})
 
     # ------------------------------------------------------------------ lifecycle
     def health(self) -> Mapping[str, object]:
@@ -597,17 +460,6 @@ class SGLangEngine(RolloutEngine):
             server.wait_healthy(config.startup_timeout_s, config.health_poll_interval_s)
         return [server.url for server in self._launched]
 
-    async def _make_client(self, urls: list[str], retry: RetryPolicy) -> SGLangHTTPClient:
-        config = self.config
-        return SGLangHTTPClient(
-            urls,
-            retry=retry,
-            max_concurrency=config.max_concurrency,
-            request_timeout_s=config.request_timeout_s,
-            connect_timeout_s=config.connect_timeout_s,
-            keepalive_expiry_s=config.keepalive_expiry_s,
-        )
-
 
 def _unstarted(row: RowRequest) -> Sample:
     """A row ``generate_rows`` did not send: aborted before its first token."""
@@ -633,43 +485,8 @@ def _routed_experts_layout(config: SGLangConfig) -> tuple[int, int] | None:
     return int(layers), int(top_k)
 
 
-def _abort_locally(group) -> None:
-    """Abort a process group's pending operations where the backend can (NCCL); gloo's abort leaves
-    them waiting for the peer, which is why the servers' side is destroyed too."""
-    try:
-        group.abort()
-    except Exception as error:  # noqa: BLE001 - best effort: the group is being dropped anyway
-        warnings.warn(f"aborting the local weight-update group failed: {error}", RuntimeWarning, stacklevel=2)
-
-
 async def _cancel(tasks: list[asyncio.Task]) -> None:
     """Cancel the requests of a call that failed and wait until each has ended."""
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _gather(coroutines: list[Coroutine]) -> list[Any]:
-    return list(await asyncio.gather(*coroutines))
-
-
-class _LoopThread:
-    """An asyncio event loop running in a daemon thread; ``run`` blocks the caller until a coroutine ends."""
-
-    def __init__(self):
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="sglang-client-loop", daemon=True)
-        self._thread.start()
-
-    def submit(self, coroutine: Coroutine[Any, Any, T]):
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
-
-    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        return self.submit(coroutine).result()
-
-    def close(self) -> None:
-        if self._loop.is_closed():
-            return
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-        self._loop.close()

@@ -42,15 +42,16 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def bucket_metadata(bucket: list[NamedTensor], group_name: str, weight_version: int) -> dict:
-    """The JSON body of ``/update_weights_from_distributed`` (SGLang's UpdateWeightsFromDistributedReqInput)."""
+def bucket_metadata(bucket: list[NamedTensor], group_name: str, weight_version: int | None) -> dict:
+    """The JSON body of ``/update_weights_from_distributed`` (SGLang's UpdateWeightsFromDistributedReqInput);
+    ``weight_version`` None leaves the servers' version as it is (SGLang's default)."""
     return {
         "names": [name for name, _ in bucket],
         "dtypes": [dtype_name(tensor.dtype) for _, tensor in bucket],
         "shapes": [list(tensor.shape) for _, tensor in bucket],
         "group_name": group_name,
         "flush_cache": False,  # one flush after the last bucket, not one per bucket
-        "weight_version": str(weight_version),
+        "weight_version": None if weight_version is None else str(weight_version),
     }
 
 

@@ -187,8 +187,9 @@ def test_distributed_sync_broadcasts_into_two_servers(tmp_path):
         updates = [body for path, body in state["calls"] if path == "/update_weights_from_distributed"]
         assert [u["names"] for u in updates] == [["a", "b"], ["c"], ["a"]]  # 40 + 8 bytes, then 80 alone
         received = state["received"]
-        assert received["a"] == {"shape": [10], "dtype": "float32", "sum": 10.0}  # the version-2 values
-        assert received["b"] == {"shape": [2, 2], "dtype": "bfloat16", "sum": 8.0}
+        group = {"group": "test_two_servers"}
+        assert received["a"] == {"shape": [10], "dtype": "float32", "sum": 10.0, **group}  # the version-2 values
+        assert received["b"] == {"shape": [2, 2], "dtype": "bfloat16", "sum": 8.0, **group}
         assert received["c"]["sum"] == 190.0
         assert state["weight_version"] == "2"
     assert sorted(offsets) == [1, 2]
