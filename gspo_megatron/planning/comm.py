@@ -26,12 +26,19 @@ Design decisions:
 - Per step, ``finalize_model_grads`` all-reduces over TP the fp32 gradients of parameters every TP
   rank holds whole (norms and routers under sequence parallelism; q/k norms always).
 - Weight sync (trainer -> rollout engine), as built (``trainer/weight_stream.py``,
-  ``rollout/sglang/engine.py``): every HF tensor once per step in bf16, gathered inside its stage and
-  broadcast to the driver, which alone sends it to the engine in greedy buckets of ``bucket_bytes``
-  (one ``/update_weights_from_distributed`` each). All bytes cross the driver's one link, so the time
-  is the model over that link; the driver holds the bucket being filled plus the tensor being
-  gathered: at most ``bucket_bytes + largest tensor`` (measured on gloo:
-  tests/distributed/test_weight_sync_memory.py). Senders per PP stage / EP rank are not built.
+  ``trainer/stage_senders.py``, ``rollout/sglang/group_sender.py``): every HF tensor once per step in
+  bf16, in greedy buckets of ``bucket_bytes`` (one ``/update_weights_from_distributed`` each), on one link
+  per sender. ``weight_senders=driver``: each tensor is gathered inside its stage, broadcast over the
+  pipeline group to the driver, which alone sends it: the driver's link carries the model out and the
+  other stages' (pp-1)/pp of it in, one after the other (the export gathers the next tensor only after
+  the bucket has left). ``per_stage`` (pp > 1): stage k's first rank sends its own units over its own
+  group -- no pipeline hop, each sender's link carries its stage only -- but the stages take turns:
+  SGLang receives a distributed update inside its scheduler loop, one at a time per server, and every
+  server rank takes every group's broadcast of full tensors, so the servers' side is the model over one
+  link whatever the number of senders. The sync time is therefore the sum of the senders' times (= the
+  model over one link), each sender's share the max of which is printed beside it. A sender holds the
+  bucket being filled plus the tensor being gathered: at most ``bucket_bytes + largest tensor`` (measured
+  on gloo: tests/distributed/test_weight_sync_memory.py).
 """
 
 from __future__ import annotations
@@ -162,33 +169,83 @@ def step_traffic(
 
 @dataclass(frozen=True)
 class WeightSyncPlan:
-    """One trainer -> engine weight sync: bytes, buckets, the driver's extra memory and the time."""
+    """One trainer -> engine weight sync: bytes, buckets, the senders' extra memory and the time."""
 
     bytes: float  # every HF tensor once
     buckets: int  # greedy buckets in export order (HTTP calls per server)
-    driver_extra_bytes: float  # the bucket being filled + the tensor being gathered
-    seconds: float  # all bytes over the driver's link
+    driver_extra_bytes: float  # a sender's bucket being filled + the tensor being gathered
+    seconds: float  # the sync: the senders' turns one after the other (+ the pipeline hop, driver only)
+    sender_seconds: tuple[float, ...] = ()  # per pipeline stage's sender (per_stage), else the driver's alone
+    pipeline_hop_seconds: float = 0.0  # driver only: the other stages' tensors into the driver's link
 
     def describe(self) -> str:
-        return (
-            f"{self.bytes / 1e9:.1f} GB in {self.buckets} buckets, sent by the driver alone; "
-            f"~{self.seconds:.2f} s over its link; driver holds <= {self.driver_extra_bytes / 2**30:.2f} GiB extra"
+        size = f"{self.bytes / 1e9:.1f} GB in {self.buckets} buckets"
+        held = f"a sender holds <= {self.driver_extra_bytes / 2**30:.2f} GiB extra"
+        if len(self.sender_seconds) > 1:
+            each = ", ".join(f"{s:.2f}" for s in self.sender_seconds)
+            return (
+                f"{size}, sent by {len(self.sender_seconds)} pipeline-stage senders (each its own stage: "
+                f"[{each}] s, max {max(self.sender_seconds):.2f} s); ~{self.seconds:.2f} s in all: the stages take "
+                f"turns because SGLang receives one distributed update at a time per server; {held}"
+            )
+        hop = (
+            f" + {self.pipeline_hop_seconds:.2f} s receiving the other stages' tensors"
+            if self.pipeline_hop_seconds
+            else ""
         )
+        return f"{size}, sent by the driver alone; ~{self.seconds:.2f} s over its link{hop}; {held}"
 
 
 def weight_sync_plan(
-    model: MoEModelConfig, bucket_bytes: int, link_bytes_per_s: float, width: int = 2
+    model: MoEModelConfig,
+    bucket_bytes: int,
+    link_bytes_per_s: float,
+    width: int = 2,
+    layout: ParallelLayout | None = None,
+    senders: str = "per_stage",
 ) -> WeightSyncPlan:
     """The sync as ``weights.named_tensors.bucket_named_tensors`` packs the export: a bucket closes when
-    the next tensor would overflow it, an oversize tensor travels alone. Order: HF names by unit (the
-    export's order up to the order of parameters inside a layer)."""
-    sizes = [math.prod(shape) * width for shape in hf_shapes(model).values()]
+    the next tensor would overflow it, an oversize tensor travels alone (per sender). Order: HF names by
+    unit (the export's order up to the order of parameters inside a layer). ``layout``'s pipeline stages
+    decide the senders (``senders``: ``rollout.sglang.weight_senders``)."""
+    shapes = hf_shapes(model)
+    pp = layout.pp if layout is not None else 1
+    stages = _stages(shapes, model, layout) if layout is not None and pp > 1 else [0] * len(shapes)
+    sizes = [math.prod(shape) * width for shape in shapes.values()]
+    per_stage = senders == "per_stage" and pp > 1
+    groups = (
+        [[s for s, stage in zip(sizes, stages, strict=True) if stage == k] for k in range(pp)] if per_stage else [sizes]
+    )
+    total = float(sum(sizes))
+    sender_seconds = tuple(sum(group) / link_bytes_per_s for group in groups)
+    hop = 0.0 if per_stage else sum(s for s, stage in zip(sizes, stages, strict=True) if stage > 0) / link_bytes_per_s
+    # the bucket is closed only when the next tensor has been gathered: (< bucket) + that tensor
+    return WeightSyncPlan(
+        total,
+        sum(_buckets(group, bucket_bytes) for group in groups),
+        float(bucket_bytes + max(sizes)),
+        sum(sender_seconds) + hop,
+        sender_seconds,
+        hop,
+    )
+
+
+def _buckets(sizes: list[int], bucket_bytes: int) -> int:
     buckets, filled = 0, 0
     for size in sizes:
         if filled and filled + size > bucket_bytes:
             buckets, filled = buckets + 1, 0
         filled += size
-    buckets += 1 if filled else 0
-    total = float(sum(sizes))
-    # the bucket is closed only when the next tensor has been gathered: (< bucket) + that tensor
-    return WeightSyncPlan(total, buckets, float(bucket_bytes + max(sizes)), total / link_bytes_per_s)
+    return buckets + (1 if filled else 0)
+
+
+def _stages(shapes: dict, model: MoEModelConfig, layout: ParallelLayout) -> list[int]:
+    """The pipeline stage whose rank holds each HF tensor (embedding: first; final norm, head: last)."""
+    stage_of_layer = {layer: k for k in range(layout.pp) for layer in layout.stage_layers(model.num_layers, k)}
+    out = []
+    for name in shapes:
+        if name.startswith("model.layers."):
+            out.append(stage_of_layer[int(name.split(".")[2])])
+        else:
+            out.append(0 if "embed_tokens" in name else layout.pp - 1)
+    return out

@@ -71,7 +71,8 @@ class PlannedJob:
             f"{cfg.rollout.max_new_tokens} - 1, padded); {o.global_batch_tokens // o.seq_len} rows per optimizer step, "
             f"{o.micro_batch_tokens // o.seq_len} per micro-batch",
             f"rollout.engine={cfg.rollout.engine} -> {_describe_rollout(o.rollout)}; "
-            f"rollout.async_rollout={o.async_rollout}; weight_bucket_bytes={o.sync_bucket_bytes}",
+            f"rollout.async_rollout={o.async_rollout}; weight_bucket_bytes={o.sync_bucket_bytes}; "
+            f"weight_senders={o.sync_senders}",
             *self.notes,
         ]
 
@@ -175,6 +176,7 @@ def options_from_config(cfg: TrainConfig, layout: ParallelLayout, prompt_tokens:
         dispatcher=str(cfg.model.token_dispatcher),
         layer_spec=layer_spec,
         sync_bucket_bytes=rollout.sglang.weight_bucket_bytes,
+        sync_senders=str(rollout.sglang.weight_senders),
         reference_model=cfg.algorithm.kl_coef > 0,
         reference_offload=cfg.trainer.reference_offload,
         old_log_prob_pass=cfg.algorithm.old_log_probs == OldLogProbSource.trainer,

@@ -74,6 +74,7 @@ class PlanOptions:
     dispatcher: str = "alltoall"  # model.token_dispatcher (the trainer's default: alltoall)
     layer_spec: str = "te"  # te on GPU; portable is what the CPU build uses (and what is measured)
     sync_bucket_bytes: int = 512 * 2**20  # rollout.sglang.weight_bucket_bytes
+    sync_senders: str = "per_stage"  # rollout.sglang.weight_senders
     reference_model: bool = False  # algorithm.kl_coef > 0: a frozen copy of the policy's weights
     reference_offload: bool = False  # trainer.reference_offload: its weights on the device only for its pass
     old_log_prob_pass: bool = True  # algorithm.old_log_probs=trainer: a forward pass before the updates
@@ -312,7 +313,8 @@ def plan_layout(
     time = step_time(
         model, layout, options.micro, micro_batches, traffic, gpu, options.recompute, options.expert_imbalance
     )
-    sync = weight_sync_plan(model, options.sync_bucket_bytes, gpu.ib_bandwidth * gpu.link_efficiency, width)
+    link = gpu.ib_bandwidth * gpu.link_efficiency
+    sync = weight_sync_plan(model, options.sync_bucket_bytes, link, width, layout, options.sync_senders)
     engine = int((options.colocated_engine_fraction or 0.0) * gpu.memory_bytes)  # a colocated SGLang's share
     rl_memory = [
         rl_step_memory(

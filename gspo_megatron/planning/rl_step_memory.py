@@ -42,8 +42,8 @@ Design decisions:
 - Colocated SGLang (``rollout.placement=colocated``): in the rollout and the weight sync the engine holds
   its ``--mem-fraction-static`` share of the GPU and the trainer's gradient buffers are freed
   (``trainer/colocation.py``); in the other phases the engine holds nothing (its memory saver).
-- Weight sync (``trainer/weight_stream.py``): SGLang -- the driver holds the bucket being filled plus
-  the tensor being gathered (``comm.weight_sync_plan``); the embedded engine loads each tensor as it
+- Weight sync (``trainer/weight_stream.py``): SGLang -- the driver (with per-stage senders, each stage's
+  first rank too) holds the bucket being filled plus the tensor being gathered (``comm.weight_sync_plan``); the embedded engine loads each tensor as it
   arrives, so a sender holds the tensor being gathered and its HF-named conversion: 2 x the largest
   HF tensor in the model dtype. The other ranks join the gathers with the same bound.
 """
@@ -212,9 +212,11 @@ def rl_step_memory(
     forward_only = row.old_log_prob_pass
     if engine is not None:
         sync = sync_sender_bytes(model, options.dtype)
-    else:  # SGLang: the driver fills buckets; the others only join the gathers
+    else:  # SGLang: a sender (the driver; each stage's first rank with per-stage senders) fills buckets,
+        # the others only join the gathers
         largest = max(math.prod(dims) for dims in hf_shapes(model).values()) * DTYPE_BYTES[options.dtype]
-        sync = options.sync_bucket_bytes + largest if driver else 2 * largest
+        sender = driver or (options.sync_senders == "per_stage" and layout.pp > 1)
+        sync = options.sync_bucket_bytes + largest if sender else 2 * largest
     phases = {
         "rollout": rollout,
         "old_logp": forward_only if options.old_log_prob_pass else 0,
