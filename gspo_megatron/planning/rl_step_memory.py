@@ -43,9 +43,10 @@ Design decisions:
   its ``--mem-fraction-static`` share of the GPU and the trainer's gradient buffers are freed
   (``trainer/colocation.py``); in the other phases the engine holds nothing (its memory saver).
 - Weight sync (``trainer/weight_stream.py``): SGLang -- the driver (with per-stage senders, each stage's
-  first rank too) holds the bucket being filled plus the tensor being gathered (``comm.weight_sync_plan``); the embedded engine loads each tensor as it
-  arrives, so a sender holds the tensor being gathered and its HF-named conversion: 2 x the largest
-  HF tensor in the model dtype. The other ranks join the gathers with the same bound.
+  first rank too) holds the bucket being filled plus the tensor being gathered
+  (``comm.weight_sync_plan``); the embedded engine loads each tensor as it arrives, so a sender holds
+  the tensor being gathered and its HF-named conversion: 2 x the largest HF tensor in the model dtype.
+  The other ranks join the gathers with the same bound.
 """
 
 from __future__ import annotations
