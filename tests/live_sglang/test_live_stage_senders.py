@@ -96,3 +96,38 @@ def test_a_pp2_trainer_syncs_through_two_sender_groups_and_a_refused_group_moves
     last = TINY.num_layers - 1
     assert {"lm_head.weight", "model.norm.weight"} <= names
     assert all(n.startswith(f"model.layers.{last}.") for n in names - {"lm_head.weight", "model.norm.weight"})
+
+
+def test_a_pp2_training_run_syncs_every_step_through_its_stage_senders(live_engine, tmp_path):
+    """The trainer builds the turns on every rank (``Components.stage_turns``) and syncs each step's
+    policy through both groups: the engine's log-probs stay those of the trainer's weights. The trainer
+    starts from its own seeded init, not the server's checkpoint, so a stage whose layers did not arrive
+    would leave the server on other weights: a large mismatch."""
+    from gspo_megatron.testing.train_runs import TINY_JOB, train_worker
+
+    (url,) = live_engine.server_urls
+    overrides = [
+        "rollout=sglang",
+        *TINY_JOB,
+        "parallel.pp=2",
+        "trainer.steps=3",
+        "trainer.eval_every=0",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "logging.charts=false",
+        "optimizer.lr=3e-3",
+        "rollout.sglang.mode=attach",
+        f"rollout.sglang.urls=[{url}]",
+        f"rollout.sglang.model_path={live_engine.config.model_path}",
+        f"rollout.sglang.disk_sync_dir={tmp_path / 'disk_sync'}",
+        "rollout.sglang.weight_sync=distributed",
+        "rollout.sglang.weight_sync_backend=gloo",
+        "rollout.sglang.weight_sync_group_name=live_pp2_training",
+        "rollout.sglang.fallback_to_disk=false",
+        "rollout.sglang.request_timeout_s=600",
+    ]
+    metrics, _ = run_distributed(train_worker, 2, overrides, str(tmp_path), timeout=840)
+    mismatch = [m["mismatch/abs_log_prob_diff_mean"] for m in metrics]
+    print(f"live pp2 training: engine vs trainer |log p| mean per step {mismatch}")
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert all(value < 0.05 for value in mismatch), mismatch
