@@ -188,12 +188,13 @@ class WeightSyncPlan:
                 f"[{each}] s, max {max(self.sender_seconds):.2f} s); ~{self.seconds:.2f} s in all: the stages take "
                 f"turns because SGLang receives one distributed update at a time per server; {held}"
             )
-        hop = (
-            f" + {self.pipeline_hop_seconds:.2f} s receiving the other stages' tensors"
-            if self.pipeline_hop_seconds
-            else ""
+        if not self.pipeline_hop_seconds:
+            return f"{size}, sent by the driver alone; ~{self.seconds:.2f} s over its link; {held}"
+        hop, send = self.pipeline_hop_seconds, self.seconds - self.pipeline_hop_seconds
+        return (
+            f"{size}, sent by the driver alone; ~{self.seconds:.2f} s: {hop:.2f} s receiving the other stages' "
+            f"tensors, then {send:.2f} s sending over its link; {held}"
         )
-        return f"{size}, sent by the driver alone; ~{self.seconds:.2f} s over its link{hop}; {held}"
 
 
 def weight_sync_plan(
