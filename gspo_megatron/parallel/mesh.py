@@ -11,6 +11,7 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,8 @@ from gspo_megatron.parallel.cpu_compat import enable_cpu_megatron
 from gspo_megatron.parallel.device import compute_device, cuda_kernels
 from gspo_megatron.parallel.heartbeat import Heartbeat
 from gspo_megatron.parallel.layout import LayoutError, ParallelLayout
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -79,6 +82,67 @@ class ParallelMesh:
         from megatron.core import parallel_state as ps
 
         return ps.get_expert_tensor_parallel_group()
+
+    # --- groups by meaning: who holds what of a step's rows and layers --------------------
+    @property
+    def row_parts_group(self):
+        """The ranks that hold parts of the same rows (context parallel: other tokens of each row); None
+        when each rank holds whole rows."""
+        if self.layout.cp == 1:
+            return None
+        return self.cp_group
+
+    @property
+    def other_rows_group(self):
+        """The ranks that hold other rows for the same weights (data parallel); None with one."""
+        if self.layout.dp == 1:
+            return None
+        return self.dp_group
+
+    def token_groups(self) -> list:
+        """The groups whose ranks hold other tokens of the same layers: DP (other rows), CP (other parts
+        of a row), TP under sequence parallelism (other sequence shards). A count of tokens is complete
+        once summed over each of them."""
+        groups = [self.dp_group]
+        if self.layout.cp > 1:
+            groups.append(self.cp_group)
+        if self.layout.use_sequence_parallel:
+            groups.append(self.tp_group)
+        return groups
+
+    def any_over_tokens_and_stages(self, flags: torch.Tensor) -> torch.Tensor:
+        """Logical OR (as MAX, in place) over the ranks that hold other tokens of the same rows (CP,
+        sequence-parallel TP) or other layers (PP); DP ranks hold other rows, which stay apart."""
+        layout = self.layout
+        holders = (
+            (self.cp_group, layout.cp > 1),
+            (self.tp_group, layout.use_sequence_parallel),
+            (self.pp_group, layout.pp > 1),
+        )
+        for group in (group for group, holds in holders if holds):
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        return flags
+
+    def sum_over_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum (in place) over the data-parallel ranks: a sum over this rank's rows becomes the step's."""
+        if self.layout.dp > 1:
+            dist.all_reduce(tensor, group=self.dp_group)
+        return tensor
+
+    # --- pipeline stages: what the last stage computed, on every stage --------------------
+    def from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The last stage's ``tensor`` on every stage of this rank's pipeline (in place; same shape)."""
+        if self.layout.pp > 1:
+            dist.broadcast(tensor, src=self.last_stage_global_rank, group=self.pp_group)
+        return tensor
+
+    def object_from_last_stage(self, value: T) -> T:
+        """The last stage's ``value`` (any picklable object) on every stage of this rank's pipeline."""
+        if self.layout.pp == 1:
+            return value
+        payload = [value]
+        dist.broadcast_object_list(payload, src=self.last_stage_global_rank, group=self.pp_group)
+        return payload[0]
 
     # --- ranks ----------------------------------------------------------------------------
     @property

@@ -250,7 +250,7 @@ def _forward_backward(cfg: MoEModelConfig, state: dict, layout, mesh, policy: di
             inputs, targets, per_row, policy["response_mask"], budget, layout, mesh.dp_rank
         )
 
-    cp_group = mesh.cp_group if layout.cp > 1 else None
+    cp_group = mesh.row_parts_group
 
     def loss_callback(logits, batch):
         # logits [b, s / cp, V/tp]; megatron's vocab-parallel CE gives -log p(target) per token.
@@ -311,7 +311,7 @@ def _policy_callback(policy: dict, mesh):
     regularizers = {k: policy[k] for k in ("entropy_coef", "kl_coef", "kl_estimator") if k in policy}
     regularizers.update(policy.get("algorithm", {}))
     clip = (regularizers.pop("clip_low", clip[0]), regularizers.pop("clip_high", clip[1]))
-    cp_group = mesh.cp_group if mesh.layout.cp > 1 else None
+    cp_group = mesh.row_parts_group
     head = PolicyLossHead(
         AlgorithmConfig(name=policy["loss"], loss=policy["loss"], clip_low=clip[0], clip_high=clip[1], **regularizers),
         mesh.tp_group,

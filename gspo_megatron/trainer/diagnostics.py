@@ -68,8 +68,6 @@ from gspo_megatron.trainer.loss_head import LogProbOutput
 from gspo_megatron.trainer.step_plan import RecordingPass, StepPlan
 
 if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
-
     from gspo_megatron.trainer.old_policy_phase import OldPolicyResult
 
 Counts = TypeVar("Counts", RoutingVolatility, ExpertLoad)
@@ -205,20 +203,9 @@ class RoutingDiagnostics:
     def _any_rank(self, flags: list[torch.Tensor]) -> list[torch.Tensor]:
         """OR over the ranks that hold other tokens (CP, sequence-parallel TP) or other layers (PP)."""
         layout = self.mesh.layout
-        groups = [
-            group
-            for group, size in (
-                (self.mesh.cp_group, layout.cp),
-                (self.mesh.tp_group, layout.tp if layout.use_sequence_parallel else 1),
-                (self.mesh.pp_group, layout.pp),
-            )
-            if size > 1
-        ]
-        if not groups:
+        if layout.cp == 1 and layout.pp == 1 and not layout.use_sequence_parallel:
             return flags
-        flat = torch.cat(flags).to(self.mesh.device, torch.int32)
-        for group in groups:
-            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+        flat = self.mesh.any_over_tokens_and_stages(torch.cat(flags).to(self.mesh.device, torch.int32))
         return list(flat.bool().cpu().split([f.numel() for f in flags]))
 
     def finish_step(self, step: int) -> dict[str, float]:
@@ -239,21 +226,13 @@ class RoutingDiagnostics:
         self.step_records = []
         return metrics
 
-    def _groups(self) -> list[ProcessGroup]:
-        groups = [self.mesh.dp_group]
-        if self.mesh.layout.cp > 1:  # CP ranks hold different tokens of the same rows
-            groups.append(self.mesh.cp_group)
-        if self.mesh.layout.use_sequence_parallel:
-            groups.append(self.mesh.tp_group)
-        return groups
-
     def _reduce(self, counts: Counts, all_reduce: Callable[[Counts, object], Counts]) -> Counts:
         """Sum over the ranks that hold other tokens of the same layers; concatenate the pipeline
         stages' layers (in stage order)."""
         counts = counts.to(self.mesh.device)  # NCCL reduces device tensors only
         if isinstance(counts, RoutingVolatility) and self.mesh.layout.pp > 1:
             counts = counts.or_over_stages(self.mesh.pp_group)  # before the tokens of other ranks are summed
-        for group in self._groups():
+        for group in self.mesh.token_groups():  # the ranks that hold other tokens of the same layers
             counts = all_reduce(counts, group)
         counts = counts.to("cpu")
         if self.mesh.layout.pp > 1:

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
-import torch.distributed as dist
 
 from gspo_megatron.algorithms.config import OldLogProbSource
 from gspo_megatron.models.micro_batch import MicroBatch, required
@@ -106,11 +105,10 @@ class TrainerOldPolicy:
         return OldPolicyResult(metrics, self.strategy.old_policy_routing(recording), recording.routing)
 
     def _sum_over_dp(self, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if self.mesh.layout.dp == 1:
+        if self.mesh.other_rows_group is None:
             return sums
         keys = sorted(sums)
-        stacked = torch.stack([sums[k].double() for k in keys])
-        dist.all_reduce(stacked, group=self.mesh.dp_group)
+        stacked = self.mesh.sum_over_rows(torch.stack([sums[k].double() for k in keys]))
         return dict(zip(keys, stacked.unbind(), strict=True))
 
     def _gather_rows(
@@ -125,9 +123,7 @@ class TrainerOldPolicy:
             rows = required(out.rows, "rows", "old log-probs")
             per_token = value(out)
             full[batch.local(rows).to(full.device), : per_token.shape[1]] = per_token.float()
-        if self.mesh.layout.pp > 1:
-            dist.broadcast(full, src=self.mesh.last_stage_global_rank, group=self.mesh.pp_group)
-        return full.cpu()
+        return self.mesh.from_last_stage(full).cpu()
 
 
 def build_old_policy_phase(

@@ -65,17 +65,16 @@ class ReferenceModel:
         temperature: float,
         chunk_size: int | None,
         *,
+        row_parts_group: dist.ProcessGroup | None = None,
         offload: bool = False,
     ):
-        """``offload``: keep the weights in host memory between passes (``trainer.reference_offload``)."""
-        from megatron.core import parallel_state as ps
-
+        """``offload``: keep the weights in host memory between passes (``trainer.reference_offload``);
+        ``row_parts_group``: the ranks holding parts of each row (``ParallelMesh.row_parts_group``)."""
         self.chunks = list(chunks)
         modules = torch.nn.ModuleList(self.chunks)  # every chunk's parameters as one module's
 
         # under context parallelism the head gathers each rank's share back into whole rows
-        cp_group = ps.get_context_parallel_group() if ps.get_context_parallel_world_size() > 1 else None
-        self.head = LogProbHead(tp_group, temperature, chunk_size, cp_group=cp_group)
+        self.head = LogProbHead(tp_group, temperature, chunk_size, cp_group=row_parts_group)
         modules.eval()
         for param in modules.parameters():
             param.requires_grad_(False)
@@ -114,6 +113,7 @@ class ReferenceModel:
             mesh.tp_group,
             cfg.rollout.temperature,
             cfg.algorithm.logprob_chunk_size,
+            row_parts_group=mesh.row_parts_group,
             offload=cfg.trainer.reference_offload,
         )
 

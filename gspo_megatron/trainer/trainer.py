@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -68,9 +68,6 @@ from gspo_megatron.trainer.signals import SignalWatch, TrainingInterrupted
 from gspo_megatron.trainer.step_plan import StepPlan
 from gspo_megatron.trainer.token_budget import sequence_multiple, step_fed_shape
 from gspo_megatron.trainer.weight_stream import sync_engine_weights
-
-if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
 
 
 class RLTrainer:
@@ -187,7 +184,9 @@ class RLTrainer:
             self.diagnostics.begin_step(self.step, old, flat, self._rollout_targets)
         old_metrics = dict(old.metrics)
         if self.plan.corrects_mismatch:  # importance weights pi_old / pi_rollout
-            mismatch_metrics, totals = correct_mismatch(batch, parts, self.cfg.algorithm, totals, self._dp_group())
+            mismatch_metrics, totals = correct_mismatch(
+                batch, parts, self.cfg.algorithm, totals, self.mesh.other_rows_group
+            )
             old_metrics.update(mismatch_metrics)
         if self.c.reference is not None:  # algorithm.kl_coef > 0: frozen reference, routers never replay
             with self._phase(timings, "ref_logp"):
@@ -242,10 +241,6 @@ class RLTrainer:
             )
         return scatter_shares(shares, self._dp_rank_of)
 
-    def _dp_group(self) -> ProcessGroup | None:
-        """The data-parallel group where sums over rows must be completed (None: one DP rank)."""
-        return self.mesh.dp_group if self.mesh.layout.dp > 1 else None
-
     def _log_prob_head(self) -> LogProbHead:
         """Forward-only log-probs at the rollout temperature (old policy, diagnostics' passes)."""
         cfg, mesh = self.cfg, self.mesh
@@ -253,7 +248,7 @@ class RLTrainer:
             mesh.tp_group,
             cfg.rollout.temperature,
             cfg.algorithm.logprob_chunk_size,
-            cp_group=mesh.cp_group if mesh.layout.cp > 1 else None,
+            cp_group=mesh.row_parts_group,
         )
 
     def _rollout_targets(self, micro_batch: MicroBatch) -> list[torch.Tensor]:
@@ -279,7 +274,7 @@ class RLTrainer:
             head = PolicyLossHead(
                 cfg.algorithm,
                 mesh.tp_group,
-                None if mesh.layout.cp == 1 else mesh.cp_group,
+                mesh.row_parts_group,
                 cfg.rollout.temperature,
                 # denominators: counts of the whole mini-batch, all data-parallel ranks' rows
                 global_num_sequences=totals.update_sequences[update],
@@ -328,7 +323,7 @@ class RLTrainer:
     def _reduce_loss_metrics(self, merged: dict[str, torch.Tensor] | None) -> dict[str, float]:
         """Sum/min/max over micro-batches (done) and data-parallel ranks, then to every pipeline stage.
         The entries carry their logged names (``PolicyLossHead``)."""
-        payload: list[Any] = [None]
+        last_stage: dict[str, float] | None = None
         if merged is not None:
             layout = self.mesh.layout
             # sums are CP-complete already (sequence sums); token min/max also span the CP group
@@ -347,12 +342,11 @@ class RLTrainer:
                 final[f"loss/clip_frac_{unit}"] = (
                     final[f"loss/clip_frac_{unit}_low"] + final[f"loss/clip_frac_{unit}_high"]
                 )
-            payload = [final]
-        if self.mesh.layout.pp > 1:
-            dist.broadcast_object_list(payload, src=self.mesh.last_stage_global_rank, group=self.mesh.pp_group)
-        if payload[0] is None:
+            last_stage = final
+        metrics = self.mesh.object_from_last_stage(last_stage)
+        if metrics is None:
             raise RuntimeError("the policy update returned no loss metrics (no micro-batch reached the loss)")
-        return payload[0]
+        return metrics
 
     def sync_weights(self, version: int | None = None) -> None:
         """Stream the policy's HF-named weights into the rollout engine (collective on all ranks).
