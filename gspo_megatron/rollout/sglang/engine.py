@@ -13,14 +13,13 @@ Design decisions:
   ``continue_generation`` is always sent; a failure that remains is raised.
 - The flush is skipped under ``pause_mode=in_place``: paused requests stay in SGLang's running batch and
   its flush answers 400 while the batch is not empty (those requests keep their KV cache by design).
-- Distributed sync: the update group is formed on the first update and re-formed whenever the set of
-  live servers changes (a dead server would otherwise hang every broadcast); each byte-size bucket is
-  one ``/update_weights_from_distributed`` per server, posted from the loop thread while the caller's
-  thread broadcasts the bucket -- the servers' HTTP handlers block until they have received it. The
-  HTTP answers and the broadcast are awaited together and the first failure wins: a server that
-  refuses a bucket never joins its broadcast, so its 400 is raised at once (with its message) and the
-  group is torn down, instead of waiting out the collective timeout. The group is destroyed on the
-  servers at shutdown, so a later run can form one with the same name.
+- Distributed sync (``group_sender.py``): the driver's update group, formed on the first update and
+  re-formed whenever the set of live servers changes; each byte-size bucket is one
+  ``/update_weights_from_distributed`` per server while the bucket is broadcast, the first failure wins
+  (a refused bucket fails at once with the server's message). With pipeline stages each stage's first
+  rank sends its own layers over its own group (``StagedWeights``, ``trainer/stage_senders.py``), the
+  version set with ``/update_weight_version`` once every stage has sent. The groups are destroyed on the
+  servers at shutdown, so a later run can form them with the same names.
 - Memory: weights are streamed, never listed. The bucket being sent is the only one held (the next is
   gathered after it has left), so the driver's extra memory is about one bucket whatever the model size;
   a retry through the disk path reads the weights again (the trainer's stream re-exports).
@@ -289,7 +288,10 @@ class SGLangEngine(RolloutEngine):
             sync = direct.get(self.config.weight_sync)
             if sync is not None:
                 try:
-                    self._in_session(servers, lambda: sync(servers, staged or named_tensors, version))
+                    # the stages send only by broadcast; any other path reads the stream (a full export)
+                    staged_sync = staged is not None and self.config.weight_sync == WeightSync.distributed
+                    weights = staged if staged_sync else named_tensors
+                    self._in_session(servers, lambda: sync(servers, weights, version))
                 except Exception as error:
                     self._drop_update_group()  # a distributed update's group is in an unknown state
                     if not (self.config.fallback_to_disk and self.config.model_path):
