@@ -84,22 +84,26 @@ def sync_worker(
         return {"outcomes": outcomes, "passes": outcomes[0], "sent": sent}
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
-    port = free_port()
-    server = LaunchedServer(
-        DOUBLE + ["--port", str(port), *double_args], f"http://127.0.0.1:{port}", work / "double.log"
-    )
-    server.start()
+    servers = []
+    for index in range(2 if senders == "per_stage" else 1):  # per-stage senders: every group into two servers
+        port = free_port()
+        log = work / f"double_{index}.log"
+        servers.append(LaunchedServer(DOUBLE + ["--port", str(port), *double_args], f"http://127.0.0.1:{port}", log))
+        servers[-1].start()
     try:
-        server.wait_healthy(120, 0.05)
-        with SGLangEngine(replace(config, urls=[server.url])) as engine:
+        for server in servers:
+            server.wait_healthy(120, 0.05)
+        urls = [server.url for server in servers]
+        with SGLangEngine(replace(config, urls=urls)) as engine:
             outcomes: list = []
 
             def sync(version: int):
-                if version == 2 and senders == "per_stage":  # a group the server lost: stage 1 is refused
-                    body = {"group_name": "memory_stage1"}
-                    httpx.post(server.url + "/destroy_weights_update_group", json=body, trust_env=False)
+                if version == 2 and senders == "per_stage":  # the servers lost stage 1's group: it is refused
+                    for url in urls:
+                        body = {"group_name": "memory_stage1"}
+                        httpx.post(url + "/destroy_weights_update_group", json=body, trust_env=False)
                 outcomes.append(_syncs(lambda v: sync_engine_weights(engine, model, cfg, mesh, v, turns), [version]))
-                states.append(httpx.get(server.url + "/_double/state", trust_env=False).json())
+                states.append([httpx.get(url + "/_double/state", trust_env=False).json() for url in urls])
 
             states: list = []
             peak = peak_bytes(lambda: sync(1), "cpu")
@@ -109,9 +113,10 @@ def sync_worker(
             if turns is not None:
                 turns.close()
     finally:
-        server.stop(5)
+        for server in servers:
+            server.stop(5)
         mesh.destroy()
-    state = states[0]
+    state = states[0][0]
     calls = [path for path, _ in state["calls"]]
     outcomes = [outcome[0] for outcome in outcomes]
     return {
@@ -121,7 +126,7 @@ def sync_worker(
         "received": state["received"],
         "calls": calls,
         "bodies": state["calls"],
-        "states": states,
+        "states": states,  # per sync, each server's state
         "sent": sent,
     }
 
@@ -205,10 +210,11 @@ def _stage_names(cfg, stage: int) -> set[str]:
 
 
 def test_each_pipeline_stage_sends_its_own_layers_and_a_refused_stage_moves_no_server(tmp_path):
-    """pp=2, ``weight_senders=per_stage``: the driver sends stage 0's tensors over its group and holds none of
-    stage 1's (which rank 1 sends over ``<group>_stage1``); the buckets carry no version, which is set once
-    both stages have sent. Sync 2 finds stage 1's group gone from the server: the server refuses stage 1's
-    bucket, every rank raises, the server stays on version 1; sync 3 re-forms the group and succeeds."""
+    """pp=2, ``weight_senders=per_stage``, two servers: the driver sends stage 0's tensors over its group and
+    holds none of stage 1's (which rank 1 sends over ``<group>_stage1``); the buckets carry no version, which
+    is set on both servers once both stages have sent. Sync 2 finds stage 1's group gone from the servers:
+    they refuse stage 1's bucket, every rank raises, no server leaves version 1; sync 3 re-forms the group
+    and succeeds on both."""
     cfg, state = _expected()
     driver, other = run_distributed(
         sync_worker, 2, dict(pp=2, world_size=2), str(tmp_path), [], "distributed", "per_stage", False, timeout=600
@@ -236,7 +242,11 @@ def test_each_pipeline_stage_sends_its_own_layers_and_a_refused_stage_moves_no_s
     # sync 2: refused in stage 1 -> an error on both ranks, no server on version 2
     assert "pipeline stage 1" in driver["outcomes"][1] and "Group memory_stage1 not in" in driver["outcomes"][1]
     assert other["outcomes"][1].startswith("WeightSyncFailed") and "pipeline stage 1" in other["outcomes"][1]
-    assert driver["states"][1]["weight_version"] == "1"
-    # sync 3: stage 1's sender formed its group again; both stages sent, the version moved
+    assert [server["weight_version"] for server in driver["states"][1]] == ["1", "1"]
+    # sync 3: stage 1's sender formed its group again; both stages sent, the version moved on both servers
     assert driver["outcomes"][2] == other["outcomes"][2] == 1
-    assert driver["states"][2]["weight_version"] == "3"
+    assert [server["weight_version"] for server in driver["states"][2]] == ["3", "3"]
+    second = driver["states"][0][1]  # the second server received every tensor of both groups too
+    assert {n: got["group"] for n, got in second["received"].items()} == {
+        n: got["group"] for n, got in driver["received"].items()
+    }
