@@ -37,7 +37,7 @@ def bench_worker(ctx, args) -> dict:
     from gspo_megatron.parallel.mesh import initialize_parallel
     from gspo_megatron.rollout.types import FinishReason, Sample
     from gspo_megatron.testing.model_fixtures import tiny_test_config
-    from gspo_megatron.trainer.batch import pack_samples, partition
+    from gspo_megatron.trainer.batch import pack_samples, partition, update_batches
     from gspo_megatron.trainer.loss_head import PolicyLossHead
     from gspo_megatron.trainer.token_budget import step_padded_fraction
 
@@ -68,7 +68,6 @@ def bench_worker(ctx, args) -> dict:
     ]
     n = len(samples)
     batch = pack_samples(samples, torch.randn(n, generator=generator), torch.rand(n), torch.rand(n), pad_token_id=0)
-    batch.old_log_probs = batch.rollout_log_probs
     mask = batch.response_mask
     head = PolicyLossHead(
         AlgorithmConfig(),
@@ -79,9 +78,18 @@ def bench_worker(ctx, args) -> dict:
         global_num_tokens=mask.sum(),
     )
     variants = {"padded": None, "budget": args.budget}
-    parts = {
-        name: partition(
-            batch, updates=1, micro_batch_size=args.micro_batch_size, dp_size=1, dp_rank=0, micro_batch_tokens=budget
+    parts = {  # pi_old = the engine's log-probs (as algorithm.old_log_probs=rollout)
+        name: update_batches(
+            partition(
+                batch,
+                updates=1,
+                micro_batch_size=args.micro_batch_size,
+                dp_size=1,
+                dp_rank=0,
+                micro_batch_tokens=budget,
+            ),
+            batch,
+            batch.rollout_log_probs,
         )
         for name, budget in variants.items()
     }

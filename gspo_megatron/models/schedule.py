@@ -26,17 +26,20 @@ Design decisions:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.parallel.context_parallel import chunk_positions, split_micro_batch
 
-# (loss, what comes back for the micro-batch: a metric dict, or a head's typed output)
-LossCallback = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, Any]]
+# (loss, what comes back for the micro-batch: a metric dict, or a head's typed output); a callback may
+# take a MicroBatch subclass (the policy loss reads ``trainer.batch.UpdateMicroBatch``), whose
+# micro-batches the schedule then carries
+BatchT = TypeVar("BatchT", bound=MicroBatch)
+LossCallback = Callable[[torch.Tensor, BatchT], tuple[torch.Tensor, Any]]
 BeforeForward = Callable[[int], None]  # called with the model chunk about to run a micro-batch's forward
 
 
@@ -117,8 +120,8 @@ def _forward_step(loss_callback: LossCallback | None, before_forward, chunks: li
 
 def run_schedule(
     model,  # one module (a DDP-wrapped stage) or megatron's list of virtual-pipeline chunks
-    micro_batches: list[MicroBatch],
-    loss_callback: LossCallback | None,
+    micro_batches: Sequence[BatchT],
+    loss_callback: LossCallback[BatchT] | None,
     *,
     forward_only: bool,
     before_forward: BeforeForward | None = None,

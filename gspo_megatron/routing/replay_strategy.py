@@ -22,7 +22,7 @@ Design decisions:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 
 import torch
@@ -64,7 +64,7 @@ class ReplayStrategy:
         self.targets_of = targets_of
 
     # --- the old-log-prob pass -------------------------------------------------------------
-    def old_pass(self, micro_batches: list[MicroBatch]) -> Pass:
+    def old_pass(self, micro_batches: Sequence[MicroBatch]) -> Pass:
         return self.recorder.record()
 
     def old_policy_routing(self, old_pass: Recording) -> Routing | None:
@@ -72,7 +72,7 @@ class ReplayStrategy:
         return old_pass.routing
 
     # --- each training forward -------------------------------------------------------------
-    def update(self, micro_batches: list[MicroBatch], old_routing: Callable[[], Routing], *, record: bool) -> Pass:
+    def update(self, micro_batches: Sequence[MicroBatch], old_routing: Callable[[], Routing], *, record: bool) -> Pass:
         """This mini-batch's forward; ``old_routing()`` gives the old pass's routing of exactly these
         micro-batches (asked for only by R2); ``record``: the diagnostics want its free routing."""
         return self.recorder.record() if record else self.recorder.route_freely()
@@ -85,7 +85,7 @@ class OldPolicyReplay(ReplayStrategy):
     replays_in_training = True
     replays_old_pass = True
 
-    def update(self, micro_batches: list[MicroBatch], old_routing: Callable[[], Routing], *, record: bool) -> Pass:
+    def update(self, micro_batches: Sequence[MicroBatch], old_routing: Callable[[], Routing], *, record: bool) -> Pass:
         return self.recorder.replay(old_routing()) if self.recorder.has_routers else self.recorder.route_freely()
 
 
@@ -97,16 +97,16 @@ class RolloutReplay(ReplayStrategy):
     replays_in_training = True
     uses_engine_routing = True
 
-    def old_pass(self, micro_batches: list[MicroBatch]) -> Pass:
+    def old_pass(self, micro_batches: Sequence[MicroBatch]) -> Pass:
         return self._engine_routing(micro_batches, observe=True)
 
     def old_policy_routing(self, old_pass: Recording) -> Routing | None:
         return None  # the old pass replayed the engine's routing: nothing of the trainer's to replay
 
-    def update(self, micro_batches: list[MicroBatch], old_routing: Callable[[], Routing], *, record: bool) -> Pass:
+    def update(self, micro_batches: Sequence[MicroBatch], old_routing: Callable[[], Routing], *, record: bool) -> Pass:
         return self._engine_routing(micro_batches, observe=False)
 
-    def _engine_routing(self, micro_batches: list[MicroBatch], *, observe: bool) -> Pass:
+    def _engine_routing(self, micro_batches: Sequence[MicroBatch], *, observe: bool) -> Pass:
         if not self.recorder.has_routers:
             return self.recorder.route_freely()
         return self.recorder.replay([self.targets_of(mb) for mb in micro_batches], observe=observe)

@@ -16,13 +16,33 @@ Design decisions:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
 from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.rollout.types import Sample
 from gspo_megatron.trainer.token_budget import token_budget_plan
+
+
+@dataclass(kw_only=True)
+class StepMicroBatch(MicroBatch):
+    """A micro-batch cut from a step's rollout batch (``micro_batch``): its rows and every per-row field
+    the step's phases read are set."""
+
+    rows: torch.Tensor = field()  # long [b]: the rows' global indices in the step's rollout batch
+    response_mask: torch.Tensor = field()
+    input_mask: torch.Tensor = field()
+    advantages: torch.Tensor = field()
+
+
+@dataclass(kw_only=True)
+class UpdateMicroBatch(StepMicroBatch):
+    """What the policy loss reads (``loss_head.PolicyLossHead``): a step's micro-batch with pi_old (and the
+    reference's log-probs, the mismatch correction's advantages and masks), built once after the phases
+    that compute them (``update_batches``); nothing is filled in later."""
+
+    old_log_probs: torch.Tensor = field()
 
 
 @dataclass
@@ -37,7 +57,6 @@ class RolloutBatch:
     prompt_lengths: torch.Tensor  # long [N]
     response_lengths: torch.Tensor  # long [N]
     routed_experts: torch.Tensor | None = None  # int [N, S-1, layers, k] from the engine (R3)
-    old_log_probs: torch.Tensor | None = None  # float [N, S-1], filled by the trainer
     policy_versions: torch.Tensor | None = None  # long [N]: the engine weight version of each sample
     row_ids: torch.Tensor | None = None  # long [n]: the global rows held, ascending; None: all of them
     # float [N, S-1]: response targets the ENGINE sampled (inserted DTR exit tokens excluded); what the
@@ -212,7 +231,7 @@ def planned_rows(plan: list[list[MicroBatchRows]]) -> torch.Tensor:
     return torch.cat(rows).unique(sorted=True) if rows else torch.zeros(0, dtype=torch.long)
 
 
-def cut_micro_batches(batch: RolloutBatch, plan: list[list[MicroBatchRows]]) -> list[list[MicroBatch]]:
+def cut_micro_batches(batch: RolloutBatch, plan: list[list[MicroBatchRows]]) -> list[list[StepMicroBatch]]:
     """The micro-batches of ``plan``, cut from ``batch`` (a whole batch or a rank's rows)."""
     return [[micro_batch(batch, rows, width) for rows, width in part] for part in plan]
 
@@ -226,7 +245,7 @@ def partition(
     dp_rank: int,
     micro_batch_tokens: int | None = None,
     seq_multiple: int = 1,
-) -> list[list[MicroBatch]]:
+) -> list[list[StepMicroBatch]]:
     """This rank's micro-batches of a whole batch, per mini-batch (one per optimizer update).
 
     The old-log-prob pass runs over exactly these micro-batches (flattened), so whatever it records
@@ -255,26 +274,50 @@ def data_parallel_slice(num_rows: int, *, dp_size: int, dp_rank: int) -> slice:
     return slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
 
 
-def micro_batch(batch: RolloutBatch, rows: torch.Tensor, width: int) -> MicroBatch:
+def micro_batch(batch: RolloutBatch, rows: torch.Tensor, width: int) -> StepMicroBatch:
     """The micro-batch of the rows ``rows`` (global indices) cut to ``width`` tokens: inputs
     ``tokens[:, :width-1]``, ``targets`` one to the right, and the rows of every per-row field."""
-
     local = batch.local(rows)
 
-    def cut(value: torch.Tensor | None) -> torch.Tensor | None:
-        if value is None:
-            return None
+    def cut(value: torch.Tensor) -> torch.Tensor:
         return value[local, : width - 1] if value.dim() > 1 else value[local]
 
     tokens = batch.tokens[local, :width]
-    return MicroBatch(
+    return StepMicroBatch(
         tokens=tokens[:, :-1].contiguous(),
         targets=tokens[:, 1:].contiguous(),
         rows=rows,
         response_mask=cut(batch.response_mask),
         input_mask=cut(batch.input_mask),
         advantages=cut(batch.advantages),
-        old_log_probs=cut(batch.old_log_probs),
         rollout_log_probs=cut(batch.rollout_log_probs),
-        routed_experts=cut(batch.routed_experts),
+        routed_experts=None if batch.routed_experts is None else cut(batch.routed_experts),
     )
+
+
+def update_batches(
+    parts: list[list[StepMicroBatch]],
+    batch: RolloutBatch,
+    old_log_probs: torch.Tensor,
+    reference_log_probs: list[torch.Tensor] | None = None,
+) -> list[list[UpdateMicroBatch]]:
+    """The updates' micro-batches, built once from what the phases returned: pi_old of this rank's rows
+    (``old_log_probs`` [n, S-1], cut to each micro-batch's rows and width) and, on the last pipeline stage
+    with a KL reference, the reference's log-probs per micro-batch in ``parts``' flattened order."""
+    flat_index = 0
+    out: list[list[UpdateMicroBatch]] = []
+    for part in parts:
+        built = []
+        for mb in part:
+            reference = reference_log_probs[flat_index] if reference_log_probs else None
+            old = old_log_probs[batch.local(mb.rows), : mb.seq_len]
+            built.append(UpdateMicroBatch(**_fields_of(mb), old_log_probs=old, ref_log_probs=reference))
+            flat_index += 1
+        out.append(built)
+    return out
+
+
+def _fields_of(mb: StepMicroBatch) -> dict:
+    """Every field of ``mb`` but the ones an update batch is given (a shallow copy: the same tensors)."""
+    given = ("old_log_probs", "ref_log_probs")
+    return {f.name: getattr(mb, f.name) for f in fields(mb) if f.name not in given}

@@ -13,6 +13,7 @@ Recordings start and stop in ``routing/recorder.py``; ``trainer/diagnostics.py``
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from gspo_megatron.algorithms.config import AlgorithmConfig
@@ -20,6 +21,7 @@ from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.models.schedule import run_schedule
 from gspo_megatron.routing.recorder import RoutingRecorder
 from gspo_megatron.routing.replay_strategy import ReplayStrategy
+from gspo_megatron.trainer.batch import UpdateMicroBatch
 from gspo_megatron.trainer.diagnostics import RoutingDiagnostics
 from gspo_megatron.trainer.loss_head import LogProbHead
 from gspo_megatron.trainer.step_plan import StepPlan
@@ -41,7 +43,7 @@ class DiagnosticPasses:
         self.model, self.plan, self.recorder, self.strategy = model, plan, recorder, strategy
         self.diagnostics, self.head = diagnostics, head
 
-    def recording_pass_after(self, update: int, step: int, first_micro_batches: list[MicroBatch]) -> None:
+    def recording_pass_after(self, update: int, step: int, first_micro_batches: Sequence[MicroBatch]) -> None:
         purpose = self.plan.recording_pass_after(update, step)
         if purpose is None or not self.diagnostics.has_old_routing:
             return
@@ -50,7 +52,7 @@ class DiagnosticPasses:
         self.diagnostics.from_recording_pass(purpose, recording.routing)
 
     def decompose_ratio(
-        self, update: int, step: int, micro_batches: list[MicroBatch], old_offset: int, algorithm: AlgorithmConfig
+        self, update: int, step: int, micro_batches: list[UpdateMicroBatch], old_offset: int, algorithm: AlgorithmConfig
     ) -> None:
         old = self.diagnostics.old_used_of(old_offset, len(micro_batches))
         if not (self.plan.decomposes_ratio(update, step) and old):

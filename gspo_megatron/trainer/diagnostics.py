@@ -41,14 +41,14 @@ Only the driver writes ``routing.jsonl``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from gspo_megatron.algorithms.config import AlgorithmConfig
-from gspo_megatron.models.micro_batch import MicroBatch, required
+from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.parallel.context_parallel import split_sequence
 from gspo_megatron.parallel.mesh import ParallelMesh
 from gspo_megatron.routing.config import DiagnosticKind
@@ -64,6 +64,7 @@ from gspo_megatron.routing.volatility import (
     expert_load,
     routing_volatility,
 )
+from gspo_megatron.trainer.batch import StepMicroBatch, UpdateMicroBatch
 from gspo_megatron.trainer.loss_head import LogProbOutput
 from gspo_megatron.trainer.step_plan import RecordingPass, StepPlan
 
@@ -89,7 +90,7 @@ class RoutingDiagnostics:
 
     # --- old-policy routing --------------------------------------------------------------------
     def begin_step(
-        self, step: int, old: OldPolicyResult, micro_batches: list[MicroBatch], targets_of: TargetsOf
+        self, step: int, old: OldPolicyResult, micro_batches: list[StepMicroBatch], targets_of: TargetsOf
     ) -> None:
         """The old-policy phase's routing of ``micro_batches`` (all of the step's, in update order)."""
         self.old = old.routing or []
@@ -109,7 +110,7 @@ class RoutingDiagnostics:
 
     # --- diagnostics ---------------------------------------------------------------------------
     def rollout_vs_train(
-        self, step: int, micro_batches: list[MicroBatch], targets_of: TargetsOf, trainer_routing: Routing
+        self, step: int, micro_batches: Sequence[MicroBatch], targets_of: TargetsOf, trainer_routing: Routing
     ) -> None:
         """Engine routing (per micro-batch, megatron order) vs the routing of the old-log-prob pass."""
         due = self.plan.due(DiagnosticKind.rollout_vs_train, step)
@@ -125,7 +126,7 @@ class RoutingDiagnostics:
         self.step_records.append(("rollout_vs_train", RoutingVolatility.merge_all(parts), None))
 
     def from_training_forward(
-        self, recorded: Routing, old_offset: int, micro_batches: list[MicroBatch], targets_of: TargetsOf, step: int
+        self, recorded: Routing, old_offset: int, micro_batches: Sequence[MicroBatch], targets_of: TargetsOf, step: int
     ) -> None:
         """A training forward the plan chose to record (``StepPlan.records_training_forward``)."""
         if self.plan.engine_old_policy:
@@ -148,7 +149,7 @@ class RoutingDiagnostics:
 
     def add_ratio_decomposition(
         self,
-        micro_batches: list[MicroBatch],
+        micro_batches: list[UpdateMicroBatch],
         loss_outputs: list[LogProbOutput],
         old_routing_outputs: list[LogProbOutput],
         loss_routing: Routing,
@@ -176,10 +177,10 @@ class RoutingDiagnostics:
                 decompose_log_ratio(
                     train_out.log_probs.cpu(),
                     old_out.log_probs.cpu(),
-                    required(mb.old_log_probs, "old_log_probs", "ratio decomposition").cpu(),
-                    required(mb.response_mask, "response_mask", "ratio decomposition").cpu(),
+                    mb.old_log_probs.cpu(),
+                    mb.response_mask.cpu(),
                     flags.reshape(mb.num_rows, mb.seq_len),
-                    required(mb.advantages, "advantages", "ratio decomposition").cpu(),
+                    mb.advantages.cpu(),
                     algorithm.clip_low,
                     algorithm.clip_high,
                 )
@@ -263,10 +264,10 @@ def _rows_of_tokens(local: torch.Tensor, micro_batch: MicroBatch, mesh: Parallel
     return rows
 
 
-def _token_mask(micro_batch: MicroBatch, mesh: ParallelMesh) -> torch.Tensor:
+def _token_mask(micro_batch: StepMicroBatch, mesh: ParallelMesh) -> torch.Tensor:
     """bool [s_local * b] in megatron's token order: real (non-padding) input tokens."""
     mask = split_sequence(
-        required(micro_batch.input_mask, "input_mask", "routing diagnostics"),
+        micro_batch.input_mask,
         mesh.layout.cp,
         mesh.cp_rank if mesh.layout.cp > 1 else 0,
     )

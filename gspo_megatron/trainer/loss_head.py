@@ -22,8 +22,9 @@ from gspo_megatron.algorithms.metrics import mean_entries, token_mean_metric
 from gspo_megatron.algorithms.off_policy_masking import off_policy_sequence_mask
 from gspo_megatron.algorithms.reductions import context_parallel_sequence_sum_fn
 from gspo_megatron.algorithms.regularizers import entropy_bonus, kl_penalty
-from gspo_megatron.models.micro_batch import MicroBatch, required
+from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.parallel.context_parallel import gather_sequence
+from gspo_megatron.trainer.batch import UpdateMicroBatch
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -35,7 +36,6 @@ class LogProbOutput:
 
     log_probs: torch.Tensor  # [b, s] log pi(target) at the head's temperature
     entropy: torch.Tensor  # [b, s] entropy of the same distribution
-    rows: torch.Tensor | None  # the micro-batch's row indices into its RolloutBatch
 
 
 @dataclass
@@ -58,7 +58,7 @@ class LogProbHead:
                 with_entropy=True,
             )
             log_probs, entropy = (gather_sequence(t, self.cp_group) for t in (log_probs, entropy))
-        return logits.new_zeros(()), LogProbOutput(log_probs, entropy, batch.rows)
+        return logits.new_zeros(()), LogProbOutput(log_probs, entropy)
 
 
 @dataclass
@@ -77,7 +77,7 @@ class PolicyLossHead:
         self.loss_fn = get_policy_loss(self.algorithm.loss)
         self.sequence_sum = context_parallel_sequence_sum_fn(self.cp_group)
 
-    def __call__(self, logits: torch.Tensor, batch: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def __call__(self, logits: torch.Tensor, batch: UpdateMicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         algorithm = self.algorithm
         log_probs, entropy = vocab_parallel_log_probs(
             logits,
@@ -95,9 +95,7 @@ class PolicyLossHead:
             sequence_sum=self.sequence_sum,
             clip=self.clip,
         )
-        mask = required(batch.response_mask, "response_mask", "the policy loss")
-        old_log_probs = required(batch.old_log_probs, "old_log_probs", "the policy loss")
-        advantages = required(batch.advantages, "advantages", "the policy loss")
+        mask, old_log_probs, advantages = batch.response_mask, batch.old_log_probs, batch.advantages
         opsm: dict[str, torch.Tensor] = {}
         if algorithm.opsm_delta is not None:  # slime's off-policy sequence masking
             advantages, opsm = off_policy_sequence_mask(

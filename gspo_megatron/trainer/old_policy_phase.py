@@ -20,7 +20,8 @@ calls ``run`` and never asks which one it holds:
   ``algorithms/config.py``; R3 replays the engine's routing and needs none); the routing diagnostics
   take the old policy's routing from the first update's training forward (``trainer/step_plan.py``).
 
-Both set ``old_log_probs`` on the batch and on every micro-batch.
+Both return pi_old of this rank's rows (``OldPolicyResult.log_probs``); the trainer builds the updates'
+micro-batches from it (``batch.update_batches``) -- neither writes into the batch or the micro-batches.
 """
 
 from __future__ import annotations
@@ -32,13 +33,12 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from gspo_megatron.algorithms.config import OldLogProbSource
-from gspo_megatron.models.micro_batch import MicroBatch, required
 from gspo_megatron.models.schedule import run_schedule
 from gspo_megatron.parallel.mesh import ParallelMesh
 from gspo_megatron.rollout.mismatch import finalize_mismatch, train_inference_mismatch
 from gspo_megatron.routing.recorder import Routing
 from gspo_megatron.routing.replay_strategy import ReplayStrategy
-from gspo_megatron.trainer.batch import RolloutBatch
+from gspo_megatron.trainer.batch import RolloutBatch, StepMicroBatch
 from gspo_megatron.trainer.loss_head import LogProbHead, LogProbOutput
 
 if TYPE_CHECKING:
@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class OldPolicyResult:
+    log_probs: torch.Tensor  # float [n, S-1]: pi_old of this rank's rows' targets
     metrics: dict[str, float]
     routing: Routing | None = None  # the old policy's routing R2 replays and "update" compares against
     trainer_routing: Routing = field(default_factory=list)  # what the old pass routed with (R3: observed)
@@ -63,17 +64,14 @@ class OldPolicyResult:
 
 
 class OldPolicyPhase(Protocol):
-    def run(self, batch: RolloutBatch, micro_batches: list[MicroBatch]) -> OldPolicyResult: ...
+    def run(self, batch: RolloutBatch, micro_batches: list[StepMicroBatch]) -> OldPolicyResult: ...
 
 
 class EngineOldPolicy:
     """``algorithm.old_log_probs=rollout``: the engine's log-probs are pi_old."""
 
-    def run(self, batch: RolloutBatch, micro_batches: list[MicroBatch]) -> OldPolicyResult:
-        batch.old_log_probs = batch.rollout_log_probs
-        for mb in micro_batches:
-            mb.old_log_probs = mb.rollout_log_probs
-        return OldPolicyResult({})
+    def run(self, batch: RolloutBatch, micro_batches: list[StepMicroBatch]) -> OldPolicyResult:
+        return OldPolicyResult(batch.rollout_log_probs, {})
 
 
 class TrainerOldPolicy:
@@ -82,27 +80,22 @@ class TrainerOldPolicy:
     def __init__(self, model: ModelChunks, mesh: ParallelMesh, strategy: ReplayStrategy, head: LogProbHead) -> None:
         self.model, self.mesh, self.strategy, self.head = model, mesh, strategy, head
 
-    def run(self, batch: RolloutBatch, micro_batches: list[MicroBatch]) -> OldPolicyResult:
+    def run(self, batch: RolloutBatch, micro_batches: list[StepMicroBatch]) -> OldPolicyResult:
         # no autograd graph: a forward-only pass keeps one layer's tensors at a time, not the whole
         # micro-batch's saved activations (as the reference pass, trainer/reference_model.py)
         with self.strategy.old_pass(micro_batches) as recording, torch.no_grad():
             outputs = run_schedule(
                 self.model, micro_batches, self.head, forward_only=True, before_forward=recording.before_forward
             )
-        batch.old_log_probs = self._gather_rows(outputs, batch, lambda out: out.log_probs)
+        old_log_probs = self._gather_rows(outputs, micro_batches, batch, lambda out: out.log_probs)
         mask = batch.mismatch_mask
-        sums = train_inference_mismatch(batch.old_log_probs, batch.rollout_log_probs, mask)
-        entropy = self._gather_rows(outputs, batch, lambda out: out.entropy)
+        sums = train_inference_mismatch(old_log_probs, batch.rollout_log_probs, mask)
+        entropy = self._gather_rows(outputs, micro_batches, batch, lambda out: out.entropy)
         sums["entropy_sum"] = (entropy * mask).sum().double()
         sums = self._sum_over_dp(sums)  # data-parallel ranks hold disjoint rows
         metrics = {k: float(v) for k, v in finalize_mismatch(sums).items()}
         metrics["policy/entropy_old"] = float(sums["entropy_sum"] / sums["token_count"].clamp_min(1))
-        # the update micro-batches carry the old log-probs from here on
-        for mb in micro_batches:
-            mb.old_log_probs = batch.old_log_probs[
-                batch.local(required(mb.rows, "rows", "old log-probs")), : mb.seq_len
-            ]
-        return OldPolicyResult(metrics, self.strategy.old_policy_routing(recording), recording.routing)
+        return OldPolicyResult(old_log_probs, metrics, self.strategy.old_policy_routing(recording), recording.routing)
 
     def _sum_over_dp(self, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.mesh.other_rows_group is None:
@@ -114,15 +107,16 @@ class TrainerOldPolicy:
     def _gather_rows(
         self,
         outputs: list[LogProbOutput],
+        micro_batches: list[StepMicroBatch],
         batch: RolloutBatch,
         value: Callable[[LogProbOutput], torch.Tensor],
     ) -> torch.Tensor:
-        """Per-token values of this rank's rows, from the last stage to every stage of its pipeline."""
+        """Per-token values of this rank's rows, from the last stage (one output per micro-batch, in
+        order; none on the other stages) to every stage of its pipeline."""
         full = torch.zeros(batch.num_sequences, batch.tokens.shape[1] - 1, device=self.mesh.device)
-        for out in outputs:
-            rows = required(out.rows, "rows", "old log-probs")
+        for out, mb in zip(outputs, micro_batches if outputs else [], strict=True):
             per_token = value(out)
-            full[batch.local(rows).to(full.device), : per_token.shape[1]] = per_token.float()
+            full[batch.local(mb.rows).to(full.device), : per_token.shape[1]] = per_token.float()
         return self.mesh.from_last_stage(full).cpu()
 
 

@@ -33,7 +33,7 @@ Design decisions:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 
 class ReferenceModel:
     """A frozen GPTModel stage (its chunks, under virtual pipeline stages) whose routers have no RouterReplay;
-    adds ``ref_log_probs`` to micro-batches."""
+    returns the log-probs of micro-batches (``log_probs``), which the updates' micro-batches carry."""
 
     def __init__(
         self,
@@ -117,13 +117,13 @@ class ReferenceModel:
             offload=cfg.trainer.reference_offload,
         )
 
-    def attach_log_probs(self, micro_batches: list[MicroBatch]) -> None:
+    def log_probs(self, micro_batches: Sequence[MicroBatch]) -> list[torch.Tensor]:
         """Forward every micro-batch through the reference; on the last pipeline stage (where the loss
-        head runs) each micro-batch gets ``ref_log_probs`` [b, s]. Collective over the stage group."""
+        head runs) the log-probs of each [b, s], in order; an empty list on the other stages. Collective
+        over the stage group."""
         on_device = self.host_weights.on_device() if self.host_weights is not None else contextlib.nullcontext()
         with torch.no_grad(), on_device:
             outputs = run_schedule(self.chunks, micro_batches, self.head, forward_only=True)
         if outputs and len(outputs) != len(micro_batches):
             raise RuntimeError(f"reference pass returned {len(outputs)} outputs for {len(micro_batches)} micro-batches")
-        for mb, out in zip(micro_batches, outputs, strict=False):  # no outputs on earlier pipeline stages
-            mb.ref_log_probs = out.log_probs
+        return [out.log_probs for out in outputs]

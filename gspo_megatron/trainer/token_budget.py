@@ -26,6 +26,7 @@ Design decisions:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -83,7 +84,7 @@ def _plan(stripes: list[list[int]], first_row: int, width: int) -> MicroBatchPla
     return MicroBatchPlan(rows=rows, width=width)
 
 
-def step_padded_fraction(input_tokens: float, parts: list[list[MicroBatch]], dp_size: int) -> float:
+def step_padded_fraction(input_tokens: float, parts: Sequence[Sequence[MicroBatch]], dp_size: int) -> float:
     """1 - real input tokens of the whole step / tokens fed in one pass over its micro-batches, all ranks.
 
     Every data-parallel rank feeds micro-batches of the same shapes (the plan above; without a
@@ -114,7 +115,7 @@ class FedShape:
         }
 
 
-def step_fed_shape(parts: list[list[MicroBatch]], dp_size: int) -> FedShape:
+def step_fed_shape(parts: Sequence[Sequence[MicroBatch]], dp_size: int) -> FedShape:
     """Every data-parallel rank feeds micro-batches of the same shapes (see above): this rank's x dp."""
     rows = dp_size * sum(mb.tokens.shape[0] for part in parts for mb in part)
     tokens = dp_size * sum(mb.tokens.numel() for part in parts for mb in part)

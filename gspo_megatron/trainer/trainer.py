@@ -43,7 +43,7 @@ from gspo_megatron.provenance import warm_start_record
 from gspo_megatron.routing.recorder import RoutingRecorder
 from gspo_megatron.routing.replay_strategy import build_replay_strategy
 from gspo_megatron.trainer.async_rollout import RolloutScheduler
-from gspo_megatron.trainer.batch import cut_micro_batches
+from gspo_megatron.trainer.batch import UpdateMicroBatch, cut_micro_batches, update_batches
 from gspo_megatron.trainer.batch_distribution import (
     RankShare,
     StepTotals,
@@ -184,15 +184,18 @@ class RLTrainer:
             self.diagnostics.begin_step(self.step, old, flat, self._rollout_targets)
         old_metrics = dict(old.metrics)
         if self.plan.corrects_mismatch:  # importance weights pi_old / pi_rollout
-            mismatch_metrics, totals = correct_mismatch(
-                batch, parts, self.cfg.algorithm, totals, self.mesh.other_rows_group
+            mismatch = correct_mismatch(
+                batch, old.log_probs, parts, self.cfg.algorithm, totals, self.mesh.other_rows_group
             )
-            old_metrics.update(mismatch_metrics)
+            parts, totals = mismatch.parts, mismatch.totals
+            old_metrics.update(mismatch.metrics)
+        reference = None
         if self.c.reference is not None:  # algorithm.kl_coef > 0: frozen reference, routers never replay
             with self._phase(timings, "ref_logp"):
-                self.c.reference.attach_log_probs(flat)
+                reference = self.c.reference.log_probs(flat)
+        updates = update_batches(parts, batch, old.log_probs, reference)  # what the loss reads, built once
         with self._phase(timings, "update"):
-            update = self._policy_updates(parts, totals, old)
+            update = self._policy_updates(updates, totals, old)
         with self._phase(timings, "weight_sync"):
             self.sync_weights()
         metrics.update(old_metrics)
@@ -265,7 +268,9 @@ class RLTrainer:
             self.mesh.cp_rank if layout.cp > 1 else 0,
         )
 
-    def _policy_updates(self, parts: list[list[MicroBatch]], totals: StepTotals, old: OldPolicyResult) -> UpdateResult:
+    def _policy_updates(
+        self, parts: list[list[UpdateMicroBatch]], totals: StepTotals, old: OldPolicyResult
+    ) -> UpdateResult:
         cfg, mesh = self.cfg, self.mesh
         merged = None
         grad_norms = []

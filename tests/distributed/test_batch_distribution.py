@@ -126,17 +126,19 @@ def rejection_worker(ctx, algorithm_kwargs: dict):
 
     dist.init_process_group("gloo")
     whole = whole_batch()
-    whole.old_log_probs = _old_log_probs(whole)
+    old_log_probs = _old_log_probs(whole)
     shares = (
         rank_shares(whole, {}, dp_size=2, updates=UPDATES, micro_batch_size=3, micro_batch_tokens=24, seq_multiple=1)
         if ctx.rank == 0
         else None
     )
     share = scatter_shares(shares, data_parallel_rank_of_each_rank(ctx.rank))
-    share.batch.old_log_probs = whole.old_log_probs[share.batch.row_ids]
     parts = cut_micro_batches(share.batch, share.plan)
     algorithm = AlgorithmConfig(loss="grpo", **algorithm_kwargs)
-    _, totals = correct_mismatch(share.batch, parts, algorithm, share.totals, dist.group.WORLD)
+    result = correct_mismatch(
+        share.batch, old_log_probs[share.batch.row_ids], parts, algorithm, share.totals, dist.group.WORLD
+    )
+    parts, totals = result.parts, result.totals
     kept = {
         int(row): mb.response_mask[i].sum().item() for part in parts for mb in part for i, row in enumerate(mb.rows)
     }

@@ -48,12 +48,11 @@ def reference_memory_worker(ctx, offload: bool) -> dict:
     between = torch.cuda.memory_allocated() - before
     inputs, targets, _ = fixed_batch(cfg)
     mb = MicroBatch(tokens=inputs.to(mesh.device), targets=targets.to(mesh.device))
-    reference.attach_log_probs([mb])
+    (ref_log_probs,) = reference.log_probs([mb])
     torch.cuda.synchronize()
-    assert mb.ref_log_probs is not None
     out = {
         "between": between,
-        "after_pass": torch.cuda.memory_allocated() - before - mb.ref_log_probs.untyped_storage().nbytes(),
+        "after_pass": torch.cuda.memory_allocated() - before - ref_log_probs.untyped_storage().nbytes(),
         "param_bytes": sum(p.numel() * p.element_size() for p in chunk.parameters()),
         "params": len(list(chunk.parameters())),
         "devices": sorted({p.device.type for p in chunk.parameters()}),

@@ -42,7 +42,7 @@ def test_pack_samples_by_hand():
     assert batch.prompt_lengths.tolist() == [2, 1] and batch.response_lengths.tolist() == [2, 1]
     assert batch.policy_versions.tolist() == [2, 1]
     assert batch.advantages.tolist() == [1.0, -1.0] and batch.shaped_rewards.tolist() == [0.5, 0.0]
-    assert batch.routed_experts is None and batch.old_log_probs is None
+    assert batch.routed_experts is None and not hasattr(batch, "old_log_probs")  # pi_old: a phase's result
 
 
 def test_forced_tokens_are_context_not_actions():
@@ -151,3 +151,28 @@ def test_flat_packing_equals_row_by_row_on_ragged_rows():
     assert torch.equal(batch.tokens, tokens) and torch.equal(batch.response_mask, mask)
     assert torch.equal(batch.input_mask, input_mask) and torch.equal(batch.rollout_log_probs, logp)
     assert torch.equal(batch.routed_experts, routed)
+
+
+def test_update_batches_carry_pi_old_cut_to_each_micro_batch_and_the_reference_in_order():
+    """The updates' micro-batches are built once from what the phases returned: pi_old of the rank's rows
+    cut to each micro-batch's rows and width, the reference's log-probs in flattened order; the step's
+    micro-batches they come from are left as they were."""
+    from gspo_megatron.trainer.batch import UpdateMicroBatch, update_batches
+
+    batch = pack_samples(
+        [_sample([1, 2], [3, 4], [-0.1, -0.2]), _sample([5], [6], [-0.3]), _sample([7], [8, 9], [-0.4, -0.5])],
+        torch.tensor([1.0, -1.0, 0.5]),
+        torch.tensor([1.0, 0.0, 1.0]),
+        torch.tensor([0.5, 0.0, 0.5]),
+        0,
+    )
+    parts = partition(batch, updates=1, micro_batch_size=1, dp_size=1, dp_rank=0, micro_batch_tokens=4)
+    old = torch.arange(9, dtype=torch.float32).reshape(3, 3)  # pi_old per (row, target), by hand
+    reference = [torch.full((mb.num_rows, mb.seq_len), float(i)) for i, mb in enumerate(parts[0])]
+    updates = update_batches(parts, batch, old, reference)
+    assert [[type(mb) for mb in part] for part in updates] == [[UpdateMicroBatch] * len(parts[0])]
+    for i, (step_mb, mb) in enumerate(zip(parts[0], updates[0], strict=True)):
+        torch.testing.assert_close(mb.old_log_probs, old[mb.rows, : mb.seq_len])
+        assert torch.equal(mb.ref_log_probs, reference[i]) and mb.tokens is step_mb.tokens
+        assert step_mb.old_log_probs is None and step_mb.ref_log_probs is None  # not written into
+    assert sorted(int(row) for mb in updates[0] for row in mb.rows) == [0, 1, 2]

@@ -55,7 +55,7 @@ def _diagnose(ctx, run_dir: str):
     mesh = initialize_parallel(ParallelLayout(world_size=ctx.world_size).validate())
     try:
         plan, diagnostics, mb = _update_diagnostics(mesh, run_dir)
-        diagnostics.begin_step(4, OldPolicyResult({}, [OLD], [OLD]), [mb], lambda mb: [])
+        diagnostics.begin_step(4, OldPolicyResult(torch.zeros(0), {}, [OLD], [OLD]), [mb], lambda mb: [])
         assert plan.records_training_forward(update=1, step=4)  # the free measurement after step 1
         assert not plan.records_training_forward(update=0, step=4)
         after = NEW if ctx.rank == 0 else OLD  # rank 1's routing did not move
@@ -98,7 +98,7 @@ def _diagnose_on_two_stages(ctx, run_dir: str):
         new = (
             [torch.tensor([[2, 3], [3, 2], [1, 2]])] if mesh.pp_rank == 0 else [torch.tensor([[0, 2], [2, 3], [0, 2]])]
         )
-        diagnostics.begin_step(4, OldPolicyResult({}, [old], [old]), [mb], lambda mb: [])
+        diagnostics.begin_step(4, OldPolicyResult(torch.zeros(0), {}, [old], [old]), [mb], lambda mb: [])
         diagnostics.from_training_forward([new], 0, [mb], None, step=4)
         return diagnostics.finish_step(step=4)
     finally:

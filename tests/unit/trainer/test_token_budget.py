@@ -111,17 +111,19 @@ def test_mismatch_correction_follows_the_rows_and_width_of_budget_micro_batches(
     from gspo_megatron.trainer.mismatch_phase import correct_mismatch
 
     batch = _batch([1, 30, 2, 3, 2, 28, 1, 4])
-    batch.old_log_probs = batch.rollout_log_probs + 0.3 * torch.randn_like(batch.rollout_log_probs)
+    old_log_probs = batch.rollout_log_probs + 0.3 * torch.randn_like(batch.rollout_log_probs)
     algorithm = AlgorithmConfig(loss="grpo", mismatch_correction=mode, mismatch_cap=1.5)
     parts = partition(batch, updates=2, micro_batch_size=4, dp_size=1, dp_rank=0, micro_batch_tokens=12)
     totals = step_totals(batch, 2)
-    _, after = correct_mismatch(batch, parts, algorithm, totals)
-    assert after is totals  # mismatch_rejected=keep: the denominators stand
+    given = [[mb.advantages for mb in part] for part in parts]
+    result = correct_mismatch(batch, old_log_probs, parts, algorithm, totals)
+    assert result.totals is totals  # mismatch_rejected=keep: the denominators stand
+    assert [[mb.advantages for mb in part] for part in parts] == given  # the given micro-batches are untouched
     weights, _ = mismatch_weights(
-        batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, mode, 1.5, algorithm.log_ratio_clamp
+        old_log_probs, batch.rollout_log_probs, batch.response_mask, mode, 1.5, algorithm.log_ratio_clamp
     )
     whole = weighted_advantages(batch.advantages, weights)
-    for mb in (mb for part in parts for mb in part):
+    for mb in (mb for part in result.parts for mb in part):
         expected = whole[mb.rows]
         expected = expected[:, : mb.tokens.shape[1]] if expected.dim() > 1 else expected
         torch.testing.assert_close(mb.advantages, expected)
@@ -137,12 +139,13 @@ def test_dropped_rejections_leave_the_masks_and_the_denominators(mode):
 
     torch.manual_seed(0)
     batch = _batch([1, 30, 2, 3, 2, 28, 1, 4])
-    batch.old_log_probs = batch.rollout_log_probs + 0.5 * torch.randn_like(batch.rollout_log_probs)
+    old_log_probs = batch.rollout_log_probs + 0.5 * torch.randn_like(batch.rollout_log_probs)
     algorithm = AlgorithmConfig(loss="grpo", mismatch_correction=mode, mismatch_cap=1.2, mismatch_rejected="drop")
     parts = partition(batch, updates=2, micro_batch_size=4, dp_size=1, dp_rank=0, micro_batch_tokens=12)
     totals = step_totals(batch, 2)
-    _, after = correct_mismatch(batch, parts, algorithm, totals)
-    weights, _ = mismatch_weights(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, mode, 1.2)
+    result = correct_mismatch(batch, old_log_probs, parts, algorithm, totals)
+    after, parts = result.totals, result.parts
+    weights, _ = mismatch_weights(old_log_probs, batch.rollout_log_probs, batch.response_mask, mode, 1.2)
     keep = weights > 0 if weights.dim() == 2 else (weights > 0).unsqueeze(-1).expand_as(batch.response_mask)
     expected_mask = batch.response_mask.bool() & keep
     assert 0 < int(expected_mask.sum()) < int(batch.response_mask.sum())  # some, not all, rejected
