@@ -23,6 +23,7 @@ What it follows (SGLang 0.5.x ``http_server.py`` / ``io_struct.py``):
   (several names may be open at once), ``/flush_cache`` answers 400 while requests run (an
   ``in_place`` pause keeps them running), an aborted non-streaming request answers HTTP 503, and
   ``sampling_seed`` acts only with ``deterministic_inference`` (``--enable-deterministic-inference``).
+- The weight-update routes live in ``sglang_double_weights.py`` (a mixin of the double).
 - With ``join_weight_groups`` it really joins the trainer's update group (gloo or nccl, rank =
   rank_offset) and receives each broadcast tensor, recording its shape, dtype and sum.
 
@@ -49,15 +50,15 @@ import struct
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 from gspo_megatron.testing.sglang_double_rules import generate_body_error
+from gspo_megatron.testing.sglang_double_weights import WeightState, WeightUpdateRoutes
 
 SGLANG_VERSION = "0.5.23"  # what /server_info reports (the version whose behaviour the double follows)
-_DTYPE_NAMES = {"float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"}
 _PAUSE_MODES = {"abort", "retract", "in_place"}
 
 
@@ -90,14 +91,7 @@ class _DoubleHTTPServer(ThreadingHTTPServer):
     allow_reuse_address = True
 
 
-@dataclass
-class _WeightState:
-    groups: dict = field(default_factory=dict)  # group name -> the joined group (None without joining)
-    in_update: bool = False
-    received: dict = field(default_factory=dict)  # name -> {"shape", "dtype", "sum"}
-
-
-class SGLangServerDouble:
+class SGLangServerDouble(WeightUpdateRoutes):
     """A test double of one SGLang server (tp ranks are simulated only in /server_info)."""
 
     def __init__(
@@ -143,7 +137,7 @@ class SGLangServerDouble:
         self._running = threading.Event()
         self._running.set()
         self._paused_event = threading.Event()  # set while paused (``paused``; DoubleFaults.hold_until_paused)
-        self._weights = _WeightState()
+        self._weights = WeightState()
         self._server = _DoubleHTTPServer((host, port), self._handler_class())
         self._thread: threading.Thread | None = None
 
@@ -317,97 +311,6 @@ class SGLangServerDouble:
             return 400, {"error": {"message": "abort_request needs rid or abort_all"}}
         return 200, None
 
-    def _begin_weight_update(self, _body):
-        if self._weights.in_update:
-            return 400, {"success": False, "message": "a weight-update session is already open"}
-        self._weights.in_update = True
-        return 200, {"success": True, "message": "begun"}
-
-    def _end_weight_update(self, _body):
-        if not self._weights.in_update:
-            return 400, {"success": False, "message": "end_weight_update without begin_weight_update"}
-        self._weights.in_update = False
-        return 200, {"success": True, "message": "ended"}
-
-    def _init_group(self, body):
-        error = _check_fields(body, {"master_address": str, "master_port": int, "rank_offset": int, "world_size": int})
-        if error:
-            return 400, {"success": False, "message": error}
-        group_name = body.get("group_name", "weight_update_group")
-        if group_name in self._weights.groups:
-            return 400, {"success": False, "message": f"Process group {group_name} already exists."}
-        self._weights.groups[group_name] = _join_group(body, group_name) if self.join_weight_groups else None
-        return 200, {"success": True, "message": "Succeeded to initialize custom process group."}
-
-    def _update_distributed(self, body):
-        error = _check_fields(body, {"names": list, "dtypes": list, "shapes": list})
-        if not error and not len(body["names"]) == len(body["dtypes"]) == len(body["shapes"]):
-            error = "names, dtypes and shapes must have the same length"
-        if not error and any(d not in _DTYPE_NAMES for d in body["dtypes"]):
-            error = f"unknown dtype in {body['dtypes']}; valid: {sorted(_DTYPE_NAMES)}"
-        group_name = (body or {}).get("group_name", "weight_update_group")
-        if not error and group_name not in self._weights.groups:
-            error = f"Group {group_name} not in {list(self._weights.groups)}. Call init_weights_update_group first."
-        if not error and not self._weights.in_update:
-            error = "update_weights_from_distributed outside begin_weight_update / end_weight_update"
-        if error:
-            return 400, {"success": False, "message": error}
-        if self._weights.groups[group_name] is not None:
-            self._receive(body, group_name)
-        if self._distributed_failures < self.faults.fail_distributed_updates:
-            self._distributed_failures += 1  # received, then the weight loader fails (e.g. a name it lacks)
-            return 400, {"success": False, "message": "injected fault: loading the received weights failed"}
-        if body.get("weight_version") is not None:
-            self.weight_version = body["weight_version"]
-        return 200, {"success": True, "message": "Succeeded to update parameter online."}
-
-    def _update_from_disk(self, body):
-        if self.faults.die_on_disk_update:
-            self._die()
-            return None  # drop the connection without an answer
-        error = _check_fields(body, {"model_path": str})
-        shards: list[Path] = []
-        if not error:
-            path = Path(body["model_path"])
-            if not (path / "config.json").is_file():
-                error = f"{path} has no config.json"
-            elif not (shards := sorted(path.glob("*.safetensors"))):
-                error = f"{path} has no *.safetensors"
-        if not error and self._disk_failures < self.faults.fail_disk_updates:
-            self._disk_failures += 1
-            error = "injected fault: loading the checkpoint failed"
-        if error:
-            return 400, {"success": False, "message": error, "num_paused_requests": 0}
-        from safetensors import safe_open
-
-        for shard in shards:
-            with safe_open(str(shard), framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 - keys() only: not a mapping, not iterable
-                    tensor = handle.get_tensor(name)
-                    self._weights.received[name] = _describe(tensor)
-        self.model_path = str(path)
-        if body.get("weight_version") is not None:
-            self.weight_version = body["weight_version"]
-        return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
-
-    def _destroy_group(self, body):
-        group_name = (body or {}).get("group_name", "weight_update_group")
-        if group_name not in self._weights.groups:
-            return 400, {"success": False, "message": f"Group {group_name} not in {list(self._weights.groups)}"}
-        group = self._weights.groups.pop(group_name)
-        if group is not None:
-            import torch.distributed as dist
-
-            dist.destroy_process_group(group)
-        return 200, {"success": True, "message": "Succeeded to destroy custom process group."}
-
-    def _update_weight_version(self, body):
-        error = _check_fields(body, {"new_version": str})
-        if error:
-            return 400, {"success": False, "message": error}
-        self.weight_version = body["new_version"]
-        return 200, {"success": True, "message": f"Weight version updated to {body['new_version']}"}
-
     @property
     def session_open(self) -> bool:
         return self._weights.in_update
@@ -423,15 +326,6 @@ class SGLangServerDouble:
             "session_open": self._weights.in_update,
             "group_names": list(self._weights.groups),
         }
-
-    def _receive(self, body: dict, group_name: str) -> None:
-        import torch
-        import torch.distributed as dist
-
-        for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"], strict=True):
-            tensor = torch.empty(shape, dtype=getattr(torch, dtype))
-            dist.broadcast(tensor, src=0, group=self._weights.groups[group_name])
-            self._weights.received[name] = {**_describe(tensor), "group": group_name}
 
     def _die(self) -> None:
         if not self.dead:
@@ -514,53 +408,11 @@ class SGLangServerDouble:
         return Handler
 
 
-def _check_fields(body: Any, fields: dict) -> str | None:
-    if not isinstance(body, dict):
-        return "body must be a JSON object"
-    for name, kind in fields.items():
-        if not isinstance(body.get(name), kind):
-            return f"field {name!r} must be {kind.__name__}, got {body.get(name)!r}"
-    return None
-
-
 def _draw_token(rng: random.Random, vocab_size: int, stop_ids: set) -> int:
     while True:
         token = rng.randrange(3, vocab_size)
         if token not in stop_ids:
             return token
-
-
-def _describe(tensor) -> dict:
-    return {
-        "shape": list(tensor.shape),
-        "dtype": str(tensor.dtype).removeprefix("torch."),
-        "sum": float(tensor.double().sum()),
-    }
-
-
-def _join_group(body: dict, group_name: str):
-    """Join the update group the way SGLang's init_custom_process_group does (rank = rank_offset)."""
-    from datetime import timedelta
-
-    from torch.distributed.distributed_c10d import (
-        Backend,
-        GroupName,
-        PrefixStore,
-        _new_process_group_helper,
-        _world,
-        rendezvous,
-    )
-
-    timeout = timedelta(seconds=120)
-    url = f"tcp://{body['master_address']}:{body['master_port']}"
-    store, rank, world_size = next(rendezvous(url, body["rank_offset"], body["world_size"], timeout=timeout))
-    store = PrefixStore(group_name, store)
-    backend = Backend(body.get("backend", "nccl"))
-    group, _ = _new_process_group_helper(
-        world_size, rank, [], backend, store, group_name=GroupName(group_name), timeout=timeout
-    )
-    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-    return group
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -203,9 +203,6 @@ class RoutingDiagnostics:
 
     def _any_rank(self, flags: list[torch.Tensor]) -> list[torch.Tensor]:
         """OR over the ranks that hold other tokens (CP, sequence-parallel TP) or other layers (PP)."""
-        layout = self.mesh.layout
-        if layout.cp == 1 and layout.pp == 1 and not layout.use_sequence_parallel:
-            return flags
         flat = self.mesh.any_over_tokens_and_stages(torch.cat(flags).to(self.mesh.device, torch.int32))
         return list(flat.bool().cpu().split([f.numel() for f in flags]))
 

@@ -65,7 +65,7 @@ class ReferenceModel:
         temperature: float,
         chunk_size: int | None,
         *,
-        row_parts_group: dist.ProcessGroup | None = None,
+        row_parts_group: dist.ProcessGroup | None,
         offload: bool = False,
     ):
         """``offload``: keep the weights in host memory between passes (``trainer.reference_offload``);

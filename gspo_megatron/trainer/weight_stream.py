@@ -144,7 +144,11 @@ def sync_engine_weights(
         passes = follow_weight_stream(export_pass, receive, turns)
         _share_outcome(None, world)
         return passes
-    stream = StagedDriverStream(export_pass, announce, turns) if turns else DriverWeightStream(export_pass, announce)
+    stream = (
+        StagedDriverStream(export_pass, announce, turns)
+        if turns is not None
+        else DriverWeightStream(export_pass, announce)
+    )
     failure: BaseException | None = None
     try:
         engine.update_weights(stream, version)

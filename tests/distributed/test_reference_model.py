@@ -40,7 +40,9 @@ def reference_worker(ctx, layout_kwargs, offload):
     count_with_policy = RoutingReplay.instance_count()
     reference_chunk = build_model(cfg, layout, routing_replay=False, initialize=False)
     load_hf_weights(reference_chunk, cfg, state, mesh)
-    reference = ReferenceModel([reference_chunk], mesh.tp_group, 1.0, None, offload=offload)
+    reference = ReferenceModel(
+        [reference_chunk], mesh.tp_group, 1.0, None, row_parts_group=mesh.row_parts_group, offload=offload
+    )
     result = {
         "instances_added_by_reference": RoutingReplay.instance_count() - count_with_policy,
         "reference_routers_with_replay": sum(

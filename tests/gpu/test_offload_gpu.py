@@ -43,7 +43,7 @@ def reference_memory_worker(ctx, offload: bool) -> dict:
     before = torch.cuda.memory_allocated()
     chunk = build_model(cfg, layout, routing_replay=False, initialize=False)
     load_hf_weights(chunk, cfg, state, mesh)
-    reference = ReferenceModel([chunk], mesh.tp_group, 1.0, None, offload=offload)
+    reference = ReferenceModel([chunk], mesh.tp_group, 1.0, None, row_parts_group=mesh.row_parts_group, offload=offload)
     torch.cuda.synchronize()
     between = torch.cuda.memory_allocated() - before
     inputs, targets, _ = fixed_batch(cfg)

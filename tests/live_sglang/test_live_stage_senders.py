@@ -12,7 +12,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from support.live_server import live_config
-from test_live_engine import GREEDY, PROMPTS, TINY, greedy_outputs
+from test_live_engine import GREEDY, PROMPTS, TINY, greedy_outputs, hf_weights
 
 from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.model_fixtures import random_hf_state
@@ -98,7 +98,7 @@ def test_a_pp2_trainer_syncs_through_two_sender_groups_and_a_refused_group_moves
     assert all(n.startswith(f"model.layers.{last}.") for n in names - {"lm_head.weight", "model.norm.weight"})
 
 
-def test_a_pp2_training_run_syncs_every_step_through_its_stage_senders(live_engine, tmp_path):
+def test_a_pp2_training_run_syncs_every_step_through_its_stage_senders(live_engine, attach, tmp_path):
     """The trainer builds the turns on every rank (``Components.stage_turns``) and syncs each step's
     policy through both groups: the engine's log-probs stay those of the trainer's weights. The trainer
     starts from its own seeded init, not the server's checkpoint, so a stage whose layers did not arrive
@@ -126,7 +126,10 @@ def test_a_pp2_training_run_syncs_every_step_through_its_stage_senders(live_engi
         "rollout.sglang.fallback_to_disk=false",
         "rollout.sglang.request_timeout_s=600",
     ]
-    metrics, _ = run_distributed(train_worker, 2, overrides, str(tmp_path), timeout=840)
+    try:
+        metrics, _ = run_distributed(train_worker, 2, overrides, str(tmp_path), timeout=840)
+    finally:  # the session's server goes back to the checkpoint's weights for the tests after this one
+        attach(weight_sync="disk").update_weights(hf_weights(seed=0), version=100)
     mismatch = [m["mismatch/abs_log_prob_diff_mean"] for m in metrics]
     print(f"live pp2 training: engine vs trainer |log p| mean per step {mismatch}")
     assert [m["step"] for m in metrics] == [1, 2, 3]

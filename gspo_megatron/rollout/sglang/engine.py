@@ -273,7 +273,10 @@ class SGLangEngine(RolloutEngine):
         the disk path; a one-shot iterator cannot be read twice, so its failure is raised as it is. With
         ``weight_quantization=fp8_block`` every projection goes out as block FP8 and its scales
         (``weights/fp8_blocks.py``)."""
-        staged = named_tensors if isinstance(named_tensors, StagedWeights) else None
+        # every pipeline stage sends its own layers (a distributed sync only; any other path reads the
+        # stream as one full export)
+        distributed = self.config.weight_sync == WeightSync.distributed
+        staged = named_tensors if distributed and isinstance(named_tensors, StagedWeights) else None
         if self.config.weight_quantization == WeightQuantization.fp8_block:  # the FP8 checkpoint's tensors
             named_tensors = (
                 quantize_named_tensors(named_tensors)
@@ -288,10 +291,9 @@ class SGLangEngine(RolloutEngine):
             sync = direct.get(self.config.weight_sync)
             if sync is not None:
                 try:
-                    # the stages send only by broadcast; any other path reads the stream (a full export)
-                    staged_sync = staged is not None and self.config.weight_sync == WeightSync.distributed
-                    weights = staged if staged_sync else named_tensors
-                    self._in_session(servers, lambda: sync(servers, weights, version))
+                    self._in_session(
+                        servers, lambda: sync(servers, named_tensors if staged is None else staged, version)
+                    )
                 except Exception as error:
                     self._drop_update_group()  # a distributed update's group is in an unknown state
                     if not (self.config.fallback_to_disk and self.config.model_path):
