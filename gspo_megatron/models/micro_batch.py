@@ -4,6 +4,10 @@ Built by the trainer (``trainer/batch.py``) from the step's padded rollout batch
 tests from plain token tensors. ``models/schedule.py`` moves it to the device and splits it over
 context-parallel ranks; the loss heads (``trainer/loss_head.py``) read its fields.
 
+Two typed kinds of it say which fields are set, so readers need no runtime check: ``StepMicroBatch``
+(cut from a step's rollout batch: rows, masks and advantages) and ``UpdateMicroBatch`` (with pi_old:
+every field the policy loss reads).
+
 Shapes: b rows of s fed tokens. Per-token fields are [b, s] (routed experts [b, s, layers, k]),
 aligned to the targets: position t scores ``targets[:, t]``, the token after ``tokens[:, t]``.
 """
@@ -11,7 +15,7 @@ aligned to the targets: position t scores ``targets[:, t]``, the token after ``t
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,6 +55,27 @@ class MicroBatch:
 
     def to(self, device: torch.device | str) -> MicroBatch:
         return dataclasses.replace(self, **{k: v.to(device, non_blocking=True) for k, v in self.tensors().items()})
+
+
+@dataclass(kw_only=True)
+class StepMicroBatch(MicroBatch):
+    """A micro-batch cut from a step's rollout batch (``trainer/batch.py``'s ``micro_batch``): its rows
+    and every per-row field the step's phases read are set."""
+
+    rows: torch.Tensor = field()  # long [b]: the rows' global indices in the step's rollout batch
+    response_mask: torch.Tensor = field()
+    input_mask: torch.Tensor = field()
+    advantages: torch.Tensor = field()
+
+
+@dataclass(kw_only=True)
+class UpdateMicroBatch(StepMicroBatch):
+    """What the policy loss reads (``trainer/loss_head.py``'s ``PolicyLossHead``): a step's micro-batch
+    with pi_old (and the reference's log-probs, the mismatch correction's advantages and masks), built
+    once after the phases that compute them (``trainer/batch.py``'s ``update_batches``); nothing is
+    filled in later."""
+
+    old_log_probs: torch.Tensor = field()
 
 
 def required(value: torch.Tensor | None, field: str, reader: str) -> torch.Tensor:

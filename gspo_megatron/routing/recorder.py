@@ -12,7 +12,7 @@ megatron's routers chose, per micro-batch and MoE layer):
 
 Design decisions:
 - Who decides *which* forward records or replays is the step plan and the replay strategy
-  (``trainer/step_plan.py``, ``routing/replay_strategy.py``); this object only makes sure a
+  (``routing/plan.py``, ``routing/replay_strategy.py``, both behind ``routing/step_routing.py``); this object only makes sure a
   recording always ends: the routers are reset on exit, also when the forward raised, so a failed
   pass cannot leave a replay armed for the next one.
 - Without MoE layers there is no ``RoutingReplay``: every context yields an empty recording.

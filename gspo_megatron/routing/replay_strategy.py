@@ -9,14 +9,15 @@ A step runs the old-log-prob pass, then one training forward per mini-batch (see
     rollout     REPLAY the engine's experts, observed     REPLAY the engine's experts (R3)
 
 Design decisions:
-- The strategies say *what* a forward replays; ``routing/recorder.py``'s ``RoutingRecorder`` owns
+- The strategies say *what* a forward replays (``routing/step_routing.py`` holds the run's one
+  strategy and is all the trainer sees); ``routing/recorder.py``'s ``RoutingRecorder`` owns
   every start and stop (each hook returns one of its context managers, which yields a
   ``Recording``). Without MoE layers every recording is empty.
 - ``old_policy_routing`` picks, from the old pass's recording, the routing R2 replays and the
   diagnostics compare against (None under R3, where the pass itself replays); the recording's own
   ``routing`` is what the trainer actually routed with (for the engine-vs-trainer measurement).
 - Which training forward is recorded for the diagnostics is the step plan's decision
-  (``trainer/step_plan.py``): ``update(..., record=True)`` is asked only of a strategy that routes
+  (``routing/plan.py``): ``update(..., record=True)`` is asked only of a strategy that routes
   freely in training.
 """
 

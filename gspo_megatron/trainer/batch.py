@@ -16,33 +16,13 @@ Design decisions:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
-from gspo_megatron.models.micro_batch import MicroBatch
+from gspo_megatron.models.micro_batch import StepMicroBatch, UpdateMicroBatch
 from gspo_megatron.rollout.types import Sample
 from gspo_megatron.trainer.token_budget import token_budget_plan
-
-
-@dataclass(kw_only=True)
-class StepMicroBatch(MicroBatch):
-    """A micro-batch cut from a step's rollout batch (``micro_batch``): its rows and every per-row field
-    the step's phases read are set."""
-
-    rows: torch.Tensor = field()  # long [b]: the rows' global indices in the step's rollout batch
-    response_mask: torch.Tensor = field()
-    input_mask: torch.Tensor = field()
-    advantages: torch.Tensor = field()
-
-
-@dataclass(kw_only=True)
-class UpdateMicroBatch(StepMicroBatch):
-    """What the policy loss reads (``loss_head.PolicyLossHead``): a step's micro-batch with pi_old (and the
-    reference's log-probs, the mismatch correction's advantages and masks), built once after the phases
-    that compute them (``update_batches``); nothing is filled in later."""
-
-    old_log_probs: torch.Tensor = field()
 
 
 @dataclass

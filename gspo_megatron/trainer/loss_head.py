@@ -22,9 +22,8 @@ from gspo_megatron.algorithms.metrics import mean_entries, token_mean_metric
 from gspo_megatron.algorithms.off_policy_masking import off_policy_sequence_mask
 from gspo_megatron.algorithms.reductions import context_parallel_sequence_sum_fn
 from gspo_megatron.algorithms.regularizers import entropy_bonus, kl_penalty
-from gspo_megatron.models.micro_batch import MicroBatch
+from gspo_megatron.models.micro_batch import MicroBatch, UpdateMicroBatch
 from gspo_megatron.parallel.context_parallel import gather_sequence
-from gspo_megatron.trainer.batch import UpdateMicroBatch
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

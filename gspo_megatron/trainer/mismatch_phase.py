@@ -34,7 +34,8 @@ from gspo_megatron.algorithms.mismatch_rejection import (
     rejection_keep_mask,
 )
 from gspo_megatron.algorithms.reductions import all_reduce_metrics
-from gspo_megatron.trainer.batch import RolloutBatch, StepMicroBatch
+from gspo_megatron.models.micro_batch import StepMicroBatch
+from gspo_megatron.trainer.batch import RolloutBatch
 from gspo_megatron.trainer.batch_distribution import StepTotals
 
 

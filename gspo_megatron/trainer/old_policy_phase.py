@@ -5,7 +5,8 @@ calls ``run`` and never asks which one it holds:
 
 - ``TrainerOldPolicy`` (``trainer``): a forward-only pass of the policy over exactly the
   micro-batches the updates will use (so what it records per micro-batch lines up with the replaying
-  forwards), under the replay strategy's old-pass routing (record; R3: replay the engine's, observed).
+  forwards), inside the step routing's old-pass context (``routing/step_routing.py``: record; R3:
+  replay the engine's, observed), whose ``before_forward`` it is given.
   It also measures the train/inference mismatch and the old policy's entropy.
 - ``EngineOldPolicy`` (``rollout``): no forward. The engine reports log_softmax(logits / T) of every
   sampled token (before top-k/top-p filtering, ``rollout/sampling.py``; SGLang alike,
@@ -18,7 +19,7 @@ calls ``run`` and never asks which one it holds:
   Consequences: no mismatch metric (it would compare a tensor with itself) and no old entropy; no
   old-policy routing recording (``routing_replay=old_policy`` is refused at start-up,
   ``algorithms/config.py``; R3 replays the engine's routing and needs none); the routing diagnostics
-  take the old policy's routing from the first update's training forward (``trainer/step_plan.py``).
+  take the old policy's routing from the first update's training forward (``routing/plan.py``).
 
 Both return pi_old of this rank's rows (``OldPolicyResult.log_probs``); the trainer builds the updates'
 micro-batches from it (``batch.update_batches``) -- neither writes into the batch or the micro-batches.
@@ -27,65 +28,59 @@ micro-batches from it (``batch.update_batches``) -- neither writes into the batc
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from gspo_megatron.algorithms.config import OldLogProbSource
-from gspo_megatron.models.schedule import run_schedule
+from gspo_megatron.models.micro_batch import StepMicroBatch
+from gspo_megatron.models.schedule import BeforeForward, run_schedule
 from gspo_megatron.parallel.mesh import ParallelMesh
 from gspo_megatron.rollout.mismatch import finalize_mismatch, train_inference_mismatch
-from gspo_megatron.routing.recorder import Routing
-from gspo_megatron.routing.replay_strategy import ReplayStrategy
-from gspo_megatron.trainer.batch import RolloutBatch, StepMicroBatch
+from gspo_megatron.trainer.batch import RolloutBatch
 from gspo_megatron.trainer.loss_head import LogProbHead, LogProbOutput
 
 if TYPE_CHECKING:
     from gspo_megatron.models.chunks import ModelChunks
 
 
-@dataclass
+@dataclass(frozen=True)
 class OldPolicyResult:
     log_probs: torch.Tensor  # float [n, S-1]: pi_old of this rank's rows' targets
     metrics: dict[str, float]
-    routing: Routing | None = None  # the old policy's routing R2 replays and "update" compares against
-    trainer_routing: Routing = field(default_factory=list)  # what the old pass routed with (R3: observed)
-
-    def routing_of(self, first: int, count: int) -> Routing:
-        """The old pass's routing of micro-batches ``first .. first + count - 1`` (what R2 replays)."""
-        recorded = self.routing or []
-        if first + count > len(recorded):
-            raise RuntimeError(
-                f"old-policy replay needs recorded routing for micro-batches {first}..{first + count - 1} "
-                f"but only {len(recorded)} were recorded"
-            )
-        return recorded[first : first + count]
 
 
 class OldPolicyPhase(Protocol):
-    def run(self, batch: RolloutBatch, micro_batches: list[StepMicroBatch]) -> OldPolicyResult: ...
+    def run(
+        self, batch: RolloutBatch, micro_batches: list[StepMicroBatch], before_forward: BeforeForward | None
+    ) -> OldPolicyResult: ...
 
 
 class EngineOldPolicy:
     """``algorithm.old_log_probs=rollout``: the engine's log-probs are pi_old."""
 
-    def run(self, batch: RolloutBatch, micro_batches: list[StepMicroBatch]) -> OldPolicyResult:
+    def run(
+        self, batch: RolloutBatch, micro_batches: list[StepMicroBatch], before_forward: BeforeForward | None
+    ) -> OldPolicyResult:
         return OldPolicyResult(batch.rollout_log_probs, {})
 
 
 class TrainerOldPolicy:
     """``algorithm.old_log_probs=trainer``: a forward-only pass of the policy."""
 
-    def __init__(self, model: ModelChunks, mesh: ParallelMesh, strategy: ReplayStrategy, head: LogProbHead) -> None:
-        self.model, self.mesh, self.strategy, self.head = model, mesh, strategy, head
+    def __init__(self, model: ModelChunks, mesh: ParallelMesh, head: LogProbHead) -> None:
+        self.model, self.mesh, self.head = model, mesh, head
 
-    def run(self, batch: RolloutBatch, micro_batches: list[StepMicroBatch]) -> OldPolicyResult:
+    def run(
+        self, batch: RolloutBatch, micro_batches: list[StepMicroBatch], before_forward: BeforeForward | None
+    ) -> OldPolicyResult:
+        """``before_forward``: the step routing's old-pass hook (record, or R3's replay)."""
         # no autograd graph: a forward-only pass keeps one layer's tensors at a time, not the whole
         # micro-batch's saved activations (as the reference pass, trainer/reference_model.py)
-        with self.strategy.old_pass(micro_batches) as recording, torch.no_grad():
+        with torch.no_grad():
             outputs = run_schedule(
-                self.model, micro_batches, self.head, forward_only=True, before_forward=recording.before_forward
+                self.model, micro_batches, self.head, forward_only=True, before_forward=before_forward
             )
         old_log_probs = self._gather_rows(outputs, micro_batches, batch, lambda out: out.log_probs)
         mask = batch.mismatch_mask
@@ -95,7 +90,7 @@ class TrainerOldPolicy:
         sums = self._sum_over_dp(sums)  # data-parallel ranks hold disjoint rows
         metrics = {k: float(v) for k, v in finalize_mismatch(sums).items()}
         metrics["policy/entropy_old"] = float(sums["entropy_sum"] / sums["token_count"].clamp_min(1))
-        return OldPolicyResult(old_log_probs, metrics, self.strategy.old_policy_routing(recording), recording.routing)
+        return OldPolicyResult(old_log_probs, metrics)
 
     def _sum_over_dp(self, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.mesh.other_rows_group is None:
@@ -124,12 +119,11 @@ def build_old_policy_phase(
     source: OldLogProbSource,
     model: ModelChunks,
     mesh: ParallelMesh,
-    strategy: ReplayStrategy,
     head: LogProbHead,
 ) -> OldPolicyPhase:
     """The phase ``algorithm.old_log_probs`` names (the one place that reads it)."""
     phases: dict[OldLogProbSource, OldPolicyPhase] = {
-        OldLogProbSource.trainer: TrainerOldPolicy(model, mesh, strategy, head),
+        OldLogProbSource.trainer: TrainerOldPolicy(model, mesh, head),
         OldLogProbSource.rollout: EngineOldPolicy(),
     }
     return phases[source]

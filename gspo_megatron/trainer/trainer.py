@@ -9,9 +9,10 @@ One step, top to bottom (``train_step``):
     -> weight sync: HF-named export streamed tensor by tensor -> engine.update_weights (trainer/weight_stream.py)
     -> metrics, routing diagnostics, evaluation, checkpoint
 
-What a step runs is resolved once from the config (``StepPlan``: pi_old source, replay strategy,
-which forwards are recorded for the routing diagnostics); ``train_step`` only calls the phases.
-Every routing recording starts and stops in one ``RoutingRecorder`` (``routing/recorder.py``).
+What a step runs is resolved once from the config: the pi_old source (``build_old_policy_phase``)
+and everything routing -- replay mode, recordings, the diagnostics and their passes, R3's targets --
+in one ``StepRouting`` (``routing/step_routing.py``), whose two hooks wrap the old-policy phase and
+each update; ``train_step`` only calls the phases.
 
 Every rank runs this loop (SPMD); the driver (global rank 0) additionally owns the rollout engine,
 the task and the reward pool. Each data-parallel rank receives only the rows of its micro-batches
@@ -25,7 +26,6 @@ import math
 import signal
 import time
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,17 +33,20 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.algorithms.adaptive_clip import AdaptiveClipController, ClipFractions
+from gspo_megatron.algorithms.config import OldLogProbSource, corrects_mismatch
 from gspo_megatron.algorithms.metrics import SUM, finalize_metrics, merge_metrics
 from gspo_megatron.algorithms.reductions import all_reduce_metrics
-from gspo_megatron.models.micro_batch import MicroBatch, required
+from gspo_megatron.config.schema import TrainConfig
+from gspo_megatron.models.micro_batch import UpdateMicroBatch
 from gspo_megatron.models.schedule import run_schedule
 from gspo_megatron.parallel.context_parallel import pad_sequence_length
 from gspo_megatron.parallel.heartbeat import is_collective_failure
 from gspo_megatron.provenance import warm_start_record
-from gspo_megatron.routing.recorder import RoutingRecorder
-from gspo_megatron.routing.replay_strategy import build_replay_strategy
+from gspo_megatron.routing.plan import RoutingPlan
+from gspo_megatron.routing.replay import ReplayMode
+from gspo_megatron.routing.step_routing import StepRouting
 from gspo_megatron.trainer.async_rollout import RolloutScheduler
-from gspo_megatron.trainer.batch import UpdateMicroBatch, cut_micro_batches, update_batches
+from gspo_megatron.trainer.batch import cut_micro_batches, update_batches
 from gspo_megatron.trainer.batch_distribution import (
     RankShare,
     StepTotals,
@@ -54,18 +57,15 @@ from gspo_megatron.trainer.batch_distribution import (
 from gspo_megatron.trainer.checkpoint import latest_checkpoint, save_checkpoint
 from gspo_megatron.trainer.checkpoint_check import load_checked_checkpoint
 from gspo_megatron.trainer.device_memory import device_memory_peaks
-from gspo_megatron.trainer.diagnostic_passes import DiagnosticPasses
-from gspo_megatron.trainer.diagnostics import RoutingDiagnostics
 from gspo_megatron.trainer.loss_head import LogProbHead, PolicyLossHead
 from gspo_megatron.trainer.mismatch_phase import correct_mismatch
 from gspo_megatron.trainer.nonfinite import NonFiniteError, NonFiniteGuard, parameters_finite
-from gspo_megatron.trainer.old_policy_phase import OldPolicyResult, build_old_policy_phase
+from gspo_megatron.trainer.old_policy_phase import build_old_policy_phase
 from gspo_megatron.trainer.optim import keep_configured_hyperparameters, restore_schedule
 from gspo_megatron.trainer.partial_rollout import PartialRollouts
 from gspo_megatron.trainer.run_dir_owner import ResumeMode, RunDirError, new_run_id, resume_mode
 from gspo_megatron.trainer.setup import Components, evaluation_inputs
 from gspo_megatron.trainer.signals import SignalWatch, TrainingInterrupted
-from gspo_megatron.trainer.step_plan import StepPlan
 from gspo_megatron.trainer.token_budget import sequence_multiple, step_fed_shape
 from gspo_megatron.trainer.weight_stream import sync_engine_weights
 
@@ -80,18 +80,12 @@ class RLTrainer:
         self.mesh = components.mesh
         self.step = 0
         self.run_id = new_run_id()  # a resumed run takes its checkpoint's id (pruning is per run)
-        self.plan = StepPlan.from_config(self.cfg, has_routers=components.replay is not None)
-        self.recorder = RoutingRecorder(components.replay)  # every routing recording starts and stops there
-        # routing replay (none / R2 / R3) as one strategy object: the phases below call its hooks
-        self.replay = build_replay_strategy(self.plan.routing_replay, self.recorder, self._rollout_targets)
-        self.diagnostics = RoutingDiagnostics(self.plan, self.mesh, self.cfg.model.num_experts, components.routing_log)
         head = self._log_prob_head()
         self.old_policy = build_old_policy_phase(
-            self.plan.old_log_probs, components.model, self.mesh, self.replay, head
+            OldLogProbSource(self.cfg.algorithm.old_log_probs), components.model, self.mesh, head
         )
-        self.diagnostic_passes = DiagnosticPasses(
-            components.model, self.plan, self.recorder, self.replay, self.diagnostics, head
-        )
+        self.corrects_mismatch = corrects_mismatch(self.cfg.algorithm)  # weights / rejects by pi_old / pi_rollout
+        self.routing = self._step_routing(head)  # replay, recordings, diagnostics: two hooks per step
         self.clip_controller = AdaptiveClipController.from_config(self.cfg.algorithm)  # None: fixed eps
         self.rollouts: RolloutScheduler | None = None  # the driver's rollout schedule (synchronous or one step ahead)
         if self.mesh.is_driver:
@@ -179,11 +173,10 @@ class RLTrainer:
         metrics["batch/padded_token_frac"] = fed.padded_fraction(totals.input_tokens)
         metrics.update(fed.metrics())
         flat = [mb for part in parts for mb in part]
-        with self._phase(timings, "old_logp"):
-            old = self.old_policy.run(batch, flat)
-            self.diagnostics.begin_step(self.step, old, flat, self._rollout_targets)
+        with self._phase(timings, "old_logp"), self.routing.old_pass(self.step, flat) as before_forward:
+            old = self.old_policy.run(batch, flat, before_forward)
         old_metrics = dict(old.metrics)
-        if self.plan.corrects_mismatch:  # importance weights pi_old / pi_rollout
+        if self.corrects_mismatch:  # importance weights pi_old / pi_rollout
             mismatch = correct_mismatch(
                 batch, old.log_probs, parts, self.cfg.algorithm, totals, self.mesh.other_rows_group
             )
@@ -195,13 +188,13 @@ class RLTrainer:
                 reference = self.c.reference.log_probs(flat)
         updates = update_batches(parts, batch, old.log_probs, reference)  # what the loss reads, built once
         with self._phase(timings, "update"):
-            update = self._policy_updates(updates, totals, old)
+            update = self._policy_updates(updates, totals)
         with self._phase(timings, "weight_sync"):
             self.sync_weights()
         metrics.update(old_metrics)
         metrics.update(update.metrics)
         metrics.update(self._adapt_clip(update))
-        metrics.update(self.diagnostics.finish_step(self.step + 1))
+        metrics.update(self.routing.finish(self.step + 1))
         eval_every = self.cfg.trainer.eval_every
         if eval_every and (self.step + 1) % eval_every == 0:
             metrics.update(self._evaluate())
@@ -254,60 +247,54 @@ class RLTrainer:
             cp_group=mesh.row_parts_group,
         )
 
-    def _rollout_targets(self, micro_batch: MicroBatch) -> list[torch.Tensor]:
-        from gspo_megatron.routing.replay import rollout_targets
-
-        layout = self.mesh.layout
-        return rollout_targets(
-            required(micro_batch.routed_experts, "routed_experts", "rollout routing replay"),
-            self.c.stage_moe_layers,
-            self.mesh.tp_rank,
-            layout.tp,
-            layout.use_sequence_parallel,
-            layout.cp,
-            self.mesh.cp_rank if layout.cp > 1 else 0,
+    def _step_routing(self, head: LogProbHead) -> StepRouting:
+        cfg = self.cfg
+        return StepRouting(
+            routing_plan(cfg, has_routers=self.c.replay is not None),
+            self.c.replay,
+            self.c.model,
+            self.mesh,
+            log_prob_head=head,
+            stage_moe_layers=self.c.stage_moe_layers,
+            num_experts=cfg.model.num_experts,
+            clip=(cfg.algorithm.clip_low, cfg.algorithm.clip_high),
+            routing_log=self.c.routing_log,
         )
 
-    def _policy_updates(
-        self, parts: list[list[UpdateMicroBatch]], totals: StepTotals, old: OldPolicyResult
-    ) -> UpdateResult:
-        cfg, mesh = self.cfg, self.mesh
-        merged = None
-        grad_norms = []
-        offset = 0
+    def _policy_updates(self, parts: list[list[UpdateMicroBatch]], totals: StepTotals) -> UpdateResult:
+        merged, grad_norms = None, []
         for update, mbs in enumerate(parts):
-            head = PolicyLossHead(
-                cfg.algorithm,
-                mesh.tp_group,
-                mesh.row_parts_group,
-                cfg.rollout.temperature,
-                # denominators: counts of the whole mini-batch, all data-parallel ranks' rows
-                global_num_sequences=totals.update_sequences[update],
-                global_num_tokens=totals.update_tokens[update],
-                clip=None if self.clip_controller is None else self.clip_controller.eps,  # None: configured eps
-            )
-            # routing part vs weight part of this update's ratio (diagnosed steps, last update; same weights)
-            self.diagnostic_passes.decompose_ratio(update, self.step, mbs, offset, head.algorithm)
-            record = self.plan.records_training_forward(update, self.step)
-            with self.replay.update(mbs, partial(old.routing_of, offset, len(mbs)), record=record) as routing:
+            with self.routing.update(update, mbs) as before_forward:
                 self.c.model.zero_grad_buffer()
                 self.c.optimizer.zero_grad()
                 outputs = run_schedule(
-                    self.c.model, mbs, head, forward_only=False, before_forward=routing.before_forward
+                    self.c.model,
+                    mbs,
+                    self._loss_head(update, totals),
+                    forward_only=False,
+                    before_forward=before_forward,
                 )
-            if record:
-                self.diagnostics.from_training_forward(routing.routing, offset, mbs, self._rollout_targets, self.step)
-            grad_norm = self._guarded_optimizer_step(outputs, f"step {self.step + 1} update {update}")
-            grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
+                grad_norms.append(self._guarded_optimizer_step(outputs, f"step {self.step + 1} update {update}"))
             for out in outputs:
                 merged = merge_metrics(merged, out)
-            self.diagnostic_passes.recording_pass_after(update, self.step, parts[0])
-            offset += len(mbs)
         metrics = self._reduce_loss_metrics(merged)
-        clip_fractions = ClipFractions(metrics["loss/clip_frac_token"], metrics["loss/clip_frac_seq"])
         metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics.update(self.nonfinite.step_metrics())
-        return UpdateResult(metrics, clip_fractions)
+        return UpdateResult(metrics, ClipFractions(metrics["loss/clip_frac_token"], metrics["loss/clip_frac_seq"]))
+
+    def _loss_head(self, update: int, totals: StepTotals) -> PolicyLossHead:
+        """Update ``update``'s loss: denominators are counts of the whole mini-batch, all data-parallel
+        ranks' rows; eps is this step's adaptive one, else the configured."""
+        cfg, mesh = self.cfg, self.mesh
+        return PolicyLossHead(
+            cfg.algorithm,
+            mesh.tp_group,
+            mesh.row_parts_group,
+            cfg.rollout.temperature,
+            global_num_sequences=totals.update_sequences[update],
+            global_num_tokens=totals.update_tokens[update],
+            clip=None if self.clip_controller is None else self.clip_controller.eps,
+        )
 
     def _guarded_optimizer_step(self, outputs: list[dict], where: str) -> float:
         """Step optimizer and LR schedule only when loss and gradients are finite on every rank."""
@@ -323,7 +310,7 @@ class RLTrainer:
         if problem is not None and self.mesh.is_driver:
             print(f"[gspo] {where}: {problem}; update skipped (trainer.on_nonfinite={self.nonfinite.policy})")
         self.nonfinite.record(problem, where)
-        return grad_norm if problem is None else float("nan")
+        return float(grad_norm) if problem is None and grad_norm is not None else float("nan")
 
     def _reduce_loss_metrics(self, merged: dict[str, torch.Tensor] | None) -> dict[str, float]:
         """Sum/min/max over micro-batches (done) and data-parallel ranks, then to every pipeline stage.
@@ -452,6 +439,17 @@ class UpdateResult:
 
     metrics: dict[str, float]  # logged names: loss/*, entropy, grad_norm, nonfinite/*
     clip_fractions: ClipFractions  # what adaptive clipping steers by
+
+
+def routing_plan(cfg: TrainConfig, *, has_routers: bool) -> RoutingPlan:
+    """The routing decisions of every step, from the config's algorithm, trainer and routing sections."""
+    return RoutingPlan(
+        ReplayMode(cfg.algorithm.routing_replay),
+        engine_old_policy=cfg.algorithm.old_log_probs == OldLogProbSource.rollout,
+        updates=cfg.trainer.updates_per_rollout,
+        has_routers=has_routers,
+        diagnostics=cfg.routing,
+    )
 
 
 class CollectiveFailure(RuntimeError):

@@ -157,7 +157,8 @@ def test_update_batches_carry_pi_old_cut_to_each_micro_batch_and_the_reference_i
     """The updates' micro-batches are built once from what the phases returned: pi_old of the rank's rows
     cut to each micro-batch's rows and width, the reference's log-probs in flattened order; the step's
     micro-batches they come from are left as they were."""
-    from gspo_megatron.trainer.batch import UpdateMicroBatch, update_batches
+    from gspo_megatron.models.micro_batch import UpdateMicroBatch
+    from gspo_megatron.trainer.batch import update_batches
 
     batch = pack_samples(
         [_sample([1, 2], [3, 4], [-0.1, -0.2]), _sample([5], [6], [-0.3]), _sample([7], [8, 9], [-0.4, -0.5])],

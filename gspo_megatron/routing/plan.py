@@ -1,9 +1,10 @@
-"""``StepPlan``: what one RL step runs, resolved once from the config (``StepPlan.from_config``).
+"""``RoutingPlan``: which forwards of one RL step record or replay a routing, resolved once.
 
-Every routing decision of a step is answered here, as a pure function of (config, step, update), so
-every rank agrees without communicating and no phase combines mode flags itself:
+Every routing decision of a step is answered here, as a pure function of (plan, step, update), so
+every rank agrees without communicating and no phase combines mode flags itself
+(``routing/step_routing.py`` asks it; the trainer builds it from the config):
 
-- ``old_log_probs``: where pi_old comes from (the trainer's forward, or the engine's log-probs);
+- ``engine_old_policy``: pi_old is the engine's log-probs (no old-policy forward runs);
 - ``routing_replay``: the replay strategy (``routing/replay_strategy.py``);
 - ``records_training_forward(update, step)``: which update's training forward is recorded for the
   routing diagnostics -- update 1 (run after exactly one optimizer step: the GSPO paper's "experts
@@ -14,7 +15,6 @@ every rank agrees without communicating and no phase combines mode flags itself:
   mini-batch after optimizer step ``update``: for ``update`` when the free measurement above is not
   available, for ``minibatch`` after every update;
 - ``decomposes_ratio(update, step)``: the ratio decomposition's two forward-only passes (last update);
-- ``corrects_mismatch``: whether the mismatch correction runs after the old-policy phase;
 - ``due(kind, step)``: the diagnostic kinds (``routing.kinds``) of this step; none without MoE layers.
 """
 
@@ -22,8 +22,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gspo_megatron.algorithms.config import OldLogProbSource, corrects_mismatch
-from gspo_megatron.config.schema import TrainConfig
 from gspo_megatron.routing.config import DiagnosticKind, RoutingDiagnosticsConfig
 from gspo_megatron.routing.replay import ReplayMode
 from gspo_megatron.routing.replay_strategy import replays
@@ -41,34 +39,17 @@ class RecordingPass:
 
 
 @dataclass(frozen=True)
-class StepPlan:
-    old_log_probs: OldLogProbSource
-    routing_replay: ReplayMode
+class RoutingPlan:
+    routing_replay: ReplayMode  # algorithm.routing_replay
+    engine_old_policy: bool  # algorithm.old_log_probs=rollout: no old-policy forward runs (or records)
     updates: int  # trainer.updates_per_rollout
     has_routers: bool  # an MoE model: routing is measured
-    diagnostics: RoutingDiagnosticsConfig
-    corrects_mismatch: bool  # algorithm.mismatch_*: advantages weighed / samples rejected by pi_old / pi_rollout
-
-    @classmethod
-    def from_config(cls, cfg: TrainConfig, *, has_routers: bool) -> StepPlan:
-        return cls(
-            OldLogProbSource(cfg.algorithm.old_log_probs),
-            ReplayMode(cfg.algorithm.routing_replay),
-            cfg.trainer.updates_per_rollout,
-            has_routers,
-            cfg.routing,
-            corrects_mismatch(cfg.algorithm),
-        )
+    diagnostics: RoutingDiagnosticsConfig  # the config's routing section
 
     @property
     def replays_in_training(self) -> bool:
         """R2/R3: training forwards replay a routing, so none of them routes freely."""
         return replays(self.routing_replay)
-
-    @property
-    def engine_old_policy(self) -> bool:
-        """pi_old is the engine's: no old-policy forward runs (and records nothing)."""
-        return self.old_log_probs == OldLogProbSource.rollout
 
     def due(self, kind: DiagnosticKind, step: int) -> bool:
         return self.has_routers and self.diagnostics.is_due(step, kind)

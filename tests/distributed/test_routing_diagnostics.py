@@ -1,4 +1,4 @@
-"""RoutingDiagnostics (trainer/diagnostics.py): recorded routings in, reduced volatility out -- by hand.
+"""RoutingDiagnostics (routing/diagnostics.py): recorded routings in, reduced volatility out -- by hand.
 
 One micro-batch of one row, 3 fed tokens (the last is padding), 2 MoE layers, top-2:
 
@@ -16,14 +16,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gspo_megatron.algorithms.config import OldLogProbSource
 from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.routing.config import RoutingDiagnosticsConfig
+from gspo_megatron.routing.plan import RoutingPlan
 from gspo_megatron.routing.replay import ReplayMode
 from gspo_megatron.routing.run_dir import RoutingLog, read_jsonl
 from gspo_megatron.testing.distributed import run_distributed
-from gspo_megatron.trainer.old_policy_phase import OldPolicyResult
-from gspo_megatron.trainer.step_plan import StepPlan
 
 OLD = [torch.tensor([[0, 1], [2, 3], [0, 1]]), torch.tensor([[0, 1], [0, 1], [0, 1]])]
 NEW = [torch.tensor([[0, 1], [2, 0], [3, 2]]), torch.tensor([[1, 0], [0, 2], [1, 2]])]
@@ -32,15 +30,14 @@ NEW = [torch.tensor([[0, 1], [2, 0], [3, 2]]), torch.tensor([[1, 0], [0, 2], [1,
 def _update_diagnostics(mesh, run_dir: str):
     """The "update" diagnostics of a two-update step on ``mesh`` and its one micro-batch: one row, 3 fed
     tokens, the last padding."""
-    from gspo_megatron.trainer.diagnostics import RoutingDiagnostics
+    from gspo_megatron.routing.diagnostics import RoutingDiagnostics
 
-    plan = StepPlan(
-        OldLogProbSource.trainer,
+    plan = RoutingPlan(
         ReplayMode.none,
+        engine_old_policy=False,
         updates=2,
         has_routers=True,
         diagnostics=RoutingDiagnosticsConfig(kinds=["update"]),
-        corrects_mismatch=False,
     )
     diagnostics = RoutingDiagnostics(plan, mesh, 4, RoutingLog(run_dir) if mesh.is_driver else None)
     mb = MicroBatch(tokens=torch.ones(1, 3, dtype=torch.long), targets=torch.ones(1, 3, dtype=torch.long))
@@ -55,7 +52,8 @@ def _diagnose(ctx, run_dir: str):
     mesh = initialize_parallel(ParallelLayout(world_size=ctx.world_size).validate())
     try:
         plan, diagnostics, mb = _update_diagnostics(mesh, run_dir)
-        diagnostics.begin_step(4, OldPolicyResult(torch.zeros(0), {}, [OLD], [OLD]), [mb], lambda mb: [])
+        diagnostics.begin_step([mb])
+        diagnostics.from_old_pass(4, [mb], lambda mb: [], [OLD], [OLD])
         assert plan.records_training_forward(update=1, step=4)  # the free measurement after step 1
         assert not plan.records_training_forward(update=0, step=4)
         after = NEW if ctx.rank == 0 else OLD  # rank 1's routing did not move
@@ -98,7 +96,8 @@ def _diagnose_on_two_stages(ctx, run_dir: str):
         new = (
             [torch.tensor([[2, 3], [3, 2], [1, 2]])] if mesh.pp_rank == 0 else [torch.tensor([[0, 2], [2, 3], [0, 2]])]
         )
-        diagnostics.begin_step(4, OldPolicyResult(torch.zeros(0), {}, [old], [old]), [mb], lambda mb: [])
+        diagnostics.begin_step([mb])
+        diagnostics.from_old_pass(4, [mb], lambda mb: [], [old], [old])
         diagnostics.from_training_forward([new], 0, [mb], None, step=4)
         return diagnostics.finish_step(step=4)
     finally:

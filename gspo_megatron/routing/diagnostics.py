@@ -30,9 +30,9 @@ update phase at k = 16 on small_moe, docs/studies.md "The mechanism"). Reading t
 log-probs would save one of the two passes; not done, to leave the loss path untouched. It needs
 the trainer's old-log-prob pass (not ``algorithm.old_log_probs=rollout``).
 
-This module only consumes recordings: which forward is recorded is the step plan's decision
-(``trainer/step_plan.py``), the extra passes run in ``trainer/diagnostic_passes.py`` and every
-recording starts and stops in ``routing/recorder.py``.
+This module only consumes recordings: which forward is recorded is the routing plan's decision
+(``routing/plan.py``), the forwards (and the extra passes) run under ``routing/step_routing.py``'s
+contexts and every recording starts and stops in ``routing/recorder.py``.
 
 Counts are merged exactly over micro-batches, data-parallel ranks and (under sequence parallelism)
 tensor-parallel ranks; pipeline stages contribute their own layers, concatenated in stage order.
@@ -42,16 +42,16 @@ Only the driver writes ``routing.jsonl``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.algorithms.config import AlgorithmConfig
-from gspo_megatron.models.micro_batch import MicroBatch
+from gspo_megatron.models.micro_batch import MicroBatch, StepMicroBatch, UpdateMicroBatch
 from gspo_megatron.parallel.context_parallel import split_sequence
 from gspo_megatron.parallel.mesh import ParallelMesh
 from gspo_megatron.routing.config import DiagnosticKind
+from gspo_megatron.routing.plan import RecordingPass, RoutingPlan
 from gspo_megatron.routing.ratio_decomposition import RatioDecomposition, changed_in_any_layer, decompose_log_ratio
 from gspo_megatron.routing.recorder import Routing
 from gspo_megatron.routing.replay_strategy import TargetsOf
@@ -64,18 +64,19 @@ from gspo_megatron.routing.volatility import (
     expert_load,
     routing_volatility,
 )
-from gspo_megatron.trainer.batch import StepMicroBatch, UpdateMicroBatch
-from gspo_megatron.trainer.loss_head import LogProbOutput
-from gspo_megatron.trainer.step_plan import RecordingPass, StepPlan
-
-if TYPE_CHECKING:
-    from gspo_megatron.trainer.old_policy_phase import OldPolicyResult
 
 Counts = TypeVar("Counts", RoutingVolatility, ExpertLoad)
 
 
+class LogProbs(Protocol):
+    """A log-prob head's output per micro-batch (``trainer/loss_head.py``'s ``LogProbOutput``)."""
+
+    @property
+    def log_probs(self) -> torch.Tensor: ...  # float [b, s]
+
+
 class RoutingDiagnostics:
-    def __init__(self, plan: StepPlan, mesh: ParallelMesh, num_experts: int, routing_log: RoutingLog | None):
+    def __init__(self, plan: RoutingPlan, mesh: ParallelMesh, num_experts: int, routing_log: RoutingLog | None):
         self.plan = plan
         self.mesh = mesh
         self.num_experts = num_experts
@@ -89,16 +90,26 @@ class RoutingDiagnostics:
         self.step_records: list[tuple[str, RoutingVolatility, ExpertLoad | None]] = []
 
     # --- old-policy routing --------------------------------------------------------------------
-    def begin_step(
-        self, step: int, old: OldPolicyResult, micro_batches: list[StepMicroBatch], targets_of: TargetsOf
-    ) -> None:
-        """The old-policy phase's routing of ``micro_batches`` (all of the step's, in update order)."""
-        self.old = old.routing or []
-        self.old_used = old.trainer_routing
+    def begin_step(self, micro_batches: Sequence[StepMicroBatch]) -> None:
+        """A new step over ``micro_batches`` (all of the step's, in update order); no old routing yet."""
+        self.old, self.old_used = [], []
         self.old_masks = [_token_mask(mb, self.mesh) for mb in micro_batches]
         self.step_records = []
         self.previous = None
-        self.rollout_vs_train(step, micro_batches, targets_of, old.trainer_routing)
+
+    def from_old_pass(
+        self,
+        step: int,
+        micro_batches: Sequence[MicroBatch],
+        targets_of: TargetsOf,
+        old_routing: Routing | None,
+        used: Routing,
+    ) -> None:
+        """The old-policy pass's routing: ``old_routing`` what R2 replays and "update" compares
+        against (None under R3), ``used`` what it routed with (R3: the engine's, observed)."""
+        self.old = old_routing or []
+        self.old_used = used
+        self.rollout_vs_train(step, micro_batches, targets_of, used)
 
     @property
     def has_old_routing(self) -> bool:
@@ -128,7 +139,7 @@ class RoutingDiagnostics:
     def from_training_forward(
         self, recorded: Routing, old_offset: int, micro_batches: Sequence[MicroBatch], targets_of: TargetsOf, step: int
     ) -> None:
-        """A training forward the plan chose to record (``StepPlan.records_training_forward``)."""
+        """A training forward the plan chose to record (``RoutingPlan.records_training_forward``)."""
         if self.plan.engine_old_policy:
             self.old = recorded  # the old policy's routing of the first mini-batch
             self.rollout_vs_train(step, micro_batches, targets_of, recorded)
@@ -138,7 +149,7 @@ class RoutingDiagnostics:
         self.step_records.append(("update", _compare(base, recorded, masks), self._load(recorded, masks)))
 
     def from_recording_pass(self, purpose: RecordingPass, now: Routing) -> None:
-        """The first mini-batch's routing, recorded after an optimizer step (``StepPlan.recording_pass_after``)."""
+        """The first mini-batch's routing, recorded after an optimizer step (``RoutingPlan.recording_pass_after``)."""
         masks = self.old_masks[: len(now)]
         if purpose.compares_to_old_policy:
             base = self.old[: len(now)]
@@ -149,16 +160,17 @@ class RoutingDiagnostics:
 
     def add_ratio_decomposition(
         self,
-        micro_batches: list[UpdateMicroBatch],
-        loss_outputs: list[LogProbOutput],
-        old_routing_outputs: list[LogProbOutput],
+        micro_batches: Sequence[UpdateMicroBatch],
+        loss_outputs: Sequence[LogProbs],
+        old_routing_outputs: Sequence[LogProbs],
         loss_routing: Routing,
         old_routing: Routing,
-        algorithm: AlgorithmConfig,
+        clip: tuple[float, float],
     ) -> None:
         """The log-probs under the loss's routing and under the old pass's routing (same weights),
-        split by ``decompose_log_ratio``. ``loss_routing`` is what the loss's forward recorded (empty
-        when it replayed the old pass's routing: then no token's experts changed)."""
+        split by ``decompose_log_ratio`` (``clip``: the configured eps_low, eps_high). ``loss_routing`` is
+        what the loss's forward recorded (empty when it replayed the old pass's routing: then no token's
+        experts changed)."""
         mesh = self.mesh
         if loss_routing:
             changed = [
@@ -181,8 +193,7 @@ class RoutingDiagnostics:
                     mb.response_mask.cpu(),
                     flags.reshape(mb.num_rows, mb.seq_len),
                     mb.advantages.cpu(),
-                    algorithm.clip_low,
-                    algorithm.clip_high,
+                    *clip,
                 )
             )
         # rows differ over data-parallel ranks; only the last pipeline stage has log-probs (others: 0)

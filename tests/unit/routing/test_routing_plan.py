@@ -1,28 +1,27 @@
-"""StepPlan: which forward of a step is recorded, and which extra passes run, for every combination
-of replay mode and pi_old source (the table in trainer/step_plan.py's docstring)."""
+"""RoutingPlan: which forward of a step is recorded, and which extra passes run, for every combination
+of replay mode and pi_old source (the table in routing/plan.py's docstring)."""
 
 from __future__ import annotations
 
 import pytest
 
-from gspo_megatron.algorithms.config import OldLogProbSource
 from gspo_megatron.config.compose import compose
 from gspo_megatron.config.schema import to_train_config
 from gspo_megatron.routing.config import RoutingDiagnosticsConfig
+from gspo_megatron.routing.plan import RecordingPass, RoutingPlan
 from gspo_megatron.routing.replay import ReplayMode
-from gspo_megatron.trainer.step_plan import RecordingPass, StepPlan
+from gspo_megatron.trainer.trainer import routing_plan
 
 ALL_KINDS = ["update", "rollout_vs_train", "minibatch", "ratio_decomposition"]
 
 
 def _plan(replay="none", source="trainer", updates=3, kinds=ALL_KINDS, every=1, has_routers=True):
-    return StepPlan(
-        OldLogProbSource(source),
+    return RoutingPlan(
         ReplayMode(replay),
-        updates,
-        has_routers,
-        RoutingDiagnosticsConfig(every_n_steps=every, kinds=kinds),
-        corrects_mismatch=False,
+        engine_old_policy=source == "rollout",
+        updates=updates,
+        has_routers=has_routers,
+        diagnostics=RoutingDiagnosticsConfig(every_n_steps=every, kinds=kinds),
     )
 
 
@@ -64,12 +63,13 @@ def test_ratio_decomposition_at_the_last_update_only():
     assert not _plan(kinds=["update"]).decomposes_ratio(2, 0)
 
 
-def test_from_config_reads_the_sections():
+def test_the_trainer_reads_the_plan_from_the_config_sections():
     cfg = to_train_config(
         compose(
             ["algorithm.routing_replay=rollout", "trainer.updates_per_rollout=4", "algorithm.old_log_probs=rollout"]
         )
     )
-    plan = StepPlan.from_config(cfg, has_routers=True)
-    assert (plan.routing_replay, plan.old_log_probs, plan.updates) == ("rollout", "rollout", 4)
-    assert plan.replays_in_training and plan.engine_old_policy and not plan.corrects_mismatch
+    plan = routing_plan(cfg, has_routers=True)
+    assert (plan.routing_replay, plan.updates, plan.diagnostics) == ("rollout", 4, cfg.routing)
+    assert plan.replays_in_training and plan.engine_old_policy
+    assert not routing_plan(to_train_config(compose([])), has_routers=False).engine_old_policy
