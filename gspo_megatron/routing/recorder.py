@@ -11,10 +11,10 @@ megatron's routers chose, per micro-batch and MoE layer):
     route_freely()            nothing is recorded or replayed
 
 Design decisions:
-- Who decides *which* forward records or replays is the step plan and the replay strategy
-  (``routing/plan.py``, ``routing/replay_strategy.py``, both behind ``routing/step_routing.py``); this object only makes sure a
-  recording always ends: the routers are reset on exit, also when the forward raised, so a failed
-  pass cannot leave a replay armed for the next one.
+- Who decides *which* forward records or replays is the routing plan and the replay strategy
+  (``routing/plan.py``, ``routing/replay_strategy.py``, both behind ``routing/step_routing.py``);
+  this object only makes sure a recording always ends: the routers are reset on exit, also when the
+  forward raised, so a failed pass cannot leave a replay armed for the next one.
 - Without MoE layers there is no ``RoutingReplay``: every context yields an empty recording.
 """
 
