@@ -133,7 +133,7 @@ class TruncatedRolloutConfig(ConfigNode):
     # action; it is left out of the loss, so the exit decision itself gets no direct gradient and the
     # model learns early exit only through the shorter, rewarded trajectories it is shown. true -- the
     # inserted tokens are trained on like sampled ones (the policy is pushed to emit the close where
-    # the probe was confident); needs algorithm.old_log_probs=trainer and no mismatch correction, since
+    # the probe was confident); needs trainer.old_log_probs=trainer and no mismatch correction, since
     # the engine has no log-prob for a token it did not sample. Either way they are never compared
     # with the engine's log-probs.
     train_on_exit_tokens: bool = False

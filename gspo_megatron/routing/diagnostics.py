@@ -11,7 +11,7 @@ What is measured (``routing.kinds``; the math is ``routing/volatility.py``):
 - ``rollout_vs_train``: the experts the rollout engine used vs the trainer's old-policy routing of
   the same tokens (MoE layers only; SGLang/embedded rows include dense layers).
 
-With pi_old from the engine (``algorithm.old_log_probs=rollout``) no old-policy pass runs: the first
+With pi_old from the engine (``trainer.old_log_probs=rollout``) no old-policy pass runs: the first
 update's training forward (before any optimizer step) is recorded as the old policy's routing of
 the first mini-batch, and every kind compares against that.
 
@@ -28,7 +28,7 @@ log-probs the loss head does not hand back -- and the old pass's routing replaye
 with k updates per rollout; logged as ``time/ratio_decomposition`` (measured: 0.97 s of a 20.7 s
 update phase at k = 16 on small_moe, docs/studies.md "The mechanism"). Reading the training forward's own
 log-probs would save one of the two passes; not done, to leave the loss path untouched. It needs
-the trainer's old-log-prob pass (not ``algorithm.old_log_probs=rollout``).
+the trainer's old-log-prob pass (not ``trainer.old_log_probs=rollout``).
 
 This module only consumes recordings: which forward is recorded is the routing plan's decision
 (``routing/plan.py``), the forwards (and the extra passes) run under ``routing/step_routing.py``'s

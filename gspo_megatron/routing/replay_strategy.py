@@ -1,5 +1,5 @@
 """Routing Replay as one strategy object per mode: the trainer and the diagnostics call its hooks and
-never branch on ``algorithm.routing_replay`` themselves.
+never branch on ``routing.replay`` themselves.
 
 A step runs the old-log-prob pass, then one training forward per mini-batch (see trainer/trainer.py):
 
@@ -43,7 +43,7 @@ def needs_engine_routing(mode: str) -> bool:
 
 def needs_trainer_old_pass(mode: str) -> bool:
     """Whether training replays what the trainer's old-log-prob forward recorded (R2): that forward
-    must run, so pi_old cannot come from the engine (``algorithm.old_log_probs=rollout``)."""
+    must run, so pi_old cannot come from the engine (``trainer.old_log_probs=rollout``)."""
     return _strategy_class(mode).replays_old_pass
 
 
@@ -122,7 +122,7 @@ if tuple(_STRATEGIES) != REPLAY_MODES:
 
 def _strategy_class(mode: str) -> type[ReplayStrategy]:
     if mode not in _STRATEGIES:
-        raise ValueError(f"algorithm.routing_replay={mode!r} is unknown; valid: {', '.join(REPLAY_MODES)}")
+        raise ValueError(f"routing.replay={mode!r} is unknown; valid: {', '.join(REPLAY_MODES)}")
     return _STRATEGIES[mode]
 
 

@@ -102,8 +102,8 @@ def zero_panel_reason(run: RunData, kind: str) -> str | None:
         or any(r.get("changed_frac_overall") != 0.0 for r in records)
     ):
         return None
-    algorithm, rollout, model = (run.config.get(key) or {} for key in ("algorithm", "rollout", "model"))
-    if algorithm.get("routing_replay") == ReplayMode.rollout:
+    routing, rollout, model = (run.config.get(key) or {} for key in ("routing", "rollout", "model"))
+    if routing.get("replay") == ReplayMode.rollout:
         return "Zero by construction: R3 replays the engine's routing in every trainer forward."
     engine_dtype = (rollout.get("embedded") or {}).get("dtype")
     if (

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gspo_megatron.config_migrations import migrate_config
 from gspo_megatron.provenance import PROVENANCE_FILE
 from gspo_megatron.routing.config import validate_kind
 
@@ -247,7 +248,7 @@ def load_run(path: str | os.PathLike) -> RunData:
             loaded = yaml.safe_load((path / CONFIG_FILE).read_text(encoding="utf-8"))
         except yaml.YAMLError as err:
             raise RunDirError(f"{path / CONFIG_FILE}: not valid YAML: {err}") from err
-        config = loaded if isinstance(loaded, dict) else {}
+        config = migrate_config(loaded)[0] if isinstance(loaded, dict) else {}  # older runs: today's keys
     routing = read_jsonl(path / ROUTING_FILE) if (path / ROUTING_FILE).is_file() else []
     provenance_path = path / PROVENANCE_FILE
     try:

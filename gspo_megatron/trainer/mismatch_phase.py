@@ -2,8 +2,8 @@
 
 The weights are computed per row from the rows this rank holds and folded into each micro-batch's
 advantages; their metrics are reduced over the data-parallel ranks. Tokens are rejected -- by a mask
-mode with ``algorithm.mismatch_rejected=drop``, by rejection sampling (``algorithm.mismatch_reject``) or
-by the veto (``algorithm.mismatch_veto``) -- by leaving each micro-batch's response mask. The phase
+mode with ``algorithm.mismatch.rejected=drop``, by rejection sampling (``algorithm.mismatch.reject``) or
+by the veto (``algorithm.mismatch.veto``) -- by leaving each micro-batch's response mask. The phase
 returns new micro-batches with those advantages and masks (``MismatchResult``; nothing is written into
 the ones it was given), and the
 step's denominators (``StepTotals``, counted before the correction) lose them: the counts removed per
@@ -63,22 +63,22 @@ def correct_mismatch(
     metrics: dict[str, float] = {}
     valid = batch.mismatch_mask.bool()
     rejected = torch.zeros_like(valid)  # valid tokens that leave the loss (and its denominators)
-    drops_masked = algorithm.mismatch_rejected == RejectedTokens.drop
-    rejects = algorithm.mismatch_reject != RejectionLevel.none or algorithm.mismatch_veto is not None
-    if algorithm.mismatch_correction != MismatchCorrection.none:
+    drops_masked = algorithm.mismatch.rejected == RejectedTokens.drop
+    rejects = algorithm.mismatch.reject != RejectionLevel.none or algorithm.mismatch.veto is not None
+    if algorithm.mismatch.correction != MismatchCorrection.none:
         weights, weight_metrics, parts = _weigh_advantages(batch, old_log_probs, parts, algorithm, dp_group)
         metrics.update(weight_metrics)
         if drops_masked:
-            rejected |= valid & ~rejected_mask(weights, batch.mismatch_mask, algorithm.mismatch_correction)
+            rejected |= valid & ~rejected_mask(weights, batch.mismatch_mask, algorithm.mismatch.correction)
     if rejects:
         kept, stats = rejection_keep_mask(
             old_log_probs,
             batch.rollout_log_probs,
             batch.mismatch_mask,
-            algorithm.mismatch_reject,
-            algorithm.mismatch_reject_upper,
-            algorithm.mismatch_reject_lower,
-            algorithm.mismatch_veto,
+            algorithm.mismatch.reject,
+            algorithm.mismatch.reject_upper,
+            algorithm.mismatch.reject_lower,
+            algorithm.mismatch.veto,
         )
         if dp_group is not None:
             stats = all_reduce_metrics(stats, dp_group)
@@ -103,11 +103,11 @@ def _weigh_advantages(
         old_log_probs,
         batch.rollout_log_probs,
         batch.mismatch_mask,
-        algorithm.mismatch_correction,
-        algorithm.mismatch_cap,
-        algorithm.log_ratio_clamp,
-        algorithm.mismatch_sequence_ratio,
-        algorithm.mismatch_lower,
+        algorithm.mismatch.correction,
+        algorithm.mismatch.cap,
+        algorithm.loss.log_ratio_clamp,
+        algorithm.mismatch.sequence_ratio,
+        algorithm.mismatch.lower,
     )
     if dp_group is not None:
         stats = all_reduce_metrics(stats, dp_group)

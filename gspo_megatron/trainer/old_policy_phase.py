@@ -1,6 +1,6 @@
 """The old-policy phase of a step: pi_old log-probs for every row, and the routing they used.
 
-Two phases, chosen once from ``algorithm.old_log_probs`` (``build_old_policy_phase``); the trainer
+Two phases, chosen once from ``trainer.old_log_probs`` (``build_old_policy_phase``); the trainer
 calls ``run`` and never asks which one it holds:
 
 - ``TrainerOldPolicy`` (``trainer``): a forward-only pass of the policy over exactly the
@@ -58,7 +58,7 @@ class OldPolicyPhase(Protocol):
 
 
 class EngineOldPolicy:
-    """``algorithm.old_log_probs=rollout``: the engine's log-probs are pi_old."""
+    """``trainer.old_log_probs=rollout``: the engine's log-probs are pi_old."""
 
     def run(
         self, batch: RolloutBatch, micro_batches: list[StepMicroBatch], before_forward: BeforeForward | None
@@ -67,7 +67,7 @@ class EngineOldPolicy:
 
 
 class TrainerOldPolicy:
-    """``algorithm.old_log_probs=trainer``: a forward-only pass of the policy."""
+    """``trainer.old_log_probs=trainer``: a forward-only pass of the policy."""
 
     def __init__(self, model: ModelChunks, mesh: ParallelMesh, head: LogProbHead) -> None:
         self.model, self.mesh, self.head = model, mesh, head
@@ -121,7 +121,7 @@ def build_old_policy_phase(
     mesh: ParallelMesh,
     head: LogProbHead,
 ) -> OldPolicyPhase:
-    """The phase ``algorithm.old_log_probs`` names (the one place that reads it)."""
+    """The phase ``trainer.old_log_probs`` names (the one place that reads it)."""
     phases: dict[OldLogProbSource, OldPolicyPhase] = {
         OldLogProbSource.trainer: TrainerOldPolicy(model, mesh, head),
         OldLogProbSource.rollout: EngineOldPolicy(),

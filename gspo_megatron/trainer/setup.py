@@ -63,7 +63,7 @@ class Components:
     rollout: RolloutPhase | None = None
     run_log: RunLog | None = None
     routing_log: RoutingLog | None = None
-    reference: ReferenceModel | None = None  # frozen KL reference; None unless algorithm.kl_coef > 0
+    reference: ReferenceModel | None = None  # frozen KL reference; None unless algorithm.kl.coef > 0
     placement: SeparatePlacement | ColocatedHandOver = field(default_factory=SeparatePlacement)
     stage_turns: StageTurns | None = None  # every rank, when each pipeline stage sends its own weights
 
@@ -152,7 +152,7 @@ def build(cfg: TrainConfig, run_dir: Path, config_yaml: str, world_size: int | N
         replay = RoutingReplay.capture_new_instances(instances_before, [len(layers) for layers in moe_layers])
     source = SafetensorsSource(cfg.model.hf_checkpoint) if cfg.model.hf_checkpoint else random_hf_weights(cfg)
     load_hf_weights(chunks, cfg.model, source, mesh)
-    reference = ReferenceModel.build(cfg, layout, mesh, source, dtype) if cfg.algorithm.kl_coef > 0 else None
+    reference = ReferenceModel.build(cfg, layout, mesh, source, dtype) if cfg.algorithm.kl.coef > 0 else None
     distributed = use_distributed_optimizer(cfg.optimizer.distributed, layout)
     ddp = ModelChunks(wrap_for_training(chunk, chunk.config, use_distributed_optimizer=distributed) for chunk in chunks)
     total_updates = cfg.trainer.steps * cfg.trainer.updates_per_rollout
@@ -201,7 +201,7 @@ def build_rollout_phase(cfg: TrainConfig) -> RolloutPhase:
         stop_token_ids=tuple(tokenizer.stop_token_ids),
         n=cfg.rollout.group_size,
         return_routed_experts=cfg.rollout.return_routed_experts
-        or needs_engine_routing(cfg.algorithm.routing_replay)
+        or needs_engine_routing(cfg.routing.replay)
         or "rollout_vs_train" in cfg.routing.kinds,
     )
     generate_fn = None

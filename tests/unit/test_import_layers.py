@@ -35,6 +35,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "import_hooks",
         "process_tags",
         "trigger_words",
+        "config_migrations",
         "model_families",
         "weights",
         "conf",

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from gspo_megatron.algorithms import LossContext, finalize_metrics, get_policy_loss, merge_metrics
+from gspo_megatron.algorithms import LossConfig, LossContext, finalize_metrics, get_policy_loss, merge_metrics
 
 NAN = float("nan")
 
@@ -21,8 +21,19 @@ def _log_probs():
     return (torch.nan_to_num(OLD, nan=0.0) + LOG_RATIO).requires_grad_()
 
 
-def _ctx(clip_low, clip_high, aggregation="seq_mean_token_mean", **kw):
-    return LossContext(clip_low=clip_low, clip_high=clip_high, aggregation=aggregation, **kw)
+def _ctx(
+    clip_low,
+    clip_high,
+    aggregation="seq_mean_token_mean",
+    *,
+    global_num_sequences=None,
+    global_num_tokens=None,
+    **settings,
+):
+    """A context whose settings validate as GRPO's (any aggregation), so what a test sees of GSPO's
+    aggregation rule is the loss function's own check."""
+    loss = LossConfig(name="grpo", clip_low=clip_low, clip_high=clip_high, aggregation=aggregation, **settings)
+    return LossContext(loss, global_num_sequences=global_num_sequences, global_num_tokens=global_num_tokens)
 
 
 def _close(actual, expected, atol=1e-6):

@@ -147,14 +147,14 @@ def test_prompt_budget_within_max_positions():
 # --- routing replay -----------------------------------------------------------------------------
 def test_unknown_replay_mode():
     cfg = TrainConfig()
-    cfg.algorithm.routing_replay = "always"
+    cfg.routing.replay = "always"
     with pytest.raises(ValueError, match=r"'always'.*none, old_policy, rollout"):
         validate_config(cfg, 1)
 
 
 def test_replay_with_recompute_needs_single_stage():
     cfg = TrainConfig()
-    cfg.algorithm.routing_replay, cfg.trainer.recompute_activations, cfg.parallel.pp = "old_policy", True, 2
+    cfg.routing.replay, cfg.trainer.recompute_activations, cfg.parallel.pp = "old_policy", True, 2
     with pytest.raises(ValueError, match="pp=1"):
         validate_config(cfg, 2)
     cfg.parallel.pp = 1
@@ -163,14 +163,14 @@ def test_replay_with_recompute_needs_single_stage():
 
 def test_replay_needs_an_moe_model():
     cfg = TrainConfig()
-    cfg.algorithm.routing_replay = "old_policy"
+    cfg.routing.replay = "old_policy"
     cfg.model.num_layers, cfg.model.dense_layers, cfg.model.dense_intermediate_size = 2, [0, 1], 64
-    refused(cfg, 1, "routing_replay needs an MoE model")
+    refused(cfg, 1, "routing.replay needs an MoE model")
 
 
 def test_rollout_replay_with_sglang_needs_routed_experts():
     cfg = TrainConfig()
-    cfg.algorithm.routing_replay, cfg.rollout.engine = "rollout", "sglang"
+    cfg.routing.replay, cfg.rollout.engine = "rollout", "sglang"
     cfg.rollout.sglang.model_path = "/ckpt"
     refused(cfg, 1, "enable_return_routed_experts=true")
     cfg.rollout.sglang.enable_return_routed_experts = True

@@ -51,7 +51,7 @@ def test_train_on_exit_tokens_refuses_engine_log_probs_for_them():
     base = ["task=reasoning_max_digit", "rollout.max_new_tokens=24", "rollout.truncated=true"]
     ok = OmegaConf.to_object(compose(base + ["rollout.truncation.train_on_exit_tokens=true"]))
     validate_config(ok, 1)
-    for bad in ("algorithm.old_log_probs=rollout", "algorithm.mismatch_correction=sequence_truncate"):
+    for bad in ("trainer.old_log_probs=rollout", "algorithm.mismatch.correction=sequence_truncate"):
         typed = OmegaConf.to_object(compose(base + ["rollout.truncation.train_on_exit_tokens=true", bad]))
         with pytest.raises(ConfigError, match="train_on_exit_tokens=true.*old_log_probs=trainer"):
             validate_config(typed, 1)

@@ -106,13 +106,14 @@ def test_budget_cuts_the_padded_fraction():
 def test_mismatch_correction_follows_the_rows_and_width_of_budget_micro_batches(mode):
     """correct_mismatch weighs each micro-batch's rows (any rows, cut to their own width) exactly as
     the whole batch is weighed: per-token weights are cut to the micro-batch's width."""
-    from gspo_megatron.algorithms.config import AlgorithmConfig
+    from gspo_megatron.algorithms.config import AlgorithmConfig, MismatchConfig
+    from gspo_megatron.algorithms.losses import LossConfig
     from gspo_megatron.algorithms.mismatch_correction import mismatch_weights, weighted_advantages
     from gspo_megatron.trainer.mismatch_phase import correct_mismatch
 
     batch = _batch([1, 30, 2, 3, 2, 28, 1, 4])
     old_log_probs = batch.rollout_log_probs + 0.3 * torch.randn_like(batch.rollout_log_probs)
-    algorithm = AlgorithmConfig(loss="grpo", mismatch_correction=mode, mismatch_cap=1.5)
+    algorithm = AlgorithmConfig(loss=LossConfig(name="grpo"), mismatch=MismatchConfig(correction=mode, cap=1.5))
     parts = partition(batch, updates=2, micro_batch_size=4, dp_size=1, dp_rank=0, micro_batch_tokens=12)
     totals = step_totals(batch, 2)
     given = [[mb.advantages for mb in part] for part in parts]
@@ -120,7 +121,7 @@ def test_mismatch_correction_follows_the_rows_and_width_of_budget_micro_batches(
     assert result.totals is totals  # mismatch_rejected=keep: the denominators stand
     assert [[mb.advantages for mb in part] for part in parts] == given  # the given micro-batches are untouched
     weights, _ = mismatch_weights(
-        old_log_probs, batch.rollout_log_probs, batch.response_mask, mode, 1.5, algorithm.log_ratio_clamp
+        old_log_probs, batch.rollout_log_probs, batch.response_mask, mode, 1.5, algorithm.loss.log_ratio_clamp
     )
     whole = weighted_advantages(batch.advantages, weights)
     for mb in (mb for part in result.parts for mb in part):
@@ -133,14 +134,16 @@ def test_mismatch_correction_follows_the_rows_and_width_of_budget_micro_batches(
 def test_dropped_rejections_leave_the_masks_and_the_denominators(mode):
     """mismatch_rejected=drop (verl rollout_rs): a rejected token (row) leaves its micro-batch's response
     mask and each mini-batch's token (sequence) count loses exactly those; kept tokens are untouched."""
-    from gspo_megatron.algorithms.config import AlgorithmConfig
+    from gspo_megatron.algorithms.config import AlgorithmConfig, MismatchConfig
+    from gspo_megatron.algorithms.losses import LossConfig
     from gspo_megatron.algorithms.mismatch_correction import mismatch_weights
     from gspo_megatron.trainer.mismatch_phase import correct_mismatch
 
     torch.manual_seed(0)
     batch = _batch([1, 30, 2, 3, 2, 28, 1, 4])
     old_log_probs = batch.rollout_log_probs + 0.5 * torch.randn_like(batch.rollout_log_probs)
-    algorithm = AlgorithmConfig(loss="grpo", mismatch_correction=mode, mismatch_cap=1.2, mismatch_rejected="drop")
+    mismatch = MismatchConfig(correction=mode, cap=1.2, rejected="drop")
+    algorithm = AlgorithmConfig(loss=LossConfig(name="grpo"), mismatch=mismatch)
     parts = partition(batch, updates=2, micro_batch_size=4, dp_size=1, dp_rank=0, micro_batch_tokens=12)
     totals = step_totals(batch, 2)
     result = correct_mismatch(batch, old_log_probs, parts, algorithm, totals)
