@@ -83,6 +83,9 @@ class LossConfig(ConfigNode):
     # off-policy sequence masking (algorithms/off_policy_masking.py, slime --opsm-delta 1e-4): a sequence with
     # A < 0 whose mean log pi_old - log pi_theta exceeds it leaves the policy-gradient term; null: off
     opsm_delta: float | None = None
+    # seq_mean_token_sum: each sequence's token sum also divided by this constant -- TRL's loss_type=dr_grpo
+    # (its max_completion_length), Dr. GRPO's generation budget (arXiv 2503.20783); null: 1
+    token_sum_divisor: float | None = None
 
     def validate(self) -> None:
         prefix = "algorithm.loss."
@@ -98,6 +101,13 @@ class LossConfig(ConfigNode):
             raise ValueError(f"{prefix}entropy_coef must be finite, got {self.entropy_coef}")
         if self.opsm_delta is not None and not self.opsm_delta >= 0:
             raise ValueError(f"{prefix}opsm_delta must be >= 0 or null (slime's default 1e-4), got {self.opsm_delta}")
+        if self.token_sum_divisor is not None and not (
+            self.token_sum_divisor > 0 and self.aggregation == Aggregation.seq_mean_token_sum
+        ):
+            raise ValueError(
+                f"{prefix}token_sum_divisor={self.token_sum_divisor} divides seq_mean_token_sum's sums: it must be > 0 "
+                f"(TRL's dr_grpo: max_completion_length) with {prefix}aggregation=seq_mean_token_sum, or null"
+            )
 
 
 @dataclass
@@ -264,7 +274,8 @@ def _aggregate_tokens(per_token: torch.Tensor, batch: _Batch, ctx: LossContext) 
         return (seq_sums / batch.lengths.clamp_min(1)).sum() / batch.num_sequences
     if ctx.loss.aggregation == Aggregation.token_mean:  # (1/N_tok) sum_i sum_t
         return seq_sums.sum() / batch.num_tokens
-    return seq_sums.sum() / batch.num_sequences  # seq_mean_token_sum: (1/N_seq) sum_i sum_t
+    divisor = ctx.loss.token_sum_divisor or 1.0  # seq_mean_token_sum: (1/N_seq) sum_i sum_t / divisor
+    return seq_sums.sum() / batch.num_sequences / divisor
 
 
 def _sequence_log_ratio(batch: _Batch, ctx: LossContext) -> torch.Tensor:
