@@ -2,7 +2,7 @@
 
 A run directory's ``config.yaml`` and a checkpoint's config keep the keys of the code that wrote them.
 Everything that reads a saved config -- the resume check (``config/resume_check.py``), the routing
-report and study tools (``routing/run_dir.py``) -- reads it through ``migrate_config`` first, so a run
+report and study tools (``run_dir.py``) -- reads it through ``migrate_config`` first, so a run
 written before a rename resumes, and a setting that changed under its new name is still caught.
 
 Design decisions:

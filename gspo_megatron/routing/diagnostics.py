@@ -51,11 +51,11 @@ from gspo_megatron.models.micro_batch import MicroBatch, StepMicroBatch, UpdateM
 from gspo_megatron.parallel.context_parallel import split_sequence
 from gspo_megatron.parallel.mesh import ParallelMesh
 from gspo_megatron.routing.config import DiagnosticKind
+from gspo_megatron.routing.log import RoutingLog
 from gspo_megatron.routing.plan import RecordingPass, RoutingPlan
 from gspo_megatron.routing.ratio_decomposition import RatioDecomposition, changed_in_any_layer, decompose_log_ratio
 from gspo_megatron.routing.recorder import Routing
 from gspo_megatron.routing.replay_strategy import TargetsOf
-from gspo_megatron.routing.run_dir import RoutingLog
 from gspo_megatron.routing.volatility import (
     ExpertLoad,
     RoutingVolatility,

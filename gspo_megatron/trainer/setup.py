@@ -29,9 +29,10 @@ from gspo_megatron.rollout.config import Placement, RolloutEngineName
 from gspo_megatron.rollout.engine import RolloutEngine
 from gspo_megatron.rollout.sglang.config import WeightSenders, WeightSync
 from gspo_megatron.rollout.types import SamplingParams
+from gspo_megatron.routing.log import RoutingLog
 from gspo_megatron.routing.replay import RoutingReplay
 from gspo_megatron.routing.replay_strategy import needs_engine_routing
-from gspo_megatron.routing.run_dir import ROUTING_FILE, RoutingLog, drop_records_from_step
+from gspo_megatron.run_dir import ROUTING_FILE, drop_records_from_step
 from gspo_megatron.trainer.colocation import ColocatedHandOver, SeparatePlacement
 from gspo_megatron.trainer.optim import build_optimizer
 from gspo_megatron.trainer.partial_rollout import PartialRollouts

@@ -18,9 +18,10 @@ import torch
 
 from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.routing.config import RoutingConfig
+from gspo_megatron.routing.log import RoutingLog
 from gspo_megatron.routing.plan import RoutingPlan
 from gspo_megatron.routing.replay import ReplayMode
-from gspo_megatron.routing.run_dir import RoutingLog, read_jsonl
+from gspo_megatron.run_dir import read_jsonl
 from gspo_megatron.testing.distributed import run_distributed
 
 OLD = [torch.tensor([[0, 1], [2, 3], [0, 1]]), torch.tensor([[0, 1], [0, 1], [0, 1]])]

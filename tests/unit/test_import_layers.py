@@ -40,7 +40,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "weights",
         "conf",
     ),
-    ("parallel", "data", "rollout", "deferred_compile", "deferred_tensorboard"),
+    ("parallel", "data", "rollout", "deferred_compile", "deferred_tensorboard", "run_dir"),
     ("models",),
     ("routing",),
     ("algorithms", "rewards"),
