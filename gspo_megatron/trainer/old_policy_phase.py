@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from gspo_megatron.algorithms.config import OldLogProbSource
+from gspo_megatron.algorithms.mismatch_metric import finalize_mismatch, train_inference_mismatch
 from gspo_megatron.models.micro_batch import StepMicroBatch
 from gspo_megatron.models.schedule import BeforeForward, run_schedule
 from gspo_megatron.parallel.mesh import ParallelMesh
-from gspo_megatron.rollout.mismatch import finalize_mismatch, train_inference_mismatch
 from gspo_megatron.trainer.batch import RolloutBatch
 from gspo_megatron.trainer.loss_head import LogProbHead, LogProbOutput
 
