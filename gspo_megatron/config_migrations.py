@@ -6,10 +6,13 @@ report and study tools (``run_dir.py``) -- reads it through ``migrate_config`` f
 written before a rename resumes, and a setting that changed under its new name is still caught.
 
 Design decisions:
-- One table (``RENAMED``: old dotted key -> new dotted key) per layout change, with the commit that
+- One table (``RENAMED``: old dotted key -> new dotted key) per layout change, with the issue that
   changed it; a key is moved only when the old path holds a value (a leaf), so a config already in
   today's layout passes unchanged and migrating twice changes nothing.
 - The values are moved as they are: no rename here changed a meaning or a default.
+- Several old keys may become one (the trigger-word lists). Where their saved values differ, the new
+  key holds a text naming each (``CONFLICT``): it equals no value a run can set, so a resume refuses
+  and names the key instead of picking one list silently.
 """
 
 from __future__ import annotations
@@ -47,7 +50,14 @@ RENAMED: dict[str, str] = {
     "algorithm.routing_replay": "routing.replay",
     "algorithm.old_log_probs": "trainer.old_log_probs",
     "algorithm.logprob_chunk_size": "trainer.logprob_chunk_size",
+    # Issue 47 item 5: one trigger-word list for step counting, its metrics and the DTR probes.
+    "shaping.step_grpo.triggers": "shaping.trigger_words",
+    "shaping.metrics.triggers": "shaping.trigger_words",
+    "rollout.truncation.trigger_words": "shaping.trigger_words",
+    "shaping.step_grpo.case_sensitive": "shaping.trigger_case_sensitive",
+    "shaping.metrics.case_sensitive": "shaping.trigger_case_sensitive",
 }
+CONFLICT = "<saved configs differ here: {}>"
 
 
 def migrate_config(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -57,8 +67,12 @@ def migrate_config(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if not moved:
         return config, []
     out = copy.deepcopy(config)
-    values = {new: _pop(out, old) for old, new in moved.items()}  # every old leaf out first: "algorithm.loss"
-    for new, value in values.items():  # was a leaf that now is the section its name goes into
+    values: dict[str, dict[str, Any]] = {}  # new key -> {old key: value}; every old leaf out first
+    for old, new in moved.items():  # ("algorithm.loss" was a leaf that now is the section its name goes into)
+        values.setdefault(new, {})[old] = _pop(out, old)
+    for new, olds in values.items():
+        distinct = {repr(v) for v in olds.values()}
+        value = next(iter(olds.values())) if len(distinct) == 1 else CONFLICT.format(olds)
         _set(out, new, value)
     return out, [f"{old} -> {new}" for old, new in moved.items()]
 

@@ -17,7 +17,7 @@ from gspo_megatron.rollout.sglang.config import WeightSync
 from gspo_megatron.routing.config import DiagnosticKind
 from gspo_megatron.routing.replay import validate_replay_mode
 from gspo_megatron.routing.replay_strategy import needs_engine_routing, needs_trainer_old_pass, replays
-from gspo_megatron.shaping.triggers import check_shared_triggers
+from gspo_megatron.shaping.triggers import check_probing_triggers
 
 
 class ConfigError(ValueError):
@@ -115,7 +115,7 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
         )
     if cfg.rollout.truncated:
         try:
-            check_shared_triggers(cfg.shaping, cfg.rollout.truncation.trigger_words)
+            check_probing_triggers(cfg.shaping)
         except ValueError as error:
             raise ConfigError(str(error)) from None
         if cfg.rollout.truncation.train_on_exit_tokens and (

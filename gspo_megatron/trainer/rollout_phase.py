@@ -159,6 +159,8 @@ class RolloutPhase:
                     format_ok[i : i + g],
                     texts[i : i + g],
                     params.max_new_tokens,
+                    self.shaping.trigger_words,
+                    self.shaping.trigger_case_sensitive,
                 ),
             )
             for i in range(0, len(samples), g)

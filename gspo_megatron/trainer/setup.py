@@ -210,11 +210,10 @@ def build_rollout_phase(cfg: TrainConfig) -> RolloutPhase:
         from gspo_megatron.rollout.truncated import TruncatedRolloutEngine
         from gspo_megatron.shaping.triggers import check_trigger_token_ids
 
-        check_trigger_token_ids(
-            cfg.rollout.truncation.trigger_token_ids, cfg.rollout.truncation.trigger_words, tokenizer.decode
-        )
+        triggers = cfg.shaping.trigger_words
+        check_trigger_token_ids(cfg.rollout.truncation.trigger_token_ids, triggers, tokenizer.decode)
         generate_fn = TruncatedRolloutEngine(
-            engine, cfg.rollout.truncation, tokenizer.encode, tokenizer.decode
+            engine, cfg.rollout.truncation, triggers, tokenizer.encode, tokenizer.decode
         ).generate
     return RolloutPhase(
         engine=engine,

@@ -264,9 +264,7 @@ def test_truncated_rollout_and_step_grpo_shaping(tmp_path):
         "rollout.truncation.confidence_threshold=1e-9",
         "rollout.truncation.trigger_token_ids=[4,5,6,7,8,9,10,11,12,13]",  # the digits' ids
         # one trigger list for probing and step counting (a token-id trigger must be a trigger word)
-        "rollout.truncation.trigger_words=['0','1','2','3','4','5','6','7','8','9']",
-        "shaping.step_grpo.triggers=['0','1','2','3','4','5','6','7','8','9']",
-        "shaping.metrics.triggers=['0','1','2','3','4','5','6','7','8','9']",
+        "shaping.trigger_words=['0','1','2','3','4','5','6','7','8','9']",
     ]
     (metrics,) = run_distributed(train_worker, 1, overrides, str(tmp_path), timeout=600)
     _check_run(metrics, 2)

@@ -1,4 +1,4 @@
-"""One trigger list for Dynamic Truncated Rollout and step counting (checked at start-up)."""
+"""One trigger list (shaping.trigger_words) for Dynamic Truncated Rollout and step counting."""
 
 import pytest
 from omegaconf import OmegaConf
@@ -16,26 +16,12 @@ def _validate(overrides):
     validate_config(typed, 1)
 
 
-def test_truncated_rollout_rejects_a_step_trigger_list_that_differs():
-    with pytest.raises(ConfigError, match=r"shaping.step_grpo.triggers=\['Wait'\].*set them equal"):
-        _validate(["rollout.truncated=true", "shaping=step_grpo", "shaping.step_grpo.triggers=[Wait]"])
-    with pytest.raises(ConfigError, match="shaping.metrics.triggers"):
-        _validate(["rollout.truncated=true", "shaping.metrics.triggers=[Wait]"])
-
-
-def test_wait_only_is_a_choice_set_in_every_list_together():
-    _validate(
-        [
-            "rollout.truncated=true",
-            "shaping=step_grpo",
-            "rollout.truncation.trigger_words=[Wait]",
-            "shaping.step_grpo.triggers=[Wait]",
-            "shaping.metrics.triggers=[Wait]",
-        ]
-    )
-    _validate(["shaping=step_grpo", "shaping.step_grpo.triggers=[Wait]"])  # no rollout probing: free
+def test_wait_only_is_one_setting_for_the_probes_and_the_step_count():
+    _validate(["rollout.truncated=true", "shaping=step_grpo", "shaping.trigger_words=[Wait]"])
+    _validate(["shaping=step_grpo", "shaping.trigger_words=[Wait]"])
 
 
 def test_case_insensitive_step_counting_is_refused_with_truncated_rollout():
-    with pytest.raises(ConfigError, match="shaping.step_grpo.case_sensitive=true"):
-        _validate(["rollout.truncated=true", "shaping=step_grpo", "shaping.step_grpo.case_sensitive=false"])
+    with pytest.raises(ConfigError, match="shaping.trigger_case_sensitive=true"):
+        _validate(["rollout.truncated=true", "shaping=step_grpo", "shaping.trigger_case_sensitive=false"])
+    _validate(["shaping=step_grpo", "shaping.trigger_case_sensitive=false"])  # no probing: free
