@@ -16,7 +16,6 @@ from gspo_megatron.algorithms.config import (
 )
 from gspo_megatron.config.compose import compose
 from gspo_megatron.config.schema import to_train_config
-from gspo_megatron.config.validate import ConfigError, validate_config
 from gspo_megatron.config_node import flatten_dotted
 
 CONF = Path(__file__).resolve().parents[3] / "gspo_megatron" / "conf" / "algorithm"
@@ -90,32 +89,8 @@ def test_validation_errors_name_the_nested_key(build, message):
         build()
 
 
-@pytest.mark.parametrize(
-    "overrides,message",
-    [
-        (["trainer.logprob_chunk_size=0"], r"trainer.logprob_chunk_size must be >= 1"),
-        (
-            ["trainer.old_log_probs=rollout", "algorithm=grpo_routing_replay"],
-            r"skips the trainer's old-policy forward.*use routing.replay=rollout",
-        ),
-        (
-            ["trainer.old_log_probs=rollout", "algorithm=grpo_tis"],
-            r"exactly 1 when trainer.old_log_probs=rollout",
-        ),
-    ],
-)
-def test_rules_across_sections(overrides, message):
-    with pytest.raises((ConfigError, ValueError), match=message):
-        validate_config(to_train_config(compose(overrides)), world_size=1)
-
-
 def test_grpo_allows_token_mean_and_the_loss_context_is_the_section_plus_denominators():
     loss = LossConfig(name="grpo", clip_low=0.2, clip_high=0.28, aggregation="token_mean")
     ctx = LossContext(loss, global_num_sequences=8, global_num_tokens=100)
     assert ctx.loss is loss  # the section itself, not a copy of its fields
     assert (ctx.clip_low, ctx.clip_high, ctx.loss.aggregation, ctx.global_num_tokens) == (0.2, 0.28, "token_mean", 100)
-
-
-@pytest.mark.parametrize("algorithm", ["grpo", "grpo_rollout_routing_replay"])
-def test_engine_old_log_probs_allowed_without_old_policy_replay(algorithm):
-    validate_config(to_train_config(compose([f"algorithm={algorithm}", "trainer.old_log_probs=rollout"])), 1)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from gspo_megatron.config.schema import TrainConfig
+from gspo_megatron.config.compose import compose
+from gspo_megatron.config.schema import TrainConfig, to_train_config
 from gspo_megatron.config.validate import ConfigError, validate_config
 from gspo_megatron.models.config import ModelConfigError
 from gspo_megatron.parallel.layout import LayoutError
@@ -175,3 +176,28 @@ def test_rollout_replay_with_sglang_needs_routed_experts():
     refused(cfg, 1, "enable_return_routed_experts=true")
     cfg.rollout.sglang.enable_return_routed_experts = True
     validate_config(cfg, 1)
+
+
+# pi_old's source (trainer.old_log_probs) against the algorithm's and routing's sections
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["trainer.logprob_chunk_size=0"], r"trainer.logprob_chunk_size must be >= 1"),
+        (
+            ["trainer.old_log_probs=rollout", "algorithm=grpo_routing_replay"],
+            r"skips the trainer's old-policy forward.*use routing.replay=rollout",
+        ),
+        (
+            ["trainer.old_log_probs=rollout", "algorithm=grpo_tis"],
+            r"exactly 1 when trainer.old_log_probs=rollout",
+        ),
+    ],
+)
+def test_rules_across_sections(overrides, message):
+    with pytest.raises((ConfigError, ValueError), match=message):
+        validate_config(to_train_config(compose(overrides)), world_size=1)
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "grpo_rollout_routing_replay"])
+def test_engine_old_log_probs_allowed_without_old_policy_replay(algorithm):
+    validate_config(to_train_config(compose([f"algorithm={algorithm}", "trainer.old_log_probs=rollout"])), 1)
