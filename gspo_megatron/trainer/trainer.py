@@ -167,25 +167,25 @@ class RLTrainer:
             share = self._rollout()
             self.placement.after_generation()
         batch, totals, metrics = share.batch, share.totals, dict(share.metrics)
-        parts = cut_micro_batches(batch, share.plan)
-        fed = step_fed_shape(parts, self.mesh.layout.dp)
+        minibatches = cut_micro_batches(batch, share.plan)
+        fed = step_fed_shape(minibatches, self.mesh.layout.dp)
         metrics["batch/padded_token_frac"] = fed.padded_fraction(totals.input_tokens)
         metrics.update(fed.metrics())
-        flat = [mb for part in parts for mb in part]
+        flat = [mb for minibatch in minibatches for mb in minibatch]
         with self._phase(timings, "old_logp"), self.routing.old_pass(self.step, flat) as before_forward:
             old = self.old_policy.run(batch, flat, before_forward)
         old_metrics = dict(old.metrics)
         if self.cfg.algorithm.mismatch.active:  # importance weights pi_old / pi_rollout
             mismatch = correct_mismatch(
-                batch, old.log_probs, parts, self.cfg.algorithm, totals, self.mesh.other_rows_group
+                batch, old.log_probs, minibatches, self.cfg.algorithm, totals, self.mesh.other_rows_group
             )
-            parts, totals = mismatch.parts, mismatch.totals
+            minibatches, totals = mismatch.minibatches, mismatch.totals
             old_metrics.update(mismatch.metrics)
         reference = None
         if self.c.reference is not None:  # algorithm.kl.coef > 0: frozen reference, routers never replay
             with self._phase(timings, "ref_logp"):
                 reference = self.c.reference.log_probs(flat)
-        updates = update_batches(parts, batch, old.log_probs, reference)  # what the loss reads, built once
+        updates = update_batches(minibatches, batch, old.log_probs, reference)  # what the loss reads, built once
         with self._phase(timings, "update"):
             update = self._policy_updates(updates, totals)
         with self._phase(timings, "weight_sync"):
@@ -260,9 +260,9 @@ class RLTrainer:
             routing_log=self.c.routing_log,
         )
 
-    def _policy_updates(self, parts: list[list[UpdateMicroBatch]], totals: StepTotals) -> UpdateResult:
+    def _policy_updates(self, minibatches: list[list[UpdateMicroBatch]], totals: StepTotals) -> UpdateResult:
         merged, grad_norms = None, []
-        for update, mbs in enumerate(parts):
+        for update, mbs in enumerate(minibatches):
             with self.routing.update(update, mbs) as before_forward:
                 self.c.model.zero_grad_buffer()
                 self.c.optimizer.zero_grad()

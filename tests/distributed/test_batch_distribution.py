@@ -75,9 +75,9 @@ def distribution_worker(ctx, micro_batch_tokens):
         whole, updates=UPDATES, micro_batch_size=3, dp_size=2, dp_rank=ctx.rank, micro_batch_tokens=micro_batch_tokens
     )
     assert len(got) == len(expected) == UPDATES
-    for part, part_expected in zip(got, expected, strict=True):
-        assert len(part) == len(part_expected)
-        for mb, mb_expected in zip(part, part_expected, strict=True):
+    for minibatch, part_expected in zip(got, expected, strict=True):
+        assert len(minibatch) == len(part_expected)
+        for mb, mb_expected in zip(minibatch, part_expected, strict=True):
             for name, value in vars(mb_expected).items():
                 other = getattr(mb, name)
                 assert (other is None and value is None) or torch.equal(other, value), name
@@ -134,14 +134,17 @@ def rejection_worker(ctx, mismatch: dict):
         else None
     )
     share = scatter_shares(shares, data_parallel_rank_of_each_rank(ctx.rank))
-    parts = cut_micro_batches(share.batch, share.plan)
+    minibatches = cut_micro_batches(share.batch, share.plan)
     algorithm = AlgorithmConfig(loss=LossConfig(name="grpo"), mismatch=MismatchConfig(**mismatch))
     result = correct_mismatch(
-        share.batch, old_log_probs[share.batch.row_ids], parts, algorithm, share.totals, dist.group.WORLD
+        share.batch, old_log_probs[share.batch.row_ids], minibatches, algorithm, share.totals, dist.group.WORLD
     )
-    parts, totals = result.parts, result.totals
+    minibatches, totals = result.minibatches, result.totals
     kept = {
-        int(row): mb.response_mask[i].sum().item() for part in parts for mb in part for i, row in enumerate(mb.rows)
+        int(row): mb.response_mask[i].sum().item()
+        for minibatch in minibatches
+        for mb in minibatch
+        for i, row in enumerate(mb.rows)
     }
     return {"sequences": totals.update_sequences.tolist(), "tokens": totals.update_tokens.tolist(), "kept": kept}
 
