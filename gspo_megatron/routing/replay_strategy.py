@@ -53,7 +53,7 @@ def replays(mode: str) -> bool:
 
 
 class ReplayStrategy:
-    """``routing_replay=none``: routers choose freely; the old pass only records (for diagnostics)."""
+    """``routing.replay=none``: routers choose freely; the old pass only records (for diagnostics)."""
 
     name = ReplayMode.none
     replays_in_training = False
@@ -80,7 +80,7 @@ class ReplayStrategy:
 
 
 class OldPolicyReplay(ReplayStrategy):
-    """``routing_replay=old_policy`` (R2): training forwards replay the old pass's recorded experts."""
+    """``routing.replay=old_policy`` (R2): training forwards replay the old pass's recorded experts."""
 
     name = ReplayMode.old_policy
     replays_in_training = True
@@ -91,7 +91,7 @@ class OldPolicyReplay(ReplayStrategy):
 
 
 class RolloutReplay(ReplayStrategy):
-    """``routing_replay=rollout`` (R3): every forward replays the engine's experts; the old pass is
+    """``routing.replay=rollout`` (R3): every forward replays the engine's experts; the old pass is
     observed, so engine-vs-trainer routing is measured in the replaying forward (0 when it works)."""
 
     name = ReplayMode.rollout

@@ -17,8 +17,8 @@ calls ``run`` and never asks which one it holds:
       ratio_i = exp( (1/|y_i|) * sum_t [log pi_theta(y_it) - log pi_engine(y_it)] )
 
   Consequences: no mismatch metric (it would compare a tensor with itself) and no old entropy; no
-  old-policy routing recording (``routing_replay=old_policy`` is refused at start-up,
-  ``algorithms/config.py``; R3 replays the engine's routing and needs none); the routing diagnostics
+  old-policy routing recording (``routing.replay=old_policy`` is refused at start-up,
+  ``config/validate.py``; R3 replays the engine's routing and needs none); the routing diagnostics
   take the old policy's routing from the first update's training forward (``routing/plan.py``).
 
 Both return pi_old of this rank's rows (``OldPolicyResult.log_probs``); the trainer builds the updates'
