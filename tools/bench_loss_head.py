@@ -28,7 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from gspo_megatron.algorithms import LossContext, get_policy_loss, vocab_parallel_log_probs
+from gspo_megatron.algorithms import LossConfig, LossContext, get_policy_loss, vocab_parallel_log_probs
 from gspo_megatron.testing.memory import peak_bytes
 
 
@@ -49,7 +49,7 @@ def _inputs(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, torch
 def _ours(logits, targets, old, mask, advantages, chunk_size):
     leaf = logits.detach().requires_grad_()
     log_probs, _ = vocab_parallel_log_probs(leaf, targets, chunk_size=chunk_size)
-    ctx = LossContext(clip_low=3e-4, clip_high=4e-4)
+    ctx = LossContext(LossConfig(name="gspo", clip_low=3e-4, clip_high=4e-4))
     get_policy_loss("gspo")(log_probs, old, advantages, mask, ctx).loss.backward()
     return leaf.grad
 

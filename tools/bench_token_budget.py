@@ -78,7 +78,7 @@ def bench_worker(ctx, args) -> dict:
         global_num_tokens=mask.sum(),
     )
     variants = {"padded": None, "budget": args.budget}
-    parts = {  # pi_old = the engine's log-probs (as algorithm.old_log_probs=rollout)
+    parts = {  # pi_old = the engine's log-probs (as trainer.old_log_probs=rollout)
         name: update_batches(
             partition(
                 batch,

@@ -3,7 +3,7 @@
     pip install -e '.[bench]'                       # TRL and what it needs (not part of setup.sh)
     python tools/bench_vs_trl.py --shape medium      # 4-layer 16-expert MoE, 32 x <= 64-token answers
     python tools/bench_vs_trl.py --shape default     # the main job: fine-grained MoE, 256 three-token answers
-    python tools/bench_vs_trl.py --shape medium algorithm.old_log_probs=rollout  # any of our overrides
+    python tools/bench_vs_trl.py --shape medium trainer.old_log_probs=rollout  # any of our overrides
 
 Same work on both sides, all taken from this project's composed config:
 - the same weights: one HF checkpoint (``save_pretrained`` of a transformers Qwen3-MoE with this

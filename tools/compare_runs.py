@@ -13,7 +13,7 @@ curves with seed bands, per-layer volatility, ratio dispersion by length, "paper
 ``tools/study_reports/study_report.py``), and prints both tables to stdout.
 
 Design decisions:
-- Runs are read through ``gspo_megatron.routing.run_dir`` (the format is documented there) and
+- Runs are read through ``gspo_megatron.run_dir`` (the format is documented there) and
   summarised with the same ``summarize_run`` as the single-run report, so the numbers agree.
 - A run is labelled by ``algorithm.name`` from its config.yaml (else its directory name); runs that
   share a label (GRPO with and without replay) get their directory name appended.
@@ -51,7 +51,7 @@ from gspo_megatron.routing.report import (
     summarize_run,
     training_panels,
 )
-from gspo_megatron.routing.run_dir import RunData, RunDirError, load_run
+from gspo_megatron.run_dir import RunData, RunDirError, load_run
 
 BASE_COLUMNS = ["run", "final reward", "clip frac tok", "clip frac seq"]
 

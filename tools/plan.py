@@ -2,7 +2,7 @@
 
     # the job `python -m gspo_megatron.train <overrides>` would run, planned on 8 H100s
     python tools/plan.py model=qwen3_30b_a3b parallel=tp4_ep8 rollout=sglang rollout.sglang.tp=4 \
-        trainer.recompute_activations=true algorithm.kl_coef=0.001 --gpus 8 --prompt-tokens 1024
+        trainer.recompute_activations=true algorithm.kl.coef=0.001 --gpus 8 --prompt-tokens 1024
     python tools/plan.py model=qwen3_235b_a22b rollout=sglang rollout.sglang.model_path=/ckpt --gpus 64 --rank
     # a bare model and layout name (no training config: every option a flag)
     python tools/plan.py qwen3_30b_a3b tp4_ep8 --gpus 8 --recompute
@@ -161,7 +161,7 @@ def print_detail(plan: Plan) -> None:
             m.state.optimizer,
         ),
         (
-            "reference model (algorithm.kl_coef > 0)"
+            "reference model (algorithm.kl.coef > 0)"
             + (", in host memory between its passes" if m.reference_offloaded else ""),
             m.reference_weights,
         ),
@@ -250,7 +250,7 @@ NAME_MODE_ONLY = {  # flags that set what a training config decides; config mode
     "optimizer_offload": "optimizer.cpu_offload=true (and optimizer.offload_fraction)",
     "precision_aware": "optimizer.precision_aware=true",
     "recompute": "trainer.recompute_activations=true",
-    "routing_replay": "algorithm.routing_replay",
+    "routing_replay": "routing.replay",
     "dispatcher": "model.token_dispatcher",
     "layer_spec": "model.layer_spec",
     "sync_bucket_mib": "rollout.sglang.weight_bucket_bytes",

@@ -10,15 +10,12 @@ from gspo_megatron.algorithms.advantages import (
     AdvantageOutput,
     group_relative,
 )
-from gspo_megatron.algorithms.config import (
-    AlgorithmConfig,
-    make_advantage_context,
-    make_loss_context,
-)
+from gspo_megatron.algorithms.config import AlgorithmConfig, make_advantage_context
 from gspo_megatron.algorithms.logprobs import vocab_parallel_log_probs
 from gspo_megatron.algorithms.losses import (
     AGGREGATIONS,
     POLICY_LOSSES,
+    LossConfig,
     LossContext,
     PolicyLossOutput,
     get_policy_loss,
@@ -39,6 +36,7 @@ __all__ = [
     "AdvantageContext",
     "AdvantageOutput",
     "AlgorithmConfig",
+    "LossConfig",
     "LossContext",
     "PolicyLossOutput",
     "Registry",
@@ -51,7 +49,6 @@ __all__ = [
     "group_relative",
     "local_sequence_sum",
     "make_advantage_context",
-    "make_loss_context",
     "merge_metrics",
     "token_mean_metric",
     "vocab_parallel_log_probs",

@@ -63,17 +63,18 @@ class AdaptiveClipController:
 
     @classmethod
     def from_config(cls, cfg: AlgorithmConfig) -> AdaptiveClipController | None:
-        """None unless ``cfg.adaptive_clip_target`` is set (``cfg`` is an ``AlgorithmConfig``)."""
-        if cfg.adaptive_clip_target is None:
+        """None unless ``algorithm.adaptive_clip.target`` is set (``cfg`` is an ``AlgorithmConfig``)."""
+        adaptive = cfg.adaptive_clip
+        if adaptive.target is None:
             return None
         return cls(
-            cfg.clip_low,
-            cfg.clip_high,
-            cfg.adaptive_clip_target,
-            cfg.adaptive_clip_rate,
-            cfg.adaptive_clip_min_scale,
-            cfg.adaptive_clip_max_scale,
-            cfg.loss in SEQUENCE_LEVEL_LOSSES,
+            cfg.loss.clip_low,
+            cfg.loss.clip_high,
+            adaptive.target,
+            adaptive.rate,
+            adaptive.min_scale,
+            adaptive.max_scale,
+            cfg.loss.name in SEQUENCE_LEVEL_LOSSES,
         )
 
     @property

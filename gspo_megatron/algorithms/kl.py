@@ -10,7 +10,7 @@ divergence", 2020; the names verl's ``kl_loss_type`` and TRL's ``beta`` term use
                                                    "k3" alias; slime ``compute_approx_kl(..., "low_var_kl")``
 Gradients w.r.t. log pi_theta: 1, d and 1 - exp(-d) (0 where low_var_kl's bound of 10 is active).
 
-What is clamped: every estimator sees d clamped to +-``clamp`` (``algorithm.log_ratio_clamp``, 20 by
+What is clamped: every estimator sees d clamped to +-``clamp`` (``algorithm.loss.log_ratio_clamp``, 20 by
 default) first, as the policy losses clamp their log-ratios, so a reference that assigns ~0
 probability cannot overflow exp(-d); where that clamp is active the term has no gradient. k1 and k2
 are otherwise unbounded (verl and slime clamp neither), and k3 is the unbounded form TRL uses

@@ -16,10 +16,12 @@ Design decisions:
   padding cannot turn into NaN. Sequences with no valid token contribute nothing.
 - "Clipped" means the clip is *active* (the min picks the clipped term and the gradient is zero):
   high: A > 0 and ratio > 1 + eps_high; low: A < 0 and ratio < 1 - eps_low.
+- A loss's settings are ``algorithm.loss`` (``LossConfig``, validated once, where a new option goes);
+  ``LossContext`` is that section plus the whole-batch denominators and this step's eps -- no copy.
 - Dual clip (Ye et al. 2020, arXiv 1912.09729; verl ``clip_ratio_c``, slime ``--eps-clip-c``) is
-  optional (``ctx.clip_ratio_c``): where A < 0 the objective is floored at c A, so a ratio above c
+  optional (``ctx.loss.clip_ratio_c``): where A < 0 the objective is floored at c A, so a ratio above c
   cannot push an unboundedly large negative term; there ("dual"-clipped) the gradient is zero.
-- GSPO's sequence log-ratio has its own upper bound ``ctx.gspo_log_ratio_max`` (verl clamps log s_i
+- GSPO's sequence log-ratio has its own upper bound ``ctx.loss.gspo_log_ratio_max`` (verl clamps log s_i
   at max 10 and nothing below); None bounds it like every other log-ratio, at +-log_ratio_clamp.
 - GSPO's ratio is already length-normalised per sequence, so GSPO and GSPO-token accept only
   "seq_mean_token_mean"; a token-weighted aggregation would re-introduce the length bias GSPO removes.
@@ -37,6 +39,7 @@ GRPO, Shao et al., "DeepSeekMath", arXiv 2402.03300; clip-higher from DAPO, arXi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -45,12 +48,12 @@ import torch
 from gspo_megatron.algorithms.metrics import extremum_entries, mean_entries
 from gspo_megatron.algorithms.ratio_dispersion import ratio_dispersion_metrics
 from gspo_megatron.algorithms.reductions import local_sequence_sum
-from gspo_megatron.config_node import ConfigChoice
+from gspo_megatron.config_node import ConfigChoice, ConfigNode
 from gspo_megatron.registry import Registry
 
 
 class Aggregation(ConfigChoice):
-    """How per-token terms become one loss (``algorithm.aggregation``; see ``_aggregate_tokens``)."""
+    """How per-token terms become one loss (``algorithm.loss.aggregation``; see ``_aggregate_tokens``)."""
 
     seq_mean_token_mean = "seq_mean_token_mean"
     token_mean = "token_mean"
@@ -65,27 +68,76 @@ Count = torch.Tensor | float | int | None
 
 
 @dataclass
-class LossContext:
-    """Everything a policy loss needs besides the tensors; built by the trainer per micro-batch."""
+class LossConfig(ConfigNode):
+    """``algorithm.loss``: which policy loss, and every setting the loss head reads. A new option is a
+    field here (with its rule in ``validate``), read in the loss as ``ctx.loss.<option>``."""
 
-    clip_low: float
-    clip_high: float
-    aggregation: str = "seq_mean_token_mean"
+    name: str = "gspo"  # a POLICY_LOSSES name
+    clip_low: float = 3e-4  # ratio floor 1 - clip_low
+    clip_high: float = 4e-4  # ratio ceiling 1 + clip_high
+    aggregation: Aggregation = Aggregation.seq_mean_token_mean
+    log_ratio_clamp: float = 20.0  # |log ratio| bound applied before exp
+    clip_ratio_c: float | None = None  # dual clip: J floored at c A where A < 0 (verl clip_ratio_c=3); None: off
+    gspo_log_ratio_max: float | None = None  # upper bound on GSPO's log s_i (verl: 10); None: log_ratio_clamp
+    entropy_coef: float = 0.0  # loss -= entropy_coef * aggregated entropy (verl entropy_coeff)
+    # off-policy sequence masking (algorithms/off_policy_masking.py, slime --opsm-delta 1e-4): a sequence with
+    # A < 0 whose mean log pi_old - log pi_theta exceeds it leaves the policy-gradient term; null: off
+    opsm_delta: float | None = None
+    # seq_mean_token_sum: each sequence's token sum also divided by this constant -- TRL's loss_type=dr_grpo
+    # (its max_completion_length), Dr. GRPO's generation budget (arXiv 2503.20783); null: 1
+    token_sum_divisor: float | None = None
+
+    def validate(self) -> None:
+        prefix = "algorithm.loss."
+        if self.name not in POLICY_LOSSES:
+            raise ValueError(
+                f"{prefix}name={self.name!r} is not a policy loss; valid: {', '.join(POLICY_LOSSES.names())}"
+            )
+        check_loss_settings(self.aggregation, self.clip_low, self.clip_high, self.log_ratio_clamp, prefix=prefix)
+        check_clip_extensions(self.clip_ratio_c, self.gspo_log_ratio_max, prefix=prefix)
+        if self.name in SEQUENCE_LEVEL_LOSSES:
+            check_sequence_aggregation(self.name, self.aggregation, prefix=prefix)
+        if not math.isfinite(self.entropy_coef):
+            raise ValueError(f"{prefix}entropy_coef must be finite, got {self.entropy_coef}")
+        if self.opsm_delta is not None and not self.opsm_delta >= 0:
+            raise ValueError(f"{prefix}opsm_delta must be >= 0 or null (slime's default 1e-4), got {self.opsm_delta}")
+        if self.token_sum_divisor is not None and not (
+            self.token_sum_divisor > 0 and self.aggregation == Aggregation.seq_mean_token_sum
+        ):
+            raise ValueError(
+                f"{prefix}token_sum_divisor={self.token_sum_divisor} divides seq_mean_token_sum's sums: it must be > 0 "
+                f"(TRL's dr_grpo: max_completion_length) with {prefix}aggregation=seq_mean_token_sum, or null"
+            )
+
+
+@dataclass
+class LossContext:
+    """Everything a policy loss needs besides the tensors: the loss section as configured, the
+    whole-batch denominators and this step's eps; built by the loss head per micro-batch."""
+
+    loss: LossConfig
     global_num_sequences: Count = None  # sequences with >= 1 valid token, whole batch; None: local
     global_num_tokens: Count = None  # valid tokens, whole batch; None: local
-    log_ratio_clamp: float = 20.0
     sequence_sum: Callable[[torch.Tensor], torch.Tensor] = field(default=local_sequence_sum)
-    clip_ratio_c: float | None = None  # dual clip: floor c A where A < 0; None: off
-    gspo_log_ratio_max: float | None = None  # upper bound on GSPO's log s_i; None: log_ratio_clamp
+    clip: tuple[float, float] | None = None  # this step's (eps_low, eps_high) (adaptive clip); None: configured
 
     def __post_init__(self) -> None:
-        check_loss_settings(self.aggregation, self.clip_low, self.clip_high, self.log_ratio_clamp)
-        check_clip_extensions(self.clip_ratio_c, self.gspo_log_ratio_max)
+        if self.clip is not None:
+            check_loss_settings(self.loss.aggregation, *self.clip, self.loss.log_ratio_clamp)
+
+    @property
+    def clip_low(self) -> float:
+        return self.loss.clip_low if self.clip is None else self.clip[0]
+
+    @property
+    def clip_high(self) -> float:
+        return self.loss.clip_high if self.clip is None else self.clip[1]
 
     def clamp_sequence_log_ratio(self, log_s: torch.Tensor) -> torch.Tensor:
         """log s_i bounded to [-log_ratio_clamp, gspo_log_ratio_max or log_ratio_clamp]."""
-        upper = self.log_ratio_clamp if self.gspo_log_ratio_max is None else self.gspo_log_ratio_max
-        return log_s.clamp(-self.log_ratio_clamp, upper)
+        loss = self.loss
+        upper = loss.log_ratio_clamp if loss.gspo_log_ratio_max is None else loss.gspo_log_ratio_max
+        return log_s.clamp(-loss.log_ratio_clamp, upper)
 
 
 def check_loss_settings(
@@ -119,7 +171,7 @@ def check_sequence_aggregation(loss_name: str, aggregation: str, prefix: str = "
     counts would re-introduce the length bias GSPO removes."""
     if aggregation not in SEQUENCE_LEVEL_AGGREGATIONS:
         raise ValueError(
-            f"{prefix}loss={loss_name!r} with aggregation={aggregation!r}: GSPO's ratio is already "
+            f"{prefix}name={loss_name!r} with aggregation={aggregation!r}: GSPO's ratio is already "
             f"length-normalised per sequence, so token-weighted aggregation re-introduces the length bias; "
             f"set {prefix}aggregation=seq_mean_token_mean (or use the grpo loss)"
         )
@@ -165,7 +217,7 @@ def _mask_and_counts(
 
 def aggregate_tokens(per_token: torch.Tensor, response_mask: torch.Tensor, ctx: LossContext) -> torch.Tensor:
     """This micro-batch's share of the whole-batch mean of a per-token term [B, T], aggregated like the
-    policy loss (``ctx.aggregation``, global denominators); for regularisers such as KL and entropy."""
+    policy loss (``ctx.loss.aggregation``, global denominators); for regularisers such as KL and entropy."""
     if per_token.shape != response_mask.shape:
         raise ValueError(f"per_token {tuple(per_token.shape)} and response_mask {tuple(response_mask.shape)} differ")
     mask, lengths, seq_valid, num_sequences, num_tokens = _mask_and_counts(response_mask, ctx, per_token.dtype)
@@ -207,22 +259,23 @@ def _clipped_objective(
     clipped_high = (advantages > 0) & (ratio > 1 + ctx.clip_high)
     clipped_low = (advantages < 0) & (ratio < 1 - ctx.clip_low)
     clipped_dual = torch.zeros_like(clipped_low)
-    if ctx.clip_ratio_c is not None:
-        floor = ctx.clip_ratio_c * advantages
+    if ctx.loss.clip_ratio_c is not None:
+        floor = ctx.loss.clip_ratio_c * advantages
         # J = max(min(r A, clip(r) A), c A) for A < 0: constant c A (no gradient) where r > c
         objective = torch.where(advantages < 0, torch.maximum(objective, floor), objective)
-        clipped_dual = (advantages < 0) & (ratio > ctx.clip_ratio_c)
+        clipped_dual = (advantages < 0) & (ratio > ctx.loss.clip_ratio_c)
     return objective, clipped_low, clipped_high, clipped_dual
 
 
 def _aggregate_tokens(per_token: torch.Tensor, batch: _Batch, ctx: LossContext) -> torch.Tensor:
     """Sum a per-token objective [B, T] into this micro-batch's share of the whole-batch mean."""
     seq_sums = ctx.sequence_sum(torch.where(batch.mask, per_token, 0.0))  # sum_t, whole sequence
-    if ctx.aggregation == Aggregation.seq_mean_token_mean:  # (1/N_seq) sum_i (1/|y_i|) sum_t
+    if ctx.loss.aggregation == Aggregation.seq_mean_token_mean:  # (1/N_seq) sum_i (1/|y_i|) sum_t
         return (seq_sums / batch.lengths.clamp_min(1)).sum() / batch.num_sequences
-    if ctx.aggregation == Aggregation.token_mean:  # (1/N_tok) sum_i sum_t
+    if ctx.loss.aggregation == Aggregation.token_mean:  # (1/N_tok) sum_i sum_t
         return seq_sums.sum() / batch.num_tokens
-    return seq_sums.sum() / batch.num_sequences  # seq_mean_token_sum: (1/N_seq) sum_i sum_t
+    divisor = ctx.loss.token_sum_divisor or 1.0  # seq_mean_token_sum: (1/N_seq) sum_i sum_t / divisor
+    return seq_sums.sum() / batch.num_sequences / divisor
 
 
 def _sequence_log_ratio(batch: _Batch, ctx: LossContext) -> torch.Tensor:
@@ -233,7 +286,7 @@ def _sequence_log_ratio(batch: _Batch, ctx: LossContext) -> torch.Tensor:
 def _common_metrics(batch: _Batch, ctx: LossContext) -> dict[str, torch.Tensor]:
     """KL(old || new) estimates per token and response-length statistics."""
     with torch.no_grad():
-        log_r = batch.log_ratio.detach().clamp(-ctx.log_ratio_clamp, ctx.log_ratio_clamp)
+        log_r = batch.log_ratio.detach().clamp(-ctx.loss.log_ratio_clamp, ctx.loss.log_ratio_clamp)
         k1 = -log_r  # log pi_old - log pi_theta
         k3 = torch.expm1(log_r) - log_r  # (r - 1) - log r >= 0
         valid_lengths = torch.where(batch.seq_valid, batch.lengths, 0.0)
@@ -247,7 +300,7 @@ def _common_metrics(batch: _Batch, ctx: LossContext) -> dict[str, torch.Tensor]:
             **mean_entries("response_length", valid_lengths.sum(), batch.seq_valid.sum()),
             **extremum_entries("response_length", batch.lengths, batch.seq_valid),
             **ratio_dispersion_metrics(
-                batch.log_ratio, batch.mask, batch.lengths, ctx.sequence_sum, ctx.log_ratio_clamp
+                batch.log_ratio, batch.mask, batch.lengths, ctx.sequence_sum, ctx.loss.log_ratio_clamp
             ),
         }
     return metrics
@@ -270,7 +323,7 @@ def _clip_metrics_per_sequence(
 
 def _clip_sides(ctx: LossContext) -> tuple[str, ...]:
     """The clip fractions a loss reports: low and high, plus dual when dual clip is on."""
-    return ("low", "high") if ctx.clip_ratio_c is None else ("low", "high", "dual")
+    return ("low", "high") if ctx.loss.clip_ratio_c is None else ("low", "high", "dual")
 
 
 def _clip_metrics_per_token(
@@ -311,7 +364,7 @@ def gspo_loss(
     s_i = exp( clamp( (1/|y_i|) sum_t log(pi_theta / pi_old)(y_{i,t}) ) )
     J   = (1/N_seq) sum_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i);  loss = -J
     """
-    check_sequence_aggregation("gspo", ctx.aggregation)
+    check_sequence_aggregation("gspo", ctx.loss.aggregation)
     if advantages.dim() != 1:
         raise ValueError(
             f"gspo needs one advantage per sequence ([B]), got {tuple(advantages.shape)}; "
@@ -345,7 +398,7 @@ def gspo_token_loss(
     With A_{i,t} = A_i this equals GSPO in value and gradient. Where GSPO's clamp of log s_i is active
     (its gradient is zero there) the token term is gated off too, so the equality holds everywhere.
     """
-    check_sequence_aggregation("gspo_token", ctx.aggregation)
+    check_sequence_aggregation("gspo_token", ctx.loss.aggregation)
     batch = _prepare(log_probs, old_log_probs, advantages, response_mask, ctx)
     seq_log_ratio = _sequence_log_ratio(batch, ctx).detach()
     log_s = ctx.clamp_sequence_log_ratio(seq_log_ratio)
@@ -375,11 +428,11 @@ def grpo_loss(
 
         w_{i,t} = exp( clamp( log pi_theta(y_{i,t}) - log pi_old(y_{i,t}) ) )
         J = aggregate_{i,t} min(w_{i,t} A_{i,t}, clip(w_{i,t}, 1 - eps_low, 1 + eps_high) A_{i,t})
-    with ``ctx.aggregation`` choosing the sequence-mean of token-means (the paper's form), the global
+    with ``ctx.loss.aggregation`` choosing the sequence-mean of token-means (the paper's form), the global
     token mean, or the sequence-mean of token sums.
     """
     batch = _prepare(log_probs, old_log_probs, advantages, response_mask, ctx)
-    w = batch.log_ratio.clamp(-ctx.log_ratio_clamp, ctx.log_ratio_clamp).exp()
+    w = batch.log_ratio.clamp(-ctx.loss.log_ratio_clamp, ctx.loss.log_ratio_clamp).exp()
     token_advantages = advantages.detach() if advantages.dim() == 2 else advantages.detach().unsqueeze(-1)
     objective, *clipped = _clipped_objective(w, token_advantages, ctx)
     loss = -_aggregate_tokens(objective, batch, ctx)

@@ -37,7 +37,7 @@ from gspo_megatron.config_node import ConfigChoice
 
 
 class MismatchCorrection(ConfigChoice):
-    """``algorithm.mismatch_correction`` (a closed choice: Hydra refuses other values at compose time)."""
+    """``algorithm.mismatch.correction`` (a closed choice: Hydra refuses other values at compose time)."""
 
     none = "none"
     token_truncate = "token_truncate"
@@ -50,14 +50,14 @@ MISMATCH_MODES = tuple(MismatchCorrection)
 
 
 class SequenceRatio(ConfigChoice):
-    """``algorithm.mismatch_sequence_ratio``: how the sequence modes combine a row's token ratios."""
+    """``algorithm.mismatch.sequence_ratio``: how the sequence modes combine a row's token ratios."""
 
     geometric = "geometric"  # rho_i = exp( (1/|y_i|) sum_t log rho_{i,t} ): length-normalised, GSPO's form
     product = "product"  # rho_i = exp( sum_t log rho_{i,t} ): verl rollout_is=sequence, TRL sequence_*
 
 
 class RejectedTokens(ConfigChoice):
-    """``algorithm.mismatch_rejected``: what a mask mode does with the tokens (rows) it zeroes."""
+    """``algorithm.mismatch.rejected``: what a mask mode does with the tokens (rows) it zeroes."""
 
     keep = "keep"  # weight 0, still counted in the loss denominators (TRL, slime icepop)
     drop = "drop"  # removed from the response mask, so from the denominators too (verl rollout_rs)

@@ -39,7 +39,7 @@ from gspo_megatron.config_node import ConfigChoice
 
 
 class RejectionLevel(ConfigChoice):
-    """``algorithm.mismatch_reject``: which ratio the band [lower, upper] is applied to."""
+    """``algorithm.mismatch.reject``: which ratio the band [lower, upper] is applied to."""
 
     none = "none"
     token = "token"  # each token's rho_{i,t}

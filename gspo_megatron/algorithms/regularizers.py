@@ -35,10 +35,10 @@ def kl_penalty(
     """(coef * agg KL_t, {"kl_ref": token mean of the estimate}); needs ``ref_log_probs`` when coef > 0."""
     if ref_log_probs is None:
         raise ValueError(
-            "algorithm.kl_coef > 0 but the micro-batch has no ref_log_probs: the reference forward did "
+            "algorithm.kl.coef > 0 but the micro-batch has no ref_log_probs: the reference forward did "
             "not run (trainer/reference_model.py adds them)"
         )
     mask = response_mask.bool()
-    per_token = torch.where(mask, reference_kl(log_probs, ref_log_probs, estimator, ctx.log_ratio_clamp), 0.0)
+    per_token = torch.where(mask, reference_kl(log_probs, ref_log_probs, estimator, ctx.loss.log_ratio_clamp), 0.0)
     term = coef * aggregate_tokens(per_token, response_mask, ctx)
     return term, token_mean_metric("kl_ref", per_token, mask, ctx.sequence_sum)

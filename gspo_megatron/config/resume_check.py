@@ -12,7 +12,8 @@ Design decisions:
   ``checkpoint.resume_allow_changes`` (a key, or a section ending in '.'), so a changed run is a
   decision, never an accident.
 - A key only one side has comes from another version of the code (a setting added or removed): it
-  is accepted and reported, since the user did not choose it.
+  is accepted and reported, since the user did not choose it. A key that was renamed is compared under
+  its new name (``config_migrations.py``), so a value changed across a rename is still refused.
 - The saved config comes from a file someone may have crafted: it is read as plain data
   (``plain_config``) and a message shows at most ``MAX_SHOWN`` characters of a value.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from gspo_megatron.config_migrations import migrate_config
 from gspo_megatron.config_node import flatten_dotted
 
 FREE_KEYS = (
@@ -30,7 +32,9 @@ FREE_KEYS = (
     "checkpoint.",
     "parallel.",
     "reward.",
-    "routing.",
+    "routing.enabled",  # the diagnostics (routing.replay changes what is trained)
+    "routing.every_n_steps",
+    "routing.kinds",
     "rollout.sglang.",
     "rollout.embedded.",
     "trainer.stop_after_steps",
@@ -116,7 +120,7 @@ def _shown(value: Any) -> str:
 def config_differences(saved_yaml: str, new_yaml: str, source: str = "the checkpoint") -> dict[str, tuple[Any, Any]]:
     """Dotted key -> (saved value, new value) for every key whose value differs (or exists on one side),
     both sides read as plain data (``plain_config``)."""
-    saved = flatten_dotted(plain_config(saved_yaml, source))
+    saved = flatten_dotted(migrate_config(plain_config(saved_yaml, source))[0])  # written by older code: today's keys
     new = flatten_dotted(plain_config(new_yaml, "this run's config"))
     return {
         k: (saved.get(k, ABSENT), new.get(k, ABSENT))

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from gspo_megatron.algorithms.config import AlgorithmConfig
+from gspo_megatron.algorithms.config import OLD_LOG_PROB_SOURCES, AlgorithmConfig, OldLogProbSource
 from gspo_megatron.config.resume_check import validate_allow_list
 from gspo_megatron.config_node import ConfigChoice, ConfigNode
 from gspo_megatron.data.config import TaskConfig, TokenizerConfig
@@ -37,7 +37,7 @@ from gspo_megatron.rollout.config import (
     check_max_staleness,
 )
 from gspo_megatron.rollout.sglang.config import SGLangConfig
-from gspo_megatron.routing.config import RoutingDiagnosticsConfig
+from gspo_megatron.routing.config import RoutingConfig
 from gspo_megatron.shaping.config import ShapingConfig
 
 
@@ -309,6 +309,8 @@ class TrainerSection(ConfigNode):
     stop_after_steps: int | None = None  # end the process early (a time-boxed or preempted job); resume later
     prompts_per_step: int = 16
     updates_per_rollout: int = 2  # mini-batches (optimizer steps) per rollout: ratio != 1 after the first
+    old_log_probs: OldLogProbSource = OldLogProbSource.trainer  # pi_old from a trainer pass or the engine's log-probs
+    logprob_chunk_size: int | None = None  # tokens per chunk in vocab_parallel_log_probs; None: one
     micro_batch_size: int = 32  # sequences per micro-batch per data-parallel rank
     # token budget per micro-batch per data-parallel rank: rows sorted by length, each micro-batch
     # padded to its own longest row (trainer/token_budget.py); replaces micro_batch_size. null: off
@@ -318,7 +320,7 @@ class TrainerSection(ConfigNode):
     eval_prompts: int = 64
     eval_samples: int = 1  # k: > 1 adds mean@k and pass@k (set rollout.eval_temperature > 0)
     recompute_activations: bool = False
-    # the KL reference's weights (algorithm.kl_coef > 0) in host memory between its forward passes,
+    # the KL reference's weights (algorithm.kl.coef > 0) in host memory between its forward passes,
     # brought to the device for each (trainer/reference_model.py)
     reference_offload: bool = False
     on_nonfinite: NonFinitePolicy = NonFinitePolicy.skip  # drop the update, or end the run
@@ -328,6 +330,12 @@ class TrainerSection(ConfigNode):
         for name in ("steps", "prompts_per_step", "updates_per_rollout", "micro_batch_size", "eval_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
+        if self.old_log_probs not in OLD_LOG_PROB_SOURCES:
+            raise ValueError(
+                f"trainer.old_log_probs={self.old_log_probs!r} is unknown; valid: {', '.join(OLD_LOG_PROB_SOURCES)}"
+            )
+        if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
+            raise ValueError(f"trainer.logprob_chunk_size must be >= 1 or null, got {self.logprob_chunk_size}")
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
             raise ValueError(f"trainer.micro_batch_tokens must be >= 1 or null (off), got {self.micro_batch_tokens}")
         if self.stop_after_steps is not None and self.stop_after_steps < 1:
@@ -399,7 +407,7 @@ class TrainConfig(ConfigNode):
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     shaping: ShapingConfig = field(default_factory=ShapingConfig)
-    routing: RoutingDiagnosticsConfig = field(default_factory=RoutingDiagnosticsConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)

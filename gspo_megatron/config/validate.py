@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from gspo_megatron.algorithms.config import OldLogProbSource, corrects_mismatch
+from gspo_megatron.algorithms.config import OldLogProbSource
 from gspo_megatron.config.schema import TrainConfig, use_distributed_optimizer
 from gspo_megatron.config_node import config_nodes
 from gspo_megatron.parallel.context_parallel import validate_context_parallel
@@ -16,8 +16,8 @@ from gspo_megatron.rollout.config import Placement, RolloutEngineName
 from gspo_megatron.rollout.sglang.config import WeightSync
 from gspo_megatron.routing.config import DiagnosticKind
 from gspo_megatron.routing.replay import validate_replay_mode
-from gspo_megatron.routing.replay_strategy import needs_engine_routing, replays
-from gspo_megatron.shaping.triggers import check_shared_triggers
+from gspo_megatron.routing.replay_strategy import needs_engine_routing, needs_trainer_old_pass, replays
+from gspo_megatron.shaping.triggers import check_probing_triggers
 
 
 class ConfigError(ValueError):
@@ -42,10 +42,10 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
             f"trainer.eval_samples={t.eval_samples} with greedy decoding (rollout.eval_temperature=0) gives "
             "k identical samples; set rollout.eval_temperature > 0 or trainer.eval_samples=1"
         )
-    if cfg.rollout.over_sample > 1 and cfg.algorithm.dynamic_sampling:
+    if cfg.rollout.over_sample > 1 and cfg.algorithm.dynamic_sampling.enabled:
         raise ConfigError(
-            f"rollout.over_sample={cfg.rollout.over_sample} with algorithm.dynamic_sampling=true: both decide which "
-            "groups a step trains and are not combined here; set one of them off"
+            f"rollout.over_sample={cfg.rollout.over_sample} with algorithm.dynamic_sampling.enabled=true: both "
+            "decide which groups a step trains and are not combined here; set one of them off"
         )
     samples = t.prompts_per_step * cfg.rollout.group_size
     if samples % t.updates_per_rollout:
@@ -82,50 +82,51 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
             raise ConfigError(f"rollout.sglang: {error}") from error
     if cfg.model.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype must be float32 or bfloat16, got {cfg.model.dtype!r}")
+    _validate_old_policy_source(cfg)
     _validate_routed_experts_source(cfg)
     _validate_colocated_sglang(cfg)
     _validate_optimizer_offload(cfg, layout)
-    if t.reference_offload and cfg.algorithm.kl_coef == 0:
+    if t.reference_offload and cfg.algorithm.kl.coef == 0:
         raise ConfigError(
-            "trainer.reference_offload=true but algorithm.kl_coef=0 builds no reference model; "
-            "set algorithm.kl_coef > 0 or trainer.reference_offload=false"
+            "trainer.reference_offload=true but algorithm.kl.coef=0 builds no reference model; "
+            "set algorithm.kl.coef > 0 or trainer.reference_offload=false"
         )
     if (
         cfg.routing.enabled
         and DiagnosticKind.ratio_decomposition in cfg.routing.kinds
-        and cfg.algorithm.old_log_probs == OldLogProbSource.rollout
+        and cfg.trainer.old_log_probs == OldLogProbSource.rollout
     ):
         raise ConfigError(
             "routing.kinds contains ratio_decomposition, which replays the old-log-prob pass's routing, but "
-            "algorithm.old_log_probs=rollout skips that pass; set algorithm.old_log_probs=trainer or drop "
+            "trainer.old_log_probs=rollout skips that pass; set trainer.old_log_probs=trainer or drop "
             "ratio_decomposition from routing.kinds"
         )
-    validate_replay_mode(cfg.algorithm.routing_replay, recompute=t.recompute_activations, pp=layout.pp)
-    if replays(cfg.algorithm.routing_replay) and not cfg.model.is_moe:
-        raise ConfigError("algorithm.routing_replay needs an MoE model (model.num_experts > 0)")
+    validate_replay_mode(cfg.routing.replay, recompute=t.recompute_activations, pp=layout.pp)
+    if replays(cfg.routing.replay) and not cfg.model.is_moe:
+        raise ConfigError("routing.replay needs an MoE model (model.num_experts > 0)")
     if (
-        needs_engine_routing(cfg.algorithm.routing_replay)
+        needs_engine_routing(cfg.routing.replay)
         and cfg.rollout.engine == RolloutEngineName.sglang
         and not cfg.rollout.sglang.enable_return_routed_experts
     ):
         raise ConfigError(
-            "algorithm.routing_replay=rollout (R3) needs the engine's routed experts: set "
+            "routing.replay=rollout (R3) needs the engine's routed experts: set "
             "rollout.sglang.enable_return_routed_experts=true"
         )
     if cfg.rollout.truncated:
         try:
-            check_shared_triggers(cfg.shaping, cfg.rollout.truncation.trigger_words)
+            check_probing_triggers(cfg.shaping)
         except ValueError as error:
             raise ConfigError(str(error)) from None
         if cfg.rollout.truncation.train_on_exit_tokens and (
-            cfg.algorithm.old_log_probs == OldLogProbSource.rollout or corrects_mismatch(cfg.algorithm)
+            cfg.trainer.old_log_probs == OldLogProbSource.rollout or cfg.algorithm.mismatch.active
         ):
             raise ConfigError(
                 "rollout.truncation.train_on_exit_tokens=true trains on tokens the engine did not sample "
-                f"and has no log-prob for, so algorithm.old_log_probs={cfg.algorithm.old_log_probs!s} / "
-                f"algorithm.mismatch_correction={cfg.algorithm.mismatch_correction!s} (or mismatch_reject / "
-                "mismatch_veto) cannot use the engine's log-probs for them: set algorithm.old_log_probs=trainer "
-                "and algorithm.mismatch_correction=none (mismatch_reject=none, mismatch_veto=null), "
+                f"and has no log-prob for, so trainer.old_log_probs={cfg.trainer.old_log_probs!s} / "
+                f"algorithm.mismatch.correction={cfg.algorithm.mismatch.correction!s} (or algorithm.mismatch.reject / "
+                "veto) cannot use the engine's log-probs for them: set trainer.old_log_probs=trainer "
+                "and algorithm.mismatch.correction=none (reject=none, veto=null), "
                 "or leave train_on_exit_tokens=false"
             )
     if cfg.prompt_token_budget() < 1:
@@ -134,6 +135,26 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
             f"model.max_position_embeddings={cfg.model.max_position_embeddings}"
         )
     return cfg
+
+
+def _validate_old_policy_source(cfg: TrainConfig) -> None:
+    """trainer.old_log_probs=rollout (pi_old = the engine's log-probs) against what needs the trainer's pass."""
+    if cfg.trainer.old_log_probs != OldLogProbSource.rollout:
+        return
+    if needs_trainer_old_pass(cfg.routing.replay):
+        raise ConfigError(
+            "trainer.old_log_probs=rollout skips the trainer's old-policy forward, but "
+            "routing.replay=old_policy replays the routing recorded in exactly that forward; use "
+            "routing.replay=rollout (R3: the engine's routing, which produced the engine's log-probs) "
+            "or none, or set trainer.old_log_probs=trainer"
+        )
+    mismatch = cfg.algorithm.mismatch
+    if mismatch.active:
+        raise ConfigError(
+            f"algorithm.mismatch.correction={mismatch.correction} / reject={mismatch.reject} / "
+            f"veto={mismatch.veto} use pi_old / pi_rollout, which is exactly 1 when trainer.old_log_probs=rollout "
+            "takes pi_old from the engine; turn them off or set trainer.old_log_probs=trainer"
+        )
 
 
 def validate_for_machine(cfg: TrainConfig) -> None:

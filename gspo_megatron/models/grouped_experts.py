@@ -42,7 +42,7 @@ Design decisions:
   GEMM: neither pads. The padding costs at most ``CPU_ROW_MULTIPLE - 1`` rows per expert of
   activation memory, forward and backward.
 - Memory: ``GroupedLinear`` saves for backward the rows and the parameters themselves, so what
-  autograd keeps per layer is no more than SequentialMLP keeps (``tests/unit/models/
+  autograd keeps per layer is no more than SequentialMLP keeps (``tests/distributed/
   test_grouped_experts.py`` counts the saved bytes); plain autograd through ``torch.stack`` would keep a
   copy of the layer's local expert weights per micro-batch in flight (Qwen3-30B-A3B, EP=8, bf16:
   151 MB per layer).

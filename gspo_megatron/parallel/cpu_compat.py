@@ -5,7 +5,8 @@ machine nothing here runs. ``disable_cpu_megatron()`` puts back every attribute 
 (each bridge is applied through ``_patch``, which remembers the original). Written against
 megatron-core 0.16.1 (torch 2.13, CPU build) and checked against 0.19.2 (torch 2.15, CUDA build on
 CPU); a bridge whose upstream fact depends on the version looks for the fact, not the version number.
-``tests/unit/parallel/test_cpu_compat.py`` shows, per bridge, what megatron does on a machine without
+``tests/unit/parallel/test_cpu_compat.py`` (bridge 10 under gloo ranks: ``tests/distributed/
+test_cpu_compat_uneven_gather.py``) shows, per bridge, what megatron does on a machine without
 CUDA without it and with it, on whichever version is installed.
 
 Where megatron-core has a seam we use it instead of patching, elsewhere in the package:

@@ -9,9 +9,9 @@ Design decisions:
 - Every option the cost model reads is derived from that config, through the trainer's own rule
   where it has one, and ``describe()`` names the key each came from:
   ``optimizer.distributed`` -> ``trainer/optim.py:use_distributed_optimizer`` (auto = dp > 1);
-  ``model.dtype``; ``trainer.recompute_activations``; ``algorithm.kl_coef > 0`` -> a reference model;
-  ``algorithm.old_log_probs=trainer`` -> a forward pass before the updates;
-  ``trainer.updates_per_rollout``; ``algorithm.routing_replay``; ``model.token_dispatcher``;
+  ``model.dtype``; ``trainer.recompute_activations``; ``algorithm.kl.coef > 0`` -> a reference model;
+  ``trainer.old_log_probs=trainer`` -> a forward pass before the updates;
+  ``trainer.updates_per_rollout``; ``routing.replay``; ``model.token_dispatcher``;
   ``model.layer_spec`` (``auto`` plans ``te``: a GPU has TransformerEngine); the rollout engine
   (``rollout.engine``; SGLang servers x ``rollout.sglang.tp`` GPUs of their own; the embedded
   engine runs in the driver's process); ``rollout.sglang.weight_bucket_bytes``; ``rollout.async_rollout``.
@@ -59,13 +59,13 @@ class PlannedJob:
             f"layout {self.layout} (parallel.*, world {self.layout.world_size})",
             f"optimizer.distributed={cfg.optimizer.distributed} -> distributed optimizer {o.distributed_optimizer}",
             f"model.dtype={o.dtype}; trainer.recompute_activations={o.recompute}",
-            f"algorithm.kl_coef={cfg.algorithm.kl_coef} -> reference model {o.reference_model}; "
+            f"algorithm.kl.coef={cfg.algorithm.kl.coef} -> reference model {o.reference_model}; "
             f"trainer.reference_offload={o.reference_offload}; optimizer.cpu_offload={cfg.optimizer.cpu_offload} "
             f"-> {o.optimizer_offload:.0%} of Adam in host memory; optimizer.precision_aware={o.precision_aware}, "
             f"state bytes per element (master, exp_avg, exp_avg_sq) {o.state_widths.master}, "
             f"{o.state_widths.exp_avg}, {o.state_widths.exp_avg_sq}",
-            f"algorithm.old_log_probs={cfg.algorithm.old_log_probs} -> old-log-prob pass {o.old_log_prob_pass}",
-            f"trainer.updates_per_rollout={o.updates_per_rollout}; algorithm.routing_replay={o.routing_replay}; "
+            f"trainer.old_log_probs={cfg.trainer.old_log_probs} -> old-log-prob pass {o.old_log_prob_pass}",
+            f"trainer.updates_per_rollout={o.updates_per_rollout}; routing.replay={o.routing_replay}; "
             f"model.token_dispatcher={o.dispatcher}; model.layer_spec={cfg.model.layer_spec} -> {o.layer_spec}",
             f"rows of {o.seq_len} fed tokens (prompt {self.prompt_tokens} assumed + rollout.max_new_tokens "
             f"{cfg.rollout.max_new_tokens} - 1, padded); {o.global_batch_tokens // o.seq_len} rows per optimizer step, "
@@ -172,14 +172,14 @@ def options_from_config(cfg: TrainConfig, layout: ParallelLayout, prompt_tokens:
             *(STATE_DTYPE_BYTES[getattr(cfg.optimizer, key)] for key in cfg.optimizer.STATE_DTYPE_KEYS)
         ),
         recompute=t.recompute_activations,
-        routing_replay=str(cfg.algorithm.routing_replay),
+        routing_replay=str(cfg.routing.replay),
         dispatcher=str(cfg.model.token_dispatcher),
         layer_spec=layer_spec,
         sync_bucket_bytes=rollout.sglang.weight_bucket_bytes,
         sync_senders=str(rollout.sglang.weight_senders),
-        reference_model=cfg.algorithm.kl_coef > 0,
+        reference_model=cfg.algorithm.kl.coef > 0,
         reference_offload=cfg.trainer.reference_offload,
-        old_log_prob_pass=cfg.algorithm.old_log_probs == OldLogProbSource.trainer,
+        old_log_prob_pass=cfg.trainer.old_log_probs == OldLogProbSource.trainer,
         updates_per_rollout=t.updates_per_rollout,
         rollout=shape,
         async_rollout=rollout.async_rollout,

@@ -6,7 +6,7 @@ Design decisions:
   runs ``ParallelLayout.validate`` and the batch-divisibility rules), so the planner can never
   recommend what the trainer would reject.
 - Memory of a rank = weights + grad buffers + optimizer state (``parameters.py``, exact for
-  megatron-core 0.16) + the frozen reference model's weights when ``algorithm.kl_coef > 0`` (the
+  megatron-core 0.16) + the frozen reference model's weights when ``algorithm.kl.coef > 0`` (the
   stage's parameters in the model dtype, no buffers: ``trainer/reference_model.py``) + the larger of
   the training activations and a forward-only pass (old log-probs, reference log-probs: one layer's
   activations and the logits at a time). 1F1B keeps up to ``pp - stage`` micro-batches in flight on
@@ -75,9 +75,9 @@ class PlanOptions:
     layer_spec: str = "te"  # te on GPU; portable is what the CPU build uses (and what is measured)
     sync_bucket_bytes: int = 512 * 2**20  # rollout.sglang.weight_bucket_bytes
     sync_senders: str = "per_stage"  # rollout.sglang.weight_senders
-    reference_model: bool = False  # algorithm.kl_coef > 0: a frozen copy of the policy's weights
+    reference_model: bool = False  # algorithm.kl.coef > 0: a frozen copy of the policy's weights
     reference_offload: bool = False  # trainer.reference_offload: its weights on the device only for its pass
-    old_log_prob_pass: bool = True  # algorithm.old_log_probs=trainer: a forward pass before the updates
+    old_log_prob_pass: bool = True  # trainer.old_log_probs=trainer: a forward pass before the updates
     updates_per_rollout: int = 1  # trainer.updates_per_rollout: optimizer steps per RL step
     rollout: RolloutShape | None = None  # the generation phase; None: not planned (0 s)
     async_rollout: bool = False  # rollout.async_rollout: generation beside training (separate GPUs only)
@@ -100,7 +100,7 @@ class MemoryRow:
     routing_replay: int
     optimizer_offloaded: float = 0.0  # the fraction of Adam stepped in host memory (optimizer.cpu_offload)
     precision_aware: bool = False  # optimizer.precision_aware: no fp32 main shards in the distributed optimizer
-    reference_weights: int = 0  # the frozen KL reference's weights (algorithm.kl_coef > 0)
+    reference_weights: int = 0  # the frozen KL reference's weights (algorithm.kl.coef > 0)
     reference_offloaded: bool = False  # trainer.reference_offload: on the device only during its pass
 
     @property
@@ -205,7 +205,7 @@ def check_with_trainer_rules(model: MoEModelConfig, layout: ParallelLayout, opti
     cfg.trainer.updates_per_rollout = 1
     cfg.trainer.micro_batch_size = max(1, options.micro_batch_tokens // options.seq_len)
     cfg.trainer.recompute_activations = options.recompute
-    cfg.algorithm.routing_replay = ReplayMode(options.routing_replay)
+    cfg.routing.replay = ReplayMode(options.routing_replay)
     if needs_engine_routing(options.routing_replay):
         cfg.rollout.engine = RolloutEngineName.sglang
         cfg.rollout.sglang.model_path = "<the checkpoint>"  # not read by the plan; the trainer needs one

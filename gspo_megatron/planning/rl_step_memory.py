@@ -7,7 +7,7 @@ Design decisions:
   constant is fitted to a measurement (checked on gloo ranks within 10% of the CPU allocator's
   running total: tests/distributed/test_planner_rl_step_memory.py).
 - Resident: the rank's model state (``parameters.state_bytes``, exact), the frozen reference's
-  weights when ``algorithm.kl_coef > 0``, and on the driver (global rank 0) the embedded engine's own
+  weights when ``algorithm.kl.coef > 0``, and on the driver (global rank 0) the embedded engine's own
   transformers model of the family: every HF tensor once (``models/hf_shapes.py``) in ``rollout.embedded.dtype``.
   SGLang's engines live in their own processes and GPUs: nothing on the trainer's ranks. Under
   sequence parallelism (tp > 1) megatron gathers a column-parallel linear's input into its global

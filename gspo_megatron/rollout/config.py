@@ -99,11 +99,10 @@ class TruncatedRolloutConfig(ConfigNode):
     Defaults follow DEER's released code (BugSmith/DEER ``vllm-deer*.py``) except where marked CHOICE.
     """
 
-    # CHOICE: the Step-GRPO paper names "Wait" and "Alternatively"; DEER's code uses "Wait" alone
-    # (``--points 1``). Set [Wait] for the released code. Matched as whole words, the rule step
-    # counting uses (gspo_megatron/trigger_words.py); must equal shaping.step_grpo.triggers.
-    trigger_words: list[str] = field(default_factory=lambda: ["Wait", "Alternatively"])
-    trigger_token_ids: list[int] = field(default_factory=list)  # extra triggers as single token ids
+    # The probes run at shaping.trigger_words (the one trigger list; step counting counts the same words;
+    # DEER's code uses "Wait" alone, --points 1) and at these token ids, each of which must decode to one
+    # of those words (checked where the tokenizer is, trainer/setup.py).
+    trigger_token_ids: list[int] = field(default_factory=list)
     end_think: str = "</think>"  # the model closing its thinking block ends the probing phase
     end_think_token_ids: list[int] = field(default_factory=list)  # same, as token ids
     # DEER's answer-inducing text ends at "\boxed", so the probe's first token is the "{" it makes
@@ -133,15 +132,13 @@ class TruncatedRolloutConfig(ConfigNode):
     # action; it is left out of the loss, so the exit decision itself gets no direct gradient and the
     # model learns early exit only through the shorter, rewarded trajectories it is shown. true -- the
     # inserted tokens are trained on like sampled ones (the policy is pushed to emit the close where
-    # the probe was confident); needs algorithm.old_log_probs=trainer and no mismatch correction, since
+    # the probe was confident); needs trainer.old_log_probs=trainer and no mismatch correction, since
     # the engine has no log-prob for a token it did not sample. Either way they are never compared
     # with the engine's log-probs.
     train_on_exit_tokens: bool = False
 
     def validate(self) -> None:
         owner = "rollout.truncation"
-        if not self.trigger_words and not self.trigger_token_ids:
-            raise ValueError(f"{owner} needs trigger_words or trigger_token_ids")
         if not 0.0 < self.confidence_threshold < 1.0:
             raise ValueError(f"{owner}.confidence_threshold must be in (0, 1), got {self.confidence_threshold}")
         if self.max_probes < 0 or self.probe_max_tokens < 1:

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -117,10 +117,13 @@ class TruncatedRolloutEngine(RolloutEngine):
         self,
         engine: RolloutEngine,
         config: TruncatedRolloutConfig,
+        trigger_words: Sequence[str],
         encode: Callable[[str], list[int]],
         decode: Callable[[list[int]], str],
     ):
+        """``trigger_words``: where a probe may run (``shaping.trigger_words``, the words step counting counts)."""
         self.engine, self.config, self.decode = engine, config, decode
+        self.trigger_words = tuple(trigger_words)
         self.probe_suffix_ids = encode(config.probe_suffix)
         self.close_ids = encode(config.close_thinking)
         self._calls = 0
@@ -269,7 +272,7 @@ class TruncatedRolloutEngine(RolloutEngine):
         stops = tuple(params.stop) + ((self.config.end_think,) if self.config.end_think else ())
         stop_ids = self._end_ids(params) + tuple(self.config.end_think_token_ids)
         if probing:
-            stops += tuple(self.config.trigger_words)
+            stops += tuple(self.trigger_words)
             stop_ids += tuple(self.config.trigger_token_ids)
         return dataclasses.replace(params, n=n, max_new_tokens=max_new, stop=stops, stop_token_ids=stop_ids)
 
@@ -295,27 +298,27 @@ class TruncatedRolloutEngine(RolloutEngine):
         return ids, log_probs, piece.finish_reason
 
     def _tail(self, ids: list[int]) -> str:
-        longest = max(map(len, self.config.trigger_words), default=0)
+        longest = max(map(len, self.trigger_words), default=0)
         return self.decode(ids[-(longest + 8) :])
 
     def _trailing_trigger_tokens(self, ids: list[int]) -> int:
         """How many trailing tokens form the whole-word trigger that stopped the chunk (0: none)."""
         if ids and ids[-1] in self.config.trigger_token_ids:
             return 1
-        if not self.config.trigger_words or not self._ends_with_trigger(self._tail(ids)):
+        if not self.trigger_words or not self._ends_with_trigger(self._tail(ids)):
             return 0
         return next(m for m in range(1, len(ids) + 1) if self._ends_with_trigger(self.decode(ids[-m:])))
 
     def _ends_with_trigger(self, text: str) -> bool:
-        return any(m.end() == len(text) for m in trigger_matches(text, self.config.trigger_words))
+        return any(m.end() == len(text) for m in trigger_matches(text, self.trigger_words))
 
     def _inside_word_stop(self, ids: list[int], params: SamplingParams) -> bool:
         """The chunk stopped on a trigger's text that is not a whole word ("Await", "Waiting")."""
-        if not self.config.trigger_words or (ids and ids[-1] in self._end_ids(params)):
+        if not self.trigger_words or (ids and ids[-1] in self._end_ids(params)):
             return False
         tail, last_token = self._tail(ids), len(self.decode(ids[-1:]))
         # the stop string must end inside the last token (an older, restored trigger does not count)
-        ends = [tail.rfind(word) + len(word) for word in self.config.trigger_words if word in tail]
+        ends = [tail.rfind(word) + len(word) for word in self.trigger_words if word in tail]
         return any(end > len(tail) - last_token for end in ends)
 
     def _ends_thinking(self, ids: list[int]) -> bool:

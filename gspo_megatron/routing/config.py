@@ -1,4 +1,5 @@
-"""Configuration of the routing diagnostics (activation volatility, expert load).
+"""The config's ``routing`` section: routing replay (``routing.replay``) and the routing diagnostics
+(activation volatility, expert load).
 
 Design decisions:
 - The diagnostic kinds are a closed choice (``DiagnosticKind``): Hydra refuses a typo at compose
@@ -12,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gspo_megatron.config_node import ConfigChoice, ConfigNode
+from gspo_megatron.routing.replay import ReplayMode
 
 
 # What each kind compares (the trainer decides where to call them; routing/volatility.py computes):
@@ -39,7 +41,9 @@ def validate_kind(kind: str) -> str:
 
 
 @dataclass
-class RoutingDiagnosticsConfig(ConfigNode):
+class RoutingConfig(ConfigNode):
+    replay: ReplayMode = ReplayMode.none  # R2 (old_policy) / R3 (rollout); see gspo_megatron/routing/replay.py
+    # the diagnostics
     enabled: bool = True
     every_n_steps: int = 1  # run the diagnostics on steps where step % every_n_steps == 0
     kinds: list[DiagnosticKind] = field(

@@ -11,7 +11,7 @@ What is measured (``routing.kinds``; the math is ``routing/volatility.py``):
 - ``rollout_vs_train``: the experts the rollout engine used vs the trainer's old-policy routing of
   the same tokens (MoE layers only; SGLang/embedded rows include dense layers).
 
-With pi_old from the engine (``algorithm.old_log_probs=rollout``) no old-policy pass runs: the first
+With pi_old from the engine (``trainer.old_log_probs=rollout``) no old-policy pass runs: the first
 update's training forward (before any optimizer step) is recorded as the old policy's routing of
 the first mini-batch, and every kind compares against that.
 
@@ -28,7 +28,7 @@ log-probs the loss head does not hand back -- and the old pass's routing replaye
 with k updates per rollout; logged as ``time/ratio_decomposition`` (measured: 0.97 s of a 20.7 s
 update phase at k = 16 on small_moe, docs/studies.md "The mechanism"). Reading the training forward's own
 log-probs would save one of the two passes; not done, to leave the loss path untouched. It needs
-the trainer's old-log-prob pass (not ``algorithm.old_log_probs=rollout``).
+the trainer's old-log-prob pass (not ``trainer.old_log_probs=rollout``).
 
 This module only consumes recordings: which forward is recorded is the routing plan's decision
 (``routing/plan.py``), the forwards (and the extra passes) run under ``routing/step_routing.py``'s
@@ -51,11 +51,11 @@ from gspo_megatron.models.micro_batch import MicroBatch, StepMicroBatch, UpdateM
 from gspo_megatron.parallel.context_parallel import split_sequence
 from gspo_megatron.parallel.mesh import ParallelMesh
 from gspo_megatron.routing.config import DiagnosticKind
+from gspo_megatron.routing.log import RoutingLog
 from gspo_megatron.routing.plan import RecordingPass, RoutingPlan
 from gspo_megatron.routing.ratio_decomposition import RatioDecomposition, changed_in_any_layer, decompose_log_ratio
 from gspo_megatron.routing.recorder import Routing
 from gspo_megatron.routing.replay_strategy import TargetsOf
-from gspo_megatron.routing.run_dir import RoutingLog
 from gspo_megatron.routing.volatility import (
     ExpertLoad,
     RoutingVolatility,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gspo_megatron.routing.config import DiagnosticKind, RoutingDiagnosticsConfig
+from gspo_megatron.routing.config import DiagnosticKind, RoutingConfig
 from gspo_megatron.routing.replay import ReplayMode
 from gspo_megatron.routing.replay_strategy import replays
 
@@ -40,11 +40,11 @@ class RecordingPass:
 
 @dataclass(frozen=True)
 class RoutingPlan:
-    routing_replay: ReplayMode  # algorithm.routing_replay
-    engine_old_policy: bool  # algorithm.old_log_probs=rollout: no old-policy forward runs (or records)
+    routing_replay: ReplayMode  # routing.replay
+    engine_old_policy: bool  # trainer.old_log_probs=rollout: no old-policy forward runs (or records)
     updates: int  # trainer.updates_per_rollout
     has_routers: bool  # an MoE model: routing is measured
-    diagnostics: RoutingDiagnosticsConfig  # the config's routing section
+    diagnostics: RoutingConfig  # the config's routing section
 
     @property
     def replays_in_training(self) -> bool:

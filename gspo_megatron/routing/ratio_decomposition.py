@@ -8,7 +8,7 @@ pi_old the policy that produced the old log-probs:
           = [log pi_theta(train routing) - log pi_theta(old routing)]     routing part  r
           + [log pi_theta(old routing)   - log pi_old]                    weight part   v
 
-"train routing" is the routing the loss's forward uses (free under ``routing_replay=none``; the old
+"train routing" is the routing the loss's forward uses (free under ``routing.replay=none``; the old
 pass's routing replayed under R2/R3, so there r = 0 by construction); "old routing" is the routing
 the old-log-prob pass used, replayed into the current weights. At sequence level (GSPO's
 length-normalised log-ratio) the same split holds for the means over a response's tokens:

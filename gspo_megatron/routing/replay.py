@@ -1,6 +1,6 @@
 """Routing Replay on megatron-core's own ``RouterReplay`` (the GSPO paper's GRPO baseline on MoE).
 
-Modes (``algorithm.routing_replay``):
+Modes (``routing.replay``):
 - ``none``: routers choose freely in every forward;
 - ``old_policy``: the old-log-prob pass RECORDs each MoE layer's top-k indices per micro-batch;
   every training forward of that batch REPLAYs them, so pi_theta and pi_old use the same experts;
@@ -39,7 +39,7 @@ from gspo_megatron.config_node import ConfigChoice
 
 
 class ReplayMode(ConfigChoice):
-    """``algorithm.routing_replay``: a closed choice, so Hydra refuses other values at compose time."""
+    """``routing.replay``: a closed choice, so Hydra refuses other values at compose time."""
 
     none = "none"
     old_policy = "old_policy"  # R2: replay the old-log-prob pass's routing in the training forwards
@@ -56,7 +56,7 @@ class ReplayError(RuntimeError):
 
 def validate_replay_mode(mode: str, *, router_fusion: bool = False, recompute: bool = False, pp: int = 1) -> None:
     if mode not in REPLAY_MODES:
-        raise ValueError(f"algorithm.routing_replay={mode!r} is unknown; valid: {', '.join(REPLAY_MODES)}")
+        raise ValueError(f"routing.replay={mode!r} is unknown; valid: {', '.join(REPLAY_MODES)}")
     if mode != ReplayMode.none and router_fusion:
         raise ValueError(
             "routing replay cannot be combined with router fusion (the fused kernel bypasses RouterReplay)"

@@ -1,5 +1,5 @@
 """Routing Replay as one strategy object per mode: the trainer and the diagnostics call its hooks and
-never branch on ``algorithm.routing_replay`` themselves.
+never branch on ``routing.replay`` themselves.
 
 A step runs the old-log-prob pass, then one training forward per mini-batch (see trainer/trainer.py):
 
@@ -43,7 +43,7 @@ def needs_engine_routing(mode: str) -> bool:
 
 def needs_trainer_old_pass(mode: str) -> bool:
     """Whether training replays what the trainer's old-log-prob forward recorded (R2): that forward
-    must run, so pi_old cannot come from the engine (``algorithm.old_log_probs=rollout``)."""
+    must run, so pi_old cannot come from the engine (``trainer.old_log_probs=rollout``)."""
     return _strategy_class(mode).replays_old_pass
 
 
@@ -53,7 +53,7 @@ def replays(mode: str) -> bool:
 
 
 class ReplayStrategy:
-    """``routing_replay=none``: routers choose freely; the old pass only records (for diagnostics)."""
+    """``routing.replay=none``: routers choose freely; the old pass only records (for diagnostics)."""
 
     name = ReplayMode.none
     replays_in_training = False
@@ -80,7 +80,7 @@ class ReplayStrategy:
 
 
 class OldPolicyReplay(ReplayStrategy):
-    """``routing_replay=old_policy`` (R2): training forwards replay the old pass's recorded experts."""
+    """``routing.replay=old_policy`` (R2): training forwards replay the old pass's recorded experts."""
 
     name = ReplayMode.old_policy
     replays_in_training = True
@@ -91,7 +91,7 @@ class OldPolicyReplay(ReplayStrategy):
 
 
 class RolloutReplay(ReplayStrategy):
-    """``routing_replay=rollout`` (R3): every forward replays the engine's experts; the old pass is
+    """``routing.replay=rollout`` (R3): every forward replays the engine's experts; the old pass is
     observed, so engine-vs-trainer routing is measured in the replaying forward (0 when it works)."""
 
     name = ReplayMode.rollout
@@ -122,7 +122,7 @@ if tuple(_STRATEGIES) != REPLAY_MODES:
 
 def _strategy_class(mode: str) -> type[ReplayStrategy]:
     if mode not in _STRATEGIES:
-        raise ValueError(f"algorithm.routing_replay={mode!r} is unknown; valid: {', '.join(REPLAY_MODES)}")
+        raise ValueError(f"routing.replay={mode!r} is unknown; valid: {', '.join(REPLAY_MODES)}")
     return _STRATEGIES[mode]
 
 

@@ -1,7 +1,7 @@
 """Routing report of one run: ``<run>/routing_report.json`` (numbers) and ``routing_report.html`` (plots).
 
 Design decisions:
-- Reads only the run directory (format in ``routing/run_dir.py``), so a report can be written while
+- Reads only the run directory (format in ``run_dir.py``), so a report can be written while
   training runs, after it, or for a run copied off a cluster; no trainer object is needed.
 - Summaries average over *steps* (each diagnostic step weighs the same, as the curves show them);
   the per-step numbers themselves are exact token-weighted fractions (see ``volatility.py``).
@@ -35,7 +35,7 @@ from gspo_megatron.rollout.config import RolloutEngineName
 from gspo_megatron.routing.config import DIAGNOSTIC_KINDS, DiagnosticKind
 from gspo_megatron.routing.plots import Panel, Series, expert_load_figure, figure_png, line_panels, volatility_figure
 from gspo_megatron.routing.replay import ReplayMode
-from gspo_megatron.routing.run_dir import (
+from gspo_megatron.run_dir import (
     CLIP_FRAC_SEQ_KEY,
     CLIP_FRAC_TOKEN_KEY,
     REWARD_KEY,
@@ -102,8 +102,8 @@ def zero_panel_reason(run: RunData, kind: str) -> str | None:
         or any(r.get("changed_frac_overall") != 0.0 for r in records)
     ):
         return None
-    algorithm, rollout, model = (run.config.get(key) or {} for key in ("algorithm", "rollout", "model"))
-    if algorithm.get("routing_replay") == ReplayMode.rollout:
+    routing, rollout, model = (run.config.get(key) or {} for key in ("routing", "rollout", "model"))
+    if routing.get("replay") == ReplayMode.rollout:
         return "Zero by construction: R3 replays the engine's routing in every trainer forward."
     engine_dtype = (rollout.get("embedded") or {}).get("dtype")
     if (

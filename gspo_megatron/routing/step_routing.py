@@ -39,11 +39,11 @@ from gspo_megatron.models.micro_batch import MicroBatch, StepMicroBatch, UpdateM
 from gspo_megatron.models.schedule import BeforeForward, LossCallback, run_schedule
 from gspo_megatron.parallel.mesh import ParallelMesh
 from gspo_megatron.routing.diagnostics import RoutingDiagnostics
+from gspo_megatron.routing.log import RoutingLog
 from gspo_megatron.routing.plan import RoutingPlan
 from gspo_megatron.routing.recorder import Routing, RoutingRecorder
 from gspo_megatron.routing.replay import RoutingReplay, rollout_targets
 from gspo_megatron.routing.replay_strategy import build_replay_strategy
-from gspo_megatron.routing.run_dir import RoutingLog
 
 if TYPE_CHECKING:
     from gspo_megatron.models.chunks import ModelChunks

@@ -42,7 +42,7 @@ def shape_group(group: ShapingGroup, cfg: ShapingConfig) -> ShapedRewards:
             f"shaper {cfg.name!r} returned rewards of shape {tuple(shaped.rewards.shape)}, expected "
             f"{tuple(group.rewards.shape)} (one per response)"
         )
-    metrics = group_metrics(group, shaped.rewards, cfg.metrics)
+    metrics = group_metrics(group, shaped.rewards, cfg)
     metrics.update({f"{cfg.name}/{key}": value for key, value in shaped.metrics.items()})
     return ShapedRewards(rewards=shaped.rewards, metrics=metrics)
 

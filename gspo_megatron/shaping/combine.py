@@ -7,7 +7,7 @@ exactly where length shaping should act: there (lambda * P_i - mean) / std(lambd
 whatever lambda is (measured: +-1.16 for lambda = 0.001, 0.1 and 1). The literature's two ways out,
 both configurable:
 
-- ``algorithm.normalize_std=false`` (Dr. GRPO, arXiv 2503.20783): A_i = r_i - mean r, so the shaped
+- ``algorithm.advantage.normalize_std=false`` (Dr. GRPO, arXiv 2503.20783): A_i = r_i - mean r, so the shaped
   reward's scale is kept everywhere (and the task reward's scale with it).
 - ``shaping.combine=advantage``: normalise the TASK reward, then add the centred shaping term,
       A_i = (r_i - mean r) / (std r + eps) + (d_i - mean d),   d_i = shaped_i - r_i,

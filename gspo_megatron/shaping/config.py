@@ -80,10 +80,7 @@ class StepGRPOConfig(ConfigNode):
     """Step-GRPO reward (arXiv 2604.16890): R = alpha*acc*(1 - beta*tanh((k-mu)/mu)) + (1-alpha)*fmt."""
 
     alpha: float = 0.9  # weight of the accuracy(+efficiency) term vs the format term
-    beta: float = 0.5  # strength of the step-count efficiency term
-    # CHOICE: Step-GRPO names "Wait" and "Alternatively"; DEER's released code uses "Wait" alone.
-    triggers: list[str] = field(default_factory=lambda: ["Wait", "Alternatively"])
-    case_sensitive: bool = True
+    beta: float = 0.5  # strength of the step-count efficiency term (k counts shaping.trigger_words)
     # acc/fmt. "boxed" (the method): on tasks whose verifier has a boxed variant (math_verify ->
     # math_verify_boxed) acc grades the last \boxed{} and fmt = 1 when a box exists; other tasks keep
     # their verifier. "verifier": the task verifier's correct/format_ok as they are (math_verify also
@@ -107,7 +104,6 @@ class StepGRPOConfig(ConfigNode):
                 f"shaping.step_grpo.beta must be in [0, 1] (so a correct response never scores below "
                 f"an incorrect one), got {self.beta}"
             )
-        _check_triggers("shaping.step_grpo", self.triggers)
 
 
 GRSP_SEGMENTATIONS = tuple(Segmentation)
@@ -210,20 +206,23 @@ class KimiLengthConfig(ConfigNode):
 
 @dataclass
 class ShapingMetricsConfig(ConfigNode):
-    """Diagnostics logged for every shaper (keyword steps and segment-length clusters)."""
+    """Diagnostics logged for every shaper (steps and segment-length clusters, by shaping.trigger_words)."""
 
-    triggers: list[str] = field(default_factory=lambda: ["Wait", "Alternatively"])
-    case_sensitive: bool = True
     bucket_edges: list[float] = field(default_factory=lambda: [64.0, 256.0])
 
     def validate(self) -> None:
-        _check_triggers("shaping.metrics", self.triggers)
         _check_edges("shaping.metrics", self.bucket_edges)
 
 
 @dataclass
 class ShapingConfig(ConfigNode):
     name: str = "none"  # a registered shaper: none, step_grpo, grsp, dapo_overlong, kimi_length
+    # The words that start a reasoning step, the one list for everything that counts or probes steps:
+    # Step-GRPO's k, the step and segment metrics, Dynamic Truncated Rollout's probes (rollout.truncated;
+    # matched case-sensitively there, as engine stop strings). Whole words (gspo_megatron/trigger_words.py).
+    # CHOICE: Step-GRPO names "Wait" and "Alternatively"; DEER's released code uses "Wait" alone.
+    trigger_words: list[str] = field(default_factory=lambda: ["Wait", "Alternatively"])
+    trigger_case_sensitive: bool = True
     step_grpo: StepGRPOConfig = field(default_factory=StepGRPOConfig)
     grsp: GRSPConfig = field(default_factory=GRSPConfig)
     dapo_overlong: DAPOOverlongConfig = field(default_factory=DAPOOverlongConfig)
@@ -242,6 +241,7 @@ class ShapingConfig(ConfigNode):
         from gspo_megatron.shaping.registry import SHAPERS
 
         SHAPERS.get(self.name)  # raises with the list of valid names
+        _check_triggers("shaping.trigger_words", self.trigger_words)
         if self.combine not in tuple(ShapingCombine):
             raise ValueError(f"shaping.combine must be one of {tuple(ShapingCombine)}, got {self.combine!r}")
         if self.warmup_steps < 0:

@@ -1,7 +1,8 @@
 """Diagnostics logged for every shaper, and their reduction over a batch of groups.
 
 Design decisions:
-- The same metrics are computed whatever shaper runs (configured by ``ShapingMetricsConfig``), so a
+- The same metrics are computed whatever shaper runs (``shaping.metrics``, the steps and segments by
+  ``shaping.trigger_words``), so a
   baseline and a shaped run are compared on one scale: keyword steps per response, keyword segments
   per length cluster, tokens per response, accuracy, format rate, raw vs shaped reward mean.
 - Metrics stay tensors. A per-response metric has leading dimension G ([G] or [G, K]); a per-group
@@ -16,23 +17,21 @@ from collections.abc import Sequence
 
 import torch
 
-from gspo_megatron.shaping.config import ShapingMetricsConfig
-from gspo_megatron.shaping.segmentation import cluster_counts, keyword_segment_lengths, step_counts
+from gspo_megatron.shaping.config import ShapingConfig
+from gspo_megatron.shaping.segmentation import cluster_counts, keyword_segment_lengths
 from gspo_megatron.shaping.types import ShapingGroup
 
 
-def group_metrics(
-    group: ShapingGroup, shaped_rewards: torch.Tensor, cfg: ShapingMetricsConfig
-) -> dict[str, torch.Tensor]:
+def group_metrics(group: ShapingGroup, shaped_rewards: torch.Tensor, cfg: ShapingConfig) -> dict[str, torch.Tensor]:
     raw = group.rewards.float()
     lengths = group.response_lengths.tolist()
     segments = [
-        keyword_segment_lengths(text, n, cfg.triggers, cfg.case_sensitive)
+        keyword_segment_lengths(text, n, cfg.trigger_words, cfg.trigger_case_sensitive)
         for text, n in zip(group.response_texts, lengths, strict=True)
     ]
     return {
-        "steps_per_response": step_counts(group.response_texts, cfg.triggers, cfg.case_sensitive).float(),
-        "segments_per_cluster": cluster_counts(segments, cfg.bucket_edges),
+        "steps_per_response": group.steps.float(),
+        "segments_per_cluster": cluster_counts(segments, cfg.metrics.bucket_edges),
         "tokens_per_response": group.response_lengths.float(),
         "accuracy": group.correct.float().mean(),
         "format_rate": group.format_ok.float().mean(),

@@ -24,7 +24,6 @@ import torch
 
 from gspo_megatron.shaping.config import StepGRPOConfig
 from gspo_megatron.shaping.registry import SHAPERS
-from gspo_megatron.shaping.segmentation import step_counts
 from gspo_megatron.shaping.types import ShapedRewards, ShapingGroup
 
 
@@ -46,7 +45,7 @@ def step_grpo_rewards(
 
 @SHAPERS.register("step_grpo")
 def step_grpo(group: ShapingGroup, cfg: StepGRPOConfig) -> ShapedRewards:
-    steps = step_counts(group.response_texts, cfg.triggers, cfg.case_sensitive)
+    steps = group.steps
     if cfg.count_dropped_trigger and group.dropped_triggers is not None:
         steps = steps + group.dropped_triggers.to(steps.dtype)  # the step a confident exit cut short
     rewards, mu = step_grpo_rewards(steps, group.correct, group.format_ok, cfg.alpha, cfg.beta)

@@ -1,10 +1,8 @@
-"""One trigger list for Dynamic Truncated Rollout and step counting, checked once at start-up.
+"""The trigger words' rules across sections, checked once at start-up.
 
-Design decision: the rollout probes at the trigger words ``rollout.truncation.trigger_words`` and the
-shapers count steps with ``shaping.step_grpo.triggers`` / ``shaping.metrics.triggers``. Both use one
-matching rule (whole words, case-sensitive; ``gspo_megatron/trigger_words.py``), so with
-``rollout.truncated=true`` the lists must be equal: otherwise a word could cause a probe and an exit
-yet count no step (or the reverse). The check names every key and the fix.
+Design decision: one list, ``shaping.trigger_words``, serves Dynamic Truncated Rollout's probes and
+step counting (Step-GRPO's k, the step metrics), so a word cannot cause a probe and an exit yet count
+no step (or the reverse). Two rules remain: DTR matches case-sensitively (engine stop strings), and
 ``rollout.truncation.trigger_token_ids`` (triggers given as token ids) need the tokenizer, so they are
 checked where it exists (``trainer/setup.py``): each id must decode to one of the trigger words.
 """
@@ -16,23 +14,13 @@ from collections.abc import Callable, Sequence
 from gspo_megatron.shaping.config import ShapingConfig
 
 
-def check_shared_triggers(shaping: ShapingConfig, rollout_triggers: Sequence[str]) -> None:
-    """Raise ``ValueError`` when a step-counting trigger list differs from the rollout's."""
-    lists = {"shaping.metrics.triggers": (shaping.metrics.triggers, shaping.metrics.case_sensitive)}
-    if shaping.name == "step_grpo":
-        lists["shaping.step_grpo.triggers"] = (shaping.step_grpo.triggers, shaping.step_grpo.case_sensitive)
-    wanted = sorted(rollout_triggers)
-    for key, (triggers, case_sensitive) in lists.items():
-        if sorted(triggers) != wanted:
-            raise ValueError(
-                f"rollout.truncated=true probes at rollout.truncation.trigger_words={list(rollout_triggers)} "
-                f"but {key}={list(triggers)} counts steps: one trigger list serves both; set them equal"
-            )
-        if not case_sensitive:
-            raise ValueError(
-                f"rollout.truncated=true matches triggers case-sensitively (engine stop strings); set "
-                f"{key.rsplit('.', 1)[0]}.case_sensitive=true"
-            )
+def check_probing_triggers(shaping: ShapingConfig) -> None:
+    """Raise ``ValueError`` when rollout.truncated=true would probe at words counted differently."""
+    if not shaping.trigger_case_sensitive:
+        raise ValueError(
+            "rollout.truncated=true matches the trigger words case-sensitively (engine stop strings), so "
+            "step counting must too; set shaping.trigger_case_sensitive=true"
+        )
 
 
 def check_trigger_token_ids(
@@ -47,7 +35,6 @@ def check_trigger_token_ids(
         shown = ", ".join(f"{token} -> {text!r}" for token, text in sorted(stray.items())[:8])
         raise ValueError(
             f"rollout.truncation.trigger_token_ids hold tokens that are not trigger words ({shown}): the "
-            f"rollout would probe at them but step counting (rollout.truncation.trigger_words="
-            f"{list(trigger_words)}) would not count them; add their text to the trigger words (and the "
-            f"shaping trigger lists) or remove the ids"
+            f"rollout would probe at them but step counting (shaping.trigger_words={list(trigger_words)}) "
+            f"would not count them; add their text to shaping.trigger_words or remove the ids"
         )

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gspo_megatron.rollout.types import Sample
+from gspo_megatron.shaping.segmentation import step_counts
 
 
 def _check_vector(name: str, value: object, size: int, kind: str) -> None:
@@ -46,6 +47,7 @@ class ShapingGroup:
     response_texts: list[str]  # G decoded responses (what trigger words are counted in)
     response_lengths: torch.Tensor  # long [G], response tokens
     max_response_length: int  # the rollout's max_new_tokens
+    steps: torch.Tensor  # long [G]: reasoning steps, 1 + the trigger words (shaping.trigger_words) in each text
     token_log_probs: list[torch.Tensor] | None = None  # G float [len_i] rollout log-probs
     # long [G]: trigger words a Dynamic Truncated Rollout dropped at a confident exit (0 or 1 each);
     # None: no truncated rollout. Not in response_texts (the trigger is removed before the exit).
@@ -59,6 +61,7 @@ class ShapingGroup:
         _check_vector("correct", self.correct, size, "bool")
         _check_vector("format_ok", self.format_ok, size, "bool")
         _check_vector("response_lengths", self.response_lengths, size, "int")
+        _check_vector("steps", self.steps, size, "int")
         if len(self.response_texts) != size:
             raise ValueError(f"ShapingGroup.response_texts has {len(self.response_texts)} entries, expected {size}")
         if bool((self.response_lengths < 0).any()):
@@ -105,8 +108,11 @@ def group_from_samples(
     format_ok: torch.Tensor,
     response_texts: Sequence[str],
     max_response_length: int,
+    trigger_words: Sequence[str],
+    case_sensitive: bool = True,
 ) -> ShapingGroup:
-    """Build a group from one prompt's rollout samples (lengths and log-probs come from the samples)."""
+    """Build a group from one prompt's rollout samples (lengths and log-probs come from the samples,
+    the steps from their texts' ``trigger_words``)."""
     return ShapingGroup(
         rewards=rewards,
         correct=correct,
@@ -114,6 +120,7 @@ def group_from_samples(
         response_texts=list(response_texts),
         response_lengths=torch.tensor([len(s.output_ids) for s in samples], dtype=torch.long),
         max_response_length=max_response_length,
+        steps=step_counts(response_texts, trigger_words, case_sensitive),
         token_log_probs=[s.output_log_probs.float() for s in samples],
         dropped_triggers=(
             torch.tensor([s.truncation is not None and s.truncation.confident for s in samples], dtype=torch.long)

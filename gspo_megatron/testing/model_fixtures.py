@@ -170,7 +170,7 @@ def model_layout_worker(
     The loss is a weighted log-likelihood, or -- with ``policy`` = {"loss": name, "old_log_probs",
     "advantages", "response_mask"} -- the trainer's own policy-loss head with global denominators
     (optionally with "entropy_coef", "kl_coef", "kl_estimator" and per-row "ref_log_probs", and
-    "algorithm": any other ``AlgorithmConfig`` fields, e.g. an anchor preset's clip and KL settings).
+    "algorithm": any other ``algorithm.loss`` settings (``LossConfig`` fields), e.g. a preset's clip).
     ``build_kwargs`` go to ``build_model`` (e.g. ``token_dispatcher``, ``expert_mlp``).
     Returns this rank's exported weights, the log-probs it holds (last stage, by dp rank), its loss
     contribution, the gradients gathered to HF names and the decoder layers it built ("layers").
@@ -302,18 +302,19 @@ def _token_budget_micro_batches(inputs, targets, per_row: dict, mask, budget: in
 
 
 def _policy_callback(policy: dict, mesh):
-    from gspo_megatron.algorithms.config import AlgorithmConfig
+    from gspo_megatron.algorithms.config import AlgorithmConfig, KLConfig
+    from gspo_megatron.algorithms.losses import LossConfig
     from gspo_megatron.parallel.context_parallel import gather_sequence
     from gspo_megatron.trainer.loss_head import PolicyLossHead
 
     clip = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.28)}[policy["loss"]]
     mask = policy["response_mask"]
-    regularizers = {k: policy[k] for k in ("entropy_coef", "kl_coef", "kl_estimator") if k in policy}
-    regularizers.update(policy.get("algorithm", {}))
-    clip = (regularizers.pop("clip_low", clip[0]), regularizers.pop("clip_high", clip[1]))
+    settings = {"clip_low": clip[0], "clip_high": clip[1], "entropy_coef": policy.get("entropy_coef", 0.0)}
+    settings.update(policy.get("algorithm", {}))
+    kl = KLConfig(coef=policy.get("kl_coef", 0.0), estimator=policy.get("kl_estimator", "k3"))
     cp_group = mesh.row_parts_group
     head = PolicyLossHead(
-        AlgorithmConfig(name=policy["loss"], loss=policy["loss"], clip_low=clip[0], clip_high=clip[1], **regularizers),
+        AlgorithmConfig(name=policy["loss"], loss=LossConfig(name=policy["loss"], **settings), kl=kl),
         mesh.tp_group,
         cp_group,
         1.0,

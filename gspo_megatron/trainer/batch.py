@@ -207,13 +207,13 @@ def plan_partition(
 
 def planned_rows(plan: list[list[MicroBatchRows]]) -> torch.Tensor:
     """long [n]: every row a plan names, ascending (the rows its rank must receive)."""
-    rows = [r for part in plan for r, _ in part]
+    rows = [r for minibatch in plan for r, _ in minibatch]
     return torch.cat(rows).unique(sorted=True) if rows else torch.zeros(0, dtype=torch.long)
 
 
 def cut_micro_batches(batch: RolloutBatch, plan: list[list[MicroBatchRows]]) -> list[list[StepMicroBatch]]:
     """The micro-batches of ``plan``, cut from ``batch`` (a whole batch or a rank's rows)."""
-    return [[micro_batch(batch, rows, width) for rows, width in part] for part in plan]
+    return [[micro_batch(batch, rows, width) for rows, width in minibatch] for minibatch in plan]
 
 
 def partition(
@@ -276,19 +276,19 @@ def micro_batch(batch: RolloutBatch, rows: torch.Tensor, width: int) -> StepMicr
 
 
 def update_batches(
-    parts: list[list[StepMicroBatch]],
+    minibatches: list[list[StepMicroBatch]],
     batch: RolloutBatch,
     old_log_probs: torch.Tensor,
     reference_log_probs: list[torch.Tensor] | None = None,
 ) -> list[list[UpdateMicroBatch]]:
     """The updates' micro-batches, built once from what the phases returned: pi_old of this rank's rows
     (``old_log_probs`` [n, S-1], cut to each micro-batch's rows and width) and, on the last pipeline stage
-    with a KL reference, the reference's log-probs per micro-batch in ``parts``' flattened order."""
+    with a KL reference, the reference's log-probs per micro-batch in ``minibatches``' flattened order."""
     flat_index = 0
     out: list[list[UpdateMicroBatch]] = []
-    for part in parts:
+    for minibatch in minibatches:
         built = []
-        for mb in part:
+        for mb in minibatch:
             reference = reference_log_probs[flat_index] if reference_log_probs else None
             old = old_log_probs[batch.local(mb.rows), : mb.seq_len]
             built.append(UpdateMicroBatch(**_fields_of(mb), old_log_probs=old, ref_log_probs=reference))

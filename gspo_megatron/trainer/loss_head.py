@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gspo_megatron.algorithms.config import AlgorithmConfig, make_loss_context
+from gspo_megatron.algorithms.config import AlgorithmConfig
 from gspo_megatron.algorithms.logprobs import vocab_parallel_log_probs
-from gspo_megatron.algorithms.losses import get_policy_loss
+from gspo_megatron.algorithms.losses import LossContext, get_policy_loss
 from gspo_megatron.algorithms.metrics import mean_entries, token_mean_metric
 from gspo_megatron.algorithms.off_policy_masking import off_policy_sequence_mask
 from gspo_megatron.algorithms.reductions import context_parallel_sequence_sum_fn
@@ -71,9 +71,10 @@ class PolicyLossHead:
     global_num_sequences: torch.Tensor
     global_num_tokens: torch.Tensor
     clip: tuple[float, float] | None = None  # this step's (eps_low, eps_high) from the adaptive controller
+    chunk_size: int | None = None  # trainer.logprob_chunk_size
 
     def __post_init__(self) -> None:
-        self.loss_fn = get_policy_loss(self.algorithm.loss)
+        self.loss_fn = get_policy_loss(self.algorithm.loss.name)
         self.sequence_sum = context_parallel_sequence_sum_fn(self.cp_group)
 
     def __call__(self, logits: torch.Tensor, batch: UpdateMicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -83,12 +84,12 @@ class PolicyLossHead:
             batch.targets,
             tp_group=self.tp_group,
             temperature=self.temperature,
-            chunk_size=algorithm.logprob_chunk_size,
+            chunk_size=self.chunk_size,
             with_entropy=True,
-            entropy_grad=algorithm.entropy_coef != 0,
+            entropy_grad=algorithm.loss.entropy_coef != 0,
         )
-        ctx = make_loss_context(
-            self.algorithm,
+        ctx = LossContext(
+            algorithm.loss,
             global_num_sequences=self.global_num_sequences.to(logits.device),
             global_num_tokens=self.global_num_tokens.to(logits.device),
             sequence_sum=self.sequence_sum,
@@ -96,9 +97,9 @@ class PolicyLossHead:
         )
         mask, old_log_probs, advantages = batch.response_mask, batch.old_log_probs, batch.advantages
         opsm: dict[str, torch.Tensor] = {}
-        if algorithm.opsm_delta is not None:  # slime's off-policy sequence masking
+        if algorithm.loss.opsm_delta is not None:  # slime's off-policy sequence masking
             advantages, opsm = off_policy_sequence_mask(
-                log_probs, old_log_probs, advantages, mask, algorithm.opsm_delta, self.sequence_sum
+                log_probs, old_log_probs, advantages, mask, algorithm.loss.opsm_delta, self.sequence_sum
             )
         out = self.loss_fn(log_probs, old_log_probs, advantages, mask, ctx)
         metrics = _under_loss(out.metrics)
@@ -111,13 +112,13 @@ class PolicyLossHead:
         )
         metrics.update(mean_entries("loss/policy", out.loss.detach(), share))
         loss = out.loss
-        if algorithm.entropy_coef != 0:
-            term = entropy_bonus(entropy, mask, ctx, algorithm.entropy_coef)
+        if algorithm.loss.entropy_coef != 0:
+            term = entropy_bonus(entropy, mask, ctx, algorithm.loss.entropy_coef)
             metrics.update(mean_entries("loss/entropy_term", term.detach(), share))
             loss = loss + term
-        if algorithm.kl_coef != 0:
+        if algorithm.kl.coef != 0:
             term, kl_metrics = kl_penalty(
-                log_probs, batch.ref_log_probs, mask, ctx, algorithm.kl_coef, algorithm.kl_estimator
+                log_probs, batch.ref_log_probs, mask, ctx, algorithm.kl.coef, algorithm.kl.estimator
             )
             metrics.update(_under_loss(kl_metrics))
             metrics.update(mean_entries("loss/kl_term", term.detach(), share))

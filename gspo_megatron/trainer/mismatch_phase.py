@@ -2,8 +2,8 @@
 
 The weights are computed per row from the rows this rank holds and folded into each micro-batch's
 advantages; their metrics are reduced over the data-parallel ranks. Tokens are rejected -- by a mask
-mode with ``algorithm.mismatch_rejected=drop``, by rejection sampling (``algorithm.mismatch_reject``) or
-by the veto (``algorithm.mismatch_veto``) -- by leaving each micro-batch's response mask. The phase
+mode with ``algorithm.mismatch.rejected=drop``, by rejection sampling (``algorithm.mismatch.reject``) or
+by the veto (``algorithm.mismatch.veto``) -- by leaving each micro-batch's response mask. The phase
 returns new micro-batches with those advantages and masks (``MismatchResult``; nothing is written into
 the ones it was given), and the
 step's denominators (``StepTotals``, counted before the correction) lose them: the counts removed per
@@ -42,19 +42,19 @@ from gspo_megatron.trainer.batch_distribution import StepTotals
 @dataclass(frozen=True)
 class MismatchResult:
     metrics: dict[str, float]
-    parts: list[list[StepMicroBatch]]  # the step's micro-batches with corrected advantages and masks
+    minibatches: list[list[StepMicroBatch]]  # the step's micro-batches with corrected advantages and masks
     totals: StepTotals  # the denominators less the rejected tokens
 
 
 def correct_mismatch(
     batch: RolloutBatch,
     old_log_probs: torch.Tensor,
-    parts: list[list[StepMicroBatch]],
+    minibatches: list[list[StepMicroBatch]],
     algorithm: AlgorithmConfig,
     totals: StepTotals,
     dp_group: dist.ProcessGroup | None = None,
 ) -> MismatchResult:
-    """Re-weight the advantages of every micro-batch in ``parts`` by pi_old (``old_log_probs``, this rank's
+    """Re-weight the advantages of every micro-batch in ``minibatches`` by pi_old (``old_log_probs``, this rank's
     rows) over the engine's; returns the weights' metrics, the re-weighted micro-batches and the step's
     denominators (less the rejected tokens: module docstring).
 
@@ -63,22 +63,22 @@ def correct_mismatch(
     metrics: dict[str, float] = {}
     valid = batch.mismatch_mask.bool()
     rejected = torch.zeros_like(valid)  # valid tokens that leave the loss (and its denominators)
-    drops_masked = algorithm.mismatch_rejected == RejectedTokens.drop
-    rejects = algorithm.mismatch_reject != RejectionLevel.none or algorithm.mismatch_veto is not None
-    if algorithm.mismatch_correction != MismatchCorrection.none:
-        weights, weight_metrics, parts = _weigh_advantages(batch, old_log_probs, parts, algorithm, dp_group)
+    drops_masked = algorithm.mismatch.rejected == RejectedTokens.drop
+    rejects = algorithm.mismatch.reject != RejectionLevel.none or algorithm.mismatch.veto is not None
+    if algorithm.mismatch.correction != MismatchCorrection.none:
+        weights, weight_metrics, minibatches = _weigh_advantages(batch, old_log_probs, minibatches, algorithm, dp_group)
         metrics.update(weight_metrics)
         if drops_masked:
-            rejected |= valid & ~rejected_mask(weights, batch.mismatch_mask, algorithm.mismatch_correction)
+            rejected |= valid & ~rejected_mask(weights, batch.mismatch_mask, algorithm.mismatch.correction)
     if rejects:
         kept, stats = rejection_keep_mask(
             old_log_probs,
             batch.rollout_log_probs,
             batch.mismatch_mask,
-            algorithm.mismatch_reject,
-            algorithm.mismatch_reject_upper,
-            algorithm.mismatch_reject_lower,
-            algorithm.mismatch_veto,
+            algorithm.mismatch.reject,
+            algorithm.mismatch.reject_upper,
+            algorithm.mismatch.reject_lower,
+            algorithm.mismatch.veto,
         )
         if dp_group is not None:
             stats = all_reduce_metrics(stats, dp_group)
@@ -86,14 +86,14 @@ def correct_mismatch(
         rejected |= valid & ~kept
     # the config's answer, the same on every data-parallel rank: the reduction is collective
     if drops_masked or rejects:
-        parts, totals = _drop_rejected(parts, batch, rejected, totals, dp_group)
-    return MismatchResult(metrics, parts, totals)
+        minibatches, totals = _drop_rejected(minibatches, batch, rejected, totals, dp_group)
+    return MismatchResult(metrics, minibatches, totals)
 
 
 def _weigh_advantages(
     batch: RolloutBatch,
     old_log_probs: torch.Tensor,
-    parts: list[list[StepMicroBatch]],
+    minibatches: list[list[StepMicroBatch]],
     algorithm: AlgorithmConfig,
     dp_group: dist.ProcessGroup | None,
 ) -> tuple[torch.Tensor, dict[str, float], list[list[StepMicroBatch]]]:
@@ -103,11 +103,11 @@ def _weigh_advantages(
         old_log_probs,
         batch.rollout_log_probs,
         batch.mismatch_mask,
-        algorithm.mismatch_correction,
-        algorithm.mismatch_cap,
-        algorithm.log_ratio_clamp,
-        algorithm.mismatch_sequence_ratio,
-        algorithm.mismatch_lower,
+        algorithm.mismatch.correction,
+        algorithm.mismatch.cap,
+        algorithm.loss.log_ratio_clamp,
+        algorithm.mismatch.sequence_ratio,
+        algorithm.mismatch.lower,
     )
     if dp_group is not None:
         stats = all_reduce_metrics(stats, dp_group)
@@ -121,11 +121,11 @@ def _weigh_advantages(
         return replace(mb, advantages=weighted_advantages(advantages, row_weights))
 
     metrics = {key: float(value) for key, value in finalize_mismatch_weight_stats(stats).items()}
-    return weights, metrics, [[weighed(mb) for mb in part] for part in parts]
+    return weights, metrics, [[weighed(mb) for mb in minibatch] for minibatch in minibatches]
 
 
 def _drop_rejected(
-    parts: list[list[StepMicroBatch]],
+    minibatches: list[list[StepMicroBatch]],
     batch: RolloutBatch,
     rejected: torch.Tensor,
     totals: StepTotals,
@@ -137,9 +137,9 @@ def _drop_rejected(
 
     N_tok(u) -= sum over ranks of the rejected tokens of mini-batch u
     N_seq(u) -= sum over ranks of its rows left with no valid token"""
-    removed = torch.zeros(len(parts), 2, dtype=torch.float64)  # [update, (tokens, sequences)]
+    removed = torch.zeros(len(minibatches), 2, dtype=torch.float64)  # [update, (tokens, sequences)]
     kept_parts = []
-    for update, micro_batches in enumerate(parts):
+    for update, micro_batches in enumerate(minibatches):
         kept = []
         for mb in micro_batches:
             rows, width, before = batch.local(mb.rows), mb.seq_len, mb.response_mask

@@ -1,6 +1,6 @@
 """The old-policy phase of a step: pi_old log-probs for every row, and the routing they used.
 
-Two phases, chosen once from ``algorithm.old_log_probs`` (``build_old_policy_phase``); the trainer
+Two phases, chosen once from ``trainer.old_log_probs`` (``build_old_policy_phase``); the trainer
 calls ``run`` and never asks which one it holds:
 
 - ``TrainerOldPolicy`` (``trainer``): a forward-only pass of the policy over exactly the
@@ -17,8 +17,8 @@ calls ``run`` and never asks which one it holds:
       ratio_i = exp( (1/|y_i|) * sum_t [log pi_theta(y_it) - log pi_engine(y_it)] )
 
   Consequences: no mismatch metric (it would compare a tensor with itself) and no old entropy; no
-  old-policy routing recording (``routing_replay=old_policy`` is refused at start-up,
-  ``algorithms/config.py``; R3 replays the engine's routing and needs none); the routing diagnostics
+  old-policy routing recording (``routing.replay=old_policy`` is refused at start-up,
+  ``config/validate.py``; R3 replays the engine's routing and needs none); the routing diagnostics
   take the old policy's routing from the first update's training forward (``routing/plan.py``).
 
 Both return pi_old of this rank's rows (``OldPolicyResult.log_probs``); the trainer builds the updates'
@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from gspo_megatron.algorithms.config import OldLogProbSource
+from gspo_megatron.algorithms.mismatch_metric import finalize_mismatch, train_inference_mismatch
 from gspo_megatron.models.micro_batch import StepMicroBatch
 from gspo_megatron.models.schedule import BeforeForward, run_schedule
 from gspo_megatron.parallel.mesh import ParallelMesh
-from gspo_megatron.rollout.mismatch import finalize_mismatch, train_inference_mismatch
 from gspo_megatron.trainer.batch import RolloutBatch
 from gspo_megatron.trainer.loss_head import LogProbHead, LogProbOutput
 
@@ -58,7 +58,7 @@ class OldPolicyPhase(Protocol):
 
 
 class EngineOldPolicy:
-    """``algorithm.old_log_probs=rollout``: the engine's log-probs are pi_old."""
+    """``trainer.old_log_probs=rollout``: the engine's log-probs are pi_old."""
 
     def run(
         self, batch: RolloutBatch, micro_batches: list[StepMicroBatch], before_forward: BeforeForward | None
@@ -67,7 +67,7 @@ class EngineOldPolicy:
 
 
 class TrainerOldPolicy:
-    """``algorithm.old_log_probs=trainer``: a forward-only pass of the policy."""
+    """``trainer.old_log_probs=trainer``: a forward-only pass of the policy."""
 
     def __init__(self, model: ModelChunks, mesh: ParallelMesh, head: LogProbHead) -> None:
         self.model, self.mesh, self.head = model, mesh, head
@@ -121,7 +121,7 @@ def build_old_policy_phase(
     mesh: ParallelMesh,
     head: LogProbHead,
 ) -> OldPolicyPhase:
-    """The phase ``algorithm.old_log_probs`` names (the one place that reads it)."""
+    """The phase ``trainer.old_log_probs`` names (the one place that reads it)."""
     phases: dict[OldLogProbSource, OldPolicyPhase] = {
         OldLogProbSource.trainer: TrainerOldPolicy(model, mesh, head),
         OldLogProbSource.rollout: EngineOldPolicy(),

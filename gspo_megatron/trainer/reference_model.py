@@ -1,11 +1,11 @@
-"""The frozen reference policy of the KL term (``algorithm.kl_coef > 0``): a second model, same layout.
+"""The frozen reference policy of the KL term (``algorithm.kl.coef > 0``): a second model, same layout.
 
 Design decisions:
-- Built only when ``algorithm.kl_coef > 0``; with coefficient 0 nothing is built and no reference
+- Built only when ``algorithm.kl.coef > 0``; with coefficient 0 nothing is built and no reference
   forward runs (the trainer holds ``None``).
 - Weights: the policy's *initial* weights (the same source the policy was loaded from -- its HF
   checkpoint or the seeded random init -- so a resumed run keeps the same reference), or the HF
-  checkpoint ``algorithm.kl_reference``. Loaded with the policy's own sharding code, so every layout
+  checkpoint ``algorithm.kl.reference``. Loaded with the policy's own sharding code, so every layout
   (TP/PP/EP/CP) evaluates it exactly like the policy.
 - Its routers are built without megatron's ``RouterReplay`` (``moe_enable_routing_replay=False``):
   megatron keeps RouterReplay instances in one process-global list, and a second model that added
@@ -95,7 +95,7 @@ class ReferenceModel:
         dtype: torch.dtype,
     ) -> ReferenceModel:
         """``policy_source``: where the policy's initial weights came from (unless kl_reference is set)."""
-        path = cfg.algorithm.kl_reference
+        path = cfg.algorithm.kl.reference
         source = SafetensorsSource(path) if path else policy_source
         chunks = build_model_chunks(
             cfg.model,
@@ -112,7 +112,7 @@ class ReferenceModel:
             chunks,
             mesh.tp_group,
             cfg.rollout.temperature,
-            cfg.algorithm.logprob_chunk_size,
+            cfg.trainer.logprob_chunk_size,
             row_parts_group=mesh.row_parts_group,
             offload=cfg.trainer.reference_offload,
         )

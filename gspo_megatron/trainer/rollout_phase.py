@@ -65,12 +65,12 @@ class RolloutPhase:
 
     def run(self, step: int, prompts_per_step: int) -> tuple[RolloutBatch, dict[str, float]]:
         extra_metrics: dict[str, float] = {}
-        if self.algorithm.dynamic_sampling:  # DAPO: only groups with reward variance, more rounds if short
+        if self.algorithm.dynamic_sampling.enabled:  # DAPO: only groups with reward variance, more rounds if short
             collected = collect_informative_groups(
                 lambda round_index: self._draw(step, round_index, prompts_per_step),
                 lambda group: self._has_reward_variance(group, step),
                 prompts_per_step,
-                self.algorithm.dynamic_sampling_max_extra_rounds,
+                self.algorithm.dynamic_sampling.max_extra_rounds,
             )
             drawn, extra_metrics = collected.groups, collected.metrics()
         elif self.partial is not None:
@@ -84,8 +84,8 @@ class RolloutPhase:
         shaped = shape_batch([group.shaping for group in drawn], self.shaping)
         shaped_rewards = torch.cat([s.rewards for s in shaped.groups]).float()
         shaped_rewards = self._mixed(rewards, shaped_rewards, step)
-        estimator = ADVANTAGE_ESTIMATORS.get(self.algorithm.advantage_estimator)
-        context = make_advantage_context(self.algorithm, g)
+        estimator = ADVANTAGE_ESTIMATORS.get(self.algorithm.advantage.estimator)
+        context = make_advantage_context(self.algorithm.advantage, g)
         advantage = shaped_advantages(rewards, shaped_rewards, lambda r: estimator(r, context), g, self.shaping.combine)
         batch = pack_samples(
             samples,
@@ -159,6 +159,8 @@ class RolloutPhase:
                     format_ok[i : i + g],
                     texts[i : i + g],
                     params.max_new_tokens,
+                    self.shaping.trigger_words,
+                    self.shaping.trigger_case_sensitive,
                 ),
             )
             for i in range(0, len(samples), g)

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gspo_megatron.config_node import ConfigChoice
-from gspo_megatron.routing.run_dir import CONFIG_FILE, METRICS_FILE, ROUTING_FILE, RunDirError
+from gspo_megatron.run_dir import CONFIG_FILE, METRICS_FILE, ROUTING_FILE, RunDirError
 
 if TYPE_CHECKING:
     from gspo_megatron.config.schema import CheckpointSection

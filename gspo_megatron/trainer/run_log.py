@@ -1,6 +1,6 @@
 """What a run writes for people: metrics JSONL, TensorBoard, optional wandb, progress, summary.
 
-Only the driver rank writes. The run-directory format is ``routing/run_dir.py``'s (shared with the
+Only the driver rank writes. The run-directory format is ``run_dir.py``'s (shared with the
 report and comparison tools). On resume, metrics past the checkpoint's step are cut from
 ``metrics.jsonl`` so the file holds one line per step, as an uninterrupted run would.
 Every step records ``time/run_wall_s``, the run's wall time up to that step across resumes (the last
@@ -18,7 +18,7 @@ from typing import Any
 
 from gspo_megatron.algorithms.ratio_dispersion import LENGTH_BUCKETS, bucket_name
 from gspo_megatron.provenance import PROVENANCE_FILE, provenance
-from gspo_megatron.routing.run_dir import CONFIG_FILE, METRICS_FILE, JsonlLog, drop_records_from_step, read_jsonl
+from gspo_megatron.run_dir import CONFIG_FILE, METRICS_FILE, JsonlLog, drop_records_from_step, read_jsonl
 
 RUN_WALL_KEY = "time/run_wall_s"
 

@@ -29,9 +29,10 @@ from gspo_megatron.rollout.config import Placement, RolloutEngineName
 from gspo_megatron.rollout.engine import RolloutEngine
 from gspo_megatron.rollout.sglang.config import WeightSenders, WeightSync
 from gspo_megatron.rollout.types import SamplingParams
+from gspo_megatron.routing.log import RoutingLog
 from gspo_megatron.routing.replay import RoutingReplay
 from gspo_megatron.routing.replay_strategy import needs_engine_routing
-from gspo_megatron.routing.run_dir import ROUTING_FILE, RoutingLog, drop_records_from_step
+from gspo_megatron.run_dir import ROUTING_FILE, drop_records_from_step
 from gspo_megatron.trainer.colocation import ColocatedHandOver, SeparatePlacement
 from gspo_megatron.trainer.optim import build_optimizer
 from gspo_megatron.trainer.partial_rollout import PartialRollouts
@@ -63,7 +64,7 @@ class Components:
     rollout: RolloutPhase | None = None
     run_log: RunLog | None = None
     routing_log: RoutingLog | None = None
-    reference: ReferenceModel | None = None  # frozen KL reference; None unless algorithm.kl_coef > 0
+    reference: ReferenceModel | None = None  # frozen KL reference; None unless algorithm.kl.coef > 0
     placement: SeparatePlacement | ColocatedHandOver = field(default_factory=SeparatePlacement)
     stage_turns: StageTurns | None = None  # every rank, when each pipeline stage sends its own weights
 
@@ -152,7 +153,7 @@ def build(cfg: TrainConfig, run_dir: Path, config_yaml: str, world_size: int | N
         replay = RoutingReplay.capture_new_instances(instances_before, [len(layers) for layers in moe_layers])
     source = SafetensorsSource(cfg.model.hf_checkpoint) if cfg.model.hf_checkpoint else random_hf_weights(cfg)
     load_hf_weights(chunks, cfg.model, source, mesh)
-    reference = ReferenceModel.build(cfg, layout, mesh, source, dtype) if cfg.algorithm.kl_coef > 0 else None
+    reference = ReferenceModel.build(cfg, layout, mesh, source, dtype) if cfg.algorithm.kl.coef > 0 else None
     distributed = use_distributed_optimizer(cfg.optimizer.distributed, layout)
     ddp = ModelChunks(wrap_for_training(chunk, chunk.config, use_distributed_optimizer=distributed) for chunk in chunks)
     total_updates = cfg.trainer.steps * cfg.trainer.updates_per_rollout
@@ -201,7 +202,7 @@ def build_rollout_phase(cfg: TrainConfig) -> RolloutPhase:
         stop_token_ids=tuple(tokenizer.stop_token_ids),
         n=cfg.rollout.group_size,
         return_routed_experts=cfg.rollout.return_routed_experts
-        or needs_engine_routing(cfg.algorithm.routing_replay)
+        or needs_engine_routing(cfg.routing.replay)
         or "rollout_vs_train" in cfg.routing.kinds,
     )
     generate_fn = None
@@ -209,11 +210,10 @@ def build_rollout_phase(cfg: TrainConfig) -> RolloutPhase:
         from gspo_megatron.rollout.truncated import TruncatedRolloutEngine
         from gspo_megatron.shaping.triggers import check_trigger_token_ids
 
-        check_trigger_token_ids(
-            cfg.rollout.truncation.trigger_token_ids, cfg.rollout.truncation.trigger_words, tokenizer.decode
-        )
+        triggers = cfg.shaping.trigger_words
+        check_trigger_token_ids(cfg.rollout.truncation.trigger_token_ids, triggers, tokenizer.decode)
         generate_fn = TruncatedRolloutEngine(
-            engine, cfg.rollout.truncation, tokenizer.encode, tokenizer.decode
+            engine, cfg.rollout.truncation, triggers, tokenizer.encode, tokenizer.decode
         ).generate
     return RolloutPhase(
         engine=engine,

@@ -84,14 +84,14 @@ def _plan(stripes: list[list[int]], first_row: int, width: int) -> MicroBatchPla
     return MicroBatchPlan(rows=rows, width=width)
 
 
-def step_padded_fraction(input_tokens: float, parts: Sequence[Sequence[MicroBatch]], dp_size: int) -> float:
+def step_padded_fraction(input_tokens: float, minibatches: Sequence[Sequence[MicroBatch]], dp_size: int) -> float:
     """1 - real input tokens of the whole step / tokens fed in one pass over its micro-batches, all ranks.
 
     Every data-parallel rank feeds micro-batches of the same shapes (the plan above; without a
     budget: equal slices padded to the batch width), so this rank's shapes times ``dp_size`` are
     the whole step's.
     """
-    return step_fed_shape(parts, dp_size).padded_fraction(input_tokens)
+    return step_fed_shape(minibatches, dp_size).padded_fraction(input_tokens)
 
 
 @dataclass(frozen=True)
@@ -115,11 +115,11 @@ class FedShape:
         }
 
 
-def step_fed_shape(parts: Sequence[Sequence[MicroBatch]], dp_size: int) -> FedShape:
+def step_fed_shape(minibatches: Sequence[Sequence[MicroBatch]], dp_size: int) -> FedShape:
     """Every data-parallel rank feeds micro-batches of the same shapes (see above): this rank's x dp."""
-    rows = dp_size * sum(mb.tokens.shape[0] for part in parts for mb in part)
-    tokens = dp_size * sum(mb.tokens.numel() for part in parts for mb in part)
-    return FedShape(rows, tokens, sum(len(part) for part in parts))
+    rows = dp_size * sum(mb.tokens.shape[0] for minibatch in minibatches for mb in minibatch)
+    tokens = dp_size * sum(mb.tokens.numel() for minibatch in minibatches for mb in minibatch)
+    return FedShape(rows, tokens, sum(len(minibatch) for minibatch in minibatches))
 
 
 def sequence_multiple(layout: ParallelLayout) -> int:

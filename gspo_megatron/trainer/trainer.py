@@ -4,7 +4,7 @@ One step, top to bottom (``train_step``):
     rollout -> reward -> shaped reward -> advantages      (driver rank: ``RolloutPhase``)
     -> each data-parallel rank's rows and micro-batch plan scattered to it (``batch_distribution``)
     -> old log-probs: Megatron forward over the batch, or the engine's   (``old_policy_phase``)
-    -> reference log-probs when algorithm.kl_coef > 0      (frozen model; its routers never replay)
+    -> reference log-probs when algorithm.kl.coef > 0      (frozen model; its routers never replay)
     -> k mini-batch policy updates through megatron's schedule and optimizer
     -> weight sync: HF-named export streamed tensor by tensor -> engine.update_weights (trainer/weight_stream.py)
     -> metrics, routing diagnostics, evaluation, checkpoint
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.algorithms.adaptive_clip import AdaptiveClipController, ClipFractions
-from gspo_megatron.algorithms.config import OldLogProbSource, corrects_mismatch
+from gspo_megatron.algorithms.config import OldLogProbSource
 from gspo_megatron.algorithms.metrics import SUM, finalize_metrics, merge_metrics
 from gspo_megatron.algorithms.reductions import all_reduce_metrics
 from gspo_megatron.config.schema import TrainConfig
@@ -82,9 +82,8 @@ class RLTrainer:
         self.run_id = new_run_id()  # a resumed run takes its checkpoint's id (pruning is per run)
         head = self._log_prob_head()
         self.old_policy = build_old_policy_phase(
-            OldLogProbSource(self.cfg.algorithm.old_log_probs), components.model, self.mesh, head
+            OldLogProbSource(self.cfg.trainer.old_log_probs), components.model, self.mesh, head
         )
-        self.corrects_mismatch = corrects_mismatch(self.cfg.algorithm)  # weights / rejects by pi_old / pi_rollout
         self.routing = self._step_routing(head)  # replay, recordings, diagnostics: two hooks per step
         self.clip_controller = AdaptiveClipController.from_config(self.cfg.algorithm)  # None: fixed eps
         self.rollouts: RolloutScheduler | None = None  # the driver's rollout schedule (synchronous or one step ahead)
@@ -168,25 +167,25 @@ class RLTrainer:
             share = self._rollout()
             self.placement.after_generation()
         batch, totals, metrics = share.batch, share.totals, dict(share.metrics)
-        parts = cut_micro_batches(batch, share.plan)
-        fed = step_fed_shape(parts, self.mesh.layout.dp)
+        minibatches = cut_micro_batches(batch, share.plan)
+        fed = step_fed_shape(minibatches, self.mesh.layout.dp)
         metrics["batch/padded_token_frac"] = fed.padded_fraction(totals.input_tokens)
         metrics.update(fed.metrics())
-        flat = [mb for part in parts for mb in part]
+        flat = [mb for minibatch in minibatches for mb in minibatch]
         with self._phase(timings, "old_logp"), self.routing.old_pass(self.step, flat) as before_forward:
             old = self.old_policy.run(batch, flat, before_forward)
         old_metrics = dict(old.metrics)
-        if self.corrects_mismatch:  # importance weights pi_old / pi_rollout
+        if self.cfg.algorithm.mismatch.active:  # importance weights pi_old / pi_rollout
             mismatch = correct_mismatch(
-                batch, old.log_probs, parts, self.cfg.algorithm, totals, self.mesh.other_rows_group
+                batch, old.log_probs, minibatches, self.cfg.algorithm, totals, self.mesh.other_rows_group
             )
-            parts, totals = mismatch.parts, mismatch.totals
+            minibatches, totals = mismatch.minibatches, mismatch.totals
             old_metrics.update(mismatch.metrics)
         reference = None
-        if self.c.reference is not None:  # algorithm.kl_coef > 0: frozen reference, routers never replay
+        if self.c.reference is not None:  # algorithm.kl.coef > 0: frozen reference, routers never replay
             with self._phase(timings, "ref_logp"):
                 reference = self.c.reference.log_probs(flat)
-        updates = update_batches(parts, batch, old.log_probs, reference)  # what the loss reads, built once
+        updates = update_batches(minibatches, batch, old.log_probs, reference)  # what the loss reads, built once
         with self._phase(timings, "update"):
             update = self._policy_updates(updates, totals)
         with self._phase(timings, "weight_sync"):
@@ -243,7 +242,7 @@ class RLTrainer:
         return LogProbHead(
             mesh.tp_group,
             cfg.rollout.temperature,
-            cfg.algorithm.logprob_chunk_size,
+            cfg.trainer.logprob_chunk_size,
             cp_group=mesh.row_parts_group,
         )
 
@@ -257,13 +256,13 @@ class RLTrainer:
             log_prob_head=head,
             stage_moe_layers=self.c.stage_moe_layers,
             num_experts=cfg.model.num_experts,
-            clip=(cfg.algorithm.clip_low, cfg.algorithm.clip_high),
+            clip=(cfg.algorithm.loss.clip_low, cfg.algorithm.loss.clip_high),
             routing_log=self.c.routing_log,
         )
 
-    def _policy_updates(self, parts: list[list[UpdateMicroBatch]], totals: StepTotals) -> UpdateResult:
+    def _policy_updates(self, minibatches: list[list[UpdateMicroBatch]], totals: StepTotals) -> UpdateResult:
         merged, grad_norms = None, []
-        for update, mbs in enumerate(parts):
+        for update, mbs in enumerate(minibatches):
             with self.routing.update(update, mbs) as before_forward:
                 self.c.model.zero_grad_buffer()
                 self.c.optimizer.zero_grad()
@@ -294,6 +293,7 @@ class RLTrainer:
             global_num_sequences=totals.update_sequences[update],
             global_num_tokens=totals.update_tokens[update],
             clip=None if self.clip_controller is None else self.clip_controller.eps,
+            chunk_size=cfg.trainer.logprob_chunk_size,
         )
 
     def _guarded_optimizer_step(self, outputs: list[dict], where: str) -> float:
@@ -444,8 +444,8 @@ class UpdateResult:
 def routing_plan(cfg: TrainConfig, *, has_routers: bool) -> RoutingPlan:
     """The routing decisions of every step, from the config's algorithm, trainer and routing sections."""
     return RoutingPlan(
-        ReplayMode(cfg.algorithm.routing_replay),
-        engine_old_policy=cfg.algorithm.old_log_probs == OldLogProbSource.rollout,
+        ReplayMode(cfg.routing.replay),
+        engine_old_policy=cfg.trainer.old_log_probs == OldLogProbSource.rollout,
         updates=cfg.trainer.updates_per_rollout,
         has_routers=has_routers,
         diagnostics=cfg.routing,

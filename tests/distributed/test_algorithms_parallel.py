@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.algorithms import (
+    LossConfig,
     LossContext,
     all_reduce_metrics,
     context_parallel_sequence_sum_fn,
@@ -76,7 +77,8 @@ def _cp_inputs():
 
 def _cp_run(log_probs, old, mask, advantages, loss_name, aggregation, sequence_sum):
     leaf = log_probs.clone().requires_grad_()
-    ctx = LossContext(clip_low=0.1, clip_high=0.15, aggregation=aggregation, sequence_sum=sequence_sum)
+    settings = LossConfig(name=loss_name, clip_low=0.1, clip_high=0.15, aggregation=aggregation)
+    ctx = LossContext(settings, sequence_sum=sequence_sum)
     out = get_policy_loss(loss_name)(leaf, old, advantages, mask, ctx)
     out.loss.backward()
     return out.loss.detach(), leaf.grad, out.metrics

@@ -75,9 +75,9 @@ def distribution_worker(ctx, micro_batch_tokens):
         whole, updates=UPDATES, micro_batch_size=3, dp_size=2, dp_rank=ctx.rank, micro_batch_tokens=micro_batch_tokens
     )
     assert len(got) == len(expected) == UPDATES
-    for part, part_expected in zip(got, expected, strict=True):
-        assert len(part) == len(part_expected)
-        for mb, mb_expected in zip(part, part_expected, strict=True):
+    for minibatch, part_expected in zip(got, expected, strict=True):
+        assert len(minibatch) == len(part_expected)
+        for mb, mb_expected in zip(minibatch, part_expected, strict=True):
             for name, value in vars(mb_expected).items():
                 other = getattr(mb, name)
                 assert (other is None and value is None) or torch.equal(other, value), name
@@ -114,12 +114,13 @@ def test_each_data_parallel_rank_receives_only_its_rows(micro_batch_tokens):
     assert inputs == batch.input_mask.sum().item()
 
 
-def rejection_worker(ctx, algorithm_kwargs: dict):
+def rejection_worker(ctx, mismatch: dict):
     """Each DP rank drops the rejected tokens of its own rows; the totals it then divides by are the
     whole batch's kept counts, the same on both ranks."""
     import torch.distributed as dist
 
-    from gspo_megatron.algorithms.config import AlgorithmConfig
+    from gspo_megatron.algorithms.config import AlgorithmConfig, MismatchConfig
+    from gspo_megatron.algorithms.losses import LossConfig
     from gspo_megatron.trainer.batch import cut_micro_batches
     from gspo_megatron.trainer.batch_distribution import data_parallel_rank_of_each_rank, rank_shares, scatter_shares
     from gspo_megatron.trainer.mismatch_phase import correct_mismatch
@@ -133,14 +134,17 @@ def rejection_worker(ctx, algorithm_kwargs: dict):
         else None
     )
     share = scatter_shares(shares, data_parallel_rank_of_each_rank(ctx.rank))
-    parts = cut_micro_batches(share.batch, share.plan)
-    algorithm = AlgorithmConfig(loss="grpo", **algorithm_kwargs)
+    minibatches = cut_micro_batches(share.batch, share.plan)
+    algorithm = AlgorithmConfig(loss=LossConfig(name="grpo"), mismatch=MismatchConfig(**mismatch))
     result = correct_mismatch(
-        share.batch, old_log_probs[share.batch.row_ids], parts, algorithm, share.totals, dist.group.WORLD
+        share.batch, old_log_probs[share.batch.row_ids], minibatches, algorithm, share.totals, dist.group.WORLD
     )
-    parts, totals = result.parts, result.totals
+    minibatches, totals = result.minibatches, result.totals
     kept = {
-        int(row): mb.response_mask[i].sum().item() for part in parts for mb in part for i, row in enumerate(mb.rows)
+        int(row): mb.response_mask[i].sum().item()
+        for minibatch in minibatches
+        for mb in minibatch
+        for i, row in enumerate(mb.rows)
     }
     return {"sequences": totals.update_sequences.tolist(), "tokens": totals.update_tokens.tolist(), "kept": kept}
 
@@ -151,18 +155,16 @@ def _old_log_probs(batch):
 
 
 def _mask_drop(mode: str, **extra) -> dict:
-    return dict(mismatch_correction=mode, mismatch_cap=1.3, mismatch_rejected="drop", **extra)
+    return dict(correction=mode, cap=1.3, rejected="drop", **extra)
 
 
 REJECTIONS = {
     "token_mask": _mask_drop("token_mask"),
     "sequence_mask": _mask_drop("sequence_mask"),
-    "icepop_band": _mask_drop("token_mask", mismatch_lower=0.8),
-    "sequence_rs": dict(mismatch_reject="sequence", mismatch_reject_upper=2.5),
-    "geometric_rs_veto": dict(mismatch_reject="geometric", mismatch_reject_upper=1.2, mismatch_veto=0.5),
-    "truncate_and_token_rs": dict(
-        mismatch_correction="token_truncate", mismatch_reject="token", mismatch_reject_upper=1.5
-    ),
+    "icepop_band": _mask_drop("token_mask", lower=0.8),
+    "sequence_rs": dict(reject="sequence", reject_upper=2.5),
+    "geometric_rs_veto": dict(reject="geometric", reject_upper=1.2, veto=0.5),
+    "truncate_and_token_rs": dict(correction="token_truncate", reject="token", reject_upper=1.5),
 }
 
 
@@ -173,20 +175,20 @@ def _expected_kept(batch, kwargs: dict) -> torch.Tensor:
 
     old = _old_log_probs(batch)
     kept = batch.response_mask.bool()
-    mode = kwargs.get("mismatch_correction", "none")
-    if kwargs.get("mismatch_rejected") == "drop":
+    mode = kwargs.get("correction", "none")
+    if kwargs.get("rejected") == "drop":
         weights, _ = mismatch_weights(
-            old, batch.rollout_log_probs, batch.response_mask, mode, 1.3, lower=kwargs.get("mismatch_lower", 0.0)
+            old, batch.rollout_log_probs, batch.response_mask, mode, 1.3, lower=kwargs.get("lower", 0.0)
         )
         kept &= rejected_mask(weights, batch.response_mask, mode)
-    if "mismatch_reject" in kwargs or "mismatch_veto" in kwargs:
+    if "reject" in kwargs or "veto" in kwargs:
         keep, _ = rejection_keep_mask(
             old,
             batch.rollout_log_probs,
             batch.response_mask,
-            kwargs.get("mismatch_reject", "none"),
-            kwargs.get("mismatch_reject_upper", 2.0),
-            veto=kwargs.get("mismatch_veto"),
+            kwargs.get("reject", "none"),
+            kwargs.get("reject_upper", 2.0),
+            veto=kwargs.get("veto"),
         )
         kept &= keep
     return kept.float()

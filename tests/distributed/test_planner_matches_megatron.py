@@ -204,7 +204,7 @@ JOBS = {
     "dp2 auto -> distributed optimizer": (2, [*TINY_JOB, "model.layer_spec=portable"]),
     "tp2 bf16 kl reference": (
         2,
-        [*TINY_JOB, "parallel=tp2", "model.dtype=bfloat16", "algorithm.kl_coef=0.01", "model.layer_spec=portable"],
+        [*TINY_JOB, "parallel=tp2", "model.dtype=bfloat16", "algorithm.kl.coef=0.01", "model.layer_spec=portable"],
     ),
     "ep2 distributed=false recompute": (
         2,
@@ -247,11 +247,11 @@ JOBS = {
     ),
     "tp2 bf16 kl reference offloaded": (
         2,
-        [*TINY_JOB, "parallel=tp2", "model.dtype=bfloat16", "algorithm.kl_coef=0.01", "trainer.reference_offload=true"],
+        [*TINY_JOB, "parallel=tp2", "model.dtype=bfloat16", "algorithm.kl.coef=0.01", "trainer.reference_offload=true"],
     ),
     "pp2 uneven 2+1 kl reference": (
         2,
-        [*TINY_JOB, "model.num_layers=3", "parallel=pp2", "parallel.last_stage_layers=1", "algorithm.kl_coef=0.01"],
+        [*TINY_JOB, "model.num_layers=3", "parallel=pp2", "parallel.last_stage_layers=1", "algorithm.kl.coef=0.01"],
     ),
     # two chunks a rank (layers 0, 2 | 1, 3): each chunk its own DDP buffers, the optimizer over both
     "pp2 vpp2 bf16 distributed, kl reference": (
@@ -264,7 +264,7 @@ JOBS = {
             "trainer.micro_batch_size=64",  # interleaved 1F1B: >= pp micro-batches
             "model.dtype=bfloat16",
             "optimizer.distributed=true",
-            "algorithm.kl_coef=0.01",
+            "algorithm.kl.coef=0.01",
         ],
     ),
     "pp2 vpp2 fp32": (

@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from gspo_megatron.models.micro_batch import MicroBatch
-from gspo_megatron.routing.config import RoutingDiagnosticsConfig
+from gspo_megatron.routing.config import RoutingConfig
+from gspo_megatron.routing.log import RoutingLog
 from gspo_megatron.routing.plan import RoutingPlan
 from gspo_megatron.routing.replay import ReplayMode
-from gspo_megatron.routing.run_dir import RoutingLog, read_jsonl
+from gspo_megatron.run_dir import read_jsonl
 from gspo_megatron.testing.distributed import run_distributed
 
 OLD = [torch.tensor([[0, 1], [2, 3], [0, 1]]), torch.tensor([[0, 1], [0, 1], [0, 1]])]
@@ -37,7 +38,7 @@ def _update_diagnostics(mesh, run_dir: str):
         engine_old_policy=False,
         updates=2,
         has_routers=True,
-        diagnostics=RoutingDiagnosticsConfig(kinds=["update"]),
+        diagnostics=RoutingConfig(kinds=["update"]),
     )
     diagnostics = RoutingDiagnostics(plan, mesh, 4, RoutingLog(run_dir) if mesh.is_driver else None)
     mb = MicroBatch(tokens=torch.ones(1, 3, dtype=torch.long), targets=torch.ones(1, 3, dtype=torch.long))

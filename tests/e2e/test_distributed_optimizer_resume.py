@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.faults]
 # 40 steps in the LR schedule, 6 run: the killed run is far from its end when the kill lands; the
 # entropy bonus gives every step a gradient (the tiny task's rewards are often all equal in a group)
 BASE = FAST + ["trainer.steps=40", "trainer.stop_after_steps=6", "checkpoint.save_every=2", "routing.enabled=false"]
-BASE += ["algorithm.entropy_coef=0.01", "optimizer.warmup_steps=0"]
+BASE += ["algorithm.loss.entropy_coef=0.01", "optimizer.warmup_steps=0"]
 DISTRIBUTED = BASE + ["optimizer.distributed=true"]
 
 

@@ -17,9 +17,9 @@ def test_reference_kl_and_entropy_bonus_under_rollout_replay(tmp_path):
     """R3 on for the policy, a frozen reference beside it: the reference starts equal to the policy."""
     overrides = FAST + [
         "algorithm=grpo_rollout_routing_replay",
-        "algorithm.kl_coef=0.1",
-        "algorithm.entropy_coef=0.01",
-        "algorithm.kl_estimator=k2",
+        "algorithm.kl.coef=0.1",
+        "algorithm.loss.entropy_coef=0.01",
+        "algorithm.kl.estimator=k2",
     ]
     (metrics,) = run_distributed(train_worker, 1, overrides, str(tmp_path), timeout=600)
     assert [m["step"] for m in metrics] == [1, 2]
@@ -38,9 +38,13 @@ def test_reference_from_a_hf_checkpoint(tmp_path):
     weights) the KL is already > 0, where the default reference (initial weights) gives exactly 0."""
     trained = tmp_path / "trained"
     run_distributed(
-        train_worker, 1, FAST + ["checkpoint.export_hf=true", "algorithm.entropy_coef=0.05"], str(trained), timeout=600
+        train_worker,
+        1,
+        FAST + ["checkpoint.export_hf=true", "algorithm.loss.entropy_coef=0.05"],
+        str(trained),
+        timeout=600,
     )
-    overrides = FAST + ["trainer.steps=1", "algorithm.kl_coef=0.1", f"algorithm.kl_reference={trained / 'hf_export'}"]
+    overrides = FAST + ["trainer.steps=1", "algorithm.kl.coef=0.1", f"algorithm.kl.reference={trained / 'hf_export'}"]
     (metrics,) = run_distributed(train_worker, 1, overrides, str(tmp_path / "with_reference"), timeout=600)
     assert metrics[0]["loss/kl_ref"] > 0
 
@@ -51,8 +55,8 @@ def test_mismatch_correction_with_the_bf16_engine(tmp_path):
     overrides = FAST + [
         "algorithm=grpo",
         "rollout.embedded.dtype=bfloat16",
-        "algorithm.mismatch_correction=token_truncate",
-        f"algorithm.mismatch_cap={cap}",
+        "algorithm.mismatch.correction=token_truncate",
+        f"algorithm.mismatch.cap={cap}",
     ]
     (metrics,) = run_distributed(train_worker, 1, overrides, str(tmp_path), timeout=600)
     for m in metrics:
@@ -68,10 +72,10 @@ def test_dynamic_sampling_and_adaptive_clip(tmp_path):
     rate, target = 0.5, 0.05
     overrides = FAST + [
         "trainer.steps=3",
-        "algorithm.dynamic_sampling=true",
-        "algorithm.dynamic_sampling_max_extra_rounds=2",
-        f"algorithm.adaptive_clip_target={target}",
-        f"algorithm.adaptive_clip_rate={rate}",
+        "algorithm.dynamic_sampling.enabled=true",
+        "algorithm.dynamic_sampling.max_extra_rounds=2",
+        f"algorithm.adaptive_clip.target={target}",
+        f"algorithm.adaptive_clip.rate={rate}",
     ]
     (metrics,) = run_distributed(train_worker, 1, overrides, str(tmp_path), timeout=600)
     for m in metrics:
@@ -98,7 +102,7 @@ def test_adaptive_clip_with_grpo_runs_past_scale_1_25(tmp_path):
     overrides = [
         *TINY_JOB,
         "algorithm=grpo",
-        "algorithm.adaptive_clip_target=0.01",
+        "algorithm.adaptive_clip.target=0.01",
         "optimizer.lr=0.02",
         "optimizer.warmup_steps=0",
         "trainer.updates_per_rollout=4",
@@ -138,12 +142,12 @@ def test_rejected_tokens_dropped_from_the_denominators(tmp_path):
         "algorithm=grpo",
         "rollout.max_new_tokens=8",
         "rollout.embedded.dtype=bfloat16",
-        "algorithm.mismatch_correction=token_mask",
-        "algorithm.mismatch_cap=1.0",
+        "algorithm.mismatch.correction=token_mask",
+        "algorithm.mismatch.cap=1.0",
     ]
     (keep,) = run_distributed(train_worker, 1, base, str(tmp_path / "keep"), timeout=600)
     (drop,) = run_distributed(
-        train_worker, 1, base + ["algorithm.mismatch_rejected=drop"], str(tmp_path / "drop"), timeout=600
+        train_worker, 1, base + ["algorithm.mismatch.rejected=drop"], str(tmp_path / "drop"), timeout=600
     )
     masked = keep[0]["mismatch_is/masked_frac"]
     assert 0 < masked < 1 and drop[0]["mismatch_is/masked_frac"] == masked  # the same samples, weights
@@ -158,9 +162,9 @@ def test_anchor_corrections_with_the_bf16_engine_equal_one_rank_under_tp2_and_ep
     the other two get bands that narrow), and tp2 and ep2 runs log the same metrics as one rank."""
     overrides = FAST + ["trainer.steps=1", f"algorithm={preset}", "rollout.embedded.dtype=bfloat16"]
     if preset == "grpo_icepop":
-        overrides += ["algorithm.mismatch_cap=1.001", "algorithm.mismatch_lower=0.999"]  # bf16's gap: some masked
+        overrides += ["algorithm.mismatch.cap=1.001", "algorithm.mismatch.lower=0.999"]  # bf16's gap: some masked
     if preset == "gspo_seq_mis":  # a product within [1/2, 2] for every row of a bf16 engine's: a band it leaves
-        overrides += ["algorithm.mismatch_reject_upper=1.002", "algorithm.mismatch_reject_lower=0.998"]
+        overrides += ["algorithm.mismatch.reject_upper=1.002", "algorithm.mismatch.reject_lower=0.998"]
     (one,) = run_distributed(train_worker, 1, overrides, str(tmp_path / "one"), timeout=600)
     m = one[0]
     key = "mismatch_is/masked_frac" if preset == "grpo_icepop" else "mismatch_rs/rejected_token_frac"
@@ -192,8 +196,8 @@ def test_async_rollout_staleness_bound_with_rollout_replay(tmp_path):
         "trainer.steps=3",
         "algorithm=grpo_rollout_routing_replay",
         "rollout.async_rollout=true",
-        "algorithm.mismatch_correction=token_truncate",
-        "algorithm.entropy_coef=0.01",
+        "algorithm.mismatch.correction=token_truncate",
+        "algorithm.loss.entropy_coef=0.01",
     ]  # a gradient even when every group is degenerate
     (metrics,) = run_distributed(train_worker, 1, overrides, str(tmp_path), timeout=600)
     assert [m["async/staleness_max"] for m in metrics] == [0.0, 1.0, 1.0]
@@ -206,7 +210,7 @@ def test_async_rollout_staleness_bound_with_rollout_replay(tmp_path):
 
 
 def test_async_rollout_with_staleness_zero_is_the_synchronous_run(tmp_path):
-    base = FAST + ["trainer.steps=3", "algorithm.entropy_coef=0.01"]  # weights move at every step
+    base = FAST + ["trainer.steps=3", "algorithm.loss.entropy_coef=0.01"]  # weights move at every step
     (sync,) = run_distributed(train_worker, 1, base, str(tmp_path / "sync"), timeout=600)
     (zero,) = run_distributed(
         train_worker,
@@ -225,7 +229,7 @@ def test_async_rollout_with_staleness_zero_is_the_synchronous_run(tmp_path):
 def test_async_rollout_resume_continues_exactly(tmp_path):
     """The batch prefetched when the checkpoint is written is part of it: a resumed async run trains
     exactly what the uninterrupted one did."""
-    base = FAST + ["trainer.steps=4", "rollout.async_rollout=true", "algorithm.entropy_coef=0.01"]
+    base = FAST + ["trainer.steps=4", "rollout.async_rollout=true", "algorithm.loss.entropy_coef=0.01"]
     (full,) = run_distributed(train_worker, 1, base + ["checkpoint.save_every=2"], str(tmp_path / "full"))
     run_distributed(train_worker, 1, base + ["trainer.stop_after_steps=2"], str(tmp_path / "resumed"))
     (resumed,) = run_distributed(train_worker, 1, base + ["checkpoint.resume=true"], str(tmp_path / "resumed"))
@@ -242,7 +246,7 @@ def test_adaptive_clip_state_resumes_exactly_with_a_prefetched_async_batch(tmp_p
     base = FAST + [
         "trainer.steps=4",
         "algorithm=grpo",
-        "algorithm.adaptive_clip_target=0.05",
+        "algorithm.adaptive_clip.target=0.05",
         "optimizer.lr=0.02",
         "optimizer.warmup_steps=0",
         "trainer.updates_per_rollout=4",
@@ -270,15 +274,15 @@ def test_adaptive_clip_state_resumes_exactly_with_a_prefetched_async_batch(tmp_p
 # adaptive clip, async.
 EVERY_LOSS_FEATURE = FAST + [
     "algorithm=grpo",
-    "algorithm.kl_coef=0.1",
-    "algorithm.kl_estimator=low_var_kl",
-    "algorithm.entropy_coef=0.01",
+    "algorithm.kl.coef=0.1",
+    "algorithm.kl.estimator=low_var_kl",
+    "algorithm.loss.entropy_coef=0.01",
     "rollout.embedded.dtype=bfloat16",
-    "algorithm.mismatch_correction=token_mask",
-    "algorithm.mismatch_cap=1.0",
-    "algorithm.mismatch_rejected=drop",
-    "algorithm.dynamic_sampling=true",
-    "algorithm.adaptive_clip_target=0.05",
+    "algorithm.mismatch.correction=token_mask",
+    "algorithm.mismatch.cap=1.0",
+    "algorithm.mismatch.rejected=drop",
+    "algorithm.dynamic_sampling.enabled=true",
+    "algorithm.adaptive_clip.target=0.05",
     "rollout.async_rollout=true",
     "trainer.updates_per_rollout=2",
     "rollout.max_new_tokens=4",
@@ -305,9 +309,9 @@ LAYOUT_KEYS = (
 def every_feature_overrides(tmp_path_factory):
     """EVERY_LOSS_FEATURE with the KL reference read from a trained policy's HF export."""
     trained = tmp_path_factory.mktemp("reference")
-    export = FAST + ["trainer.steps=3", "checkpoint.export_hf=true", "algorithm.entropy_coef=0.05"]
+    export = FAST + ["trainer.steps=3", "checkpoint.export_hf=true", "algorithm.loss.entropy_coef=0.05"]
     run_distributed(train_worker, 1, export, str(trained), timeout=900)
-    return EVERY_LOSS_FEATURE + [f"algorithm.kl_reference={trained / 'hf_export'}"]
+    return EVERY_LOSS_FEATURE + [f"algorithm.kl.reference={trained / 'hf_export'}"]
 
 
 @pytest.fixture(scope="module")

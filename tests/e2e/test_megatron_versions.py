@@ -34,7 +34,12 @@ if not (OLDEST_DIR / "megatron" / "core").is_dir() or INSTALLED == OLDEST:
     )
 
 # the entropy bonus gives every step a gradient, so the resumed steps depend on the restored Adam state
-BASE = FAST + ["trainer.steps=4", "checkpoint.save_every=2", "algorithm.entropy_coef=0.01", "routing.enabled=false"]
+BASE = FAST + [
+    "trainer.steps=4",
+    "checkpoint.save_every=2",
+    "algorithm.loss.entropy_coef=0.01",
+    "routing.enabled=false",
+]
 WITH_OLDEST = {"PYTHONPATH": str(OLDEST_DIR)}
 
 

@@ -1,6 +1,6 @@
 """Every model family trains end to end (``python -m gspo_megatron.train model=<family>_tiny``): the
 embedded engine serves transformers' class of the family, weights synced from the trainer each step.
-With R3 (``algorithm.routing_replay=rollout``) the trainer replays the engine's routed experts, so the
+With R3 (``routing.replay=rollout``) the trainer replays the engine's routed experts, so the
 engine-vs-trainer routing differs in no token; and the engine's log-probs equal the trainer's (the
 mismatch metrics are float noise)."""
 
@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.e2e]
 @pytest.mark.parametrize("model", ["mixtral_tiny", "olmoe_tiny", "qwen2_moe_tiny", "glm4_moe_tiny", "deepseek_v3_tiny"])
 def test_a_family_trains_with_rollout_routing_replay(tmp_path, model):
     overrides = [f"model={model}", "task=max_digit", "rollout.max_new_tokens=1", *SHORT]
-    result = run_training([*overrides, "algorithm.routing_replay=rollout"], tmp_path / "run")
+    result = run_training([*overrides, "routing.replay=rollout"], tmp_path / "run")
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = read_metrics(tmp_path / "run")
     assert [m["step"] for m in metrics] == [1, 2]
@@ -33,7 +33,7 @@ def test_a_moving_expert_bias_resumes_exactly(tmp_path):
     from gspo_megatron.testing.train_runs import train_worker, without_time
 
     base = ["model=glm4_moe_tiny", "task=max_digit", "rollout.max_new_tokens=1", *SHORT, "trainer.steps=4"]
-    base += ["model.expert_bias_update_rate=0.05", "algorithm.entropy_coef=0.01"]
+    base += ["model.expert_bias_update_rate=0.05", "algorithm.loss.entropy_coef=0.01"]
     (full,) = run_distributed(train_worker, 1, base, str(tmp_path / "full"))
     run_distributed(train_worker, 1, base + ["trainer.stop_after_steps=2"], str(tmp_path / "resumed"))
     (resumed,) = run_distributed(train_worker, 1, base + ["checkpoint.resume=true"], str(tmp_path / "resumed"))
@@ -51,7 +51,7 @@ def test_olmoe_all_heads_norms_train_on_tp2_and_resume_on_one_rank(tmp_path):
     from gspo_megatron.testing.train_runs import train_worker, without_time
 
     base = ["model=olmoe_tiny", "task=max_digit", "rollout.max_new_tokens=1", *SHORT, "trainer.steps=4"]
-    base += ["optimizer.warmup_steps=0", "algorithm.entropy_coef=0.01"]
+    base += ["optimizer.warmup_steps=0", "algorithm.loss.entropy_coef=0.01"]
     (full,) = run_distributed(train_worker, 2, base + ["parallel=tp2"], str(tmp_path / "full"), timeout=900)[:1]
     resumed_dir = str(tmp_path / "resumed")
     run_distributed(train_worker, 2, base + ["parallel=tp2", "trainer.stop_after_steps=2"], resumed_dir, timeout=900)

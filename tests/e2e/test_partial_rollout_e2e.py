@@ -25,7 +25,7 @@ BASE = [
     "trainer.eval_every=0",
     "rollout.over_sample=2",
     "rollout.partial=continue",
-    "algorithm.entropy_coef=0.01",
+    "algorithm.loss.entropy_coef=0.01",
 ]
 
 

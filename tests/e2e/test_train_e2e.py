@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from gspo_megatron.routing.run_dir import read_jsonl
+from gspo_megatron.run_dir import read_jsonl
 from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.train_runs import FAST, read_metrics, train_worker, without_time
 
@@ -30,7 +30,7 @@ def test_each_algorithm_on_one_rank(tmp_path, algorithm):
     overrides = FAST + [
         f"algorithm={algorithm}",
         "optimizer.warmup_steps=0",
-        "algorithm.entropy_coef=0.01",
+        "algorithm.loss.entropy_coef=0.01",
         "trainer.updates_per_rollout=1",
     ]
     (metrics,) = run_distributed(train_worker, 1, overrides, str(tmp_path), timeout=600)
@@ -51,7 +51,7 @@ def test_engine_log_probs_as_old_policy(tmp_path):
     fp32 log-probs, so the first (otherwise on-policy) update's ratio is not 1; routing diagnostics
     still come from the old policy (the first update's forward)."""
     overrides = FAST + [
-        "algorithm.old_log_probs=rollout",
+        "trainer.old_log_probs=rollout",
         "rollout.embedded.dtype=bfloat16",
         "trainer.updates_per_rollout=2",
         "trainer.micro_batch_size=2",
@@ -94,7 +94,7 @@ def test_data_parallel_step_equals_one_rank(tmp_path):
         "rollout.temperature=2.0",
         "rollout.embedded.dtype=bfloat16",
         "algorithm=grpo",
-        "algorithm.mismatch_correction=token_truncate",
+        "algorithm.mismatch.correction=token_truncate",
         "trainer.micro_batch_tokens=24",
     ]
     (one,) = run_distributed(train_worker, 1, overrides, str(tmp_path / "one"), timeout=600)
@@ -151,7 +151,7 @@ def test_resume_continues_exactly(tmp_path, dtype, optimizer):
     optimizer.precision_aware the fp32 master weights are that optimizer's own (no main shards in the
     distributed optimizer), half of them on the host.
     The entropy bonus gives every step a gradient, so the resumed steps depend on the restored state."""
-    base = FAST + ["trainer.steps=4", f"model.dtype={dtype}", "algorithm.entropy_coef=0.01", *optimizer]
+    base = FAST + ["trainer.steps=4", f"model.dtype={dtype}", "algorithm.loss.entropy_coef=0.01", *optimizer]
     (full,) = run_distributed(train_worker, 1, base + ["checkpoint.save_every=2"], str(tmp_path / "full"))
     run_distributed(train_worker, 1, base + ["trainer.stop_after_steps=2"], str(tmp_path / "resumed"))
     (resumed,) = run_distributed(train_worker, 1, base + ["checkpoint.resume=true"], str(tmp_path / "resumed"))
@@ -170,7 +170,7 @@ def test_uneven_pipeline_stages_train_and_resume_across_splits(tmp_path):
     checkpoint reshards the layers across the stage boundary; rollout routing replay on both. The first
     steps equal the uninterrupted run exactly, the resumed ones to fp32 reduction order (the grad norm
     sums the stages' squares)."""
-    base = FAST + ["model.num_layers=3", "parallel=pp2", "trainer.steps=4", "algorithm.entropy_coef=0.01"]
+    base = FAST + ["model.num_layers=3", "parallel=pp2", "trainer.steps=4", "algorithm.loss.entropy_coef=0.01"]
     base += ["optimizer.warmup_steps=0", "algorithm=grpo_rollout_routing_replay"]  # R3 on each stage's layers
     two_one, one_two = ["parallel.last_stage_layers=1"], ["parallel.first_stage_layers=1"]
     (full,) = run_distributed(train_worker, 2, base + two_one, str(tmp_path / "full"), timeout=900)[:1]
@@ -199,7 +199,7 @@ def test_virtual_pipeline_stages_train_and_resume_without_them(tmp_path):
     rank 1 layers 1 and 3; megatron's interleaved 1F1B) trains with rollout routing replay like pp2 without
     virtual stages, to fp32 reduction order; its step-2 checkpoint resumes on vpp 1 (megatron's checkpoint
     moves the layers between ranks), the first steps exactly equal, the resumed ones to reduction order."""
-    base = FAST + ["model.num_layers=4", "parallel=pp2", "trainer.steps=4", "algorithm.entropy_coef=0.01"]
+    base = FAST + ["model.num_layers=4", "parallel=pp2", "trainer.steps=4", "algorithm.loss.entropy_coef=0.01"]
     base += ["optimizer.warmup_steps=0", "algorithm=grpo_rollout_routing_replay"]  # R3 on each chunk's layers
     (virtual,) = run_distributed(train_worker, 2, base + ["parallel.vpp=2"], str(tmp_path / "vpp2"), timeout=900)[:1]
     (plain,) = run_distributed(train_worker, 2, base, str(tmp_path / "vpp1"), timeout=900)[:1]
@@ -264,9 +264,7 @@ def test_truncated_rollout_and_step_grpo_shaping(tmp_path):
         "rollout.truncation.confidence_threshold=1e-9",
         "rollout.truncation.trigger_token_ids=[4,5,6,7,8,9,10,11,12,13]",  # the digits' ids
         # one trigger list for probing and step counting (a token-id trigger must be a trigger word)
-        "rollout.truncation.trigger_words=['0','1','2','3','4','5','6','7','8','9']",
-        "shaping.step_grpo.triggers=['0','1','2','3','4','5','6','7','8','9']",
-        "shaping.metrics.triggers=['0','1','2','3','4','5','6','7','8','9']",
+        "shaping.trigger_words=['0','1','2','3','4','5','6','7','8','9']",
     ]
     (metrics,) = run_distributed(train_worker, 1, overrides, str(tmp_path), timeout=600)
     _check_run(metrics, 2)

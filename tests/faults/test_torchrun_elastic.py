@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.faults, pytest.mark.distributed]
 
 # 40 steps in the LR schedule, 5 run; the entropy bonus gives every step a gradient; a checkpoint a step
 BASE = FAST + ["trainer.steps=40", "trainer.stop_after_steps=6", "checkpoint.save_every=1", "routing.enabled=false"]
-BASE += ["algorithm.entropy_coef=0.01", "optimizer.warmup_steps=0", "checkpoint.resume=auto"]
+BASE += ["algorithm.loss.entropy_coef=0.01", "optimizer.warmup_steps=0", "checkpoint.resume=auto"]
 RESTART_BOUND_S = 120  # kill -> the restarted ranks resumed; the collective timeout is 600 s
 RESUMED = re.compile(r"\[gspo\] resumed from \S+ at step (\d+)")
 

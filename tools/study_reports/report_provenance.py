@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from gspo_megatron.config_node import flatten_dotted
 from gspo_megatron.provenance import provenance
-from gspo_megatron.routing.run_dir import RunData
+from gspo_megatron.run_dir import RunData
 
 SEED_CONFIG_KEYS = ("trainer.seed", "model.init_seed")
 NOT_RECORDED = "not recorded"

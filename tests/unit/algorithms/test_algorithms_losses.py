@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from gspo_megatron.algorithms import LossContext, finalize_metrics, get_policy_loss, merge_metrics
+from gspo_megatron.algorithms import LossConfig, LossContext, finalize_metrics, get_policy_loss, merge_metrics
 
 NAN = float("nan")
 
@@ -21,8 +21,19 @@ def _log_probs():
     return (torch.nan_to_num(OLD, nan=0.0) + LOG_RATIO).requires_grad_()
 
 
-def _ctx(clip_low, clip_high, aggregation="seq_mean_token_mean", **kw):
-    return LossContext(clip_low=clip_low, clip_high=clip_high, aggregation=aggregation, **kw)
+def _ctx(
+    clip_low,
+    clip_high,
+    aggregation="seq_mean_token_mean",
+    *,
+    global_num_sequences=None,
+    global_num_tokens=None,
+    **settings,
+):
+    """A context whose settings validate as GRPO's (any aggregation), so what a test sees of GSPO's
+    aggregation rule is the loss function's own check."""
+    loss = LossConfig(name="grpo", clip_low=clip_low, clip_high=clip_high, aggregation=aggregation, **settings)
+    return LossContext(loss, global_num_sequences=global_num_sequences, global_num_tokens=global_num_tokens)
 
 
 def _close(actual, expected, atol=1e-6):
@@ -281,3 +292,20 @@ def test_gspo_log_ratio_max_bounds_only_the_top(loss_name):
         _ctx(0.2, 0.2, gspo_log_ratio_max=0.0)
     with pytest.raises(ValueError, match="clip_ratio_c=1.0: the dual-clip floor"):
         _ctx(0.2, 0.2, clip_ratio_c=1.0)
+
+
+def test_token_sum_divisor_is_trls_dr_grpo_normalisation_by_hand():
+    """TRL loss_type="dr_grpo": sum(per_token_loss * mask) / (B * max_completion_length), per_token_loss =
+    -min(r A, clip(r, 1 - eps, 1 + eps) A); ours: seq_mean_token_sum with token_sum_divisor = that length."""
+    log_probs, advantages = _log_probs(), torch.tensor([-1.0, 0.5])
+    ctx = _ctx(0.2, 0.28, "seq_mean_token_sum", token_sum_divisor=8.0)
+    out = get_policy_loss("grpo")(log_probs, OLD, advantages, MASK, ctx)
+    r, a = LOG_RATIO.exp(), advantages.unsqueeze(-1)
+    per_token = -torch.minimum(r * a, r.clamp(0.8, 1.28) * a)
+    _close(out.loss, (per_token * MASK).sum() / (2 * 8.0))
+    undivided = get_policy_loss("grpo")(log_probs, OLD, advantages, MASK, _ctx(0.2, 0.28, "seq_mean_token_sum")).loss
+    _close(out.loss, undivided / 8.0)
+    with pytest.raises(ValueError, match="token_sum_divisor=8.0 divides seq_mean_token_sum's sums"):
+        _ctx(0.2, 0.28, "token_mean", token_sum_divisor=8.0)
+    with pytest.raises(ValueError, match="it must be > 0"):
+        _ctx(0.2, 0.28, "seq_mean_token_sum", token_sum_divisor=0.0)

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from gspo_megatron.algorithms.config import AlgorithmConfig
-from gspo_megatron.algorithms.losses import LossContext, get_policy_loss
+from gspo_megatron.algorithms.config import AlgorithmConfig, MismatchConfig
+from gspo_megatron.algorithms.losses import LossConfig, LossContext, get_policy_loss
 from gspo_megatron.algorithms.mismatch_correction import mismatch_weights, weighted_advantages
 
 # row 0: rho = [3, 1/2, 1] on 3 valid tokens; row 1: rho = [4, (masked: e^30)] on 1 valid token
@@ -54,7 +54,7 @@ def test_weights_fold_into_the_advantage_exactly():
     old = torch.tensor([[-1.2, -1.9, -0.5], [-1.0, -1.0, -3.0]])
     advantages = torch.tensor([1.0, -2.0])
     w, _ = mismatch_weights(OLD, ROLLOUT, MASK, "token_truncate", cap=2.0)
-    ctx = LossContext(clip_low=0.2, clip_high=0.28)
+    ctx = LossContext(LossConfig(name="grpo", clip_low=0.2, clip_high=0.28))
     loss = get_policy_loss("grpo")(log_probs, old, weighted_advantages(advantages, w), MASK, ctx).loss
     r = (log_probs - old).exp()
     a = advantages.unsqueeze(-1)
@@ -79,17 +79,17 @@ def test_sequence_weights_scale_per_token_advantages_by_row_when_rows_equal_toke
 
 def test_config_rejects_token_weights_for_gspo_and_a_cap_below_one():
     with pytest.raises(ValueError, match="use sequence_truncate/sequence_mask with gspo"):
-        (AlgorithmConfig(mismatch_correction="token_truncate")).validate()
-    with pytest.raises(ValueError, match="algorithm.mismatch_cap must be >= 1"):
-        (AlgorithmConfig(mismatch_correction="sequence_mask", mismatch_cap=0.5)).validate()
-    with pytest.raises(ValueError, match="algorithm.mismatch_correction='tis' is unknown"):
-        (AlgorithmConfig(mismatch_correction="tis")).validate()
-    (AlgorithmConfig(loss="grpo", clip_low=0.2, clip_high=0.28, mismatch_correction="token_mask")).validate()
+        AlgorithmConfig(mismatch=MismatchConfig(correction="token_truncate"))
+    with pytest.raises(ValueError, match="algorithm.mismatch.cap must be >= 1"):
+        MismatchConfig(correction="sequence_mask", cap=0.5)
+    with pytest.raises(ValueError, match="algorithm.mismatch.correction='tis' is unknown"):
+        MismatchConfig(correction="tis")
+    AlgorithmConfig(loss=LossConfig(name="grpo", clip_low=0.2, clip_high=0.28), mismatch=MismatchConfig("token_mask"))
 
 
 def test_config_rejects_knobs_nothing_reads():
-    with pytest.raises(ValueError, match="mismatch_sequence_ratio=product combines"):
-        AlgorithmConfig(loss="grpo", mismatch_correction="token_truncate", mismatch_sequence_ratio="product")
-    with pytest.raises(ValueError, match="mismatch_rejected=drop removes the tokens a mask mode rejects"):
-        AlgorithmConfig(mismatch_correction="sequence_truncate", mismatch_rejected="drop")
-    AlgorithmConfig(mismatch_correction="sequence_mask", mismatch_sequence_ratio="product", mismatch_rejected="drop")
+    with pytest.raises(ValueError, match="algorithm.mismatch.sequence_ratio=product combines"):
+        MismatchConfig(correction="token_truncate", sequence_ratio="product")
+    with pytest.raises(ValueError, match="algorithm.mismatch.rejected=drop removes the tokens a mask mode rejects"):
+        MismatchConfig(correction="sequence_truncate", rejected="drop")
+    MismatchConfig(correction="sequence_mask", sequence_ratio="product", rejected="drop")

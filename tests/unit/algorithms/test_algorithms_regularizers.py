@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from gspo_megatron.algorithms.config import AlgorithmConfig
+from gspo_megatron.algorithms.config import KLConfig
 from gspo_megatron.algorithms.kl import reference_kl
-from gspo_megatron.algorithms.losses import LossContext
+from gspo_megatron.algorithms.losses import LossConfig, LossContext
 from gspo_megatron.algorithms.metrics import finalize_metrics
 from gspo_megatron.algorithms.regularizers import entropy_bonus, kl_penalty
 
@@ -66,7 +66,9 @@ def test_kl_penalty_sequence_mean_of_token_means_by_hand():
     ref = torch.tensor([[-1.0, -1.0], [-1.0, -50.0]])
     log_probs = (ref + torch.tensor([[LN2, 0.0], [LN2, 40.0]])).requires_grad_()
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
-    ctx = LossContext(clip_low=0.2, clip_high=0.2, global_num_sequences=4)  # two more rows elsewhere
+    ctx = LossContext(
+        LossConfig(name="grpo", clip_low=0.2, clip_high=0.2), global_num_sequences=4
+    )  # two more rows elsewhere
     term, metrics = kl_penalty(log_probs, ref, mask, ctx, coef=0.1, estimator="k1")
     # (1/4) * (mean(ln2, 0) + ln2) * 0.1
     assert term.item() == pytest.approx(0.1 * (LN2 / 2 + LN2) / 4, rel=1e-6)
@@ -80,7 +82,9 @@ def test_kl_penalty_sequence_mean_of_token_means_by_hand():
 def test_entropy_bonus_token_mean_by_hand():
     entropy = torch.tensor([[1.0, 2.0, 9.0], [3.0, 9.0, 9.0]], requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-    ctx = LossContext(clip_low=0.2, clip_high=0.2, aggregation="token_mean", global_num_tokens=6)
+    ctx = LossContext(
+        LossConfig(name="grpo", clip_low=0.2, clip_high=0.2, aggregation="token_mean"), global_num_tokens=6
+    )
     term = entropy_bonus(entropy, mask, ctx, coef=0.01)
     assert term.item() == pytest.approx(-0.01 * 6 / 6)
     term.backward()
@@ -88,18 +92,18 @@ def test_entropy_bonus_token_mean_by_hand():
 
 
 @pytest.mark.parametrize(
-    "overrides, match",
+    "build, match",
     [
-        (dict(kl_coef=-0.1), "algorithm.kl_coef must be >= 0"),
-        (dict(kl_coef=0.1, kl_estimator="k4"), "algorithm.kl_estimator='k4' is unknown; valid: k1, k2, k3"),
-        (dict(kl_reference="."), "kl_coef=0 never uses it"),
+        (lambda: KLConfig(coef=-0.1), "algorithm.kl.coef must be >= 0"),
+        (lambda: KLConfig(coef=0.1, estimator="k4"), "algorithm.kl.estimator='k4' is unknown; valid: k1, k2, k3"),
+        (lambda: KLConfig(reference="."), "algorithm.kl.coef=0 never uses it"),
         (
-            dict(kl_coef=0.1, kl_reference="/no/such/checkpoint"),
-            "algorithm.kl_reference='/no/such/checkpoint' is not a",
+            lambda: KLConfig(coef=0.1, reference="/no/such/checkpoint"),
+            "algorithm.kl.reference='/no/such/checkpoint' is not a",
         ),
-        (dict(entropy_coef=float("nan")), "algorithm.entropy_coef must be finite"),
+        (lambda: LossConfig(entropy_coef=float("nan")), "algorithm.loss.entropy_coef must be finite"),
     ],
 )
-def test_config_errors_name_the_key(overrides, match):
+def test_config_errors_name_the_key(build, match):
     with pytest.raises(ValueError, match=match):
-        (AlgorithmConfig(**overrides)).validate()
+        build()

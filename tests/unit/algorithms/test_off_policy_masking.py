@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gspo_megatron.algorithms.config import AlgorithmConfig, make_loss_context
-from gspo_megatron.algorithms.losses import get_policy_loss
+from gspo_megatron.algorithms.losses import LossConfig, LossContext, get_policy_loss
 from gspo_megatron.algorithms.off_policy_masking import off_policy_sequence_mask
 
 
@@ -69,8 +68,8 @@ def test_the_loss_and_gradient_equal_slimes_pg_loss_times_the_mask(loss):
     log_probs, old, advantages, mask = _inputs(4)
     slime = slime_opsm_mask(list(log_probs), list(old), list(advantages), list(mask), 1e-4)
     keep_rows = torch.tensor([bool(k.all()) for k in slime])
-    algorithm = AlgorithmConfig(loss=loss, clip_low=0.2, clip_high=0.28, opsm_delta=1e-4)
-    ctx = make_loss_context(algorithm, global_num_sequences=torch.tensor(48.0), global_num_tokens=mask.sum())
+    settings = LossConfig(name=loss, clip_low=0.2, clip_high=0.28, opsm_delta=1e-4)
+    ctx = LossContext(settings, global_num_sequences=torch.tensor(48.0), global_num_tokens=mask.sum())
     fn = get_policy_loss(loss)
     ours_lp = log_probs.clone().requires_grad_(True)
     masked, _ = off_policy_sequence_mask(ours_lp, old, advantages, mask, 1e-4)

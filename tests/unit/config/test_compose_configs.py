@@ -84,7 +84,7 @@ def test_mini_batches_must_split_over_data_parallel_ranks():
 
 def test_gspo_rejects_token_sum_aggregation():
     with pytest.raises(ValueError, match="aggregation='token_mean'.*length bias"):
-        OmegaConf.to_object(compose(["algorithm.aggregation=token_mean"]))  # sections validate as they are built
+        OmegaConf.to_object(compose(["algorithm.loss.aggregation=token_mean"]))  # sections validate as they are built
 
 
 def test_rollout_replay_with_sglang_needs_routed_experts():
@@ -130,12 +130,14 @@ def test_the_readme_30b_layout_validates_on_whole_nodes(world):
     "name, mode", [("grpo_routing_replay", "old_policy"), ("grpo_rollout_routing_replay", "rollout")]
 )
 def test_replay_algorithms_are_grpo_plus_their_mode(name, mode):
-    """The replay YAMLs inherit grpo.yaml (Hydra defaults): a GRPO knob changed there reaches them."""
-    grpo = OmegaConf.to_container(compose(["algorithm=grpo"]).algorithm)
-    replay = OmegaConf.to_container(compose([f"algorithm={name}"]).algorithm)
-    assert replay == {**grpo, "name": name, "routing_replay": mode}
+    """The replay YAMLs inherit grpo.yaml (Hydra defaults) and set routing.replay beside the algorithm:
+    a GRPO knob changed there reaches them."""
+    grpo = compose(["algorithm=grpo"])
+    replay = compose([f"algorithm={name}"])
+    assert OmegaConf.to_container(replay.algorithm) == {**OmegaConf.to_container(grpo.algorithm), "name": name}
+    assert (grpo.routing.replay, replay.routing.replay) == ("none", mode)
     text = (Path(CONF_DIR) / "algorithm" / f"{name}.yaml").read_text()
-    assert "  - grpo" in text and "clip_low" not in text  # written once, in grpo.yaml
+    assert "/algorithm/grpo@algorithm" in text and "clip_low" not in text  # written once, in grpo.yaml
 
 
 def test_the_weight_bucket_is_sglangs_key_only():

@@ -12,7 +12,7 @@ from gspo_megatron.config.compose import compose
 from gspo_megatron.config.schema import to_train_config
 from gspo_megatron.config.validate import validate_config
 from gspo_megatron.config_node import flatten_dotted, freeze_config, is_frozen
-from gspo_megatron.routing.config import RoutingDiagnosticsConfig
+from gspo_megatron.routing.config import RoutingConfig
 
 
 def test_every_section_refuses_assignment_after_freezing_naming_the_field():
@@ -45,7 +45,7 @@ def test_before_freezing_a_config_is_an_ordinary_dataclass():
 
 def test_sections_validate_as_built_and_again_in_validate_config():
     with pytest.raises(ValueError, match="every_n_steps must be >= 1"):
-        RoutingDiagnosticsConfig(every_n_steps=0)
+        RoutingConfig(every_n_steps=0)
     cfg = to_train_config(compose([]))
     cfg.rollout.embedded.max_batch_size = 0  # set after construction: validate_config still sees it
     with pytest.raises(ValueError, match="max_batch_size must be >= 1"):

@@ -11,7 +11,7 @@ from gspo_megatron.config.resume_check import ResumeConfigError, check_resume_co
 SAVED = """
 run_dir: /a
 model: {hidden_size: 64, num_experts: 4, token_dispatcher: alltoall, expert_mlp: grouped}
-algorithm: {name: gspo, clip_low: 0.0003}
+algorithm: {name: gspo, loss: {clip_low: 0.0003}}
 optimizer: {lr: 0.001, precision_aware: false}
 trainer: {steps: 10, stop_after_steps: 5, micro_batch_size: 4, reference_offload: false}
 parallel: {tp: 1}
@@ -124,3 +124,25 @@ def test_a_long_value_is_shown_shortened():
     with pytest.raises(ResumeConfigError) as refused:
         check_resume_config(saved, NEW, [], "ckpt/step_000002")
     assert "... (5002 characters)" in str(refused.value) and "z" * 300 not in str(refused.value)
+
+
+# What code before the nested algorithm config (issue 47 item 3) wrote: the flat keys
+FLAT = SAVED.replace(
+    "algorithm: {name: gspo, loss: {clip_low: 0.0003}}",
+    "algorithm: {name: gspo, clip_low: 0.0003, routing_replay: none}",
+)
+
+
+def test_a_config_written_before_a_rename_compares_under_the_new_names():
+    nested = SAVED.replace("parallel: {tp: 1}", "parallel: {tp: 1}\nrouting: {replay: none}")
+    assert config_differences(FLAT, nested) == {}
+    with pytest.raises(ResumeConfigError, match=r"algorithm.loss.clip_low: 0.0003 -> 0.2"):
+        check_resume_config(FLAT, nested.replace("clip_low: 0.0003", "clip_low: 0.2"), [], "ckpt")
+
+
+def test_routing_replay_is_not_a_free_key_though_the_diagnostics_are():
+    with_replay = SAVED.replace("parallel: {tp: 1}", "parallel: {tp: 1}\nrouting: {replay: none, kinds: [update]}")
+    kinds = with_replay.replace("kinds: [update]", "kinds: [minibatch]")
+    assert check_resume_config(with_replay, kinds, [], "ckpt") == ["routing.kinds: ['update'] -> ['minibatch']"]
+    with pytest.raises(ResumeConfigError, match=r"routing.replay: 'none' -> 'old_policy'"):
+        check_resume_config(with_replay, with_replay.replace("replay: none", "replay: old_policy"), [], "ckpt")

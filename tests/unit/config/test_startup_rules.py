@@ -31,8 +31,8 @@ def _typed(overrides):
         ),
         (["trainer.eval_samples=4"], r"trainer.eval_samples=4 with greedy decoding .*rollout.eval_temperature > 0"),
         (
-            ["routing.kinds=[ratio_decomposition]", "algorithm.old_log_probs=rollout"],
-            r"routing.kinds contains ratio_decomposition.*set algorithm.old_log_probs=trainer",
+            ["routing.kinds=[ratio_decomposition]", "trainer.old_log_probs=rollout"],
+            r"routing.kinds contains ratio_decomposition.*set trainer.old_log_probs=trainer",
         ),
         (
             ["optimizer.cpu_offload=true", "optimizer.distributed=true"],
@@ -56,7 +56,7 @@ def _typed(overrides):
         ),
         (
             ["trainer.reference_offload=true"],
-            r"trainer.reference_offload=true but algorithm.kl_coef=0 builds no reference model",
+            r"trainer.reference_offload=true but algorithm.kl.coef=0 builds no reference model",
         ),
         (
             ["optimizer.exp_avg_dtype=bfloat16", "model.dtype=bfloat16", "optimizer.distributed=true"],
@@ -73,8 +73,8 @@ def _typed(overrides):
             r"optimizer.exp_avg_sq_dtype=float16: .*the host optimizer keeps float32 state",
         ),
         (
-            ["rollout.over_sample=1.5", "algorithm.dynamic_sampling=true"],
-            r"rollout.over_sample=1.5 with algorithm.dynamic_sampling=true: .*set one of them off",
+            ["rollout.over_sample=1.5", "algorithm.dynamic_sampling.enabled=true"],
+            r"rollout.over_sample=1.5 with algorithm.dynamic_sampling.enabled=true: .*set one of them off",
         ),
     ],
     ids=[
@@ -182,10 +182,10 @@ def test_zero_means_off_where_documented():
 @pytest.mark.parametrize(
     "key, choices",
     [
-        ("algorithm.routing_replay", "none, old_policy, rollout"),
-        ("algorithm.old_log_probs", "trainer, rollout"),
-        ("algorithm.mismatch_correction", "none, token_truncate, token_mask, sequence_truncate, sequence_mask"),
-        ("algorithm.aggregation", "seq_mean_token_mean, token_mean, seq_mean_token_sum"),
+        ("routing.replay", "none, old_policy, rollout"),
+        ("trainer.old_log_probs", "trainer, rollout"),
+        ("algorithm.mismatch.correction", "none, token_truncate, token_mask, sequence_truncate, sequence_mask"),
+        ("algorithm.loss.aggregation", "seq_mean_token_mean, token_mean, seq_mean_token_sum"),
         ("rollout.engine", "embedded, sglang"),
         ("rollout.embedded.dtype", "float32, bfloat16, float16"),
         ("rollout.embedded.attn_implementation", "sdpa, eager"),

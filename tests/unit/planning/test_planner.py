@@ -205,7 +205,7 @@ def test_job_options_come_from_the_composed_config_by_hand():
     from gspo_megatron.planning.job import compose_job
 
     job = compose_job(
-        ["parallel=tp2", "algorithm.kl_coef=0.1", "trainer.updates_per_rollout=4", "model.dtype=bfloat16"],
+        ["parallel=tp2", "algorithm.kl.coef=0.1", "trainer.updates_per_rollout=4", "model.dtype=bfloat16"],
         gpus=4,
         prompt_tokens=8,
     )
@@ -221,7 +221,7 @@ def test_job_options_come_from_the_composed_config_by_hand():
     assert o.embedded_engine == EmbeddedEngineShape("float32", 256)  # rollout.embedded.dtype, max_batch_size
     padded = compose_job(["parallel=tp2"], gpus=2, prompt_tokens=8 + 1).options
     assert padded.seq_len == 12  # 9 + 3 - 1 fed tokens, padded to the multiple of tp 2
-    off = compose_job(["optimizer.distributed=false", "algorithm.old_log_probs=rollout"], gpus=2, prompt_tokens=8)
+    off = compose_job(["optimizer.distributed=false", "trainer.old_log_probs=rollout"], gpus=2, prompt_tokens=8)
     assert not off.options.distributed_optimizer and not off.options.old_log_prob_pass
     assert not off.options.reference_model  # kl_coef 0: no reference model
     single = compose_job([], gpus=1, prompt_tokens=8)

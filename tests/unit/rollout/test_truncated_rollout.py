@@ -89,8 +89,8 @@ class ScriptedEngine(RolloutEngine):
         return result
 
 
+TRIGGERS = ["Wait"]  # shaping.trigger_words
 CONFIG = TruncatedRolloutConfig(
-    trigger_words=["Wait"],
     probe_suffix="\n\\boxed",
     close_thinking="\n</think>\n",
     probe_max_tokens=20,
@@ -104,7 +104,7 @@ PLAN = "ab Wait cd Wait ef Wait gh</think>"
 
 def run(plans, confidences, config=CONFIG, max_new_tokens=200, n=1, open_probes=()):
     engine = ScriptedEngine(plans, confidences, config.probe_suffix, open_probes)
-    truncated = TruncatedRolloutEngine(engine, config, encode, decode)
+    truncated = TruncatedRolloutEngine(engine, config, TRIGGERS, encode, decode)
     prompts = [[key, CHARS.index("?")] for key in plans]
     return truncated.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, n=n)), engine
 
@@ -224,7 +224,7 @@ def test_trigger_text_inside_a_word_is_not_a_trigger_in_rollout_or_step_counting
     plan = "ab Await cd Wait ef</think>"
     [[sample]], _ = run({0: plan}, {0: {1: 0.1}})
     assert decode(sample.output_ids) == plan + "ANS" and sample.truncation.exit_reason == "natural_end"
-    assert sample.truncation.num_probes == 1 == count_trigger_words(plan, CONFIG.trigger_words)
+    assert sample.truncation.num_probes == 1 == count_trigger_words(plan, TRIGGERS)
 
 
 def test_over_the_embedded_engine_kept_log_probs_match_a_full_forward():
@@ -251,7 +251,6 @@ def test_over_the_embedded_engine_kept_log_probs_match_a_full_forward():
     engine = EmbeddedEngine(Qwen3MoeConfig(**hf_config), EmbeddedConfig(), decode)
     engine.update_weights(source.state_dict().items(), version=3)
     config = TruncatedRolloutConfig(
-        trigger_words=[],
         trigger_token_ids=list(range(0, 60, 3)),
         end_think="",
         end_think_token_ids=[CHARS.index("|")],
@@ -262,7 +261,7 @@ def test_over_the_embedded_engine_kept_log_probs_match_a_full_forward():
         max_probes=3,
         eos_token_ids=[EOS],
     )
-    truncated = TruncatedRolloutEngine(engine, config, encode, decode)
+    truncated = TruncatedRolloutEngine(engine, config, [], encode, decode)  # token-id triggers only
     prompts = [encode("abc"), encode("hello")]
     params = SamplingParams(temperature=0.8, max_new_tokens=24, n=3, seed=11, return_routed_experts=True)
     reasons, probe_counts = set(), []

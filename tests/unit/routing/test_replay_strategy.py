@@ -115,7 +115,7 @@ def test_mode_table_and_unknown_mode():
     assert [needs_engine_routing(m) for m in ("none", "old_policy", "rollout")] == [False, False, True]
     assert [needs_trainer_old_pass(m) for m in ("none", "old_policy", "rollout")] == [False, True, False]
     for helper in (replays, needs_engine_routing, needs_trainer_old_pass):
-        with pytest.raises(ValueError, match="algorithm.routing_replay='old' is unknown"):
+        with pytest.raises(ValueError, match="routing.replay='old' is unknown"):
             helper("old")
-    with pytest.raises(ValueError, match="algorithm.routing_replay='old' is unknown; valid: none, old_policy, rollout"):
+    with pytest.raises(ValueError, match="routing.replay='old' is unknown; valid: none, old_policy, rollout"):
         build_replay_strategy("old", RoutingRecorder(None), lambda mb: [])

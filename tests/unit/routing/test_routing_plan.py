@@ -7,7 +7,7 @@ import pytest
 
 from gspo_megatron.config.compose import compose
 from gspo_megatron.config.schema import to_train_config
-from gspo_megatron.routing.config import RoutingDiagnosticsConfig
+from gspo_megatron.routing.config import RoutingConfig
 from gspo_megatron.routing.plan import RecordingPass, RoutingPlan
 from gspo_megatron.routing.replay import ReplayMode
 from gspo_megatron.trainer.trainer import routing_plan
@@ -21,7 +21,7 @@ def _plan(replay="none", source="trainer", updates=3, kinds=ALL_KINDS, every=1, 
         engine_old_policy=source == "rollout",
         updates=updates,
         has_routers=has_routers,
-        diagnostics=RoutingDiagnosticsConfig(every_n_steps=every, kinds=kinds),
+        diagnostics=RoutingConfig(every_n_steps=every, kinds=kinds),
     )
 
 
@@ -65,9 +65,7 @@ def test_ratio_decomposition_at_the_last_update_only():
 
 def test_the_trainer_reads_the_plan_from_the_config_sections():
     cfg = to_train_config(
-        compose(
-            ["algorithm.routing_replay=rollout", "trainer.updates_per_rollout=4", "algorithm.old_log_probs=rollout"]
-        )
+        compose(["routing.replay=rollout", "trainer.updates_per_rollout=4", "trainer.old_log_probs=rollout"])
     )
     plan = routing_plan(cfg, has_routers=True)
     assert (plan.routing_replay, plan.updates, plan.diagnostics) == ("rollout", 4, cfg.routing)

@@ -4,8 +4,9 @@ import json
 
 import pytest
 
+from gspo_megatron.routing.log import RoutingLog
 from gspo_megatron.routing.report import write_routing_report
-from gspo_megatron.routing.run_dir import JsonlLog, RoutingLog
+from gspo_megatron.run_dir import JsonlLog
 
 METRICS = [
     {"step": 0, "reward/mean": 0.1, "loss/clip_frac_token": 0.1, "loss/clip_frac_seq": 0.0},

@@ -13,6 +13,9 @@ from gspo_megatron.shaping import (
     shape_batch,
     shape_group,
 )
+from gspo_megatron.shaping.segmentation import step_counts
+
+TRIGGERS = ["Wait", "Alternatively"]  # shaping.trigger_words
 
 
 def make_group(texts, correct, lengths, rewards=None):
@@ -22,6 +25,7 @@ def make_group(texts, correct, lengths, rewards=None):
         correct=torch.tensor(correct),
         format_ok=torch.ones(size, dtype=torch.bool),
         response_texts=texts,
+        steps=step_counts(texts, TRIGGERS),
         response_lengths=torch.tensor(lengths),
         max_response_length=100,
     )
@@ -93,8 +97,10 @@ def test_group_from_samples_takes_lengths_and_log_probs():
         torch.tensor([1.0, 0.0]),
         torch.tensor([True, False]),
         torch.tensor([True, True]),
-        ["x y z", "w"],
+        ["x Wait z", "w"],
         max_response_length=3,
+        trigger_words=TRIGGERS,
     )
     assert group.response_lengths.tolist() == [3, 1]
+    assert group.steps.tolist() == [2, 1]  # 1 + the trigger words in each text
     torch.testing.assert_close(group.token_log_probs[0], torch.tensor([-0.1, -2.0, -0.1]))

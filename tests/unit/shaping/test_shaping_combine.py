@@ -7,6 +7,10 @@ from gspo_megatron.algorithms.advantages import AdvantageContext, group_relative
 from gspo_megatron.shaping import GRSPConfig, ShapingConfig, ShapingGroup
 from gspo_megatron.shaping.combine import shaped_advantages
 from gspo_megatron.shaping.grsp import grsp
+from gspo_megatron.shaping.segmentation import step_counts
+
+TRIGGERS = ["Wait", "Alternatively"]  # shaping.trigger_words
+
 
 # Confidence segments (window 1, threshold -1, edge 3): 2 short | 1 long | 1 short + 1 long, whose
 # per-cluster z-scores are Z (hand-computed in test_shaping_grsp.py).
@@ -25,6 +29,7 @@ def make_group(correct, rewards=None):
         correct=torch.tensor(correct),
         format_ok=torch.ones(3, dtype=torch.bool),
         response_texts=[""] * 3,
+        steps=step_counts([""] * 3, TRIGGERS),
         response_lengths=torch.tensor([4, 3, 5]),
         max_response_length=8,
         token_log_probs=LOG_PROBS,
@@ -90,6 +95,7 @@ def _step_grpo_advantages(beta: float, combine: str) -> torch.Tensor:
         correct=torch.ones(5, dtype=torch.bool),
         format_ok=torch.ones(5, dtype=torch.bool),
         response_texts=texts,
+        steps=step_counts(texts, TRIGGERS),
         response_lengths=torch.tensor([1, 3, 5, 9, 3]),
         max_response_length=16,
     )

@@ -15,10 +15,14 @@ from gspo_megatron.config.validate import ConfigError, validate_config
 from gspo_megatron.rollout.types import Sample, Truncation
 from gspo_megatron.shaping import GRSPConfig, ShapingGroup, StepGRPOConfig
 from gspo_megatron.shaping.grsp import grsp
+from gspo_megatron.shaping.segmentation import step_counts
 from gspo_megatron.shaping.step_grpo import step_grpo
 from gspo_megatron.shaping.triggers import check_trigger_token_ids
 from gspo_megatron.shaping.types import group_from_samples
 from gspo_megatron.trainer.batch import pack_samples
+
+TRIGGERS = ["Wait", "Alternatively"]  # shaping.trigger_words
+
 
 register_configs()
 
@@ -51,7 +55,7 @@ def test_train_on_exit_tokens_refuses_engine_log_probs_for_them():
     base = ["task=reasoning_max_digit", "rollout.max_new_tokens=24", "rollout.truncated=true"]
     ok = OmegaConf.to_object(compose(base + ["rollout.truncation.train_on_exit_tokens=true"]))
     validate_config(ok, 1)
-    for bad in ("algorithm.old_log_probs=rollout", "algorithm.mismatch_correction=sequence_truncate"):
+    for bad in ("trainer.old_log_probs=rollout", "algorithm.mismatch.correction=sequence_truncate"):
         typed = OmegaConf.to_object(compose(base + ["rollout.truncation.train_on_exit_tokens=true", bad]))
         with pytest.raises(ConfigError, match="train_on_exit_tokens=true.*old_log_probs=trainer"):
             validate_config(typed, 1)
@@ -64,6 +68,7 @@ def _group(texts: list[str], dropped: list[int]) -> ShapingGroup:
         correct=torch.ones(n, dtype=torch.bool),
         format_ok=torch.ones(n, dtype=torch.bool),
         response_texts=texts,
+        steps=step_counts(texts, TRIGGERS),
         response_lengths=torch.full((n,), 4),
         max_response_length=8,
         dropped_triggers=torch.tensor(dropped),
@@ -82,13 +87,13 @@ def test_steps_before_a_truncation_counted_as_configured():
 def test_dropped_triggers_come_from_the_samples_exit_reasons():
     samples = [_dtr_sample(reason, [False, True]) for reason in ("confident", "natural_end", "think_budget")]
     group = group_from_samples(
-        samples, torch.ones(3), torch.ones(3, dtype=torch.bool), torch.ones(3, dtype=torch.bool), ["a"] * 3, 8
+        samples, torch.ones(3), torch.ones(3, dtype=torch.bool), torch.ones(3, dtype=torch.bool), ["a"] * 3, 8, TRIGGERS
     )
     assert group.dropped_triggers.tolist() == [1, 0, 0]
     plain = [Sample(prompt_ids=[1], output_ids=[2], output_log_probs=torch.zeros(1), finish_reason="stop")]
     assert (
         group_from_samples(
-            plain, torch.ones(1), torch.ones(1, dtype=torch.bool), torch.ones(1, dtype=torch.bool), ["a"], 8
+            plain, torch.ones(1), torch.ones(1, dtype=torch.bool), torch.ones(1, dtype=torch.bool), ["a"], 8, TRIGGERS
         ).dropped_triggers
         is None
     )
@@ -110,6 +115,7 @@ def test_grsp_logs_a_penalty_that_acts():
         correct=torch.ones(3, dtype=torch.bool),
         format_ok=torch.ones(3, dtype=torch.bool),
         response_texts=texts,
+        steps=step_counts(texts, TRIGGERS),
         response_lengths=torch.tensor([7, 3, 1]),
         max_response_length=8,
     )

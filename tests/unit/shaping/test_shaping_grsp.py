@@ -3,6 +3,10 @@ import torch
 
 from gspo_megatron.shaping import GRSPConfig, ShapingGroup
 from gspo_megatron.shaping.grsp import grsp, grsp_penalty, masked_group_zscore
+from gspo_megatron.shaping.segmentation import step_counts
+
+TRIGGERS = ["Wait", "Alternatively"]  # shaping.trigger_words
+
 
 # Counts per length cluster (short, long) for three responses: 2 short | 1 long | 1 short + 1 long.
 COUNTS = torch.tensor([[2.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
@@ -25,6 +29,7 @@ def make_group(correct, rewards=None, log_probs=LOG_PROBS, texts=None):
         correct=torch.tensor(correct),
         format_ok=torch.ones(size, dtype=torch.bool),
         response_texts=texts or [""] * size,
+        steps=step_counts(texts or [""] * size, TRIGGERS),
         response_lengths=torch.tensor([lp.numel() for lp in log_probs]),
         max_response_length=8,
         token_log_probs=log_probs,
@@ -96,6 +101,7 @@ def test_keyword_segmentation_path():
         correct=torch.ones(2, dtype=torch.bool),
         format_ok=torch.ones(2, dtype=torch.bool),
         response_texts=texts,
+        steps=step_counts(texts, TRIGGERS),
         response_lengths=torch.tensor([16, 16]),
         max_response_length=16,
     )
@@ -148,6 +154,7 @@ def test_truncated_responses_are_segmented_up_to_where_they_stop():
         correct=torch.tensor([True, False]),
         format_ok=torch.tensor([True, False]),
         response_texts=texts,
+        steps=step_counts(texts, TRIGGERS),
         response_lengths=torch.tensor([len(texts[0]), len(texts[1])]),
         max_response_length=len(texts[1]),
     )

@@ -3,6 +3,9 @@ import torch
 
 from gspo_megatron.shaping import DAPOOverlongConfig, KimiLengthConfig, ShapingGroup
 from gspo_megatron.shaping.length import dapo_overlong, dapo_overlong_penalty, kimi_length, kimi_length_reward
+from gspo_megatron.shaping.segmentation import step_counts
+
+TRIGGERS = ["Wait", "Alternatively"]  # shaping.trigger_words
 
 
 def make_group(lengths, correct, rewards, max_response_length=10):
@@ -12,6 +15,7 @@ def make_group(lengths, correct, rewards, max_response_length=10):
         correct=torch.tensor(correct),
         format_ok=torch.ones(size, dtype=torch.bool),
         response_texts=[""] * size,
+        steps=step_counts([""] * size, TRIGGERS),
         response_lengths=torch.tensor(lengths),
         max_response_length=max_response_length,
     )

@@ -6,6 +6,10 @@ from omegaconf import OmegaConf
 
 from gspo_megatron.shaping import SHAPERS, ShapingConfig, ShapingGroup, StepGRPOConfig, UnknownNameError
 from gspo_megatron.shaping.identity import no_shaping
+from gspo_megatron.shaping.segmentation import step_counts
+
+TRIGGERS = ["Wait", "Alternatively"]  # shaping.trigger_words
+
 
 CONF_DIR = Path(__file__).resolve().parents[3] / "gspo_megatron" / "conf" / "shaping"
 
@@ -51,17 +55,17 @@ def test_yaml_values_are_validated():
         OmegaConf.to_object(bad)
 
 
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        (dict(beta=1.5), "beta"),
-        (dict(triggers=[]), "trigger words"),
-        (dict(triggers=["Wait", ""]), "trigger words"),
-    ],
-)
-def test_step_grpo_config_validation(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        StepGRPOConfig(**kwargs)
+def test_step_grpo_config_validation():
+    with pytest.raises(ValueError, match="beta"):
+        StepGRPOConfig(beta=1.5)
+
+
+@pytest.mark.parametrize("words", [[], ["Wait", ""]])
+def test_the_trigger_words_must_be_words(words):
+    from gspo_megatron.shaping.config import ShapingConfig
+
+    with pytest.raises(ValueError, match="shaping.trigger_words: trigger words must be a non-empty list"):
+        ShapingConfig(trigger_words=words)
 
 
 def _group_kwargs():
@@ -70,6 +74,7 @@ def _group_kwargs():
         correct=torch.tensor([True, False]),
         format_ok=torch.tensor([True, True]),
         response_texts=["a", "b"],
+        steps=step_counts(["a", "b"], TRIGGERS),
         response_lengths=torch.tensor([1, 2]),
         max_response_length=4,
     )

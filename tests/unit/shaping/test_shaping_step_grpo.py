@@ -4,16 +4,20 @@ import pytest
 import torch
 
 from gspo_megatron.shaping import ShapingGroup, StepGRPOConfig
+from gspo_megatron.shaping.segmentation import step_counts
 from gspo_megatron.shaping.step_grpo import step_grpo, step_grpo_rewards
 
+TRIGGERS = ["Wait", "Alternatively"]  # shaping.trigger_words
 
-def make_group(texts, correct, format_ok):
+
+def make_group(texts, correct, format_ok, triggers=TRIGGERS):
     size = len(texts)
     return ShapingGroup(
         rewards=torch.tensor([float(c) for c in correct]),
         correct=torch.tensor(correct),
         format_ok=torch.tensor(format_ok),
         response_texts=texts,
+        steps=step_counts(texts, triggers),
         response_lengths=torch.full((size,), 5, dtype=torch.long),
         max_response_length=16,
     )
@@ -70,8 +74,8 @@ def test_empty_response_counts_one_step():
 
 
 def test_custom_triggers_alpha_beta():
-    cfg = StepGRPOConfig(alpha=0.5, beta=1.0, triggers=["Hmm"])
-    out = step_grpo(make_group(["Hmm Hmm Wait", "Wait"], [True, True], [True, False]), cfg)
+    cfg = StepGRPOConfig(alpha=0.5, beta=1.0)
+    out = step_grpo(make_group(["Hmm Hmm Wait", "Wait"], [True, True], [True, False], triggers=["Hmm"]), cfg)
     # k = [3, 1], mu = 2: R0 = 0.5 (1 - tanh(0.5)) + 0.5 = 0.76894142; R1 = 0.5 (1 + tanh(0.5)) = 0.73105858
     torch.testing.assert_close(out.rewards, torch.tensor([0.76894142, 0.73105858]))
 
@@ -113,6 +117,7 @@ def test_boxed_outcome_grades_the_box_and_fmt_is_box_exists_even_when_truncated(
         correct=correct,
         format_ok=fmt,
         response_texts=texts,
+        steps=step_counts(texts, TRIGGERS),
         response_lengths=torch.tensor([6, 12, 5, 4]),
         max_response_length=12,
     )

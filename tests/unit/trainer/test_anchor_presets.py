@@ -79,15 +79,15 @@ def ours(cfg: AlgorithmConfig, logits: torch.Tensor, batch: MicroBatch):
     """Loss and d loss / d logits through the trainer's path (mismatch weights, then the loss head)."""
     batch = replace(batch)
     mask = batch.response_mask
-    if cfg.mismatch_correction != "none":
+    if cfg.mismatch.correction != "none":
         weights, _ = mismatch_weights(
             batch.old_log_probs,
             batch.rollout_log_probs,
             mask,
-            cfg.mismatch_correction,
-            cfg.mismatch_cap,
-            cfg.log_ratio_clamp,
-            cfg.mismatch_sequence_ratio,
+            cfg.mismatch.correction,
+            cfg.mismatch.cap,
+            cfg.loss.log_ratio_clamp,
+            cfg.mismatch.sequence_ratio,
         )
         batch.advantages = weighted_advantages(batch.advantages, weights.double())
     head = PolicyLossHead(
@@ -203,12 +203,21 @@ def test_preset_loss_and_gradient_equal_the_anchor(name):
     torch.testing.assert_close(got_grad, want_grad, rtol=GRAD_RTOL, atol=GRAD_RTOL * scale)
 
 
-KNOBS = {  # preset -> the knobs that make it that anchor, each set back to our own default
-    "verl_grpo": {"clip_ratio_c": None, "kl_estimator": "k3", "aggregation": "seq_mean_token_mean"},
-    "verl_gspo": {"gspo_log_ratio_max": None},
-    "trl_grpo": {"mismatch_sequence_ratio": "geometric", "log_ratio_clamp": 20.0, "mismatch_correction": "none"},
-    "slime_gspo": {"log_ratio_clamp": 20.0},
+KNOBS = {  # preset -> the knobs (section.key) that make it that anchor, each set back to our own default
+    "verl_grpo": {"loss.clip_ratio_c": None, "kl.estimator": "k3", "loss.aggregation": "seq_mean_token_mean"},
+    "verl_gspo": {"loss.gspo_log_ratio_max": None},
+    "trl_grpo": {"mismatch.sequence_ratio": "geometric", "loss.log_ratio_clamp": 20.0, "mismatch.correction": "none"},
+    "slime_gspo": {"loss.log_ratio_clamp": 20.0},
 }
+
+
+def _with(cfg: AlgorithmConfig, changes: dict) -> AlgorithmConfig:
+    """``cfg`` with ``{"section.key": value}`` set, each section rebuilt (and validated) once."""
+    sections: dict[str, dict] = {}
+    for dotted, value in changes.items():
+        section, key = dotted.split(".")
+        sections.setdefault(section, {})[key] = value
+    return replace(cfg, **{name: replace(getattr(cfg, name), **keys) for name, keys in sections.items()})
 
 
 @pytest.mark.parametrize("name", sorted(KNOBS))
@@ -218,7 +227,7 @@ def test_each_distinguishing_knob_changes_the_loss_on_this_batch(name):
     base = preset(name)
     want_loss, _ = theirs(ANCHORS[name], logits, batch)
     for key, default in KNOBS[name].items():
-        extra = {"mismatch_sequence_ratio": "geometric"} if key == "mismatch_correction" else {}
-        changed = replace(base, **{key: default}, **extra)
+        extra = {"mismatch.sequence_ratio": "geometric"} if key == "mismatch.correction" else {}
+        changed = _with(base, {key: default, **extra})
         got_loss, _ = ours(changed, logits, batch)
         assert abs(float(got_loss - want_loss)) > 100 * LOSS_RTOL * max(1.0, abs(float(want_loss))), key

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from gspo_megatron.algorithms.config import AlgorithmConfig
-from gspo_megatron.algorithms.losses import LossContext, get_policy_loss
+from gspo_megatron.algorithms.config import AlgorithmConfig, KLConfig
+from gspo_megatron.algorithms.losses import LossConfig, LossContext, get_policy_loss
 from gspo_megatron.models.micro_batch import MicroBatch
 from gspo_megatron.trainer.loss_head import PolicyLossHead
 
@@ -30,9 +30,8 @@ def _inputs(seed=0):
 def test_loss_and_grad_equal_policy_loss_minus_entropy_plus_kl(loss, estimator):
     logits, batch = _inputs()
     mask = batch.response_mask
-    algorithm = AlgorithmConfig(
-        loss=loss, clip_low=0.2, clip_high=0.28, entropy_coef=0.03, kl_coef=0.2, kl_estimator=estimator
-    )
+    settings = LossConfig(name=loss, clip_low=0.2, clip_high=0.28, entropy_coef=0.03)
+    algorithm = AlgorithmConfig(loss=settings, kl=KLConfig(coef=0.2, estimator=estimator))
     head = PolicyLossHead(
         algorithm, None, None, 1.0, global_num_sequences=torch.tensor(3.0), global_num_tokens=mask.sum()
     )
@@ -46,7 +45,7 @@ def test_loss_and_grad_equal_policy_loss_minus_entropy_plus_kl(loss, estimator):
     entropy = -(log_softmax.exp() * log_softmax).sum(-1)
     d = logp - batch.ref_log_probs.double()
     kl = {"k1": d, "k2": 0.5 * d**2, "k3": torch.exp(-d) - 1 + d}[estimator]
-    ctx = LossContext(clip_low=0.2, clip_high=0.28)
+    ctx = LossContext(settings)
     policy = get_policy_loss(loss)(logp, batch.old_log_probs.double(), batch.advantages.double(), mask, ctx).loss
     seq_mean = lambda x: ((x * mask).sum(1) / mask.sum(1)).mean()  # seq_mean_token_mean
     expected = policy - 0.03 * seq_mean(entropy) + 0.2 * seq_mean(kl)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from gspo_megatron.routing.run_dir import METRICS_FILE, read_jsonl
+from gspo_megatron.run_dir import METRICS_FILE, read_jsonl
 from gspo_megatron.trainer.run_log import RUN_WALL_KEY, RunLog, summary_text
 
 

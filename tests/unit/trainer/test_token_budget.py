@@ -50,9 +50,11 @@ def test_partition_with_budget_covers_every_row_once_cut_to_its_own_longest_row(
     seen = []
     same_index: dict[tuple[int, int], list] = {}  # (update, micro-batch) -> (rows, width) per rank
     for rank in range(dp_size):
-        parts = partition(batch, updates=2, micro_batch_size=4, dp_size=dp_size, dp_rank=rank, micro_batch_tokens=12)
-        for update, part in enumerate(parts):
-            for j, mb in enumerate(part):
+        minibatches = partition(
+            batch, updates=2, micro_batch_size=4, dp_size=dp_size, dp_rank=rank, micro_batch_tokens=12
+        )
+        for update, minibatch in enumerate(minibatches):
+            for j, mb in enumerate(minibatch):
                 rows = mb.rows
                 # stays in its mini-batch
                 assert all(update * 4 <= r < (update + 1) * 4 for r in rows.tolist())
@@ -106,24 +108,27 @@ def test_budget_cuts_the_padded_fraction():
 def test_mismatch_correction_follows_the_rows_and_width_of_budget_micro_batches(mode):
     """correct_mismatch weighs each micro-batch's rows (any rows, cut to their own width) exactly as
     the whole batch is weighed: per-token weights are cut to the micro-batch's width."""
-    from gspo_megatron.algorithms.config import AlgorithmConfig
+    from gspo_megatron.algorithms.config import AlgorithmConfig, MismatchConfig
+    from gspo_megatron.algorithms.losses import LossConfig
     from gspo_megatron.algorithms.mismatch_correction import mismatch_weights, weighted_advantages
     from gspo_megatron.trainer.mismatch_phase import correct_mismatch
 
     batch = _batch([1, 30, 2, 3, 2, 28, 1, 4])
     old_log_probs = batch.rollout_log_probs + 0.3 * torch.randn_like(batch.rollout_log_probs)
-    algorithm = AlgorithmConfig(loss="grpo", mismatch_correction=mode, mismatch_cap=1.5)
-    parts = partition(batch, updates=2, micro_batch_size=4, dp_size=1, dp_rank=0, micro_batch_tokens=12)
+    algorithm = AlgorithmConfig(loss=LossConfig(name="grpo"), mismatch=MismatchConfig(correction=mode, cap=1.5))
+    minibatches = partition(batch, updates=2, micro_batch_size=4, dp_size=1, dp_rank=0, micro_batch_tokens=12)
     totals = step_totals(batch, 2)
-    given = [[mb.advantages for mb in part] for part in parts]
-    result = correct_mismatch(batch, old_log_probs, parts, algorithm, totals)
-    assert result.totals is totals  # mismatch_rejected=keep: the denominators stand
-    assert [[mb.advantages for mb in part] for part in parts] == given  # the given micro-batches are untouched
+    given = [[mb.advantages for mb in minibatch] for minibatch in minibatches]
+    result = correct_mismatch(batch, old_log_probs, minibatches, algorithm, totals)
+    assert result.totals is totals  # algorithm.mismatch.rejected=keep: the denominators stand
+    assert [
+        [mb.advantages for mb in minibatch] for minibatch in minibatches
+    ] == given  # the given micro-batches are untouched
     weights, _ = mismatch_weights(
-        old_log_probs, batch.rollout_log_probs, batch.response_mask, mode, 1.5, algorithm.log_ratio_clamp
+        old_log_probs, batch.rollout_log_probs, batch.response_mask, mode, 1.5, algorithm.loss.log_ratio_clamp
     )
     whole = weighted_advantages(batch.advantages, weights)
-    for mb in (mb for part in result.parts for mb in part):
+    for mb in (mb for minibatch in result.minibatches for mb in minibatch):
         expected = whole[mb.rows]
         expected = expected[:, : mb.tokens.shape[1]] if expected.dim() > 1 else expected
         torch.testing.assert_close(mb.advantages, expected)
@@ -133,18 +138,20 @@ def test_mismatch_correction_follows_the_rows_and_width_of_budget_micro_batches(
 def test_dropped_rejections_leave_the_masks_and_the_denominators(mode):
     """mismatch_rejected=drop (verl rollout_rs): a rejected token (row) leaves its micro-batch's response
     mask and each mini-batch's token (sequence) count loses exactly those; kept tokens are untouched."""
-    from gspo_megatron.algorithms.config import AlgorithmConfig
+    from gspo_megatron.algorithms.config import AlgorithmConfig, MismatchConfig
+    from gspo_megatron.algorithms.losses import LossConfig
     from gspo_megatron.algorithms.mismatch_correction import mismatch_weights
     from gspo_megatron.trainer.mismatch_phase import correct_mismatch
 
     torch.manual_seed(0)
     batch = _batch([1, 30, 2, 3, 2, 28, 1, 4])
     old_log_probs = batch.rollout_log_probs + 0.5 * torch.randn_like(batch.rollout_log_probs)
-    algorithm = AlgorithmConfig(loss="grpo", mismatch_correction=mode, mismatch_cap=1.2, mismatch_rejected="drop")
-    parts = partition(batch, updates=2, micro_batch_size=4, dp_size=1, dp_rank=0, micro_batch_tokens=12)
+    mismatch = MismatchConfig(correction=mode, cap=1.2, rejected="drop")
+    algorithm = AlgorithmConfig(loss=LossConfig(name="grpo"), mismatch=mismatch)
+    minibatches = partition(batch, updates=2, micro_batch_size=4, dp_size=1, dp_rank=0, micro_batch_tokens=12)
     totals = step_totals(batch, 2)
-    result = correct_mismatch(batch, old_log_probs, parts, algorithm, totals)
-    after, parts = result.totals, result.parts
+    result = correct_mismatch(batch, old_log_probs, minibatches, algorithm, totals)
+    after, minibatches = result.totals, result.minibatches
     weights, _ = mismatch_weights(old_log_probs, batch.rollout_log_probs, batch.response_mask, mode, 1.2)
     keep = weights > 0 if weights.dim() == 2 else (weights > 0).unsqueeze(-1).expand_as(batch.response_mask)
     expected_mask = batch.response_mask.bool() & keep
@@ -152,5 +159,5 @@ def test_dropped_rejections_leave_the_masks_and_the_denominators(mode):
     per_update = expected_mask.reshape(2, 4, -1)
     torch.testing.assert_close(after.update_tokens, per_update.sum((1, 2)).float())
     torch.testing.assert_close(after.update_sequences, (per_update.sum(2) > 0).sum(1).float())
-    for mb in (mb for part in parts for mb in part):
+    for mb in (mb for minibatch in minibatches for mb in minibatch):
         torch.testing.assert_close(mb.response_mask, expected_mask[mb.rows, : mb.seq_len].float())

@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-
 from gspo_megatron.testing.distributed import run_distributed
 
 LOOPBACK = ("0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F")
@@ -42,7 +40,6 @@ def _init_and_list(ctx):
         mesh.destroy()
 
 
-@pytest.mark.slow
 def test_single_process_listens_on_loopback_only():
     (addresses,) = run_distributed(_init_and_list, 1)
     exposed = [a for a in addresses if a not in LOOPBACK]

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from gspo_megatron.rollout.mismatch import finalize_mismatch, train_inference_mismatch
+from gspo_megatron.algorithms.mismatch_metric import finalize_mismatch, train_inference_mismatch
 
 
 def test_sums_and_counts_by_hand():

@@ -6,16 +6,9 @@ import math
 import pytest
 import torch
 
-from gspo_megatron.routing.run_dir import (
-    JsonlLog,
-    RoutingLog,
-    RunDirError,
-    load_run,
-    read_jsonl,
-    routing_record,
-    to_jsonable,
-)
+from gspo_megatron.routing.log import RoutingLog, routing_record
 from gspo_megatron.routing.volatility import expert_load, routing_volatility
+from gspo_megatron.run_dir import JsonlLog, RunDirError, load_run, read_jsonl, to_jsonable
 
 A = torch.tensor([[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[0, 2], [1, 3]]])
 B = torch.tensor([[[1, 0], [2, 4]], [[6, 7], [7, 6]], [[2, 0], [3, 5]]])
@@ -92,7 +85,7 @@ def test_load_run_label_and_errors(tmp_path):
 
 
 def test_drop_records_from_step_for_resume(tmp_path):
-    from gspo_megatron.routing.run_dir import drop_records_from_step
+    from gspo_megatron.run_dir import drop_records_from_step
 
     with RoutingLog(tmp_path) as log:
         for step in range(4):

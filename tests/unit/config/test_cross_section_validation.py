@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from gspo_megatron.config.schema import TrainConfig
+from gspo_megatron.config.compose import compose
+from gspo_megatron.config.schema import TrainConfig, to_train_config
 from gspo_megatron.config.validate import ConfigError, validate_config
 from gspo_megatron.models.config import ModelConfigError
 from gspo_megatron.parallel.layout import LayoutError
@@ -147,14 +148,14 @@ def test_prompt_budget_within_max_positions():
 # --- routing replay -----------------------------------------------------------------------------
 def test_unknown_replay_mode():
     cfg = TrainConfig()
-    cfg.algorithm.routing_replay = "always"
+    cfg.routing.replay = "always"
     with pytest.raises(ValueError, match=r"'always'.*none, old_policy, rollout"):
         validate_config(cfg, 1)
 
 
 def test_replay_with_recompute_needs_single_stage():
     cfg = TrainConfig()
-    cfg.algorithm.routing_replay, cfg.trainer.recompute_activations, cfg.parallel.pp = "old_policy", True, 2
+    cfg.routing.replay, cfg.trainer.recompute_activations, cfg.parallel.pp = "old_policy", True, 2
     with pytest.raises(ValueError, match="pp=1"):
         validate_config(cfg, 2)
     cfg.parallel.pp = 1
@@ -163,15 +164,40 @@ def test_replay_with_recompute_needs_single_stage():
 
 def test_replay_needs_an_moe_model():
     cfg = TrainConfig()
-    cfg.algorithm.routing_replay = "old_policy"
+    cfg.routing.replay = "old_policy"
     cfg.model.num_layers, cfg.model.dense_layers, cfg.model.dense_intermediate_size = 2, [0, 1], 64
-    refused(cfg, 1, "routing_replay needs an MoE model")
+    refused(cfg, 1, "routing.replay needs an MoE model")
 
 
 def test_rollout_replay_with_sglang_needs_routed_experts():
     cfg = TrainConfig()
-    cfg.algorithm.routing_replay, cfg.rollout.engine = "rollout", "sglang"
+    cfg.routing.replay, cfg.rollout.engine = "rollout", "sglang"
     cfg.rollout.sglang.model_path = "/ckpt"
     refused(cfg, 1, "enable_return_routed_experts=true")
     cfg.rollout.sglang.enable_return_routed_experts = True
     validate_config(cfg, 1)
+
+
+# pi_old's source (trainer.old_log_probs) against the algorithm's and routing's sections
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["trainer.logprob_chunk_size=0"], r"trainer.logprob_chunk_size must be >= 1"),
+        (
+            ["trainer.old_log_probs=rollout", "algorithm=grpo_routing_replay"],
+            r"skips the trainer's old-policy forward.*use routing.replay=rollout",
+        ),
+        (
+            ["trainer.old_log_probs=rollout", "algorithm=grpo_tis"],
+            r"exactly 1 when trainer.old_log_probs=rollout",
+        ),
+    ],
+)
+def test_rules_across_sections(overrides, message):
+    with pytest.raises((ConfigError, ValueError), match=message):
+        validate_config(to_train_config(compose(overrides)), world_size=1)
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "grpo_rollout_routing_replay"])
+def test_engine_old_log_probs_allowed_without_old_policy_replay(algorithm):
+    validate_config(to_train_config(compose([f"algorithm={algorithm}", "trainer.old_log_probs=rollout"])), 1)

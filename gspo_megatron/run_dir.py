@@ -1,4 +1,5 @@
-"""The run-directory format shared by the trainer, the routing report and ``tools/compare_runs.py``.
+"""The run-directory format shared by the trainer, the routing report and ``tools/compare_runs.py``
+(torch-free; ``routing/log.py`` writes the routing records into it).
 
 Layout of one run directory (the trainer writes it from rank 0 only; everything else reads it)::
 
@@ -43,8 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gspo_megatron.config_migrations import migrate_config
 from gspo_megatron.provenance import PROVENANCE_FILE
-from gspo_megatron.routing.config import validate_kind
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -112,44 +113,6 @@ class JsonlLog:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def routing_record(
-    step: int,
-    kind: str,
-    volatility=None,
-    load=None,
-) -> dict:
-    """Build one routing.jsonl record from the objects in ``routing/volatility.py``.
-
-    ``volatility``: RoutingVolatility; ``load``: ExpertLoad (of the newer routing). Either may be
-    None; step and kind are always present.
-    """
-    record: dict[str, Any] = {"step": int(step), "kind": validate_kind(kind)}
-    if volatility is not None:
-        record.update(
-            changed_frac=volatility.changed_frac,
-            overlap=volatility.overlap,
-            changed_frac_overall=volatility.changed_frac_overall,
-            overlap_overall=volatility.overlap_overall,
-            changed_any_frac=volatility.changed_any_frac,
-            tokens=volatility.tokens,
-        )
-    if load is not None:
-        record.update(expert_load=load.fraction, load_imbalance=load.imbalance, load_cv=load.coefficient_of_variation)
-    return to_jsonable(record)
-
-
-class RoutingLog(JsonlLog):
-    """Writer of ``<run>/routing.jsonl``."""
-
-    def __init__(self, run_dir: str | os.PathLike):
-        super().__init__(Path(run_dir) / ROUTING_FILE)
-
-    def log(self, step: int, kind: str, volatility=None, load=None) -> dict:
-        record = routing_record(step, kind, volatility, load)
-        self.append(record)
-        return record
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
@@ -237,7 +200,7 @@ def load_run(path: str | os.PathLike) -> RunData:
         raise RunDirError(
             f"{str(path)!r} is not a run directory: it has no {METRICS_FILE} (found: {present or 'nothing'}). "
             f"A run directory holds {CONFIG_FILE}, {METRICS_FILE} and optionally {ROUTING_FILE}; "
-            "see gspo_megatron/routing/run_dir.py"
+            "see gspo_megatron/run_dir.py"
         )
     config: dict = {}
     if (path / CONFIG_FILE).is_file():
@@ -247,7 +210,7 @@ def load_run(path: str | os.PathLike) -> RunData:
             loaded = yaml.safe_load((path / CONFIG_FILE).read_text(encoding="utf-8"))
         except yaml.YAMLError as err:
             raise RunDirError(f"{path / CONFIG_FILE}: not valid YAML: {err}") from err
-        config = loaded if isinstance(loaded, dict) else {}
+        config = migrate_config(loaded)[0] if isinstance(loaded, dict) else {}  # older runs: today's keys
     routing = read_jsonl(path / ROUTING_FILE) if (path / ROUTING_FILE).is_file() else []
     provenance_path = path / PROVENANCE_FILE
     try:
