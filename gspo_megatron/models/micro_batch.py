@@ -76,10 +76,3 @@ class UpdateMicroBatch(StepMicroBatch):
     filled in later."""
 
     old_log_probs: torch.Tensor = field()
-
-
-def required(value: torch.Tensor | None, field: str, reader: str) -> torch.Tensor:
-    """``value`` (the micro-batch's ``field``), or a clear error naming who needed it."""
-    if value is None:
-        raise ValueError(f"{reader} needs the micro-batch's {field}, but it is not set")
-    return value
