@@ -34,20 +34,14 @@ def _dataset_overrides(path):
     ]
 
 
-@pytest.mark.parametrize(
-    "content, message",
-    [
-        ("", "empty"),
-        ('{"prompt": "max 12=", "answer": "2"}\n{"prompt": "max 3\n', r"prompts.jsonl:2: malformed JSON"),
-        ('{"question": "max 12=", "answer": "2"}\n', "prompt"),
-    ],
-    ids=["empty", "malformed_json", "missing_field"],
-)
-def test_bad_task_file(tmp_path, content, message):
+def test_bad_task_file(tmp_path):
+    """A bad prompt file stops the run at start-up with the loader's message, the run directory intact.
+    Each message (empty file, malformed JSON with its line, a missing field) is checked where it is
+    raised, without a training: tests/unit/data/test_datasets.py."""
     data = tmp_path / "prompts.jsonl"
-    data.write_text(content)
+    data.write_text('{"prompt": "max 12=", "answer": "2"}\n{"prompt": "max 3\n')
     run_dir = tmp_path / "run"
-    with pytest.raises(DistributedRunError, match=message):
+    with pytest.raises(DistributedRunError, match=r"prompts.jsonl:2: malformed JSON"):
         run_distributed(train_worker, 1, _dataset_overrides(data), str(run_dir))
     _assert_not_corrupt(run_dir)
 
