@@ -162,25 +162,16 @@ def _describe(tensor) -> dict:
 
 
 def _join_group(body: dict, group_name: str):
-    """Join the update group the way SGLang's init_custom_process_group does (rank = rank_offset)."""
-    from datetime import timedelta
+    """Join the update group as SGLang's init_custom_process_group does (rank = rank_offset): the same
+    rendezvous the trainer's side runs (``weight_sync.open_weight_update_group``)."""
+    from gspo_megatron.rollout.sglang.weight_sync import open_weight_update_group
 
-    from torch.distributed.distributed_c10d import (
-        Backend,
-        GroupName,
-        PrefixStore,
-        _new_process_group_helper,
-        _world,
-        rendezvous,
+    return open_weight_update_group(
+        body["master_address"],
+        body["master_port"],
+        body["world_size"],
+        rank=body["rank_offset"],
+        backend=body.get("backend", "nccl"),
+        group_name=group_name,
+        timeout_s=120.0,
     )
-
-    timeout = timedelta(seconds=120)
-    url = f"tcp://{body['master_address']}:{body['master_port']}"
-    store, rank, world_size = next(rendezvous(url, body["rank_offset"], body["world_size"], timeout=timeout))
-    store = PrefixStore(group_name, store)
-    backend = Backend(body.get("backend", "nccl"))
-    group, _ = _new_process_group_helper(
-        world_size, rank, [], backend, store, group_name=GroupName(group_name), timeout=timeout
-    )
-    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-    return group
