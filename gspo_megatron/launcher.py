@@ -14,7 +14,7 @@ What torchrun did for us, without what it did wrong (issue 34, D2/D4/D7/D16):
   Ctrl-C (SIGINT to the foreground group) reaches only the launcher, never a rank's helper
   processes (a checkpoint writer killed by KeyboardInterrupt lost the save). The launcher forwards
   each SIGINT/SIGTERM to every rank; the ranks finish the step, save and stop
-  (``trainer/signals.py``), and the launcher exits 128 + signal (130, 143), as docs/reliability.md says.
+  (``run/signals.py``), and the launcher exits 128 + signal (130, 143), as docs/reliability.md says.
 - **No rank outlives the launcher or its job.** Ranks get ``PR_SET_PDEATHSIG`` (SIGKILL when the
   launcher dies, even by SIGKILL); when one rank fails the others get SIGTERM, then SIGKILL after
   ``STOP_GRACE_S``; the exit status is the first failure's (128 + signal for a rank killed by one).

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, cast
 
-from gspo_megatron.known_warnings import filter_known_warnings, optional_accelerators_notice
+from gspo_megatron.core.known_warnings import filter_known_warnings, optional_accelerators_notice
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -27,16 +27,16 @@ def run(cfg: DictConfig, run_dir: str) -> str:
 
     from gspo_megatron.config.schema import to_train_config
     from gspo_megatron.config.validate import validate_config, validate_for_machine
-    from gspo_megatron.config_node import freeze_config
-    from gspo_megatron.trainer.reaper import keep_reaper, start_reaper
-    from gspo_megatron.trainer.run_dir_owner import claim_run_dir
-    from gspo_megatron.trainer.setup import build, world_size_from_env
-    from gspo_megatron.trainer.signals import SignalWatch
-    from gspo_megatron.trainer.trainer import RLTrainer
+    from gspo_megatron.core.config_node import freeze_config
+    from gspo_megatron.loop.build import build, world_size_from_env
+    from gspo_megatron.loop.trainer import RLTrainer
+    from gspo_megatron.run.reaper import keep_reaper, start_reaper
+    from gspo_megatron.run.run_dir_owner import claim_run_dir
+    from gspo_megatron.run.signals import SignalWatch
 
     logging.getLogger("megatron").setLevel(logging.WARNING)  # it lists every parameter at INFO
     if cfg.model.hf_checkpoint:  # the weights decide the model's shape, not the model YAML
-        from gspo_megatron.models.hf_checkpoint import hf_shape_fields
+        from gspo_megatron.policy.models.hf_checkpoint import hf_shape_fields
 
         cfg = cast(DictConfig, OmegaConf.merge(cfg, {"model": hf_shape_fields(cfg.model.hf_checkpoint)}))
     typed = to_train_config(cfg)
@@ -46,12 +46,12 @@ def run(cfg: DictConfig, run_dir: str) -> str:
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     # the driver owns the run directory: lock it, and refuse a wrong fresh start or resume before building
     claim = claim_run_dir(Path(run_dir), typed.checkpoint, config_yaml) if _is_driver_process() else None
-    keep_reaper(start_reaper())  # whatever this process starts dies with it, even by SIGKILL (trainer/reaper.py)
+    keep_reaper(start_reaper())  # whatever this process starts dies with it, even by SIGKILL (run/reaper.py)
     notice = optional_accelerators_notice() if _is_driver_process() else None
     if notice:
         print(notice, flush=True)
     try:
-        with SignalWatch() as signals:  # SIGTERM/SIGINT: finish the step, save, stop (trainer/signals.py)
+        with SignalWatch() as signals:  # SIGTERM/SIGINT: finish the step, save, stop (run/signals.py)
             components = build(typed, Path(run_dir), config_yaml)
             try:
                 summary = RLTrainer(components, signals).train()
@@ -109,7 +109,7 @@ def exit_without_teardown(code: object) -> NoReturn:
 def train_from_hydra(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from gspo_megatron.trainer.signals import TrainingInterrupted
+    from gspo_megatron.run.signals import TrainingInterrupted
 
     run_dir = cfg.run_dir or HydraConfig.get().runtime.output_dir
     try:

@@ -21,6 +21,11 @@ import pytest
 import torch
 
 TESTS = Path(__file__).resolve().parent
+# tools/ on the import path: the planner (tools/planning/) and the study reports (tools/study_reports/) are
+# packages the tools import as siblings, and their tests import them the same way
+TOOLS = str(TESTS.parent / "tools")
+if TOOLS not in sys.path:
+    sys.path.insert(0, TOOLS)
 MYPY_TEST = "test_mypy_finds_nothing"
 _mypy = pytest.StashKey[tuple[subprocess.Popen, Path]]()
 SLOW_TIERS = ("distributed", "e2e", "faults", "gpu", "contract", "live_sglang")

@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from gspo_megatron.contracts.samples import SamplingParams
 from gspo_megatron.rollout.config import EmbeddedConfig
-from gspo_megatron.rollout.embedded import EmbeddedEngine
-from gspo_megatron.rollout.types import SamplingParams
+from gspo_megatron.rollout.embedded.engine import EmbeddedEngine
 
 
 def parse_args():
@@ -83,11 +83,11 @@ def checkpoint_tensors(args) -> dict[str, torch.Tensor]:
 
 def weight_sync_seconds(args, tensors: dict[str, torch.Tensor], engine: EmbeddedEngine) -> tuple[float, float]:
     """(export only, export -> update_weights) for a one-rank Megatron model of the same shape."""
-    from gspo_megatron.models.builder import build_model
-    from gspo_megatron.models.config import MoEModelConfig
-    from gspo_megatron.models.conversion import export_hf_weights, load_hf_weights
-    from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.parallel.mesh import initialize_parallel
+    from gspo_megatron.policy.models.builder import build_model
+    from gspo_megatron.policy.models.config import MoEModelConfig
+    from gspo_megatron.policy.models.conversion import export_hf_weights, load_hf_weights
+    from gspo_megatron.policy.parallel.layout import ParallelLayout
+    from gspo_megatron.policy.parallel.mesh import initialize_parallel
 
     cfg = MoEModelConfig.from_hf_dict(hf_config(args).to_dict())
     layout = ParallelLayout(world_size=1).validate(cfg)

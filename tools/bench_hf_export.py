@@ -57,12 +57,12 @@ def main(argv=None) -> None:
 
     import torch
 
-    from gspo_megatron.models.builder import build_model
-    from gspo_megatron.models.config import MoEModelConfig
-    from gspo_megatron.models.conversion import load_hf_weights
-    from gspo_megatron.models.hf_checkpoint import save_hf_checkpoint
-    from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.parallel.mesh import initialize_parallel
+    from gspo_megatron.policy.models.builder import build_model
+    from gspo_megatron.policy.models.config import MoEModelConfig
+    from gspo_megatron.policy.models.conversion import load_hf_weights
+    from gspo_megatron.policy.models.hf_checkpoint import save_hf_checkpoint
+    from gspo_megatron.policy.parallel.layout import ParallelLayout
+    from gspo_megatron.policy.parallel.mesh import initialize_parallel
     from gspo_megatron.testing.model_fixtures import random_hf_state
 
     h = args.hidden_size

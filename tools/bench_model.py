@@ -52,12 +52,12 @@ def bench_worker(
     import torch.distributed as dist
     from megatron.core import tensor_parallel
 
-    from gspo_megatron.models.builder import build_model
-    from gspo_megatron.models.conversion import load_hf_weights
-    from gspo_megatron.models.micro_batch import MicroBatch
-    from gspo_megatron.models.schedule import run_schedule, wrap_for_training
-    from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.parallel.mesh import initialize_parallel
+    from gspo_megatron.contracts.micro_batch import MicroBatch
+    from gspo_megatron.policy.models.builder import build_model
+    from gspo_megatron.policy.models.conversion import load_hf_weights
+    from gspo_megatron.policy.models.schedule import run_schedule, wrap_for_training
+    from gspo_megatron.policy.parallel.layout import ParallelLayout
+    from gspo_megatron.policy.parallel.mesh import initialize_parallel
 
     layout = ParallelLayout(**layout_kwargs).validate(cfg)
     mesh = initialize_parallel(layout, seed=1)
@@ -148,7 +148,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> None:
-    from gspo_megatron.models.config import MoEModelConfig, preset
+    from gspo_megatron.policy.models.config import MoEModelConfig, preset
     from gspo_megatron.testing.model_fixtures import random_hf_state
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -7,8 +7,8 @@ first; the window measured is one call of megatron's forward-backward schedule o
 with the project's vocab-parallel log-prob loss, so what it allocates is the activations autograd
 keeps, the loss head's logits and gradient, and transients (``testing/memory.py:peak_bytes``: the CPU
 allocator's running total of allocations and frees on every thread; on CUDA the allocator's peak).
-The prediction is ``planning/activations.py:activation_bytes(...).total()``. Prints both and their ratio; exits 1 if
-any ratio leaves [1/1.2, 1.2]. Full recompute cannot be measured on CPU: megatron's checkpoint
+The prediction is ``tools/planning/activations.py:activation_bytes(...).total()``. Prints both and their
+ratio; exits 1 if any ratio leaves [1/1.2, 1.2]. Full recompute cannot be measured on CPU: megatron's checkpoint
 function saves the CUDA RNG state (its prediction is the documented formula only).
 """
 
@@ -19,10 +19,10 @@ import sys
 
 import torch
 
-from gspo_megatron.models.config import MoEModelConfig, preset
-from gspo_megatron.planning.activations import MicroBatchShape, activation_bytes
+from gspo_megatron.policy.models.config import MoEModelConfig, preset
 from gspo_megatron.testing.memory import peak_bytes
 from gspo_megatron.testing.model_fixtures import medium_test_config
+from planning.activations import MicroBatchShape, activation_bytes
 
 TOLERANCE = 1.2
 
@@ -37,11 +37,11 @@ SHAPES = {
 
 def measure(model_cfg: MoEModelConfig, micro: MicroBatchShape) -> int:
     from gspo_megatron.algorithms.logprobs import vocab_parallel_log_probs
-    from gspo_megatron.models.builder import build_model
-    from gspo_megatron.models.micro_batch import MicroBatch
-    from gspo_megatron.models.schedule import run_schedule, wrap_for_training
-    from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.parallel.mesh import initialize_parallel
+    from gspo_megatron.contracts.micro_batch import MicroBatch
+    from gspo_megatron.policy.models.builder import build_model
+    from gspo_megatron.policy.models.schedule import run_schedule, wrap_for_training
+    from gspo_megatron.policy.parallel.layout import ParallelLayout
+    from gspo_megatron.policy.parallel.mesh import initialize_parallel
 
     layout = ParallelLayout(world_size=1).validate(model_cfg)
     mesh = initialize_parallel(layout, seed=3)
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     args = parser.parse_args(argv)
-    from gspo_megatron.parallel.layout import ParallelLayout
+    from gspo_megatron.policy.parallel.layout import ParallelLayout
 
     worst = 1.0
     for name in args.shapes:

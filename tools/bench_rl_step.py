@@ -28,7 +28,7 @@ The first step (warm-up: allocator, lazy imports) is shown apart; shares are ove
 experts top-4, 32 completions of <= 64 tokens, 4 updates per rollout). ``--compare-expert-mlp``
 measures the grouped expert MLP against megatron's SequentialMLP in one run: the model is built with
 ``model.expert_mlp=grouped`` and the steps alternate between its grouped forward and SequentialMLP's
-loop over the same parameters (``models/grouped_experts.py`` subclasses SequentialMLP), starting with
+loop over the same parameters (``policy/models/grouped_experts.py`` subclasses SequentialMLP), starting with
 one warm-up step of each. Since every step samples other response lengths, each arm's update and
 old-log-prob times are given per 1000 padded tokens of the micro-batches they ran, with the median
 and range over its steps (other work on the machine shows up as spread). ``--expert-floor`` adds a
@@ -93,7 +93,7 @@ def _use_expert_mlp(model, arm: str) -> None:
     SequentialMLP's loop, or (arm ``no_experts``) no expert GEMMs at all."""
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    from gspo_megatron.models.grouped_experts import GroupedExperts
+    from gspo_megatron.policy.models.grouped_experts import GroupedExperts
 
     for module in (m for chunk in model.models for m in chunk.modules()):
         if isinstance(module, GroupedExperts):
@@ -129,9 +129,9 @@ def bench_worker(
     from gspo_megatron.config.schema import to_train_config
     from gspo_megatron.config.store import register_configs
     from gspo_megatron.config.validate import validate_config
+    from gspo_megatron.loop.build import build
+    from gspo_megatron.loop.trainer import RLTrainer
     from gspo_megatron.testing.train_runs import read_metrics
-    from gspo_megatron.trainer.setup import build
-    from gspo_megatron.trainer.trainer import RLTrainer
 
     register_configs()
     cfg = compose(overrides)

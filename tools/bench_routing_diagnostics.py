@@ -22,7 +22,7 @@ import time
 
 
 def timed_worker(ctx, overrides: list[str], run_dir: str) -> list[float]:
-    import gspo_megatron.trainer.trainer as trainer_module
+    import gspo_megatron.loop.trainer as trainer_module
     from gspo_megatron.config.compose import compose
     from gspo_megatron.train import run
 

@@ -31,15 +31,16 @@ def bench_worker(ctx, args) -> dict:
     import torch
 
     from gspo_megatron.algorithms.config import AlgorithmConfig
-    from gspo_megatron.models.builder import build_model
-    from gspo_megatron.models.schedule import run_schedule, wrap_for_training
-    from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.parallel.mesh import initialize_parallel
-    from gspo_megatron.rollout.types import FinishReason, Sample
+    from gspo_megatron.contracts.batch import partition, update_batches
+    from gspo_megatron.contracts.samples import FinishReason, Sample
+    from gspo_megatron.contracts.token_budget import step_padded_fraction
+    from gspo_megatron.policy.loss_heads import PolicyLossHead
+    from gspo_megatron.policy.models.builder import build_model
+    from gspo_megatron.policy.models.schedule import run_schedule, wrap_for_training
+    from gspo_megatron.policy.parallel.layout import ParallelLayout
+    from gspo_megatron.policy.parallel.mesh import initialize_parallel
+    from gspo_megatron.rollout.pack import pack_samples
     from gspo_megatron.testing.model_fixtures import tiny_test_config
-    from gspo_megatron.trainer.batch import pack_samples, partition, update_batches
-    from gspo_megatron.trainer.loss_head import PolicyLossHead
-    from gspo_megatron.trainer.token_budget import step_padded_fraction
 
     cfg = tiny_test_config(
         hidden_size=args.hidden,

@@ -8,7 +8,7 @@
 Same work on both sides, all taken from this project's composed config:
 - the same weights: one HF checkpoint (``save_pretrained`` of a transformers Qwen3-MoE with this
   config's shape), loaded by TRL and by our run (``model.hf_checkpoint``);
-- the same tokenizer (``data/symbol_hf.py``: the symbol tokenizer as an HF fast tokenizer, same ids),
+- the same tokenizer (``rollout/data/symbol_hf.py``: the symbol tokenizer as an HF fast tokenizer, same ids),
   the same prompts in the same order and the same reward function on the same records;
 - the same batch: ``prompts_per_step x group_size`` completions per round (TRL's generation batch,
   ``num_generations = group_size``), ``updates_per_rollout`` optimizer steps per round on equal
@@ -96,9 +96,9 @@ def write_shared_checkpoint(cfg, out: Path) -> None:
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from gspo_megatron.data.symbol_hf import symbol_tokenizer_as_hf
-    from gspo_megatron.data.tokenizer import SymbolTokenizer
-    from gspo_megatron.models.hf_checkpoint import hf_config_dict
+    from gspo_megatron.policy.models.hf_checkpoint import hf_config_dict
+    from gspo_megatron.rollout.data.symbol_hf import symbol_tokenizer_as_hf
+    from gspo_megatron.rollout.data.tokenizer import SymbolTokenizer
 
     if cfg.tokenizer.kind != "symbol":
         raise SystemExit(f"tokenizer.kind={cfg.tokenizer.kind}: the benchmark builds the symbol tokenizer only")
@@ -111,9 +111,9 @@ def write_shared_checkpoint(cfg, out: Path) -> None:
 def task_work(cfg, count: int):
     """The prompts our run draws, in its order (the task is deterministic in its seed), the reward
     function our run scores with, and the tokenizer that decodes what was generated."""
-    from gspo_megatron.data.tasks import build_task
-    from gspo_megatron.data.tokenizer import build_tokenizer
-    from gspo_megatron.rewards.registry import resolve_reward
+    from gspo_megatron.rollout.data.tasks import build_task
+    from gspo_megatron.rollout.data.tokenizer import build_tokenizer
+    from gspo_megatron.rollout.rewards.registry import resolve_reward
 
     tokenizer = build_tokenizer(cfg.tokenizer.kind, cfg.tokenizer.path, cfg.model.vocab_size)
     task = build_task(cfg.task, tokenizer)
@@ -302,7 +302,7 @@ def _ours_worker(ctx, overrides: list[str], run_dir: str) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_rl_step import _Timed, bench_worker, shadow_method
 
-    from gspo_megatron.trainer.trainer import RLTrainer
+    from gspo_megatron.loop.trainer import RLTrainer
 
     first_round: dict[str, float] = {}
     train_step, save = RLTrainer.train_step, _Timed(RLTrainer.save)

@@ -53,13 +53,13 @@ def main(argv=None) -> int:
     from gspo_megatron.config.compose import compose
     from gspo_megatron.config.schema import to_train_config
     from gspo_megatron.config.store import register_configs
-    from gspo_megatron.data.tasks import build_task
-    from gspo_megatron.data.tokenizer import SymbolTokenizer
-    from gspo_megatron.provenance import provenance
+    from gspo_megatron.contracts.samples import SamplingParams
+    from gspo_megatron.core.provenance import provenance
     from gspo_megatron.rollout.config import EmbeddedConfig
-    from gspo_megatron.rollout.embedded import EmbeddedEngine
-    from gspo_megatron.rollout.types import SamplingParams
-    from gspo_megatron.shaping.segmentation import confidence_boundaries
+    from gspo_megatron.rollout.data.tasks import build_task
+    from gspo_megatron.rollout.data.tokenizer import SymbolTokenizer
+    from gspo_megatron.rollout.embedded.engine import EmbeddedEngine
+    from gspo_megatron.rollout.shaping.segmentation import confidence_boundaries
 
     register_configs()
     cfg = to_train_config(compose(["+experiment=shaping_from_sft", "shaping=grsp"]))

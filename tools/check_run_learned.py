@@ -12,8 +12,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, not an installed one
 
-from gspo_megatron.run_dir import RunDirError, read_jsonl
-from gspo_megatron.trainer.run_log import fifth_mean
+from gspo_megatron.core.run_dir import RunDirError, read_jsonl
+from gspo_megatron.run.run_log import fifth_mean
 
 
 def main(argv: list[str] | None = None) -> int:

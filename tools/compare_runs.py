@@ -13,7 +13,7 @@ curves with seed bands, per-layer volatility, ratio dispersion by length, "paper
 ``tools/study_reports/study_report.py``), and prints both tables to stdout.
 
 Design decisions:
-- Runs are read through ``gspo_megatron.run_dir`` (the format is documented there) and
+- Runs are read through ``gspo_megatron.core.run_dir`` (the format is documented there) and
   summarised with the same ``summarize_run`` as the single-run report, so the numbers agree.
 - A run is labelled by ``algorithm.name`` from its config.yaml (else its directory name); runs that
   share a label (GRPO with and without replay) get their directory name appended.
@@ -36,12 +36,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, whatever is installed
 
-from study_reports.aggregate import DEFAULT_SEED_KEYS, expand_run_paths, group_runs
-from study_reports.report_provenance import runs_provenance
-from study_reports.study_report import study_report
-
-from gspo_megatron.routing.plots import Panel, Series, figure_png, line_panels
-from gspo_megatron.routing.report import (
+from gspo_megatron.core.run_dir import RunData, RunDirError, load_run
+from gspo_megatron.run.routing_plots import Panel, Series, figure_png, line_panels
+from gspo_megatron.run.routing_report import (
     format_number,
     html_page,
     html_table,
@@ -51,7 +48,9 @@ from gspo_megatron.routing.report import (
     summarize_run,
     training_panels,
 )
-from gspo_megatron.run_dir import RunData, RunDirError, load_run
+from study_reports.aggregate import DEFAULT_SEED_KEYS, expand_run_paths, group_runs
+from study_reports.report_provenance import runs_provenance
+from study_reports.study_report import study_report
 
 BASE_COLUMNS = ["run", "final reward", "clip frac tok", "clip frac seq"]
 

@@ -73,9 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _setup(args, cfg):
     import torch
 
-    from gspo_megatron.models.builder import build_model
-    from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.parallel.mesh import initialize_parallel
+    from gspo_megatron.policy.models.builder import build_model
+    from gspo_megatron.policy.parallel.layout import ParallelLayout
+    from gspo_megatron.policy.parallel.mesh import initialize_parallel
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     layout = ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, world_size=world).validate(cfg)
@@ -89,9 +89,9 @@ def hf_to_mcore(args) -> Path:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from gspo_megatron.models.config import MoEModelConfig
-    from gspo_megatron.models.conversion import load_hf_weights
-    from gspo_megatron.models.weight_sources import SafetensorsSource
+    from gspo_megatron.policy.models.config import MoEModelConfig
+    from gspo_megatron.policy.models.conversion import load_hf_weights
+    from gspo_megatron.policy.models.weight_sources import SafetensorsSource
 
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
@@ -112,7 +112,7 @@ def hf_to_mcore(args) -> Path:
 
 def resolve_mcore_checkpoint(mcore_dir: str | Path, hf_config: str | None):
     """(dist_checkpointing directory, MoEModelConfig) for a converted or a trainer checkpoint."""
-    from gspo_megatron.models.config import MoEModelConfig
+    from gspo_megatron.policy.models.config import MoEModelConfig
 
     directory = Path(mcore_dir)
     if (directory / TRAINER_MODEL_DIR).is_dir():  # the trainer's checkpoints/step_N
@@ -132,7 +132,7 @@ def _trainer_model_config(state_file: Path):
     import torch
     from omegaconf import OmegaConf
 
-    from gspo_megatron.models.config import MoEModelConfig
+    from gspo_megatron.policy.models.config import MoEModelConfig
 
     if not state_file.is_file():
         raise SystemExit(f"{state_file} is missing: not a complete trainer checkpoint (pass --hf-config)")
@@ -144,8 +144,8 @@ def _trainer_model_config(state_file: Path):
 
 
 def mcore_to_hf(args) -> Path:
-    from gspo_megatron.models.hf_checkpoint import save_hf_checkpoint
-    from gspo_megatron.trainer.checkpoint_reader import load_dist_checkpoint
+    from gspo_megatron.policy.checkpoint.reader import load_dist_checkpoint
+    from gspo_megatron.policy.models.hf_checkpoint import save_hf_checkpoint
 
     weights, cfg = resolve_mcore_checkpoint(args.mcore_dir, args.hf_config)
     mesh, model = _setup(args, cfg)
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from gspo_megatron.known_warnings import filter_known_warnings
+    from gspo_megatron.core.known_warnings import filter_known_warnings
 
     filter_known_warnings()  # the trainer's reviewed third-party warnings, hidden here as there
     sys.exit(main())

@@ -9,14 +9,14 @@
     python tools/plan.py /models/Qwen3-30B-A3B/config.json rank --gpus 16 --gpu h200 --mfu 0.25
 
 Config mode (any ``key=value`` argument, or none): the arguments are Hydra overrides of ``conf/``,
-composed, typed and validated exactly as the entry point does (``planning/job.py``); every option
+composed, typed and validated exactly as the entry point does (``tools/planning/job.py``); every option
 (distributed optimizer, dtype, recompute, reference model, old-log-prob pass, updates per rollout,
 replay, dispatcher, rollout engine GPUs, sync bucket) comes from that config, and the trainer's
 refusal is printed as the trainer words it. ``--rank`` plans every layout of ``--gpus`` for the
 same config. Prompt length is data, not config: ``--prompt-tokens`` (an assumption, printed).
 
-Name mode: MODEL is a preset of ``models/config.py``, a shape shipped in
-``gspo_megatron/planning/hf_configs/`` or a Hugging Face ``config.json``; LAYOUT is ``rank``, a
+Name mode: MODEL is a preset of ``policy/models/config.py``, a shape shipped in
+``tools/planning/hf_configs/`` or a Hugging Face ``config.json``; LAYOUT is ``rank``, a
 ``conf/parallel`` name (``tp4_ep8`` means what ``parallel=tp4_ep8`` means: etp 1) or sizes such as
 ``tp4_pp2_ep8_etp1_cp2`` (omitted sizes are 1; etp defaults to tp, as ``parallel.etp=null``), with
 ``firstN``/``lastN`` (decoder layers of the first/last pipeline rank, as megatron's flags and
@@ -26,9 +26,9 @@ Name mode: MODEL is a preset of ``models/config.py``, a shape shipped in
 ``--calibrate`` (config mode) runs ``--calibrate-steps`` steps of that very job first (the
 entry point, or the launcher with --gpus ranks) and replaces the assumptions with what it fitted:
 mfu, link efficiency, expert-load imbalance, and on a GPU its capacity and reserve
-(``planning/calibrate.py``); the plan that follows uses them.
+(``tools/planning/calibrate.py``); the plan that follows uses them.
 
-Every hardware number is an assumption printed with the result (``planning/hardware.py``);
+Every hardware number is an assumption printed with the result (``tools/planning/hardware.py``);
 override it with the flags below. What the model was checked against on CPU:
 tests/distributed/test_planner_matches_megatron.py and tools/bench_plan_memory.py.
 """
@@ -43,11 +43,12 @@ from pathlib import Path
 
 from gspo_megatron.config.compose import CONF_DIR
 from gspo_megatron.config.schema import ParallelSection
-from gspo_megatron.models.config import PRESETS, MoEModelConfig, preset
-from gspo_megatron.parallel.layout import ParallelLayout
-from gspo_megatron.planning.hardware import GB, GPUS, gpu_spec
-from gspo_megatron.planning.job import compose_job, plan_job, rank_job
-from gspo_megatron.planning.planner import (
+from gspo_megatron.policy.models.config import PRESETS, MoEModelConfig, preset
+from gspo_megatron.policy.parallel.layout import ParallelLayout
+from gspo_megatron.policy.routing.replay import REPLAY_MODES
+from planning.hardware import GB, GPUS, gpu_spec
+from planning.job import compose_job, plan_job, rank_job
+from planning.planner import (
     GiB,
     Plan,
     PlanError,
@@ -56,14 +57,13 @@ from gspo_megatron.planning.planner import (
     plan_layout,
     rank_layouts,
 )
-from gspo_megatron.routing.replay import REPLAY_MODES
 
 LAYOUT_PART = re.compile(r"^(tp|pp|ep|etp|cp|dp|vp|first|last)(\d+)$")
 
 
 # Shapes shipped for planning only (HF config.json files; no weights): qwen3_235b_a22b, qwen2_57b_a14b,
 # mixtral_8x22b, glm4_5, glm4_5_air, deepseek_v3, kimi_k2.
-SHIPPED = Path(__file__).resolve().parent.parent / "gspo_megatron" / "planning" / "hf_configs"
+SHIPPED = Path(__file__).resolve().parent / "planning" / "hf_configs"
 
 
 def load_model(spec: str) -> MoEModelConfig:
@@ -204,7 +204,7 @@ def print_detail(plan: Plan) -> None:
 
 
 def print_rl_step_memory(plan: Plan) -> None:
-    """The whole RL step's peak by phase (planning/rl_step_memory.py): the driver and each stage."""
+    """The whole RL step's peak by phase (tools/planning/rl_step_memory.py): the driver and each stage."""
     ranks = [("driver (rank 0)", plan.driver_memory)] + [(f"stage {i}", m) for i, m in enumerate(plan.rl_memory)]
     print("RL step peak by phase (GiB; resident + held across phases + the phase):")
     for label, m in ranks:
@@ -286,7 +286,7 @@ def run_calibration(args, job, gpu):
     import dataclasses
     import tempfile
 
-    from gspo_megatron.planning.calibrate import calibrate, describe
+    from planning.calibrate import calibrate, describe
 
     work = Path(args.calibrate_dir) if args.calibrate_dir else Path(tempfile.mkdtemp(prefix="gspo_calibrate_"))
     print(f"calibrating: {args.calibrate_steps} steps of the job in {work} ...", flush=True)

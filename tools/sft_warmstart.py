@@ -18,7 +18,7 @@ Every re-check is correct but useless, so a shaper that counts steps or short se
 the responses without losing accuracy, while plain GSPO has no reason to. The loss is the mean
 negative log-likelihood of the response tokens (the prompt is context only).
 
-Beside the weights it writes ``warm_start.json`` (``gspo_megatron.provenance``: commit, command, thread
+Beside the weights it writes ``warm_start.json`` (``gspo_megatron.core.provenance``: commit, command, thread
 count, weights' sha256); every run started from the checkpoint records it. The same command at the
 same commit and thread count writes the same weights. ``--keep-if-current`` keeps an existing
 checkpoint only when its record says exactly that (same command, same clean commit, same threads),
@@ -40,14 +40,14 @@ KEEP_FLAG = "--keep-if-current"
 
 def record_command(argv: list[str]) -> str:
     """The command a warm start records (without ``--keep-if-current``, which changes no weight)."""
-    from gspo_megatron.provenance import command_line
+    from gspo_megatron.core.provenance import command_line
 
     return command_line([a for a in argv if a != KEEP_FLAG])
 
 
 def is_current(record: dict | None, command: str, threads: int, version: dict | None = None) -> bool:
     """Whether an existing warm start is what this command would write now."""
-    from gspo_megatron.provenance import same_clean_code
+    from gspo_megatron.core.provenance import same_clean_code
 
     return (
         record is not None
@@ -73,7 +73,7 @@ def build_batch(records, tokenizer, rng, max_waits: int, long_tail: tuple[float,
     """Right-padded [b, s] inputs/targets, weighted 1 on the response targets (EOS included)."""
     import torch
 
-    from gspo_megatron.models.micro_batch import MicroBatch
+    from gspo_megatron.contracts.micro_batch import MicroBatch
 
     rows = []
     for record in records:
@@ -112,7 +112,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     import torch
 
-    from gspo_megatron.provenance import WARM_START_FILE, provenance, warm_start_record, weights_sha256
+    from gspo_megatron.core.provenance import WARM_START_FILE, provenance, warm_start_record, weights_sha256
 
     command = record_command(sys.argv if argv is None else ["tools/sft_warmstart.py", *argv])
     if args.keep_if_current and is_current(warm_start_record(args.out), command, torch.get_num_threads()):
@@ -124,17 +124,17 @@ def main(argv=None) -> None:
     from gspo_megatron.config.compose import compose
     from gspo_megatron.config.schema import OptimizerSection, to_train_config
     from gspo_megatron.config.store import register_configs
-    from gspo_megatron.data.config import TaskConfig
-    from gspo_megatron.data.tasks import build_task
-    from gspo_megatron.data.tokenizer import build_tokenizer
-    from gspo_megatron.models.builder import build_model
-    from gspo_megatron.models.conversion import load_hf_weights
-    from gspo_megatron.models.hf_checkpoint import save_hf_checkpoint
-    from gspo_megatron.models.schedule import run_schedule, wrap_for_training
-    from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.parallel.mesh import initialize_parallel
-    from gspo_megatron.trainer.optim import build_optimizer
-    from gspo_megatron.trainer.setup import random_hf_weights
+    from gspo_megatron.loop.build import random_hf_weights
+    from gspo_megatron.policy.models.builder import build_model
+    from gspo_megatron.policy.models.conversion import load_hf_weights
+    from gspo_megatron.policy.models.hf_checkpoint import save_hf_checkpoint
+    from gspo_megatron.policy.models.schedule import run_schedule, wrap_for_training
+    from gspo_megatron.policy.optimizer import build_optimizer
+    from gspo_megatron.policy.parallel.layout import ParallelLayout
+    from gspo_megatron.policy.parallel.mesh import initialize_parallel
+    from gspo_megatron.rollout.data.config import TaskConfig
+    from gspo_megatron.rollout.data.tasks import build_task
+    from gspo_megatron.rollout.data.tokenizer import build_tokenizer
 
     register_configs()
     cfg = to_train_config(compose([f"model={args.model}", *args.overrides]))

@@ -83,7 +83,7 @@ def _finished(run_dir: Path, steps: int) -> bool:
 
 def reusable_run(run_dir: Path, steps: int, version: dict) -> bool:
     """A finished run of this very (clean) code: its provenance.json names the current commit."""
-    from gspo_megatron.provenance import same_clean_code
+    from gspo_megatron.core.provenance import same_clean_code
 
     path = run_dir / "provenance.json"
     return _finished(run_dir, steps) and path.is_file() and same_clean_code(json.loads(path.read_text()), version)
@@ -96,7 +96,7 @@ def evaluate_warm_start(checkpoint: Path, overrides: list[str]) -> dict[str, flo
 
     from gspo_megatron.config.compose import compose
     from gspo_megatron.config.schema import to_train_config
-    from gspo_megatron.trainer.setup import build_evaluation
+    from gspo_megatron.loop.build import build_evaluation
 
     cfg = to_train_config(compose(["+experiment=shaping_from_sft", f"model.hf_checkpoint={checkpoint}", *overrides]))
     phase, records, params = build_evaluation(cfg)
@@ -138,6 +138,8 @@ def main(argv=None) -> int:
     command = "python3 tools/shaping_study.py " + " ".join(argv if argv is not None else sys.argv[1:])
 
     import torch
+
+    from gspo_megatron.core.provenance import code_version, warm_start_record
     from study_reports.shaping_report import (
         aggregate,
         read_metrics,
@@ -146,8 +148,6 @@ def main(argv=None) -> int:
         render_markdown,
         summarize_run,
     )
-
-    from gspo_megatron.provenance import code_version, warm_start_record
 
     torch.set_num_threads(THREADS)  # the warm start's evaluation runs in this process
     version = code_version()

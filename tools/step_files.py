@@ -26,8 +26,8 @@ PACKAGE = "/gspo_megatron/"
 def step_files(overrides: list[str]) -> list[str]:
     """Package files (relative to ``gspo_megatron/``) the code of step 2 runs in, first call first."""
     from gspo_megatron.config.compose import compose
+    from gspo_megatron.loop import trainer
     from gspo_megatron.train import run
-    from gspo_megatron.trainer import trainer
 
     seen: list[str] = []
     train_step = trainer.RLTrainer.train_step

@@ -27,7 +27,7 @@ from gspo_megatron.algorithms.reductions import (
     context_parallel_sequence_sum_fn,
     local_sequence_sum,
 )
-from gspo_megatron.registry import Registry, UnknownNameError
+from gspo_megatron.core.registry import Registry, UnknownNameError
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

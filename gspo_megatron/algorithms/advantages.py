@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gspo_megatron.registry import Registry
+from gspo_megatron.core.registry import Registry
 
 
 @dataclass(frozen=True)

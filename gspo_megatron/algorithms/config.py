@@ -10,7 +10,7 @@
     algorithm.dynamic_sampling.* DAPO's group filter
 
 Routing replay is ``routing.replay`` and pi_old's source ``trainer.old_log_probs``: they decide what
-runs, not what is optimised. Run directories written before this layout resume: ``config_migrations.py``
+runs, not what is optimised. Run directories written before this layout resume: ``core/config_migrations.py``
 maps their keys.
 
 Design decisions:
@@ -41,7 +41,7 @@ from gspo_megatron.algorithms.mismatch_correction import (
     SequenceRatio,
 )
 from gspo_megatron.algorithms.mismatch_rejection import RejectionLevel, rejection_lower
-from gspo_megatron.config_node import ConfigChoice, ConfigNode
+from gspo_megatron.core.config_node import ConfigChoice, ConfigNode
 
 # (clip_low, clip_high) from the papers: GSPO arXiv 2507.18071; GRPO with DAPO's clip-higher.
 RECOMMENDED_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.28)}
@@ -122,7 +122,7 @@ class MismatchConfig(ConfigNode):
 
     @property
     def active(self) -> bool:
-        """Whether the step weighs or rejects by pi_old / pi_rollout (trainer/mismatch_phase.py runs)."""
+        """Whether the step weighs or rejects by pi_old / pi_rollout (loop/corrections.py runs)."""
         return self.correction != MismatchCorrection.none or self.reject != RejectionLevel.none or self.veto is not None
 
     def validate(self) -> None:
@@ -187,7 +187,7 @@ class AdaptiveClipConfig(ConfigNode):
 
 @dataclass
 class DynamicSamplingConfig(ConfigNode):
-    """``algorithm.dynamic_sampling``: DAPO -- drop zero-variance groups, draw more (trainer/dynamic_sampling.py)."""
+    """``algorithm.dynamic_sampling``: DAPO -- drop zero-variance groups, draw more (rollout/dynamic_sampling.py)."""
 
     enabled: bool = False
     max_extra_rounds: int = 4  # bound on extra generation rounds per step

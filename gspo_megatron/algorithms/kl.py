@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from gspo_megatron.registry import Registry
+from gspo_megatron.core.registry import Registry
 
 KL_ESTIMATORS: Registry[Callable[[torch.Tensor], torch.Tensor]] = Registry("KL estimator")
 

@@ -48,8 +48,8 @@ import torch
 from gspo_megatron.algorithms.metrics import extremum_entries, mean_entries
 from gspo_megatron.algorithms.ratio_dispersion import ratio_dispersion_metrics
 from gspo_megatron.algorithms.reductions import local_sequence_sum
-from gspo_megatron.config_node import ConfigChoice, ConfigNode
-from gspo_megatron.registry import Registry
+from gspo_megatron.core.config_node import ConfigChoice, ConfigNode
+from gspo_megatron.core.registry import Registry
 
 
 class Aggregation(ConfigChoice):

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from gspo_megatron.algorithms.metrics import COUNT, extremum_entries, finalize_metrics, mean_entries
-from gspo_megatron.config_node import ConfigChoice
+from gspo_megatron.core.config_node import ConfigChoice
 
 
 class MismatchCorrection(ConfigChoice):

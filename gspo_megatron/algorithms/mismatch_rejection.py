@@ -35,7 +35,7 @@ import math
 import torch
 
 from gspo_megatron.algorithms.metrics import finalize_metrics, mean_entries
-from gspo_megatron.config_node import ConfigChoice
+from gspo_megatron.core.config_node import ConfigChoice
 
 
 class RejectionLevel(ConfigChoice):

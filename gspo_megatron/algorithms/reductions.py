@@ -9,7 +9,7 @@ Design decisions:
   every CP rank, and each rank's gradient is exactly the part of the single-rank gradient that belongs
   to its tokens, so the per-rank gradients summed over CP ranks equal the single-rank gradient.
   This project's DDP *sums* grads over the dp x cp group (``calculate_per_token_loss=True``, see
-  ``models/schedule.py``), so no cp_size scaling is needed; under megatron's default averaging the
+  ``policy/models/schedule.py``), so no cp_size scaling is needed; under megatron's default averaging the
   loss would have to be scaled by cp_size, as megatron's own GPT loss does.
 - The loss value is therefore replicated over CP ranks: log it from one CP rank, and reduce metric
   *sums* over data-parallel ranks only. Token-level min/max are local to a CP slice, so reduce those

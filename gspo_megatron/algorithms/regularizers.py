@@ -36,7 +36,7 @@ def kl_penalty(
     if ref_log_probs is None:
         raise ValueError(
             "algorithm.kl.coef > 0 but the micro-batch has no ref_log_probs: the reference forward did "
-            "not run (trainer/reference_model.py adds them)"
+            "not run (policy/reference.py adds them)"
         )
     mask = response_mask.bool()
     per_token = torch.where(mask, reference_kl(log_probs, ref_log_probs, estimator, ctx.loss.log_ratio_clamp), 0.0)

@@ -13,7 +13,7 @@ Design decisions:
   decision, never an accident.
 - A key only one side has comes from another version of the code (a setting added or removed): it
   is accepted and reported, since the user did not choose it. A key that was renamed is compared under
-  its new name (``config_migrations.py``), so a value changed across a rename is still refused.
+  its new name (``core/config_migrations.py``), so a value changed across a rename is still refused.
 - The saved config comes from a file someone may have crafted: it is read as plain data
   (``plain_config``) and a message shows at most ``MAX_SHOWN`` characters of a value.
 """
@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from gspo_megatron.config_migrations import migrate_config
-from gspo_megatron.config_node import flatten_dotted
+from gspo_megatron.core.config_migrations import migrate_config
+from gspo_megatron.core.config_node import flatten_dotted
 
 FREE_KEYS = (
     "run_dir",

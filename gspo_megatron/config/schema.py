@@ -1,7 +1,7 @@
 """The typed schema of a training run, composed from each component's own config dataclass.
 
 Design decisions:
-- Components own their config dataclasses (``algorithms/config.py``, ``shaping/config.py``, ...);
+- Components own their config dataclasses (``algorithms/config.py``, ``rollout/shaping/config.py``, ...);
   this module only adds the sections that belong to the trainer and composes them into one
   ``TrainConfig``. Hydra validates YAML against it (unknown keys, wrong types fail at compose time).
 - The rollout section names its engine (``embedded`` or ``sglang``) and carries the sampling
@@ -22,11 +22,10 @@ from dataclasses import dataclass, field
 
 from gspo_megatron.algorithms.config import OLD_LOG_PROB_SOURCES, AlgorithmConfig, OldLogProbSource
 from gspo_megatron.config.resume_check import validate_allow_list
-from gspo_megatron.config_node import ConfigChoice, ConfigNode
-from gspo_megatron.data.config import TaskConfig, TokenizerConfig
-from gspo_megatron.models.config import ExpertMLP, LayerSpec, MoEModelConfig, TokenDispatcher
-from gspo_megatron.parallel.layout import ParallelLayout
-from gspo_megatron.rewards.config import RewardConfig
+from gspo_megatron.core.config_node import ConfigChoice, ConfigNode
+from gspo_megatron.policy.models.config import ExpertMLP, LayerSpec, MoEModelConfig, TokenDispatcher
+from gspo_megatron.policy.parallel.layout import ParallelLayout
+from gspo_megatron.policy.routing.config import RoutingConfig
 from gspo_megatron.rollout.config import (
     PARTIAL_CONTINUE,
     EmbeddedConfig,
@@ -36,13 +35,14 @@ from gspo_megatron.rollout.config import (
     TruncatedRolloutConfig,
     check_max_staleness,
 )
+from gspo_megatron.rollout.data.config import TaskConfig, TokenizerConfig
+from gspo_megatron.rollout.rewards.config import RewardConfig
 from gspo_megatron.rollout.sglang.config import SGLangConfig
-from gspo_megatron.routing.config import RoutingConfig
-from gspo_megatron.shaping.config import ShapingConfig
+from gspo_megatron.rollout.shaping.config import ShapingConfig
 
 
 class NonFinitePolicy(ConfigChoice):
-    """``trainer.on_nonfinite``: what a non-finite loss or gradient does (``trainer/nonfinite.py``)."""
+    """``trainer.on_nonfinite``: what a non-finite loss or gradient does (``policy/nonfinite.py``)."""
 
     skip = "skip"  # drop the update and go on (a streak of them still stops the run)
     stop = "stop"  # end the run
@@ -79,7 +79,7 @@ class DistributedOptimizerChoice(ConfigChoice):
     """``optimizer.distributed``: shard megatron's optimizer state over the data-parallel ranks.
 
     ``auto`` = on exactly when dp x cp > 1 (the ranks megatron shards the dense optimizer state over,
-    ``trainer/optim.py``); the same on CPU and GPU. The field itself is a ``str``: YAML and Hydra turn
+    ``policy/optimizer.py``); the same on CPU and GPU. The field itself is a ``str``: YAML and Hydra turn
     ``true``/``false`` into booleans, which OmegaConf's enum fields refuse; ``OptimizerSection.validate``
     maps the string to this choice.
     """
@@ -92,7 +92,7 @@ class DistributedOptimizerChoice(ConfigChoice):
 @dataclass
 class ModelSection(MoEModelConfig):
     preset: str | None = None  # documentation of where the numbers came from ("tiny", ...)
-    hf_checkpoint: str | None = None  # a local HF directory (model_families.py); its config.json sets the shape
+    hf_checkpoint: str | None = None  # a local HF directory (core/model_families.py); its config.json sets the shape
     layer_spec: LayerSpec = LayerSpec.auto
     token_dispatcher: TokenDispatcher = TokenDispatcher.alltoall  # MoE with EP or TP; same results either way
     expert_mlp: ExpertMLP = ExpertMLP.grouped
@@ -140,13 +140,13 @@ class RolloutSection(ConfigNode):
     eval_temperature: float = 0.0
     truncated: bool = False  # dynamic truncated rollout (Step-GRPO), training rollouts only
     return_routed_experts: bool = False  # set automatically when R3 replay needs them
-    async_rollout: bool = False  # generate step k+1 while step k trains (trainer/async_rollout.py)
+    async_rollout: bool = False  # generate step k+1 while step k trains (rollout/scheduler.py)
     # policy versions a sample may lag: async mode 0 (= synchronous) or 1; partial=continue >= 1
     max_staleness: int = 1
-    # start over_sample x the step's groups, stop once the step's groups are complete (trainer/partial_rollout.py)
+    # start over_sample x the step's groups, stop once the step's groups are complete (rollout/agents/partial.py)
     over_sample: float = 1.0
     partial: PartialRollout = PartialRollout.drop  # the groups not needed: drop | continue (into the next step)
-    # separate | colocated: trainer and engine share the devices and take turns (trainer/colocation.py)
+    # separate | colocated: trainer and engine share the devices and take turns (loop/colocation.py)
     placement: Placement = Placement.separate
     embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
@@ -313,7 +313,7 @@ class TrainerSection(ConfigNode):
     logprob_chunk_size: int | None = None  # tokens per chunk in vocab_parallel_log_probs; None: one
     micro_batch_size: int = 32  # sequences per micro-batch per data-parallel rank
     # token budget per micro-batch per data-parallel rank: rows sorted by length, each micro-batch
-    # padded to its own longest row (trainer/token_budget.py); replaces micro_batch_size. null: off
+    # padded to its own longest row (contracts/token_budget.py); replaces micro_batch_size. null: off
     micro_batch_tokens: int | None = None
     seed: int = 1234
     eval_every: int = 10  # 0: never
@@ -321,7 +321,7 @@ class TrainerSection(ConfigNode):
     eval_samples: int = 1  # k: > 1 adds mean@k and pass@k (set rollout.eval_temperature > 0)
     recompute_activations: bool = False
     # the KL reference's weights (algorithm.kl.coef > 0) in host memory between its forward passes,
-    # brought to the device for each (trainer/reference_model.py)
+    # brought to the device for each (policy/reference.py)
     reference_offload: bool = False
     on_nonfinite: NonFinitePolicy = NonFinitePolicy.skip  # drop the update, or end the run
     max_consecutive_nonfinite: int = 3  # skipped updates in a row that end the run with a diagnosis
@@ -367,7 +367,7 @@ class CheckpointSection(ConfigNode):
     export_hf_every: int = 0  # also every N steps (0: only at the end); each export replaces the last
 
     def validate(self) -> None:
-        from gspo_megatron.trainer.run_dir_owner import resume_mode  # reviewed exception: test_import_layers.py
+        from gspo_megatron.run.run_dir_owner import resume_mode  # reviewed exception: test_import_layers.py
 
         for name, zero_means in (
             ("save_every", "only at the end"),
@@ -392,7 +392,7 @@ class LoggingSection(ConfigNode):
     # Draw the PNG charts at the end of a run (reward_curve.png, the routing report's figures: 1-3 s on
     # 2 cores). false keeps every number (metrics.jsonl, routing_report.json, the report's tables); a
     # sweep or a test that reads only numbers saves the drawing, and
-    # ``python -m gspo_megatron.routing.report RUN_DIR`` draws the report's figures later.
+    # ``python -m gspo_megatron.run.routing_report RUN_DIR`` draws the report's figures later.
     charts: bool = True
 
 

@@ -10,14 +10,14 @@ import importlib.util
 
 from gspo_megatron.algorithms.config import OldLogProbSource
 from gspo_megatron.config.schema import TrainConfig, use_distributed_optimizer
-from gspo_megatron.config_node import config_nodes
-from gspo_megatron.parallel.context_parallel import validate_context_parallel
+from gspo_megatron.core.config_node import config_nodes
+from gspo_megatron.policy.parallel.context_parallel import validate_context_parallel
+from gspo_megatron.policy.routing.config import DiagnosticKind
+from gspo_megatron.policy.routing.replay import validate_replay_mode
+from gspo_megatron.policy.routing.replay_strategy import needs_engine_routing, needs_trainer_old_pass, replays
 from gspo_megatron.rollout.config import Placement, RolloutEngineName
 from gspo_megatron.rollout.sglang.config import WeightSync
-from gspo_megatron.routing.config import DiagnosticKind
-from gspo_megatron.routing.replay import validate_replay_mode
-from gspo_megatron.routing.replay_strategy import needs_engine_routing, needs_trainer_old_pass, replays
-from gspo_megatron.shaping.triggers import check_probing_triggers
+from gspo_megatron.rollout.shaping.triggers import check_probing_triggers
 
 
 class ConfigError(ValueError):
@@ -68,7 +68,7 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
         )
     micro_batches = -(-per_rank // t.micro_batch_size)
     if layout.vpp > 1 and t.micro_batch_tokens is None and micro_batches < layout.pp:
-        raise ConfigError(  # token budgets decide the count per batch: models/schedule.py checks those
+        raise ConfigError(  # token budgets decide the count per batch: policy/models/schedule.py checks those
             f"parallel.vpp={layout.vpp}: megatron's interleaved 1F1B needs at least pp = {layout.pp} micro-batches "
             f"per call, each data-parallel rank has {micro_batches} ({per_rank} sequences / "
             f"trainer.micro_batch_size={t.micro_batch_size}); lower trainer.micro_batch_size or set parallel.vpp=1"
@@ -173,7 +173,7 @@ def _validate_optimizer_offload(cfg: TrainConfig, layout) -> None:
     mixed-precision optimizer's step fails inside it (seen on 2 gloo ranks). megatron's precision-aware
     optimizer asserts the distributed optimizer and exists for bf16 weights (``optimizer_config.py``).
     Its need for TransformerEngine's FusedAdam without offload is a property of the machine, checked
-    where the optimizer is built (``trainer/optim.py``), so a plan made on a laptop is not refused."""
+    where the optimizer is built (``policy/optimizer.py``), so a plan made on a laptop is not refused."""
     for key in ("cpu_offload", "precision_aware"):
         if getattr(cfg.optimizer, key):
             _offload_needs_bf16_and_distributed(cfg, layout, f"optimizer.{key}")

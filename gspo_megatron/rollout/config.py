@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gspo_megatron.config_node import ConfigChoice, ConfigNode
+from gspo_megatron.core.config_node import ConfigChoice, ConfigNode
 from gspo_megatron.rollout.sglang.config import WeightQuantization
 
 
@@ -30,7 +30,7 @@ def check_max_staleness(max_staleness: int) -> None:
 
 class PartialRollout(ConfigChoice):
     """``rollout.partial``: what becomes of the groups over-sampling started but a step did not need
-    (``trainer/partial_rollout.py``)."""
+    (``rollout/agents/partial.py``)."""
 
     drop = "drop"  # discarded: their prompts are spent
     # carried into the next step with their tokens, log-probs and weight versions (the member is named as the
@@ -44,12 +44,12 @@ PARTIAL_CONTINUE = PartialRollout("continue")
 class RolloutEngineName(ConfigChoice):
     """``rollout.engine``."""
 
-    embedded = "embedded"  # in-process transformers engine (rollout/embedded.py)
+    embedded = "embedded"  # in-process transformers engine (rollout/embedded/engine.py)
     sglang = "sglang"  # SGLang servers, launched or attached (rollout/sglang/)
 
 
 class Placement(ConfigChoice):
-    """``rollout.placement``: where the engine runs relative to the trainer (trainer/colocation.py)."""
+    """``rollout.placement``: where the engine runs relative to the trainer (loop/colocation.py)."""
 
     separate = "separate"  # the engine keeps its memory (SGLang: GPUs of its own; embedded: beside the trainer)
     colocated = "colocated"  # trainer and engine share the devices and take turns (release / resume)
@@ -101,7 +101,7 @@ class TruncatedRolloutConfig(ConfigNode):
 
     # The probes run at shaping.trigger_words (the one trigger list; step counting counts the same words;
     # DEER's code uses "Wait" alone, --points 1) and at these token ids, each of which must decode to one
-    # of those words (checked where the tokenizer is, trainer/setup.py).
+    # of those words (checked where the tokenizer is, loop/build.py).
     trigger_token_ids: list[int] = field(default_factory=list)
     end_think: str = "</think>"  # the model closing its thinking block ends the probing phase
     end_think_token_ids: list[int] = field(default_factory=list)  # same, as token ids

@@ -1,7 +1,7 @@
 """The rollout-engine interface shared by the embedded engine and SGLang.
 
 The trainer talks to this class only. Weights arrive as Hugging-Face-named tensors (the exporter in
-``gspo_megatron.models`` yields them), so both engines are fed by the same path.
+``gspo_megatron.policy.models`` yields them), so both engines are fed by the same path.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from gspo_megatron.rollout.types import RowRequest, Sample, SamplingParams
+from gspo_megatron.contracts.samples import RowRequest, Sample, SamplingParams
 
 
 class RolloutEngine(abc.ABC):
@@ -27,7 +27,7 @@ class RolloutEngine(abc.ABC):
         """One sample per row (``params.n`` and ``params.max_new_tokens`` give way to the rows), in row order;
         generation stops once ``groups_needed`` groups (rows sharing ``RowRequest.group``) have all their rows
         finished, and the rows still running then (or not started) come back with ``FinishReason.ABORT``
-        and the tokens they have. Over-sampling and partial rollouts (``trainer/partial_rollout.py``)."""
+        and the tokens they have. Over-sampling and partial rollouts (``rollout/agents/partial.py``)."""
         raise NotImplementedError(
             f"{type(self).__name__} cannot stop generation once enough groups are complete: rollout.over_sample "
             "> 1 needs the embedded engine (rollout.engine=embedded)"

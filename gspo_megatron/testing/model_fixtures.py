@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from gspo_megatron.models.config import MoEModelConfig
-from gspo_megatron.models.conversion import export_hf_state_dict, gradient_of, hf_shapes, load_hf_weights
-from gspo_megatron.models.micro_batch import MicroBatch
+from gspo_megatron.contracts.micro_batch import MicroBatch
+from gspo_megatron.policy.models.config import MoEModelConfig
+from gspo_megatron.policy.models.conversion import export_hf_state_dict, gradient_of, hf_shapes, load_hf_weights
 
 # The layouts every equivalence test compares with one rank (4 ranks at most: 2 cores).
 EQUIVALENCE_LAYOUTS = {
@@ -58,7 +58,7 @@ _SIGMOID_MOE: dict[str, Any] = dict(
     router_group_topk=1,
     routed_scaling_factor=2.5,
 )
-# Each family's tiny model (model_families.py): what its architecture fixes, and its own features on.
+# Each family's tiny model (core/model_families.py): what its architecture fixes, and its own features on.
 FAMILY_TEST_OVERRIDES: dict[str, dict[str, Any]] = {
     "qwen3_moe": {},
     # q/k/v biases, a gated shared expert, top-k not renormalised
@@ -201,8 +201,8 @@ def model_variants_worker(
 ) -> list[dict]:
     """``model_layout_worker`` once per entry of ``variants`` (``build_model`` keyword arguments),
     in one launch and one parallel state: a list of its results in the same order."""
-    from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.parallel.mesh import initialize_parallel
+    from gspo_megatron.policy.parallel.layout import ParallelLayout
+    from gspo_megatron.policy.parallel.mesh import initialize_parallel
 
     layout = ParallelLayout(**layout_kwargs).validate(cfg)
     mesh = initialize_parallel(layout, seed=11)
@@ -215,10 +215,10 @@ def model_variants_worker(
 def _forward_backward(cfg: MoEModelConfig, state: dict, layout, mesh, policy: dict | None, build_kwargs: dict) -> dict:
     from megatron.core import tensor_parallel
 
-    from gspo_megatron.models.builder import build_model_chunks
-    from gspo_megatron.models.chunks import ModelChunks
-    from gspo_megatron.models.schedule import run_schedule, wrap_for_training
-    from gspo_megatron.parallel.context_parallel import gather_sequence
+    from gspo_megatron.policy.models.builder import build_model_chunks
+    from gspo_megatron.policy.models.chunks import ModelChunks
+    from gspo_megatron.policy.models.schedule import run_schedule, wrap_for_training
+    from gspo_megatron.policy.parallel.context_parallel import gather_sequence
 
     chunks = build_model_chunks(cfg, layout, **build_kwargs)
     load_hf_weights(chunks, cfg, state, mesh)
@@ -281,7 +281,8 @@ def _forward_backward(cfg: MoEModelConfig, state: dict, layout, mesh, policy: di
 def _token_budget_micro_batches(inputs, targets, per_row: dict, mask, budget: int, layout, dp_rank: int):
     """The trainer's token-budget plan over the fixed batch: a row's length ends at its last
     response target (+1 for the shifted input, +1 for the target)."""
-    from gspo_megatron.trainer.token_budget import sequence_multiple, token_budget_plan
+    from gspo_megatron.contracts.token_budget import token_budget_plan
+    from gspo_megatron.policy.parallel.layout import sequence_multiple
 
     positions = torch.arange(mask.shape[1]).expand_as(mask)
     lengths = torch.where(mask > 0, positions, torch.zeros_like(positions)).max(dim=1).values + 2
@@ -304,8 +305,8 @@ def _token_budget_micro_batches(inputs, targets, per_row: dict, mask, budget: in
 def _policy_callback(policy: dict, mesh):
     from gspo_megatron.algorithms.config import AlgorithmConfig, KLConfig
     from gspo_megatron.algorithms.losses import LossConfig
-    from gspo_megatron.parallel.context_parallel import gather_sequence
-    from gspo_megatron.trainer.loss_head import PolicyLossHead
+    from gspo_megatron.policy.loss_heads import PolicyLossHead
+    from gspo_megatron.policy.parallel.context_parallel import gather_sequence
 
     clip = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.28)}[policy["loss"]]
     mask = policy["response_mask"]

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from gspo_megatron.trainer.reaper import processes_with_env
+from gspo_megatron.run.reaper import processes_with_env
 
 MARKER_VARIABLE = "GSPO_TEST_RUN_MARKER"
 

@@ -11,7 +11,7 @@ CPU bridges, the trainer, the test's own modules) its own imports install, as in
   Agg (the run's charts, 0.5 s). None starts a thread of its own; numpy's BLAS pool, which
   transformers' import brings, re-forms itself after a fork (OpenBLAS's ``pthread_atfork``).
 Megatron-core's import-time warnings about absent TransformerEngine/Apex are silenced here (they are
-printed once per run by the package itself, gspo_megatron/known_warnings.py).
+printed once per run by the package itself, gspo_megatron/core/known_warnings.py).
 """
 
 import warnings
@@ -34,5 +34,5 @@ with warnings.catch_warnings():
     import transformers.cache_utils
     import transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401
 
-    matplotlib.use("Agg")  # as the run's charts do (trainer/run_log.py), before pyplot picks a backend
+    matplotlib.use("Agg")  # as the run's charts do (run/run_log.py), before pyplot picks a backend
     import matplotlib.pyplot

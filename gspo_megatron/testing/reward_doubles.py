@@ -15,8 +15,8 @@ def misbehaves_by_digit(response, record):
     import signal
     import time
 
-    from gspo_megatron.rewards.builtin import exact_match
-    from gspo_megatron.rewards.types import RewardResult
+    from gspo_megatron.rollout.rewards.builtin import exact_match
+    from gspo_megatron.rollout.rewards.types import RewardResult
 
     first = response.strip()[:1]
     if first == "0":
@@ -38,7 +38,7 @@ def varied_by_response(response, record):
     reward variance, so every step has a gradient even before the policy can solve the task."""
     import zlib
 
-    from gspo_megatron.rewards.types import RewardResult
+    from gspo_megatron.rollout.rewards.types import RewardResult
 
     return RewardResult(reward=(zlib.crc32(response.encode()) % 97) / 97, correct=False, format_ok=True)
 
@@ -61,7 +61,7 @@ def starts_a_detached_service(response, record):
     import os
     import subprocess
 
-    from gspo_megatron.rewards.builtin import exact_match
+    from gspo_megatron.rollout.rewards.builtin import exact_match
 
     try:
         claim = os.open(os.environ["GSPO_TEST_SERVICE_PID"] + ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY)

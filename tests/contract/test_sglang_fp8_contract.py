@@ -1,4 +1,4 @@
-"""The project's block-FP8 weights (``weights/fp8_blocks.py``) read by SGLang's own FP8 code: its config parser
+"""The project's block-FP8 weights (``core/fp8_blocks.py``) read by SGLang's own FP8 code: its config parser
 takes the quantization config, its dequantization gives the weights back within FP8's rounding, and its
 block-scale parameter has the shape of the project's scales."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gspo_megatron.weights.fp8_blocks import QUANTIZATION_CONFIG, quantize_block_fp8, quantize_named_tensors
+from gspo_megatron.core.fp8_blocks import QUANTIZATION_CONFIG, quantize_block_fp8, quantize_named_tensors
 
 pytestmark = pytest.mark.contract
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from gspo_megatron.contracts.samples import SamplingParams
 from gspo_megatron.rollout.sglang.protocol import build_generate_request
-from gspo_megatron.rollout.types import SamplingParams
 from gspo_megatron.testing.sglang_double import SGLangServerDouble
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gspo_megatron.rollout.types import Sample
+from gspo_megatron.contracts.samples import Sample
+from gspo_megatron.rollout.pack import pack_samples
 from gspo_megatron.testing.distributed import run_distributed
-from gspo_megatron.trainer.batch import pack_samples
 
 pytestmark = pytest.mark.distributed
 
@@ -45,15 +45,9 @@ def whole_batch():
 def distribution_worker(ctx, micro_batch_tokens):
     import torch.distributed as dist
 
-    from gspo_megatron.trainer.batch import cut_micro_batches, partition
-    from gspo_megatron.trainer.batch_distribution import (
-        RankShare,
-        data_parallel_rank_of_each_rank,
-        rank_shares,
-        scatter_shares,
-        share_bytes,
-        step_totals,
-    )
+    from gspo_megatron.contracts.batch import cut_micro_batches, partition
+    from gspo_megatron.contracts.share import RankShare, step_totals
+    from gspo_megatron.loop.distribute import data_parallel_rank_of_each_rank, rank_shares, scatter_shares, share_bytes
 
     dist.init_process_group("gloo")
     dp_rank_of = data_parallel_rank_of_each_rank(ctx.rank)  # here every rank is its own DP rank
@@ -121,9 +115,9 @@ def rejection_worker(ctx, mismatch: dict):
 
     from gspo_megatron.algorithms.config import AlgorithmConfig, MismatchConfig
     from gspo_megatron.algorithms.losses import LossConfig
-    from gspo_megatron.trainer.batch import cut_micro_batches
-    from gspo_megatron.trainer.batch_distribution import data_parallel_rank_of_each_rank, rank_shares, scatter_shares
-    from gspo_megatron.trainer.mismatch_phase import correct_mismatch
+    from gspo_megatron.contracts.batch import cut_micro_batches
+    from gspo_megatron.loop.corrections import correct_mismatch
+    from gspo_megatron.loop.distribute import data_parallel_rank_of_each_rank, rank_shares, scatter_shares
 
     dist.init_process_group("gloo")
     whole = whole_batch()

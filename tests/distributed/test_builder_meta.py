@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from gspo_megatron.models.config import preset
+from gspo_megatron.policy.models.config import preset
 from gspo_megatron.testing.distributed import run_distributed
 
 MAX_RSS_GROWTH_BYTES = 512 << 20  # the 30B fp32 weights are 122 GB: any real allocation shows
@@ -21,11 +21,11 @@ MAX_RSS_GROWTH_BYTES = 512 << 20  # the 30B fp32 weights are 122 GB: any real al
 def meta_build_worker(ctx, preset_name: str) -> dict:
     import psutil
 
-    from gspo_megatron.models.builder import build_model, count_parameters
-    from gspo_megatron.models.conversion import build_mappings, hf_shapes
-    from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.parallel.mesh import initialize_parallel
-    from gspo_megatron.routing.replay import RoutingReplay
+    from gspo_megatron.policy.models.builder import build_model, count_parameters
+    from gspo_megatron.policy.models.conversion import build_mappings, hf_shapes
+    from gspo_megatron.policy.parallel.layout import ParallelLayout
+    from gspo_megatron.policy.parallel.mesh import initialize_parallel
+    from gspo_megatron.policy.routing.replay import RoutingReplay
 
     cfg = preset(preset_name)
     layout = ParallelLayout(world_size=1).validate(cfg)

@@ -19,13 +19,13 @@ def save_twice_worker(ctx, checkpoint_dir: str) -> dict:
     import torch
 
     from gspo_megatron.config.schema import OptimizerSection
-    from gspo_megatron.models.builder import build_model
-    from gspo_megatron.models.schedule import wrap_for_training
-    from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.parallel.mesh import initialize_parallel
+    from gspo_megatron.policy.checkpoint.store import latest_checkpoint, save_checkpoint
+    from gspo_megatron.policy.models.builder import build_model
+    from gspo_megatron.policy.models.schedule import wrap_for_training
+    from gspo_megatron.policy.optimizer import build_optimizer
+    from gspo_megatron.policy.parallel.layout import ParallelLayout
+    from gspo_megatron.policy.parallel.mesh import initialize_parallel
     from gspo_megatron.testing.model_fixtures import tiny_test_config
-    from gspo_megatron.trainer.checkpoint import latest_checkpoint, save_checkpoint
-    from gspo_megatron.trainer.optim import build_optimizer
 
     cfg = tiny_test_config()
     layout = ParallelLayout(world_size=1).validate(cfg)

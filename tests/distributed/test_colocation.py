@@ -1,4 +1,4 @@
-"""Colocated placement on gloo ranks with the embedded engine: the hand-over of ``trainer/colocation.py``
+"""Colocated placement on gloo ranks with the embedded engine: the hand-over of ``loop/colocation.py``
 happens in every step, in order, and changes no number.
 
 On CPU the devices are the host, so what is checked is the protocol and the outputs: while the engine
@@ -27,8 +27,8 @@ def placement_worker(ctx, placement: str, run_dir: str) -> dict:
 
     from gspo_megatron.config.compose import compose
     from gspo_megatron.config.schema import to_train_config
-    from gspo_megatron.trainer.setup import build
-    from gspo_megatron.trainer.trainer import RLTrainer
+    from gspo_megatron.loop.build import build
+    from gspo_megatron.loop.trainer import RLTrainer
 
     composed = compose([*TINY_JOB, "trainer.eval_every=0", f"rollout.placement={placement}"])
     components = build(to_train_config(composed), Path(run_dir), OmegaConf.to_yaml(composed), world_size=ctx.world_size)

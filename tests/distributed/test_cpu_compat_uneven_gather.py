@@ -1,12 +1,12 @@
 """cpu_compat bridge 10 under real gloo ranks: megatron's uneven all-gather (sequence parallelism with
 rows of different counts) runs through padding, forward and backward (the bridge's other facts:
-tests/unit/parallel/test_cpu_compat.py)."""
+tests/unit/policy/test_cpu_bridges.py)."""
 
 from __future__ import annotations
 
 import torch
 
-from gspo_megatron.parallel import cpu_compat
+from gspo_megatron.policy import cpu_bridges as cpu_compat
 from gspo_megatron.testing.distributed import run_distributed
 
 

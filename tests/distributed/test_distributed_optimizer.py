@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gspo_megatron.models.micro_batch import MicroBatch
+from gspo_megatron.contracts.micro_batch import MicroBatch
 from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.model_fixtures import fixed_batch, random_hf_state, tiny_test_config
 
@@ -61,12 +61,12 @@ def train_steps_worker(
     from megatron.core import tensor_parallel
 
     from gspo_megatron.config.schema import OptimizerSection, use_distributed_optimizer
-    from gspo_megatron.models.builder import build_model
-    from gspo_megatron.models.conversion import export_hf_state_dict, load_hf_weights
-    from gspo_megatron.models.schedule import run_schedule, wrap_for_training
-    from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.parallel.mesh import initialize_parallel
-    from gspo_megatron.trainer.optim import build_optimizer
+    from gspo_megatron.policy.models.builder import build_model
+    from gspo_megatron.policy.models.conversion import export_hf_state_dict, load_hf_weights
+    from gspo_megatron.policy.models.schedule import run_schedule, wrap_for_training
+    from gspo_megatron.policy.optimizer import build_optimizer
+    from gspo_megatron.policy.parallel.layout import ParallelLayout
+    from gspo_megatron.policy.parallel.mesh import initialize_parallel
 
     cfg = tiny_test_config()
     layout = ParallelLayout(cp=cp, world_size=ctx.world_size).validate(cfg)
@@ -89,7 +89,7 @@ def train_steps_worker(
     optimizer, scheduler = build_optimizer(ddp, section, total_updates=STEPS)
     resumed = {}
     if checkpoint_dir is not None and ctx.world_size == 1:  # resume what 2 ranks saved
-        from gspo_megatron.trainer.checkpoint import latest_checkpoint, load_checkpoint
+        from gspo_megatron.policy.checkpoint.store import latest_checkpoint, load_checkpoint
 
         load_checkpoint(latest_checkpoint(checkpoint_dir), model, optimizer)
         resumed["moments"] = full_adam_moments(model, optimizer)
@@ -122,7 +122,7 @@ def train_steps_worker(
     parts = getattr(optimizer, "chained_optimizers", [optimizer])
     saved = {}
     if checkpoint_dir is not None:
-        from gspo_megatron.trainer.checkpoint import save_checkpoint
+        from gspo_megatron.policy.checkpoint.store import save_checkpoint
 
         save_checkpoint(checkpoint_dir, STEPS, model, optimizer, {}, keep_last=1, is_driver=ctx.rank == 0)
         saved["moments"] = full_adam_moments(model, optimizer)
@@ -205,7 +205,7 @@ def test_optimizer_offload_steps_equal_the_device_optimizer():
     copies, steps 3 times exactly as the distributed optimizer without offload: the same grad norms and
     weights to 1e-6 (both step fp32 main weights with torch's AdamW). With ``optimizer.precision_aware``
     too (slime's 30B flags) the distributed optimizer keeps no fp32 main shards and the host optimizer's
-    fp32 copies are the master weights: the same again (before ``parallel/cpu_compat.py`` kept the host
+    fp32 copies are the master weights: the same again (before ``policy/cpu_bridges.py`` kept the host
     mark on the fp32 copy of a host copy, the CPU build stepped none of them: the weights never moved)."""
     device = run_distributed(train_steps_worker, 2, "true", "bfloat16", timeout=600)
     for fraction, precision_aware in ((1.0, False), (0.5, False), (1.0, True), (0.5, True)):

@@ -10,7 +10,7 @@ sequences (right-padded, two micro-batches, ``LogProbHead`` = the trainer's old-
 - its per-token log-probs equal the engine's within fp32 tolerance;
 - its recorded top-k expert sets equal the engine's routed experts at every real token of every
   MoE layer (the layout R3 replays; ``rollout_targets`` puts them back into megatron's order).
-For every model family (``model_families.py``): the engine is transformers' own class of
+For every model family (``core/model_families.py``): the engine is transformers' own class of
 the family, so this is also megatron's forward against transformers' on the same weights.
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gspo_megatron.models.micro_batch import MicroBatch
+from gspo_megatron.contracts.micro_batch import MicroBatch
 from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.model_fixtures import (
     FAMILY_TEST_OVERRIDES,
@@ -39,13 +39,18 @@ MAX_NEW_TOKENS = 5
 def engine_vs_megatron_worker(ctx, cfg, state: dict, layout_kwargs: dict) -> dict:
     import torch.distributed as dist
 
-    from gspo_megatron.models.builder import build_model
-    from gspo_megatron.models.conversion import export_hf_weights, load_hf_weights
-    from gspo_megatron.models.schedule import run_schedule
-    from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.parallel.mesh import initialize_parallel
-    from gspo_megatron.routing.replay import RoutingReplay, layer_topk_to_tensor, moe_layer_indices, rollout_targets
-    from gspo_megatron.trainer.loss_head import LogProbHead
+    from gspo_megatron.policy.loss_heads import LogProbHead
+    from gspo_megatron.policy.models.builder import build_model
+    from gspo_megatron.policy.models.conversion import export_hf_weights, load_hf_weights
+    from gspo_megatron.policy.models.schedule import run_schedule
+    from gspo_megatron.policy.parallel.layout import ParallelLayout
+    from gspo_megatron.policy.parallel.mesh import initialize_parallel
+    from gspo_megatron.policy.routing.replay import (
+        RoutingReplay,
+        layer_topk_to_tensor,
+        moe_layer_indices,
+        rollout_targets,
+    )
 
     layout = ParallelLayout(**layout_kwargs).validate(cfg)
     mesh = initialize_parallel(layout, seed=5)
@@ -122,13 +127,13 @@ def engine_vs_megatron_worker(ctx, cfg, state: dict, layout_kwargs: dict) -> dic
 
 def _driver_engine(cfg):
     from gspo_megatron.rollout.config import EmbeddedConfig
-    from gspo_megatron.rollout.embedded import EmbeddedEngine
+    from gspo_megatron.rollout.embedded.engine import EmbeddedEngine
 
     return EmbeddedEngine(cfg.to_hf_config(), EmbeddedConfig(max_batch_size=16, seed=0))
 
 
 def _generate(engine) -> list[dict]:
-    from gspo_megatron.rollout.types import SamplingParams
+    from gspo_megatron.contracts.samples import SamplingParams
 
     params = SamplingParams(
         temperature=TEMPERATURE,

@@ -1,4 +1,4 @@
-"""The grouped expert MLP (``models/grouped_experts.py``, ``model.expert_mlp=grouped``) equals megatron's
+"""The grouped expert MLP (``policy/models/grouped_experts.py``, ``model.expert_mlp=grouped``) equals megatron's
 ``SequentialMLP`` on one rank and on every layout of the equivalence suite: the same log-probs, loss
 and gradients (gathered to HF names) to 1e-5 in fp32, and the same HF export of the same loaded
 weights (one parameter layout, so checkpoints and HF conversion do not depend on the choice).

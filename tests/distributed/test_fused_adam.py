@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from gspo_megatron.models.micro_batch import MicroBatch
+from gspo_megatron.contracts.micro_batch import MicroBatch
 from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.model_fixtures import fixed_batch, random_hf_state, tiny_test_config
 
@@ -22,12 +22,12 @@ def fused_vs_loop_worker(ctx):
     from megatron.core.optimizer import get_megatron_optimizer
 
     from gspo_megatron.config.schema import OptimizerSection
-    from gspo_megatron.models.builder import build_model
-    from gspo_megatron.models.conversion import load_hf_weights
-    from gspo_megatron.models.schedule import run_schedule, wrap_for_training
-    from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.parallel.mesh import initialize_parallel
-    from gspo_megatron.trainer.optim import build_optimizer, build_scheduler, optimizer_config
+    from gspo_megatron.policy.models.builder import build_model
+    from gspo_megatron.policy.models.conversion import load_hf_weights
+    from gspo_megatron.policy.models.schedule import run_schedule, wrap_for_training
+    from gspo_megatron.policy.optimizer import build_optimizer, build_scheduler, optimizer_config
+    from gspo_megatron.policy.parallel.layout import ParallelLayout
+    from gspo_megatron.policy.parallel.mesh import initialize_parallel
 
     cfg = tiny_test_config()
     layout = ParallelLayout(world_size=1).validate(cfg)

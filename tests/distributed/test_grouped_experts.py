@@ -20,14 +20,14 @@ COUNTS = {"idle_experts": [5, 0, 9, 2], "one_expert": [0, 0, 13, 0], "no_rows": 
 
 
 def _experts_of(cfg, dtype, expert_mlp):
-    from gspo_megatron.models.builder import build_model
+    from gspo_megatron.policy.models.builder import build_model
 
     model = build_model(cfg, _layout(cfg), params_dtype=dtype, expert_mlp=expert_mlp)
     return model, model.decoder.layers[0].mlp.experts
 
 
 def _layout(cfg):
-    from gspo_megatron.parallel.layout import ParallelLayout
+    from gspo_megatron.policy.parallel.layout import ParallelLayout
 
     return ParallelLayout(world_size=1).validate(cfg)
 
@@ -65,7 +65,7 @@ def _te_grouped_names_map_alike(model, cfg) -> bool:
     equals that of expert i's SequentialMLP/GroupedExperts parameter, but for the megatron name."""
     from dataclasses import replace
 
-    from gspo_megatron.models.conversion import _mapping_for, build_mappings
+    from gspo_megatron.policy.models.conversion import _mapping_for, build_mappings
 
     rows = build_mappings(model, cfg)
     prefix = "decoder.layers.{}.mlp.experts."
@@ -86,7 +86,7 @@ def _te_grouped_names_map_alike(model, cfg) -> bool:
 def _one_storage_views(experts) -> dict:
     """Whether the grouped GEMMs see each projection's weights as a view (no copy), and after the
     parameters are moved apart (as megatron's distributed-optimizer buffer does) as an equal copy."""
-    from gspo_megatron.models.grouped_experts import stacked_weights
+    from gspo_megatron.policy.models.grouped_experts import stacked_weights
 
     fc1 = tuple(expert.linear_fc1.weight for expert in experts.local_experts)
     fc2 = tuple(expert.linear_fc2.weight for expert in experts.local_experts)
@@ -105,8 +105,8 @@ def _one_storage_views(experts) -> dict:
 def compare_worker(ctx, cfg, dtype: torch.dtype) -> dict:
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    from gspo_megatron.models.grouped_experts import GroupedExperts
-    from gspo_megatron.parallel.mesh import initialize_parallel
+    from gspo_megatron.policy.models.grouped_experts import GroupedExperts
+    from gspo_megatron.policy.parallel.mesh import initialize_parallel
 
     mesh = initialize_parallel(_layout(cfg), seed=3)
     sequential_model, _ = _experts_of(cfg, dtype, "sequential")
@@ -148,7 +148,7 @@ def _assert_same(result, case, tol):
 
 def _padded(rows: int, dtype: torch.dtype) -> int:
     """An expert's rows in the grouped GEMMs: bf16/fp16 on CPU pad them to ``CPU_ROW_MULTIPLE``."""
-    from gspo_megatron.models.grouped_experts import group_row_multiple
+    from gspo_megatron.policy.models.grouped_experts import group_row_multiple
 
     multiple = group_row_multiple(dtype, torch.device("cpu"))
     return -(-rows // multiple) * multiple

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from gspo_megatron.models.config import MoEModelConfig
-from gspo_megatron.models.hf_checkpoint import write_hf_checkpoint
-from gspo_megatron.models.weight_sources import SafetensorsSource
+from gspo_megatron.core.safetensors_writer import INDEX_FILE
+from gspo_megatron.policy.models.config import MoEModelConfig
+from gspo_megatron.policy.models.hf_checkpoint import write_hf_checkpoint
+from gspo_megatron.policy.models.weight_sources import SafetensorsSource
 from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.model_fixtures import random_hf_state, tiny_test_config
-from gspo_megatron.weights.safetensors_writer import INDEX_FILE
 
 pytestmark = pytest.mark.distributed
 
@@ -30,11 +30,11 @@ SHARD_BYTES = 30_000
 
 
 def save_worker(ctx, cfg, state, layout_kwargs, out_dir):
-    from gspo_megatron.models.builder import build_model
-    from gspo_megatron.models.conversion import load_hf_weights
-    from gspo_megatron.models.hf_checkpoint import save_hf_checkpoint
-    from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.parallel.mesh import initialize_parallel
+    from gspo_megatron.policy.models.builder import build_model
+    from gspo_megatron.policy.models.conversion import load_hf_weights
+    from gspo_megatron.policy.models.hf_checkpoint import save_hf_checkpoint
+    from gspo_megatron.policy.parallel.layout import ParallelLayout
+    from gspo_megatron.policy.parallel.mesh import initialize_parallel
 
     layout = ParallelLayout(**layout_kwargs).validate(cfg)
     mesh = initialize_parallel(layout)

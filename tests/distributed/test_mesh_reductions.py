@@ -16,9 +16,9 @@ pytestmark = pytest.mark.distributed
 def reductions_worker(ctx, layout_kwargs: dict) -> dict:
     import torch
 
-    from gspo_megatron.models.config import preset
-    from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.parallel.mesh import initialize_parallel
+    from gspo_megatron.policy.models.config import preset
+    from gspo_megatron.policy.parallel.layout import ParallelLayout
+    from gspo_megatron.policy.parallel.mesh import initialize_parallel
 
     layout = ParallelLayout(**layout_kwargs, world_size=4).validate(preset("tiny"))
     mesh = initialize_parallel(layout)

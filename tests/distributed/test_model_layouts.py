@@ -81,7 +81,7 @@ def test_virtual_pipeline_stages_match_single_rank(four_layer_reference, name):
     """Virtual pipeline stages (parallel.vpp) built as model chunks and run through megatron's interleaved
     1F1B: the same log-probs, loss and HF-named gradients as one rank, an exact HF round trip, and each
     rank's chunks hold the layers ``ParallelLayout.stage_layers`` says (chunk c of rank r = stage c*pp + r)."""
-    from gspo_megatron.parallel.layout import ParallelLayout
+    from gspo_megatron.policy.parallel.layout import ParallelLayout
 
     cfg, state, single = four_layer_reference
     layout = VIRTUAL_STAGE_LAYOUTS[name]

@@ -16,14 +16,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gspo_megatron.models.micro_batch import MicroBatch
-from gspo_megatron.parallel.layout import ParallelLayout
-from gspo_megatron.planning.activations import MicroBatchShape
-from gspo_megatron.planning.comm import step_traffic
-from gspo_megatron.planning.parameters import state_bytes
+from gspo_megatron.contracts.micro_batch import MicroBatch
+from gspo_megatron.policy.parallel.layout import ParallelLayout
 from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.model_fixtures import EQUIVALENCE_LAYOUTS, fixed_batch, tiny_test_config
 from gspo_megatron.testing.train_runs import TINY_JOB
+from planning.activations import MicroBatchShape
+from planning.comm import step_traffic
+from planning.parameters import state_bytes
 
 pytestmark = pytest.mark.distributed
 
@@ -31,7 +31,7 @@ FP32 = 4
 SEQ_LEN = 12
 MICRO_BATCHES = 2
 # The planner models TE's ring context-parallel attention; the CPU runs use the portable one, which
-# all-gathers K/V (parallel/context_parallel.py) -- different traffic -- so CP layouts are left out here.
+# all-gathers K/V (policy/parallel/context_parallel.py) -- different traffic -- so CP layouts are left out here.
 LAYOUTS = {name: kwargs for name, kwargs in EQUIVALENCE_LAYOUTS.items() if kwargs.get("cp", 1) == 1}
 
 
@@ -40,7 +40,7 @@ def _measure_state(mesh_layout, cfg, dtype: torch.dtype, distributed_optimizer: 
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from gspo_megatron.models.builder import build_model
+    from gspo_megatron.policy.models.builder import build_model
 
     model = build_model(cfg, mesh_layout, params_dtype=dtype, layer_spec="portable")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -83,8 +83,8 @@ def _measure_traffic(layout, cfg, mesh) -> dict:
     from megatron.core import parallel_state as ps
 
     from gspo_megatron.algorithms.logprobs import vocab_parallel_log_probs
-    from gspo_megatron.models.builder import build_model
-    from gspo_megatron.models.schedule import run_schedule, wrap_for_training
+    from gspo_megatron.policy.models.builder import build_model
+    from gspo_megatron.policy.models.schedule import run_schedule, wrap_for_training
     from gspo_megatron.testing.collectives import count_collectives
 
     # the planner's traffic is exact for the allgather dispatcher; alltoall's is an estimate
@@ -119,7 +119,7 @@ def _measure_traffic(layout, cfg, mesh) -> dict:
 def state_worker(ctx, cfg, layouts: dict) -> dict:
     from megatron.core import parallel_state as ps
 
-    from gspo_megatron.parallel.mesh import initialize_parallel
+    from gspo_megatron.policy.parallel.mesh import initialize_parallel
 
     out = {}
     for name, kwargs in layouts.items():
@@ -198,8 +198,8 @@ def test_communication_equals_gloo_payloads(measured, name):
 
 
 # --- the planner plans the trainer's own job ---------------------------------------------------
-# Hydra overrides of conf/ and the world size; each case is built by trainer/setup.py:build (the
-# trainer's DDP wrapper, optimizer and reference model), then planned by planning/job.py.
+# Hydra overrides of conf/ and the world size; each case is built by loop/build.py:build (the
+# trainer's DDP wrapper, optimizer and reference model), then planned by tools/planning/job.py.
 JOBS = {
     "dp2 auto -> distributed optimizer": (2, [*TINY_JOB, "model.layer_spec=portable"]),
     "tp2 bf16 kl reference": (
@@ -286,8 +286,8 @@ def built_job_worker(ctx, overrides: list[str], run_dir: str) -> dict:
 
     from gspo_megatron.config.compose import compose
     from gspo_megatron.config.schema import to_train_config
-    from gspo_megatron.trainer.optim import allocate_optimizer_state
-    from gspo_megatron.trainer.setup import build
+    from gspo_megatron.loop.build import build
+    from gspo_megatron.policy.optimizer import allocate_optimizer_state
 
     composed = compose(overrides)
     cfg = to_train_config(composed)
@@ -356,8 +356,8 @@ def test_planner_plans_the_job_the_trainer_builds(built_jobs, name):
     state, reference-model and host bytes equal the allocated ones on every rank."""
     from gspo_megatron.config.compose import compose
     from gspo_megatron.config.schema import to_train_config
-    from gspo_megatron.planning.job import job_from_config
-    from gspo_megatron.planning.planner import memory_of_stage, micro_batches_per_rank
+    from planning.job import job_from_config
+    from planning.planner import memory_of_stage, micro_batches_per_rank
 
     world, overrides = JOBS[name]
     job = job_from_config(to_train_config(compose(overrides)), world, prompt_tokens=8)

@@ -1,18 +1,18 @@
 """The planner's per-rank peak memory of the whole RL step is within 10% of what the real trainer allocates.
 
-The real trainer (``trainer/setup.py:build`` + ``RLTrainer.train_step``: the embedded engine in the
+The real trainer (``loop/build.py:build`` + ``RLTrainer.train_step``: the embedded engine in the
 driver's process, rollout, old log-probs, the policy updates, the weight sync) runs 2 RL steps on
 gloo ranks, from the config ``config/compose.py`` composes of the overrides below (the default job:
 the tiny model on the one-token task, fp32, 16 prompts x 16 samples, two updates per rollout). Every rank records the
 running total of torch's CPU allocator from before the model is built (``testing/memory.run_memory``:
 the total includes every resident tensor), split at the trainer's phases (``RLTrainer._phase``);
-the planner predicts the same composed config (``planning/job.py:job_from_config``) and its peak for
+the planner predicts the same composed config (``tools/planning/job.py:job_from_config``) and its peak for
 every rank must be within 10% of the rank's measured peak. One gloo launch per world size runs its
 layouts one after the other.
 
 Context parallelism is in: the planner is given the layer spec the run uses (``model.layer_spec``),
 and the CPU build's portable attention all-gathers K and V over the CP group
-(``parallel/context_parallel.py``), which ``planning/activations.py`` counts. Without that count
+(``policy/parallel/context_parallel.py``), which ``tools/planning/activations.py`` counts. Without that count
 the CP ranks' plans were 5-14% below the measured peaks (planned/measured: cp2 rank 1 0.949, pp2_cp2
 rank 1 0.862); with it 0.999 and 0.905. The lowest ratio left is a first pipeline stage's update
 (pp2_cp2 rank 1; pp2 rank 0's update phase is 0.91, below its rollout peak): the backward's
@@ -29,11 +29,11 @@ from pathlib import Path
 
 import pytest
 
+from gspo_megatron.loop.trainer import RLTrainer
 from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.memory import RunMemory
 from gspo_megatron.testing.model_fixtures import EQUIVALENCE_LAYOUTS
 from gspo_megatron.testing.train_runs import TINY_JOB
-from gspo_megatron.trainer.trainer import RLTrainer
 
 pytestmark = pytest.mark.distributed
 
@@ -87,9 +87,9 @@ def rl_steps_worker(ctx, jobs: dict[str, list[str]], run_dir: str) -> dict:
 
     from gspo_megatron.config.compose import compose
     from gspo_megatron.config.schema import to_train_config
-    from gspo_megatron.parallel.mesh import free_port
+    from gspo_megatron.loop.build import build
+    from gspo_megatron.policy.parallel.mesh import free_port
     from gspo_megatron.testing.memory import run_memory
-    from gspo_megatron.trainer.setup import build
 
     out = {}
     for name, overrides in jobs.items():
@@ -123,8 +123,8 @@ def rl_steps_worker(ctx, jobs: dict[str, list[str]], run_dir: str) -> dict:
 
 
 def longest_prompt_tokens(cfg) -> int:
-    """The max_digit task's longest prompt, ``max <max_digits digits>=`` (``data/tasks.py``)."""
-    from gspo_megatron.data.tokenizer import SymbolTokenizer
+    """The max_digit task's longest prompt, ``max <max_digits digits>=`` (``rollout/data/tasks.py``)."""
+    from gspo_megatron.rollout.data.tokenizer import SymbolTokenizer
 
     return len(SymbolTokenizer().encode("max " + "9" * cfg.task.max_digits + "="))
 
@@ -149,9 +149,9 @@ def predicted(name: str, rank: int, got: dict):
 
     from gspo_megatron.config.compose import compose
     from gspo_megatron.config.schema import to_train_config
-    from gspo_megatron.planning.job import job_from_config
-    from gspo_megatron.planning.planner import memory_of_stage, micro_batches_per_rank
-    from gspo_megatron.planning.rl_step_memory import rl_step_memory
+    from planning.job import job_from_config
+    from planning.planner import memory_of_stage, micro_batches_per_rank
+    from planning.rl_step_memory import rl_step_memory
 
     layout_kwargs = LAYOUTS[name]
     cfg = to_train_config(compose(overrides_of(layout_kwargs)))
@@ -175,7 +175,7 @@ def predicted(name: str, rank: int, got: dict):
 
 def expert_load(job, got: dict) -> float:
     """Rows the rank's experts got in its largest forward over the balanced share the planner
-    counts per MoE layer, T_sp etp k (``planning/activations.py``)."""
+    counts per MoE layer, T_sp etp k (``tools/planning/activations.py``)."""
     layout, model = job.layout, job.config.model
     tokens = job.options.micro.tokens / layout.cp
     sp_tokens = tokens / layout.tp if layout.use_sequence_parallel else tokens

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gspo_megatron.models.micro_batch import MicroBatch
+from gspo_megatron.contracts.micro_batch import MicroBatch
 from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.model_fixtures import fixed_batch, random_hf_state, tiny_test_config
 
@@ -19,15 +19,15 @@ pytestmark = pytest.mark.distributed
 
 
 def reference_worker(ctx, layout_kwargs, offload):
-    from gspo_megatron.models.builder import build_model
-    from gspo_megatron.models.conversion import load_hf_weights
-    from gspo_megatron.models.grouped_experts import stacked_weights
-    from gspo_megatron.models.schedule import run_schedule
-    from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.parallel.mesh import initialize_parallel
-    from gspo_megatron.routing.replay import RoutingReplay, rollout_targets
-    from gspo_megatron.trainer.loss_head import LogProbHead
-    from gspo_megatron.trainer.reference_model import ReferenceModel
+    from gspo_megatron.policy.loss_heads import LogProbHead
+    from gspo_megatron.policy.models.builder import build_model
+    from gspo_megatron.policy.models.conversion import load_hf_weights
+    from gspo_megatron.policy.models.grouped_experts import stacked_weights
+    from gspo_megatron.policy.models.schedule import run_schedule
+    from gspo_megatron.policy.parallel.layout import ParallelLayout
+    from gspo_megatron.policy.parallel.mesh import initialize_parallel
+    from gspo_megatron.policy.reference import ReferenceModel
+    from gspo_megatron.policy.routing.replay import RoutingReplay, rollout_targets
 
     cfg = tiny_test_config()
     layout = ParallelLayout(**layout_kwargs).validate(cfg)

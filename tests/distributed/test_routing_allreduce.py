@@ -23,7 +23,7 @@ def _routings():
 def _rank_fn(ctx):
     import torch.distributed as dist
 
-    from gspo_megatron.routing.volatility import (
+    from gspo_megatron.policy.routing.volatility import (
         all_reduce_expert_load,
         all_reduce_volatility,
         expert_load,
@@ -40,7 +40,7 @@ def _rank_fn(ctx):
 
 
 def test_all_reduce_equals_whole_batch():
-    from gspo_megatron.routing.volatility import expert_load, routing_volatility
+    from gspo_megatron.policy.routing.volatility import expert_load, routing_volatility
 
     a, b, mask = _routings()
     whole = routing_volatility(a, b, mask)

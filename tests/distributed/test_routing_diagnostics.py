@@ -1,4 +1,4 @@
-"""RoutingDiagnostics (routing/diagnostics.py): recorded routings in, reduced volatility out -- by hand.
+"""RoutingDiagnostics (policy/routing/diagnostics.py): recorded routings in, reduced volatility out -- by hand.
 
 One micro-batch of one row, 3 fed tokens (the last is padding), 2 MoE layers, top-2:
 
@@ -16,12 +16,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gspo_megatron.models.micro_batch import MicroBatch
-from gspo_megatron.routing.config import RoutingConfig
-from gspo_megatron.routing.log import RoutingLog
-from gspo_megatron.routing.plan import RoutingPlan
-from gspo_megatron.routing.replay import ReplayMode
-from gspo_megatron.run_dir import read_jsonl
+from gspo_megatron.contracts.micro_batch import MicroBatch
+from gspo_megatron.core.run_dir import read_jsonl
+from gspo_megatron.policy.routing.config import RoutingConfig
+from gspo_megatron.policy.routing.log import RoutingLog
+from gspo_megatron.policy.routing.plan import RoutingPlan
+from gspo_megatron.policy.routing.replay import ReplayMode
 from gspo_megatron.testing.distributed import run_distributed
 
 OLD = [torch.tensor([[0, 1], [2, 3], [0, 1]]), torch.tensor([[0, 1], [0, 1], [0, 1]])]
@@ -31,7 +31,7 @@ NEW = [torch.tensor([[0, 1], [2, 0], [3, 2]]), torch.tensor([[1, 0], [0, 2], [1,
 def _update_diagnostics(mesh, run_dir: str):
     """The "update" diagnostics of a two-update step on ``mesh`` and its one micro-batch: one row, 3 fed
     tokens, the last padding."""
-    from gspo_megatron.routing.diagnostics import RoutingDiagnostics
+    from gspo_megatron.policy.routing.diagnostics import RoutingDiagnostics
 
     plan = RoutingPlan(
         ReplayMode.none,
@@ -47,8 +47,8 @@ def _update_diagnostics(mesh, run_dir: str):
 
 
 def _diagnose(ctx, run_dir: str):
-    from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.parallel.mesh import initialize_parallel
+    from gspo_megatron.policy.parallel.layout import ParallelLayout
+    from gspo_megatron.policy.parallel.mesh import initialize_parallel
 
     mesh = initialize_parallel(ParallelLayout(world_size=ctx.world_size).validate())
     try:
@@ -87,8 +87,8 @@ def test_update_volatility_by_hand_merged_over_data_parallel_ranks(tmp_path, wor
 def _diagnose_on_two_stages(ctx, run_dir: str):
     """pp2: stage 0 holds layer 0, stage 1 layer 1, of the same 2 real tokens. Token 0 changes in both
     layers, token 1 in neither: changed in any layer = 1 of 2 (per-stage counts would sum to 2)."""
-    from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.parallel.mesh import initialize_parallel
+    from gspo_megatron.policy.parallel.layout import ParallelLayout
+    from gspo_megatron.policy.parallel.mesh import initialize_parallel
 
     mesh = initialize_parallel(ParallelLayout(pp=2, world_size=2).validate())
     try:

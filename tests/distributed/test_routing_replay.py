@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gspo_megatron.models.micro_batch import MicroBatch
+from gspo_megatron.contracts.micro_batch import MicroBatch
 from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.model_fixtures import FAMILY_TEST_OVERRIDES, fixed_batch, random_hf_state, tiny_family_config
 
@@ -34,12 +34,12 @@ def _routing_used(model_chunk):
 
 
 def _setup(layout_kwargs, seed=3, family="qwen3_moe", **overrides):
-    from gspo_megatron.models.builder import build_model
-    from gspo_megatron.models.conversion import load_hf_weights
-    from gspo_megatron.models.schedule import wrap_for_training
-    from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.parallel.mesh import initialize_parallel
-    from gspo_megatron.routing.replay import RoutingReplay
+    from gspo_megatron.policy.models.builder import build_model
+    from gspo_megatron.policy.models.conversion import load_hf_weights
+    from gspo_megatron.policy.models.schedule import wrap_for_training
+    from gspo_megatron.policy.parallel.layout import ParallelLayout
+    from gspo_megatron.policy.parallel.mesh import initialize_parallel
+    from gspo_megatron.policy.routing.replay import RoutingReplay
 
     cfg = tiny_family_config(family, **overrides)
     layout = ParallelLayout(**layout_kwargs).validate(cfg)
@@ -68,8 +68,8 @@ def old_policy_replay_worker(
     from megatron.core import tensor_parallel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from gspo_megatron.models.schedule import run_schedule
-    from gspo_megatron.routing.volatility import routing_volatility
+    from gspo_megatron.policy.models.schedule import run_schedule
+    from gspo_megatron.policy.routing.volatility import routing_volatility
 
     cfg, layout, mesh, model, ddp, replay = _setup(
         layout_kwargs or dict(world_size=1), family=family, **(overrides or {})
@@ -161,8 +161,8 @@ def test_without_replay_routing_moves_after_an_update(family):
 
 def rollout_replay_worker(ctx, layout_kwargs):
     """R3: the engine's routed experts (here: a fixed random routing) are what the trainer uses."""
-    from gspo_megatron.models.schedule import run_schedule
-    from gspo_megatron.routing.replay import rollout_targets
+    from gspo_megatron.policy.models.schedule import run_schedule
+    from gspo_megatron.policy.routing.replay import rollout_targets
 
     cfg, layout, mesh, model, ddp, replay = _setup(layout_kwargs)
     mbs = _micro_batches(cfg, layout, mesh)
@@ -212,7 +212,7 @@ def replay_keeps_router_learning_worker(ctx, source: str):
     from megatron.core import tensor_parallel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from gspo_megatron.models.schedule import run_schedule
+    from gspo_megatron.policy.models.schedule import run_schedule
 
     cfg, layout, mesh, model, ddp, replay = _setup(dict(world_size=1))
     mbs = _micro_batches(cfg, layout, mesh)

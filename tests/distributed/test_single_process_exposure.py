@@ -30,8 +30,8 @@ def _listening_addresses() -> list[str]:
 
 
 def _init_and_list(ctx):
-    from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.parallel.mesh import initialize_parallel
+    from gspo_megatron.policy.parallel.layout import ParallelLayout
+    from gspo_megatron.policy.parallel.mesh import initialize_parallel
 
     mesh = initialize_parallel(ParallelLayout(world_size=1))
     try:

@@ -6,7 +6,7 @@ every gradient (gathered to HF names), with micro-batches of one row each or cut
 The two dispatchers compute the same expert outputs and only move them differently (alltoall sends
 each routed token to its expert's rank; allgather gathers all tokens of the TP x EP group), so the
 results agree up to fp32 summation order. On CPU the alltoall runs through
-``parallel/cpu_compat.py`` bridge 8 and gloo's all-to-all.
+``policy/cpu_bridges.py`` bridge 8 and gloo's all-to-all.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gspo_megatron.models.conversion import hf_shapes
+from gspo_megatron.policy.models.conversion import hf_shapes
 from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.model_fixtures import medium_test_config, random_hf_state
 
@@ -44,15 +44,15 @@ def sync_worker(
     senders: str = "driver",
     fallback_to_disk: bool = True,
 ):
-    from gspo_megatron.models.builder import build_model
-    from gspo_megatron.models.conversion import load_hf_weights
-    from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.parallel.mesh import free_port, initialize_parallel
+    from gspo_megatron.loop.stage_senders import StageTurns
+    from gspo_megatron.loop.weight_sync import sync_engine_weights
+    from gspo_megatron.policy.models.builder import build_model
+    from gspo_megatron.policy.models.conversion import load_hf_weights
+    from gspo_megatron.policy.parallel.layout import ParallelLayout
+    from gspo_megatron.policy.parallel.mesh import free_port, initialize_parallel
     from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine
     from gspo_megatron.rollout.sglang.launcher import LaunchedServer
     from gspo_megatron.testing.memory import peak_bytes
-    from gspo_megatron.trainer.stage_senders import StageTurns
-    from gspo_megatron.trainer.weight_stream import sync_engine_weights
 
     cfg = medium_test_config()
     layout = ParallelLayout(**layout_kwargs).validate(cfg)

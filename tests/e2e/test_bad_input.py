@@ -37,7 +37,7 @@ def _dataset_overrides(path):
 def test_bad_task_file(tmp_path):
     """A bad prompt file stops the run at start-up with the loader's message, the run directory intact.
     Each message (empty file, malformed JSON with its line, a missing field) is checked where it is
-    raised, without a training: tests/unit/data/test_datasets.py."""
+    raised, without a training: tests/unit/rollout/data/test_datasets.py."""
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "max 12=", "answer": "2"}\n{"prompt": "max 3\n')
     run_dir = tmp_path / "run"

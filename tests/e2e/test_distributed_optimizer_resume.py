@@ -17,10 +17,10 @@ import time
 
 import pytest
 
+from gspo_megatron.policy.checkpoint.store import DISTRIBUTED_KEY, latest_checkpoint, read_trainer_state
 from gspo_megatron.testing.distributed import DistributedRunError, run_distributed
 from gspo_megatron.testing.processes import kill_run_processes, marked_env, wait_until
 from gspo_megatron.testing.train_runs import FAST, train_worker, without_time
-from gspo_megatron.trainer.checkpoint import DISTRIBUTED_KEY, latest_checkpoint, read_trainer_state
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.faults]
 
@@ -74,7 +74,7 @@ def uninterrupted_bf16(tmp_path_factory):
     return run_dir, metrics
 
 
-# Every Adam step count is the checkpoint's after the load (trainer/optim.py restore_adam_steps): before,
+# Every Adam step count is the checkpoint's after the load (policy/optimizer.py restore_adam_steps): before,
 # megatron's load left one shared step tensor holding 0, and the first optimizer step after a resume
 # already differed (found when this test's kill began to reach the ranks).
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

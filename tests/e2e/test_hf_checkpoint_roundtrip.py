@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gspo_megatron.models.weight_sources import SafetensorsSource
+from gspo_megatron.policy.models.weight_sources import SafetensorsSource
 from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.train_runs import FAST, train_worker
 
@@ -61,11 +61,11 @@ def write_transformers_checkpoint(directory: Path) -> None:
 
 def megatron_worker(ctx, hf_dir: str, tokens: torch.Tensor):
     """Megatron logits of ``hf_dir``'s weights and whether re-exporting them is bit-exact."""
-    from gspo_megatron.models.builder import build_model
-    from gspo_megatron.models.config import MoEModelConfig
-    from gspo_megatron.models.conversion import export_hf_state_dict, load_hf_weights
-    from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.parallel.mesh import initialize_parallel
+    from gspo_megatron.policy.models.builder import build_model
+    from gspo_megatron.policy.models.config import MoEModelConfig
+    from gspo_megatron.policy.models.conversion import export_hf_state_dict, load_hf_weights
+    from gspo_megatron.policy.parallel.layout import ParallelLayout
+    from gspo_megatron.policy.parallel.mesh import initialize_parallel
 
     cfg = MoEModelConfig.from_hf_config_file(hf_dir)
     layout = ParallelLayout(world_size=1).validate(cfg)
@@ -166,8 +166,8 @@ def test_an_fp8_block_export_holds_the_final_policy_within_fp8_rounding(trained)
     """``mcore-to-hf --fp8-block``: every projection as e4m3 with its 128x128 scales (the rest bit-equal), the
     quantization config SGLang reads, and the FP8-serving check of rollout.sglang.weight_quantization: it takes
     this checkpoint and refuses the bf16 export by name."""
+    from gspo_megatron.core.fp8_blocks import FP8_DTYPE, QUANTIZATION_CONFIG, dequantize_block_fp8, scale_name
     from gspo_megatron.rollout.sglang.config import SGLangConfig
-    from gspo_megatron.weights.fp8_blocks import FP8_DTYPE, QUANTIZATION_CONFIG, dequantize_block_fp8, scale_name
 
     root, _ = trained
     step_dir = root / "run" / "checkpoints" / "step_000002"

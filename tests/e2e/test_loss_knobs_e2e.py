@@ -124,7 +124,7 @@ def test_adaptive_clip_with_grpo_runs_past_scale_1_25(tmp_path):
 @pytest.mark.parametrize("preset", ["verl_grpo", "verl_gspo", "trl_grpo", "slime_gspo"])
 def test_anchor_presets_train(tmp_path, preset):
     """Each anchor preset runs as a real job (verl_grpo with its reference KL, trl_grpo with its masked
-    product IS weights); their loss math is checked in tests/unit/trainer/test_anchor_presets.py."""
+    product IS weights); their loss math is checked in tests/unit/policy/test_anchor_presets.py."""
     (metrics,) = run_distributed(train_worker, 1, FAST + [f"algorithm={preset}"], str(tmp_path), timeout=600)
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:

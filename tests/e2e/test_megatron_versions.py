@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from gspo_megatron.policy.checkpoint.formats import COMMON_STATE_FILE, WRITTEN_BY_KEY
+from gspo_megatron.policy.checkpoint.store import read_trainer_state
 from gspo_megatron.testing.train_runs import FAST, read_metrics, run_training, without_time
-from gspo_megatron.trainer.checkpoint import read_trainer_state
-from gspo_megatron.trainer.checkpoint_format import COMMON_STATE_FILE, WRITTEN_BY_KEY
 
 pytestmark = pytest.mark.e2e
 

@@ -2,7 +2,8 @@
 part of the checkpoint, so a run stopped after step 1 and resumed equals the uninterrupted run step by step
 (what is carried into step 2 was written with step 1's checkpoint); the carried samples' tokens train one
 version late and the metrics say so. (Stopping and continuing unfinished samples on the engine:
-``tests/unit/trainer/test_partial_rollout.py``; on a long tail: ``tools/bench_rl_step.py --compare-over-sample``.)"""
+``tests/unit/rollout/agents/test_partial_rollout.py``;
+on a long tail: ``tools/bench_rl_step.py --compare-over-sample``.)"""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """``tools/plan.py --calibrate`` on CPU: it runs the configured job (one rank through the entry point,
 two through the launcher), fits, and prints the fitted parameters; checked against the run's own files.
 
-What is checked independently of ``planning/calibrate.py``: the expert imbalance is recomputed here
+What is checked independently of ``tools/planning/calibrate.py``: the expert imbalance is recomputed here
 from the run's ``routing.jsonl``; the timed steps are the run's steps less the first and the
 diagnosed ones (read from the files); the fitted update time equals the measured one (the fit
 inverts the planner's model: the unit test proves the algebra, this proves it on a real run);

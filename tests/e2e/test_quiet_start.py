@@ -1,4 +1,4 @@
-"""The main job's first screen: no third-party warning beyond the reviewed list (known_warnings.py)."""
+"""The main job's first screen: no third-party warning beyond the reviewed list (core/known_warnings.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from gspo_megatron.known_warnings import optional_accelerators_notice
+from gspo_megatron.core.known_warnings import optional_accelerators_notice
 from gspo_megatron.testing.train_runs import WARNING_LINE
 
 pytestmark = pytest.mark.e2e

@@ -1,4 +1,4 @@
-"""A run directory written before a config key was renamed resumes after it (``config_migrations.py``):
+"""A run directory written before a config key was renamed resumes after it (``core/config_migrations.py``):
 the checkpoint's config -- the flat algorithm section commit 1cd8a48 wrote -- is compared with today's
 under the new names, and the resumed run continues exactly where the uninterrupted one goes."""
 

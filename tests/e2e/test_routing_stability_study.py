@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gspo_megatron.run_dir import read_jsonl
+from gspo_megatron.core.run_dir import read_jsonl
 
 pytestmark = pytest.mark.e2e
 

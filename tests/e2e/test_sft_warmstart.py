@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gspo_megatron.provenance import PROVENANCE_FILE, WARM_START_FILE, code_version, weights_sha256
+from gspo_megatron.core.provenance import PROVENANCE_FILE, WARM_START_FILE, code_version, weights_sha256
 from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.train_runs import SHORT, train_worker
 
@@ -24,10 +24,10 @@ pytestmark = pytest.mark.e2e
 
 
 def test_verbose_response_adds_only_correct_rechecks():
-    from gspo_megatron.data.config import TaskConfig
-    from gspo_megatron.data.tasks import build_task
-    from gspo_megatron.data.tokenizer import SymbolTokenizer
-    from gspo_megatron.rewards.registry import resolve_reward
+    from gspo_megatron.rollout.data.config import TaskConfig
+    from gspo_megatron.rollout.data.tasks import build_task
+    from gspo_megatron.rollout.data.tokenizer import SymbolTokenizer
+    from gspo_megatron.rollout.rewards.registry import resolve_reward
 
     task = build_task(TaskConfig(name="reasoning_max_digit", min_digits=3, max_digits=3), SymbolTokenizer())
     rng = random.Random(0)

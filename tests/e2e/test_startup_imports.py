@@ -28,7 +28,7 @@ NOT_BEFORE_THE_FIRST_ROUND = {
     "torch.utils.tensorboard": "as above",
     "matplotlib": "the reports at the end of the run",
     "pyarrow": "parquet datasets only (task=dataset)",
-    "torch._inductor.compile_fx": "megatron's @jit_fuser kernels compile on first call (deferred_compile.py)",
+    "torch._inductor.compile_fx": "megatron's @jit_fuser kernels compile on first call (core/deferred_compile.py)",
 }
 
 # The real entry point (python -m gspo_megatron.train), noting sys.modules when the first round begins.
@@ -37,7 +37,7 @@ DRIVER = textwrap.dedent(
     import json, runpy, sys
 
     def note_modules_at_the_first_round(out):
-        from gspo_megatron.trainer.trainer import RLTrainer
+        from gspo_megatron.loop.trainer import RLTrainer
         train_step = RLTrainer.train_step
 
         def first_round_notes_modules(trainer):

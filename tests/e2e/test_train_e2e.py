@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from gspo_megatron.run_dir import read_jsonl
+from gspo_megatron.core.run_dir import read_jsonl
 from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.train_runs import FAST, read_metrics, train_worker, without_time
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from gspo_megatron.policy.checkpoint.reader import read_metadata_safely
+from gspo_megatron.policy.checkpoint.store import MODEL_DIR, latest_checkpoint
 from gspo_megatron.testing.train_runs import FAST, run_training
-from gspo_megatron.trainer.checkpoint import MODEL_DIR, latest_checkpoint
-from gspo_megatron.trainer.checkpoint_reader import read_metadata_safely
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e]
 

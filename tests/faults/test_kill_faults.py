@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from gspo_megatron.policy.checkpoint.store import latest_checkpoint, read_trainer_state
+from gspo_megatron.run.run_dir_owner import LOCK_FILE
 from gspo_megatron.testing.processes import describe, eventually, marked_env, run_processes
 from gspo_megatron.testing.train_runs import FAST, checkpoint_tensors, read_metrics, run_training, train_command
-from gspo_megatron.trainer.checkpoint import latest_checkpoint, read_trainer_state
-from gspo_megatron.trainer.run_dir_owner import LOCK_FILE
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e]
 
 # an import: reward runs in worker processes: the run has helpers to stop
-WORKER_REWARD = "task.reward=import:gspo_megatron.rewards.builtin:exact_match"
+WORKER_REWARD = "task.reward=import:gspo_megatron.rollout.rewards.builtin:exact_match"
 
 
 def _start(overrides, run_dir) -> subprocess.Popen:

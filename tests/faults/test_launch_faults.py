@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from gspo_megatron.policy.checkpoint.store import latest_checkpoint, read_trainer_state
 from gspo_megatron.testing.processes import (
     describe,
     eventually,
@@ -24,13 +25,14 @@ from gspo_megatron.testing.processes import (
     wait_until,
 )
 from gspo_megatron.testing.train_runs import FAST, read_metrics
-from gspo_megatron.trainer.checkpoint import latest_checkpoint, read_trainer_state
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e, pytest.mark.distributed]
 
 REPO = Path(__file__).resolve().parents[2]
 TWO_RANKS = FAST + ["parallel=tp2", "routing.enabled=false"]
-WORKER_REWARD = "task.reward=import:gspo_megatron.rewards.builtin:exact_match"  # reward workers: helpers to stop
+WORKER_REWARD = (
+    "task.reward=import:gspo_megatron.rollout.rewards.builtin:exact_match"  # reward workers: helpers to stop
+)
 
 
 def _launch(overrides: list[str], run_dir: Path) -> tuple[subprocess.Popen, str]:

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from gspo_megatron.policy.checkpoint.store import latest_checkpoint
 from gspo_megatron.testing.train_runs import FAST, checkpoint_tensors, read_metrics, run_training
-from gspo_megatron.trainer.checkpoint import latest_checkpoint
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e]
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from gspo_megatron.rewards.types import FAILURE_KINDS
+from gspo_megatron.rollout.rewards.types import FAILURE_KINDS
 from gspo_megatron.testing.train_runs import FAST, read_metrics, run_training
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e]

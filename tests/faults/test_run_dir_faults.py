@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from gspo_megatron.policy.checkpoint.store import checkpoint_run_id, latest_checkpoint
+from gspo_megatron.run.run_dir_owner import LOCK_FILE
 from gspo_megatron.testing.train_runs import FAST, read_metrics, run_training, train_command
-from gspo_megatron.trainer.checkpoint import checkpoint_run_id, latest_checkpoint
-from gspo_megatron.trainer.run_dir_owner import LOCK_FILE
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e]
 

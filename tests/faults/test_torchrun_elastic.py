@@ -3,11 +3,11 @@
 A rank is SIGKILLed once the run's step-2 checkpoint is complete, and, in the restarted group, a
 helper process of a rank (the checkpoint writer's result queue) once the step-4 one is. Each time
 torchrun's agent stops the other rank and starts both again; they form their process groups in a
-store of the new attempt's own (``parallel/attempt_store.py``: torchrun's store still holds the dead
+store of the new attempt's own (``policy/parallel/attempt_store.py``: torchrun's store still holds the dead
 attempt's addresses), resume from the latest complete checkpoint and finish every step, with every
 metric equal to an uninterrupted run's. Each restart is bounded: the collective timeout stays at its
 default (600 s) and the restarted ranks must have resumed within ``RESTART_BOUND_S`` of the kill.
-Every rank's output is as quiet as rank 0's: no unreviewed warning from either (``known_warnings.py``).
+Every rank's output is as quiet as rank 0's: no unreviewed warning from either (``core/known_warnings.py``).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from gspo_megatron.policy.checkpoint.store import latest_checkpoint
 from gspo_megatron.testing.processes import children, kill_run_processes, marked_env, wait_until
 from gspo_megatron.testing.train_runs import FAST, WARNING_LINE, read_metrics, without_time
-from gspo_megatron.trainer.checkpoint import latest_checkpoint
 
 pytestmark = [pytest.mark.faults, pytest.mark.distributed]
 
@@ -102,7 +102,7 @@ def _helper_of_rank_1(job: TorchrunJob) -> int:
     """A process rank 1 started whose loss fails the rank: the checkpoint writer's result queue (a
     forked multiprocessing manager, so it runs the trainer's command line); not the reaper."""
     rank = job.worker(1)
-    helpers = [pid for pid, command in children(rank).items() if "gspo_megatron.trainer.reaper" not in command]
+    helpers = [pid for pid, command in children(rank).items() if "gspo_megatron.run.reaper" not in command]
     assert len(helpers) == 1, children(rank)
     return helpers[0]
 

@@ -1,6 +1,6 @@
 """The kernel choices that only run on a GPU, on the tiny Qwen3-MoE: NCCL collectives and CUDA tensors,
 bf16 forward+backward, the TransformerEngine spec, TEGroupedMLP, ``torch._grouped_mm``'s CUDA kernel,
-the alltoall dispatcher's CUDA streams (on CPU bridged, ``parallel/cpu_compat.py``), TP=2 over NCCL.
+the alltoall dispatcher's CUDA streams (on CPU bridged, ``policy/cpu_bridges.py``), TP=2 over NCCL.
 
 Skipped without CUDA (and the TE / Hopper / two-GPU cases without TransformerEngine / compute
 capability 9.0 / a second GPU). Every case
@@ -21,7 +21,7 @@ import importlib.util
 import pytest
 import torch
 
-from gspo_megatron.models.micro_batch import MicroBatch
+from gspo_megatron.contracts.micro_batch import MicroBatch
 from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.model_fixtures import model_variants_worker, random_hf_state, tiny_test_config
 
@@ -37,11 +37,11 @@ def gpu_model_worker(ctx, cfg, state: dict, layout_kwargs: dict, dtype_name: str
     import torch.distributed as dist
     from megatron.core import tensor_parallel
 
-    from gspo_megatron.models.builder import build_model
-    from gspo_megatron.models.conversion import export_hf_state_dict, gradient_of, load_hf_weights
-    from gspo_megatron.models.schedule import run_schedule, wrap_for_training
-    from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.parallel.mesh import initialize_parallel
+    from gspo_megatron.policy.models.builder import build_model
+    from gspo_megatron.policy.models.conversion import export_hf_state_dict, gradient_of, load_hf_weights
+    from gspo_megatron.policy.models.schedule import run_schedule, wrap_for_training
+    from gspo_megatron.policy.parallel.layout import ParallelLayout
+    from gspo_megatron.policy.parallel.mesh import initialize_parallel
     from gspo_megatron.testing.model_fixtures import fixed_batch
 
     layout = ParallelLayout(**layout_kwargs).validate(cfg)
@@ -173,7 +173,7 @@ def variants_gpu_worker(ctx, cfg, state: dict, layout_kwargs: dict, variants: li
     module classes each variant built and the number of ``torch._grouped_mm`` calls of the whole run."""
     from unittest import mock
 
-    import gspo_megatron.models.builder as builder
+    import gspo_megatron.policy.models.builder as builder
 
     built: list[set[str]] = []
     real_build, real_grouped_mm = builder.build_model, torch._grouped_mm
@@ -209,7 +209,7 @@ def _assert_close_results(reference: dict, candidate: dict, log_prob_atol: float
 
 @pytest.mark.skipif(not HOPPER, reason="torch._grouped_mm on CUDA needs compute capability >= 9.0")
 def test_grouped_mm_cuda_kernel_equals_sequential_mlp(weights):
-    """bf16 on Hopper: ``models/grouped_experts.py`` takes ``torch._grouped_mm``'s CUDA kernel (on CPU
+    """bf16 on Hopper: ``policy/models/grouped_experts.py`` takes ``torch._grouped_mm``'s CUDA kernel (on CPU
     its C++ loop is what the unit and distributed suites check) and equals SequentialMLP's loop."""
     cfg, state = weights
     variants = [

@@ -28,13 +28,13 @@ ROUNDING = 512  # the CUDA caching allocator rounds every allocation up to a mul
 
 
 def reference_memory_worker(ctx, offload: bool) -> dict:
-    from gspo_megatron.models.builder import build_model
-    from gspo_megatron.models.conversion import load_hf_weights
-    from gspo_megatron.models.micro_batch import MicroBatch
-    from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.parallel.mesh import initialize_parallel
+    from gspo_megatron.contracts.micro_batch import MicroBatch
+    from gspo_megatron.policy.models.builder import build_model
+    from gspo_megatron.policy.models.conversion import load_hf_weights
+    from gspo_megatron.policy.parallel.layout import ParallelLayout
+    from gspo_megatron.policy.parallel.mesh import initialize_parallel
+    from gspo_megatron.policy.reference import ReferenceModel
     from gspo_megatron.testing.model_fixtures import fixed_batch, random_hf_state, tiny_test_config
-    from gspo_megatron.trainer.reference_model import ReferenceModel
 
     cfg = tiny_test_config()
     layout = ParallelLayout(world_size=1).validate(cfg)
@@ -78,9 +78,9 @@ def hybrid_optimizer_worker(ctx, run_dir: str) -> dict:
 
     from gspo_megatron.config.compose import compose
     from gspo_megatron.config.schema import to_train_config
+    from gspo_megatron.loop.build import build
+    from gspo_megatron.policy.optimizer import allocate_optimizer_state
     from gspo_megatron.testing.train_runs import TINY_JOB
-    from gspo_megatron.trainer.optim import allocate_optimizer_state
-    from gspo_megatron.trainer.setup import build
 
     overrides = [*TINY_JOB, "model.dtype=bfloat16", "optimizer.cpu_offload=true", "optimizer.distributed=true"]
     composed = compose(overrides)

@@ -59,14 +59,14 @@ def precision_aware_worker(ctx, precision_aware: bool, moment_dtype: str) -> dic
     from megatron.core import tensor_parallel
 
     from gspo_megatron.config.schema import OptimizerSection
-    from gspo_megatron.models.builder import build_model
-    from gspo_megatron.models.conversion import export_hf_state_dict, load_hf_weights
-    from gspo_megatron.models.micro_batch import MicroBatch
-    from gspo_megatron.models.schedule import run_schedule, wrap_for_training
-    from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.parallel.mesh import initialize_parallel
+    from gspo_megatron.contracts.micro_batch import MicroBatch
+    from gspo_megatron.policy.models.builder import build_model
+    from gspo_megatron.policy.models.conversion import export_hf_state_dict, load_hf_weights
+    from gspo_megatron.policy.models.schedule import run_schedule, wrap_for_training
+    from gspo_megatron.policy.optimizer import allocate_optimizer_state, build_optimizer
+    from gspo_megatron.policy.parallel.layout import ParallelLayout
+    from gspo_megatron.policy.parallel.mesh import initialize_parallel
     from gspo_megatron.testing.model_fixtures import fixed_batch, random_hf_state, tiny_test_config
-    from gspo_megatron.trainer.optim import allocate_optimizer_state, build_optimizer
 
     cfg = tiny_test_config()
     layout = ParallelLayout(world_size=1).validate(cfg)
@@ -137,9 +137,9 @@ def test_bf16_moments_stay_within_the_derived_bound_and_fp32_states_match_the_pl
 
 @pytest.mark.parametrize("moment_dtype", ["float32", "bfloat16"])
 def test_the_planned_optimizer_bytes_equal_the_allocated_ones(moment_dtype):
-    from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.planning.parameters import StateWidths, state_bytes
+    from gspo_megatron.policy.parallel.layout import ParallelLayout
     from gspo_megatron.testing.model_fixtures import tiny_test_config
+    from planning.parameters import StateWidths, state_bytes
 
     (built,) = run_distributed(precision_aware_worker, 1, True, moment_dtype, timeout=600)
     width = 2 if moment_dtype == "bfloat16" else 4

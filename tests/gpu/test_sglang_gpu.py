@@ -56,7 +56,7 @@ def _deepseek_v3_tiny_checkpoint(path):
     router with expert bias and groups, a shared expert) as the trainer's export writes it, in bf16."""
     from gspo_megatron.config.compose import compose
     from gspo_megatron.config.schema import to_train_config
-    from gspo_megatron.models.hf_checkpoint import write_hf_checkpoint
+    from gspo_megatron.policy.models.hf_checkpoint import write_hf_checkpoint
     from gspo_megatron.testing.model_fixtures import random_hf_state
 
     cfg = to_train_config(compose(["model=deepseek_v3_tiny"])).model
@@ -76,8 +76,8 @@ def test_a_deepseek_v3_server_generates_and_takes_a_weight_update(tmp_path):
 def _serves_routes_and_takes_a_weight_update(tmp_path, model, layers: int, num_experts: int) -> None:
     from safetensors.torch import load_file
 
+    from gspo_megatron.contracts.samples import FinishReason, SamplingParams
     from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine
-    from gspo_megatron.rollout.types import FinishReason, SamplingParams
 
     config = SGLangConfig(
         mode="launch",
@@ -134,10 +134,10 @@ def _serves_routes_and_takes_a_weight_update(tmp_path, model, layers: int, num_e
 
 def _fp8_checkpoint(path):
     """A tiny Qwen3-MoE with every projection a multiple of SGLang's 128 x 128 blocks, written as a block-FP8
-    checkpoint (``weights/fp8_blocks.py``); returns the bf16 weights it was made from."""
+    checkpoint (``core/fp8_blocks.py``); returns the bf16 weights it was made from."""
     from safetensors.torch import load_file, save_file
 
-    from gspo_megatron.weights.fp8_blocks import QUANTIZATION_CONFIG, quantize_named_tensors
+    from gspo_megatron.core.fp8_blocks import QUANTIZATION_CONFIG, quantize_named_tensors
 
     _tiny_moe_checkpoint(path, hidden_size=128, moe_intermediate_size=128, num_key_value_heads=4, head_dim=32)
     weights = load_file(str(path / "model.safetensors"))
@@ -152,8 +152,8 @@ def test_an_fp8_server_takes_block_fp8_weights_from_the_trainer(tmp_path):
     """rollout.sglang.weight_quantization=fp8_block into a server serving an FP8 checkpoint, over NCCL: the
     trainer's bf16 weights go out as block FP8; perturbed weights change the outputs, the original ones bring
     back the server's own start exactly (the same FP8 tensors it loaded)."""
+    from gspo_megatron.contracts.samples import SamplingParams
     from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine
-    from gspo_megatron.rollout.types import SamplingParams
 
     model = tmp_path / "tiny_fp8"
     weights = _fp8_checkpoint(model)

@@ -22,9 +22,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from gspo_megatron.models.config import preset
+from gspo_megatron.contracts.samples import FinishReason, SamplingParams
+from gspo_megatron.policy.models.config import preset
 from gspo_megatron.rollout.sglang.engine import SGLangEngine, WeightSyncError
-from gspo_megatron.rollout.types import FinishReason, SamplingParams
 from gspo_megatron.testing.model_fixtures import random_hf_state
 
 TINY = preset("tiny")
@@ -154,7 +154,7 @@ def test_rows_stop_once_enough_groups_are_complete_and_continue_from_their_token
     token, group 1's 200; once group 0 is complete the engine aborts group 1's requests by rid and SGLang
     answers each with the tokens it had (finish reason abort, log-probs for each); fed back as a prompt with
     the budget left, a stopped row goes on from its last token."""
-    from gspo_megatron.rollout.types import RowRequest
+    from gspo_megatron.contracts.samples import RowRequest
 
     engine = attach()
     params = SamplingParams(temperature=1.0, max_new_tokens=200, stop_token_ids=(), return_routed_experts=True)

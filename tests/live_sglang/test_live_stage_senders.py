@@ -21,13 +21,13 @@ pytestmark = pytest.mark.distributed
 
 
 def pp2_sync_worker(ctx, config_values: dict) -> dict:
-    from gspo_megatron.models.builder import build_model
-    from gspo_megatron.models.conversion import load_hf_weights
-    from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.parallel.mesh import initialize_parallel
+    from gspo_megatron.loop.stage_senders import StageTurns
+    from gspo_megatron.loop.weight_sync import sync_engine_weights
+    from gspo_megatron.policy.models.builder import build_model
+    from gspo_megatron.policy.models.conversion import load_hf_weights
+    from gspo_megatron.policy.parallel.layout import ParallelLayout
+    from gspo_megatron.policy.parallel.mesh import initialize_parallel
     from gspo_megatron.rollout.sglang.engine import SGLangEngine
-    from gspo_megatron.trainer.stage_senders import StageTurns
-    from gspo_megatron.trainer.weight_stream import sync_engine_weights
 
     layout = ParallelLayout(pp=2, world_size=2).validate(TINY)
     mesh = initialize_parallel(layout)

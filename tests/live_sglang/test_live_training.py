@@ -7,7 +7,7 @@ mismatch stays exactly zero on both. Once step ``KILL_AFTER`` is logged the seco
 whatever the trainer was doing (generating, syncing, releasing), its requests go to the survivor and it
 is dropped from the hand-over and the syncs; the run finishes its 20 steps on one server.
 
-Colocated placement (``rollout.placement=colocated``, ``trainer/colocation.py``) as slime and verl run by
+Colocated placement (``rollout.placement=colocated``, ``loop/colocation.py``) as slime and verl run by
 default: after each generation the server releases its memory (``/release_memory_occupation``) and the
 trainer takes the device, before each weight sync the trainer frees its gradient buffers and the server
 resumes (``/resume_memory_occupation``); the weights go in by tensor handles (``/update_weights_from_tensor``,

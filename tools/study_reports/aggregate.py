@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gspo_megatron.config_node import flatten_dotted
-from gspo_megatron.run_dir import METRICS_FILE, RunData, RunDirError, load_run
+from gspo_megatron.core.config_node import flatten_dotted
+from gspo_megatron.core.run_dir import METRICS_FILE, RunData, RunDirError, load_run
 
 DEFAULT_SEED_KEYS = ("trainer.seed",)
 IGNORED_KEYS = ("run_dir",)

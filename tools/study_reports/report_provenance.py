@@ -8,16 +8,16 @@ Design decisions:
   commit) are not refused -- a sweep may be resumed on newer code on purpose -- but warned about,
   in the report and on stderr: such numbers may not come from one piece of code. So are runs that
   used different CPU thread counts or started from different warm starts (different weights' sha256):
-  the same code then gives different numbers (``gspo_megatron/provenance.py``).
+  the same code then gives different numbers (``gspo_megatron/core/provenance.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gspo_megatron.config_node import flatten_dotted
-from gspo_megatron.provenance import provenance
-from gspo_megatron.run_dir import RunData
+from gspo_megatron.core.config_node import flatten_dotted
+from gspo_megatron.core.provenance import provenance
+from gspo_megatron.core.run_dir import RunData
 
 SEED_CONFIG_KEYS = ("trainer.seed", "model.init_seed")
 NOT_RECORDED = "not recorded"

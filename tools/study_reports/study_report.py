@@ -8,7 +8,7 @@ Answers the GSPO paper's MoE questions (arXiv 2507.18071) from a sweep of run di
   sequence s, ``algorithms/ratio_dispersion.py``); grad-norm spikes (max over steps); reward
   collapse events (a drop of >= 0.2 in the 20-step mean);
 - the mechanism: each ratio split into its routing part and its weight part
-  (``routing/ratio_decomposition.py``), for tokens whose experts changed vs unchanged;
+  (``policy/routing/ratio_decomposition.py``), for tokens whose experts changed vs unchanged;
 - a "paper vs ours" table that says, per claim, what was measured and whether it reproduces here;
 - provenance: the report's and every run's commit, command, seeds and config (``report_provenance.py``).
 
@@ -25,8 +25,8 @@ import html
 from typing import Any
 
 from gspo_megatron.algorithms.ratio_dispersion import LENGTH_BUCKETS, bucket_name
-from gspo_megatron.routing.plots import Panel, Series, figure_png, line_panels
-from gspo_megatron.routing.report import format_number, html_page, html_table, png_img
+from gspo_megatron.run.routing_plots import Panel, Series, figure_png, line_panels
+from gspo_megatron.run.routing_report import format_number, html_page, html_table, png_img
 from study_reports.aggregate import (
     RunGroup,
     Stat,

@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gspo_megatron.config_node import ConfigChoice, ConfigNode
+from gspo_megatron.core.config_node import ConfigChoice, ConfigNode
 
 
 class LaunchMode(ConfigChoice):
@@ -65,7 +65,7 @@ PAUSE_MODES = tuple(PauseMode)
 
 
 class WeightQuantization(ConfigChoice):
-    """How the engine holds the synced weights: as sent, or block FP8 (``weights/fp8_blocks.py``)."""
+    """How the engine holds the synced weights: as sent, or block FP8 (``core/fp8_blocks.py``)."""
 
     none = "none"
     fp8_block = "fp8_block"  # e4m3, 128 x 128 blocks with float32 scales (the FP8 checkpoints' format)

@@ -17,7 +17,7 @@ def write_safetensors_checkpoint(
 ) -> Path:
     """Write HF-style shards + index into ``directory``, with the template's non-weight files copied.
     Streamed (one shard in memory at a time, no copies); not fdatasync'ed: the servers read it at once."""
-    from gspo_megatron.weights.safetensors_writer import ShardWriter
+    from gspo_megatron.core.safetensors_writer import ShardWriter
 
     if template_dir is None:
         raise ValueError("weight_sync='disk' needs SGLangConfig.model_path (its config/tokenizer files are copied)")

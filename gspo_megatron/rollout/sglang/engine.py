@@ -17,7 +17,7 @@ Design decisions:
   re-formed whenever the set of live servers changes; each byte-size bucket is one
   ``/update_weights_from_distributed`` per server while the bucket is broadcast, the first failure wins
   (a refused bucket fails at once with the server's message). With pipeline stages each stage's first
-  rank sends its own layers over its own group (``StagedWeights``, ``trainer/stage_senders.py``), the
+  rank sends its own layers over its own group (``StagedWeights``, ``loop/stage_senders.py``), the
   version set with ``/update_weight_version`` once every stage has sent. The groups are destroyed on the
   servers at shutdown, so a later run can form them with the same names.
 - Memory: weights are streamed, never listed. The bucket being sent is the only one held (the next is
@@ -53,6 +53,8 @@ from typing import Any
 
 import torch
 
+from gspo_megatron.contracts.samples import FinishReason, RowRequest, Sample, SamplingParams
+from gspo_megatron.core.fp8_blocks import QuantizedStream, quantize_named_tensors
 from gspo_megatron.rollout.engine import RolloutEngine
 from gspo_megatron.rollout.sglang.client import ServerState, SGLangHTTPClient
 from gspo_megatron.rollout.sglang.config import LaunchMode, PauseMode, SGLangConfig, WeightQuantization, WeightSync
@@ -64,8 +66,6 @@ from gspo_megatron.rollout.sglang.server_calls import LoopThread, ServerCalls, g
 from gspo_megatron.rollout.sglang.tensor_handles import update_from_tensor_body
 from gspo_megatron.rollout.sglang.version import check_sglang_version
 from gspo_megatron.rollout.sglang.weight_sync import bucket_named_tensors
-from gspo_megatron.rollout.types import FinishReason, RowRequest, Sample, SamplingParams
-from gspo_megatron.weights.fp8_blocks import QuantizedStream, quantize_named_tensors
 
 
 class WeightSyncError(RuntimeError):
@@ -272,7 +272,7 @@ class SGLangEngine(RolloutEngine):
         stream, whose every pass is a fresh export) lets a failed distributed update be retried through
         the disk path; a one-shot iterator cannot be read twice, so its failure is raised as it is. With
         ``weight_quantization=fp8_block`` every projection goes out as block FP8 and its scales
-        (``weights/fp8_blocks.py``)."""
+        (``core/fp8_blocks.py``)."""
         # every pipeline stage sends its own layers (a distributed sync only; any other path reads the
         # stream as one full export)
         distributed = self.config.weight_sync == WeightSync.distributed

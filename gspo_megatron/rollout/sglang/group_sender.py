@@ -1,7 +1,7 @@
 """One weight sender: a trainer rank that broadcasts buckets to every SGLang server over its own group.
 
 The driver has one (the whole model, or pipeline stage 0's part); with ``weight_senders=per_stage``
-each pipeline stage's first rank has one for its own layers (``trainer/stage_senders.py``).
+each pipeline stage's first rank has one for its own layers (``loop/stage_senders.py``).
 
 Design decisions:
 - The group is formed on the first bucket and re-formed whenever the set of live servers changes (a
@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from gspo_megatron.contracts.weights import NamedTensor
+from gspo_megatron.core.fp8_blocks import quantize_named_tensors
 from gspo_megatron.rollout.sglang.client import ServerState
 from gspo_megatron.rollout.sglang.config import SGLangConfig
 from gspo_megatron.rollout.sglang.launcher import free_port
@@ -41,8 +43,6 @@ from gspo_megatron.rollout.sglang.weight_sync import (
     close_weight_update_group,
     open_weight_update_group,
 )
-from gspo_megatron.weights.fp8_blocks import quantize_named_tensors
-from gspo_megatron.weights.named_tensors import NamedTensor
 
 # How long an abandoned broadcast (its bucket refused by a server) may take to end once its group was
 # destroyed on the servers; SGLang tears its side down at once, so this is a bound, not a wait.
@@ -64,7 +64,7 @@ class SenderBrief:
 
 @runtime_checkable
 class StagedWeights(Protocol):
-    """The trainer's weights when every pipeline stage sends its own layers (``trainer/stage_senders.py``).
+    """The trainer's weights when every pipeline stage sends its own layers (``loop/stage_senders.py``).
 
     ``send_by_stages`` runs the stages' turns: stage 0's tensors go through ``send_own`` (the driver's
     sender), the others' from their own ranks; it raises ``StageSyncError`` naming each stage that

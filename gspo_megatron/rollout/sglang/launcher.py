@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from gspo_megatron.process_tags import as_own_helper
+from gspo_megatron.core.process_tags import as_own_helper
 from gspo_megatron.rollout.sglang.health import wait_until_healthy
 
 

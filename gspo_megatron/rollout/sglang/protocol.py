@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gspo_megatron.rollout.types import FinishReason, SamplingParams
+from gspo_megatron.contracts.samples import FinishReason, SamplingParams
 
 
 class ProtocolError(RuntimeError):

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from gspo_megatron.data.symbol_hf import symbol_tokenizer_as_hf
-from gspo_megatron.data.tokenizer import SymbolTokenizer
-from gspo_megatron.models.config import MoEModelConfig, preset
-from gspo_megatron.models.hf_checkpoint import write_hf_checkpoint
+from gspo_megatron.policy.models.config import MoEModelConfig, preset
+from gspo_megatron.policy.models.hf_checkpoint import write_hf_checkpoint
+from gspo_megatron.rollout.data.symbol_hf import symbol_tokenizer_as_hf
+from gspo_megatron.rollout.data.tokenizer import SymbolTokenizer
 from gspo_megatron.testing.model_fixtures import random_hf_state
 
 

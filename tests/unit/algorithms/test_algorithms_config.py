@@ -16,7 +16,7 @@ from gspo_megatron.algorithms.config import (
 )
 from gspo_megatron.config.compose import compose
 from gspo_megatron.config.schema import to_train_config
-from gspo_megatron.config_node import flatten_dotted
+from gspo_megatron.core.config_node import flatten_dotted
 
 CONF = Path(__file__).resolve().parents[3] / "gspo_megatron" / "conf" / "algorithm"
 

@@ -12,7 +12,7 @@ from omegaconf.errors import ValidationError
 from gspo_megatron.config.compose import CONF_DIR, compose
 from gspo_megatron.config.store import register_configs
 from gspo_megatron.config.validate import ConfigError, validate_config
-from gspo_megatron.parallel.layout import LayoutError
+from gspo_megatron.policy.parallel.layout import LayoutError
 
 register_configs()
 GROUPS = ["algorithm", "model", "parallel", "rollout", "task", "shaping"]
@@ -110,7 +110,7 @@ def test_unknown_group_option_lists_choices():
 def test_model_yamls_equal_the_code_presets():
     from dataclasses import fields
 
-    from gspo_megatron.models.config import MoEModelConfig, preset
+    from gspo_megatron.policy.models.config import MoEModelConfig, preset
 
     for name in ("tiny", "qwen3_30b_a3b"):
         model = OmegaConf.to_object(compose([f"model={name}"])).model

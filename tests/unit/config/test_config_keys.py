@@ -1,5 +1,5 @@
 """The set of config keys is a contract with every run directory already written: a change to it is
-deliberate (this snapshot), and a renamed key is migrated (``config_migrations.py``)."""
+deliberate (this snapshot), and a renamed key is migrated (``core/config_migrations.py``)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import yaml
 from omegaconf import OmegaConf
 
 from gspo_megatron.config.schema import TrainConfig
-from gspo_megatron.config_migrations import RENAMED, migrate_config
-from gspo_megatron.config_node import flatten_dotted
+from gspo_megatron.core.config_migrations import RENAMED, migrate_config
+from gspo_megatron.core.config_node import flatten_dotted
 
 SNAPSHOT = Path(__file__).with_name("config_keys.txt")
 OLDER = Path(__file__).resolve().parents[2] / "e2e" / "data" / "config_1cd8a48_flat_algorithm.yaml"
@@ -25,7 +25,7 @@ def test_the_config_keys_equal_the_snapshot():
     keys = _keys()
     assert keys == expected, (
         f"added: {sorted(keys - expected)}; gone: {sorted(expected - keys)}. A key that was renamed or moved "
-        f"needs an entry in gspo_megatron/config_migrations.py (old run directories must resume); then "
+        f"needs an entry in gspo_megatron/core/config_migrations.py (old run directories must resume); then "
         f"rewrite {SNAPSHOT.name} from the schema"
     )
 

@@ -11,8 +11,8 @@ import pytest
 from gspo_megatron.config.compose import compose
 from gspo_megatron.config.schema import to_train_config
 from gspo_megatron.config.validate import validate_config
-from gspo_megatron.config_node import flatten_dotted, freeze_config, is_frozen
-from gspo_megatron.routing.config import RoutingConfig
+from gspo_megatron.core.config_node import flatten_dotted, freeze_config, is_frozen
+from gspo_megatron.policy.routing.config import RoutingConfig
 
 
 def test_every_section_refuses_assignment_after_freezing_naming_the_field():

@@ -9,8 +9,8 @@ import pytest
 from gspo_megatron.config.compose import compose
 from gspo_megatron.config.schema import TrainConfig, to_train_config
 from gspo_megatron.config.validate import ConfigError, validate_config
-from gspo_megatron.models.config import ModelConfigError
-from gspo_megatron.parallel.layout import LayoutError
+from gspo_megatron.policy.models.config import ModelConfigError
+from gspo_megatron.policy.parallel.layout import LayoutError
 
 
 def refused(cfg: TrainConfig, world: int, *fragments: str, error=ConfigError) -> str:

@@ -1,13 +1,13 @@
 """The cluster recipes in conf/experiment/ compose, pass the trainer's start-up validation at their world
-size, and plan as fitting their GPUs (``tools/plan.py``'s config mode: ``planning/job.py``)."""
+size, and plan as fitting their GPUs (``tools/plan.py``'s config mode: ``tools/planning/job.py``)."""
 
 from __future__ import annotations
 
 from gspo_megatron.config.compose import compose
 from gspo_megatron.config.schema import to_train_config
 from gspo_megatron.config.validate import validate_config
-from gspo_megatron.planning.hardware import gpu_spec
-from gspo_megatron.planning.job import compose_job, plan_job
+from planning.hardware import gpu_spec
+from planning.job import compose_job, plan_job
 
 # what the user adds: the checkpoint, the engines started beside the trainer (attach mode)
 USER = ["rollout.sglang.model_path=/ckpt", "rollout.sglang.urls=[http://e0:30000]"]

@@ -121,7 +121,7 @@ SECTION_RULES = [
     ("rollout.max_new_tokens=0", r"rollout.max_new_tokens=0 must be >= 1"),
     ("rollout.group_size=1", r"rollout.group_size=1: group-relative advantages need >= 2"),
     ("rollout.max_staleness=2", r"rollout.max_staleness=2: .* supports 0 \(synchronous\) or 1"),
-    # over-sampling and partial rollouts (trainer/partial_rollout.py)
+    # over-sampling and partial rollouts (rollout/agents/partial.py)
     ("rollout.over_sample=0.5", r"rollout.over_sample=0.5 must be >= 1 \(1: no over-sampling\)"),
     ("rollout.partial=continue", r"rollout.partial=continue carries .*set rollout.over_sample > 1"),
     (
@@ -211,7 +211,7 @@ def test_micro_batch_rules_that_hold():
 def test_virtual_stages_need_pp_micro_batches_per_rank():
     """Interleaved 1F1B runs at least pp micro-batches per call: 16 samples in 2 updates are 8 sequences per
     update on the one data-parallel rank; in micro-batches of 8 they are one, refused by name; of 4 they are
-    two, accepted; token budgets are checked per batch instead (models/schedule.py)."""
+    two, accepted; token budgets are checked per batch instead (policy/models/schedule.py)."""
     base = ["model.num_layers=4", "parallel.pp=2", "parallel.vpp=2", "trainer.prompts_per_step=4"]
     base += ["rollout.group_size=4", "trainer.updates_per_rollout=2"]
     with pytest.raises(ConfigError, match="parallel.vpp=2: .* at least pp = 2 micro-batches .* has 1 .8 sequences"):
@@ -222,7 +222,7 @@ def test_virtual_stages_need_pp_micro_batches_per_rank():
 
 def test_reduced_optimizer_state_is_accepted_where_megatron_keeps_it():
     """bf16 moments with the precision-aware optimizer on the device: accepted (TE's presence is the build's
-    question, trainer/optim.py); bf16 master weights are none of megatron's choices, refused by name."""
+    question, policy/optimizer.py); bf16 master weights are none of megatron's choices, refused by name."""
     base = ["model.dtype=bfloat16", "optimizer.distributed=true", "optimizer.precision_aware=true"]
     validate_config(_typed(base + ["optimizer.exp_avg_dtype=bfloat16", "optimizer.exp_avg_sq_dtype=bfloat16"]), 1)
     validate_config(_typed(base + ["optimizer.main_params_dtype=float16"]), 1)

@@ -2,10 +2,10 @@
 
 import pytest
 
+from gspo_megatron.contracts.samples import FinishReason, SamplingParams
 from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine
 from gspo_megatron.rollout.sglang.client import NoServersLeftError, RequestFailedError, RequestRejectedError
 from gspo_megatron.rollout.sglang.protocol import ProtocolError
-from gspo_megatron.rollout.types import FinishReason, SamplingParams
 from gspo_megatron.testing.sglang_double import DoubleFaults
 
 

@@ -8,10 +8,10 @@ import time
 import httpx
 import pytest
 
+from gspo_megatron.contracts.samples import SamplingParams
 from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine
 from gspo_megatron.rollout.sglang.protocol import parse_generate_response
 from gspo_megatron.rollout.sglang.version import UnsupportedSGLangError
-from gspo_megatron.rollout.types import SamplingParams
 from gspo_megatron.testing.sglang_double import DoubleFaults
 
 

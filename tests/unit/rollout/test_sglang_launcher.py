@@ -9,9 +9,9 @@ import time
 
 import pytest
 
+from gspo_megatron.contracts.samples import SamplingParams
 from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine
 from gspo_megatron.rollout.sglang.launcher import LaunchedServer, ServerLaunchError, build_launch_command
-from gspo_megatron.rollout.types import SamplingParams
 
 FAKE_LAUNCH_SERVER = [sys.executable, "-m", "gspo_megatron.testing.sglang_double"]
 

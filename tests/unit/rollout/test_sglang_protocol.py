@@ -6,13 +6,13 @@ import struct
 import pytest
 import torch
 
+from gspo_megatron.contracts.samples import FinishReason, SamplingParams
 from gspo_megatron.rollout.sglang.protocol import (
     ProtocolError,
     build_generate_request,
     decode_routed_experts,
     parse_generate_response,
 )
-from gspo_megatron.rollout.types import FinishReason, SamplingParams
 
 
 def _b64_int32(values):

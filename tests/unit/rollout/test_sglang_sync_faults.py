@@ -12,9 +12,9 @@ import httpx
 import pytest
 import torch
 
+from gspo_megatron.contracts.samples import SamplingParams
 from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine, WeightSyncError
 from gspo_megatron.rollout.sglang.launcher import LaunchedServer, free_port
-from gspo_megatron.rollout.types import SamplingParams
 from gspo_megatron.testing.sglang_double import DoubleFaults, SGLangServerDouble
 
 DOUBLE = [sys.executable, "-m", "gspo_megatron.testing.sglang_double"]

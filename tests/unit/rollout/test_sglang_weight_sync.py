@@ -7,9 +7,9 @@ import httpx
 import pytest
 import torch
 
+from gspo_megatron.contracts.samples import SamplingParams
 from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine, WeightSyncError
 from gspo_megatron.rollout.sglang.weight_sync import bucket_metadata, bucket_named_tensors
-from gspo_megatron.rollout.types import SamplingParams
 from gspo_megatron.testing.sglang_double import DoubleFaults, SGLangServerDouble
 
 BRACKET_HEAD = ["/pause_generation", "/begin_weight_update"]
@@ -202,7 +202,7 @@ def test_fp8_block_weights_go_out_as_the_fp8_checkpoints_tensors(tmp_path):
     -- so the distributed path's FP8 buckets are NCCL's: the GPU tier.)"""
     from safetensors.torch import load_file
 
-    from gspo_megatron.weights.fp8_blocks import FP8_DTYPE, QUANTIZATION_CONFIG, dequantize_block_fp8
+    from gspo_megatron.core.fp8_blocks import FP8_DTYPE, QUANTIZATION_CONFIG, dequantize_block_fp8
 
     model = _model_dir(tmp_path)
     config_json = json.loads((model / "config.json").read_text())

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gspo_megatron.routing.log import RoutingLog
-from gspo_megatron.run_dir import JsonlLog
+from gspo_megatron.core.run_dir import JsonlLog
+from gspo_megatron.policy.routing.log import RoutingLog
 
 TOOL = Path(__file__).resolve().parents[3] / "tools" / "compare_runs.py"
 _spec = importlib.util.spec_from_file_location("compare_runs", TOOL)
@@ -277,10 +277,9 @@ def test_runs_with_other_thread_counts_or_warm_starts_are_warned_about():
 
 
 def test_the_mechanism_row_reads_the_ratio_decomposition(tmp_path):
+    from gspo_megatron.core.run_dir import load_run
     from study_reports.aggregate import group_runs
     from study_reports.study_report import study_report
-
-    from gspo_megatron.run_dir import load_run
 
     paths = []
     for seed, (changed, unchanged, routing, weight) in enumerate([(0.30, 0.05, 0.20, 0.10), (0.34, 0.07, 0.22, 0.12)]):
@@ -307,10 +306,9 @@ def test_the_mechanism_row_reads_the_ratio_decomposition(tmp_path):
 
 def test_no_clipping_in_either_algorithm_is_not_a_reproduction(tmp_path):
     """Two runs where nothing moved (clip fractions 0) once read as 'x inf more: reproduced'."""
+    from gspo_megatron.core.run_dir import load_run
     from study_reports.aggregate import group_runs
     from study_reports.study_report import study_report
-
-    from gspo_megatron.run_dir import load_run
 
     paths = [
         make_run(tmp_path / algorithm, algorithm, [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]) for algorithm in ("gspo", "grpo")

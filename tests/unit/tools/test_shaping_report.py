@@ -3,6 +3,7 @@
 import json
 
 import pytest
+
 from study_reports.shaping_report import (
     aggregate,
     read_metrics,

@@ -1,0 +1,233 @@
+"""The run-directory format shared by the trainer, the routing report and ``tools/compare_runs.py``
+(torch-free; ``policy/routing/log.py`` writes the routing records into it).
+
+Layout of one run directory (the trainer writes it from rank 0 only; everything else reads it)::
+
+    <run>/config.yaml     resolved Hydra config; ``algorithm.name`` names the algorithm
+                          (e.g. "gspo", "grpo"); the run's label in comparisons.
+    <run>/provenance.json {"commit": sha | "unknown", "dirty": bool | null, "command": str, "cwd": str,
+                           "time": str, "previous": [earlier starts of a resumed run]}
+                          (``gspo_megatron/core/provenance.py``; runs from before it have none)
+    <run>/metrics.jsonl   one JSON object per training step:
+                          {"step": int, "reward/mean": float, "loss/clip_frac_token": float,
+                           "loss/clip_frac_seq": float, ...any other scalar metrics}
+    <run>/routing.jsonl   one JSON object per step and diagnostic kind:
+                          {"step": int, "kind": "update" | "rollout_vs_train" | "minibatch",
+                           "changed_frac": [L], "overlap": [L],
+                           "changed_frac_overall": float, "overlap_overall": float, "tokens": int,
+                           "changed_any_frac": float (token-level: experts differ in >= 1 layer),
+                           "expert_load": [[L x E]], "load_imbalance": [L], "load_cv": [L]}
+                          (the last three are present only when the trainer measured them)
+
+Only ``metrics.jsonl`` is required: a run without routing diagnostics has no ``routing.jsonl``, and
+a run without ``config.yaml`` is labelled by its directory name.
+
+Design decisions:
+- JSON Lines, one flushed line per record: a crash loses at most the line being written. Readers
+  drop an unterminated, unparsable *last* line (a partial write) but fail loudly, with the line
+  number, on a bad line anywhere else (real corruption must not be skipped silently).
+- A writer reopening a file that ends in a partial line first cuts that partial line off, so a
+  resumed run never glues its first record onto the fragment.
+- Records are made JSON-safe in one place (``to_jsonable``): tensors and numpy values become
+  Python numbers and nested lists, so callers may pass tensors straight from the diagnostics.
+- Non-finite floats are written as JSON ``NaN``/``Infinity`` (Python's json round-trips them), not
+  dropped: a NaN diagnostic is information.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gspo_megatron.core.config_migrations import migrate_config
+from gspo_megatron.core.provenance import PROVENANCE_FILE
+
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+ROUTING_FILE = "routing.jsonl"
+
+# metrics.jsonl keys the report and the comparison read (the trainer may log any others beside them)
+REWARD_KEY = "reward/mean"
+CLIP_FRAC_TOKEN_KEY = "loss/clip_frac_token"
+CLIP_FRAC_SEQ_KEY = "loss/clip_frac_seq"
+
+
+class RunDirError(ValueError):
+    """A run directory that cannot be used as asked: not a readable run directory (missing, not a directory,
+    no metrics.jsonl, corrupt), or -- for the trainer (``run/run_dir_owner.py``) -- locked, holding
+    another run, nothing to resume, a bad ``checkpoint.resume`` value."""
+
+
+def to_jsonable(value: Any) -> Any:
+    """Tensors, numpy arrays/scalars, tuples and dicts -> plain JSON types (recursively)."""
+    if hasattr(value, "detach"):  # torch.Tensor, without importing torch here
+        value = value.detach().cpu().tolist()
+    elif hasattr(value, "tolist") and not isinstance(value, (str, bytes)):  # numpy
+        value = value.tolist()
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    raise TypeError(f"cannot write {type(value).__name__} to a run-directory JSON record: {value!r}")
+
+
+def _cut_partial_last_line(path: Path) -> None:
+    """If ``path`` ends without a newline (a write was interrupted), drop that partial line."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    data = path.read_bytes()
+    if data.endswith(b"\n"):
+        return
+    keep = data.rfind(b"\n") + 1  # 0 when the whole file is one partial line
+    with open(path, "r+b") as f:
+        f.truncate(keep)
+
+
+class JsonlLog:
+    """Appends one JSON object per line to a file and flushes it at once."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        _cut_partial_last_line(self.path)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - held by the log until close()
+
+    def append(self, record: dict) -> None:
+        if self._file.closed:
+            raise ValueError(f"{self.path}: log is closed")
+        self._file.write(json.dumps(to_jsonable(record)) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """Read a JSON Lines file, dropping an unterminated unparsable last line (an interrupted write)."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    lines = text.split("\n")
+    terminated = text.endswith("\n")
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if number == len(lines) and not terminated:
+                break  # partial last line of a run that is still writing (or crashed)
+            raise RunDirError(f"{path}:{number}: not valid JSON ({err.msg}); the file is corrupt") from err
+        if not isinstance(record, dict):
+            raise RunDirError(f"{path}:{number}: expected a JSON object per line, got {type(record).__name__}")
+        records.append(record)
+    return records
+
+
+def drop_records_from_step(path: str | os.PathLike, step: int) -> int:
+    """Keep only records with ``step`` < ``step`` (resume from a checkpoint at ``step``); returns how many remain.
+
+    Call it for metrics.jsonl *and* routing.jsonl on resume, before reopening the logs, so the files
+    hold what an uninterrupted run would have written (no duplicated steps in report averages).
+    """
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept = [r for r in read_jsonl(path) if r.get("step", 0) < step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+    os.replace(tmp, path)  # atomic: a crash here leaves the old file or the new one, never half
+    return len(kept)
+
+
+@dataclass
+class RunData:
+    """Everything read from one run directory."""
+
+    path: Path
+    label: str  # algorithm.name from config.yaml, else the directory name
+    config: dict = field(default_factory=dict)
+    metrics: list[dict] = field(default_factory=list)
+    routing: list[dict] = field(default_factory=list)
+    provenance: dict = field(default_factory=dict)  # empty: the run predates provenance.json
+
+    @property
+    def commit(self) -> str | None:
+        commit = self.provenance.get("commit")
+        return None if commit is None else commit + ("+dirty" if self.provenance.get("dirty") else "")
+
+    def metric_series(self, key: str) -> tuple[list[int], list[float]]:
+        """(steps, values) of one metric over the steps that logged it."""
+        pairs = [(r["step"], r[key]) for r in self.metrics if key in r and r[key] is not None and "step" in r]
+        return [s for s, _ in pairs], [float(v) for _, v in pairs]
+
+    def routing_kinds(self) -> list[str]:
+        return sorted({r["kind"] for r in self.routing if "kind" in r})
+
+    def routing_records(self, kind: str) -> list[dict]:
+        return sorted((r for r in self.routing if r.get("kind") == kind), key=lambda r: r.get("step", 0))
+
+
+def _algorithm_name(config: dict) -> str | None:
+    algorithm = config.get("algorithm")
+    if isinstance(algorithm, dict) and isinstance(algorithm.get("name"), str):
+        return algorithm["name"]
+    return None
+
+
+def load_run(path: str | os.PathLike) -> RunData:
+    """Read a run directory; raises RunDirError naming what is missing when ``path`` is not one."""
+    path = Path(path)
+    if not path.exists():
+        raise RunDirError(f"run directory {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise RunDirError(f"{str(path)!r} is a file, not a run directory; pass the directory holding {METRICS_FILE}")
+    if not (path / METRICS_FILE).is_file():
+        present = sorted(p.name for p in path.iterdir())[:10]
+        raise RunDirError(
+            f"{str(path)!r} is not a run directory: it has no {METRICS_FILE} (found: {present or 'nothing'}). "
+            f"A run directory holds {CONFIG_FILE}, {METRICS_FILE} and optionally {ROUTING_FILE}; "
+            "see gspo_megatron/core/run_dir.py"
+        )
+    config: dict = {}
+    if (path / CONFIG_FILE).is_file():
+        import yaml
+
+        try:
+            loaded = yaml.safe_load((path / CONFIG_FILE).read_text(encoding="utf-8"))
+        except yaml.YAMLError as err:
+            raise RunDirError(f"{path / CONFIG_FILE}: not valid YAML: {err}") from err
+        config = migrate_config(loaded)[0] if isinstance(loaded, dict) else {}  # older runs: today's keys
+    routing = read_jsonl(path / ROUTING_FILE) if (path / ROUTING_FILE).is_file() else []
+    provenance_path = path / PROVENANCE_FILE
+    try:
+        provenance = json.loads(provenance_path.read_text(encoding="utf-8")) if provenance_path.is_file() else {}
+    except json.JSONDecodeError as err:
+        raise RunDirError(f"{provenance_path}: not valid JSON ({err.msg})") from err
+    return RunData(
+        path=path,
+        label=_algorithm_name(config) or path.resolve().name,
+        config=config,
+        metrics=read_jsonl(path / METRICS_FILE),
+        routing=routing,
+        provenance=provenance if isinstance(provenance, dict) else {},
+    )
+
+
+def finite_mean(values: Sequence[float | None]) -> float | None:
+    """Mean of the finite values, None when there are none (keeps NaN steps from poisoning summaries)."""
+    finite = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    return sum(finite) / len(finite) if finite else None

@@ -1,0 +1,1 @@
+"""The policy's distributed checkpoints: written in megatron's formats, read trusting nothing in the file."""

@@ -1,0 +1,289 @@
+"""Routing bookkeeping of one RL step: old-policy routing, replay targets and volatility diagnostics.
+
+What is measured (``routing.kinds``; the math is ``policy/routing/volatility.py``):
+- ``update``: the routing of the old-policy pass vs the routing of the same tokens right after the
+  first optimizer step of the step -- the GSPO paper's "experts that change after one gradient
+  update" (about 10% per update for Qwen3-30B-A3B). Without replay and with >= 2 updates this is
+  free: the second mini-batch's training forward is recorded (it runs after exactly one step).
+  Otherwise (replayed forwards do not route freely) a forward-only recording pass over the first
+  mini-batch runs after the first step;
+- ``minibatch``: the same recording pass after update m vs after update m-1 (drift across updates);
+- ``rollout_vs_train``: the experts the rollout engine used vs the trainer's old-policy routing of
+  the same tokens (MoE layers only; SGLang/embedded rows include dense layers).
+
+With pi_old from the engine (``trainer.old_log_probs=rollout``) no old-policy pass runs: the first
+update's training forward (before any optimizer step) is recorded as the old policy's routing of
+the first mini-batch, and every kind compares against that.
+
+Under rollout replay (R3) the old-policy pass replays the engine's routing instead of recording
+one, so there is no free routing for ``update``/``minibatch``; ``rollout_vs_train`` compares the
+engine's experts with the ones the replaying forward actually routed with (observed in megatron's
+top-k), so an R3 run measures -- rather than assumes -- that replay removed the routing mismatch.
+
+``ratio_decomposition`` (``policy/routing/ratio_decomposition.py``): at the last update of a due step, the
+ratio the loss uses is split into its routing part and its weight part. Cost: two forward-only
+passes over that update's mini-batch (the loss's routing -- a repeat of the training forward, whose
+log-probs the loss head does not hand back -- and the old pass's routing replayed), i.e. about
+2/3 of one more forward-backward of one mini-batch per diagnosed step, ~2/(3k) of the update phase
+with k updates per rollout; logged as ``time/ratio_decomposition`` (measured: 0.97 s of a 20.7 s
+update phase at k = 16 on small_moe, docs/studies.md "The mechanism"). Reading the training forward's own
+log-probs would save one of the two passes; not done, to leave the loss path untouched. It needs
+the trainer's old-log-prob pass (not ``trainer.old_log_probs=rollout``).
+
+This module only consumes recordings: which forward is recorded is the routing plan's decision
+(``policy/routing/plan.py``), the forwards (and the extra passes) run under ``policy/routing/step_routing.py``'s
+contexts and every recording starts and stops in ``policy/routing/recorder.py``.
+
+Counts are merged exactly over micro-batches, data-parallel ranks and (under sequence parallelism)
+tensor-parallel ranks; pipeline stages contribute their own layers, concatenated in stage order.
+Only the driver writes ``routing.jsonl``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from gspo_megatron.contracts.micro_batch import MicroBatch, StepMicroBatch, UpdateMicroBatch
+from gspo_megatron.policy.parallel.context_parallel import split_sequence
+from gspo_megatron.policy.parallel.mesh import ParallelMesh
+from gspo_megatron.policy.routing.config import DiagnosticKind
+from gspo_megatron.policy.routing.log import RoutingLog
+from gspo_megatron.policy.routing.plan import RecordingPass, RoutingPlan
+from gspo_megatron.policy.routing.ratio_decomposition import (
+    RatioDecomposition,
+    changed_in_any_layer,
+    decompose_log_ratio,
+)
+from gspo_megatron.policy.routing.recorder import Routing
+from gspo_megatron.policy.routing.replay_strategy import TargetsOf
+from gspo_megatron.policy.routing.volatility import (
+    ExpertLoad,
+    RoutingVolatility,
+    all_reduce_expert_load,
+    all_reduce_volatility,
+    expert_load,
+    routing_volatility,
+)
+
+Counts = TypeVar("Counts", RoutingVolatility, ExpertLoad)
+
+
+class LogProbs(Protocol):
+    """A log-prob head's output per micro-batch (``policy/loss_heads.py``'s ``LogProbOutput``)."""
+
+    @property
+    def log_probs(self) -> torch.Tensor: ...  # float [b, s]
+
+
+class RoutingDiagnostics:
+    def __init__(self, plan: RoutingPlan, mesh: ParallelMesh, num_experts: int, routing_log: RoutingLog | None):
+        self.plan = plan
+        self.mesh = mesh
+        self.num_experts = num_experts
+        self.routing_log = routing_log  # the driver's routing.jsonl
+        self.old: Routing = []  # per old-pass micro-batch: per layer [tokens, k]
+        self.old_masks: list[torch.Tensor] = []
+        self.old_used: Routing = []  # the routing the old pass used (R3: the engine's)
+        self.decomposition: RatioDecomposition | None = None
+        self.decomposition_seconds = 0.0  # its cost, logged as time/ratio_decomposition
+        self.previous: Routing | None = None
+        self.step_records: list[tuple[str, RoutingVolatility, ExpertLoad | None]] = []
+
+    # --- old-policy routing --------------------------------------------------------------------
+    def begin_step(self, micro_batches: Sequence[StepMicroBatch]) -> None:
+        """A new step over ``micro_batches`` (all of the step's, in update order); no old routing yet."""
+        self.old, self.old_used = [], []
+        self.old_masks = [_token_mask(mb, self.mesh) for mb in micro_batches]
+        self.step_records = []
+        self.previous = None
+
+    def from_old_pass(
+        self,
+        step: int,
+        micro_batches: Sequence[MicroBatch],
+        targets_of: TargetsOf,
+        old_routing: Routing | None,
+        used: Routing,
+    ) -> None:
+        """The old-policy pass's routing: ``old_routing`` what R2 replays and "update" compares
+        against (None under R3), ``used`` what it routed with (R3: the engine's, observed)."""
+        self.old = old_routing or []
+        self.old_used = used
+        self.rollout_vs_train(step, micro_batches, targets_of, used)
+
+    @property
+    def has_old_routing(self) -> bool:
+        return bool(self.old)
+
+    def old_used_of(self, first: int, count: int) -> Routing:
+        """The routing the old pass used for micro-batches ``first .. first + count - 1`` (empty: none ran)."""
+        return self.old_used[first : first + count]
+
+    # --- diagnostics ---------------------------------------------------------------------------
+    def rollout_vs_train(
+        self, step: int, micro_batches: Sequence[MicroBatch], targets_of: TargetsOf, trainer_routing: Routing
+    ) -> None:
+        """Engine routing (per micro-batch, megatron order) vs the routing of the old-log-prob pass."""
+        due = self.plan.due(DiagnosticKind.rollout_vs_train, step)
+        if not due or not trainer_routing or micro_batches[0].routed_experts is None:
+            return
+        parts = []
+        # strict=False: the masks (and micro-batches) cover the whole step, ``trainer_routing`` may cover only the
+        # first mini-batch (the engine's pi_old: the first update's forward is the one recorded)
+        for mb, recorded, mask in zip(micro_batches, trainer_routing, self.old_masks, strict=False):
+            engine = torch.stack(targets_of(mb), dim=1)
+            trainer = torch.stack(recorded, dim=1)
+            parts.append(routing_volatility(engine, trainer, mask))
+        self.step_records.append(("rollout_vs_train", RoutingVolatility.merge_all(parts), None))
+
+    def from_training_forward(
+        self, recorded: Routing, old_offset: int, micro_batches: Sequence[MicroBatch], targets_of: TargetsOf, step: int
+    ) -> None:
+        """A training forward the plan chose to record (``RoutingPlan.records_training_forward``)."""
+        if self.plan.engine_old_policy:
+            self.old = recorded  # the old policy's routing of the first mini-batch
+            self.rollout_vs_train(step, micro_batches, targets_of, recorded)
+            return
+        masks = self.old_masks[old_offset : old_offset + len(recorded)]
+        base = self.old[old_offset : old_offset + len(recorded)]
+        self.step_records.append(("update", _compare(base, recorded, masks), self._load(recorded, masks)))
+
+    def from_recording_pass(self, purpose: RecordingPass, now: Routing) -> None:
+        """The first mini-batch's routing, recorded after an optimizer step (``RoutingPlan.recording_pass_after``)."""
+        masks = self.old_masks[: len(now)]
+        if purpose.compares_to_old_policy:
+            base = self.old[: len(now)]
+            self.step_records.append(("update", _compare(base, now, masks), self._load(now, masks)))
+        if purpose.compares_to_previous and self.previous is not None:
+            self.step_records.append(("minibatch", _compare(self.previous, now, masks), None))
+        self.previous = now
+
+    def add_ratio_decomposition(
+        self,
+        micro_batches: Sequence[UpdateMicroBatch],
+        loss_outputs: Sequence[LogProbs],
+        old_routing_outputs: Sequence[LogProbs],
+        loss_routing: Routing,
+        old_routing: Routing,
+        clip: tuple[float, float],
+    ) -> None:
+        """The log-probs under the loss's routing and under the old pass's routing (same weights),
+        split by ``decompose_log_ratio`` (``clip``: the configured eps_low, eps_high). ``loss_routing`` is
+        what the loss's forward recorded (empty when it replayed the old pass's routing: then no token's
+        experts changed)."""
+        mesh = self.mesh
+        if loss_routing:
+            changed = [
+                _rows_of_tokens(changed_in_any_layer(torch.stack(a, 1), torch.stack(b, 1)), mb, mesh)
+                for a, b, mb in zip(old_routing, loss_routing, micro_batches, strict=True)
+            ]
+        else:
+            changed = [torch.zeros(mb.num_rows * mb.seq_len, dtype=torch.bool) for mb in micro_batches]
+        changed = self._any_rank(changed)
+        total = RatioDecomposition.zeros()
+        # strict=False: only the last pipeline stage has log-probs (the outputs are empty on the others)
+        for mb, flags, train_out, old_out in zip(
+            micro_batches, changed, loss_outputs, old_routing_outputs, strict=False
+        ):
+            total = total.merge(
+                decompose_log_ratio(
+                    train_out.log_probs.cpu(),
+                    old_out.log_probs.cpu(),
+                    mb.old_log_probs.cpu(),
+                    mb.response_mask.cpu(),
+                    flags.reshape(mb.num_rows, mb.seq_len),
+                    mb.advantages.cpu(),
+                    *clip,
+                )
+            )
+        # rows differ over data-parallel ranks; only the last pipeline stage has log-probs (others: 0)
+        for group, size in ((mesh.dp_group, mesh.layout.dp), (mesh.pp_group, mesh.layout.pp)):
+            if size > 1:
+                total = RatioDecomposition(total.all_reduce_on(mesh.device, group))
+        self.decomposition = total if self.decomposition is None else self.decomposition.merge(total)
+
+    def add_decomposition_seconds(self, seconds: float) -> None:
+        self.decomposition_seconds += seconds
+
+    def _load(self, routing: Routing, masks: list[torch.Tensor]) -> ExpertLoad:
+        parts = [expert_load(torch.stack(r, dim=1), self.num_experts, m) for r, m in zip(routing, masks, strict=True)]
+        total = parts[0]
+        for part in parts[1:]:
+            total = total.merge(part)
+        return total
+
+    def _any_rank(self, flags: list[torch.Tensor]) -> list[torch.Tensor]:
+        """OR over the ranks that hold other tokens (CP, sequence-parallel TP) or other layers (PP)."""
+        flat = self.mesh.any_over_tokens_and_stages(torch.cat(flags).to(self.mesh.device, torch.int32))
+        return list(flat.bool().cpu().split([f.numel() for f in flags]))
+
+    def finish_step(self, step: int) -> dict[str, float]:
+        """Reduce this step's records over ranks, write routing.jsonl (driver), return scalars."""
+        metrics: dict[str, float] = {}
+        if self.decomposition is not None:
+            metrics.update(self.decomposition.metrics())
+            metrics["time/ratio_decomposition"] = self.decomposition_seconds
+            self.decomposition, self.decomposition_seconds = None, 0.0
+        for kind, volatility, load in self.step_records:
+            volatility = self._reduce(volatility, all_reduce_volatility)
+            load = self._reduce(load, all_reduce_expert_load) if load is not None else None
+            metrics[f"routing/{kind}_changed_frac"] = float(volatility.changed_frac_overall)
+            metrics[f"routing/{kind}_overlap"] = float(volatility.overlap_overall)
+            metrics[f"routing/{kind}_changed_any_frac"] = float(volatility.changed_any_frac)
+            if self.mesh.is_driver and self.routing_log is not None:
+                self.routing_log.log(step, kind, volatility=volatility, load=load)
+        self.step_records = []
+        return metrics
+
+    def _reduce(self, counts: Counts, all_reduce: Callable[[Counts, object], Counts]) -> Counts:
+        """Sum over the ranks that hold other tokens of the same layers; concatenate the pipeline
+        stages' layers (in stage order)."""
+        counts = counts.to(self.mesh.device)  # NCCL reduces device tensors only
+        if isinstance(counts, RoutingVolatility) and self.mesh.layout.pp > 1:
+            counts = counts.or_over_stages(self.mesh.pp_group)  # before the tokens of other ranks are summed
+        for group in self.mesh.token_groups():  # the ranks that hold other tokens of the same layers
+            counts = all_reduce(counts, group)
+        counts = counts.to("cpu")
+        if self.mesh.layout.pp > 1:
+            gathered: list[Counts | None] = [None] * self.mesh.layout.pp
+            dist.all_gather_object(gathered, counts, group=self.mesh.pp_group)
+            counts = type(counts).concat_layers([p for p in gathered if p is not None])
+        return counts
+
+
+def _compare(before: list, after: list, masks: list) -> RoutingVolatility:
+    parts = [
+        routing_volatility(torch.stack(a, dim=1), torch.stack(b, dim=1), m)
+        for a, b, m in zip(before, after, masks, strict=True)
+    ]
+    return RoutingVolatility.merge_all(parts)
+
+
+def _rows_of_tokens(local: torch.Tensor, micro_batch: MicroBatch, mesh: ParallelMesh) -> torch.Tensor:
+    """Per-token flags of this rank's tokens (megatron order, like ``_token_mask``) -> bool [b * s]
+    over whole rows (row-major), False where another rank holds the token."""
+    b, s = micro_batch.num_rows, micro_batch.seq_len
+    index = torch.arange(b * s).reshape(b, s)
+    index = split_sequence(index, mesh.layout.cp, mesh.cp_rank if mesh.layout.cp > 1 else 0).transpose(0, 1)
+    if mesh.layout.use_sequence_parallel and mesh.layout.tp > 1:
+        index = index.chunk(mesh.layout.tp, dim=0)[mesh.tp_rank]
+    rows = torch.zeros(b * s, dtype=torch.bool)
+    rows[index.reshape(-1)] = local.cpu()
+    return rows
+
+
+def _token_mask(micro_batch: StepMicroBatch, mesh: ParallelMesh) -> torch.Tensor:
+    """bool [s_local * b] in megatron's token order: real (non-padding) input tokens."""
+    mask = split_sequence(
+        micro_batch.input_mask,
+        mesh.layout.cp,
+        mesh.cp_rank if mesh.layout.cp > 1 else 0,
+    )
+    mask = mask.bool().transpose(0, 1)  # [s, b]
+    if mesh.layout.use_sequence_parallel and mesh.layout.tp > 1:
+        mask = mask.chunk(mesh.layout.tp, dim=0)[mesh.tp_rank]
+    return mask.reshape(-1)

@@ -1,0 +1,250 @@
+"""Over-sampling and partial rollouts (``rollout.over_sample``, ``rollout.partial``): a step no longer waits
+for its longest responses (slime's ``--over-sampling-batch-size`` / ``--partial-rollout``, verl's partial
+rollout, Megatron-RL's ``--rl-partial-rollouts``).
+
+A step needs G groups (``trainer.prompts_per_step``). It starts ceil(over_sample x G) of them -- the groups
+carried from the last step first, then fresh prompts -- and the engine stops generating once G groups are
+complete, every sample finished (``RolloutEngine.generate_rows``). The first G complete groups in that
+order are the step's batch (carried groups first: the older a group, the sooner it trains). The others:
+- ``partial=drop``: discarded, their prompts spent. The batch then leans to short responses, the groups
+  that finish first -- the bias ``continue`` removes. (Groups the engine never started -- rows past
+  ``rollout.embedded.max_batch_size`` -- are only prompts yet: kept for the next step either way.)
+- ``partial=continue``: carried to the next step as they are -- finished samples whole, unfinished ones
+  with their tokens, the engine's per-token log-probs and the weight version of each token
+  (``Sample.extra["token_versions"]``). The next step feeds an unfinished sample's prompt and tokens to the
+  engine, which goes on under the new weights with the budget the sample has left; the sample is the two
+  parts stitched. Its tokens then come from several policy versions: the loss weighs them with the
+  engine's log-probs like any engine/trainer mismatch (``algorithm.mismatch_*``), and the metrics say how
+  many are stale and by how much (``rollout/partial/stale_token_frac``, ``stale_tokens_age_<k>``). A
+  carried group holding a token more than ``rollout.max_staleness`` versions old by the step it would
+  train in is dropped instead (``rollout/partial/dropped_stale``). A sample's ``weight_version`` is its
+  oldest token's.
+The carried groups are part of the checkpoint (``state_dict``): a resumed run continues them exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from gspo_megatron.contracts.samples import FinishReason, RowRequest, Sample, SamplingParams
+from gspo_megatron.rollout.config import PARTIAL_CONTINUE, PartialRollout
+from gspo_megatron.rollout.data.records import PromptRecord
+
+TOKEN_VERSIONS = "token_versions"  # Sample.extra key: the weight version of each output token
+
+
+@dataclass
+class Group:
+    """One prompt's samples; an unfinished sample has ``FinishReason.ABORT`` and the tokens it has so far."""
+
+    record: PromptRecord
+    samples: list[Sample]
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.samples) and all(finished(sample) for sample in self.samples)
+
+    def oldest_version(self) -> int | None:
+        versions = [v for sample in self.samples for v in token_versions(sample)]
+        return min(versions) if versions else None
+
+
+@dataclass
+class DrawnGroups:
+    """A step's complete groups and what happened to the others."""
+
+    groups: list[Group]
+    metrics: dict[str, float]
+
+
+def finished(sample: Sample | None) -> bool:
+    return sample is not None and sample.finish_reason != FinishReason.ABORT
+
+
+def token_versions(sample: Sample) -> list[int]:
+    """The weight version of each output token (a sample of one engine call: all its ``weight_version``)."""
+    return list(sample.extra.get(TOKEN_VERSIONS, [sample.weight_version] * len(sample.output_ids)))
+
+
+def stitch(earlier: Sample | None, prompt: list[int], new: Sample, version: int) -> Sample:
+    """``earlier``'s tokens (None: nothing yet) followed by ``new``, the engine's continuation of them
+    (its input was ``prompt`` + earlier's tokens). Routed experts are the continuation's: it fed every token
+    but the last again, under the current weights."""
+    before = earlier.output_ids if earlier is not None else []
+    versions = (token_versions(earlier) if earlier is not None else []) + [version] * len(new.output_ids)
+    log_probs = earlier.output_log_probs if earlier is not None else torch.zeros(0)
+    return Sample(
+        prompt_ids=list(prompt),
+        output_ids=list(before) + list(new.output_ids),
+        output_log_probs=torch.cat([log_probs.float(), new.output_log_probs.float()]),
+        finish_reason=new.finish_reason,
+        routed_experts=new.routed_experts,
+        weight_version=min(versions, default=version),
+        extra={**new.extra, TOKEN_VERSIONS: versions},
+    )
+
+
+class PartialRollouts:
+    """The driver's over-sampling state: the groups carried between steps (``partial=continue``)."""
+
+    def __init__(self, over_sample: float, partial: PartialRollout, max_staleness: int):
+        if not (math.isfinite(over_sample) and over_sample >= 1.0):
+            raise ValueError(f"rollout.over_sample={over_sample} must be >= 1 (1: no over-sampling)")
+        self.over_sample = over_sample
+        self.partial = PartialRollout(partial)
+        self.max_staleness = max_staleness
+        self.carried: list[Group] = []
+
+    def draw(
+        self,
+        needed: int,
+        next_records: Callable[[int], list[PromptRecord]],
+        generate_rows: Callable[[list[RowRequest], SamplingParams, int], list[Sample]],
+        params: SamplingParams,
+        version: int,
+    ) -> DrawnGroups:
+        """``needed`` complete groups of ``params.n`` samples, generated on weight version ``version``."""
+        carried, dropped_stale = self._still_fresh(version)
+        already = sum(group.complete for group in carried)
+        started = math.ceil(self.over_sample * needed)
+        # no fresh prompts when the carried groups complete the step already
+        fresh = next_records(started - len(carried)) if started > len(carried) and already < needed else []
+        groups = carried + [Group(record, []) for record in fresh]
+        rows, places = self._rows(groups, params)
+        generated = generate_rows(rows, replace(params, n=1), needed - already) if already < needed else []
+        for (group_index, sample_index), new in zip(places, generated, strict=True):
+            group = groups[group_index]
+            earlier = group.samples[sample_index] if sample_index < len(group.samples) else None
+            stitched = stitch(earlier, list(group.record.prompt_ids or ()), new, version)
+            if sample_index < len(group.samples):
+                group.samples[sample_index] = stitched
+            else:
+                group.samples.append(stitched)
+        complete = [group for group in groups if group.complete]
+        if len(complete) < needed:
+            raise RuntimeError(
+                f"the engine stopped with {len(complete)} complete groups of the {needed} asked for "
+                f"({len(groups)} started)"
+            )
+        taken = complete[:needed]
+        taken_ids = {id(group) for group in taken}  # identity: groups hold tensors, == would compare them
+        rest = [group for group in groups if id(group) not in taken_ids]
+        # groups not started yet are prompts still to generate, carried either way (nothing of them is stale)
+        self.carried = [group for group in rest if self.partial == PARTIAL_CONTINUE or not _started(group)]
+        metrics = self._metrics(groups, taken, carried, dropped_stale, generated, version)
+        return DrawnGroups(taken, metrics)
+
+    def _still_fresh(self, version: int) -> tuple[list[Group], int]:
+        """The carried groups whose oldest token is at most ``max_staleness`` versions old at ``version``."""
+        keep = [g for g in self.carried if _or(g.oldest_version(), version) >= version - self.max_staleness]
+        return keep, len(self.carried) - len(keep)
+
+    @staticmethod
+    def _rows(groups: list[Group], params: SamplingParams) -> tuple[list[RowRequest], list[tuple[int, int]]]:
+        """A row for every unfinished or unstarted sample, and the (group, sample) it fills."""
+        rows, places = [], []
+        for group_index, group in enumerate(groups):
+            prompt = list(group.record.prompt_ids or ())
+            for sample_index in range(params.n):
+                sample = group.samples[sample_index] if sample_index < len(group.samples) else None
+                if finished(sample):
+                    continue
+                so_far = sample.output_ids if sample is not None else []
+                rows.append(RowRequest(prompt + list(so_far), params.max_new_tokens - len(so_far), group_index))
+                places.append((group_index, sample_index))
+        return rows, places
+
+    def _metrics(
+        self,
+        groups: list[Group],
+        taken: list[Group],
+        carried: list[Group],
+        dropped_stale: int,
+        generated: list[Sample],
+        version: int,
+    ) -> dict[str, float]:
+        ages = Counter(version - v for group in taken for sample in group.samples for v in token_versions(sample))
+        tokens = sum(ages.values())
+        return {
+            "rollout/partial/groups_started": float(len(groups)),
+            "rollout/partial/groups_carried_in": float(len(carried)),
+            "rollout/partial/groups_carried_out": float(len(self.carried)),
+            "rollout/partial/groups_dropped": float(len(groups) - len(taken) - len(self.carried) + dropped_stale),
+            "rollout/partial/dropped_stale": float(dropped_stale),
+            # stopped with tokens / never started (a later chunk of rows than rollout.embedded.max_batch_size)
+            "rollout/partial/aborted_samples": float(sum(not finished(s) and len(s.output_ids) > 0 for s in generated)),
+            "rollout/partial/unstarted_samples": float(sum(not finished(s) and not s.output_ids for s in generated)),
+            "rollout/partial/generated_tokens": float(sum(len(s.output_ids) for s in generated)),
+            "rollout/partial/stale_token_frac": (tokens - ages[0]) / tokens if tokens else 0.0,
+            **{f"rollout/partial/stale_tokens_age_{age}": float(ages[age]) for age in range(1, self.max_staleness + 1)},
+        }
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        return {"carried": [_group_state(group) for group in self.carried]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.carried = [_group_from_state(group) for group in state.get("carried", [])]
+
+
+def _started(group: Group) -> bool:
+    return any(sample.output_ids for sample in group.samples)
+
+
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
+
+
+def _group_state(group: Group) -> dict:
+    record = group.record
+    return {
+        "record": {
+            "prompt": record.prompt,
+            "answer": record.answer,
+            "metadata": dict(record.metadata),
+            "prompt_ids": list(record.prompt_ids) if record.prompt_ids is not None else None,
+        },
+        "samples": [_sample_state(sample) for sample in group.samples],
+    }
+
+
+def _sample_state(sample: Sample) -> dict:
+    return {
+        "prompt_ids": list(sample.prompt_ids),
+        "output_ids": list(sample.output_ids),
+        "output_log_probs": sample.output_log_probs.clone(),
+        "finish_reason": sample.finish_reason.value,
+        "routed_experts": sample.routed_experts,
+        "weight_version": sample.weight_version,
+        "token_versions": token_versions(sample),
+    }
+
+
+def _group_from_state(state: dict) -> Group:
+    record = state["record"]
+    prompt_ids = record["prompt_ids"]
+    return Group(
+        PromptRecord(
+            record["prompt"],
+            record["answer"],
+            dict(record["metadata"]),
+            tuple(prompt_ids) if prompt_ids is not None else None,
+        ),
+        [
+            Sample(
+                prompt_ids=list(sample["prompt_ids"]),
+                output_ids=list(sample["output_ids"]),
+                output_log_probs=sample["output_log_probs"],
+                finish_reason=FinishReason(sample["finish_reason"]),
+                routed_experts=sample["routed_experts"],
+                weight_version=int(sample["weight_version"]),
+                extra={TOKEN_VERSIONS: list(sample["token_versions"])},
+            )
+            for sample in state["samples"]
+        ],
+    )

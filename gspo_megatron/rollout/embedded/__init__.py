@@ -1,0 +1,1 @@
+"""The embedded rollout engine: transformers' model with a KV cache, in the driver's process."""

@@ -1,0 +1,345 @@
+"""In-process rollout engine: transformers' model of the family with our own KV-cache decode loop.
+
+Design decisions:
+- The model is the family's transformers causal LM (``core/model_families.py``: ``Qwen3MoeForCausalLM``,
+  ``MixtralForCausalLM``) built from its config (``model_type`` picks the family) with random init;
+  real weights arrive through ``update_weights`` as HF checkpoint-named tensors (see
+  ``embedded_weights``), the same path that feeds SGLang.
+- Our own decode loop (not ``model.generate``): it gives exact control of sampling, log-probs, stop
+  rules and routing capture. Rows (prompt x sample) are batched with LEFT padding, an attention mask
+  and position ids = (number of real tokens before) so a padded row sees the same positions as alone.
+  A row that finishes leaves the batch and the KV cache (``batch_select_indices``) after that step,
+  so long-tailed lengths cost what the rows still running cost (``generate`` in transformers and
+  TRL keeps feeding finished rows to the end). Sampling draws from per-row generators, so the
+  tokens do not depend on which rows share the batch.
+- ``use_cache=False`` re-runs the whole sequence each step (reference and benchmark for the cache).
+- The KV cache is passed under the name the installed transformers' forward declares: ``cache``
+  (5.x; ``past_key_values`` is deprecated there and removed in 5.40) or ``past_key_values`` (older
+  releases), read once from the class's signature (``_cache_argument``), so no deprecated argument is ever passed.
+- Log-probs are log_softmax(logits / T) of the sampled token before top-k/top-p (see ``sampling``).
+- Stop rules (checked in this order after each token): a ``stop_token_ids`` token, a ``stop`` string
+  in the decoded tail (needs ``decode``), then ``max_new_tokens``. The stop token / the tokens that
+  complete a stop string are KEPT in ``output_ids`` (as SGLang's output_ids do), so the trainer
+  scores the token that ended the sample.
+- Routed experts follow SGLang's layout int32 [prompt + output - 1, num_hidden_layers, top_k]. Dense
+  layers are included to keep that shape and hold -1 (no expert); they are captured by forward hooks
+  on each MoE layer's router (``mlp.gate``), whose top-k is the softmax -> top-k the block itself used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import json
+import os
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+import torch
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.cache_utils import DynamicCache
+
+from gspo_megatron.contracts.samples import FinishReason, RowRequest, Sample, SamplingParams
+from gspo_megatron.core.fp8_blocks import fake_quantize_named_tensors
+from gspo_megatron.core.model_families import DEFAULT_FAMILY, family
+from gspo_megatron.rollout.config import EmbeddedConfig
+from gspo_megatron.rollout.embedded.sampling import row_generators, sample_next_tokens
+from gspo_megatron.rollout.embedded.weights import HfWeightLoader
+from gspo_megatron.rollout.engine import RolloutEngine
+from gspo_megatron.rollout.sglang.config import WeightQuantization
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_STOP_TAIL_EXTRA_TOKENS = 8  # decode this many tokens beyond the longest stop string's length
+
+
+def _cache_argument(model_class: type[PreTrainedModel]) -> str:
+    """transformers 5.x renamed the forward's KV-cache argument (``inspect`` follows the deprecation wrapper)."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def build_hf_config(config: EmbeddedConfig) -> PretrainedConfig:
+    """The family's HF config from ``model_config_path`` (optional) overridden by ``config.model``; the
+    ``model_type`` key picks the family (Qwen3-MoE when neither names one)."""
+    values = {}
+    if config.model_config_path:
+        path = config.model_config_path
+        path = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        with open(path) as handle:
+            values = json.load(handle)
+    values.update(config.model)
+    config_class, _ = family(values.pop("model_type", DEFAULT_FAMILY)).transformers_classes()
+    return config_class(**values)
+
+
+class _RouterCapture:
+    """Forward hooks on every MoE router; collects top-k indices [B, S, k] per layer per forward."""
+
+    def __init__(self, model: PreTrainedModel):
+        self._routers = {
+            i: layer.mlp.gate
+            for i, layer in enumerate(model.model.layers)
+            if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")
+        }
+        self._num_layers = len(model.model.layers)
+        self._top_k = model.config.num_experts_per_tok
+        self._latest: dict[int, torch.Tensor] = {}
+        self._handles: list = []
+
+    def __enter__(self):
+        for layer, router in self._routers.items():
+            self._handles.append(router.register_forward_hook(self._hook(layer)))
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _hook(self, layer: int):
+        def record(module, inputs, output):
+            self._latest[layer] = output[2].detach()  # (router_logits, scores, top-k indices)
+
+        return record
+
+    def take(self, batch: int, last: int) -> torch.Tensor:
+        """int32 [B, last, num_layers, top_k] for the last ``last`` positions of the latest forward."""
+        out = torch.full((batch, last, self._num_layers, self._top_k), -1, dtype=torch.int32)
+        for layer, indices in self._latest.items():
+            out[:, :, layer] = indices.reshape(batch, -1, self._top_k)[:, -last:].to(torch.int32).cpu()
+        self._latest.clear()
+        return out
+
+
+class _GroupsDone:
+    """How many groups of a ``generate_rows`` call have all their rows finished, against how many are needed."""
+
+    def __init__(self, group_of_row: list[int], needed: int):
+        self.group_of_row = group_of_row
+        self.unfinished = Counter(group_of_row)  # rows still running, per group
+        self.needed = needed
+        self.complete = 0
+
+    @property
+    def reached(self) -> bool:
+        return self.complete >= self.needed
+
+    def finish(self, row: int) -> None:
+        group = self.group_of_row[row]
+        self.unfinished[group] -= 1
+        if self.unfinished[group] == 0:
+            self.complete += 1
+
+
+class EmbeddedEngine(RolloutEngine):
+    """Generation with transformers' model of the family in the caller's process."""
+
+    def __init__(
+        self,
+        hf_config: PretrainedConfig,
+        config: EmbeddedConfig | None = None,
+        decode: Callable[[list[int]], str] | None = None,
+    ):
+        self.config = config if config is not None else EmbeddedConfig()
+        self.decode = decode
+        hf_config = copy.deepcopy(hf_config)  # the attention choice below must not leak to the caller
+        hf_config._attn_implementation = self.config.attn_implementation
+        _, model_class = family(hf_config.model_type).transformers_classes()
+        self._cache_argument = _cache_argument(model_class)
+        self.model = model_class(hf_config).to(device=self.config.device, dtype=_DTYPES[self.config.dtype]).eval()
+        self._loader = HfWeightLoader(self.model)
+        self._seed_source = torch.Generator().manual_seed(self.config.seed)
+        self.weight_version = 0
+
+    @classmethod
+    def from_config(cls, config: EmbeddedConfig, decode=None) -> EmbeddedEngine:
+        return cls(build_hf_config(config), config, decode)
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy HF-named tensors in as they stream; the version is set only after all loaded. With
+        ``weight_quantization=fp8_block`` each projection weight arrives through its FP8 round trip."""
+        if self.config.weight_quantization == WeightQuantization.fp8_block:
+            named_tensors = fake_quantize_named_tensors(named_tensors)
+        for name, tensor in named_tensors:
+            self._loader.load(name, tensor)
+        self.weight_version = version
+
+    def release_memory(self) -> None:
+        """Colocated: the model's weights to host memory (on a CPU engine they are there already)."""
+        if torch.device(self.config.device).type != "cpu":
+            self.model.to("cpu")
+
+    def resume_memory(self) -> None:
+        if torch.device(self.config.device).type != "cpu":
+            self.model.to(self.config.device)
+
+    def health(self):
+        return {"ok": True, "weight_version": self.weight_version, "device": self.config.device}
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
+        self._check_request(prompts, params)
+        seed = self._call_seed(params)
+        rows = [prompt for prompt in prompts for _ in range(params.n)]
+        generators = row_generators(seed, len(rows))
+        samples: list[Sample] = []
+        step = self.config.max_batch_size
+        for start in range(0, len(rows), step):
+            samples += self._generate_chunk(rows[start : start + step], generators[start : start + step], params)
+        return [samples[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
+
+    def generate_rows(self, rows: list[RowRequest], params: SamplingParams, groups_needed: int) -> list[Sample]:
+        """``RolloutEngine.generate_rows``: rows in chunks of ``max_batch_size`` as ``generate``'s; after each
+        decoded token the rows that finished count towards their groups, and once ``groups_needed`` groups
+        are complete the rows still decoding stop (``ABORT``, their tokens kept) and later chunks do not start."""
+        self._check_request([row.prompt_ids for row in rows], params)
+        seed = self._call_seed(params)
+        generators = row_generators(seed, len(rows))
+        done = _GroupsDone([row.group for row in rows], groups_needed)
+        samples: list[Sample] = []
+        step = self.config.max_batch_size
+        for start in range(0, len(rows), step):
+            chunk = rows[start : start + step]
+            if done.reached:
+                samples += [self._sample(row.prompt_ids, [], [], FinishReason.ABORT, None) for row in chunk]
+                continue
+            budgets = [row.max_new_tokens for row in chunk]
+            samples += self._generate_chunk(
+                [row.prompt_ids for row in chunk], generators[start : start + step], params, budgets, done, start
+            )
+        return samples
+
+    def _call_seed(self, params: SamplingParams) -> int:
+        """The call's seed: ``params.seed``, else the next draw of the engine's own generator."""
+        return params.seed if params.seed is not None else int(torch.randint(0, 2**62, (), generator=self._seed_source))
+
+    def _check_request(self, prompts, params: SamplingParams) -> None:
+        if params.stop and self.decode is None:
+            raise ValueError(
+                "stop strings need a decode(ids) -> str callable: pass decode= to EmbeddedEngine, or use stop_token_ids"
+            )
+        vocab = self.model.config.vocab_size
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+            if min(prompt) < 0 or max(prompt) >= vocab:
+                raise ValueError(f"prompt {i} has token ids outside [0, {vocab}) (the model's vocab)")
+
+    @torch.no_grad()
+    def _generate_chunk(
+        self,
+        prompts: list[list[int]],
+        generators,
+        params: SamplingParams,
+        budgets: list[int] | None = None,
+        done: _GroupsDone | None = None,
+        first_row: int = 0,
+    ) -> list[Sample]:
+        """``budgets``: each row's max_new_tokens (``params.max_new_tokens`` for all by default); ``done``: the
+        call's group count (``generate_rows``), rows numbered from ``first_row`` in it."""
+        budgets = budgets if budgets is not None else [params.max_new_tokens] * len(prompts)
+        device = self.config.device
+        batch, width = len(prompts), max(len(p) for p in prompts)
+        ids = torch.full((batch, width), self.config.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((batch, width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        outputs: list[list[int]] = [[] for _ in range(batch)]
+        log_probs: list[list[float]] = [[] for _ in range(batch)]
+        finish: list[FinishReason | None] = [None] * batch
+        # routed experts of every fed position (prompt padding included), -1 where never fed
+        routing = None
+        if params.return_routed_experts:
+            layers, top_k = self.model.config.num_hidden_layers, self.model.config.num_experts_per_tok
+            routing = torch.full((batch, width + max(budgets), layers, top_k), -1, dtype=torch.int32)
+        active = list(range(batch))  # chunk rows still generating, in the order of the model's batch
+        cache = DynamicCache(config=self.model.config) if self.config.use_cache else None
+        feed_ids, feed_positions, fed = ids, positions, 0
+        capture = _RouterCapture(self.model) if routing is not None else None
+        with capture if capture is not None else contextlib.nullcontext():
+            for _ in range(max(budgets)):
+                logits = self.model(
+                    input_ids=feed_ids,
+                    attention_mask=mask,
+                    position_ids=feed_positions,
+                    use_cache=cache is not None,
+                    logits_to_keep=1,
+                    **{self._cache_argument: cache},
+                ).logits
+                new = feed_ids.shape[1] if cache is not None or fed == 0 else 1
+                if capture is not None and routing is not None:
+                    routing[active, fed : fed + new] = capture.take(len(active), new)
+                fed += new
+                tokens, token_log_probs = sample_next_tokens(logits[:, -1], params, [generators[r] for r in active])
+                self._record(active, tokens, token_log_probs, outputs, log_probs, finish, params, budgets)
+                keep = [i for i, r in enumerate(active) if finish[r] is None]
+                if done is not None:
+                    for r in active:
+                        if finish[r] is not None:
+                            done.finish(first_row + r)
+                    if done.reached:  # enough groups are complete: the rows still decoding stop here
+                        for r in active:
+                            finish[r] = finish[r] or FinishReason.ABORT
+                        break
+                if not keep:
+                    break
+                if len(keep) < len(active):
+                    # finished rows leave the batch (and the KV cache): the rest decode as they would
+                    # alone, since sampling draws from per-row generators
+                    index = torch.tensor(keep, device=device)
+                    active = [active[i] for i in keep]
+                    ids, positions, mask, tokens = ids[index], positions[index], mask[index], tokens[index]
+                    if cache is not None:
+                        cache.batch_select_indices(index)
+                next_ids = tokens.unsqueeze(-1)
+                next_positions = positions[:, -1:] + 1
+                ids, positions = torch.cat([ids, next_ids], -1), torch.cat([positions, next_positions], -1)
+                mask = torch.cat([mask, torch.ones_like(next_ids)], -1)
+                feed_ids, feed_positions = (next_ids, next_positions) if cache is not None else (ids, positions)
+        return [
+            self._sample(
+                prompts[r],
+                outputs[r],
+                log_probs[r],
+                finish[r],
+                None if routing is None else routing[r, width - len(prompts[r]) :],
+            )
+            for r in range(batch)
+        ]
+
+    def _record(
+        self, rows, tokens, token_log_probs, outputs, log_probs, finish, params: SamplingParams, budgets: list[int]
+    ) -> None:
+        """Append each active row's sampled token (``rows[i]`` sampled ``tokens[i]``); mark rows that stop."""
+        for row, token, log_prob in zip(rows, tokens.tolist(), token_log_probs.tolist(), strict=True):
+            outputs[row].append(token)
+            log_probs[row].append(log_prob)
+            if token in params.stop_token_ids or self._hit_stop_string(outputs[row], params.stop):
+                finish[row] = FinishReason.STOP
+            elif len(outputs[row]) >= budgets[row]:
+                finish[row] = FinishReason.LENGTH
+
+    def _hit_stop_string(self, output: list[int], stops: tuple[str, ...]) -> bool:
+        if not stops:
+            return False
+        if self.decode is None:
+            raise ValueError("stop strings need the engine's decode function (EmbeddedEngine(decode=...))")
+        window = max(len(s) for s in stops) + _STOP_TAIL_EXTRA_TOKENS
+        tail = self.decode(output[-window:])
+        return any(stop in tail for stop in stops)
+
+    def _sample(self, prompt, output, log_probs, finish, routing) -> Sample:
+        if routing is not None:
+            routing = routing[: len(prompt) + len(output) - 1].contiguous()
+        return Sample(
+            prompt_ids=list(prompt),
+            output_ids=output,
+            output_log_probs=torch.tensor(log_probs, dtype=torch.float32),
+            finish_reason=finish,
+            routed_experts=routing,
+            weight_version=self.weight_version,
+        )

@@ -1,0 +1,82 @@
+"""The producer's last step: a step's samples as one padded ``RolloutBatch`` (``contracts/batch.py``),
+with masks aligned to the targets."""
+
+from __future__ import annotations
+
+import torch
+
+from gspo_megatron.contracts.batch import RolloutBatch
+from gspo_megatron.contracts.samples import Sample
+
+
+def pack_samples(
+    samples: list[Sample],
+    advantages: torch.Tensor,
+    rewards: torch.Tensor,
+    shaped_rewards: torch.Tensor,
+    pad_token_id: int,
+    with_routed_experts: bool = False,
+    train_on_exit_tokens: bool = False,
+) -> RolloutBatch:
+    """Right-pad prompt+response token ids into one batch, with masks aligned to the targets.
+
+    Row i holds prompt p_i then response r_i. Target index j scores token j+1, so the response's
+    targets are j in [p_i - 1, p_i + r_i - 1) and the fed inputs are j < p_i + r_i - 1 (the last
+    token is never fed; SGLang's routed rows alike). Built from one flat tensor per field and
+    position masks, not per-row copies: the main job packs 256 rows a step.
+    """
+    if not samples:
+        raise ValueError("cannot pack an empty list of samples")
+    n = len(samples)
+    prompt_lengths = torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long)
+    response_lengths = torch.tensor([len(s.output_ids) for s in samples], dtype=torch.long)
+    lengths = prompt_lengths + response_lengths
+    width = int(lengths.max())
+    position = torch.arange(width)
+    real = position < lengths[:, None]  # [n, S]
+    tokens = torch.full((n, width), pad_token_id, dtype=torch.long)
+    tokens[real] = torch.tensor([t for s in samples for ids in (s.prompt_ids, s.output_ids) for t in ids])
+    target = position[: width - 1]
+    fed = target < (lengths - 1)[:, None]  # [n, S-1]
+    response = fed & (target >= (prompt_lengths - 1)[:, None])
+    rollout_logp = torch.zeros(n, width - 1)
+    rollout_logp[response] = torch.cat([s.output_log_probs.float() for s in samples])
+    sampled = response.float()
+    for i, sample in enumerate(samples):
+        if sample.truncation is not None:
+            # tokens the truncated rollout inserted (closing the thinking block) were not sampled by the
+            # policy: never compared with the engine's log-probs (it reports 0.0 for them), and trained on
+            # only when rollout.truncation.train_on_exit_tokens (the exit decision then gets gradient)
+            p, r = len(sample.prompt_ids), len(sample.output_ids)
+            sampled[i, p - 1 : p + r - 1] *= 1.0 - sample.truncation.forced_mask.float()
+    mask = response.float() if train_on_exit_tokens else sampled
+    routed = None
+    if with_routed_experts:
+        experts = []
+        for sample in samples:
+            if sample.routed_experts is None:
+                raise ValueError(
+                    "rollout routing replay needs routed experts from the engine, but a sample has none; "
+                    "the engine must be asked with return_routed_experts"
+                )
+            experts.append(sample.routed_experts.to(torch.int32))
+        layers, k = experts[0].shape[1:]
+        # padding positions route to experts 0..k-1: a valid top-k (k distinct experts), which megatron's
+        # token dispatch needs even for tokens the loss ignores (0.19.2's alltoall dispatcher fails on
+        # [0, 0]: it counts a token's expert slots, not its distinct experts)
+        routed = torch.arange(k, dtype=torch.int32).expand(n, width - 1, layers, k).clone()
+        routed[fed] = torch.cat(experts)  # row-major: each row's fed tokens in order
+    return RolloutBatch(
+        tokens=tokens,
+        response_mask=mask,
+        input_mask=fed.float(),
+        rollout_log_probs=rollout_logp,
+        sampled_mask=sampled,
+        advantages=advantages.float(),
+        rewards=rewards.float(),
+        shaped_rewards=shaped_rewards.float(),
+        prompt_lengths=prompt_lengths,
+        response_lengths=response_lengths,
+        routed_experts=routed,
+        policy_versions=torch.tensor([s.weight_version for s in samples], dtype=torch.long),
+    )

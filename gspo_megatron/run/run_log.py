@@ -1,0 +1,208 @@
+"""What a run writes for people: metrics JSONL, TensorBoard, optional wandb, progress, summary.
+
+Only the driver rank writes. The run-directory format is ``core/run_dir.py``'s (shared with the
+report and comparison tools). On resume, metrics past the checkpoint's step are cut from
+``metrics.jsonl`` so the file holds one line per step, as an uninterrupted run would.
+Every step records ``time/run_wall_s``, the run's wall time up to that step across resumes (the last
+kept step's value carried into the resuming process), so the summary times the whole run, not only
+the process that finished it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from gspo_megatron.algorithms.ratio_dispersion import LENGTH_BUCKETS, bucket_name
+from gspo_megatron.core.provenance import PROVENANCE_FILE, provenance
+from gspo_megatron.core.run_dir import CONFIG_FILE, METRICS_FILE, JsonlLog, drop_records_from_step, read_jsonl
+
+RUN_WALL_KEY = "time/run_wall_s"
+
+
+class RunLog:
+    def __init__(
+        self,
+        run_dir: Path,
+        total_steps: int,
+        *,
+        tensorboard: bool,
+        wandb_project: str | None,
+        progress: bool,
+        config_yaml: str,
+        charts: bool = True,
+        resume_step: int = 0,
+    ):
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.config_yaml = config_yaml  # written by ``write_config`` once a resumed checkpoint has loaded
+        # Keep what steps 1..resume_step wrote (nothing on a fresh run), as an uninterrupted run would.
+        drop_records_from_step(run_dir / METRICS_FILE, resume_step + 1)
+        self.metrics = JsonlLog(run_dir / METRICS_FILE)
+        self.history: list[dict] = read_jsonl(run_dir / METRICS_FILE) if resume_step else []
+        self.resume_step = resume_step
+        self.charts = charts
+        # the wall time earlier processes spent on the steps kept (0 on a fresh run)
+        self.wall_before = (_number(self.history[-1].get(RUN_WALL_KEY)) or 0.0) if self.history else 0.0
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        self.wandb = None
+        if wandb_project:
+            import wandb  # optional extra
+
+            self.wandb = wandb.init(project=wandb_project, dir=str(run_dir), config={"run_dir": str(run_dir)})
+        self.bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=resume_step, desc="RL steps", unit="step", dynamic_ncols=True)
+        self.started = time.monotonic()
+
+    def write_config(self, **inputs: object) -> None:
+        """``config.yaml`` and ``provenance.json`` (commit, command and ``inputs`` such as the thread
+        count; a resume keeps the earlier starts under ``previous``, so a run continued on other code
+        says so)."""
+        (self.run_dir / CONFIG_FILE).write_text(self.config_yaml)
+        path = self.run_dir / PROVENANCE_FILE
+        earlier = json.loads(path.read_text()) if path.is_file() else None
+        record = provenance(**inputs)
+        if earlier is not None:
+            record["previous"] = earlier.pop("previous", []) + [earlier]
+        path.write_text(json.dumps(record, indent=2) + "\n")
+
+    def log_step(self, step: int, metrics: dict) -> None:
+        record = {"step": step, **{k: _number(v) for k, v in metrics.items()}, RUN_WALL_KEY: self.run_wall_s()}
+        self.metrics.append(record)
+        self.history.append(record)
+        if self.tb is not None:
+            for key, value in record.items():
+                if key != "step" and value is not None and math.isfinite(value):
+                    self.tb.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(record, step=step)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(
+                reward=f"{record.get('reward/mean', float('nan')):.3f}",
+                clip=f"{record.get('loss/clip_frac_seq', float('nan')):.3f}",
+                t_roll=f"{record.get('time/rollout', 0):.1f}s",
+                t_upd=f"{record.get('time/update', 0):.1f}s",
+            )
+
+    def close(self) -> str:
+        """Write the reward-curve PNG and return the one-screen summary text."""
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        self.metrics.close()
+        plot = self._plot()
+        resumed = (self.resume_step, time.monotonic() - self.started) if self.resume_step else None
+        return summary_text(self.history, self.run_wall_s(), plot, resumed=resumed)
+
+    def run_wall_s(self) -> float:
+        """Wall seconds of the whole run so far: earlier processes' share plus this process's."""
+        return self.wall_before + time.monotonic() - self.started
+
+    def _plot(self) -> Path | None:
+        if not self.history or not self.charts:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        steps = [r["step"] for r in self.history]
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+        for key, label in (("reward/mean", "train reward"), ("eval/pass@1", "eval pass@1")):
+            pts = [(r["step"], r[key]) for r in self.history if r.get(key) is not None]
+            if pts:
+                axes[0].plot(*zip(*pts, strict=True), marker="o" if key.startswith("eval") else None, label=label)
+        axes[0].set_xlabel("step")
+        axes[0].set_title("reward")
+        axes[0].legend()
+        axes[1].plot(steps, [r.get("response/length_mean") for r in self.history], label="response length")
+        axes[1].set_xlabel("step")
+        axes[1].set_title("tokens per response")
+        fig.tight_layout()
+        path = self.run_dir / "reward_curve.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+
+def _number(value: Any) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def fifth_mean(history: list[dict], key: str, first: bool) -> float:
+    """The mean of ``key`` over the first (or last) fifth of the steps that report it (nan if none do)."""
+    values = [r[key] for r in history if r.get(key) is not None]
+    if not values:
+        return float("nan")
+    part = values[: max(1, len(values) // 5)] if first else values[-max(1, len(values) // 5) :]
+    return sum(part) / len(part)
+
+
+def summary_text(
+    history: list[dict], wall_s: float, plot: Path | None, resumed: tuple[int, float] | None = None
+) -> str:
+    """The one-screen summary; ``wall_s`` is the whole run's, ``resumed`` = (step, this process's seconds)."""
+    if not history:
+        return "no steps were run"
+
+    def window(key: str, first: bool) -> float:
+        return fifth_mean(history, key, first)
+
+    lines = [
+        "=" * 64,
+        f"gspo-megatron run summary: {len(history)} steps in {wall_s / 60:.1f} min"
+        + (f" (resumed at step {resumed[0]}: {resumed[1] / 60:.1f} min in this process)" if resumed else ""),
+        f"  reward/mean       first 20%: {window('reward/mean', True):.3f}"
+        f"   last 20%: {window('reward/mean', False):.3f}",
+        f"  response length   first 20%: {window('response/length_mean', True):.2f}"
+        f"   last 20%: {window('response/length_mean', False):.2f}",
+        f"  clip frac (seq)   mean: {window('loss/clip_frac_seq', False):.4f}"
+        f"   (token) {window('loss/clip_frac_token', False):.4f}",
+    ]
+    gaps = [r["loss/ratio_token_seq_gap"] for r in history if r.get("loss/ratio_token_seq_gap") is not None]
+    if gaps:  # 0 for one-token answers, where GSPO's sequence ratio is GRPO's token ratio
+        spreads = "no length bucket measured"
+        for low, high in sorted(LENGTH_BUCKETS, key=lambda bucket: bucket != (5, 16)):  # 5-16 first, if measured
+            name = bucket_name(low, high)
+            spread_token = window(f"loss/ratio_var_token/{name}", False)
+            spread_seq = window(f"loss/ratio_var_seq/{name}", False)
+            if not (math.isnan(spread_token) or math.isnan(spread_seq)):
+                tokens = f"{low}-{high}" if high is not None else f"{low}+"
+                spreads = (
+                    f"token ratio spread E[(w-1)^2] {spread_token:.3g} vs sequence {spread_seq:.3g} at {tokens} tokens"
+                )
+                break
+        lines.append(f"  sequence vs token ratio: mean |w_t - s_i| = {sum(gaps) / len(gaps):.4g} ({spreads})")
+    changed = [r["routing/update_changed_frac"] for r in history if r.get("routing/update_changed_frac") is not None]
+    if changed:  # activation volatility: the fraction of (token, layer) whose expert set an update changed
+        engine = window("routing/rollout_vs_train_changed_frac", False)
+        lines.append(
+            f"  routing volatility  experts changed by an update: {sum(changed) / len(changed):.3f} of tokens per layer"
+            f" (first 20%: {window('routing/update_changed_frac', True):.3f},"
+            f" last 20%: {window('routing/update_changed_frac', False):.3f})"
+            + ("" if math.isnan(engine) else f"; engine vs trainer: {engine:.3f}")
+        )
+    evals = [r for r in history if r.get("eval/pass@1") is not None]
+    if evals:
+        lines.append(f"  eval pass@1       first: {evals[0]['eval/pass@1']:.3f}   last: {evals[-1]['eval/pass@1']:.3f}")
+    if plot is not None:
+        lines.append(f"  reward curve: {plot}")
+    lines.append("=" * 64)
+    return "\n".join(lines)

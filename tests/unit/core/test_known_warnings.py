@@ -1,0 +1,64 @@
+"""The reviewed-warning filters: a reviewed warning from its module is hidden, anything else shows."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+
+from gspo_megatron.core.known_warnings import KNOWN_LOG_MESSAGES, KNOWN_WARNINGS, filter_known_warnings
+
+
+def _shown(message: str, category: type[Warning], module: str) -> bool:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.resetwarnings()
+        warnings.simplefilter("always")
+        filter_known_warnings()
+        warnings.warn_explicit(message, category, filename=f"/site/{module}.py", lineno=1, module=module)
+    return len(caught) == 1
+
+
+@pytest.mark.parametrize("known", KNOWN_WARNINGS, ids=lambda known: known.message[:30])
+def test_a_reviewed_warning_is_hidden_only_from_its_module(known):
+    message = known.message.replace("\\", "") + " (details)"
+    module = known.module.replace("\\", "").rstrip(".") + ".sub"  # a module the pattern matches
+    assert not _shown(message, known.category, module)
+    assert _shown(message, known.category, "someone_else")  # the same text from elsewhere still shows
+    assert _shown(message, DeprecationWarning if known.category is not DeprecationWarning else UserWarning, module)
+
+
+def test_an_unreviewed_warning_shows():
+    assert _shown("something new", UserWarning, "megatron.core.optimizer")
+    assert _shown("past_key_values is deprecated", FutureWarning, "transformers.utils.generic")
+
+
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _logged(logger_name: str, message: str) -> bool:
+    """Whether a WARNING logged on ``logger_name`` reaches a handler of that logger (where the library's
+    own handler, or the root's through propagation, would print it)."""
+    filter_known_warnings()
+    logger, handler = logging.getLogger(logger_name), _Collect()
+    logger.addHandler(handler)
+    try:
+        logger.warning(message)
+    finally:
+        logger.removeHandler(handler)
+    return handler.messages == [message]
+
+
+@pytest.mark.parametrize("known", KNOWN_LOG_MESSAGES, ids=lambda known: known.message[:30])
+def test_a_reviewed_log_message_is_hidden_only_from_its_logger(known):
+    message = known.message.replace("\\", "") + " (details)"
+    assert not _logged(known.logger, message)
+    assert _logged(known.logger + ".child", message)  # only the logger that emits it
+    assert _logged("someone_else", message)
+    assert _logged(known.logger, "something new")

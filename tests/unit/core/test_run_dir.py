@@ -1,0 +1,95 @@
+"""Run-directory writer/reader: round trip from tensors, partial last lines, bad directories."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from gspo_megatron.core.run_dir import JsonlLog, RunDirError, load_run, read_jsonl, to_jsonable
+from gspo_megatron.policy.routing.log import RoutingLog, routing_record
+from gspo_megatron.policy.routing.volatility import expert_load, routing_volatility
+
+A = torch.tensor([[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[0, 2], [1, 3]]])
+B = torch.tensor([[[1, 0], [2, 4]], [[6, 7], [7, 6]], [[2, 0], [3, 5]]])
+
+
+def test_routing_log_round_trip_from_tensors(tmp_path):
+    with RoutingLog(tmp_path) as log:
+        log.log(
+            5,
+            "update",
+            volatility=routing_volatility(A, B),
+            load=expert_load(B, 8),
+        )
+        log.log(6, "rollout_vs_train", volatility=routing_volatility(A, A))
+    records = read_jsonl(tmp_path / "routing.jsonl")
+    assert [r["step"] for r in records] == [5, 6]
+    first = records[0]
+    assert first["kind"] == "update"
+    assert first["changed_frac"] == pytest.approx([1 / 3, 2 / 3])
+    assert first["changed_frac_overall"] == pytest.approx(0.5)
+    assert first["overlap_overall"] == pytest.approx(2 / 3)
+    assert first["tokens"] == 3 and isinstance(first["tokens"], int)
+    # B layer 0 picks 1,0 | 6,7 | 2,0 over 8 experts: counts [2,1,1,0,0,0,1,1] of 6 assignments
+    assert first["expert_load"][0] == pytest.approx([2 / 6, 1 / 6, 1 / 6, 0, 0, 0, 1 / 6, 1 / 6])
+    assert first["load_imbalance"][0] == pytest.approx(2 / 0.75)
+    assert records[1]["changed_frac_overall"] == 0.0 and "expert_load" not in records[1]
+
+
+def test_reader_drops_partial_last_line_and_writer_repairs_it(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0, "reward/mean": 0.5}\n{"step": 1, "rew')
+    assert read_jsonl(path) == [{"step": 0, "reward/mean": 0.5}]
+    with JsonlLog(path) as log:  # a resumed run appends after cutting the fragment
+        log.append({"step": 1, "reward/mean": torch.tensor(0.75)})
+    assert path.read_text() == '{"step": 0, "reward/mean": 0.5}\n{"step": 1, "reward/mean": 0.75}\n'
+    assert read_jsonl(path)[1] == {"step": 1, "reward/mean": 0.75}
+
+
+def test_reader_fails_on_corrupt_middle_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0}\n{"step": 1,,}\n{"step": 2}\n')
+    with pytest.raises(RunDirError, match=r"metrics.jsonl:2: not valid JSON"):
+        read_jsonl(path)
+
+
+def test_to_jsonable_and_nan():
+    record = to_jsonable({"a": torch.tensor([1.5, float("nan")]), "b": (torch.tensor(3),), "c": None})
+    assert record["b"] == [3] and math.isnan(record["a"][1])
+    assert json.loads(json.dumps(record))["a"][0] == 1.5
+    with pytest.raises(TypeError, match="cannot write object"):
+        to_jsonable({"x": object()})
+
+
+def test_routing_record_rejects_unknown_kind():
+    with pytest.raises(ValueError, match="valid kinds"):
+        routing_record(0, "after_update")
+
+
+def test_load_run_label_and_errors(tmp_path):
+    run = tmp_path / "exp1"
+    run.mkdir()
+    with pytest.raises(RunDirError, match="not a run directory: it has no metrics.jsonl"):
+        load_run(run)
+    with pytest.raises(RunDirError, match="does not exist"):
+        load_run(tmp_path / "missing")
+    (run / "metrics.jsonl").write_text('{"step": 0, "reward/mean": 1.0}\n')
+    with pytest.raises(RunDirError, match="is a file"):
+        load_run(run / "metrics.jsonl")
+    assert load_run(run).label == "exp1"  # no config.yaml: directory name
+    (run / "config.yaml").write_text("algorithm:\n  name: gspo\n  eps_low: 0.0003\n")
+    loaded = load_run(run)
+    assert loaded.label == "gspo" and loaded.routing == []
+    assert loaded.metric_series("reward/mean") == ([0], [1.0])
+
+
+def test_drop_records_from_step_for_resume(tmp_path):
+    from gspo_megatron.core.run_dir import drop_records_from_step
+
+    with RoutingLog(tmp_path) as log:
+        for step in range(4):
+            log.log(step, "update", volatility=routing_volatility(A, B))
+    assert drop_records_from_step(tmp_path / "routing.jsonl", 2) == 2
+    assert [r["step"] for r in read_jsonl(tmp_path / "routing.jsonl")] == [0, 1]
+    assert drop_records_from_step(tmp_path / "absent.jsonl", 2) == 0

@@ -1,0 +1,65 @@
+"""Misbehaving verifiers for the RewardPool tests, importable by worker processes as
+``import:verifier_doubles:<name>`` (pytest puts this directory on sys.path, and spawned/forkserver
+workers inherit the parent's sys.path). Each one misbehaves only for the response "bad", so a batch
+shows that one bad sample does not cost the others."""
+
+import os
+import signal
+import time
+
+from gspo_megatron.rollout.rewards import RewardResult
+
+
+def _ok(response, record):
+    correct = response == record.answer
+    return RewardResult(reward=float(correct), correct=correct, format_ok=True)
+
+
+def hangs_on_bad(response, record):
+    if response == "bad":
+        time.sleep(3600)
+    return _ok(response, record)
+
+
+def raises_on_bad(response, record):
+    if response == "bad":
+        raise ZeroDivisionError("verifier bug")
+    return _ok(response, record)
+
+
+def kills_process_on_bad(response, record):
+    if response == "bad":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _ok(response, record)
+
+
+def returns_float(response, record):
+    return 1.0
+
+
+def fails_on_import_in_worker(response, record):
+    return _ok(response, record)
+
+
+def _refuse_to_start():
+    raise RuntimeError("this verifier cannot start")
+
+
+fails_on_import_in_worker.warm_up = _refuse_to_start
+
+
+def misbehaves_by_response(response, record):
+    """The response names the failure: raise, type, string, nan, inf, hang, die; anything else scores."""
+    if response == "raise":
+        raise ValueError("verifier bug")
+    if response == "type":
+        return {"reward": 1.0}
+    if response == "string":
+        return RewardResult(reward="high", correct=True, format_ok=True)
+    if response in ("nan", "inf"):
+        return RewardResult(reward=float(response), correct=False, format_ok=True)
+    if response == "hang":
+        time.sleep(3600)
+    if response == "die":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _ok(response, record)
