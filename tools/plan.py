@@ -42,7 +42,7 @@ import sys
 from pathlib import Path
 
 from gspo_megatron.config.compose import CONF_DIR
-from gspo_megatron.config.schema import ParallelSection
+from gspo_megatron.policy.config import ParallelSection
 from gspo_megatron.policy.models.config import PRESETS, MoEModelConfig, preset
 from gspo_megatron.policy.parallel.layout import ParallelLayout
 from gspo_megatron.policy.routing.replay import REPLAY_MODES

@@ -122,9 +122,10 @@ def main(argv=None) -> None:
 
     from gspo_megatron.algorithms.logprobs import vocab_parallel_log_probs
     from gspo_megatron.config.compose import compose
-    from gspo_megatron.config.schema import OptimizerSection, to_train_config
+    from gspo_megatron.config.schema import to_train_config
     from gspo_megatron.config.store import register_configs
     from gspo_megatron.loop.build import random_hf_weights
+    from gspo_megatron.policy.config import OptimizerSection
     from gspo_megatron.policy.models.builder import build_model
     from gspo_megatron.policy.models.conversion import load_hf_weights
     from gspo_megatron.policy.models.hf_checkpoint import save_hf_checkpoint

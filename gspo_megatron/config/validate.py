@@ -9,8 +9,9 @@ from __future__ import annotations
 import importlib.util
 
 from gspo_megatron.algorithms.config import OldLogProbSource
-from gspo_megatron.config.schema import TrainConfig, use_distributed_optimizer
+from gspo_megatron.config.schema import TrainConfig
 from gspo_megatron.core.config_node import config_nodes
+from gspo_megatron.policy.config import use_distributed_optimizer
 from gspo_megatron.policy.parallel.context_parallel import validate_context_parallel
 from gspo_megatron.policy.routing.config import DiagnosticKind
 from gspo_megatron.policy.routing.replay import validate_replay_mode

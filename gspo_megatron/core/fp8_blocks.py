@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from gspo_megatron.contracts.weights import NamedTensor
+from gspo_megatron.core.named_tensors import NamedTensor
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max

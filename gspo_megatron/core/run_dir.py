@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from gspo_megatron.core.config_migrations import migrate_config
+from gspo_megatron.core.config_node import ConfigChoice
 from gspo_megatron.core.provenance import PROVENANCE_FILE
 
 CONFIG_FILE = "config.yaml"
@@ -231,3 +232,23 @@ def finite_mean(values: Sequence[float | None]) -> float | None:
     """Mean of the finite values, None when there are none (keeps NaN steps from poisoning summaries)."""
     finite = [float(v) for v in values if v is not None and math.isfinite(float(v))]
     return sum(finite) / len(finite) if finite else None
+
+
+class ResumeMode(ConfigChoice):
+    """``checkpoint.resume``. The field stays a string in the schema: Hydra hands ``true``/``false``
+    over as booleans, which an enum node would refuse; ``resume_mode`` reads it as one of these."""
+
+    false = "false"  # a fresh run
+    true = "true"  # a checkpoint must exist
+    auto = "auto"  # resume if there is one
+
+
+RESUME_MODES = tuple(ResumeMode)
+
+
+def resume_mode(value: object) -> ResumeMode:
+    """``checkpoint.resume`` as one of false | true | auto (Hydra hands booleans over as 'True')."""
+    mode = str(value).strip().lower()
+    if mode not in RESUME_MODES:
+        raise RunDirError(f"checkpoint.resume={value!r} is not one of {[str(m) for m in RESUME_MODES]}")
+    return ResumeMode(mode)

@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gspo_megatron.config.schema import TrainConfig, use_distributed_optimizer
+from gspo_megatron.config.schema import TrainConfig
 from gspo_megatron.contracts.samples import SamplingParams
 from gspo_megatron.core.run_dir import ROUTING_FILE, drop_records_from_step
 from gspo_megatron.loop.colocation import ColocatedHandOver, SeparatePlacement
+from gspo_megatron.policy.config import use_distributed_optimizer
 from gspo_megatron.policy.models.builder import build_model_chunks
 from gspo_megatron.policy.models.chunks import ModelChunks
 from gspo_megatron.policy.models.conversion import hf_shapes, load_hf_weights
@@ -274,8 +275,8 @@ def _build_driver_side(c: Components) -> None:
 
 
 def _resume_step(c: Components) -> int:
+    from gspo_megatron.core.run_dir import ResumeMode, resume_mode
     from gspo_megatron.policy.checkpoint.store import latest_checkpoint
-    from gspo_megatron.run.run_dir_owner import ResumeMode, resume_mode
 
     if resume_mode(c.cfg.checkpoint.resume) is ResumeMode.false:
         return 0

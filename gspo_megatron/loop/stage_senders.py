@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from gspo_megatron.contracts.weights import NamedTensor
+from gspo_megatron.core.named_tensors import NamedTensor
 from gspo_megatron.policy.models.conversion import export_hf_tensors
 from gspo_megatron.rollout.sglang.config import SGLangConfig
 from gspo_megatron.rollout.sglang.group_sender import (

@@ -42,6 +42,7 @@ from gspo_megatron.contracts.micro_batch import UpdateMicroBatch
 from gspo_megatron.contracts.share import RankShare, StepTotals
 from gspo_megatron.contracts.token_budget import step_fed_shape
 from gspo_megatron.core.provenance import warm_start_record
+from gspo_megatron.core.run_dir import ResumeMode, RunDirError, resume_mode
 from gspo_megatron.loop.build import Components, evaluation_inputs
 from gspo_megatron.loop.corrections import correct_mismatch
 from gspo_megatron.loop.distribute import data_parallel_rank_of_each_rank, rank_shares, scatter_shares
@@ -62,7 +63,7 @@ from gspo_megatron.policy.routing.replay import ReplayMode
 from gspo_megatron.policy.routing.step_routing import StepRouting
 from gspo_megatron.rollout.agents.partial import PartialRollouts
 from gspo_megatron.rollout.scheduler import RolloutScheduler
-from gspo_megatron.run.run_dir_owner import ResumeMode, RunDirError, new_run_id, resume_mode
+from gspo_megatron.run.run_dir_owner import new_run_id
 from gspo_megatron.run.signals import SignalWatch, TrainingInterrupted
 
 

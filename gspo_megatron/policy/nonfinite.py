@@ -26,13 +26,20 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.config.schema import NonFinitePolicy
+from gspo_megatron.core.config_node import ConfigChoice
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.optimizer import MegatronOptimizer
 
     from gspo_megatron.policy.models.chunks import ModelChunks
+
+
+class NonFinitePolicy(ConfigChoice):
+    """``trainer.on_nonfinite``: what a non-finite loss or gradient does (``policy/nonfinite.py``)."""
+
+    skip = "skip"  # drop the update and go on (a streak of them still stops the run)
+    stop = "stop"  # end the run
 
 
 class NonFiniteError(FloatingPointError):

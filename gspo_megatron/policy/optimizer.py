@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gspo_megatron.config.schema import DecayStyle
+from gspo_megatron.policy.config import DecayStyle
 from gspo_megatron.policy.models.builder import transformer_engine_available
 from gspo_megatron.policy.parallel.device import compute_device
 
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from gspo_megatron.config.schema import OptimizerSection
+    from gspo_megatron.policy.config import OptimizerSection
 
 
 def build_optimizer(

@@ -1,4 +1,4 @@
-"""Config dataclasses of the in-process rollout engine and of dynamic truncated rollout.
+"""The rollout side's config: the ``rollout`` section, the in-process engine's and dynamic truncated rollout's.
 
 Design decisions:
 - Plain dataclasses with typed defaults; the lead registers them in Hydra's ConfigStore
@@ -13,11 +13,12 @@ Design decisions:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from gspo_megatron.core.config_node import ConfigChoice, ConfigNode
-from gspo_megatron.rollout.sglang.config import WeightQuantization
+from gspo_megatron.rollout.sglang.config import SGLangConfig, WeightQuantization
 
 
 def check_max_staleness(max_staleness: int) -> None:
@@ -157,3 +158,85 @@ class TruncatedRolloutConfig(ConfigNode):
             raise ValueError(f"{owner}.think_ratio must be in (0, 1], got {self.think_ratio}")
         if self.repetition_exit < 0:
             raise ValueError(f"{owner}.repetition_exit must be >= 0 (0: off), got {self.repetition_exit}")
+
+
+@dataclass
+class RolloutSection(ConfigNode):
+    engine: RolloutEngineName = RolloutEngineName.embedded
+    group_size: int = 8  # responses per prompt (G)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 8
+    eval_temperature: float = 0.0
+    truncated: bool = False  # dynamic truncated rollout (Step-GRPO), training rollouts only
+    return_routed_experts: bool = False  # set automatically when R3 replay needs them
+    async_rollout: bool = False  # generate step k+1 while step k trains (rollout/scheduler.py)
+    # policy versions a sample may lag: async mode 0 (= synchronous) or 1; partial=continue >= 1
+    max_staleness: int = 1
+    # start over_sample x the step's groups, stop once the step's groups are complete (rollout/agents/partial.py)
+    over_sample: float = 1.0
+    partial: PartialRollout = PartialRollout.drop  # the groups not needed: drop | continue (into the next step)
+    # separate | colocated: trainer and engine share the devices and take turns (loop/colocation.py)
+    placement: Placement = Placement.separate
+    embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    truncation: TruncatedRolloutConfig = field(default_factory=TruncatedRolloutConfig)
+
+    def validate(self) -> None:
+        # training samples must be drawn at T > 0: the trainer scores them with log_softmax(logits / T)
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(
+                f"rollout.temperature={self.temperature}: training rollouts need a finite temperature > 0 "
+                "(the policy's log-probs are log_softmax(logits / T)); greedy decoding is for evaluation: "
+                "rollout.eval_temperature=0"
+            )
+        if not (math.isfinite(self.eval_temperature) and self.eval_temperature >= 0):
+            raise ValueError(f"rollout.eval_temperature={self.eval_temperature} must be >= 0 (0: greedy evaluation)")
+        if not 0 < self.top_p <= 1:  # also refuses nan
+            raise ValueError(f"rollout.top_p={self.top_p} must be in (0, 1] (1: no nucleus filtering)")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"rollout.top_k={self.top_k} must be >= 1, or -1 (off)")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"rollout.max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.group_size < 2:
+            raise ValueError(
+                f"rollout.group_size={self.group_size}: group-relative advantages need >= 2 responses per prompt"
+            )
+        self._check_partial_rollouts()
+        if self.placement == Placement.colocated and self.async_rollout:
+            raise ValueError(
+                "rollout.placement=colocated with rollout.async_rollout=true: colocated, the engine and the "
+                "trainer take turns on the same devices, so generation cannot run beside training; set "
+                "rollout.async_rollout=false or rollout.placement=separate"
+            )
+
+    def _check_partial_rollouts(self) -> None:
+        if not (math.isfinite(self.over_sample) and self.over_sample >= 1.0):
+            raise ValueError(f"rollout.over_sample={self.over_sample} must be >= 1 (1: no over-sampling)")
+        carries = self.partial == PARTIAL_CONTINUE
+        if carries and self.over_sample == 1.0:
+            raise ValueError(
+                "rollout.partial=continue carries the groups over-sampling started but did not need, and "
+                "rollout.over_sample=1 starts none more; set rollout.over_sample > 1 (e.g. 1.5)"
+            )
+        if carries and not self.async_rollout:  # async with over-sampling is refused below
+            if self.max_staleness < 1:
+                raise ValueError(
+                    f"rollout.max_staleness={self.max_staleness}: rollout.partial=continue trains samples started "
+                    "on an older policy; set rollout.max_staleness >= 1 (the versions a token may lag)"
+                )
+        else:
+            check_max_staleness(self.max_staleness)
+        if self.over_sample == 1.0:
+            return
+        refused = {
+            "rollout.async_rollout=true": self.async_rollout,
+            "rollout.truncated=true": self.truncated,
+        }
+        for setting, on in refused.items():
+            if on:
+                raise ValueError(
+                    f"rollout.over_sample={self.over_sample} with {setting}: over-sampling is built for "
+                    f"synchronous rollouts without truncation; set rollout.over_sample=1 or drop {setting}"
+                )

@@ -37,8 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gspo_megatron.core.config_node import ConfigChoice
-from gspo_megatron.core.run_dir import CONFIG_FILE, METRICS_FILE, ROUTING_FILE, RunDirError
+from gspo_megatron.core.run_dir import CONFIG_FILE, METRICS_FILE, ROUTING_FILE, ResumeMode, RunDirError, resume_mode
 
 if TYPE_CHECKING:
     from gspo_megatron.config.schema import CheckpointSection
@@ -46,26 +45,6 @@ if TYPE_CHECKING:
 LOCK_FILE = ".gspo.lock"
 # what a run writes: a directory holding any of these holds a run
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, ROUTING_FILE, "checkpoints", "hf_export", "tensorboard")
-
-
-class ResumeMode(ConfigChoice):
-    """``checkpoint.resume``. The field stays a string in the schema: Hydra hands ``true``/``false``
-    over as booleans, which an enum node would refuse; ``resume_mode`` reads it as one of these."""
-
-    false = "false"  # a fresh run
-    true = "true"  # a checkpoint must exist
-    auto = "auto"  # resume if there is one
-
-
-RESUME_MODES = tuple(ResumeMode)
-
-
-def resume_mode(value: object) -> ResumeMode:
-    """``checkpoint.resume`` as one of false | true | auto (Hydra hands booleans over as 'True')."""
-    mode = str(value).strip().lower()
-    if mode not in RESUME_MODES:
-        raise RunDirError(f"checkpoint.resume={value!r} is not one of {[str(m) for m in RESUME_MODES]}")
-    return ResumeMode(mode)
 
 
 def new_run_id() -> str:

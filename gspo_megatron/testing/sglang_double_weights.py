@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gspo_megatron.testing.sglang_double import DoubleFaults
+    from gspo_megatron.testing.sglang_double_faults import DoubleFaults
 
 DTYPE_NAMES = {"float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"}
 

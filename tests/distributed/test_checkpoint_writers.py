@@ -18,8 +18,8 @@ pytestmark = pytest.mark.distributed
 def save_twice_worker(ctx, checkpoint_dir: str) -> dict:
     import torch
 
-    from gspo_megatron.config.schema import OptimizerSection
     from gspo_megatron.policy.checkpoint.store import latest_checkpoint, save_checkpoint
+    from gspo_megatron.policy.config import OptimizerSection
     from gspo_megatron.policy.models.builder import build_model
     from gspo_megatron.policy.models.schedule import wrap_for_training
     from gspo_megatron.policy.optimizer import build_optimizer

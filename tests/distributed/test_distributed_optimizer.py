@@ -60,7 +60,7 @@ def train_steps_worker(
 ) -> dict:
     from megatron.core import tensor_parallel
 
-    from gspo_megatron.config.schema import OptimizerSection, use_distributed_optimizer
+    from gspo_megatron.policy.config import OptimizerSection, use_distributed_optimizer
     from gspo_megatron.policy.models.builder import build_model
     from gspo_megatron.policy.models.conversion import export_hf_state_dict, load_hf_weights
     from gspo_megatron.policy.models.schedule import run_schedule, wrap_for_training

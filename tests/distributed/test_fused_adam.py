@@ -21,7 +21,7 @@ def fused_vs_loop_worker(ctx):
     from megatron.core import tensor_parallel
     from megatron.core.optimizer import get_megatron_optimizer
 
-    from gspo_megatron.config.schema import OptimizerSection
+    from gspo_megatron.policy.config import OptimizerSection
     from gspo_megatron.policy.models.builder import build_model
     from gspo_megatron.policy.models.conversion import load_hf_weights
     from gspo_megatron.policy.models.schedule import run_schedule, wrap_for_training

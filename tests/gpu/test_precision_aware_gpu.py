@@ -58,8 +58,8 @@ def master_weight_bound() -> float:
 def precision_aware_worker(ctx, precision_aware: bool, moment_dtype: str) -> dict:
     from megatron.core import tensor_parallel
 
-    from gspo_megatron.config.schema import OptimizerSection
     from gspo_megatron.contracts.micro_batch import MicroBatch
+    from gspo_megatron.policy.config import OptimizerSection
     from gspo_megatron.policy.models.builder import build_model
     from gspo_megatron.policy.models.conversion import export_hf_state_dict, load_hf_weights
     from gspo_megatron.policy.models.schedule import run_schedule, wrap_for_training

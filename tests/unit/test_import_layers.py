@@ -218,7 +218,7 @@ def test_only_the_policy_side_imports_megatron():
     "source, module, is_package",
     [
         ("def f():\n    from gspo_megatron.loop import build\n", "gspo_megatron.policy.parallel.mesh", False),
-        ("from ..loop.build import build_run\n", "gspo_megatron.policy.parallel.mesh", False),
+        ("from ...loop.build import build_run\n", "gspo_megatron.policy.parallel.mesh", False),
         ("from ...loop import build\n", "gspo_megatron.policy.parallel", True),
         ("if TYPE_CHECKING:\n    import gspo_megatron.loop.build\n", "gspo_megatron.policy.parallel.mesh", False),
     ],

@@ -120,7 +120,7 @@ def job_from_config(cfg: TrainConfig, gpus: int, prompt_tokens: int) -> PlannedJ
 
 def with_layout(job: PlannedJob, layout: ParallelLayout) -> PlannedJob:
     """The same job on another layout (for ranking): the config's parallel section replaced, validated."""
-    from gspo_megatron.config.schema import ParallelSection
+    from gspo_megatron.policy.config import ParallelSection
 
     cfg = copy.deepcopy(job.config)
     for name in ParallelSection.LAYOUT_KEYS:
@@ -130,7 +130,7 @@ def with_layout(job: PlannedJob, layout: ParallelLayout) -> PlannedJob:
 
 def options_from_config(cfg: TrainConfig, layout: ParallelLayout, prompt_tokens: int) -> PlanOptions:
     from gspo_megatron.algorithms.config import OldLogProbSource
-    from gspo_megatron.config.schema import STATE_DTYPE_BYTES, use_distributed_optimizer
+    from gspo_megatron.policy.config import STATE_DTYPE_BYTES, use_distributed_optimizer
     from gspo_megatron.policy.parallel.layout import sequence_multiple
     from gspo_megatron.rollout.config import Placement, RolloutEngineName
     from planning.parameters import StateWidths

@@ -189,8 +189,9 @@ class PlanError(ValueError):
 
 def check_with_trainer_rules(model: MoEModelConfig, layout: ParallelLayout, options: PlanOptions) -> None:
     """Run the trainer's validation on a config of this model, layout and batch size."""
-    from gspo_megatron.config.schema import ModelSection, ParallelSection, TrainConfig, TrainerDtype
+    from gspo_megatron.config.schema import TrainConfig
     from gspo_megatron.config.validate import validate_config
+    from gspo_megatron.policy.config import ModelSection, ParallelSection, TrainerDtype
     from gspo_megatron.policy.routing.replay import ReplayMode
     from gspo_megatron.rollout.config import RolloutEngineName
 

@@ -19,9 +19,9 @@ import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gspo_megatron.core.run_dir import RunDirError
 from gspo_megatron.policy.checkpoint.formats import CONFIG_FILE, CheckpointFormatError, model_files
 from gspo_megatron.policy.checkpoint.store import MODEL_DIR, STATE_FILE, load_checkpoint, read_trainer_state
-from gspo_megatron.run.run_dir_owner import RunDirError
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel

@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.core.run_dir import RunDirError
 from gspo_megatron.policy.checkpoint.formats import WRITTEN_BY_KEY, installed_versions, written_by
-from gspo_megatron.run.run_dir_owner import RunDirError
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel

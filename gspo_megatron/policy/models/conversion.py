@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.contracts.weights import NamedTensor, bucket_named_tensors
+from gspo_megatron.core.named_tensors import NamedTensor, bucket_named_tensors
 from gspo_megatron.policy.models.config import MoEModelConfig
 from gspo_megatron.policy.models.hf_shapes import hf_shapes as hf_shapes  # exported here too: the conversion's names
 from gspo_megatron.policy.models.weight_sources import (

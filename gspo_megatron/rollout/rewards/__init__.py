@@ -1,9 +1,9 @@
 """Rewards: one-signature verifier functions (registry), and a pool that runs them with timeouts."""
 
-from gspo_megatron.rollout.rewards import builtin  # noqa: F401  (registers the built-in reward functions)
+from gspo_megatron.rollout.rewards.catalog import REWARDS, RewardFn, register_reward
 from gspo_megatron.rollout.rewards.config import RewardConfig
 from gspo_megatron.rollout.rewards.pool import PoolStats, RewardPool, call_reward
-from gspo_megatron.rollout.rewards.registry import REWARDS, RewardFn, available_rewards, register_reward, resolve_reward
+from gspo_megatron.rollout.rewards.registry import available_rewards, resolve_reward  # registers the built-ins
 from gspo_megatron.rollout.rewards.types import RewardResult
 
 __all__ = [

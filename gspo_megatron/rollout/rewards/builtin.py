@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 
 from gspo_megatron.rollout.data.records import PromptRecord
-from gspo_megatron.rollout.rewards.registry import register_reward
+from gspo_megatron.rollout.rewards.catalog import register_reward
 from gspo_megatron.rollout.rewards.types import RewardResult
 
 

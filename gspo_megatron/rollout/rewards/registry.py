@@ -1,4 +1,5 @@
-"""Reward functions by name: built-ins registered here, user functions as ``import:pkg.module:function``.
+"""Reward functions by name: the built-ins (``builtin.py``, registered in ``catalog.py``), user functions as
+``import:pkg.module:function``.
 
 Design decisions:
 - One signature for every reward: ``fn(response_text, record: PromptRecord) -> RewardResult``.
@@ -12,34 +13,16 @@ Design decisions:
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
 
-from gspo_megatron.core.registry import Registry, UnknownNameError
-from gspo_megatron.rollout.data.records import PromptRecord
-from gspo_megatron.rollout.rewards.types import RewardResult
+from gspo_megatron.core.registry import UnknownNameError
+from gspo_megatron.rollout.rewards import builtin  # noqa: F401  (registers the built-ins)
+from gspo_megatron.rollout.rewards.catalog import REWARDS, TRIVIAL, RewardFn
 
-RewardFn = Callable[[str, PromptRecord], RewardResult]
-
-REWARDS: Registry[RewardFn] = Registry("reward function")
 IMPORT_PREFIX = "import:"
-_TRIVIAL: set[str] = set()  # built-ins that are pure string checks: safe to call in the trainer process
-
-
-def register_reward(name: str, *, trivial: bool = False):
-    """Decorator: ``@register_reward("exact_match", trivial=True)``.
-
-    ``trivial``: a pure-Python check that cannot hang or crash; by default (``reward.in_process``
-    unset) only these run in the trainer process, every other verifier in workers with a timeout.
-    """
-    if trivial:
-        _TRIVIAL.add(name)
-    return REWARDS.register(name)
 
 
 def is_trivial_reward(name: str) -> bool:
-    import gspo_megatron.rollout.rewards.builtin  # noqa: F401  (registers the built-ins)
-
-    return name in _TRIVIAL
+    return name in TRIVIAL
 
 
 def available_rewards() -> list[str]:
@@ -62,8 +45,6 @@ def _import_reward(spec: str) -> RewardFn:
 
 
 def resolve_reward(name: str) -> RewardFn:
-    import gspo_megatron.rollout.rewards.builtin  # noqa: F401  (registers the built-ins)
-
     if name.startswith(IMPORT_PREFIX):
         return _import_reward(name)
     try:

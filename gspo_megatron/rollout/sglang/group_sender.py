@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from gspo_megatron.contracts.weights import NamedTensor
 from gspo_megatron.core.fp8_blocks import quantize_named_tensors
+from gspo_megatron.core.named_tensors import NamedTensor
 from gspo_megatron.rollout.sglang.client import ServerState
 from gspo_megatron.rollout.sglang.config import SGLangConfig
 from gspo_megatron.rollout.sglang.launcher import free_port

@@ -35,7 +35,7 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 import torch.multiprocessing as torch_mp
 
-from gspo_megatron.contracts.weights import NamedTensor
+from gspo_megatron.core.named_tensors import NamedTensor
 
 SHARING_STRATEGY = "file_system"  # CPU storages as named shared-memory files (see above)
 

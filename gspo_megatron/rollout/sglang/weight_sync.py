@@ -33,8 +33,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.contracts.weights import NamedTensor
-from gspo_megatron.contracts.weights import bucket_named_tensors as bucket_named_tensors  # the engine's buckets
+from gspo_megatron.core.named_tensors import NamedTensor
+from gspo_megatron.core.named_tensors import bucket_named_tensors as bucket_named_tensors  # the engine's buckets
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gspo_megatron.config.schema import use_distributed_optimizer
+from gspo_megatron.policy.config import use_distributed_optimizer
 from gspo_megatron.policy.parallel.layout import ParallelLayout
 
 
@@ -30,7 +30,7 @@ def test_auto_is_on_when_dp_times_cp_exceeds_one(layout, auto):
 
 
 def test_precision_aware_without_offload_needs_transformer_engine():
-    from gspo_megatron.config.schema import OptimizerSection
+    from gspo_megatron.policy.config import OptimizerSection
     from gspo_megatron.policy.optimizer import check_precision_aware
 
     alone = OptimizerSection(precision_aware=True)

@@ -8,7 +8,7 @@ import io
 import pytest
 import torch
 
-from gspo_megatron.config.schema import DecayStyle, OptimizerSection
+from gspo_megatron.policy.config import DecayStyle, OptimizerSection
 from gspo_megatron.policy.optimizer import build_scheduler
 
 

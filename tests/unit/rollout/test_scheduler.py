@@ -110,7 +110,8 @@ def test_with_the_sglang_engine_the_update_waits_for_the_in_flight_generation(tm
     import time
 
     from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine
-    from gspo_megatron.testing.sglang_double import DoubleFaults, SGLangServerDouble
+    from gspo_megatron.testing.sglang_double import SGLangServerDouble
+    from gspo_megatron.testing.sglang_double_faults import DoubleFaults
 
     model = tmp_path / "model"
     model.mkdir()

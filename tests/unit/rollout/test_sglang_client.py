@@ -6,7 +6,7 @@ from gspo_megatron.contracts.samples import FinishReason, SamplingParams
 from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine
 from gspo_megatron.rollout.sglang.client import NoServersLeftError, RequestFailedError, RequestRejectedError
 from gspo_megatron.rollout.sglang.protocol import ProtocolError
-from gspo_megatron.testing.sglang_double import DoubleFaults
+from gspo_megatron.testing.sglang_double_faults import DoubleFaults
 
 
 def _engine(urls, **overrides):

@@ -12,7 +12,7 @@ from gspo_megatron.contracts.samples import SamplingParams
 from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine
 from gspo_megatron.rollout.sglang.protocol import parse_generate_response
 from gspo_megatron.rollout.sglang.version import UnsupportedSGLangError
-from gspo_megatron.testing.sglang_double import DoubleFaults
+from gspo_megatron.testing.sglang_double_faults import DoubleFaults
 
 
 def _engine(urls, **overrides):

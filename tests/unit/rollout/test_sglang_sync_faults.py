@@ -15,7 +15,8 @@ import torch
 from gspo_megatron.contracts.samples import SamplingParams
 from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine, WeightSyncError
 from gspo_megatron.rollout.sglang.launcher import LaunchedServer, free_port
-from gspo_megatron.testing.sglang_double import DoubleFaults, SGLangServerDouble
+from gspo_megatron.testing.sglang_double import SGLangServerDouble
+from gspo_megatron.testing.sglang_double_faults import DoubleFaults
 
 DOUBLE = [sys.executable, "-m", "gspo_megatron.testing.sglang_double"]
 

@@ -10,7 +10,8 @@ import torch
 from gspo_megatron.contracts.samples import SamplingParams
 from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine, WeightSyncError
 from gspo_megatron.rollout.sglang.weight_sync import bucket_metadata, bucket_named_tensors
-from gspo_megatron.testing.sglang_double import DoubleFaults, SGLangServerDouble
+from gspo_megatron.testing.sglang_double import SGLangServerDouble
+from gspo_megatron.testing.sglang_double_faults import DoubleFaults
 
 BRACKET_HEAD = ["/pause_generation", "/begin_weight_update"]
 BRACKET_TAIL = ["/end_weight_update", "/flush_cache", "/continue_generation"]

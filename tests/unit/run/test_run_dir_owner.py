@@ -14,15 +14,14 @@ from types import SimpleNamespace
 import pytest
 
 from gspo_megatron.config.schema import CheckpointSection
+from gspo_megatron.core.run_dir import RunDirError, resume_mode
 from gspo_megatron.run.run_dir_owner import (
     LOCK_FILE,
     TAKEOVER_FILE,
-    RunDirError,
     RunDirLock,
     _process_start,
     check_fresh_start,
     claim_run_dir,
-    resume_mode,
 )
 
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from gspo_megatron.config.schema import CheckpointSection
-from gspo_megatron.run.run_dir_owner import LOCK_FILE, RunDirError, claim_run_dir
+from gspo_megatron.core.run_dir import RunDirError
+from gspo_megatron.run.run_dir_owner import LOCK_FILE, claim_run_dir
 
 CONFIG = "optimizer:\n  lr: 0.001\n"
 

@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from gspo_megatron.config.schema import ParallelSection
+from gspo_megatron.policy.config import ParallelSection
 from gspo_megatron.policy.parallel.heartbeat import Heartbeat, is_collective_failure
 
 
