@@ -28,10 +28,12 @@ def run(cfg: DictConfig, run_dir: str) -> str:
     from gspo_megatron.config.schema import to_train_config
     from gspo_megatron.config.validate import validate_config, validate_for_machine
     from gspo_megatron.core.config_node import freeze_config
-    from gspo_megatron.loop.build import build, world_size_from_env
-    from gspo_megatron.loop.trainer import RLTrainer
+    from gspo_megatron.loop.build import build_trainer, world_size_from_env
+    from gspo_megatron.loop.trainer import QuietLog
     from gspo_megatron.run.reaper import keep_reaper, start_reaper
+    from gspo_megatron.run.routing_report import write_routing_report
     from gspo_megatron.run.run_dir_owner import claim_run_dir
+    from gspo_megatron.run.run_log import open_run_log
     from gspo_megatron.run.signals import SignalWatch
 
     logging.getLogger("megatron").setLevel(logging.WARNING)  # it lists every parameter at INFO
@@ -44,19 +46,23 @@ def run(cfg: DictConfig, run_dir: str) -> str:
     validate_for_machine(typed)  # optional packages the config asks for (wandb, tensorboard)
     freeze_config(typed)  # read-only from here on: every part of the run sees the settings config.yaml records
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
-    # the driver owns the run directory: lock it, and refuse a wrong fresh start or resume before building
-    claim = claim_run_dir(Path(run_dir), typed.checkpoint, config_yaml) if _is_driver_process() else None
+    driver = _is_driver_process()  # the driver owns the run directory and speaks for the run
+    # lock the run directory, and refuse a wrong fresh start or resume before building
+    claim = claim_run_dir(Path(run_dir), typed.checkpoint, config_yaml) if driver else None
     keep_reaper(start_reaper())  # whatever this process starts dies with it, even by SIGKILL (run/reaper.py)
-    notice = optional_accelerators_notice() if _is_driver_process() else None
+    notice = optional_accelerators_notice() if driver else None
     if notice:
         print(notice, flush=True)
     try:
         with SignalWatch() as signals:  # SIGTERM/SIGINT: finish the step, save, stop (run/signals.py)
-            components = build(typed, Path(run_dir), config_yaml)
+            trainer = build_trainer(typed, Path(run_dir), config_yaml)
             try:
-                summary = RLTrainer(components, signals).train()
+                log = open_run_log(typed, Path(run_dir), config_yaml) if driver else QuietLog()
+                summary = trainer.train(log, signals)
+                if driver:
+                    write_routing_report(run_dir, charts=typed.logging.charts)
             finally:
-                components.close()  # reward workers, the engine and the servers it launched, groups
+                trainer.close()  # reward workers, the engine and the servers it launched, groups
     finally:
         if claim is not None:
             claim.release()
@@ -109,7 +115,7 @@ def exit_without_teardown(code: object) -> NoReturn:
 def train_from_hydra(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from gspo_megatron.run.signals import TrainingInterrupted
+    from gspo_megatron.loop.trainer import TrainingInterrupted
 
     run_dir = cfg.run_dir or HydraConfig.get().runtime.output_dir
     try:

@@ -83,6 +83,7 @@ def checkpoint_tensors(args) -> dict[str, torch.Tensor]:
 
 def weight_sync_seconds(args, tensors: dict[str, torch.Tensor], engine: EmbeddedEngine) -> tuple[float, float]:
     """(export only, export -> update_weights) for a one-rank Megatron model of the same shape."""
+    from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.models.builder import build_model
     from gspo_megatron.policy.models.config import MoEModelConfig
     from gspo_megatron.policy.models.conversion import export_hf_weights, load_hf_weights
@@ -91,6 +92,7 @@ def weight_sync_seconds(args, tensors: dict[str, torch.Tensor], engine: Embedded
 
     cfg = MoEModelConfig.from_hf_dict(hf_config(args).to_dict())
     layout = ParallelLayout(world_size=1).validate(cfg)
+    apply_cpu_bridges()
     mesh = initialize_parallel(layout)
     try:
         model = build_model(cfg, layout)

@@ -57,6 +57,7 @@ def main(argv=None) -> None:
 
     import torch
 
+    from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.models.builder import build_model
     from gspo_megatron.policy.models.config import MoEModelConfig
     from gspo_megatron.policy.models.conversion import load_hf_weights
@@ -79,6 +80,7 @@ def main(argv=None) -> None:
         max_position_embeddings=256,
     )
     layout = ParallelLayout(world_size=1).validate(cfg)
+    apply_cpu_bridges()
     mesh = initialize_parallel(layout, seed=1)
     try:
         model = build_model(cfg, layout, layer_spec="portable")

@@ -53,6 +53,7 @@ def bench_worker(
     from megatron.core import tensor_parallel
 
     from gspo_megatron.contracts.micro_batch import MicroBatch
+    from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.models.builder import build_model
     from gspo_megatron.policy.models.conversion import load_hf_weights
     from gspo_megatron.policy.models.schedule import run_schedule, wrap_for_training
@@ -60,6 +61,7 @@ def bench_worker(
     from gspo_megatron.policy.parallel.mesh import initialize_parallel
 
     layout = ParallelLayout(**layout_kwargs).validate(cfg)
+    apply_cpu_bridges()
     mesh = initialize_parallel(layout, seed=1)
     model = build_model(cfg, layout, layer_spec="portable")
     load_hf_weights(model, cfg, state, mesh)

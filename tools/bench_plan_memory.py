@@ -38,12 +38,14 @@ SHAPES = {
 def measure(model_cfg: MoEModelConfig, micro: MicroBatchShape) -> int:
     from gspo_megatron.algorithms.logprobs import vocab_parallel_log_probs
     from gspo_megatron.contracts.micro_batch import MicroBatch
+    from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.models.builder import build_model
     from gspo_megatron.policy.models.schedule import run_schedule, wrap_for_training
     from gspo_megatron.policy.parallel.layout import ParallelLayout
     from gspo_megatron.policy.parallel.mesh import initialize_parallel
 
     layout = ParallelLayout(world_size=1).validate(model_cfg)
+    apply_cpu_bridges()
     mesh = initialize_parallel(layout, seed=3)
     try:
         model = build_model(model_cfg, layout, layer_spec="portable")

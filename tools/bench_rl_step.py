@@ -8,7 +8,7 @@
     python tools/bench_rl_step.py --steps 22 --compare-over-sample rollout.over_sample=2 rollout.partial=continue \
         rollout.max_staleness=2 task=reasoning_max_digit model.hf_checkpoint=<tools/sft_warmstart.py --long-tail>
 
-The run is the trainer's own (``trainer.setup.build`` + ``RLTrainer``, composed from ``conf/`` like
+The run is the trainer's own (``loop/build.py:build_trainer`` + ``RLTrainer``, composed from ``conf/`` like
 ``python -m gspo_megatron.train``), in spawned ranks. The trainer already times its phases
 (``time/rollout``, ``time/old_logp``, ``time/update``, ``time/weight_sync`` in metrics.jsonl); this
 script splits the driver's rollout phase further by wrapping, on the driver's ``RolloutPhase``
@@ -129,57 +129,59 @@ def bench_worker(
     from gspo_megatron.config.schema import to_train_config
     from gspo_megatron.config.store import register_configs
     from gspo_megatron.config.validate import validate_config
-    from gspo_megatron.loop.build import build
-    from gspo_megatron.loop.trainer import RLTrainer
+    from gspo_megatron.loop.build import build_trainer
+    from gspo_megatron.loop.distribute import DriverFeed
+    from gspo_megatron.loop.trainer import QuietLog
+    from gspo_megatron.run.run_log import open_run_log
     from gspo_megatron.testing.train_runs import read_metrics
 
     register_configs()
     cfg = compose(overrides)
     typed = to_train_config(cfg)
     validate_config(typed, ctx.world_size)
-    components = build(typed, Path(run_dir), OmegaConf.to_yaml(cfg, resolve=True), world_size=ctx.world_size)
+    config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+    trainer = build_trainer(typed, Path(run_dir), config_yaml, world_size=ctx.world_size)
     generate: _Timed | None = None
     score: _Timed | None = None
-    if components.mesh.is_driver:
-        rollout = components.driver_rollout()
-        generate = _Timed(rollout.generate_fn or rollout.engine.generate)
-        rollout.generate_fn = generate
-        score = _Timed(rollout._score)
-        shadow_method(rollout, "_score", score)
-        rows = _Timed(rollout.engine.generate_rows)  # over-sampling's generation, timed with the other
+    producer = trainer.feed.rollout.producer if isinstance(trainer.feed, DriverFeed) else None  # the driver's
+    if producer is not None:
+        generate = _Timed(producer.training_engine.generate)
+        shadow_method(producer.training_engine, "generate", generate)
+        score = _Timed(producer._score)
+        shadow_method(producer, "_score", score)
+        rows = _Timed(producer.engine.generate_rows)  # over-sampling's generation, timed with the other
         rows.seconds = generate.seconds
-        shadow_method(rollout.engine, "generate_rows", rows)
-    over_sampling = components.driver_rollout().partial if components.mesh.is_driver else None
-    if sampling_arms and components.mesh.is_driver and over_sampling is None:
+        shadow_method(producer.engine, "generate_rows", rows)
+    over_sampling = producer.partial if producer is not None else None
+    if sampling_arms and producer is not None and over_sampling is None:
         raise ValueError("--compare-over-sample needs rollout.over_sample > 1 in the overrides")
     samples_per_step = typed.trainer.prompts_per_step * typed.rollout.group_size
-    trainer = RLTrainer(components)
     step_seconds: list[float] = []
     padded_tokens: list[int] = []  # tokens of the micro-batches this rank ran, per step
     train_step = trainer.train_step
-    policy_updates = trainer._policy_updates
+    policy_update = trainer.policy.update
     profiler = cProfile.Profile() if profile_top and ctx.rank == 0 else None
 
     operator_times: dict[str, OperatorTimes] = {}
 
-    def counted_updates(parts, *rest):
-        padded_tokens.append(sum(mb.tokens.numel() for part in parts for mb in part))
+    def counted_update(step, minibatches, *rest):
+        padded_tokens.append(sum(mb.tokens.numel() for minibatch in minibatches for mb in minibatch))
         measured = len(step_seconds) >= max(1, len(expert_arms))  # after the warm-up step(s)
         if not (torch_profile_top and ctx.rank == 0 and measured):
-            return policy_updates(parts, *rest)
+            return policy_update(step, minibatches, *rest)
         arm = expert_arms[len(step_seconds) % len(expert_arms)] if expert_arms else "update"
         with profile_operators(operator_times.setdefault(arm, OperatorTimes())):
-            return policy_updates(parts, *rest)
+            return policy_update(step, minibatches, *rest)
 
-    shadow_method(trainer, "_policy_updates", counted_updates)
+    shadow_method(trainer.policy, "update", counted_update)
 
     def timed_step():
         profiling = profiler if step_seconds else None  # the first step is warm-up
         if expert_arms:
-            _use_expert_mlp(components.model, expert_arms[len(step_seconds) % len(expert_arms)])
-        if sampling_arms and components.mesh.is_driver:
+            _use_expert_mlp(trainer.policy.model, expert_arms[len(step_seconds) % len(expert_arms)])
+        if sampling_arms and producer is not None:
             arm = sampling_arms[len(step_seconds) % len(sampling_arms)]
-            components.driver_rollout().partial = over_sampling if arm == "over_sample" else None
+            producer.partial = over_sampling if arm == "over_sample" else None
         if profiling is not None:
             profiling.enable()
         start = time.perf_counter()
@@ -191,9 +193,9 @@ def bench_worker(
 
     shadow_method(trainer, "train_step", timed_step)
     try:
-        trainer.train()
+        trainer.train(open_run_log(typed, Path(run_dir), config_yaml) if ctx.rank == 0 else QuietLog())
     finally:
-        components.close()
+        trainer.close()
     if ctx.rank != 0:
         return []
     if generate is None or score is None:  # rank 0 is the driver, which wrapped both

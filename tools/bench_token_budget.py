@@ -34,6 +34,7 @@ def bench_worker(ctx, args) -> dict:
     from gspo_megatron.contracts.batch import partition, update_batches
     from gspo_megatron.contracts.samples import FinishReason, Sample
     from gspo_megatron.contracts.token_budget import step_padded_fraction
+    from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.loss_heads import PolicyLossHead
     from gspo_megatron.policy.models.builder import build_model
     from gspo_megatron.policy.models.schedule import run_schedule, wrap_for_training
@@ -53,6 +54,7 @@ def bench_worker(ctx, args) -> dict:
         max_position_embeddings=args.prompt + args.max_response + 8,
     )
     layout = ParallelLayout(world_size=1).validate(cfg)
+    apply_cpu_bridges()
     mesh = initialize_parallel(layout, seed=3)
     model = build_model(cfg, layout)
     ddp = wrap_for_training(model, model.config)

@@ -73,12 +73,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _setup(args, cfg):
     import torch
 
+    from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.models.builder import build_model
     from gspo_megatron.policy.parallel.layout import ParallelLayout
     from gspo_megatron.policy.parallel.mesh import initialize_parallel
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     layout = ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, world_size=world).validate(cfg)
+    apply_cpu_bridges()
     mesh = initialize_parallel(layout)
     dtype = getattr(torch, DTYPES[args.dtype])
     model = build_model(cfg, layout, params_dtype=dtype, layer_spec=args.layer_spec)

@@ -124,8 +124,9 @@ def main(argv=None) -> None:
     from gspo_megatron.config.compose import compose
     from gspo_megatron.config.schema import to_train_config
     from gspo_megatron.config.store import register_configs
-    from gspo_megatron.loop.build import random_hf_weights
+    from gspo_megatron.policy.build import random_hf_weights
     from gspo_megatron.policy.config import OptimizerSection
+    from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.models.builder import build_model
     from gspo_megatron.policy.models.conversion import load_hf_weights
     from gspo_megatron.policy.models.hf_checkpoint import save_hf_checkpoint
@@ -140,6 +141,7 @@ def main(argv=None) -> None:
     register_configs()
     cfg = to_train_config(compose([f"model={args.model}", *args.overrides]))
     layout = ParallelLayout(world_size=1).validate(cfg.model)
+    apply_cpu_bridges()
     mesh = initialize_parallel(layout, seed=args.seed)
     try:
         tokenizer = build_tokenizer("symbol", model_vocab_size=cfg.model.vocab_size)
@@ -155,7 +157,7 @@ def main(argv=None) -> None:
         model = build_model(
             cfg.model, layout, token_dispatcher=cfg.model.token_dispatcher, expert_mlp=cfg.model.expert_mlp
         )
-        load_hf_weights(model, cfg.model, random_hf_weights(cfg), mesh)
+        load_hf_weights(model, cfg.model, random_hf_weights(cfg.model), mesh)
         ddp = wrap_for_training(model, model.config)
         optimizer, scheduler = build_optimizer(
             ddp, OptimizerSection(lr=args.lr, min_lr=args.lr / 10, warmup_steps=10), args.steps

@@ -96,16 +96,17 @@ def evaluate_warm_start(checkpoint: Path, overrides: list[str]) -> dict[str, flo
 
     from gspo_megatron.config.compose import compose
     from gspo_megatron.config.schema import to_train_config
-    from gspo_megatron.loop.build import build_evaluation
+    from gspo_megatron.loop.build import rollout_settings
+    from gspo_megatron.rollout.build import build_evaluation
 
     cfg = to_train_config(compose(["+experiment=shaping_from_sft", f"model.hf_checkpoint={checkpoint}", *overrides]))
-    phase, records, params = build_evaluation(cfg)
+    producer, evaluation = build_evaluation(rollout_settings(cfg))
     weights = Qwen3MoeForCausalLM.from_pretrained(str(checkpoint)).state_dict()
-    phase.engine.update_weights(weights.items(), version=0)
+    producer.engine.update_weights(weights.items(), version=0)
     try:
-        return phase.evaluate(records, params)
+        return producer.evaluate(evaluation.records, evaluation.params)
     finally:
-        phase.rewards.close()
+        producer.rewards.close()
 
 
 def _commit(version: dict) -> str:

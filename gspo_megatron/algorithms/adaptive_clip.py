@@ -40,14 +40,7 @@ if TYPE_CHECKING:
     from gspo_megatron.algorithms.config import AlgorithmConfig
 
 from gspo_megatron.algorithms.losses import SEQUENCE_LEVEL_LOSSES
-
-
-@dataclass(frozen=True)
-class ClipFractions:
-    """A step's clipped fractions (low + high side; the mean over its updates; NaN: nothing measured)."""
-
-    token: float  # loss/clip_frac_token
-    seq: float  # loss/clip_frac_seq
+from gspo_megatron.contracts.phases import ClipFractions
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Policy losses GSPO, GSPO-token and GRPO: pure tensor functions behind one registry and one signature.
 
     loss_fn(log_probs [B,T], old_log_probs [B,T], advantages [B] or [B,T], response_mask [B,T],
-            ctx: LossContext) -> PolicyLossOutput(loss, metrics)
+            ctx: LossContext) -> PolicyLossOutput(loss, metrics, clip_sides)
 
 Design decisions:
 - The returned loss is *minimised* (= -J) and is this micro-batch's contribution to the whole batch:
@@ -27,7 +27,8 @@ Design decisions:
   "seq_mean_token_mean"; a token-weighted aggregation would re-introduce the length bias GSPO removes.
 - Metrics (see ``metrics.py``): clip fractions per token and per sequence, split low/high (per
   sequence = mean over sequences of the fraction of that sequence's tokens clipped; for GSPO that is
-  the indicator); KL(pi_old || pi_theta) estimated from tokens sampled from pi_old, with r = pi/pi_old:
+  the indicator) -- a typed field of every loss's output (``ClipSides``), so none can leave out the
+  headline fractions; KL(pi_old || pi_theta) estimated from tokens sampled from pi_old, with r = pi/pi_old:
   k1 = -log r and k3 = (r - 1) - log r (both unbiased; k3 is >= 0 and lower-variance; both logged);
   the clipped ratio's mean/min/max (per sequence s_i for GSPO variants, per token w for GRPO);
   response length; token- vs sequence-ratio dispersion by response length (``ratio_dispersion.py``).
@@ -40,7 +41,7 @@ GRPO, Shao et al., "DeepSeekMath", arXiv 2402.03300; clip-higher from DAPO, arXi
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -177,10 +178,63 @@ def check_sequence_aggregation(loss_name: str, aggregation: str, prefix: str = "
         )
 
 
-@dataclass
+CLIP_UNITS = ("token", "seq")  # a clip fraction's unit: the share of tokens, the share of sequences
+
+
+def clip_fraction_name(unit: str, side: str | None = None) -> str:
+    """``clip_frac_token_low`` (one side), or the headline ``clip_frac_token`` (low + high)."""
+    return f"clip_frac_{unit}" if side is None else f"clip_frac_{unit}_{side}"
+
+
+@dataclass(frozen=True)
+class ClipShares:
+    """One clip side's share of the tokens and of the sequences, as additive sums and counts."""
+
+    token_sum: torch.Tensor
+    token_count: torch.Tensor
+    seq_sum: torch.Tensor
+    seq_count: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ClipSides:
+    """What every loss reports of its clipping: the low and high sides (dual with dual clip). A field, not
+    a dict key, so a new loss cannot leave out the headline fractions the run log and adaptive clipping
+    read (``headline_clip_fractions``)."""
+
+    low: ClipShares
+    high: ClipShares
+    dual: ClipShares | None = None
+
+    def entries(self) -> dict[str, torch.Tensor]:
+        """Additive metric entries, ``clip_frac_{token,seq}_{side}/{sum,count}``, side by side."""
+        entries: dict[str, torch.Tensor] = {}
+        for side, shares in (("low", self.low), ("high", self.high), ("dual", self.dual)):
+            if shares is not None:
+                entries.update(mean_entries(clip_fraction_name("token", side), shares.token_sum, shares.token_count))
+                entries.update(mean_entries(clip_fraction_name("seq", side), shares.seq_sum, shares.seq_count))
+        return entries
+
+
+def headline_clip_fractions(finalized: Mapping[str, float], prefix: str = "") -> dict[str, float]:
+    """``clip_frac_token`` and ``clip_frac_seq``: low + high of the finalized means (``prefix`` as logged)."""
+    return {
+        prefix + clip_fraction_name(unit): finalized[prefix + clip_fraction_name(unit, "low")]
+        + finalized[prefix + clip_fraction_name(unit, "high")]
+        for unit in CLIP_UNITS
+    }
+
+
+@dataclass(frozen=True)
 class PolicyLossOutput:
     loss: torch.Tensor  # scalar, to minimise; this micro-batch's share of the whole-batch loss
-    metrics: dict[str, torch.Tensor]  # additive entries, see metrics.py
+    metrics: dict[str, torch.Tensor]  # additive entries, see metrics.py; the clip fractions' among them
+    clip_sides: ClipSides
+
+    def __post_init__(self) -> None:
+        missing = sorted(set(self.clip_sides.entries()) - set(self.metrics))
+        if missing:
+            raise ValueError(f"a policy loss's metrics leave out its clip fractions' entries {missing}")
 
 
 POLICY_LOSSES: Registry[Callable[..., PolicyLossOutput]] = Registry("policy loss")
@@ -306,38 +360,31 @@ def _common_metrics(batch: _Batch, ctx: LossContext) -> dict[str, torch.Tensor]:
     return metrics
 
 
-def _clip_metrics_per_sequence(
-    clipped: Sequence[torch.Tensor], batch: _Batch, ctx: LossContext
-) -> dict[str, torch.Tensor]:
+def _clip_fractions_per_sequence(clipped: Sequence[torch.Tensor], batch: _Batch, ctx: LossContext) -> ClipSides:
     """Clip fractions when clipping is decided per sequence ([B] indicators low, high, dual), as GSPO does."""
-    metrics = {}
+    shares = []
     with torch.no_grad():
-        for side, indicator in zip(_clip_sides(ctx), clipped, strict=False):  # no dual side without dual clip
+        for indicator in clipped[: _clip_sides(ctx)]:  # no dual side without dual clip
             selected = indicator & batch.seq_valid
-            metrics.update(
-                mean_entries(f"clip_frac_token_{side}", (selected * batch.lengths).sum(), batch.lengths.sum())
-            )
-            metrics.update(mean_entries(f"clip_frac_seq_{side}", selected.sum(), batch.seq_valid.sum()))
-    return metrics
+            tokens = (selected * batch.lengths).sum()
+            shares.append(ClipShares(tokens, batch.lengths.sum(), selected.sum(), batch.seq_valid.sum()))
+    return ClipSides(*shares)
 
 
-def _clip_sides(ctx: LossContext) -> tuple[str, ...]:
-    """The clip fractions a loss reports: low and high, plus dual when dual clip is on."""
-    return ("low", "high") if ctx.loss.clip_ratio_c is None else ("low", "high", "dual")
+def _clip_sides(ctx: LossContext) -> int:
+    """The clip sides a loss reports: low and high, plus dual when dual clip is on."""
+    return 2 if ctx.loss.clip_ratio_c is None else 3
 
 
-def _clip_metrics_per_token(
-    clipped: Sequence[torch.Tensor], batch: _Batch, ctx: LossContext
-) -> dict[str, torch.Tensor]:
+def _clip_fractions_per_token(clipped: Sequence[torch.Tensor], batch: _Batch, ctx: LossContext) -> ClipSides:
     """Clip fractions when clipping is decided per token ([B, T] indicators low, high, dual)."""
-    metrics = {}
+    shares = []
     with torch.no_grad():
-        for side, indicator in zip(_clip_sides(ctx), clipped, strict=False):  # no dual side without dual clip
+        for indicator in clipped[: _clip_sides(ctx)]:  # no dual side without dual clip
             per_seq = ctx.sequence_sum((indicator & batch.mask).float())  # clipped tokens per sequence
             seq_fraction = torch.where(batch.seq_valid, per_seq / batch.lengths.clamp_min(1), 0.0)
-            metrics.update(mean_entries(f"clip_frac_token_{side}", per_seq.sum(), batch.lengths.sum()))
-            metrics.update(mean_entries(f"clip_frac_seq_{side}", seq_fraction.sum(), batch.seq_valid.sum()))
-    return metrics
+            shares.append(ClipShares(per_seq.sum(), batch.lengths.sum(), seq_fraction.sum(), batch.seq_valid.sum()))
+    return ClipSides(*shares)
 
 
 def _ratio_metrics(ratio: torch.Tensor, select: torch.Tensor, ctx: LossContext) -> dict[str, torch.Tensor]:
@@ -375,12 +422,13 @@ def gspo_loss(
     s = log_s.exp()
     objective, *clipped = _clipped_objective(s, advantages.detach(), ctx)
     loss = -torch.where(batch.seq_valid, objective, 0.0).sum() / batch.num_sequences
+    clip = _clip_fractions_per_sequence(clipped, batch, ctx)
     metrics = {
         **_common_metrics(batch, ctx),
-        **_clip_metrics_per_sequence(clipped, batch, ctx),
+        **clip.entries(),
         **_ratio_metrics(s, batch.seq_valid, ctx),
     }
-    return PolicyLossOutput(loss, metrics)
+    return PolicyLossOutput(loss, metrics, clip)
 
 
 @POLICY_LOSSES.register("gspo_token")
@@ -408,12 +456,13 @@ def gspo_token_loss(
     token_advantages = advantages.detach() if advantages.dim() == 2 else advantages.detach().unsqueeze(-1)
     objective, *clipped = _clipped_objective(s_token, token_advantages, ctx)
     loss = -_aggregate_tokens(objective, batch, ctx)
+    clip = _clip_fractions_per_token(clipped, batch, ctx)
     metrics = {
         **_common_metrics(batch, ctx),
-        **_clip_metrics_per_token(clipped, batch, ctx),
+        **clip.entries(),
         **_ratio_metrics(log_s.exp(), batch.seq_valid, ctx),
     }
-    return PolicyLossOutput(loss, metrics)
+    return PolicyLossOutput(loss, metrics, clip)
 
 
 @POLICY_LOSSES.register("grpo")
@@ -436,9 +485,10 @@ def grpo_loss(
     token_advantages = advantages.detach() if advantages.dim() == 2 else advantages.detach().unsqueeze(-1)
     objective, *clipped = _clipped_objective(w, token_advantages, ctx)
     loss = -_aggregate_tokens(objective, batch, ctx)
+    clip = _clip_fractions_per_token(clipped, batch, ctx)
     metrics = {
         **_common_metrics(batch, ctx),
-        **_clip_metrics_per_token(clipped, batch, ctx),
+        **clip.entries(),
         **_ratio_metrics(w, batch.mask, ctx),
     }
-    return PolicyLossOutput(loss, metrics)
+    return PolicyLossOutput(loss, metrics, clip)

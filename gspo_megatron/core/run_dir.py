@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -252,3 +253,8 @@ def resume_mode(value: object) -> ResumeMode:
     if mode not in RESUME_MODES:
         raise RunDirError(f"checkpoint.resume={value!r} is not one of {[str(m) for m in RESUME_MODES]}")
     return ResumeMode(mode)
+
+
+def new_run_id() -> str:
+    """A run's id: its checkpoints carry it, and pruning removes only its own (``policy/checkpoint/store.py``)."""
+    return uuid.uuid4().hex

@@ -30,7 +30,7 @@ calls, nothing moves.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch.distributed as dist
 
@@ -39,6 +39,20 @@ from gspo_megatron.policy.parallel.device import cuda_kernels
 if TYPE_CHECKING:
     from gspo_megatron.policy.models.chunks import ModelChunks
     from gspo_megatron.rollout.engine import RolloutEngine
+
+
+class EnginePlacement(Protocol):
+    """The hand-over points around generation and weight sync (``rollout.placement``)."""
+
+    def before_engine_launch(self) -> None: ...
+
+    def attach(self, engine: RolloutEngine | None) -> None: ...
+
+    def after_generation(self) -> None: ...
+
+    def before_weight_sync(self) -> None: ...
+
+    def metrics(self) -> dict[str, float]: ...
 
 
 class SeparatePlacement:

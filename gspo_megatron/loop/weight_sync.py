@@ -1,21 +1,22 @@
 """Weight sync from the trainer's ranks into the rollout engine, bounded in memory and re-readable.
 
 Design decisions:
-- The weights travel as a stream of (HF name, full tensor): ``models.conversion.export_hf_tensors``
-  gathers one parameter at a time and the engine decides the bucket (SGLang: one
-  ``/update_weights_from_distributed`` per ``weight_bucket_bytes``; the embedded engine loads each
-  tensor as it comes). No rank holds more than the engine's bucket plus one parameter's gather beyond
-  its shard; the driver never holds the model (it did: the engine listed the whole export).
+- The weights travel as a stream of (HF name, full tensor): the policy's export (``Policy.export``,
+  ``policy/models/conversion.py:export_hf_tensors``) gathers one parameter at a time and the engine decides
+  the bucket (SGLang: one ``/update_weights_from_distributed`` per ``weight_bucket_bytes``; the embedded
+  engine loads each tensor as it comes). No rank holds more than the engine's bucket plus one parameter's
+  gather beyond its shard; the driver never holds the model (it did: the engine listed the whole export).
 - The engine may read the weights more than once (SGLang retries a failed distributed update
   through the disk path), and only the driver knows whether it will. Every pass is a fresh collective
   export, so the other ranks must join it: before each pass the driver broadcasts MORE (1) to every
-  rank, after the engine returned DONE (0); ``follow_weight_stream`` is the other ranks' half.
+  rank, after the engine returned DONE (0). ``DriverWeightSync`` is the driver's half (the rollout side's
+  engine reads), ``FollowerWeightSync`` the other ranks' (``follow_weight_stream``).
 - A pass the engine abandoned half-way (a bucket refused by a server) is drained before anything
   else happens on the driver: the other ranks are inside that pass's collectives and would deadlock
   against a new pass or the DONE broadcast.
 - Per-stage senders (SGLang's distributed sync with pipeline stages, ``weight_senders=per_stage``): the
   driver's stream is ``StagedDriverStream``; the engine calls its ``send_by_stages``, which announces
-  STAGES (2) and runs ``stage_senders.StageTurns`` on every rank; the disk fallback still iterates it
+  STAGES (2) and runs ``rollout/sglang/stage_turns.py:StageTurns`` on every rank; the disk fallback still iterates it
   (a full export pass, MORE).
 - After DONE the driver broadcasts the outcome, so a failed sync raises on every rank (not only on the
   driver, while the others wait in the next step's collectives).
@@ -24,23 +25,16 @@ Design decisions:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
 
 from gspo_megatron.core.named_tensors import NamedTensor
-from gspo_megatron.policy.models.conversion import export_hf_tensors
-from gspo_megatron.rollout.engine import RolloutEngine
 
 if TYPE_CHECKING:
-    from megatron.core.models.gpt import GPTModel
-
-    from gspo_megatron.loop.stage_senders import StageTurns
-    from gspo_megatron.policy.models.chunks import ModelChunks
-    from gspo_megatron.policy.models.config import MoEModelConfig
-    from gspo_megatron.policy.parallel.mesh import ParallelMesh
     from gspo_megatron.rollout.sglang.group_sender import SenderBrief
+    from gspo_megatron.rollout.sglang.stage_turns import StageTurns
 
 MORE, DONE, STAGES = 1, 0, 2
 
@@ -113,53 +107,88 @@ def follow_weight_stream(
     return passes
 
 
-def sync_engine_weights(
-    engine: RolloutEngine | None,
-    model: GPTModel | ModelChunks,
-    model_cfg: MoEModelConfig,
-    mesh: ParallelMesh,
-    version: int,
-    turns: StageTurns | None = None,
-) -> int:
-    """Stream the policy's HF-named weights into ``engine`` (the driver's; None elsewhere); ``model``: one
-    model chunk or this rank's ``ModelChunks``; ``turns``: every rank's, when pipeline stages send their
-    own layers. Collective on every rank; returns the export passes made (2 when the engine read twice)."""
+class WeightSync(Protocol):
+    def sync(self, version: int) -> int:
+        """Collective on every rank: the policy's weights into the engine at ``version``; the passes made."""
 
-    def export_pass() -> Iterator[NamedTensor]:
-        return export_hf_tensors(model, model_cfg, mesh)
+    def close(self) -> None:
+        """This rank's stage sender leaves its update group (per-stage senders)."""
 
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    signal = torch.zeros(1, dtype=torch.int64, device=mesh.device if mesh is not None else "cpu")
 
-    def announce(value: int) -> None:
-        if world > 1:
-            signal.fill_(value)
+class DriverWeightSync:
+    """The driver's weight sync: the policy's export streamed into the rollout side's engine."""
+
+    def __init__(
+        self,
+        export_pass: Callable[[], Iterator[NamedTensor]],
+        load_weights: Callable[[Iterable[NamedTensor], int], None],
+        device: torch.device,
+        turns: StageTurns | None = None,
+    ) -> None:
+        """``export_pass``: one pass of the policy's HF-named tensors (``Policy.export``);
+        ``load_weights``: the engine's (``RolloutSide.load_weights``); ``turns``: this rank's part when
+        every pipeline stage sends its own layers."""
+        self.export_pass, self.load_weights, self.device, self.turns = export_pass, load_weights, device, turns
+
+    def sync(self, version: int) -> int:
+        """Collective on every rank; returns the export passes made (2 when the engine read twice)."""
+        world = _world()
+        signal = torch.zeros(1, dtype=torch.int64, device=self.device)
+
+        def announce(value: int) -> None:
+            if world > 1:
+                signal.fill_(value)
+                dist.broadcast(signal, src=0)
+
+        stream = (
+            StagedDriverStream(self.export_pass, announce, self.turns)
+            if self.turns is not None
+            else DriverWeightStream(self.export_pass, announce)
+        )
+        failure: BaseException | None = None
+        try:
+            self.load_weights(stream, version)
+        except BaseException as error:  # noqa: BLE001 - re-raised once every rank knows
+            failure = error
+        finally:
+            stream.close()
+        _share_outcome(failure, world)
+        if failure is not None:
+            raise failure
+        return stream.passes
+
+    def close(self) -> None:
+        if self.turns is not None:
+            self.turns.close()
+
+
+class FollowerWeightSync:
+    """Every other rank's weight sync: it joins each export pass the driver's engine reads."""
+
+    def __init__(
+        self, export_pass: Callable[[], Iterator[NamedTensor]], device: torch.device, turns: StageTurns | None = None
+    ) -> None:
+        self.export_pass, self.device, self.turns = export_pass, device, turns
+
+    def sync(self, version: int) -> int:
+        """Collective on every rank; returns the export passes made."""
+        signal = torch.zeros(1, dtype=torch.int64, device=self.device)
+
+        def receive() -> int:
             dist.broadcast(signal, src=0)
+            return int(signal.item())
 
-    def receive() -> int:
-        dist.broadcast(signal, src=0)
-        return int(signal.item())
-
-    if engine is None:
-        passes = follow_weight_stream(export_pass, receive, turns)
-        _share_outcome(None, world)
+        passes = follow_weight_stream(self.export_pass, receive, self.turns)
+        _share_outcome(None, _world())
         return passes
-    stream = (
-        StagedDriverStream(export_pass, announce, turns)
-        if turns is not None
-        else DriverWeightStream(export_pass, announce)
-    )
-    failure: BaseException | None = None
-    try:
-        engine.update_weights(stream, version)
-    except BaseException as error:  # noqa: BLE001 - re-raised once every rank knows
-        failure = error
-    finally:
-        stream.close()
-    _share_outcome(failure, world)
-    if failure is not None:
-        raise failure
-    return stream.passes
+
+    def close(self) -> None:
+        if self.turns is not None:
+            self.turns.close()
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _share_outcome(failure: BaseException | None, world: int) -> None:

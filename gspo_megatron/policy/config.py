@@ -1,5 +1,6 @@
 """The policy side's config sections: ``model``, ``parallel`` and ``optimizer`` (``config/schema.py``
-composes them with the other roles' sections into one ``TrainConfig``).
+composes them with the other roles' sections into one ``TrainConfig``), and ``PolicySettings``, what
+the policy is built from.
 
 Each section refuses its own bad values in ``validate()``, naming the key and the fix; the rules
 between sections are ``config/validate.py``'s.
@@ -10,9 +11,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from gspo_megatron.algorithms.config import AlgorithmConfig, OldLogProbSource
 from gspo_megatron.core.config_node import ConfigChoice, ConfigNode
 from gspo_megatron.policy.models.config import ExpertMLP, LayerSpec, MoEModelConfig, TokenDispatcher
+from gspo_megatron.policy.nonfinite import NonFinitePolicy
 from gspo_megatron.policy.parallel.layout import ParallelLayout
+from gspo_megatron.policy.routing.config import RoutingConfig
 
 
 class TrainerDtype(ConfigChoice):
@@ -186,3 +190,26 @@ class OptimizerSection(ConfigNode):
             )
         if not isinstance(self.distributed, DistributedOptimizerChoice):
             self.distributed = DistributedOptimizerChoice(value)
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    """Everything the policy side is built from, resolved once from the whole config by the composition
+    root (``loop/build.py:policy_settings``): the policy's own sections and the few values of other
+    sections it reads. Not a config section: nothing here is a key of its own."""
+
+    model: ModelSection
+    parallel: ParallelSection
+    optimizer: OptimizerSection
+    algorithm: AlgorithmConfig  # the loss, the KL reference, pi_old's source (trainer.old_log_probs below)
+    routing: RoutingConfig
+    old_log_probs: OldLogProbSource  # trainer.old_log_probs
+    seed: int  # trainer.seed
+    total_updates: int  # trainer.steps x trainer.updates_per_rollout: the LR schedule's length
+    updates_per_step: int  # trainer.updates_per_rollout
+    temperature: float  # rollout.temperature: the policy's log-probs are log_softmax(logits / T)
+    logprob_chunk_size: int | None  # trainer.logprob_chunk_size
+    recompute_activations: bool  # trainer.recompute_activations
+    reference_offload: bool  # trainer.reference_offload
+    on_nonfinite: NonFinitePolicy  # trainer.on_nonfinite
+    max_consecutive_nonfinite: int  # trainer.max_consecutive_nonfinite

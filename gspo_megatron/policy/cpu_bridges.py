@@ -1,8 +1,13 @@
 """Let megatron-core (0.16.1 to 0.19.2) run on a machine without CUDA (CPU tensors, gloo collectives).
 
-Activated only without CUDA (``policy/parallel/device.py:cuda_kernels``), by ``enable_cpu_megatron()``; on a GPU
-machine nothing here runs. ``disable_cpu_megatron()`` puts back every attribute the bridges replaced
-(each bridge is applied through ``_patch``, which remembers the original). Written against
+Every process-wide patch the project makes is here, applied by one call at start-up,
+``apply_cpu_bridges()``, before process groups form (``policy/build.py``, and every tool or test that forms
+them itself); it decides from the device whether the bridges apply -- only without CUDA
+(``policy/parallel/device.py:cuda_kernels``) -- and returns the one line that says which did (the driver
+prints it). Nothing patches as a side effect of another call: ``initialize_parallel`` refuses to form groups
+on a CPU machine whose bridges were not applied. On a GPU machine nothing here runs.
+``disable_cpu_megatron()`` puts back every attribute the bridges replaced (each bridge is applied through
+``_patch``, which remembers the original). Written against
 megatron-core 0.16.1 (torch 2.13, CPU build) and checked against 0.19.2 (torch 2.15, CUDA build on
 CPU); a bridge whose upstream fact depends on the version looks for the fact, not the version number.
 ``tests/unit/policy/test_cpu_bridges.py`` (bridge 10 under gloo ranks: ``tests/distributed/
@@ -93,6 +98,24 @@ import torch
 
 _ABSENT = object()  # an attribute that did not exist before its bridge
 _applied: list[tuple[object, str, object]] = []  # (owner, attribute, original), in patch order
+_bridges_that_patched: list[str] = []  # the names of the bridges whose fact held, in order
+
+
+def apply_cpu_bridges() -> str:
+    """The one start-up call: without CUDA, every bridge below whose upstream fact holds on the installed
+    megatron-core and torch, once per process; returns the line that says what was applied."""
+    from importlib.metadata import version
+
+    from gspo_megatron.policy.parallel.device import cuda_kernels
+
+    if cuda_kernels():
+        return "[gspo] CUDA: megatron-core runs as it is (no CPU bridge applied)"
+    enable_cpu_megatron()
+    names = ", ".join(_bridges_that_patched)
+    return (
+        f"[gspo] megatron-core {version('megatron-core')} without CUDA: {len(_bridges_that_patched)} CPU "
+        f"bridges applied (policy/cpu_bridges.py): {names}"
+    )
 
 
 def enable_cpu_megatron() -> None:
@@ -101,8 +124,12 @@ def enable_cpu_megatron() -> None:
 
     if _applied or cuda_kernels():
         return
+    _bridges_that_patched.clear()
     for bridge in BRIDGES:
+        before = len(_applied)
         bridge()
+        if len(_applied) > before:  # a bridge whose fact does not hold on this version patches nothing
+            _bridges_that_patched.append(bridge.__name__.lstrip("_"))
 
 
 def disable_cpu_megatron() -> None:

@@ -28,7 +28,6 @@ micro-batches from it (``batch.update_batches``) -- neither writes into the batc
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -37,18 +36,13 @@ from gspo_megatron.algorithms.config import OldLogProbSource
 from gspo_megatron.algorithms.mismatch_metric import finalize_mismatch, train_inference_mismatch
 from gspo_megatron.contracts.batch import RolloutBatch
 from gspo_megatron.contracts.micro_batch import StepMicroBatch
+from gspo_megatron.contracts.phases import OldPolicyResult
 from gspo_megatron.policy.loss_heads import LogProbHead, LogProbOutput
 from gspo_megatron.policy.models.schedule import BeforeForward, run_schedule
 from gspo_megatron.policy.parallel.mesh import ParallelMesh
 
 if TYPE_CHECKING:
     from gspo_megatron.policy.models.chunks import ModelChunks
-
-
-@dataclass(frozen=True)
-class OldPolicyResult:
-    log_probs: torch.Tensor  # float [n, S-1]: pi_old of this rank's rows' targets
-    metrics: dict[str, float]
 
 
 class OldPolicyPhase(Protocol):

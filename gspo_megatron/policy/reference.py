@@ -48,7 +48,7 @@ from gspo_megatron.policy.models.schedule import run_schedule
 from gspo_megatron.policy.models.weight_sources import SafetensorsSource
 
 if TYPE_CHECKING:
-    from gspo_megatron.config.schema import TrainConfig
+    from gspo_megatron.policy.config import ModelSection
     from gspo_megatron.policy.models.weight_sources import WeightSource
     from gspo_megatron.policy.parallel.layout import ParallelLayout
     from gspo_megatron.policy.parallel.mesh import ParallelMesh
@@ -88,33 +88,33 @@ class ReferenceModel:
     @classmethod
     def build(
         cls,
-        cfg: TrainConfig,
+        model_cfg: ModelSection,
         layout: ParallelLayout,
         mesh: ParallelMesh,
         policy_source: WeightSource | Mapping[str, torch.Tensor],
         dtype: torch.dtype,
+        *,
+        kl_reference: str | None,
+        temperature: float,
+        chunk_size: int | None,
+        offload: bool,
     ) -> ReferenceModel:
-        """``policy_source``: where the policy's initial weights came from (unless kl_reference is set)."""
-        path = cfg.algorithm.kl.reference
-        source = SafetensorsSource(path) if path else policy_source
+        """``policy_source``: where the policy's initial weights came from, the reference's unless
+        ``kl_reference`` (``algorithm.kl.reference``, a HF checkpoint) names its own."""
+        source = SafetensorsSource(kl_reference) if kl_reference else policy_source
         chunks = build_model_chunks(
-            cfg.model,
+            model_cfg,
             layout,
             params_dtype=dtype,
-            layer_spec=cfg.model.layer_spec,
-            token_dispatcher=cfg.model.token_dispatcher,
-            expert_mlp=cfg.model.expert_mlp,
+            layer_spec=model_cfg.layer_spec,
+            token_dispatcher=model_cfg.token_dispatcher,
+            expert_mlp=model_cfg.expert_mlp,
             routing_replay=False,
             initialize=False,
         )
-        load_hf_weights(chunks, cfg.model, source, mesh)
+        load_hf_weights(chunks, model_cfg, source, mesh)
         return cls(
-            chunks,
-            mesh.tp_group,
-            cfg.rollout.temperature,
-            cfg.trainer.logprob_chunk_size,
-            row_parts_group=mesh.row_parts_group,
-            offload=cfg.trainer.reference_offload,
+            chunks, mesh.tp_group, temperature, chunk_size, row_parts_group=mesh.row_parts_group, offload=offload
         )
 
     def log_probs(self, micro_batches: Sequence[MicroBatch]) -> list[torch.Tensor]:

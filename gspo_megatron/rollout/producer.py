@@ -1,4 +1,4 @@
-"""The driver's half of an RL step: prompts -> samples -> rewards -> shaped rewards -> advantages.
+"""The producer: a step's prompts -> samples -> rewards -> shaped rewards -> advantages -> ``RolloutBatch``.
 
 Runs on the driver rank only (it owns the engine, the task and the reward pool); from the resulting
 ``RolloutBatch`` each data-parallel rank receives only its rows (``loop/distribute.py``).
@@ -9,7 +9,6 @@ an uninterrupted one without saving any engine state.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,8 +46,9 @@ class RewardFunctionError(RuntimeError):
 
 
 @dataclass
-class RolloutPhase:
-    engine: RolloutEngine
+class RolloutProducer:
+    engine: RolloutEngine  # evaluation, over-sampling and the weights go to the engine itself
+    training_engine: RolloutEngine  # what draws the training rollouts: the engine, or an agent over it (DTR)
     task: Task
     tokenizer: Tokenizer
     rewards: RewardPool
@@ -57,14 +57,15 @@ class RolloutPhase:
     sampling: SamplingParams
     seed: int
     pad_token_id: int
-    # optional: a truncated-rollout wrapper with the engine's generate signature
-    generate_fn: Callable[[list[list[int]], SamplingParams], list[list[Sample]]] | None = None
+    prompts_per_step: int  # trainer.prompts_per_step: the groups a step trains
     # rollout.truncation.train_on_exit_tokens: the tokens a truncated rollout inserts enter the loss
     train_on_exit_tokens: bool = False
     # rollout.over_sample > 1: start more groups than the step needs, stop once enough are complete
     partial: PartialRollouts | None = None
 
-    def run(self, step: int, prompts_per_step: int) -> tuple[RolloutBatch, dict[str, float]]:
+    def produce(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """Step ``step``'s batch and its rollout metrics."""
+        prompts_per_step = self.prompts_per_step
         extra_metrics: dict[str, float] = {}
         if self.algorithm.dynamic_sampling.enabled:  # DAPO: only groups with reward variance, more rounds if short
             collected = collect_informative_groups(
@@ -119,8 +120,7 @@ class RolloutPhase:
         extra rounds (dynamic sampling) offset it, so a resumed run redraws exactly the same samples."""
         records = self.task.next_batch(prompts)
         params = _with_seed(self.sampling, self.seed * 1_000_003 + step + round_index * 2**24)
-        generate = self.generate_fn or self.engine.generate
-        return self._scored(records, generate(_prompt_ids(records), params), params)
+        return self._scored(records, self.training_engine.generate(_prompt_ids(records), params), params)
 
     def _draw_partial(self, step: int, prompts: int) -> tuple[list[DrawnGroup], dict[str, float]]:
         """Over-sampling (``rollout/agents/partial.py``): ``prompts`` complete groups, from the carried

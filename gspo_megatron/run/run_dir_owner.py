@@ -47,10 +47,6 @@ LOCK_FILE = ".gspo.lock"
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, ROUTING_FILE, "checkpoints", "hf_export", "tensorboard")
 
 
-def new_run_id() -> str:
-    return uuid.uuid4().hex
-
-
 def _stat_fields(pid: int) -> list[str] | None:
     """``/proc/<pid>/stat`` after "pid (comm) ": field 3 (the state) first; None where /proc cannot say."""
     try:

@@ -1,8 +1,10 @@
-"""What a run writes for people: metrics JSONL, TensorBoard, optional wandb, progress, summary.
+"""What a run writes for people: metrics JSONL, the routing records, TensorBoard, optional wandb, progress,
+notes, summary.
 
-Only the driver rank writes. The run-directory format is ``core/run_dir.py``'s (shared with the
-report and comparison tools). On resume, metrics past the checkpoint's step are cut from
-``metrics.jsonl`` so the file holds one line per step, as an uninterrupted run would.
+Only the driver rank writes (the other ranks' log is ``loop/trainer.py:QuietLog``). The run-directory format
+is ``core/run_dir.py``'s (shared with the report and comparison tools). On resume, metrics past the
+checkpoint's step are cut from ``metrics.jsonl`` so the file holds one line per step, as an uninterrupted
+run would.
 Every step records ``time/run_wall_s``, the run's wall time up to that step across resumes (the last
 kept step's value carried into the resuming process), so the summary times the whole run, not only
 the process that finished it.
@@ -17,10 +19,45 @@ from pathlib import Path
 from typing import Any
 
 from gspo_megatron.algorithms.ratio_dispersion import LENGTH_BUCKETS, bucket_name
+from gspo_megatron.config.schema import TrainConfig
 from gspo_megatron.core.provenance import PROVENANCE_FILE, provenance
-from gspo_megatron.core.run_dir import CONFIG_FILE, METRICS_FILE, JsonlLog, drop_records_from_step, read_jsonl
+from gspo_megatron.core.run_dir import (
+    CONFIG_FILE,
+    METRICS_FILE,
+    ROUTING_FILE,
+    JsonlLog,
+    ResumeMode,
+    drop_records_from_step,
+    read_jsonl,
+    resume_mode,
+)
+from gspo_megatron.policy.checkpoint.store import latest_checkpoint
 
 RUN_WALL_KEY = "time/run_wall_s"
+
+
+def open_run_log(cfg: TrainConfig, run_dir: Path, config_yaml: str) -> RunLog:
+    """The driver's run log of ``cfg``'s run in ``run_dir``: on resume, what steps past the latest
+    checkpoint wrote is cut (they run again)."""
+    return RunLog(
+        run_dir,
+        cfg.trainer.steps,
+        tensorboard=cfg.logging.tensorboard,
+        wandb_project=cfg.logging.wandb_project if cfg.logging.wandb else None,
+        progress=cfg.logging.progress,
+        charts=cfg.logging.charts,
+        config_yaml=config_yaml,
+        resume_step=_resume_step(cfg, run_dir),
+        routing=cfg.routing.enabled and cfg.model.is_moe,
+    )
+
+
+def _resume_step(cfg: TrainConfig, run_dir: Path) -> int:
+    """The step a resumed run continues after (0: a fresh run)."""
+    if resume_mode(cfg.checkpoint.resume) is ResumeMode.false:
+        return 0
+    path = latest_checkpoint(run_dir)
+    return int(path.name.split("_")[-1]) if path is not None else 0
 
 
 class RunLog:
@@ -35,13 +72,17 @@ class RunLog:
         config_yaml: str,
         charts: bool = True,
         resume_step: int = 0,
+        routing: bool = False,
     ):
+        """``routing``: write the steps' routing records to ``routing.jsonl`` (diagnostics on, an MoE model)."""
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         self.config_yaml = config_yaml  # written by ``write_config`` once a resumed checkpoint has loaded
         # Keep what steps 1..resume_step wrote (nothing on a fresh run), as an uninterrupted run would.
         drop_records_from_step(run_dir / METRICS_FILE, resume_step + 1)
+        drop_records_from_step(run_dir / ROUTING_FILE, resume_step + 1)
         self.metrics = JsonlLog(run_dir / METRICS_FILE)
+        self.routing = JsonlLog(run_dir / ROUTING_FILE) if routing else None
         self.history: list[dict] = read_jsonl(run_dir / METRICS_FILE) if resume_step else []
         self.resume_step = resume_step
         self.charts = charts
@@ -76,7 +117,10 @@ class RunLog:
             record["previous"] = earlier.pop("previous", []) + [earlier]
         path.write_text(json.dumps(record, indent=2) + "\n")
 
-    def log_step(self, step: int, metrics: dict) -> None:
+    def log_step(self, step: int, metrics: dict, routing_records: list[dict] | tuple = ()) -> None:
+        if self.routing is not None:
+            for routing_record in routing_records:
+                self.routing.append(routing_record)
         record = {"step": step, **{k: _number(v) for k, v in metrics.items()}, RUN_WALL_KEY: self.run_wall_s()}
         self.metrics.append(record)
         self.history.append(record)
@@ -104,9 +148,15 @@ class RunLog:
         if self.wandb is not None:
             self.wandb.finish()
         self.metrics.close()
+        if self.routing is not None:
+            self.routing.close()
         plot = self._plot()
         resumed = (self.resume_step, time.monotonic() - self.started) if self.resume_step else None
         return summary_text(self.history, self.run_wall_s(), plot, resumed=resumed)
+
+    def note(self, text: str) -> None:
+        """A line for the person watching the run (a resume, a held adaptive clip)."""
+        print(text)
 
     def run_wall_s(self) -> float:
         """Wall seconds of the whole run so far: earlier processes' share plus this process's."""

@@ -25,14 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.loop.trainer import TrainingInterrupted
+
 WATCHED = (signal.SIGTERM, signal.SIGINT)
-
-
-class TrainingInterrupted(Exception):
-    def __init__(self, signum: int, reason: str):
-        super().__init__(reason)
-        self.signum = signum
-        self.exit_code = 128 + signum
 
 
 class SignalWatch:

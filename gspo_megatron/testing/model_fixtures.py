@@ -201,10 +201,12 @@ def model_variants_worker(
 ) -> list[dict]:
     """``model_layout_worker`` once per entry of ``variants`` (``build_model`` keyword arguments),
     in one launch and one parallel state: a list of its results in the same order."""
+    from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.parallel.layout import ParallelLayout
     from gspo_megatron.policy.parallel.mesh import initialize_parallel
 
     layout = ParallelLayout(**layout_kwargs).validate(cfg)
+    apply_cpu_bridges()
     mesh = initialize_parallel(layout, seed=11)
     try:
         return [_forward_backward(cfg, state, layout, mesh, policy, build_kwargs) for build_kwargs in variants]

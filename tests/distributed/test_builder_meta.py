@@ -21,6 +21,7 @@ MAX_RSS_GROWTH_BYTES = 512 << 20  # the 30B fp32 weights are 122 GB: any real al
 def meta_build_worker(ctx, preset_name: str) -> dict:
     import psutil
 
+    from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.models.builder import build_model, count_parameters
     from gspo_megatron.policy.models.conversion import build_mappings, hf_shapes
     from gspo_megatron.policy.parallel.layout import ParallelLayout
@@ -29,6 +30,7 @@ def meta_build_worker(ctx, preset_name: str) -> dict:
 
     cfg = preset(preset_name)
     layout = ParallelLayout(world_size=1).validate(cfg)
+    apply_cpu_bridges()
     mesh = initialize_parallel(layout)
     process = psutil.Process()
     rss_before = process.memory_info().rss

@@ -20,6 +20,7 @@ def save_twice_worker(ctx, checkpoint_dir: str) -> dict:
 
     from gspo_megatron.policy.checkpoint.store import latest_checkpoint, save_checkpoint
     from gspo_megatron.policy.config import OptimizerSection
+    from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.models.builder import build_model
     from gspo_megatron.policy.models.schedule import wrap_for_training
     from gspo_megatron.policy.optimizer import build_optimizer
@@ -29,6 +30,7 @@ def save_twice_worker(ctx, checkpoint_dir: str) -> dict:
 
     cfg = tiny_test_config()
     layout = ParallelLayout(world_size=1).validate(cfg)
+    apply_cpu_bridges()
     initialize_parallel(layout, seed=11)
     model = build_model(cfg, layout, params_dtype=torch.float32)
     ddp = wrap_for_training(model, model.config, use_distributed_optimizer=False)

@@ -61,6 +61,7 @@ def train_steps_worker(
     from megatron.core import tensor_parallel
 
     from gspo_megatron.policy.config import OptimizerSection, use_distributed_optimizer
+    from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.models.builder import build_model
     from gspo_megatron.policy.models.conversion import export_hf_state_dict, load_hf_weights
     from gspo_megatron.policy.models.schedule import run_schedule, wrap_for_training
@@ -70,6 +71,7 @@ def train_steps_worker(
 
     cfg = tiny_test_config()
     layout = ParallelLayout(cp=cp, world_size=ctx.world_size).validate(cfg)
+    apply_cpu_bridges()
     mesh = initialize_parallel(layout, seed=11)
     model = build_model(cfg, layout, params_dtype=getattr(torch, dtype))
     load_hf_weights(model, cfg, random_hf_state(cfg, seed=3), mesh)

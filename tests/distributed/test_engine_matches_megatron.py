@@ -39,6 +39,7 @@ MAX_NEW_TOKENS = 5
 def engine_vs_megatron_worker(ctx, cfg, state: dict, layout_kwargs: dict) -> dict:
     import torch.distributed as dist
 
+    from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.loss_heads import LogProbHead
     from gspo_megatron.policy.models.builder import build_model
     from gspo_megatron.policy.models.conversion import export_hf_weights, load_hf_weights
@@ -53,6 +54,7 @@ def engine_vs_megatron_worker(ctx, cfg, state: dict, layout_kwargs: dict) -> dic
     )
 
     layout = ParallelLayout(**layout_kwargs).validate(cfg)
+    apply_cpu_bridges()
     mesh = initialize_parallel(layout, seed=5)
     before = RoutingReplay.instance_count()
     model = build_model(cfg, layout, layer_spec="portable")

@@ -22,6 +22,7 @@ def fused_vs_loop_worker(ctx):
     from megatron.core.optimizer import get_megatron_optimizer
 
     from gspo_megatron.policy.config import OptimizerSection
+    from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.models.builder import build_model
     from gspo_megatron.policy.models.conversion import load_hf_weights
     from gspo_megatron.policy.models.schedule import run_schedule, wrap_for_training
@@ -31,6 +32,7 @@ def fused_vs_loop_worker(ctx):
 
     cfg = tiny_test_config()
     layout = ParallelLayout(world_size=1).validate(cfg)
+    apply_cpu_bridges()
     mesh = initialize_parallel(layout, seed=11)
     section = OptimizerSection(lr=0.01, weight_decay=0.1, warmup_steps=0, decay_style="constant")
     models, optimizers = [], []

@@ -105,9 +105,11 @@ def _one_storage_views(experts) -> dict:
 def compare_worker(ctx, cfg, dtype: torch.dtype) -> dict:
     from megatron.core.transformer.moe.experts import SequentialMLP
 
+    from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.models.grouped_experts import GroupedExperts
     from gspo_megatron.policy.parallel.mesh import initialize_parallel
 
+    apply_cpu_bridges()
     mesh = initialize_parallel(_layout(cfg), seed=3)
     sequential_model, _ = _experts_of(cfg, dtype, "sequential")
     model, experts = _experts_of(cfg, dtype, "grouped")

@@ -30,6 +30,7 @@ SHARD_BYTES = 30_000
 
 
 def save_worker(ctx, cfg, state, layout_kwargs, out_dir):
+    from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.models.builder import build_model
     from gspo_megatron.policy.models.conversion import load_hf_weights
     from gspo_megatron.policy.models.hf_checkpoint import save_hf_checkpoint
@@ -37,6 +38,7 @@ def save_worker(ctx, cfg, state, layout_kwargs, out_dir):
     from gspo_megatron.policy.parallel.mesh import initialize_parallel
 
     layout = ParallelLayout(**layout_kwargs).validate(cfg)
+    apply_cpu_bridges()
     mesh = initialize_parallel(layout)
     model = build_model(cfg, layout)
     load_hf_weights(model, cfg, state, mesh)

@@ -16,11 +16,13 @@ pytestmark = pytest.mark.distributed
 def reductions_worker(ctx, layout_kwargs: dict) -> dict:
     import torch
 
+    from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.models.config import preset
     from gspo_megatron.policy.parallel.layout import ParallelLayout
     from gspo_megatron.policy.parallel.mesh import initialize_parallel
 
     layout = ParallelLayout(**layout_kwargs, world_size=4).validate(preset("tiny"))
+    apply_cpu_bridges()
     mesh = initialize_parallel(layout)
     try:
         rank = mesh.rank

@@ -119,11 +119,13 @@ def _measure_traffic(layout, cfg, mesh) -> dict:
 def state_worker(ctx, cfg, layouts: dict) -> dict:
     from megatron.core import parallel_state as ps
 
+    from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.parallel.mesh import initialize_parallel
 
     out = {}
     for name, kwargs in layouts.items():
         layout = ParallelLayout(**kwargs).validate(cfg)
+        apply_cpu_bridges()
         mesh = initialize_parallel(layout, seed=5)
         ranks = {"pp": mesh.pp_rank, "dp": mesh.dp_rank, "edp": ps.get_expert_data_parallel_rank()}
         for dtype in (torch.float32, torch.bfloat16):

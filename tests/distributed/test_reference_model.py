@@ -19,6 +19,7 @@ pytestmark = pytest.mark.distributed
 
 
 def reference_worker(ctx, layout_kwargs, offload):
+    from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.loss_heads import LogProbHead
     from gspo_megatron.policy.models.builder import build_model
     from gspo_megatron.policy.models.conversion import load_hf_weights
@@ -31,6 +32,7 @@ def reference_worker(ctx, layout_kwargs, offload):
 
     cfg = tiny_test_config()
     layout = ParallelLayout(**layout_kwargs).validate(cfg)
+    apply_cpu_bridges()
     mesh = initialize_parallel(layout, seed=11)
     state = random_hf_state(cfg, seed=3)
     before = RoutingReplay.instance_count()

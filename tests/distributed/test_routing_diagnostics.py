@@ -47,9 +47,11 @@ def _update_diagnostics(mesh, run_dir: str):
 
 
 def _diagnose(ctx, run_dir: str):
+    from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.parallel.layout import ParallelLayout
     from gspo_megatron.policy.parallel.mesh import initialize_parallel
 
+    apply_cpu_bridges()
     mesh = initialize_parallel(ParallelLayout(world_size=ctx.world_size).validate())
     try:
         plan, diagnostics, mb = _update_diagnostics(mesh, run_dir)
@@ -87,9 +89,11 @@ def test_update_volatility_by_hand_merged_over_data_parallel_ranks(tmp_path, wor
 def _diagnose_on_two_stages(ctx, run_dir: str):
     """pp2: stage 0 holds layer 0, stage 1 layer 1, of the same 2 real tokens. Token 0 changes in both
     layers, token 1 in neither: changed in any layer = 1 of 2 (per-stage counts would sum to 2)."""
+    from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.parallel.layout import ParallelLayout
     from gspo_megatron.policy.parallel.mesh import initialize_parallel
 
+    apply_cpu_bridges()
     mesh = initialize_parallel(ParallelLayout(pp=2, world_size=2).validate())
     try:
         plan, diagnostics, mb = _update_diagnostics(mesh, run_dir)

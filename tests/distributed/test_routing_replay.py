@@ -34,6 +34,7 @@ def _routing_used(model_chunk):
 
 
 def _setup(layout_kwargs, seed=3, family="qwen3_moe", **overrides):
+    from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.models.builder import build_model
     from gspo_megatron.policy.models.conversion import load_hf_weights
     from gspo_megatron.policy.models.schedule import wrap_for_training
@@ -43,6 +44,7 @@ def _setup(layout_kwargs, seed=3, family="qwen3_moe", **overrides):
 
     cfg = tiny_family_config(family, **overrides)
     layout = ParallelLayout(**layout_kwargs).validate(cfg)
+    apply_cpu_bridges()
     mesh = initialize_parallel(layout, seed=11)
     before = RoutingReplay.instance_count()
     model = build_model(cfg, layout)

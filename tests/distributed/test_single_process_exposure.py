@@ -30,9 +30,11 @@ def _listening_addresses() -> list[str]:
 
 
 def _init_and_list(ctx):
+    from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.parallel.layout import ParallelLayout
     from gspo_megatron.policy.parallel.mesh import initialize_parallel
 
+    apply_cpu_bridges()
     mesh = initialize_parallel(ParallelLayout(world_size=1))
     try:
         return _listening_addresses()

@@ -46,6 +46,7 @@ def sync_worker(
 ):
     from gspo_megatron.loop.stage_senders import StageTurns
     from gspo_megatron.loop.weight_sync import sync_engine_weights
+    from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.models.builder import build_model
     from gspo_megatron.policy.models.conversion import load_hf_weights
     from gspo_megatron.policy.parallel.layout import ParallelLayout
@@ -56,6 +57,7 @@ def sync_worker(
 
     cfg = medium_test_config()
     layout = ParallelLayout(**layout_kwargs).validate(cfg)
+    apply_cpu_bridges()
     mesh = initialize_parallel(layout)
     model = build_model(cfg, layout, layer_spec="portable")
     load_hf_weights(model, cfg, random_hf_state(cfg, seed=11), mesh)

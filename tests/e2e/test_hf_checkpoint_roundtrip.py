@@ -61,6 +61,7 @@ def write_transformers_checkpoint(directory: Path) -> None:
 
 def megatron_worker(ctx, hf_dir: str, tokens: torch.Tensor):
     """Megatron logits of ``hf_dir``'s weights and whether re-exporting them is bit-exact."""
+    from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.models.builder import build_model
     from gspo_megatron.policy.models.config import MoEModelConfig
     from gspo_megatron.policy.models.conversion import export_hf_state_dict, load_hf_weights
@@ -69,6 +70,7 @@ def megatron_worker(ctx, hf_dir: str, tokens: torch.Tensor):
 
     cfg = MoEModelConfig.from_hf_config_file(hf_dir)
     layout = ParallelLayout(world_size=1).validate(cfg)
+    apply_cpu_bridges()
     mesh = initialize_parallel(layout)
     model = build_model(cfg, layout, layer_spec="portable")
     source = SafetensorsSource(hf_dir)

@@ -37,6 +37,7 @@ def gpu_model_worker(ctx, cfg, state: dict, layout_kwargs: dict, dtype_name: str
     import torch.distributed as dist
     from megatron.core import tensor_parallel
 
+    from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.models.builder import build_model
     from gspo_megatron.policy.models.conversion import export_hf_state_dict, gradient_of, load_hf_weights
     from gspo_megatron.policy.models.schedule import run_schedule, wrap_for_training
@@ -45,6 +46,7 @@ def gpu_model_worker(ctx, cfg, state: dict, layout_kwargs: dict, dtype_name: str
     from gspo_megatron.testing.model_fixtures import fixed_batch
 
     layout = ParallelLayout(**layout_kwargs).validate(cfg)
+    apply_cpu_bridges()
     mesh = initialize_parallel(layout, seed=11)
     dtype = getattr(torch, dtype_name)
     model = build_model(cfg, layout, params_dtype=dtype, layer_spec=layer_spec)

@@ -29,6 +29,7 @@ ROUNDING = 512  # the CUDA caching allocator rounds every allocation up to a mul
 
 def reference_memory_worker(ctx, offload: bool) -> dict:
     from gspo_megatron.contracts.micro_batch import MicroBatch
+    from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.models.builder import build_model
     from gspo_megatron.policy.models.conversion import load_hf_weights
     from gspo_megatron.policy.parallel.layout import ParallelLayout
@@ -38,6 +39,7 @@ def reference_memory_worker(ctx, offload: bool) -> dict:
 
     cfg = tiny_test_config()
     layout = ParallelLayout(world_size=1).validate(cfg)
+    apply_cpu_bridges()
     mesh = initialize_parallel(layout, seed=11)
     state = random_hf_state(cfg, seed=3)
     before = torch.cuda.memory_allocated()

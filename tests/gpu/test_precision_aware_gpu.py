@@ -60,6 +60,7 @@ def precision_aware_worker(ctx, precision_aware: bool, moment_dtype: str) -> dic
 
     from gspo_megatron.contracts.micro_batch import MicroBatch
     from gspo_megatron.policy.config import OptimizerSection
+    from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.models.builder import build_model
     from gspo_megatron.policy.models.conversion import export_hf_state_dict, load_hf_weights
     from gspo_megatron.policy.models.schedule import run_schedule, wrap_for_training
@@ -70,6 +71,7 @@ def precision_aware_worker(ctx, precision_aware: bool, moment_dtype: str) -> dic
 
     cfg = tiny_test_config()
     layout = ParallelLayout(world_size=1).validate(cfg)
+    apply_cpu_bridges()
     mesh = initialize_parallel(layout, seed=11)
     model = build_model(cfg, layout, params_dtype=torch.bfloat16, layer_spec="portable")
     load_hf_weights(model, cfg, random_hf_state(cfg, seed=3), mesh)

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.distributed
 def pp2_sync_worker(ctx, config_values: dict) -> dict:
     from gspo_megatron.loop.stage_senders import StageTurns
     from gspo_megatron.loop.weight_sync import sync_engine_weights
+    from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.models.builder import build_model
     from gspo_megatron.policy.models.conversion import load_hf_weights
     from gspo_megatron.policy.parallel.layout import ParallelLayout
@@ -30,6 +31,7 @@ def pp2_sync_worker(ctx, config_values: dict) -> dict:
     from gspo_megatron.rollout.sglang.engine import SGLangEngine
 
     layout = ParallelLayout(pp=2, world_size=2).validate(TINY)
+    apply_cpu_bridges()
     mesh = initialize_parallel(layout)
     model = build_model(TINY, layout, layer_spec="portable")
     config = live_config(**config_values)

@@ -16,7 +16,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.policy.cpu_bridges import enable_cpu_megatron
+from gspo_megatron.policy.cpu_bridges import cpu_megatron_enabled
 from gspo_megatron.policy.parallel.attempt_store import AttemptStore, open_attempt_store, restarts_possible
 from gspo_megatron.policy.parallel.device import compute_device, cuda_kernels
 from gspo_megatron.policy.parallel.heartbeat import Heartbeat
@@ -211,7 +211,8 @@ def _init_single_process(backend: str, timeout_s: float) -> None:
 def initialize_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: float = 600.0) -> ParallelMesh:
     """Start torch.distributed (env:// rendezvous from torchrun) and megatron's parallel state.
 
-    NCCL with CUDA, gloo without; on CPU the megatron-core compatibility bridges are enabled first.
+    NCCL with CUDA, gloo without; on CPU the megatron-core compatibility bridges must have been applied
+    (``policy/cpu_bridges.py:apply_cpu_bridges``, the start-up call): forming groups patches nothing.
     A single-process run (no ``WORLD_SIZE``, or 1) opens no port reachable from other machines.
     ``timeout_s`` bounds every collective, megatron's groups included (they default to 30 min).
     """
@@ -220,8 +221,11 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: flo
 
     use_cuda = cuda_kernels()
     attempt: AttemptStore | None = None
-    if not use_cuda:
-        enable_cpu_megatron()
+    if not use_cuda and not cpu_megatron_enabled():
+        raise RuntimeError(
+            "megatron-core without CUDA needs the CPU bridges: call "
+            "gspo_megatron.policy.cpu_bridges.apply_cpu_bridges() at start-up, before forming process groups"
+        )
     if not dist.is_initialized():
         backend = "nccl" if use_cuda else "gloo"
         if use_cuda:

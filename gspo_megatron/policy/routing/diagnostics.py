@@ -48,10 +48,11 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.contracts.micro_batch import MicroBatch, StepMicroBatch, UpdateMicroBatch
+from gspo_megatron.contracts.phases import RoutingResult
 from gspo_megatron.policy.parallel.context_parallel import split_sequence
 from gspo_megatron.policy.parallel.mesh import ParallelMesh
 from gspo_megatron.policy.routing.config import DiagnosticKind
-from gspo_megatron.policy.routing.log import RoutingLog
+from gspo_megatron.policy.routing.log import routing_record
 from gspo_megatron.policy.routing.plan import RecordingPass, RoutingPlan
 from gspo_megatron.policy.routing.ratio_decomposition import (
     RatioDecomposition,
@@ -80,11 +81,10 @@ class LogProbs(Protocol):
 
 
 class RoutingDiagnostics:
-    def __init__(self, plan: RoutingPlan, mesh: ParallelMesh, num_experts: int, routing_log: RoutingLog | None):
+    def __init__(self, plan: RoutingPlan, mesh: ParallelMesh, num_experts: int):
         self.plan = plan
         self.mesh = mesh
         self.num_experts = num_experts
-        self.routing_log = routing_log  # the driver's routing.jsonl
         self.old: Routing = []  # per old-pass micro-batch: per layer [tokens, k]
         self.old_masks: list[torch.Tensor] = []
         self.old_used: Routing = []  # the routing the old pass used (R3: the engine's)
@@ -221,9 +221,10 @@ class RoutingDiagnostics:
         flat = self.mesh.any_over_tokens_and_stages(torch.cat(flags).to(self.mesh.device, torch.int32))
         return list(flat.bool().cpu().split([f.numel() for f in flags]))
 
-    def finish_step(self, step: int) -> dict[str, float]:
-        """Reduce this step's records over ranks, write routing.jsonl (driver), return scalars."""
+    def finish_step(self, step: int) -> RoutingResult:
+        """This step's diagnostics reduced over ranks: the scalars and the routing.jsonl records of ``step``."""
         metrics: dict[str, float] = {}
+        records = []
         if self.decomposition is not None:
             metrics.update(self.decomposition.metrics())
             metrics["time/ratio_decomposition"] = self.decomposition_seconds
@@ -234,10 +235,9 @@ class RoutingDiagnostics:
             metrics[f"routing/{kind}_changed_frac"] = float(volatility.changed_frac_overall)
             metrics[f"routing/{kind}_overlap"] = float(volatility.overlap_overall)
             metrics[f"routing/{kind}_changed_any_frac"] = float(volatility.changed_any_frac)
-            if self.mesh.is_driver and self.routing_log is not None:
-                self.routing_log.log(step, kind, volatility=volatility, load=load)
+            records.append(routing_record(step, kind, volatility=volatility, load=load))
         self.step_records = []
-        return metrics
+        return RoutingResult(metrics, records)
 
     def _reduce(self, counts: Counts, all_reduce: Callable[[Counts, object], Counts]) -> Counts:
         """Sum over the ranks that hold other tokens of the same layers; concatenate the pipeline

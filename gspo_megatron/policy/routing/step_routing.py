@@ -7,7 +7,7 @@ The trainer calls, per step:
     for each update:
         with routing.update(u, micro_batches) as before_forward:     # around forward-backward + step
             ... forward-backward, optimizer step ...
-    metrics = routing.finish(step + 1)                               # reduced over ranks; routing.jsonl
+    result = routing.finish(step + 1)                                # reduced over ranks: metrics, records
 
 and never asks which replay mode runs or which forward is recorded. Inside:
 
@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gspo_megatron.contracts.micro_batch import MicroBatch, StepMicroBatch, UpdateMicroBatch
+from gspo_megatron.contracts.phases import RoutingResult
 from gspo_megatron.policy.models.schedule import BeforeForward, LossCallback, run_schedule
 from gspo_megatron.policy.parallel.mesh import ParallelMesh
 from gspo_megatron.policy.routing.diagnostics import RoutingDiagnostics
-from gspo_megatron.policy.routing.log import RoutingLog
 from gspo_megatron.policy.routing.plan import RoutingPlan
 from gspo_megatron.policy.routing.recorder import Routing, RoutingRecorder
 from gspo_megatron.policy.routing.replay import RoutingReplay, rollout_targets
@@ -61,7 +61,6 @@ class StepRouting:
         stage_moe_layers: list[int],
         num_experts: int,
         clip: tuple[float, float],
-        routing_log: RoutingLog | None,
     ) -> None:
         """``replay``: megatron's routers patched for record/replay (None: no MoE layers);
         ``log_prob_head``: forward-only log-probs at the rollout temperature (the ratio decomposition's
@@ -71,7 +70,7 @@ class StepRouting:
         self.head, self.stage_moe_layers, self.clip = log_prob_head, stage_moe_layers, clip
         self.recorder = RoutingRecorder(replay)
         self.strategy = build_replay_strategy(plan.routing_replay, self.recorder, self._engine_targets)
-        self.diagnostics = RoutingDiagnostics(plan, mesh, num_experts, routing_log)
+        self.diagnostics = RoutingDiagnostics(plan, mesh, num_experts)
         self.step = 0
         self.first_micro_batches: Sequence[MicroBatch] = []
         self.old_routing: Routing = []  # the old pass's routing, what R2 replays (empty: none recorded)
@@ -111,8 +110,8 @@ class StepRouting:
         self.offset += len(micro_batches)
 
     # --- the result ------------------------------------------------------------------------------
-    def finish(self, logged_step: int) -> dict[str, float]:
-        """This step's diagnostics reduced over ranks (the driver writes routing.jsonl at ``logged_step``)."""
+    def finish(self, logged_step: int) -> RoutingResult:
+        """This step's diagnostics reduced over ranks, as ``logged_step``'s metrics and routing.jsonl records."""
         return self.diagnostics.finish_step(logged_step)
 
     # --- inside ----------------------------------------------------------------------------------

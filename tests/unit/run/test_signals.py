@@ -7,7 +7,8 @@ import signal
 
 import pytest
 
-from gspo_megatron.run.signals import SignalWatch, TrainingInterrupted
+from gspo_megatron.loop.trainer import TrainingInterrupted
+from gspo_megatron.run.signals import SignalWatch
 
 
 def test_first_signal_is_recorded_second_interrupts():

@@ -7,7 +7,8 @@ import pytest
 
 from gspo_megatron.config.compose import compose
 from gspo_megatron.config.schema import to_train_config
-from gspo_megatron.loop.trainer import routing_plan
+from gspo_megatron.loop.build import policy_settings
+from gspo_megatron.policy.policy import routing_plan
 from gspo_megatron.policy.routing.config import RoutingConfig
 from gspo_megatron.policy.routing.plan import RecordingPass, RoutingPlan
 from gspo_megatron.policy.routing.replay import ReplayMode
@@ -63,11 +64,11 @@ def test_ratio_decomposition_at_the_last_update_only():
     assert not _plan(kinds=["update"]).decomposes_ratio(2, 0)
 
 
-def test_the_trainer_reads_the_plan_from_the_config_sections():
+def test_the_policy_reads_the_plan_from_the_config_sections():
     cfg = to_train_config(
         compose(["routing.replay=rollout", "trainer.updates_per_rollout=4", "trainer.old_log_probs=rollout"])
     )
-    plan = routing_plan(cfg, has_routers=True)
+    plan = routing_plan(policy_settings(cfg), has_routers=True)
     assert (plan.routing_replay, plan.updates, plan.diagnostics) == ("rollout", 4, cfg.routing)
     assert plan.replays_in_training and plan.engine_old_policy
-    assert not routing_plan(to_train_config(compose([])), has_routers=False).engine_old_policy
+    assert not routing_plan(policy_settings(to_train_config(compose([]))), has_routers=False).engine_old_policy

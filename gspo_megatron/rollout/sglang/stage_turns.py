@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from gspo_megatron.core.named_tensors import NamedTensor
-from gspo_megatron.policy.models.conversion import export_hf_tensors
 from gspo_megatron.rollout.sglang.config import SGLangConfig
 from gspo_megatron.rollout.sglang.group_sender import (
     GroupSender,
@@ -42,50 +41,52 @@ from gspo_megatron.rollout.sglang.group_sender import (
 )
 from gspo_megatron.rollout.sglang.server_calls import LoopThread, ServerCalls, make_client
 
-if TYPE_CHECKING:
-    from gspo_megatron.policy.models.chunks import ModelChunks
-    from gspo_megatron.policy.models.config import MoEModelConfig
-    from gspo_megatron.policy.parallel.mesh import ParallelMesh
-
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StagePosition:
+    """This rank's place in the pipeline, as the turns need it."""
+
+    rank: int  # global rank
+    pp_rank: int  # this rank's pipeline stage
+    is_driver: bool  # global rank 0: stage 0's sender, which owns the servers' weight-update session
+    stage_senders: list[int]  # the global rank of each stage in this rank's pipeline (the driver's is used)
 
 
 class StageTurns:
     """This rank's part in per-stage syncs; holds its stage's sender (and HTTP client) across syncs."""
 
-    def __init__(self, model: ModelChunks, model_cfg: MoEModelConfig, mesh: ParallelMesh, config: SGLangConfig):
-        self.model, self.model_cfg, self.mesh, self.config = model, model_cfg, mesh, config
+    def __init__(
+        self, own_stage_tensors: Callable[[], Iterator[NamedTensor]], position: StagePosition, config: SGLangConfig
+    ):
+        """``own_stage_tensors``: one pass of this stage's HF tensors, gathered inside the stage (collective
+        over the stage's ranks)."""
+        self.own_stage_tensors, self.position, self.config = own_stage_tensors, position, config
         self._sender: GroupSender | None = None  # stages k > 0: this rank's, once it has sent
         self._loop: LoopThread | None = None
         self.sent_names: list[str] = []  # what this rank sent in the last sync (tests read it)
 
-    def stage_senders(self) -> list[int]:
-        """Global rank of each stage in the driver's pipeline (the driver's view; others learn it)."""
-        return [dist.get_global_rank(self.mesh.pp_group, stage) for stage in range(self.mesh.layout.pp)]
-
-    def own_stage_tensors(self) -> Iterator[NamedTensor]:
-        """This stage's HF tensors, gathered inside the stage (collective over the stage's ranks)."""
-        return export_hf_tensors(self.model, self.model_cfg, self.mesh, own_stage_only=True)
-
     def run(self, brief: SenderBrief | None, send_own: Callable[[Iterable[NamedTensor]], None] | None) -> None:
         """One sync's turns; collective on every rank (the driver passes the brief and its own sender).
         Raises ``StageSyncError`` on the driver when a stage failed; the other ranks return."""
-        payload: list = [(brief, self.stage_senders()) if self.mesh.is_driver else None]
+        position = self.position
+        payload: list = [(brief, position.stage_senders) if position.is_driver else None]
         dist.broadcast_object_list(payload, src=0)
         brief, senders = payload[0]
         self.sent_names = []
         for stage, sender in enumerate(senders):
             error = None
-            if self.mesh.pp_rank == stage:
+            if position.pp_rank == stage:
                 named = self.own_stage_tensors()
-                if self.mesh.rank == sender:
+                if position.rank == sender:
                     error = self._send(stage, brief, named, send_own)
                 for _ in named:  # the stage's other ranks join its gathers; a failed sender finishes them
                     pass
             status = [error]
             dist.broadcast_object_list(status, src=sender)
             if status[0] is not None:
-                if self.mesh.is_driver:
+                if position.is_driver:
                     raise StageSyncError(
                         f"pipeline stage {stage} (rank {sender}) failed to send its weights: {status[0]}; "
                         f"no server was moved to the new version"

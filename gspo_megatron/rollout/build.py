@@ -1,0 +1,136 @@
+"""Build the rollout side on the driver: tokenizer, task, engine (no weights yet), agents, reward pool, sampling.
+
+What it is built from is ``RolloutSettings``: the rollout side's own sections and the few values the
+composition root (``loop/build.py:rollout_settings``) resolves from the others -- the model's shape as
+the engine's HF config, its vocabulary, and whether the run needs the engine's routed experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from gspo_megatron.algorithms.config import AlgorithmConfig
+from gspo_megatron.contracts.samples import SamplingParams
+from gspo_megatron.rollout.config import RolloutSection
+from gspo_megatron.rollout.data.config import TaskConfig, TokenizerConfig
+from gspo_megatron.rollout.data.tasks import build_task
+from gspo_megatron.rollout.data.tokenizer import build_tokenizer
+from gspo_megatron.rollout.engine import RolloutEngine
+from gspo_megatron.rollout.engines import ENGINES, ModelShape
+from gspo_megatron.rollout.producer import RolloutProducer
+from gspo_megatron.rollout.rewards.config import RewardConfig
+from gspo_megatron.rollout.rewards.pool import RewardPool
+from gspo_megatron.rollout.scheduler import RolloutScheduler
+from gspo_megatron.rollout.shaping.config import ShapingConfig
+from gspo_megatron.rollout.side import Evaluation, RolloutSide, batch_versions
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """Everything the rollout side is built from. Not a config section: resolved once at start-up."""
+
+    rollout: RolloutSection
+    task: TaskConfig
+    tokenizer: TokenizerConfig
+    reward: RewardConfig
+    shaping: ShapingConfig
+    algorithm: AlgorithmConfig  # the advantage estimator and dynamic sampling
+    model: ModelShape  # the policy's shape, as the embedded engine builds it
+    model_vocab_size: int  # model.vocab_size: the tokenizer's ids must fit
+    prompt_token_budget: int  # the most prompt tokens a row may have (model context - rollout.max_new_tokens)
+    return_routed_experts: bool  # R3 or a diagnostic needs the engine's routing
+    seed: int  # trainer.seed: sampling seeds are a function of (seed, step)
+    prompts_per_step: int  # trainer.prompts_per_step
+    steps: int  # trainer.steps: the one-step-ahead generation stops after the last
+    eval_prompts: int  # trainer.eval_prompts
+    eval_samples: int  # trainer.eval_samples
+
+
+def build_rollout_side(settings: RolloutSettings) -> RolloutSide:
+    """The driver's rollout side, ready to generate once the first weight sync has loaded the engine."""
+    producer = build_producer(settings)
+    rollout = settings.rollout
+    scheduler = RolloutScheduler(
+        producer.produce,
+        rollout.max_staleness if rollout.async_rollout else 0,
+        # bounded by trainer.steps, not stop_after_steps: a job stopped early still prefetches
+        # (and checkpoints) the batch the uninterrupted run would train next
+        settings.steps,
+        versions_of=batch_versions,
+        carried_staleness=rollout.max_staleness if producer.partial is not None else 0,
+    )
+    return RolloutSide(producer, scheduler, evaluation(settings, producer))
+
+
+def build_producer(settings: RolloutSettings) -> RolloutProducer:
+    """The producer -- tokenizer, task, engine (no weights yet), agents, verifier pool, sampling -- as
+    training uses it; also what evaluates a checkpoint on its own (``build_evaluation``)."""
+    from gspo_megatron.rollout.agents.partial import PartialRollouts
+
+    rollout = settings.rollout
+    tokenizer = build_tokenizer(
+        settings.tokenizer.kind, settings.tokenizer.path, model_vocab_size=settings.model_vocab_size
+    )
+    if tokenizer.vocab_size > settings.model_vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {settings.model_vocab_size}; "
+            "raise model.vocab_size (a multiple of parallel.tp)"
+        )
+    task = build_task(settings.task, tokenizer, settings.prompt_token_budget)  # prompts past the context are dropped
+    engine = ENGINES.get(rollout.engine).build(rollout, settings.model, tokenizer.decode)
+    sampling = SamplingParams(
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
+        max_new_tokens=rollout.max_new_tokens,
+        stop_token_ids=tuple(tokenizer.stop_token_ids),
+        n=rollout.group_size,
+        return_routed_experts=settings.return_routed_experts,
+    )
+    training_engine: RolloutEngine = engine
+    if rollout.truncated:
+        from gspo_megatron.rollout.agents.truncated import TruncatedRolloutEngine
+        from gspo_megatron.rollout.shaping.triggers import check_trigger_token_ids
+
+        triggers = settings.shaping.trigger_words
+        check_trigger_token_ids(rollout.truncation.trigger_token_ids, triggers, tokenizer.decode)
+        training_engine = TruncatedRolloutEngine(
+            engine, rollout.truncation, triggers, tokenizer.encode, tokenizer.decode
+        )
+    return RolloutProducer(
+        engine=engine,
+        training_engine=training_engine,
+        task=task,
+        tokenizer=tokenizer,
+        rewards=RewardPool(settings.shaping.reward_name(settings.task.reward or task.reward), settings.reward),
+        algorithm=settings.algorithm,
+        shaping=settings.shaping,
+        sampling=sampling,
+        seed=settings.seed,
+        pad_token_id=tokenizer.pad_token_id,
+        prompts_per_step=settings.prompts_per_step,
+        train_on_exit_tokens=rollout.truncated and rollout.truncation.train_on_exit_tokens,
+        partial=PartialRollouts(rollout.over_sample, rollout.partial, rollout.max_staleness)
+        if rollout.over_sample > 1
+        else None,
+    )
+
+
+def evaluation(settings: RolloutSettings, producer: RolloutProducer) -> Evaluation:
+    """The run's evaluation prompts and sampling (``trainer.eval_samples`` per prompt at
+    ``rollout.eval_temperature``, the run's seed, no routed experts)."""
+    params = replace(
+        producer.sampling,
+        n=settings.eval_samples,
+        temperature=settings.rollout.eval_temperature,
+        seed=settings.seed,
+        return_routed_experts=False,
+    )
+    return Evaluation(producer.task.eval_records(settings.eval_prompts), params)
+
+
+def build_evaluation(settings: RolloutSettings) -> tuple[RolloutProducer, Evaluation]:
+    """A producer with the run's evaluation prompts and sampling: what the trainer evaluates, for
+    evaluating weights outside a run. The caller loads the engine's weights."""
+    producer = build_producer(settings)
+    return producer, evaluation(settings, producer)

@@ -1,0 +1,91 @@
+"""The rollout side, as the loop sees it on the driver: one object, built on the driver only.
+
+    batch, metrics = rollout.take(step)        # this step's batch (generated now, or one step ahead)
+    rollout.load_weights(stream, version)      # the policy's HF-named tensors into the engine
+    rollout.evaluate()                         # pass@k on the run's evaluation prompts
+    rollout.state_dict() / load_state_dict()   # the task's position, a prefetched batch, carried groups
+
+Inside: the producer (task -> engine, or an agent over it -> rewards -> shaping -> advantages -> pack),
+the schedule that decides when it runs (synchronously, or one step ahead), the engine, the reward pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from gspo_megatron.contracts.batch import RolloutBatch
+from gspo_megatron.contracts.samples import SamplingParams
+from gspo_megatron.core.named_tensors import NamedTensor
+from gspo_megatron.rollout.data.records import PromptRecord
+from gspo_megatron.rollout.engine import RolloutEngine
+from gspo_megatron.rollout.producer import RolloutProducer
+from gspo_megatron.rollout.scheduler import RolloutScheduler
+
+
+@dataclass
+class Evaluation:
+    """The run's evaluation prompts and sampling (``trainer.eval_prompts``, ``trainer.eval_samples`` at
+    ``rollout.eval_temperature``, the run's seed, no routed experts)."""
+
+    records: list[PromptRecord]
+    params: SamplingParams
+
+
+class RolloutSide:
+    def __init__(self, producer: RolloutProducer, scheduler: RolloutScheduler, evaluation: Evaluation) -> None:
+        self.producer, self.scheduler, self.evaluation = producer, scheduler, evaluation
+
+    @property
+    def engine(self) -> RolloutEngine:
+        return self.producer.engine
+
+    def take(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """Step ``step``'s batch and its rollout metrics; in async mode step ``step + 1``'s generation
+        starts on the current weights meanwhile."""
+        batch, metrics = self.scheduler.take(step)
+        self.scheduler.start_next(step + 1)
+        return batch, metrics
+
+    def before_weight_sync(self) -> None:
+        """An in-flight generation finishes on the weights it started with."""
+        self.scheduler.before_weight_sync()
+
+    def load_weights(self, named_tensors: Iterable[NamedTensor], version: int) -> None:
+        self.engine.update_weights(named_tensors, version)
+
+    def evaluate(self) -> dict[str, float]:
+        return self.producer.evaluate(self.evaluation.records, self.evaluation.params)
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to draw what the uninterrupted run would: the task's position, a
+        batch generated ahead (async), the groups over-sampling carries (``rollout.partial=continue``)."""
+        partial = self.producer.partial
+        return {
+            "task": self.producer.task.state_dict(),
+            "rollout_scheduler": self.scheduler.state_dict(),
+            "partial_rollouts": partial.state_dict() if partial is not None else None,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("task") is not None:
+            self.producer.task.load_state_dict(state["task"])
+        if state.get("rollout_scheduler") is not None:
+            self.scheduler.load_state_dict(state["rollout_scheduler"])
+        partial = self.producer.partial
+        if partial is not None and state.get("partial_rollouts") is not None:
+            partial.load_state_dict(state["partial_rollouts"])
+
+    def close(self) -> None:
+        """Stop the reward workers and the engine (and the servers it launched)."""
+        try:
+            self.producer.rewards.close()
+        finally:
+            self.engine.shutdown()
+
+
+def batch_versions(batch: RolloutBatch) -> list[int]:
+    """The policy version every sample of ``batch`` was generated on (what the staleness bound checks)."""
+    if batch.policy_versions is None:
+        raise ValueError("a packed rollout batch carries each sample's policy version")
+    return [int(v) for v in batch.policy_versions.tolist()]
