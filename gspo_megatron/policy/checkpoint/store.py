@@ -125,7 +125,39 @@ def _sharded_state(
     state["optimizer"] = optimizer.sharded_state_dict(
         state, is_loading=is_loading, metadata=OPTIMIZER_CHECKPOINT_METADATA
     )
+    if not is_loading:
+        zero_bucket_padding(state["optimizer"])
     return state
+
+
+def zero_bucket_padding(optimizer_state: Any) -> int:
+    """Zero the padding between parameters in the distributed optimizer's bucket-space state; returns the
+    pieces zeroed.
+
+    megatron's ``dp_reshardable`` format saves each bucket whole, the gaps between parameters included
+    (``DistributedOptimizer.sharded_param_state_dp_reshardable`` fills them with ``torch.empty``: whatever
+    the allocator left there), so two runs of the same job wrote checkpoints that differed in those
+    elements and nowhere else. A padding piece is an entry whose ``padding`` flag megatron wraps in a
+    ``LocalNonpersistentObject`` (not saved); its tensors are fresh, so zeroing them changes no state. A
+    load never reads the padding (megatron copies each parameter's range)."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
+
+    zeroed = 0
+    pending = [optimizer_state]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, dict):
+            flag = node.get("padding")
+            if isinstance(flag, LocalNonpersistentObject) and flag.unwrap() is True:
+                for value in node.values():
+                    if isinstance(value, ShardedTensor):
+                        value.data.zero_()
+                zeroed += 1
+                continue
+            pending.extend(node.values())
+        elif isinstance(node, list | tuple):
+            pending.extend(node)
+    return zeroed
 
 
 def read_trainer_state(path: Path) -> dict:
