@@ -33,6 +33,7 @@ from gspo_megatron.loop.weight_sync import DriverWeightSync, FollowerWeightSync,
 from gspo_megatron.policy.build import build_policy
 from gspo_megatron.policy.config import PolicySettings
 from gspo_megatron.policy.parallel.layout import ParallelLayout, sequence_multiple
+from gspo_megatron.policy.parallel.mesh import ParallelMesh
 from gspo_megatron.policy.policy import Policy
 from gspo_megatron.policy.routing.config import DiagnosticKind
 from gspo_megatron.policy.routing.replay_strategy import needs_engine_routing
@@ -143,9 +144,12 @@ def senders_per_stage(cfg: TrainConfig, layout: ParallelLayout) -> bool:
 
 def stage_turns(cfg: TrainConfig, policy: Policy) -> StageTurns | None:
     """Every rank's part in per-stage weight sends (SGLang, ``weight_senders=per_stage``, pp > 1)."""
-    mesh = policy.mesh
-    if not senders_per_stage(cfg, mesh.layout):
+    if not senders_per_stage(cfg, policy.mesh.layout):
         return None
+    return StageTurns(policy.export_own_stage, stage_position(policy.mesh), cfg.rollout.sglang)
+
+
+def stage_position(mesh: ParallelMesh) -> StagePosition:
+    """This rank's place in the pipeline, as the stages' weight senders need it."""
     senders = [dist.get_global_rank(mesh.pp_group, stage) for stage in range(mesh.layout.pp)]
-    position = StagePosition(mesh.rank, mesh.pp_rank, mesh.is_driver, senders)
-    return StageTurns(policy.export_own_stage, position, cfg.rollout.sglang)
+    return StagePosition(mesh.rank, mesh.pp_rank, mesh.is_driver, senders)

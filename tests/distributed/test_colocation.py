@@ -27,20 +27,21 @@ def placement_worker(ctx, placement: str, run_dir: str) -> dict:
 
     from gspo_megatron.config.compose import compose
     from gspo_megatron.config.schema import to_train_config
-    from gspo_megatron.loop.build import build
-    from gspo_megatron.loop.trainer import RLTrainer
+    from gspo_megatron.loop.build import build_trainer
+    from gspo_megatron.loop.distribute import DriverFeed
 
     composed = compose([*TINY_JOB, "trainer.eval_every=0", f"rollout.placement={placement}"])
-    components = build(to_train_config(composed), Path(run_dir), OmegaConf.to_yaml(composed), world_size=ctx.world_size)
-    model = components.model
+    config = to_train_config(composed)
+    trainer = build_trainer(config, Path(run_dir), OmegaConf.to_yaml(composed), world_size=ctx.world_size)
+    model = trainer.policy.model
 
     def grad_bytes() -> int:
         return sum(grad.untyped_storage().nbytes() for grad in model.grad_buffers())
 
     events: list[tuple[str, int]] = [("built", grad_bytes())]  # the engine was launched after this
     try:
-        engine = components.engine
-        if engine is not None:  # the driver: what the engine sees of the trainer's gradients
+        if isinstance(trainer.feed, DriverFeed):  # the driver: what the engine sees of the trainer's gradients
+            engine = trainer.feed.rollout.engine
             generate, release, resume = engine.generate, engine.release_memory, engine.resume_memory
 
             def generating(*args, **kwargs):
@@ -56,22 +57,21 @@ def placement_worker(ctx, placement: str, run_dir: str) -> dict:
                 resume()
 
             engine.generate, engine.release_memory, engine.resume_memory = generating, releasing, resuming
-        trainer = RLTrainer(components)
-        update = trainer._policy_updates
+        update = trainer.policy.update
 
         def updating(*args, **kwargs):
             events.append(("update", grad_bytes()))
             return update(*args, **kwargs)
 
-        trainer._policy_updates = updating
+        trainer.policy.update = updating
         trainer.sync_weights(version=0)
         metrics = []
         for _ in range(STEPS):
-            metrics.append(trainer.train_step())
+            metrics.append(trainer.train_step().metrics)
             trainer.step += 1
         return {"metrics": without_time(metrics), "events": events, "allocated": grad_bytes()}
     finally:
-        components.close()
+        trainer.close()
 
 
 def test_colocated_steps_hand_over_in_order_and_equal_the_separate_placement(tmp_path):

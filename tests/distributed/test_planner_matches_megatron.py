@@ -200,7 +200,7 @@ def test_communication_equals_gloo_payloads(measured, name):
 
 
 # --- the planner plans the trainer's own job ---------------------------------------------------
-# Hydra overrides of conf/ and the world size; each case is built by loop/build.py:build (the
+# Hydra overrides of conf/ and the world size; each case is built by loop/build.py:build_trainer (the
 # trainer's DDP wrapper, optimizer and reference model), then planned by tools/planning/job.py.
 JOBS = {
     "dp2 auto -> distributed optimizer": (2, [*TINY_JOB, "model.layer_spec=portable"]),
@@ -288,21 +288,22 @@ def built_job_worker(ctx, overrides: list[str], run_dir: str) -> dict:
 
     from gspo_megatron.config.compose import compose
     from gspo_megatron.config.schema import to_train_config
-    from gspo_megatron.loop.build import build
+    from gspo_megatron.loop.build import build_trainer
     from gspo_megatron.policy.optimizer import allocate_optimizer_state
 
     composed = compose(overrides)
     cfg = to_train_config(composed)
-    components = build(cfg, Path(run_dir), OmegaConf.to_yaml(composed), world_size=ctx.world_size)
+    trainer = build_trainer(cfg, Path(run_dir), OmegaConf.to_yaml(composed), world_size=ctx.world_size)
+    policy = trainer.policy
     try:  # one build per launch (the fixture): ranks are spawned for each job
-        chunks = components.model  # every chunk's DDP (one without virtual pipeline stages)
+        chunks = policy.model  # every chunk's DDP (one without virtual pipeline stages)
         distributed = chunks.ddp_config.use_distributed_optimizer
         buffers = [b for ddp in chunks for b in ddp.buffers + ddp.expert_parallel_buffers]
         param_buffers = _tensor_bytes(b.param_data for b in buffers if b.param_data is not None)
-        allocate_optimizer_state(components.optimizer)  # what the first step() allocates
+        allocate_optimizer_state(policy.optimizer)  # what the first step() allocates
         moments = master = 0
         bf16 = next(chunks.parameters()).dtype == torch.bfloat16
-        for part in getattr(components.optimizer, "chained_optimizers", [components.optimizer]):
+        for part in getattr(policy.optimizer, "chained_optimizers", [policy.optimizer]):
             # the fp32 master of a bf16 weight: the distributed optimizer's main shard (the optimizer's
             # parameter), or with the precision-aware optimizer the host optimizer's fp32 copy of its bf16 shard
             fp32_copies = getattr(part.optimizer, "param_to_fp32_param", {})
@@ -311,10 +312,10 @@ def built_job_worker(ctx, overrides: list[str], run_dir: str) -> dict:
                     state = part.optimizer.state[param]
                     moments += _tensor_bytes([state["exp_avg"], state["exp_avg_sq"]])
                     master += _tensor_bytes([fp32_copies.get(param, param)]) if bf16 else 0
-        reference = components.reference
+        reference = policy.reference
         host = reference.host_weights.nbytes if reference is not None and reference.host_weights is not None else 0
         granule = 0  # the host bytes of the largest parameter megatron offloads
-        for part in getattr(components.optimizer, "chained_optimizers", [components.optimizer]):
+        for part in getattr(policy.optimizer, "chained_optimizers", [policy.optimizer]):
             hybrid = part.optimizer
             for sub in getattr(hybrid, "cpu_optimizers", []):  # megatron's HybridDeviceOptimizer: its host side
                 for group in sub.param_groups:
@@ -340,7 +341,7 @@ def built_job_worker(ctx, overrides: list[str], run_dir: str) -> dict:
             "edp": ps.get_expert_data_parallel_rank(),
         }
     finally:
-        components.close()
+        trainer.close()
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The planner's per-rank peak memory of the whole RL step is within 10% of what the real trainer allocates.
 
-The real trainer (``loop/build.py:build`` + ``RLTrainer.train_step``: the embedded engine in the
+The real trainer (``loop/build.py:build_trainer`` + ``RLTrainer.train_step``: the embedded engine in the
 driver's process, rollout, old log-probs, the policy updates, the weight sync) runs 2 RL steps on
 gloo ranks, from the config ``config/compose.py`` composes of the overrides below (the default job:
 the tiny model on the one-token task, fp32, 16 prompts x 16 samples, two updates per rollout). Every rank records the
@@ -47,15 +47,17 @@ def overrides_of(layout: dict) -> list[str]:
     return COMMON + [f"parallel.{key}={value}" for key, value in layout.items() if key != "world_size"]
 
 
-class PhaseMarkingTrainer(RLTrainer):
-    """The real trainer; entering a phase (``RLTrainer._phase``) also marks the memory record."""
+class PhaseMarks:
+    """Marks the memory record at each phase the real trainer enters (``RLTrainer._phase``), and counts
+    the rows each MoE layer's experts got in the update's forwards."""
 
-    def __init__(self, components, memory: RunMemory):
-        self.memory = memory
+    def __init__(self, trainer: RLTrainer, memory: RunMemory):
+        self.trainer, self.memory = trainer, memory
         self.phase = ""
         self.update_expert_rows: list[int] = []  # rows each MoE layer's experts got, update forwards
-        super().__init__(components)
-        for chunk in components.model.models:
+        self.enter = trainer._phase
+        trainer._phase = self._phase
+        for chunk in trainer.policy.model.models:
             for name, module in chunk.named_modules():
                 if name.endswith("mlp.experts"):
                     module.register_forward_pre_hook(self._count_rows)
@@ -63,7 +65,7 @@ class PhaseMarkingTrainer(RLTrainer):
     def _phase(self, timings: dict, name: str):
         self.memory.mark(name)
         self.phase = name
-        return super()._phase(timings, name)
+        return self.enter(timings, name)
 
     def _count_rows(self, module, args) -> None:
         if self.phase == "update":
@@ -71,7 +73,7 @@ class PhaseMarkingTrainer(RLTrainer):
 
     def largest_forward_expert_rows(self) -> int:
         """The most rows the stage's experts got in one micro-batch's forward, over its MoE layers."""
-        layers = len(self.c.stage_moe_layers)
+        layers = len(self.trainer.policy.routing.stage_moe_layers)
         rows = self.update_expert_rows
         return max((sum(rows[i : i + layers]) for i in range(0, len(rows), layers)), default=0)
 
@@ -87,7 +89,7 @@ def rl_steps_worker(ctx, jobs: dict[str, list[str]], run_dir: str) -> dict:
 
     from gspo_megatron.config.compose import compose
     from gspo_megatron.config.schema import to_train_config
-    from gspo_megatron.loop.build import build
+    from gspo_megatron.loop.build import build_trainer
     from gspo_megatron.policy.parallel.mesh import free_port
     from gspo_megatron.testing.memory import run_memory
 
@@ -98,17 +100,17 @@ def rl_steps_worker(ctx, jobs: dict[str, list[str]], run_dir: str) -> dict:
         cfg = to_train_config(composed)
         with run_memory() as memory:
             memory.mark("build")
-            components = build(cfg, Path(run_dir) / name, OmegaConf.to_yaml(composed), world_size=ctx.world_size)
+            trainer = build_trainer(cfg, Path(run_dir) / name, OmegaConf.to_yaml(composed), world_size=ctx.world_size)
             try:
-                trainer = PhaseMarkingTrainer(components, memory)
+                marks = PhaseMarks(trainer, memory)
                 memory.mark("weight_sync")
                 trainer.sync_weights(version=0)  # as RLTrainer._train before its first step
                 for _ in range(STEPS):
                     trainer.train_step()
                     trainer.step += 1
                 ranks = {
-                    "expert_rows": trainer.largest_forward_expert_rows(),
-                    "moe_layers": len(components.stage_moe_layers),
+                    "expert_rows": marks.largest_forward_expert_rows(),
+                    "moe_layers": len(trainer.policy.routing.stage_moe_layers),
                     "pp": ps.get_pipeline_model_parallel_rank(),
                     "dp": ps.get_data_parallel_rank(with_context_parallel=True),
                     "edp": ps.get_expert_data_parallel_rank(),
@@ -116,7 +118,7 @@ def rl_steps_worker(ctx, jobs: dict[str, list[str]], run_dir: str) -> dict:
                 port = [free_port()]  # the next job's rendezvous, agreed while the group still exists
                 dist.broadcast_object_list(port, src=0)
             finally:
-                components.close()
+                trainer.close()
         os.environ["MASTER_PORT"] = str(port[0])
         out[name] = {"peaks": memory.peaks(), **ranks}
     return out

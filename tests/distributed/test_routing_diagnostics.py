@@ -17,9 +17,7 @@ import pytest
 import torch
 
 from gspo_megatron.contracts.micro_batch import MicroBatch
-from gspo_megatron.core.run_dir import read_jsonl
 from gspo_megatron.policy.routing.config import RoutingConfig
-from gspo_megatron.policy.routing.log import RoutingLog
 from gspo_megatron.policy.routing.plan import RoutingPlan
 from gspo_megatron.policy.routing.replay import ReplayMode
 from gspo_megatron.testing.distributed import run_distributed
@@ -28,7 +26,7 @@ OLD = [torch.tensor([[0, 1], [2, 3], [0, 1]]), torch.tensor([[0, 1], [0, 1], [0,
 NEW = [torch.tensor([[0, 1], [2, 0], [3, 2]]), torch.tensor([[1, 0], [0, 2], [1, 2]])]
 
 
-def _update_diagnostics(mesh, run_dir: str):
+def _update_diagnostics(mesh):
     """The "update" diagnostics of a two-update step on ``mesh`` and its one micro-batch: one row, 3 fed
     tokens, the last padding."""
     from gspo_megatron.policy.routing.diagnostics import RoutingDiagnostics
@@ -40,13 +38,13 @@ def _update_diagnostics(mesh, run_dir: str):
         has_routers=True,
         diagnostics=RoutingConfig(kinds=["update"]),
     )
-    diagnostics = RoutingDiagnostics(plan, mesh, 4, RoutingLog(run_dir) if mesh.is_driver else None)
+    diagnostics = RoutingDiagnostics(plan, mesh, 4)
     mb = MicroBatch(tokens=torch.ones(1, 3, dtype=torch.long), targets=torch.ones(1, 3, dtype=torch.long))
     mb.input_mask = torch.tensor([[1.0, 1.0, 0.0]])
     return plan, diagnostics, mb
 
 
-def _diagnose(ctx, run_dir: str):
+def _diagnose(ctx):
     from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.parallel.layout import ParallelLayout
     from gspo_megatron.policy.parallel.mesh import initialize_parallel
@@ -54,31 +52,33 @@ def _diagnose(ctx, run_dir: str):
     apply_cpu_bridges()
     mesh = initialize_parallel(ParallelLayout(world_size=ctx.world_size).validate())
     try:
-        plan, diagnostics, mb = _update_diagnostics(mesh, run_dir)
+        plan, diagnostics, mb = _update_diagnostics(mesh)
         diagnostics.begin_step([mb])
         diagnostics.from_old_pass(4, [mb], lambda mb: [], [OLD], [OLD])
         assert plan.records_training_forward(update=1, step=4)  # the free measurement after step 1
         assert not plan.records_training_forward(update=0, step=4)
         after = NEW if ctx.rank == 0 else OLD  # rank 1's routing did not move
         diagnostics.from_training_forward([after], 0, [mb], None, step=4)
-        return diagnostics.finish_step(step=4)
+        result = diagnostics.finish_step(step=4)
+        return result.metrics, result.records
     finally:
         mesh.destroy()
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
 @pytest.mark.slow
-def test_update_volatility_by_hand_merged_over_data_parallel_ranks(tmp_path, world_size):
-    metrics = run_distributed(_diagnose, world_size, str(tmp_path))
+def test_update_volatility_by_hand_merged_over_data_parallel_ranks(world_size):
+    results = run_distributed(_diagnose, world_size)
     tokens = 2 * world_size
     expected = {
         "routing/update_changed_frac": 2 / (tokens * 2),
         "routing/update_overlap": (6 + 8 * (world_size - 1)) / (tokens * 2 * 2),
         "routing/update_changed_any_frac": 1 / tokens,
     }
-    for rank_metrics in metrics:  # every rank returns the merged numbers
+    for rank_metrics, rank_records in results:  # every rank returns the merged numbers and records
         assert rank_metrics == pytest.approx(expected)
-    (record,) = read_jsonl(tmp_path / "routing.jsonl")
+        assert rank_records == results[0][1]
+    (record,) = results[0][1]
     assert record["step"] == 4 and record["kind"] == "update" and record["tokens"] == tokens
     assert record["changed_frac"] == pytest.approx([1 / tokens, 1 / tokens])
     # expert load of the new routing (layer 0 on rank 0: experts 0,1 | 2,0 -> counts 2,1,1,0 of 4)
@@ -86,7 +86,7 @@ def test_update_volatility_by_hand_merged_over_data_parallel_ranks(tmp_path, wor
         assert record["expert_load"][0] == pytest.approx([0.5, 0.25, 0.25, 0.0])
 
 
-def _diagnose_on_two_stages(ctx, run_dir: str):
+def _diagnose_on_two_stages(ctx):
     """pp2: stage 0 holds layer 0, stage 1 layer 1, of the same 2 real tokens. Token 0 changes in both
     layers, token 1 in neither: changed in any layer = 1 of 2 (per-stage counts would sum to 2)."""
     from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
@@ -96,7 +96,7 @@ def _diagnose_on_two_stages(ctx, run_dir: str):
     apply_cpu_bridges()
     mesh = initialize_parallel(ParallelLayout(pp=2, world_size=2).validate())
     try:
-        plan, diagnostics, mb = _update_diagnostics(mesh, run_dir)
+        plan, diagnostics, mb = _update_diagnostics(mesh)
         old = [torch.tensor([[0, 1], [2, 3], [0, 1]])]  # this stage's one layer
         new = (
             [torch.tensor([[2, 3], [3, 2], [1, 2]])] if mesh.pp_rank == 0 else [torch.tensor([[0, 2], [2, 3], [0, 2]])]
@@ -104,15 +104,15 @@ def _diagnose_on_two_stages(ctx, run_dir: str):
         diagnostics.begin_step([mb])
         diagnostics.from_old_pass(4, [mb], lambda mb: [], [old], [old])
         diagnostics.from_training_forward([new], 0, [mb], None, step=4)
-        return diagnostics.finish_step(step=4)
+        return diagnostics.finish_step(step=4).metrics
     finally:
         mesh.destroy()
 
 
 @pytest.mark.slow
-def test_changed_in_any_layer_is_formed_over_pipeline_stages_by_hand(tmp_path):
+def test_changed_in_any_layer_is_formed_over_pipeline_stages_by_hand():
     """It was NaN (unknown) under pp > 1; the stages' per-token flags are OR-ed before the counts join."""
-    for metrics in run_distributed(_diagnose_on_two_stages, 2, str(tmp_path)):
+    for metrics in run_distributed(_diagnose_on_two_stages, 2):
         assert metrics["routing/update_changed_any_frac"] == 0.5
         # per layer: layer 0 changed token 0 (of 2), layer 1 changed token 0 as well
         assert metrics["routing/update_changed_frac"] == pytest.approx(2 / (2 * 2))

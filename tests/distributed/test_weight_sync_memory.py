@@ -1,7 +1,7 @@
 """Weight sync from 2 gloo ranks into an SGLang server double: bounded driver memory, every tensor
 arrives, and a retry through the disk path re-exports on every rank.
 
-What is measured: the driver's peak extra bytes during ``sync_engine_weights`` -- the export's
+What is measured: the driver's peak extra bytes during the weight sync (``loop/weight_sync.py``) -- the export's
 gathers (TP all-gathers, EP expert gathers, PP broadcasts from the other stage), the engine's buckets
 and everything else torch allocates on the CPU while the sync runs, counted from its
 allocations and frees on every thread (``testing/memory.peak_bytes``: c10's CPU allocator reporter, so
@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -44,15 +45,16 @@ def sync_worker(
     senders: str = "driver",
     fallback_to_disk: bool = True,
 ):
-    from gspo_megatron.loop.stage_senders import StageTurns
-    from gspo_megatron.loop.weight_sync import sync_engine_weights
+    from gspo_megatron.loop.build import stage_position
+    from gspo_megatron.loop.weight_sync import DriverWeightSync, FollowerWeightSync
     from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.models.builder import build_model
-    from gspo_megatron.policy.models.conversion import load_hf_weights
+    from gspo_megatron.policy.models.conversion import export_hf_tensors, load_hf_weights
     from gspo_megatron.policy.parallel.layout import ParallelLayout
     from gspo_megatron.policy.parallel.mesh import free_port, initialize_parallel
     from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine
     from gspo_megatron.rollout.sglang.launcher import LaunchedServer
+    from gspo_megatron.rollout.sglang.stage_turns import StageTurns
     from gspo_megatron.testing.memory import peak_bytes
 
     cfg = medium_test_config()
@@ -76,9 +78,12 @@ def sync_worker(
         model_path=str(model_dir),
         disk_sync_dir=str(work / "sync"),
     )
-    turns = StageTurns(model, cfg, mesh, config) if senders == "per_stage" else None
+    export = partial(export_hf_tensors, model, cfg, mesh)
+    own_stage = partial(export_hf_tensors, model, cfg, mesh, own_stage_only=True)
+    turns = StageTurns(own_stage, stage_position(mesh), config) if senders == "per_stage" else None
     if not mesh.is_driver:
-        outcomes = _syncs(lambda version: sync_engine_weights(None, model, cfg, mesh, version, turns), SYNCS[senders])
+        follower = FollowerWeightSync(export, mesh.device, turns)
+        outcomes = _syncs(follower.sync, SYNCS[senders])
         sent = list(turns.sent_names) if turns is not None else []
         if turns is not None:
             turns.close()
@@ -104,7 +109,8 @@ def sync_worker(
                     for url in urls:
                         body = {"group_name": "memory_stage1"}
                         httpx.post(url + "/destroy_weights_update_group", json=body, trust_env=False)
-                outcomes.append(_syncs(lambda v: sync_engine_weights(engine, model, cfg, mesh, v, turns), [version]))
+                driver = DriverWeightSync(export, engine.update_weights, mesh.device, turns)
+                outcomes.append(_syncs(driver.sync, [version]))
                 states.append([httpx.get(url + "/_double/state", trust_env=False).json() for url in urls])
 
             states: list = []

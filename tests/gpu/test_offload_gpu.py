@@ -80,24 +80,25 @@ def hybrid_optimizer_worker(ctx, run_dir: str) -> dict:
 
     from gspo_megatron.config.compose import compose
     from gspo_megatron.config.schema import to_train_config
-    from gspo_megatron.loop.build import build
+    from gspo_megatron.loop.build import build_trainer
     from gspo_megatron.policy.optimizer import allocate_optimizer_state
     from gspo_megatron.testing.train_runs import TINY_JOB
 
     overrides = [*TINY_JOB, "model.dtype=bfloat16", "optimizer.cpu_offload=true", "optimizer.distributed=true"]
     composed = compose(overrides)
-    components = build(to_train_config(composed), Path(run_dir), OmegaConf.to_yaml(composed), world_size=1)
+    trainer = build_trainer(to_train_config(composed), Path(run_dir), OmegaConf.to_yaml(composed), world_size=1)
+    policy = trainer.policy
     try:
-        allocate_optimizer_state(components.optimizer)
+        allocate_optimizer_state(policy.optimizer)
         devices = set()
-        for part in getattr(components.optimizer, "chained_optimizers", [components.optimizer]):
+        for part in getattr(policy.optimizer, "chained_optimizers", [policy.optimizer]):
             for sub in part.optimizer.cpu_optimizers:
                 for group in sub.param_groups:
                     for param in group["params"]:
                         devices |= {param.device.type, *(v.device.type for v in sub.state[param].values())}
         return {"host_side_devices": sorted(devices)}
     finally:
-        components.close()
+        trainer.close()
 
 
 def test_hybrid_device_optimizer_keeps_its_host_side_in_host_memory(tmp_path):

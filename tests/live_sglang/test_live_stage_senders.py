@@ -21,29 +21,38 @@ pytestmark = pytest.mark.distributed
 
 
 def pp2_sync_worker(ctx, config_values: dict) -> dict:
-    from gspo_megatron.loop.stage_senders import StageTurns
-    from gspo_megatron.loop.weight_sync import sync_engine_weights
+    from functools import partial
+
+    from gspo_megatron.loop.build import stage_position
+    from gspo_megatron.loop.weight_sync import DriverWeightSync, FollowerWeightSync
     from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.models.builder import build_model
-    from gspo_megatron.policy.models.conversion import load_hf_weights
+    from gspo_megatron.policy.models.conversion import export_hf_tensors, load_hf_weights
     from gspo_megatron.policy.parallel.layout import ParallelLayout
     from gspo_megatron.policy.parallel.mesh import initialize_parallel
     from gspo_megatron.rollout.sglang.engine import SGLangEngine
+    from gspo_megatron.rollout.sglang.stage_turns import StageTurns
 
     layout = ParallelLayout(pp=2, world_size=2).validate(TINY)
     apply_cpu_bridges()
     mesh = initialize_parallel(layout)
     model = build_model(TINY, layout, layer_spec="portable")
     config = live_config(**config_values)
-    turns = StageTurns(model, TINY, mesh, config)
+    turns = StageTurns(partial(export_hf_tensors, model, TINY, mesh, own_stage_only=True), stage_position(mesh), config)
     engine = SGLangEngine(config) if mesh.is_driver else None
+    export = partial(export_hf_tensors, model, TINY, mesh)
+    weights = (
+        DriverWeightSync(export, engine.update_weights, mesh.device, turns)
+        if engine is not None
+        else FollowerWeightSync(export, mesh.device, turns)
+    )
     url = config.urls[0]
     seen: dict = {"outcomes": [], "outputs": [], "versions": []}
 
     def sync(seed: int, version: int) -> None:
         load_hf_weights(model, TINY, random_hf_state(TINY, seed=seed), mesh)
         try:
-            sync_engine_weights(engine, model, TINY, mesh, version, turns)
+            weights.sync(version)
             seen["outcomes"].append("ok")
         except Exception as error:  # noqa: BLE001 - compared across ranks by the test
             seen["outcomes"].append(f"{type(error).__name__}: {error}")
@@ -101,7 +110,7 @@ def test_a_pp2_trainer_syncs_through_two_sender_groups_and_a_refused_group_moves
 
 
 def test_a_pp2_training_run_syncs_every_step_through_its_stage_senders(live_engine, attach, tmp_path):
-    """The trainer builds the turns on every rank (``Components.stage_turns``) and syncs each step's
+    """The trainer builds the turns on every rank (``loop/build.py:stage_turns``) and syncs each step's
     policy through both groups: the engine's log-probs stay those of the trainer's weights. The trainer
     starts from its own seeded init, not the server's checkpoint, so a stage whose layers did not arrive
     would leave the server on other weights: a large mismatch."""

@@ -26,7 +26,7 @@ Design decisions:
 - Per step, ``finalize_model_grads`` all-reduces over TP the fp32 gradients of parameters every TP
   rank holds whole (norms and routers under sequence parallelism; q/k norms always).
 - Weight sync (trainer -> rollout engine), as built (``loop/weight_sync.py``,
-  ``loop/stage_senders.py``, ``rollout/sglang/group_sender.py``): every HF tensor once per step in
+  ``rollout/sglang/stage_turns.py``, ``rollout/sglang/group_sender.py``): every HF tensor once per step in
   bf16, in greedy buckets of ``bucket_bytes`` (one ``/update_weights_from_distributed`` each), on one link
   per sender. ``weight_senders=driver``: each tensor is gathered inside its stage, broadcast over the
   pipeline group to the driver, which alone sends it: the driver's link carries the model out and the

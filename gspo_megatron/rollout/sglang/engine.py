@@ -17,7 +17,7 @@ Design decisions:
   re-formed whenever the set of live servers changes; each byte-size bucket is one
   ``/update_weights_from_distributed`` per server while the bucket is broadcast, the first failure wins
   (a refused bucket fails at once with the server's message). With pipeline stages each stage's first
-  rank sends its own layers over its own group (``StagedWeights``, ``loop/stage_senders.py``), the
+  rank sends its own layers over its own group (``StagedWeights``, ``rollout/sglang/stage_turns.py``), the
   version set with ``/update_weight_version`` once every stage has sent. The groups are destroyed on the
   servers at shutdown, so a later run can form them with the same names.
 - Memory: weights are streamed, never listed. The bucket being sent is the only one held (the next is

@@ -1,7 +1,7 @@
 """One weight sender: a trainer rank that broadcasts buckets to every SGLang server over its own group.
 
 The driver has one (the whole model, or pipeline stage 0's part); with ``weight_senders=per_stage``
-each pipeline stage's first rank has one for its own layers (``loop/stage_senders.py``).
+each pipeline stage's first rank has one for its own layers (``rollout/sglang/stage_turns.py``).
 
 Design decisions:
 - The group is formed on the first bucket and re-formed whenever the set of live servers changes (a
@@ -64,7 +64,7 @@ class SenderBrief:
 
 @runtime_checkable
 class StagedWeights(Protocol):
-    """The trainer's weights when every pipeline stage sends its own layers (``loop/stage_senders.py``).
+    """The trainer's weights when every pipeline stage sends its own layers (``rollout/sglang/stage_turns.py``).
 
     ``send_by_stages`` runs the stages' turns: stage 0's tensors go through ``send_own`` (the driver's
     sender), the others' from their own ranks; it raises ``StageSyncError`` naming each stage that
