@@ -129,13 +129,13 @@ class MismatchConfig(ConfigNode):
         key = "algorithm.mismatch."
         if self.correction not in MISMATCH_MODES:
             raise ValueError(f"{key}correction={self.correction!r} is unknown; valid: {', '.join(MISMATCH_MODES)}")
-        if self.sequence_ratio == SequenceRatio.product and not self.correction.startswith("sequence_"):
+        if self.sequence_ratio == SequenceRatio.product and not MismatchCorrection(self.correction).per_sequence:
             raise ValueError(
                 f"{key}sequence_ratio=product combines a row's token ratios, but {key}correction="
                 f"{self.correction} has no sequence weight; use sequence_truncate or sequence_mask, or leave "
                 "sequence_ratio=geometric"
             )
-        if self.rejected == RejectedTokens.drop and not self.correction.endswith("_mask"):
+        if self.rejected == RejectedTokens.drop and not MismatchCorrection(self.correction).masks:
             raise ValueError(
                 f"{key}rejected=drop removes the tokens a mask mode rejects, but {key}correction="
                 f"{self.correction} rejects none; use token_mask or sequence_mask, or set rejected=keep"
@@ -144,7 +144,7 @@ class MismatchConfig(ConfigNode):
             raise ValueError(f"{key}cap must be >= 1 (caps pi_old / pi_rollout), got {self.cap}")
         if not 0.0 <= self.lower < 1.0:
             raise ValueError(f"{key}lower must be in [0, 1) (mask modes keep rho >= it), got {self.lower}")
-        if self.lower > 0 and not self.correction.endswith("_mask"):
+        if self.lower > 0 and not MismatchCorrection(self.correction).masks:
             raise ValueError(
                 f"{key}lower={self.lower} bounds what a mask mode keeps, but {key}correction="
                 f"{self.correction} masks nothing; use token_mask (slime's IcePop) or sequence_mask"
@@ -210,7 +210,7 @@ class AlgorithmConfig(ConfigNode):
     def validate(self) -> None:
         """The rules across this config's sections (each section checked its own fields)."""
         correction = self.mismatch.correction
-        if correction.startswith("token_") and self.loss.name == "gspo":
+        if MismatchCorrection(correction).per_token and self.loss.name == "gspo":
             raise ValueError(
                 f"algorithm.mismatch.correction={correction} gives per-token weights, but algorithm.loss.name=gspo "
                 "has one ratio per sequence; use sequence_truncate/sequence_mask with gspo (or gspo_token / grpo)"

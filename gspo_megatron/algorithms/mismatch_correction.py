@@ -37,13 +37,29 @@ from gspo_megatron.core.config_node import ConfigChoice
 
 
 class MismatchCorrection(ConfigChoice):
-    """``algorithm.mismatch.correction`` (a closed choice: Hydra refuses other values at compose time)."""
+    """``algorithm.mismatch.correction`` (a closed choice: Hydra refuses other values at compose time):
+    the level a weight is formed at (per token or per sequence) and what it does beyond the cap
+    (truncate, or mask), as properties, so no caller reads them out of the name."""
 
     none = "none"
     token_truncate = "token_truncate"
     token_mask = "token_mask"
     sequence_truncate = "sequence_truncate"
     sequence_mask = "sequence_mask"
+
+    @property
+    def per_token(self) -> bool:
+        """One weight per token ([B, T]); else one per sequence ([B])."""
+        return self in (MismatchCorrection.token_truncate, MismatchCorrection.token_mask)
+
+    @property
+    def per_sequence(self) -> bool:
+        return self in (MismatchCorrection.sequence_truncate, MismatchCorrection.sequence_mask)
+
+    @property
+    def masks(self) -> bool:
+        """Beyond the band a weight is 0 (the token or row is rejected); else the weight is capped."""
+        return self in (MismatchCorrection.token_mask, MismatchCorrection.sequence_mask)
 
 
 MISMATCH_MODES = tuple(MismatchCorrection)
@@ -96,12 +112,13 @@ def mismatch_weight_stats(
         raise ValueError(
             f"mismatch correction mode {mode!r} is not a correction; valid: {', '.join(MISMATCH_MODES[1:])}"
         )
+    correction = MismatchCorrection(mode)
     if not cap >= 1.0:
         raise ValueError(f"the importance-weight cap must be >= 1, got {cap}")
     mask = response_mask.bool()
     log_rho = torch.where(mask, old_log_probs.double() - rollout_log_probs.double(), 0.0)
-    level, action = mode.split("_")
-    if level == "token":
+    action = "mask" if correction.masks else "truncate"
+    if correction.per_token:
         select = mask
     else:
         lengths = mask.sum(-1)
@@ -141,7 +158,7 @@ def rejected_mask(weights: torch.Tensor, response_mask: torch.Tensor, mode: str)
     ``mismatch_weights``): a rejected token (token_mask) or every token of a rejected row
     (sequence_mask) leaves it; other modes reject nothing."""
     mask = response_mask.bool()
-    if not mode.endswith("_mask"):
+    if not MismatchCorrection(mode).masks:
         return mask
     kept = weights > 0 if weights.dim() == 2 else (weights > 0).unsqueeze(-1)
     return mask & kept

@@ -11,13 +11,13 @@ import importlib.util
 from gspo_megatron.algorithms.config import OldLogProbSource
 from gspo_megatron.config.schema import TrainConfig
 from gspo_megatron.core.config_node import config_nodes
+from gspo_megatron.core.registry import UnknownNameError
 from gspo_megatron.policy.config import use_distributed_optimizer
 from gspo_megatron.policy.parallel.context_parallel import validate_context_parallel
 from gspo_megatron.policy.routing.config import DiagnosticKind
 from gspo_megatron.policy.routing.replay import validate_replay_mode
 from gspo_megatron.policy.routing.replay_strategy import needs_engine_routing, needs_trainer_old_pass, replays
-from gspo_megatron.rollout.config import Placement, RolloutEngineName
-from gspo_megatron.rollout.sglang.config import WeightSync
+from gspo_megatron.rollout.engines import ENGINES, EngineNeeds
 from gspo_megatron.rollout.shaping.triggers import check_probing_triggers
 
 
@@ -74,18 +74,10 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
             f"per call, each data-parallel rank has {micro_batches} ({per_rank} sequences / "
             f"trainer.micro_batch_size={t.micro_batch_size}); lower trainer.micro_batch_size or set parallel.vpp=1"
         )
-    if cfg.rollout.engine not in ("embedded", "sglang"):
-        raise ConfigError(f"rollout.engine={cfg.rollout.engine!r} is unknown; valid: embedded, sglang")
-    if cfg.rollout.engine == RolloutEngineName.sglang:  # before the model is built, not when the engine starts
-        try:
-            cfg.rollout.sglang.require_targets()
-        except ValueError as error:
-            raise ConfigError(f"rollout.sglang: {error}") from error
+    _validate_engine(cfg)
     if cfg.model.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype must be float32 or bfloat16, got {cfg.model.dtype!r}")
     _validate_old_policy_source(cfg)
-    _validate_routed_experts_source(cfg)
-    _validate_colocated_sglang(cfg)
     _validate_optimizer_offload(cfg, layout)
     if t.reference_offload and cfg.algorithm.kl.coef == 0:
         raise ConfigError(
@@ -105,15 +97,6 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
     validate_replay_mode(cfg.routing.replay, recompute=t.recompute_activations, pp=layout.pp)
     if replays(cfg.routing.replay) and not cfg.model.is_moe:
         raise ConfigError("routing.replay needs an MoE model (model.num_experts > 0)")
-    if (
-        needs_engine_routing(cfg.routing.replay)
-        and cfg.rollout.engine == RolloutEngineName.sglang
-        and not cfg.rollout.sglang.enable_return_routed_experts
-    ):
-        raise ConfigError(
-            "routing.replay=rollout (R3) needs the engine's routed experts: set "
-            "rollout.sglang.enable_return_routed_experts=true"
-        )
     if cfg.rollout.truncated:
         try:
             check_probing_triggers(cfg.shaping)
@@ -201,29 +184,26 @@ def _offload_needs_bf16_and_distributed(cfg: TrainConfig, layout, key: str) -> N
         )
 
 
-def _validate_colocated_sglang(cfg: TrainConfig) -> None:
-    """Colocated SGLang servers share the trainer's devices: the weights go in by tensor handles
-    (``rollout/sglang/tensor_handles.py``), not over a broadcast group or a disk."""
-    if cfg.rollout.placement != Placement.colocated or cfg.rollout.engine != RolloutEngineName.sglang:
-        return
-    if cfg.rollout.sglang.weight_sync != WeightSync.tensor:
+def _validate_engine(cfg: TrainConfig) -> None:
+    """What the run needs of its engine (the routed experts, colocation), answered by the engine itself
+    (``rollout/engines.py``), before the model is built."""
+    try:
+        spec = ENGINES.get(cfg.rollout.engine)
+    except UnknownNameError:
         raise ConfigError(
-            f"rollout.placement=colocated with SGLang sends the weights by tensor handles to servers on the "
-            f"trainer's devices: set rollout.sglang.weight_sync=tensor (got {cfg.rollout.sglang.weight_sync})"
-        )
-
-
-def _validate_routed_experts_source(cfg: TrainConfig) -> None:
-    """Whatever needs the engine's routed experts needs SGLang launched to return them."""
-    if cfg.rollout.engine != RolloutEngineName.sglang or cfg.rollout.sglang.enable_return_routed_experts:
-        return
+            f"rollout.engine={cfg.rollout.engine!r} is unknown; valid: {', '.join(ENGINES.names())}"
+        ) from None
     wants = []
     if cfg.rollout.return_routed_experts:
         wants.append("rollout.return_routed_experts=true")
-    if cfg.model.is_moe and cfg.routing.enabled and "rollout_vs_train" in cfg.routing.kinds:
+    if cfg.model.is_moe and cfg.routing.enabled and DiagnosticKind.rollout_vs_train in cfg.routing.kinds:
         wants.append("routing.kinds contains rollout_vs_train")
-    if wants:
-        raise ConfigError(
-            f"{' and '.join(wants)} needs the engine's routed experts: set "
-            "rollout.sglang.enable_return_routed_experts=true (or drop rollout_vs_train from routing.kinds)"
-        )
+    needs = EngineNeeds(
+        routed_experts=wants,
+        replays_engine_routing=needs_engine_routing(cfg.routing.replay),
+        placement=cfg.rollout.placement,
+    )
+    try:
+        spec.check(cfg.rollout, needs)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
