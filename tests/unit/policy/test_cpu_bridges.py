@@ -39,6 +39,28 @@ def test_enable_is_idempotent_and_disable_restores_every_attribute(bridges):
     assert "record_stream" not in vars(torch.Tensor)  # inherited from the C base class again
 
 
+def test_forming_process_groups_patches_nothing_and_names_the_start_up_call(bridges):
+    # the bridges are applied by one start-up call, never as a side effect of initialize_parallel
+    from gspo_megatron.policy.parallel.layout import ParallelLayout
+    from gspo_megatron.policy.parallel.mesh import initialize_parallel
+
+    with pytest.raises(RuntimeError, match=r"call gspo_megatron\.policy\.cpu_bridges\.apply_cpu_bridges\(\)"):
+        initialize_parallel(ParallelLayout(world_size=1).validate())
+    assert not cpu_compat.cpu_megatron_enabled() and cpu_compat._applied == []
+
+
+def test_the_start_up_call_says_which_bridges_applied(bridges):
+    from importlib.metadata import version
+
+    line = cpu_compat.apply_cpu_bridges()
+    names = [bridge.__name__.lstrip("_") for bridge in cpu_compat.BRIDGES]
+    applied = [name for name in names if name in line]
+    assert line.startswith(f"[gspo] megatron-core {version('megatron-core')} without CUDA: {len(applied)} CPU bridges")
+    # 0.16 lacks te_general_gemm (bridge 3 defines it); 0.17+ defines it, and that bridge patches nothing
+    assert set(names) - set(applied) <= {"define_missing_te_general_gemm"}
+    assert cpu_compat.apply_cpu_bridges() == line  # once per process: a second call applies nothing more
+
+
 def test_1_current_device(bridges):
     with pytest.raises((RuntimeError, AssertionError)):
         torch.cuda.current_device()
