@@ -205,7 +205,7 @@ def weight_sync_plan(
     layout: ParallelLayout | None = None,
     senders: str = "per_stage",
 ) -> WeightSyncPlan:
-    """The sync as ``weights.named_tensors.bucket_named_tensors`` packs the export: a bucket closes when
+    """The sync as ``core/named_tensors.py:bucket_named_tensors`` packs the export: a bucket closes when
     the next tensor would overflow it, an oversize tensor travels alone (per sender). Order: HF names by
     unit (the export's order up to the order of parameters inside a layer). ``layout``'s pipeline stages
     decide the senders (``senders``: ``rollout.sglang.weight_senders``)."""

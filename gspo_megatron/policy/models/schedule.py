@@ -36,7 +36,7 @@ from gspo_megatron.contracts.micro_batch import MicroBatch
 from gspo_megatron.policy.parallel.context_parallel import chunk_positions, split_micro_batch
 
 # (loss, what comes back for the micro-batch: a metric dict, or a head's typed output); a callback may
-# take a MicroBatch subclass (the policy loss reads ``trainer.batch.UpdateMicroBatch``), whose
+# take a MicroBatch subclass (the policy loss reads ``contracts/micro_batch.py:UpdateMicroBatch``), whose
 # micro-batches the schedule then carries
 BatchT = TypeVar("BatchT", bound=MicroBatch)
 LossCallback = Callable[[torch.Tensor, BatchT], tuple[torch.Tensor, Any]]

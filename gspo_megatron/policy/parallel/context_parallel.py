@@ -31,7 +31,7 @@ from gspo_megatron.policy.parallel.layout import LayoutError
 
 
 class PerTokenBatch(Protocol):
-    """What the split needs of a batch (``models.micro_batch.MicroBatch``, a layer above, is one)."""
+    """What the split needs of a batch (``contracts/micro_batch.py:MicroBatch`` is one)."""
 
     def map_per_token(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> PerTokenBatch: ...
 

@@ -1,7 +1,7 @@
 """Trainer-side pieces of SGLang weight sync: byte-size buckets, the update group, the broadcaster.
 
 Design decisions:
-- Buckets (``weights.named_tensors.bucket_named_tensors``) are filled greedily in the order the exporter
+- Buckets (``core/named_tensors.py:bucket_named_tensors``) are filled greedily in the order the exporter
   yields tensors, up to ``bucket_bytes``; a tensor larger than a bucket travels alone. One bucket =
   one ``/update_weights_from_distributed`` call, so the bucket size trades HTTP round trips against
   peak extra memory on the driver and the servers.

@@ -2,7 +2,7 @@
 own export.
 
 The shape is ``conf/model/tiny.yaml`` (the model the 20-step ``rollout=sglang`` job trains), the
-weights ``random_hf_state`` (HF checkpoint names, as ``models.conversion`` exports them), written by
+weights ``random_hf_state`` (HF checkpoint names, as ``policy/models/conversion.py`` exports them), written by
 ``models.hf_checkpoint.write_hf_checkpoint`` with the symbol tokenizer saved as a HF tokenizer. No hub.
 """
 
