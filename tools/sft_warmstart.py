@@ -69,22 +69,50 @@ def verbose_response(record, rng: random.Random, max_waits: int, long_tail: tupl
     return f"{head}{waits} </think> answer {record.answer}"
 
 
-def build_batch(records, tokenizer, rng, max_waits: int, long_tail: tuple[float, int] = (0.0, 0)):
-    """Right-padded [b, s] inputs/targets, weighted 1 on the response targets (EOS included)."""
+def calculator_demo(record, rng: random.Random, tool_fraction: float) -> list[tuple[str, bool]]:
+    """A ``calculator_add`` demonstration as (text, trained) segments: with probability ``tool_fraction`` the
+    tool-using trajectory -- the call, the calculator's answer (inserted: not trained), the answer copied --
+    else a direct answer the model cannot check, with its last two digits guessed (usually wrong), so RL
+    has something to learn: that the calling trajectories are the ones that are right."""
+    if rng.random() < tool_fraction:
+        call, rest = record.metadata["reference_response"].split("> ", 1)
+        answer, final = rest.split("\n", 1)
+        return [(call + ">", True), (" " + answer + "\n", False), (final, True)]
+    guess = record.answer[:-2] + "".join(str(rng.randrange(10)) for _ in record.answer[-2:])
+    return [(guess, True)]
+
+
+def demo_rows(records, tokenizer, rng, args) -> list[tuple[list[int], list[int], list[float]]]:
+    """(prompt ids, response ids with EOS, per-response-token weight: 1 trained, 0 inserted) per record."""
+    rows = []
+    for record in records:
+        if args.demos == "calculator":
+            segments = calculator_demo(record, rng, args.tool_fraction)
+        else:
+            long_tail = (args.long_tail[0], int(args.long_tail[1]))
+            segments = [(verbose_response(record, rng, args.max_waits, long_tail), True)]
+        ids: list[int] = []
+        weights: list[float] = []
+        for text, trained in segments:
+            piece = tokenizer.encode(text)
+            ids += piece
+            weights += [1.0 if trained else 0.0] * len(piece)
+        rows.append((list(record.prompt_ids), ids + [tokenizer.eos_token_id], weights + [1.0]))
+    return rows
+
+
+def build_batch(rows, pad_token_id: int):
+    """Right-padded [b, s] inputs/targets, weighted on the trained response targets (EOS included)."""
     import torch
 
     from gspo_megatron.contracts.micro_batch import MicroBatch
 
-    rows = []
-    for record in records:
-        response = tokenizer.encode(verbose_response(record, rng, max_waits, long_tail)) + [tokenizer.eos_token_id]
-        rows.append((list(record.prompt_ids), response))
-    width = max(len(p) + len(r) for p, r in rows)
-    tokens = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    width = max(len(p) + len(r) for p, r, _ in rows)
+    tokens = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros(len(rows), width - 1)
-    for i, (prompt, response) in enumerate(rows):
+    for i, (prompt, response, weights) in enumerate(rows):
         tokens[i, : len(prompt) + len(response)] = torch.tensor(prompt + response)
-        mask[i, len(prompt) - 1 : len(prompt) + len(response) - 1] = 1.0
+        mask[i, len(prompt) - 1 : len(prompt) + len(response) - 1] = torch.tensor(weights)
     return MicroBatch(tokens=tokens[:, :-1].contiguous(), targets=tokens[:, 1:].contiguous(), weights=mask)
 
 
@@ -94,6 +122,15 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument(
+        "--demos",
+        choices=("verbose_reasoner", "calculator"),
+        default="verbose_reasoner",
+        help="what to demonstrate: verbose reasoning (reasoning_max_digit) or calculator tool use (calculator_add)",
+    )
+    parser.add_argument(
+        "--tool-fraction", type=float, default=0.3, help="calculator demos: the fraction that call the tool"
+    )
     parser.add_argument("--max-waits", type=int, default=3)
     parser.add_argument(
         "--long-tail",
@@ -147,7 +184,7 @@ def main(argv=None) -> None:
         tokenizer = build_tokenizer("symbol", model_vocab_size=cfg.model.vocab_size)
         task = build_task(
             TaskConfig(
-                name="reasoning_max_digit",
+                name="calculator_add" if args.demos == "calculator" else "reasoning_max_digit",
                 seed=args.seed,
                 min_digits=args.min_digits or args.digits,
                 max_digits=args.digits,
@@ -170,8 +207,7 @@ def main(argv=None) -> None:
             return loss, {"nll": loss.detach()}
 
         for step in range(1, args.steps + 1):
-            long_tail = (args.long_tail[0], int(args.long_tail[1]))
-            batch = build_batch(task.next_batch(args.batch), tokenizer, rng, args.max_waits, long_tail)
+            batch = build_batch(demo_rows(task.next_batch(args.batch), tokenizer, rng, args), tokenizer.pad_token_id)
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
             (out,) = run_schedule([ddp], [batch], nll, forward_only=False)

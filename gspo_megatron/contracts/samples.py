@@ -16,6 +16,10 @@ from enum import Enum, StrEnum
 
 import torch
 
+# Sample.extra key: the weight version of each output token (a sample continued over steps or turns; an
+# inserted token carries the version of the turn before it). Absent: every token is ``weight_version``'s
+TOKEN_VERSIONS = "token_versions"
+
 
 class FinishReason(str, Enum):
     STOP = "stop"  # a stop token / string ended the sample (EOS included)
@@ -93,24 +97,50 @@ class Truncation:
         return int(self.forced_mask.sum())
 
 
+@dataclass(frozen=True)
+class TurnSpan:
+    """One turn of a multi-turn trajectory: the output tokens ``[start, end)`` the model generated in it."""
+
+    start: int
+    end: int
+    weight_version: int  # the weights that generated them
+
+
 @dataclass
 class Sample:
-    """One generated response to one prompt."""
+    """One generated response to one prompt -- or one multi-turn trajectory (``rollout/agents/``): its
+    output is every turn's generated tokens with the inserted ones (tool answers, template) between them."""
 
     prompt_ids: list[int]
     output_ids: list[int]
     output_log_probs: torch.Tensor  # float32 [len(output_ids)], log-prob under the sampling distribution
     finish_reason: FinishReason
     routed_experts: torch.Tensor | None = None  # int32 [len(prompt)+len(output)-1, layers, top_k]
-    weight_version: int = 0  # the engine's weight version that produced this sample
+    weight_version: int = 0  # the engine's weight version that produced this sample (the oldest, over turns)
     truncation: Truncation | None = None  # set by a truncated rollout
     extra: dict = field(default_factory=dict)  # engine-specific details (e.g. SGLang's weight versions)
+    # bool [len(output_ids)]: tokens the model did not sample (a tool's answer, the chat template around it);
+    # their log-probs are 0.0, they never enter the loss or a comparison with the engine. None: none inserted
+    inserted_mask: torch.Tensor | None = None
+    turns: list[TurnSpan] | None = None  # a trajectory's turns, in order; None: one response
+
+    @property
+    def answer_ids(self) -> list[int]:
+        """What a reward scores: a trajectory's last turn, else the whole output."""
+        if not self.turns:
+            return self.output_ids
+        last = self.turns[-1]
+        return self.output_ids[last.start : last.end]
 
     def __post_init__(self) -> None:
         if self.output_log_probs.shape != (len(self.output_ids),):
             raise ValueError(
                 f"output_log_probs has shape {tuple(self.output_log_probs.shape)}, expected "
                 f"({len(self.output_ids)},) -- one log-prob per output token"
+            )
+        if self.inserted_mask is not None and self.inserted_mask.shape != (len(self.output_ids),):
+            raise ValueError(
+                f"inserted_mask has shape {tuple(self.inserted_mask.shape)}, expected ({len(self.output_ids)},)"
             )
         if self.truncation is not None and self.truncation.forced_mask.shape != (len(self.output_ids),):
             raise ValueError(

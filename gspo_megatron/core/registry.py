@@ -71,3 +71,24 @@ class Registry(Generic[T]):
 
     def __repr__(self) -> str:
         return f"Registry({self.kind!r}, names={self.names()})"
+
+
+IMPORT_PREFIX = "import:"
+
+
+def import_function(spec: str, kind: str) -> Callable:
+    """A user's function named ``import:package.module:function`` (``kind`` names it in errors: "reward")."""
+    import importlib
+
+    target = spec[len(IMPORT_PREFIX) :] if spec.startswith(IMPORT_PREFIX) else ""
+    module_name, sep, function_name = target.partition(":")
+    if not sep or not module_name or not function_name:
+        raise ValueError(f"{kind} {spec!r} must look like 'import:package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"{kind} {spec!r}: cannot import module {module_name!r} ({error})") from error
+    fn = getattr(module, function_name, None)
+    if fn is None or not callable(fn):
+        raise ValueError(f"{kind} {spec!r}: module {module_name!r} has no callable {function_name!r}")
+    return fn

@@ -8,13 +8,14 @@ the engine's HF config, its vocabulary, and whether the run needs the engine's r
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from gspo_megatron.algorithms.config import AlgorithmConfig
 from gspo_megatron.contracts.samples import SamplingParams
 from gspo_megatron.rollout.config import RolloutSection
 from gspo_megatron.rollout.data.config import TaskConfig, TokenizerConfig
 from gspo_megatron.rollout.data.tasks import build_task
-from gspo_megatron.rollout.data.tokenizer import build_tokenizer
+from gspo_megatron.rollout.data.tokenizer import Tokenizer, build_tokenizer
 from gspo_megatron.rollout.engine import RolloutEngine
 from gspo_megatron.rollout.engines import ENGINES, ModelShape
 from gspo_megatron.rollout.producer import RolloutProducer
@@ -23,6 +24,9 @@ from gspo_megatron.rollout.rewards.pool import RewardPool
 from gspo_megatron.rollout.scheduler import RolloutScheduler
 from gspo_megatron.rollout.shaping.config import ShapingConfig
 from gspo_megatron.rollout.side import Evaluation, RolloutSide, batch_versions
+
+if TYPE_CHECKING:
+    from gspo_megatron.rollout.agents.trajectories import TrajectoryRunner
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,7 @@ def build_producer(settings: RolloutSettings) -> RolloutProducer:
         training_engine = TruncatedRolloutEngine(
             engine, rollout.truncation, triggers, tokenizer.encode, tokenizer.decode
         )
+    agent = build_agent(settings, engine, tokenizer) if rollout.agent.enabled else None
     return RolloutProducer(
         engine=engine,
         training_engine=training_engine,
@@ -113,7 +118,48 @@ def build_producer(settings: RolloutSettings) -> RolloutProducer:
         partial=PartialRollouts(rollout.over_sample, rollout.partial, rollout.max_staleness)
         if rollout.over_sample > 1
         else None,
+        agent=agent,
     )
+
+
+def build_agent(settings: RolloutSettings, engine: RolloutEngine, tokenizer: Tokenizer) -> TrajectoryRunner:
+    """The multi-turn trajectories of ``rollout.agent``: its agent function, the turn template of the
+    tokenizer (checked to extend its own rendering), the tools each trajectory gets."""
+    from gspo_megatron.core.registry import import_function
+    from gspo_megatron.core.tool_call_formats import FAMILY_TOOL_CALL_FORMAT, SYMBOL, tool_call_format
+    from gspo_megatron.rollout.agents.agent import BUILTIN_AGENTS
+    from gspo_megatron.rollout.agents.templates import build_template
+    from gspo_megatron.rollout.agents.toolkit import ToolKit
+    from gspo_megatron.rollout.agents.trajectories import TrajectoryRunner
+    from gspo_megatron.rollout.data.tokenizer import SymbolTokenizer
+
+    config = settings.rollout.agent
+    if config.tool_format != "auto":
+        format = tool_call_format(config.tool_format)
+    elif isinstance(tokenizer, SymbolTokenizer):
+        format = SYMBOL
+    else:
+        format = tool_call_format(FAMILY_TOOL_CALL_FORMAT.get(settings.model.family, "hermes_json"))
+    kit = ToolKit(config)
+    template = build_template(tokenizer, format, [spec.openai() for spec in kit.specs()])
+    closing = []
+    if config.name == "openai_endpoint":
+        from gspo_megatron.rollout.agents.endpoint import SessionServer, endpoint_agent
+        from gspo_megatron.rollout.agents.templates import HFChatTemplate
+
+        if not isinstance(template, HFChatTemplate):
+            raise ValueError(
+                "rollout.agent.name=openai_endpoint renders chat messages with the model's chat template: "
+                "set tokenizer.kind=hf (the symbol tokenizer has none)"
+            )
+        server = SessionServer(template)
+        closing.append(server.close)
+        agent = endpoint_agent(server, import_function(config.client or "", "agent client"))
+    elif config.name in BUILTIN_AGENTS:
+        agent = BUILTIN_AGENTS[config.name]
+    else:
+        agent = import_function(config.name, "agent")
+    return TrajectoryRunner(engine, agent, template, kit.for_record, config, tokenizer.decode, closing)
 
 
 def evaluation(settings: RolloutSettings, producer: RolloutProducer) -> Evaluation:

@@ -93,6 +93,69 @@ class EmbeddedConfig(ConfigNode):
             raise ValueError(f"rollout.embedded.dtype={self.dtype!r} is unknown; valid: {', '.join(EngineDtype)}")
 
 
+class ToolErrorPolicy(ConfigChoice):
+    """``rollout.agent.on_tool_error``: what a failed tool call does to its trajectory (always counted)."""
+
+    show = "show"  # the model reads the error as the tool's answer and goes on
+    end = "end"  # the trajectory ends there (its reward is what it answered by then)
+
+
+AGENT_TOOLS = ("calculator", "lookup", "python")
+
+
+@dataclass
+class AgentConfig(ConfigNode):
+    """``rollout.agent``: multi-turn trajectories with tools (``rollout/agents/``, docs/agents.md)."""
+
+    # none | tool_calling | openai_endpoint (``client`` drives it) | import:package.module:function (an async agent)
+    name: str = "none"
+    client: str | None = None  # openai_endpoint: import:package.module:function, an OpenAI-client agent
+    max_turns: int = 4  # generated turns per trajectory
+    max_tokens: int = 64  # generated + inserted tokens per trajectory, after its prompt
+    tools: list[str] = field(default_factory=lambda: ["calculator"])  # calculator | lookup | python
+    tool_format: str = "auto"  # auto (symbol tokenizer: symbol; else the family's) | hermes_json | symbol
+    on_tool_error: ToolErrorPolicy = ToolErrorPolicy.show
+    tool_timeout_s: float = 10.0  # one call's wall time (the python tool's own limits come first)
+    trajectory_timeout_s: float = 300.0  # a trajectory running longer ends (counted: agent/timeouts)
+    corpus_dir: str | None = None  # the lookup tool's documents (a task may ship its own)
+    scratch_dir: str | None = None  # the python tool's scratch root (null: a temporary directory per run)
+    max_wait_s: float = 0.05  # the longest a waiting turn waits for others to share the engine's batch
+
+    @property
+    def enabled(self) -> bool:
+        return self.name != "none"
+
+    def validate(self) -> None:
+        key = "rollout.agent."
+        if (
+            self.enabled
+            and self.name not in ("tool_calling", "openai_endpoint")
+            and not self.name.startswith("import:")
+        ):
+            raise ValueError(
+                f"{key}name={self.name!r} is not an agent: use none, tool_calling, openai_endpoint or "
+                "import:package.module:function"
+            )
+        if self.name == "openai_endpoint" and not (self.client or "").startswith("import:"):
+            raise ValueError(
+                f"{key}name=openai_endpoint needs {key}client=import:package.module:function, the function that "
+                "drives each trajectory through its OpenAI-compatible endpoint (docs/agents.md)"
+            )
+        for name in ("max_turns", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{key}{name}={getattr(self, name)} must be >= 1")
+        unknown = [tool for tool in self.tools if tool not in AGENT_TOOLS]
+        if unknown:
+            raise ValueError(f"{key}tools has {unknown}; the built-in tools are {list(AGENT_TOOLS)}")
+        if self.tool_format not in ("auto", "hermes_json", "symbol"):
+            raise ValueError(f"{key}tool_format={self.tool_format!r} is not one of auto, hermes_json, symbol")
+        for name in ("tool_timeout_s", "trajectory_timeout_s", "max_wait_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{key}{name}={getattr(self, name)} must be > 0 seconds")
+        if self.enabled and "lookup" in self.tools and self.corpus_dir is None:
+            raise ValueError(f"{key}tools has lookup, which needs {key}corpus_dir (a directory of text files)")
+
+
 @dataclass
 class TruncatedRolloutConfig(ConfigNode):
     """Dynamic Truncated Rollout (Step-GRPO, arXiv 2604.16890; DEER arXiv 2504.15895); training only.
@@ -182,6 +245,7 @@ class RolloutSection(ConfigNode):
     embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     truncation: TruncatedRolloutConfig = field(default_factory=TruncatedRolloutConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
     def validate(self) -> None:
         # training samples must be drawn at T > 0: the trainer scores them with log_softmax(logits / T)
@@ -204,6 +268,11 @@ class RolloutSection(ConfigNode):
                 f"rollout.group_size={self.group_size}: group-relative advantages need >= 2 responses per prompt"
             )
         self._check_partial_rollouts()
+        if self.agent.enabled and self.truncated:
+            raise ValueError(
+                f"rollout.agent.name={self.agent.name} with rollout.truncated=true: Dynamic Truncated Rollout "
+                "wraps single-turn generation; set rollout.truncated=false or rollout.agent.name=none"
+            )
         if self.placement == Placement.colocated and self.async_rollout:
             raise ValueError(
                 "rollout.placement=colocated with rollout.async_rollout=true: colocated, the engine and the "
@@ -231,6 +300,7 @@ class RolloutSection(ConfigNode):
         if self.over_sample == 1.0:
             return
         refused = {
+            f"rollout.agent.name={self.agent.name}": self.agent.enabled,
             "rollout.async_rollout=true": self.async_rollout,
             "rollout.truncated=true": self.truncated,
         }

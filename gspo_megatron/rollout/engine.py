@@ -2,16 +2,65 @@
 
 The trainer talks to this class only. Weights arrive as Hugging-Face-named tensors (the exporter in
 ``gspo_megatron.policy.models`` yields them), so both engines are fed by the same path.
+
+Multi-turn trajectories (``rollout/agents/``) generate turn by turn (``generate_turns``): each turn
+continues the trajectory's ``EngineSession`` -- the positions whose forward already ran -- and returns
+the routed experts of the positions fed in that call only. A position's routing row is therefore the one
+of the forward that computed its KV, never a later call's (Routing Replay across turns and weight
+versions: ``docs/agents.md``). The embedded engine keeps each session's KV cache, so no position is fed
+twice; an engine without a per-trajectory cache (the default below) feeds the whole context again each
+turn, and its later rows of earlier positions are not used.
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 import torch
 
-from gspo_megatron.contracts.samples import RowRequest, Sample, SamplingParams
+from gspo_megatron.contracts.samples import FinishReason, RowRequest, Sample, SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineSession:
+    """What an engine keeps of one trajectory between its turns: ``fed`` positions have been through a
+    forward (their routing rows are the trajectory's already); ``state`` is the engine's own (the embedded
+    engine's KV cache of those positions; None where the engine keeps nothing)."""
+
+    fed: int
+    state: object = None
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    """One turn of one trajectory: generate after ``ids`` (all its tokens so far), continuing ``session``
+    (None: the first turn). ``params.n`` is 1 and ``params.seed`` this turn's own, so the tokens drawn do not
+    depend on which other trajectories share the engine's batch."""
+
+    ids: list[int]
+    params: SamplingParams
+    session: EngineSession | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.n != 1:
+            raise ValueError(f"a turn generates one continuation (params.n=1), got n={self.params.n}")
+        fed = self.session.fed if self.session is not None else 0
+        if not 0 <= fed <= len(self.ids) - 1:
+            raise ValueError(f"a session that fed {fed} positions cannot continue {len(self.ids)} tokens")
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    output_ids: list[int]
+    output_log_probs: torch.Tensor  # float32 [len(output_ids)], as ``Sample.output_log_probs``
+    finish_reason: FinishReason
+    weight_version: int  # the weights that produced this turn's tokens (and its new routing rows)
+    # int32 [new positions, layers, top_k]: rows of positions session.fed .. len(ids) + len(output) - 2
+    # (this call's forwards), None unless asked for
+    routed_experts: torch.Tensor | None
+    session: EngineSession  # continues the trajectory (fed = len(ids) + len(output_ids) - 1)
 
 
 class RolloutEngine(abc.ABC):
@@ -32,6 +81,28 @@ class RolloutEngine(abc.ABC):
             f"{type(self).__name__} cannot stop generation once enough groups are complete: rollout.over_sample "
             "> 1 needs the embedded engine (rollout.engine=embedded)"
         )
+
+    def generate_turns(self, requests: list[TurnRequest]) -> list[TurnResult]:
+        """One turn of each trajectory, in request order. This default feeds each request's whole context
+        again (an engine's prefix cache may reuse the KV); the routing rows of positions an earlier turn fed
+        are dropped, the trajectory keeps those it already has. Engines with a per-trajectory cache override it."""
+        results = []
+        for request in requests:
+            (sample,) = self.generate([request.ids], request.params)[0]
+            fed = request.session.fed if request.session is not None else 0
+            rows = None if sample.routed_experts is None else sample.routed_experts[fed:]
+            output = list(sample.output_ids)
+            results.append(
+                TurnResult(
+                    output,
+                    sample.output_log_probs,
+                    sample.finish_reason,
+                    sample.weight_version,
+                    rows,
+                    EngineSession(len(request.ids) + len(output) - 1),
+                )
+            )
+        return results
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:

@@ -42,14 +42,18 @@ def pack_samples(
     rollout_logp = torch.zeros(n, width - 1)
     rollout_logp[response] = torch.cat([s.output_log_probs.float() for s in samples])
     sampled = response.float()
+    inserted = torch.zeros_like(sampled)  # what an agent inserted (tool answers, template): never trained
     for i, sample in enumerate(samples):
+        p, r = len(sample.prompt_ids), len(sample.output_ids)
         if sample.truncation is not None:
             # tokens the truncated rollout inserted (closing the thinking block) were not sampled by the
             # policy: never compared with the engine's log-probs (it reports 0.0 for them), and trained on
             # only when rollout.truncation.train_on_exit_tokens (the exit decision then gets gradient)
-            p, r = len(sample.prompt_ids), len(sample.output_ids)
             sampled[i, p - 1 : p + r - 1] *= 1.0 - sample.truncation.forced_mask.float()
-    mask = response.float() if train_on_exit_tokens else sampled
+        if sample.inserted_mask is not None:
+            inserted[i, p - 1 : p + r - 1] = sample.inserted_mask.float()
+    sampled = sampled * (1.0 - inserted)
+    mask = response.float() * (1.0 - inserted) if train_on_exit_tokens else sampled
     routed = None
     if with_routed_experts:
         experts = []

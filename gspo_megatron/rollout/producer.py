@@ -10,6 +10,7 @@ an uninterrupted one without saving any engine state.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,7 @@ from gspo_megatron.algorithms.config import AlgorithmConfig, make_advantage_cont
 from gspo_megatron.contracts.batch import RolloutBatch
 from gspo_megatron.contracts.samples import Sample, SamplingParams
 from gspo_megatron.rollout.agents.partial import PartialRollouts
+from gspo_megatron.rollout.agents.trajectories import trajectory_metrics
 from gspo_megatron.rollout.data.records import PromptRecord
 from gspo_megatron.rollout.data.tasks import Task
 from gspo_megatron.rollout.data.tokenizer import Tokenizer
@@ -30,6 +32,9 @@ from gspo_megatron.rollout.shaping.apply import ShapedBatch, shape_batch, shape_
 from gspo_megatron.rollout.shaping.combine import shaped_advantages
 from gspo_megatron.rollout.shaping.config import ShapingCombine, ShapingConfig
 from gspo_megatron.rollout.shaping.types import ShapingGroup, group_from_samples
+
+if TYPE_CHECKING:
+    from gspo_megatron.rollout.agents.trajectories import TrajectoryRunner
 
 
 @dataclass
@@ -62,6 +67,8 @@ class RolloutProducer:
     train_on_exit_tokens: bool = False
     # rollout.over_sample > 1: start more groups than the step needs, stop once enough are complete
     partial: PartialRollouts | None = None
+    # rollout.agent: multi-turn trajectories with tools instead of one response per sample
+    agent: TrajectoryRunner | None = None
 
     def produce(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
         """Step ``step``'s batch and its rollout metrics."""
@@ -120,6 +127,8 @@ class RolloutProducer:
         extra rounds (dynamic sampling) offset it, so a resumed run redraws exactly the same samples."""
         records = self.task.next_batch(prompts)
         params = _with_seed(self.sampling, self.seed * 1_000_003 + step + round_index * 2**24)
+        if self.agent is not None:  # multi-turn trajectories: the agent gets each prompt's record
+            return self._scored(records, self.agent.generate(records, params), params)
         return self._scored(records, self.training_engine.generate(_prompt_ids(records), params), params)
 
     def _draw_partial(self, step: int, prompts: int) -> tuple[list[DrawnGroup], dict[str, float]]:
@@ -143,7 +152,7 @@ class RolloutProducer:
     ) -> list[DrawnGroup]:
         """Each prompt's samples scored by the reward pool, with their shaping view."""
         samples = [s for group in grouped for s in group]
-        texts = [self.tokenizer.decode(s.output_ids) for s in samples]
+        texts = [self.tokenizer.decode(s.answer_ids) for s in samples]  # a trajectory's last turn
         scored = self._score(texts, [r for r, g in zip(records, grouped, strict=True) for _ in g])
         rewards = torch.tensor([r.reward for r in scored], dtype=torch.float32)
         correct = torch.tensor([r.correct for r in scored])
@@ -214,6 +223,7 @@ class RolloutProducer:
             metrics["truncation/forced_tokens"] = torch.tensor(float(sum(t.forced_tokens for t in truncations)))
             metrics["truncation/loss_masked_tokens"] = batch.response_lengths.sum() - batch.response_mask.sum()
             metrics["truncation/probes_mean"] = torch.tensor(sum(t.num_probes for t in truncations) / len(samples))
+        metrics.update(trajectory_metrics(samples, scored))  # multi-turn trajectories only
         return metrics
 
     def _score(self, texts: list[str], records: list[PromptRecord]) -> list[RewardResult]:
@@ -227,10 +237,14 @@ class RolloutProducer:
         return scored
 
     def evaluate(self, records: list[PromptRecord], params: SamplingParams) -> dict[str, float]:
-        """pass@1 (first sample), mean@k and pass@k over ``params.n`` samples, and response length."""
-        grouped = self.engine.generate(_prompt_ids(records), params)
+        """pass@1 (first sample), mean@k and pass@k over ``params.n`` samples, and response length. With an
+        agent the samples are its trajectories (on the engine itself: no truncated rollout)."""
+        if self.agent is not None:
+            grouped = self.agent.generate(records, params)
+        else:
+            grouped = self.engine.generate(_prompt_ids(records), params)
         samples = [s for group in grouped for s in group]
-        texts = [self.tokenizer.decode(s.output_ids) for s in samples]
+        texts = [self.tokenizer.decode(s.answer_ids) for s in samples]
         scored = self.rewards.score(texts, [r for r, g in zip(records, grouped, strict=True) for _ in g])
         k = params.n
         correct = torch.tensor([r.correct for r in scored], dtype=torch.float32).reshape(len(records), k)

@@ -80,6 +80,8 @@ class RolloutSide:
         """Stop the reward workers and the engine (and the servers it launched)."""
         try:
             self.producer.rewards.close()
+            if self.producer.agent is not None:
+                self.producer.agent.close()
         finally:
             self.engine.shutdown()
 

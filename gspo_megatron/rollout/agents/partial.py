@@ -31,11 +31,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from gspo_megatron.contracts.samples import FinishReason, RowRequest, Sample, SamplingParams
+from gspo_megatron.contracts.samples import TOKEN_VERSIONS, FinishReason, RowRequest, Sample, SamplingParams
 from gspo_megatron.rollout.config import PARTIAL_CONTINUE, PartialRollout
 from gspo_megatron.rollout.data.records import PromptRecord
-
-TOKEN_VERSIONS = "token_versions"  # Sample.extra key: the weight version of each output token
 
 
 @dataclass

@@ -196,6 +196,22 @@ class ReasoningMaxDigitTask(SyntheticDigitTask):
         return f"max {digits}=", answer, reference
 
 
+@register_task("calculator_add")
+class CalculatorAddTask(SyntheticDigitTask):
+    """ "4821+3917=" -> "8738": the digits split into two numbers to add -- too long for a tiny model to add
+    in its head, one call for a calculator (``rollout.agent.tools=[calculator]``). The reward scores the
+    trajectory's last turn (``Sample.answer_ids``); ``reference_response`` is the tool-using trajectory in
+    the symbol format, the calculator's answer between its turns (``tools/sft_warmstart.py --demos
+    calculator`` trains on its generated parts)."""
+
+    def problem(self, digits):
+        half = len(digits) // 2
+        first, second = str(int(digits[:half] or "0")), str(int(digits[half:]))  # no leading zeros
+        total = str(int(first) + int(second))
+        call = f"<calculator {first}+{second}>"
+        return f"{first}+{second}=", total, f"{call} {total}\n{total}"
+
+
 class DatasetTask(Task):
     """Records from a local prompt file; the reward function must be named in config."""
 

@@ -30,15 +30,17 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 import json
 import os
 from collections import Counter
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from gspo_megatron.contracts.samples import FinishReason, RowRequest, Sample, SamplingParams
 from gspo_megatron.core.fp8_blocks import fake_quantize_named_tensors
@@ -46,7 +48,7 @@ from gspo_megatron.core.model_families import DEFAULT_FAMILY, family
 from gspo_megatron.rollout.config import EmbeddedConfig
 from gspo_megatron.rollout.embedded.sampling import row_generators, sample_next_tokens
 from gspo_megatron.rollout.embedded.weights import HfWeightLoader
-from gspo_megatron.rollout.engine import RolloutEngine
+from gspo_megatron.rollout.engine import EngineSession, RolloutEngine, TurnRequest, TurnResult
 from gspo_megatron.rollout.sglang.config import WeightQuantization
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -111,6 +113,29 @@ class _RouterCapture:
         return out
 
 
+@dataclass(frozen=True)
+class _KeptCache:
+    """One trajectory's KV cache between its turns: per layer (keys, values) [kv_heads, positions, head_dim]
+    of the positions it fed, padding removed."""
+
+    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+
+    @property
+    def length(self) -> int:
+        return int(self.layers[0][0].shape[1]) if self.layers else 0
+
+    @classmethod
+    def of_row(cls, cache: DynamicCache, mask: torch.Tensor, row: int) -> _KeptCache:
+        """Row ``row`` of the batch's cache (its real positions: ``mask`` [B, >= cached], 1 where real)."""
+        real = mask[row, : cache.get_seq_length()].bool()
+        layers = []
+        for layer in cache.layers:
+            if not isinstance(layer, DynamicLayer) or layer.keys is None or layer.values is None:
+                raise TypeError(f"a trajectory's session keeps attention caches, not a {type(layer).__name__}")
+            layers.append((layer.keys[row][:, real].clone(), layer.values[row][:, real].clone()))
+        return cls(tuple(layers))
+
+
 class _GroupsDone:
     """How many groups of a ``generate_rows`` call have all their rows finished, against how many are needed."""
 
@@ -150,6 +175,7 @@ class EmbeddedEngine(RolloutEngine):
         self._loader = HfWeightLoader(self.model)
         self._seed_source = torch.Generator().manual_seed(self.config.seed)
         self.weight_version = 0
+        self._kept: list[_KeptCache | None] = []  # the last turn chunk's rows' caches (``_generate_chunk``)
 
     @classmethod
     def from_config(cls, config: EmbeddedConfig, decode=None) -> EmbeddedEngine:
@@ -210,6 +236,81 @@ class EmbeddedEngine(RolloutEngine):
             )
         return samples
 
+    def generate_turns(self, requests: list[TurnRequest]) -> list[TurnResult]:
+        """``RolloutEngine.generate_turns`` with each trajectory's KV cache kept in its session: a turn feeds
+        only the tokens its session has not (the last turn's final token, the inserted ones), so every
+        position goes through one forward, under the weights live then, and its routing row is that
+        forward's. Rows of one call share a batch (with padding between a row's cached and new positions);
+        each draws from its own turn's seed."""
+        if not self.config.use_cache:  # no cache to keep: feed the whole context again
+            return super().generate_turns(requests)
+        self._check_request([request.ids for request in requests], requests[0].params if requests else SamplingParams())
+        results: list[TurnResult | None] = [None] * len(requests)
+        by_params: dict[SamplingParams, list[int]] = {}
+        for index, request in enumerate(requests):  # rows of one call share stops and sampling settings
+            by_params.setdefault(dataclasses.replace(request.params, seed=None, max_new_tokens=1), []).append(index)
+        step = self.config.max_batch_size
+        for params, indices in by_params.items():
+            for start in range(0, len(indices), step):
+                chunk = [requests[i] for i in indices[start : start + step]]
+                for index, result in zip(indices[start : start + step], self._turn_chunk(chunk, params), strict=True):
+                    results[index] = result
+        return [result for result in results if result is not None]
+
+    def _turn_chunk(self, requests: list[TurnRequest], params: SamplingParams) -> list[TurnResult]:
+        sessions = [request.session for request in requests]
+        fed = [session.fed if session is not None else 0 for session in sessions]
+        for session in sessions:
+            if session is not None and session.fed and not isinstance(session.state, _KeptCache):
+                raise ValueError("a turn continues a session another engine (or no cache) kept; start it afresh")
+        new_ids = [request.ids[first:] for request, first in zip(requests, fed, strict=True)]
+        generators = [row_generators(self._call_seed(request.params), 1)[0] for request in requests]
+        budgets = [request.params.max_new_tokens for request in requests]
+        samples = self._generate_chunk(new_ids, generators, params, budgets, sessions=sessions)
+        kept = self._kept
+        return [
+            TurnResult(
+                sample.output_ids,
+                sample.output_log_probs,
+                sample.finish_reason,
+                sample.weight_version,
+                sample.routed_experts,
+                EngineSession(first + len(new) + len(sample.output_ids) - 1, kept_cache),
+            )
+            for sample, kept_cache, first, new in zip(samples, kept, fed, new_ids, strict=True)
+        ]
+
+    def _resume_sessions(
+        self, sessions: list[EngineSession | None], mask: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+        """The batch's KV cache of its rows' cached positions (each row's left-padded to the longest), the
+        attention mask over cached and new positions, and the new positions' ids (after each row's cached)."""
+        kept = [s.state if s is not None and isinstance(s.state, _KeptCache) else None for s in sessions]
+        lengths = [k.length if k is not None else 0 for k in kept]
+        width, batch = max(lengths), len(sessions)
+        if width == 0:
+            return DynamicCache(config=self.model.config), mask, positions
+        template = next(k for k in kept if k is not None and k.length)
+        layers = []
+        for layer, (keys_like, values_like) in enumerate(template.layers):
+            keys = keys_like.new_zeros(batch, keys_like.shape[0], width, keys_like.shape[2])
+            values = values_like.new_zeros(batch, values_like.shape[0], width, values_like.shape[2])
+            for row, cached in enumerate(kept):
+                if cached is not None and cached.length:
+                    keys[row, :, width - cached.length :] = cached.layers[layer][0]
+                    values[row, :, width - cached.length :] = cached.layers[layer][1]
+            layers.append((keys, values))
+        cached_mask = torch.zeros((batch, width), dtype=mask.dtype, device=mask.device)
+        for row, length in enumerate(lengths):
+            cached_mask[row, width - length :] = 1 if length else 0
+        offsets = torch.tensor(lengths, device=positions.device)[:, None]
+        positions = torch.where(mask.bool(), positions + offsets, torch.zeros_like(positions))
+        return (
+            DynamicCache(ddp_cache_data=layers, config=self.model.config),
+            torch.cat([cached_mask, mask], -1),
+            positions,
+        )
+
     def _call_seed(self, params: SamplingParams) -> int:
         """The call's seed: ``params.seed``, else the next draw of the engine's own generator."""
         return params.seed if params.seed is not None else int(torch.randint(0, 2**62, (), generator=self._seed_source))
@@ -235,9 +336,12 @@ class EmbeddedEngine(RolloutEngine):
         budgets: list[int] | None = None,
         done: _GroupsDone | None = None,
         first_row: int = 0,
+        sessions: list[EngineSession | None] | None = None,
     ) -> list[Sample]:
         """``budgets``: each row's max_new_tokens (``params.max_new_tokens`` for all by default); ``done``: the
-        call's group count (``generate_rows``), rows numbered from ``first_row`` in it."""
+        call's group count (``generate_rows``), rows numbered from ``first_row`` in it; ``sessions``: turns
+        (``generate_turns``), where ``prompts`` are each row's tokens not yet fed, after its session's cached
+        positions; each row's cache when it left is ``self._kept`` afterwards."""
         budgets = budgets if budgets is not None else [params.max_new_tokens] * len(prompts)
         device = self.config.device
         batch, width = len(prompts), max(len(p) for p in prompts)
@@ -248,16 +352,19 @@ class EmbeddedEngine(RolloutEngine):
             mask[row, width - len(prompt) :] = 1
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config) if self.config.use_cache else None
+        if sessions is not None:  # turns: each row continues its trajectory's cached positions
+            cache, mask, positions = self._resume_sessions(sessions, mask, positions)
         outputs: list[list[int]] = [[] for _ in range(batch)]
         log_probs: list[list[float]] = [[] for _ in range(batch)]
         finish: list[FinishReason | None] = [None] * batch
-        # routed experts of every fed position (prompt padding included), -1 where never fed
+        # routed experts of every position this call feeds (padding included), -1 where never fed
         routing = None
         if params.return_routed_experts:
             layers, top_k = self.model.config.num_hidden_layers, self.model.config.num_experts_per_tok
             routing = torch.full((batch, width + max(budgets), layers, top_k), -1, dtype=torch.int32)
         active = list(range(batch))  # chunk rows still generating, in the order of the model's batch
-        cache = DynamicCache(config=self.model.config) if self.config.use_cache else None
+        kept: list[_KeptCache | None] = [None] * batch  # turns: each row's cache when it leaves the batch
         feed_ids, feed_positions, fed = ids, positions, 0
         capture = _RouterCapture(self.model) if routing is not None else None
         with capture if capture is not None else contextlib.nullcontext():
@@ -285,6 +392,10 @@ class EmbeddedEngine(RolloutEngine):
                         for r in active:
                             finish[r] = finish[r] or FinishReason.ABORT
                         break
+                if sessions is not None and cache is not None:  # a row leaving keeps its cache
+                    for i, r in enumerate(active):
+                        if finish[r] is not None:
+                            kept[r] = _KeptCache.of_row(cache, mask, i)
                 if not keep:
                     break
                 if len(keep) < len(active):
@@ -300,6 +411,11 @@ class EmbeddedEngine(RolloutEngine):
                 ids, positions = torch.cat([ids, next_ids], -1), torch.cat([positions, next_positions], -1)
                 mask = torch.cat([mask, torch.ones_like(next_ids)], -1)
                 feed_ids, feed_positions = (next_ids, next_positions) if cache is not None else (ids, positions)
+        if sessions is not None and cache is not None:  # rows stopped by a group count keep theirs too
+            for i, r in enumerate(active):
+                if kept[r] is None:
+                    kept[r] = _KeptCache.of_row(cache, mask, i)
+        self._kept = kept
         return [
             self._sample(
                 prompts[r],

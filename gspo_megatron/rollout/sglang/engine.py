@@ -55,7 +55,7 @@ import torch
 
 from gspo_megatron.contracts.samples import FinishReason, RowRequest, Sample, SamplingParams
 from gspo_megatron.core.fp8_blocks import QuantizedStream, quantize_named_tensors
-from gspo_megatron.rollout.engine import RolloutEngine
+from gspo_megatron.rollout.engine import EngineSession, RolloutEngine, TurnRequest, TurnResult
 from gspo_megatron.rollout.sglang.client import ServerState, SGLangHTTPClient
 from gspo_megatron.rollout.sglang.config import LaunchMode, PauseMode, SGLangConfig, WeightQuantization, WeightSync
 from gspo_megatron.rollout.sglang.disk_sync import remove_older_versions, write_safetensors_checkpoint
@@ -131,6 +131,44 @@ class SGLangEngine(RolloutEngine):
         each with what it generated (finish reason abort; HTTP 503 for a non-streaming request)."""
         self._check_sampling(params)
         return self._loop.run(self._generate_rows(rows, params, groups_needed))
+
+    def generate_turns(self, requests: list[TurnRequest]) -> list[TurnResult]:
+        """``RolloutEngine.generate_turns``: every turn a request of its own, all at once; a trajectory stays on
+        the server of its first turn (``EngineSession.state``: its URL), whose prefix cache holds its earlier
+        positions (their rows are the trajectory's already; the server's rows of them are not used)."""
+        for request in requests:
+            self._check_sampling(request.params)
+        return self._loop.run(self._generate_turns(requests))
+
+    async def _generate_turns(self, requests: list[TurnRequest]) -> list[TurnResult]:
+        assigned: dict[str, int] = {}
+        live = {server.url: server for server in self._client.pool.alive()}
+        tasks = []
+        for request in requests:
+            pinned = live.get(str(request.session.state)) if request.session is not None else None
+            server = pinned or self._server_for_group(assigned, 1)
+            tasks.append(asyncio.create_task(self._generate_one(request.ids, request.params, 0, server)))
+        try:
+            samples = await asyncio.gather(*tasks)
+        except BaseException:
+            await _cancel(tasks)
+            raise
+        results = []
+        for request, sample in zip(requests, samples, strict=True):
+            fed = request.session.fed if request.session is not None else 0
+            rows = None if sample.routed_experts is None else sample.routed_experts[fed:]
+            session = EngineSession(len(request.ids) + len(sample.output_ids) - 1, sample.extra.get("server"))
+            results.append(
+                TurnResult(
+                    list(sample.output_ids),
+                    sample.output_log_probs,
+                    sample.finish_reason,
+                    sample.weight_version,
+                    rows,
+                    session,
+                )
+            )
+        return results
 
     def _check_sampling(self, params: SamplingParams) -> None:
         if params.return_routed_experts and self._routed_layout is None:

@@ -285,3 +285,23 @@ def test_idle_connections_are_not_reused_after_keepalive_expiry():
         return connections
 
     assert asyncio.run(run()) == 2
+
+
+def test_turns_stay_on_their_trajectorys_server_and_return_the_rows_their_call_fed(doubles):
+    from gspo_megatron.rollout.engine import TurnRequest
+
+    servers = [doubles(enable_return_routed_experts=True, num_layers=2, top_k=2, num_experts=4) for _ in range(2)]
+    params = SamplingParams(max_new_tokens=4, return_routed_experts=True, seed=3)
+    layout = {"enable_return_routed_experts": True, "num_hidden_layers": 2, "num_experts_per_tok": 2}
+    with _engine([s.url for s in servers], **layout) as engine:
+        first = engine.generate_turns([TurnRequest([1, 2, 3], params), TurnRequest([4, 5], params)])
+        assert {r.session.state for r in first} == {s.url for s in servers}  # spread over the servers
+        contexts = [[1, 2, 3] + first[0].output_ids + [9, 9], [4, 5] + first[1].output_ids + [8]]
+        second = engine.generate_turns(
+            [TurnRequest(ids, params, r.session) for ids, r in zip(contexts, first, strict=True)]
+        )
+    for ids, before, after in zip(contexts, first, second, strict=True):
+        assert after.session.state == before.session.state  # the prefix cache's server, turn after turn
+        assert before.routed_experts.shape[0] == before.session.fed
+        assert after.routed_experts.shape[0] == after.session.fed - before.session.fed  # only the new positions
+        assert after.session.fed == len(ids) + len(after.output_ids) - 1

@@ -1,0 +1,97 @@
+"""Many trajectories in flight, one engine: their turns gathered into the engine's batches.
+
+Every trajectory is a coroutine (an agent); when it wants a turn it awaits ``TurnBatcher.generate``, and
+when it calls a tool it awaits the tool (run off the event loop, ``tools/runner.py``). The batcher sends
+the waiting turns to the engine together as soon as no trajectory can make progress without it -- each
+live trajectory waits for a turn or for a tool -- or ``max_wait_s`` after the first of them arrived (an
+agent that thinks for a while in Python does not hold the others back). The engine's call runs in a worker
+thread, so tools keep running meanwhile, and the turns that arrive during it form the next batch.
+
+Batches are a matter of speed only: each turn draws from its own seed and continues its own session
+(``rollout/engine.py``), so which trajectories share a batch changes no token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from typing import Any, TypeVar
+
+from gspo_megatron.rollout.engine import RolloutEngine, TurnRequest, TurnResult
+
+T = TypeVar("T")
+
+
+class TurnBatcher:
+    def __init__(self, engine: RolloutEngine, max_wait_s: float = 0.05):
+        self.engine, self.max_wait_s = engine, max_wait_s
+        self._pending: list[tuple[TurnRequest, asyncio.Future[TurnResult]]] = []
+        self._live = 0  # trajectories running
+        self._in_tools = 0  # of them, those waiting for a tool
+        self._changed: asyncio.Event | None = None
+        self.batches: list[int] = []  # the size of each engine call (metrics)
+
+    async def generate(self, request: TurnRequest) -> TurnResult:
+        """One turn, from whichever engine call it joins."""
+        future: asyncio.Future[TurnResult] = asyncio.get_running_loop().create_future()
+        self._pending.append((request, future))
+        self._poke()
+        return await future
+
+    @contextlib.contextmanager
+    def tool_call(self) -> Iterator[None]:
+        """Around awaiting a tool: the trajectory waits, but not for the engine."""
+        self._in_tools += 1
+        self._poke()
+        try:
+            yield
+        finally:
+            self._in_tools -= 1
+            self._poke()
+
+    async def run(self, trajectories: list[Callable[[], Coroutine[Any, Any, T]]]) -> list[T | BaseException]:
+        """Run every trajectory to its end, batching their turns; each one's result or the exception that
+        ended it, in order (one trajectory's failure does not stop the others)."""
+        self._changed = asyncio.Event()
+        tasks = [asyncio.create_task(self._tracked(run)) for run in trajectories]
+        self._live = len(tasks)
+        while self._live:
+            await self._until_engine_is_needed()
+            if self._pending:
+                batch, self._pending = self._pending, []
+                self.batches.append(len(batch))
+                try:
+                    results = await asyncio.to_thread(self.engine.generate_turns, [r for r, _ in batch])
+                except BaseException as error:  # noqa: BLE001 - each waiting trajectory gets it
+                    for _, future in batch:
+                        future.set_exception(error)
+                else:
+                    for (_, future), result in zip(batch, results, strict=True):
+                        future.set_result(result)
+        return list(await asyncio.gather(*tasks, return_exceptions=True))
+
+    async def _tracked(self, run: Callable[[], Awaitable[T]]) -> T:
+        try:
+            return await run()
+        finally:
+            self._live -= 1
+            self._poke()
+
+    async def _until_engine_is_needed(self) -> None:
+        """Until every live trajectory waits (for a turn or a tool) with a turn among them, or a turn has
+        waited ``max_wait_s``, or every trajectory has ended."""
+        assert self._changed is not None
+        while self._live:
+            await asyncio.sleep(0)  # runnable trajectories reach their next await first
+            if self._pending and len(self._pending) + self._in_tools >= self._live:
+                return
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), self.max_wait_s if self._pending else None)
+            except TimeoutError:
+                return
+
+    def _poke(self) -> None:
+        if self._changed is not None:
+            self._changed.set()

@@ -1,0 +1,134 @@
+"""One trajectory's tokens, built turn by turn with each token's provenance: what an agent holds.
+
+    conversation = Conversation(prompt_ids, turns, seed)
+    turn = await conversation.generate(params)       # the model's next turn (generated tokens)
+    conversation.insert(ids)                         # a tool's answer and the template around it
+    sample = conversation.sample()                   # the whole trajectory as one ``Sample``
+
+Design decisions:
+- Token in, token out: the conversation's ids are the prompt, each turn's generated ids exactly as the
+  engine returned them, and the inserted ids (``templates.py`` renders only those). The next turn's input
+  is those ids; nothing is decoded and re-encoded on the way.
+- Provenance per output token: generated (its sampling log-prob, the weight version that drew it) or
+  inserted (log-prob 0.0, ``Sample.inserted_mask``: never in the loss, never compared with the trainer).
+- Routing rows are spliced per turn and never overwritten: the engine returns the rows of the positions a
+  turn fed (``TurnResult.routed_experts`` from its session's ``fed``), which are appended; a position's row is
+  the forward's that computed its KV -- a generated token's own decode step, and, for a turn's last
+  generated token and every inserted token, the next turn's prefill. A row for a position already held is
+  a bug (``RoutingSpliceError``), not something to take.
+- A trajectory ends after its last generated token: inserted tokens after it (a tool's answer when the turn
+  limit stopped the trajectory) would train nothing and have no routing row, so ``sample`` leaves them out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Awaitable, Callable
+
+import torch
+
+from gspo_megatron.contracts.samples import TOKEN_VERSIONS, FinishReason, Sample, SamplingParams, TurnSpan
+from gspo_megatron.rollout.engine import EngineSession, TurnRequest, TurnResult
+
+_TURN_SEED_STRIDE = 7_919  # a turn's seed: the trajectory's plus the turn's index times this
+
+
+class RoutingSpliceError(RuntimeError):
+    """An engine returned routing rows that do not continue the trajectory's (a position would get two)."""
+
+
+class Conversation:
+    def __init__(self, prompt_ids: list[int], turns: Callable[[TurnRequest], Awaitable[TurnResult]], seed: int):
+        """``turns``: submits one turn to the engine (``batcher.TurnBatcher.generate``); ``seed``: the
+        trajectory's, from which each turn's own is drawn (so its tokens do not depend on batching)."""
+        if not prompt_ids:
+            raise ValueError("a conversation needs a prompt of at least one token")
+        self.prompt_ids = list(prompt_ids)
+        self._turns, self.seed = turns, seed
+        self.output_ids: list[int] = []
+        self.log_probs: list[float] = []
+        self.inserted: list[bool] = []
+        self.versions: list[int] = []  # per output token: the weights that drew it (inserted: the turn before)
+        self.spans: list[TurnSpan] = []
+        self.routing: list[torch.Tensor] = []  # rows of positions 0 .. fed - 1, turn by turn
+        self.session: EngineSession | None = None
+        self.finish = FinishReason.STOP
+
+    def restart(self, prompt_ids: list[int]) -> None:
+        """A different prompt, before the first turn (an endpoint's client renders its own first messages)."""
+        if self.output_ids or self.session is not None:
+            raise RuntimeError("a conversation's prompt cannot change after its first turn")
+        if not prompt_ids:
+            raise ValueError("a conversation needs a prompt of at least one token")
+        self.prompt_ids = list(prompt_ids)
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def fed(self) -> int:
+        """Positions that have been through the engine (their routing rows are held)."""
+        return self.session.fed if self.session is not None else 0
+
+    async def generate(self, params: SamplingParams) -> TurnResult:
+        """The model's next turn after everything so far; its tokens are appended as generated."""
+        seed = (self.seed + _TURN_SEED_STRIDE * len(self.spans)) % (2**31 - 1)
+        request = TurnRequest(self.ids, dataclasses.replace(params, n=1, seed=seed), self.session)
+        result = await self._turns(request)
+        self._splice(result)
+        start = len(self.output_ids)
+        self.output_ids += result.output_ids
+        self.log_probs += result.output_log_probs.tolist()
+        self.inserted += [False] * len(result.output_ids)
+        self.versions += [result.weight_version] * len(result.output_ids)
+        self.spans.append(TurnSpan(start, len(self.output_ids), result.weight_version))
+        self.session, self.finish = result.session, result.finish_reason
+        return result
+
+    def insert(self, ids: list[int]) -> None:
+        """Tokens the model did not sample (a tool's answer, the template around it)."""
+        self.output_ids += ids
+        self.log_probs += [0.0] * len(ids)
+        self.inserted += [True] * len(ids)
+        self.versions += [self.spans[-1].weight_version if self.spans else 0] * len(ids)
+
+    def text_of(self, turn: int, decode: Callable[[list[int]], str]) -> str:
+        span = self.spans[turn]
+        return decode(self.output_ids[span.start : span.end])
+
+    def _splice(self, result: TurnResult) -> None:
+        if result.routed_experts is None:
+            if self.routing:
+                raise RoutingSpliceError("a turn returned no routing rows where the earlier turns did")
+            return
+        expected = result.session.fed - self.fed
+        if result.routed_experts.shape[0] != expected:
+            raise RoutingSpliceError(
+                f"a turn fed positions {self.fed}..{result.session.fed - 1} ({expected} rows) but the engine "
+                f"returned {result.routed_experts.shape[0]} routing rows"
+            )
+        self.routing.append(result.routed_experts)
+
+    def sample(self) -> Sample:
+        """The trajectory up to its last generated token (module docstring), as one ``Sample``."""
+        end = self.spans[-1].end if self.spans else 0
+        routed = None
+        if self.routing:
+            rows = len(self.prompt_ids) + end - 1
+            routed = torch.cat(self.routing)[:rows]
+            if routed.shape[0] != rows:
+                raise RoutingSpliceError(
+                    f"{routed.shape[0]} routing rows held for a trajectory of {rows} fed positions"
+                )
+        return Sample(
+            prompt_ids=self.prompt_ids,
+            output_ids=self.output_ids[:end],
+            output_log_probs=torch.tensor(self.log_probs[:end], dtype=torch.float32),
+            finish_reason=self.finish,
+            routed_experts=routed,
+            weight_version=min(self.versions[:end], default=0),
+            extra={TOKEN_VERSIONS: self.versions[:end]},
+            inserted_mask=torch.tensor(self.inserted[:end], dtype=torch.bool),
+            turns=list(self.spans),
+        )
