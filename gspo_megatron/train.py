@@ -31,7 +31,6 @@ def run(cfg: DictConfig, run_dir: str) -> str:
     from gspo_megatron.loop.build import build_trainer, world_size_from_env
     from gspo_megatron.loop.trainer import QuietLog
     from gspo_megatron.run.reaper import keep_reaper, start_reaper
-    from gspo_megatron.run.routing_report import write_routing_report
     from gspo_megatron.run.run_dir_owner import claim_run_dir
     from gspo_megatron.run.run_log import open_run_log
     from gspo_megatron.run.signals import SignalWatch
@@ -59,7 +58,9 @@ def run(cfg: DictConfig, run_dir: str) -> str:
             try:
                 log = open_run_log(typed, Path(run_dir), config_yaml) if driver else QuietLog()
                 summary = trainer.train(log, signals)
-                if driver:
+                if driver:  # the routing report of the whole run (matplotlib: imported only now)
+                    from gspo_megatron.run.routing_report import write_routing_report
+
                     write_routing_report(run_dir, charts=typed.logging.charts)
             finally:
                 trainer.close()  # reward workers, the engine and the servers it launched, groups

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -42,7 +43,9 @@ from gspo_megatron.rollout.config import Placement, RolloutEngineName
 from gspo_megatron.rollout.engines import ModelShape
 from gspo_megatron.rollout.sglang.config import WeightSenders
 from gspo_megatron.rollout.sglang.config import WeightSync as SGLangWeightSync
-from gspo_megatron.rollout.sglang.stage_turns import StagePosition, StageTurns
+
+if TYPE_CHECKING:
+    from gspo_megatron.rollout.sglang.stage_turns import StagePosition, StageTurns
 
 
 def world_size_from_env() -> int:
@@ -146,10 +149,14 @@ def stage_turns(cfg: TrainConfig, policy: Policy) -> StageTurns | None:
     """Every rank's part in per-stage weight sends (SGLang, ``weight_senders=per_stage``, pp > 1)."""
     if not senders_per_stage(cfg, policy.mesh.layout):
         return None
+    from gspo_megatron.rollout.sglang.stage_turns import StageTurns  # its HTTP client: SGLang runs only
+
     return StageTurns(policy.export_own_stage, stage_position(policy.mesh), cfg.rollout.sglang)
 
 
 def stage_position(mesh: ParallelMesh) -> StagePosition:
     """This rank's place in the pipeline, as the stages' weight senders need it."""
+    from gspo_megatron.rollout.sglang.stage_turns import StagePosition
+
     senders = [dist.get_global_rank(mesh.pp_group, stage) for stage in range(mesh.layout.pp)]
     return StagePosition(mesh.rank, mesh.pp_rank, mesh.is_driver, senders)
