@@ -3,7 +3,7 @@
     python3 tools/agent_report.py reports/agent_calculator
 
 Reads every ``metrics_s<seed>.jsonl`` in the directory and writes ``summary.json`` beside them: per seed, the
-mean reward of the first and the last 20% of steps, the tool use of the last 20%, the largest engine-vs-trainer
+mean reward and the tool use of the first and the last 20% of steps, the largest engine-vs-trainer
 routing difference and log-prob gap of any step, and whether the README's criterion holds; the commit and
 command that wrote the summary (``core/provenance.py``). Prints the same as a table.
 """
@@ -27,11 +27,13 @@ def seed_summary(rows: list[dict]) -> dict:
     window = max(1, len(rows) // 5)
     first = statistics.mean(r["reward/mean"] for r in rows[:window])
     last = statistics.mean(r["reward/mean"] for r in rows[-window:])
+    tools_first = statistics.mean(r["agent/tool_used_frac"] for r in rows[:window])
     tools = statistics.mean(r["agent/tool_used_frac"] for r in rows[-window:])
     return {
         "steps": len(rows),
         "reward_first_20pct": first,
         "reward_last_20pct": last,
+        "tool_use_first_20pct": tools_first,
         "tool_use_last_20pct": tools,
         "routing_rollout_vs_train_changed_frac_max": max(
             r.get("routing/rollout_vs_train_changed_frac", 0.0) for r in rows
@@ -70,11 +72,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     summary = summarize(args.directory)
     (args.directory / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print("seed  reward first 20%  last 20%  tool use  routing diff  criterion")
+    print("seed  reward first 20%  last 20%  tool use first  last  routing diff  criterion")
     for seed, run in summary["seeds"].items():
         print(
             f"{seed:>4}  {run['reward_first_20pct']:16.3f}  {run['reward_last_20pct']:8.3f}  "
-            f"{run['tool_use_last_20pct']:8.3f}  {run['routing_rollout_vs_train_changed_frac_max']:12.4f}  "
+            f"{run['tool_use_first_20pct']:14.3f}  {run['tool_use_last_20pct']:4.2f}  {run['routing_rollout_vs_train_changed_frac_max']:12.4f}  "
             f"{'holds' if run['criterion_holds'] else 'FAILS'}"
         )
     print(f"rise {summary['rise_mean']:.3f} (min {summary['rise_min']:.3f}, max {summary['rise_max']:.3f})")
