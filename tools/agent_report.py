@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     for seed, run in summary["seeds"].items():
         print(
             f"{seed:>4}  {run['reward_first_20pct']:16.3f}  {run['reward_last_20pct']:8.3f}  "
-            f"{run['tool_use_first_20pct']:14.3f}  {run['tool_use_last_20pct']:4.2f}  {run['routing_rollout_vs_train_changed_frac_max']:12.4f}  "
+            f"{run['tool_use_first_20pct']:14.3f}  {run['tool_use_last_20pct']:4.2f}  "
+            f"{run['routing_rollout_vs_train_changed_frac_max']:12.4f}  "
             f"{'holds' if run['criterion_holds'] else 'FAILS'}"
         )
     print(f"rise {summary['rise_mean']:.3f} (min {summary['rise_min']:.3f}, max {summary['rise_max']:.3f})")
