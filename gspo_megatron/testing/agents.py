@@ -3,8 +3,13 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from gspo_megatron.core.tool_call_formats import ToolCall
 from gspo_megatron.rollout.agents.agent import AgentContext
+from gspo_megatron.rollout.agents.tools.calculator import Calculator
+from gspo_megatron.rollout.data.records import PromptRecord
 
 
 async def calls_the_calculator_twice(ctx: AgentContext) -> None:
@@ -16,3 +21,27 @@ async def calls_the_calculator_twice(ctx: AgentContext) -> None:
         call = ToolCall("calculator", {"expression": expression})
         ctx.conversation.insert(ctx.template.tool_answers([(call.name, await ctx.call_tool(call))]))
     await ctx.conversation.generate(ctx.turn_params())
+
+
+def openai_client_agent(base_url: str, api_key: str, record: PromptRecord, tools: list[dict]) -> None:
+    """An agent written against the OpenAI Python client (``rollout.agent.name=openai_endpoint``): ask; answer
+    the tool calls the reply makes with the calculator (or, when it makes none, ask the model to check its
+    answer, as a user would); ask again. Two turns per trajectory whatever a random model writes."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
+    schemas: Any = tools  # the OpenAI tool schemas, as dicts
+    messages: list[Any] = [{"role": "user", "content": record.prompt}]
+    reply = client.chat.completions.create(model="policy", messages=messages, tools=schemas).choices[0].message
+    messages.append(reply.model_dump(exclude_none=True))
+    calculator = Calculator()
+    for call in reply.tool_calls or []:
+        try:
+            assert call.type == "function"  # the endpoint returns function calls only
+            result = calculator.call(json.loads(call.function.arguments or "{}")).content
+        except (ValueError, TypeError) as error:  # arguments that are not a JSON object
+            result = f"error: {error}"
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    if not reply.tool_calls:
+        messages.append({"role": "user", "content": "check your answer"})
+    client.chat.completions.create(model="policy", messages=messages, tools=schemas)

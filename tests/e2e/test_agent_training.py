@@ -8,9 +8,15 @@ and Routing Replay (R3) consumes the spliced rows."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from gspo_megatron.testing.train_runs import SHORT, read_metrics, run_training
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "rollout" / "data"))
+from local_hf_tokenizer import build_local_hf_tokenizer  # a local HF tokenizer with a chat template
 
 pytestmark = pytest.mark.e2e
 
@@ -39,4 +45,32 @@ def test_multi_turn_trajectories_train_with_the_engines_tokens_and_routing(tmp_p
         assert step["agent/turns_mean"] == 3 and step["agent/tool_calls_mean"] == 2
         assert step["agent/inserted_tokens_mean"] > 0 and step["agent/tool_errors/bad_arguments"] == 0
         assert step["routing/rollout_vs_train_changed_frac"] == 0.0  # every position, every turn
+        assert step["mismatch/abs_log_prob_diff_mean"] < 1e-5
+
+
+def test_an_agent_written_against_the_openai_client_drives_a_training_run(tmp_path):
+    # testing/agents.py's openai_client_agent: chat completions with tools through the run's session endpoint;
+    # two turns per trajectory, the second after the client's own message (a tool answer or a user's)
+    build_local_hf_tokenizer(tmp_path / "tokenizer")
+    overrides = [
+        "model=tiny",
+        "model.vocab_size=304",  # the local tokenizer's 300 ids, padded
+        "task=calculator_add",
+        "tokenizer.kind=hf",
+        f"tokenizer.path={tmp_path / 'tokenizer'}",
+        "rollout.max_new_tokens=4",
+        "rollout.agent.name=openai_endpoint",
+        "rollout.agent.client=import:gspo_megatron.testing.agents:openai_client_agent",
+        "rollout.agent.max_tokens=60",
+        "rollout.agent.trajectory_timeout_s=120",
+        *SHORT,
+    ]
+    result = run_training(overrides, tmp_path / "run")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    metrics = read_metrics(tmp_path / "run")
+    assert len(metrics) == 2
+    for step in metrics:
+        assert step["agent/turns_mean"] == 2 and step["agent/errors"] == 0 and step["agent/timeouts"] == 0
+        assert step["agent/inserted_tokens_mean"] > 0
+        assert step["routing/rollout_vs_train_changed_frac"] == 0.0
         assert step["mismatch/abs_log_prob_diff_mean"] < 1e-5

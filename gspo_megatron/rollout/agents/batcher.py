@@ -4,8 +4,9 @@ Every trajectory is a coroutine (an agent); when it wants a turn it awaits ``Tur
 when it calls a tool it awaits the tool (run off the event loop, ``tools/runner.py``). The batcher sends
 the waiting turns to the engine together as soon as no trajectory can make progress without it -- each
 live trajectory waits for a turn or for a tool -- or ``max_wait_s`` after the first of them arrived (an
-agent that thinks for a while in Python does not hold the others back). The engine's call runs in a worker
-thread, so tools keep running meanwhile, and the turns that arrive during it form the next batch.
+agent that thinks for a while in Python does not hold the others back). The engine's call runs in a
+thread of its own (``daemon_thread.py``: never queued behind an agent's client), so tools keep running
+meanwhile, and the turns that arrive during it form the next batch.
 
 Batches are a matter of speed only: each turn draws from its own seed and continues its own session
 (``rollout/engine.py``), so which trajectories share a batch changes no token.
@@ -15,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
+from gspo_megatron.rollout.agents.daemon_thread import in_daemon_thread
 from gspo_megatron.rollout.engine import RolloutEngine, TurnRequest, TurnResult
 
 T = TypeVar("T")
@@ -62,7 +65,8 @@ class TurnBatcher:
                 batch, self._pending = self._pending, []
                 self.batches.append(len(batch))
                 try:
-                    results = await asyncio.to_thread(self.engine.generate_turns, [r for r, _ in batch])
+                    call = functools.partial(self.engine.generate_turns, [r for r, _ in batch])
+                    results = await in_daemon_thread(call, "turn-batcher-engine")
                 except BaseException as error:  # noqa: BLE001 - each waiting trajectory gets it
                     for _, future in batch:
                         future.set_exception(error)

@@ -39,6 +39,7 @@ from typing import Any
 
 from gspo_megatron.contracts.samples import FinishReason
 from gspo_megatron.rollout.agents.agent import AgentContext
+from gspo_megatron.rollout.agents.daemon_thread import in_daemon_thread
 from gspo_megatron.rollout.agents.templates import HFChatTemplate
 from gspo_megatron.rollout.data.records import PromptRecord
 
@@ -207,7 +208,7 @@ def endpoint_agent(server: SessionServer, client: ClientFunction) -> Callable:
         session = server.open(ctx, asyncio.get_running_loop())
         tools = [spec.openai() for spec in ctx.tools.specs()]
         try:
-            await asyncio.to_thread(client, session.base_url, session.api_key, ctx.record, tools)
+            await in_daemon_thread(lambda: client(session.base_url, session.api_key, ctx.record, tools), "agent-client")
         finally:
             server.close_session(session)
 

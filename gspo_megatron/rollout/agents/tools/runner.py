@@ -7,13 +7,12 @@ Design decisions:
   integer, number, boolean, array, object) has a value of that type (a bool is not an integer or a
   number, as in JSON); ``"additionalProperties": false`` refuses other keys. Anything richer
   (enums, ranges, nested schemas) is the tool's own check.
-- A call runs in its own daemon thread, bridged to the loop by a future; ``asyncio.wait_for`` bounds it
-  at the tool's ``timeout_s``. Python cannot stop a thread, so a call past its time is abandoned, not
-  stopped: it runs on until it returns and its answer is dropped. Not ``asyncio.to_thread``: the
-  default executor's threads are joined when ``asyncio.run`` ends and when the interpreter exits, so one
-  hung tool would hang both; a daemon thread is not waited for. Hence an in-process tool must bound its
-  own work (the calculator bounds exponents and magnitudes) and a tool that runs code runs it in a
-  process it can kill (``python_sandbox.py``, whose ``timeout_s`` exceeds its own wall limit).
+- A call runs in its own daemon thread (``agents/daemon_thread.py``: why not ``asyncio.to_thread``);
+  ``asyncio.wait_for`` bounds it at the tool's ``timeout_s``. Python cannot stop a thread, so a call past
+  its time is abandoned, not stopped: it runs on until it returns and its answer is dropped. Hence an
+  in-process tool must bound its own work (the calculator bounds exponents and magnitudes) and a tool
+  that runs code runs it in a process it can kill (``python_sandbox.py``, whose ``timeout_s`` exceeds its
+  own wall limit).
 - An answer's size is counted in UTF-8 bytes (what the tokenizer sees), error messages included; one
   over ``max_result_bytes`` becomes ``too_large`` with its size, never its text.
 """
@@ -21,11 +20,10 @@ Design decisions:
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from gspo_megatron.rollout.agents.daemon_thread import in_daemon_thread
 from gspo_megatron.rollout.agents.tools.base import Tool, ToolResult, ToolSpec
 
 DEFAULT_MAX_RESULT_BYTES = 16384
@@ -114,7 +112,8 @@ class ToolRunner:
         if problem is not None:
             return ToolResult(f"{name}: {problem}", error="bad_arguments")
         try:
-            result = await asyncio.wait_for(_in_daemon_thread(tool, arguments), tool.timeout_s)
+            call = in_daemon_thread(_calling(tool, arguments), f"tool-{tool.spec.name}")
+            result = await asyncio.wait_for(call, tool.timeout_s)
         except asyncio.TimeoutError:  # the builtin TimeoutError only from 3.11 on
             return ToolResult(f"{name}: no answer within {tool.timeout_s:g} s", error="timeout")
         if not isinstance(result, ToolResult):
@@ -127,25 +126,15 @@ class ToolRunner:
         return result
 
 
-async def _in_daemon_thread(tool: Tool, arguments: dict[str, Any]) -> object:
-    """``tool.call(arguments)`` in a new daemon thread (see the module docstring for why not an executor);
-    an exception becomes a ``raised`` result there, so only answers cross to the loop."""
-    loop = asyncio.get_running_loop()
-    answer: asyncio.Future[object] = loop.create_future()
+def _calling(tool: Tool, arguments: dict[str, Any]) -> Callable[[], object]:
+    """``tool.call(arguments)``, an exception turned into a ``raised`` result (a tool's failure is its result,
+    not the run's), so only answers cross to the loop."""
 
-    def settle(result: object) -> None:
-        if not answer.done():  # else wait_for gave up on it (timeout, cancellation): the answer is dropped
-            answer.set_result(result)
-
-    def work() -> None:
-        result: object
+    def call() -> object:
         try:
-            result = tool.call(arguments)
-        except BaseException as exc:  # noqa: BLE001 - SystemExit too: a tool's failure is its result, not the run's
+            return tool.call(arguments)
+        except BaseException as exc:  # noqa: BLE001 - SystemExit too
             message = f"{type(exc).__name__}: {exc}"[:MAX_MESSAGE_CHARS]
-            result = ToolResult(f"{tool.spec.name} raised {message}", error="raised")
-        with contextlib.suppress(RuntimeError):  # the loop closed while an abandoned call ran: nobody waits
-            loop.call_soon_threadsafe(settle, result)
+            return ToolResult(f"{tool.spec.name} raised {message}", error="raised")
 
-    threading.Thread(target=work, name=f"tool-{tool.spec.name}", daemon=True).start()
-    return await answer
+    return call

@@ -4,8 +4,10 @@ history cannot be rewritten; sessions answer only their own key, on loopback onl
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
+import threading
 from pathlib import Path
 
 import openai
@@ -28,6 +30,7 @@ from gspo_megatron.rollout.config import AgentConfig, EmbeddedConfig
 from gspo_megatron.rollout.data.records import PromptRecord
 from gspo_megatron.rollout.data.tokenizer import HFTokenizer
 from gspo_megatron.rollout.embedded.engine import EmbeddedEngine
+from gspo_megatron.testing.agents import openai_client_agent
 
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=5, return_routed_experts=True)
 seen: dict[str, list] = {}  # what the client functions saw (they run in the runner's worker threads)
@@ -104,6 +107,63 @@ def test_an_openai_client_agent_drives_trajectories_token_in_token_out(setting):
         assert sample.output_ids[first.end : second.start] == delta
         assert sample.inserted_mask[first.end : second.start].all()
         assert sample.routed_experts.shape[0] == len(sample.prompt_ids) + len(sample.output_ids) - 1
+
+
+def endpoint_runner(setting, client, trajectory_timeout_s: float = 300.0) -> TrajectoryRunner:
+    tokenizer, engine, template, server = setting
+    config = AgentConfig(
+        name="openai_endpoint",
+        client="import:x:y",
+        max_turns=4,
+        max_tokens=60,
+        trajectory_timeout_s=trajectory_timeout_s,
+    )
+    return TrajectoryRunner(
+        engine, endpoint_agent(server, client), template, lambda r: ToolRunner([Calculator()]), config, tokenizer.decode
+    )
+
+
+def test_more_trajectories_than_the_default_executors_threads_all_finish(setting):
+    # each client holds a thread for its whole trajectory: with asyncio.to_thread (min(32, cores + 4) threads,
+    # 6 on 2 cores) the engine's call queued behind clients that waited for it, and every trajectory timed out
+    tokenizer = setting[0]
+    runner = endpoint_runner(setting, openai_client_agent, trajectory_timeout_s=60)
+    count = min(32, (os.cpu_count() or 1) + 4) + 2
+    prompt = "what is 1 + 2 ?"
+    records = [PromptRecord(prompt, "3", {}, tuple(tokenizer.encode(prompt)))] * (count // 2)
+    samples = [s for group in runner.generate(records, PARAMS) for s in group]
+    assert len(samples) == 2 * (count // 2) > min(32, (os.cpu_count() or 1) + 4)
+    for sample in samples:
+        assert not sample.extra["agent"]["timeout"] and sample.extra["agent"]["error"] is None
+        assert len(sample.turns) == 2
+    assert max(runner.batch_sizes) > 1  # the trajectories' turns shared the engine's calls
+
+
+def test_a_client_that_never_returns_ends_its_trajectory_at_the_timeout_and_holds_nothing_up(setting):
+    # asyncio.run joins its default executor's threads at the end: a hung client in one held the step forever
+    release = threading.Event()
+
+    def hangs(base_url, api_key, record, tools):
+        release.wait()
+
+    runner = endpoint_runner(setting, hangs, trajectory_timeout_s=1.0)
+    prompt = "what is 1 + 2 ?"
+    try:
+        done = threading.Event()
+        outcome: list = []
+        worker = threading.Thread(
+            target=lambda: (
+                outcome.append(runner.generate([PromptRecord(prompt, "3", {}, (1, 2))], PARAMS)),
+                done.set(),
+            ),
+            daemon=True,
+        )
+        worker.start()
+        assert done.wait(60), "the step waited for a client past its trajectory timeout"
+        (samples,) = outcome[0]
+        assert [s.extra["agent"]["timeout"] for s in samples] == [True, True]
+    finally:
+        release.set()
 
 
 def test_the_endpoint_listens_on_loopback_only(setting):
