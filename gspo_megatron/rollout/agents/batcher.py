@@ -86,9 +86,11 @@ class TurnBatcher:
         """Until every live trajectory waits (for a turn or a tool) with a turn among them, or a turn has
         waited ``max_wait_s``, or every trajectory has ended."""
         assert self._changed is not None
-        while self._live:
+        while True:
             await asyncio.sleep(0)  # runnable trajectories reach their next await first
-            if self._pending and len(self._pending) + self._in_tools >= self._live:
+            # checked after that await, right before clearing the event (no await between): a trajectory that
+            # ended during it poked an event cleared here, and the loop waited for a poke that never came
+            if not self._live or (self._pending and len(self._pending) + self._in_tools >= self._live):
                 return
             self._changed.clear()
             try:
