@@ -110,7 +110,7 @@ class AgentConfig(ConfigNode):
     # none | tool_calling | openai_endpoint (``client`` drives it) | import:package.module:function (an async agent)
     name: str = "none"
     client: str | None = None  # openai_endpoint: import:package.module:function, an OpenAI-client agent
-    max_turns: int = 4  # generated turns per trajectory
+    max_turns: int = 4  # generated turns per trajectory, for every agent (a turn past it: TurnLimitError)
     max_tokens: int = 64  # generated + inserted tokens per trajectory, after its prompt
     tools: list[str] = field(default_factory=lambda: ["calculator"])  # calculator | lookup | python
     tool_format: str = "auto"  # auto (symbol tokenizer: symbol; else the family's) | hermes_json | symbol

@@ -37,14 +37,25 @@ class RoutingSpliceError(RuntimeError):
     """An engine returned routing rows that do not continue the trajectory's (a position would get two)."""
 
 
+class TurnLimitError(RuntimeError):
+    """An agent asked for a turn past ``rollout.agent.max_turns``."""
+
+
 class Conversation:
-    def __init__(self, prompt_ids: list[int], turns: Callable[[TurnRequest], Awaitable[TurnResult]], seed: int):
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        turns: Callable[[TurnRequest], Awaitable[TurnResult]],
+        seed: int,
+        max_turns: int | None = None,
+    ):
         """``turns``: submits one turn to the engine (``batcher.TurnBatcher.generate``); ``seed``: the
-        trajectory's, from which each turn's own is drawn (so its tokens do not depend on batching)."""
+        trajectory's, from which each turn's own is drawn (so its tokens do not depend on batching);
+        ``max_turns``: the most turns any agent gets (``rollout.agent.max_turns``; None: no limit)."""
         if not prompt_ids:
             raise ValueError("a conversation needs a prompt of at least one token")
         self.prompt_ids = list(prompt_ids)
-        self._turns, self.seed = turns, seed
+        self._turns, self.seed, self.max_turns = turns, seed, max_turns
         self.output_ids: list[int] = []
         self.log_probs: list[float] = []
         self.inserted: list[bool] = []
@@ -73,6 +84,8 @@ class Conversation:
 
     async def generate(self, params: SamplingParams) -> TurnResult:
         """The model's next turn after everything so far; its tokens are appended as generated."""
+        if self.max_turns is not None and len(self.spans) >= self.max_turns:
+            raise TurnLimitError(f"the trajectory has had its {self.max_turns} turns (rollout.agent.max_turns)")
         seed = (self.seed + _TURN_SEED_STRIDE * len(self.spans)) % (2**31 - 1)
         request = TurnRequest(self.ids, dataclasses.replace(params, n=1, seed=seed), self.session)
         result = await self._turns(request)

@@ -39,6 +39,7 @@ from typing import Any
 
 from gspo_megatron.contracts.samples import FinishReason
 from gspo_megatron.rollout.agents.agent import AgentContext
+from gspo_megatron.rollout.agents.conversation import TurnLimitError
 from gspo_megatron.rollout.agents.daemon_thread import in_daemon_thread
 from gspo_megatron.rollout.agents.templates import HFChatTemplate
 from gspo_megatron.rollout.data.records import PromptRecord
@@ -82,7 +83,10 @@ class EndpointSession:
         params = ctx.turn_params()
         if isinstance(max_tokens, int) and max_tokens > 0:
             params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, max_tokens))
-        turn = await ctx.conversation.generate(params)
+        try:
+            turn = await ctx.conversation.generate(params)
+        except TurnLimitError as error:
+            raise EndpointError(str(error)) from None
         parsed = ctx.parse(turn.output_ids)
         tool_calls = [
             {
@@ -188,6 +192,9 @@ def _handler(server: SessionServer) -> type[BaseHTTPRequestHandler]:
                 return self._reply(200, session.chat(body))
             except (EndpointError, json.JSONDecodeError) as error:
                 return self._reply(400, {"error": {"message": str(error), "type": "invalid_request_error"}})
+            except Exception as error:  # noqa: BLE001 - the client gets an answer, never a dropped connection
+                message = f"{type(error).__name__}: {error}"
+                return self._reply(500, {"error": {"message": message, "type": "server_error"}})
 
         def _reply(self, status: int, payload: dict) -> None:
             data = json.dumps(payload).encode()

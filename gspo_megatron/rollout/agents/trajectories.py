@@ -62,7 +62,10 @@ class TrajectoryRunner:
             if record.prompt_ids is None:
                 raise ValueError(f"the task returned a prompt without token ids: {record.prompt!r}")
             conversation = Conversation(
-                list(record.prompt_ids), batcher.generate, (seed + _TRAJECTORY_SEED_STRIDE * index) % (2**31 - 1)
+                list(record.prompt_ids),
+                batcher.generate,
+                (seed + _TRAJECTORY_SEED_STRIDE * index) % (2**31 - 1),
+                self.config.max_turns,
             )
             contexts.append(
                 AgentContext(

@@ -166,6 +166,27 @@ def test_a_client_that_never_returns_ends_its_trajectory_at_the_timeout_and_hold
         release.set()
 
 
+def test_a_turn_past_max_turns_is_refused_naming_the_key(setting):
+    tokenizer = setting[0]
+    refused: list[str] = []
+
+    def keeps_asking(base_url, api_key, record, tools):
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
+        messages: list = [{"role": "user", "content": record.prompt}]
+        try:
+            for _ in range(6):
+                reply = client.chat.completions.create(model="policy", messages=messages)
+                messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "?"}]
+        except openai.BadRequestError as error:
+            refused.append(str(error))
+
+    runner = endpoint_runner(setting, keeps_asking)  # max_turns=4
+    prompt = "what is 1 + 2 ?"
+    (samples,) = runner.generate([PromptRecord(prompt, "3", {}, tuple(tokenizer.encode(prompt)))], PARAMS)
+    assert [len(s.turns) for s in samples] == [4, 4]
+    assert len(refused) == 2 and all("rollout.agent.max_turns" in message for message in refused)
+
+
 def test_the_endpoint_listens_on_loopback_only(setting):
     _, _, template, server = setting
     host, port = server._server.server_address
