@@ -41,6 +41,9 @@ class RolloutBatch:
     # float [N, S-1]: response targets the ENGINE sampled (inserted DTR exit tokens excluded); what the
     # train/rollout log-prob comparisons read. None: every response target was sampled (= response_mask).
     sampled_mask: torch.Tensor | None = None
+    # long [N, S-1]: the turn whose engine call fed each input position (multi-turn trajectories, ``rollout/
+    # pack.py``); what the routing diagnostics split by. None: single-turn samples
+    input_turns: torch.Tensor | None = None
 
     @property
     def mismatch_mask(self) -> torch.Tensor:
@@ -198,6 +201,7 @@ def micro_batch(batch: RolloutBatch, rows: torch.Tensor, width: int) -> StepMicr
         advantages=cut(batch.advantages),
         rollout_log_probs=cut(batch.rollout_log_probs),
         routed_experts=None if batch.routed_experts is None else cut(batch.routed_experts),
+        input_turns=None if batch.input_turns is None else cut(batch.input_turns),
     )
 
 

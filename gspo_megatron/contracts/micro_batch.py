@@ -35,6 +35,7 @@ class MicroBatch:
     routed_experts: torch.Tensor | None = None  # int [b, s, layers, k]: the engine's experts (R3)
     weights: torch.Tensor | None = None  # float [b, s]: per-token weights of a supervised loss (tools, tests)
     position_ids: torch.Tensor | None = None  # long [b, s]; None: positions 0..s-1 (global under CP)
+    input_turns: torch.Tensor | None = None  # long [b, s]: the turn that fed each input (multi-turn; diagnostics)
 
     @property
     def num_rows(self) -> int:

@@ -180,7 +180,18 @@ class RunData:
         return sorted({r["kind"] for r in self.routing if "kind" in r})
 
     def routing_records(self, kind: str) -> list[dict]:
-        return sorted((r for r in self.routing if r.get("kind") == kind), key=lambda r: r.get("step", 0))
+        """``kind``'s records over every position (not the per-turn ones of multi-turn runs), by step."""
+        return sorted(
+            (r for r in self.routing if r.get("kind") == kind and "turn" not in r), key=lambda r: r.get("step", 0)
+        )
+
+    def routing_turn_records(self, kind: str) -> dict[int, list[dict]]:
+        """``kind``'s per-turn records (multi-turn runs: ``"turn": t``), by turn, each by step."""
+        turns: dict[int, list[dict]] = {}
+        for record in sorted(self.routing, key=lambda r: r.get("step", 0)):
+            if record.get("kind") == kind and "turn" in record:
+                turns.setdefault(int(record["turn"]), []).append(record)
+        return dict(sorted(turns.items()))
 
 
 def _algorithm_name(config: dict) -> str | None:

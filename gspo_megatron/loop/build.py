@@ -95,6 +95,7 @@ def policy_settings(cfg: TrainConfig) -> PolicySettings:
         reference_offload=t.reference_offload,
         on_nonfinite=t.on_nonfinite,
         max_consecutive_nonfinite=t.max_consecutive_nonfinite,
+        trajectory_turns=cfg.rollout.agent.max_turns if cfg.rollout.agent.enabled else 0,
     )
 
 

@@ -213,3 +213,4 @@ class PolicySettings:
     reference_offload: bool  # trainer.reference_offload
     on_nonfinite: NonFinitePolicy  # trainer.on_nonfinite
     max_consecutive_nonfinite: int  # trainer.max_consecutive_nonfinite
+    trajectory_turns: int = 0  # rollout.agent.max_turns when an agent runs (routing diagnosed per turn); else 0

@@ -255,4 +255,5 @@ def routing_plan(settings: PolicySettings, *, has_routers: bool) -> RoutingPlan:
         updates=settings.updates_per_step,
         has_routers=has_routers,
         diagnostics=settings.routing,
+        turns=settings.trajectory_turns,
     )

@@ -83,4 +83,21 @@ def pack_samples(
         response_lengths=response_lengths,
         routed_experts=routed,
         policy_versions=torch.tensor([s.weight_version for s in samples], dtype=torch.long),
+        input_turns=_input_turns(samples, width) if any(s.turns is not None for s in samples) else None,
     )
+
+
+def _input_turns(samples: list[Sample], width: int) -> torch.Tensor:
+    """long [n, S-1]: the turn whose engine call fed each input position of a multi-turn trajectory, -1 on
+    padding. Turn t's call feeds, in its prefill, every position from the last generated token of turn t-1
+    (the prompt for turn 0) through the inserted tokens after it, then, decoding, its own generated tokens
+    but the last: position j belongs to the number of turns whose last generated token lies at or before j.
+    The log-prob of target j+1 comes from the same forward, so the tokens a turn generated are the targets of
+    its positions. A sample without turns is one turn."""
+    turns = torch.full((len(samples), width - 1), -1, dtype=torch.long)
+    for i, sample in enumerate(samples):
+        p, fed = len(sample.prompt_ids), len(sample.prompt_ids) + len(sample.output_ids) - 1
+        last_generated = torch.tensor([p + span.end - 1 for span in sample.turns or ()], dtype=torch.long)
+        turn = torch.bucketize(torch.arange(fed), last_generated, right=True)  # ends at or before j
+        turns[i, :fed] = turn.clamp(max=max(len(last_generated) - 1, 0))
+    return turns

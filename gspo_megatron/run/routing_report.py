@@ -77,9 +77,11 @@ def _layer_mean(run: RunData, kind: str, key: str, records: list[dict]) -> list[
             f"{run.path}: routing records of kind {kind!r} disagree on the layer count of {key!r}: {sorted(widths)}"
         )
     stacked = np.array(rows, dtype=float)
-    with np.errstate(all="ignore"):  # an all-NaN layer stays NaN (-> null) instead of warning
-        means = np.nanmean(np.where(np.isfinite(stacked), stacked, np.nan), axis=0)
-    return [float(m) for m in means]
+    finite = np.isfinite(stacked)
+    counts = finite.sum(axis=0)
+    sums = np.where(finite, stacked, 0.0).sum(axis=0)
+    # the mean over the finite values; a layer with none (a turn no trajectory reached) stays NaN (-> null)
+    return [float(total / count) if count else math.nan for total, count in zip(sums, counts, strict=True)]
 
 
 def routing_kind_summary(run: RunData, kind: str) -> dict:
@@ -145,7 +147,41 @@ def summarize_run(run: RunData) -> dict:
         "clip_frac_seq_final": clip_seq[-1] if clip_seq else None,
         "routing": {kind: routing_kind_summary(run, kind) for kind in ordered_kinds(run.routing_kinds())},
     }
+    per_turn = routing_turn_summary(run)
+    if per_turn:
+        summary["routing_per_turn"] = per_turn
     return json_safe(summary)
+
+
+TURN_RATIO_KEYS = ("token_var_share_routing", "token_var_share_weight", "token_changed_frac")
+
+
+def routing_turn_summary(run: RunData) -> dict:
+    """Multi-turn runs: per diagnostic kind and turn, the step means of the volatility over the positions that
+    turn fed, and per turn the ratio decomposition's step means (``policy/routing/diagnostics.py``). Empty for a
+    single-turn run."""
+    out: dict[str, Any] = {}
+    for kind in ordered_kinds(run.routing_kinds()):
+        turns = run.routing_turn_records(kind)
+        if turns:
+            out[kind] = {
+                str(turn): {
+                    "records": len(records),
+                    "tokens": sum(int(r.get("tokens", 0)) for r in records),
+                    "changed_frac_overall": finite_mean([r.get("changed_frac_overall") for r in records]),
+                    "changed_any_frac": finite_mean([r.get("changed_any_frac") for r in records]),
+                    "changed_frac": _layer_mean(run, kind, "changed_frac", records),
+                }
+                for turn, records in turns.items()
+            }
+    ratio: dict[str, dict] = {}
+    for key in sorted({k for r in run.metrics for k in r if k.startswith("ratio_decomp/turn_")}):
+        turn, name = key.removeprefix("ratio_decomp/turn_").split("/", 1)
+        if name in TURN_RATIO_KEYS:
+            ratio.setdefault(turn, {})[name] = finite_mean(run.metric_series(key)[1])
+    if ratio:
+        out["ratio_decomposition"] = dict(sorted(ratio.items(), key=lambda item: int(item[0])))
+    return out
 
 
 def ordered_kinds(kinds: Iterable[str]) -> list[str]:
@@ -279,6 +315,41 @@ def _volatility_section(run: RunData, summary: dict, charts: bool) -> str:
     return "".join(parts)
 
 
+def _turn_section(summary: dict) -> str:
+    """Multi-turn runs: where in a trajectory the routing moves (the per-turn summary as tables)."""
+    per_turn = summary.get("routing_per_turn")
+    if not per_turn:
+        return "<p>Single-turn samples: no per-turn diagnostics.</p>"
+    parts = [
+        "<p>Each turn's numbers cover the positions its engine call fed: the prompt or the inserted tokens and "
+        "the last generated token before them (its prefill), then its own generated tokens (decoding).</p>"
+    ]
+    rows = [
+        [
+            kind,
+            int(turn),
+            t["tokens"],
+            t["changed_frac_overall"],
+            t["changed_any_frac"],
+            " ".join(format_number(v, 3) for v in t["changed_frac"] or []),
+        ]
+        for kind, turns in per_turn.items()
+        if kind != "ratio_decomposition"
+        for turn, t in turns.items()
+    ]
+    headers = ["kind", "turn", "tokens (all steps)", "changed fraction", "changed in >= 1 layer", "per layer"]
+    parts.append(html_table(headers, rows))
+    ratio = per_turn.get("ratio_decomposition")
+    if ratio:
+        parts.append(
+            "<p>The importance ratio of the tokens each turn generated, split into its routing and weight "
+            "parts (step means):</p>"
+        )
+        rows = [[int(turn), *(values.get(key) for key in TURN_RATIO_KEYS)] for turn, values in ratio.items()]
+        parts.append(html_table(["turn", *TURN_RATIO_KEYS], rows))
+    return "".join(parts)
+
+
 def _expert_load_section(run: RunData, charts: bool) -> str:
     with_load = [r for r in run.routing if "expert_load" in r]
     if not with_load:
@@ -300,6 +371,7 @@ def write_routing_report(run_dir: str | os.PathLike, charts: bool = True) -> tup
         [
             ("summary", "Summary", _summary_section(summary)),
             ("volatility", "Routing volatility", _volatility_section(run, summary, charts)),
+            ("per-turn", "Per turn (multi-turn trajectories)", _turn_section(summary)),
             ("expert-load", "Expert load (last step)", _expert_load_section(run, charts)),
             ("training-curves", "Reward and clip fraction", curves),
         ],

@@ -13,6 +13,9 @@ changed_frac_overall = 2 / (4 * 2), overlap_overall = (6 + 8) / (4 * 2 * 2), cha
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 import torch
 
@@ -26,9 +29,9 @@ OLD = [torch.tensor([[0, 1], [2, 3], [0, 1]]), torch.tensor([[0, 1], [0, 1], [0,
 NEW = [torch.tensor([[0, 1], [2, 0], [3, 2]]), torch.tensor([[1, 0], [0, 2], [1, 2]])]
 
 
-def _update_diagnostics(mesh):
+def _update_diagnostics(mesh, turns: int = 0):
     """The "update" diagnostics of a two-update step on ``mesh`` and its one micro-batch: one row, 3 fed
-    tokens, the last padding."""
+    tokens, the last padding; ``turns``: diagnosed per turn (token 0 fed by turn 0, token 1 by turn 1)."""
     from gspo_megatron.policy.routing.diagnostics import RoutingDiagnostics
 
     plan = RoutingPlan(
@@ -37,14 +40,17 @@ def _update_diagnostics(mesh):
         updates=2,
         has_routers=True,
         diagnostics=RoutingConfig(kinds=["update"]),
+        turns=turns,
     )
     diagnostics = RoutingDiagnostics(plan, mesh, 4)
     mb = MicroBatch(tokens=torch.ones(1, 3, dtype=torch.long), targets=torch.ones(1, 3, dtype=torch.long))
     mb.input_mask = torch.tensor([[1.0, 1.0, 0.0]])
+    if turns:
+        mb.input_turns = torch.tensor([[0, 1, -1]])
     return plan, diagnostics, mb
 
 
-def _diagnose(ctx):
+def _diagnose(ctx, turns: int = 0):
     from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.parallel.layout import ParallelLayout
     from gspo_megatron.policy.parallel.mesh import initialize_parallel
@@ -52,7 +58,7 @@ def _diagnose(ctx):
     apply_cpu_bridges()
     mesh = initialize_parallel(ParallelLayout(world_size=ctx.world_size).validate())
     try:
-        plan, diagnostics, mb = _update_diagnostics(mesh)
+        plan, diagnostics, mb = _update_diagnostics(mesh, turns)
         diagnostics.begin_step([mb])
         diagnostics.from_old_pass(4, [mb], lambda mb: [], [OLD], [OLD])
         assert plan.records_training_forward(update=1, step=4)  # the free measurement after step 1
@@ -84,6 +90,34 @@ def test_update_volatility_by_hand_merged_over_data_parallel_ranks(world_size):
     # expert load of the new routing (layer 0 on rank 0: experts 0,1 | 2,0 -> counts 2,1,1,0 of 4)
     if world_size == 1:
         assert record["expert_load"][0] == pytest.approx([0.5, 0.25, 0.25, 0.0])
+
+
+def _diagnose_per_turn(ctx):
+    return _diagnose(ctx, turns=3)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.slow
+def test_update_volatility_per_turn_by_hand_merged_over_data_parallel_ranks(world_size):
+    """Token 0 (turn 0) kept its experts; token 1 (turn 1) changed one of two in both layers (rank 1: none);
+    no token of turn 2. Per turn, the counts of its own tokens only; the whole as without turns."""
+    results = run_distributed(_diagnose_per_turn, world_size)
+    w = world_size
+    expected = {
+        "routing/update_changed_frac": 2 / (2 * w * 2),
+        "routing/update_changed_frac/turn_0": 0.0,
+        "routing/update_overlap/turn_0": 1.0,
+        "routing/update_changed_frac/turn_1": 2 / (w * 2),
+        "routing/update_overlap/turn_1": (2 + 4 * (w - 1)) / (w * 2 * 2),
+        "routing/update_changed_any_frac/turn_1": 1 / w,
+    }
+    for rank_metrics, rank_records in results:
+        assert {key: rank_metrics[key] for key in expected} == pytest.approx(expected)
+        assert math.isnan(rank_metrics["routing/update_changed_frac/turn_2"])  # no token: unknown, not 0
+        assert json.dumps(rank_records) == json.dumps(results[0][1])  # NaN != NaN: compared as written
+    whole, *per_turn = results[0][1]
+    assert "turn" not in whole and [r["turn"] for r in per_turn] == [0, 1, 2]
+    assert [r["tokens"] for r in per_turn] == [w, w, 0] and whole["tokens"] == 2 * w
 
 
 def _diagnose_on_two_stages(ctx):

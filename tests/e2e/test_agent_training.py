@@ -8,6 +8,7 @@ and Routing Replay (R3) consumes the spliced rows."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -45,7 +46,15 @@ def test_multi_turn_trajectories_train_with_the_engines_tokens_and_routing(tmp_p
         assert step["agent/turns_mean"] == 3 and step["agent/tool_calls_mean"] == 2
         assert step["agent/inserted_tokens_mean"] > 0 and step["agent/tool_errors/bad_arguments"] == 0
         assert step["routing/rollout_vs_train_changed_frac"] == 0.0  # every position, every turn
+        for turn in range(3):  # and over the positions each turn's engine call fed
+            assert step[f"routing/rollout_vs_train_changed_frac/turn_{turn}"] == 0.0
         assert step["mismatch/abs_log_prob_diff_mean"] < 1e-5
+    records = [json.loads(line) for line in (tmp_path / "run" / "routing.jsonl").read_text().splitlines()]
+    turns = [r for r in records if r["kind"] == "rollout_vs_train" and r["step"] == 1 and "turn" in r]
+    whole = [r for r in records if r["kind"] == "rollout_vs_train" and r["step"] == 1 and "turn" not in r]
+    # rollout.agent.max_turns=4 turns diagnosed; the fourth fed nothing; the turns' positions add up to the whole
+    assert [r["turn"] for r in turns] == [0, 1, 2, 3] and turns[3]["tokens"] == 0
+    assert sum(r["tokens"] for r in turns) == whole[0]["tokens"]
 
 
 def test_an_agent_written_against_the_openai_client_drives_a_training_run(tmp_path):

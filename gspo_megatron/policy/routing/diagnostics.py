@@ -34,6 +34,14 @@ This module only consumes recordings: which forward is recorded is the routing p
 (``policy/routing/plan.py``), the forwards (and the extra passes) run under ``policy/routing/step_routing.py``'s
 contexts and every recording starts and stops in ``policy/routing/recorder.py``.
 
+Multi-turn trajectories (``rollout.agent``, ``RoutingPlan.turns`` > 0): every volatility kind is also measured
+per turn -- over the positions turn t's engine call fed (``MicroBatch.input_turns``: its prefill of the prompt
+or of the inserted tokens and the last token of the turn before, then its decode steps) -- as
+``routing/<kind>_changed_frac/turn_<t>`` and routing.jsonl records with ``"turn": t``; the ratio decomposition
+too, over the tokens turn t generated (``ratio_decomp/turn_<t>/token_*``). Where in a trajectory routing
+moves, and whether replay holds on every turn. Turn indices past ``turns - 1`` (an agent's own limit is
+``rollout.agent.max_turns``) count in the last.
+
 Counts are merged exactly over micro-batches, data-parallel ranks and (under sequence parallelism)
 tensor-parallel ranks; pipeline stages contribute their own layers, concatenated in stage order.
 Only the driver writes ``routing.jsonl``.
@@ -71,6 +79,16 @@ from gspo_megatron.policy.routing.volatility import (
 )
 
 Counts = TypeVar("Counts", RoutingVolatility, ExpertLoad)
+Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # per micro-batch: two top-k routings [tokens, layers, k]
+# the ratio decomposition's numbers logged per turn (token level: the tokens a turn generated)
+TURN_DECOMPOSITION_KEYS = (
+    "token_var_log_ratio",
+    "token_var_share_routing",
+    "token_var_share_weight",
+    "token_var_share_cross",
+    "token_changed_frac",
+    "token_changed_clip_frac",
+)
 
 
 class LogProbs(Protocol):
@@ -87,17 +105,23 @@ class RoutingDiagnostics:
         self.num_experts = num_experts
         self.old: Routing = []  # per old-pass micro-batch: per layer [tokens, k]
         self.old_masks: list[torch.Tensor] = []
+        self.old_turns: list[torch.Tensor] = []  # per micro-batch, like old_masks: each token's turn (multi-turn)
         self.old_used: Routing = []  # the routing the old pass used (R3: the engine's)
         self.decomposition: RatioDecomposition | None = None
+        self.turn_decompositions: list[RatioDecomposition] = []
         self.decomposition_seconds = 0.0  # its cost, logged as time/ratio_decomposition
         self.previous: Routing | None = None
-        self.step_records: list[tuple[str, RoutingVolatility, ExpertLoad | None]] = []
+        # (kind, volatility, load, turn): turn None for every position, t for the positions turn t fed
+        self.step_records: list[tuple[str, RoutingVolatility, ExpertLoad | None, int | None]] = []
 
     # --- old-policy routing --------------------------------------------------------------------
     def begin_step(self, micro_batches: Sequence[StepMicroBatch]) -> None:
         """A new step over ``micro_batches`` (all of the step's, in update order); no old routing yet."""
         self.old, self.old_used = [], []
         self.old_masks = [_token_mask(mb, self.mesh) for mb in micro_batches]
+        self.old_turns = (
+            [_token_turns(mb, self.mesh, self.plan.turns) for mb in micro_batches] if self.plan.turns else []
+        )
         self.step_records = []
         self.previous = None
 
@@ -131,14 +155,13 @@ class RoutingDiagnostics:
         due = self.plan.due(DiagnosticKind.rollout_vs_train, step)
         if not due or not trainer_routing or micro_batches[0].routed_experts is None:
             return
-        parts = []
-        # strict=False: the masks (and micro-batches) cover the whole step, ``trainer_routing`` may cover only the
-        # first mini-batch (the engine's pi_old: the first update's forward is the one recorded)
-        for mb, recorded, mask in zip(micro_batches, trainer_routing, self.old_masks, strict=False):
-            engine = torch.stack(targets_of(mb), dim=1)
-            trainer = torch.stack(recorded, dim=1)
-            parts.append(routing_volatility(engine, trainer, mask))
-        self.step_records.append(("rollout_vs_train", RoutingVolatility.merge_all(parts), None))
+        # strict=False: the micro-batches cover the whole step, ``trainer_routing`` may cover only the first
+        # mini-batch (the engine's pi_old: the first update's forward is the one recorded)
+        pairs = [
+            (torch.stack(targets_of(mb), dim=1), torch.stack(recorded, dim=1))
+            for mb, recorded in zip(micro_batches, trainer_routing, strict=False)
+        ]
+        self._add("rollout_vs_train", pairs, 0, None)
 
     def from_training_forward(
         self, recorded: Routing, old_offset: int, micro_batches: Sequence[MicroBatch], targets_of: TargetsOf, step: int
@@ -150,16 +173,15 @@ class RoutingDiagnostics:
             return
         masks = self.old_masks[old_offset : old_offset + len(recorded)]
         base = self.old[old_offset : old_offset + len(recorded)]
-        self.step_records.append(("update", _compare(base, recorded, masks), self._load(recorded, masks)))
+        self._add("update", _pairs(base, recorded), old_offset, self._load(recorded, masks))
 
     def from_recording_pass(self, purpose: RecordingPass, now: Routing) -> None:
         """The first mini-batch's routing, recorded after an optimizer step (``RoutingPlan.recording_pass_after``)."""
         masks = self.old_masks[: len(now)]
         if purpose.compares_to_old_policy:
-            base = self.old[: len(now)]
-            self.step_records.append(("update", _compare(base, now, masks), self._load(now, masks)))
+            self._add("update", _pairs(self.old[: len(now)], now), 0, self._load(now, masks))
         if purpose.compares_to_previous and self.previous is not None:
-            self.step_records.append(("minibatch", _compare(self.previous, now, masks), None))
+            self._add("minibatch", _pairs(self.previous, now), 0, None)
         self.previous = now
 
     def add_ratio_decomposition(
@@ -184,27 +206,55 @@ class RoutingDiagnostics:
         else:
             changed = [torch.zeros(mb.num_rows * mb.seq_len, dtype=torch.bool) for mb in micro_batches]
         changed = self._any_rank(changed)
-        total = RatioDecomposition.zeros()
+        totals = [RatioDecomposition.zeros() for _ in range(1 + self.plan.turns)]  # every token, then per turn
         # strict=False: only the last pipeline stage has log-probs (the outputs are empty on the others)
         for mb, flags, train_out, old_out in zip(
             micro_batches, changed, loss_outputs, old_routing_outputs, strict=False
         ):
-            total = total.merge(
-                decompose_log_ratio(
-                    train_out.log_probs.cpu(),
-                    old_out.log_probs.cpu(),
-                    mb.old_log_probs.cpu(),
-                    mb.response_mask.cpu(),
-                    flags.reshape(mb.num_rows, mb.seq_len),
-                    mb.advantages.cpu(),
-                    *clip,
+            response = mb.response_mask.cpu()
+            masks = [response] + [response * of_turn for of_turn in self._turn_rows(mb)]
+            for index, mask in enumerate(masks):
+                totals[index] = totals[index].merge(
+                    decompose_log_ratio(
+                        train_out.log_probs.cpu(),
+                        old_out.log_probs.cpu(),
+                        mb.old_log_probs.cpu(),
+                        mask,
+                        flags.reshape(mb.num_rows, mb.seq_len),
+                        mb.advantages.cpu(),
+                        *clip,
+                    )
                 )
-            )
         # rows differ over data-parallel ranks; only the last pipeline stage has log-probs (others: 0)
         for group, size in ((mesh.dp_group, mesh.layout.dp), (mesh.pp_group, mesh.layout.pp)):
             if size > 1:
-                total = RatioDecomposition(total.all_reduce_on(mesh.device, group))
+                totals = [RatioDecomposition(total.all_reduce_on(mesh.device, group)) for total in totals]
+        total, per_turn = totals[0], totals[1:]
         self.decomposition = total if self.decomposition is None else self.decomposition.merge(total)
+        if self.turn_decompositions:
+            per_turn = [a.merge(b) for a, b in zip(self.turn_decompositions, per_turn, strict=True)]
+        self.turn_decompositions = per_turn
+
+    def _turn_rows(self, micro_batch: MicroBatch) -> list[torch.Tensor]:
+        """Per turn, bool [b, s]: the targets whose log-prob turn t's forward computed (the tokens it generated;
+        ``_token_turns``' rule, whole rows); none without per-turn diagnostics."""
+        if not self.plan.turns:
+            return []
+        turns = micro_batch.input_turns
+        if turns is None:  # single-turn samples in a multi-turn run: one turn
+            turns = torch.zeros(micro_batch.num_rows, micro_batch.seq_len, dtype=torch.long)
+        turns = turns.cpu().clamp(max=self.plan.turns - 1)
+        return [turns == t for t in range(self.plan.turns)]
+
+    def _add(self, kind: str, pairs: Pairs, offset: int, load: ExpertLoad | None) -> None:
+        """The volatility of ``pairs`` (the step's micro-batches ``offset ..``) over every position, then per
+        turn over the positions each turn fed."""
+        masks = self.old_masks[offset : offset + len(pairs)]
+        self.step_records.append((kind, _volatility(pairs, masks), load, None))
+        turns = self.old_turns[offset : offset + len(pairs)]
+        for t in range(self.plan.turns):
+            turn_masks = [mask & (turn == t) for mask, turn in zip(masks, turns, strict=True)]
+            self.step_records.append((kind, _volatility(pairs, turn_masks), None, t))
 
     def add_decomposition_seconds(self, seconds: float) -> None:
         self.decomposition_seconds += seconds
@@ -228,14 +278,19 @@ class RoutingDiagnostics:
         if self.decomposition is not None:
             metrics.update(self.decomposition.metrics())
             metrics["time/ratio_decomposition"] = self.decomposition_seconds
-            self.decomposition, self.decomposition_seconds = None, 0.0
-        for kind, volatility, load in self.step_records:
+            for t, of_turn in enumerate(self.turn_decompositions):
+                prefix = f"ratio_decomp/turn_{t}/"
+                turn_metrics = of_turn.metrics(prefix)
+                metrics.update({prefix + key: turn_metrics[prefix + key] for key in TURN_DECOMPOSITION_KEYS})
+            self.decomposition, self.decomposition_seconds, self.turn_decompositions = None, 0.0, []
+        for kind, volatility, load, turn in self.step_records:
             volatility = self._reduce(volatility, all_reduce_volatility)
             load = self._reduce(load, all_reduce_expert_load) if load is not None else None
-            metrics[f"routing/{kind}_changed_frac"] = float(volatility.changed_frac_overall)
-            metrics[f"routing/{kind}_overlap"] = float(volatility.overlap_overall)
-            metrics[f"routing/{kind}_changed_any_frac"] = float(volatility.changed_any_frac)
-            records.append(routing_record(step, kind, volatility=volatility, load=load))
+            suffix = "" if turn is None else f"/turn_{turn}"
+            metrics[f"routing/{kind}_changed_frac{suffix}"] = float(volatility.changed_frac_overall)
+            metrics[f"routing/{kind}_overlap{suffix}"] = float(volatility.overlap_overall)
+            metrics[f"routing/{kind}_changed_any_frac{suffix}"] = float(volatility.changed_any_frac)
+            records.append(routing_record(step, kind, volatility=volatility, load=load, turn=turn))
         self.step_records = []
         return RoutingResult(metrics, records)
 
@@ -255,12 +310,13 @@ class RoutingDiagnostics:
         return counts
 
 
-def _compare(before: list, after: list, masks: list) -> RoutingVolatility:
-    parts = [
-        routing_volatility(torch.stack(a, dim=1), torch.stack(b, dim=1), m)
-        for a, b, m in zip(before, after, masks, strict=True)
-    ]
-    return RoutingVolatility.merge_all(parts)
+def _pairs(before: Routing, after: Routing) -> Pairs:
+    """Two recordings of the same micro-batches, per micro-batch as [tokens, layers, k] each."""
+    return [(torch.stack(a, dim=1), torch.stack(b, dim=1)) for a, b in zip(before, after, strict=True)]
+
+
+def _volatility(pairs: Pairs, masks: list[torch.Tensor]) -> RoutingVolatility:
+    return RoutingVolatility.merge_all([routing_volatility(a, b, m) for (a, b), m in zip(pairs, masks, strict=True)])
 
 
 def _rows_of_tokens(local: torch.Tensor, micro_batch: MicroBatch, mesh: ParallelMesh) -> torch.Tensor:
@@ -274,6 +330,19 @@ def _rows_of_tokens(local: torch.Tensor, micro_batch: MicroBatch, mesh: Parallel
     rows = torch.zeros(b * s, dtype=torch.bool)
     rows[index.reshape(-1)] = local.cpu()
     return rows
+
+
+def _token_turns(micro_batch: StepMicroBatch, mesh: ParallelMesh, turns: int) -> torch.Tensor:
+    """long [s_local * b] in megatron's token order (like ``_token_mask``): the turn whose engine call fed each
+    input token, past ``turns - 1`` counted in the last; 0 for a single-turn sample."""
+    of = micro_batch.input_turns
+    if of is None:
+        of = torch.zeros(micro_batch.num_rows, micro_batch.seq_len, dtype=torch.long)
+    of = split_sequence(of.clamp(min=0, max=turns - 1), mesh.layout.cp, mesh.cp_rank if mesh.layout.cp > 1 else 0)
+    of = of.transpose(0, 1)  # [s, b]
+    if mesh.layout.use_sequence_parallel and mesh.layout.tp > 1:
+        of = of.chunk(mesh.layout.tp, dim=0)[mesh.tp_rank]
+    return of.reshape(-1)
 
 
 def _token_mask(micro_batch: StepMicroBatch, mesh: ParallelMesh) -> torch.Tensor:

@@ -15,13 +15,17 @@ def routing_record(
     kind: str,
     volatility=None,
     load=None,
+    turn: int | None = None,
 ) -> dict:
     """Build one routing.jsonl record from the objects in ``policy/routing/volatility.py``.
 
     ``volatility``: RoutingVolatility; ``load``: ExpertLoad (of the newer routing). Either may be
-    None; step and kind are always present.
+    None; step and kind are always present. ``turn``: the record covers only the positions that turn of
+    multi-turn trajectories fed (``"turn"`` in the record); None: every position.
     """
     record: dict[str, Any] = {"step": int(step), "kind": validate_kind(kind)}
+    if turn is not None:
+        record["turn"] = int(turn)
     if volatility is not None:
         record.update(
             changed_frac=volatility.changed_frac,

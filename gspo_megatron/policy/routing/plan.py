@@ -45,6 +45,7 @@ class RoutingPlan:
     updates: int  # trainer.updates_per_rollout
     has_routers: bool  # an MoE model: routing is measured
     diagnostics: RoutingConfig  # the config's routing section
+    turns: int = 0  # multi-turn trajectories' most turns (rollout.agent.max_turns): diagnosed per turn too; 0: not
 
     @property
     def replays_in_training(self) -> bool:

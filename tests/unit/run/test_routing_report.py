@@ -158,3 +158,29 @@ def test_layers_are_the_models_own_and_dense_and_shared_ones_are_named(tmp_path)
     assert "dense layers [0] have no router" in page and "the shared expert runs for every token, unrouted" in page
     update = page.split("<h3>update</h3>")[1].split("<h3>")[0]
     assert [row.split("</td>")[0] for row in update.split("<tr><td>")[1:]] == ["1", "2"]
+
+
+def test_per_turn_records_are_summarised_apart_and_leave_the_whole_unchanged(tmp_path):
+    run = make_run(tmp_path / "run")
+    with RoutingLog(run) as log:
+        for step in (0, 2):  # two turns of a multi-turn run, beside the whole's records of the same steps
+            log.append({**_routing(step, "update", [0.0, 0.2], [1.0, 0.9]), "turn": 0, "tokens": 60})
+            log.append({**_routing(step, "update", [0.4, float("nan")], [0.8, 0.7]), "turn": 1, "tokens": 40})
+    with JsonlLog(run / "metrics.jsonl") as log:
+        log.append({"step": 4, "ratio_decomp/turn_1/token_var_share_routing": 0.25, "ratio_decomp/turn_1/x": 9.0})
+    json_path, html_path = write_routing_report(run)
+    summary = json.loads(json_path.read_text())
+    update = summary["routing"]["update"]
+    assert update["records"] == 2 and update["changed_frac_overall"] == pytest.approx(0.3)  # as without turns
+    per_turn = summary["routing_per_turn"]["update"]
+    assert per_turn["0"]["tokens"] == 120 and per_turn["0"]["changed_frac"] == pytest.approx([0.0, 0.2])
+    assert per_turn["1"]["changed_frac"][0] == pytest.approx(0.4) and per_turn["1"]["changed_frac"][1] is None
+    assert summary["routing_per_turn"]["ratio_decomposition"] == {"1": {"token_var_share_routing": 0.25}}
+    page = html_path.read_text()
+    assert '<section id="per-turn">' in page and "token_var_share_routing" in page
+
+
+def test_a_single_turn_run_has_no_per_turn_summary(tmp_path):
+    json_path, html_path = write_routing_report(make_run(tmp_path / "run"))
+    assert "routing_per_turn" not in json.loads(json_path.read_text())
+    assert "Single-turn samples" in html_path.read_text()

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from gspo_megatron.contracts.samples import SamplingParams
+from gspo_megatron.contracts.samples import FinishReason, Sample, SamplingParams, TurnSpan
 from gspo_megatron.core.tool_call_formats import SYMBOL, ToolCall
 from gspo_megatron.rollout.agents.agent import AgentContext
 from gspo_megatron.rollout.agents.templates import SymbolTemplate
@@ -157,6 +157,43 @@ def test_inserted_tokens_are_out_of_the_loss_and_the_engine_comparison():
         assert torch.equal(batch.response_mask[row, p - 1 : p + r - 1], generated)
         assert torch.equal(batch.mismatch_mask[row, p - 1 : p + r - 1], generated)
         assert batch.response_mask[row].sum() == generated.sum()  # GSPO's |y_i|: generated tokens only
+
+
+def test_each_input_position_is_tagged_with_the_turn_whose_engine_call_fed_it_by_hand():
+    # prompt a b c; turn 0 generates o0 o1; inserted i0 i1; turn 1 generates o2 o3 o4. Fed positions 0..8:
+    # turn 0's prefill feeds a b c (0-2), its decode o0 (3); turn 1's prefill o1 i0 i1 (4-6), its decode o2 o3
+    # (7-8); o4 is never fed. A single-turn sample is one turn; padding is -1
+    multi = Sample(
+        [1, 2, 3], [4, 5, 6, 7, 8, 9, 10], torch.zeros(7), FinishReason.STOP,
+        inserted_mask=torch.tensor([False, False, True, True, False, False, False]),
+        turns=[TurnSpan(0, 2, 1), TurnSpan(4, 7, 1)],
+    )  # fmt: skip
+    single = Sample([1, 2], [4, 5], torch.zeros(2), FinishReason.STOP, turns=[TurnSpan(0, 2, 1)])
+    batch = pack_samples([multi, single], torch.zeros(2), torch.zeros(2), torch.zeros(2), 0)
+    assert batch.input_turns.tolist() == [[0, 0, 0, 0, 1, 1, 1, 1, 1], [0, 0, 0, -1, -1, -1, -1, -1, -1]]
+    # the targets a turn generated are scored at its own positions (o0 o1 at 2-3, o2 o3 o4 at 6-8)
+    generated = batch.response_mask[0].bool()
+    assert batch.input_turns[0][generated].tolist() == [0, 0, 1, 1, 1]
+    single_turn = Sample([1, 2], [4, 5], torch.zeros(2), FinishReason.STOP)
+    assert pack_samples([single_turn], torch.zeros(1), torch.zeros(1), torch.zeros(1), 0).input_turns is None
+
+
+def test_the_positions_tagged_with_a_turn_are_those_its_engine_call_returned_rows_for():
+    conversations = []
+    agent = scripted(["42", "7"])
+
+    async def keeps_its_conversation(ctx: AgentContext) -> None:
+        conversations.append(ctx.conversation)
+        await agent(ctx)
+
+    samples = [
+        s for g in runner(engine(model(1)), keeps_its_conversation).generate(records("add 3 4:"), PARAMS) for s in g
+    ]
+    batch = pack_samples(samples, torch.zeros(2), torch.zeros(2), torch.zeros(2), TOKENIZER.pad_token_id, True)
+    for row, conversation in enumerate(conversations):
+        rows_per_call = [len(rows) for rows in conversation.routing]  # each turn's engine call, as returned
+        tagged = [int((batch.input_turns[row] == t).sum()) for t in range(len(rows_per_call))]
+        assert len(rows_per_call) == 3 and tagged == rows_per_call
 
 
 def test_the_tool_calling_agent_runs_the_calls_a_turn_writes_and_inserts_their_answers():
