@@ -10,7 +10,7 @@ the tier FAILS, so CI can never pass by silently skipping it. ``GSPO_SKIP_SGLANG
 One server per session (start-up takes 1-2.5 minutes on 2 loaded cores): ``live_engine`` owns it in
 launch mode; attach-mode engines and the training run attach to its URL. Every test that changes the
 server's weights puts the checkpoint's weights back before it ends (``test_live_engine.hf_weights(seed=0)``;
-the 20-step training run, last in file order, is the one exception).
+the training runs of ``test_live_training.py``, last in file order, are the exceptions).
 """
 
 from __future__ import annotations

@@ -112,3 +112,46 @@ def _train_against(urls: list[str], tiny_checkpoint, tmp_path) -> list[dict]:
         train_worker, 1, overrides, str(tmp_path), timeout=840
     )  # below pytest's 900 s: a hang reports the rank's traceback
     return metrics
+
+
+def test_a_multi_turn_agent_job_runs_against_sglang_with_the_routing_exact_on_every_turn(
+    live_engine, tiny_checkpoint, tmp_path
+):
+    """The calculator task's multi-turn job (issue 61) with ``rollout=sglang``: every trajectory three turns with
+    two calculator answers inserted (``testing/agents.py``), each turn a request continuing the trajectory on
+    the server that made its first; R3 replays the rows spliced per turn, and the trainer routes every
+    position of every turn as the server did. Runs last: it leaves trained weights on the server."""
+    (url,) = live_engine.server_urls
+    overrides = [
+        "rollout=sglang",
+        "algorithm=grpo_rollout_routing_replay",
+        "routing.kinds=[rollout_vs_train]",
+        "model=tiny",
+        "task=calculator_add",
+        "rollout.max_new_tokens=4",
+        "rollout.agent.name=import:gspo_megatron.testing.agents:calls_the_calculator_twice",
+        "rollout.agent.max_tokens=40",
+        "trainer.steps=2",
+        "trainer.prompts_per_step=4",
+        "rollout.group_size=4",
+        "trainer.micro_batch_size=16",
+        "trainer.eval_every=0",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "logging.charts=false",
+        "rollout.sglang.mode=attach",
+        f"rollout.sglang.urls=[{url}]",
+        f"rollout.sglang.model_path={tiny_checkpoint}",
+        f"rollout.sglang.disk_sync_dir={tmp_path / 'disk_sync'}",
+        "rollout.sglang.weight_sync=tensor",
+        "rollout.sglang.fallback_to_disk=false",
+        "rollout.sglang.request_timeout_s=600",
+    ]
+    (metrics,) = run_distributed(train_worker, 1, overrides, str(tmp_path), timeout=840)
+    assert [m["step"] for m in metrics] == [1, 2]
+    for step in metrics:
+        assert step["agent/turns_mean"] == 3 and step["agent/tool_calls_mean"] == 2 and step["agent/errors"] == 0
+        assert step[ROUTING_CHANGED] == 0.0
+        for turn in range(3):
+            assert step[f"{ROUTING_CHANGED}/turn_{turn}"] == 0.0
+        assert step[MISMATCH] > 0  # SGLang's kernels: the log-prob gap is real, the routing replayed exactly
