@@ -56,14 +56,12 @@ class SymbolTokenizer:
     DIGITS = tuple("0123456789")
     PUNCTUATION = tuple(" +-*/=()<>,.:?!\n")
     LETTERS = tuple("abcdefghijklmnopqrstuvwxyz")
-    # after "copy", appended: the built-in tools' names, so a tool call's name is one token
-    WORDS: tuple[str, ...] = (
-        *("Wait", "Alternatively", "answer", "step", "max", "sum", "mod", "reverse", "copy"),
-        *("calculator", "lookup", "python"),
-    )
+    # Frozen: a new symbol would take the first reserved id, which a barely-trained policy samples, and change
+    # what every existing run decodes (the tool names are spelled letter by letter instead)
+    WORDS = ("Wait", "Alternatively", "answer", "step", "max", "sum", "mod", "reverse", "copy")
 
     def __init__(self, padded_vocab_size: int | None = None):
-        """``padded_vocab_size``: the model's vocabulary (>= the 68 symbols). Megatron models round
+        """``padded_vocab_size``: the model's vocabulary (>= the 65 symbols). Megatron models round
         the vocabulary up for tensor parallelism, so a policy can sample the extra ids; they decode
         to reserved ``<unused_i>`` tokens (never produced by ``encode``), which no verifier accepts."""
         symbols = self.SPECIAL_TOKENS + self.DIGITS + self.PUNCTUATION + self.LETTERS + self.WORDS
