@@ -4,8 +4,9 @@
 
 Reads every ``metrics_s<seed>.jsonl`` in the directory and writes ``summary.json`` beside them: per seed, the
 mean reward and the tool use of the first and the last 20% of steps, the largest engine-vs-trainer
-routing difference and log-prob gap of any step, and whether the README's criterion holds; the commit and
-command that wrote the summary (``core/provenance.py``). Prints the same as a table.
+routing difference and log-prob gap of any step, the greedy evaluations, and whether the README's criterion
+holds; the warm start's own greedy evaluation (``warm_start_eval.jsonl``, when stored); the commit and command
+that wrote the summary (``core/provenance.py``). Prints the same as a table.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def seed_summary(rows: list[dict]) -> dict:
             r.get("routing/rollout_vs_train_changed_frac", 0.0) for r in rows
         ),
         "mismatch_abs_log_prob_diff_max": max(r.get("mismatch/abs_log_prob_diff_mean", 0.0) for r in rows),
+        # the greedy policy (rollout.eval_temperature=0) at the run's evaluations: not part of the criterion
+        "eval_pass_at_1": {str(r["step"]): r["eval/pass@1"] for r in rows if "eval/pass@1" in r},
         "criterion_holds": last >= first + RISE and tools >= TOOL_USE,
     }
 
@@ -56,12 +59,15 @@ def summarize(directory: Path) -> dict:
     if not runs:
         raise SystemExit(f"no metrics_s<seed>.jsonl in {directory}")
     rises = [run["reward_last_20pct"] - run["reward_first_20pct"] for run in runs.values()]
+    warm = directory / "warm_start_eval.jsonl"  # the warm start's own evaluation (README), when stored
+    warm_rows = [json.loads(line) for line in warm.read_text().splitlines() if line.strip()] if warm.is_file() else []
     return {
         "seeds": runs,
         "rise_mean": statistics.mean(rises),
         "rise_min": min(rises),
         "rise_max": max(rises),
         "criterion_holds_for_every_seed": all(run["criterion_holds"] for run in runs.values()),
+        "warm_start_eval_pass_at_1": warm_rows[0]["eval/pass@1"] if warm_rows else None,
         "provenance": provenance(),
     }
 
@@ -81,6 +87,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{'holds' if run['criterion_holds'] else 'FAILS'}"
         )
     print(f"rise {summary['rise_mean']:.3f} (min {summary['rise_min']:.3f}, max {summary['rise_max']:.3f})")
+    evals = {seed: run["eval_pass_at_1"] for seed, run in summary["seeds"].items()}
+    print(f"greedy pass@1: warm start {summary['warm_start_eval_pass_at_1']}; by seed and step {evals}")
 
 
 if __name__ == "__main__":

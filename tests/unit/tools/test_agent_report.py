@@ -25,3 +25,16 @@ def test_the_summary_reads_the_first_and_last_fifth_and_judges_the_criterion(tmp
     assert one["criterion_holds"] and not two["criterion_holds"]  # a rise of 0.2 is short of 0.3
     assert not summary["criterion_holds_for_every_seed"]
     assert abs(summary["rise_mean"] - 0.45) < 1e-9 and "commit" in summary["provenance"]
+    assert summary["warm_start_eval_pass_at_1"] is None and one["eval_pass_at_1"] == {}
+
+
+def test_the_greedy_evaluations_of_the_runs_and_of_the_warm_start_are_reported(tmp_path):
+    _write(tmp_path / "metrics_s1.jsonl", [0.2] * 5, [0.3] * 5)
+    rows = [json.loads(line) for line in (tmp_path / "metrics_s1.jsonl").read_text().splitlines()]
+    rows[2]["eval/pass@1"], rows[4]["eval/pass@1"] = 0.5, 0.75
+    (tmp_path / "metrics_s1.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "warm_start_eval.jsonl").write_text(json.dumps({"step": 1, "eval/pass@1": 0.125}) + "\n")
+    agent_report.main([str(tmp_path)])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["warm_start_eval_pass_at_1"] == 0.125
+    assert summary["seeds"]["1"]["eval_pass_at_1"] == {"3": 0.5, "5": 0.75}
