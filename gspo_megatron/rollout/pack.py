@@ -56,20 +56,7 @@ def pack_samples(
     mask = response.float() * (1.0 - inserted) if train_on_exit_tokens else sampled
     routed = None
     if with_routed_experts:
-        experts = []
-        for sample in samples:
-            if sample.routed_experts is None:
-                raise ValueError(
-                    "rollout routing replay needs routed experts from the engine, but a sample has none; "
-                    "the engine must be asked with return_routed_experts"
-                )
-            experts.append(sample.routed_experts.to(torch.int32))
-        layers, k = experts[0].shape[1:]
-        # padding positions route to experts 0..k-1: a valid top-k (k distinct experts), which megatron's
-        # token dispatch needs even for tokens the loss ignores (0.19.2's alltoall dispatcher fails on
-        # [0, 0]: it counts a token's expert slots, not its distinct experts)
-        routed = torch.arange(k, dtype=torch.int32).expand(n, width - 1, layers, k).clone()
-        routed[fed] = torch.cat(experts)  # row-major: each row's fed tokens in order
+        routed = _routed_experts(samples, fed)
     return RolloutBatch(
         tokens=tokens,
         response_mask=mask,
@@ -87,15 +74,47 @@ def pack_samples(
     )
 
 
+def _routed_experts(samples: list[Sample], fed: torch.Tensor) -> torch.Tensor:
+    """int32 [n, S-1, layers, k]: each fed position's experts as the engine returned them. Padding, and the
+    prompt of a trajectory that ended before its first turn (no engine call fed it: ``turns == []``, no tokens
+    to train; ``_input_turns`` tags it -1 so no diagnostic compares it), route to experts 0..k-1: a valid top-k
+    (k distinct experts), which megatron's token dispatch needs even for tokens the loss ignores (0.19.2's
+    alltoall dispatcher fails on [0, 0]: it counts a token's expert slots, not its distinct experts)."""
+    for sample in samples:
+        if sample.routed_experts is None and sample.turns != []:
+            raise ValueError(
+                "rollout routing replay needs routed experts from the engine, but a sample has none; "
+                "the engine must be asked with return_routed_experts"
+            )
+    given = [sample.routed_experts for sample in samples if sample.routed_experts is not None]
+    if not given:
+        raise ValueError(
+            f"every one of the step's {len(samples)} trajectories ended before its first turn (the warning above "
+            "names the first error): no routing to replay and no token to train"
+        )
+    layers, k = given[0].shape[1:]
+    filler = torch.arange(k, dtype=torch.int32)
+    routed = filler.expand(*fed.shape, layers, k).clone()
+    fed_counts = fed.sum(dim=1).tolist()
+    rows = [
+        filler.expand(count, layers, k) if sample.routed_experts is None else sample.routed_experts.to(torch.int32)
+        for sample, count in zip(samples, fed_counts, strict=True)
+    ]
+    routed[fed] = torch.cat(rows)  # row-major: each row's fed tokens in order
+    return routed
+
+
 def _input_turns(samples: list[Sample], width: int) -> torch.Tensor:
-    """long [n, S-1]: the turn whose engine call fed each input position of a multi-turn trajectory, -1 on
-    padding. Turn t's call feeds, in its prefill, every position from the last generated token of turn t-1
+    """long [n, S-1]: the turn whose engine call fed each input position of a multi-turn trajectory, -1 where
+    none did (padding; a trajectory that ended before its first turn, ``turns == []``). Turn t's call feeds, in its prefill, every position from the last generated token of turn t-1
     (the prompt for turn 0) through the inserted tokens after it, then, decoding, its own generated tokens
     but the last: position j belongs to the number of turns whose last generated token lies at or before j.
     The log-prob of target j+1 comes from the same forward, so the tokens a turn generated are the targets of
     its positions. A sample without turns is one turn."""
     turns = torch.full((len(samples), width - 1), -1, dtype=torch.long)
     for i, sample in enumerate(samples):
+        if sample.turns == []:
+            continue
         p, fed = len(sample.prompt_ids), len(sample.prompt_ids) + len(sample.output_ids) - 1
         last_generated = torch.tensor([p + span.end - 1 for span in sample.turns or ()], dtype=torch.long)
         turn = torch.bucketize(torch.arange(fed), last_generated, right=True)  # ends at or before j

@@ -23,6 +23,14 @@ async def calls_the_calculator_twice(ctx: AgentContext) -> None:
     await ctx.conversation.generate(ctx.turn_params())
 
 
+async def fails_at_once_on_every_third(ctx: AgentContext) -> None:
+    """``calls_the_calculator_twice``, but every third trajectory (by its seed) fails before its first turn, as
+    a user's client does when its connection drops: an empty answer that no engine call fed."""
+    if ctx.conversation.seed % 3 == 0:
+        raise ConnectionResetError("the agent's client lost its connection before its first turn")
+    await calls_the_calculator_twice(ctx)
+
+
 def openai_client_agent(base_url: str, api_key: str, record: PromptRecord, tools: list[dict]) -> None:
     """An agent written against the OpenAI Python client (``rollout.agent.name=openai_endpoint``): ask; answer
     the tool calls the reply makes with the calculator (or, when it makes none, ask the model to check its

@@ -67,6 +67,7 @@ HOLD_TIMEOUT_S = 30.0  # DoubleFaults.hold_until_* give up after this (the test 
 
 class _DoubleHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 1024  # as a real server's: the default 5 resets concurrent clients when accepting lags
     allow_reuse_address = True
 
 

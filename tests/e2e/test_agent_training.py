@@ -57,6 +57,31 @@ def test_multi_turn_trajectories_train_with_the_engines_tokens_and_routing(tmp_p
     assert sum(r["tokens"] for r in turns) == whole[0]["tokens"]
 
 
+@pytest.mark.parametrize("replay", ["none", "rollout"])
+def test_trajectories_that_fail_before_their_first_turn_leave_the_step_training(tmp_path, replay):
+    # CI 2026-12-06: one client's connection was reset before its first turn, and the step failed ("a sample
+    # has none"; the default rollout_vs_train diagnostic asks for the engine's routing). Now such a trajectory
+    # is an empty answer (agent/errors); routing replay and the engine comparison cover the others, exactly:
+    # the failed ones' prompts, which no engine call fed, are compared with nothing
+    overrides = [
+        *AGENT,
+        "rollout.agent.name=import:gspo_megatron.testing.agents:fails_at_once_on_every_third",
+        "trainer.old_log_probs=trainer",
+    ]
+    if replay == "rollout":
+        overrides.append("algorithm=grpo_rollout_routing_replay")
+    result = run_training(overrides, tmp_path / "run")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    output = result.stdout + result.stderr
+    assert "trajectories ended with an error" in output and "lost its connection" in output
+    metrics = read_metrics(tmp_path / "run")
+    assert len(metrics) == 2
+    for step in metrics:
+        assert 0 < step["agent/errors"] < 16  # some failed, the rest ran three turns
+        assert step["routing/rollout_vs_train_changed_frac"] == 0.0
+        assert step["mismatch/abs_log_prob_diff_mean"] < 1e-5
+
+
 def test_an_agent_written_against_the_openai_client_drives_a_training_run(tmp_path):
     # testing/agents.py's openai_client_agent: chat completions with tools through the run's session endpoint;
     # two turns per trajectory, the second after the client's own message (a tool answer or a user's)

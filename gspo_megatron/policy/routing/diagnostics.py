@@ -105,6 +105,7 @@ class RoutingDiagnostics:
         self.num_experts = num_experts
         self.old: Routing = []  # per old-pass micro-batch: per layer [tokens, k]
         self.old_masks: list[torch.Tensor] = []
+        self.engine_masks: list[torch.Tensor] = []  # old_masks but the positions no engine call fed
         self.old_turns: list[torch.Tensor] = []  # per micro-batch, like old_masks: each token's turn (multi-turn)
         self.old_used: Routing = []  # the routing the old pass used (R3: the engine's)
         self.decomposition: RatioDecomposition | None = None
@@ -119,6 +120,12 @@ class RoutingDiagnostics:
         """A new step over ``micro_batches`` (all of the step's, in update order); no old routing yet."""
         self.old, self.old_used = [], []
         self.old_masks = [_token_mask(mb, self.mesh) for mb in micro_batches]
+        # the positions an engine call fed (what rollout_vs_train can compare): all real ones but the prompt of
+        # a trajectory that ended before its first turn (input_turns -1 on a real position)
+        self.engine_masks = [
+            mask if mb.input_turns is None else mask & (_token_turns(mb, self.mesh, None) >= 0)
+            for mask, mb in zip(self.old_masks, micro_batches, strict=True)
+        ]
         self.old_turns = (
             [_token_turns(mb, self.mesh, self.plan.turns) for mb in micro_batches] if self.plan.turns else []
         )
@@ -161,7 +168,7 @@ class RoutingDiagnostics:
             (torch.stack(targets_of(mb), dim=1), torch.stack(recorded, dim=1))
             for mb, recorded in zip(micro_batches, trainer_routing, strict=False)
         ]
-        self._add("rollout_vs_train", pairs, 0, None)
+        self._add("rollout_vs_train", pairs, 0, None, self.engine_masks)
 
     def from_training_forward(
         self, recorded: Routing, old_offset: int, micro_batches: Sequence[MicroBatch], targets_of: TargetsOf, step: int
@@ -246,10 +253,12 @@ class RoutingDiagnostics:
         turns = turns.cpu().clamp(max=self.plan.turns - 1)
         return [turns == t for t in range(self.plan.turns)]
 
-    def _add(self, kind: str, pairs: Pairs, offset: int, load: ExpertLoad | None) -> None:
-        """The volatility of ``pairs`` (the step's micro-batches ``offset ..``) over every position, then per
-        turn over the positions each turn fed."""
-        masks = self.old_masks[offset : offset + len(pairs)]
+    def _add(
+        self, kind: str, pairs: Pairs, offset: int, load: ExpertLoad | None, masks_of: list[torch.Tensor] | None = None
+    ) -> None:
+        """The volatility of ``pairs`` (the step's micro-batches ``offset ..``) over every position (of
+        ``masks_of``, by default the real ones), then per turn over the positions each turn fed."""
+        masks = (self.old_masks if masks_of is None else masks_of)[offset : offset + len(pairs)]
         self.step_records.append((kind, _volatility(pairs, masks), load, None))
         turns = self.old_turns[offset : offset + len(pairs)]
         for t in range(self.plan.turns):
@@ -332,13 +341,16 @@ def _rows_of_tokens(local: torch.Tensor, micro_batch: MicroBatch, mesh: Parallel
     return rows
 
 
-def _token_turns(micro_batch: StepMicroBatch, mesh: ParallelMesh, turns: int) -> torch.Tensor:
+def _token_turns(micro_batch: StepMicroBatch, mesh: ParallelMesh, turns: int | None) -> torch.Tensor:
     """long [s_local * b] in megatron's token order (like ``_token_mask``): the turn whose engine call fed each
-    input token, past ``turns - 1`` counted in the last; 0 for a single-turn sample."""
+    input token, past ``turns - 1`` counted in the last (``turns`` None: uncapped); 0 for a single-turn sample,
+    -1 where no engine call fed it (padding; a trajectory that ended before its first turn)."""
     of = micro_batch.input_turns
     if of is None:
         of = torch.zeros(micro_batch.num_rows, micro_batch.seq_len, dtype=torch.long)
-    of = split_sequence(of.clamp(min=0, max=turns - 1), mesh.layout.cp, mesh.cp_rank if mesh.layout.cp > 1 else 0)
+    if turns is not None:
+        of = of.clamp(max=turns - 1)
+    of = split_sequence(of, mesh.layout.cp, mesh.cp_rank if mesh.layout.cp > 1 else 0)
     of = of.transpose(0, 1)  # [s, b]
     if mesh.layout.use_sequence_parallel and mesh.layout.tp > 1:
         of = of.chunk(mesh.layout.tp, dim=0)[mesh.tp_rank]

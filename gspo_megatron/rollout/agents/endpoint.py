@@ -145,6 +145,14 @@ def _canonical(message: dict) -> tuple:
     return message.get("role"), message.get("content") or "", calls, message.get("tool_call_id") or ""
 
 
+class _EndpointHTTPServer(ThreadingHTTPServer):
+    # every trajectory's client connects at once (a step's rollouts start together) while the engine's
+    # forward holds the GIL and the accept loop lags: the default listen backlog of 5 then overflows and
+    # the kernel resets connections (a client sees APIConnectionError before its first turn)
+    request_queue_size = 1024
+    daemon_threads = True
+
+
 class SessionServer:
     """The run's endpoint: one loopback HTTP server, one session per trajectory (module docstring)."""
 
@@ -153,8 +161,7 @@ class SessionServer:
             raise ValueError(f"the agent endpoint listens on loopback only, not {host}")
         self.template = template
         self.sessions: dict[str, EndpointSession] = {}
-        self._server = ThreadingHTTPServer((host, 0), _handler(self))
-        self._server.daemon_threads = True
+        self._server = _EndpointHTTPServer((host, 0), _handler(self))
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="agent-endpoint", daemon=True)
         self._thread.start()

@@ -8,19 +8,21 @@ Design decisions:
 - Seeds: trajectory j of a call draws from ``params.seed + j * stride``, each turn from that plus its index
   (``Conversation``), so a resumed run redraws the same trajectories, whatever the batching.
 - A trajectory that raises, or runs past ``rollout.agent.trajectory_timeout_s``, ends with what it has
-  (counted: ``agent/errors``, ``agent/timeouts``); the others and the run go on. One that generated nothing
-  gets an empty turn: no token to train, reward as the verifier scores an empty answer.
+  (counted: ``agent/errors``, ``agent/timeouts``, and logged with the first error); the others and the run go
+  on. One that ended before its first turn is an empty answer with no turns (``turns == []``: no engine call
+  fed it, so it has no routing rows): no token to train, reward as the verifier scores an empty answer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import Callable
 
 import torch
 
-from gspo_megatron.contracts.samples import FinishReason, Sample, SamplingParams, TurnSpan
+from gspo_megatron.contracts.samples import FinishReason, Sample, SamplingParams
 from gspo_megatron.rollout.agents.agent import Agent, AgentContext
 from gspo_megatron.rollout.agents.batcher import TurnBatcher
 from gspo_megatron.rollout.agents.conversation import Conversation
@@ -34,6 +36,7 @@ from gspo_megatron.rollout.rewards.types import RewardResult
 
 _TRAJECTORY_SEED_STRIDE = 1_000_033
 AGENT_STATS = "agent"  # Sample.extra: a trajectory's counts (tool calls, errors by kind, malformed calls)
+logger = logging.getLogger(__name__)
 
 
 class TrajectoryRunner:
@@ -82,6 +85,7 @@ class TrajectoryRunner:
         outcomes = asyncio.run(batcher.run([self._bounded(context) for context in contexts]))
         self.batch_sizes = batcher.batches
         samples = [self._sample(context, outcome) for context, outcome in zip(contexts, outcomes, strict=True)]
+        _log_failures(outcomes, self.config.trajectory_timeout_s)
         return [samples[i * params.n : (i + 1) * params.n] for i in range(len(records))]
 
     def close(self) -> None:
@@ -96,7 +100,7 @@ class TrajectoryRunner:
 
     def _sample(self, context: AgentContext, outcome: object) -> Sample:
         conversation = context.conversation
-        if not conversation.spans:  # ended before its first turn: an empty answer
+        if not conversation.spans:  # ended before its first turn: an empty answer that no engine call fed
             sample = Sample(
                 list(conversation.prompt_ids),
                 [],
@@ -104,7 +108,7 @@ class TrajectoryRunner:
                 FinishReason.ABORT,
                 weight_version=self.engine.weight_version,
                 inserted_mask=torch.zeros(0, dtype=torch.bool),
-                turns=[TurnSpan(0, 0, self.engine.weight_version)],
+                turns=[],
             )
         else:
             sample = conversation.sample()
@@ -150,3 +154,20 @@ def trajectory_metrics(samples: list[Sample], scored: list[RewardResult]) -> dic
     if (~used).any():
         metrics["agent/reward_without_tool"] = rewards[~used].mean()
     return metrics
+
+
+def _log_failures(outcomes: list[object], timeout_s: float) -> None:
+    """One warning per call that had failed trajectories: how many, and the first error in full (the metrics
+    count them; the log says why)."""
+    errors = [outcome for outcome in outcomes if outcome is not None and not isinstance(outcome, TimeoutError)]
+    timeouts = sum(isinstance(outcome, TimeoutError) for outcome in outcomes)
+    if errors:
+        logger.warning(
+            "%d of %d trajectories ended with an error (kept with what they had); the first: %r",
+            len(errors), len(outcomes), errors[0],
+        )
+    if timeouts:
+        logger.warning(
+            "%d of %d trajectories ran past rollout.agent.trajectory_timeout_s=%s (kept with what they had)",
+            timeouts, len(outcomes), timeout_s,
+        )

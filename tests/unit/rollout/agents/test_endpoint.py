@@ -4,10 +4,12 @@ history cannot be rewritten; sessions answer only their own key, on loopback onl
 
 from __future__ import annotations
 
+import http.client
 import os
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 import openai
@@ -203,3 +205,38 @@ def test_the_endpoint_listens_on_loopback_only(setting):
         pytest.skip("this machine has no non-loopback IPv4 address to try")
     with pytest.raises(OSError), socket.create_connection((others[0], port), timeout=5):
         pass  # nothing listens there: another host cannot reach the endpoint
+
+
+def test_clients_that_connect_together_while_accepting_lags_are_all_answered(setting):
+    # a step's trajectories all connect at once while the engine's forward holds the GIL; with the listen
+    # backlog at http.server's default (5) the kernel reset the overflow: a client saw APIConnectionError
+    # before its first turn (CI, 2026-12-06), the trajectory ended empty and the step failed
+    _, _, _, server = setting
+    server._server.shutdown()  # the accept loop stops; the listening socket stays open
+    statuses: list[object] = []
+
+    def connect() -> None:
+        try:
+            connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+            connection.request("POST", "/s/none/v1/chat/completions", body=b"{}")
+            statuses.append(connection.getresponse().status)
+        except OSError as error:
+            statuses.append(error)
+
+    clients = [threading.Thread(target=connect) for _ in range(48)]
+    for client in clients:
+        client.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _queued_connections(server.port) < 48 and len(statuses) < 48:
+        time.sleep(0.05)  # until every client's connection waits in the backlog (or was refused)
+    accepting = threading.Thread(target=server._server.serve_forever, daemon=True)
+    accepting.start()
+    for client in clients:
+        client.join(timeout=60)
+    assert statuses == [404] * 48  # every one answered (no session at that path), none reset
+
+
+def _queued_connections(port: int) -> int:
+    """Established connections to ``port`` that the server has not accepted (the kernel's accept queue)."""
+    ours = [c for c in psutil.net_connections("tcp4") if c.raddr and c.raddr.port == port]
+    return sum(c.status == psutil.CONN_ESTABLISHED for c in ours)

@@ -275,3 +275,40 @@ def test_a_turn_never_overruns_the_trajectorys_token_budget():
     for sample in (s for g in grouped for s in g):
         generated = [span.end - span.start for span in sample.turns]
         assert all(n <= 8 for n in generated) and len(sample.output_ids) <= 12 + 4  # the last answer is cut off
+
+
+def test_a_trajectory_that_fails_before_its_first_turn_is_packed_with_no_routing_to_compare(caplog):
+    # an agent's client can fail before its first request is answered (CI 2026-12-06: a connection reset):
+    # the trajectory is an empty answer that no engine call fed, and the step packs for routing replay and
+    # the rollout_vs_train diagnostic without it (the run failed: "a sample has none")
+    agent = scripted(["42"])
+
+    async def fails_on_the_second(ctx: AgentContext) -> None:
+        if ctx.conversation.seed == PARAMS.seed + 1_000_033:  # the record's second trajectory
+            raise ConnectionResetError("the client's connection was reset")
+        await agent(ctx)
+
+    with caplog.at_level("WARNING"):
+        grouped = runner(engine(model(1)), fails_on_the_second).generate(records("add 3 4:"), PARAMS)
+    ok, failed = grouped[0]
+    assert failed.turns == [] and failed.output_ids == [] and failed.routed_experts is None
+    assert "ConnectionResetError" in failed.extra[AGENT_STATS]["error"]
+    assert "1 of 2 trajectories ended with an error" in caplog.text and "connection was reset" in caplog.text
+    batch = pack_samples([ok, failed], torch.zeros(2), torch.zeros(2), torch.zeros(2), TOKENIZER.pad_token_id, True)
+    fed_ok = len(ok.prompt_ids) + len(ok.output_ids) - 1
+    assert torch.equal(batch.routed_experts[0, :fed_ok], ok.routed_experts)
+    p = len(failed.prompt_ids)
+    assert batch.input_mask[1].sum() == p - 1 and batch.response_mask[1].sum() == 0  # fed, nothing trained
+    assert batch.input_turns[1].tolist() == [-1] * batch.input_turns.shape[1]  # no engine call fed it
+    assert batch.routed_experts[1, : p - 1].tolist() == [[[0, 1]] * 2] * (p - 1)  # a valid top-k, as padding
+
+
+def test_a_sample_without_routing_that_an_engine_call_fed_is_still_refused():
+    fed_but_lost = Sample([1, 2], [4, 5], torch.zeros(2), FinishReason.STOP, turns=[TurnSpan(0, 2, 1)])
+    single = Sample([1, 2], [4, 5], torch.zeros(2), FinishReason.STOP)
+    for sample in (fed_but_lost, single):
+        with pytest.raises(ValueError, match="needs routed experts from the engine"):
+            pack_samples([sample], torch.zeros(1), torch.zeros(1), torch.zeros(1), 0, True)
+    empty = Sample([1, 2, 3], [], torch.zeros(0), FinishReason.ABORT, turns=[])
+    with pytest.raises(ValueError, match="every one of the step's 2 trajectories ended before its first turn"):
+        pack_samples([empty, empty], torch.zeros(2), torch.zeros(2), torch.zeros(2), 0, True)
