@@ -106,11 +106,12 @@ def _routed_experts(samples: list[Sample], fed: torch.Tensor) -> torch.Tensor:
 
 def _input_turns(samples: list[Sample], width: int) -> torch.Tensor:
     """long [n, S-1]: the turn whose engine call fed each input position of a multi-turn trajectory, -1 where
-    none did (padding; a trajectory that ended before its first turn, ``turns == []``). Turn t's call feeds, in its prefill, every position from the last generated token of turn t-1
-    (the prompt for turn 0) through the inserted tokens after it, then, decoding, its own generated tokens
-    but the last: position j belongs to the number of turns whose last generated token lies at or before j.
-    The log-prob of target j+1 comes from the same forward, so the tokens a turn generated are the targets of
-    its positions. A sample without turns is one turn."""
+    none did (padding; a trajectory that ended before its first turn, ``turns == []``). Turn t's call feeds,
+    in its prefill, every position from the last generated token of turn t-1 (the prompt for turn 0) through
+    the inserted tokens after it, then, decoding, its own generated tokens but the last: position j belongs
+    to the number of turns whose last generated token lies at or before j. The log-prob of target j+1 comes
+    from the same forward, so the tokens a turn generated are the targets of its positions. A sample without
+    turns (``None``) is one turn."""
     turns = torch.full((len(samples), width - 1), -1, dtype=torch.long)
     for i, sample in enumerate(samples):
         if sample.turns == []:

@@ -164,10 +164,14 @@ def _log_failures(outcomes: list[object], timeout_s: float) -> None:
     if errors:
         logger.warning(
             "%d of %d trajectories ended with an error (kept with what they had); the first: %r",
-            len(errors), len(outcomes), errors[0],
+            len(errors),
+            len(outcomes),
+            errors[0],
         )
     if timeouts:
         logger.warning(
             "%d of %d trajectories ran past rollout.agent.trajectory_timeout_s=%s (kept with what they had)",
-            timeouts, len(outcomes), timeout_s,
+            timeouts,
+            len(outcomes),
+            timeout_s,
         )
