@@ -13,6 +13,9 @@ Design decisions:
 - Several old keys may become one (the trigger-word lists). Where their saved values differ, the new
   key holds a text naming each (``CONFLICT``): it equals no value a run can set, so a resume refuses
   and names the key instead of picking one list silently.
+- A saved config that holds an old key and its new name too (no code wrote it: an edited file) is the same
+  case: the new name's value is one of the candidates, never overwritten by the old one (which let the
+  wrong resume through and refused the right one, issue 63).
 """
 
 from __future__ import annotations
@@ -71,6 +74,8 @@ def migrate_config(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     for old, new in moved.items():  # ("algorithm.loss" was a leaf that now is the section its name goes into)
         values.setdefault(new, {})[old] = _pop(out, old)
     for new, olds in values.items():
+        if _is_leaf(out, new):  # the saved config also holds the new name (module docstring)
+            olds[new] = _pop(out, new)
         distinct = {repr(v) for v in olds.values()}
         value = next(iter(olds.values())) if len(distinct) == 1 else CONFLICT.format(olds)
         _set(out, new, value)

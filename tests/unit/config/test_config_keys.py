@@ -8,6 +8,7 @@ from pathlib import Path
 import yaml
 from omegaconf import OmegaConf
 
+from gspo_megatron.config.resume_check import config_differences
 from gspo_megatron.config.schema import TrainConfig
 from gspo_megatron.core.config_migrations import RENAMED, migrate_config
 from gspo_megatron.core.config_node import flatten_dotted
@@ -62,3 +63,16 @@ def test_old_lists_that_became_one_key_move_when_equal_and_name_each_other_when_
     value = migrate_config(differ)[0]["shaping"]["trigger_words"]
     # a text no run can set: the resume check refuses it by name instead of picking one list
     assert isinstance(value, str) and "shaping.step_grpo.triggers" in value and "shaping.metrics.triggers" in value
+
+
+def test_a_saved_config_with_an_old_key_and_its_new_name_refuses_naming_both():
+    # issue 63: the old key's value overwrote the new name's -- a resume at the old value was accepted, one at
+    # the value the file's new key held was refused
+    saved = "algorithm:\n  clip_low: 0.1\n  loss:\n    clip_low: 0.3\n"
+    value = migrate_config(yaml.safe_load(saved))[0]["algorithm"]["loss"]["clip_low"]
+    assert isinstance(value, str) and "algorithm.clip_low" in value and "algorithm.loss.clip_low" in value
+    for resumed in (0.1, 0.3):
+        differences = config_differences(saved, f"algorithm:\n  loss:\n    clip_low: {resumed}\n")
+        assert list(differences) == ["algorithm.loss.clip_low"]
+    agree = {"algorithm": {"clip_low": 0.3, "loss": {"clip_low": 0.3}}}
+    assert migrate_config(agree)[0] == {"algorithm": {"loss": {"clip_low": 0.3}}}
