@@ -77,7 +77,11 @@ IMPORT_PREFIX = "import:"
 
 
 def import_function(spec: str, kind: str) -> Callable:
-    """A user's function named ``import:package.module:function`` (``kind`` names it in errors: "reward")."""
+    """A user's function named ``import:package.module:function`` (``kind`` names it in errors: "reward").
+
+    Whatever the module does wrong at import becomes a ValueError naming the spec and the module:
+    an exception (chained, so its traceback shows), and ``sys.exit`` too, which is a BaseException
+    that would otherwise end the whole run with its exit code and no message."""
     import importlib
 
     target = spec[len(IMPORT_PREFIX) :] if spec.startswith(IMPORT_PREFIX) else ""
@@ -88,6 +92,15 @@ def import_function(spec: str, kind: str) -> Callable:
         module = importlib.import_module(module_name)
     except ImportError as error:
         raise ValueError(f"{kind} {spec!r}: cannot import module {module_name!r} ({error})") from error
+    except SystemExit as stop:  # a BaseException: uncaught, the run would end with its code and no message
+        raise ValueError(
+            f"{kind} {spec!r}: module {module_name!r} exited while being imported (SystemExit, code "
+            f"{stop.code!r}); move its script code under `if __name__ == '__main__':`"
+        ) from None
+    except Exception as error:  # the module's own bug: name the module, keep its traceback
+        raise ValueError(
+            f"{kind} {spec!r}: importing module {module_name!r} raised {type(error).__name__}: {error}"
+        ) from error
     fn = getattr(module, function_name, None)
     if fn is None or not callable(fn):
         raise ValueError(f"{kind} {spec!r}: module {module_name!r} has no callable {function_name!r}")

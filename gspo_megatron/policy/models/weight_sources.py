@@ -1,7 +1,8 @@
 """Where HF-named weights come from: a dict, or a HF checkpoint directory read tensor by tensor
-(``SafetensorsSource``: shards checked at open, block-FP8 weights dequantized, float8 without scales refused),
-and the check that a checkpoint holds nothing the model config has no place for (``check_checkpoint_names``;
-multi-token-prediction layers are set aside). ``policy/models/conversion.py`` loads from them."""
+(``SafetensorsSource``: shards checked at open and kept inside the directory (``shard_path``), block-FP8
+weights dequantized, float8 without scales refused), and the check that a checkpoint holds nothing the
+model config has no place for (``check_checkpoint_names``; multi-token-prediction layers are set aside).
+``policy/models/conversion.py`` loads from them."""
 
 from __future__ import annotations
 
@@ -44,6 +45,44 @@ class DictSource(WeightSource):
         return self.tensors[name]
 
 
+def shard_path(directory: Path, entry: object, index: Path | None) -> Path:
+    """The file ``entry`` (a shard name from ``index``'s weight_map; None: the single ``model.safetensors``)
+    names, refused unless it lies inside ``directory``.
+
+    An index is data, not a path policy: a checkpoint downloaded or copied from elsewhere must not read
+    ``/etc/...`` or a neighbour's weights because its index says so. So an entry is a relative name without
+    ``..``, and the file it names, symlinks resolved, lies inside the (resolved) directory. The one symlink
+    outside it that is accepted is the Hugging Face hub cache's own layout: ``<repo>/snapshots/<rev>/<shard>``
+    links to ``<repo>/blobs/<sha>``, which ``huggingface_hub`` makes for every download into its cache."""
+    where = f"{index}: weight_map names shard {entry!r}" if index else f"{directory / str(entry)}"
+    if not isinstance(entry, str) or not entry:
+        raise ConversionError(f"{where}, which is not a file name; rewrite the index (names relative to it)")
+    name = Path(entry)
+    if name.is_absolute() or ".." in name.parts:
+        raise ConversionError(
+            f"{where}, which is {'an absolute path' if name.is_absolute() else 'a path through ..'}: a shard "
+            f"must lie inside {directory}; copy it there and name it relative to the index"
+        )
+    path = directory / name
+    inside = directory.resolve()
+    target = path.resolve()
+    if not target.is_relative_to(inside) and target.parent != _hub_blobs(inside):
+        raise ConversionError(
+            f"{where}, which resolves through a symlink to {target}, outside {inside}: a shard must lie inside "
+            "the checkpoint directory; copy the file in instead of linking it"
+        )
+    return path
+
+
+def _hub_blobs(directory: Path) -> Path | None:
+    """``<repo>/blobs`` when ``directory`` lies in a hub cache's ``<repo>/snapshots/<rev>/`` (None otherwise)."""
+    parts = directory.parts
+    for i in range(len(parts) - 2, 0, -1):
+        if parts[i] == "snapshots":
+            return Path(*parts[:i]) / "blobs"
+    return None
+
+
 def _open_shard(path: Path):
     """``safe_open`` with errors that name the file (safetensors' own name none)."""
     from safetensors import safe_open
@@ -71,11 +110,12 @@ class SafetensorsSource(WeightSource):
         from safetensors import safe_open
 
         self.directory = Path(directory)
-        index = self.directory / "model.safetensors.index.json"
-        if index.is_file():
+        index_file = self.directory / "model.safetensors.index.json"
+        index = index_file if index_file.is_file() else None
+        if index is not None:
             weight_map = json.loads(index.read_text())["weight_map"]
         else:
-            single = self.directory / "model.safetensors"
+            single = shard_path(self.directory, "model.safetensors", None)
             if not single.is_file():
                 raise ConversionError(
                     f"{self.directory} has neither model.safetensors nor model.safetensors.index.json"
@@ -83,8 +123,9 @@ class SafetensorsSource(WeightSource):
             with _open_shard(single) as handle:
                 weight_map = {k: "model.safetensors" for k in handle.keys()}  # noqa: SIM118 - keys() only: not a mapping, not iterable
         self.weight_map = weight_map
-        for file in sorted(set(weight_map.values())):  # a missing or truncated shard fails here, named
-            with _open_shard(self.directory / file):
+        self._shards = {file: shard_path(self.directory, file, index) for file in sorted(set(weight_map.values()))}
+        for path in self._shards.values():  # a missing or truncated shard fails here, named
+            with _open_shard(path):
                 pass
         self._open = safe_open
         self._handles: dict[str, safe_open] = {}
@@ -111,7 +152,7 @@ class SafetensorsSource(WeightSource):
             raise ConversionError(f"{self.directory} has no tensor {name!r}")
         file = self.weight_map[name]
         if file not in self._handles:
-            self._handles[file] = self._open(str(self.directory / file), "pt")
+            self._handles[file] = self._open(str(self._shards[file]), "pt")
         return self._handles[file].get_tensor(name)
 
 

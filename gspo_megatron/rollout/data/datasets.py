@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +91,29 @@ def _read_parquet(path: Path) -> Iterator[tuple[str, dict]]:
         yield f"{path}:row {row_no}", row
 
 
+_NOT_REGULAR = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _check_regular_file(path: Path) -> None:
+    """Refuse a dataset path that is missing or not a regular file (symlinks followed), saying which.
+    Checked with ``os.stat``, never by opening: a FIFO's open blocks until a writer comes, and
+    /dev/zero never ends."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"dataset file {str(path)!r} does not exist (dataset.path)") from None
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(f"dataset.path {str(path)!r} is a directory; name the .jsonl or .parquet file")
+    if not stat.S_ISREG(mode):
+        kind = next((name for test, name in _NOT_REGULAR if test(mode)), "a special file")
+        raise ValueError(f"dataset.path {str(path)!r} is {kind}, not a regular file; name the .jsonl or .parquet file")
+
+
 def _get_field(row: dict, dotted: str, where: str) -> Any:
     value: Any = row
     for part in dotted.split("."):
@@ -111,10 +136,7 @@ class PromptDataset:
         if config.path is None:
             raise ValueError("dataset.path is required for a dataset task (a local .jsonl or .parquet file)")
         self.path = Path(config.path)
-        if self.path.is_dir():
-            raise IsADirectoryError(f"dataset.path {str(self.path)!r} is a directory; name the .jsonl or .parquet file")
-        if not self.path.is_file():
-            raise FileNotFoundError(f"dataset file {str(self.path)!r} does not exist (dataset.path)")
+        _check_regular_file(self.path)
         self.stats = DatasetStats()
         stop_strings = [tokenizer.decode([i]) for i in tokenizer.stop_token_ids]
         self.records: list[PromptRecord] = self._load(stop_strings)

@@ -18,6 +18,9 @@ Design decisions:
   run in workers unless ``reward.in_process=true`` says otherwise.
 - Every failure costs its one sample (reward 0) and carries its kind (``FAILURE_KINDS``): raised,
   wrong type (checked inside the guard, conversion included), NaN/inf, timeout, death.
+- The fields are type-checked, not converted: ``bool("false")`` is True and ``float("1")`` is 1.0, so
+  a verifier returning strings would score silently. ``correct``/``format_ok`` must be bools (or the
+  integers 0/1, numpy's included), ``reward`` a real number; anything else is a ``bad_type`` failure.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from __future__ import annotations
 import contextlib
 import math
 import multiprocessing
+import numbers
 import signal
+import sys
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -47,14 +52,36 @@ def call_reward(fn: RewardFn, response: str, record: PromptRecord) -> RewardResu
     if not isinstance(result, RewardResult):
         return RewardResult.failed(f"verifier returned {type(result).__name__}, expected RewardResult", "bad_type")
     try:  # inside the guard: a RewardResult holding a string or an array must not crash the caller
-        reward, correct, format_ok = float(result.reward), bool(result.correct), bool(result.format_ok)
-    except Exception as error:  # noqa: BLE001 - whatever float() and bool() raise on the verifier's values
-        return RewardResult.failed(f"verifier returned a RewardResult with a non-number ({error})", "bad_type")
+        reward = _real_field("reward", result.reward)
+        correct, format_ok = _flag_field("correct", result.correct), _flag_field("format_ok", result.format_ok)
+    except Exception as error:  # noqa: BLE001 - our TypeError, or whatever a strange number's float() raises
+        return RewardResult.failed(f"verifier returned a bad RewardResult: {error}", "bad_type")
     if not math.isfinite(reward):
         return RewardResult.failed(f"verifier returned reward {reward}", "nonfinite")
     message = None if result.error is None else str(result.error)
     failure = None if message is None else (result.failure or "verifier")
     return RewardResult(reward, correct, format_ok, message, failure)
+
+
+def _real_field(name: str, value: object) -> float:
+    """A real number as float; a string is refused even when it parses (``float("1")`` would)."""
+    if not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"RewardResult.{name} is {value!r} ({type(value).__name__}); return a real number, e.g. {name}=1.0"
+        )
+    return float(value)
+
+
+def _flag_field(name: str, value: object) -> bool:
+    """A bool, or the integers 0/1; ``bool(value)`` would call the string "false" true."""
+    numpy = sys.modules.get("numpy")  # a numpy bool exists only where numpy was imported
+    if numpy is not None and isinstance(value, numpy.bool_):
+        return bool(value)
+    if isinstance(value, numbers.Integral) and value in (0, 1):  # bool is an int
+        return bool(value)
+    raise TypeError(
+        f"RewardResult.{name} is {value!r} ({type(value).__name__}); return a bool, e.g. {name}=(answer == gold)"
+    )
 
 
 def _worker_main(conn: Connection, reward_name: str) -> None:

@@ -1,4 +1,5 @@
 import json
+import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -104,6 +105,19 @@ def test_directory_and_all_bad_utf8_files_are_named_for_what_they_are(tmp_path):
     latin1.write_bytes(b'{"question": "sum \xe9="}\n{"question": "\xff"}\n')
     with pytest.raises(ValueError, match=r"all 2 non-blank lines are not valid UTF-8 .*on_bad_utf8=skip"):
         PromptDataset(_config(latin1, on_bad_utf8="skip"), TOK)
+
+
+def test_fifo_and_device_are_named_for_what_they_are(tmp_path):
+    """Issue 63 item 7: a FIFO or a character device is not reported as missing (nor opened: a FIFO's
+    open would block this test), while a missing file still is."""
+    fifo = tmp_path / "prompts.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match=r"prompts.jsonl' is a FIFO, not a regular file; name the .jsonl"):
+        PromptDataset(_config(fifo), TOK)
+    with pytest.raises(ValueError, match=r"'/dev/zero' is a character device, not a regular file"):
+        PromptDataset(_config("/dev/zero"), TOK)
+    with pytest.raises(FileNotFoundError, match=r"missing.jsonl' does not exist"):
+        PromptDataset(_config(tmp_path / "missing.jsonl"), TOK)
 
 
 def test_empty_and_missing_files(tmp_path):

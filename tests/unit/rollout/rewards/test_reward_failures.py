@@ -55,3 +55,45 @@ def test_only_trivial_builtins_run_in_process_by_default(name, in_process):
         assert pool.in_process is in_process
     finally:
         pool.close()
+
+
+def _returning(**fields) -> PromptRecord:
+    return PromptRecord("q", "7", {"result": {"reward": 1.0, "correct": True, "format_ok": True, **fields}})
+
+
+@pytest.mark.parametrize(
+    "field, value, type_name",
+    [
+        ("correct", "false", "str"),  # bool("false") is True: it used to count as correct, silently
+        ("correct", None, "NoneType"),
+        ("correct", 2, "int"),
+        ("correct", 1.0, "float"),
+        ("format_ok", "no", "str"),
+        ("reward", "1.0", "str"),  # float("1.0") parses: it used to score 1.0
+        ("reward", None, "NoneType"),
+    ],
+)
+def test_fields_of_the_wrong_type_fail_their_sample_naming_the_field(field, value, type_name):
+    pool = RewardPool("import:verifier_doubles:returns_record_fields", RewardConfig(in_process=True))
+    [result] = pool.score(["7"], [_returning(**{field: value})])
+    assert (result.failure, result.reward, result.correct, result.format_ok) == ("bad_type", 0.0, False, False)
+    assert f"RewardResult.{field} is {value!r} ({type_name}); return a" in result.error
+    assert pool.stats.failures["bad_type"] == 1 and pool.stats.errors == 1  # reward/errors/bad_type counts it
+
+
+def test_bools_and_the_integers_0_and_1_are_accepted():
+    np = pytest.importorskip("numpy")
+    pool = RewardPool("import:verifier_doubles:returns_record_fields", RewardConfig(in_process=True))
+    records = [
+        _returning(correct=False, format_ok=True, reward=0),
+        _returning(correct=1, format_ok=0),
+        _returning(correct=np.True_, format_ok=np.int64(0), reward=np.float32(0.5)),
+    ]
+    results = pool.score(["7"] * 3, records)
+    assert results == [
+        RewardResult(0.0, False, True),
+        RewardResult(1.0, True, False),
+        RewardResult(0.5, True, False),
+    ]
+    assert all(type(r.correct) is bool and type(r.format_ok) is bool for r in results)
+    assert pool.stats.errors == 0

@@ -63,3 +63,8 @@ def misbehaves_by_response(response, record):
     if response == "die":
         os.kill(os.getpid(), signal.SIGKILL)
     return _ok(response, record)
+
+
+def returns_record_fields(response, record):
+    """A RewardResult of whatever fields the record carries in ``metadata["result"]`` (typed or not)."""
+    return RewardResult(**record.metadata["result"])
