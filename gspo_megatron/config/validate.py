@@ -11,7 +11,7 @@ import importlib.util
 from gspo_megatron.algorithms.config import OldLogProbSource
 from gspo_megatron.config.schema import TrainConfig
 from gspo_megatron.core.config_node import config_nodes
-from gspo_megatron.core.registry import IMPORT_PREFIX, UnknownNameError, import_function
+from gspo_megatron.core.registry import UnknownNameError
 from gspo_megatron.policy.config import use_distributed_optimizer
 from gspo_megatron.policy.parallel.context_parallel import validate_context_parallel
 from gspo_megatron.policy.routing.config import DiagnosticKind
@@ -148,20 +148,6 @@ def validate_for_machine(cfg: TrainConfig) -> None:
             raise ConfigError(
                 f"{key}=true but the {package} package is not installed here; install it, or set {key}=false"
             )
-    _validate_reward_module(cfg.task.reward)
-
-
-def _validate_reward_module(reward: str | None) -> None:
-    """A user's ``import:`` reward is imported now, on every rank, so a module that raises or calls
-    ``sys.exit`` at import fails start-up in seconds, before the run directory is claimed, instead of
-    after the policy is built; the reward pool's lookup on the driver then finds it in ``sys.modules``.
-    Built-in names cannot fail to import. (The import now precedes the reaper: a module that starts
-    processes at import starts them untagged here; its reward workers import it tagged, as before.)"""
-    if reward and reward.startswith(IMPORT_PREFIX):
-        try:
-            import_function(reward, "reward")
-        except ValueError as error:
-            raise ConfigError(f"task.reward: {error}") from error
 
 
 def _validate_optimizer_offload(cfg: TrainConfig, layout) -> None:

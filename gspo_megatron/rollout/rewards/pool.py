@@ -64,12 +64,14 @@ def call_reward(fn: RewardFn, response: str, record: PromptRecord) -> RewardResu
 
 
 def _real_field(name: str, value: object) -> float:
-    """A real number as float; a string is refused even when it parses (``float("1")`` would)."""
-    if not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"RewardResult.{name} is {value!r} ({type(value).__name__}); return a real number, e.g. {name}=1.0"
-        )
-    return float(value)
+    """A real number as float: a Python or numpy number, or a one-element tensor or array (a reward model's
+    score); a string is refused even when it parses (``float("1")`` would)."""
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if hasattr(value, "dtype") and not isinstance(value, (str, bytes)):
+        with contextlib.suppress(TypeError, ValueError, RuntimeError):
+            return float(value)  # type: ignore[arg-type]  # one element (more raise)
+    raise TypeError(f"RewardResult.{name} is {value!r} ({type(value).__name__}); return a real number, e.g. {name}=1.0")
 
 
 def _flag_field(name: str, value: object) -> bool:

@@ -71,6 +71,7 @@ def _returning(**fields) -> PromptRecord:
         ("format_ok", "no", "str"),
         ("reward", "1.0", "str"),  # float("1.0") parses: it used to score 1.0
         ("reward", None, "NoneType"),
+        ("reward", [1.0], "list"),
     ],
 )
 def test_fields_of_the_wrong_type_fail_their_sample_naming_the_field(field, value, type_name):
@@ -97,3 +98,17 @@ def test_bools_and_the_integers_0_and_1_are_accepted():
     ]
     assert all(type(r.correct) is bool and type(r.format_ok) is bool for r in results)
     assert pool.stats.errors == 0
+
+
+def test_a_reward_models_one_element_tensor_or_array_is_a_reward_and_a_longer_one_is_not():
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    pool = RewardPool("import:verifier_doubles:returns_record_fields", RewardConfig(in_process=True))
+    records = [
+        _returning(reward=torch.tensor(0.25)),
+        _returning(reward=np.array(0.75)),
+        _returning(reward=torch.ones(2)),
+    ]
+    results = pool.score(["7"] * 3, records)
+    assert [r.reward for r in results[:2]] == [0.25, 0.75] and results[2].failure == "bad_type"
+    assert "RewardResult.reward is tensor([1., 1.])" in results[2].error
