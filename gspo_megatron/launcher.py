@@ -6,9 +6,9 @@ What torchrun did for us, without what it did wrong (issue 34, D2/D4/D7/D16):
 - **One store, on the address it is told.** torchrun's rendezvous and worker stores (TCPStore
   servers, unauthenticated) listen on every interface. Here the one store every rank meets at is
   served from this process on a socket bound first to ``--master-addr`` (127.0.0.1 for one node,
-  the node-0 address the other nodes dial for several) and handed to ``TCPStore`` as
-  ``master_listen_fd``; the ranks attach to it as clients, as they do to torchrun's agent store
-  (``TORCHELASTIC_USE_AGENT_STORE``). Gloo's own sockets use ``GLOO_SOCKET_IFNAME`` (``lo`` for one
+  the node-0 address the other nodes dial for several; ``core/listeners.py``) and handed to
+  ``TCPStore`` as ``master_listen_fd``; the ranks attach to it as clients, as they do to torchrun's
+  agent store (``TORCHELASTIC_USE_AGENT_STORE``). Gloo's own sockets use ``GLOO_SOCKET_IFNAME`` (``lo`` for one
   node unless set).
 - **Signals reach the ranks once, from here.** The ranks run in their own session, so a terminal's
   Ctrl-C (SIGINT to the foreground group) reaches only the launcher, never a rank's helper
@@ -37,6 +37,8 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+
+from gspo_megatron.core.listeners import listen_on
 
 STOP_GRACE_S = 30.0
 PR_SET_PDEATHSIG = 1
@@ -74,17 +76,10 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def _listen(address: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((address, port))
+        return listen_on(address, port)
     except OSError as error:
-        raise SystemExit(
-            f"launcher: cannot listen on {address}:{port} ({error}); is --master-addr this node's?"
-        ) from None
-    sock.listen(1024)
-    return sock
+        raise SystemExit(f"launcher: {error} (--master-addr)") from None
 
 
 def _start_rank(args, overrides: list[str], local_rank: int, port: int) -> subprocess.Popen:
@@ -177,7 +172,6 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
             flush=True,
         )
-    serves_store = args.node_rank == 0
     listener = _listen(args.master_addr, args.master_port) if serves_store else None
     port = listener.getsockname()[1] if listener is not None else args.master_port
     ranks = _Ranks([_start_rank(args, overrides, local, port) for local in range(args.nproc_per_node)])

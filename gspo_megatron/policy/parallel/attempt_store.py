@@ -8,10 +8,14 @@ and fail at once (``Gloo connectFullMesh failed ... Connection refused``; pytorc
 healthy restarts them without counting, so the nodes disagree.
 
 Here rank 0 of every attempt serves a fresh TCPStore and announces ``host port nonce`` in the agent's
-store. Every other rank reads the announcement and accepts it only when the store it names answers
-and holds the same nonce: a stale announcement names the dead rank 0's store (nothing listens: the
-connection is refused) or a port another process holds now (no such nonce), and the rank reads again
-until this attempt's rank 0 has written it, within the collective timeout.
+store. The store listens on one address only (``core/listeners.py``; torch's own would listen on every
+interface): the one rank 0 reaches the agent's store from, which is this node's address on the job's
+network (127.0.0.1 when the agent's store is on loopback), and that is the ``host`` announced.
+
+Every other rank reads the announcement and accepts it only when the store it names answers and holds
+the same nonce: a stale announcement names the dead rank 0's store (nothing listens: the connection is
+refused) or a port another process holds now (no such nonce), and the rank reads again until this
+attempt's rank 0 has written it, within the collective timeout.
 
 Used only when restarts are possible (``TORCHELASTIC_MAX_RESTARTS`` > 0): otherwise the ranks meet in
 the store they were given (torchrun's, or the project launcher's loopback-only one).
@@ -28,6 +32,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
+
+from gspo_megatron.core.listeners import serve_store
 
 ANNOUNCEMENT = "gspo_attempt_store"  # key in the agent's store: "host port nonce"
 NONCE_KEY = "gspo_attempt_nonce"  # key in this attempt's store
@@ -57,11 +63,12 @@ def open_attempt_store(rank: int, host: str, port: int, timeout_s: float) -> Att
     """Rank 0 serves this attempt's store; the others find it through the agent's store at host:port."""
     agent = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
     if rank == 0:
-        server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+        own_host = address_towards(host, port)
+        server = serve_store(own_host, 0, timeout_s)
         nonce = secrets.token_hex(16)
         server.set(NONCE_KEY, nonce)
-        agent.set(ANNOUNCEMENT, f"{host} {server.port} {nonce}")
-        return AttemptStore(store=server, host=host, port=server.port)
+        agent.set(ANNOUNCEMENT, f"{own_host} {server.port} {nonce}")
+        return AttemptStore(store=server, host=own_host, port=server.port)
     deadline = time.monotonic() + timeout_s
     while True:
         own_host, own_port, nonce = agent.get(ANNOUNCEMENT).decode().split()
@@ -74,6 +81,15 @@ def open_attempt_store(rank: int, host: str, port: int, timeout_s: float) -> Att
                 f"(agent store {host}:{port}); is rank 0 running? (parallel.timeout_s bounds this wait)"
             )
         time.sleep(RETRY_S)
+
+
+def address_towards(host: str, port: int) -> str:
+    """This machine's address on the route to ``host:port`` (the local end of a connection to it)."""
+    try:
+        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S) as probe:
+            return probe.getsockname()[0]
+    except OSError as error:
+        raise AttemptStoreError(f"rank 0: cannot reach the agent's store at {host}:{port} ({error})") from None
 
 
 def _connect_if_fresh(host: str, port: int, nonce: str, timeout_s: float) -> dist.TCPStore | None:

@@ -5,8 +5,9 @@ each pipeline stage's first rank has one for its own layers (``rollout/sglang/st
 
 Design decisions:
 - The group is formed on the first bucket and re-formed whenever the set of live servers changes (a
-  dead server would otherwise hang every broadcast): the sender is rank 0 (TCP rendezvous on its own
-  host), server i's TP ranks follow at their offsets (``/init_weights_update_group``).
+  dead server would otherwise hang every broadcast): the sender is rank 0 (its rendezvous store listens
+  on ``sender_address`` only, bound before the servers are told the port), server i's TP ranks follow
+  at their offsets (``/init_weights_update_group``).
 - Each byte-size bucket is one ``/update_weights_from_distributed`` per server, posted from the loop
   thread while the caller's thread broadcasts the bucket -- the servers' HTTP handlers block until they
   have received it. The HTTP answers and the broadcast are awaited together and the first failure wins:
@@ -33,7 +34,6 @@ from gspo_megatron.core.fp8_blocks import quantize_named_tensors
 from gspo_megatron.core.named_tensors import NamedTensor
 from gspo_megatron.rollout.sglang.client import ServerState
 from gspo_megatron.rollout.sglang.config import SGLangConfig
-from gspo_megatron.rollout.sglang.launcher import free_port
 from gspo_megatron.rollout.sglang.server_calls import ServerCalls, gather
 from gspo_megatron.rollout.sglang.weight_sync import (
     InFlightBroadcast,
@@ -42,6 +42,7 @@ from gspo_megatron.rollout.sglang.weight_sync import (
     bucket_named_tensors,
     close_weight_update_group,
     open_weight_update_group,
+    serve_update_store,
 )
 
 # How long an abandoned broadcast (its bucket refused by a server) may take to end once its group was
@@ -192,7 +193,9 @@ class GroupSender:
 
     def _open(self, servers, tp_sizes: dict[str, int]):
         config = self.config
-        port = self.master_port or free_port()
+        # bound before the servers hear the port: no other process can take it in between
+        store = serve_update_store(self.master_address, self.master_port or 0, config.weight_sync_timeout_s)
+        port = store.port
         sizes = [tp_sizes[server.url] for server in servers]
         world_size = 1 + sum(sizes)
         offsets = [1 + sum(sizes[:i]) for i in range(len(servers))]
@@ -222,6 +225,7 @@ class GroupSender:
                 backend=config.weight_sync_backend,
                 group_name=self.group_name,
                 timeout_s=config.weight_sync_timeout_s,
+                store=store,
             )
         finally:
             pending.result(timeout=config.weight_sync_timeout_s)

@@ -9,7 +9,11 @@ Design decisions:
   ``rank_offset .. rank_offset + tp - 1``). ``open_weight_update_group`` builds it exactly the way
   SGLang's ``init_custom_process_group`` does on the other side (TCP rendezvous on the trainer,
   ``PrefixStore(group_name)``, ``_new_process_group_helper``), so store keys match; it is a private
-  torch helper, used here because SGLang uses it and the two sides must agree.
+  torch helper, used here because SGLang uses it and the two sides must agree. One difference: the
+  trainer's rendezvous store listens on ``master_address`` only (``core/listeners.py``; torch's
+  ``tcp://`` rendezvous would listen on every interface, and under a launcher that sets
+  ``TORCHELASTIC_USE_AGENT_STORE`` it would not serve at all), on a socket bound before the servers
+  are told its port (``serve_update_store``).
 - ``WeightBroadcaster`` takes the group as an object (NCCL on GPU, gloo in CPU tests) and broadcasts
   one tensor per name, in order, from rank 0 -- what SGLang's receiver posts one ``broadcast`` per
   (name, dtype, shape) for. ``start`` returns at once with an ``InFlightBroadcast`` whose
@@ -33,6 +37,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.core.listeners import serve_store
 from gspo_megatron.core.named_tensors import NamedTensor
 from gspo_megatron.core.named_tensors import bucket_named_tensors as bucket_named_tensors  # the engine's buckets
 
@@ -55,6 +60,12 @@ def bucket_metadata(bucket: list[NamedTensor], group_name: str, weight_version: 
     }
 
 
+def serve_update_store(master_address: str, master_port: int, timeout_s: float = 600.0) -> dist.TCPStore:
+    """The group's rendezvous store, served by the trainer (rank 0) on ``master_address`` only; port 0:
+    a free one (``.port``), bound before any server is told it."""
+    return serve_store(master_address, master_port, timeout_s)
+
+
 def open_weight_update_group(
     master_address: str,
     master_port: int,
@@ -64,21 +75,19 @@ def open_weight_update_group(
     backend: str = "nccl",
     group_name: str = "weight_update_group",
     timeout_s: float = 600.0,
+    store: dist.Store | None = None,
 ):
-    """Join the trainer<->servers group (blocks until all ``world_size`` ranks joined); returns it."""
-    from torch.distributed.distributed_c10d import (
-        Backend,
-        GroupName,
-        PrefixStore,
-        _new_process_group_helper,
-        _world,
-        rendezvous,
-    )
+    """Join the trainer<->servers group (blocks until all ``world_size`` ranks joined); returns it.
+
+    Rank 0 serves the rendezvous store on ``master_address`` only (or uses ``store``, from
+    ``serve_update_store``); the other ranks dial it."""
+    from torch.distributed.distributed_c10d import Backend, GroupName, PrefixStore, _new_process_group_helper, _world
 
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(
-        rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
-    )
+    if store is None and rank == 0:
+        store = serve_update_store(master_address, master_port, timeout_s)
+    elif store is None:
+        store = dist.TCPStore(master_address, master_port, world_size, is_master=False, timeout=timeout)
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     group, _ = _new_process_group_helper(

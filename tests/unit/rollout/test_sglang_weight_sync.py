@@ -9,7 +9,14 @@ import torch
 
 from gspo_megatron.contracts.samples import SamplingParams
 from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine, WeightSyncError
-from gspo_megatron.rollout.sglang.weight_sync import bucket_metadata, bucket_named_tensors
+from gspo_megatron.rollout.sglang.launcher import free_port
+from gspo_megatron.rollout.sglang.weight_sync import (
+    bucket_metadata,
+    bucket_named_tensors,
+    close_weight_update_group,
+    open_weight_update_group,
+)
+from gspo_megatron.testing.listeners import listening_addresses, non_loopback_ipv4, reachable
 from gspo_megatron.testing.sglang_double import SGLangServerDouble
 from gspo_megatron.testing.sglang_double_faults import DoubleFaults
 
@@ -234,3 +241,24 @@ def test_fp8_block_weights_go_out_as_the_fp8_checkpoints_tensors(tmp_path):
         assert torch.equal(written["model.norm.weight"], torch.ones(70))
     finally:
         double.stop()
+
+
+@pytest.mark.parametrize("under_a_launcher", [False, True], ids=["alone", "agent-store-env"])
+def test_the_trainers_rendezvous_store_listens_on_the_master_address_only(monkeypatch, under_a_launcher):
+    """issue 63: torch's ``tcp://`` rendezvous served the group's store on every interface (another
+    user's process joined as rank 1 and received the weights); under a launcher that sets
+    ``TORCHELASTIC_USE_AGENT_STORE`` it served none at all (rank 0 became a client of nothing)."""
+    if under_a_launcher:
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # what the project's launcher and torchrun set
+    port = free_port()
+    group = open_weight_update_group("127.0.0.1", port, 1, backend="gloo", group_name="bind_test", timeout_s=10)
+    try:
+        bound = listening_addresses(port)
+        other = non_loopback_ipv4()
+        reached = other is not None and reachable(other, port)
+    finally:
+        close_weight_update_group(group)
+    assert bound == {"127.0.0.1"}
+    if other is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to try")
+    assert not reached, f"the weight-sync store answered on {other}:{port}"

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import socket
 import threading
-from datetime import timedelta
 
 import pytest
-import torch.distributed as dist
 
+from gspo_megatron.core.listeners import serve_store
 from gspo_megatron.policy.parallel.attempt_store import (
     ANNOUNCEMENT,
     AttemptStoreError,
@@ -16,13 +15,13 @@ from gspo_megatron.policy.parallel.attempt_store import (
     open_attempt_store,
     restarts_possible,
 )
+from gspo_megatron.testing.listeners import listening_addresses, non_loopback_ipv4, reachable
 
 
 @pytest.fixture
 def agent_store():
-    """What torchrun's agent serves: one store for every attempt."""
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    yield server
+    """What torchrun's agent serves: one store for every attempt (here on loopback only)."""
+    yield serve_store("127.0.0.1", 0, timeout_s=10)
 
 
 def _closed_port() -> int:
@@ -60,7 +59,7 @@ def test_a_stale_announcement_is_passed_over_until_rank_0_of_this_attempt_writes
 
 
 def test_a_live_store_without_this_attempts_nonce_is_not_taken(agent_store):
-    other = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    other = serve_store("127.0.0.1", 0, timeout_s=10)
     assert _connect_if_fresh("127.0.0.1", other.port, "nonce", 10) is None  # someone else's store now
     assert _connect_if_fresh("127.0.0.1", _closed_port(), "nonce", 10) is None  # the dead rank 0's
     rank_0 = open_attempt_store(0, "127.0.0.1", agent_store.port, 10)
@@ -72,3 +71,14 @@ def test_no_announcement_from_this_attempt_fails_within_the_timeout_naming_rank_
     agent_store.set(ANNOUNCEMENT, f"127.0.0.1 {_closed_port()} nonce-of-the-dead-attempt")
     with pytest.raises(AttemptStoreError, match="rank 0 of this attempt did not announce its store"):
         open_attempt_store(1, "127.0.0.1", agent_store.port, 1.0)
+
+
+def test_rank_0_serves_this_attempts_store_on_the_agents_address_only(agent_store):
+    """issue 63: the attempt's store listened, unauthenticated, on every interface."""
+    rank_0 = open_attempt_store(0, "127.0.0.1", agent_store.port, 10)
+    assert listening_addresses(rank_0.port) == {"127.0.0.1"}
+    assert agent_store.get(ANNOUNCEMENT).decode().split()[:2] == ["127.0.0.1", str(rank_0.port)]
+    other = non_loopback_ipv4()
+    if other is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to try")
+    assert not reachable(other, rank_0.port), f"this attempt's store answered on {other}:{rank_0.port}"
