@@ -33,6 +33,7 @@ from gspo_megatron.contracts.batch import cut_micro_batches, update_batches
 from gspo_megatron.contracts.micro_batch import StepMicroBatch
 from gspo_megatron.contracts.phases import UpdateResult
 from gspo_megatron.contracts.token_budget import step_fed_shape
+from gspo_megatron.core.interrupts import RunInterrupted
 from gspo_megatron.core.provenance import warm_start_record
 from gspo_megatron.core.run_dir import ResumeMode, RunDirError, new_run_id, resume_mode
 from gspo_megatron.loop.colocation import EnginePlacement
@@ -283,13 +284,9 @@ class RLTrainer:
             self.policy.close()
 
 
-class TrainingInterrupted(Exception):
-    """The run stopped on a signal (``run/signals.py``); the process exits 128 + the signal's number."""
-
-    def __init__(self, signum: int, reason: str):
-        super().__init__(reason)
-        self.signum = signum
-        self.exit_code = 128 + signum
+class TrainingInterrupted(RunInterrupted):
+    """The run stopped on a signal (``run/signals.py``); the process exits 128 + the signal's number. A
+    ``RunInterrupted``, which the rollout side lets through unwrapped (``core/interrupts.py``)."""
 
 
 class CollectiveFailure(RuntimeError):

@@ -28,7 +28,7 @@ What it follows (SGLang 0.5.x ``http_server.py`` / ``io_struct.py``):
   rank_offset) and receives each broadcast tensor, recording its shape, dtype and sum.
 
 Fault injection (``DoubleFaults``): 503 on the first K health checks or generates, aborted requests,
-failing distributed or disk weight updates,
+failing distributed or disk weight updates, requests accepted and never answered,
 dying after N generates (in-flight and new connections are dropped, the listener closes), malformed
 JSON, wrong-size routed experts, log-probs whose token ids disagree with output_ids.
 
@@ -117,6 +117,7 @@ class SGLangServerDouble(WeightUpdateRoutes):
         self._running = threading.Event()
         self._running.set()
         self._paused_event = threading.Event()  # set while paused (``paused``; DoubleFaults.hold_until_paused)
+        self._stopped = threading.Event()  # set by ``stop`` (DoubleFaults.generate_never_answers)
         self._weights = WeightState()
         self._server = _DoubleHTTPServer((host, port), self._handler_class())
         self._thread: threading.Thread | None = None
@@ -151,6 +152,7 @@ class SGLangServerDouble(WeightUpdateRoutes):
     def stop(self) -> None:
         """Stop serving and close the listening socket (new connections are refused)."""
         self.dead = True
+        self._stopped.set()
         self._paused_event.set()  # release held and paused generates so they can drop their connections
         self._running.set()
         if self._thread is not None and self._thread is not threading.current_thread():
@@ -210,6 +212,9 @@ class SGLangServerDouble(WeightUpdateRoutes):
                 self._paused_event.wait(HOLD_TIMEOUT_S)
             if self.faults.generate_delay_s:
                 threading.Event().wait(self.faults.generate_delay_s)
+            if self.faults.generate_never_answers:
+                self._stopped.wait(HOLD_TIMEOUT_S)
+                return None  # no answer: the connection is dropped
             self._running.wait()
         finally:
             with self._lock:

@@ -15,6 +15,9 @@ class DoubleFaults:
     wrong_routed_experts: bool = False  # routed_experts has one token row too few
     mismatched_logprob_ids: bool = False  # output_token_logprobs names other tokens than output_ids
     generate_delay_s: float = 0.0  # keeps requests in flight (load-balancing and dying tests)
+    # each /generate is accepted and never answered: held until the double stops (at most HOLD_TIMEOUT_S),
+    # then its connection is dropped -- a stuck server, for the client's request timeout
+    generate_never_answers: bool = False
     # each /generate waits until this many have been in flight at once (at most HOLD_TIMEOUT_S): a
     # test of a concurrency limit then sees the limit reached without racing a clock
     hold_until_in_flight: int = 0

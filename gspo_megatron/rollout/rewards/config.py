@@ -11,11 +11,12 @@ START_METHODS = ("forkserver", "spawn")
 
 @dataclass
 class RewardConfig(ConfigNode):
-    # None: in the trainer process only for trivial built-ins (string checks), else in workers with a
-    # timeout; true forces the fast path (no timeout!), false forces workers
+    # None: in the trainer process only for trivial built-ins (string checks), else in workers; true forces
+    # the trainer process (a call past timeout_s scores 0 and its thread is abandoned, it cannot be
+    # killed), false forces workers
     in_process: bool | None = None
     num_workers: int = 2  # worker processes when not in_process
-    timeout_s: float = 10.0  # per call; a call past it scores 0 and its worker is replaced
+    timeout_s: float = 10.0  # per call; a call past it scores 0 and its worker is replaced (or thread abandoned)
     startup_timeout_s: float = 120.0  # a worker must import and warm up within this
     start_method: str = "forkserver"  # never fork: the trainer holds threads and process groups
     max_start_failures: int = 3  # consecutive worker start failures before the pool gives up

@@ -13,9 +13,10 @@ Design decisions:
   process groups that must not be duplicated. The fork server preloads this package, so replacing a
   worker takes milliseconds, not a fresh import of torch (which the shared Registry pulls in).
 - Exceptions raised by the verifier are caught inside the worker (the worker lives on); the same
-  guard runs on the in-process fast path, which has no timeout and is taken by default only for
-  the built-ins registered as trivial (pure string checks); ``import:`` rewards and math-verify
-  run in workers unless ``reward.in_process=true`` says otherwise.
+  guard runs on the in-process fast path, which is taken by default only for the built-ins registered
+  as trivial (pure string checks); ``import:`` rewards and math-verify run in workers unless
+  ``reward.in_process=true`` says otherwise. The in-process path has the same ``reward.timeout_s``: each
+  call runs in a daemon thread, abandoned with a warning past it (``in_process.py``).
 - Every failure costs its one sample (reward 0) and carries its kind (``FAILURE_KINDS``): raised,
   wrong type (checked inside the guard, conversion included), NaN/inf, timeout, death.
 - The fields are type-checked, not converted: ``bool("false")`` is True and ``float("1")`` is 1.0, so
@@ -26,6 +27,7 @@ Design decisions:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import multiprocessing
 import numbers
@@ -39,6 +41,7 @@ from multiprocessing.connection import Connection, wait
 
 from gspo_megatron.rollout.data.records import PromptRecord
 from gspo_megatron.rollout.rewards.config import RewardConfig
+from gspo_megatron.rollout.rewards.in_process import InProcessCaller
 from gspo_megatron.rollout.rewards.registry import RewardFn, is_trivial_reward, resolve_reward
 from gspo_megatron.rollout.rewards.types import FAILURE_KINDS, RewardResult
 
@@ -155,7 +158,12 @@ class RewardPool:
         self._start_failures = 0
         in_process = self.config.in_process
         self.in_process = is_trivial_reward(reward_name) if in_process is None else in_process
-        if not self.in_process:
+        self._caller: InProcessCaller | None = None
+        if self.in_process:
+            score_one = functools.partial(call_reward, self._fn)
+            warm_up = getattr(self._fn, "warm_up", None)
+            self._caller = InProcessCaller(score_one, warm_up, reward_name, self.config)
+        else:
             self._context = multiprocessing.get_context(self.config.start_method)
             if self.config.start_method == "forkserver":
                 # The fork server imports this package once (torch included, via the shared
@@ -175,8 +183,9 @@ class RewardPool:
     def score(self, responses: Sequence[str], records: Sequence[PromptRecord]) -> list[RewardResult]:
         if len(responses) != len(records):
             raise ValueError(f"{len(responses)} responses but {len(records)} records; pass one record per response")
-        if self.in_process:
-            results = [call_reward(self._fn, r, rec) for r, rec in zip(responses, records, strict=True)]
+        if self._caller is not None:
+            results = [self._caller.score(r, rec) for r, rec in zip(responses, records, strict=True)]
+            self.stats.timeouts += sum(r.failure == "timeout" for r in results)
         else:
             if not self._workers:
                 raise RuntimeError("RewardPool is closed; build a new one")
@@ -258,7 +267,9 @@ class RewardPool:
             )
 
     def close(self) -> None:
-        """Stop the workers this pool started. Safe to call twice."""
+        """Stop the workers (or the in-process call thread) this pool started. Safe to call twice."""
+        if self._caller is not None:
+            self._caller.close()  # a later score() starts a fresh thread
         for worker in self._workers:
             with contextlib.suppress(BrokenPipeError, OSError):
                 worker.conn.send(None)

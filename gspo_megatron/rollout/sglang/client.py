@@ -13,12 +13,19 @@ Design decisions:
   is alive, ``NoServersLeftError`` names every server and its last error.
 - Control calls (weight sync, pause, flush) go to one named server with no failover: every server
   must take them, so a failure there is an error, not something to route around.
+- Every wait has a bound a user can read: a request that never gets an answer fails after
+  ``RetryPolicy.bound_s`` (each attempt waits ``request_timeout_s``, then backs off; see the arithmetic
+  in ``SGLangConfig``), with an error naming the keys. Long before that, once half of
+  ``request_timeout_s`` has passed on the wire, a warning names the server, the path and the key -- once
+  per server until it answers again, not once per request: a stuck server holds hundreds of requests,
+  and hundreds of identical lines would bury the one that matters.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,18 +58,41 @@ class ServerState:
     alive: bool = True
     consecutive_failures: int = 0
     last_error: str | None = None
+    slow_warned: bool = False  # the half-timeout warning was given; cleared when the server answers
+
+
+SLOW_FRACTION = 0.5  # a request on the wire this fraction of request_timeout_s gets a warning
 
 
 @dataclass
 class RetryPolicy:
+    """How often a request is tried and how long each attempt may wait (``SGLangConfig``'s keys)."""
+
     max_retries: int = 4
     backoff_base_s: float = 0.5
     backoff_max_s: float = 15.0
     dead_after_failures: int = 2
+    request_timeout_s: float = 600.0
 
     def backoff(self, attempt: int) -> float:
         # Exponential backoff: base * 2**attempt, capped.
         return min(self.backoff_max_s, self.backoff_base_s * (2**attempt))
+
+    @property
+    def attempts(self) -> int:
+        return self.max_retries + 1
+
+    @property
+    def bound_s(self) -> float:
+        """The longest one request waits on a server that accepts it and never answers: every attempt
+        times out and backs off before the next, ``timeout * attempts + sum(backoffs)``."""
+        return self.request_timeout_s * self.attempts + sum(self.backoff(a) for a in range(self.max_retries))
+
+    def describe_bound(self) -> str:
+        return (
+            f"{self.attempts} attempts (rollout.sglang.max_retries={self.max_retries}) of "
+            f"rollout.sglang.request_timeout_s={self.request_timeout_s:g} s each, {self.bound_s:.0f} s in all"
+        )
 
 
 @dataclass
@@ -113,14 +143,15 @@ class SGLangHTTPClient:
         *,
         retry: RetryPolicy,
         max_concurrency: int = 256,
-        request_timeout_s: float = 1800.0,
         connect_timeout_s: float = 10.0,
         keepalive_expiry_s: float = 2.0,
     ):
         self.pool = ServerPool.from_urls(urls)
         self.retry = retry
         self._semaphore = asyncio.Semaphore(max_concurrency)
-        timeout = httpx.Timeout(request_timeout_s, connect=connect_timeout_s)
+        # a non-streaming /generate sends nothing until its sample is complete, so the read timeout
+        # bounds the whole generation (time paused for a weight sync included)
+        timeout = httpx.Timeout(retry.request_timeout_s, connect=connect_timeout_s)
         # keep-alive shorter than the server's, so a pooled connection is never reused as it closes
         limits = httpx.Limits(
             max_connections=max_concurrency,
@@ -152,8 +183,8 @@ class SGLangHTTPClient:
                     continue  # the server died under this request: re-send elsewhere, budget intact
                 if attempt >= self.retry.max_retries:
                     raise RequestFailedError(
-                        f"POST {path} failed {attempt + 1} times; last on {server.url}: {failure}\n"
-                        + self.pool.describe()
+                        f"POST {path} failed {attempt + 1} times; last on {server.url}: {failure}"
+                        f"{self._timeout_advice(failure)}\n" + self.pool.describe()
                     ) from None
                 await asyncio.sleep(self.retry.backoff(attempt))
                 attempt += 1
@@ -168,6 +199,7 @@ class SGLangHTTPClient:
                 if not server.alive or attempt >= self.retry.max_retries:
                     raise RequestFailedError(
                         f"{method} {path} on {server.url} failed after {attempt + 1} attempts: {failure}"
+                        f"{self._timeout_advice(failure)}"
                     ) from None
                 await asyncio.sleep(self.retry.backoff(attempt))
                 attempt += 1
@@ -200,10 +232,41 @@ class SGLangHTTPClient:
                 progress_every_s=progress_every_s,
             )
 
+    def _timeout_advice(self, failure: _Retryable) -> str:
+        if not failure.timed_out:
+            return ""
+        return (
+            f"; no answer within {self.retry.describe_bound()}: check the server (its log, its load), or "
+            "raise rollout.sglang.request_timeout_s if its generations are this long"
+        )
+
+    def _warn_slow(self, server: ServerState, method: str, path: str) -> None:
+        """Half the timeout has passed on the wire (see the module's design notes)."""
+        if server.slow_warned:
+            return
+        server.slow_warned = True
+        warnings.warn(
+            f"SGLang server {server.url}: {method} {path} has had no answer for "
+            f"{SLOW_FRACTION * self.retry.request_timeout_s:g} s, {SLOW_FRACTION:.0%} of "
+            f"rollout.sglang.request_timeout_s; a request with no answer fails after {self.retry.describe_bound()}",
+            RuntimeWarning,
+            stacklevel=1,
+        )
+
+    @contextlib.contextmanager
+    def _watched(self, server: ServerState, method: str, path: str):
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(SLOW_FRACTION * self.retry.request_timeout_s, self._warn_slow, server, method, path)
+        try:
+            yield
+        finally:
+            timer.cancel()
+
     async def _send(self, server: ServerState, method: str, path: str, payload: dict | None) -> Any:
         async with self._semaphore, _tracked(server):
             try:
-                response = await self._http.request(method, server.url + path, json=payload)
+                with self._watched(server, method, path):
+                    response = await self._http.request(method, server.url + path, json=payload)
             except _CONNECTION_ERRORS as error:
                 self._connection_failed(server, f"{type(error).__name__}: {error or 'connection lost'}")
                 raise _Retryable(server.last_error) from None
@@ -214,8 +277,9 @@ class SGLangHTTPClient:
                 raise _Retryable(server.last_error) from None
             except httpx.TimeoutException as error:
                 server.last_error = f"timeout ({type(error).__name__})"
-                raise _Retryable(server.last_error) from None
+                raise _Retryable(server.last_error, timed_out=True) from None
         server.consecutive_failures = 0
+        server.slow_warned = False
         if response.status_code == 503 and _is_abort(response):
             server.served += 1
             return response.json()  # a non-streaming abort is a 503 carrying the partial sample
@@ -247,7 +311,9 @@ class SGLangHTTPClient:
 
 
 class _Retryable(Exception):
-    pass
+    def __init__(self, message: str | None, *, timed_out: bool = False):
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 def _is_abort(response: httpx.Response) -> bool:

@@ -95,7 +95,16 @@ class SGLangConfig(ConfigNode):
 
     # --- HTTP client
     max_concurrency: int = 256  # requests in flight over all servers
-    request_timeout_s: float = 1800.0  # one /generate may decode thousands of tokens
+    # One attempt's wait for an answer (a non-streaming /generate answers when its sample is complete, so
+    # this bounds the whole generation, a pause for a weight sync included). 600 s fits a long generation:
+    # 16k tokens at 30 tokens/s, a request's decode rate in a full SGLang batch on an H100-class GPU, take
+    # 9 min (the default max_new_tokens=1024 takes seconds); the live tests run real servers with 600 s.
+    # The whole bound of a request that never gets an answer is
+    #   request_timeout_s * (max_retries + 1) + the backoffs = 600 * 5 + 7.5 s, about 50 min
+    # (client.RetryPolicy.bound_s, quoted by the warning and the error); the old 1800 s made it 2.5 h of
+    # silence. At half of request_timeout_s on the wire a warning names the server and this key.
+    # Raise it for generations longer than about 15k tokens.
+    request_timeout_s: float = 600.0
     connect_timeout_s: float = 10.0
     # An idle pooled connection is dropped after this long. It must stay below the server's keep-alive
     # (SGLang: uvicorn's timeout_keep_alive, SGLANG_TIMEOUT_KEEP_ALIVE = 5 s): at httpx's default of
@@ -187,5 +196,10 @@ class SGLangConfig(ConfigNode):
                 raise ValueError(f"SGLangConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_retries < 0 or self.abort_retries < 0:
             raise ValueError("max_retries and abort_retries must be >= 0")
+        if self.request_timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ValueError(
+                f"rollout.sglang.request_timeout_s and connect_timeout_s must be > 0, got "
+                f"{self.request_timeout_s}, {self.connect_timeout_s}"
+            )
         if self.weight_quantization == WeightQuantization.fp8_block:
             self._check_fp8_checkpoint()

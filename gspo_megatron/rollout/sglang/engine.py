@@ -10,7 +10,9 @@ Design decisions:
   -> updates -> end_weight_update -> flush_cache -> continue_generation. A fault never leaves a server
   unusable: the session is ended (SGLang refuses every later begin while one is open), the update group
   is torn down, a distributed or tensor update is retried through the disk path (``fallback_to_disk``), and
-  ``continue_generation`` is always sent; a failure that remains is raised.
+  ``continue_generation`` is always sent; a failure that remains is raised. A stop (``RunInterrupted``,
+  a second signal raised from its handler) is no failure of the sync: it is not retried through the disk
+  path and is raised as it is, so the run exits 128 + signal (``core/interrupts.py``).
 - The flush is skipped under ``pause_mode=in_place``: paused requests stay in SGLang's running batch and
   its flush answers 400 while the batch is not empty (those requests keep their KV cache by design).
 - Distributed sync (``group_sender.py``): the driver's update group, formed on the first update and
@@ -55,6 +57,7 @@ import torch
 
 from gspo_megatron.contracts.samples import FinishReason, RowRequest, Sample, SamplingParams
 from gspo_megatron.core.fp8_blocks import QuantizedStream, quantize_named_tensors
+from gspo_megatron.core.interrupts import RunInterrupted
 from gspo_megatron.rollout.engine import EngineSession, RolloutEngine, TurnRequest, TurnResult
 from gspo_megatron.rollout.sglang.client import ServerState, SGLangHTTPClient
 from gspo_megatron.rollout.sglang.config import LaunchMode, PauseMode, SGLangConfig, WeightQuantization, WeightSync
@@ -332,6 +335,8 @@ class SGLangEngine(RolloutEngine):
                     self._in_session(
                         servers, lambda: sync(servers, named_tensors if staged is None else staged, version)
                     )
+                except RunInterrupted:
+                    raise  # told to stop: no second sync through the disk path
                 except Exception as error:
                     self._drop_update_group()  # a distributed update's group is in an unknown state
                     if not (self.config.fallback_to_disk and self.config.model_path):
@@ -359,6 +364,8 @@ class SGLangEngine(RolloutEngine):
                 self._calls.on_all(servers, "POST", "/continue_generation", {})
             except BaseException as error:  # noqa: BLE001
                 failure = failure or error
+        if isinstance(failure, RunInterrupted):
+            raise failure  # a stop, not a failure of the sync: the run exits 128 + signal
         if failure is not None:
             raise WeightSyncError(f"weight update to version {version} failed: {failure}") from failure
         self.weight_version = version

@@ -6,7 +6,7 @@ both mean "not yet". Anything else is retried too until the deadline, and the la
 what the caller's error quotes.
 
 Each probe has its own timeout, ``PROBE_TIMEOUT_S`` and never past the deadline: the HTTP client's
-timeout is the one for ``/generate`` (``request_timeout_s``, 30 min), so a server that accepts the
+timeout is the one for ``/generate`` (``request_timeout_s``, 10 min), so a server that accepts the
 connection and never answers held the attach that long, ignoring ``attach_timeout_s``.
 """
 

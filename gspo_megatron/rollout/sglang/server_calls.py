@@ -53,14 +53,23 @@ async def gather(coroutines: list[Coroutine]) -> list[Any]:
     return list(await asyncio.gather(*coroutines))
 
 
+def retry_policy(config: SGLangConfig) -> RetryPolicy:
+    """The configured retries and timeout; ``bound_s`` is the longest a request waits for an answer."""
+    return RetryPolicy(
+        config.max_retries,
+        config.backoff_base_s,
+        config.backoff_max_s,
+        config.dead_after_failures,
+        config.request_timeout_s,
+    )
+
+
 async def make_client(urls: list[str], config: SGLangConfig) -> SGLangHTTPClient:
     """A client over ``urls`` with the configured retries and limits (made inside the loop it runs on)."""
-    retry = RetryPolicy(config.max_retries, config.backoff_base_s, config.backoff_max_s, config.dead_after_failures)
     return SGLangHTTPClient(
         urls,
-        retry=retry,
+        retry=retry_policy(config),
         max_concurrency=config.max_concurrency,
-        request_timeout_s=config.request_timeout_s,
         connect_timeout_s=config.connect_timeout_s,
         keepalive_expiry_s=config.keepalive_expiry_s,
     )

@@ -10,7 +10,9 @@ import pytest
 
 from gspo_megatron.contracts.samples import SamplingParams
 from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine
+from gspo_megatron.rollout.sglang.client import RequestFailedError
 from gspo_megatron.rollout.sglang.protocol import parse_generate_response
+from gspo_megatron.rollout.sglang.server_calls import retry_policy
 from gspo_megatron.rollout.sglang.version import UnsupportedSGLangError
 from gspo_megatron.testing.sglang_double_faults import DoubleFaults
 
@@ -207,3 +209,25 @@ def test_a_probe_cut_short_by_the_deadline_does_not_hide_the_last_answer():
         return "healthy"
 
     assert asyncio.run(scenario()) == "HTTP 503"
+
+
+def test_a_server_that_never_answers_generate_fails_naming_the_keys_after_a_warning(doubles):
+    """Issue 63, item 6: an attached server that accepts /generate and never answers held the run silent
+    for 5 x 1800 s. Now a warning names the server and the key at half the timeout, and the request fails
+    after its stated bound (timeout x attempts) with an error naming the keys."""
+    double = doubles(faults=DoubleFaults(generate_never_answers=True))
+    keys = r"2 attempts \(rollout\.sglang\.max_retries=1\) of rollout\.sglang\.request_timeout_s=0\.5 s"
+    slow = rf"SGLang server {double.url}: POST /generate has had no answer for 0\.25 s, 50% of rollout\.sglang\."
+    with (
+        _engine([double.url], request_timeout_s=0.5, max_retries=1) as engine,
+        pytest.warns(RuntimeWarning, match=slow) as seen,
+        pytest.raises(RequestFailedError, match=rf"no answer within {keys} each"),
+    ):
+        engine.generate([[5, 6]], SamplingParams(max_new_tokens=4))
+    assert double.generate_count == 2  # the first try and one retry, each timed out
+    assert sum("has had no answer" in str(w.message) for w in seen) == 1  # once per server, not per attempt
+
+
+def test_the_default_request_bound_is_the_one_the_config_states():
+    """``SGLangConfig.request_timeout_s``'s comment: 600 s x 5 attempts + 7.5 s of backoff (was 2.5 h)."""
+    assert retry_policy(SGLangConfig()).bound_s == 600.0 * 5 + (0.5 + 1 + 2 + 4)

@@ -4,6 +4,8 @@ the disk path; disk-sync paths are absolute and old versions are removed. Real g
 running as separate processes (as SGLang servers would)."""
 
 import json
+import os
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -203,3 +205,36 @@ def test_a_one_shot_iterator_is_not_retried_through_disk(servers, tmp_path):
             engine.update_weights(iter([("a", torch.arange(4.0))]), version=1)
         assert engine.weight_version == 0
     assert "/update_weights_from_disk" not in [path for path, _ in _state(server.url)["calls"]]
+
+
+class _SignalledExport:
+    """A re-iterable weight stream whose first pass receives SIGTERM twice after its first bucket: the
+    second signal's handler (``run/signals.py``) raises TrainingInterrupted in the middle of the sync."""
+
+    def __init__(self):
+        self.passes = 0
+
+    def __iter__(self):
+        self.passes += 1
+        yield "a", torch.ones(4)
+        if self.passes == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+        yield "b", torch.ones(4)
+
+
+@pytest.mark.slow
+def test_a_second_signal_during_a_distributed_sync_is_not_retried_through_the_disk_path(servers, tmp_path):
+    """Issue 63, item 6: the stop was taken for a failed distributed update, retried through the disk path
+    (a second whole sync) and wrapped in WeightSyncError (exit 1). It is raised as it is (exit 143)."""
+    from gspo_megatron.loop.trainer import TrainingInterrupted
+    from gspo_megatron.run.signals import SignalWatch
+
+    server = servers()
+    config = _config([server.url], tmp_path, weight_bucket_bytes=16)  # one tensor a bucket
+    with SGLangEngine(config) as engine, SignalWatch():
+        with pytest.raises(TrainingInterrupted, match="SIGTERM received twice") as stop:
+            engine.update_weights(_SignalledExport(), version=1)
+        assert stop.value.exit_code == 143
+    paths = [path for path, _ in _state(server.url)["calls"]]
+    assert "/update_weights_from_disk" not in paths and paths.count("/continue_generation") == 1

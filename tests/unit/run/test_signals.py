@@ -35,3 +35,44 @@ def test_stop_message_names_the_checkpoint_a_scheduled_save_wrote(tmp_path):
         f"checkpoint.resume=true continues from {earlier}"
     )
     assert signal_stop_outcome(None, None).endswith("there is no checkpoint to resume")
+
+
+class _SignalledExport:
+    """A weight stream (re-iterable, as the trainer's export) whose first pass receives SIGTERM twice
+    after its first tensor: the second signal's handler raises in the middle of the sync."""
+
+    def __init__(self):
+        self.passes = 0
+
+    def __iter__(self):
+        import torch
+
+        self.passes += 1
+        yield "w", torch.ones(2)
+        if self.passes == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler raises TrainingInterrupted here
+        yield "v", torch.ones(3)
+
+
+def test_a_second_signal_during_a_weight_sync_exits_143_not_1(tmp_path):
+    """Issue 63, item 6: the weight sync took the handler's TrainingInterrupted for a failure of its own and
+    wrapped it in WeightSyncError (a distributed sync also retried it through the disk path), so the run
+    exited 1. It is raised as it is (exit 143), and the server is told to continue."""
+    from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine
+    from gspo_megatron.testing.sglang_double import SGLangServerDouble
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    config = SGLangConfig(
+        mode="attach", weight_sync="disk", model_path=str(model), disk_sync_dir=str(tmp_path / "sync")
+    )
+    with SGLangServerDouble() as double:
+        config.urls = [double.url]
+        with SGLangEngine(config) as engine, SignalWatch():
+            with pytest.raises(TrainingInterrupted, match="SIGTERM received twice") as stop:
+                engine.update_weights(_SignalledExport(), version=1)
+            assert stop.value.exit_code == 143 and engine.weight_version == 0
+        paths = double.paths()
+    assert "/update_weights_from_disk" not in paths and paths.count("/continue_generation") == 1

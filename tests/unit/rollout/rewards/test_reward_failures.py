@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
+import verifier_doubles
 
 from gspo_megatron.rollout.data import PromptRecord
 from gspo_megatron.rollout.rewards import RewardConfig, RewardPool, RewardResult
@@ -32,6 +35,32 @@ def test_each_failure_kind_costs_one_sample_in_workers():
         }
         assert pool.stats.errors == 7
         assert pool.score(["7"], [RECORD]) == [RewardResult(1.0, True, True)]  # the pool lives on
+
+
+def test_an_in_process_reward_that_never_returns_is_a_counted_timeout():
+    """Issue 63, item 6: ``reward.in_process=true`` with a reward that never returned held the run with no
+    output. Now the call gets reward.timeout_s like a worker's: a ``timeout`` failure, a warning that its
+    thread is abandoned, and the samples after it are scored."""
+    verifier_doubles.RELEASE.clear()
+    pool = RewardPool("import:verifier_doubles:blocks_on_bad", RewardConfig(in_process=True, timeout_s=0.2))
+    results, finished = [], threading.Event()
+
+    def score() -> None:
+        results.extend(pool.score(["7", "bad", "7"], [RECORD] * 3))
+        finished.set()
+
+    abandoned = r"'import:verifier_doubles:blocks_on_bad' did not return within reward\.timeout_s=0\.2 s.*abandoned"
+    try:
+        with pytest.warns(RuntimeWarning, match=abandoned):
+            threading.Thread(target=score, daemon=True).start()
+            assert finished.wait(60), "score() still held by an in-process reward that never returns, after 60 s"
+    finally:
+        verifier_doubles.RELEASE.set()  # the abandoned thread returns, its result is dropped
+    assert [r.failure for r in results] == [None, "timeout", None]
+    assert results[0] == RewardResult(1.0, True, True) and "reward.timeout_s" in results[1].error
+    assert pool.stats.failures["timeout"] == 1 and pool.stats.timeouts == 1
+    assert pool.score(["7"], [RECORD]) == [RewardResult(1.0, True, True)]  # a fresh thread serves on
+    pool.close()
 
 
 def test_in_process_conversion_is_guarded():

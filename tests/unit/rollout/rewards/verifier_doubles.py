@@ -5,6 +5,7 @@ shows that one bad sample does not cost the others."""
 
 import os
 import signal
+import threading
 import time
 
 from gspo_megatron.rollout.rewards import RewardResult
@@ -18,6 +19,16 @@ def _ok(response, record):
 def hangs_on_bad(response, record):
     if response == "bad":
         time.sleep(3600)
+    return _ok(response, record)
+
+
+RELEASE = threading.Event()  # blocks_on_bad waits for it; a test sets it when done, so no thread stays behind
+
+
+def blocks_on_bad(response, record):
+    """Never returns for "bad" while the test holds RELEASE (an in-process call cannot be killed)."""
+    if response == "bad":
+        RELEASE.wait(600)
     return _ok(response, record)
 
 
