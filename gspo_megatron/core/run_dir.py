@@ -94,10 +94,7 @@ def open_run_file(path: str | os.PathLike, mode: str = "w", encoding: str | None
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
     except OSError as error:
         if error.errno == errno.ELOOP:
-            raise RunDirError(
-                f"{path} is a symbolic link: a run never writes through one (it could point at anyone's file, "
-                "yours included). Remove the link (someone else may have planted it) or choose a run_dir of your own"
-            ) from None
+            raise _link_refused(path) from None
         if error.errno == errno.ENXIO:  # a FIFO without a reader
             raise RunDirError(f"{path} is a FIFO, not a regular file: remove it, or choose another run_dir") from None
         raise
@@ -109,6 +106,20 @@ def open_run_file(path: str | os.PathLike, mode: str = "w", encoding: str | None
     except BaseException:
         os.close(fd)
         raise
+
+
+def refuse_link(path: str | os.PathLike) -> None:
+    """Raise if ``path`` is a symbolic link: for a run-directory file read before it is rewritten, so
+    that nothing of a link's target is read into the run either."""
+    if os.path.islink(path):
+        raise _link_refused(path)
+
+
+def _link_refused(path: str | os.PathLike) -> RunDirError:
+    return RunDirError(
+        f"{path} is a symbolic link: a run never writes through one (it could point at anyone's file, yours "
+        "included). Remove the link (someone else may have planted it) or choose a run_dir of your own"
+    )
 
 
 def write_run_file(path: str | os.PathLike, data: str | bytes, *, new: bool = False) -> None:
@@ -227,6 +238,7 @@ def drop_records_from_step(path: str | os.PathLike, step: int) -> int:
     hold what an uninterrupted run would have written (no duplicated steps in report averages).
     """
     path = Path(path)
+    refuse_link(path)
     if not path.is_file():
         return 0
     kept = [r for r in read_jsonl(path) if r.get("step", 0) < step]

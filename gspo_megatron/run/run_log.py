@@ -30,6 +30,7 @@ from gspo_megatron.core.run_dir import (
     drop_records_from_step,
     open_run_file,
     read_jsonl,
+    refuse_link,
     resume_mode,
     write_run_file,
 )
@@ -113,6 +114,7 @@ class RunLog:
         says so)."""
         write_run_file(self.run_dir / CONFIG_FILE, self.config_yaml)
         path = self.run_dir / PROVENANCE_FILE
+        refuse_link(path)  # before reading it: a link's target is neither read nor written
         earlier = json.loads(path.read_text()) if path.is_file() else None
         record = provenance(**inputs)
         if earlier is not None:
