@@ -1,7 +1,8 @@
 """Weight-sync faults leave the servers usable: the update group is destroyed at shutdown (a second run
 can form it again), re-formed when the server set changes, a failed distributed update falls back to
-the disk path; disk-sync paths are absolute, lie under the run directory, and old versions are removed. Real gloo groups with doubles
-running as separate processes (as SGLang servers would)."""
+the disk path; disk-sync paths are absolute, lie under the run directory (private, never through a
+link), and old versions are removed. Real gloo groups with doubles running as separate processes (as
+SGLang servers would)."""
 
 import json
 import sys
