@@ -32,13 +32,15 @@ Design decisions:
   Python numbers and nested lists, so callers may pass tensors straight from the diagnostics.
 - Non-finite floats are written as JSON ``NaN``/``Infinity`` (Python's json round-trips them), not
   dropped: a NaN diagnostic is information.
-- Every file of a run directory is opened for writing through ``open_run_file``, which never follows a
-  symbolic link at the file's name (``O_NOFOLLOW``) and writes only into a regular file: a link planted
-  in a run directory (shared scratch) would otherwise turn the run's writes onto whatever it points at,
-  the user's own files included (issue 63). One rule for every writer, appends and rewrites alike, rather
-  than a temporary file and ``os.replace`` (which cannot append). A run directory holding links, or owned
-  by another user, is refused before the run starts (``run/run_dir_owner.py``); this rule covers a link
-  planted after that check.
+- Every file the run writes itself into its directory (config, provenance, metrics and routing records,
+  reports, charts, ``checkpoints/latest``, the lock's files) is opened through ``open_run_file``, which
+  never follows a symbolic link at the file's name (``O_NOFOLLOW``) and writes only into a regular file
+  (checkpoint shards go into a directory the save has just made; wandb and TensorBoard write their
+  own, under fresh names). A link planted in a run directory (shared scratch) would otherwise turn the
+  run's writes onto whatever it points at, the user's own files included (issue 63). One rule for every
+  writer, appends and rewrites alike, rather than a temporary file and ``os.replace`` (which cannot
+  append). A run directory holding links, or owned by another user, is refused before the run starts
+  (``run/run_dir_owner.py``); this rule covers a link planted after that check.
 """
 
 from __future__ import annotations
@@ -139,22 +141,24 @@ def private_directory(path: Path, key: str) -> Path:
     try:
         path.mkdir(mode=0o700)
     except FileExistsError:
-        entry = os.lstat(path)
-        problem = (
-            "a symbolic link"
-            if stat.S_ISLNK(entry.st_mode)
-            else "not a directory"
-            if not stat.S_ISDIR(entry.st_mode)
-            else f"owned by uid {entry.st_uid}, not by you (uid {os.geteuid()})"
-            if entry.st_uid != os.geteuid()
-            else None
-        )
+        problem = _not_own_directory(os.lstat(path))
         if problem:
             raise RunDirError(
                 f"{key}={path} is {problem}: what the run writes there must stay the run's own. Remove it, or "
                 f"set {key} to another path (a relative path lies under run_dir)"
             ) from None
     return path.resolve()
+
+
+def _not_own_directory(entry: os.stat_result) -> str | None:
+    """Why an existing entry (``os.lstat``) is not a directory of this user's, or None when it is one."""
+    if stat.S_ISLNK(entry.st_mode):
+        return "a symbolic link"
+    if not stat.S_ISDIR(entry.st_mode):
+        return "not a directory"
+    if entry.st_uid != os.geteuid():
+        return f"owned by uid {entry.st_uid}, not by you (uid {os.geteuid()})"
+    return None
 
 
 def to_jsonable(value: Any) -> Any:

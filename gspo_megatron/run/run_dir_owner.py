@@ -24,8 +24,8 @@ Design decisions:
 - A run directory must be the user's own: one owned by another user, or holding symbolic links
   (anywhere below it but inside ``wandb/``, whose links wandb makes), is refused before anything is
   written, naming them. A directory pre-made in shared scratch could otherwise hold links that turn the
-  run's writes onto the user's own files. A link planted after this check is not followed either: every
-  file of the run is written through ``core/run_dir.py:open_run_file`` (O_NOFOLLOW). The path given as
+  run's writes onto the user's own files. A link planted after this check is not followed either: the
+  files the run writes itself are opened through ``core/run_dir.py:open_run_file`` (O_NOFOLLOW). The path given as
   ``run_dir`` may itself be a link (a scratch directory on another disk) if the link is the user's too.
 - A run has an id, written beside each of its checkpoints; pruning deletes only checkpoints with
   this run's id, so an overwriting run never deletes (or is deleted by) what it found.
@@ -263,11 +263,15 @@ NAMED_AT_MOST = 10  # entries a refusal names; the rest are counted
 
 def check_own_run_dir(run_dir: Path) -> None:
     """Refuse a run directory that is not this user's own: owned (or named by a link owned) by another
-    user, or holding symbolic links or entries of another user below it. Nothing is written."""
-    if not os.path.lexists(run_dir):
-        return
+    user, or holding symbolic links or entries of another user below it. Nothing is written. A path
+    that does not exist yet passes: the claim creates it."""
     me = os.geteuid()
-    for what, owner in (("the link", os.lstat(run_dir).st_uid), ("the directory", os.stat(run_dir).st_uid)):
+    owners = []
+    if run_dir.is_symlink():
+        owners.append(("the link naming it", os.lstat(run_dir).st_uid))
+    if run_dir.exists():
+        owners.append(("the directory", os.stat(run_dir).st_uid))
+    for what, owner in owners:
         if owner != me:
             raise RunDirError(
                 f"run_dir {run_dir}: {what} is owned by {_user(owner)}, not by you ({_user(me)}): a run directory "

@@ -66,6 +66,19 @@ def test_run_dir_owned_by_another_user_is_refused(tmp_path):
     assert list(run_dir.iterdir()) == []
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a link another user owns needs root")
+def test_run_dir_named_by_another_users_link_is_refused(tmp_path):
+    """A link in shared scratch, planted by another user, naming a directory of the victim's own."""
+    victims_dir = tmp_path / "home" / "project"
+    victims_dir.mkdir(parents=True)
+    run_dir = tmp_path / "scratch_run"
+    run_dir.symlink_to(victims_dir)
+    os.chown(run_dir, NOBODY, NOBODY, follow_symlinks=False)
+    with pytest.raises(RunDirError, match=f"the link naming it is owned by .*uid {NOBODY}"):
+        _claim(run_dir)
+    assert list(victims_dir.iterdir()) == []
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="making a file another user owns needs root")
 def test_run_dir_holding_another_users_entry_is_refused(tmp_path):
     run_dir = tmp_path / "run"
