@@ -32,18 +32,29 @@ Design decisions:
   Python numbers and nested lists, so callers may pass tensors straight from the diagnostics.
 - Non-finite floats are written as JSON ``NaN``/``Infinity`` (Python's json round-trips them), not
   dropped: a NaN diagnostic is information.
+- Every file the run writes itself into its directory (config, provenance, metrics and routing records,
+  reports, charts, ``checkpoints/latest``, the lock's files) is opened through ``open_run_file``, which
+  never follows a symbolic link at the file's name (``O_NOFOLLOW``) and writes only into a regular file
+  (checkpoint shards go into a directory the save has just made; wandb and TensorBoard write their
+  own, under fresh names). A link planted in a run directory (shared scratch) would otherwise turn the
+  run's writes onto whatever it points at, the user's own files included (issue 63). One rule for every
+  writer, appends and rewrites alike, rather than a temporary file and ``os.replace`` (which cannot
+  append). A run directory holding links, or owned by another user, is refused before the run starts
+  (``run/run_dir_owner.py``); this rule covers a link planted after that check.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import stat
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from gspo_megatron.core.config_migrations import migrate_config
 from gspo_megatron.core.config_node import ConfigChoice
@@ -63,6 +74,91 @@ class RunDirError(ValueError):
     """A run directory that cannot be used as asked: not a readable run directory (missing, not a directory,
     no metrics.jsonl, corrupt), or -- for the trainer (``run/run_dir_owner.py``) -- locked, holding
     another run, nothing to resume, a bad ``checkpoint.resume`` value."""
+
+
+# open_run_file's modes: what each does to the file (O_NOFOLLOW, O_NONBLOCK and O_CLOEXEC are added to all)
+_WRITE_FLAGS = {
+    "w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+    "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+    "x": os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+    "r+": os.O_RDWR,
+}
+
+
+def open_run_file(path: str | os.PathLike, mode: str = "w", encoding: str | None = None) -> IO:
+    """Open a run-directory file for writing (``mode``: w, a, x or r+, each with an optional b) without
+    following a symbolic link at ``path``, and only if it is a regular file. O_NONBLOCK keeps a FIFO
+    planted there from blocking the open (it is then refused as not a regular file)."""
+    flags = _WRITE_FLAGS.get(mode.replace("b", ""))
+    if flags is None:
+        raise ValueError(f"open_run_file mode {mode!r} is not one of {sorted(_WRITE_FLAGS)} (with or without b)")
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise _link_refused(path) from None
+        if error.errno == errno.ENXIO:  # a FIFO without a reader
+            raise RunDirError(f"{path} is a FIFO, not a regular file: remove it, or choose another run_dir") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise RunDirError(f"{path} is not a regular file: remove it, or choose another run_dir")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, mode, encoding=encoding)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def refuse_link(path: str | os.PathLike) -> None:
+    """Raise if ``path`` is a symbolic link: for a run-directory file read before it is rewritten, so
+    that nothing of a link's target is read into the run either."""
+    if os.path.islink(path):
+        raise _link_refused(path)
+
+
+def _link_refused(path: str | os.PathLike) -> RunDirError:
+    return RunDirError(
+        f"{path} is a symbolic link: a run never writes through one (it could point at anyone's file, yours "
+        "included). Remove the link (someone else may have planted it) or choose a run_dir of your own"
+    )
+
+
+def write_run_file(path: str | os.PathLike, data: str | bytes, *, new: bool = False) -> None:
+    """Replace the contents of a run-directory file (``open_run_file``: never through a link); ``new``:
+    the file must not exist yet (O_EXCL)."""
+    binary = isinstance(data, bytes)
+    mode = ("x" if new else "w") + ("b" if binary else "")
+    with open_run_file(path, mode, encoding=None if binary else "utf-8") as file:
+        file.write(data)
+
+
+def private_directory(path: Path, key: str) -> Path:
+    """``path`` (set by config ``key``) as a directory only this user can enter: created with mode 0o700,
+    or, when it exists, a real directory (not a link) of this user's, its mode left as the user set it
+    (a directory shared with servers run by another user on purpose). Returned resolved."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        problem = _not_own_directory(os.lstat(path))
+        if problem:
+            raise RunDirError(
+                f"{key}={path} is {problem}: what the run writes there must stay the run's own. Remove it, or "
+                f"set {key} to another path (a relative path lies under run_dir)"
+            ) from None
+    return path.resolve()
+
+
+def _not_own_directory(entry: os.stat_result) -> str | None:
+    """Why an existing entry (``os.lstat``) is not a directory of this user's, or None when it is one."""
+    if stat.S_ISLNK(entry.st_mode):
+        return "a symbolic link"
+    if not stat.S_ISDIR(entry.st_mode):
+        return "not a directory"
+    if entry.st_uid != os.geteuid():
+        return f"owned by uid {entry.st_uid}, not by you (uid {os.geteuid()})"
+    return None
 
 
 def to_jsonable(value: Any) -> Any:
@@ -88,7 +184,7 @@ def _cut_partial_last_line(path: Path) -> None:
     if data.endswith(b"\n"):
         return
     keep = data.rfind(b"\n") + 1  # 0 when the whole file is one partial line
-    with open(path, "r+b") as f:
+    with open_run_file(path, "r+b") as f:
         f.truncate(keep)
 
 
@@ -99,7 +195,7 @@ class JsonlLog:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         _cut_partial_last_line(self.path)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - held by the log until close()
+        self._file = open_run_file(self.path, "a", encoding="utf-8")  # held by the log until close()
 
     def append(self, record: dict) -> None:
         if self._file.closed:
@@ -146,11 +242,12 @@ def drop_records_from_step(path: str | os.PathLike, step: int) -> int:
     hold what an uninterrupted run would have written (no duplicated steps in report averages).
     """
     path = Path(path)
+    refuse_link(path)
     if not path.is_file():
         return 0
     kept = [r for r in read_jsonl(path) if r.get("step", 0) < step]
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+    write_run_file(tmp, "".join(json.dumps(r) + "\n" for r in kept))
     os.replace(tmp, path)  # atomic: a crash here leaves the old file or the new one, never half
     return len(kept)
 

@@ -66,7 +66,7 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, config_yaml: str, world_size:
     feed: BatchFeed
     weights: WeightSync
     if mesh.is_driver:
-        rollout = build_rollout_side(rollout_settings(cfg))
+        rollout = build_rollout_side(rollout_settings(cfg, run_dir))
         feed = DriverFeed(rollout, plan, dp_rank_of)
         weights = DriverWeightSync(policy.export, rollout.load_weights, mesh.device, turns)
         placement.attach(rollout.engine)
@@ -99,9 +99,10 @@ def policy_settings(cfg: TrainConfig) -> PolicySettings:
     )
 
 
-def rollout_settings(cfg: TrainConfig) -> RolloutSettings:
-    """What the rollout side is built from: its sections, the model's shape as the engine's HF config, and
-    whether the run needs the engine's routed experts (R3, or the rollout-vs-train diagnostic)."""
+def rollout_settings(cfg: TrainConfig, run_dir: Path | None = None) -> RolloutSettings:
+    """What the rollout side is built from: its sections, the model's shape as the engine's HF config,
+    whether the run needs the engine's routed experts (R3, or the rollout-vs-train diagnostic), and the
+    run's directory (None: a tool's engine, outside a run)."""
     t = cfg.trainer
     return RolloutSettings(
         rollout=cfg.rollout,
@@ -121,6 +122,7 @@ def rollout_settings(cfg: TrainConfig) -> RolloutSettings:
         steps=t.steps,
         eval_prompts=t.eval_prompts,
         eval_samples=t.eval_samples,
+        run_dir=run_dir,
     )
 
 

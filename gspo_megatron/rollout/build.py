@@ -8,6 +8,7 @@ the engine's HF config, its vocabulary, and whether the run needs the engine's r
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gspo_megatron.algorithms.config import AlgorithmConfig
@@ -48,6 +49,7 @@ class RolloutSettings:
     steps: int  # trainer.steps: the one-step-ahead generation stops after the last
     eval_prompts: int  # trainer.eval_prompts
     eval_samples: int  # trainer.eval_samples
+    run_dir: Path | None = None  # what the engine writes (SGLang's disk sync) goes under it; None: a tool's cwd
 
 
 def build_rollout_side(settings: RolloutSettings) -> RolloutSide:
@@ -81,7 +83,7 @@ def build_producer(settings: RolloutSettings) -> RolloutProducer:
             "raise model.vocab_size (a multiple of parallel.tp)"
         )
     task = build_task(settings.task, tokenizer, settings.prompt_token_budget)  # prompts past the context are dropped
-    engine = ENGINES.get(rollout.engine).build(rollout, settings.model, tokenizer.decode)
+    engine = ENGINES.get(rollout.engine).build(rollout, settings.model, tokenizer.decode, settings.run_dir)
     sampling = SamplingParams(
         temperature=rollout.temperature,
         top_p=rollout.top_p,

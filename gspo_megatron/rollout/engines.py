@@ -1,7 +1,7 @@
 """The rollout engines by name (``rollout.engine``): each one builds itself and checks its own settings.
 
     ENGINES.get("embedded").check(rollout_section, needs)   # at start-up, before anything is built
-    ENGINES.get("sglang").build(rollout_section, model_shape, decode)
+    ENGINES.get("sglang").build(rollout_section, model_shape, decode, run_dir)
 
 A new engine is a folder of its own under ``rollout/`` and one entry here; ``config/validate.py`` only
 says what the run needs of the engine (``EngineNeeds``: the routed experts, for R3 or a diagnostic;
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gspo_megatron.core.model_families import FAMILIES
@@ -53,8 +54,11 @@ class EngineSpec(Protocol):
     def check(self, rollout: RolloutSection, needs: EngineNeeds) -> None:
         """Raise ``ValueError`` naming the key and the fix when this engine cannot serve the run."""
 
-    def build(self, rollout: RolloutSection, model: ModelShape, decode: Callable[[list[int]], str]) -> RolloutEngine:
-        """The engine, without weights (the first weight sync loads them)."""
+    def build(
+        self, rollout: RolloutSection, model: ModelShape, decode: Callable[[list[int]], str], run_dir: Path | None
+    ) -> RolloutEngine:
+        """The engine, without weights (the first weight sync loads them); what it writes goes under
+        ``run_dir`` (None: an engine a tool builds outside a run)."""
 
 
 class EmbeddedSpec:
@@ -63,7 +67,9 @@ class EmbeddedSpec:
     def check(self, rollout: RolloutSection, needs: EngineNeeds) -> None:
         return None
 
-    def build(self, rollout: RolloutSection, model: ModelShape, decode: Callable[[list[int]], str]) -> RolloutEngine:
+    def build(
+        self, rollout: RolloutSection, model: ModelShape, decode: Callable[[list[int]], str], run_dir: Path | None
+    ) -> RolloutEngine:
         from gspo_megatron.rollout.embedded.engine import EmbeddedEngine
 
         return EmbeddedEngine(model.hf_config(), rollout.embedded, decode=decode)
@@ -97,10 +103,12 @@ class SGLangSpec:
                 "rollout.sglang.enable_return_routed_experts=true"
             )
 
-    def build(self, rollout: RolloutSection, model: ModelShape, decode: Callable[[list[int]], str]) -> RolloutEngine:
+    def build(
+        self, rollout: RolloutSection, model: ModelShape, decode: Callable[[list[int]], str], run_dir: Path | None
+    ) -> RolloutEngine:
         from gspo_megatron.rollout.sglang.engine import SGLangEngine
 
-        return SGLangEngine(rollout.sglang)
+        return SGLangEngine(rollout.sglang, run_dir)
 
 
 ENGINES: Registry[EngineSpec] = Registry("rollout engine")

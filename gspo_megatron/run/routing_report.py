@@ -39,6 +39,7 @@ from gspo_megatron.core.run_dir import (
     RunDirError,
     finite_mean,
     load_run,
+    write_run_file,
 )
 from gspo_megatron.policy.routing.config import DIAGNOSTIC_KINDS, DiagnosticKind
 from gspo_megatron.policy.routing.replay import ReplayMode
@@ -364,7 +365,7 @@ def write_routing_report(run_dir: str | os.PathLike, charts: bool = True) -> tup
     run = load_run(run_dir)
     summary = summarize_run(run)
     json_path, html_path = run.path / REPORT_JSON, run.path / REPORT_HTML
-    json_path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    write_run_file(json_path, json.dumps(summary, indent=2) + "\n")
     curves = chart(functools.partial(line_panels, training_panels([run])), "reward and clip fraction", charts)
     page = html_page(
         f"Routing report: {run.label}",
@@ -376,7 +377,7 @@ def write_routing_report(run_dir: str | os.PathLike, charts: bool = True) -> tup
             ("training-curves", "Reward and clip fraction", curves),
         ],
     )
-    html_path.write_text(page, encoding="utf-8")
+    write_run_file(html_path, page)
     return json_path, html_path
 
 

@@ -21,6 +21,12 @@ Design decisions:
 - Every refusal happens before anything is built or written, on the driver only (rank 0 owns the
   directory); a directory the claim had to create is removed again on refusal. The directory and
   ``checkpoints/`` are checked writable at the claim, not at the first save.
+- A run directory must be the user's own: one owned by another user, or holding symbolic links
+  (anywhere below it but inside ``wandb/``, whose links wandb makes), is refused before anything is
+  written, naming them. A directory pre-made in shared scratch could otherwise hold links that turn the
+  run's writes onto the user's own files. A link planted after this check is not followed either: the
+  files the run writes itself are opened through ``core/run_dir.py:open_run_file`` (O_NOFOLLOW). The path given as
+  ``run_dir`` may itself be a link (a scratch directory on another disk) if the link is the user's too.
 - A run has an id, written beside each of its checkpoints; pruning deletes only checkpoints with
   this run's id, so an overwriting run never deletes (or is deleted by) what it found.
 """
@@ -29,7 +35,9 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import socket
+import stat
 import sys
 import time
 import uuid
@@ -37,7 +45,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gspo_megatron.core.run_dir import CONFIG_FILE, METRICS_FILE, ROUTING_FILE, ResumeMode, RunDirError, resume_mode
+from gspo_megatron.core.run_dir import (
+    CONFIG_FILE,
+    METRICS_FILE,
+    ROUTING_FILE,
+    ResumeMode,
+    RunDirError,
+    resume_mode,
+    write_run_file,
+)
 
 if TYPE_CHECKING:
     from gspo_megatron.config.schema import CheckpointSection
@@ -92,7 +108,7 @@ class RunDirLock:
         path = run_dir / LOCK_FILE
         me: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(), "start": _process_start(os.getpid())}
         tmp = run_dir / f"{LOCK_FILE}.{me['host']}.{me['pid']}.{uuid.uuid4().hex[:8]}"
-        tmp.write_text(json.dumps(me))
+        write_run_file(tmp, json.dumps(me), new=True)
         try:
             for _ in range(3):  # a second and third try after a stale lock was removed
                 try:
@@ -140,7 +156,7 @@ def _remove_if_unchanged(path: Path, judged: tuple[int, bytes], me: dict) -> boo
     free path or remove one here, so the file cannot change between this check and the removal.)"""
     guard = path.with_name(TAKEOVER_FILE)
     mine = path.with_name(f"{TAKEOVER_FILE}.{me['pid']}.{uuid.uuid4().hex[:8]}")
-    mine.write_text(json.dumps(me))
+    write_run_file(mine, json.dumps(me), new=True)
     deadline = time.monotonic() + TAKEOVER_WAIT_S
     try:
         while True:
@@ -230,15 +246,76 @@ def check_writable(run_dir: Path) -> None:
     for directory in (run_dir, run_dir / "checkpoints"):
         if not directory.exists():
             continue
-        probe = directory / f".gspo_write_probe.{os.getpid()}"
+        probe = directory / f".gspo_write_probe.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         try:
-            probe.write_bytes(b"")
+            write_run_file(probe, b"", new=True)
             probe.unlink()
         except OSError as error:
             raise RunDirError(
                 f"{directory} is not writable ({error.strerror}): checkpoints could not be saved; "
                 "fix its permissions or mount, or choose another run_dir"
             ) from None
+
+
+WRITTEN_BY_OTHERS = ("wandb",)  # subdirectories whose files another library writes (wandb links its logs)
+NAMED_AT_MOST = 10  # entries a refusal names; the rest are counted
+
+
+def check_own_run_dir(run_dir: Path) -> None:
+    """Refuse a run directory that is not this user's own: owned (or named by a link owned) by another
+    user, or holding symbolic links or entries of another user below it. Nothing is written. A path
+    that does not exist yet passes: the claim creates it."""
+    me = os.geteuid()
+    owners = []
+    if run_dir.is_symlink():
+        owners.append(("the link naming it", os.lstat(run_dir).st_uid))
+    if run_dir.exists():
+        owners.append(("the directory", os.stat(run_dir).st_uid))
+    for what, owner in owners:
+        if owner != me:
+            raise RunDirError(
+                f"run_dir {run_dir}: {what} is owned by {_user(owner)}, not by you ({_user(me)}): a run directory "
+                "someone else made can hold links that turn this run's writes onto your own files. Choose a "
+                "run_dir of your own (a new path is created for you)"
+            )
+    links, foreign = _links_and_foreign_entries(run_dir, me)
+    for found, what in ((links, "symbolic links"), (foreign, "entries owned by another user")):
+        if found:
+            named = ", ".join(str(path) for path in found[:NAMED_AT_MOST])
+            more = f" and {len(found) - NAMED_AT_MOST} more" if len(found) > NAMED_AT_MOST else ""
+            raise RunDirError(
+                f"run_dir {run_dir} holds {what}: {named}{more}. A run never writes through a link or into "
+                "another user's files (they could point at anyone's file, yours included): remove them, or "
+                "choose another run_dir"
+            )
+
+
+def _links_and_foreign_entries(run_dir: Path, me: int) -> tuple[list[Path], list[Path]]:
+    """Every symbolic link below ``run_dir`` and every entry another user owns (links not followed;
+    the contents of ``WRITTEN_BY_OTHERS`` skipped)."""
+    links: list[Path] = []
+    foreign: list[Path] = []
+    for root, dirs, files in os.walk(run_dir, followlinks=False):
+        for name in dirs + files:
+            path = Path(root) / name
+            try:
+                entry = os.lstat(path)
+            except FileNotFoundError:  # removed meanwhile (a temporary file of a run still holding the lock)
+                continue
+            if stat.S_ISLNK(entry.st_mode):
+                links.append(path)
+            elif entry.st_uid != me:
+                foreign.append(path)
+        if Path(root) == run_dir:
+            dirs[:] = [name for name in dirs if name not in WRITTEN_BY_OTHERS]
+    return links, foreign
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
 
 
 def _missing_parents(run_dir: Path) -> list[Path]:
@@ -277,6 +354,7 @@ def claim_run_dir(run_dir: Path, section: CheckpointSection, config_yaml: str) -
     Runs on the driver before anything is built: a refusal costs seconds and touches no file.
     """
     mode = resume_mode(section.resume)
+    check_own_run_dir(run_dir)
     created = _missing_parents(run_dir)
     lock = RunDirLock.acquire(run_dir)
     try:

@@ -28,8 +28,11 @@ from gspo_megatron.core.run_dir import (
     JsonlLog,
     ResumeMode,
     drop_records_from_step,
+    open_run_file,
     read_jsonl,
+    refuse_link,
     resume_mode,
+    write_run_file,
 )
 from gspo_megatron.policy.checkpoint.store import latest_checkpoint
 
@@ -109,13 +112,14 @@ class RunLog:
         """``config.yaml`` and ``provenance.json`` (commit, command and ``inputs`` such as the thread
         count; a resume keeps the earlier starts under ``previous``, so a run continued on other code
         says so)."""
-        (self.run_dir / CONFIG_FILE).write_text(self.config_yaml)
+        write_run_file(self.run_dir / CONFIG_FILE, self.config_yaml)
         path = self.run_dir / PROVENANCE_FILE
+        refuse_link(path)  # before reading it: a link's target is neither read nor written
         earlier = json.loads(path.read_text()) if path.is_file() else None
         record = provenance(**inputs)
         if earlier is not None:
             record["previous"] = earlier.pop("previous", []) + [earlier]
-        path.write_text(json.dumps(record, indent=2) + "\n")
+        write_run_file(path, json.dumps(record, indent=2) + "\n")
 
     def log_step(self, step: int, metrics: dict, routing_records: list[dict] | tuple = ()) -> None:
         if self.routing is not None:
@@ -184,8 +188,11 @@ class RunLog:
         axes[1].set_title("tokens per response")
         fig.tight_layout()
         path = self.run_dir / "reward_curve.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        try:
+            with open_run_file(path, "wb") as file:
+                fig.savefig(file, format="png", dpi=100)
+        finally:
+            plt.close(fig)
         return path
 
 

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.core.run_dir import RunDirError
+from gspo_megatron.core.run_dir import RunDirError, write_run_file
 from gspo_megatron.policy.checkpoint.formats import WRITTEN_BY_KEY, installed_versions, written_by
 
 if TYPE_CHECKING:
@@ -231,7 +231,7 @@ def save_checkpoint(
             _replace_own_or_keep_other(final, run_id)
         os.replace(partial, final)
         tmp_pointer = root / "latest.tmp"
-        tmp_pointer.write_text(final.name)
+        write_run_file(tmp_pointer, final.name)  # never through a link planted at latest.tmp
         os.replace(tmp_pointer, root / "latest")
         _prune(root, keep_last, run_id)
     dist.barrier()

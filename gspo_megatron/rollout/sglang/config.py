@@ -139,10 +139,19 @@ class SGLangConfig(ConfigNode):
     weight_sync_group_name: str = "gspo_weight_update"  # stage k > 0 of per_stage senders: <name>_stage<k>
     weight_senders: WeightSenders = WeightSenders.per_stage  # distributed sync with pipeline stages
     weight_sync_timeout_s: float = 600.0
-    disk_sync_dir: str = "checkpoints/sglang_sync"  # writes <dir>/v<version>/ (absolute; older v* removed)
+    # writes <dir>/v<version>/ (older v* removed); a relative dir lies under the run directory (disk_sync_root)
+    disk_sync_dir: str = "sglang_sync"
     fallback_to_disk: bool = True  # a failed distributed update is retried through the disk path
     pause_mode: PauseMode = PauseMode.retract  # in-flight requests are retracted and resume on the new weights
     bracket_weight_update: bool = True  # /begin_weight_update.../end_weight_update (newer 0.5.x)
+
+    def disk_sync_root(self, run_dir: Path | None) -> Path:
+        """``disk_sync_dir`` as an absolute path (the servers resolve a relative one against their own cwd).
+        A relative one lies under ``run_dir``, so two runs started from one working directory never load
+        each other's weights; an engine built without a run directory (a tool's) puts it under the
+        working directory. Not resolved: the engine checks the directory itself is no link."""
+        base = run_dir if run_dir is not None else Path.cwd()
+        return (base / Path(self.disk_sync_dir).expanduser()).absolute()
 
     def require_targets(self) -> None:
         """What the engine needs to reach servers; checked when the engine starts, not at construction,

@@ -32,7 +32,10 @@ Design decisions:
 - Disk sync: buckets become safetensors shards plus an index under ``<disk_sync_dir>/v<version>/``
   (an absolute path: the server resolves a relative one against its own cwd) beside copies of the
   checkpoint's non-weight files, then ``/update_weights_from_disk``; older ``v*`` directories are
-  removed once the servers hold the new version. The directory must be visible to the servers.
+  removed once the servers hold the new version. The directory must be visible to the servers. A
+  relative ``disk_sync_dir`` lies under the run directory (two runs from one working directory once
+  loaded each other's weights), and the engine creates it private (0700) and refuses one that is a
+  link or another user's (``core/run_dir.py:private_directory``).
 - Every server's SGLang version is checked against ``version.SUPPORTED_SGLANG`` at start-up.
 - Seeds: SGLang honours ``sampling_seed`` only under ``--enable-deterministic-inference``; without it
   no seed is sent and a warning says samples are not reproducible.
@@ -58,6 +61,7 @@ import torch
 from gspo_megatron.contracts.samples import FinishReason, RowRequest, Sample, SamplingParams
 from gspo_megatron.core.fp8_blocks import QuantizedStream, quantize_named_tensors
 from gspo_megatron.core.interrupts import RunInterrupted
+from gspo_megatron.core.run_dir import private_directory
 from gspo_megatron.rollout.engine import EngineSession, RolloutEngine, TurnRequest, TurnResult
 from gspo_megatron.rollout.sglang.client import ServerState, SGLangHTTPClient
 from gspo_megatron.rollout.sglang.config import LaunchMode, PauseMode, SGLangConfig, WeightQuantization, WeightSync
@@ -76,9 +80,12 @@ class WeightSyncError(RuntimeError):
 
 
 class SGLangEngine(RolloutEngine):
-    def __init__(self, config: SGLangConfig):
+    def __init__(self, config: SGLangConfig, run_dir: Path | None = None):
+        """``run_dir``: the run's directory, which a relative ``disk_sync_dir`` lies under (None: the
+        working directory, for an engine a tool builds on its own)."""
         config.require_targets()
         self.config = config
+        self._run_dir = run_dir
         self.weight_version = 0
         self._closed = False
         self._launched: list[LaunchedServer] = []
@@ -432,9 +439,10 @@ class SGLangEngine(RolloutEngine):
         )
 
     def _sync_from_disk(self, servers, named_tensors, version: int) -> None:
+        root = private_directory(self.config.disk_sync_root(self._run_dir), "rollout.sglang.disk_sync_dir")
         directory = write_safetensors_checkpoint(
             named_tensors,
-            self._disk_sync_root() / f"v{version}",
+            root / f"v{version}",
             template_dir=self.config.model_path,
             bucket_bytes=self.config.weight_bucket_bytes,
         )
@@ -442,7 +450,7 @@ class SGLangEngine(RolloutEngine):
         self._calls.on_all(servers, "POST", "/update_weights_from_disk", body)
 
     def _disk_sync_root(self) -> Path:
-        return Path(self.config.disk_sync_dir).expanduser().resolve()
+        return self.config.disk_sync_root(self._run_dir).resolve()
 
     def release_memory(self) -> None:
         """Colocated: every live server frees its weights and KV cache (SGLang's memory saver, launched

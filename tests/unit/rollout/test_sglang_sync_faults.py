@@ -1,7 +1,8 @@
 """Weight-sync faults leave the servers usable: the update group is destroyed at shutdown (a second run
 can form it again), re-formed when the server set changes, a failed distributed update falls back to
-the disk path; disk-sync paths are absolute and old versions are removed. Real gloo groups with doubles
-running as separate processes (as SGLang servers would)."""
+the disk path; disk-sync paths are absolute, lie under the run directory (private, never through a
+link), and old versions are removed. Real gloo groups with doubles running as separate processes (as
+SGLang servers would)."""
 
 import json
 import os
@@ -15,6 +16,8 @@ import pytest
 import torch
 
 from gspo_megatron.contracts.samples import SamplingParams
+from gspo_megatron.rollout.config import RolloutSection
+from gspo_megatron.rollout.engines import ENGINES, ModelShape
 from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine, WeightSyncError
 from gspo_megatron.rollout.sglang.launcher import LaunchedServer, free_port
 from gspo_megatron.testing.sglang_double import SGLangServerDouble
@@ -238,3 +241,44 @@ def test_a_second_signal_during_a_distributed_sync_is_not_retried_through_the_di
         assert stop.value.exit_code == 143
     paths = [path for path, _ in _state(server.url)["calls"]]
     assert "/update_weights_from_disk" not in paths and paths.count("/continue_generation") == 1
+
+
+def _engine_of_run(config: SGLangConfig, run_dir: Path):
+    """The engine as a run builds it: through the engine registry, with the run's directory."""
+    rollout = RolloutSection(engine="sglang", sglang=config)
+    return ENGINES.get("sglang").build(rollout, ModelShape("qwen3_moe", {}), str, run_dir)
+
+
+def test_two_runs_from_one_working_directory_sync_through_their_own_private_directories(tmp_path, monkeypatch):
+    """Issue 63 item 3: the default disk-sync directory once resolved against the working directory, and
+    two runs started there loaded each other's weights. Now it lies under each run's directory, private."""
+    double = SGLangServerDouble().start()
+    try:
+        monkeypatch.chdir(tmp_path)
+        config = _config([double.url], tmp_path, weight_sync="disk", disk_sync_dir=SGLangConfig().disk_sync_dir)
+        run_dirs = [tmp_path / "runs" / "a", tmp_path / "runs" / "b"]
+        for run_dir in run_dirs:
+            with _engine_of_run(config, run_dir) as engine:
+                engine.update_weights([("w", torch.ones(2))], version=1)
+        roots = [Path(body["model_path"]).parent for path, body in double.calls if path == "/update_weights_from_disk"]
+        assert roots == [(run_dir / "sglang_sync").resolve() for run_dir in run_dirs]
+        assert [root.stat().st_mode & 0o777 for root in roots] == [0o700, 0o700]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "runs"]  # nothing in the working directory
+    finally:
+        double.stop()
+
+
+def test_disk_sync_never_writes_through_a_link_at_its_directory(tmp_path):
+    double = SGLangServerDouble().start()
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    try:
+        config = _config([double.url], tmp_path, weight_sync="disk", disk_sync_dir="sync")
+        (tmp_path / "run").mkdir()
+        (tmp_path / "run" / "sync").symlink_to(victim)
+        refused = pytest.raises(WeightSyncError, match="disk_sync_dir=.*sync is a symbolic link")
+        with _engine_of_run(config, tmp_path / "run") as engine, refused:
+            engine.update_weights([("w", torch.ones(2))], version=1)
+        assert list(victim.iterdir()) == []
+    finally:
+        double.stop()
