@@ -16,8 +16,10 @@ def compose(overrides: list[str]) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
 
+    from gspo_megatron.config.known_keys import check_override_keys
     from gspo_megatron.config.store import register_configs
 
+    check_override_keys(overrides)  # an unknown key named as train.py names it, '+' or not
     register_configs()  # idempotent: ConfigStore replaces the entry
     with initialize_config_module(config_module=CONF_MODULE, version_base="1.3"):
         return hydra_compose("config", overrides=list(overrides))

@@ -149,9 +149,15 @@ class TrainConfig(ConfigNode):
 
 def to_train_config(cfg: object) -> TrainConfig:
     """The composed Hydra config as a ``TrainConfig`` instance (each section's dataclass validates
-    itself on the way); the one place that turns an OmegaConf tree into the typed schema."""
+    itself on the way); the one place that turns an OmegaConf tree into the typed schema. A key the
+    schema does not have (added with '+') is refused first, naming the closest (``config/known_keys.py``):
+    ``to_object`` would set it as an attribute nothing reads."""
     from omegaconf import OmegaConf
 
+    from gspo_megatron.config.known_keys import check_config_keys
+
+    if OmegaConf.is_dict(cfg):
+        check_config_keys(OmegaConf.to_container(cfg, resolve=False))  # type: ignore[arg-type]
     typed = OmegaConf.to_object(cfg)  # any OmegaConf container
     if not isinstance(typed, TrainConfig):
         raise TypeError(f"expected a config composed from the TrainConfig schema, got {type(typed).__name__}")

@@ -62,6 +62,21 @@ RENAMED: dict[str, str] = {
 }
 CONFLICT = "<saved configs differ here: {}>"
 
+# Keys the schema lost, with what replaces them: a run that sets one is refused with this text
+# (``config/known_keys.py``); a saved config that holds one resumes (a key only one side has is a change
+# of code, reported by the resume check). Issue 63: the embedded engine is built from the policy's shape
+# (``loop/build.py:rollout_settings``), its weights from the first sync, so these two were read by no run.
+REMOVED: dict[str, str] = {
+    "rollout.embedded.model": (
+        "the embedded engine is built from the policy's shape; set the model's keys under model.* "
+        "(model=<preset>, e.g. model.num_experts=8)"
+    ),
+    "rollout.embedded.model_config_path": (
+        "the embedded engine is built from the policy's shape; to take the shape of an HF checkpoint set "
+        "model.hf_checkpoint=<dir>"
+    ),
+}
+
 
 def migrate_config(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """``config`` (a saved config as plain nested data) with every renamed key at its new place, and
