@@ -100,13 +100,13 @@ def check_command_line_keys(argv: list[str]) -> None:
     command line is read by Hydra's own parser; one it cannot read is left to Hydra, which names it."""
     from hydra._internal.utils import get_args_parser
 
-    from gspo_megatron.config.known_keys import check_override_keys
+    from gspo_megatron.config.compose import check_overrides
 
     try:
         args, _ = get_args_parser().parse_known_args(argv)
     except SystemExit:  # argparse's error exit; Hydra prints the same message when it parses
         return
-    check_override_keys(args.overrides)
+    check_overrides(args.overrides)
 
 
 def exit_without_teardown(code: object) -> NoReturn:

@@ -9,8 +9,10 @@ Design decisions:
   goes through), and the command line's overrides before Hydra composes (``train.py:main``,
   ``config/compose.py``), so both forms get the same message and nothing of a refused run is written.
 - The schema's keys come from ``OmegaConf.structured(TrainConfig)``, the tree Hydra merges into: a section
-  (a dataclass) admits only its fields; a dict-typed field (``rollout.sglang.extra_args``-like mappings)
-  admits any key below it.
+  (a dataclass) admits only its fields; a dict-typed field (none today) admits any key below it.
+- The closest key: ``difflib`` over the full dotted keys with a high cutoff (0.8: a typo, not a neighbour
+  that shares the section's prefix), else the same last name in another section (``trainer.lr`` ->
+  ``optimizer.lr``), else the keys of the section it was put in.
 - Overrides that are not keys of the run's config pass: a config group's choice (``+experiment=...``,
   ``model=tiny``: a folder of ``conf/``), a package (``model@x=...``), Hydra's own (``hydra.*``,
   ``hydra/launcher=...``) and deletions (Hydra refuses an unknown one itself).
@@ -23,7 +25,6 @@ import difflib
 import functools
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from gspo_megatron.core.config_migrations import REMOVED
@@ -35,7 +36,7 @@ class UnknownConfigKeyError(ValueError):
 
 @dataclass(frozen=True)
 class SchemaKeys:
-    """The dotted paths of ``TrainConfig``: every section and leaf, and the dict-typed fields (open)."""
+    """The dotted paths of a config schema: every section and leaf, and the dict-typed fields (open)."""
 
     sections: frozenset[str]
     leaves: frozenset[str]
@@ -51,21 +52,32 @@ class SchemaKeys:
         for removed in (".".join(parts[:n]) for n in range(len(parts), 0, -1)):
             if removed in REMOVED:
                 return UnknownConfigKeyError(f"{source}: {removed} was removed: {REMOVED[removed]}")
-        known = sorted(self.sections | self.leaves | self.open)
-        close = difflib.get_close_matches(dotted, known, n=1, cutoff=0.6)
-        top = sorted(key for key in known if "." not in key)
-        hint = f"did you mean {close[0]}?" if close else f"the top-level keys are {', '.join(top)}"
         return UnknownConfigKeyError(
-            f"{source}: {dotted} is not a config key ({hint}); a '+' does not add settings, every key the "
-            "trainer reads is in the schema (gspo_megatron/config/schema.py)"
+            f"{source}: {dotted} is not a config key ({self._hint(dotted)}); a '+' does not add settings, every "
+            "key the trainer reads is in the schema (gspo_megatron/config/schema.py)"
+        )
+
+    def _hint(self, dotted: str) -> str:
+        known = sorted(self.sections | self.leaves | self.open)
+        candidates = [key for key in known if not dotted.startswith(key + ".")]  # not its own sections
+        close = difflib.get_close_matches(dotted, candidates, n=1, cutoff=0.8)
+        parent, _, name = dotted.rpartition(".")
+        close = close or [key for key in known if key.rpartition(".")[2] == name][:1]
+        if close:
+            return f"did you mean {close[0]}?"
+        scope = parent if parent in self.sections else ""
+        siblings = [key.rpartition(".")[2] for key in known if key.rpartition(".")[0] == scope]
+        return (
+            f"the keys of {scope} are {', '.join(siblings)}"
+            if scope
+            else f"the top-level keys are {', '.join(siblings)}"
         )
 
 
 @functools.cache
-def schema_keys() -> SchemaKeys:
+def schema_keys(schema: type) -> SchemaKeys:
+    """The dotted paths of a structured config class, as Hydra merges into it."""
     from omegaconf import DictConfig, OmegaConf
-
-    from gspo_megatron.config.schema import TrainConfig
 
     sections: set[str] = set()
     leaves: set[str] = set()
@@ -83,7 +95,7 @@ def schema_keys() -> SchemaKeys:
             else:
                 leaves.add(path)
 
-    walk(OmegaConf.structured(TrainConfig), "")
+    walk(OmegaConf.structured(schema), "")
     return SchemaKeys(frozenset(sections), frozenset(leaves), frozenset(open_))
 
 
@@ -96,17 +108,18 @@ def config_paths(tree: Mapping[str, Any], keys: SchemaKeys, prefix: str = "") ->
             yield from config_paths(value, keys, path + ".")
 
 
-def check_config_keys(tree: Mapping[str, Any]) -> None:
-    """Refuse a composed config (plain data) holding a key the schema does not have."""
-    keys = schema_keys()
+def check_config_keys(tree: Mapping[str, Any], schema: type) -> None:
+    """Refuse a composed config (plain data) holding a key ``schema`` does not have."""
+    keys = schema_keys(schema)
     for path in config_paths(tree, keys):
         if not keys.knows(path):
             raise keys.error(path, "the composed config")
 
 
-def check_override_keys(overrides: Iterable[str]) -> None:
-    """Refuse a command-line override that sets a key the schema does not have, with or without '+'.
-    An override Hydra cannot parse is left to Hydra, which names it."""
+def check_override_keys(overrides: Iterable[str], schema: type, groups: Iterable[str]) -> None:
+    """Refuse a command-line override that sets a key ``schema`` does not have, with or without '+'; a
+    choice of one of the config ``groups`` passes. An override Hydra cannot parse is left to Hydra,
+    which names it."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
@@ -114,8 +127,7 @@ def check_override_keys(overrides: Iterable[str]) -> None:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
     except HydraException:
         return
-    keys = schema_keys()
-    groups = config_groups()
+    keys = schema_keys(schema)
     for override in parsed:
         key = override.key_or_group
         if override.is_delete() or override.package is not None or "/" in key or key.split(".")[0] == "hydra":
@@ -123,11 +135,3 @@ def check_override_keys(overrides: Iterable[str]) -> None:
         if key in groups or keys.knows(key):
             continue
         raise keys.error(key, f"override {override.input_line!r}")
-
-
-@functools.cache
-def config_groups() -> frozenset[str]:
-    """The config groups of ``conf/`` (``experiment``, ``model``, ...): an override may choose one."""
-    from gspo_megatron.config.compose import CONF_DIR
-
-    return frozenset(p.name for p in Path(CONF_DIR).iterdir() if p.is_dir() and not p.name.startswith("_"))

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gspo_megatron.algorithms.config import OLD_LOG_PROB_SOURCES, AlgorithmConfig, OldLogProbSource
+from gspo_megatron.config.known_keys import check_config_keys
 from gspo_megatron.config.resume_check import validate_allow_list
 from gspo_megatron.core.config_node import ConfigNode
 from gspo_megatron.core.run_dir import resume_mode
@@ -154,10 +155,8 @@ def to_train_config(cfg: object) -> TrainConfig:
     ``to_object`` would set it as an attribute nothing reads."""
     from omegaconf import OmegaConf
 
-    from gspo_megatron.config.known_keys import check_config_keys
-
     if OmegaConf.is_dict(cfg):
-        check_config_keys(OmegaConf.to_container(cfg, resolve=False))  # type: ignore[arg-type]
+        check_config_keys(OmegaConf.to_container(cfg, resolve=False), TrainConfig)  # type: ignore[arg-type]
     typed = OmegaConf.to_object(cfg)  # any OmegaConf container
     if not isinstance(typed, TrainConfig):
         raise TypeError(f"expected a config composed from the TrainConfig schema, got {type(typed).__name__}")
