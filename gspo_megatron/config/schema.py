@@ -144,8 +144,8 @@ class TrainConfig(ConfigNode):
     logging: LoggingSection = field(default_factory=LoggingSection)
 
     def prompt_token_budget(self) -> int:
-        """The most prompt tokens a row may have: prompt + response must fit the model's context."""
-        return self.model.max_position_embeddings - self.rollout.max_new_tokens
+        """The most prompt tokens a row may have: prompt + response (or trajectory) must fit the model's context."""
+        return self.rollout.prompt_budget(self.model.max_position_embeddings)
 
 
 def to_train_config(cfg: object) -> TrainConfig:

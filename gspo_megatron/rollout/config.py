@@ -277,6 +277,18 @@ class RolloutSection(ConfigNode):
                 "rollout.async_rollout=false or rollout.placement=separate"
             )
 
+    def response_budget(self) -> tuple[str, int]:
+        """The most tokens a row holds after its prompt, and the key that sets it: one response
+        (``rollout.max_new_tokens``), or an agent's whole trajectory (``rollout.agent.max_tokens``: its
+        turns, each at most ``max_new_tokens``, and the tool answers inserted between them)."""
+        if self.agent.enabled:
+            return "rollout.agent.max_tokens", self.agent.max_tokens
+        return "rollout.max_new_tokens", self.max_new_tokens
+
+    def prompt_budget(self, max_positions: int) -> int:
+        """The most prompt tokens a row may have: prompt + what follows must fit ``model.max_position_embeddings``."""
+        return max_positions - self.response_budget()[1]
+
     def _check_partial_rollouts(self) -> None:
         if not (math.isfinite(self.over_sample) and self.over_sample >= 1.0):
             raise ValueError(f"rollout.over_sample={self.over_sample} must be >= 1 (1: no over-sampling)")
