@@ -79,14 +79,34 @@ def main() -> None:
     data: ``pkg://gspo_megatron.conf``, so an installed wheel finds it) and the command line."""
     import hydra
 
+    from gspo_megatron.config.known_keys import UnknownConfigKeyError
     from gspo_megatron.config.store import register_configs
 
+    try:
+        check_command_line_keys(sys.argv[1:])
+    except UnknownConfigKeyError as error:  # before Hydra composes or writes anything
+        exit_without_teardown(f"[gspo] {error}")
     register_configs()
     try:
         hydra.main(config_path="pkg://gspo_megatron.conf", config_name="config", version_base="1.3")(train_from_hydra)()
     except SystemExit as stop:  # Hydra's own (a bad override, --help) and a signalled stop's
         exit_without_teardown(stop.code)
     exit_without_teardown(0)
+
+
+def check_command_line_keys(argv: list[str]) -> None:
+    """Refuse an override of a key the schema does not have, with or without '+' (``config/known_keys.py``):
+    Hydra would refuse ``trainer.stepz=3`` advising ``+trainer.stepz=3``, and accept that silently. The
+    command line is read by Hydra's own parser; one it cannot read is left to Hydra, which names it."""
+    from hydra._internal.utils import get_args_parser
+
+    from gspo_megatron.config.compose import check_overrides
+
+    try:
+        args, _ = get_args_parser().parse_known_args(argv)
+    except SystemExit:  # argparse's error exit; Hydra prints the same message when it parses
+        return
+    check_overrides(args.overrides)
 
 
 def exit_without_teardown(code: object) -> NoReturn:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gspo_megatron.algorithms.config import OLD_LOG_PROB_SOURCES, AlgorithmConfig, OldLogProbSource
+from gspo_megatron.config.known_keys import check_config_keys
 from gspo_megatron.config.resume_check import validate_allow_list
 from gspo_megatron.core.config_node import ConfigNode
 from gspo_megatron.core.run_dir import resume_mode
@@ -143,15 +144,19 @@ class TrainConfig(ConfigNode):
     logging: LoggingSection = field(default_factory=LoggingSection)
 
     def prompt_token_budget(self) -> int:
-        """The most prompt tokens a row may have: prompt + response must fit the model's context."""
-        return self.model.max_position_embeddings - self.rollout.max_new_tokens
+        """The most prompt tokens a row may have: prompt + response (or trajectory) must fit the model's context."""
+        return self.rollout.prompt_budget(self.model.max_position_embeddings)
 
 
 def to_train_config(cfg: object) -> TrainConfig:
     """The composed Hydra config as a ``TrainConfig`` instance (each section's dataclass validates
-    itself on the way); the one place that turns an OmegaConf tree into the typed schema."""
+    itself on the way); the one place that turns an OmegaConf tree into the typed schema. A key the
+    schema does not have (added with '+') is refused first, naming the closest (``config/known_keys.py``):
+    ``to_object`` would set it as an attribute nothing reads."""
     from omegaconf import OmegaConf
 
+    if OmegaConf.is_dict(cfg):
+        check_config_keys(OmegaConf.to_container(cfg, resolve=False), TrainConfig)  # type: ignore[arg-type]
     typed = OmegaConf.to_object(cfg)  # any OmegaConf container
     if not isinstance(typed, TrainConfig):
         raise TypeError(f"expected a config composed from the TrainConfig schema, got {type(typed).__name__}")

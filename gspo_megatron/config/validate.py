@@ -114,8 +114,9 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
                 "or leave train_on_exit_tokens=false"
             )
     if cfg.prompt_token_budget() < 1:
+        key, tokens = cfg.rollout.response_budget()
         raise ConfigError(
-            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for prompts within "
+            f"{key}={tokens} leaves no room for prompts within "
             f"model.max_position_embeddings={cfg.model.max_position_embeddings}"
         )
     return cfg

@@ -10,6 +10,8 @@ Design decisions:
   changed it; a key is moved only when the old path holds a value (a leaf), so a config already in
   today's layout passes unchanged and migrating twice changes nothing.
 - The values are moved as they are: no rename here changed a meaning or a default.
+- A key that was removed (``REMOVED``: one no run read) is dropped from a saved config, and its entry says
+  what replaces it to a run that still sets it.
 - Several old keys may become one (the trigger-word lists). Where their saved values differ, the new
   key holds a text naming each (``CONFLICT``): it equals no value a run can set, so a resume refuses
   and names the key instead of picking one list silently.
@@ -62,14 +64,33 @@ RENAMED: dict[str, str] = {
 }
 CONFLICT = "<saved configs differ here: {}>"
 
+# Keys the schema lost, with what replaces them: a run that sets one is refused with this text
+# (``config/known_keys.py``); a saved config that holds one has it dropped (``migrate_config``: its value
+# changed nothing). Issue 63: the embedded engine is built from the policy's shape
+# (``loop/build.py:rollout_settings``), its weights from the first sync, so these two were read by no run.
+REMOVED: dict[str, str] = {
+    "rollout.embedded.model": (
+        "the embedded engine is built from the policy's shape; set the model's keys under model.* "
+        "(model=<preset>, e.g. model.num_experts=8)"
+    ),
+    "rollout.embedded.model_config_path": (
+        "the embedded engine is built from the policy's shape; to take the shape of an HF checkpoint set "
+        "model.hf_checkpoint=<dir>"
+    ),
+}
+
 
 def migrate_config(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """``config`` (a saved config as plain nested data) with every renamed key at its new place, and
-    the renames applied (``"old -> new"``); the given dict is not changed."""
+    """``config`` (a saved config as plain nested data) with every renamed key at its new place and every
+    removed key gone, and the changes applied (``"old -> new"``, ``"old -> (removed)"``); the given dict
+    is not changed."""
     moved = {old: new for old, new in RENAMED.items() if _is_leaf(config, old)}
-    if not moved:
+    removed = [old for old in REMOVED if _holds(config, old)]
+    if not moved and not removed:
         return config, []
     out = copy.deepcopy(config)
+    for old in removed:  # no run read them: their saved values changed nothing
+        _pop(out, old)
     values: dict[str, dict[str, Any]] = {}  # new key -> {old key: value}; every old leaf out first
     for old, new in moved.items():  # ("algorithm.loss" was a leaf that now is the section its name goes into)
         values.setdefault(new, {})[old] = _pop(out, old)
@@ -79,16 +100,29 @@ def migrate_config(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         distinct = {repr(v) for v in olds.values()}
         value = next(iter(olds.values())) if len(distinct) == 1 else CONFLICT.format(olds)
         _set(out, new, value)
-    return out, [f"{old} -> {new}" for old, new in moved.items()]
+    return out, [f"{old} -> {new}" for old, new in moved.items()] + [f"{old} -> (removed)" for old in removed]
 
 
-def _is_leaf(tree: dict[str, Any], dotted: str) -> bool:
+_ABSENT = object()
+
+
+def _lookup(tree: dict[str, Any], dotted: str) -> Any:
+    """The node at ``dotted`` (a leaf or a section), or ``_ABSENT``."""
     node: Any = tree
     for part in dotted.split("."):
         if not isinstance(node, dict) or part not in node:
-            return False
+            return _ABSENT
         node = node[part]
-    return not isinstance(node, dict)
+    return node
+
+
+def _holds(tree: dict[str, Any], dotted: str) -> bool:
+    return _lookup(tree, dotted) is not _ABSENT
+
+
+def _is_leaf(tree: dict[str, Any], dotted: str) -> bool:
+    node = _lookup(tree, dotted)
+    return node is not _ABSENT and not isinstance(node, dict)
 
 
 def _pop(tree: dict[str, Any], dotted: str) -> Any:

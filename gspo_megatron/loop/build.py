@@ -113,7 +113,7 @@ def rollout_settings(cfg: TrainConfig, run_dir: Path | None = None) -> RolloutSe
         algorithm=cfg.algorithm,
         model=ModelShape(cfg.model.family, cfg.model.to_hf_dict()),
         model_vocab_size=cfg.model.vocab_size,
-        prompt_token_budget=cfg.prompt_token_budget(),
+        max_positions=cfg.model.max_position_embeddings,
         return_routed_experts=cfg.rollout.return_routed_experts
         or needs_engine_routing(cfg.routing.replay)
         or DiagnosticKind.rollout_vs_train in cfg.routing.kinds,

@@ -15,7 +15,7 @@ from gspo_megatron.algorithms.config import AlgorithmConfig
 from gspo_megatron.contracts.samples import SamplingParams
 from gspo_megatron.rollout.config import RolloutSection
 from gspo_megatron.rollout.data.config import TaskConfig, TokenizerConfig
-from gspo_megatron.rollout.data.tasks import build_task
+from gspo_megatron.rollout.data.tasks import Task, build_task
 from gspo_megatron.rollout.data.tokenizer import Tokenizer, build_tokenizer
 from gspo_megatron.rollout.engine import RolloutEngine
 from gspo_megatron.rollout.engines import ENGINES, ModelShape
@@ -42,7 +42,7 @@ class RolloutSettings:
     algorithm: AlgorithmConfig  # the advantage estimator and dynamic sampling
     model: ModelShape  # the policy's shape, as the embedded engine builds it
     model_vocab_size: int  # model.vocab_size: the tokenizer's ids must fit
-    prompt_token_budget: int  # the most prompt tokens a row may have (model context - rollout.max_new_tokens)
+    max_positions: int  # model.max_position_embeddings: a row's prompt and what follows it must fit
     return_routed_experts: bool  # R3 or a diagnostic needs the engine's routing
     seed: int  # trainer.seed: sampling seeds are a function of (seed, step)
     prompts_per_step: int  # trainer.prompts_per_step
@@ -82,7 +82,9 @@ def build_producer(settings: RolloutSettings) -> RolloutProducer:
             f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {settings.model_vocab_size}; "
             "raise model.vocab_size (a multiple of parallel.tp)"
         )
-    task = build_task(settings.task, tokenizer, settings.prompt_token_budget)  # prompts past the context are dropped
+    prompt_budget = rollout.prompt_budget(settings.max_positions)
+    task = build_task(settings.task, tokenizer, prompt_budget)  # dataset prompts past the context are dropped
+    check_positions(task, rollout, settings.max_positions)
     engine = ENGINES.get(rollout.engine).build(rollout, settings.model, tokenizer.decode, settings.run_dir)
     sampling = SamplingParams(
         temperature=rollout.temperature,
@@ -122,6 +124,21 @@ def build_producer(settings: RolloutSettings) -> RolloutProducer:
         else None,
         agent=agent,
     )
+
+
+def check_positions(task: Task, rollout: RolloutSection, max_positions: int) -> None:
+    """Refuse, before the first rollout, a task whose longest prompt and the tokens that may follow it
+    (``RolloutSection.response_budget``) pass the model's positions: nothing would stop the engine and
+    the trainer from running rows longer than ``model.max_position_embeddings`` (RoPE has no bound)."""
+    longest = task.longest_prompt_tokens()
+    key, follows = rollout.response_budget()
+    if longest + follows > max_positions:
+        raise ValueError(
+            f"task {task.name!r}: its longest prompt has {longest} tokens and {key}={follows} may follow, "
+            f"{longest + follows} positions, more than model.max_position_embeddings={max_positions}; raise "
+            f"model.max_position_embeddings to at least {longest + follows}, lower {key}, or shorten the "
+            "task's prompts"
+        )
 
 
 def build_agent(settings: RolloutSettings, engine: RolloutEngine, tokenizer: Tokenizer) -> TrajectoryRunner:

@@ -3,10 +3,10 @@
 Design decisions:
 - Plain dataclasses with typed defaults; the lead registers them in Hydra's ConfigStore
   (``conf/rollout/embedded.yaml`` holds the YAML defaults of the embedded engine).
-- The model shape is not duplicated here: ``model`` holds the family's transformers config keyword
-  arguments (``model_type`` picks the family, Qwen3-MoE by default; the same numbers the trainer's
-  model config uses) and ``model_config_path`` may point at an HF checkpoint's ``config.json``;
-  ``model`` entries override what the file says.
+- The model shape is not here: the embedded engine is built from the policy's (``model.*``, resolved in
+  ``loop/build.py:rollout_settings``), so engine and trainer cannot disagree on it. The engine's own
+  ``model`` and ``model_config_path`` keys, which no run read, were removed (issue 63;
+  ``core/config_migrations.py:REMOVED`` names the replacement to a run that sets them).
 - Truncated-rollout strings (trigger words, probe suffix, thinking close) are text, turned into token
   ids by the caller's tokenizer at run time, so the same config serves any tokenizer.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 from gspo_megatron.core.config_node import ConfigChoice, ConfigNode
 from gspo_megatron.rollout.sglang.config import SGLangConfig, WeightQuantization
@@ -73,8 +72,6 @@ class AttentionImplementation(ConfigChoice):
 class EmbeddedConfig(ConfigNode):
     """The transformers-based rollout engine that runs inside the trainer process."""
 
-    model: dict[str, Any] = field(default_factory=dict)  # the family's HF config kwargs (override the file)
-    model_config_path: str | None = None  # HF checkpoint dir or config.json; None: `model` only
     dtype: EngineDtype = EngineDtype.float32
     # fp8_block: each synced projection weight rounded through block FP8 and back (an FP8 engine's weights,
     # emulated: the compute stays in ``dtype``)
@@ -279,6 +276,18 @@ class RolloutSection(ConfigNode):
                 "trainer take turns on the same devices, so generation cannot run beside training; set "
                 "rollout.async_rollout=false or rollout.placement=separate"
             )
+
+    def response_budget(self) -> tuple[str, int]:
+        """The most tokens a row holds after its prompt, and the key that sets it: one response
+        (``rollout.max_new_tokens``), or an agent's whole trajectory (``rollout.agent.max_tokens``: its
+        turns, each at most ``max_new_tokens``, and the tool answers inserted between them)."""
+        if self.agent.enabled:
+            return "rollout.agent.max_tokens", self.agent.max_tokens
+        return "rollout.max_new_tokens", self.max_new_tokens
+
+    def prompt_budget(self, max_positions: int) -> int:
+        """The most prompt tokens a row may have: prompt + what follows must fit ``model.max_position_embeddings``."""
+        return max_positions - self.response_budget()[1]
 
     def _check_partial_rollouts(self) -> None:
         if not (math.isfinite(self.over_sample) and self.over_sample >= 1.0):

@@ -5,9 +5,10 @@ Design decisions:
   rows), and a bad row should fail the run before the first rollout, not hours in. Every error names
   the file and the line (JSONL) or row (Parquet), and for a missing field the fields that are present.
 - Prompts longer than ``max_prompt_tokens`` -- or than the model's context leaves for them
-  (``prompt_budget``: ``model.max_position_embeddings - rollout.max_new_tokens``, given by the
-  trainer) -- are dropped and counted (``stats``), not truncated: a truncated math problem is a
-  different problem, and a prompt past the context would be trained on positions the model never had.
+  (``prompt_budget``: ``model.max_position_embeddings - rollout.max_new_tokens``, or
+  ``- rollout.agent.max_tokens`` with an agent, given by the trainer) -- are dropped and counted
+  (``stats``), not truncated: a truncated math problem is a different problem, and a prompt past the
+  context would be trained on positions the model never had.
 - Order is a pure function of (seed, epoch): each epoch is a fresh permutation drawn from
   ``random.Random(f"{seed}/{epoch}")``. Position is (epoch, index into that epoch), so
   ``state_dict()``/``load_state_dict()`` resume exactly; a state from a different file or seed is
@@ -177,8 +178,9 @@ class PromptDataset:
         if self.max_prompt_tokens < self.config.max_prompt_tokens:
             return (
                 f"the {self.max_prompt_tokens} tokens the model's context leaves for a prompt "
-                f"(model.max_position_embeddings - rollout.max_new_tokens; dataset.max_prompt_tokens="
-                f"{self.config.max_prompt_tokens}); use a model with a longer context or lower rollout.max_new_tokens"
+                f"(model.max_position_embeddings - rollout.max_new_tokens, or - rollout.agent.max_tokens with an "
+                f"agent; dataset.max_prompt_tokens={self.config.max_prompt_tokens}); use a model with a longer "
+                "context or lower rollout.max_new_tokens (rollout.agent.max_tokens)"
             )
         return f"dataset.max_prompt_tokens={self.config.max_prompt_tokens}; raise it"
 

@@ -58,6 +58,11 @@ class Task(abc.ABC):
         """A fixed list of records for evaluation (does not move the training position)."""
 
     @abc.abstractmethod
+    def longest_prompt_tokens(self) -> int:
+        """The most tokens a prompt of this task has, known before any is drawn: with what may follow a
+        prompt, it must fit the model's positions (checked at start-up, ``rollout/build.py:check_positions``)."""
+
+    @abc.abstractmethod
     def state_dict(self) -> dict: ...
 
     @abc.abstractmethod
@@ -129,6 +134,13 @@ class SyntheticDigitTask(Task):
 
     def eval_records(self, count: int) -> list[PromptRecord]:
         return [self.record(self.config.eval_seed, i) for i in range(count)]
+
+    def longest_prompt_tokens(self) -> int:
+        """The prompt of ``task.max_digits`` digits, each digit repeated (``problem`` writes every digit):
+        exact for the symbol tokenizer and tokenizers that split digits one by one (a token per digit);
+        for a tokenizer that merges digits, the longest of these ten."""
+        digits = self.config.max_digits
+        return max(len(self.tokenizer.encode(self.problem(str(d) * digits)[0])) for d in range(10))
 
     def state_dict(self) -> dict:
         return {"task": self.name, "seed": self.config.seed, "index": self._index}
@@ -231,6 +243,10 @@ class DatasetTask(Task):
 
     def next_batch(self, batch_size: int) -> list[PromptRecord]:
         return self.dataset.next_batch(batch_size)
+
+    def longest_prompt_tokens(self) -> int:
+        """Every record is tokenized as the file is read (longer ones were dropped against the budget)."""
+        return max((len(record.prompt_ids or ()) for record in self.dataset.records), default=0)
 
     def eval_records(self, count: int) -> list[PromptRecord]:
         """The first ``count`` records in file order (point a second task at a test file for held-out eval)."""

@@ -32,8 +32,6 @@ import contextlib
 import copy
 import dataclasses
 import inspect
-import json
-import os
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -44,7 +42,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from gspo_megatron.contracts.samples import FinishReason, RowRequest, Sample, SamplingParams
 from gspo_megatron.core.fp8_blocks import fake_quantize_named_tensors
-from gspo_megatron.core.model_families import DEFAULT_FAMILY, family
+from gspo_megatron.core.model_families import family
 from gspo_megatron.rollout.config import EmbeddedConfig
 from gspo_megatron.rollout.embedded.sampling import row_generators, sample_next_tokens
 from gspo_megatron.rollout.embedded.weights import HfWeightLoader
@@ -58,20 +56,6 @@ _STOP_TAIL_EXTRA_TOKENS = 8  # decode this many tokens beyond the longest stop s
 def _cache_argument(model_class: type[PreTrainedModel]) -> str:
     """transformers 5.x renamed the forward's KV-cache argument (``inspect`` follows the deprecation wrapper)."""
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
-
-
-def build_hf_config(config: EmbeddedConfig) -> PretrainedConfig:
-    """The family's HF config from ``model_config_path`` (optional) overridden by ``config.model``; the
-    ``model_type`` key picks the family (Qwen3-MoE when neither names one)."""
-    values = {}
-    if config.model_config_path:
-        path = config.model_config_path
-        path = os.path.join(path, "config.json") if os.path.isdir(path) else path
-        with open(path) as handle:
-            values = json.load(handle)
-    values.update(config.model)
-    config_class, _ = family(values.pop("model_type", DEFAULT_FAMILY)).transformers_classes()
-    return config_class(**values)
 
 
 class _RouterCapture:
@@ -176,10 +160,6 @@ class EmbeddedEngine(RolloutEngine):
         self._seed_source = torch.Generator().manual_seed(self.config.seed)
         self.weight_version = 0
         self._kept: list[_KeptCache | None] = []  # the last turn chunk's rows' caches (``_generate_chunk``)
-
-    @classmethod
-    def from_config(cls, config: EmbeddedConfig, decode=None) -> EmbeddedEngine:
-        return cls(build_hf_config(config), config, decode)
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:

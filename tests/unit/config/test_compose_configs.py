@@ -59,7 +59,7 @@ def test_every_experiment_composes_and_validates(experiment):
 
 
 def test_unknown_key_fails_at_compose_time():
-    with pytest.raises(ConfigCompositionException, match="learning_rate"):
+    with pytest.raises(ValueError, match="trainer.learning_rate is not a config key"):
         compose(["trainer.learning_rate=0.1"])
 
 

@@ -42,7 +42,9 @@ def test_a_config_written_before_the_nested_algorithm_migrates_to_todays_keys_wi
     migrated, renames = migrate_config(saved)
     flat, old = flatten_dotted(migrated), flatten_dotted(saved)
     assert set(flat) - {"run_dir"} <= _keys()  # nothing left under a name today's code does not read
-    assert len(renames) == len(RENAMED) == 38 and "algorithm.routing_replay -> routing.replay" in renames
+    removed = [f"{key} -> (removed)" for key in ("rollout.embedded.model", "rollout.embedded.model_config_path")]
+    assert renames[-2:] == removed  # issue 63: keys no run read
+    assert len(renames) - 2 == len(RENAMED) == 38 and "algorithm.routing_replay -> routing.replay" in renames
     for before, after in RENAMED.items():
         assert flat[after] == old[before]
     assert (flat["algorithm.loss.name"], flat["routing.replay"], flat["algorithm.loss.entropy_coef"]) == (

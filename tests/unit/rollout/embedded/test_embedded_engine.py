@@ -273,12 +273,13 @@ def test_update_weights_rejects_bad_names_and_shapes(source, name, shape, error,
 
 
 def test_tied_embeddings_round_trip_and_config_file(tmp_path):
-    """A tied checkpoint omits lm_head.weight on disk; the engine built from its config.json still
-    reproduces the logits, and either name updates the shared matrix."""
+    """A tied checkpoint omits lm_head.weight on disk; the engine built from its config.json (as the
+    policy's shape reaches it: an HF config object) still reproduces the logits, and either name updates
+    the shared matrix."""
     source = peaked_source_model(tiny_config(tie_word_embeddings=True), seed=5)
     source.tie_weights()
     source.save_pretrained(tmp_path)
-    engine = EmbeddedEngine.from_config(EmbeddedConfig(model_config_path=str(tmp_path)))
+    engine = EmbeddedEngine(Qwen3MoeConfig.from_pretrained(tmp_path), EmbeddedConfig())
     assert engine.model.config.tie_word_embeddings and engine.model.config.num_experts == 4
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as handle:
         assert "lm_head.weight" not in handle.keys()  # noqa: SIM118 - keys() only: not a mapping, not iterable
