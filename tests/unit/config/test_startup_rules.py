@@ -254,4 +254,3 @@ def test_logger_without_its_package_is_refused_at_start_up(monkeypatch, key, pac
     with pytest.raises(ConfigError, match=rf"{key}=true but the {package} package is not installed here.*{key}=false"):
         validate_for_machine(typed)
     validate_for_machine(_typed([f"{key}=false", "logging.wandb=false", "logging.tensorboard=false"]))
-
