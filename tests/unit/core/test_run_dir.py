@@ -137,3 +137,33 @@ def test_a_failed_append_leaves_whole_lines_and_names_the_file_and_the_fix(tmp_p
     data = path.read_bytes()
     assert data.endswith(b"\n") and len(data) < limit
     assert [r["step"] for r in read_jsonl(path)] == [0, 1, 2]
+
+
+def test_a_full_device_leaves_whole_lines_and_names_the_fix(tmp_path):
+    """The disk-full case of the test above, on a real full device: a 64 kB tmpfs in a private mount
+    namespace (``unshare -m``), filled by records until the write fails with ENOSPC. Skipped where the
+    machine does not allow mounting one."""
+    import errno
+    import shlex
+    import shutil
+    import subprocess
+    import sys
+
+    device = tmp_path / "device"
+    device.mkdir()
+    path = device / "metrics.jsonl"
+    writer = shlex.join([sys.executable, "-c", _FILE_SIZE_LIMITED_WRITER.replace("100)", "1000)"), str(path), "-1"])
+    kept = tmp_path / "kept.jsonl"
+    script = f"mount -t tmpfs -o size=64k tmpfs {shlex.quote(str(device))} && {writer} && cp {path} {kept}"
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare here")
+    done = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=60)
+    if "mount:" in done.stderr:
+        pytest.skip("this machine does not allow a tmpfs in a private mount namespace (unshare -m)")
+    assert done.returncode == 0, done.stderr
+    failure = json.loads(done.stdout)
+    assert failure["errno"] == errno.ENOSPC and failure["type"] == "RunLogWriteError"
+    assert str(path) in failure["message"] and "free space on the device holding it" in failure["message"]
+    data = kept.read_bytes()
+    assert data.endswith(b"\n")
+    assert [r["step"] for r in read_jsonl(kept)] == list(range(len(data.splitlines())))
