@@ -30,6 +30,7 @@ def run(cfg: DictConfig, run_dir: str) -> str:
     from gspo_megatron.core.config_node import freeze_config
     from gspo_megatron.loop.build import build_trainer, world_size_from_env
     from gspo_megatron.loop.trainer import QuietLog
+    from gspo_megatron.run.hydra_output import keep_hydra_output
     from gspo_megatron.run.reaper import keep_reaper, start_reaper
     from gspo_megatron.run.run_dir_owner import claim_run_dir
     from gspo_megatron.run.run_log import open_run_log
@@ -53,6 +54,8 @@ def run(cfg: DictConfig, run_dir: str) -> str:
     if notice:
         print(notice, flush=True)
     try:
+        if claim is not None:  # run_dir= given: Hydra's record and train.log go there, not the working directory
+            keep_hydra_output(cfg, Path(run_dir))
         with SignalWatch() as signals:  # SIGTERM/SIGINT: finish the step, save, stop (run/signals.py)
             trainer = build_trainer(typed, Path(run_dir), config_yaml)
             try:

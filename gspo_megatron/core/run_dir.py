@@ -28,6 +28,10 @@ Design decisions:
   number, on a bad line anywhere else (real corruption must not be skipped silently).
 - A writer reopening a file that ends in a partial line first cuts that partial line off, so a
   resumed run never glues its first record onto the fragment.
+- A record is appended as one ``os.write`` of the whole encoded line (no buffered writer that splits
+  it); a write that fails (disk full, ``ulimit -f``, quota) cuts the file back to its length before the
+  record and raises ``RunLogWriteError`` naming the file, the bytes and the fix, so the file never ends
+  in a partial line while the run lives.
 - Records are made JSON-safe in one place (``to_jsonable``): tensors and numpy values become
   Python numbers and nested lists, so callers may pass tensors straight from the diagnostics.
 - Non-finite floats are written as JSON ``NaN``/``Infinity`` (Python's json round-trips them), not
@@ -87,8 +91,19 @@ _WRITE_FLAGS = {
 
 def open_run_file(path: str | os.PathLike, mode: str = "w", encoding: str | None = None) -> IO:
     """Open a run-directory file for writing (``mode``: w, a, x or r+, each with an optional b) without
-    following a symbolic link at ``path``, and only if it is a regular file. O_NONBLOCK keeps a FIFO
-    planted there from blocking the open (it is then refused as not a regular file)."""
+    following a symbolic link at ``path``, and only if it is a regular file (``open_run_fd``)."""
+    fd = open_run_fd(path, mode)
+    try:
+        return os.fdopen(fd, mode, encoding=encoding)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_run_fd(path: str | os.PathLike, mode: str = "w") -> int:
+    """``open_run_file``'s descriptor: opened without following a symbolic link at ``path``, and only if it
+    is a regular file. O_NONBLOCK keeps a FIFO planted there from blocking the open (it is then refused as
+    not a regular file); the descriptor returned blocks."""
     flags = _WRITE_FLAGS.get(mode.replace("b", ""))
     if flags is None:
         raise ValueError(f"open_run_file mode {mode!r} is not one of {sorted(_WRITE_FLAGS)} (with or without b)")
@@ -104,7 +119,7 @@ def open_run_file(path: str | os.PathLike, mode: str = "w", encoding: str | None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise RunDirError(f"{path} is not a regular file: remove it, or choose another run_dir")
         os.set_blocking(fd, True)
-        return os.fdopen(fd, mode, encoding=encoding)
+        return fd
     except BaseException:
         os.close(fd)
         raise
@@ -188,23 +203,63 @@ def _cut_partial_last_line(path: Path) -> None:
         f.truncate(keep)
 
 
+class RunLogWriteError(OSError):
+    """A record could not be appended to a run-directory log: names the file, the bytes and the fix; the
+    file was cut back to whole lines (``errno`` is the write's: ENOSPC, EFBIG, EDQUOT, ...)."""
+
+
+# what frees a write that failed with this errno (any other: the OS's reason is all there is)
+_WRITE_FIXES = {
+    errno.ENOSPC: "free space on the device holding it",
+    errno.EDQUOT: "free space within your disk quota there, or raise the quota",
+    errno.EFBIG: "raise the file-size limit of the shell that starts the run (`ulimit -f unlimited`)",
+}
+
+
 class JsonlLog:
-    """Appends one JSON object per line to a file and flushes it at once."""
+    """Appends one JSON object per line to a file, each as one write of the whole line, straight to the
+    file (nothing buffered in this process)."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         _cut_partial_last_line(self.path)
-        self._file = open_run_file(self.path, "a", encoding="utf-8")  # held by the log until close()
+        self._fd: int | None = open_run_fd(self.path, "a")  # never through a link; held until close()
 
     def append(self, record: dict) -> None:
-        if self._file.closed:
+        if self._fd is None:
             raise ValueError(f"{self.path}: log is closed")
-        self._file.write(json.dumps(to_jsonable(record)) + "\n")
-        self._file.flush()
+        line = (json.dumps(to_jsonable(record)) + "\n").encode("utf-8")
+        before = os.fstat(self._fd).st_size
+        try:
+            written = os.write(self._fd, line)
+            while written < len(line):  # a short write: the next one says why (or finishes the line)
+                written += os.write(self._fd, line[written:])
+        except OSError as error:
+            raise self._write_failed(error, len(line), before) from error
+
+    def _write_failed(self, error: OSError, size: int, before: int) -> RunLogWriteError:
+        """Cut the file back to ``before`` bytes (the whole lines it held) and name the failure."""
+        assert self._fd is not None
+        try:
+            os.ftruncate(self._fd, before)
+            kept = f"{self.path} is kept as it was before this record ({before} bytes, whole lines)"
+        except OSError as cut_error:
+            kept = (
+                f"cutting {self.path} back to {before} bytes failed too ({cut_error.strerror}): its last line "
+                "may be partial (readers drop it, and a resumed run cuts it off)"
+            )
+        fix = _WRITE_FIXES.get(error.errno or 0, "fix what the error names")
+        return RunLogWriteError(
+            error.errno or errno.EIO,
+            f"could not append a {size}-byte record to {self.path}: {error.strerror or error}; {kept}. "
+            f"Fix: {fix}, then continue the run with checkpoint.resume=true",
+        )
 
     def close(self) -> None:
-        self._file.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def __enter__(self):
         return self

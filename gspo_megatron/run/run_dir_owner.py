@@ -104,11 +104,14 @@ class RunDirLock:
     def acquire(cls, run_dir: Path) -> RunDirLock:
         """Link a complete lock file into place; a stale or ownerless lock is removed first, by one
         process at a time (``_remove_if_unchanged``), so racing processes end with exactly one owner."""
-        run_dir.mkdir(parents=True, exist_ok=True)
         path = run_dir / LOCK_FILE
         me: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(), "start": _process_start(os.getpid())}
         tmp = run_dir / f"{LOCK_FILE}.{me['host']}.{me['pid']}.{uuid.uuid4().hex[:8]}"
-        write_run_file(tmp, json.dumps(me), new=True)
+        try:  # the run's first write: a read-only mount or a directory not ours is named here
+            run_dir.mkdir(parents=True, exist_ok=True)
+            write_run_file(tmp, json.dumps(me), new=True)
+        except OSError as error:
+            raise not_writable(run_dir, error) from None
         try:
             for _ in range(3):  # a second and third try after a stale lock was removed
                 try:
@@ -241,6 +244,17 @@ def _nothing_to_resume(run_dir: Path) -> RunDirError:
     )
 
 
+def not_writable(directory: Path, error: OSError) -> RunDirError:
+    """The error for a run directory (or its ``checkpoints/``) the OS refuses a file in: the directory,
+    the OS's reason and the file it refused, and the fix."""
+    refused = f" ({error.strerror}: {error.filename})" if error.filename else f" ({error.strerror or error})"
+    return RunDirError(
+        f"{directory} is not writable{refused}: a run writes its lock, metrics and checkpoints there, so it can "
+        "neither start nor resume in it. Fix its permissions or mount (remount a read-only one read-write), "
+        "or copy the run directory somewhere writable and pass that as run_dir="
+    )
+
+
 def check_writable(run_dir: Path) -> None:
     """The run directory and its checkpoints/ take files (probed: permissions, read-only mounts, root alike)."""
     for directory in (run_dir, run_dir / "checkpoints"):
@@ -251,10 +265,7 @@ def check_writable(run_dir: Path) -> None:
             write_run_file(probe, b"", new=True)
             probe.unlink()
         except OSError as error:
-            raise RunDirError(
-                f"{directory} is not writable ({error.strerror}): checkpoints could not be saved; "
-                "fix its permissions or mount, or choose another run_dir"
-            ) from None
+            raise not_writable(directory, error) from None
 
 
 WRITTEN_BY_OTHERS = ("wandb",)  # subdirectories whose files another library writes (wandb links its logs)

@@ -46,6 +46,23 @@ def test_bad_task_file(tmp_path):
     _assert_not_corrupt(run_dir)
 
 
+def test_empty_prompts_stop_the_start_and_leave_the_run_dir_free(tmp_path):
+    """Issue 63 item 7: a file of empty prompts failed only at the first rollout ("prompt 0 is empty", no
+    file or line), after config.yaml and metrics.jsonl were written, so a rerun into the same run_dir
+    needed checkpoint.overwrite=true. It stops while the task is built, naming the file and line, with
+    no run file written and the lock released: the same command runs again once the file is fixed."""
+    from gspo_megatron.run.run_dir_owner import LOCK_FILE, check_fresh_start, existing_run_files
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "", "answer": "1"}\n{"prompt": "", "answer": "2"}\n')
+    run_dir = tmp_path / "run"
+    with pytest.raises(DistributedRunError, match=r"prompts.jsonl:1: the prompt \(field 'prompt'\) is empty"):
+        run_distributed(train_worker, 1, _dataset_overrides(data), str(run_dir))
+    assert existing_run_files(run_dir) == []
+    assert not (run_dir / LOCK_FILE).exists()
+    check_fresh_start(run_dir, overwrite=False)  # a rerun is not refused
+
+
 def test_dataset_task_trains(tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"max {n}=", "answer": max(str(n))}) + "\n" for n in range(100, 140)))

@@ -56,3 +56,35 @@ def test_a_full_device_is_named_and_loses_nothing(tmp_path):
     resumed = run_training(OVERRIDES + ["checkpoint.resume=true"], kept)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [m["step"] for m in read_metrics(kept)] == [1, 2, 3]
+
+
+def test_a_file_size_limit_during_a_save_is_named(tmp_path):
+    """Issue 63 item 7: under ``ulimit -f`` a save failed with megatron's "Worker failure: [Errno 27] File
+    too large", naming no path. The limit is a real one (RLIMIT_FSIZE set in the child, which Python runs
+    with SIGXFSZ ignored, so the write fails with EFBIG): 200 kB passes the run's logs and config but not
+    a checkpoint shard of the tiny model (about 0.9 MB)."""
+    import resource
+
+    from gspo_megatron.testing.train_runs import train_command
+
+    limit = 200_000
+
+    def limit_file_size():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    done = subprocess.run(
+        train_command(OVERRIDES, run_dir),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=limit_file_size,
+    )
+    assert done.returncode != 0
+    partial = run_dir / "checkpoints" / "step_000001.partial"
+    named = f"a checkpoint file in {partial} went past this process's file-size limit (ulimit -f: {limit} bytes"
+    assert named in done.stderr, done.stderr[-3000:]
+    assert "`ulimit -f unlimited`" in done.stderr and "start again with checkpoint.overwrite=true" in done.stderr

@@ -188,3 +188,35 @@ def test_nan_in_a_checkpoint_is_refused_when_loaded(finished_run, tmp_path, key,
     assert f"checkpoint {checkpoint} {named}" in done.stderr, done.stderr[-3000:]
     assert [m["step"] for m in read_metrics(run_dir)] == before  # nothing trained on it
     assert latest_checkpoint(run_dir) == checkpoint
+
+
+def test_resume_on_a_read_only_mount_names_the_run_dir_and_the_fix(finished_run, tmp_path):
+    """Issue 63 item 7: resuming a run directory on a read-only mount failed with a bare ``OSError:
+    [Errno 30]`` on the lock's temporary file. The mount is a real one: a tmpfs in a private mount
+    namespace (``unshare -m``) holding a copy of a finished run, remounted read-only; skipped where the
+    machine does not allow mounting one."""
+    import shlex
+    import sys
+
+    device = tmp_path / "device"
+    device.mkdir()
+    probe = f"mount -t tmpfs -o size=1m tmpfs {shlex.quote(str(device))}"
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "sh", "-c", probe]).returncode != 0:
+        pytest.skip("this machine does not allow a tmpfs in a private mount namespace (unshare -m)")
+    run_dir = device / "run"
+    train = [sys.executable, "-m", "gspo_megatron.train", f"run_dir={run_dir}", *BASE, "checkpoint.resume=true"]
+    script = " && ".join(
+        [
+            f"mount -t tmpfs -o size=64m tmpfs {shlex.quote(str(device))}",
+            f"cp -r {shlex.quote(str(finished_run.run_dir))} {shlex.quote(str(run_dir))}",
+            f"mount -o remount,ro {shlex.quote(str(device))}",
+            shlex.join(train),
+        ]
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    done = subprocess.run(["unshare", "-m", "sh", "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0
+    named = f"{run_dir} is not writable (Read-only file system: {run_dir}/{LOCK_FILE}."
+    assert named in done.stderr, done.stderr[-3000:]
+    assert "remount a read-only one read-write" in done.stderr

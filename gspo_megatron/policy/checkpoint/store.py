@@ -253,7 +253,8 @@ def _directory_bytes(path: Path) -> int:
 
 @contextlib.contextmanager
 def _disk_full_named(partial: Path, run_dir: Path) -> Iterator[None]:
-    """Turn a write that failed for want of space into one error naming the path and the bytes needed.
+    """Turn a write that failed for want of space into one error naming the path and the bytes needed (and
+    one past the file-size limit into one naming the path, the limit and the fix: ``_file_too_large``).
 
     torch's zip writer and megatron's writer threads lose the errno ("unexpected pos 704 vs 598",
     "Worker failure"), so a failed write is judged by the device instead: ENOSPC anywhere in the chain,
@@ -269,6 +270,8 @@ def _disk_full_named(partial: Path, run_dir: Path) -> Iterator[None]:
         while cause is not None and len(chain) < 16:
             chain.append(cause)
             cause = cause.__cause__ or cause.__context__
+        if any(getattr(e, "errno", None) == errno.EFBIG or os.strerror(errno.EFBIG) in str(e) for e in chain):
+            raise _file_too_large(partial, run_dir) from error
         no_space = any(getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e) for e in chain)
         written = _directory_bytes(partial)
         free = shutil.disk_usage(partial if partial.exists() else partial.parent).free
@@ -287,6 +290,30 @@ def _disk_full_named(partial: Path, run_dir: Path) -> Iterator[None]:
             f"({kept}; the incomplete {partial.name} is removed at the next save). Free space there, lower "
             f"checkpoint.keep_last, or resume in another run_dir copied from this one",
         ) from error
+
+
+def _file_too_large(partial: Path, run_dir: Path) -> OSError:
+    """A checkpoint file went past the process's file-size limit (``ulimit -f``; megatron's writers report
+    only "Worker failure: [Errno 27] File too large"): the path, the limit, the largest file written, the fix."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    files = [f for f in partial.rglob("*") if f.is_file()] if partial.exists() else []
+    largest = max((f.stat().st_size for f in files), default=0)
+    try:
+        previous = latest_checkpoint(run_dir)
+    except RunDirError:
+        previous = None
+    kept = f"{previous} is still the latest complete checkpoint" if previous else "no earlier checkpoint exists"
+    again = "continue with checkpoint.resume=true" if previous else "start again with checkpoint.overwrite=true"
+    limit_text = "unlimited" if limit == resource.RLIM_INFINITY else f"{limit} bytes"
+    return OSError(
+        errno.EFBIG,
+        f"a checkpoint file in {partial} went past this process's file-size limit (ulimit -f: {limit_text}; "
+        f"the largest file written there has {largest} bytes); nothing written before is lost ({kept}; the "
+        f"incomplete {partial.name} is removed at the next save). Raise the limit in the shell that starts the "
+        f"run (`ulimit -f unlimited`) and {again}",
+    )
 
 
 def checkpoint_run_id(path: Path) -> str:

@@ -4,6 +4,7 @@ Design decisions:
 - Load, validate, render and tokenise every row once at start-up: prompt sets are small (1e3-1e5
   rows), and a bad row should fail the run before the first rollout, not hours in. Every error names
   the file and the line (JSONL) or row (Parquet), and for a missing field the fields that are present.
+  An empty prompt (no token once rendered) is such a bad row: no engine can generate from it.
 - Prompts longer than ``max_prompt_tokens`` -- or than the model's context leaves for them
   (``prompt_budget``: ``model.max_position_embeddings - rollout.max_new_tokens``, or
   ``- rollout.agent.max_tokens`` with an agent, given by the trainer) -- are dropped and counted
@@ -222,6 +223,11 @@ class PromptDataset:
             prompt_ids = self.tokenizer.encode(prompt)
         except ValueError as error:
             raise ValueError(f"{where}: {error}") from None
+        if not prompt_ids:  # the engine cannot generate from nothing: refused here, not at the first rollout
+            raise ValueError(
+                f"{where}: the prompt (field {cfg.prompt_field!r}) is empty once rendered and tokenised; every "
+                "prompt needs at least one token: fill it in or remove the line"
+            )
         if len(prompt_ids) > self.max_prompt_tokens:
             self.stats.too_long += 1
             return None

@@ -93,3 +93,77 @@ def test_drop_records_from_step_for_resume(tmp_path):
     assert drop_records_from_step(tmp_path / "routing.jsonl", 2) == 2
     assert [r["step"] for r in read_jsonl(tmp_path / "routing.jsonl")] == [0, 1]
     assert drop_records_from_step(tmp_path / "absent.jsonl", 2) == 0
+
+
+_FILE_SIZE_LIMITED_WRITER = """
+import json, resource, signal, sys
+from gspo_megatron.core.run_dir import JsonlLog
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG, not a signal
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), int(sys.argv[2])))
+log = JsonlLog(sys.argv[1])
+try:
+    for step in range(100):
+        log.append({"step": step, "pad": "x" * 300})
+except OSError as error:
+    print(json.dumps({"type": type(error).__name__, "errno": error.errno, "message": str(error)}))
+finally:
+    log.close()
+"""
+
+
+def test_a_failed_append_leaves_whole_lines_and_names_the_file_and_the_fix(tmp_path):
+    """Issue 63 item 7: a write that fails mid-record (here a real file-size limit, RLIMIT_FSIZE in a
+    child process: the kernel writes up to the limit, then refuses with EFBIG, as a full disk refuses
+    with ENOSPC) left metrics.jsonl ending in a partial line behind a bare ``[Errno 27] File too large``.
+    The file is cut back to its whole lines, and the error names the file, the bytes and the fix."""
+    import errno
+    import subprocess
+    import sys
+
+    path = tmp_path / "metrics.jsonl"
+    limit = 1000  # three 323-byte records fit, the fourth is cut at the limit
+    done = subprocess.run(
+        [sys.executable, "-c", _FILE_SIZE_LIMITED_WRITER, str(path), str(limit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    failure = json.loads(done.stdout)
+    assert failure["errno"] == errno.EFBIG
+    assert failure["type"] == "RunLogWriteError"
+    assert str(path) in failure["message"] and "323-byte record" in failure["message"]
+    assert "ulimit -f" in failure["message"] and "checkpoint.resume=true" in failure["message"]
+    data = path.read_bytes()
+    assert data.endswith(b"\n") and len(data) < limit
+    assert [r["step"] for r in read_jsonl(path)] == [0, 1, 2]
+
+
+def test_a_full_device_leaves_whole_lines_and_names_the_fix(tmp_path):
+    """The disk-full case of the test above, on a real full device: a 64 kB tmpfs in a private mount
+    namespace (``unshare -m``), filled by records until the write fails with ENOSPC. Skipped where the
+    machine does not allow mounting one."""
+    import errno
+    import shlex
+    import shutil
+    import subprocess
+    import sys
+
+    device = tmp_path / "device"
+    device.mkdir()
+    path = device / "metrics.jsonl"
+    writer = shlex.join([sys.executable, "-c", _FILE_SIZE_LIMITED_WRITER.replace("100)", "1000)"), str(path), "-1"])
+    kept = tmp_path / "kept.jsonl"
+    script = f"mount -t tmpfs -o size=64k tmpfs {shlex.quote(str(device))} && {writer} && cp {path} {kept}"
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare here")
+    done = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=60)
+    if "mount:" in done.stderr:
+        pytest.skip("this machine does not allow a tmpfs in a private mount namespace (unshare -m)")
+    assert done.returncode == 0, done.stderr
+    failure = json.loads(done.stdout)
+    assert failure["errno"] == errno.ENOSPC and failure["type"] == "RunLogWriteError"
+    assert str(path) in failure["message"] and "free space on the device holding it" in failure["message"]
+    data = kept.read_bytes()
+    assert data.endswith(b"\n")
+    assert [r["step"] for r in read_jsonl(kept)] == list(range(len(data.splitlines())))

@@ -185,11 +185,27 @@ def test_unwritable_checkpoints_dir_is_refused_at_the_claim(tmp_path):
     (tmp_path / "checkpoints").mkdir()
     undo = _make_unwritable(tmp_path / "checkpoints")
     try:
-        with pytest.raises(RunDirError, match=r"checkpoints is not writable \(.*\): checkpoints could not be saved"):
+        with pytest.raises(RunDirError, match=r"checkpoints is not writable \(.*\): a run writes its lock, metrics"):
             claim_run_dir(tmp_path, _section(resume="auto", overwrite=True), "")
     finally:
         subprocess.run(undo, check=True)
     assert not (tmp_path / LOCK_FILE).exists()
+
+
+def test_unwritable_run_dir_is_named_at_the_lock(tmp_path):
+    """Issue 63 item 7: the lock's temporary file was the first write, and it failed with a bare
+    ``OSError`` (``[Errno 30]`` on a read-only mount) naming neither the run directory nor a fix. Here the
+    OS refuses by permissions or ``chattr +i`` (root ignores permissions); the read-only mount itself is
+    tests/faults/test_run_dir_faults.py's."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    undo = _make_unwritable(run_dir)
+    try:
+        with pytest.raises(RunDirError, match=rf"{run_dir} is not writable \(.*\.gspo\.lock\..*\): .*remount"):
+            claim_run_dir(run_dir, _section(resume="auto"), "")
+    finally:
+        subprocess.run(undo, check=True)
+    assert list(run_dir.iterdir()) == []
 
 
 def _race_for_the_locks(run_dirs: list[str], start, done, results) -> None:

@@ -164,6 +164,14 @@ def test_unencodable_prompt_names_line(tmp_path):
         PromptDataset(_config(path), TOK)
 
 
+def test_empty_prompt_names_file_and_line_at_load(tmp_path):
+    """Issue 63 item 7: an empty prompt was accepted here and failed only at the first rollout, in the
+    engine ("prompt 0 is empty", no file or line); it is refused while the file is read, naming both."""
+    path = _write_jsonl(tmp_path / "d.jsonl", _rows(2) + [{"question": "", "solution": {"final": 1}}])
+    with pytest.raises(ValueError, match=r"d.jsonl:3: the prompt \(field 'question'\) is empty"):
+        PromptDataset(_config(path), TOK)
+
+
 def _answers(batches):
     return [[int(r.answer) for r in batch] for batch in batches]
 
