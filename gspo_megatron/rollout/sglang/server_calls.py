@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from gspo_megatron.rollout.sglang.auth import ApiKey
 from gspo_megatron.rollout.sglang.client import NoServersLeftError, RetryPolicy, ServerState, SGLangHTTPClient
 from gspo_megatron.rollout.sglang.config import SGLangConfig
 
@@ -53,8 +54,9 @@ async def gather(coroutines: list[Coroutine]) -> list[Any]:
     return list(await asyncio.gather(*coroutines))
 
 
-async def make_client(urls: list[str], config: SGLangConfig) -> SGLangHTTPClient:
-    """A client over ``urls`` with the configured retries and limits (made inside the loop it runs on)."""
+async def make_client(urls: list[str], config: SGLangConfig, api_key: ApiKey | None) -> SGLangHTTPClient:
+    """A client over ``urls`` with the configured retries and limits (made inside the loop it runs on),
+    sending ``api_key`` on every call (``auth.py``)."""
     retry = RetryPolicy(config.max_retries, config.backoff_base_s, config.backoff_max_s, config.dead_after_failures)
     return SGLangHTTPClient(
         urls,
@@ -63,6 +65,7 @@ async def make_client(urls: list[str], config: SGLangConfig) -> SGLangHTTPClient
         request_timeout_s=config.request_timeout_s,
         connect_timeout_s=config.connect_timeout_s,
         keepalive_expiry_s=config.keepalive_expiry_s,
+        api_key=api_key,
     )
 
 
