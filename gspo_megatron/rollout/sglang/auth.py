@@ -6,7 +6,8 @@ header ``Authorization: Bearer <key>`` (the scheme case-insensitive, the key com
 without it the answer is HTTP 401 ``{"error": "Unauthorized"}``.
 
 Design decisions:
-- Launched servers get a fresh key per run (``new_launch_key``). It reaches SGLang through a private
+- Launched servers get a fresh key per run (``new_launch_key``), unless ``rollout.sglang.api_key_env``
+  names a variable holding one (so that other processes, which know it, can attach). It reaches SGLang through a private
   ``--config`` YAML file (0600, in a 0700 directory, removed once the servers are up), never through
   argv, which every local user can read in ``/proc/<pid>/cmdline``. SGLang logs its resolved server
   arguments, key included, so the launcher writes the server logs 0600 (``launcher.py``).
@@ -60,14 +61,14 @@ def new_launch_key() -> ApiKey:
 
 
 def key_from_environment(variable: str | None) -> ApiKey | None:
-    """The attached servers' key, from the environment variable ``rollout.sglang.api_key_env`` names."""
+    """The servers' key, from the environment variable ``rollout.sglang.api_key_env`` names."""
     if not variable:
         return None
     value = os.environ.get(variable, "")
     if not value:
         raise ValueError(
             f"rollout.sglang.api_key_env={variable} but the environment variable {variable} is unset or empty: "
-            f"export {variable}=<the key the attached servers were started with (--api-key)>"
+            f"export {variable}=<the servers' key: attached ones were started with it (--api-key)>"
         )
     return ApiKey(value)
 
@@ -80,8 +81,8 @@ def refuse_key_flags(extra_args: Sequence[str]) -> None:
         if flag in KEY_FLAGS:
             raise ValueError(
                 f"rollout.sglang.extra_args holds {flag}: a key there is written into config.yaml. Launched servers "
-                "get a fresh API key each run, which the client sends; attached servers take theirs from the "
-                "environment variable named by rollout.sglang.api_key_env. Remove it from extra_args"
+                "get a fresh API key each run, which the client sends; to choose the key, name an environment "
+                "variable holding it in rollout.sglang.api_key_env. Remove it from extra_args"
             )
         if flag == CONFIG_FLAG:
             raise ValueError(

@@ -94,8 +94,9 @@ class SGLangConfig(ConfigNode):
     urls: list[str] = field(default_factory=list)  # e.g. ["http://10.0.0.5:30000", ...]
     attach_timeout_s: float = 60.0  # running servers answer /health at once; a dead URL fails fast
     progress_every_s: float = 10.0  # a waiting message per server this often while /health is not 200
-    # The NAME of an environment variable holding the attached servers' API key (their --api-key), never
-    # the key itself; None: the servers take no key. Launched servers get a fresh key each run (auth.py).
+    # The NAME of an environment variable holding the servers' API key, never the key itself (auth.py).
+    # attach: the key the servers were started with (--api-key); None: they take none. launch: the key to
+    # launch with (so other processes can attach too); None: a fresh key each run.
     api_key_env: str | None = None
 
     # --- HTTP client
@@ -164,15 +165,10 @@ class SGLangConfig(ConfigNode):
             )
 
     def _check_api_key_env(self) -> None:
-        """``api_key_env`` names a variable (attach mode only); ``extra_args`` holds no key (``auth.py``)."""
+        """``api_key_env`` names a variable; ``extra_args`` holds no key (``auth.py``)."""
         refuse_key_flags(self.extra_args)
         if self.api_key_env is None:
             return
-        if self.mode != LaunchMode.attach:
-            raise ValueError(
-                "rollout.sglang.api_key_env is for mode=attach: launched servers get a fresh API key each run; "
-                "remove api_key_env or set rollout.sglang.mode=attach"
-            )
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.api_key_env):
             raise ValueError(
                 "rollout.sglang.api_key_env must be the NAME of an environment variable holding the key (e.g. "

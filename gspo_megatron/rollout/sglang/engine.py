@@ -32,9 +32,9 @@ Design decisions:
   checkpoint's non-weight files, then ``/update_weights_from_disk``; older ``v*`` directories are
   removed once the servers hold the new version. The directory must be visible to the servers.
 - Every server's SGLang version is checked against ``version.SUPPORTED_SGLANG`` at start-up.
-- The servers answer to this run only (``auth.py``): launched ones get a fresh API key, attached ones
-  take the key from the variable ``api_key_env`` names; every call carries it, and a server that answers
-  without it is refused at start-up.
+- The servers answer to this run only (``auth.py``): launched ones get a fresh API key (or the one in
+  the variable ``api_key_env`` names), attached ones take the key from that variable; every call carries
+  it, and a server that answers without it is refused at start-up.
 - Seeds: SGLang honours ``sampling_seed`` only under ``--enable-deterministic-inference``; without it
   no seed is sent and a warning says samples are not reproducible.
 - The weight version is sent with every update and read back from ``meta_info.weight_version``; a
@@ -88,7 +88,9 @@ class SGLangEngine(RolloutEngine):
         self._seeds_honoured = config.enable_deterministic_inference
         self._tp_sizes: dict[str, int] = {}  # url -> the server's TP size (``_inspect_servers``)
         launching = config.mode == LaunchMode.launch
-        self._api_key: ApiKey | None = new_launch_key() if launching else key_from_environment(config.api_key_env)
+        self._api_key = key_from_environment(config.api_key_env)  # launch: a fresh one unless configured
+        if launching and self._api_key is None:
+            self._api_key = new_launch_key()
         self._loop = LoopThread()
         try:
             urls = self._launch_servers() if launching else list(config.urls)

@@ -96,7 +96,7 @@ def test_a_second_client_cannot_change_a_launched_servers_weights(tmp_path):
         engine.shutdown()
 
 
-def test_each_run_gets_its_own_key(tmp_path):
+def test_each_run_gets_its_own_key_unless_one_is_named(tmp_path, monkeypatch):
     keys = []
     for run in ("a", "b"):
         engine = SGLangEngine(_launch_config(tmp_path / run))
@@ -105,6 +105,15 @@ def test_each_run_gets_its_own_key(tmp_path):
         finally:
             engine.shutdown()
     assert keys[0] != keys[1] and all(len(key) > 40 for key in keys)
+    # a named key: another process that knows it attaches to the launched server
+    monkeypatch.setenv(KEY_VARIABLE, "shared-key")
+    launched = SGLangEngine(_launch_config(tmp_path / "c", api_key_env=KEY_VARIABLE))
+    try:
+        attached = SGLangEngine(_attach_config(launched.server_urls[0], tmp_path / "c", api_key_env=KEY_VARIABLE))
+        assert attached.generate([[1, 2]], PARAMS)[0][0].output_ids
+        attached.shutdown()
+    finally:
+        launched.shutdown()
 
 
 def test_the_key_is_in_no_config_argv_or_log(tmp_path, capfd):
@@ -166,9 +175,7 @@ def test_a_key_in_extra_args_is_refused(tmp_path, arg):
         _launch_config(tmp_path, extra_args=["--mem-fraction-static", "0.5", *arg]).validate()
 
 
-def test_api_key_env_is_a_variable_name_for_attach_mode(tmp_path, monkeypatch):
-    with pytest.raises(ValueError, match="api_key_env is for mode=attach"):
-        _launch_config(tmp_path, api_key_env=KEY_VARIABLE).validate()
+def test_api_key_env_names_a_set_variable(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="NAME of an environment variable") as refused:
         _attach_config("http://127.0.0.1:1", tmp_path, api_key_env="gspo-Zx0/+secret").validate()
     assert "secret" not in str(refused.value)
