@@ -7,8 +7,8 @@ without it the answer is HTTP 401 ``{"error": "Unauthorized"}``.
 
 Design decisions:
 - Launched servers get a fresh key per run (``new_launch_key``), unless ``rollout.sglang.api_key_env``
-  names a variable holding one (so that other processes, which know it, can attach). It reaches SGLang through a private
-  ``--config`` YAML file (0600, in a 0700 directory, removed once the servers are up), never through
+  names a variable holding one (so that other processes, which know it, can attach). It reaches SGLang
+  through a private ``--config`` YAML file (0600, in a 0700 directory, removed once the servers are up), never through
   argv, which every local user can read in ``/proc/<pid>/cmdline``. SGLang logs its resolved server
   arguments, key included, so the launcher writes the server logs 0600 (``launcher.py``).
 - Attached servers: the key comes from the environment variable named by ``rollout.sglang.api_key_env``;
@@ -16,9 +16,10 @@ Design decisions:
 - A key in ``rollout.sglang.extra_args`` is refused: it would be written into config.yaml, and the
   launcher's own key would clash with it. So is an extra ``--config`` (SGLang takes one config file).
 - A server that answers without the key although one is configured is refused at start-up
-  (``SGLangHTTPClient.check_key_enforced``): SGLang silently drops the key with more than one tokenizer
-  worker (``--tokenizer-worker-num``), and a launch wrapper may drop the flag; either leaves the server
-  open to every local user.
+  (``SGLangHTTPClient.check_key_enforced``): an attached server started without ``--api-key``, or a
+  wrapper in ``launch_command`` that drops SGLang's ``--config``, leaves the server open to every local
+  user, and the run would not notice (SGLang's own check: its middleware is added in single-tokenizer
+  mode only; more tokenizer workers refuse to start with a key).
 - The key is held in ``ApiKey``, whose repr hides it, so no error message, log line or pickled brief's
   repr prints it.
 """

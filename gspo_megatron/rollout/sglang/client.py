@@ -218,8 +218,8 @@ class SGLangHTTPClient:
                 raise SGLangClientError(
                     f"SGLang server {server.url} answered GET /server_info without the API key (HTTP "
                     f"{response.status_code}): it does not enforce the key, so anyone who can reach it can change "
-                    "its weights. Start it with --api-key (SGLang ignores the key with --tokenizer-worker-num > 1, "
-                    "and a wrapper in rollout.sglang.launch_command must pass SGLang's --config on)"
+                    "its weights. Start it with --api-key <the key in rollout.sglang.api_key_env's variable> (a "
+                    "launched one: a wrapper in rollout.sglang.launch_command must pass SGLang's --config on)"
                 )
 
     async def _send(self, server: ServerState, method: str, path: str, payload: dict | None) -> Any:
