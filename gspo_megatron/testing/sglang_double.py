@@ -24,6 +24,12 @@ What it follows (SGLang 0.5.x ``http_server.py`` / ``io_struct.py``):
   ``in_place`` pause keeps them running), an aborted non-streaming request answers HTTP 503, and
   ``sampling_seed`` acts only with ``deterministic_inference`` (``--enable-deterministic-inference``).
 - The weight-update routes live in ``sglang_double_weights.py`` (a mixin of the double).
+- ``api_key`` (``--api-key``, or ``api-key`` in a ``--config`` YAML file) is enforced as SGLang 0.5.23's
+  middleware does (``sglang/srt/utils/auth.py``, ``decide_request_auth`` and ``add_api_key_middleware``):
+  before routing, every path but ``/health*``, ``/ready*``, ``/metrics*`` (and OPTIONS) needs
+  ``Authorization: Bearer <key>`` (scheme case-insensitive), else HTTP 401 ``{"error": "Unauthorized"}``
+  and the request is not recorded. The double's own ``/_double/state`` is exempt.
+  tests/contract/test_sglang_api_key_contract.py compares the two.
 - With ``join_weight_groups`` it really joins the trainer's update group (gloo or nccl, rank =
   rank_offset) and receives each broadcast tensor, recording its shape, dtype and sum.
 
@@ -45,6 +51,7 @@ import contextlib
 import hashlib
 import json
 import random
+import secrets
 import socket
 import struct
 import subprocess
@@ -54,6 +61,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from gspo_megatron.rollout.sglang.auth import OPEN_PATH_PREFIXES, UNAUTHORIZED_BODY
 from gspo_megatron.testing.sglang_double_faults import DoubleFaults
 from gspo_megatron.testing.sglang_double_rules import generate_body_error
 from gspo_megatron.testing.sglang_double_weights import WeightState, WeightUpdateRoutes
@@ -91,7 +99,9 @@ class SGLangServerDouble(WeightUpdateRoutes):
         model_path: str = "double-model",
         deterministic_inference: bool = False,
         version: str = SGLANG_VERSION,
+        api_key: str | None = None,
     ):
+        self.api_key = api_key
         self.vocab_size, self.eos_token_id = vocab_size, eos_token_id
         self.num_layers, self.top_k, self.num_experts, self.tp_size = num_layers, top_k, num_experts, tp_size
         self.enable_return_routed_experts = enable_return_routed_experts
@@ -312,6 +322,15 @@ class SGLangServerDouble(WeightUpdateRoutes):
             "group_names": list(self._weights.groups),
         }
 
+    def _authorized(self, method: str, path: str, authorization: str | None) -> bool:
+        """SGLang's ``decide_request_auth`` for an api_key without an admin key (see the module's notes)."""
+        if self.api_key is None or method == "OPTIONS" or path == "/_double/state":
+            return True
+        if path.startswith(OPEN_PATH_PREFIXES):
+            return True
+        parts = (authorization or "").split(" ", 1)
+        return len(parts) == 2 and parts[0].lower() == "bearer" and secrets.compare_digest(parts[1], self.api_key)
+
     def _die(self) -> None:
         if not self.dead:
             self.dead = True
@@ -360,7 +379,10 @@ class SGLangServerDouble(WeightUpdateRoutes):
                     body = json.loads(raw) if raw else None
                 except ValueError:
                     return self._answer(400, {"error": {"message": "request body is not JSON"}})
-                route = double._ROUTES.get((method, self.path.split("?")[0]))
+                path = self.path.split("?")[0]
+                if not double._authorized(method, path, self.headers.get("Authorization")):
+                    return self._answer(401, dict(UNAUTHORIZED_BODY))
+                route = double._ROUTES.get((method, path))
                 if route is None:
                     return self._answer(404, {"detail": "Not Found"})
                 if route != "_state":
@@ -400,6 +422,17 @@ def _draw_token(rng: random.Random, vocab_size: int, stop_ids: set) -> int:
             return token
 
 
+def _config_api_key(path: str | None) -> str | None:
+    """``api-key`` (or ``api_key``) from SGLang's ``--config`` YAML file."""
+    if path is None:
+        return None
+    import yaml
+
+    config = yaml.safe_load(Path(path).read_text()) or {}
+    value = config.get("api-key", config.get("api_key"))
+    return None if value is None else str(value)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Serve a double with ``sglang.launch_server``'s arguments (unknown ones are ignored)."""
     parser = argparse.ArgumentParser(description="SGLang server TEST DOUBLE")
@@ -417,8 +450,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--fail-distributed-updates", type=int, default=0, help="double only: fail N updates")
     parser.add_argument("--exit-code", type=int, default=None, help="double only: exit at once with this code")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--config", default=None, help="SGLang's YAML config file (only api-key is read)")
     args, unknown = parser.parse_known_args(argv)
-    print(f"[sglang double] args={vars(args)} ignored={unknown}", flush=True)
+    api_key = args.api_key or _config_api_key(args.config)
+    shown = {key: value for key, value in vars(args).items() if key != "api_key"}
+    print(f"[sglang double] args={shown} api_key={'set' if api_key else 'none'} ignored={unknown}", flush=True)
     if args.exit_code is not None:
         print("[sglang double] exiting on purpose", flush=True)
         sys.exit(args.exit_code)
@@ -448,6 +485,7 @@ def main(argv: list[str] | None = None) -> None:
         ),
         model_path=args.model_path,
         deterministic_inference=args.enable_deterministic_inference,
+        api_key=api_key,
     )
     print(f"[sglang double] serving on {double.url}", flush=True)
     double.serve_forever()

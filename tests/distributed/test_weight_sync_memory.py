@@ -18,6 +18,7 @@ the model (43 MiB), not a bucket (8 MiB).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import replace
 from functools import partial
@@ -34,6 +35,9 @@ pytestmark = pytest.mark.distributed
 
 BUCKET_BYTES = 8 << 20  # = the largest tensor of the medium model (embedding, head: 8192 x 256 fp32)
 DOUBLE = [sys.executable, "-m", "gspo_megatron.testing.sglang_double", "--join-weight-groups"]
+# Set (in the test's environment, which the ranks inherit): the doubles require this API key, and the
+# engine and each stage's sender must send it (rollout/sglang/auth.py; a stage's sender gets it in its brief).
+KEY_ENV = "GSPO_TEST_SYNC_KEY"
 
 
 def sync_worker(
@@ -65,8 +69,10 @@ def sync_worker(
     load_hf_weights(model, cfg, random_hf_state(cfg, seed=11), mesh)
     work = Path(work_dir)
     model_dir = work / "model"
+    key = os.environ.get(KEY_ENV)
     config = SGLangConfig(
         mode="attach",
+        api_key_env=KEY_ENV if key else None,
         health_poll_interval_s=0.05,
         weight_sync_backend="gloo",
         weight_sync_group_name="memory",
@@ -95,7 +101,10 @@ def sync_worker(
     for index in range(2 if senders == "per_stage" else 1):  # per-stage senders: every group into two servers
         port = free_port()
         log = work / f"double_{index}.log"
-        servers.append(LaunchedServer(DOUBLE + ["--port", str(port), *double_args], f"http://127.0.0.1:{port}", log))
+        keyed = ["--api-key", key] if key else []
+        servers.append(
+            LaunchedServer(DOUBLE + ["--port", str(port), *keyed, *double_args], f"http://127.0.0.1:{port}", log)
+        )
         servers[-1].start()
     try:
         for server in servers:
@@ -108,7 +117,8 @@ def sync_worker(
                 if version == 2 and senders == "per_stage":  # the servers lost stage 1's group: it is refused
                     for url in urls:
                         body = {"group_name": "memory_stage1"}
-                        httpx.post(url + "/destroy_weights_update_group", json=body, trust_env=False)
+                        headers = {"Authorization": f"Bearer {key}"} if key else {}
+                        httpx.post(url + "/destroy_weights_update_group", json=body, headers=headers, trust_env=False)
                 driver = DriverWeightSync(export, engine.update_weights, mesh.device, turns)
                 outcomes.append(_syncs(driver.sync, [version]))
                 states.append([httpx.get(url + "/_double/state", trust_env=False).json() for url in urls])
@@ -217,12 +227,13 @@ def _stage_names(cfg, stage: int) -> set[str]:
     return names | ({"model.embed_tokens.weight"} if stage == 0 else {"model.norm.weight", "lm_head.weight"})
 
 
-def test_each_pipeline_stage_sends_its_own_layers_and_a_refused_stage_moves_no_server(tmp_path):
+def test_each_pipeline_stage_sends_its_own_layers_and_a_refused_stage_moves_no_server(tmp_path, monkeypatch):
     """pp=2, ``weight_senders=per_stage``, two servers: the driver sends stage 0's tensors over its group and
     holds none of stage 1's (which rank 1 sends over ``<group>_stage1``); the buckets carry no version, which
     is set on both servers once both stages have sent. Sync 2 finds stage 1's group gone from the servers:
     they refuse stage 1's bucket, every rank raises, no server leaves version 1; sync 3 re-forms the group
-    and succeeds on both."""
+    and succeeds on both. The servers require an API key: stage 1's sender sends the one its brief carries."""
+    monkeypatch.setenv(KEY_ENV, "gspo-stage-senders-key")
     cfg, state = _expected()
     driver, other = run_distributed(
         sync_worker, 2, dict(pp=2, world_size=2), str(tmp_path), [], "distributed", "per_stage", False, timeout=600

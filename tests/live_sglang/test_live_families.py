@@ -12,7 +12,7 @@ DeepSeek-V3 (multi-latent attention) is not served on this CPU server: SGLang's 
 
 from __future__ import annotations
 
-from support.live_server import launch_live_server
+from support.live_server import LIVE_KEY_ENV, launch_live_server
 from support.tiny_checkpoint import write_tiny_checkpoint
 
 from gspo_megatron.testing.distributed import run_distributed
@@ -40,6 +40,7 @@ def test_glm4_moe_is_served_with_the_trainers_weights_and_routes(tmp_path):
             "logging.tensorboard=false",
             "logging.charts=false",
             "rollout.sglang.mode=attach",
+            f"rollout.sglang.api_key_env={LIVE_KEY_ENV}",
             f"rollout.sglang.urls=[{','.join(server.server_urls)}]",
             f"rollout.sglang.model_path={checkpoint}",
             f"rollout.sglang.disk_sync_dir={tmp_path / 'disk_sync'}",

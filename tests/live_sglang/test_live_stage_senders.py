@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from support.live_server import live_config
+from support.live_server import LIVE_KEY_ENV, live_config
 from test_live_engine import GREEDY, PROMPTS, TINY, greedy_outputs, hf_weights
 
 from gspo_megatron.testing.distributed import run_distributed
@@ -68,7 +68,8 @@ def pp2_sync_worker(ctx, config_values: dict) -> dict:
         sync(seed=0, version=12)  # the checkpoint's
         if engine is not None:  # the server loses stage 1's group: its buckets are refused
             body = {"group_name": config.weight_sync_group_name + "_stage1"}
-            httpx.post(url + "/destroy_weights_update_group", json=body, trust_env=False, timeout=60)
+            headers = engine.api_key.header()  # the servers answer to the run's key only
+            httpx.post(url + "/destroy_weights_update_group", json=body, headers=headers, trust_env=False, timeout=60)
         sync(seed=1, version=13)
         sync(seed=0, version=14)  # stage 1 forms its group again
         seen["sent"] = list(turns.sent_names)
@@ -128,6 +129,7 @@ def test_a_pp2_training_run_syncs_every_step_through_its_stage_senders(live_engi
         "logging.charts=false",
         "optimizer.lr=3e-3",
         "rollout.sglang.mode=attach",
+        f"rollout.sglang.api_key_env={LIVE_KEY_ENV}",
         f"rollout.sglang.urls=[{url}]",
         f"rollout.sglang.model_path={live_engine.config.model_path}",
         f"rollout.sglang.disk_sync_dir={tmp_path / 'disk_sync'}",

@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 import time
 
-from support.live_server import launch_live_server
+from support.live_server import LIVE_KEY_ENV, launch_live_server
 
 from gspo_megatron.rollout.sglang.engine import SGLangEngine
 from gspo_megatron.testing.distributed import run_distributed
@@ -99,6 +99,7 @@ def _train_against(urls: list[str], tiny_checkpoint, tmp_path) -> list[dict]:
         "rollout.group_size=16",
         "optimizer.lr=3e-3",
         "rollout.sglang.mode=attach",
+        f"rollout.sglang.api_key_env={LIVE_KEY_ENV}",
         f"rollout.sglang.urls=[{','.join(urls)}]",
         f"rollout.sglang.model_path={tiny_checkpoint}",
         f"rollout.sglang.disk_sync_dir={tmp_path / 'disk_sync'}",
@@ -140,6 +141,7 @@ def test_a_multi_turn_agent_job_runs_against_sglang_with_the_routing_exact_on_ev
         "logging.tensorboard=false",
         "logging.charts=false",
         "rollout.sglang.mode=attach",
+        f"rollout.sglang.api_key_env={LIVE_KEY_ENV}",
         f"rollout.sglang.urls=[{url}]",
         f"rollout.sglang.model_path={tiny_checkpoint}",
         f"rollout.sglang.disk_sync_dir={tmp_path / 'disk_sync'}",

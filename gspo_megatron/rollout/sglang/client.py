@@ -19,6 +19,8 @@ Design decisions:
   ``request_timeout_s`` has passed on the wire, a warning names the server, the path and the key -- once
   per server until it answers again, not once per request: a stuck server holds hundreds of requests,
   and hundreds of identical lines would bury the one that matters.
+- With an API key (``auth.py``) every request but the ``/health`` probe carries
+  ``Authorization: Bearer <key>``; a 401 names the key as the cause.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from typing import Any
 
 import httpx
 
-from gspo_megatron.rollout.sglang.health import wait_until_healthy
+from gspo_megatron.rollout.sglang.auth import ApiKey
+from gspo_megatron.rollout.sglang.health import PROBE_TIMEOUT_S, wait_until_healthy
 
 
 class SGLangClientError(RuntimeError):
@@ -145,8 +148,11 @@ class SGLangHTTPClient:
         max_concurrency: int = 256,
         connect_timeout_s: float = 10.0,
         keepalive_expiry_s: float = 2.0,
+        api_key: ApiKey | None = None,
     ):
         self.pool = ServerPool.from_urls(urls)
+        self.api_key = api_key
+        self._auth_headers = api_key.header() if api_key is not None else {}
         self.retry = retry
         self._semaphore = asyncio.Semaphore(max_concurrency)
         # a non-streaming /generate sends nothing until its sample is complete, so the read timeout
@@ -262,11 +268,29 @@ class SGLangHTTPClient:
         finally:
             timer.cancel()
 
+    async def check_key_enforced(self) -> None:
+        """With a key: every server must refuse a request without it (HTTP 401), else it is refused here --
+        a server that does not enforce the key takes orders from anyone who can reach it."""
+        if self.api_key is None:
+            return
+        for server in self.pool.servers:
+            # no Authorization header; bounded like a health probe (it just answered /health)
+            response = await self._http.get(server.url + "/server_info", timeout=PROBE_TIMEOUT_S)
+            if response.status_code != 401:
+                raise SGLangClientError(
+                    f"SGLang server {server.url} answered GET /server_info without the API key (HTTP "
+                    f"{response.status_code}): it does not enforce the key, so anyone who can reach it can change "
+                    "its weights. Start it with --api-key <the key in rollout.sglang.api_key_env's variable> (a "
+                    "launched one: a wrapper in rollout.sglang.launch_command must pass SGLang's --config on)"
+                )
+
     async def _send(self, server: ServerState, method: str, path: str, payload: dict | None) -> Any:
         async with self._semaphore, _tracked(server):
             try:
                 with self._watched(server, method, path):
-                    response = await self._http.request(method, server.url + path, json=payload)
+                    response = await self._http.request(
+                        method, server.url + path, json=payload, headers=self._auth_headers
+                    )
             except _CONNECTION_ERRORS as error:
                 self._connection_failed(server, f"{type(error).__name__}: {error or 'connection lost'}")
                 raise _Retryable(server.last_error) from None
@@ -286,6 +310,15 @@ class SGLangHTTPClient:
         if response.status_code >= 500:
             server.last_error = f"HTTP {response.status_code}: {response.text[:200]}"
             raise _Retryable(server.last_error)
+        if response.status_code == 401:
+            raise RequestRejectedError(
+                f"{method} {path} on {server.url} was refused with HTTP 401 ({response.text[:200]}): the server "
+                + (
+                    "refused this run's API key"
+                    if self.api_key is not None
+                    else "requires an API key; name the environment variable holding it in rollout.sglang.api_key_env"
+                )
+            )
         if response.status_code >= 400:
             raise RequestRejectedError(
                 f"{method} {path} on {server.url} was rejected with HTTP {response.status_code}: {response.text[:500]}"

@@ -16,10 +16,12 @@ Design decisions:
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gspo_megatron.core.config_node import ConfigChoice, ConfigNode
+from gspo_megatron.rollout.sglang.auth import refuse_key_flags
 
 
 class LaunchMode(ConfigChoice):
@@ -92,6 +94,10 @@ class SGLangConfig(ConfigNode):
     urls: list[str] = field(default_factory=list)  # e.g. ["http://10.0.0.5:30000", ...]
     attach_timeout_s: float = 60.0  # running servers answer /health at once; a dead URL fails fast
     progress_every_s: float = 10.0  # a waiting message per server this often while /health is not 200
+    # The NAME of an environment variable holding the servers' API key, never the key itself (auth.py).
+    # attach: the key the servers were started with (--api-key); None: they take none. launch: the key to
+    # launch with (so other processes can attach too); None: a fresh key each run.
+    api_key_env: str | None = None
 
     # --- HTTP client
     max_concurrency: int = 256  # requests in flight over all servers
@@ -176,9 +182,21 @@ class SGLangConfig(ConfigNode):
                 "rollout.sglang.weight_quantization=none"
             )
 
+    def _check_api_key_env(self) -> None:
+        """``api_key_env`` names a variable; ``extra_args`` holds no key (``auth.py``)."""
+        refuse_key_flags(self.extra_args)
+        if self.api_key_env is None:
+            return
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.api_key_env):
+            raise ValueError(
+                "rollout.sglang.api_key_env must be the NAME of an environment variable holding the key (e.g. "
+                "SGLANG_API_KEY), not the key itself; the value given is not a variable name (not shown)"
+            )
+
     def validate(self) -> None:
         if self.mode not in LAUNCH_MODES:
             raise ValueError(f"SGLangConfig.mode must be one of {LAUNCH_MODES}, got {self.mode!r}")
+        self._check_api_key_env()
         if self.mode == LaunchMode.launch and self.ports and len(self.ports) != self.num_servers:
             raise ValueError(f"ports has {len(self.ports)} entries but num_servers={self.num_servers}")
         if self.weight_sync not in WEIGHT_SYNC_MODES:

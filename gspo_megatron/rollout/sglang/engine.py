@@ -37,6 +37,9 @@ Design decisions:
   loaded each other's weights), and the engine creates it private (0700) and refuses one that is a
   link or another user's (``core/run_dir.py:private_directory``).
 - Every server's SGLang version is checked against ``version.SUPPORTED_SGLANG`` at start-up.
+- The servers answer to this run only (``auth.py``): launched ones get a fresh API key (or the one in
+  the variable ``api_key_env`` names), attached ones take the key from that variable; every call carries
+  it, and a server that answers without it is refused at start-up.
 - Seeds: SGLang honours ``sampling_seed`` only under ``--enable-deterministic-inference``; without it
   no seed is sent and a warning says samples are not reproducible.
 - The weight version is sent with every update and read back from ``meta_info.weight_version``; a
@@ -63,6 +66,7 @@ from gspo_megatron.core.fp8_blocks import QuantizedStream, quantize_named_tensor
 from gspo_megatron.core.interrupts import RunInterrupted
 from gspo_megatron.core.run_dir import private_directory
 from gspo_megatron.rollout.engine import EngineSession, RolloutEngine, TurnRequest, TurnResult
+from gspo_megatron.rollout.sglang.auth import ApiKey, key_from_environment, new_launch_key, private_key_config
 from gspo_megatron.rollout.sglang.client import ServerState, SGLangHTTPClient
 from gspo_megatron.rollout.sglang.config import LaunchMode, PauseMode, SGLangConfig, WeightQuantization, WeightSync
 from gspo_megatron.rollout.sglang.disk_sync import remove_older_versions, write_safetensors_checkpoint
@@ -93,10 +97,14 @@ class SGLangEngine(RolloutEngine):
         self._sender: GroupSender | None = None  # the driver's distributed sender (formed with the client)
         self._seeds_honoured = config.enable_deterministic_inference
         self._tp_sizes: dict[str, int] = {}  # url -> the server's TP size (``_inspect_servers``)
+        launching = config.mode == LaunchMode.launch
+        self._api_key = key_from_environment(config.api_key_env)  # launch: a fresh one unless configured
+        if launching and self._api_key is None:
+            self._api_key = new_launch_key()
         self._loop = LoopThread()
         try:
-            urls = self._launch_servers() if config.mode == LaunchMode.launch else list(config.urls)
-            self._client: SGLangHTTPClient = self._loop.run(make_client(urls, config))
+            urls = self._launch_servers() if launching else list(config.urls)
+            self._client: SGLangHTTPClient = self._loop.run(make_client(urls, config, self._api_key))
             self._calls = ServerCalls(self._client, self._loop)
             self._sender = GroupSender(
                 self._calls,
@@ -119,6 +127,7 @@ class SGLangEngine(RolloutEngine):
     def _inspect_servers(self) -> None:
         """Check each server's SGLang version; in attach mode learn whether seeds are honoured and each
         server's TP size (what a weight sync addresses: its ranks in the update group, its payloads)."""
+        self._loop.run(self._client.check_key_enforced())
         servers = self._client.pool.servers
         infos = self._loop.run(gather([self._client.call(server, "GET", "/server_info") for server in servers]))
         for server, info in zip(servers, infos, strict=True):
@@ -405,6 +414,7 @@ class SGLangEngine(RolloutEngine):
             urls=tuple(server.url for server in servers),
             tp_sizes={server.url: self._tp_sizes[server.url] for server in servers},
             fp8_block=self.config.weight_quantization == WeightQuantization.fp8_block,
+            api_key=self._api_key,
         )
         own = self._sender
         named_tensors.send_by_stages(
@@ -477,6 +487,11 @@ class SGLangEngine(RolloutEngine):
         return [server.url for server in self._client.pool.servers]
 
     @property
+    def api_key(self) -> ApiKey | None:
+        """The key every server of this engine requires (a launched server's, to attach another client)."""
+        return self._api_key
+
+    @property
     def launched_servers(self) -> list[LaunchedServer]:
         return list(self._launched)
 
@@ -497,6 +512,16 @@ class SGLangEngine(RolloutEngine):
         if config.model_path is None:
             raise ValueError("rollout.sglang.mode=launch needs rollout.sglang.model_path")
         ports = list(config.ports) or [free_port() for _ in range(config.num_servers)]
+        assert self._api_key is not None, "launched servers always get a key"
+        with private_key_config(self._api_key) as key_config:  # removed once every server is up
+            self._start_servers(ports, key_config)
+            for server in self._launched:  # all start in parallel, then each is waited for
+                server.wait_healthy(config.startup_timeout_s, config.health_poll_interval_s)
+        return [server.url for server in self._launched]
+
+    def _start_servers(self, ports: list[int], key_config: Path) -> None:
+        config = self.config
+        assert config.model_path is not None
         for index, port in enumerate(ports):
             command = build_launch_command(
                 config.launch_command,
@@ -507,15 +532,13 @@ class SGLangEngine(RolloutEngine):
                 enable_return_routed_experts=config.enable_return_routed_experts,
                 enable_deterministic_inference=config.enable_deterministic_inference,
                 extra_args=config.extra_args,
+                key_config=key_config,
             )
             server = LaunchedServer(
                 command, f"http://{config.host}:{port}", Path(config.log_dir) / f"server_{index}_{port}.log"
             )
             self._launched.append(server)
             server.start()
-        for server in self._launched:  # all start in parallel, then each is waited for
-            server.wait_healthy(config.startup_timeout_s, config.health_poll_interval_s)
-        return [server.url for server in self._launched]
 
 
 def _unstarted(row: RowRequest) -> Sample:

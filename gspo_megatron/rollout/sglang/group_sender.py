@@ -27,11 +27,12 @@ import ipaddress
 import socket
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from gspo_megatron.core.fp8_blocks import quantize_named_tensors
 from gspo_megatron.core.named_tensors import NamedTensor
+from gspo_megatron.rollout.sglang.auth import ApiKey
 from gspo_megatron.rollout.sglang.client import ServerState
 from gspo_megatron.rollout.sglang.config import SGLangConfig
 from gspo_megatron.rollout.sglang.server_calls import ServerCalls, gather
@@ -53,11 +54,13 @@ ABANDONED_BROADCAST_WAIT_S = 10.0
 @dataclass(frozen=True)
 class SenderBrief:
     """What a pipeline stage's sender needs from the driver for one sync: the live servers, their TP
-    sizes (their ranks in each group) and whether the tensors go out as block FP8."""
+    sizes (their ranks in each group), whether the tensors go out as block FP8, and the servers' API key
+    (``auth.py``; hidden from repr, travels to the stage's rank inside the job's process group)."""
 
     urls: tuple[str, ...]
     tp_sizes: dict[str, int]
     fp8_block: bool = False
+    api_key: ApiKey | None = field(default=None, repr=False)
 
     def quantized(self, named: Iterable[NamedTensor]) -> Iterable[NamedTensor]:
         return quantize_named_tensors(iter(named)) if self.fp8_block else named

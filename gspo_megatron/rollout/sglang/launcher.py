@@ -10,6 +10,8 @@ Design decisions:
 - Health polling has a deadline and also watches the process: a server that exits while we wait is
   reported at once with its exit code, not after the deadline.
 - ``atexit`` stops the server if the trainer forgets; ``stop()`` is idempotent.
+- The log is created 0600: SGLang logs its resolved arguments, the run's API key among them (``auth.py``),
+  which reaches it through a ``--config`` file, never argv.
 """
 
 from __future__ import annotations
@@ -52,16 +54,20 @@ def build_launch_command(
     enable_return_routed_experts: bool,
     enable_deterministic_inference: bool = False,
     extra_args: Sequence[str] = (),
+    key_config: Path | None = None,
 ) -> list[str]:
     """``python -m sglang.launch_server --model-path M --tp-size N --host H --port P [...]`` as argv.
 
-    ``--tp-size`` is SGLang's flag; ``--tp`` works only as an argparse abbreviation of it."""
+    ``--tp-size`` is SGLang's flag; ``--tp`` works only as an argparse abbreviation of it. ``key_config``:
+    the private YAML file holding the API key (``auth.private_key_config``), passed as ``--config``."""
     command = list(launch_command) or [sys.executable, "-m", "sglang.launch_server"]
     command += ["--model-path", str(model_path), "--tp-size", str(tp), "--host", host, "--port", str(port)]
     if enable_return_routed_experts:
         command.append("--enable-return-routed-experts")
     if enable_deterministic_inference:
         command.append("--enable-deterministic-inference")
+    if key_config is not None:
+        command += ["--config", str(key_config)]
     return command + list(extra_args)
 
 
@@ -82,7 +88,9 @@ class LaunchedServer:
         if self._process is not None:
             raise RuntimeError(f"server {self.url} was already started (pid {self._process.pid})")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
+        descriptor = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.fchmod(descriptor, 0o600)  # an older log of the same name may be readable by others
+        with os.fdopen(descriptor, "ab") as log:
             log.write(f"$ {' '.join(self.command)}\n".encode())
             log.flush()
             self._process = subprocess.Popen(

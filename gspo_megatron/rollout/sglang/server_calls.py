@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from gspo_megatron.rollout.sglang.auth import ApiKey
 from gspo_megatron.rollout.sglang.client import NoServersLeftError, RetryPolicy, ServerState, SGLangHTTPClient
 from gspo_megatron.rollout.sglang.config import SGLangConfig
 
@@ -64,14 +65,16 @@ def retry_policy(config: SGLangConfig) -> RetryPolicy:
     )
 
 
-async def make_client(urls: list[str], config: SGLangConfig) -> SGLangHTTPClient:
-    """A client over ``urls`` with the configured retries and limits (made inside the loop it runs on)."""
+async def make_client(urls: list[str], config: SGLangConfig, api_key: ApiKey | None) -> SGLangHTTPClient:
+    """A client over ``urls`` with the configured retries and limits (made inside the loop it runs on),
+    sending ``api_key`` on every call (``auth.py``)."""
     return SGLangHTTPClient(
         urls,
         retry=retry_policy(config),
         max_concurrency=config.max_concurrency,
         connect_timeout_s=config.connect_timeout_s,
         keepalive_expiry_s=config.keepalive_expiry_s,
+        api_key=api_key,
     )
 
 

@@ -121,7 +121,7 @@ class StageTurns:
         if self._sender is None:
             config = self.config
             self._loop = LoopThread()
-            client = self._loop.run(make_client(list(brief.urls), config))
+            client = self._loop.run(make_client(list(brief.urls), config, brief.api_key))
             self._sender = GroupSender(
                 ServerCalls(client, self._loop),
                 config,

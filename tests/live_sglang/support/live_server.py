@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,9 @@ CPU_SERVER_ARGS = [
     "--log-level",
     "warning",
 ]
+# The variable holding the tier's API key (rollout.sglang.api_key_env): every server of the session, launched
+# or attached to, and the training runs (their ranks inherit the environment) use the one key.
+LIVE_KEY_ENV = "GSPO_LIVE_SGLANG_KEY"
 STARTUP_TIMEOUT_S = 600.0  # 1-2.5 minutes quiet; below pytest's 900 s so the log tail is reported
 
 
@@ -57,8 +61,10 @@ def server_python() -> Path:
 
 
 def live_config(**overrides) -> SGLangConfig:
-    """The tier's SGLangConfig: the CPU launcher under the server's python, gloo weight sync."""
+    """The tier's SGLangConfig: the CPU launcher under the server's python, gloo weight sync, the tier's key."""
+    os.environ.setdefault(LIVE_KEY_ENV, "gspo-live-" + secrets.token_urlsafe(32))
     values: dict = dict(
+        api_key_env=LIVE_KEY_ENV,
         launch_command=[str(server_python()), str(CPU_LAUNCHER)],
         extra_args=list(CPU_SERVER_ARGS),
         enable_return_routed_experts=True,
