@@ -19,12 +19,18 @@ order are the step's batch (carried groups first: the older a group, the sooner 
   carried group holding a token more than ``rollout.max_staleness`` versions old by the step it would
   train in is dropped instead (``rollout/partial/dropped_stale``). A sample's ``weight_version`` is its
   oldest token's.
-The carried groups are part of the checkpoint (``state_dict``): a resumed run continues them exactly.
+The carried groups are part of the checkpoint (``state_dict``): a resumed run continues them exactly. A
+resume may change ``rollout.group_size`` or ``rollout.max_new_tokens`` (``checkpoint.resume_allow_changes``):
+a carried group with more samples than the group size now asks for, or a sample with more tokens than the
+budget now allows, would train at the old shape, so it is dropped (its prompt spent, counted in
+``rollout/partial/groups_dropped``, with a warning naming the key); a group with fewer samples than the new
+size is filled up under the current weights, like any unfinished group.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -108,6 +114,7 @@ class PartialRollouts:
     ) -> DrawnGroups:
         """``needed`` complete groups of ``params.n`` samples, generated on weight version ``version``."""
         carried, dropped_stale = self._still_fresh(version)
+        carried, dropped_misfit = _fitting(carried, params)
         already = sum(group.complete for group in carried)
         started = math.ceil(self.over_sample * needed)
         # no fresh prompts when the carried groups complete the step already
@@ -134,7 +141,7 @@ class PartialRollouts:
         rest = [group for group in groups if id(group) not in taken_ids]
         # groups not started yet are prompts still to generate, carried either way (nothing of them is stale)
         self.carried = [group for group in rest if self.partial == PARTIAL_CONTINUE or not _started(group)]
-        metrics = self._metrics(groups, taken, carried, dropped_stale, generated, version)
+        metrics = self._metrics(groups, taken, carried, dropped_stale + dropped_misfit, generated, version)
         return DrawnGroups(taken, metrics)
 
     def _still_fresh(self, version: int) -> tuple[list[Group], int]:
@@ -188,6 +195,27 @@ class PartialRollouts:
 
     def load_state_dict(self, state: dict) -> None:
         self.carried = [_group_from_state(group) for group in state.get("carried", [])]
+
+
+def _fitting(groups: list[Group], params: SamplingParams) -> tuple[list[Group], int]:
+    """The carried groups that fit ``params`` (the module docstring's rule for a resume with changed rollout
+    settings), and how many did not; a warning names the key for those that did not."""
+    too_many = [len(g.samples) > params.n for g in groups]
+    too_long = [any(len(s.output_ids) > params.max_new_tokens for s in g.samples) for g in groups]
+    for count, what in (
+        (sum(too_many), f"more samples than rollout.group_size={params.n}"),
+        (sum(long and not many for long, many in zip(too_long, too_many, strict=True)),
+         f"a sample longer than rollout.max_new_tokens={params.max_new_tokens}"),
+    ):  # fmt: skip
+        if count:
+            warnings.warn(
+                f"{count} carried group(s) have {what} (the settings changed on resume): dropped, not trained at "
+                "their old shape",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    keep = [g for g, many, long in zip(groups, too_many, too_long, strict=True) if not (many or long)]
+    return keep, len(groups) - len(keep)
 
 
 def _started(group: Group) -> bool:

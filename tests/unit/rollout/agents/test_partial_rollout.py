@@ -144,3 +144,24 @@ def test_a_continued_samples_log_probs_are_its_tokens_under_the_weights():
             torch.testing.assert_close(sample.output_log_probs, expected, atol=1e-5, rtol=1e-5)
             checked += len(sample.output_ids) > 2
     assert checked >= 2  # continuations that added tokens
+
+
+@pytest.mark.parametrize(
+    "changed, key", [({"n": 1}, "rollout.group_size=1"), ({"max_new_tokens": 1}, "rollout.max_new_tokens=1")]
+)
+def test_carried_groups_that_no_longer_fit_a_resumes_settings_are_dropped_not_trained(changed, key):
+    # issue 63: after a resume with rollout.group_size 2 -> 1 (or max_new_tokens 10 -> 1) the carried groups
+    # trained at their old shape -- two rows where the group size says one, two-token answers past a
+    # one-token budget -- silently
+    engine, prompts = _engine(), _Prompts()
+    partial = PartialRollouts(over_sample=3.0, partial=PartialRollout("continue"), max_staleness=2)
+    partial.draw(1, prompts, _short_first(engine), PARAMS, version=0)
+    assert len(partial.carried) == 2 and all(len(s.output_ids) == 2 for g in partial.carried for s in g.samples)
+    resumed = replace(PARAMS, **changed)
+    with pytest.warns(RuntimeWarning, match=rf"2 carried group\(s\) have .*{key}.*dropped"):
+        later = partial.draw(1, prompts, engine.generate_rows, resumed, version=1)
+    assert later.metrics["rollout/partial/groups_carried_in"] == 0.0
+    assert later.metrics["rollout/partial/groups_dropped"] >= 2.0
+    for group in later.groups:
+        assert len(group.samples) == resumed.n
+        assert all(len(s.output_ids) <= resumed.max_new_tokens for s in group.samples)
