@@ -37,6 +37,7 @@ def run(cfg: DictConfig, run_dir: str) -> str:
     from gspo_megatron.run.signals import SignalWatch
 
     logging.getLogger("megatron").setLevel(logging.WARNING)  # it lists every parameter at INFO
+    cfg = resolve_model_paths(cfg)  # hub ids -> local snapshot folders, before anything reads them
     if cfg.model.hf_checkpoint:  # the weights decide the model's shape, not the model YAML
         from gspo_megatron.policy.models.hf_checkpoint import hf_shape_fields
 
@@ -71,6 +72,42 @@ def run(cfg: DictConfig, run_dir: str) -> str:
         if claim is not None:
             claim.release()
     return summary
+
+
+# The keys whose value names a model folder (rollout.sglang exists with rollout=sglang only); a hub id given
+# to any of them resolves to the same snapshot.
+MODEL_PATH_KEYS = ("model.hf_checkpoint", "tokenizer.path", "rollout.sglang.model_path")
+
+
+def resolve_model_paths(cfg: DictConfig) -> DictConfig:
+    """``cfg`` with every model path given as a hub id replaced by its local snapshot folder
+    (``core/hub_checkpoints.py`` states the rule); each distinct value is resolved once."""
+    from omegaconf import OmegaConf
+
+    from gspo_megatron.core.hub_checkpoints import resolve_model_path
+
+    resolved: dict[str, str] = {}
+    changed: dict[str, str] = {}
+    for key in MODEL_PATH_KEYS:
+        value = OmegaConf.select(cfg, key)
+        if key == "tokenizer.path" and OmegaConf.select(cfg, "tokenizer.kind") != "hf":
+            continue  # the symbol tokenizer reads no path: nothing to fetch for it
+        if value:
+            if value not in resolved:
+                resolved[value] = resolve_model_path(key, value)
+            if resolved[value] != value:
+                changed[key] = resolved[value]
+    if not changed:
+        return cfg
+    for key, path in changed.items():
+        nested: dict = {}
+        node = nested
+        *sections, leaf = key.split(".")
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[leaf] = path
+        cfg = cast("DictConfig", OmegaConf.merge(cfg, nested))
+    return cfg
 
 
 def _is_driver_process() -> bool:
