@@ -63,7 +63,7 @@ class DistributedOptimizerChoice(ConfigChoice):
 @dataclass
 class ModelSection(MoEModelConfig):
     preset: str | None = None  # documentation of where the numbers came from ("tiny", ...)
-    hf_checkpoint: str | None = None  # a local HF directory (core/model_families.py); its config.json sets the shape
+    hf_checkpoint: str | None = None  # local HF directory or hub id (core/hub_checkpoints.py); sets the shape
     layer_spec: LayerSpec = LayerSpec.auto
     token_dispatcher: TokenDispatcher = TokenDispatcher.alltoall  # MoE with EP or TP; same results either way
     expert_mlp: ExpertMLP = ExpertMLP.grouped

@@ -94,10 +94,11 @@ def compose_job(overrides: list[str], gpus: int, prompt_tokens: int) -> PlannedJ
     cfg = compose(list(overrides))
     notes: tuple[str, ...] = ()
     checkpoint = cfg.model.hf_checkpoint
-    if checkpoint and Path(checkpoint).is_dir():  # as train.py: the weights decide the model's shape
+    local = local_checkpoint(checkpoint) if checkpoint else None
+    if local:  # as train.py: the weights decide the model's shape
         from gspo_megatron.policy.models.hf_checkpoint import hf_shape_fields
 
-        cfg = cast("DictConfig", OmegaConf.merge(cfg, {"model": hf_shape_fields(checkpoint)}))
+        cfg = cast("DictConfig", OmegaConf.merge(cfg, {"model": hf_shape_fields(local)}))
     elif checkpoint:  # a cluster's path, planned from elsewhere: the configured shape stands in for it
         notes = (
             f"model.hf_checkpoint={checkpoint} is not on this machine: planned with the configured shape "
@@ -106,6 +107,16 @@ def compose_job(overrides: list[str], gpus: int, prompt_tokens: int) -> PlannedJ
         cfg.model.hf_checkpoint = None
     job = job_from_config(to_train_config(cfg), gpus, prompt_tokens)
     return dataclasses.replace(job, notes=notes)
+
+
+def local_checkpoint(value: str) -> str | None:
+    """The folder ``model.hf_checkpoint`` names on this machine: a directory, or a hub id already in the hub
+    cache (``core/hub_checkpoints.py``); the planner never downloads. None when neither."""
+    from gspo_megatron.core.hub_checkpoints import cached_snapshot, looks_like_hub_id
+
+    if Path(value).expanduser().is_dir():
+        return value
+    return cached_snapshot(value) if looks_like_hub_id(value) else None
 
 
 def job_from_config(cfg: TrainConfig, gpus: int, prompt_tokens: int) -> PlannedJob:

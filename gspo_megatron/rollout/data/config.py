@@ -21,7 +21,7 @@ BAD_UTF8_POLICIES = ("error", "skip")
 @dataclass
 class TokenizerConfig(ConfigNode):
     kind: str = "symbol"  # "symbol" (built-in, synthetic tasks) or "hf" (local directory)
-    path: str | None = None  # local model/tokenizer directory for kind=hf
+    path: str | None = None  # local model/tokenizer directory or hub id for kind=hf (core/hub_checkpoints.py)
 
     def validate(self) -> None:
         if self.kind not in TOKENIZER_KINDS:

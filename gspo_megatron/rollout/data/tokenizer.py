@@ -10,8 +10,9 @@ Design decisions:
   token, so ``decode(encode(s)) == s`` for any string over the alphabet. Whole-word tokens
   ("Wait", "Alternatively", ...) make reasoning trigger words single tokens, which is what the
   step-counting reward shapers count.
-- ``HFTokenizer`` loads from a local directory only (``local_files_only=True``): this project never
-  downloads from the hub at run time. Prompts are rendered with the model's own chat template
+- ``HFTokenizer`` loads from a local directory only (``local_files_only=True``): a hub id in
+  ``tokenizer.path`` was resolved to its cached snapshot folder at start-up (``core/hub_checkpoints.py``),
+  so nothing here reaches the network. Prompts are rendered with the model's own chat template
   (``add_generation_prompt=True``) and encoded without adding special tokens again (the template
   already wrote BOS where the model wants one). Stop ids are the union of the tokenizer's EOS and
   ``generation_config.json``'s ``eos_token_id`` (Qwen3 stops on both <|im_end|> and <|endoftext|>).
@@ -129,14 +130,14 @@ class SymbolTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face tokenizer loaded from a local directory (never from the hub)."""
+    """A Hugging Face tokenizer loaded from a local directory (a hub id is resolved to one at start-up)."""
 
     def __init__(self, local_dir: str | Path):
         path = Path(local_dir)
         if not path.is_dir():
             raise FileNotFoundError(
                 f"tokenizer directory {str(path)!r} does not exist; point the tokenizer path at a "
-                f"local model directory (this project never downloads from the hub)"
+                f"local model directory or a hub id such as Qwen/Qwen3-30B-A3B (core/hub_checkpoints.py)"
             )
         from transformers import AutoTokenizer
 

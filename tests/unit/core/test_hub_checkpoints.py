@@ -1,14 +1,12 @@
 """Model paths given as hub ids resolve through huggingface_hub's cache (core/hub_checkpoints.py).
 
 Offline by construction: every test switches huggingface_hub's offline mode on and points its cache at a
-temporary folder laid out as the hub lays it (``models--owner--name/refs/main`` holding a commit hash,
-``snapshots/<hash>/<file>`` linking to ``../../blobs/<sha256>``). Nothing here downloads.
+temporary folder laid out as the hub lays it (``testing/hub_cache.py``). Nothing here downloads; the one
+test in online mode points the hub at a loopback port that refuses connections.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
 from pathlib import Path
 
 import pytest
@@ -19,40 +17,18 @@ from gspo_megatron.config.compose import compose
 from gspo_megatron.core.hub_checkpoints import HubCheckpointError, looks_like_hub_id, resolve_model_path
 from gspo_megatron.policy.models.hf_checkpoint import hf_shape_fields, write_hf_checkpoint
 from gspo_megatron.policy.models.weight_sources import SafetensorsSource
+from gspo_megatron.testing.hub_cache import cache_as_the_hub_does, use_offline_hub_cache
 from gspo_megatron.testing.model_fixtures import random_hf_state, tiny_test_config
 from gspo_megatron.train import resolve_model_paths
-
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 @pytest.fixture
 def hub_cache(tmp_path, monkeypatch) -> Path:
-    """An empty hub cache, offline. huggingface_hub reads HF_HUB_CACHE / HF_HUB_OFFLINE into ``constants``
-    when it is imported, so the test sets the constants it reads at call time (and the environment, for
-    anything imported later)."""
+    """An empty hub cache, offline."""
     cache = tmp_path / "hub"
     cache.mkdir()
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    use_offline_hub_cache(monkeypatch, cache)
     return cache
-
-
-def cache_as_the_hub_does(folder: Path, cache: Path, repo_id: str) -> Path:
-    """Copy ``folder`` into ``cache`` as ``snapshot_download`` leaves a download; returns the snapshot folder."""
-    repo = cache / ("models--" + repo_id.replace("/", "--"))
-    (repo / "blobs").mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(COMMIT)  # no newline, as huggingface_hub writes it
-    snapshot = repo / "snapshots" / COMMIT
-    snapshot.mkdir(parents=True)
-    for file in sorted(folder.iterdir()):
-        data = file.read_bytes()
-        blob = hashlib.sha256(data).hexdigest()
-        (repo / "blobs" / blob).write_bytes(data)
-        (snapshot / file.name).symlink_to(os.path.join("..", "..", "blobs", blob))
-    return snapshot
 
 
 @pytest.fixture

@@ -89,7 +89,7 @@ def test_hf_tokenizer_stop_ids_without_generation_config(tmp_path):
 
 
 def test_hf_tokenizer_missing_dir_and_missing_template(tmp_path):
-    with pytest.raises(FileNotFoundError, match="never downloads"):
+    with pytest.raises(FileNotFoundError, match="local model directory or a hub id"):
         HFTokenizer(tmp_path / "nope")
     _build_local_hf_tokenizer(tmp_path, chat_template=None)
     with pytest.raises(ValueError, match="apply_chat_template=false"):

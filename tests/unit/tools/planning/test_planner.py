@@ -434,3 +434,20 @@ def test_a_colocated_engine_holds_its_share_while_resumed_by_hand():
         static_memory_fraction(["--enable-memory-saver"])
     with pytest.raises(ValueError, match=r"--mem-fraction-static 1.5 must be in \(0, 1\)"):
         static_memory_fraction(["--mem-fraction-static", "1.5"])
+
+
+def test_a_hub_id_in_the_cache_is_planned_with_its_checkpoints_shape(tmp_path, monkeypatch):
+    """As the trainer: the cached snapshot's config.json decides the shape; the planner never downloads."""
+    from gspo_megatron.policy.models.hf_checkpoint import write_hf_checkpoint
+    from gspo_megatron.testing.hub_cache import cache_as_the_hub_does, use_offline_hub_cache
+    from gspo_megatron.testing.model_fixtures import random_hf_state
+    from planning.job import compose_job
+
+    use_offline_hub_cache(monkeypatch, tmp_path / "hub")
+    cfg = tiny_test_config(num_experts=8)
+    folder = write_hf_checkpoint([list(random_hf_state(cfg).items())], cfg, tmp_path / "folder")
+    cache_as_the_hub_does(folder, tmp_path / "hub", "tiny-org/tiny-moe")
+    job = compose_job(["model.hf_checkpoint=tiny-org/tiny-moe"], gpus=1, prompt_tokens=8)
+    assert job.config.model.num_experts == 8 and job.notes == ()
+    missing = compose_job(["model.hf_checkpoint=tiny-org/not-cached"], gpus=1, prompt_tokens=8)
+    assert "model.hf_checkpoint=tiny-org/not-cached is not on this machine" in missing.notes[0]
