@@ -32,6 +32,7 @@ def run(cfg: DictConfig, run_dir: str) -> str:
     from gspo_megatron.loop.trainer import QuietLog
     from gspo_megatron.run.hydra_output import keep_hydra_output
     from gspo_megatron.run.reaper import keep_reaper, start_reaper
+    from gspo_megatron.run.refused_start import remove_startup_record
     from gspo_megatron.run.run_dir_owner import claim_run_dir
     from gspo_megatron.run.run_log import open_run_log
     from gspo_megatron.run.signals import SignalWatch
@@ -68,9 +69,13 @@ def run(cfg: DictConfig, run_dir: str) -> str:
                     write_routing_report(run_dir, charts=typed.logging.charts)
             finally:
                 trainer.close()  # reward workers, the engine and the servers it launched, groups
-    finally:
-        if claim is not None:
+    except BaseException:
+        if claim is not None:  # a directory the claim made that holds only the start-up record goes
             claim.release()
+            remove_startup_record(Path(run_dir), claim.created)
+        raise
+    if claim is not None:
+        claim.release()
     return summary
 
 
@@ -184,8 +189,24 @@ def train_from_hydra(cfg: DictConfig) -> None:
     except TrainingInterrupted as stop:
         print(f"[gspo] {stop}", file=sys.stderr, flush=True)
         sys.exit(stop.exit_code)
+    except Exception as error:
+        refused_start(error, hydra_made=None if cfg.run_dir else Path(run_dir))
+        raise
     if summary:
         print(summary)
+
+
+def refused_start(error: Exception, hydra_made: Path | None) -> None:
+    """Remove Hydra's directory for this job (``run_dir=`` not given) if it holds only the start-up record;
+    then end a refusal (``run/refused_start.py``) with its message alone, exit status 1, unless
+    HYDRA_FULL_ERROR=1 asks for the traceback. Any other error returns, to be raised with its traceback."""
+    from gspo_megatron.run.refused_start import is_refusal, refusal_message, remove_startup_record, wants_traceback
+
+    if hydra_made is not None and _is_driver_process():
+        remove_startup_record(hydra_made, [hydra_made])
+    if is_refusal(error) and not wants_traceback():
+        print(refusal_message(error), file=sys.stderr, flush=True)
+        sys.exit(1)  # Hydra's exit status for a failed job, as before
 
 
 if __name__ == "__main__":

@@ -74,6 +74,13 @@ KNOWN_WARNINGS: tuple[KnownWarning, ...] = (
     ),
     KnownWarning(
         UserWarning,
+        r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to ",
+        r"torch\.distributed\.checkpoint\.",
+        "policy/checkpoint/reader.py loads with no_dist=True on purpose (each rank reads its own shards, as "
+        "megatron >= 0.17 does; tools/convert_checkpoint.py too); torch warns at every such load, once per rank",
+    ),
+    KnownWarning(
+        UserWarning,
         r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
         r"megatron\.core\.optimizer\.optimizer",
         "megatron's zero_grad helper asks every parameter view of the distributed optimizer's shards "

@@ -41,7 +41,7 @@ import stat
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -354,6 +354,7 @@ class RunClaim:
     lock: RunDirLock
     resume_from: Path | None
     accepted_changes: list[str]
+    created: list[Path] = field(default_factory=list)  # the directories the claim made, deepest first
 
     def release(self) -> None:
         self.lock.release()
@@ -370,11 +371,13 @@ def claim_run_dir(run_dir: Path, section: CheckpointSection, config_yaml: str) -
     lock = RunDirLock.acquire(run_dir)
     try:
         check_writable(run_dir)
-        return _decide(run_dir, mode, section, config_yaml, lock)
+        claim = _decide(run_dir, mode, section, config_yaml, lock)
     except BaseException:
         lock.release()
         _remove_if_empty(created)
         raise
+    claim.created = created
+    return claim
 
 
 def _decide(

@@ -62,3 +62,21 @@ def test_a_reviewed_log_message_is_hidden_only_from_its_logger(known):
     assert _logged(known.logger + ".child", message)  # only the logger that emits it
     assert _logged("someone_else", message)
     assert _logged(known.logger, "something new")
+
+
+def test_torch_single_process_checkpoint_load_is_quiet(tmp_path):
+    """Issue 64: every resume and conversion printed torch's "torch.distributed is disabled ..." once per
+    rank, from the no_dist=True loads policy/checkpoint/reader.py makes on purpose. Torch's real save and
+    load, under the entry point's filters, show nothing."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.resetwarnings()
+        warnings.simplefilter("always")
+        filter_known_warnings()
+        dcp.save({"x": torch.zeros(2)}, checkpoint_id=str(tmp_path), no_dist=True)
+        state = {"x": torch.ones(2)}
+        dcp.load(state, checkpoint_id=str(tmp_path), no_dist=True)
+    assert torch.equal(state["x"], torch.zeros(2))
+    assert [str(w.message) for w in caught if "torch.distributed is disabled" in str(w.message)] == []
