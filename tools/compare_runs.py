@@ -22,6 +22,13 @@ Design decisions:
 - The study report records where it came from (``study_reports/report_provenance.py``): its own commit
   and command, each run's commit, command, seeds and composed config; runs from different commits
   (or from uncommitted code, or that recorded none) are reported with a warning on stderr.
+- Verdicts ("paper vs ours") and the seed-aggregated terminal table read each run over the run summary's
+  "last 20%" of steps (``study_report.VERDICT_WINDOW``, named in the output), and no verdict is given below
+  ``study_report.MIN_SEEDS`` (3) runs per compared arm: with fewer the seed spread is unknown or a guess,
+  and single-seed verdicts flipped between tasks. The numbers are still shown, with "n too small".
+- The terminal shows narrow tables: per run (run, final reward, clip fractions, one volatility column per
+  diagnostic kind) and per group (``study_report.TERMINAL_COLUMNS``: reward, clip fractions, experts changed
+  per update, engine vs trainer, log-prob mismatch); every column is in ``study.html``'s full table.
 - ``main(argv)`` returns the exit status (0 ok, 2 bad input) so tests and scripts can call it.
 """
 
