@@ -59,12 +59,12 @@ def test_clip_fractions_name_their_window():
 def test_an_r3_run_keeps_its_routing_volatility_line():
     """Issue 64: under R3 (routing.replay=rollout) no "update" kind is measured and the line disappeared."""
     history = [_step(i + 1, 0.5, **{"routing/rollout_vs_train_changed_frac": 0.0}) for i in range(5)]
+    without_update = summary_text(history, wall_s=6.0, plot=None)  # no replay given: update just not in kinds
+    assert "not measured (add update to routing.kinds); engine vs trainer (last 20%): 0.000" in without_update
     text = summary_text(history, wall_s=6.0, plot=None, replay="rollout")
     (line,) = [line for line in text.splitlines() if "routing volatility" in line]
     assert "experts changed by an update: not measured under R3 (routing.replay=rollout:" in line
     assert line.endswith("; engine vs trainer (last 20%): 0.000 (R3 replays the engine's routing: 0 expected)")
-    without_update = summary_text(history, wall_s=6.0, plot=None)
-    assert "not measured (add update to routing.kinds); engine vs trainer (last 20%): 0.000" in without_update
 
 
 def test_the_run_log_passes_its_replay_mode_to_the_summary(tmp_path):

@@ -55,6 +55,7 @@ def _summary_numbers(text: str) -> dict[str, str]:
         match = re.search(rf"{re.escape(name)} +first 20%: ([0-9.]+) +last 20%: ([0-9.]+)", text)
         numbers[f"{name}, first 20%"], numbers[f"{name}, last 20%"] = match.groups()
     match = re.search(r"clip frac \(seq\) +last 20%: ([0-9.]+) +\(token\) last 20%: ([0-9.]+)", text)
+    assert match, f"the summary's clip fractions name no window: {text}"
     numbers["clip frac (seq), last 20%"], numbers["clip frac (token), last 20%"] = match.groups()
     match = re.search(
         r"experts changed by an update: ([0-9.]+) of tokens per layer \(whole run; first 20%: ([0-9.]+), "
