@@ -135,3 +135,22 @@ def test_the_reward_curve_is_drawn_only_with_charts(tmp_path, charts):
     assert (tmp_path / "reward_curve.png").is_file() == charts
     assert ("reward curve:" in text) == charts
     assert [r["reward/mean"] for r in read_jsonl(tmp_path / METRICS_FILE)] == [0.5]
+
+
+def test_the_trainer_run_log_knows_the_configs_replay_mode(tmp_path):
+    """``open_run_log`` (what train.py calls) hands ``routing.replay`` to the summary."""
+    from omegaconf import OmegaConf
+
+    from gspo_megatron.config.compose import compose
+    from gspo_megatron.run.run_log import open_run_log
+
+    overrides = [
+        "routing.replay=rollout",
+        "logging.tensorboard=false",
+        "logging.progress=false",
+        "logging.charts=false",
+    ]
+    cfg = OmegaConf.to_object(compose(overrides + ["logging.wandb=false"]))
+    log = open_run_log(cfg, tmp_path, "")
+    log.log_step(1, {"reward/mean": 0.5, "routing/rollout_vs_train_changed_frac": 0.0})
+    assert "experts changed by an update: not measured under R3" in log.close()
