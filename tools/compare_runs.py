@@ -60,6 +60,10 @@ from study_reports.report_provenance import runs_provenance
 from study_reports.study_report import study_report
 
 BASE_COLUMNS = ["run", "final reward", "clip frac tok", "clip frac seq"]
+PER_RUN_WINDOWS = (
+    "(per run: final reward is the last step's; clip fractions and volatility are means over the whole run, "
+    "comparison.json's *_mean; the seed-aggregated table below reads the last 20%)"
+)
 
 
 def load_runs(paths: list[str]) -> list[RunData]:
@@ -125,7 +129,7 @@ def compare(paths: list[str], out_dir: str | Path, seed_keys=DEFAULT_SEED_KEYS) 
     # "update" is always plotted (it is the headline diagnostic), even when no run recorded it.
     kinds = ordered_kinds({"update"} | {k for run in runs for k in run.routing_kinds()})
     headers, rows = comparison_rows(summaries, kinds)
-    table = text_table(headers, rows)
+    table = text_table(headers, rows) + "\n" + PER_RUN_WINDOWS
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     png = figure_png(line_panels(training_panels(runs) + volatility_panels(runs, kinds)))

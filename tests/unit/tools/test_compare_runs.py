@@ -93,6 +93,7 @@ def test_table_numbers_and_files(runs, tmp_path, capsys):
     assert _row(stdout, "gspo") == ["0.6000", "0.2000", "0.2000", "0.1500", "0.0500"]
     assert _row(stdout, "grpo (grpo)") == ["0.4000", "0.0020", "0.0200", "0.4000", "-"]
     assert _row(stdout, "grpo (grpo_replay)") == ["0.5000", "0.0010", "0.0100", "-", "-"]
+    assert compare_runs.PER_RUN_WINDOWS in stdout  # each column's window is named
 
     assert (out / "comparison.png").read_bytes().startswith(b"\x89PNG")
     page = (out / "comparison.html").read_text()
