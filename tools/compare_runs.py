@@ -22,6 +22,13 @@ Design decisions:
 - The study report records where it came from (``study_reports/report_provenance.py``): its own commit
   and command, each run's commit, command, seeds and composed config; runs from different commits
   (or from uncommitted code, or that recorded none) are reported with a warning on stderr.
+- Verdicts ("paper vs ours") and the seed-aggregated terminal table read each run over the run summary's
+  "last 20%" of steps (``study_report.VERDICT_WINDOW``, named in the output), and no verdict is given below
+  ``study_report.MIN_SEEDS`` (3) runs per compared arm: with fewer the seed spread is unknown or a guess,
+  and single-seed verdicts flipped between tasks. The numbers are still shown, with "n too small".
+- The terminal shows narrow tables: per run (run, final reward, clip fractions, one volatility column per
+  diagnostic kind) and per group (``study_report.TERMINAL_COLUMNS``: reward, clip fractions, experts changed
+  per update, engine vs trainer, log-prob mismatch); every column is in ``study.html``'s full table.
 - ``main(argv)`` returns the exit status (0 ok, 2 bad input) so tests and scripts can call it.
 """
 
@@ -53,6 +60,10 @@ from study_reports.report_provenance import runs_provenance
 from study_reports.study_report import study_report
 
 BASE_COLUMNS = ["run", "final reward", "clip frac tok", "clip frac seq"]
+PER_RUN_WINDOWS = (
+    "(per run: final reward is the last step's; clip fractions and volatility are means over the whole run, "
+    "comparison.json's *_mean; the seed-aggregated table below reads the last 20%)"
+)
 
 
 def load_runs(paths: list[str]) -> list[RunData]:
@@ -118,7 +129,7 @@ def compare(paths: list[str], out_dir: str | Path, seed_keys=DEFAULT_SEED_KEYS) 
     # "update" is always plotted (it is the headline diagnostic), even when no run recorded it.
     kinds = ordered_kinds({"update"} | {k for run in runs for k in run.routing_kinds()})
     headers, rows = comparison_rows(summaries, kinds)
-    table = text_table(headers, rows)
+    table = text_table(headers, rows) + "\n" + PER_RUN_WINDOWS
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     png = figure_png(line_panels(training_panels(runs) + volatility_panels(runs, kinds)))

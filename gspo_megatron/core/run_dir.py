@@ -398,6 +398,25 @@ def finite_mean(values: Sequence[float | None]) -> float | None:
     return sum(finite) / len(finite) if finite else None
 
 
+# The windows a run is summarised over, by name: the run summary printed at the end of a job, the routing
+# report and the comparison's verdicts all read these, so one label always means one number.
+FIRST_FIFTH, LAST_FIFTH, WHOLE_RUN = "first 20%", "last 20%", "whole run"
+WINDOWS = (FIRST_FIFTH, LAST_FIFTH, WHOLE_RUN)
+
+
+def window_mean(values: Sequence[float | None], window: str) -> float | None:
+    """The mean of the finite ``values`` (in step order) over ``window``: the first or last fifth of them (at
+    least one) or all of them; None when none is finite."""
+    finite = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    if not finite:
+        return None
+    if window not in WINDOWS:
+        raise ValueError(f"unknown summary window {window!r}; valid windows: {', '.join(WINDOWS)}")
+    part = max(1, len(finite) // 5)
+    chosen = finite[:part] if window == FIRST_FIFTH else finite[-part:] if window == LAST_FIFTH else finite
+    return sum(chosen) / len(chosen)
+
+
 class ResumeMode(ConfigChoice):
     """``checkpoint.resume``. The field stays a string in the schema: Hydra hands ``true``/``false``
     over as booleans, which an enum node would refuse; ``resume_mode`` reads it as one of these."""

@@ -14,6 +14,10 @@ Design decisions:
 - A panel that is exactly zero says why (``zero_panel_reason``), read from the run's config: the
   engine-vs-trainer comparison is zero by construction under R3 and expected when the engine computes
   in the trainer's precision (the default fp32 embedded engine), not a broken diagnostic.
+- Every number the run summary printed at the end of the job (``run/run_log.py``) is here too under the same
+  window label ("first 20%", "last 20%", "whole run": ``core/run_dir.py``'s ``window_mean``), so equal labels
+  mean equal numbers; the older keys (``clip_frac_seq_mean``: the whole run, ``final_reward``: the last step)
+  stay for the tools that read them.
 """
 
 from __future__ import annotations
@@ -35,10 +39,12 @@ from gspo_megatron.core.run_dir import (
     CLIP_FRAC_SEQ_KEY,
     CLIP_FRAC_TOKEN_KEY,
     REWARD_KEY,
+    WINDOWS,
     RunData,
     RunDirError,
     finite_mean,
     load_run,
+    window_mean,
     write_run_file,
 )
 from gspo_megatron.policy.routing.config import DIAGNOSTIC_KINDS, DiagnosticKind
@@ -55,6 +61,13 @@ from gspo_megatron.run.routing_plots import (
 
 REPORT_JSON = "routing_report.json"
 REPORT_HTML = "routing_report.html"
+# the metrics.jsonl keys the run summary prints, with the summary's names for them
+WINDOWED_METRICS = {
+    REWARD_KEY: "reward/mean",
+    "response/length_mean": "response length",
+    CLIP_FRAC_SEQ_KEY: "clip frac (seq)",
+    CLIP_FRAC_TOKEN_KEY: "clip frac (token)",
+}
 
 
 def json_safe(value: Any) -> Any:
@@ -96,6 +109,9 @@ def routing_kind_summary(run: RunData, kind: str) -> dict:
         "changed_frac_overall": finite_mean([r.get("changed_frac_overall") for r in records]),
         "overlap_overall": finite_mean([r.get("overlap_overall") for r in records]),
         "changed_any_frac": finite_mean([r.get("changed_any_frac") for r in records]),
+        "changed_frac_overall_windows": {
+            window: window_mean([r.get("changed_frac_overall") for r in records], window) for window in WINDOWS
+        },
     }
     for key in ("changed_frac", "overlap", "load_imbalance"):
         summary[key] = _layer_mean(run, kind, key, records)
@@ -146,6 +162,10 @@ def summarize_run(run: RunData) -> dict:
         "clip_frac_token_final": clip_token[-1] if clip_token else None,
         "clip_frac_seq_mean": finite_mean(clip_seq),
         "clip_frac_seq_final": clip_seq[-1] if clip_seq else None,
+        "windows": {
+            window: {key: window_mean(run.metric_series(key)[1], window) for key in WINDOWED_METRICS}
+            for window in WINDOWS
+        },
         "routing": {kind: routing_kind_summary(run, kind) for kind in ordered_kinds(run.routing_kinds())},
     }
     per_turn = routing_turn_summary(run)
@@ -260,8 +280,11 @@ def _summary_section(summary: dict) -> str:
             "clip_frac_seq_final",
         )
     ]
+    for window, values in summary["windows"].items():
+        rows += [[f"{name}, {window}", values[key]] for key, name in WINDOWED_METRICS.items()]
     for kind, kind_summary in summary["routing"].items():
-        rows.append([f"{kind}: changed fraction (step mean)", kind_summary["changed_frac_overall"]])
+        for window, value in kind_summary["changed_frac_overall_windows"].items():
+            rows.append([f"{kind}: changed fraction, {window}", value])
         rows.append([f"{kind}: overlap (step mean)", kind_summary["overlap_overall"]])
         rows.append([f"{kind}: tokens changed in >= 1 layer (step mean)", kind_summary["changed_any_frac"]])
     return html_table(["quantity", "value"], rows)

@@ -8,6 +8,14 @@ run would.
 Every step records ``time/run_wall_s``, the run's wall time up to that step across resumes (the last
 kept step's value carried into the resuming process), so the summary times the whole run, not only
 the process that finished it.
+
+Design decisions:
+- Every number of the summary names its window (``core/run_dir.py``'s "first 20%", "last 20%", "whole run",
+  ``window_mean``), the same windows and the same code the routing report and ``tools/compare_runs.py``'s
+  verdicts use, so a label means one number wherever it appears (a test builds a run and checks).
+- The routing-volatility line is printed whenever a routing kind was measured; what was not measured says
+  why (under R3 the old-policy pass replays the engine's routing, so "update" has no free routing to
+  compare) instead of the line disappearing.
 """
 
 from __future__ import annotations
@@ -23,8 +31,11 @@ from gspo_megatron.config.schema import TrainConfig
 from gspo_megatron.core.provenance import PROVENANCE_FILE, provenance
 from gspo_megatron.core.run_dir import (
     CONFIG_FILE,
+    FIRST_FIFTH,
+    LAST_FIFTH,
     METRICS_FILE,
     ROUTING_FILE,
+    WHOLE_RUN,
     JsonlLog,
     ResumeMode,
     drop_records_from_step,
@@ -32,9 +43,11 @@ from gspo_megatron.core.run_dir import (
     read_jsonl,
     refuse_link,
     resume_mode,
+    window_mean,
     write_run_file,
 )
 from gspo_megatron.policy.checkpoint.store import latest_checkpoint
+from gspo_megatron.policy.routing.replay import ReplayMode
 
 RUN_WALL_KEY = "time/run_wall_s"
 
@@ -52,6 +65,7 @@ def open_run_log(cfg: TrainConfig, run_dir: Path, config_yaml: str) -> RunLog:
         config_yaml=config_yaml,
         resume_step=_resume_step(cfg, run_dir),
         routing=cfg.routing.enabled and cfg.model.is_moe,
+        replay=cfg.routing.replay,
     )
 
 
@@ -76,8 +90,11 @@ class RunLog:
         charts: bool = True,
         resume_step: int = 0,
         routing: bool = False,
+        replay: str = ReplayMode.none,
     ):
-        """``routing``: write the steps' routing records to ``routing.jsonl`` (diagnostics on, an MoE model)."""
+        """``routing``: write the steps' routing records to ``routing.jsonl`` (diagnostics on, an MoE model);
+        ``replay``: ``routing.replay``, which the summary needs to say why a routing kind was not measured."""
+        self.replay = replay
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         self.config_yaml = config_yaml  # written by ``write_config`` once a resumed checkpoint has loaded
@@ -156,7 +173,7 @@ class RunLog:
             self.routing.close()
         plot = self._plot()
         resumed = (self.resume_step, time.monotonic() - self.started) if self.resume_step else None
-        return summary_text(self.history, self.run_wall_s(), plot, resumed=resumed)
+        return summary_text(self.history, self.run_wall_s(), plot, resumed=resumed, replay=self.replay)
 
     def note(self, text: str) -> None:
         """A line for the person watching the run (a resume, a held adaptive clip)."""
@@ -205,17 +222,53 @@ def _number(value: Any) -> float | None:
 
 def fifth_mean(history: list[dict], key: str, first: bool) -> float:
     """The mean of ``key`` over the first (or last) fifth of the steps that report it (nan if none do)."""
-    values = [r[key] for r in history if r.get(key) is not None]
-    if not values:
-        return float("nan")
-    part = values[: max(1, len(values) // 5)] if first else values[-max(1, len(values) // 5) :]
-    return sum(part) / len(part)
+    mean = window_mean([r.get(key) for r in history], FIRST_FIFTH if first else LAST_FIFTH)
+    return float("nan") if mean is None else mean
+
+
+def _format(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+UPDATE_KEY, ENGINE_KEY = "routing/update_changed_frac", "routing/rollout_vs_train_changed_frac"
+
+
+def routing_volatility_line(history: list[dict], replay: str) -> str | None:
+    """The summary's routing line (None when no routing kind was measured); what was not measured says why."""
+    changed = [r.get(UPDATE_KEY) for r in history]
+    engine = [r.get(ENGINE_KEY) for r in history]
+    if window_mean(changed, WHOLE_RUN) is None and window_mean(engine, WHOLE_RUN) is None:
+        return None
+    if window_mean(changed, WHOLE_RUN) is not None:
+        # activation volatility: the fraction of (token, layer) whose expert set an update changed
+        update = (
+            f"experts changed by an update: {_format(window_mean(changed, WHOLE_RUN), 3)} of tokens per layer"
+            f" ({WHOLE_RUN}; {FIRST_FIFTH}: {_format(window_mean(changed, FIRST_FIFTH), 3)},"
+            f" {LAST_FIFTH}: {_format(window_mean(changed, LAST_FIFTH), 3)})"
+        )
+    elif replay == ReplayMode.rollout:
+        update = (
+            "experts changed by an update: not measured under R3 (routing.replay=rollout: the old-policy pass "
+            "replays the engine's routing, so there is no free routing to compare)"
+        )
+    else:
+        update = "experts changed by an update: not measured (add update to routing.kinds)"
+    engine_last = window_mean(engine, LAST_FIFTH)
+    if engine_last is not None:
+        expected = " (R3 replays the engine's routing: 0 expected)" if replay == ReplayMode.rollout else ""
+        update += f"; engine vs trainer ({LAST_FIFTH}): {engine_last:.3f}{expected}"
+    return f"  routing volatility  {update}"
 
 
 def summary_text(
-    history: list[dict], wall_s: float, plot: Path | None, resumed: tuple[int, float] | None = None
+    history: list[dict],
+    wall_s: float,
+    plot: Path | None,
+    resumed: tuple[int, float] | None = None,
+    replay: str = ReplayMode.none,
 ) -> str:
-    """The one-screen summary; ``wall_s`` is the whole run's, ``resumed`` = (step, this process's seconds)."""
+    """The one-screen summary; ``wall_s`` is the whole run's, ``resumed`` = (step, this process's seconds),
+    ``replay`` the run's ``routing.replay``. Every number names its window (``core/run_dir.py``)."""
     if not history:
         return "no steps were run"
 
@@ -230,8 +283,8 @@ def summary_text(
         f"   last 20%: {window('reward/mean', False):.3f}",
         f"  response length   first 20%: {window('response/length_mean', True):.2f}"
         f"   last 20%: {window('response/length_mean', False):.2f}",
-        f"  clip frac (seq)   mean: {window('loss/clip_frac_seq', False):.4f}"
-        f"   (token) {window('loss/clip_frac_token', False):.4f}",
+        f"  clip frac (seq)   last 20%: {window('loss/clip_frac_seq', False):.4f}"
+        f"   (token) last 20%: {window('loss/clip_frac_token', False):.4f}",
     ]
     gaps = [r["loss/ratio_token_seq_gap"] for r in history if r.get("loss/ratio_token_seq_gap") is not None]
     if gaps:  # 0 for one-token answers, where GSPO's sequence ratio is GRPO's token ratio
@@ -247,15 +300,9 @@ def summary_text(
                 )
                 break
         lines.append(f"  sequence vs token ratio: mean |w_t - s_i| = {sum(gaps) / len(gaps):.4g} ({spreads})")
-    changed = [r["routing/update_changed_frac"] for r in history if r.get("routing/update_changed_frac") is not None]
-    if changed:  # activation volatility: the fraction of (token, layer) whose expert set an update changed
-        engine = window("routing/rollout_vs_train_changed_frac", False)
-        lines.append(
-            f"  routing volatility  experts changed by an update: {sum(changed) / len(changed):.3f} of tokens per layer"
-            f" (first 20%: {window('routing/update_changed_frac', True):.3f},"
-            f" last 20%: {window('routing/update_changed_frac', False):.3f})"
-            + ("" if math.isnan(engine) else f"; engine vs trainer: {engine:.3f}")
-        )
+    routing = routing_volatility_line(history, replay)
+    if routing is not None:
+        lines.append(routing)
     evals = [r for r in history if r.get("eval/pass@1") is not None]
     if evals:
         lines.append(f"  eval pass@1       first: {evals[0]['eval/pass@1']:.3f}   last: {evals[-1]['eval/pass@1']:.3f}")

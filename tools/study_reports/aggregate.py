@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gspo_megatron.core.config_node import flatten_dotted
-from gspo_megatron.core.run_dir import METRICS_FILE, RunData, RunDirError, load_run
+from gspo_megatron.core.run_dir import METRICS_FILE, WHOLE_RUN, WINDOWS, RunData, RunDirError, load_run, window_mean
 
 DEFAULT_SEED_KEYS = ("trainer.seed",)
 IGNORED_KEYS = ("run_dir",)
@@ -128,7 +128,8 @@ def per_run_stat(group: RunGroup, value_of: Callable[[RunData], float | None]) -
 
 
 def run_metric(run: RunData, key: str, reduce: str = "mean") -> float | None:
-    """One run's number for ``key``: the mean over its steps, the final value, or the max."""
+    """One run's number for ``key``: the mean over its steps, the final value, the max, or the mean over one of
+    the run summary's windows (``core/run_dir.py``'s ``WINDOWS``: "first 20%", "last 20%", "whole run")."""
     _, values = run.metric_series(key)
     values = [v for v in values if math.isfinite(v)]
     if not values:
@@ -139,7 +140,9 @@ def run_metric(run: RunData, key: str, reduce: str = "mean") -> float | None:
         return values[-1]
     if reduce == "max":
         return max(values)
-    raise ValueError(f"reduce must be mean, final or max, got {reduce!r}")
+    if reduce in WINDOWS:
+        return window_mean(values, reduce)
+    raise ValueError(f"reduce must be mean, final, max or one of {', '.join(WINDOWS)}, got {reduce!r}")
 
 
 def metric_stat(group: RunGroup, key: str, reduce: str = "mean") -> Stat:
@@ -160,11 +163,12 @@ def metric_curve(group: RunGroup, key: str) -> tuple[list[int], list[float], lis
     return steps, [float(s.mean or 0.0) for s in stats], [float(s.std or 0.0) for s in stats]
 
 
-def routing_stat(group: RunGroup, kind: str, key: str = "changed_frac_overall") -> Stat:
-    """Over seeds: each run's step mean of a scalar routing.jsonl field of one diagnostic kind."""
+def routing_stat(group: RunGroup, kind: str, key: str = "changed_frac_overall", window: str = WHOLE_RUN) -> Stat:
+    """Over seeds: each run's step mean of a scalar routing.jsonl field of one diagnostic kind, over ``window``
+    of the steps that recorded it."""
 
     def value(run: RunData) -> float | None:
-        return Stat.of(r.get(key) for r in run.routing_records(kind)).mean
+        return window_mean([r.get(key) for r in run.routing_records(kind)], window)
 
     return per_run_stat(group, value)
 

@@ -17,6 +17,14 @@ Design decisions:
   from that run's own files, so a reader (or a test) can recompute any cell from the runs.
 - Verdicts are rules written next to each claim (thresholds stated in the table), never tuned to the
   outcome; a claim whose groups are missing says "not measured".
+- Verdicts read each run over one named window, ``VERDICT_WINDOW`` (the run summary's "last 20%" of the
+  steps, ``core/run_dir.py``'s ``window_mean``), not its final step: one step's reward is one batch's noise,
+  and verdicts from it flipped between tasks. The window is named in the table and the text.
+- No verdict below ``MIN_SEEDS`` runs per compared arm: with 1 seed the spread is unknown (a "within the
+  seed spread" rule compares against 0) and with 2 the sample std is itself a guess from one difference;
+  3 is the fewest that give a spread with any meaning. Below it the numbers are shown with "n too small".
+- The terminal gets a narrow table (``TERMINAL_COLUMNS``, 8 columns, the verdicts' window); every column is
+  in ``study.html``'s full table.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import html
 from typing import Any
 
 from gspo_megatron.algorithms.ratio_dispersion import LENGTH_BUCKETS, bucket_name
+from gspo_megatron.core.run_dir import LAST_FIFTH
 from gspo_megatron.run.routing_plots import Panel, Series, figure_png, line_panels
 from gspo_megatron.run.routing_report import format_number, html_page, html_table, png_img
 from study_reports.aggregate import (
@@ -75,6 +84,18 @@ ROUTING_COLUMNS: list[tuple[str, str, str]] = [
 ]
 
 
+VERDICT_WINDOW = LAST_FIFTH  # the run summary's "last 20%": verdicts and the terminal table read it
+MIN_SEEDS = 3  # runs per compared arm below which no verdict is given (why: the module docstring)
+# the terminal table: reward, how much was clipped, how much routing moved, how far engine and trainer differ
+TERMINAL_COLUMNS = [
+    "reward",
+    "clip frac token",
+    "clip frac seq",
+    "experts changed / update",
+    "engine vs trainer changed",
+    "log-prob mismatch",
+]
+
 COLLAPSE_WINDOW, COLLAPSE_DROP = 20, 0.2  # issue 31: a drop of >= 0.2 in the 20-step mean reward
 
 
@@ -109,6 +130,26 @@ def group_stats(group: RunGroup) -> dict[str, Stat]:
             name = f"ratio_var_{level}/{bucket_name(low, high)}"
             stats[name] = metric_stat(group, f"loss/{name}", "mean")
     return stats
+
+
+def window_stats(group: RunGroup, window: str = VERDICT_WINDOW) -> dict[str, Stat]:
+    """The numbers verdicts and the terminal table use: each run's mean over ``window`` of its steps (the
+    reward collapse count stays a whole-run count), then mean and std over seeds."""
+    stats = {"reward": metric_stat(group, "reward/mean", window)}
+    stats.update({name: metric_stat(group, key, window) for name, key, reduce in METRIC_COLUMNS if reduce == "mean"})
+    stats.update({name: routing_stat(group, kind, key, window) for name, kind, key in ROUTING_COLUMNS})
+    stats["reward collapse events"] = per_run_stat(
+        group, lambda run: reward_collapse_events(run.metric_series("reward/mean")[1])
+    )
+    return stats
+
+
+def too_few_seeds(*arms: Stat) -> str | None:
+    """The verdict's replacement when an arm has fewer than ``MIN_SEEDS`` runs; None when every arm has enough."""
+    if min(arm.n for arm in arms) >= MIN_SEEDS:
+        return None
+    counts = " vs ".join(str(arm.n) for arm in arms)
+    return f"n too small: {counts} runs per arm, a verdict needs >= {MIN_SEEDS} (the numbers are shown, no verdict)"
 
 
 def _cell(stat: Stat) -> str:
@@ -150,8 +191,8 @@ def paper_vs_ours(groups: list[RunGroup], stats: dict[str, dict[str, Stat]]) -> 
 
     gspo_clip = _pooled(groups, "gspo", stats, "clip frac token")
     grpo_clip = _pooled(groups, "grpo", stats, "clip frac token")
-    gspo_reward = _pooled(groups, "gspo", stats, "final reward")
-    grpo_reward = _pooled(groups, "grpo", stats, "final reward")
+    gspo_reward = _pooled(groups, "gspo", stats, "reward")
+    grpo_reward = _pooled(groups, "grpo", stats, "reward")
     if gspo_clip.mean is None or grpo_clip.mean is None or gspo_reward.mean is None or grpo_reward.mean is None:
         ours, verdict = "-", "not measured (needs gspo and grpo runs)"
     elif gspo_clip.mean == 0 and grpo_clip.mean == 0:  # nothing clipped: no ratio to compare
@@ -161,9 +202,9 @@ def paper_vs_ours(groups: list[RunGroup], stats: dict[str, dict[str, Stat]]) -> 
         learns = gspo_reward.mean >= grpo_reward.mean - max(gspo_reward.std or 0, grpo_reward.std or 0)
         ours = (
             f"clip frac token GSPO {_cell(gspo_clip)} vs GRPO {_cell(grpo_clip)} (x{ratio:.3g}); "
-            f"final reward GSPO {_cell(gspo_reward)} vs GRPO {_cell(grpo_reward)}"
+            f"reward GSPO {_cell(gspo_reward)} vs GRPO {_cell(grpo_reward)}"
         )
-        verdict = (
+        verdict = too_few_seeds(gspo_clip, grpo_clip) or (
             "reproduced"
             if ratio >= 10 and learns
             else "partly: "
@@ -194,7 +235,7 @@ def paper_vs_ours(groups: list[RunGroup], stats: dict[str, dict[str, Stat]]) -> 
             f"expert sets ({_cell(grpo_any)} of tokens in >= 1 layer); every update (consecutive "
             f"mini-batches) {_cell(grpo_every)}"
         )
-        verdict = (
+        verdict = too_few_seeds(decisive) or (
             "reproduced (>= 5% per update)"
             if decisive.mean >= 0.05
             else f"not reproduced: {decisive.mean:.3g} < 5% per update at this scale"
@@ -210,10 +251,10 @@ def paper_vs_ours(groups: list[RunGroup], stats: dict[str, dict[str, Stat]]) -> 
 
     rows.append(_mechanism_row(groups, stats, top))
 
-    plain = _pooled(groups, "grpo", stats, "final reward", top)
+    plain = _pooled(groups, "grpo", stats, "reward", top)
     replayed = Stat.of(
-        _pooled(groups, "grpo_routing_replay", stats, "final reward", top).values
-        + _pooled(groups, "grpo_rollout_routing_replay", stats, "final reward", top).values
+        _pooled(groups, "grpo_routing_replay", stats, "reward", top).values
+        + _pooled(groups, "grpo_rollout_routing_replay", stats, "reward", top).values
     )
     if plain.mean is None or replayed.mean is None:
         ours, verdict = "-", "not measured (needs grpo and replay runs)"
@@ -225,12 +266,12 @@ def paper_vs_ours(groups: list[RunGroup], stats: dict[str, dict[str, Stat]]) -> 
         )
         steps = max((len(run.metrics) for g in groups for run in g.runs), default=0)
         ours = (
-            f"final reward at {top} updates/rollout, runs of up to {steps} steps: GRPO {_cell(plain)}, "
+            f"reward at {top} updates/rollout, runs of up to {steps} steps: GRPO {_cell(plain)}, "
             f"GRPO + R2/R3 {_cell(replayed)}; reward collapse events GRPO {_cell(collapses)}, "
             f"GRPO + R2/R3 {_cell(replayed_collapses)}"
         )
         spread = (plain.std or 0) + (replayed.std or 0)
-        verdict = (
+        verdict = too_few_seeds(plain, replayed) or (
             "reproduced: GRPO without replay is behind by more than the seed spread"
             if plain.mean < replayed.mean - spread
             else "not reproduced at this scale: GRPO without replay is within the seed spread or ahead"
@@ -258,7 +299,7 @@ def paper_vs_ours(groups: list[RunGroup], stats: dict[str, dict[str, Stat]]) -> 
             f"engine vs trainer changed: without R3 {_cell(free)}, with R3 {_cell(r3)}; "
             f"|Δ log p| without R3 {_cell(free_mm)}, with R3 (non-routing residual) {_cell(r3_mm)}"
         )
-        verdict = "reproduced" if r3.mean == 0 and free.mean > 0 else "not reproduced"
+        verdict = too_few_seeds(free, r3) or ("reproduced" if r3.mean == 0 and free.mean > 0 else "not reproduced")
     rows.append(
         [
             "R3 removes the engine-vs-trainer routing mismatch (routing replay from the rollout engine)",
@@ -292,7 +333,9 @@ def _mechanism_row(groups: list[RunGroup], stats: dict[str, dict[str, Stat]], to
     spread = (changed.std or 0) + (unchanged.std or 0)
     larger = changed.mean > unchanged.mean + spread
     dominates = routing.mean >= weight.mean
-    if larger and dominates:
+    if too_few_seeds(changed, unchanged):
+        verdict = too_few_seeds(changed, unchanged)
+    elif larger and dominates:
         verdict = "reproduced: changed tokens' ratios are further from 1 (beyond the seed spread), mostly by routing"
     elif larger:
         verdict = (
@@ -382,12 +425,13 @@ def study_report(groups: list[RunGroup], skipped: list[str], sources: dict | Non
     """(JSON-able summary, HTML page, text table) of a grouped sweep; ``sources``: its provenance
     (``report_provenance.runs_provenance``), recorded in the summary and shown on the page."""
     stats = {group.label: group_stats(group) for group in groups}
+    windowed = {group.label: window_stats(group) for group in groups}
     columns = (
         [name for name, _, _ in METRIC_COLUMNS] + ["reward collapse events"] + [name for name, _, _ in ROUTING_COLUMNS]
     )
     headers = ["group", "seeds"] + columns
     rows = [[g.label, len(g.runs)] + [_cell(stats[g.label][c]) for c in columns] for g in groups]
-    claims = paper_vs_ours(groups, stats)
+    claims = paper_vs_ours(groups, windowed)
     summary = {
         "groups": [
             {
@@ -395,11 +439,14 @@ def study_report(groups: list[RunGroup], skipped: list[str], sources: dict | Non
                 "settings": g.settings,
                 "runs": [str(r.path) for r in g.runs],
                 "stats": {name: stat.to_dict() for name, stat in stats[g.label].items()},
+                "window_stats": {name: stat.to_dict() for name, stat in windowed[g.label].items()},
                 "layers": {kind: routing_layer_means(g, kind) for kind in ("update", "rollout_vs_train")},
             }
             for g in groups
         ],
         "paper_vs_ours": [dict(zip(("claim", "paper", "ours", "verdict"), row, strict=True)) for row in claims],
+        "verdict_window": VERDICT_WINDOW,
+        "min_seeds": MIN_SEEDS,
         "skipped": skipped,
     }
     if sources is not None:
@@ -413,7 +460,12 @@ def study_report(groups: list[RunGroup], skipped: list[str], sources: dict | Non
             (
                 "paper-vs-ours",
                 "Paper vs ours",
-                html_table(["claim", "paper", "ours (mean ± std over seeds)", "verdict at this scale"], claims),
+                f"<p>Each run is read over its {VERDICT_WINDOW} of steps (the run summary's window); no verdict "
+                f"below {MIN_SEEDS} runs per arm.</p>"
+                + html_table(
+                    ["claim", "paper", f"ours (mean ± std over seeds, {VERDICT_WINDOW})", "verdict at this scale"],
+                    claims,
+                ),
             ),
             ("table", "Per group (mean ± std over seeds)", html_table(headers, rows) + skipped_html),
             ("curves", "Curves (band: ±1 std over seeds)", curves),
@@ -421,10 +473,22 @@ def study_report(groups: list[RunGroup], skipped: list[str], sources: dict | Non
         ]
         + ([("provenance", "Provenance", _provenance_html(sources))] if sources is not None else []),
     )
-    text = "\n".join(
-        [" | ".join(headers)]
+    return summary, page, terminal_text(groups, windowed, claims, len(headers))
+
+
+def terminal_text(
+    groups: list[RunGroup], windowed: dict[str, dict[str, Stat]], claims: list[list[str]], full_columns: int
+) -> str:
+    """The narrow table (``TERMINAL_COLUMNS`` over ``VERDICT_WINDOW``) and the claims, for a terminal."""
+    headers = ["group", "seeds"] + TERMINAL_COLUMNS
+    rows = [[g.label, len(g.runs)] + [_cell(windowed[g.label][c]) for c in TERMINAL_COLUMNS] for g in groups]
+    return "\n".join(
+        [
+            f"window: each run's {VERDICT_WINDOW} of steps (as the run summary's); mean ± std over seeds; "
+            f"all {full_columns} columns in study.html"
+        ]
+        + [" | ".join(headers)]
         + [" | ".join(format_number(c) for c in row) for row in rows]
-        + ["", "paper vs ours:"]
+        + ["", f"paper vs ours ({VERDICT_WINDOW}; no verdict below {MIN_SEEDS} runs per arm):"]
         + [f"- {c}: {o} -> {v}" for c, _, o, v in claims]
     )
-    return summary, page, text

@@ -167,3 +167,14 @@ def test_a_full_device_leaves_whole_lines_and_names_the_fix(tmp_path):
     data = kept.read_bytes()
     assert data.endswith(b"\n")
     assert [r["step"] for r in read_jsonl(kept)] == list(range(len(data.splitlines())))
+
+
+def test_summary_windows_are_fifths_of_the_finite_values():
+    from gspo_megatron.core.run_dir import window_mean
+
+    values = [float(i) for i in range(10)] + [float("nan"), None]  # the NaN and the missing step do not count
+    assert window_mean(values, "first 20%") == 0.5 and window_mean(values, "last 20%") == 8.5
+    assert window_mean(values, "whole run") == 4.5 and window_mean([1.0, 3.0], "last 20%") == 3.0
+    assert window_mean([None, float("nan")], "whole run") is None
+    with pytest.raises(ValueError, match="unknown summary window 'last 10%'; valid windows: first 20%, last 20%"):
+        window_mean([1.0], "last 10%")

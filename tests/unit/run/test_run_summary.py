@@ -41,10 +41,45 @@ def test_routing_volatility_is_printed_with_its_first_and_last_fifth():
     ]
     text = summary_text(history, wall_s=6.0, plot=None)
     assert (
-        "experts changed by an update: 0.050 of tokens per layer (first 20%: 0.100, last 20%: 0.000);"
-        " engine vs trainer: 0.250" in text
+        "experts changed by an update: 0.050 of tokens per layer (whole run; first 20%: 0.100, last 20%: 0.000);"
+        " engine vs trainer (last 20%): 0.250" in text
     )
     assert "routing" not in summary_text([_step(1, 0.5)], wall_s=6.0, plot=None)
+
+
+def test_clip_fractions_name_their_window():
+    """Issue 64: "clip frac (seq) mean 0.1959" was the last 20% while the report's mean was the whole run."""
+    history = [
+        {**_step(i + 1, 0.5), "loss/clip_frac_seq": 0.1 * i, "loss/clip_frac_token": 0.01 * i} for i in range(10)
+    ]
+    text = summary_text(history, wall_s=6.0, plot=None)
+    assert "clip frac (seq)   last 20%: 0.8500   (token) last 20%: 0.0850" in text
+
+
+def test_an_r3_run_keeps_its_routing_volatility_line():
+    """Issue 64: under R3 (routing.replay=rollout) no "update" kind is measured and the line disappeared."""
+    history = [_step(i + 1, 0.5, **{"routing/rollout_vs_train_changed_frac": 0.0}) for i in range(5)]
+    without_update = summary_text(history, wall_s=6.0, plot=None)  # no replay given: update just not in kinds
+    assert "not measured (add update to routing.kinds); engine vs trainer (last 20%): 0.000" in without_update
+    text = summary_text(history, wall_s=6.0, plot=None, replay="rollout")
+    (line,) = [line for line in text.splitlines() if "routing volatility" in line]
+    assert "experts changed by an update: not measured under R3 (routing.replay=rollout:" in line
+    assert line.endswith("; engine vs trainer (last 20%): 0.000 (R3 replays the engine's routing: 0 expected)")
+
+
+def test_the_run_log_passes_its_replay_mode_to_the_summary(tmp_path):
+    log = RunLog(
+        tmp_path,
+        1,
+        tensorboard=False,
+        wandb_project=None,
+        progress=False,
+        config_yaml="",
+        charts=False,
+        replay="rollout",
+    )
+    log.log_step(1, {"reward/mean": 0.5, "routing/rollout_vs_train_changed_frac": 0.0})
+    assert "not measured under R3" in log.close()
 
 
 @pytest.mark.parametrize(
@@ -100,3 +135,22 @@ def test_the_reward_curve_is_drawn_only_with_charts(tmp_path, charts):
     assert (tmp_path / "reward_curve.png").is_file() == charts
     assert ("reward curve:" in text) == charts
     assert [r["reward/mean"] for r in read_jsonl(tmp_path / METRICS_FILE)] == [0.5]
+
+
+def test_the_trainer_run_log_knows_the_configs_replay_mode(tmp_path):
+    """``open_run_log`` (what train.py calls) hands ``routing.replay`` to the summary."""
+    from omegaconf import OmegaConf
+
+    from gspo_megatron.config.compose import compose
+    from gspo_megatron.run.run_log import open_run_log
+
+    overrides = [
+        "routing.replay=rollout",
+        "logging.tensorboard=false",
+        "logging.progress=false",
+        "logging.charts=false",
+    ]
+    cfg = OmegaConf.to_object(compose(overrides + ["logging.wandb=false"]))
+    log = open_run_log(cfg, tmp_path, "")
+    log.log_step(1, {"reward/mean": 0.5, "routing/rollout_vs_train_changed_frac": 0.0})
+    assert "experts changed by an update: not measured under R3" in log.close()
