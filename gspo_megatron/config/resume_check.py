@@ -42,6 +42,7 @@ FREE_KEYS = (
     "trainer.eval_every",
     "trainer.eval_prompts",
     "trainer.eval_samples",
+    "task.eval_dataset",  # what is evaluated, not what is trained
     "trainer.micro_batch_size",
     "trainer.recompute_activations",
     "trainer.reference_offload",  # where the reference waits between its passes (the same log-probs)

@@ -4,7 +4,8 @@ Design decisions:
 - Plain dataclasses with defaults; ``validate()`` checks each one's own fields and names the field
   and the fix. Cross-section rules (context length vs model, reward name vs registry) are checked
   where both sides are known: ``build_task`` and ``RewardConfig.validate``.
-- ``TaskConfig.dataset`` is only read by the dataset-backed tasks (``jsonl``, ``parquet``).
+- ``TaskConfig.dataset`` and ``TaskConfig.eval_dataset`` are only read by the dataset-backed tasks
+  (``jsonl``, ``parquet``); a synthetic task refuses ``eval_dataset`` (its eval stream is ``eval_seed``).
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ class TaskConfig(ConfigNode):
     eval_seed: int = 1_000_003  # synthetic held-out stream; must differ from seed
     reward: str | None = None  # reward function name; None: the task's default
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    # dataset tasks: a held-out file read like task.dataset (same fields, template, suffix), whose first
+    # trainer.eval_prompts records are the evaluation; None: the first records of the training file
+    eval_dataset: str | None = None
 
     def validate(self) -> None:
         if not 1 <= self.min_digits <= self.max_digits:

@@ -15,6 +15,10 @@ Design decisions:
   ``state_dict()``/``load_state_dict()`` resume exactly; a state from a different file or seed is
   refused rather than silently replayed against other data.
 - Batches cross epoch boundaries: ``next_batch(B)`` always returns B records.
+- The text the config adds to every prompt (``prompt_suffix``, ``system_prompt``) is encoded once before the
+  file is read: the jsonl task's suffix is English, which the default symbol tokenizer cannot encode, and
+  the refusal names the config key and the fix (``tokenizer.kind=hf tokenizer.path=...``) instead of a
+  character of line 1.
 - The Hugging Face ``datasets`` library is not used: pyarrow reads Parquet directly and is a
   dependency already.
 """
@@ -126,6 +130,9 @@ def _get_field(row: dict, dotted: str, where: str) -> Any:
     return value
 
 
+_EMPTY = {"prompt_suffix": "''", "system_prompt": "null"}  # how each added text is switched off on the command line
+
+
 class PromptDataset:
     """Records from one local file, served as shuffled, resumable batches."""
 
@@ -140,10 +147,25 @@ class PromptDataset:
         self.path = Path(config.path)
         _check_regular_file(self.path)
         self.stats = DatasetStats()
+        self._check_added_text()
         stop_strings = [tokenizer.decode([i]) for i in tokenizer.stop_token_ids]
         self.records: list[PromptRecord] = self._load(stop_strings)
         self._epoch, self._position = 0, 0
         self._order = self._permutation(0)
+
+    def _check_added_text(self) -> None:
+        """Refuse a prompt suffix or system prompt this tokenizer cannot encode, naming the key and the fix."""
+        for key in ("prompt_suffix", "system_prompt"):
+            text = getattr(self.config, key)
+            if not text:
+                continue
+            try:
+                self.tokenizer.encode(text)
+            except ValueError as error:
+                raise ValueError(
+                    f"task.dataset.{key} cannot be encoded: {error}; or set task.dataset.{key}={_EMPTY[key]} "
+                    "if your prompts are in this tokenizer's alphabet"
+                ) from None
 
     def _load(self, stop_strings: list[str]) -> list[PromptRecord]:
         fmt = _resolve_format(self.path, self.config.format)

@@ -14,7 +14,10 @@ Design decisions:
   digits ("step d" per digit with the running max) and re-checks once with the trigger word "Wait",
   so step-counting shapers (Step-GRPO, arXiv 2604.16890) have something to count.
 - Dataset tasks (``jsonl``, ``parquet``) wrap ``PromptDataset`` and must name their reward in config:
-  there is no sensible default verifier for arbitrary data.
+  there is no sensible default verifier for arbitrary data. Their evaluation is the first
+  ``trainer.eval_prompts`` records of ``task.eval_dataset`` (a held-out file, read with the training
+  file's settings), or without one the first records of the training file in file order -- prompts the
+  policy also trains on, which the docs say.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from gspo_megatron.core.registry import Registry
-from gspo_megatron.rollout.data.config import TaskConfig
+from gspo_megatron.rollout.data.config import DatasetConfig, TaskConfig
 from gspo_megatron.rollout.data.datasets import PromptDataset
 from gspo_megatron.rollout.data.records import PromptRecord
 from gspo_megatron.rollout.data.tokenizer import Tokenizer
@@ -101,6 +104,11 @@ class SyntheticDigitTask(Task):
 
     def __init__(self, config: TaskConfig, tokenizer: Tokenizer, prompt_budget: int | None = None):
         super().__init__(config, tokenizer, prompt_budget)
+        if config.eval_dataset is not None:
+            raise ValueError(
+                f"task.eval_dataset={config.eval_dataset!r} is read by the dataset tasks (jsonl, parquet); task "
+                f"{self.name!r} draws its held-out prompts from task.eval_seed: remove task.eval_dataset"
+            )
         if config.max_digits > self.max_digits_allowed:
             raise ValueError(
                 f"task {self.name!r} allows at most {self.max_digits_allowed} digits (short prompts "
@@ -240,6 +248,17 @@ class DatasetTask(Task):
                 f"{dataset_config.format!r}; use task={dataset_config.format} or format=auto"
             )
         self.dataset = PromptDataset(dataset_config, tokenizer, prompt_budget)
+        self.eval_dataset = self._held_out(dataset_config, prompt_budget)
+
+    def _held_out(self, dataset_config: DatasetConfig, prompt_budget: int | None) -> PromptDataset | None:
+        """``task.eval_dataset`` read with the training file's settings, in file order; errors name the key."""
+        path = self.config.eval_dataset
+        if path is None:
+            return None
+        try:
+            return PromptDataset(replace(dataset_config, path=path, shuffle=False), self.tokenizer, prompt_budget)
+        except (OSError, ValueError, KeyError) as error:  # the file's own message, under the key that named it
+            raise ValueError(f"task.eval_dataset={path!r}: {error}") from error
 
     def next_batch(self, batch_size: int) -> list[PromptRecord]:
         return self.dataset.next_batch(batch_size)
@@ -249,8 +268,9 @@ class DatasetTask(Task):
         return max((len(record.prompt_ids or ()) for record in self.dataset.records), default=0)
 
     def eval_records(self, count: int) -> list[PromptRecord]:
-        """The first ``count`` records in file order (point a second task at a test file for held-out eval)."""
-        return self.dataset.records[:count]
+        """The first ``count`` records of ``task.eval_dataset`` in file order; without one, of the training file."""
+        source = self.eval_dataset if self.eval_dataset is not None else self.dataset
+        return source.records[:count]
 
     def state_dict(self) -> dict:
         return {"task": self.name, "dataset": self.dataset.state_dict()}

@@ -106,7 +106,8 @@ class SymbolTokenizer:
                 raise ValueError(
                     f"SymbolTokenizer cannot encode character {text[pos]!r} at position {pos} of "
                     f"{text!r}; its alphabet is digits, lowercase letters, {''.join(self.PUNCTUATION)!r} "
-                    f"and the words {list(self.WORDS)}. Use an HF tokenizer for free text."
+                    f"and the words {list(self.WORDS)}. Free text needs the model's own tokenizer: "
+                    "tokenizer.kind=hf tokenizer.path=/path/to/local/model_dir (a folder holding tokenizer.json)"
                 )
         return ids
 

@@ -19,6 +19,12 @@ Design decisions:
   call runs in a daemon thread, abandoned with a warning past it (``in_process.py``).
 - Every failure costs its one sample (reward 0) and carries its kind (``FAILURE_KINDS``): raised,
   wrong type (checked inside the guard, conversion included), NaN/inf, timeout, death.
+- A plain value is accepted as TRL's reward functions return it (``as_reward_result``): a bool ``b`` is
+  ``RewardResult(float(b), correct=b, format_ok=True)``; a real number ``x`` (int, float, numpy scalar, or a
+  one-element tensor/array) is ``RewardResult(float(x), correct=x > 0, format_ok=True)`` -- a positive score
+  counts as correct, so a 1/0 or +1/-1 reward has the accuracy it means; a partial-credit reward that wants
+  its own notion of correct returns a RewardResult. Anything else (a string, None, a dict) is ``bad_type``;
+  NaN/inf is ``nonfinite`` as in a RewardResult.
 - The fields are type-checked, not converted: ``bool("false")`` is True and ``float("1")`` is 1.0, so
   a verifier returning strings would score silently. ``correct``/``format_ok`` must be bools (or the
   integers 0/1, numpy's included), ``reward`` a real number; anything else is a ``bad_type`` failure.
@@ -52,9 +58,11 @@ def call_reward(fn: RewardFn, response: str, record: PromptRecord) -> RewardResu
         result = fn(response, record)
     except Exception as error:  # noqa: BLE001 - the verifier's bug costs this sample only
         return RewardResult.failed(f"verifier raised {type(error).__name__}: {error}", "raised")
-    if not isinstance(result, RewardResult):
-        return RewardResult.failed(f"verifier returned {type(result).__name__}, expected RewardResult", "bad_type")
     try:  # inside the guard: a RewardResult holding a string or an array must not crash the caller
+        result = as_reward_result(result)
+    except TypeError as error:
+        return RewardResult.failed(str(error), "bad_type")
+    try:
         reward = _real_field("reward", result.reward)
         correct, format_ok = _flag_field("correct", result.correct), _flag_field("format_ok", result.format_ok)
     except Exception as error:  # noqa: BLE001 - our TypeError, or whatever a strange number's float() raises
@@ -64,6 +72,34 @@ def call_reward(fn: RewardFn, response: str, record: PromptRecord) -> RewardResu
     message = None if result.error is None else str(result.error)
     failure = None if message is None else (result.failure or "verifier")
     return RewardResult(reward, correct, format_ok, message, failure)
+
+
+def as_reward_result(value: object) -> RewardResult:
+    """A verifier's return as a RewardResult: one as it is; a bool ``b`` -> ``RewardResult(float(b), b, True)``;
+    a real number ``x`` -> ``RewardResult(float(x), x > 0, True)`` (a positive reward counts as correct).
+    Anything else raises TypeError naming what came back and what to return."""
+    if isinstance(value, RewardResult):
+        return value
+    if _is_bool(value):
+        return RewardResult(reward=float(value), correct=bool(value), format_ok=True)
+    if not isinstance(value, (str, bytes)) and (isinstance(value, numbers.Real) or hasattr(value, "dtype")):
+        with contextlib.suppress(TypeError, ValueError, RuntimeError):
+            reward = float(value)  # type: ignore[arg-type]  # a one-element tensor or array (more raise)
+            return RewardResult(reward=reward, correct=reward > 0, format_ok=True)
+    raise TypeError(
+        f"verifier returned {type(value).__name__} ({_shown(value)}), expected a RewardResult, a real number "
+        "(correct when > 0) or a bool"
+    )
+
+
+def _is_bool(value: object) -> bool:
+    numpy = sys.modules.get("numpy")  # a numpy bool exists only where numpy was imported
+    return isinstance(value, bool) or (numpy is not None and isinstance(value, numpy.bool_))
+
+
+def _shown(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _real_field(name: str, value: object) -> float:
@@ -79,8 +115,7 @@ def _real_field(name: str, value: object) -> float:
 
 def _flag_field(name: str, value: object) -> bool:
     """A bool, or the integers 0/1; ``bool(value)`` would call the string "false" true."""
-    numpy = sys.modules.get("numpy")  # a numpy bool exists only where numpy was imported
-    if numpy is not None and isinstance(value, numpy.bool_):
+    if _is_bool(value):
         return bool(value)
     if isinstance(value, numbers.Integral) and value in (0, 1):  # bool is an int
         return bool(value)

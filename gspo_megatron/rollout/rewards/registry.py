@@ -2,7 +2,8 @@
 ``import:pkg.module:function``.
 
 Design decisions:
-- One signature for every reward: ``fn(response_text, record: PromptRecord) -> RewardResult``.
+- One signature for every reward: ``fn(response_text, record: PromptRecord) -> RewardResult``, or a plain
+  float or bool as TRL users write them (converted by ``pool.as_reward_result``: correct when > 0 / True).
 - ``resolve_reward`` is the only lookup; it runs in the parent (to fail fast on a bad name) and again
   inside each worker process, which is why user functions are named by import path and not passed as
   objects (spawned workers can import a module; they cannot receive a lambda).

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # verifier: the verifier itself reported an error; raised: it raised; bad_type: it returned something
-# other than a RewardResult of a real reward and bool (or 0/1) correct and format_ok; nonfinite: a NaN/inf
+# other than a real number, a bool, or a RewardResult of a real reward and bool (or 0/1) correct and
+# format_ok; nonfinite: a NaN/inf
 # reward; timeout / died: its worker process hung past reward.timeout_s / died during the call.
 FAILURE_KINDS = ("verifier", "raised", "bad_type", "nonfinite", "timeout", "died")
 

@@ -21,6 +21,7 @@ EXPERIMENTS = [p.stem for p in sorted((Path(CONF_DIR) / "experiment").glob("*.ya
 # options that only make sense together with others (the rest of the defaults stays)
 NEEDS = {
     ("rollout", "sglang"): ["rollout.sglang.model_path=/ckpt"],
+    ("task", "jsonl"): ["task.dataset.path=/data/train.jsonl", "task.reward=exact_match"],
     ("task", "jsonl_math"): ["task.dataset.path=/data/math.jsonl", "tokenizer.kind=hf", "tokenizer.path=/tok"],
     ("task", "reasoning_max_digit"): ["rollout.max_new_tokens=24"],
 }

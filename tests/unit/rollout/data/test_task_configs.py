@@ -61,3 +61,19 @@ def test_jsonl_math_end_to_end(tmp_path):
         (1.0, True, True, None),
         (1.0, True, False, None),  # right (0.5 == 1/2) but not boxed
     ]
+
+
+def test_jsonl_math_with_the_symbol_tokenizer_is_refused_naming_the_suffix_and_the_fix(tmp_path):
+    """Issue 64: ``task=jsonl_math`` with the default tokenizer failed on its own prompt suffix with
+    "SymbolTokenizer cannot encode character 'P'" at line 1 of the user's file, naming no key to change."""
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"prompt": "sum 12=", "answer": "3"}) + "\n")
+    config = _compose("jsonl_math", dataset={"path": str(data)})
+    fix = r"task\.dataset\.prompt_suffix cannot be encoded: .*'P'.*tokenizer\.kind=hf tokenizer\.path=.*suffix=''"
+    with pytest.raises(ValueError, match=fix):
+        build_task(config, SymbolTokenizer())
+    system = _compose("jsonl_math", dataset={"path": str(data), "prompt_suffix": "", "system_prompt": "Be brief"})
+    with pytest.raises(ValueError, match=r"task\.dataset\.system_prompt cannot be encoded: .*'B'.*system_prompt=null"):
+        build_task(system, SymbolTokenizer())
+    plain = build_task(_compose("jsonl_math", dataset={"path": str(data), "prompt_suffix": ""}), SymbolTokenizer())
+    assert plain.next_batch(1)[0].prompt == "sum 12="  # prompts in the symbol alphabet still train

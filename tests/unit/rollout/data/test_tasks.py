@@ -116,3 +116,33 @@ def test_running_max_answers_the_largest_digit_so_far():
     task = _task("running_max")
     assert task.problem("3817") == ("max 3817=", "3888", "3888")
     assert task.problem("09") == ("max 09=", "09", "09")
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in rows))
+    return str(path)
+
+
+def test_eval_reads_the_eval_dataset_not_the_training_file(tmp_path):
+    """Issue 64: evaluation drew the first training records although the docs called it held-out, and no key
+    named a validation file. ``task.eval_dataset`` is read like the training file, in file order."""
+    train = _jsonl(tmp_path / "train.jsonl", [(f"sum {i}{i}=", "1") for i in range(6)])
+    held_out = _jsonl(tmp_path / "val.jsonl", [(f"max {i}{i + 1}=", str(i + 1)) for i in range(4)])
+    dataset = DatasetConfig(path=train, apply_chat_template=False, prompt_suffix=" ?")
+    task = _task("jsonl", dataset=dataset, reward="exact_match", eval_dataset=held_out)
+    evals = task.eval_records(3)
+    assert [(r.prompt, r.answer) for r in evals] == [("max 01= ?", "1"), ("max 12= ?", "2"), ("max 23= ?", "3")]
+    assert list(evals[0].prompt_ids) == TOK.encode("max 01= ?")  # tokenised like the training prompts
+    assert sorted(r.prompt for r in task.next_batch(6)) == [f"sum {i}{i}= ?" for i in range(6)]  # training as before
+    assert len(task.eval_records(64)) == 4  # the whole file when it is shorter than trainer.eval_prompts
+    without = _task("jsonl", dataset=dataset, reward="exact_match")
+    assert [r.prompt for r in without.eval_records(2)] == ["sum 00= ?", "sum 11= ?"]  # today's behaviour
+
+
+def test_a_missing_eval_dataset_or_one_on_a_synthetic_task_is_refused_naming_the_key(tmp_path):
+    dataset = DatasetConfig(path=_jsonl(tmp_path / "t.jsonl", [("sum 1=", "1")]), apply_chat_template=False)
+    missing = str(tmp_path / "nope.jsonl")
+    with pytest.raises(ValueError, match=r"task\.eval_dataset='.*nope\.jsonl': dataset file .* does not exist"):
+        _task("jsonl", dataset=dataset, reward="exact_match", eval_dataset=missing)
+    with pytest.raises(ValueError, match=r"task 'max_digit' draws its held-out prompts from task\.eval_seed"):
+        _task("max_digit", eval_dataset=missing)

@@ -54,9 +54,10 @@ def test_verifier_that_kills_its_process():
 
 
 def test_wrong_return_type_is_an_error_not_a_crash():
-    with _pool("returns_float", num_workers=1) as pool:
+    with _pool("returns_str", num_workers=1) as pool:
         (result,) = pool.score(["7"], [RECORD])
-        assert result.reward == 0.0 and "returned float, expected RewardResult" in result.error
+        assert result.reward == 0.0 and result.failure == "bad_type"
+        assert "verifier returned str ('1.0'), expected a RewardResult, a real number" in result.error
 
 
 def test_worker_that_cannot_start_fails_the_pool_loudly():
@@ -110,3 +111,30 @@ def test_a_reward_worker_imports_no_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_a_plain_float_reward_scores_in_workers_correct_when_positive():
+    """Issue 64: a reward returning a float, as TRL's reward functions do, was refused ("verifier returned
+    float, expected RewardResult"): every sample scored 0 as a bad_type failure."""
+    with _pool("plain_float", num_workers=1) as pool:
+        results = pool.score(["7", "8", "x"], [RECORD] * 3)
+        assert results == [
+            RewardResult(1.0, True, True),
+            RewardResult(0.1, True, True),  # any positive reward counts as correct
+            RewardResult(-1.0, False, True),
+        ]
+        assert pool.stats.errors == 0
+
+
+def test_a_plain_bool_reward_scores_in_workers():
+    with _pool("plain_bool", num_workers=1) as pool:
+        assert pool.score(["7", "8"], [RECORD] * 2) == [OK, WRONG]
+        assert pool.stats.errors == 0
+
+
+def test_plain_values_in_process_nonfinite_and_none_fail_their_sample():
+    pool = RewardPool("import:verifier_doubles:plain_by_response", RewardConfig(in_process=True))
+    results = pool.score(["int", "nan", "inf", "none"], [RECORD] * 4)
+    assert results[0] == RewardResult(1.0, True, True)
+    assert [r.failure for r in results] == [None, "nonfinite", "nonfinite", "bad_type"]
+    assert "verifier returned NoneType (None), expected a RewardResult" in results[3].error

@@ -44,8 +44,25 @@ def kills_process_on_bad(response, record):
     return _ok(response, record)
 
 
-def returns_float(response, record):
-    return 1.0
+def returns_str(response, record):
+    return "1.0"
+
+
+def plain_float(response, record):
+    """A TRL-style reward: a float, 1.0 for the right answer, 0.1 for a number, -1.0 otherwise."""
+    if response == record.answer:
+        return 1.0
+    return 0.1 if response.isdigit() else -1.0
+
+
+def plain_bool(response, record):
+    """A TRL-style binary reward: a bool."""
+    return response == record.answer
+
+
+def plain_by_response(response, record):
+    """The response names the plain value returned: nan, inf, none, int."""
+    return {"nan": float("nan"), "inf": float("inf"), "none": None, "int": 1}[response]
 
 
 def fails_on_import_in_worker(response, record):
