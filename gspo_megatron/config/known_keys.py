@@ -85,7 +85,7 @@ def schema_keys(schema: type) -> SchemaKeys:
 
     def walk(node: DictConfig, prefix: str) -> None:
         for key in node:
-            path = f"{prefix}{key}"
+            path = prefix + str(key)
             child = node._get_node(key)
             if isinstance(child, DictConfig) and OmegaConf.get_type(child) is dict:
                 open_.add(path)

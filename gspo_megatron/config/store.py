@@ -12,6 +12,9 @@ Design decisions:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
@@ -36,7 +39,7 @@ def _hydra_log_handlers(run_dir: str | None) -> list[str]:
     return ["console"] if run_dir else ["console", "file"]
 
 
-_RESOLVERS = {
+_RESOLVERS: dict[str, Callable[..., Any]] = {
     "gspo_hydra_run_dir": _hydra_run_dir,
     "gspo_hydra_output_subdir": _hydra_output_subdir,
     "gspo_hydra_log_handlers": _hydra_log_handlers,

@@ -37,5 +37,5 @@ def keep_hydra_output(cfg: DictConfig, run_dir: Path) -> None:
     OmegaConf.save(HydraConfig.instance().cfg, subdir / "hydra.yaml")
     OmegaConf.save(hydra_cfg.overrides.task, subdir / "overrides.yaml")
     handler = logging.FileHandler(run_dir / TRAIN_LOG)
-    handler.setFormatter(logging.Formatter(hydra_cfg.job_logging.formatters.simple.format))
+    handler.setFormatter(logging.Formatter(hydra_cfg.job_logging["formatters"]["simple"]["format"]))
     logging.getLogger().addHandler(handler)

@@ -333,8 +333,9 @@ def _mechanism_row(groups: list[RunGroup], stats: dict[str, dict[str, Stat]], to
     spread = (changed.std or 0) + (unchanged.std or 0)
     larger = changed.mean > unchanged.mean + spread
     dominates = routing.mean >= weight.mean
-    if too_few_seeds(changed, unchanged):
-        verdict = too_few_seeds(changed, unchanged)
+    too_few = too_few_seeds(changed, unchanged)
+    if too_few is not None:
+        verdict = too_few
     elif larger and dominates:
         verdict = "reproduced: changed tokens' ratios are further from 1 (beyond the seed spread), mostly by routing"
     elif larger:

@@ -81,7 +81,7 @@ def as_reward_result(value: object) -> RewardResult:
     if isinstance(value, RewardResult):
         return value
     if _is_bool(value):
-        return RewardResult(reward=float(value), correct=bool(value), format_ok=True)
+        return RewardResult(reward=1.0 if value else 0.0, correct=bool(value), format_ok=True)
     if not isinstance(value, (str, bytes)) and (isinstance(value, numbers.Real) or hasattr(value, "dtype")):
         with contextlib.suppress(TypeError, ValueError, RuntimeError):
             reward = float(value)  # type: ignore[arg-type]  # a one-element tensor or array (more raise)
