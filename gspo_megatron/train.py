@@ -87,7 +87,9 @@ MODEL_PATH_KEYS = ("model.hf_checkpoint", "tokenizer.path", "rollout.sglang.mode
 def resolve_model_paths(cfg: DictConfig) -> DictConfig:
     """``cfg`` with every model path given as a hub id replaced by its local snapshot folder
     (``core/hub_checkpoints.py`` states the rule); each distinct value is resolved once."""
-    from omegaconf import OmegaConf
+    import copy
+
+    from omegaconf import OmegaConf, read_write
 
     from gspo_megatron.core.hub_checkpoints import resolve_model_path
 
@@ -104,15 +106,11 @@ def resolve_model_paths(cfg: DictConfig) -> DictConfig:
                 changed[key] = resolved[value]
     if not changed:
         return cfg
-    for key, path in changed.items():
-        nested: dict = {}
-        node = nested
-        *sections, leaf = key.split(".")
-        for section in sections:
-            node = node.setdefault(section, {})
-        node[leaf] = path
-        cfg = cast("DictConfig", OmegaConf.merge(cfg, nested))
-    return cfg
+    resolved_cfg = copy.deepcopy(cfg)  # the given config stays as it was
+    with read_write(resolved_cfg):
+        for key, path in changed.items():
+            OmegaConf.update(resolved_cfg, key, path)
+    return resolved_cfg
 
 
 def _is_driver_process() -> bool:

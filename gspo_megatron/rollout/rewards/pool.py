@@ -82,10 +82,9 @@ def as_reward_result(value: object) -> RewardResult:
         return value
     if _is_bool(value):
         return RewardResult(reward=1.0 if value else 0.0, correct=bool(value), format_ok=True)
-    if not isinstance(value, (str, bytes)) and (isinstance(value, numbers.Real) or hasattr(value, "dtype")):
-        with contextlib.suppress(TypeError, ValueError, RuntimeError):
-            reward = float(value)  # type: ignore[arg-type]  # a one-element tensor or array (more raise)
-            return RewardResult(reward=reward, correct=reward > 0, format_ok=True)
+    with contextlib.suppress(TypeError):
+        reward = _real_number(value)  # a number, or a one-element tensor or array
+        return RewardResult(reward=reward, correct=reward > 0, format_ok=True)
     raise TypeError(
         f"verifier returned {type(value).__name__} ({_shown(value)}), expected a RewardResult, a real number "
         "(correct when > 0) or a bool"
@@ -102,15 +101,24 @@ def _shown(value: object, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _real_field(name: str, value: object) -> float:
+def _real_number(value: object) -> float:
     """A real number as float: a Python or numpy number, or a one-element tensor or array (a reward model's
-    score); a string is refused even when it parses (``float("1")`` would)."""
+    score); a string is refused even when it parses (``float("1")`` would). TypeError otherwise."""
     if isinstance(value, numbers.Real):
         return float(value)
     if hasattr(value, "dtype") and not isinstance(value, (str, bytes)):
         with contextlib.suppress(TypeError, ValueError, RuntimeError):
             return float(value)  # type: ignore[arg-type]  # one element (more raise)
-    raise TypeError(f"RewardResult.{name} is {value!r} ({type(value).__name__}); return a real number, e.g. {name}=1.0")
+    raise TypeError(f"{value!r} is not a real number")
+
+
+def _real_field(name: str, value: object) -> float:
+    try:
+        return _real_number(value)
+    except TypeError:
+        raise TypeError(
+            f"RewardResult.{name} is {value!r} ({type(value).__name__}); return a real number, e.g. {name}=1.0"
+        ) from None
 
 
 def _flag_field(name: str, value: object) -> bool:

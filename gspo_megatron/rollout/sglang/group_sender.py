@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from gspo_megatron.core.fp8_blocks import quantize_named_tensors
+from gspo_megatron.core.listeners import serve_store
 from gspo_megatron.core.named_tensors import NamedTensor
 from gspo_megatron.rollout.sglang.auth import ApiKey
 from gspo_megatron.rollout.sglang.client import ServerState
@@ -43,7 +44,6 @@ from gspo_megatron.rollout.sglang.weight_sync import (
     bucket_named_tensors,
     close_weight_update_group,
     open_weight_update_group,
-    serve_update_store,
 )
 
 # How long an abandoned broadcast (its bucket refused by a server) may take to end once its group was
@@ -197,7 +197,7 @@ class GroupSender:
     def _open(self, servers, tp_sizes: dict[str, int]):
         config = self.config
         # bound before the servers hear the port: no other process can take it in between
-        store = serve_update_store(self.master_address, self.master_port or 0, config.weight_sync_timeout_s)
+        store = serve_store(self.master_address, self.master_port or 0, config.weight_sync_timeout_s)
         port = store.port
         sizes = [tp_sizes[server.url] for server in servers]
         world_size = 1 + sum(sizes)

@@ -13,7 +13,7 @@ Design decisions:
   trainer's rendezvous store listens on ``master_address`` only (``core/listeners.py``; torch's
   ``tcp://`` rendezvous would listen on every interface, and under a launcher that sets
   ``TORCHELASTIC_USE_AGENT_STORE`` it would not serve at all), on a socket bound before the servers
-  are told its port (``serve_update_store``).
+  are told its port (``core/listeners.py: serve_store``).
 - ``WeightBroadcaster`` takes the group as an object (NCCL on GPU, gloo in CPU tests) and broadcasts
   one tensor per name, in order, from rank 0 -- what SGLang's receiver posts one ``broadcast`` per
   (name, dtype, shape) for. ``start`` returns at once with an ``InFlightBroadcast`` whose
@@ -60,12 +60,6 @@ def bucket_metadata(bucket: list[NamedTensor], group_name: str, weight_version: 
     }
 
 
-def serve_update_store(master_address: str, master_port: int, timeout_s: float = 600.0) -> dist.TCPStore:
-    """The group's rendezvous store, served by the trainer (rank 0) on ``master_address`` only; port 0:
-    a free one (``.port``), bound before any server is told it."""
-    return serve_store(master_address, master_port, timeout_s)
-
-
 def open_weight_update_group(
     master_address: str,
     master_port: int,
@@ -80,12 +74,12 @@ def open_weight_update_group(
     """Join the trainer<->servers group (blocks until all ``world_size`` ranks joined); returns it.
 
     Rank 0 serves the rendezvous store on ``master_address`` only (or uses ``store``, from
-    ``serve_update_store``); the other ranks dial it."""
+    ``serve_store``); the other ranks dial it."""
     from torch.distributed.distributed_c10d import Backend, GroupName, PrefixStore, _new_process_group_helper, _world
 
     timeout = timedelta(seconds=timeout_s)
     if store is None and rank == 0:
-        store = serve_update_store(master_address, master_port, timeout_s)
+        store = serve_store(master_address, master_port, timeout_s)
     elif store is None:
         store = dist.TCPStore(master_address, master_port, world_size, is_master=False, timeout=timeout)
     store.set_timeout(timeout)
