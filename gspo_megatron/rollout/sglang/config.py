@@ -85,7 +85,9 @@ class SGLangConfig(ConfigNode):
     ports: list[int] = field(default_factory=list)  # empty: free ports are picked
     launch_command: list[str] = field(default_factory=list)  # empty: [python, -m, sglang.launch_server]
     extra_args: list[str] = field(default_factory=list)  # appended verbatim (e.g. --mem-fraction-static)
-    log_dir: str = "logs/sglang"  # each server's stdout+stderr goes to <log_dir>/server_<i>_<port>.log
+    # each server's stdout+stderr goes to <log_dir>/server_<i>_<port>.log; a relative dir lies under the run
+    # directory (under_run_dir), never the working directory
+    log_dir: str = "logs/sglang"
     startup_timeout_s: float = 900.0  # deadline for /health to answer 200
     health_poll_interval_s: float = 1.0
     shutdown_grace_s: float = 15.0  # SIGTERM, then SIGKILL of the server's process group
@@ -156,8 +158,12 @@ class SGLangConfig(ConfigNode):
         A relative one lies under ``run_dir``, so two runs started from one working directory never load
         each other's weights; an engine built without a run directory (a tool's) puts it under the
         working directory. Not resolved: the engine checks the directory itself is no link."""
-        base = run_dir if run_dir is not None else Path.cwd()
-        return (base / Path(self.disk_sync_dir).expanduser()).absolute()
+        return under_run_dir(self.disk_sync_dir, run_dir)
+
+    def log_root(self, run_dir: Path | None) -> Path:
+        """``log_dir`` as an absolute path: a relative one lies under ``run_dir`` (one place for a run's files;
+        the working directory only for an engine built without a run directory, a tool's)."""
+        return under_run_dir(self.log_dir, run_dir)
 
     def require_targets(self) -> None:
         """What the engine needs to reach servers; checked when the engine starts, not at construction,
@@ -230,3 +236,9 @@ class SGLangConfig(ConfigNode):
             )
         if self.weight_quantization == WeightQuantization.fp8_block:
             self._check_fp8_checkpoint()
+
+
+def under_run_dir(path: str, run_dir: Path | None) -> Path:
+    """``path`` made absolute: a relative one joined to ``run_dir`` (None: the working directory)."""
+    base = run_dir if run_dir is not None else Path.cwd()
+    return (base / Path(path).expanduser()).absolute()

@@ -535,7 +535,7 @@ class SGLangEngine(RolloutEngine):
                 key_config=key_config,
             )
             server = LaunchedServer(
-                command, f"http://{config.host}:{port}", Path(config.log_dir) / f"server_{index}_{port}.log"
+                command, f"http://{config.host}:{port}", config.log_root(self._run_dir) / f"server_{index}_{port}.log"
             )
             self._launched.append(server)
             server.start()

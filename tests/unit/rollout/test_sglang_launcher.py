@@ -109,6 +109,22 @@ def test_launch_generate_and_shutdown_only_own_processes(tmp_path):
         bystander.wait()
 
 
+def test_a_relative_log_dir_lies_under_the_run_directory_not_the_working_directory(tmp_path, monkeypatch):
+    """Issue 63, item 8: the launched servers' logs went to <cwd>/logs/sglang whatever run_dir said."""
+    work, run_dir = tmp_path / "cwd", tmp_path / "run"
+    work.mkdir()
+    run_dir.mkdir()
+    monkeypatch.chdir(work)
+    engine = SGLangEngine(_config(tmp_path, log_dir="logs/sglang"), run_dir=run_dir)
+    try:
+        (server,) = engine.launched_servers
+        assert server.log_path.parent == run_dir / "logs" / "sglang"
+        assert "[sglang double]" in server.log_path.read_text()
+    finally:
+        engine.shutdown()
+    assert list(work.iterdir()) == []
+
+
 def test_server_exiting_during_start_up_quotes_its_log(tmp_path):
     with pytest.raises(ServerLaunchError, match=r"exited with code 3(.|\n)*exiting on purpose"):
         SGLangEngine(_config(tmp_path, extra_args=["--exit-code", "3"]))
