@@ -58,7 +58,8 @@ def run(cfg: DictConfig, run_dir: str) -> str:
     try:
         if claim is not None:  # run_dir= given: Hydra's record and train.log go there, not the working directory
             keep_hydra_output(cfg, Path(run_dir))
-        with SignalWatch() as signals:  # SIGTERM/SIGINT: finish the step, save, stop (run/signals.py)
+        # SIGTERM/SIGINT: finish the step (within checkpoint.signal_grace_s), save, stop (run/signals.py)
+        with SignalWatch(typed.checkpoint.signal_grace_s) as signals:
             trainer = build_trainer(typed, Path(run_dir), config_yaml)
             try:
                 log = open_run_log(typed, Path(run_dir), config_yaml) if driver else QuietLog()

@@ -94,6 +94,7 @@ class CheckpointSection(ConfigNode):
     resume_allow_changes: list[str] = field(default_factory=list)  # keys (or "section.") that may differ
     allow_resume_without_config: bool = False  # resume a checkpoint that saved no config (nothing to check)
     save_on_signal: bool = True  # SIGTERM/SIGINT: finish the step, save, exit 128+signal
+    signal_grace_s: float = 120.0  # after SIGTERM/SIGINT the step may run this long, then it is abandoned
     export_hf: bool = False  # write the policy as a HF checkpoint to <run>/hf_export/ at the end
     export_hf_every: int = 0  # also every N steps (0: only at the end); each export replaces the last
 
@@ -106,6 +107,11 @@ class CheckpointSection(ConfigNode):
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"checkpoint.{name} must be >= 0 (0: {zero_means}), got {getattr(self, name)}")
+        if not self.signal_grace_s > 0:  # every wait has a bound: no "0 = forever"
+            raise ValueError(
+                f"checkpoint.signal_grace_s must be > 0 (seconds the step may run after SIGTERM/SIGINT), "
+                f"got {self.signal_grace_s}"
+            )
         try:  # each names the key
             resume_mode(self.resume)
             validate_allow_list(self.resume_allow_changes)

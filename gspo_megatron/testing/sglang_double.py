@@ -62,15 +62,12 @@ from pathlib import Path
 from typing import Any
 
 from gspo_megatron.rollout.sglang.auth import OPEN_PATH_PREFIXES, UNAUTHORIZED_BODY
-from gspo_megatron.testing.sglang_double_faults import DoubleFaults
+from gspo_megatron.testing.sglang_double_faults import HOLD_TIMEOUT_S, DoubleFaults
 from gspo_megatron.testing.sglang_double_rules import generate_body_error
 from gspo_megatron.testing.sglang_double_weights import WeightState, WeightUpdateRoutes
 
 SGLANG_VERSION = "0.5.23"  # what /server_info reports (the version whose behaviour the double follows)
 _PAUSE_MODES = {"abort", "retract", "in_place"}
-
-
-HOLD_TIMEOUT_S = 30.0  # DoubleFaults.hold_until_* give up after this (the test then fails on what it counts)
 
 
 class _DoubleHTTPServer(ThreadingHTTPServer):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+HOLD_TIMEOUT_S = 30.0  # the hold_* / never_answers faults give up after this (the test then fails on what it counts)
+
 
 @dataclass
 class DoubleFaults:
@@ -27,3 +29,6 @@ class DoubleFaults:
     fail_distributed_updates: int = 0  # the first N /update_weights_from_distributed answer 400
     fail_disk_updates: int = 0  # the first N /update_weights_from_disk answer 400
     die_on_disk_update: bool = False  # the server stops serving when an /update_weights_from_disk arrives
+    # each /update_weights_from_disk is accepted and never answered (held until the double stops, at most
+    # HOLD_TIMEOUT_S): a weight sync stuck on its server
+    disk_update_never_answers: bool = False

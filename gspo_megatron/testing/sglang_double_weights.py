@@ -3,17 +3,20 @@ distributed / disk updates and the weight version, as SGLang 0.5.23 answers them
 
 ``WeightUpdateRoutes`` is a mixin of ``SGLangServerDouble``: its handlers read the double's ``_weights``
 (``WeightState``), ``faults``, ``join_weight_groups``, ``weight_version``, ``model_path`` and the fault
-counters ``_distributed_failures`` / ``_disk_failures``, and call its ``_die``. With ``join_weight_groups``
-the double really joins each update group (gloo or nccl, rank = rank_offset; several names at once, as
-SGLang's ``_model_update_group`` dict) and receives every broadcast tensor, recording its shape, dtype,
-sum and group.
+counters ``_distributed_failures`` / ``_disk_failures`` and ``_stopped``, and call its ``_die``. With
+``join_weight_groups`` the double really joins each update group (gloo or nccl, rank = rank_offset; several
+names at once, as SGLang's ``_model_update_group`` dict) and receives every broadcast tensor, recording its
+shape, dtype, sum and group.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from gspo_megatron.testing.sglang_double_faults import HOLD_TIMEOUT_S
 
 if TYPE_CHECKING:
     from gspo_megatron.testing.sglang_double_faults import DoubleFaults
@@ -38,6 +41,7 @@ class WeightUpdateRoutes:
     model_path: str
     _distributed_failures: int
     _disk_failures: int
+    _stopped: threading.Event
 
     def _die(self) -> None:
         raise NotImplementedError  # the double's own
@@ -90,6 +94,9 @@ class WeightUpdateRoutes:
         if self.faults.die_on_disk_update:
             self._die()
             return None  # drop the connection without an answer
+        if self.faults.disk_update_never_answers:
+            self._stopped.wait(HOLD_TIMEOUT_S)
+            return None  # no answer: the connection is dropped
         error = check_fields(body, {"model_path": str})
         shards: list[Path] = []
         if not error:

@@ -235,7 +235,7 @@ def test_a_second_signal_during_a_distributed_sync_is_not_retried_through_the_di
 
     server = servers()
     config = _config([server.url], tmp_path, weight_bucket_bytes=16)  # one tensor a bucket
-    with SGLangEngine(config) as engine, SignalWatch():
+    with SGLangEngine(config) as engine, SignalWatch(grace_s=60):
         with pytest.raises(TrainingInterrupted, match="SIGTERM received twice") as stop:
             engine.update_weights(_SignalledExport(), version=1)
         assert stop.value.exit_code == 143

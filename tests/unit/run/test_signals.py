@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import pytest
 
@@ -13,7 +14,7 @@ from gspo_megatron.run.signals import SignalWatch
 
 def test_first_signal_is_recorded_second_interrupts():
     before = signal.getsignal(signal.SIGTERM)
-    with SignalWatch() as watch:
+    with SignalWatch(grace_s=60) as watch:
         assert watch.agreed_signal() == 0
         os.kill(os.getpid(), signal.SIGTERM)
         assert watch.agreed_signal() == signal.SIGTERM
@@ -21,6 +22,27 @@ def test_first_signal_is_recorded_second_interrupts():
             os.kill(os.getpid(), signal.SIGTERM)
         assert stop.value.exit_code == 143
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_the_first_signal_abandons_a_step_that_does_not_end_within_the_grace():
+    """Issue 63, item 6: after the first SIGTERM a step stuck in a wait ran on without a bound."""
+    with SignalWatch(grace_s=0.2) as watch:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert watch.signum == signal.SIGTERM
+        with pytest.raises(TrainingInterrupted, match="did not end within checkpoint.signal_grace_s=0.2 s") as stop:
+            threading.Event().wait(60)  # a wait that never ends by itself: only the grace timer's SIGALRM ends it
+        assert stop.value.exit_code == 143
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_a_step_that_ends_disarms_the_grace_so_the_save_is_not_cut_short():
+    before = signal.getsignal(signal.SIGALRM)
+    with SignalWatch(grace_s=30) as watch:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert signal.getitimer(signal.ITIMER_REAL)[0] > 0
+        assert watch.agreed_signal() == signal.SIGTERM  # between steps: the step ended
+        assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert signal.getsignal(signal.SIGALRM) is before
 
 
 def test_stop_message_names_the_checkpoint_a_scheduled_save_wrote(tmp_path):
@@ -70,9 +92,48 @@ def test_a_second_signal_during_a_weight_sync_exits_143_not_1(tmp_path):
     )
     with SGLangServerDouble() as double:
         config.urls = [double.url]
-        with SGLangEngine(config) as engine, SignalWatch():
+        with SGLangEngine(config) as engine, SignalWatch(grace_s=60):
             with pytest.raises(TrainingInterrupted, match="SIGTERM received twice") as stop:
                 engine.update_weights(_SignalledExport(), version=1)
             assert stop.value.exit_code == 143 and engine.weight_version == 0
         paths = double.paths()
     assert "/update_weights_from_disk" not in paths and paths.count("/continue_generation") == 1
+
+
+class _OneSignalExport(_SignalledExport):
+    """A weight stream that receives SIGTERM once after its first tensor (the run is told to stop once)."""
+
+    def __iter__(self):
+        import torch
+
+        self.passes += 1
+        yield "w", torch.ones(2)
+        if self.passes == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        yield "v", torch.ones(3)
+
+
+def test_one_signal_during_a_weight_sync_whose_server_never_answers_stops_within_the_grace(tmp_path):
+    """Issue 63, item 6: SIGTERM during a stuck weight sync left the run alive (90 s later and on, until the
+    request timeout and its retries ran out). The step is abandoned within checkpoint.signal_grace_s and the
+    run exits 143; the engine keeps its weight version (no update counted)."""
+    from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine
+    from gspo_megatron.testing.sglang_double import SGLangServerDouble
+    from gspo_megatron.testing.sglang_double_faults import DoubleFaults
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    config = SGLangConfig(
+        mode="attach",
+        weight_sync="disk",
+        model_path=str(model),
+        disk_sync_dir=str(tmp_path / "sync"),
+        request_timeout_s=600.0,
+    )
+    with SGLangServerDouble(faults=DoubleFaults(disk_update_never_answers=True)) as double:
+        config.urls = [double.url]
+        with SGLangEngine(config) as engine, SignalWatch(grace_s=0.5):
+            with pytest.raises(TrainingInterrupted, match="did not end within checkpoint.signal_grace_s") as stop:
+                engine.update_weights(_OneSignalExport(), version=1)
+            assert stop.value.exit_code == 143 and engine.weight_version == 0
