@@ -45,6 +45,56 @@ def test_a_step_that_ends_disarms_the_grace_so_the_save_is_not_cut_short():
     assert signal.getsignal(signal.SIGALRM) is before
 
 
+GLOO_WAIT = """
+import sys, threading
+from datetime import timedelta
+import torch, torch.distributed as dist
+from gspo_megatron.run.signals import SignalWatch
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+dist.init_process_group(
+    "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=600)
+)
+if rank == 1:
+    threading.Event().wait(600)  # joined, never sends
+else:
+    with SignalWatch(grace_s=5, unwind_s=0.5):
+        print("waiting", flush=True)
+        dist.recv(torch.zeros(1), src=1)  # a wait inside C++: Python's handlers cannot run until it returns
+"""
+
+
+@pytest.mark.slow
+def test_a_stop_stuck_in_a_collective_ends_the_process_with_128_plus_the_signal(tmp_path):
+    """Issue 63, item 6: a SIGTERM while the main thread waits inside a gloo collective (a distributed weight
+    sync to a stuck server) ran no handler until the collective's own timeout (weight_sync_timeout_s, 600 s).
+    The watch's timer thread ends the process once the grace and the unwind time have passed."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", GLOO_WAIT, str(rank), str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        assert ranks[0].stdout.readline() == "waiting\n"  # the line comes once rank 0 is inside the wait's call
+        ranks[0].send_signal(signal.SIGTERM)
+        assert ranks[0].wait(timeout=120) == 143
+        assert "exiting now with 143" in ranks[0].stderr.read()
+    finally:
+        for process in ranks:
+            process.kill()
+            process.wait()
+
+
 def test_stop_message_names_the_checkpoint_a_scheduled_save_wrote(tmp_path):
     """D18: with checkpoint.save_on_signal=false a step that saved on schedule said 'no checkpoint written'."""
     from gspo_megatron.loop.trainer import signal_stop_outcome
