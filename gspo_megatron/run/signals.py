@@ -17,7 +17,8 @@ Design decisions:
   a stop is also bounded from outside Python: ``UNWIND_S`` after the grace ran out, or after a second
   signal, a timer thread ends the process with ``os._exit(128 + signal)`` and a line saying so -- clean-up
   calls to a stuck server included. Nothing is lost that a soft stop would keep: the last checkpoint was
-  written before (writes are atomic), the run directory's lock dies with the process, and the per-rank
+  written before (writes are atomic), the run directory's lock is stale once the process is gone (the
+  next run takes it over), and the per-rank
   watchdog (``run/reaper.py``) stops the processes the run started.
 - Either way the entry point's ``finally`` stops reward workers and the rollout
   engine (which stops the servers it launched) and releases the run directory.
