@@ -133,6 +133,12 @@ def _validate_agent(cfg: TrainConfig) -> None:
             load_user_tools(cfg.rollout.agent)
         except UserToolError as error:
             raise ConfigError(str(error)) from error
+    elif cfg.algorithm.advantage.turn_reward_weight > 0:
+        raise ConfigError(
+            f"algorithm.advantage.turn_reward_weight={cfg.algorithm.advantage.turn_reward_weight} weighs per-turn "
+            "rewards, which only multi-turn trajectories have, but rollout.agent.name=none; set an agent "
+            "(docs/agents.md) or turn_reward_weight=0"
+        )
 
 
 def _validate_old_policy_source(cfg: TrainConfig) -> None:
