@@ -27,9 +27,9 @@ from gspo_megatron.rollout.agents.agent import Agent, AgentContext
 from gspo_megatron.rollout.agents.batcher import TurnBatcher
 from gspo_megatron.rollout.agents.conversation import Conversation
 from gspo_megatron.rollout.agents.templates import TurnTemplate
-from gspo_megatron.rollout.agents.turn_rewards import turn_reward_metrics
 from gspo_megatron.rollout.agents.tools.base import TOOL_ERRORS
 from gspo_megatron.rollout.agents.tools.runner import ToolRunner
+from gspo_megatron.rollout.agents.turn_rewards import turn_reward_metrics
 from gspo_megatron.rollout.config import AgentConfig
 from gspo_megatron.rollout.data.records import PromptRecord
 from gspo_megatron.rollout.engine import RolloutEngine

@@ -55,7 +55,7 @@ A = torch.tensor([0.5, -0.25, -0.25, 0.0])
 
 
 def test_the_turn_term_is_each_turns_reward_less_its_groups_mean_at_that_turn_by_hand():
-    # turn 0: mean(1, 0, 0) = 1/3 over the three that gave rewards; turn 1: mean(0, 1) = 1/2 over the two that reached it
+    # turn 0: mean(1, 0, 0) = 1/3 over the three that gave rewards; turn 1: mean(0, 1) = 1/2, the two that reached it
     terms = turn_advantage_terms([r.turn_rewards for r in SCORED], group_size=4)
     expected = [[2 / 3, -1 / 2], [-1 / 3], [], [-1 / 3, 1 / 2]]
     for got, want in zip(terms, expected, strict=True):
@@ -114,7 +114,7 @@ def test_gspo_token_gives_each_generated_token_the_gradient_of_its_own_turns_adv
     new = old.clone().requires_grad_(True)  # s = 1: unclipped
     config = LossConfig(name="gspo_token", clip_low=0.2, clip_high=0.3)
     get_policy_loss("gspo_token")(new, old, batch.advantages, batch.response_mask, LossContext(config)).loss.backward()
-    # alone in its group, the turn terms are 0: every generated token gets -A/|y| = -0.5/4; with a group the terms differ
+    # alone in its group, the turn terms are 0: every generated token gets -A/|y| = -0.5/4
     p, generated = len(PROMPT), [0, 1, 3, 4]
     expected = torch.zeros_like(new)
     for k in generated:
