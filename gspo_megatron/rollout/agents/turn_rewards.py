@@ -40,9 +40,9 @@ from gspo_megatron.rollout.rewards.types import RewardResult
 
 def trajectory_text(sample: Sample, decode: Callable[[list[int]], str]) -> TrajectoryText:
     """Each generated turn's text and the text inserted after it (none after the last: a trajectory ends at its
-    last generated token)."""
+    last generated token); none of either for a trajectory that ended before its first turn."""
     spans = sample.turns or []
-    ends = [span.start for span in spans[1:]] + [len(sample.output_ids)]
+    ends = [span.start for span in spans[1:]] + [len(sample.output_ids)] * bool(spans)
     turns = tuple(decode(sample.output_ids[span.start : span.end]) for span in spans)
     inserted = tuple(decode(sample.output_ids[span.end : end]) for span, end in zip(spans, ends, strict=True))
     return TrajectoryText(turns, inserted)

@@ -179,6 +179,18 @@ def test_a_reward_reads_the_trajectorys_turns_and_its_per_turn_rewards_are_logge
     assert metrics["agent/turn_rewards_frac"] == 1.0 and "agent/turn_reward/turn_3" not in metrics
 
 
+def test_a_trajectory_that_ended_before_its_first_turn_gives_its_reward_no_turns():
+    # e2e: an agent whose client fails before its first turn left a sample with turns == []; its record failed
+    # to build ("zip() argument 2 is longer than argument 1") and the run ended
+    empty = Sample(
+        PROMPT, [], torch.zeros(0), FinishReason.ABORT, inserted_mask=torch.zeros(0, dtype=torch.bool), turns=[]
+    )
+    (record,) = records_for_reward(records("add:"), [empty], TOKENIZER.decode)
+    assert record.trajectory is not None and record.trajectory.turns == () and record.trajectory.inserted == ()
+    result = call_reward(lambda response, record: RewardResult(0.0, False, True, turn_rewards=()), "", record)
+    assert result.error is None and result.turn_rewards == ()
+
+
 @pytest.mark.parametrize(
     "turn_rewards, kind, message",
     [
