@@ -29,5 +29,12 @@ class NamedCalculator(NoSpec):
     spec = ToolSpec("calculator", "another calculator", {"type": "object", "properties": {}})
 
 
+class NoTimeout(NamedCalculator):
+    """A well-formed spec with no bound on a call's time."""
+
+    spec = ToolSpec("notimeout", "never bounded", {"type": "object", "properties": {}})
+    timeout_s = 0.0
+
+
 def fails_to_build() -> NoSpec:
     raise RuntimeError("the weather service is not configured")

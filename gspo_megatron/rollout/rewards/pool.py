@@ -28,6 +28,9 @@ Design decisions:
 - The fields are type-checked, not converted: ``bool("false")`` is True and ``float("1")`` is 1.0, so
   a verifier returning strings would score silently. ``correct``/``format_ok`` must be bools (or the
   integers 0/1, numpy's included), ``reward`` a real number; anything else is a ``bad_type`` failure.
+- ``turn_rewards`` (a trajectory's per-turn rewards) must be a list or tuple of one real number per turn of
+  ``record.trajectory``: a wrong count, a non-number, or per-turn rewards for a single response are
+  ``bad_type``, a NaN/inf among them ``nonfinite``; the whole sample fails, as for its reward.
 """
 
 from __future__ import annotations

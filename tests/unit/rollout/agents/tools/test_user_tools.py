@@ -73,6 +73,10 @@ def test_a_run_with_a_users_tool_composes_validates_and_its_trajectory_calls_it(
             r"\"object\"\); set ToolSpec.parameters",
         ),
         (
+            f"[{DOUBLES}:NoTimeout]",
+            r"tools\[0\]=.*:NoTimeout: timeout_s=0.0; give the tool a finite timeout_s > 0",
+        ),
+        (
             f"[{DOUBLES}:fails_to_build]",
             r"tools\[0\]=.*:fails_to_build: building the tool raised RuntimeError: the weather service",
         ),
