@@ -11,11 +11,14 @@ Design decisions:
   fraction is returned as a statistic (exact equality of max and min, not a float tolerance) so the
   trainer can log it or filter such groups (DAPO's dynamic sampling).
 - Statistics are 0-d tensors; no ``.item()``.
+- Multi-turn trajectories may add a per-turn term (``turn_advantage_terms``): ragged (each trajectory has its
+  own number of turns), so plain lists; the rollout side places it on each turn's generated tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -83,3 +86,27 @@ def group_relative(rewards: torch.Tensor, ctx: AdvantageContext) -> AdvantageOut
         "advantage_abs_mean": advantages.abs().mean(),
     }
     return AdvantageOutput(advantages.reshape(-1), stats)
+
+
+def turn_advantage_terms(turn_rewards: Sequence[Sequence[float] | None], group_size: int) -> list[list[float]]:
+    """The per-turn term of multi-turn trajectories' advantages: for trajectory i's turn t,
+
+        u_{i,t} = r_{i,t} - mean_{j in group(i), j gave turn rewards, T_j > t} r_{j,t}
+
+    (``turn_rewards[i]`` = (r_{i,0}, ..., r_{i,T_i-1}); None: trajectory i gave none, so it has no term -- an
+    empty list -- and is in no turn's mean). Centred per group and turn index, as the group baseline centres
+    the trajectory reward, so it moves no probability mass on average; not divided by a std: the caller's
+    weight sets its scale (``algorithm.advantage.turn_reward_weight``). A turn only one trajectory of its
+    group reached has term 0 (nothing to compare it with)."""
+    if len(turn_rewards) % group_size:
+        raise ValueError(f"{len(turn_rewards)} trajectories do not split into groups of {group_size}")
+    terms: list[list[float]] = []
+    for first in range(0, len(turn_rewards), group_size):
+        group = turn_rewards[first : first + group_size]
+        longest = max((len(r) for r in group if r is not None), default=0)
+        baselines = []
+        for turn in range(longest):
+            reached = [r[turn] for r in group if r is not None and len(r) > turn]
+            baselines.append(math.fsum(reached) / len(reached))
+        terms.extend([] if r is None else [value - baselines[t] for t, value in enumerate(r)] for r in group)
+    return terms

@@ -65,6 +65,9 @@ class AdvantageConfig(ConfigNode):
     estimator: str = "group_relative"  # an ADVANTAGE_ESTIMATORS name
     normalize_std: bool = True  # divide advantages by the group's reward std (False: Dr.GRPO)
     eps: float = 1e-6
+    # w: a multi-turn trajectory's per-turn rewards enter its tokens' advantages, A_i + w * u_{i,t} on the tokens
+    # turn t generated (rollout/agents/turn_rewards.py); 0: off, one advantage per trajectory
+    turn_reward_weight: float = 0.0
 
     def validate(self) -> None:
         if self.estimator not in ADVANTAGE_ESTIMATORS:
@@ -74,6 +77,8 @@ class AdvantageConfig(ConfigNode):
             )
         if self.eps < 0:
             raise ValueError(f"algorithm.advantage.eps must be >= 0, got {self.eps}")
+        if not (math.isfinite(self.turn_reward_weight) and self.turn_reward_weight >= 0):
+            raise ValueError(f"algorithm.advantage.turn_reward_weight must be >= 0, got {self.turn_reward_weight}")
 
 
 @dataclass
@@ -214,6 +219,14 @@ class AlgorithmConfig(ConfigNode):
             raise ValueError(
                 f"algorithm.mismatch.correction={correction} gives per-token weights, but algorithm.loss.name=gspo "
                 "has one ratio per sequence; use sequence_truncate/sequence_mask with gspo (or gspo_token / grpo)"
+            )
+        if self.advantage.turn_reward_weight > 0 and self.loss.name == "gspo":
+            raise ValueError(
+                f"algorithm.advantage.turn_reward_weight={self.advantage.turn_reward_weight} gives the tokens of each "
+                "turn their own advantage, but algorithm.loss.name=gspo clips one sequence ratio s_i against one "
+                "advantage per trajectory, min(s_i A_i, clip(s_i) A_i): a per-turn advantage has no term to enter. "
+                "Use algorithm.loss.name=gspo_token (GSPO's s_i on every token, each token's gradient weighted by its "
+                "own turn's advantage: arXiv 2507.18071 sec. 4.3) or grpo, or set turn_reward_weight=0"
             )
         clip = self.adaptive_clip
         if clip.target is not None and self.loss.clip_low * clip.max_scale >= 1:

@@ -17,6 +17,8 @@ from gspo_megatron.policy.parallel.context_parallel import validate_context_para
 from gspo_megatron.policy.routing.config import DiagnosticKind
 from gspo_megatron.policy.routing.replay import validate_replay_mode
 from gspo_megatron.policy.routing.replay_strategy import needs_engine_routing, needs_trainer_old_pass, replays
+from gspo_megatron.rollout.agents.toolkit import load_user_tools
+from gspo_megatron.rollout.agents.tools.user_tools import UserToolError
 from gspo_megatron.rollout.engines import ENGINES, EngineNeeds
 from gspo_megatron.rollout.shaping.triggers import check_probing_triggers
 
@@ -75,6 +77,7 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
             f"trainer.micro_batch_size={t.micro_batch_size}); lower trainer.micro_batch_size or set parallel.vpp=1"
         )
     _validate_engine(cfg)
+    _validate_agent(cfg)
     if cfg.model.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype must be float32 or bfloat16, got {cfg.model.dtype!r}")
     _validate_old_policy_source(cfg)
@@ -120,6 +123,22 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
             f"model.max_position_embeddings={cfg.model.max_position_embeddings}"
         )
     return cfg
+
+
+def _validate_agent(cfg: TrainConfig) -> None:
+    """A user's tools (``rollout.agent.tools``: imported, built once, checked, names told apart) and per-turn
+    advantages, before the run directory is claimed."""
+    if cfg.rollout.agent.enabled:
+        try:
+            load_user_tools(cfg.rollout.agent)
+        except UserToolError as error:
+            raise ConfigError(str(error)) from error
+    elif cfg.algorithm.advantage.turn_reward_weight > 0:
+        raise ConfigError(
+            f"algorithm.advantage.turn_reward_weight={cfg.algorithm.advantage.turn_reward_weight} weighs per-turn "
+            "rewards, which only multi-turn trajectories have, but rollout.agent.name=none; set an agent "
+            "(docs/agents.md) or turn_reward_weight=0"
+        )
 
 
 def _validate_old_policy_source(cfg: TrainConfig) -> None:

@@ -109,7 +109,8 @@ class AgentConfig(ConfigNode):
     client: str | None = None  # openai_endpoint: import:package.module:function, an OpenAI-client agent
     max_turns: int = 4  # generated turns per trajectory, for every agent (a turn past it: TurnLimitError)
     max_tokens: int = 64  # generated + inserted tokens per trajectory, after its prompt
-    tools: list[str] = field(default_factory=lambda: ["calculator"])  # calculator | lookup | python
+    # calculator | lookup | python | import:package.module:Name (a user's tool: rollout/agents/tools/user_tools.py)
+    tools: list[str] = field(default_factory=lambda: ["calculator"])
     tool_format: str = "auto"  # auto (symbol tokenizer: symbol; else the family's) | hermes_json | symbol
     on_tool_error: ToolErrorPolicy = ToolErrorPolicy.show
     tool_timeout_s: float = 10.0  # one call's wall time (the python tool's own limits come first)
@@ -141,9 +142,12 @@ class AgentConfig(ConfigNode):
         for name in ("max_turns", "max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{key}{name}={getattr(self, name)} must be >= 1")
-        unknown = [tool for tool in self.tools if tool not in AGENT_TOOLS]
+        unknown = [tool for tool in self.tools if tool not in AGENT_TOOLS and not tool.startswith("import:")]
         if unknown:
-            raise ValueError(f"{key}tools has {unknown}; the built-in tools are {list(AGENT_TOOLS)}")
+            raise ValueError(
+                f"{key}tools has {unknown}; the built-in tools are {list(AGENT_TOOLS)}, a user's tool is "
+                "import:package.module:Name (docs/agents.md)"
+            )
         if self.tool_format not in ("auto", "hermes_json", "symbol"):
             raise ValueError(f"{key}tool_format={self.tool_format!r} is not one of auto, hermes_json, symbol")
         for name in ("tool_timeout_s", "trajectory_timeout_s", "max_wait_s"):

@@ -17,6 +17,7 @@ def pack_samples(
     pad_token_id: int,
     with_routed_experts: bool = False,
     train_on_exit_tokens: bool = False,
+    token_advantage_terms: list[torch.Tensor] | None = None,
 ) -> RolloutBatch:
     """Right-pad prompt+response token ids into one batch, with masks aligned to the targets.
 
@@ -24,6 +25,10 @@ def pack_samples(
     targets are j in [p_i - 1, p_i + r_i - 1) and the fed inputs are j < p_i + r_i - 1 (the last
     token is never fed; SGLang's routed rows alike). Built from one flat tensor per field and
     position masks, not per-row copies: the main job packs 256 rows a step.
+
+    ``token_advantage_terms`` (per-turn rewards, ``rollout/agents/turn_rewards.py``): float [len(output_ids)]
+    per sample, added to its advantage on its response targets; the advantages are then [N, S-1] (aligned to
+    the targets, A_i elsewhere). None: one advantage per row, [N].
     """
     if not samples:
         raise ValueError("cannot pack an empty list of samples")
@@ -63,7 +68,7 @@ def pack_samples(
         input_mask=fed.float(),
         rollout_log_probs=rollout_logp,
         sampled_mask=sampled,
-        advantages=advantages.float(),
+        advantages=_token_advantages(advantages.float(), response, token_advantage_terms),
         rewards=rewards.float(),
         shaped_rewards=shaped_rewards.float(),
         prompt_lengths=prompt_lengths,
@@ -72,6 +77,17 @@ def pack_samples(
         policy_versions=torch.tensor([s.weight_version for s in samples], dtype=torch.long),
         input_turns=_input_turns(samples, width) if any(s.turns is not None for s in samples) else None,
     )
+
+
+def _token_advantages(
+    advantages: torch.Tensor, response: torch.Tensor, terms: list[torch.Tensor] | None
+) -> torch.Tensor:
+    """[N] as given, or with ``terms``: [N, S-1] = A_i everywhere, plus each output token's term at its target."""
+    if terms is None:
+        return advantages
+    per_token = advantages[:, None].expand(response.shape).clone()
+    per_token[response] += torch.cat([term.float() for term in terms])  # row-major: each row's outputs in order
+    return per_token
 
 
 def _routed_experts(samples: list[Sample], fed: torch.Tensor) -> torch.Tensor:

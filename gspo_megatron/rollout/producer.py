@@ -20,6 +20,7 @@ from gspo_megatron.contracts.batch import RolloutBatch
 from gspo_megatron.contracts.samples import Sample, SamplingParams
 from gspo_megatron.rollout.agents.partial import PartialRollouts
 from gspo_megatron.rollout.agents.trajectories import trajectory_metrics
+from gspo_megatron.rollout.agents.turn_rewards import records_for_reward, token_advantage_terms
 from gspo_megatron.rollout.data.records import PromptRecord
 from gspo_megatron.rollout.data.tasks import Task
 from gspo_megatron.rollout.data.tokenizer import Tokenizer
@@ -96,6 +97,7 @@ class RolloutProducer:
         estimator = ADVANTAGE_ESTIMATORS.get(self.algorithm.advantage.estimator)
         context = make_advantage_context(self.algorithm.advantage, g)
         advantage = shaped_advantages(rewards, shaped_rewards, lambda r: estimator(r, context), g, self.shaping.combine)
+        turn_weight = self.algorithm.advantage.turn_reward_weight
         batch = pack_samples(
             samples,
             advantage.advantages,
@@ -104,6 +106,8 @@ class RolloutProducer:
             self.pad_token_id,
             with_routed_experts=self.sampling.return_routed_experts,
             train_on_exit_tokens=self.train_on_exit_tokens,
+            # per-turn rewards in the advantages (off by default: one advantage per sample, as ever)
+            token_advantage_terms=token_advantage_terms(samples, scored, g, turn_weight) if turn_weight else None,
         )
         metrics = self._metrics(step, samples, scored, shaped, advantage, batch)
         return batch, {**{k: float(v) for k, v in metrics.items()}, **extra_metrics}
@@ -153,7 +157,10 @@ class RolloutProducer:
         """Each prompt's samples scored by the reward pool, with their shaping view."""
         samples = [s for group in grouped for s in group]
         texts = [self.tokenizer.decode(s.answer_ids) for s in samples]  # a trajectory's last turn
-        scored = self._score(texts, [r for r, g in zip(records, grouped, strict=True) for _ in g])
+        per_sample = [r for r, g in zip(records, grouped, strict=True) for _ in g]
+        if self.agent is not None:  # a trajectory's reward may read its turns (record.trajectory)
+            per_sample = records_for_reward(per_sample, samples, self.tokenizer.decode)
+        scored = self._score(texts, per_sample)
         rewards = torch.tensor([r.reward for r in scored], dtype=torch.float32)
         correct = torch.tensor([r.correct for r in scored])
         format_ok = torch.tensor([r.format_ok for r in scored])
@@ -245,7 +252,10 @@ class RolloutProducer:
             grouped = self.engine.generate(_prompt_ids(records), params)
         samples = [s for group in grouped for s in group]
         texts = [self.tokenizer.decode(s.answer_ids) for s in samples]
-        scored = self.rewards.score(texts, [r for r, g in zip(records, grouped, strict=True) for _ in g])
+        per_sample = [r for r, g in zip(records, grouped, strict=True) for _ in g]
+        if self.agent is not None:
+            per_sample = records_for_reward(per_sample, samples, self.tokenizer.decode)
+        scored = self.rewards.score(texts, per_sample)
         k = params.n
         correct = torch.tensor([r.correct for r in scored], dtype=torch.float32).reshape(len(records), k)
         metrics = {

@@ -10,6 +10,7 @@ from gspo_megatron.core.tool_call_formats import ToolCall
 from gspo_megatron.rollout.agents.agent import AgentContext
 from gspo_megatron.rollout.agents.tools.calculator import Calculator
 from gspo_megatron.rollout.data.records import PromptRecord
+from gspo_megatron.rollout.rewards.types import RewardResult
 
 
 async def calls_the_calculator_twice(ctx: AgentContext) -> None:
@@ -53,3 +54,15 @@ def openai_client_agent(base_url: str, api_key: str, record: PromptRecord, tools
     if not reply.tool_calls:
         messages.append({"role": "user", "content": "check your answer"})
     client.chat.completions.create(model="policy", messages=messages, tools=schemas)
+
+
+def odd_turns(response: str, record: PromptRecord) -> RewardResult:
+    """A reward that reads a trajectory's turns (``record.trajectory``): each turn scores 1 when its text has an
+    odd length, the trajectory 1 when its last turn has a digit; whatever a random model writes, rewards vary."""
+    turns = record.trajectory.turns if record.trajectory is not None else ()
+    return RewardResult(
+        float(any(c.isdigit() for c in response)),
+        any(c.isdigit() for c in response),
+        True,
+        turn_rewards=tuple(float(len(text) % 2) for text in turns) if record.trajectory is not None else None,
+    )

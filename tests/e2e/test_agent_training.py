@@ -108,3 +108,24 @@ def test_an_agent_written_against_the_openai_client_drives_a_training_run(tmp_pa
         assert step["agent/inserted_tokens_mean"] > 0
         assert step["routing/rollout_vs_train_changed_frac"] == 0.0
         assert step["mismatch/abs_log_prob_diff_mean"] < 1e-5
+
+
+def test_per_turn_rewards_and_a_users_tool_in_a_training_run(tmp_path):
+    # the run validates and builds the user's tool beside the calculator (examples/agent_tool/), the reward reads
+    # the turns and returns one reward per turn, and GSPO-token trains on per-turn advantages ([N, S-1])
+    overrides = [
+        *AGENT,
+        "rollout.agent.tools=[calculator,import:examples.agent_tool.tools:DigitSum]",
+        "task.reward=import:gspo_megatron.testing.agents:odd_turns",
+        "algorithm.loss.name=gspo_token",
+        "algorithm.advantage.turn_reward_weight=0.5",
+        "trainer.old_log_probs=trainer",
+    ]
+    result = run_training(overrides, tmp_path / "run")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    metrics = read_metrics(tmp_path / "run")
+    assert len(metrics) == 2
+    for step in metrics:
+        assert step["agent/turns_mean"] == 3 and step["agent/turn_rewards_frac"] == 1.0
+        assert all(0 <= step[f"agent/turn_reward/turn_{t}"] <= 1 for t in range(3))
+        assert step["reward/errors"] == 0 and step["mismatch/abs_log_prob_diff_mean"] < 1e-5

@@ -29,6 +29,7 @@ from gspo_megatron.rollout.agents.conversation import Conversation
 from gspo_megatron.rollout.agents.templates import TurnTemplate
 from gspo_megatron.rollout.agents.tools.base import TOOL_ERRORS
 from gspo_megatron.rollout.agents.tools.runner import ToolRunner
+from gspo_megatron.rollout.agents.turn_rewards import turn_reward_metrics
 from gspo_megatron.rollout.config import AgentConfig
 from gspo_megatron.rollout.data.records import PromptRecord
 from gspo_megatron.rollout.engine import RolloutEngine
@@ -124,8 +125,8 @@ class TrajectoryRunner:
 
 def trajectory_metrics(samples: list[Sample], scored: list[RewardResult]) -> dict[str, torch.Tensor]:
     """What a step's trajectories did (none for single-turn samples): turns, tool calls and who used a
-    tool, errors by kind, generated vs inserted tokens, and the reward of trajectories that did and did
-    not use a tool."""
+    tool, errors by kind, generated vs inserted tokens, the reward of trajectories that did and did not use a
+    tool, and the per-turn rewards (``turn_rewards.py``)."""
     stats = [s.extra.get(AGENT_STATS) for s in samples]
     if not any(stats):
         return {}
@@ -149,6 +150,7 @@ def trajectory_metrics(samples: list[Sample], scored: list[RewardResult]) -> dic
         metrics[f"agent/tool_errors/{kind}"] = torch.tensor(
             float(sum(stat["tool_errors"].get(kind, 0) for stat in stats if stat))
         )
+    metrics.update(turn_reward_metrics(scored))
     if used.any():
         metrics["agent/reward_with_tool"] = rewards[used].mean()
     if (~used).any():

@@ -28,6 +28,9 @@ Design decisions:
 - The fields are type-checked, not converted: ``bool("false")`` is True and ``float("1")`` is 1.0, so
   a verifier returning strings would score silently. ``correct``/``format_ok`` must be bools (or the
   integers 0/1, numpy's included), ``reward`` a real number; anything else is a ``bad_type`` failure.
+- ``turn_rewards`` (a trajectory's per-turn rewards) must be a list or tuple of one real number per turn of
+  ``record.trajectory``: a wrong count, a non-number, or per-turn rewards for a single response are
+  ``bad_type``, a NaN/inf among them ``nonfinite``; the whole sample fails, as for its reward.
 """
 
 from __future__ import annotations
@@ -69,9 +72,15 @@ def call_reward(fn: RewardFn, response: str, record: PromptRecord) -> RewardResu
         return RewardResult.failed(f"verifier returned a bad RewardResult: {error}", "bad_type")
     if not math.isfinite(reward):
         return RewardResult.failed(f"verifier returned reward {reward}", "nonfinite")
+    try:
+        turn_rewards = _turn_rewards(result.turn_rewards, record)
+    except TypeError as error:
+        return RewardResult.failed(f"verifier returned bad turn_rewards: {error}", "bad_type")
+    if turn_rewards is not None and not all(math.isfinite(r) for r in turn_rewards):
+        return RewardResult.failed(f"verifier returned turn_rewards {turn_rewards}", "nonfinite")
     message = None if result.error is None else str(result.error)
     failure = None if message is None else (result.failure or "verifier")
-    return RewardResult(reward, correct, format_ok, message, failure)
+    return RewardResult(reward, correct, format_ok, message, failure, turn_rewards)
 
 
 def as_reward_result(value: object) -> RewardResult:
@@ -130,6 +139,24 @@ def _flag_field(name: str, value: object) -> bool:
     raise TypeError(
         f"RewardResult.{name} is {value!r} ({type(value).__name__}); return a bool, e.g. {name}=(answer == gold)"
     )
+
+
+def _turn_rewards(values: object, record: PromptRecord) -> tuple[float, ...] | None:
+    """A trajectory's per-turn rewards as floats, one per turn of ``record.trajectory``; TypeError otherwise
+    (a string, a count that is not the turns', per-turn rewards for a single response)."""
+    if values is None:
+        return None
+    if record.trajectory is None:
+        raise TypeError(
+            "per-turn rewards are for multi-turn trajectories (rollout.agent), and this sample is one response; "
+            "return turn_rewards=None"
+        )
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"{_shown(values)} is not a sequence; return one real number per turn, e.g. (0.0, 1.0)")
+    turns = len(record.trajectory.turns)
+    if len(values) != turns:
+        raise TypeError(f"{len(values)} values for a trajectory of {turns} turns; return one per turn")
+    return tuple(_real_field("turn_rewards[]", value) for value in values)
 
 
 def _worker_main(conn: Connection, reward_name: str) -> None:
