@@ -65,7 +65,7 @@ from gspo_megatron.contracts.samples import FinishReason, RowRequest, Sample, Sa
 from gspo_megatron.core.fp8_blocks import QuantizedStream, quantize_named_tensors
 from gspo_megatron.core.interrupts import RunInterrupted
 from gspo_megatron.core.run_dir import private_directory
-from gspo_megatron.rollout.engine import EngineSession, RolloutEngine, TurnRequest, TurnResult
+from gspo_megatron.rollout.engine import EngineSession, RolloutEngine, TurnRequest, TurnResult, split_rows
 from gspo_megatron.rollout.sglang.auth import ApiKey, key_from_environment, new_launch_key, private_key_config
 from gspo_megatron.rollout.sglang.client import ServerState, SGLangHTTPClient
 from gspo_megatron.rollout.sglang.config import LaunchMode, PauseMode, SGLangConfig, WeightQuantization, WeightSync
@@ -154,7 +154,12 @@ class SGLangEngine(RolloutEngine):
     def generate_turns(self, requests: list[TurnRequest]) -> list[TurnResult]:
         """``RolloutEngine.generate_turns``: every turn a request of its own, all at once; a trajectory stays on
         the server of its first turn (``EngineSession.state``: its URL), whose prefix cache holds its earlier
-        positions (their rows are the trajectory's already; the server's rows of them are not used)."""
+        positions. The server answers rows for the whole context; those of positions an earlier turn fed come
+        back as ``TurnResult.earlier_rows``: SGLang writes a position's row into the slot of its KV when the
+        forward computes it and reads a request's rows through its KV slots (0.5.23
+        ``srt/state_capturer/base.py`` ``on_forward_end`` / ``TopkCaptureOutput.finalize``, ``get_topk``), so
+        a prefix-cache hit returns the row recorded when that KV was computed, and a position computed again
+        (its KV flushed or evicted) a new one; ``Conversation`` tells the two apart."""
         for request in requests:
             self._check_sampling(request.params)
         return self._loop.run(self._generate_turns(requests))
@@ -174,8 +179,7 @@ class SGLangEngine(RolloutEngine):
             raise
         results = []
         for request, sample in zip(requests, samples, strict=True):
-            fed = request.session.fed if request.session is not None else 0
-            rows = None if sample.routed_experts is None else sample.routed_experts[fed:]
+            rows, earlier = split_rows(sample.routed_experts, request)
             session = EngineSession(len(request.ids) + len(sample.output_ids) - 1, sample.extra.get("server"))
             results.append(
                 TurnResult(
@@ -185,6 +189,7 @@ class SGLangEngine(RolloutEngine):
                     sample.weight_version,
                     rows,
                     session,
+                    earlier,
                 )
             )
         return results
