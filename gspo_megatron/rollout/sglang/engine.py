@@ -14,7 +14,9 @@ Design decisions:
   a second signal raised from its handler) is no failure of the sync: it is not retried through the disk
   path and is raised as it is, so the run exits 128 + signal (``core/interrupts.py``).
 - The flush is skipped under ``pause_mode=in_place``: paused requests stay in SGLang's running batch and
-  its flush answers 400 while the batch is not empty (those requests keep their KV cache by design).
+  its flush answers 400 while the batch is not empty (those requests keep their KV cache by design). The
+  prefix cache then keeps a multi-turn trajectory's KV across the update, which is what keeps its routing
+  exact across weight versions; after a flush (``retract``) its next turn is refused (``docs/agents.md``).
 - Distributed sync (``group_sender.py``): the driver's update group, formed on the first update and
   re-formed whenever the set of live servers changes; each byte-size bucket is one
   ``/update_weights_from_distributed`` per server while the bucket is broadcast, the first failure wins

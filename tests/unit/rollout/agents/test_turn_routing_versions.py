@@ -66,7 +66,9 @@ def three_turns(engine: SGLangEngine, results: list[TurnResult]) -> Conversation
 
 
 def test_in_place_turns_across_a_weight_update_replay_the_rows_recorded_when_their_kv_was_computed(doubles, tmp_path):
-    double = doubles(deterministic_inference=True, num_layers=2, top_k=2, num_experts=8, enable_return_routed_experts=True)
+    double = doubles(
+        deterministic_inference=True, num_layers=2, top_k=2, num_experts=8, enable_return_routed_experts=True
+    )
     results: list[TurnResult] = []
     with sglang_engine(double, tmp_path, "in_place") as engine:
         conversation = three_turns(engine, results)
@@ -91,11 +93,12 @@ def test_in_place_turns_across_a_weight_update_replay_the_rows_recorded_when_the
 
 
 def test_retract_turns_across_a_weight_update_are_refused_naming_in_place(doubles, tmp_path):
-    double = doubles(deterministic_inference=True, num_layers=2, top_k=2, num_experts=8, enable_return_routed_experts=True)
+    double = doubles(
+        deterministic_inference=True, num_layers=2, top_k=2, num_experts=8, enable_return_routed_experts=True
+    )
     results: list[TurnResult] = []
-    with sglang_engine(double, tmp_path, "retract") as engine:
-        with pytest.raises(RoutingSpliceError, match="pause_mode=in_place"):
-            three_turns(engine, results)
+    with sglang_engine(double, tmp_path, "retract") as engine, pytest.raises(RoutingSpliceError, match="in_place"):
+        three_turns(engine, results)
     assert "/flush_cache" in [path for path, _ in double.calls]
     (first,) = results  # the refused turn was not spliced: the trajectory ends at its last exact turn
 
