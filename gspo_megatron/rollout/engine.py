@@ -8,8 +8,10 @@ continues the trajectory's ``EngineSession`` -- the positions whose forward alre
 the routed experts of the positions fed in that call only. A position's routing row is therefore the one
 of the forward that computed its KV, never a later call's (Routing Replay across turns and weight
 versions: ``docs/agents.md``). The embedded engine keeps each session's KV cache, so no position is fed
-twice; an engine without a per-trajectory cache (the default below) feeds the whole context again each
-turn, and its later rows of earlier positions are not used.
+twice; an engine without a per-trajectory cache (the default below, SGLang) feeds the whole context again
+each turn and returns its rows of the earlier positions as well (``TurnResult.earlier_rows``): the
+trajectory keeps its own, and checks the engine's against them -- equal where the engine served those
+positions from the KV it computed then (SGLang's prefix cache), different where it computed them again.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ class TurnResult:
     # (this call's forwards), None unless asked for
     routed_experts: torch.Tensor | None
     session: EngineSession  # continues the trajectory (fed = len(ids) + len(output_ids) - 1)
+    # int32 [request.session.fed, layers, top_k]: this call's rows of the positions an earlier turn fed, where
+    # the engine fed the whole context again; None where it fed only the new positions (a kept KV cache)
+    earlier_rows: torch.Tensor | None = None
 
 
 class RolloutEngine(abc.ABC):
@@ -85,13 +90,13 @@ class RolloutEngine(abc.ABC):
     def generate_turns(self, requests: list[TurnRequest]) -> list[TurnResult]:
         """One turn of each trajectory, in request order. This default feeds each request's whole context
         again (an engine's prefix cache may reuse the KV); the routing rows of positions an earlier turn fed
-        are dropped, the trajectory keeps those it already has. Engines with a per-trajectory cache override it."""
+        come back apart (``earlier_rows``): the trajectory keeps those it already has and checks these against
+        them. Engines with a per-trajectory cache override it."""
         results = []
         for request in requests:
             (sample,) = self.generate([request.ids], request.params)[0]
-            fed = request.session.fed if request.session is not None else 0
-            rows = None if sample.routed_experts is None else sample.routed_experts[fed:]
             output = list(sample.output_ids)
+            rows, earlier = split_rows(sample.routed_experts, request)
             results.append(
                 TurnResult(
                     output,
@@ -100,6 +105,7 @@ class RolloutEngine(abc.ABC):
                     sample.weight_version,
                     rows,
                     EngineSession(len(request.ids) + len(output) - 1),
+                    earlier,
                 )
             )
         return results
@@ -126,3 +132,12 @@ class RolloutEngine(abc.ABC):
 
     def __exit__(self, *exc):
         self.shutdown()
+
+
+def split_rows(rows: torch.Tensor | None, request: TurnRequest) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A whole-context call's rows -> (the new positions' rows, the rows of the positions an earlier turn fed;
+    None on the first turn)."""
+    if rows is None:
+        return None, None
+    fed = request.session.fed if request.session is not None else 0
+    return rows[fed:], (rows[:fed] if fed else None)

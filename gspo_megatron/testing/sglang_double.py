@@ -11,6 +11,15 @@ What it follows (SGLang 0.5.x ``http_server.py`` / ``io_struct.py``):
   ``--enable-return-routed-experts`` and asked, ``routed_experts`` (base64 little-endian int32,
   [prompt + completion - 1, layers, top_k]). Tokens and log-probs are deterministic pseudo-random
   functions of (input_ids, sampling_seed, weight_version).
+- Routed experts through a prefix cache, as SGLang 0.5.23 keeps them: a forward writes each position's row
+  into the slot of its KV (``srt/state_capturer/base.py``, ``on_forward_end`` and
+  ``TopkCaptureOutput.finalize``) and a request reads its rows through its KV slots (``get_topk``), so a
+  position served from the radix cache answers the row recorded when its KV was computed. The double keeps
+  a row per token prefix, computed as a pseudo-random function of (that prefix, the weight version then);
+  a request is served the longest cached prefix of its input, at most all but its last token
+  (``schedule_batch.py`` ``_compute_max_prefix_len``), computes the rest under the current version and
+  caches it; ``meta_info.cached_tokens`` is the served length. ``/flush_cache`` empties the cache;
+  ``--disable-radix-cache`` keeps none; nothing is evicted.
 - ``/health``, ``/health_generate``, ``/server_info``, ``/flush_cache``, ``/pause_generation``,
   ``/continue_generation``, ``/abort_request``, ``/init_weights_update_group``,
   ``/update_weights_from_distributed``, ``/update_weights_from_disk``, ``/begin_weight_update``,
@@ -97,8 +106,11 @@ class SGLangServerDouble(WeightUpdateRoutes):
         deterministic_inference: bool = False,
         version: str = SGLANG_VERSION,
         api_key: str | None = None,
+        radix_cache: bool = True,
     ):
         self.api_key = api_key
+        self.radix_cache = radix_cache
+        self._prefix_rows: dict[str, list[int]] = {}  # token-prefix key -> its routing row (module docstring)
         self.vocab_size, self.eos_token_id = vocab_size, eos_token_id
         self.num_layers, self.top_k, self.num_experts, self.tp_size = num_layers, top_k, num_experts, tp_size
         self.enable_return_routed_experts = enable_return_routed_experts
@@ -259,20 +271,40 @@ class SGLangServerDouble(WeightUpdateRoutes):
         log_probs = [[-4.0 * rng.random(), token, None] for token in tokens]
         if self.faults.mismatched_logprob_ids and tokens:
             log_probs[0][1] = tokens[0] + 1
+        rows, cached = self._routed_rows((list(prompt) + tokens)[:-1], len(prompt))
         meta = {
             "id": hashlib.md5(key.encode()).hexdigest(),
             "finish_reason": finish,
             "prompt_tokens": len(prompt),
             "completion_tokens": len(tokens),
-            "cached_tokens": 0,
+            "cached_tokens": cached,
             "weight_version": self.weight_version,
             "output_token_logprobs": log_probs,
         }
         if body.get("return_routed_experts") and self.enable_return_routed_experts:
-            rows = max(0, len(prompt) + len(tokens) - 1 - (1 if self.faults.wrong_routed_experts else 0))
-            values = [rng.randrange(self.num_experts) for _ in range(rows * self.num_layers * self.top_k)]
+            rows = rows[: len(rows) - 1] if self.faults.wrong_routed_experts else rows
+            values = [value for row in rows for value in row]
             meta["routed_experts"] = base64.b64encode(struct.pack(f"<{len(values)}i", *values)).decode()
         return {"text": "", "output_ids": tokens, "meta_info": meta}
+
+    def _routed_rows(self, fed: list[int], prompt_length: int) -> tuple[list[list[int]], int]:
+        """The rows of the ``fed`` positions (input and generated tokens but the last) and how many leading
+        positions the prefix cache served (module docstring)."""
+        rows: list[list[int]] = []
+        key, served = "", 0
+        with self._lock:
+            for position, token in enumerate(fed):
+                key = hashlib.sha256(f"{key}/{token}".encode()).hexdigest()
+                cached = self._prefix_rows.get(key) if self.radix_cache else None
+                if cached is not None and served == position and position < prompt_length - 1:
+                    served += 1
+                    rows.append(cached)
+                    continue
+                draw = random.Random(f"{key}@{self.weight_version}")
+                rows.append([draw.randrange(self.num_experts) for _ in range(self.num_layers * self.top_k)])
+                if self.radix_cache:
+                    self._prefix_rows.setdefault(key, rows[-1])  # an existing entry keeps its KV (and row)
+        return rows, served
 
     def _pause(self, body):
         mode = (body or {}).get("mode", "abort")
@@ -294,6 +326,8 @@ class SGLangServerDouble(WeightUpdateRoutes):
         # it (retract and abort take them out), and an unpaused server is running whatever is in flight.
         with self._lock:
             running = self._in_flight > 0 and self.pause_mode not in ("retract", "abort")
+            if not running:
+                self._prefix_rows.clear()
         if running:
             return 400, "Flush cache failed: there are running requests.\n"
         return 200, "Cache flushed.\n"
@@ -448,6 +482,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fail-distributed-updates", type=int, default=0, help="double only: fail N updates")
     parser.add_argument("--exit-code", type=int, default=None, help="double only: exit at once with this code")
     parser.add_argument("--api-key", default=None)
+    parser.add_argument("--disable-radix-cache", action="store_true")
     parser.add_argument("--config", default=None, help="SGLang's YAML config file (only api-key is read)")
     args, unknown = parser.parse_known_args(argv)
     api_key = args.api_key or _config_api_key(args.config)
@@ -483,6 +518,7 @@ def main(argv: list[str] | None = None) -> None:
         model_path=args.model_path,
         deterministic_inference=args.enable_deterministic_inference,
         api_key=api_key,
+        radix_cache=not args.disable_radix_cache,
     )
     print(f"[sglang double] serving on {double.url}", flush=True)
     double.serve_forever()

@@ -16,6 +16,15 @@ Design decisions:
   the forward's that computed its KV -- a generated token's own decode step, and, for a turn's last
   generated token and every inserted token, the next turn's prefill. A row for a position already held is
   a bug (``RoutingSpliceError``), not something to take.
+- Across weight versions: one trainer forward replays one row per position, so a trajectory is exact only if
+  every later token was computed from the KV whose rows it holds. An engine that feeds the whole context
+  each turn (SGLang) returns its rows of the earlier positions too (``TurnResult.earlier_rows``), equal to the
+  held ones where its prefix cache served that KV. Where they differ, the engine computed those positions
+  again: under other weights than first computed them (a flushed cache after a weight update:
+  ``rollout.sglang.pause_mode=retract``), the new turn would train on KV the trainer cannot replay, so the
+  turn is refused (``RoutingVersionError``, naming ``pause_mode=in_place``; the trajectory ends at its last
+  exact turn); under the same weights (the cache evicted it, or never kept it) the held rows stay and the
+  positions are counted (``rerouted_positions``: ``agent/rerouted_positions``).
 - A trajectory ends after its last generated token: inserted tokens after it (a tool's answer when the turn
   limit stopped the trajectory) would train nothing and have no routing row, so ``sample`` leaves them out.
 """
@@ -35,6 +44,10 @@ _TURN_SEED_STRIDE = 7_919  # a turn's seed: the trajectory's plus the turn's ind
 
 class RoutingSpliceError(RuntimeError):
     """An engine returned routing rows that do not continue the trajectory's (a position would get two)."""
+
+
+class RoutingVersionError(RoutingSpliceError):
+    """A turn was computed over earlier positions that the engine computed again under other weights."""
 
 
 class TurnLimitError(RuntimeError):
@@ -62,6 +75,8 @@ class Conversation:
         self.versions: list[int] = []  # per output token: the weights that drew it (inserted: the turn before)
         self.spans: list[TurnSpan] = []
         self.routing: list[torch.Tensor] = []  # rows of positions 0 .. fed - 1, turn by turn
+        self.routing_versions: list[int] = []  # per entry of ``routing``: the weights that computed its KV
+        self.rerouted_positions = 0  # held positions an engine computed again, same weights, other experts
         self.session: EngineSession | None = None
         self.finish = FinishReason.STOP
 
@@ -121,7 +136,37 @@ class Conversation:
                 f"a turn fed positions {self.fed}..{result.session.fed - 1} ({expected} rows) but the engine "
                 f"returned {result.routed_experts.shape[0]} routing rows"
             )
+        if result.earlier_rows is not None:
+            self._check_earlier_rows(result.earlier_rows, result.weight_version)
         self.routing.append(result.routed_experts)
+        self.routing_versions.append(result.weight_version)
+
+    def _check_earlier_rows(self, earlier: torch.Tensor, version: int) -> None:
+        """The engine's rows of the held positions against the held ones (module docstring: equal where its
+        cache served their KV; a difference under other weights refuses the turn, under the same is counted)."""
+        held = torch.cat(self.routing) if self.routing else earlier[:0]
+        if earlier.shape != held.shape:
+            raise RoutingSpliceError(
+                f"the engine returned {tuple(earlier.shape)} rows for the {held.shape[0]} positions already held "
+                f"(rows {tuple(held.shape)})"
+            )
+        differs = (earlier != held).flatten(1).any(dim=1)
+        if not bool(differs.any()):
+            return
+        computed_under = torch.cat(
+            [torch.full((rows.shape[0],), v) for rows, v in zip(self.routing, self.routing_versions, strict=True)]
+        )
+        other = differs & (computed_under != version)
+        if bool(other.any()):
+            first = int(other.nonzero()[0])
+            raise RoutingVersionError(
+                f"weight version {version}'s turn was computed over {int(other.sum())} earlier positions (the first: "
+                f"{first}, held from version {int(computed_under[first])}) that the engine computed again under its "
+                f"new weights, routed otherwise: their KV was dropped at the weight update, so one routing per "
+                f"position cannot replay this trajectory. With SGLang set rollout.sglang.pause_mode=in_place (no "
+                f"cache flush at an update: the prefix cache keeps the KV and the routing computed with it)"
+            )
+        self.rerouted_positions += int(differs.sum())
 
     def sample(self) -> Sample:
         """The trajectory up to its last generated token (module docstring), as one ``Sample``."""

@@ -117,6 +117,7 @@ class TrajectoryRunner:
             "tool_calls": context.tool_calls,
             "tool_errors": dict(context.tool_errors),
             "malformed_calls": context.malformed_calls,
+            "rerouted_positions": conversation.rerouted_positions,
             "timeout": isinstance(outcome, TimeoutError),
             "error": None if outcome is None or isinstance(outcome, TimeoutError) else repr(outcome),
         }
@@ -139,6 +140,9 @@ def trajectory_metrics(samples: list[Sample], scored: list[RewardResult]) -> dic
         "agent/tool_calls_mean": torch.tensor(sum(stat["tool_calls"] for stat in stats if stat) / count),
         "agent/tool_used_frac": used.float().mean(),
         "agent/malformed_calls": torch.tensor(float(sum(stat["malformed_calls"] for stat in stats if stat))),
+        "agent/rerouted_positions": torch.tensor(
+            float(sum(stat.get("rerouted_positions", 0) for stat in stats if stat))
+        ),
         "agent/timeouts": torch.tensor(float(sum(bool(stat and stat["timeout"]) for stat in stats))),
         "agent/errors": torch.tensor(float(sum(bool(stat and stat["error"]) for stat in stats))),
         "agent/generated_tokens_mean": torch.tensor(

@@ -14,7 +14,9 @@ Design decisions:
   a second signal raised from its handler) is no failure of the sync: it is not retried through the disk
   path and is raised as it is, so the run exits 128 + signal (``core/interrupts.py``).
 - The flush is skipped under ``pause_mode=in_place``: paused requests stay in SGLang's running batch and
-  its flush answers 400 while the batch is not empty (those requests keep their KV cache by design).
+  its flush answers 400 while the batch is not empty (those requests keep their KV cache by design). The
+  prefix cache then keeps a multi-turn trajectory's KV across the update, which is what keeps its routing
+  exact across weight versions; after a flush (``retract``) its next turn is refused (``docs/agents.md``).
 - Distributed sync (``group_sender.py``): the driver's update group, formed on the first update and
   re-formed whenever the set of live servers changes; each byte-size bucket is one
   ``/update_weights_from_distributed`` per server while the bucket is broadcast, the first failure wins
@@ -65,7 +67,7 @@ from gspo_megatron.contracts.samples import FinishReason, RowRequest, Sample, Sa
 from gspo_megatron.core.fp8_blocks import QuantizedStream, quantize_named_tensors
 from gspo_megatron.core.interrupts import RunInterrupted
 from gspo_megatron.core.run_dir import private_directory
-from gspo_megatron.rollout.engine import EngineSession, RolloutEngine, TurnRequest, TurnResult
+from gspo_megatron.rollout.engine import EngineSession, RolloutEngine, TurnRequest, TurnResult, split_rows
 from gspo_megatron.rollout.sglang.auth import ApiKey, key_from_environment, new_launch_key, private_key_config
 from gspo_megatron.rollout.sglang.client import ServerState, SGLangHTTPClient
 from gspo_megatron.rollout.sglang.config import LaunchMode, PauseMode, SGLangConfig, WeightQuantization, WeightSync
@@ -154,7 +156,12 @@ class SGLangEngine(RolloutEngine):
     def generate_turns(self, requests: list[TurnRequest]) -> list[TurnResult]:
         """``RolloutEngine.generate_turns``: every turn a request of its own, all at once; a trajectory stays on
         the server of its first turn (``EngineSession.state``: its URL), whose prefix cache holds its earlier
-        positions (their rows are the trajectory's already; the server's rows of them are not used)."""
+        positions. The server answers rows for the whole context; those of positions an earlier turn fed come
+        back as ``TurnResult.earlier_rows``: SGLang writes a position's row into the slot of its KV when the
+        forward computes it and reads a request's rows through its KV slots (0.5.23
+        ``srt/state_capturer/base.py`` ``on_forward_end`` / ``TopkCaptureOutput.finalize``, ``get_topk``), so
+        a prefix-cache hit returns the row recorded when that KV was computed, and a position computed again
+        (its KV flushed or evicted) a new one; ``Conversation`` tells the two apart."""
         for request in requests:
             self._check_sampling(request.params)
         return self._loop.run(self._generate_turns(requests))
@@ -174,8 +181,7 @@ class SGLangEngine(RolloutEngine):
             raise
         results = []
         for request, sample in zip(requests, samples, strict=True):
-            fed = request.session.fed if request.session is not None else 0
-            rows = None if sample.routed_experts is None else sample.routed_experts[fed:]
+            rows, earlier = split_rows(sample.routed_experts, request)
             session = EngineSession(len(request.ids) + len(sample.output_ids) - 1, sample.extra.get("server"))
             results.append(
                 TurnResult(
@@ -185,6 +191,7 @@ class SGLangEngine(RolloutEngine):
                     sample.weight_version,
                     rows,
                     session,
+                    earlier,
                 )
             )
         return results
