@@ -13,8 +13,8 @@ Design decisions:
   ``drop``  whatever was generated is offered at the step that would train it; a group past the bound is
             dropped there (counted), its prompt spent. The producer never waits for the trainer.
   ``wait``  the producer does not start work that could pass the bound (``StalenessGate``), so nothing is
-            dropped: AReaL's capacity rule (inclusionAI/AReaL 4aef98d, ``areal/infra/staleness_manager.py:93``,
-            ``max_samples = (max_staleness + current_version + 1) * consumer_batch_size``), counted in groups:
+            dropped: AReaL's capacity rule (inclusionAI/AReaL 4aef98d, ``areal/infra/staleness_manager.py:93``
+            and ``:109``, ``(max_staleness + current_version + 1) * consumer_batch_size``), counted in groups:
                 group n (0-based, in the order the trainer takes them, G per step) may start on version v
                 iff  n < (v + k + 1) G
             -- it trains at step floor(n / G) <= v + k, so it lags at most k versions.
@@ -157,7 +157,8 @@ class StalenessGate:
 
 class GroupBuffer(Generic[GroupT]):
     """Groups generated ahead of training, oldest first. The producer puts; the trainer takes a step's groups,
-    each admitted under the bound or dropped (``admit_groups``), waiting (bounded) until enough are admitted."""
+    each admitted under the bound or dropped (``admit_groups``), waiting (bounded) until enough are admitted.
+    ``put`` never blocks: under ``drop`` the producer bounds its own run-ahead (memory), under ``wait`` the gate."""
 
     def __init__(self, max_staleness: int, token_versions_of: Callable[[GroupT], list[int]]):
         self.max_staleness = max_staleness
