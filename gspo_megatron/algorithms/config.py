@@ -114,7 +114,7 @@ class MismatchConfig(ConfigNode):
     (``algorithms/mismatch_correction.py``) or rejected (``algorithms/mismatch_rejection.py``)."""
 
     correction: MismatchCorrection = MismatchCorrection.none
-    cap: float = 2.0  # C in min(pi_old / pi_rollout, C)
+    cap: float = 2.0  # C in min(pi_old / pi_rollout, C); decoupled: the mask's bound (AReaL's cap: 5)
     sequence_ratio: SequenceRatio = SequenceRatio.geometric  # sequence modes: geometric mean | product
     rejected: RejectedTokens = RejectedTokens.keep  # mask modes: keep rejected tokens in denominators | drop
     lower: float = 0.0  # mask modes keep L <= rho <= C (token_mask with L: slime's IcePop)
@@ -139,6 +139,11 @@ class MismatchConfig(ConfigNode):
                 f"{key}sequence_ratio=product combines a row's token ratios, but {key}correction="
                 f"{self.correction} has no sequence weight; use sequence_truncate or sequence_mask, or leave "
                 "sequence_ratio=geometric"
+            )
+        if self.rejected == RejectedTokens.drop and self.correction == MismatchCorrection.decoupled:
+            raise ValueError(
+                f"{key}rejected=drop with {key}correction=decoupled: AReaL's decoupled loss keeps the tokens its "
+                "cap masks in the denominators; set rejected=keep, or use correction=token_mask with rejected=drop"
             )
         if self.rejected == RejectedTokens.drop and not MismatchCorrection(self.correction).masks:
             raise ValueError(

@@ -64,6 +64,7 @@ class Aggregation(ConfigChoice):
 AGGREGATIONS = tuple(Aggregation)
 SEQUENCE_LEVEL_AGGREGATIONS = ("seq_mean_token_mean",)  # the only ones GSPO's ratio is consistent with
 SEQUENCE_LEVEL_LOSSES = ("gspo", "gspo_token")  # the losses whose ratio is length-normalised per sequence
+PER_ROW_ADVANTAGE_LOSSES = ("gspo",)  # the losses that take one advantage per sequence ([B]), not per token
 
 Count = torch.Tensor | float | int | None
 

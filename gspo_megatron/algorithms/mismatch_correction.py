@@ -12,6 +12,29 @@ verl ``rollout_is``, TRL ``vllm_importance_sampling_*``, slime ``--use-tis``):
     sequence_truncate  w_i = min(rho_i, C),  rho_i = exp( (1/|y_i|) sum_t log rho_{i,t} )  (geometric: GSPO's
     sequence_mask      w_i = rho_i if L <= rho_i <= C else 0                         length-normalised form)
                        or, with ``sequence_ratio=product``, rho_i = exp( sum_t log rho_{i,t} ) (verl, TRL)
+    decoupled          AReaL's decoupled PPO (below): token_mask's weights, and for a loss with one ratio per
+                       sequence (gspo) their mean over the row, w_i = (1/|y_i|) sum_t w_{i,t}
+
+The decoupled objective (AReaL, Fu et al., arXiv 2505.24298; inclusionAI/AReaL 61d1bbb,
+``areal/utils/functional/functional.py:144-221``, ``ppo_actor_loss_fn`` with ``behav_imp_weight_cap``). Three
+policies: the behaviour policy mu that sampled a token (the engine at that token's weight version v_t: a token
+of a carried or asynchronous sample may come from an older version than its neighbours), the proximal policy
+pi_prox (here pi_old: the trainer's pass before this step's updates, ``trainer.old_log_probs=trainer``, one
+version for every token), and pi_theta being trained. The clip is around pi_prox; the behaviour -> proximal
+weight multiplies the clipped term:
+
+    w_{i,t} = pi_prox(y_{i,t}) / mu_{v_t}(y_{i,t})  if L <= it <= C, else 0      (functional.py:208-216; AReaL
+                                                                                 masks beyond its cap, C = 5)
+    GRPO / GSPO-token:  J = agg_{i,t} w_{i,t} min(r_{i,t} A, clip(r_{i,t}) A),  r_{i,t} = pi_theta / pi_prox
+    GSPO:               J = (1/N_seq) sum_i w_i min(s_i A_i, clip(s_i) A_i),   w_i = (1/|y_i|) sum_t w_{i,t}
+                        s_i = exp( (1/|y_i|) sum_t [log pi_theta(y_{i,t}) - log pi_prox(y_{i,t})] )
+                        -- every factor of s_i is pi_theta over pi_prox, never over a behaviour version; the
+                        behaviour policies enter only through w. AReaL's GSPO multiplies the sequence term,
+                        broadcast to each token, by that token's w_{i,t} and sums over the tokens
+                        (functional.py:176-181 and 217), which is the sequence term times sum_t w_{i,t}: with
+                        GSPO's per-sequence mean, w_i above.
+With every token sampled by the trained version and mu = pi_prox, each w is exactly 1 and J is the loss
+without correction. Masked tokens stay in the denominators (AReaL's ``loss_mask_count``, functional.py:174).
 
 Design decisions:
 - The weight multiplies the advantage: with w >= 0, min(r w A, clip(r) w A) = w min(r A, clip(r) A),
@@ -22,10 +45,15 @@ Design decisions:
   re-normalising it; ``rejected=drop`` takes masked tokens out of the response mask and so out of
   the denominators (verl ``rollout_rs``), which ``rejected_mask`` returns for the trainer to apply.
 - Token-level weights give per-token advantages, which ``gspo`` (one ratio per sequence) cannot use:
-  pair token modes with ``grpo`` or ``gspo_token``, sequence modes with any loss.
+  pair token modes with ``grpo`` or ``gspo_token``, sequence modes with any loss. ``decoupled`` gives
+  ``gspo`` its row mean (``per_row``), AReaL's GSPO weighting, so it pairs with every loss.
+- ``decoupled`` is a value of the one correction key, not a flag beside it: its weight is the same ratio
+  pi_old / pi_rollout that TIS/MIS/IcePop cap, so a second weight on top would count the ratio twice. It
+  composes with ``lower`` (IcePop's band), rejection (``reject``, ``veto``) and OPSM (``loss.opsm_delta``);
+  ``rejected=drop`` is refused with it (AReaL keeps masked tokens in the denominators; token_mask drops).
 - log rho is clamped to +-``clamp`` before exp (as the losses clamp their log-ratios).
-- Metrics: the weights' mean / min / max over valid tokens (token modes) or sequences (sequence
-  modes), the fraction truncated or masked, and the mean raw ratio rho before the cap.
+- Metrics: the weights' mean / min / max over valid tokens (token modes, decoupled) or sequences
+  (sequence modes), the fraction truncated or masked, and the mean raw ratio rho before the cap.
 """
 
 from __future__ import annotations
@@ -46,10 +74,12 @@ class MismatchCorrection(ConfigChoice):
     token_mask = "token_mask"
     sequence_truncate = "sequence_truncate"
     sequence_mask = "sequence_mask"
+    decoupled = "decoupled"  # AReaL's decoupled PPO: token_mask's weights, their row mean for gspo
 
     @property
     def per_token(self) -> bool:
-        """One weight per token ([B, T]); else one per sequence ([B])."""
+        """One weight per token ([B, T]) whatever the loss; else one per sequence ([B]) or, decoupled,
+        per token or per row as the loss takes its advantages."""
         return self in (MismatchCorrection.token_truncate, MismatchCorrection.token_mask)
 
     @property
@@ -59,7 +89,7 @@ class MismatchCorrection(ConfigChoice):
     @property
     def masks(self) -> bool:
         """Beyond the band a weight is 0 (the token or row is rejected); else the weight is capped."""
-        return self in (MismatchCorrection.token_mask, MismatchCorrection.sequence_mask)
+        return self in (MismatchCorrection.token_mask, MismatchCorrection.sequence_mask, MismatchCorrection.decoupled)
 
 
 MISMATCH_MODES = tuple(MismatchCorrection)
@@ -88,10 +118,11 @@ def mismatch_weights(
     clamp: float = 20.0,
     sequence_ratio: str = SequenceRatio.geometric,
     lower: float = 0.0,
+    per_row: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Importance weights ([B, T] for token modes, 0 off the mask; [B] for sequence modes) and metrics."""
     weights, stats = mismatch_weight_stats(
-        old_log_probs, rollout_log_probs, response_mask, mode, cap, clamp, sequence_ratio, lower
+        old_log_probs, rollout_log_probs, response_mask, mode, cap, clamp, sequence_ratio, lower, per_row
     )
     return weights, finalize_mismatch_weight_stats(stats)
 
@@ -105,9 +136,13 @@ def mismatch_weight_stats(
     clamp: float = 20.0,
     sequence_ratio: str = SequenceRatio.geometric,
     lower: float = 0.0,
+    per_row: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``mismatch_weights`` with its metrics as additive entries (``algorithms/metrics.py``: sums,
-    counts, mins, maxes), so rows held by different data-parallel ranks reduce exactly."""
+    counts, mins, maxes), so rows held by different data-parallel ranks reduce exactly.
+
+    ``per_row`` (``decoupled`` only; the loss takes one advantage per row, ``PER_ROW_ADVANTAGE_LOSSES``): the
+    token weights' mean over each row's valid tokens, [B]; the metrics stay per token."""
     if mode not in MISMATCH_MODES or mode == MismatchCorrection.none:
         raise ValueError(
             f"mismatch correction mode {mode!r} is not a correction; valid: {', '.join(MISMATCH_MODES[1:])}"
@@ -118,7 +153,7 @@ def mismatch_weight_stats(
     mask = response_mask.bool()
     log_rho = torch.where(mask, old_log_probs.double() - rollout_log_probs.double(), 0.0)
     action = "mask" if correction.masks else "truncate"
-    if correction.per_token:
+    if correction.per_token or correction == MismatchCorrection.decoupled:
         select = mask
     else:
         lengths = mask.sum(-1)
@@ -137,6 +172,8 @@ def mismatch_weight_stats(
         **mean_entries(_BEYOND[action], (beyond & select).sum().double(), count),
         **mean_entries("ratio_mean", torch.where(select, rho, 0.0).sum(), count),
     }
+    if per_row and correction == MismatchCorrection.decoupled:
+        weights = weights.sum(-1) / mask.sum(-1).clamp_min(1)  # w_i = (1/|y_i|) sum_t w_{i,t}
     return weights.float(), stats
 
 

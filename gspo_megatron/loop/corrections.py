@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.algorithms.config import AlgorithmConfig
+from gspo_megatron.algorithms.losses import PER_ROW_ADVANTAGE_LOSSES
 from gspo_megatron.algorithms.mismatch_correction import (
     MismatchCorrection,
     RejectedTokens,
@@ -108,6 +109,7 @@ def _weigh_advantages(
         algorithm.loss.log_ratio_clamp,
         algorithm.mismatch.sequence_ratio,
         algorithm.mismatch.lower,
+        per_row=algorithm.loss.name in PER_ROW_ADVANTAGE_LOSSES,
     )
     if dp_group is not None:
         stats = all_reduce_metrics(stats, dp_group)

@@ -24,7 +24,7 @@ from gspo_megatron.rollout.rewards.config import RewardConfig
 from gspo_megatron.rollout.rewards.pool import RewardPool
 from gspo_megatron.rollout.scheduler import RolloutScheduler
 from gspo_megatron.rollout.shaping.config import ShapingConfig
-from gspo_megatron.rollout.side import Evaluation, RolloutSide, batch_versions
+from gspo_megatron.rollout.side import Evaluation, RolloutSide, batch_response_tokens, batch_versions
 
 if TYPE_CHECKING:
     from gspo_megatron.rollout.agents.trajectories import TrajectoryRunner
@@ -64,6 +64,7 @@ def build_rollout_side(settings: RolloutSettings) -> RolloutSide:
         settings.steps,
         versions_of=batch_versions,
         carried_staleness=rollout.max_staleness if producer.partial is not None else 0,
+        tokens_of=batch_response_tokens,
     )
     return RolloutSide(producer, scheduler, evaluation(settings, producer))
 

@@ -21,18 +21,24 @@ Design decisions:
   resumed run trains exactly the batch the uninterrupted run would have.
 - Generation and training share the driver's CPU/GPU: ``time/generation_overlap_frac`` (the share
   of the generation that ran while training, not while the trainer waited for it) says what was
-  gained. Timings are under ``time/`` (they differ run to run); staleness is under ``async/``.
+  gained. Timings are under ``time/`` (they differ run to run); staleness is under ``async/``, with the
+  tokens by age (``async/stale_tokens_age_<a>``, ``rollout/staleness.py``) when the bound is above 0.
+- The bound holds by construction here, under either ``rollout.staleness_policy``: step k + 1's batch starts on
+  version k and the weight sync waits for it, so the producer never runs more than one version ahead (it
+  waits) and nothing can need dropping. ``rollout/staleness.py`` holds what a deeper prefetch would need.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from gspo_megatron.rollout.config import check_max_staleness
+from gspo_megatron.rollout.staleness import stale_token_metrics
 
 
 class StalenessError(RuntimeError):
@@ -59,12 +65,15 @@ class RolloutScheduler:
         last_step: int,
         versions_of: Callable[[Any], list[int]],
         carried_staleness: int = 0,
+        tokens_of: Callable[[Any], list[int]] | None = None,
     ):
         """``carried_staleness``: the versions a sample carried between steps may lag (partial rollouts,
         ``rollout.partial=continue``: ``rollout.max_staleness``); the one-step-ahead generation is
-        ``max_staleness``'s alone."""
+        ``max_staleness``'s alone. ``tokens_of``: each sample's response tokens, which the stale-token
+        metrics count at the sample's version (None: one per sample)."""
         check_max_staleness(max_staleness)
         self.carried_staleness = carried_staleness
+        self.tokens_of = tokens_of
         self.produce = produce
         self.max_staleness = max_staleness
         self.last_step = last_step
@@ -99,7 +108,18 @@ class RolloutScheduler:
             "async/staleness_mean": sum(staleness) / len(staleness),
             "async/policy_version_min": float(min(versions)),
         }
+        if bound > 0:
+            metrics.update(stale_token_metrics(self._token_ages(result, staleness), bound, "async/"))
         return result, metrics
+
+    def _token_ages(self, result: Any, staleness: list[int]) -> Counter[int]:
+        """Tokens by age, each counted at its sample's version: exact where a sample is one engine call (one-step
+        async); partial rollouts count their stitched samples' tokens one by one (``rollout/partial/``)."""
+        tokens = self.tokens_of(result) if self.tokens_of is not None else [1] * len(staleness)
+        ages: Counter[int] = Counter()
+        for age, count in zip(staleness, tokens, strict=True):
+            ages[age] += count
+        return ages
 
     def start_next(self, step: int) -> None:
         """Begin generating step ``step``'s batch on the engine's current weights (async mode only)."""

@@ -91,3 +91,8 @@ def batch_versions(batch: RolloutBatch) -> list[int]:
     if batch.policy_versions is None:
         raise ValueError("a packed rollout batch carries each sample's policy version")
     return [int(v) for v in batch.policy_versions.tolist()]
+
+
+def batch_response_tokens(batch: RolloutBatch) -> list[int]:
+    """Each sample's trained response tokens (what the stale-token metrics count)."""
+    return [int(n) for n in batch.response_mask.sum(-1).tolist()]

@@ -17,8 +17,9 @@ order are the step's batch (carried groups first: the older a group, the sooner 
   engine's log-probs like any engine/trainer mismatch (``algorithm.mismatch_*``), and the metrics say how
   many are stale and by how much (``rollout/partial/stale_token_frac``, ``stale_tokens_age_<k>``). A
   carried group holding a token more than ``rollout.max_staleness`` versions old by the step it would
-  train in is dropped instead (``rollout/partial/dropped_stale``). A sample's ``weight_version`` is its
-  oldest token's.
+  train in is dropped instead, whole (``rollout/staleness.py:admit_groups``; ``rollout/partial/dropped_stale``;
+  ``rollout.staleness_policy=drop``, the one policy a carried group allows). A sample's ``weight_version`` is
+  its oldest token's.
 The carried groups are part of the checkpoint (``state_dict``): a resumed run continues them exactly. A
 resume may change ``rollout.group_size`` or ``rollout.max_new_tokens`` (``checkpoint.resume_allow_changes``):
 a carried group with more samples than the group size now asks for, or a sample with more tokens than the
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -40,6 +40,7 @@ import torch
 from gspo_megatron.contracts.samples import TOKEN_VERSIONS, FinishReason, RowRequest, Sample, SamplingParams
 from gspo_megatron.rollout.config import PARTIAL_CONTINUE, PartialRollout
 from gspo_megatron.rollout.data.records import PromptRecord
+from gspo_megatron.rollout.staleness import admit_groups, stale_token_metrics, token_ages
 
 
 @dataclass
@@ -52,10 +53,6 @@ class Group:
     @property
     def complete(self) -> bool:
         return bool(self.samples) and all(finished(sample) for sample in self.samples)
-
-    def oldest_version(self) -> int | None:
-        versions = [v for sample in self.samples for v in token_versions(sample)]
-        return min(versions) if versions else None
 
 
 @dataclass
@@ -145,9 +142,10 @@ class PartialRollouts:
         return DrawnGroups(taken, metrics)
 
     def _still_fresh(self, version: int) -> tuple[list[Group], int]:
-        """The carried groups whose oldest token is at most ``max_staleness`` versions old at ``version``."""
-        keep = [g for g in self.carried if _or(g.oldest_version(), version) >= version - self.max_staleness]
-        return keep, len(self.carried) - len(keep)
+        """The carried groups whose oldest token is at most ``max_staleness`` versions old at ``version``
+        (``rollout/staleness.py:admit_groups``: a group whole, by its oldest token)."""
+        admission = admit_groups(self.carried, _group_token_versions, version, self.max_staleness)
+        return admission.admitted, len(admission.dropped)
 
     @staticmethod
     def _rows(groups: list[Group], params: SamplingParams) -> tuple[list[RowRequest], list[tuple[int, int]]]:
@@ -173,8 +171,7 @@ class PartialRollouts:
         generated: list[Sample],
         version: int,
     ) -> dict[str, float]:
-        ages = Counter(version - v for group in taken for sample in group.samples for v in token_versions(sample))
-        tokens = sum(ages.values())
+        ages = token_ages((v for group in taken for v in _group_token_versions(group)), version)
         return {
             "rollout/partial/groups_started": float(len(groups)),
             "rollout/partial/groups_carried_in": float(len(carried)),
@@ -185,8 +182,7 @@ class PartialRollouts:
             "rollout/partial/aborted_samples": float(sum(not finished(s) and len(s.output_ids) > 0 for s in generated)),
             "rollout/partial/unstarted_samples": float(sum(not finished(s) and not s.output_ids for s in generated)),
             "rollout/partial/generated_tokens": float(sum(len(s.output_ids) for s in generated)),
-            "rollout/partial/stale_token_frac": (tokens - ages[0]) / tokens if tokens else 0.0,
-            **{f"rollout/partial/stale_tokens_age_{age}": float(ages[age]) for age in range(1, self.max_staleness + 1)},
+            **stale_token_metrics(ages, self.max_staleness, "rollout/partial/"),
         }
 
     # ------------------------------------------------------------------ checkpoints
@@ -218,12 +214,12 @@ def _fitting(groups: list[Group], params: SamplingParams) -> tuple[list[Group], 
     return keep, len(groups) - len(keep)
 
 
+def _group_token_versions(group: Group) -> list[int]:
+    return [v for sample in group.samples for v in token_versions(sample)]
+
+
 def _started(group: Group) -> bool:
     return any(sample.output_ids for sample in group.samples)
-
-
-def _or(value: int | None, default: int) -> int:
-    return default if value is None else value
 
 
 def _group_state(group: Group) -> dict:

@@ -184,7 +184,10 @@ def test_zero_means_off_where_documented():
     [
         ("routing.replay", "none, old_policy, rollout"),
         ("trainer.old_log_probs", "trainer, rollout"),
-        ("algorithm.mismatch.correction", "none, token_truncate, token_mask, sequence_truncate, sequence_mask"),
+        (
+            "algorithm.mismatch.correction",
+            "none, token_truncate, token_mask, sequence_truncate, sequence_mask, decoupled",
+        ),
         ("algorithm.loss.aggregation", "seq_mean_token_mean, token_mean, seq_mean_token_sum"),
         ("rollout.engine", "embedded, sglang"),
         ("rollout.embedded.dtype", "float32, bfloat16, float16"),
