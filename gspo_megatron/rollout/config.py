@@ -41,14 +41,6 @@ class PartialRollout(ConfigChoice):
 PARTIAL_CONTINUE = PartialRollout("continue")
 
 
-class StalenessPolicy(ConfigChoice):
-    """``rollout.staleness_policy``: what keeps every trained token within ``rollout.max_staleness`` versions
-    (``rollout/staleness.py``)."""
-
-    drop = "drop"  # a group past the bound at the step that would train it is dropped whole
-    wait = "wait"  # the producer does not start groups that could pass the bound (AReaL's capacity rule)
-
-
 class RolloutEngineName(ConfigChoice):
     """``rollout.engine``."""
 
@@ -246,9 +238,6 @@ class RolloutSection(ConfigNode):
     async_rollout: bool = False  # generate step k+1 while step k trains (rollout/scheduler.py)
     # policy versions a sample may lag: async mode 0 (= synchronous) or 1; partial=continue >= 1
     max_staleness: int = 1
-    # drop | wait: a group past max_staleness is dropped whole, or the producer waits so none is made
-    # (rollout/staleness.py); one-step async keeps the bound by construction under either
-    staleness_policy: StalenessPolicy = StalenessPolicy.drop
     # start over_sample x the step's groups, stop once the step's groups are complete (rollout/agents/partial.py)
     over_sample: float = 1.0
     partial: PartialRollout = PartialRollout.drop  # the groups not needed: drop | continue (into the next step)
@@ -312,12 +301,6 @@ class RolloutSection(ConfigNode):
             raise ValueError(
                 "rollout.partial=continue carries the groups over-sampling started but did not need, and "
                 "rollout.over_sample=1 starts none more; set rollout.over_sample > 1 (e.g. 1.5)"
-            )
-        if carries and self.staleness_policy == StalenessPolicy.wait:
-            raise ValueError(
-                "rollout.staleness_policy=wait with rollout.partial=continue: a carried group ages while it waits "
-                "for a later step, and no producer can be held back to keep it young; set "
-                "rollout.staleness_policy=drop (a carried group past rollout.max_staleness is dropped whole)"
             )
         if carries and not self.async_rollout:  # async with over-sampling is refused below
             if self.max_staleness < 1:

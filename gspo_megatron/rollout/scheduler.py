@@ -23,7 +23,7 @@ Design decisions:
   of the generation that ran while training, not while the trainer waited for it) says what was
   gained. Timings are under ``time/`` (they differ run to run); staleness is under ``async/``, with the
   tokens by age (``async/stale_tokens_age_<a>``, ``rollout/staleness.py``) when the bound is above 0.
-- The bound holds by construction here, under either ``rollout.staleness_policy``: step k + 1's batch starts on
+- The bound holds by construction here: step k + 1's batch starts on
   version k and the weight sync waits for it, so the producer never runs more than one version ahead (it
   waits) and nothing can need dropping. ``rollout/staleness.py`` holds what a deeper prefetch would need.
 """

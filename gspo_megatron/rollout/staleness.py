@@ -1,5 +1,9 @@
 """The staleness bound: how many weight versions the tokens a step trains may lag, and what becomes of work
-that would lag more (``rollout.max_staleness`` k, ``rollout.staleness_policy``).
+that would lag more (``rollout.max_staleness`` k). Partial rollouts admit carried groups through
+``admit_groups`` and the schedulers count tokens by age (``stale_token_metrics``); ``StalenessGate`` (the
+``wait`` policy) and ``GroupBuffer`` are the pieces the k-version asynchronous mode of issue 66 will run on --
+no config key selects them yet, since no mode today can need them (docs/architecture.md, "Towards k-version
+asynchronous RL").
 
     age(token) = v_train - v_token      v_train: the version the step trains (its weights: steps trained so far)
                                         v_token: the version whose engine sampled the token

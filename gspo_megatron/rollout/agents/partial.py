@@ -17,8 +17,8 @@ order are the step's batch (carried groups first: the older a group, the sooner 
   engine's log-probs like any engine/trainer mismatch (``algorithm.mismatch_*``), and the metrics say how
   many are stale and by how much (``rollout/partial/stale_token_frac``, ``stale_tokens_age_<k>``). A
   carried group holding a token more than ``rollout.max_staleness`` versions old by the step it would
-  train in is dropped instead, whole (``rollout/staleness.py:admit_groups``; ``rollout/partial/dropped_stale``;
-  ``rollout.staleness_policy=drop``, the one policy a carried group allows). A sample's ``weight_version`` is
+  train in is dropped instead, whole (``rollout/staleness.py:admit_groups``; ``rollout/partial/dropped_stale``).
+  A sample's ``weight_version`` is
   its oldest token's.
 The carried groups are part of the checkpoint (``state_dict``): a resumed run continues them exactly. A
 resume may change ``rollout.group_size`` or ``rollout.max_new_tokens`` (``checkpoint.resume_allow_changes``):

@@ -11,7 +11,7 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from gspo_megatron.contracts.samples import Sample, SamplingParams
-from gspo_megatron.rollout.config import EmbeddedConfig, RolloutSection
+from gspo_megatron.rollout.config import EmbeddedConfig
 from gspo_megatron.rollout.embedded.engine import EmbeddedEngine
 from gspo_megatron.rollout.staleness import (
     GateClosed,
@@ -187,13 +187,6 @@ def test_wait_the_producer_blocks_at_the_bound_and_nothing_is_dropped():
         pipeline.close()
     assert pipeline.buffer.dropped == 0 and max(trained_ages) == k
     assert gate.waits >= steps
-
-
-def test_wait_is_refused_where_a_carried_group_cannot_be_held_back():
-    with pytest.raises(ValueError, match="rollout.staleness_policy=wait with rollout.partial=continue"):
-        RolloutSection(over_sample=1.5, partial="continue", staleness_policy="wait")
-    RolloutSection(over_sample=1.5, partial="continue", staleness_policy="drop")
-    RolloutSection(async_rollout=True, staleness_policy="wait")
 
 
 def test_one_step_async_reports_its_tokens_by_age():
