@@ -9,6 +9,11 @@
 - the launcher with ``--script``: the script exists and its arguments parse.
 - ``torchrun ... -m gspo_megatron.train OVERRIDES``: torchrun's own parser takes its options and the
   overrides compose.
+- every launch that says how many ranks it starts (torchrun's ``--nnodes`` x ``--nproc-per-node``,
+  ``NPROC=`` for ``launch/train_local.sh``, ``NNODES=`` x 8 GPUs for ``launch/train_multinode.sh``,
+  ``sbatch --nodes`` x 8 for ``launch/train.slurm``) is planned on H100s at that world size by the
+  planner's own API (``tools/planning/job.py``, as ``tools/plan.py`` plans it) and must fit: a command a
+  user copies onto a cluster runs there.
 Placeholders a reader fills in (``...``, ``<date>``, ``CKPT``) are dropped or taken as they are.
 The set-up and test commands themselves are what CI runs, so they are only parsed here.
 """
@@ -31,6 +36,8 @@ from gspo_megatron.config.schema import to_train_config
 ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 ENV_PREFIX = re.compile(r"^(?:[A-Z_][A-Z0-9_]*=\S+\s+)+")
+GPUS_PER_NODE = 8  # launch/train.slurm's default (SLURM_GPUS_ON_NODE) and the docs' H100 nodes
+PROMPT_TOKENS = 1024  # tools/plan.py's default --prompt-tokens
 
 
 def _commands() -> list[tuple[str, str]]:
@@ -173,3 +180,52 @@ def test_torchrun_commands_parse_and_their_overrides_compose(where, command):
     arguments = get_args_parser().parse_args(words[1:])  # argparse exits (a failure) on what it does not take
     assert arguments.module and arguments.training_script == "gspo_megatron.train", where
     _compose_ok(_overrides(arguments.training_script_args))
+
+
+def _environment(command: str) -> dict[str, str]:
+    """The ``KEY=value`` words before the command (``NPROC=2 bash ...``)."""
+    prefix = ENV_PREFIX.match(command)
+    return dict(word.split("=", 1) for word in prefix.group(0).split()) if prefix else {}
+
+
+def _world_size(command: str) -> int | None:
+    """How many ranks a launch command starts, where it says so; None for a command that does not launch."""
+    words, env = _words(command), _environment(command)
+    if words[0] == "torchrun":
+        from torch.distributed.run import get_args_parser
+
+        arguments = get_args_parser().parse_args(words[1:])
+        return int(arguments.nnodes) * int(arguments.nproc_per_node)
+    if "launch/train_local.sh" in words:
+        return int(env.get("NPROC", "1"))
+    if "launch/train_multinode.sh" in words:
+        return int(env["NNODES"]) * int(env.get("NPROC_PER_NODE", GPUS_PER_NODE))
+    if words[0] == "sbatch" and "launch/train.slurm" in words:
+        return int(words[words.index("--nodes") + 1]) * GPUS_PER_NODE
+    return None
+
+
+LAUNCHES = [(where, c, _world_size(c)) for where, c in _distinct("torchrun") + _distinct("script") if _world_size(c)]
+
+
+def test_the_documents_show_cluster_launches_to_plan():
+    assert any(world >= 16 for _, _, world in LAUNCHES), "no multi-node launch found in README.md and docs/"
+
+
+@pytest.mark.parametrize("where, command, world", LAUNCHES, ids=lambda v: str(v))
+def test_launch_commands_plan_as_fitting_their_gpus(where, command, world):
+    """The issue 64 commands: README's two-node torchrun line (``parallel=tp4_ep8`` on the default model, refused
+    by the layout check) and docs/training.md's 30B line (the toy job's 128-row micro-batches: 122.5 GiB)."""
+    from planning.hardware import gpu_spec
+    from planning.job import compose_job, plan_job
+
+    words = _words(command)
+    args = get_torchrun_script_args(words) if words[0] == "torchrun" else words
+    plan = plan_job(compose_job(_overrides(args), world, PROMPT_TOKENS), gpu_spec("h100"))
+    assert plan.fits, f"{where}: {command}\n does not fit {world} H100s: {plan.problems}"
+
+
+def get_torchrun_script_args(words: list[str]) -> list[str]:
+    from torch.distributed.run import get_args_parser
+
+    return get_args_parser().parse_args(words[1:]).training_script_args
