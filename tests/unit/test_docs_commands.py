@@ -7,6 +7,7 @@
 - ``python3 tools/X.py``: the tool exists; its arguments parse (``--help`` exits 0); a planner
   command that needs no ranking runs as written and prints its verdict.
 - the launcher with ``--script``: the script exists and its arguments parse.
+- another ``python3 -m gspo_megatron.X`` (the routing report): the module exists and ``--help`` exits 0.
 - ``torchrun ... -m gspo_megatron.train OVERRIDES``: torchrun's own parser takes its options and the
   overrides compose.
 - every launch that says how many ranks it starts (torchrun's ``--nnodes`` x ``--nproc-per-node``,
@@ -47,7 +48,7 @@ def _commands() -> list[tuple[str, str]]:
         lines = document.read_text().splitlines()
         inside, pending, start = False, "", 0
         for number, line in enumerate(lines, start=1):
-            if line.startswith("```"):
+            if line.lstrip().startswith("```"):  # a block inside a list item is indented
                 inside = line.strip() == "```bash"
                 continue
             if not inside:
@@ -89,6 +90,8 @@ def _kind(command: str) -> str:
         return "train"
     if words[:3] == ["python3", "-m", "gspo_megatron.launcher"]:
         return "launcher"
+    if words[:2] == ["python3", "-m"] and words[2].startswith("gspo_megatron."):
+        return "module"
     if words[0] == "torchrun" and "gspo_megatron.train" in words:
         return "torchrun"
     if words[0] in ("bash", "sbatch"):
@@ -158,6 +161,14 @@ def test_tools_exist_and_parse_their_arguments(where, command):
         assert done.returncode in (0, 1) and "fits" in done.stdout, f"{where}: {done.stderr[-2000:]}"  # 1: no fit
     elif tool.name == "plan.py":
         _compose_ok([w for w in _overrides(words) if not w.startswith("--")])
+
+
+@pytest.mark.parametrize("where, command", _distinct("module"), ids=lambda v: v)
+def test_package_modules_exist_and_parse_their_arguments(where, command):
+    module = _words(command)[2]
+    assert importlib.util.find_spec(module) is not None, f"{where}: no module {module}"
+    done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, timeout=300)
+    assert done.returncode == 0, f"{where}: {module} --help failed: {done.stderr[-2000:]!r}"
 
 
 @pytest.mark.parametrize("where, command", [c for c in COMMANDS if _kind(c[1]) == "launcher"], ids=lambda v: v)
