@@ -240,3 +240,34 @@ def get_torchrun_script_args(words: list[str]) -> list[str]:
     from torch.distributed.run import get_args_parser
 
     return get_args_parser().parse_args(words[1:]).training_script_args
+
+
+SIZE_NOTE = re.compile(r"\((?:[^()]*?\s)?(?P<total>[\d.]+)B(?: here)?, (?P<active>[\d.]+)B active")
+
+
+def _planned_sizes() -> list[tuple[str, str, str, str]]:
+    """(where, model, total, active) for each ``tools/plan.py MODEL ...`` line whose comment states the sizes."""
+    found = []
+    for document in DOCUMENTS:
+        for number, line in enumerate(document.read_text().splitlines(), start=1):
+            note = SIZE_NOTE.search(line.partition(" #")[2])
+            if line.startswith("python3 tools/plan.py ") and note:
+                found.append(
+                    (f"{document.relative_to(ROOT)}:{number}", line.split()[2], *note.group("total", "active"))
+                )
+    return found
+
+
+@pytest.mark.parametrize("where, model, total, active", _planned_sizes(), ids=lambda v: str(v))
+def test_the_sizes_a_plan_comment_states_are_the_planners(where, model, total, active):
+    """Issue 64: docs/training.md said GLM-4.5-Air has 12B active parameters where the planner counts 13.42B
+    (the figure a model card gives may leave out the embeddings; the comment says the planner's)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from plan import load_model
+
+    counts = load_model(model).parameter_count()
+    for written, counted in ((total, counts["total"]), (active, counts["active"])):
+        decimals = len(written.partition(".")[2])
+        assert float(written) == round(counted / 1e9, decimals), (
+            f"{where}: {model} {written}B, planner {counted / 1e9:.2f}B"
+        )
