@@ -25,6 +25,7 @@ def run(cfg: DictConfig, run_dir: str) -> str:
     """Train with an already composed config; returns the summary text (driver) or ''."""
     from omegaconf import DictConfig, OmegaConf
 
+    from gspo_megatron.config.recipes import toy_settings_notice
     from gspo_megatron.config.schema import to_train_config
     from gspo_megatron.config.validate import validate_config, validate_for_machine
     from gspo_megatron.core.config_node import freeze_config
@@ -52,9 +53,9 @@ def run(cfg: DictConfig, run_dir: str) -> str:
     # lock the run directory, and refuse a wrong fresh start or resume before building
     claim = claim_run_dir(Path(run_dir), typed.checkpoint, config_yaml) if driver else None
     keep_reaper(start_reaper())  # whatever this process starts dies with it, even by SIGKILL (run/reaper.py)
-    notice = optional_accelerators_notice() if driver else None
-    if notice:
-        print(notice, flush=True)
+    for notice in (toy_settings_notice(typed), optional_accelerators_notice()) if driver else ():
+        if notice:
+            print(notice, flush=True)
     try:
         if claim is not None:  # run_dir= given: Hydra's record and train.log go there, not the working directory
             keep_hydra_output(cfg, Path(run_dir))

@@ -42,6 +42,7 @@ import sys
 from pathlib import Path
 
 from gspo_megatron.config.compose import CONF_DIR
+from gspo_megatron.config.recipes import toy_settings_notice
 from gspo_megatron.policy.config import ParallelSection
 from gspo_megatron.policy.models.config import PRESETS, MoEModelConfig, preset
 from gspo_megatron.policy.parallel.layout import ParallelLayout
@@ -271,6 +272,9 @@ def plan_config(args, gpu) -> int:
         f"model {job.config.model.preset or 'from the config'}: {counts['total'] / 1e9:.2f}B parameters, "
         f"{counts['active'] / 1e9:.2f}B active; {args.gpus} training GPUs"
     )
+    notice = toy_settings_notice(job.config)  # the trainer says the same at start-up
+    if notice:
+        print(notice)
     print("from the config: " + "\n  ".join(job.describe()))
     if args.calibrate:
         job, gpu = run_calibration(args, job, gpu)

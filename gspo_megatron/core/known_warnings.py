@@ -7,6 +7,8 @@ Design decisions:
   reviewed and added here.
 - Filters match the warning's category, the start of its message and the module that issues it, so
   the same text from elsewhere still shows.
+- A warning that is harmless only without CUDA (``KNOWN_CPU_WARNINGS``) is filtered by the CPU start-up
+  (``policy/cpu_bridges.py:apply_cpu_bridges``, which every rank calls), never on a GPU.
 - Warnings we can remove at the source are removed there instead (megatron's deprecated default
   ``cuda_graph_scope="full"`` is overridden in ``policy/models/builder.py``; the embedded engine uses
   transformers' current cache argument).
@@ -102,6 +104,20 @@ KNOWN_WARNINGS: tuple[KnownWarning, ...] = (
 )
 
 
+# Reviewed as harmless only without CUDA: filtered by the CPU start-up (policy/cpu_bridges.py:apply_cpu_bridges, in
+# every rank), so that on GPUs, where they can be acted on, they still show.
+KNOWN_CPU_WARNINGS: tuple[KnownWarning, ...] = (
+    KnownWarning(
+        UserWarning,
+        r"When using (sequence parallelism|async grad allreduce) it is recommended to set the environment "
+        r"variable CUDA_DEVICE_MAX_CONNECTIONS to 1",
+        r"megatron\.core\.tensor_parallel\.layers",
+        "megatron's advice for overlapping CUDA streams, said once per rank of a tp > 1 run (megatron-core 0.16 "
+        "and later); without CUDA there is no stream to overlap and the variable changes nothing",
+    ),
+)
+
+
 @dataclass(frozen=True)
 class KnownLogMessage:
     logger: str  # the exact logger name that emits it
@@ -154,6 +170,12 @@ def filter_known_warnings() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _ReviewedLogFilter) for f in logger.filters):  # once per process
             logger.addFilter(_ReviewedLogFilter(patterns))
+
+
+def filter_known_cpu_warnings() -> None:
+    """Hide the warnings reviewed as harmless without CUDA (``KNOWN_CPU_WARNINGS``) in this process."""
+    for known in KNOWN_CPU_WARNINGS:
+        warnings.filterwarnings("ignore", message=known.message, category=known.category, module=known.module)
 
 
 def optional_accelerators_notice() -> str | None:

@@ -106,11 +106,13 @@ def apply_cpu_bridges() -> str:
     megatron-core and torch, once per process; returns the line that says what was applied."""
     from importlib.metadata import version
 
+    from gspo_megatron.core.known_warnings import filter_known_cpu_warnings
     from gspo_megatron.policy.parallel.device import cuda_kernels
 
     if cuda_kernels():
         return "[gspo] CUDA: megatron-core runs as it is (no CPU bridge applied)"
     enable_cpu_megatron()
+    filter_known_cpu_warnings()  # megatron's CUDA-only advice, once per rank otherwise (core/known_warnings.py)
     names = ", ".join(_bridges_that_patched)
     return (
         f"[gspo] megatron-core {version('megatron-core')} without CUDA: {len(_bridges_that_patched)} CPU "

@@ -74,3 +74,18 @@ def test_a_start_failing_after_the_claim_removes_only_the_directory_it_made(tmp_
     (mine / "notes.txt").write_text("mine")
     result = _train([*task, f"run_dir={mine}"], tmp_path)
     assert result.returncode == 1 and (mine / "notes.txt").read_text() == "mine"
+
+
+def test_a_two_rank_cpu_run_shows_no_warning_per_rank(tmp_path):
+    """Issue 64 item 6: a tp2 run on CPU printed megatron's "set the environment variable
+    CUDA_DEVICE_MAX_CONNECTIONS to 1" once per rank (megatron-core 0.16.1 too): advice for CUDA streams."""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    env.pop("WORLD_SIZE", None)
+    command = [sys.executable, "-m", "gspo_megatron.launcher", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
+    command += ["parallel=tp2", "trainer.steps=1", f"run_dir={tmp_path / 'run'}"]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    screen = result.stdout + result.stderr
+    assert result.returncode == 0, screen[-4000:]
+    assert "run summary: 1 steps" in result.stdout, screen[-4000:]
+    assert WARNING_LINE.findall(screen) == [], screen[-4000:]

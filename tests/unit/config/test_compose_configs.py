@@ -22,7 +22,12 @@ EXPERIMENTS = [p.stem for p in sorted((Path(CONF_DIR) / "experiment").glob("*.ya
 NEEDS = {
     ("rollout", "sglang"): ["rollout.sglang.model_path=/ckpt"],
     ("task", "jsonl"): ["task.dataset.path=/data/train.jsonl", "task.reward=exact_match"],
-    ("task", "jsonl_math"): ["task.dataset.path=/data/math.jsonl", "tokenizer.kind=hf", "tokenizer.path=/tok"],
+    ("task", "jsonl_math"): [  # a real run's task: its 4096 new tokens need a real model's context
+        "task.dataset.path=/data/math.jsonl",
+        "tokenizer.kind=hf",
+        "tokenizer.path=/tok",
+        "model=qwen3_30b_a3b",
+    ],
     ("task", "reasoning_max_digit"): ["rollout.max_new_tokens=24"],
 }
 

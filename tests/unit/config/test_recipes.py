@@ -1,9 +1,18 @@
 """The cluster recipes in conf/experiment/ compose, pass the trainer's start-up validation at their world
-size, and plan as fitting their GPUs (``tools/plan.py``'s config mode: ``tools/planning/job.py``)."""
+size, and plan as fitting their GPUs (``tools/plan.py``'s config mode: ``tools/planning/job.py``); the toy
+job's settings come from its task, and a real-size model composed with them is warned about
+(``config/recipes.py``)."""
 
 from __future__ import annotations
 
-from gspo_megatron.config.compose import compose
+import re
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from gspo_megatron.config.compose import CONF_DIR, compose
+from gspo_megatron.config.recipes import toy_settings_notice
 from gspo_megatron.config.schema import to_train_config
 from gspo_megatron.config.validate import validate_config
 from planning.hardware import gpu_spec
@@ -11,6 +20,7 @@ from planning.job import compose_job, plan_job
 
 # what the user adds: the checkpoint, the engines started beside the trainer (attach mode)
 USER = ["rollout.sglang.model_path=/ckpt", "rollout.sglang.urls=[http://e0:30000]"]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_slimes_235b_job_is_accepted_and_fits_64_h100s():
@@ -37,3 +47,76 @@ def test_slimes_30b_job_fits_one_node_of_8_h100s_colocated():
     assert (cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.etp) == (4, 8, 1)  # slime's
     assert cfg.rollout.placement == "colocated" and cfg.rollout.sglang.weight_sync == "tensor"
     assert cfg.optimizer.cpu_offload and cfg.optimizer.precision_aware and cfg.trainer.reference_offload
+
+
+# --- every cluster recipe: planned on its GPUs, named in the README (issue 64) --------------------------------
+
+RECIPE_GPUS = {  # recipe -> (training GPUs, what its user adds beyond the checkpoint)
+    "qwen3_30b_a3b_8xh100": (8, []),
+    "qwen3_235b_a22b_64xh100": (64, ["rollout.sglang.urls=[http://e0:30000,http://e1:30000]"]),
+}
+EXPERIMENTS = Path(CONF_DIR) / "experiment"
+
+
+def test_every_cluster_recipe_is_planned_here():
+    found = {p.stem for p in EXPERIMENTS.glob("*.yaml") if re.search(r"_\d+xh100$", p.stem)}
+    assert found == set(RECIPE_GPUS), "a cluster recipe (conf/experiment/*_Nxh100.yaml) without a plan here"
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPE_GPUS))
+def test_each_cluster_recipe_fits_its_gpus_and_the_readme_names_it(recipe):
+    gpus, extra = RECIPE_GPUS[recipe]
+    plan = plan_job(
+        compose_job([f"+experiment={recipe}", "rollout.sglang.model_path=/ckpt", *extra], gpus, 1024), gpu_spec("h100")
+    )
+    assert plan.fits, f"{recipe} on {gpus} H100s: {plan.problems}"
+    assert f"+experiment={recipe}" in (ROOT / "README.md").read_text()
+
+
+# --- the toy job's settings live with the toy task; a real-size model with them is warned about ---------------
+
+TOY = {"rollout.max_new_tokens": 3, "rollout.group_size": 16, "trainer.micro_batch_size": 128, "optimizer.lr": 1e-3}
+
+
+def _values(cfg, keys):
+    return {key: OmegaConf.select(cfg, key) for key in keys}
+
+
+def test_the_main_job_keeps_its_settings_from_its_task_and_jsonl_math_brings_a_real_runs():
+    """The settings conf/config.yaml held before the move: the main job composes them, now from
+    conf/task/running_max.yaml; another rollout engine does not change them; task=jsonl_math replaces each."""
+    main = compose([])
+    assert _values(main, TOY) == TOY
+    assert main == compose([f"{key}={value}" for key, value in TOY.items()])  # nothing else moved
+    assert _values(compose(["rollout=sglang", "rollout.sglang.model_path=/ckpt"]), TOY) == TOY
+    math = compose(["task=jsonl_math", "task.dataset.path=/data/math.jsonl"])
+    assert all(OmegaConf.select(math, key) != value for key, value in TOY.items())
+    assert math.rollout.max_new_tokens >= 1024 and math.optimizer.lr <= 1e-5 and math.trainer.micro_batch_tokens
+
+
+@pytest.mark.parametrize(
+    "model, recipe",
+    [("qwen3_30b_a3b", "+experiment=qwen3_30b_a3b_8xh100"), ("qwen3_235b_a22b", "+experiment=qwen3_235b_a22b_64xh100")],
+)
+def test_a_real_model_with_the_toy_settings_is_warned_about_naming_the_recipe(model, recipe):
+    notice = toy_settings_notice(to_train_config(compose([f"model={model}"])))
+    assert notice is not None and recipe in notice
+    for key in ("tokenizer.kind=symbol", "optimizer.lr=0.001", "rollout.max_new_tokens=3"):
+        assert key in notice
+
+
+def test_no_warning_for_the_main_job_the_recipes_or_a_real_model_with_real_settings():
+    real = [
+        "model=qwen3_30b_a3b",
+        "task=jsonl_math",
+        "task.dataset.path=/d.jsonl",
+        "tokenizer.kind=hf",
+        "tokenizer.path=/t",
+    ]
+    for overrides in (
+        [],
+        ["+experiment=qwen3_30b_a3b_8xh100", "rollout.sglang.model_path=/ckpt", "model.hf_checkpoint=null"],
+        real,
+    ):
+        assert toy_settings_notice(to_train_config(compose(overrides))) is None, overrides
+    assert "optimizer.lr=0.001" in toy_settings_notice(to_train_config(compose([*real, "optimizer.lr=1e-3"])))

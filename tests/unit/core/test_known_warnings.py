@@ -7,7 +7,12 @@ import warnings
 
 import pytest
 
-from gspo_megatron.core.known_warnings import KNOWN_LOG_MESSAGES, KNOWN_WARNINGS, filter_known_warnings
+from gspo_megatron.core.known_warnings import (
+    KNOWN_LOG_MESSAGES,
+    KNOWN_WARNINGS,
+    filter_known_cpu_warnings,
+    filter_known_warnings,
+)
 
 
 def _shown(message: str, category: type[Warning], module: str) -> bool:
@@ -26,6 +31,26 @@ def test_a_reviewed_warning_is_hidden_only_from_its_module(known):
     assert not _shown(message, known.category, module)
     assert _shown(message, known.category, "someone_else")  # the same text from elsewhere still shows
     assert _shown(message, DeprecationWarning if known.category is not DeprecationWarning else UserWarning, module)
+
+
+# megatron-core's text (tensor_parallel/layers.py, 0.16.1), once per rank of a tp > 1 run
+STREAM_ADVICE = (
+    "When using sequence parallelism it is recommended to set the environment variable "
+    "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup"
+)
+
+
+def test_the_cuda_stream_advice_is_hidden_by_the_cpu_start_up_only():
+    """Shown where CUDA runs (the entry point's filters keep it), hidden once the CPU start-up filtered it."""
+    module = "megatron.core.tensor_parallel.layers"
+    assert _shown(STREAM_ADVICE, UserWarning, module)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.resetwarnings()
+        warnings.simplefilter("always")
+        filter_known_cpu_warnings()
+        warnings.warn_explicit(STREAM_ADVICE, UserWarning, filename="/site/layers.py", lineno=1, module=module)
+        warnings.warn_explicit(STREAM_ADVICE, UserWarning, filename="/site/other.py", lineno=1, module="other")
+    assert [str(w.message) for w in caught] == [STREAM_ADVICE]  # only the one from elsewhere
 
 
 def test_an_unreviewed_warning_shows():

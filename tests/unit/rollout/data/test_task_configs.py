@@ -14,7 +14,10 @@ CONF = Path(__file__).resolve().parents[4] / "gspo_megatron" / "conf" / "task"
 
 
 def _compose(name, **overrides) -> TaskConfig:
-    merged = OmegaConf.merge(OmegaConf.structured(TaskConfig), OmegaConf.load(CONF / f"{name}.yaml"), overrides)
+    """The task section of ``conf/task/NAME.yaml`` (a ``_global_`` file: its ``task:`` node; the rest are the
+    job settings the task brings, composed by tests/unit/config)."""
+    loaded = OmegaConf.load(CONF / f"{name}.yaml")
+    merged = OmegaConf.merge(OmegaConf.structured(TaskConfig), loaded.task, overrides)
     return OmegaConf.to_object(merged)
 
 
@@ -22,7 +25,8 @@ def test_every_task_yaml_composes_and_names_its_command():
     names = sorted(p.stem for p in CONF.glob("*.yaml"))
     assert {"max_digit", "reasoning_max_digit", "jsonl_math"} <= set(names)
     for name in names:
-        assert (CONF / f"{name}.yaml").read_text().startswith(f"# python -m gspo_megatron.train task={name}")
+        header = f"# @package _global_\n# python -m gspo_megatron.train task={name}"
+        assert (CONF / f"{name}.yaml").read_text().startswith(header)
         assert isinstance(_compose(name), TaskConfig)
 
 
