@@ -22,7 +22,8 @@ Design decisions:
   --find-links``): the image's packages count as installed, so the image's torch stays, and a kit that
   misses a dependency fails the install step naming it, not an import minutes later.
 - The project is not installed: every step runs with ``PYTHONPATH`` = the checkout (the configs are found
-  there as ``pkg://gspo_megatron.conf``; the tools import their siblings).
+  there as ``pkg://gspo_megatron.conf``; the tools import their siblings), and with ``HF_HUB_OFFLINE=1``
+  (that machine reaches no hub: a lookup fails at once instead of waiting out its time box).
 - Each step runs in its own process session; when its box runs out the whole session (pytest's ranks,
   the trainer's engine) gets SIGTERM, then SIGKILL after ``TERM_GRACE_S``.
 - A failing GPU step does not stop the next (they are independent); a failing install, preflight or
@@ -165,10 +166,15 @@ def pytest_counts(output: str) -> dict[str, int]:
     return counts
 
 
+def shown(step: Step) -> str:
+    """The step's command as the report shows it (an inline script by its step's name)."""
+    return " ".join(f"<{step.name} script>" if "\n" in arg else arg for arg in step.command)
+
+
 def run_step(step: Step, log_path: Path, env: dict[str, str], box_scale: float) -> StepResult:
     """Run one step in its own session under its box (times ``box_scale``), its output to ``log_path``."""
     started, box_s = time.monotonic(), step.box_s * box_scale
-    print(f"[gpu-day] {step.name} (box {box_s:.0f} s): {' '.join(step.command)[:200]}", flush=True)
+    print(f"[gpu-day] {step.name} (box {box_s:.0f} s): {shown(step)}", flush=True)
     with log_path.open("w") as log:
         process = subprocess.Popen(
             step.command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -183,7 +189,7 @@ def run_step(step: Step, log_path: Path, env: dict[str, str], box_scale: float) 
     rc = None if timed_out else process.returncode
     result = StepResult(
         step.name,
-        " ".join(step.command) if step.name not in ("preflight", "cuda") else f"{step.command[0]} -c <{step.name}>",
+        shown(step),
         round(box_s),
         rc,
         round(time.monotonic() - started, 1),
@@ -219,8 +225,7 @@ def decide(results: list[StepResult], dry_run: bool) -> tuple[str, int]:
     last = results[-1]
     failed = [r.step for r in results if r.rc != 0 and not (r.step == "cuda" and r.rc == NO_CUDA_RC and dry_run)]
     if dry_run and last.step == "cuda" and not failed:
-        found = "no CUDA device" if last.rc == NO_CUDA_RC else "a CUDA device"
-        return f"dry run: stopped at the CUDA check ({found}: {last.tail.strip().splitlines()[-1]})", 0
+        return f"dry run: stopped at the CUDA check ({last.tail.strip().splitlines()[-1]})", 0
     if failed:
         return "failed: " + ", ".join(failed), 1
     return "passed: every step", 0
@@ -229,7 +234,7 @@ def decide(results: list[StepResult], dry_run: bool) -> tuple[str, int]:
 def run_day(python: str, kit_dir: Path, out: Path, dry_run: bool, box_scale: float = 1.0) -> Report:
     started, start = datetime.now(UTC).isoformat(timespec="seconds"), time.monotonic()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    env["PYTHONUNBUFFERED"] = "1"
+    env |= {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}  # the lent machine reaches no hub: fail, not hang
     results: list[StepResult] = []
     with tempfile.TemporaryDirectory(prefix="gpu_day_") as scratch:
         for step in plan_steps(python, kit_dir, Path(scratch) / "main_job"):

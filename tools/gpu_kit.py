@@ -155,7 +155,9 @@ def project_requirements() -> list[Requirement]:
     """pyproject's dependencies for Python 3.12, and what the GPU tier needs of the test extra."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     wanted = [Requirement(line) for line in project["dependencies"]]
-    test_extra = {canonicalize_name(Requirement(line).name): line for line in project["optional-dependencies"]["test"]}
+    test_extra = {
+        str(canonicalize_name(Requirement(line).name)): line for line in project["optional-dependencies"]["test"]
+    }
     wanted += [Requirement(test_extra[name]) for name in GPU_TIER_TEST_NEEDS]
     return [requirement for requirement in wanted if applies(requirement)]
 
