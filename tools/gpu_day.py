@@ -4,7 +4,7 @@
     python3 tools/gpu_day.py --dry-run    # the same up to the CUDA check, then stop (this machine's test)
 
 Steps, each under its time box, 480 s in all (the device tool allows 600 s a command):
-    install 45 | preflight 45 | cuda 15 | gpu_tier 225 | main_job 75 | calibrate 75
+    install 30 | preflight 60 | cuda 15 | gpu_tier 225 | main_job 75 | calibrate 75
 - install: the kit (``.gpu_kit/``, built here by ``tools/gpu_kit.py build``) with ``pip --no-index``;
 - preflight: import what the steps import, print the versions the image really has;
 - cuda: ``torch.cuda.is_available()`` and the device's name;
@@ -138,12 +138,12 @@ class Report:
 
 def plan_steps(python: str, kit_dir: Path, run_dir: Path) -> list[Step]:
     """The day's steps in order; their boxes sum to at most ``TOTAL_BUDGET_S``."""
-    pytest = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    pytest = [python, "-m", "pytest", "-v", "-p", "no:cacheprovider"]  # -v: each test's outcome as it ends
     install = [python, "-m", "pip", "install", "--no-index", "--find-links", str(kit_dir), "--no-compile"]
     train = [python, "-m", "gspo_megatron.train", f"run_dir={run_dir}", "logging.progress=false"]
     return [
-        Step("install", 45, [*install, "-r", str(kit_dir / "requirements.txt")], stops_the_run=True),
-        Step("preflight", 45, [python, "-c", PREFLIGHT], stops_the_run=True),
+        Step("install", 30, [*install, "-r", str(kit_dir / "requirements.txt")], stops_the_run=True),
+        Step("preflight", 60, [python, "-c", PREFLIGHT], stops_the_run=True),
         Step("cuda", 15, [python, "-c", CUDA_CHECK], stops_the_run=True),
         Step("gpu_tier", 225, [*pytest, "tests/gpu", "--ignore=tests/gpu/test_calibrate_gpu.py"], False),
         Step("main_job", 75, [*train, f"trainer.steps={MAIN_JOB_STEPS}"], stops_the_run=False),

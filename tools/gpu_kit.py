@@ -307,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         wheels, from_image = build(args.kit_dir, budget)
     except KitError as error:
+        shutil.rmtree(args.kit_dir, ignore_errors=True)  # no partial kit for tools/gpu_day.py to find
         print(f"[kit] refused: {error}", file=sys.stderr)
         return 1
     write_manifest(args.kit_dir, wheels, from_image, budget)
