@@ -62,11 +62,11 @@ MAIN_JOB_STEPS = 40
 REPORT_JSON, REPORT_TEXT = "gpu_day.json", "gpu_day.txt"
 
 PREFLIGHT = """
-import importlib.metadata as md
+import importlib.metadata as md, sys
 import megatron.core, hydra, omegaconf, math_verify, torch, transformers
 import gspo_megatron.train
-for name in ("torch", "transformers", "megatron-core", "hydra-core", "omegaconf", "math-verify", "numpy",
-             "huggingface-hub", "packaging", "pytest", "pytest-timeout", "triton"):
+image = ["torch", "transformers", "triton", "numpy", "huggingface-hub", "packaging", "pytest", "pytest-timeout"]
+for name in image + sys.argv[1:]:  # then the kit's packages
     try:
         print(name, md.version(name))
     except md.PackageNotFoundError:
@@ -136,6 +136,13 @@ class Report:
     not_run: list[dict[str, str]]
 
 
+def kit_names(kit_dir: Path) -> list[str]:
+    """The kit's packages, as its requirements.txt names them (``name==version`` lines)."""
+    path = kit_dir / "requirements.txt"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return [line.split("==")[0] for line in lines if line.strip()]
+
+
 def plan_steps(python: str, kit_dir: Path, run_dir: Path) -> list[Step]:
     """The day's steps in order; their boxes sum to at most ``TOTAL_BUDGET_S``."""
     pytest = [python, "-m", "pytest", "-v", "-p", "no:cacheprovider"]  # -v: each test's outcome as it ends
@@ -143,7 +150,7 @@ def plan_steps(python: str, kit_dir: Path, run_dir: Path) -> list[Step]:
     train = [python, "-m", "gspo_megatron.train", f"run_dir={run_dir}", "logging.progress=false"]
     return [
         Step("install", 30, [*install, "-r", str(kit_dir / "requirements.txt")], stops_the_run=True),
-        Step("preflight", 60, [python, "-c", PREFLIGHT], stops_the_run=True),
+        Step("preflight", 60, [python, "-c", PREFLIGHT, *kit_names(kit_dir)], stops_the_run=True),
         Step("cuda", 15, [python, "-c", CUDA_CHECK], stops_the_run=True),
         Step("gpu_tier", 225, [*pytest, "tests/gpu", "--ignore=tests/gpu/test_calibrate_gpu.py"], False),
         Step("main_job", 75, [*train, f"trainer.steps={MAIN_JOB_STEPS}"], stops_the_run=False),
