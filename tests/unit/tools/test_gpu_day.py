@@ -6,6 +6,7 @@ tests/e2e/test_gpu_day_dry_run.py."""
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -45,20 +46,19 @@ def test_counts_are_read_off_pytests_own_closing_line(tmp_path):
 @pytest.mark.slow
 def test_a_box_that_runs_out_ends_the_steps_whole_session(tmp_path):
     pid_file = tmp_path / "grandchild.pid"
-    script = (
-        "import subprocess, sys, time\n"
-        f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
-        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
-        "print('started', flush=True)\n"
-        "time.sleep(600)\n"
-    )
-    step = Step("sleeper", 1, [sys.executable, "-c", script], stops_the_run=False)
-    result = run_step(step, tmp_path / "sleeper.log", dict(os.environ), box_scale=15.0)
+    script = f"sleep 600 & echo $! > {pid_file}; echo started; wait"  # a grandchild in the step's session
+    step = Step("sleeper", 1, ["bash", "-c", script], stops_the_run=False)
+    result = run_step(step, tmp_path / "sleeper.log", dict(os.environ), box_scale=5.0)
     assert result.timed_out and result.rc is None
     assert "started" in result.tail
-    grandchild = int(pid_file.read_text())
-    stat = Path(f"/proc/{grandchild}/stat")
-    assert not stat.exists() or stat.read_text().split(") ")[1].startswith("Z")  # gone, or a zombie
+    try:
+        grandchild = os.pidfd_open(int(pid_file.read_text()))
+    except ProcessLookupError:
+        return  # already gone
+    with select.epoll() as poll:  # a pidfd turns readable when its process ends
+        poll.register(grandchild, select.EPOLLIN)
+        assert poll.poll(timeout=60), "the step's grandchild outlived its box by a minute"
+    os.close(grandchild)
 
 
 def _result(step: str, rc: int | None, tail: str = "") -> StepResult:
