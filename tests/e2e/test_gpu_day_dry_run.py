@@ -6,14 +6,17 @@ The image stands in as ``.venv-gpu-image/`` (launch/setup_gpu_image_venv.sh: the
 what the project needs of it, torch 2.11.0 among them; made once, about 3 GB, then reused); each run
 layers a fresh venv on it through a ``.pth`` file, so the kit lands in the fresh venv and the stand-in
 stays as the image is. pip runs with no configuration and no index (``PIP_CONFIG_FILE`` = /dev/null,
-``--no-index``), as on the lent machine, which reaches no registry. Runs in the newest-stack leg
-(.ci/newest_stack), whose interpreter is the lent machine's Python 3.12; skipped on any other.
+``--no-index``), and the day's command in a network namespace of its own with no interface up
+(``unshare -n``, where this machine allows it: as root), as on the lent machine, which reaches no
+registry. Runs in the newest-stack leg (.ci/newest_stack), whose interpreter is the lent machine's
+Python 3.12; skipped on any other.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +40,15 @@ def _run(cmd: list, env: dict | None = None, timeout: int = 1800) -> subprocess.
     return done
 
 
+def _without_network() -> list[str]:
+    """``unshare -n`` (a network namespace with no interface up) where it is allowed, else nothing."""
+    probe = subprocess.run(["unshare", "-n", "true"], capture_output=True) if shutil.which("unshare") else None
+    if probe is None or probe.returncode != 0:
+        print("unshare -n is not allowed here: the dry run is offline by pip's --no-index alone")
+        return []
+    return ["unshare", "-n"]
+
+
 def _site_packages(venv: Path) -> Path:
     (path,) = (venv / "lib").glob("python3.12/site-packages")
     return path
@@ -58,7 +70,8 @@ def test_the_kit_installs_offline_and_the_dry_run_stops_at_the_missing_device(tm
     offline = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k != "PYTHONPATH"}
     offline |= {"PIP_CONFIG_FILE": os.devnull, "CUDA_VISIBLE_DEVICES": "", "OUT": str(tmp_path / "out")}
     day = subprocess.run(
-        [fresh / "bin" / "python", "tools/gpu_day.py", "--dry-run", f"--kit={kit}", f"--box-scale={BOX_SCALE}"],
+        [*_without_network(), fresh / "bin" / "python", "tools/gpu_day.py", "--dry-run", f"--kit={kit}"]
+        + [f"--box-scale={BOX_SCALE}"],
         cwd=ROOT,
         env=offline,
         capture_output=True,
