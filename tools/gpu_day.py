@@ -49,7 +49,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -222,9 +221,10 @@ def stop_session(process: subprocess.Popen) -> None:
             continue
 
 
-def missing_packages(find_spec: Callable[[str], object] = importlib.util.find_spec) -> list[dict[str, str]]:
+def missing_packages() -> list[dict[str, str]]:
     """What did not travel and is absent here, and why, with the tests that skip for it."""
-    return [{"what": what, "why": why} for module, (what, why) in NOT_CARRIED.items() if find_spec(module) is None]
+    absent = [(what, why) for module, (what, why) in NOT_CARRIED.items() if importlib.util.find_spec(module) is None]
+    return [{"what": what, "why": why} for what, why in absent]
 
 
 def decide(results: list[StepResult], dry_run: bool) -> tuple[str, int]:
