@@ -207,7 +207,8 @@ def start_threads(cfg: DictConfig) -> None:
     plan = plan_threads(usable_cores(), local_ranks, overlap, cfg.trainer.cpu_threads, os.environ)
     apply_thread_plan(plan)
     if driver:
-        print(f"threads: {plan.intra_op} intra-op ({plan.rule}; reward workers 1 each)", flush=True)
+        workers = "reward workers too" if plan.from_environment else "reward workers 1 each"
+        print(f"threads: {plan.intra_op} intra-op ({plan.rule}; {workers})", flush=True)
 
 
 def refused_start(error: Exception, hydra_made: Path | None) -> None:

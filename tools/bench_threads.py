@@ -2,7 +2,7 @@
 
     python tools/bench_threads.py                          # the main job, 4 steps, 3 interleaved repetitions
     python tools/bench_threads.py --steps 8 --reps 5       # longer runs, more repetitions
-    python tools/bench_threads.py --settings 1 2 algorithm=grpo   # chosen OMP_NUM_THREADS values; any overrides
+    python tools/bench_threads.py --settings 1,2 algorithm=grpo  # chosen OMP_NUM_THREADS values; any overrides
 
 Each run is the command line's job, ``python3 -m gspo_megatron.train trainer.steps=N`` (no evaluation,
 progress bar or TensorBoard), in a fresh process and run directory: ``default`` without
@@ -42,6 +42,7 @@ class Run:
     wall_s: float
     step_s: float | None  # median wall time between consecutive steps' records; None with one step
     threads: int  # the intra-op width the run said it used
+    why: str  # and why (the rule, the config key or OMP_NUM_THREADS)
 
 
 def environment(setting: str) -> dict[str, str]:
@@ -78,7 +79,8 @@ def run_job(setting: str, steps: int, overrides: list[str], timeout_s: float) ->
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     walls = [record[RUN_WALL_KEY] for record in records]  # the run's clock at each step's record
     step_times = [later - earlier for earlier, later in zip(walls, walls[1:], strict=False)]
-    return Run(setting, wall, statistics.median(step_times) if step_times else None, int(said[0][0]))
+    step_s = statistics.median(step_times) if step_times else None
+    return Run(setting, wall, step_s, threads=int(said[0][0]), why=said[0][1])
 
 
 def rotated(settings: list[str], repetition: int) -> list[str]:
@@ -105,6 +107,17 @@ def table(runs: list[Run], settings: list[str]) -> str:
     return "\n".join(lines)
 
 
+def thread_counts(text: str) -> list[int]:
+    """``--settings``: comma-separated positive integers, e.g. ``1,2``."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated thread counts >= 1, e.g. 1,2")
+    return counts
+
+
 def main(argv=None) -> None:
     from gspo_megatron.core.threads import usable_cores
 
@@ -114,16 +127,15 @@ def main(argv=None) -> None:
     parser.add_argument("--reps", type=int, default=3, help="repetitions of every setting, interleaved")
     parser.add_argument(
         "--settings",
-        nargs="+",
-        type=int,
+        type=thread_counts,
         default=list(range(1, cores + 1)),
-        help=f"OMP_NUM_THREADS values beside the default (default: 1..{cores}, this process's cores)",
+        help=f"OMP_NUM_THREADS values beside the default, comma-separated (default: 1..{cores}, the usable cores)",
     )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the job, e.g. algorithm=grpo")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.reps < 1 or min(args.settings) < 1:
-        parser.error("--steps, --reps and every --settings value must be >= 1")
+    if args.steps < 1 or args.reps < 1:
+        parser.error("--steps and --reps must be >= 1")
     settings = [DEFAULT, *(str(k) for k in args.settings)]
     runs: list[Run] = []
     for repetition in range(args.reps):
@@ -134,6 +146,7 @@ def main(argv=None) -> None:
         f"the main job, trainer.steps={args.steps}, {args.reps} repetition(s); {cores} core(s) usable; "
         f"overrides: {' '.join([*QUIET, *args.overrides])}"
     )
+    print(f"default: {next(r.why for r in runs if r.setting == DEFAULT)}")
     print(table(runs, settings))
 
 

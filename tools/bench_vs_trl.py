@@ -4,6 +4,7 @@
     python tools/bench_vs_trl.py --shape medium      # 4-layer 16-expert MoE, 32 x <= 64-token answers
     python tools/bench_vs_trl.py --shape default     # the main job: fine-grained MoE, 256 three-token answers
     python tools/bench_vs_trl.py --shape medium trainer.old_log_probs=rollout  # any of our overrides
+    python tools/bench_vs_trl.py --ours-only --shape default   # our side alone (no TRL needed): our column
 
 Same work on both sides, all taken from this project's composed config:
 - the same weights: one HF checkpoint (``save_pretrained`` of a transformers Qwen3-MoE with this
@@ -22,6 +23,11 @@ Same work on both sides, all taken from this project's composed config:
   group-normalised advantages; Adam with the same lr (constant), betas, eps, and gradient clipping.
   TRL computes old log-probs with a forward pass because generation and updates are misaligned
   (``steps_per_generation > gradient_accumulation_steps``), as our ``old_log_probs=trainer`` does.
+
+TRL's keywords are read through the typed sections the trainer reads (``trl_settings``), so a renamed
+key fails the fast tier's test of it, not TRL's process at benchmark time. A child that dies ends the
+benchmark at once (within a second) with its traceback, or the signal that killed it (``await_child``);
+each TRL child's pid is printed as it starts; ``--timeout`` bounds each side's run.
 
 Each side runs ``--rounds`` rounds in a fresh process; the sides alternate ``--reps`` times (ours,
 TRL, ours, TRL, ...) so load on the shared cores hits both alike. The first round of every run is
