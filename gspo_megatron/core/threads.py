@@ -27,7 +27,8 @@ the rule.
 Design decisions:
 - CPU float results can depend on the thread count (a reduction split over more threads adds in
   another order); a run's width is therefore logged at start-up (``threads: N intra-op (...)``) and
-  recorded by the warm start (``cpu_threads``), and the override keeps any older run reproducible.
+  recorded with the config in the run directory (``cpu_threads``, ``loop/trainer.py``), and the override
+  keeps any older run reproducible.
 - The rule, not a measured optimum: ``tools/bench_threads.py`` times the main job under the default
   and every ``OMP_NUM_THREADS`` from 1 to the cores; docs/benchmarks.md holds its table.
 """
