@@ -98,11 +98,10 @@ def table(runs: list[Run], settings: list[str]) -> str:
         low, high = min(r.wall_s for r in mine), max(r.wall_s for r in mine)
         label = setting if setting == DEFAULT else f"OMP_NUM_THREADS={setting}"
         widths = "/".join(str(w) for w in sorted({r.threads for r in mine}))
-        step = statistics.median(r.step_s for r in mine)
+        steps = [r.step_s for r in mine if r.step_s is not None]
+        step = f"{statistics.median(steps):.3f}" if steps else "-"  # "-": one step per run, no interval
         spread = f"{low:.1f}-{high:.1f}"
-        lines.append(
-            f"{label:<20}{widths:>8}{walls[setting]:>9.1f}{spread:>15}{step:>9.3f}{walls[setting] / best:>7.2f}x"
-        )
+        lines.append(f"{label:<20}{widths:>8}{walls[setting]:>9.1f}{spread:>15}{step:>9}{walls[setting] / best:>7.2f}x")
     lines.append(f"default / best = {walls[DEFAULT] / best:.2f} (median wall time of the whole job)")
     return "\n".join(lines)
 
