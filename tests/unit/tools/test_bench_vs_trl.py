@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -73,7 +74,8 @@ def test_killing_trls_child_ends_the_benchmark_non_zero(tmp_path):
     """The benchmark prints each TRL child's pid as it starts; killing that child ends the benchmark
     with a non-zero status naming the signal (bounded: ``await_child`` looks at the child every second)."""
     command = [sys.executable, str(ROOT / "tools" / "bench_vs_trl.py"), "--shape", "default", "--rounds", "2"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env["OMP_NUM_THREADS"] = "1"  # where TRL was found, this test's own path included
     bench = subprocess.Popen(
         [*command, "--reps", "1", *SMALL],
         cwd=tmp_path,
@@ -97,3 +99,27 @@ def test_killing_trls_child_ends_the_benchmark_non_zero(tmp_path):
             bench.wait(timeout=30)
     assert bench.returncode != 0
     assert "the TRL run (pid" in stderr and "killed by signal 9 (SIGKILL)" in stderr, stderr[-3000:]
+
+
+@pytest.mark.slow
+@NEEDS_TRL
+def test_the_comparison_prints_both_columns_and_the_ratio(tmp_path):
+    """The smoke run with TRL's side (test_bench_smoke.py runs ours alone, which needs no TRL)."""
+    command = [sys.executable, str(ROOT / "tools" / "bench_vs_trl.py"), "--shape", "default", "--rounds", "2"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env["OMP_NUM_THREADS"] = "1"
+    done = subprocess.run(
+        [*command, "--reps", "1", *SMALL], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    number = r"\d+(?:\.\d+)?"
+    for pattern in (
+        rf"^rep 1/1: ours {number} s/round, TRL {number} s/round$",
+        r"^\s+ours s\s+TRL s$",
+        rf"^round\s+{number}\s+{number}$",
+        rf"^  ratio\s+{number}x  \(ours / TRL; < 1: ours faster\)$",
+        rf"^  old_logp\+prep\s+{number}$",
+        rf"^tokens/s\s+{number}\s+{number}\s+\(completion tokens\)$",
+        rf"^round min-max  ours {number}-{number}  TRL {number}-{number}; medians over 1 rounds each$",
+    ):
+        assert any(re.search(pattern, line) for line in done.stdout.splitlines()), (pattern, done.stdout[-3000:])
