@@ -16,8 +16,9 @@ Same work on both sides, all taken from this project's composed config:
   slices, each in micro-batches of ``micro_batch_size`` rows (TRL's per-device batch, with gradient
   accumulation making up the mini-batch; its old log-probs are computed in the same chunks), at most
   ``max_new_tokens`` new tokens, the same sampling temperature;
-- the same torch thread count in both processes (``--threads``; default torch's own, as a plain
-  ``python -m gspo_megatron.train`` gets);
+- the same torch thread count in both processes (``--threads``; default torch's own here: the cores,
+  or ``OMP_NUM_THREADS``. A plain ``python -m gspo_megatron.train`` follows ``core/threads.py``'s rule
+  instead -- 1 on 2 cores with the main job's asynchronous rollout -- so pass ``--threads`` to match it);
 - the same algorithm: GSPO as TRL spells it (``importance_sampling_level="sequence"``, ``loss_type
   ="grpo"``: mean over tokens, then over sequences) or GRPO (token level), the same clip range, no KL,
   group-normalised advantages; Adam with the same lr (constant), betas, eps, and gradient clipping.
@@ -471,7 +472,7 @@ def main(argv=None) -> None:
         "--threads",
         type=int,
         default=None,
-        help="torch threads of each side's process (default: torch's own default here, as a plain run gets)",
+        help="torch threads of each side's process (default: torch's own here: the cores, or OMP_NUM_THREADS)",
     )
     parser.add_argument("--json", default=None, help="also write the raw per-round numbers here")
     parser.add_argument("--ours-only", action="store_true", help="run our side alone (no TRL needed): our column")
