@@ -185,6 +185,7 @@ def train_from_hydra(cfg: DictConfig) -> None:
 
     run_dir = cfg.run_dir or HydraConfig.get().runtime.output_dir
     try:
+        start_threads(cfg)
         summary = run(cfg, run_dir)
     except TrainingInterrupted as stop:
         print(f"[gspo] {stop}", file=sys.stderr, flush=True)
@@ -194,6 +195,22 @@ def train_from_hydra(cfg: DictConfig) -> None:
         raise
     if summary:
         print(summary)
+
+
+def start_threads(cfg: DictConfig) -> None:
+    """This process's torch intra-op threads by the rule of ``core/threads.py``, set once at start-up
+    (the command line's run only: a test or tool calling ``run`` keeps the count it chose), and said
+    once, by the driver."""
+    from gspo_megatron.core.threads import apply_thread_plan, plan_threads, usable_cores
+
+    driver = _is_driver_process()
+    overlap = driver and cfg.rollout.engine == "embedded" and cfg.rollout.max_staleness >= 1
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    plan = plan_threads(usable_cores(), local_ranks, overlap, cfg.trainer.cpu_threads, os.environ)
+    apply_thread_plan(plan)
+    if driver:
+        workers = "reward workers too" if plan.from_environment else "reward workers 1 each"
+        print(f"threads: {plan.intra_op} intra-op ({plan.rule}; {workers})", flush=True)
 
 
 def refused_start(error: Exception, hydra_made: Path | None) -> None:

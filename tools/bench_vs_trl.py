@@ -4,6 +4,7 @@
     python tools/bench_vs_trl.py --shape medium      # 4-layer 16-expert MoE, 32 x <= 64-token answers
     python tools/bench_vs_trl.py --shape default     # the main job: fine-grained MoE, 256 three-token answers
     python tools/bench_vs_trl.py --shape medium trainer.old_log_probs=rollout  # any of our overrides
+    python tools/bench_vs_trl.py --ours-only --shape default   # our side alone (no TRL needed): our column
 
 Same work on both sides, all taken from this project's composed config:
 - the same weights: one HF checkpoint (``save_pretrained`` of a transformers Qwen3-MoE with this
@@ -15,13 +16,19 @@ Same work on both sides, all taken from this project's composed config:
   slices, each in micro-batches of ``micro_batch_size`` rows (TRL's per-device batch, with gradient
   accumulation making up the mini-batch; its old log-probs are computed in the same chunks), at most
   ``max_new_tokens`` new tokens, the same sampling temperature;
-- the same torch thread count in both processes (``--threads``; default torch's own, as a plain
-  ``python -m gspo_megatron.train`` gets);
+- the same torch thread count in both processes (``--threads``; default torch's own here: the cores,
+  or ``OMP_NUM_THREADS``. A plain ``python -m gspo_megatron.train`` follows ``core/threads.py``'s rule
+  instead -- 1 on 2 cores with the main job's asynchronous rollout -- so pass ``--threads`` to match it);
 - the same algorithm: GSPO as TRL spells it (``importance_sampling_level="sequence"``, ``loss_type
   ="grpo"``: mean over tokens, then over sequences) or GRPO (token level), the same clip range, no KL,
   group-normalised advantages; Adam with the same lr (constant), betas, eps, and gradient clipping.
   TRL computes old log-probs with a forward pass because generation and updates are misaligned
   (``steps_per_generation > gradient_accumulation_steps``), as our ``old_log_probs=trainer`` does.
+
+TRL's keywords are read through the typed sections the trainer reads (``trl_settings``), so a renamed
+key fails the fast tier's test of it, not TRL's process at benchmark time. A child that dies ends the
+benchmark at once (within a second) with its traceback, or the signal that killed it (``await_child``);
+each TRL child's pid is printed as it starts; ``--timeout`` bounds each side's run.
 
 Each side runs ``--rounds`` rounds in a fresh process; the sides alternate ``--reps`` times (ours,
 TRL, ours, TRL, ...) so load on the shared cores hits both alike. The first round of every run is
@@ -45,10 +52,13 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import queue
+import signal
 import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 SHAPES = {
@@ -122,35 +132,25 @@ def task_work(cfg, count: int):
 
 
 # ---------------------------------------------------------------- TRL side (a fresh process per run)
-def trl_run(cfg, hf_dir: str, rounds: int, out_dir: str, threads: int) -> dict:
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+def trl_batch(cfg) -> tuple[int, int]:
+    """(TRL's per-device batch, its gradient accumulation) for our micro-batches: one mini-batch (rows /
+    updates) cut into ``micro_batch_size`` rows each; TRL's per-device batch is its micro-batch and
+    gradient accumulation makes up the mini-batch."""
+    rows = cfg.trainer.prompts_per_step * cfg.rollout.group_size
+    per_update = rows // cfg.trainer.updates_per_rollout
+    micro = min(cfg.trainer.micro_batch_size, per_update)
+    return micro, per_update // micro
 
-    first_round: dict[str, float] = {}
-    torch.set_num_threads(threads)
-    t, r, a, o = cfg.trainer, cfg.rollout, cfg.algorithm, cfg.optimizer
-    rows = t.prompts_per_step * r.group_size
-    # our micro-batches: one mini-batch (rows / updates) cut into micro_batch_size rows each; TRL's
-    # per-device batch is its micro-batch and gradient accumulation makes up the mini-batch
-    per_update = rows // t.updates_per_rollout
-    micro = min(t.micro_batch_size, per_update)
-    accumulation = per_update // micro
-    records, score, tokenizer = task_work(cfg, t.prompts_per_step * rounds)
-    dataset = Dataset.from_dict({"prompt": [rec.prompt for rec in records], "record": list(range(len(records)))})
-    generated_tokens = []
 
-    def reward(prompts, completions, completion_ids, record, **_):
-        """Our reward function on the text our run would score: the generated ids decoded with the stop
-        token kept (TRL's ``completions`` drop it, and our verifiers check that a response ended)."""
-        generated_tokens.append(sum(len(ids) for ids in completion_ids))
-        return [
-            float(score(tokenizer.decode(ids), records[i]).reward)
-            for ids, i in zip(completion_ids, record, strict=True)
-        ]
+def trl_settings(cfg, rounds: int, out_dir: str) -> dict:
+    """``GRPOConfig``'s keywords for our run, read through the typed sections the trainer reads
+    (``TrainConfig``: trainer, rollout, algorithm.loss, algorithm.kl, optimizer), so a renamed or moved
+    key fails here, in the fast tier's test of this function, not in TRL's process at benchmark time."""
+    from gspo_megatron.algorithms.losses import SEQUENCE_LEVEL_LOSSES
 
-    args = GRPOConfig(
+    t, r, loss, kl, o = cfg.trainer, cfg.rollout, cfg.algorithm.loss, cfg.algorithm.kl, cfg.optimizer
+    micro, accumulation = trl_batch(cfg)
+    return dict(
         output_dir=out_dir,
         use_cpu=True,
         bf16=False,
@@ -172,10 +172,10 @@ def trl_run(cfg, hf_dir: str, rounds: int, out_dir: str, threads: int) -> dict:
         adam_beta2=o.adam_beta2,
         adam_epsilon=o.adam_eps,
         max_grad_norm=o.clip_grad,
-        beta=a.kl_coef,
-        epsilon=a.clip_low,
-        epsilon_high=a.clip_high,
-        importance_sampling_level="sequence" if a.loss in ("gspo", "gspo_token") else "token",
+        beta=kl.coef,
+        epsilon=loss.clip_low,
+        epsilon_high=loss.clip_high,
+        importance_sampling_level="sequence" if loss.name in SEQUENCE_LEVEL_LOSSES else "token",
         loss_type="grpo",
         scale_rewards="group",
         shuffle_dataset=False,
@@ -186,6 +186,34 @@ def trl_run(cfg, hf_dir: str, rounds: int, out_dir: str, threads: int) -> dict:
         disable_dropout=True,
         dataloader_num_workers=0,
     )
+
+
+def trl_run(cfg, hf_dir: str, rounds: int, out_dir: str, threads: int) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from gspo_megatron.rollout.rewards.pool import call_reward
+
+    first_round: dict[str, float] = {}
+    torch.set_num_threads(threads)
+    records, score, tokenizer = task_work(cfg, cfg.trainer.prompts_per_step * rounds)
+    dataset = Dataset.from_dict({"prompt": [rec.prompt for rec in records], "record": list(range(len(records)))})
+    generated_tokens = []
+
+    def reward(prompts, completions, completion_ids, record, **_):
+        """Our reward function on the text our run would score: the generated ids decoded with the stop
+        token kept (TRL's ``completions`` drop it, and our verifiers check that a response ended). Called
+        as the trainer's reward pool calls it (``call_reward``: a plain number or bool becomes a
+        RewardResult, a failure scores 0)."""
+        generated_tokens.append(sum(len(ids) for ids in completion_ids))
+        return [
+            call_reward(score, tokenizer.decode(ids), records[i]).reward
+            for ids, i in zip(completion_ids, record, strict=True)
+        ]
+
+    args = GRPOConfig(**trl_settings(cfg, rounds, out_dir))
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     trainer = GRPOTrainer(
         model=model,
@@ -216,7 +244,7 @@ def trl_run(cfg, hf_dir: str, rounds: int, out_dir: str, threads: int) -> dict:
     clock = RoundClock()
     trainer.add_callback(clock)
     trainer.train()
-    per = t.updates_per_rollout
+    per = cfg.trainer.updates_per_rollout
     out = []
     for k in range(rounds):
         step = sum(clock.step_seconds[k * per : (k + 1) * per])
@@ -249,22 +277,65 @@ def _wrap(trainer, name: str) -> list[float]:
     return seconds
 
 
-def _trl_process(cfg, hf_dir: str, rounds: int, threads: int, queue) -> None:
-    with tempfile.TemporaryDirectory(prefix="bench_trl_") as out_dir:
-        queue.put(trl_run(cfg, hf_dir, rounds, out_dir, threads))
+def _trl_process(cfg, hf_dir: str, rounds: int, threads: int, results) -> None:
+    """TRL's run in its own process: ("ok", numbers) or ("error", its traceback) on ``results``."""
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench_trl_") as out_dir:
+            results.put(("ok", trl_run(cfg, hf_dir, rounds, out_dir, threads)))
+    except BaseException:  # whatever ended the run must reach the parent
+        results.put(("error", traceback.format_exc()))
+        raise
 
 
-def run_trl(cfg, hf_dir: str, rounds: int, threads: int) -> dict:
+def run_trl(cfg, hf_dir: str, rounds: int, threads: int, timeout_s: float = 3600.0) -> dict:
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    results = ctx.Queue()
     started = time.time()
-    process = ctx.Process(target=_trl_process, args=(cfg, hf_dir, rounds, threads, queue))
+    process = ctx.Process(target=_trl_process, args=(cfg, hf_dir, rounds, threads, results))
     process.start()
-    result = queue.get()
-    process.join()
-    if process.exitcode:
-        raise SystemExit(f"the TRL run failed (exit {process.exitcode})")
+    print(f"TRL run started (pid {process.pid})", flush=True)
+    try:
+        result = await_child(process, results, "the TRL run", timeout_s)
+    finally:
+        if process.is_alive():  # an error or Ctrl-C here: the child goes with the benchmark
+            process.kill()
+        process.join(timeout=30)
     return {**result, **outside_rounds(started, result["first_round"], time.time(), result["rounds"])}
+
+
+def await_child(process, results, what: str, timeout_s: float, poll_s: float = 1.0):
+    """The child's result, waiting at most ``timeout_s``; a child that dies or fails ends the wait at
+    once (within ``poll_s``) with a SystemExit naming its traceback or the signal that killed it.
+
+    Each look at the queue is bounded by ``poll_s``, between them the child's liveness is checked: a
+    plain ``queue.get()`` waits forever on a child that died without writing (issue 65: an
+    AttributeError in TRL's process left the benchmark waiting for 10 minutes and more)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            kind, payload = results.get(timeout=poll_s)
+            break
+        except queue.Empty:
+            if not process.is_alive():
+                try:  # what it wrote just before it exited may still be in the pipe: one more bounded look
+                    kind, payload = results.get(timeout=poll_s)
+                    break
+                except queue.Empty:
+                    raise SystemExit(f"{what} (pid {process.pid}) died: {exit_text(process.exitcode)}") from None
+            if time.monotonic() > deadline:
+                raise SystemExit(
+                    f"{what} (pid {process.pid}) gave no result within {timeout_s:.0f} s (--timeout)"
+                ) from None
+    if kind == "error":
+        raise SystemExit(f"{what} (pid {process.pid}) failed:\n{payload}")
+    return payload
+
+
+def exit_text(exitcode: int | None) -> str:
+    """A process's exit code in words: a negative code is the signal that ended it."""
+    if exitcode is not None and exitcode < 0:
+        return f"killed by signal {-exitcode} ({signal.Signals(-exitcode).name}), no traceback"
+    return f"exit code {exitcode} without a result"
 
 
 def outside_rounds(started: float, first_round: dict[str, float], ended: float, rounds: list[dict]) -> dict:
@@ -280,13 +351,18 @@ def outside_rounds(started: float, first_round: dict[str, float], ended: float, 
 
 
 # ---------------------------------------------------------------- our side
-def run_ours(cfg, overrides: list[str], rounds: int, threads: int) -> dict:
+def run_ours(cfg, overrides: list[str], rounds: int, threads: int, timeout_s: float = 3600.0) -> dict:
     from gspo_megatron.testing.distributed import run_distributed
 
     with tempfile.TemporaryDirectory(prefix="bench_ours_") as run_dir:
         started = time.time()
         (result,) = run_distributed(
-            _ours_worker, 1, [f"trainer.steps={rounds}", *overrides], run_dir, timeout=3600, threads_per_rank=threads
+            _ours_worker,
+            1,
+            [f"trainer.steps={rounds}", *overrides],
+            run_dir,
+            timeout=timeout_s,
+            threads_per_rank=threads,
         )[:1]
         ended = time.time()
         records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
@@ -334,7 +410,10 @@ def summarise(runs: list[dict], phases: list[str]) -> dict:
     return out
 
 
-def report(ours: dict, trl: dict, rounds_counted: int) -> str:
+def report(ours: dict, trl: dict | None, rounds_counted: int) -> str:
+    """The table: our column and TRL's, with the ratio line; ours alone (``--ours-only``) without them."""
+    if trl is None:
+        return _report_ours(ours, rounds_counted)
     lines = [f"{'':<14}{'ours s':>9}{'TRL s':>9}", f"{'round':<14}{ours['step']:>9.3f}{trl['step']:>9.3f}"]
     lines.append(f"{'  ratio':<14}{ours['step'] / trl['step']:>9.2f}x  (ours / TRL; < 1: ours faster)")
     for name in OURS:
@@ -342,11 +421,7 @@ def report(ours: dict, trl: dict, rounds_counted: int) -> str:
     for name in TRL:
         lines.append(f"  {name:<12}{'':>9}{trl[name]:>9.3f}")
     lines.append(f"{'tokens/s':<14}{ours['tokens_per_s']:>9.0f}{trl['tokens_per_s']:>9.0f}  (completion tokens)")
-    for key, label, what in (
-        ("startup", "start-up", "process start to the first round"),
-        ("startup_cpu", "  CPU s", "the process's CPU seconds by then"),
-        ("wind_down", "wind-down", "the last round's end to the process's exit"),
-    ):
+    for key, label, what in OUTSIDE_ROUNDS:
         (o_min, o_max), (t_min, t_max) = ours[f"{key}_spread"], trl[f"{key}_spread"]
         lines.append(
             f"{label:<14}{ours[key]:>9.1f}{trl[key]:>9.1f}  ({what}; min-max ours {o_min:.1f}-{o_max:.1f}, "
@@ -364,6 +439,30 @@ def report(ours: dict, trl: dict, rounds_counted: int) -> str:
     return "\n".join(lines)
 
 
+OUTSIDE_ROUNDS = (
+    ("startup", "start-up", "process start to the first round"),
+    ("startup_cpu", "  CPU s", "the process's CPU seconds by then"),
+    ("wind_down", "wind-down", "the last round's end to the process's exit"),
+)
+
+
+def _report_ours(ours: dict, rounds_counted: int) -> str:
+    lines = [f"{'':<14}{'ours s':>9}", f"{'round':<14}{ours['step']:>9.3f}"]
+    lines += [f"  {name:<12}{ours[name]:>9.3f}" for name in OURS]
+    lines.append(f"{'tokens/s':<14}{ours['tokens_per_s']:>9.0f}  (completion tokens)")
+    for key, label, what in OUTSIDE_ROUNDS:
+        low, high = ours[f"{key}_spread"]
+        lines.append(f"{label:<14}{ours[key]:>9.1f}  ({what}; min-max {low:.1f}-{high:.1f})")
+    lines.append(
+        f"{'  checkpoint':<14}{ours['checkpoint']:>9.1f}  (writing the final checkpoint, part of the wind-down)"
+    )
+    low, high = ours["step_spread"]
+    lines.append(
+        f"round min-max  ours {low:.3f}-{high:.3f}; medians over {rounds_counted} rounds; no TRL run (--ours-only)"
+    )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="medium")
@@ -373,17 +472,22 @@ def main(argv=None) -> None:
         "--threads",
         type=int,
         default=None,
-        help="torch threads of each side's process (default: torch's own default here, as a plain run gets)",
+        help="torch threads of each side's process (default: torch's own here: the cores, or OMP_NUM_THREADS)",
     )
     parser.add_argument("--json", default=None, help="also write the raw per-round numbers here")
+    parser.add_argument("--ours-only", action="store_true", help="run our side alone (no TRL needed): our column")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds each side's run may take")
     parser.add_argument("overrides", nargs="*", help="our Hydra overrides (applied to both sides' config)")
     args = parser.parse_args(argv)
     if args.rounds < 2:
         parser.error("--rounds must be >= 2 (the first round is warm-up)")
-    try:
-        import trl  # noqa: F401
-    except ImportError:
-        raise SystemExit("TRL is not installed: pip install -e '.[bench]'") from None
+    if not args.ours_only:
+        try:
+            import trl  # noqa: F401
+        except ImportError:
+            raise SystemExit(
+                "TRL is not installed: pip install -e '.[bench]' (or --ours-only: our side alone)"
+            ) from None
     import torch
 
     threads = args.threads or torch.get_num_threads()
@@ -396,13 +500,16 @@ def main(argv=None) -> None:
         cfg = compose_work([*overrides, f"trainer.steps={args.rounds}"])
         ours_runs, trl_runs = [], []
         for rep in range(args.reps):
-            ours_runs.append(run_ours(cfg, overrides, args.rounds, threads))
-            trl_runs.append(run_trl(cfg, hf_dir, args.rounds, threads))
+            ours_runs.append(run_ours(cfg, overrides, args.rounds, threads, args.timeout))
             ours_s = statistics.median(r["step"] for r in ours_runs[-1]["rounds"][1:])
-            trl_s = statistics.median(r["step"] for r in trl_runs[-1]["rounds"][1:])
-            print(f"rep {rep + 1}/{args.reps}: ours {ours_s:.3f} s/round, TRL {trl_s:.3f} s/round", flush=True)
+            line = f"rep {rep + 1}/{args.reps}: ours {ours_s:.3f} s/round"
+            if not args.ours_only:
+                trl_runs.append(run_trl(cfg, hf_dir, args.rounds, threads, args.timeout))
+                line += f", TRL {statistics.median(r['step'] for r in trl_runs[-1]['rounds'][1:]):.3f} s/round"
+            print(line, flush=True)
     print(f"shape {args.shape}; {threads} torch thread(s) per side; overrides: {' '.join(overrides[:-1])}")
-    print(report(summarise(ours_runs, OURS), summarise(trl_runs, TRL), (args.rounds - 1) * args.reps))
+    trl_summary = None if args.ours_only else summarise(trl_runs, TRL)
+    print(report(summarise(ours_runs, OURS), trl_summary, (args.rounds - 1) * args.reps))
     if args.json:
         Path(args.json).write_text(json.dumps({"ours": ours_runs, "trl": trl_runs}, indent=1))
 

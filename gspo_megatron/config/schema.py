@@ -56,6 +56,9 @@ class TrainerSection(ConfigNode):
     reference_offload: bool = False
     on_nonfinite: NonFinitePolicy = NonFinitePolicy.skip  # drop the update, or end the run
     max_consecutive_nonfinite: int = 3  # skipped updates in a row that end the run with a diagnosis
+    # torch intra-op threads of each process; null: the rule (core/threads.py: the process's share of the
+    # host's cores, halved while the embedded engine generates beside the trainer); OMP_NUM_THREADS wins
+    cpu_threads: int | None = None
 
     def validate(self) -> None:
         for name in ("steps", "prompts_per_step", "updates_per_rollout", "micro_batch_size", "eval_prompts"):
@@ -72,6 +75,10 @@ class TrainerSection(ConfigNode):
         if self.stop_after_steps is not None and self.stop_after_steps < 1:
             raise ValueError(
                 f"trainer.stop_after_steps must be >= 1 or null (run all trainer.steps), got {self.stop_after_steps}"
+            )
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(
+                f"trainer.cpu_threads must be >= 1 or null (the rule in core/threads.py), got {self.cpu_threads}"
             )
         if self.eval_every < 0:
             raise ValueError(f"trainer.eval_every must be >= 0 (0: never), got {self.eval_every}")

@@ -26,6 +26,9 @@ def test_main_job_shows_no_unreviewed_warning(tmp_path):
     screen = result.stdout + result.stderr
     assert result.returncode == 0, screen[-4000:]
     assert "run summary: 2 steps" in result.stdout
+    # the thread count, said once (issue 65): here OMP_NUM_THREADS's, which wins over the rule
+    assert result.stdout.count("threads: ") == 1, result.stdout[-4000:]
+    assert "threads: 1 intra-op (OMP_NUM_THREADS=1 set in the environment; reward workers too)" in result.stdout
     assert WARNING_LINE.findall(screen) == [], screen[-4000:]
     notice = optional_accelerators_notice()
     assert screen.count("not installed") == (0 if notice is None else 1), screen[-4000:]

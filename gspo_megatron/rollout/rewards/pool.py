@@ -48,6 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
+from gspo_megatron.core.threads import single_threaded_worker
 from gspo_megatron.rollout.data.records import PromptRecord
 from gspo_megatron.rollout.rewards.config import RewardConfig
 from gspo_megatron.rollout.rewards.in_process import InProcessCaller
@@ -164,6 +165,7 @@ def _worker_main(conn: Connection, reward_name: str) -> None:
     # mid-reply on a signal sent to the whole process group).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    single_threaded_worker()  # the thread rule's reward workers (core/threads.py), before the verifier loads
     try:
         fn = resolve_reward(reward_name)
         warm_up = getattr(fn, "warm_up", None)

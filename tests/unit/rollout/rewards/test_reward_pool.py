@@ -5,6 +5,7 @@ import time
 import pytest
 
 from gspo_megatron.core.registry import UnknownNameError
+from gspo_megatron.core.threads import usable_cores
 from gspo_megatron.rollout.data import PromptRecord
 from gspo_megatron.rollout.rewards import RewardConfig, RewardPool, RewardResult
 
@@ -138,3 +139,15 @@ def test_plain_values_in_process_nonfinite_and_none_fail_their_sample():
     assert results[0] == RewardResult(1.0, True, True)
     assert [r.failure for r in results] == [None, "nonfinite", "nonfinite", "bad_type"]
     assert "verifier returned NoneType (None), expected a RewardResult" in results[3].error
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(usable_cores() < 2, reason="one core: one thread is also torch's own default")
+def test_a_reward_worker_computes_with_one_thread(monkeypatch):
+    """Issue 65: reward workers are single-threaded by the thread rule (core/threads.py), so several of
+    them beside the trainer do not each start a team of every core's threads. Spawned, so the worker
+    has this environment without OMP_NUM_THREADS (a fork server would keep the one it started with)."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    with _pool("reports_its_threads", num_workers=1, start_method="spawn", timeout_s=60.0) as pool:
+        (result,) = pool.score(["7"], [RECORD])
+    assert result.error is None and result.reward == 1.0

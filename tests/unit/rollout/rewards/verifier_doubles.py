@@ -96,3 +96,18 @@ def misbehaves_by_response(response, record):
 def returns_record_fields(response, record):
     """A RewardResult of whatever fields the record carries in ``metadata["result"]`` (typed or not)."""
     return RewardResult(**record.metadata["result"])
+
+
+def reports_its_threads(response, record):
+    """The torch intra-op thread count of the process scoring: torch imported by the verifier's warm-up,
+    as a verifier that needs it would (reward workers import no torch of their own)."""
+    import torch
+
+    return float(torch.get_num_threads())
+
+
+def _import_torch():
+    import torch  # noqa: F401 - the import is the warm-up
+
+
+reports_its_threads.warm_up = _import_torch
