@@ -197,6 +197,14 @@ def train_from_hydra(cfg: DictConfig) -> None:
         print(summary)
 
 
+def engine_generates_beside_training(cfg: DictConfig) -> bool:
+    """Whether the driver's embedded engine generates in a thread while its trainer trains: one-step
+    asynchronous rollout only (``rollout.async_rollout`` with a bound above 0; ``rollout/build.py`` gives the
+    scheduler ``max_staleness`` only then). A synchronous run -- the main job -- generates, then trains."""
+    rollout = cfg.rollout
+    return rollout.engine == "embedded" and bool(rollout.async_rollout) and rollout.max_staleness >= 1
+
+
 def start_threads(cfg: DictConfig) -> None:
     """This process's torch intra-op threads by the rule of ``core/threads.py``, set once at start-up
     (the command line's run only: a test or tool calling ``run`` keeps the count it chose), and said
@@ -204,7 +212,7 @@ def start_threads(cfg: DictConfig) -> None:
     from gspo_megatron.core.threads import apply_thread_plan, plan_threads, usable_cores
 
     driver = _is_driver_process()
-    overlap = driver and cfg.rollout.engine == "embedded" and cfg.rollout.max_staleness >= 1
+    overlap = driver and engine_generates_beside_training(cfg)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     plan = plan_threads(usable_cores(), local_ranks, overlap, cfg.trainer.cpu_threads, os.environ)
     apply_thread_plan(plan)

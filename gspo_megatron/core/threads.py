@@ -4,7 +4,8 @@ The rule, for the torch intra-op threads of a training process (``plan_threads``
 
     share    = max(1, cores // ranks_on_this_host)     cores: os.sched_getaffinity (what this process may use);
                                                         ranks_on_this_host: LOCAL_WORLD_SIZE (1 without a launcher)
-    overlap  = this process generates while it trains:  the driver, rollout.engine=embedded, rollout.max_staleness >= 1
+    overlap  = this process generates while it trains:  the driver, rollout.engine=embedded, rollout.async_rollout
+                                                        with rollout.max_staleness >= 1 (train.py)
     intra_op = max(1, share // 2) if overlap else share
 
 - Ranks on one host divide its cores: each rank's width is its share, so N ranks never ask for N x cores.
@@ -12,8 +13,8 @@ The rule, for the torch intra-op threads of a training process (``plan_threads``
   one-step asynchronous rollout (``rollout/scheduler.py``) the driver's engine generates step k+1 in a
   background thread while its main thread trains step k, and torch gives that thread the process's
   width too (a new thread takes the count ``torch.set_num_threads`` stored); each gets half the share.
-  A synchronous run (``max_staleness=0``), an SGLang engine (its own processes) and the other ranks
-  (no engine) run one thing at a time: the whole share.
+  A synchronous run (the main job: ``rollout.async_rollout=false``), an SGLang engine (its own processes)
+  and the other ranks (no engine) run one thing at a time: the whole share.
 - Reward worker processes compute with one thread each (``single_threaded_worker``, called by
   ``rollout/rewards/pool.py``'s workers): they are many, they score strings, and they run while the
   engine waits for them.

@@ -70,3 +70,14 @@ def test_a_reward_worker_is_single_threaded_unless_omp_num_threads_was_set(monke
     torch.set_num_threads(2)
     single_threaded_worker()  # explicit: inherited as it is
     assert torch.get_num_threads() == 2 and "MKL_NUM_THREADS" not in os.environ
+
+
+def test_only_one_step_asynchronous_rollout_counts_as_the_engine_beside_the_trainer():
+    """The rule halved the main job's width although it is synchronous (rollout.max_staleness defaults to 1, read
+    without rollout.async_rollout): the engine generates beside the trainer only in one-step async mode."""
+    from gspo_megatron.config.compose import compose
+    from gspo_megatron.train import engine_generates_beside_training
+
+    assert not engine_generates_beside_training(compose([]))  # the main job: generate, then train
+    assert engine_generates_beside_training(compose(["rollout.async_rollout=true"]))
+    assert not engine_generates_beside_training(compose(["rollout.async_rollout=true", "rollout.max_staleness=0"]))
