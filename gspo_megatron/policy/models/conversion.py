@@ -186,7 +186,7 @@ def _linear_attention_row(name: str, which: str, cfg: MoEModelConfig, layer: int
     """A gated DeltaNet parameter's row (megatron's ``GatedDeltaNet`` names <-> the family's ``linear_attn``)."""
     family = cfg.architecture
     names = family.linear_attention_names(layer)
-    if which == "in_proj.weight":
+    if which == "in_proj.weight" and family.linear_attention_inputs is not None:
         inputs = LINEAR_ATTENTION_INPUT_NAMES[family.linear_attention_inputs]
         grouped = family.linear_attention_inputs == LinearAttentionInputs.qkvz_ba
         return ParamMapping(name, tuple(names[n] for n in inputs), _GDN_IN_PROJ[grouped], 0, "tp", unit)

@@ -88,7 +88,7 @@ def linear_attention_shapes(cfg: MoEModelConfig, layer: int) -> dict[str, tuple[
         "in_proj_b": heads,
         "in_proj_a": heads,
     }
-    out = {names[which]: (rows, h) for which, rows in input_rows.items() if which in names}
+    out: dict[str, tuple[int, ...]] = {names[which]: (rows, h) for which, rows in input_rows.items() if which in names}
     out[names["conv1d"]] = (2 * key_width + value_width, 1, cfg.linear_conv_kernel_dim)
     out[names["A_log"]] = (heads,)
     out[names["dt_bias"]] = (heads,)
