@@ -63,7 +63,9 @@ class ParamMapping:
     megatron_name: str
     hf_names: tuple[str, ...]
     fusion: str  # "copy" | "qkv" | "gated_qkv" | "gate_up" | "gdn_in_proj_grouped" | "gdn_in_proj" | "gdn_conv"
-    shard_dim: int | None  # dimension of each HF tensor that is split, None = replicated
+    shard_dim: (
+        int | None
+    )  # dimension of each HF tensor (each megatron piece: PIECEWISE) that is split; None = replicated
     shard_group: str | None  # "tp" | "etp" | None
     unit: str  # export unit: "embed", "layer.{g}", "head"
     expert_local: int | None = None  # local expert index when the parameter is an expert's
@@ -189,7 +191,8 @@ def _linear_attention_row(name: str, which: str, cfg: MoEModelConfig, layer: int
     if which == "in_proj.weight" and family.linear_attention_inputs is not None:
         inputs = LINEAR_ATTENTION_INPUT_NAMES[family.linear_attention_inputs]
         grouped = family.linear_attention_inputs == LinearAttentionInputs.qkvz_ba
-        return ParamMapping(name, tuple(names[n] for n in inputs), _GDN_IN_PROJ[grouped], 0, "tp", unit)
+        fusion = "gdn_in_proj_grouped" if grouped else "gdn_in_proj"
+        return ParamMapping(name, tuple(names[n] for n in inputs), fusion, 0, "tp", unit)
     rows = {
         "conv1d.weight": ("conv1d", "gdn_conv", 0, "tp"),
         "A_log": ("A_log", "copy", 0, "tp"),
@@ -201,9 +204,6 @@ def _linear_attention_row(name: str, which: str, cfg: MoEModelConfig, layer: int
         raise ConversionError(f"no HF mapping for megatron parameter {name!r}")
     hf, fusion, dim, group = rows[which]
     return ParamMapping(name, (names[hf],), fusion, dim, group, unit)
-
-
-_GDN_IN_PROJ = {True: "gdn_in_proj_grouped", False: "gdn_in_proj"}
 
 
 def _mla_rows(model, name: str, cfg: MoEModelConfig, a: str) -> dict[str, tuple[str, int | None, str | None]]:
