@@ -5,7 +5,7 @@ one rank (CPU: the torch gated delta rule through ``policy/cpu_bridges.py`` brid
 - megatron's fp32 log-probs equal transformers' own forward of the family's class on the same weights
   (rtol 1e-4, atol 1e-5), on a right-padded micro-batch (each row against transformers' forward of that row
   alone), and every MoE layer routes every real token to the same top-k experts;
-- under TP=2 (sequence parallel), EP=2 and PP=2 (uneven stages: 1 + 2 layers) on gloo ranks: the round trip
+- under TP=2 (sequence parallel), EP=2, TP=2 x EP=2 and PP=2 (uneven stages: 1 + 2 layers) on gloo ranks: the round trip
   is bit-exact on every rank, and the log-probs and every gradient (gathered to HF names) of a weighted
   log-likelihood through megatron's schedule equal one rank's;
 - a context-parallel layout is refused by name.
@@ -128,6 +128,7 @@ def one_rank(request):
 HYBRID_LAYOUTS = {
     "tp2": EQUIVALENCE_LAYOUTS["tp2"],
     "ep2": EQUIVALENCE_LAYOUTS["ep2"],
+    "tp2_ep2": EQUIVALENCE_LAYOUTS["tp2_ep2"],
     # 3 layers: a gated DeltaNet layer on the first stage; the other and the full-attention layer on the second
     "pp2": dict(pp=2, first_stage_layers=1, world_size=2),
 }
