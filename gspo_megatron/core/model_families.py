@@ -59,6 +59,19 @@ DEFAULT_FAMILY = "qwen3_moe"  # model.family when a config names none (and the e
 PROJECTIONS = ("gate", "up", "down")  # an expert's SwiGLU: down(silu(gate(x)) * up(x))
 
 
+class LinearAttentionInputs(str, Enum):
+    """How a family's checkpoint writes gated DeltaNet's input projections (see the module docstring)."""
+
+    qkvz_ba = "qkvz_ba"  # Qwen3-Next: in_proj_qkvz and in_proj_ba, each grouped by key head
+    qkv_z_b_a = "qkv_z_b_a"  # Qwen3.5: in_proj_qkv ([q, k, v] flat), in_proj_z, in_proj_b, in_proj_a
+
+
+LINEAR_ATTENTION_INPUT_NAMES = {
+    LinearAttentionInputs.qkvz_ba: ("in_proj_qkvz", "in_proj_ba"),
+    LinearAttentionInputs.qkv_z_b_a: ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+}
+
+
 class DenseLayers(str, Enum):
     anywhere = "anywhere"  # any layer may be dense (Qwen: mlp_only_layers, decoder_sparse_step)
     first = "first"  # only the first k (GLM, DeepSeek: first_k_dense_replace)
@@ -83,6 +96,19 @@ class ModelFamily:
     # q/k RMSNorm over each head's head_dim (Qwen3); False: over all heads' width at once, before the split
     # into heads (OLMoE: q_norm over num_heads x head_dim, k_norm over num_kv_heads x head_dim)
     qk_norm_per_head: bool = True
+    # gated DeltaNet layers (None: the architecture has none) and how its checkpoint writes their input projections
+    linear_attention_inputs: LinearAttentionInputs | None = None
+    zero_centered_norms: bool = False  # RMSNorm weights stored as w with the scale 1 + w (Qwen3-Next, Qwen3.5)
+
+    def linear_attention_names(self, layer: int) -> dict[str, str]:
+        """Checkpoint names of one gated DeltaNet layer: its input projections (by their own names), "conv1d",
+        "A_log", "dt_bias", "norm" (the gated RMSNorm) and "out_proj"."""
+        if self.linear_attention_inputs is None:
+            raise ValueError(f"the {self.title} architecture has no linear-attention layers")
+        p = f"model.layers.{layer}.linear_attn."
+        names = {name: f"{p}{name}.weight" for name in LINEAR_ATTENTION_INPUT_NAMES[self.linear_attention_inputs]}
+        names |= {which: f"{p}{which}.weight" for which in ("conv1d", "norm", "out_proj")}
+        return names | {"A_log": p + "A_log", "dt_bias": p + "dt_bias"}
 
     def router_name(self, layer: int) -> str:
         return f"model.layers.{layer}.{self.moe_module}.gate.weight"
@@ -121,16 +147,17 @@ class ModelFamily:
         return getattr(transformers, self.config_class), getattr(transformers, self.architecture)
 
 
-# The settings every family but GLM's fixes: the softmax router, no expert bias, no groups, full RoPE.
-_SOFTMAX_ROUTER = dict(
+# The settings the softmax-router families fix: the softmax router, no expert bias, no groups, no output gate.
+_SOFTMAX_ROUTER_GQA = dict(
     attention="gqa",
     router_score="softmax",
     expert_bias=False,
     router_groups=1,
     router_group_topk=1,
     routed_scaling_factor=1.0,
-    rotary_fraction=1.0,
+    attention_output_gate=False,
 )
+_SOFTMAX_ROUTER = dict(_SOFTMAX_ROUTER_GQA, rotary_fraction=1.0)  # ... and full RoPE (all but the hybrids)
 
 
 def _qwen3_moe_fields(cfg) -> dict[str, Any]:
@@ -315,6 +342,69 @@ def _read_deepseek_v3(hf: Mapping[str, Any], layers: int) -> dict[str, Any]:
     return fields
 
 
+def _hybrid_fields(cfg) -> dict[str, Any]:
+    """The keys Qwen3-Next and Qwen3.5 write alike: the layer pattern, gated DeltaNet's shape, partial RoPE."""
+    linear = set(cfg.linear_attention_layers)
+    return {
+        "layer_types": ["linear_attention" if i in linear else "full_attention" for i in range(cfg.num_layers)],
+        "linear_num_key_heads": cfg.linear_num_key_heads,
+        "linear_num_value_heads": cfg.linear_num_value_heads,
+        "linear_key_head_dim": cfg.linear_key_head_dim,
+        "linear_value_head_dim": cfg.linear_value_head_dim,
+        "linear_conv_kernel_dim": cfg.linear_conv_kernel_dim,
+        "partial_rotary_factor": cfg.rotary_fraction,
+        "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
+    }
+
+
+def _read_hybrid(hf: Mapping[str, Any], layers: int) -> dict[str, Any]:
+    interval = hf.get("full_attention_interval", 4)  # transformers' pattern when layer_types is absent
+    types = hf.get("layer_types") or [
+        "linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)
+    ]
+    unknown = sorted(set(types) - {"linear_attention", "full_attention"})
+    if unknown or len(types) != layers:
+        raise ValueError(
+            f"config.json has layer_types={types}: expected {layers} entries of 'linear_attention' or 'full_attention'"
+        )
+    rope = hf.get("rope_parameters") or {}
+    return {
+        "linear_attention_layers": [i for i, kind in enumerate(types) if kind == "linear_attention"],
+        "linear_num_key_heads": hf.get("linear_num_key_heads", 16),
+        "linear_num_value_heads": hf.get("linear_num_value_heads", 32),
+        "linear_key_head_dim": hf.get("linear_key_head_dim", 128),
+        "linear_value_head_dim": hf.get("linear_value_head_dim", 128),
+        "linear_conv_kernel_dim": hf.get("linear_conv_kernel_dim", 4),
+        "rotary_fraction": float(hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))),
+        "attention_output_gate": True,
+        "qk_norm": True,
+        "shared_expert_intermediate_size": hf.get("shared_expert_intermediate_size", 0) or 0,
+    }
+
+
+def _qwen3_next_fields(cfg) -> dict[str, Any]:
+    return _qwen3_moe_fields(cfg) | _hybrid_fields(cfg)
+
+
+def _read_qwen3_next(hf: Mapping[str, Any], layers: int) -> dict[str, Any]:
+    return _read_qwen3_moe(hf, layers) | _read_hybrid(hf, layers)
+
+
+def _qwen3_5_moe_fields(cfg) -> dict[str, Any]:
+    return {"moe_intermediate_size": cfg.moe_intermediate_size, "num_experts": cfg.num_experts} | _hybrid_fields(cfg)
+
+
+def _read_qwen3_5_moe(hf: Mapping[str, Any], layers: int) -> dict[str, Any]:
+    return {
+        "num_experts": hf.get("num_experts", 0) or 0,
+        "moe_intermediate_size": hf.get("moe_intermediate_size", 0),
+        "qkv_bias": bool(hf.get("attention_bias", False)),
+    } | _read_hybrid(hf, layers)
+
+
+# what the two hybrid families fix: Qwen's softmax router, per-head q/k norms, gated full attention
+_HYBRID = dict(_SOFTMAX_ROUTER_GQA, qk_norm=True, qkv_bias=False, attention_output_gate=True)
+
 FAMILIES: dict[str, ModelFamily] = {
     family.model_type: family
     for family in (
@@ -374,7 +464,42 @@ FAMILIES: dict[str, ModelFamily] = {
             hf_fields=_glm4_moe_fields,
             read_hf_fields=_read_glm4_moe,
             # megatron renormalises a sigmoid router's top-k always (moe_utils.topk_routing_with_score_function)
-            fixed=dict(attention="gqa", router_score="sigmoid", expert_bias=True, norm_topk_prob=True),
+            fixed=dict(
+                attention="gqa",
+                router_score="sigmoid",
+                expert_bias=True,
+                norm_topk_prob=True,
+                attention_output_gate=False,
+            ),
+        ),
+        ModelFamily(
+            model_type="qwen3_next",
+            title="Qwen3-Next",
+            architecture="Qwen3NextForCausalLM",
+            config_class="Qwen3NextConfig",
+            dense_layers=DenseLayers.anywhere,
+            shared_expert="shared_expert",
+            shared_expert_gated=True,
+            linear_attention_inputs=LinearAttentionInputs.qkvz_ba,
+            zero_centered_norms=True,
+            hf_fields=_qwen3_next_fields,
+            read_hf_fields=_read_qwen3_next,
+            fixed=_HYBRID,
+        ),
+        ModelFamily(
+            model_type="qwen3_5_moe_text",
+            title="Qwen3.5-MoE (language model)",
+            architecture="Qwen3_5MoeForCausalLM",
+            config_class="Qwen3_5MoeTextConfig",
+            dense_layers=DenseLayers.none,
+            shared_expert="shared_expert",
+            shared_expert_gated=True,
+            linear_attention_inputs=LinearAttentionInputs.qkv_z_b_a,
+            zero_centered_norms=True,
+            hf_fields=_qwen3_5_moe_fields,
+            read_hf_fields=_read_qwen3_5_moe,
+            # transformers' Qwen3_5MoeTopKRouter renormalises the k scores always
+            fixed=dict(_HYBRID, norm_topk_prob=True),
         ),
         ModelFamily(
             model_type="deepseek_v3",
@@ -393,6 +518,7 @@ FAMILIES: dict[str, ModelFamily] = {
                 router_score="sigmoid",
                 expert_bias=True,
                 norm_topk_prob=True,
+                attention_output_gate=False,
             ),
         ),
     )

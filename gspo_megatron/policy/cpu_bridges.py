@@ -86,6 +86,15 @@ What has no seam is bridged here, one function per fact:
    code; the module's ``torch.cuda.stream`` becomes a no-op context and its streams and events ones
    that have finished (the copies are synchronous on CPU). Pinned host memory is off without a
    device (``policy/optimizer.py``).
+12. Gated DeltaNet (``ssm/gated_delta_net.py``, megatron-core 0.16+; Qwen3-Next / Qwen3.5) imports
+   ``chunk_gated_delta_rule`` and ``l2norm`` from flash-linear-attention (Triton: GPU) inside a ``try``
+   and sets ``HAVE_FLA``; ``GatedDeltaNet.__init__`` raises ``ImportError`` without it, and its forward calls
+   both (``l2norm`` even under ``deterministic_mode``, where megatron's own torch rule replaces FLA's). Where
+   the module exists and FLA did not import, the bridge supplies those names from
+   ``policy/models/gated_delta_rule.py`` (FLA's signatures, in torch) and sets ``HAVE_FLA``. Its other GPU
+   import, ``causal_conv1d_fn``, megatron already replaces with ``nn.Conv1d`` when it is None. Checked on
+   0.16.1 only; where a later version keeps the names elsewhere the bridge patches nothing (the layer then
+   raises megatron's own ``ImportError``).
 """
 
 from __future__ import annotations
@@ -454,6 +463,23 @@ def _uneven_all_gather_through_padding() -> None:
     _patch(mappings, "_gather_along_first_dim", _gather_along_first_dim)
 
 
+GATED_DELTA_NET_FLA_NAMES = ("chunk_gated_delta_rule", "l2norm")  # what gated_delta_net.py imports from fla
+
+
+def _gated_delta_net_without_fla() -> None:
+    try:
+        from megatron.core.ssm import gated_delta_net
+    except ImportError:  # megatron-core < 0.16: no gated DeltaNet
+        return
+    if getattr(gated_delta_net, "HAVE_FLA", True):
+        return
+    from gspo_megatron.policy.models import gated_delta_rule
+
+    for name in GATED_DELTA_NET_FLA_NAMES:
+        _patch(gated_delta_net, name, getattr(gated_delta_rule, name))
+    _patch(gated_delta_net, "HAVE_FLA", True)
+
+
 BRIDGES = (
     _current_device_is_cpu,
     _cuda_sync_noops,
@@ -466,4 +492,5 @@ BRIDGES = (
     _alltoall_dispatcher_without_streams,
     _uneven_all_gather_through_padding,
     _hybrid_optimizer_on_cpu,
+    _gated_delta_net_without_fla,
 )

@@ -82,6 +82,28 @@ FAMILY_TEST_OVERRIDES: dict[str, dict[str, Any]] = {
 }
 
 
+# The hybrid families' tiny model (Qwen3-Next, Qwen3.5): 2 gated DeltaNet layers then 1 gated full-attention
+# layer (2 key heads x 8 for q and k, 4 value heads x 8, a 4-tap conv), 16 experts top-4 with a gated shared
+# expert, RoPE on a quarter of each head. Kept apart from FAMILY_TEST_OVERRIDES: the engines, routing replay and
+# layouts that iterate those do not build the hybrids yet.
+_HYBRID: dict[str, Any] = dict(
+    num_layers=3,
+    linear_attention_layers=[0, 1],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    attention_output_gate=True,
+    rotary_fraction=0.25,
+    num_experts=16,
+    top_k=4,
+    moe_intermediate_size=8,
+    shared_expert_intermediate_size=16,
+)
+HYBRID_FAMILY_TEST_OVERRIDES: dict[str, dict[str, Any]] = {"qwen3_next": _HYBRID, "qwen3_5_moe_text": _HYBRID}
+
+
 # YaRN at the tiny scale: a 16-token original context stretched 4x; with base 10^4 and betas 8 / 0.25 the ramp
 # keeps a head's first frequency, interpolates its last ones and mixes one between; the cos/sin factor
 # m(2) / m(1) and MLA's softmax factor m(1)^2 differ from 1. MLA gets 4 RoPE dims (2 frequencies).
@@ -105,7 +127,10 @@ def tiny_yarn_config(family: str, **overrides) -> MoEModelConfig:
 
 def tiny_family_config(family: str, **overrides) -> MoEModelConfig:
     """``tiny_test_config`` as a model of ``family``."""
-    return tiny_test_config(family=family, **{**FAMILY_TEST_OVERRIDES[family], **overrides})
+    family_overrides = FAMILY_TEST_OVERRIDES.get(family, HYBRID_FAMILY_TEST_OVERRIDES.get(family))
+    if family_overrides is None:
+        raise KeyError(f"no tiny test model for family {family!r}")
+    return tiny_test_config(family=family, **{**family_overrides, **overrides})
 
 
 def medium_test_config() -> MoEModelConfig:

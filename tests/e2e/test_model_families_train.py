@@ -13,7 +13,11 @@ from gspo_megatron.testing.train_runs import SHORT, read_metrics, run_training
 pytestmark = [pytest.mark.e2e]
 
 
-@pytest.mark.parametrize("model", ["mixtral_tiny", "olmoe_tiny", "qwen2_moe_tiny", "glm4_moe_tiny", "deepseek_v3_tiny"])
+FAMILY_MODELS = ["mixtral_tiny", "olmoe_tiny", "qwen2_moe_tiny", "glm4_moe_tiny", "deepseek_v3_tiny"]
+HYBRID_MODELS = ["qwen3_next_tiny", "qwen3_5_moe_tiny"]  # gated DeltaNet + gated full attention
+
+
+@pytest.mark.parametrize("model", FAMILY_MODELS + HYBRID_MODELS)
 def test_a_family_trains_with_rollout_routing_replay(tmp_path, model):
     overrides = [f"model={model}", "task=max_digit", "rollout.max_new_tokens=1", *SHORT]
     result = run_training([*overrides, "routing.replay=rollout"], tmp_path / "run")

@@ -17,6 +17,14 @@ Design decisions:
   checkpoints do not depend on the choice; TEGroupedMLP names expert i's weights
   ``linear_fc{1,2}.weight{i}``, which ``policy/models/conversion.py`` maps to HF like SequentialMLP's.
 - ``build_model(..., device="meta")`` builds without allocating (for the real 30B shape).
+- Hybrid stacks (Qwen3-Next, Qwen3.5: ``model.linear_attention_layers``) are built through megatron-core's own
+  gated DeltaNet (``ssm/gated_delta_net.py``, ``experimental_attention_variant="gated_delta_net"`` with the
+  per-layer ``linear_attention_freq`` pattern) and gated full attention (``attention_output_gate``), with the
+  portable spec only: megatron's hybrid block spec
+  (``experimental_attention_variant_module_specs.py:get_transformer_block_with_experimental_attention_variant_spec``)
+  asserts ``transformer_impl == "transformer_engine"``, so the portable block's linear layers take the
+  module spec of that file's ``get_gated_delta_net_module_spec`` built with a portable backend. On CPU the
+  FLA kernels it calls are the torch rule's (``policy/cpu_bridges.py`` bridge 12).
 """
 
 from __future__ import annotations
@@ -96,6 +104,7 @@ def make_transformer_config(
             mscale=model.rope_yarn_mscale,
             mscale_all_dim=model.rope_yarn_mscale_all_dim,
         )
+    attention_kwargs |= _linear_attention_kwargs(model)
     moe_layer_freq = [0 if i in set(model.dense_layers) else 1 for i in range(model.num_layers)]
     moe_kwargs = {}
     if model.is_moe:
@@ -141,6 +150,9 @@ def make_transformer_config(
         add_bias_linear=False,
         add_qkv_bias=model.qkv_bias,
         qk_layernorm=model.qk_norm,  # per head, or (OLMoE) over all heads: make_block_spec picks the module
+        # Qwen3-Next / Qwen3.5 store RMSNorm scales as 1 + w (policy/models/layers.py:RMSNorm reads this)
+        layernorm_zero_centered_gamma=model.architecture.zero_centered_norms,
+        attention_output_gate=model.attention_output_gate,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=layout.tp,
@@ -181,6 +193,22 @@ def make_transformer_config(
     if model.rope_yarn and model.attention == AttentionKind.gqa:
         _set_gqa_yarn(config, model)
     return config
+
+
+def _linear_attention_kwargs(model: MoEModelConfig) -> dict:
+    """megatron's gated DeltaNet settings: the per-layer pattern (1 = linear attention) and its shape."""
+    if not model.linear_attention_layers:
+        return {}
+    linear = set(model.linear_attention_layers)
+    return dict(
+        experimental_attention_variant="gated_delta_net",
+        linear_attention_freq=[1 if i in linear else 0 for i in range(model.num_layers)],
+        linear_conv_kernel_dim=model.linear_conv_kernel_dim,
+        linear_key_head_dim=model.linear_key_head_dim,
+        linear_value_head_dim=model.linear_value_head_dim,
+        linear_num_key_heads=model.linear_num_key_heads,
+        linear_num_value_heads=model.linear_num_value_heads,
+    )
 
 
 def _set_gqa_yarn(config, model: MoEModelConfig) -> None:
@@ -288,7 +316,35 @@ def make_block_spec(
         if experts is not None and grouped:
             moe.experts = _with_module(experts, GroupedExperts)  # SequentialMLP's parameters, one grouped GEMM
     block.layer_norm = RMSNorm
+    if config.experimental_attention_variant == "gated_delta_net":
+        _with_gated_delta_net_layers(block, config, vp_stage)
     return block
+
+
+def _with_gated_delta_net_layers(block, config, vp_stage: int | None) -> None:
+    """The block's linear-attention layers (``config.linear_attention_freq``, by global layer) with megatron's
+    gated DeltaNet spec, its input norm a layer norm of its own (the portable in_proj is a plain column-parallel
+    linear). Each such layer gets its own spec objects: megatron's layer specs share them between layers."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_gated_delta_net_module_spec
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from gspo_megatron.policy.models.layers import GatedOutputRMSNorm, RMSNorm
+
+    class PortableBackend(LocalSpecProvider):
+        def column_parallel_layer_norm_linear(self):
+            return ColumnParallelLinear
+
+        def layer_norm(self, rms_norm: bool = False, for_qk: bool = False):
+            return GatedOutputRMSNorm
+
+    linear_attention = get_gated_delta_net_module_spec(config, backend=PortableBackend())
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    for index, layer in enumerate(block.layer_specs):
+        if config.linear_attention_freq[offset + index]:
+            submodules = dataclasses.replace(layer.submodules, self_attention=linear_attention, input_layernorm=RMSNorm)
+            block.layer_specs[index] = dataclasses.replace(layer, submodules=submodules)
 
 
 # megatron-core writes a layer's MLP entry in one of two styles: a ``ModuleSpec`` (0.16) or, from 0.17,
@@ -348,8 +404,15 @@ def build_model_chunks(
 
     on_meta = device == "meta"
     all_heads_qk_norm = model.qk_norm and not model.architecture.qk_norm_per_head
-    # OLMoE's all-heads q/k norms exist in the portable spec only: "auto" takes it on GPUs too
-    spec_name = "portable" if all_heads_qk_norm and layer_spec == "auto" else resolve_spec_name(layer_spec)
+    portable_only = all_heads_qk_norm or bool(model.linear_attention_layers)
+    # OLMoE's all-heads q/k norms and the hybrids' gated DeltaNet exist in the portable spec only: "auto" takes it
+    # on GPUs too
+    spec_name = "portable" if portable_only and layer_spec == "auto" else resolve_spec_name(layer_spec)
+    if spec_name == "te" and model.linear_attention_layers:
+        raise ModelConfigError(
+            "model.linear_attention_layers (gated DeltaNet) are built with the portable layer spec only (megatron's "
+            "hybrid TE block spec is not wired here); set model.layer_spec=portable or auto"
+        )
     config = make_transformer_config(
         model,
         layout,

@@ -115,6 +115,17 @@ class MoEModelConfig(ConfigNode):
     qk_norm: bool = True  # per-head RMSNorm on queries and keys (Qwen3-MoE); MLA: RMSNorm on the latents
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2-MoE, GLM-4.5)
     rotary_fraction: float = 1.0  # share of each head's dims RoPE rotates (GLM-4.5: 0.5)
+    # full attention's output scaled by sigmoid of a per-head gate its q projection also makes (Qwen3-Next, 3.5)
+    attention_output_gate: bool = False
+    # gated DeltaNet linear attention (core/model_families.py; megatron's ssm/gated_delta_net.py) in these layers
+    # instead of full attention; its heads: key heads of linear_key_head_dim for q and k, value heads (a multiple)
+    # of linear_value_head_dim, a causal depthwise conv of linear_conv_kernel_dim taps over q, k, v
+    linear_attention_layers: list[int] = field(default_factory=list)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
     # the router (core/model_families.py): score function, expert bias, groups, scaling
     router_score: RouterScore = RouterScore.softmax
     expert_bias: bool = False  # sigmoid + a per-expert bias that picks, never weights (aux-loss-free balancing)
@@ -139,6 +150,7 @@ class MoEModelConfig(ConfigNode):
             raise ModelConfigError(f"model.family={self.family!r} is not a model family; valid: {sorted(FAMILIES)}")
         self._validate_family()
         self._validate_attention()
+        self._validate_linear_attention()
         self._validate_rope_scaling()
         self._validate_router()
         positive = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim")
@@ -233,6 +245,32 @@ class MoEModelConfig(ConfigNode):
                 "qk_rope_head_dim dims: set model.qk_norm=true, model.qkv_bias=false, model.rotary_fraction=1.0"
             )
 
+    def _validate_linear_attention(self) -> None:
+        layers = self.linear_attention_layers
+        if not layers:
+            return
+        family = self.architecture
+        if family.linear_attention_inputs is None:
+            with_it = [f.model_type for f in FAMILIES.values() if f.linear_attention_inputs is not None]
+            raise ModelConfigError(
+                f"model.linear_attention_layers={layers}, but the {family.title} architecture has no linear "
+                f"attention; set model.linear_attention_layers=[], or model.family to one of {with_it}"
+            )
+        bad = [i for i in layers if not 0 <= i < self.num_layers]
+        if bad or len(set(layers)) != len(layers):
+            raise ModelConfigError(
+                f"model.linear_attention_layers={layers}: layers must be distinct and in 0..{self.num_layers - 1}"
+            )
+        sizes = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+        small = [name for name in (*sizes, "linear_conv_kernel_dim") if getattr(self, name) < 1]
+        if small:
+            raise ModelConfigError(f"model.linear_attention_layers is set: model.{', model.'.join(small)} must be >= 1")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ModelConfigError(
+                f"model.linear_num_value_heads={self.linear_num_value_heads} must be a multiple of "
+                f"model.linear_num_key_heads={self.linear_num_key_heads} (each key head serves whole value heads)"
+            )
+
     @property
     def rope_yarn(self) -> bool:
         """Whether RoPE is YaRN-scaled (``rope_yarn_factor`` > 1)."""
@@ -293,10 +331,13 @@ class MoEModelConfig(ConfigNode):
         """Total and per-token active parameters, computed from the shape (nothing allocated)."""
         h, layers = self.hidden_size, self.num_layers
         attn = h * self.head_dim * (self.num_attention_heads * 2 + self.num_kv_heads * 2)
+        attn += h * self.head_dim * self.num_attention_heads if self.attention_output_gate else 0
         attn += sum(self.qk_norm_widths()) if self.qk_norm else 0
         if self.attention == AttentionKind.mla:
             attn = self._mla_parameters()
         attn += (self.num_attention_heads + 2 * self.num_kv_heads) * self.head_dim if self.qkv_bias else 0
+        linear = len(self.linear_attention_layers)
+        attn = (layers - linear) * attn + linear * self.linear_attention_parameters()
         norms = 2 * h
         expert = 3 * h * self.moe_intermediate_size
         gated = self.shared_expert_intermediate_size and self.architecture.shared_expert_gated
@@ -307,9 +348,23 @@ class MoEModelConfig(ConfigNode):
         n_dense = len(self.dense_layers)
         n_moe = layers - n_dense
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
-        total = embed + layers * (attn + norms) + n_moe * moe_total + n_dense * dense
-        active = embed + layers * (attn + norms) + n_moe * moe_active + n_dense * dense
+        total = embed + attn + layers * norms + n_moe * moe_total + n_dense * dense
+        active = embed + attn + layers * norms + n_moe * moe_active + n_dense * dense
         return {"total": total, "active": active}
+
+    def linear_attention_parameters(self) -> int:
+        """One gated DeltaNet block: input projections (q, k, v, z, b, a), conv, A_log, dt_bias, norm, output."""
+        h, key_width = self.hidden_size, self.linear_num_key_heads * self.linear_key_head_dim
+        heads, value_width = self.linear_num_value_heads, self.linear_num_value_heads * self.linear_value_head_dim
+        conv_channels = 2 * key_width + value_width
+        inputs = h * (conv_channels + value_width + 2 * heads)
+        return (
+            inputs
+            + conv_channels * self.linear_conv_kernel_dim
+            + 2 * heads
+            + self.linear_value_head_dim
+            + value_width * h
+        )
 
     def qk_norm_widths(self) -> tuple[int, int]:
         """The q and k RMSNorm weights' lengths: head_dim (per head), or all heads' (OLMoE)."""

@@ -19,6 +19,14 @@ Design decisions:
   holds at most one bucket plus one parameter's gather beyond its shard, never a unit or the model.
 - The same walk exports gradients (``tensor_of=gradient_of``), which is how layout-equivalence
   tests compare gradients under HF names.
+- Gated DeltaNet (Qwen3-Next, Qwen3.5; megatron's ``GatedDeltaNet``): megatron's ``in_proj`` holds this rank's
+  [q | k | v | z | b | a] rows (each TP-sharded by heads on its own) and ``conv1d`` this rank's [q | k | v]
+  channels, while the checkpoints write q, k and v in one tensor (and Qwen3-Next all six grouped by key head).
+  For these the HF tensors are first cut into megatron's pieces (``megatron_pieces``), each piece is sharded,
+  and the local pieces are concatenated; export cuts the local tensor into its pieces, gathers each and writes
+  the HF tensors back from them (``hf_tensors``): exact both ways, no arithmetic.
+- Gated full attention (``attention_output_gate``): HF's ``q_proj`` gives each head's query then its gate;
+  megatron's ``linear_qkv`` holds per query group [queries | their gates | key | value].
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.core.model_families import LINEAR_ATTENTION_INPUT_NAMES, LinearAttentionInputs
 from gspo_megatron.core.named_tensors import NamedTensor, bucket_named_tensors
 from gspo_megatron.policy.models.config import MoEModelConfig
 from gspo_megatron.policy.models.hf_shapes import hf_shapes as hf_shapes  # exported here too: the conversion's names
@@ -53,8 +62,10 @@ logger = logging.getLogger(__name__)
 class ParamMapping:
     megatron_name: str
     hf_names: tuple[str, ...]
-    fusion: str  # "copy" | "qkv" | "gate_up"
-    shard_dim: int | None  # dimension of each HF tensor that is split, None = replicated
+    fusion: str  # "copy" | "qkv" | "gated_qkv" | "gate_up" | "gdn_in_proj_grouped" | "gdn_in_proj" | "gdn_conv"
+    shard_dim: (
+        int | None
+    )  # dimension of each HF tensor (each megatron piece: PIECEWISE) that is split; None = replicated
     shard_group: str | None  # "tp" | "etp" | None
     unit: str  # export unit: "embed", "layer.{g}", "head"
     expert_local: int | None = None  # local expert index when the parameter is an expert's
@@ -151,9 +162,11 @@ def _mapping_for(model, name: str, cfg: MoEModelConfig, first_expert: int) -> Pa
     if rest in simple:
         hf, dim, group = simple[rest]
         return ParamMapping(name, (hf,), "copy", dim, group, unit)
+    if layer in set(cfg.linear_attention_layers) and rest.startswith("self_attention."):
+        return _linear_attention_row(name, rest.removeprefix("self_attention."), cfg, layer, unit)
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         names = tuple(p + f"self_attn.{x}_proj.{rest.rsplit('.', 1)[1]}" for x in "qkv")
-        return ParamMapping(name, names, "qkv", 0, "tp", unit)
+        return ParamMapping(name, names, "gated_qkv" if cfg.attention_output_gate else "qkv", 0, "tp", unit)
     if rest == "mlp.linear_fc1.weight":
         return ParamMapping(name, (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), "gate_up", 0, "tp", unit)
     if rest == "mlp.shared_experts.linear_fc1.weight" and cfg.architecture.shared_expert is not None:
@@ -169,6 +182,28 @@ def _mapping_for(model, name: str, cfg: MoEModelConfig, first_expert: int) -> Pa
             return ParamMapping(name, names, "gate_up", 0, "etp", unit, local_expert)
         return ParamMapping(name, (expert_name("down"),), "copy", 1, "etp", unit, local_expert)
     raise ConversionError(f"no HF mapping for megatron parameter {name!r}")
+
+
+def _linear_attention_row(name: str, which: str, cfg: MoEModelConfig, layer: int, unit: str) -> ParamMapping:
+    """A gated DeltaNet parameter's row (megatron's ``GatedDeltaNet`` names <-> the family's ``linear_attn``)."""
+    family = cfg.architecture
+    names = family.linear_attention_names(layer)
+    if which == "in_proj.weight" and family.linear_attention_inputs is not None:
+        inputs = LINEAR_ATTENTION_INPUT_NAMES[family.linear_attention_inputs]
+        grouped = family.linear_attention_inputs == LinearAttentionInputs.qkvz_ba
+        fusion = "gdn_in_proj_grouped" if grouped else "gdn_in_proj"
+        return ParamMapping(name, tuple(names[n] for n in inputs), fusion, 0, "tp", unit)
+    rows = {
+        "conv1d.weight": ("conv1d", "gdn_conv", 0, "tp"),
+        "A_log": ("A_log", "copy", 0, "tp"),
+        "dt_bias": ("dt_bias", "copy", 0, "tp"),
+        "out_norm.weight": ("norm", "copy", None, None),
+        "out_proj.weight": ("out_proj", "copy", 1, "tp"),
+    }
+    if which not in rows:
+        raise ConversionError(f"no HF mapping for megatron parameter {name!r}")
+    hf, fusion, dim, group = rows[which]
+    return ParamMapping(name, (names[hf],), fusion, dim, group, unit)
 
 
 def _mla_rows(model, name: str, cfg: MoEModelConfig, a: str) -> dict[str, tuple[str, int | None, str | None]]:
@@ -195,9 +230,67 @@ def _mla_rows(model, name: str, cfg: MoEModelConfig, a: str) -> dict[str, tuple[
 # --------------------------------------------------------------------------------------------
 # Fusion: HF pieces (already sharded) <-> one megatron tensor
 # --------------------------------------------------------------------------------------------
+# fusions whose HF tensors are cut into megatron's pieces before sharding (gated DeltaNet's flat q/k/v)
+PIECEWISE = ("gdn_in_proj_grouped", "gdn_in_proj", "gdn_conv")
+
+
+def _linear_widths(cfg: MoEModelConfig) -> tuple[int, int, int, int]:
+    """Gated DeltaNet's (key width, value width, value heads, value heads per key head)."""
+    heads = cfg.linear_num_value_heads
+    per_key = heads // cfg.linear_num_key_heads
+    return cfg.linear_num_key_heads * cfg.linear_key_head_dim, heads * cfg.linear_value_head_dim, heads, per_key
+
+
+def piece_sizes(fusion: str, cfg: MoEModelConfig) -> list[int]:
+    """Rows of megatron's pieces of a PIECEWISE tensor, whole: in_proj [q, k, v, z, b, a]; conv1d [q, k, v]."""
+    key_width, value_width, heads, _ = _linear_widths(cfg)
+    if fusion == "gdn_conv":
+        return [key_width, key_width, value_width]
+    return [key_width, key_width, value_width, value_width, heads, heads]
+
+
+def megatron_pieces(fusion: str, tensors: list[torch.Tensor], cfg: MoEModelConfig) -> list[torch.Tensor]:
+    """Whole HF tensors -> the pieces megatron shards one by one (the HF tensors themselves for the others)."""
+    if fusion not in PIECEWISE:
+        return tensors
+    if fusion != "gdn_in_proj_grouped":  # flat [q, k, v] (and z, b, a as they are)
+        q, k, v = torch.split(tensors[0], piece_sizes("gdn_conv", cfg), dim=0)
+        return [q, k, v, *tensors[1:]]
+    # Qwen3-Next: per key head [q (hk), k (hk), v (r x hv), z (r x hv)] and [b (r), a (r)]
+    qkvz, ba = tensors
+    key_heads, per_key = cfg.linear_num_key_heads, _linear_widths(cfg)[3]
+    key_dim, value_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    grouped = qkvz.reshape(key_heads, -1, qkvz.shape[-1])
+    parts = torch.split(grouped, [key_dim, key_dim, per_key * value_dim, per_key * value_dim], dim=1)
+    b, a = torch.split(ba.reshape(key_heads, 2 * per_key, ba.shape[-1]), per_key, dim=1)
+    return [part.reshape(-1, qkvz.shape[-1]) for part in (*parts, b, a)]
+
+
+def hf_tensors(fusion: str, pieces: list[torch.Tensor], cfg: MoEModelConfig) -> list[torch.Tensor]:
+    """Whole megatron pieces -> the HF tensors (``megatron_pieces`` inverted)."""
+    if fusion not in PIECEWISE:
+        return pieces
+    if fusion != "gdn_in_proj_grouped":
+        return [torch.cat(pieces[:3], dim=0), *pieces[3:]]
+    key_heads, hidden = cfg.linear_num_key_heads, pieces[0].shape[-1]
+    q, k, v, z, b, a = (piece.reshape(key_heads, -1, hidden) for piece in pieces)
+    return [torch.cat([q, k, v, z], dim=1).reshape(-1, hidden), torch.cat([b, a], dim=1).reshape(-1, hidden)]
+
+
 def fuse(fusion: str, pieces: list[torch.Tensor], cfg: MoEModelConfig) -> torch.Tensor:
     if fusion == "copy":
         return pieces[0]
+    if fusion in PIECEWISE:
+        return torch.cat(pieces, dim=0)
+    if fusion == "gated_qkv":
+        # HF q_proj rows per head: [query (hd) | gate (hd)]; megatron per group: [queries | gates | key | value]
+        q, k, v = pieces
+        hd, hidden = cfg.head_dim, q.shape[1]
+        groups = k.shape[0] // hd
+        q = q.reshape(groups, -1, 2, hd, hidden)
+        queries, gates = (q[:, :, i].reshape(groups, -1, hidden) for i in (0, 1))
+        fused = torch.cat([queries, gates, k.reshape(groups, hd, hidden), v.reshape(groups, hd, hidden)], dim=1)
+        return fused.reshape(-1, hidden)
     if fusion == "gate_up":
         return torch.cat(pieces, dim=0)
     if fusion == "qkv":
@@ -218,6 +311,16 @@ def fuse(fusion: str, pieces: list[torch.Tensor], cfg: MoEModelConfig) -> torch.
 def split(fusion: str, tensor: torch.Tensor, cfg: MoEModelConfig) -> list[torch.Tensor]:
     if fusion == "copy":
         return [tensor]
+    if fusion in PIECEWISE:  # this rank's pieces: each whole piece's 1/tp share
+        whole = piece_sizes(fusion, cfg)
+        return list(torch.split(tensor, [size * tensor.shape[0] // sum(whole) for size in whole], dim=0))
+    if fusion == "gated_qkv":
+        hd, hidden = cfg.head_dim, tensor.shape[1]
+        per_group = cfg.num_attention_heads // cfg.num_kv_heads
+        grouped = tensor.reshape(-1, 2 * per_group + 2, hd, hidden)
+        queries, gates = grouped[:, :per_group], grouped[:, per_group : 2 * per_group]
+        q = torch.stack([queries, gates], dim=2).reshape(-1, hidden)  # per head [query | gate]
+        return [q, grouped[:, 2 * per_group].reshape(-1, hidden), grouped[:, 2 * per_group + 1].reshape(-1, hidden)]
     if fusion == "gate_up":
         return list(tensor.chunk(2, dim=0))
     if fusion == "qkv":
@@ -269,14 +372,18 @@ def load_hf_weights(model, cfg: MoEModelConfig, source: WeightSource | Mapping[s
     with torch.no_grad():
         for row in build_mappings(model, cfg, ep_rank, ep_size):
             rank, size = _group_rank_size(mesh, row.shard_group)
-            pieces = []
+            wholes = []
             for hf_name in row.hf_names:
                 full = source.get(hf_name)
                 if tuple(full.shape) != expected[hf_name]:
                     raise ConversionError(
                         f"{hf_name} has shape {tuple(full.shape)}, the model config expects {expected[hf_name]}"
                     )
-                pieces.append(full.chunk(size, dim=row.shard_dim)[rank] if row.shard_dim is not None else full)
+                wholes.append(full)
+            pieces = [
+                whole.chunk(size, dim=row.shard_dim)[rank] if row.shard_dim is not None else whole
+                for whole in megatron_pieces(row.fusion, wholes, cfg)
+            ]
             value = fuse(row.fusion, pieces, cfg)
             target = params[row.megatron_name]
             if value.shape != target.shape:
@@ -396,6 +503,7 @@ def _gather_row(row, params, cfg, mesh, ep_size, tensor_of, wire_dtype) -> dict[
         group = mesh.tp_group if row.shard_group == "tp" else mesh.etp_group
         if dist.get_world_size(group) > 1:
             pieces = [_all_gather_cat(piece, row.shard_dim, group) for piece in pieces]
+    pieces = hf_tensors(row.fusion, pieces, cfg)
     if row.expert_local is None or ep_size == 1:
         return dict(zip(row.hf_names, pieces, strict=True))
     # expert e lives on EP rank e // experts_per_rank: gather this local slot from every EP rank

@@ -24,6 +24,8 @@ def _layer_shapes(cfg: MoEModelConfig, layer: int) -> dict[str, tuple[int, ...]]
     p = f"model.layers.{layer}."
     if cfg.attention == "mla":
         out = {p + "input_layernorm.weight": (h,), **_mla_shapes(cfg, p + "self_attn.")}
+    elif layer in set(cfg.linear_attention_layers):
+        out = {p + "input_layernorm.weight": (h,), **linear_attention_shapes(cfg, layer)}
     else:
         out = _gqa_shapes(cfg, p)
     out[p + "post_attention_layernorm.weight"] = (h,)
@@ -58,7 +60,8 @@ def _gqa_shapes(cfg: MoEModelConfig, p: str) -> dict[str, tuple[int, ...]]:
     h, hd = cfg.hidden_size, cfg.head_dim
     out = {
         p + "input_layernorm.weight": (h,),
-        p + "self_attn.q_proj.weight": (cfg.num_attention_heads * hd, h),
+        # with an output gate each head's query is followed by its gate (transformers' Qwen3-Next view)
+        p + "self_attn.q_proj.weight": (cfg.num_attention_heads * hd * (2 if cfg.attention_output_gate else 1), h),
         p + "self_attn.k_proj.weight": (cfg.num_kv_heads * hd, h),
         p + "self_attn.v_proj.weight": (cfg.num_kv_heads * hd, h),
         p + "self_attn.o_proj.weight": (h, cfg.num_attention_heads * hd),
@@ -69,6 +72,28 @@ def _gqa_shapes(cfg: MoEModelConfig, p: str) -> dict[str, tuple[int, ...]]:
     if cfg.qk_norm:
         q_width, k_width = cfg.qk_norm_widths()
         out.update({p + "self_attn.q_norm.weight": (q_width,), p + "self_attn.k_norm.weight": (k_width,)})
+    return out
+
+
+def linear_attention_shapes(cfg: MoEModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """One gated DeltaNet layer's tensors under its family's names (``ModelFamily.linear_attention_names``)."""
+    h, heads = cfg.hidden_size, cfg.linear_num_value_heads
+    key_width, value_width = cfg.linear_num_key_heads * cfg.linear_key_head_dim, heads * cfg.linear_value_head_dim
+    names = cfg.architecture.linear_attention_names(layer)
+    input_rows = {
+        "in_proj_qkvz": 2 * key_width + 2 * value_width,
+        "in_proj_ba": 2 * heads,
+        "in_proj_qkv": 2 * key_width + value_width,
+        "in_proj_z": value_width,
+        "in_proj_b": heads,
+        "in_proj_a": heads,
+    }
+    out: dict[str, tuple[int, ...]] = {names[which]: (rows, h) for which, rows in input_rows.items() if which in names}
+    out[names["conv1d"]] = (2 * key_width + value_width, 1, cfg.linear_conv_kernel_dim)
+    out[names["A_log"]] = (heads,)
+    out[names["dt_bias"]] = (heads,)
+    out[names["norm"]] = (cfg.linear_value_head_dim,)
+    out[names["out_proj"]] = (h, value_width)
     return out
 
 

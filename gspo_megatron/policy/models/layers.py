@@ -2,7 +2,11 @@
 
 - ``RMSNorm``: marks its weight ``sequence_parallel`` when the config uses sequence parallelism, so
   megatron's ``finalize_model_grads`` all-reduces its gradient over the TP group (each TP rank only
-  sees its slice of the sequence). torch's wrapped norm refuses sequence parallelism outright.
+  sees its slice of the sequence). torch's wrapped norm refuses sequence parallelism outright. Under
+  ``config.layernorm_zero_centered_gamma`` (Qwen3-Next, Qwen3.5) the weight w starts at 0 and scales by 1 + w,
+  as megatron's own norms and those checkpoints do, so the conversion copies it unchanged.
+- ``GatedOutputRMSNorm``: gated DeltaNet's output norm (megatron's ``GatedDeltaNet.out_norm``, over one value
+  head); the checkpoints store its scale plainly, whatever the other norms do.
 - ``SDPACoreAttention``: megatron's core-attention interface ([s, b, heads, dim] in, [s, b, hidden]
   out) on ``torch.nn.functional.scaled_dot_product_attention`` with a causal mask and grouped-query
   heads. Megatron's local ``DotProductAttention`` allocates from a CUDA memory buffer.
@@ -25,18 +29,34 @@ from gspo_megatron.policy.parallel.context_parallel import causal_mask_for_rank,
 
 
 class RMSNorm(torch.nn.Module):
-    # y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32 like HF Qwen3RMSNorm.
+    # y = x / sqrt(mean(x^2) + eps) * weight (zero-centred: * (1 + weight)), computed in fp32 like HF Qwen3RMSNorm.
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused):
         super().__init__()
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.zero_centered = self.follows_zero_centered_config and bool(config.layernorm_zero_centered_gamma)
+        start = torch.zeros if self.zero_centered else torch.ones
+        self.weight = torch.nn.Parameter(start(hidden_size, dtype=config.params_dtype))
         self.weight.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]  # read by megatron
+
+    follows_zero_centered_config = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return (1 + self.weight if self.zero_centered else self.weight) * x.to(dtype)
+
+
+class GatedOutputRMSNorm(RMSNorm):
+    """Gated DeltaNet's output norm over one value head (megatron applies the gate after it). Its weight is
+    whole on every TP rank while each rank normalises its own heads, so its gradient is a partial sum per
+    rank: marked ``sequence_parallel`` under TP for megatron's TP all-reduce of such gradients."""
+
+    follows_zero_centered_config = False
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused):
+        super().__init__(config, hidden_size, eps)
+        self.weight.sequence_parallel = config.tensor_model_parallel_size > 1  # type: ignore[attr-defined]
 
 
 class QKRMSNorm(RMSNorm):

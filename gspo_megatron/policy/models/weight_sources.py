@@ -158,11 +158,13 @@ class SafetensorsSource(WeightSource):
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
+_MTP_MODULE = "mtp."  # Qwen3-Next's and Qwen3.5's multi-token-prediction head
 
 
 def unread_tensors(names: Iterable[str], cfg: MoEModelConfig) -> tuple[list[str], list[str]]:
     """A checkpoint's tensors the model does not read: (multi-token-prediction layers' -- layers past
-    ``num_layers``, as DeepSeek-V3's layer 61 and GLM-4.5's MTP layer sit --, the rest). Scales of block-FP8
+    ``num_layers``, as DeepSeek-V3's layer 61 and GLM-4.5's MTP layer sit, and Qwen3-Next's and Qwen3.5's
+    ``mtp.*`` module --, the rest). Scales of block-FP8
     weights are read with their weight; a tied model's ``lm_head.weight`` is the embedding (transformers
     ties it the same way)."""
     expected = hf_shapes(cfg)
@@ -173,7 +175,8 @@ def unread_tensors(names: Iterable[str], cfg: MoEModelConfig) -> tuple[list[str]
         if base in expected or (cfg.tie_word_embeddings and name == "lm_head.weight"):
             continue
         layer = _LAYER_NAME.match(name)
-        (mtp if layer and int(layer.group(1)) >= cfg.num_layers else other).append(name)
+        past_the_layers = layer is not None and int(layer.group(1)) >= cfg.num_layers
+        (mtp if past_the_layers or name.startswith(_MTP_MODULE) else other).append(name)
     return mtp, other
 
 

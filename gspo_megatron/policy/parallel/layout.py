@@ -104,6 +104,10 @@ class ParallelLayout:
             ]
         if model.dense_intermediate_size:
             checks.append((model.dense_intermediate_size, self.tp, "dense_intermediate_size", "tp"))
+        if getattr(model, "linear_attention_layers", None):
+            self._validate_linear_attention()
+            checks.append((model.linear_num_key_heads, self.tp, "linear_num_key_heads", "tp"))
+            checks.append((model.linear_num_value_heads, self.tp, "linear_num_value_heads", "tp"))
         if getattr(model, "attention", "gqa") == "mla":  # megatron's column-parallel down projections
             checks.append((model.q_lora_rank, self.tp, "q_lora_rank", "tp"))
             checks.append(
@@ -126,6 +130,14 @@ class ParallelLayout:
             raise LayoutError(
                 f"tp = {self.tp} with an MoE model needs sequence parallelism (megatron-core's MoE "
                 "layer requires it with tensor parallelism); set parallel.sequence_parallel=true"
+            )
+
+    def _validate_linear_attention(self) -> None:
+        if self.cp > 1:
+            raise LayoutError(
+                f"parallel.cp = {self.cp}: gated DeltaNet layers (model.linear_attention_layers) have no context "
+                "parallelism in megatron-core 0.16 (transformer_config.py:983 asserts context_parallel_size == 1; "
+                "ssm/gated_delta_net.py:223 'TODO: support CP'); set parallel.cp=1"
             )
 
     @property

@@ -56,8 +56,9 @@ def test_the_start_up_call_says_which_bridges_applied(bridges):
     names = [bridge.__name__.lstrip("_") for bridge in cpu_compat.BRIDGES]
     applied = [name for name in names if name in line]
     assert line.startswith(f"[gspo] megatron-core {version('megatron-core')} without CUDA: {len(applied)} CPU bridges")
-    # 0.16 lacks te_general_gemm (bridge 3 defines it); 0.17+ defines it, and that bridge patches nothing
-    assert set(names) - set(applied) <= {"define_missing_te_general_gemm"}
+    # 0.16 lacks te_general_gemm (bridge 3 defines it); 0.17+ defines it, and that bridge patches nothing;
+    # bridge 12 patches nothing where FLA is installed or megatron keeps gated DeltaNet's imports elsewhere
+    assert set(names) - set(applied) <= {"define_missing_te_general_gemm", "gated_delta_net_without_fla"}
     assert cpu_compat.apply_cpu_bridges() == line  # once per process: a second call applies nothing more
 
 
@@ -301,3 +302,45 @@ def test_11_hybrid_optimizer_offloads_on_cpu(bridges):
     for fraction in (1.0, 0.5):
         got = _hybrid_optimizer_steps(weights.to(torch.bfloat16), grads, fraction)
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def _names_imported_from_fla(module) -> set[str]:
+    """The names ``module``'s source imports from flash-linear-attention (``from fla... import ...``)."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(module))
+    return {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "fla"
+        for alias in node.names
+    }
+
+
+def test_12_gated_delta_net_gets_the_torch_rule_where_fla_is_absent(bridges):
+    """Keyed to the upstream import: the names megatron's gated_delta_net.py imports from FLA are exactly the
+    ones the bridge supplies; without it the layer refuses to build, with it megatron's FLA call site
+    (``chunk_gated_delta_rule(q, k, v, g=, beta=, initial_state=, output_final_state=,
+    use_qk_l2norm_in_kernel=)``) gives what megatron's own torch rule (its ``deterministic_mode`` path) gives."""
+    gated_delta_net = pytest.importorskip("megatron.core.ssm.gated_delta_net")
+    if gated_delta_net.HAVE_FLA:
+        pytest.skip("flash-linear-attention is installed: megatron uses it and the bridge patches nothing")
+    assert _names_imported_from_fla(gated_delta_net) == set(cpu_compat.GATED_DELTA_NET_FLA_NAMES)
+    with pytest.raises(ImportError, match="FLA is not installed"):
+        gated_delta_net.GatedDeltaNet(config=None, submodules=None)
+    assert not hasattr(gated_delta_net, "l2norm") and gated_delta_net.chunk_gated_delta_rule is None
+    cpu_compat.enable_cpu_megatron()
+    assert gated_delta_net.HAVE_FLA is True
+    generator = torch.Generator().manual_seed(0)
+    q, k = (gated_delta_net.l2norm(torch.randn(2, 70, 3, 4, generator=generator)) for _ in range(2))
+    v = torch.randn(2, 70, 3, 5, generator=generator)
+    g = -torch.rand(2, 70, 3, generator=generator)
+    beta = torch.rand(2, 70, 3, generator=generator)
+    call = dict(g=g, beta=beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False)
+    bridged, _ = gated_delta_net.chunk_gated_delta_rule(q, k, v, **call)
+    megatrons, _ = gated_delta_net.torch_chunk_gated_delta_rule(q, k, v, **call)
+    torch.testing.assert_close(bridged, megatrons, rtol=1e-4, atol=1e-5)
+    cpu_compat.disable_cpu_megatron()
+    assert gated_delta_net.HAVE_FLA is False and gated_delta_net.chunk_gated_delta_rule is None
+    assert not hasattr(gated_delta_net, "l2norm")  # never defined upstream without FLA: removed again

@@ -85,6 +85,14 @@ def test_multi_token_prediction_layers_are_set_aside_not_loaded(tmp_path):
     assert check_checkpoint_names(source, cfg) == sorted(mtp)
 
 
+def test_qwen3_next_multi_token_prediction_module_is_set_aside_not_loaded(tmp_path):
+    """Qwen3-Next's (and Qwen3.5's) checkpoints hold their MTP head as a module of its own, ``mtp.*``."""
+    cfg = tiny_family_config("qwen3_next")
+    mtp = {"mtp.fc.weight": torch.ones(4, 8), "mtp.layers.0.input_layernorm.weight": torch.ones(4)}
+    source = _checkpoint_with(tmp_path, cfg, mtp)
+    assert check_checkpoint_names(source, cfg) == sorted(mtp)
+
+
 def test_a_tensor_the_model_config_has_no_place_for_is_refused(tmp_path):
     """A Qwen3-MoE checkpoint with attention biases the config does not declare: loading it without them would
     train another model."""

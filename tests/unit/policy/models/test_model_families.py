@@ -170,3 +170,28 @@ def test_what_a_family_cannot_represent_is_refused_at_start_up():
 
     with pytest.raises(ModelConfigError, match=r"Mixtral architecture has no shared expert.*qwen2_moe"):
         validate_config(to_train_config(compose(["model=mixtral_tiny", "model.shared_expert_intermediate_size=8"])), 1)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe_text"])
+def test_the_hybrid_layer_pattern_is_read_from_layer_types_and_transformers_default(model_type):
+    cfg = tiny_family_config(model_type)
+    hf = cfg.to_hf_dict()
+    assert hf["layer_types"] == ["linear_attention", "linear_attention", "full_attention"]
+    without = {key: value for key, value in hf.items() if key != "layer_types"} | {"num_hidden_layers": 8}
+    # transformers' default: every 4th layer full attention (full_attention_interval)
+    assert MoEModelConfig.from_hf_dict(without).linear_attention_layers == [0, 1, 2, 4, 5, 6]
+    with pytest.raises(ModelConfigError, match=r"layer_types=.*'sliding_attention'"):
+        MoEModelConfig.from_hf_dict(hf | {"layer_types": ["linear_attention", "sliding_attention", "full_attention"]})
+
+
+def test_what_the_hybrid_families_cannot_represent_is_refused_naming_the_key():
+    with pytest.raises(ModelConfigError, match=r"Qwen3-MoE architecture has no linear attention.*qwen3_next"):
+        tiny_test_config(linear_attention_layers=[0], linear_num_key_heads=1, linear_num_value_heads=1).validate()
+    with pytest.raises(ModelConfigError, match=r"linear_num_value_heads=3 must be a multiple of.*=2"):
+        tiny_family_config("qwen3_next", linear_num_value_heads=3)
+    with pytest.raises(
+        ModelConfigError, match=r"model\.attention_output_gate=False.*set model\.attention_output_gate=true"
+    ):
+        tiny_family_config("qwen3_5_moe_text", attention_output_gate=False)
+    with pytest.raises(ModelConfigError, match=r"linear_attention_layers=\[0, 3\]: .* in 0\.\.2"):
+        tiny_family_config("qwen3_next", linear_attention_layers=[0, 3])
