@@ -463,21 +463,62 @@ def _uneven_all_gather_through_padding() -> None:
     _patch(mappings, "_gather_along_first_dim", _gather_along_first_dim)
 
 
-GATED_DELTA_NET_FLA_NAMES = ("chunk_gated_delta_rule", "l2norm")  # what gated_delta_net.py imports from fla
+# Where megatron-core's gated DeltaNet binds what it imports from flash-linear-attention: 0.16-0.18 one module
+# (chunk_gated_delta_rule, l2norm); 0.19 a package whose common.py imports them (and causal_conv1d) and whose
+# gdn.py and __init__.py bind them again by name, so each binding is patched
+GATED_DELTA_NET_MODULES = (
+    "megatron.core.ssm.gated_delta_net",
+    "megatron.core.ssm.gated_delta_net.common",
+    "megatron.core.ssm.gated_delta_net.gdn",
+)
+GATED_DELTA_NET_FLA_NAMES = ("chunk_gated_delta_rule", "l2norm", "causal_conv1d")  # the union over versions
+
+
+def gated_delta_net_modules() -> list:
+    """The importable modules of ``GATED_DELTA_NET_MODULES`` (none before megatron-core 0.16)."""
+    import importlib
+
+    found = []
+    for name in GATED_DELTA_NET_MODULES:
+        try:
+            found.append(importlib.import_module(name))
+        except ImportError:
+            continue
+    return found
 
 
 def _gated_delta_net_without_fla() -> None:
-    try:
-        from megatron.core.ssm import gated_delta_net
-    except ImportError:  # megatron-core < 0.16: no gated DeltaNet
-        return
-    if getattr(gated_delta_net, "HAVE_FLA", True):
+    modules = gated_delta_net_modules()
+    if not modules or getattr(modules[0], "HAVE_FLA", True):  # none (megatron < 0.16), or FLA is installed
         return
     from gspo_megatron.policy.models import gated_delta_rule
 
-    for name in GATED_DELTA_NET_FLA_NAMES:
-        _patch(gated_delta_net, name, getattr(gated_delta_rule, name))
-    _patch(gated_delta_net, "HAVE_FLA", True)
+    for module in modules:
+        for name in GATED_DELTA_NET_FLA_NAMES:
+            # a name the module binds to None (FLA absent) or, in 0.16's module, never binds (l2norm)
+            if getattr(module, name, None) is None and (hasattr(module, name) or _imports_from_fla(module, name)):
+                _patch(module, name, getattr(gated_delta_rule, name))
+        if hasattr(module, "HAVE_FLA"):
+            _patch(module, "HAVE_FLA", True)
+
+
+def _imports_from_fla(module, name: str) -> bool:
+    """Whether ``module``'s source imports ``name`` from flash-linear-attention (``from fla... import name``)."""
+    return name in names_imported_from_fla(module)
+
+
+def names_imported_from_fla(module) -> set[str]:
+    """The names ``module``'s source imports from flash-linear-attention (``from fla... import ...``)."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(module))
+    return {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "fla"
+        for alias in node.names
+    }
 
 
 BRIDGES = (

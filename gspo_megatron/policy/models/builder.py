@@ -274,9 +274,16 @@ def make_block_spec(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     use_te = spec_name == "te"
-    block = get_gpt_decoder_block_spec(
-        config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
-    )
+    # the block of full-attention layers first; the gated DeltaNet layers are swapped in below. megatron 0.19's
+    # get_gpt_decoder_layer_specs refuses a config with an experimental attention variant (0.16 ignores it),
+    # so the variant is hidden from it for the call
+    variant, config.experimental_attention_variant = config.experimental_attention_variant, None
+    try:
+        block = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
+        )
+    finally:
+        config.experimental_attention_variant = variant
     if use_te and all_heads_qk_norm:
         raise ModelConfigError(
             "q/k norms over all heads (OLMoE) are built with the portable layer spec only (TE's are per head); "

@@ -31,6 +31,10 @@ Design decisions:
 - Only exp of non-positive numbers is taken: G_i - G_j for j <= i and the masked upper triangle is set to
   -inf before exp, so long chunks with strong decay cannot overflow.
 - ``l2norm`` is FLA's ``fla.modules.l2norm.l2norm``: x / sqrt(sum x^2 + eps) over the last dim.
+- ``causal_conv1d`` is FLA's ``fla.modules.convolution.causal_conv1d`` (megatron-core 0.19's gated DeltaNet
+  calls it; 0.16 falls back to ``nn.Conv1d`` itself): a depthwise convolution over time that sees no future
+  token, x [batch, time, dim] -> the same, with FLA's optional SiLU; returns (y, None) as FLA does without
+  ``output_final_state``. Its ``initial_state`` / ``cu_seqlens`` (decoding, packed sequences) are refused by name.
 """
 
 from __future__ import annotations
@@ -46,6 +50,30 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6, output_dtype: torch.dtype | None 
     wide = x.to(_compute_dtype(x))
     out = wide * torch.rsqrt((wide * wide).sum(dim=-1, keepdim=True) + eps)
     return out.to(output_dtype or x.dtype)
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, None]:
+    """y[:, t, d] = act(bias_d + sum_{i < W} weight[d, i] x[:, t - W + 1 + i, d]) (x = 0 before the start)."""
+    if initial_state is not None or output_final_state or cu_seqlens is not None:
+        raise NotImplementedError(
+            "causal_conv1d on CPU: initial_state / output_final_state / cu_seqlens (decoding and packed "
+            "sequences) are not implemented; the trainer feeds whole padded rows"
+        )
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"causal_conv1d: activation {activation!r} is not FLA's (None, 'silu', 'swish')")
+    dim, width = weight.shape
+    y = F.conv1d(x.transpose(1, 2), weight.unsqueeze(1), bias, padding=width - 1, groups=dim)[..., : x.shape[1]]
+    if activation is not None:
+        y = F.silu(y)
+    return y.transpose(1, 2), None
 
 
 def recurrent_gated_delta_rule(

@@ -304,43 +304,40 @@ def test_11_hybrid_optimizer_offloads_on_cpu(bridges):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
-def _names_imported_from_fla(module) -> set[str]:
-    """The names ``module``'s source imports from flash-linear-attention (``from fla... import ...``)."""
-    import ast
-    import inspect
-
-    tree = ast.parse(inspect.getsource(module))
-    return {
-        alias.asname or alias.name
-        for node in ast.walk(tree)
-        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "fla"
-        for alias in node.names
-    }
-
-
 def test_12_gated_delta_net_gets_the_torch_rule_where_fla_is_absent(bridges):
-    """Keyed to the upstream import: the names megatron's gated_delta_net.py imports from FLA are exactly the
-    ones the bridge supplies; without it the layer refuses to build, with it megatron's FLA call site
+    """Keyed to the upstream import: the names megatron's gated DeltaNet imports from FLA (0.16-0.18:
+    ``ssm/gated_delta_net.py``; 0.19: ``ssm/gated_delta_net/common.py``, bound again in ``gdn.py``) are ones the
+    bridge supplies; without it the layer refuses to build, with it megatron's FLA call sites
     (``chunk_gated_delta_rule(q, k, v, g=, beta=, initial_state=, output_final_state=,
-    use_qk_l2norm_in_kernel=)``) gives what megatron's own torch rule (its ``deterministic_mode`` path) gives."""
-    gated_delta_net = pytest.importorskip("megatron.core.ssm.gated_delta_net")
-    if gated_delta_net.HAVE_FLA:
+    use_qk_l2norm_in_kernel=)``; 0.19's ``causal_conv1d(x=, weight=, bias=, activation=, ...)``) give what
+    megatron's own torch path (its ``deterministic_mode``) gives."""
+    package = pytest.importorskip("megatron.core.ssm.gated_delta_net")
+    if package.HAVE_FLA:
         pytest.skip("flash-linear-attention is installed: megatron uses it and the bridge patches nothing")
-    assert _names_imported_from_fla(gated_delta_net) == set(cpu_compat.GATED_DELTA_NET_FLA_NAMES)
+    modules = cpu_compat.gated_delta_net_modules()
+    imported = set().union(*(cpu_compat.names_imported_from_fla(module) for module in modules))
+    assert imported and imported <= set(cpu_compat.GATED_DELTA_NET_FLA_NAMES), imported
     with pytest.raises(ImportError, match="FLA is not installed"):
-        gated_delta_net.GatedDeltaNet(config=None, submodules=None)
-    assert not hasattr(gated_delta_net, "l2norm") and gated_delta_net.chunk_gated_delta_rule is None
+        package.GatedDeltaNet(config=None, submodules=None)
+    assert getattr(package, "l2norm", None) is None and package.chunk_gated_delta_rule is None
     cpu_compat.enable_cpu_megatron()
-    assert gated_delta_net.HAVE_FLA is True
+    assert all(module.HAVE_FLA is True for module in modules if hasattr(module, "HAVE_FLA"))
     generator = torch.Generator().manual_seed(0)
-    q, k = (gated_delta_net.l2norm(torch.randn(2, 70, 3, 4, generator=generator)) for _ in range(2))
+    q, k = (package.l2norm(torch.randn(2, 70, 3, 4, generator=generator)) for _ in range(2))
     v = torch.randn(2, 70, 3, 5, generator=generator)
     g = -torch.rand(2, 70, 3, generator=generator)
     beta = torch.rand(2, 70, 3, generator=generator)
     call = dict(g=g, beta=beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False)
-    bridged, _ = gated_delta_net.chunk_gated_delta_rule(q, k, v, **call)
-    megatrons, _ = gated_delta_net.torch_chunk_gated_delta_rule(q, k, v, **call)
-    torch.testing.assert_close(bridged, megatrons, rtol=1e-4, atol=1e-5)
+    for module in modules:  # every binding megatron calls through
+        if "chunk_gated_delta_rule" in vars(module):
+            bridged, _ = module.chunk_gated_delta_rule(q, k, v, **call)
+            megatrons, _ = package.torch_chunk_gated_delta_rule(q, k, v, **call)
+            torch.testing.assert_close(bridged, megatrons, rtol=1e-4, atol=1e-5)
+        if "causal_conv1d" in vars(module):  # 0.19: its deterministic path is torch's F.conv1d, sliced causal
+            x, weight, bias = torch.randn(2, 9, 6), torch.randn(6, 4), torch.randn(6)
+            bridged, _ = module.causal_conv1d(x=x, weight=weight, bias=bias, activation="silu", cu_seqlens=None)
+            conv = torch.nn.functional.conv1d(x.transpose(1, 2), weight.unsqueeze(1), bias, padding=3, groups=6)
+            torch.testing.assert_close(bridged, torch.nn.functional.silu(conv[..., :9]).transpose(1, 2))
     cpu_compat.disable_cpu_megatron()
-    assert gated_delta_net.HAVE_FLA is False and gated_delta_net.chunk_gated_delta_rule is None
-    assert not hasattr(gated_delta_net, "l2norm")  # never defined upstream without FLA: removed again
+    assert package.HAVE_FLA is False and package.chunk_gated_delta_rule is None
+    assert getattr(package, "l2norm", None) is None  # never defined upstream without FLA (0.16) or None (0.19)
