@@ -6,9 +6,14 @@ The rule, for the torch intra-op threads of a training process (``plan_threads``
                                                         ranks_on_this_host: LOCAL_WORLD_SIZE (1 without a launcher)
     overlap  = this process generates while it trains:  the driver, rollout.engine=embedded, rollout.async_rollout
                                                         with rollout.max_staleness >= 1 (train.py)
-    intra_op = max(1, share // 2) if overlap else share
+    intra_op = max(1, share // 2) if overlap else max(1, share - 1)
 
-- Ranks on one host divide its cores: each rank's width is its share, so N ranks never ask for N x cores.
+- Ranks on one host divide its cores, and each leaves one core of its share to the rest of the machine
+  (reward workers, the data path, the OS, whoever else shares it): torch's OpenMP team waits at every
+  parallel region for its slowest thread, so a team as wide as the cores runs at the speed of a thread
+  that another process has pushed off its core. Measured on 2 cores, the main job (200 steps,
+  ``tools/bench_threads.py``, docs/benchmarks.md "Threads"): 1 thread 39-48 s in every repetition; 2 threads
+  35-49 s while the machine was otherwise quiet, 77-176 s while a test process shared it.
 - The embedded engine and the trainer are not both at full width when they run at the same time: with
   one-step asynchronous rollout (``rollout/scheduler.py``) the driver's engine generates step k+1 in a
   background thread while its main thread trains step k, and torch gives that thread the process's
@@ -86,7 +91,8 @@ def plan_threads(
     share = max(1, cores // max(1, local_ranks))
     rule = f"rule: {cores} core(s) / {local_ranks} rank(s) on this host = {share}"
     if not overlap:
-        return ThreadPlan(share, rule)
+        width = max(1, share - 1)
+        return ThreadPlan(width, rule if width == share else f"{rule}, one left to the rest of the machine: {width}")
     width = max(1, share // 2)
     return ThreadPlan(width, f"{rule}, halved to {width}: the embedded engine generates beside the trainer")
 

@@ -1,5 +1,5 @@
-"""The thread rule (core/threads.py): each process's share of the cores, halved where the engine generates
-beside the trainer, overridden by trainer.cpu_threads and, above it, OMP_NUM_THREADS."""
+"""The thread rule (core/threads.py): each process's share of the cores less one, halved where the engine
+generates beside the trainer, overridden by trainer.cpu_threads and, above it, OMP_NUM_THREADS."""
 
 from __future__ import annotations
 
@@ -20,16 +20,15 @@ from gspo_megatron.core.threads import (
 @pytest.mark.parametrize(("cores", "ranks"), [(2, 1), (2, 2), (8, 2), (16, 3), (2, 4)])
 def test_ranks_on_one_host_divide_its_cores(cores, ranks):
     plan = plan_threads(cores, ranks, overlap=False, configured=None, environ={})
-    assert plan.intra_op == max(1, cores // ranks)
-    assert plan.intra_op * ranks <= max(cores, ranks)  # never more threads than cores, one each at least
+    assert plan.intra_op == max(1, cores // ranks - 1)  # its share, less one core left to the rest
+    assert plan.intra_op * ranks <= max(cores - 1, ranks)  # a core to spare, one thread each at least
     assert f"{cores} core(s) / {ranks} rank(s)" in plan.rule
 
 
 @pytest.mark.parametrize("cores", [1, 2, 3, 8])
 def test_the_engine_and_the_trainer_are_not_both_at_full_width_when_they_overlap(cores):
-    alone = plan_threads(cores, 1, overlap=False, configured=None, environ={})
     beside = plan_threads(cores, 1, overlap=True, configured=None, environ={})
-    assert beside.intra_op == max(1, alone.intra_op // 2)
+    assert beside.intra_op == max(1, cores // 2)
     assert 2 * beside.intra_op <= max(cores, 2)  # the two threads' teams fit the cores (one each at least)
     assert "embedded engine generates beside the trainer" in beside.rule
 
