@@ -80,9 +80,8 @@ def test_a_gated_delta_net_layer_on_two_tensor_ranks_by_hand():
     }
     layout = ParallelLayout(tp=2, world_size=2).validate(model)
     names = [p.name for p in stage_parameters(model, layout, 0)]
-    linear, full = model.linear_attention_layers[0], next(
-        i for i in range(model.num_layers) if i not in model.linear_attention_layers
-    )
+    linear = model.linear_attention_layers[0]
+    full = next(i for i in range(model.num_layers) if i not in model.linear_attention_layers)
     assert f"decoder.layers.{linear}.self_attention.in_proj.weight" in names
     assert f"decoder.layers.{linear}.self_attention.linear_qkv.weight" not in names
     assert f"decoder.layers.{full}.self_attention.linear_qkv.weight" in names
