@@ -120,10 +120,10 @@ def _stage_parameters(model: MoEModelConfig, layout: ParallelLayout, pp_rank: in
             add(p + f"mlp.experts.local_experts.{j}.linear_fc2.weight", h * ffn, expert=True)
         if model.shared_expert_intermediate_size:
             sffn = model.shared_expert_intermediate_size // tp
+            if model.architecture.shared_expert_gated:  # megatron's SharedExpertMLP registers its gate first
+                add(p + "mlp.shared_experts.gate_weight", h)
             add(p + "mlp.shared_experts.linear_fc1.weight", 2 * sffn * h)
             add(p + "mlp.shared_experts.linear_fc2.weight", h * sffn)
-            if model.architecture.shared_expert_gated:
-                add(p + "mlp.shared_experts.gate_weight", h)
     if last:
         add("decoder.final_layernorm.weight", h)
         if not model.tie_word_embeddings:
