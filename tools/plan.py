@@ -322,6 +322,10 @@ def plan_name(args, gpu) -> int:
         raise SystemExit("--calibrate runs a training job: give its config overrides (key=value), not a model name")
     model = load_model(args.targets[0])
     layout_arg = args.targets[1] if len(args.targets) == 2 else "rank"
+    layer_spec = args.layer_spec
+    if model.portable_spec_only and layer_spec == "te":  # the trainer builds it so (model.layer_spec=auto)
+        print(f"model {args.targets[0]}: planned with the portable layer spec, the only one that builds it")
+        layer_spec = "portable"
     options = PlanOptions(
         seq_len=args.seq_len,
         micro_batch_tokens=args.micro_batch_tokens,
@@ -334,7 +338,7 @@ def plan_name(args, gpu) -> int:
         recompute=args.recompute,
         routing_replay=args.routing_replay,
         dispatcher=args.dispatcher,
-        layer_spec=args.layer_spec,
+        layer_spec=layer_spec,
         sync_bucket_bytes=args.sync_bucket_mib * 2**20,
     )
     counts = model.parameter_count()

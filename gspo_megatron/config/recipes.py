@@ -25,6 +25,7 @@ TOY_MAX_NEW_TOKENS = 64  # below it: answers of a few tokens; a pretrained model
 RECIPES = {  # model.preset -> the cluster recipe that runs it (conf/experiment/, README "Several nodes")
     "qwen3_30b_a3b": "+experiment=qwen3_30b_a3b_8xh100 rollout.sglang.model_path=/ckpt",
     "qwen3_235b_a22b": "+experiment=qwen3_235b_a22b_64xh100 rollout.sglang.model_path=/ckpt",
+    "qwen3_5_35b_a3b": "+experiment=qwen3_5_35b_a3b_8xh100 rollout.sglang.model_path=/ckpt",
 }
 GENERAL_RECIPE = "task=jsonl_math (a real run's lengths, lr and batches) or your task with the values above"
 

@@ -13,6 +13,8 @@ One gloo launch per world size runs every layout.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -391,3 +393,72 @@ def test_planner_plans_the_job_the_trainer_builds(built_jobs, name):
         # Adam's host side and the offloaded reference; megatron offloads whole parameters until their
         # count reaches the fraction, so a fraction below 1 may take up to one parameter more than planned
         assert 0 <= got["host"] - row.host <= (got["host_granule"] if options.optimizer_offload < 1 else 0), where
+
+
+# --- the hybrids (issue 62): gated DeltaNet layers beside gated full attention -------------------------------------
+
+# world 2; pp2: a gated DeltaNet layer on the first stage, the other and the full attention on the second
+HYBRID_LAYOUTS = {
+    "tp2": dict(tp=2, world_size=2),
+    "ep2": dict(ep=2, world_size=2),
+    "pp2": dict(pp=2, first_stage_layers=1, world_size=2),
+}
+
+
+def hybrid_state_worker(ctx, cfg, layouts: dict) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
+    from gspo_megatron.policy.models.builder import build_model
+    from gspo_megatron.policy.parallel.mesh import initialize_parallel
+
+    out = {}
+    for name, kwargs in layouts.items():
+        layout = ParallelLayout(**kwargs).validate(cfg)
+        apply_cpu_bridges()
+        mesh = initialize_parallel(layout, seed=5)
+        ranks = {"pp": mesh.pp_rank, "dp": mesh.dp_rank, "edp": ps.get_expert_data_parallel_rank()}
+        model = build_model(cfg, layout, params_dtype=torch.float32, layer_spec="portable")
+        out[(name, "named")] = [(n, p.numel()) for n, p in model.named_parameters()]
+        out[(name, "state")] = dict(_measure_state(layout, cfg, torch.bfloat16, True), **ranks)
+        ps.destroy_model_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def hybrid_measured():
+    from gspo_megatron.testing.model_fixtures import tiny_family_config
+
+    cfg = tiny_family_config("qwen3_5_moe_text")
+    return cfg, run_distributed(hybrid_state_worker, 2, cfg, HYBRID_LAYOUTS, timeout=600)
+
+
+def _local_layer(param_name: str, first: int) -> str:
+    """A parameter's name as megatron numbers a stage's layers (from 0); the planner numbers them globally."""
+    return re.sub(r"layers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) - first}.", param_name)
+
+
+@pytest.mark.parametrize("name", list(HYBRID_LAYOUTS))
+def test_hybrid_parameters_and_state_bytes_equal_megatron(hybrid_measured, name):
+    """The planner's parameter list of a Qwen3.5-MoE stack is megatron's ``named_parameters()`` (names, order and
+    sizes; megatron numbers a stage's layers from 0) and its bf16 distributed-optimizer state bytes are exact."""
+    from planning.parameters import stage_parameters
+
+    cfg, results = hybrid_measured
+    layout = ParallelLayout(**HYBRID_LAYOUTS[name]).validate(cfg)
+    for rank, per_rank in enumerate(results):
+        got = per_rank[(name, "state")]
+        first = layout.stage_layers(cfg.num_layers, got["pp"])[0]
+        planned = [(_local_layer(p.name, first), p.numel) for p in stage_parameters(cfg, layout, got["pp"])]
+        assert planned == per_rank[(name, "named")], f"{name} rank {rank}"
+        predicted = state_bytes(
+            cfg,
+            layout,
+            got["pp"],
+            dtype="bfloat16",
+            distributed_optimizer=True,
+            dp_rank=got["dp"],
+            expert_dp_rank=got["edp"],
+        )
+        for field in ("parameters", "gradients", "param_buffers", "optimizer"):
+            assert getattr(predicted, field) == got[field], f"{name} rank {rank}: {field}"

@@ -28,6 +28,19 @@ Design decisions:
   normalised + output 2T(Q + K); RoPE'd queries TQ; K and V repeated to all query heads 2TQ (GQA;
   TK without GQA: the RoPE'd keys; V is a view of the QKV output); SDPA output TQ and its
   [s, b, hQ] copy TQ; log-sum-exp T*heads/tp fp32.
+- Gated full attention (``model.attention_output_gate``, Qwen3-Next / Qwen3.5): the fused QKV output also
+  holds the per-head gate TQ; sigmoid of the gate TQ and the gated output TQ (the projection's input).
+- Gated DeltaNet linear attention (``model.linear_attention_layers``; megatron's ``ssm/gated_delta_net.py``
+  forward, FLA's chunked kernel), per token with C = (2 key width + value width)/tp conv channels,
+  V = value width/tp, H = value heads/tp, R = H * key head dim (q and k repeated to the value heads), KQ =
+  2 key width/tp: the input norm 3 T_sp h; the fused in_proj output T(C + V + 2H); the conv's input copy
+  TC, its output TC and SiLU's output TC; q/k L2 norms in and out 2 T KQ; q, k repeated 2TR; value, gate,
+  beta and alpha copies T(V + V + 2H); the decay g and beta in fp32 ~4TH (counted at the activation width:
+  under 1% of the layer); the kernel's output TV and its per-chunk states, one [H, dk, dv] fp32 state per 64
+  tokens, T H dk dv / 64 (FLA's chunk size; the torch chunked rule keeps more: it is the CPU path); the
+  gated RMSNorm's input, normalised x and output 3TV, the fp32 gate and its SiLU 2TV, the product TV and
+  its transposed copy TV (the out projection's input). Nothing in the layer grows with the sequence
+  beyond T: no attention matrix, no repeated K/V of the whole sequence.
 - MoE: router logits, scores and top-k probabilities ~3 T_sp E fp32; experts keep the permuted
   tokens N h, fc1 output 2NF, SiLU output NF, gated product NF and the expert outputs before the
   probability weighting N h.
@@ -100,7 +113,30 @@ def attention_elements(model: MoEModelConfig, layout: ParallelLayout, tokens: fl
         repeated_kv = 2 * tokens * q if gqa else tokens * kv
         output = 2 * tokens * q
     lse = tokens * model.num_attention_heads / tp
-    return norm + qkv + qk_norms + rope_q + repeated_kv + output + lse
+    gate = 3 * tokens * q if model.attention_output_gate else 0.0  # its QKV rows, sigmoid, gated output
+    return norm + qkv + qk_norms + rope_q + repeated_kv + output + lse + gate
+
+
+FLA_CHUNK = 64  # tokens per chunk of FLA's chunk_gated_delta_rule (its per-chunk states)
+
+
+def linear_attention_elements(model: MoEModelConfig, layout: ParallelLayout, tokens: float) -> float:
+    """A gated DeltaNet layer's saved elements for ``tokens`` (module docstring: the formula's terms)."""
+    tp = layout.tp
+    sp_tokens = tokens / tp if layout.use_sequence_parallel else tokens
+    key_width = model.linear_num_key_heads * model.linear_key_head_dim / tp
+    v = model.linear_num_value_heads * model.linear_value_head_dim / tp
+    heads = model.linear_num_value_heads / tp
+    c = 2 * key_width + v
+    repeated = heads * model.linear_key_head_dim
+    norm = 3 * sp_tokens * model.hidden_size
+    projections = tokens * (c + v + 2 * heads)
+    conv = 3 * tokens * c
+    l2_norms = 2 * tokens * 2 * key_width
+    copies = tokens * (2 * repeated + 2 * v + 2 * heads) + 4 * tokens * heads
+    states = tokens * heads * model.linear_key_head_dim * model.linear_value_head_dim / FLA_CHUNK
+    gated_norm = tokens * (v + 3 * v + 2 * v + 2 * v)
+    return norm + projections + conv + l2_norms + copies + states + gated_norm
 
 
 def moe_elements(model: MoEModelConfig, layout: ParallelLayout, tokens: float, imbalance: float = 1.0) -> float:
@@ -140,14 +176,18 @@ def activation_bytes(
     # portable CP attention: each layer's SDPA keeps its bool causal mask [S/cp, S] (one byte a pair)
     cp_mask = micro.seq_len // layout.cp * micro.seq_len if spec == "portable" and layout.cp > 1 else 0
     per_layer = []
+    linear = set(model.linear_attention_layers)
     for i in stage_layers(model, layout, pp_rank):
-        attention = attention_elements(model, layout, tokens, spec)
+        if i in linear:
+            attention = linear_attention_elements(model, layout, tokens)
+        else:
+            attention = attention_elements(model, layout, tokens, spec)
         if i in dense:
             norm = 3 * sp_tokens * h
             mlp = norm + dense_mlp_elements(model.dense_intermediate_size / layout.tp, tokens)
         else:
             mlp = moe_elements(model, layout, tokens, imbalance)
-        per_layer.append(int((attention + mlp) * width) + cp_mask)
+        per_layer.append(int((attention + mlp) * width) + (0 if i in linear else cp_mask))
     last = pp_rank == layout.pp - 1
     boundary = int(3 * sp_tokens * h * width) if last else 0
     vocab = model.vocab_size / layout.tp

@@ -12,7 +12,8 @@ Design decisions:
   ``model.dtype``; ``trainer.recompute_activations``; ``algorithm.kl.coef > 0`` -> a reference model;
   ``trainer.old_log_probs=trainer`` -> a forward pass before the updates;
   ``trainer.updates_per_rollout``; ``routing.replay``; ``model.token_dispatcher``;
-  ``model.layer_spec`` (``auto`` plans ``te``: a GPU has TransformerEngine); the rollout engine
+  ``model.layer_spec`` (``auto`` plans ``te``: a GPU has TransformerEngine; ``portable`` where only it builds the
+  model: ``MoEModelConfig.portable_spec_only``, the hybrids' gated DeltaNet and OLMoE); the rollout engine
   (``rollout.engine``; SGLang servers x ``rollout.sglang.tp`` GPUs of their own; the embedded
   engine runs in the driver's process); ``rollout.sglang.weight_bucket_bytes``; ``rollout.async_rollout``.
 - Batch: ``prompts_per_step x group_size / updates_per_rollout`` rows per optimizer step, split over
@@ -169,7 +170,11 @@ def options_from_config(cfg: TrainConfig, layout: ParallelLayout, prompt_tokens:
     else:  # the embedded engine generates in the driver's process, on its GPU, between training phases
         shape = RolloutShape(sequences, prompt_tokens, rollout.max_new_tokens, 1, 1, colocated=True)
         embedded = EmbeddedEngineShape(str(rollout.embedded.dtype), rollout.embedded.max_batch_size)
-    layer_spec = "portable" if str(cfg.model.layer_spec) == "portable" else "te"
+    # the builder's rule: "auto" is TE on a GPU, but the portable spec where only it builds the model
+    portable = str(cfg.model.layer_spec) == "portable" or (
+        str(cfg.model.layer_spec) == "auto" and cfg.model.portable_spec_only
+    )
+    layer_spec = "portable" if portable else "te"
     return PlanOptions(
         seq_len=seq_len,
         micro_batch_tokens=rows * seq_len,

@@ -84,12 +84,18 @@ def _stage_parameters(model: MoEModelConfig, layout: ParallelLayout, pp_rank: in
     if first:
         add("embedding.word_embeddings.weight", model.vocab_size // tp * h)
     dense = set(model.dense_layers)
+    linear = set(model.linear_attention_layers)
     for i in stage_layers(model, layout, pp_rank):
         p = f"decoder.layers.{i}."
         q_width = model.num_attention_heads * d // tp
-        qkv_rows = (model.num_attention_heads + 2 * model.num_kv_heads) * d // tp
+        # attention_output_gate: linear_qkv also makes a per-head gate as wide as the queries
+        q_rows = (2 if model.attention_output_gate else 1) * model.num_attention_heads * d
+        qkv_rows = (q_rows + 2 * model.num_kv_heads * d) // tp
         add(p + "input_layernorm.weight", h)
-        if model.attention == "mla":
+        if i in linear:
+            for name, numel in gated_delta_net_parameters(model, tp):
+                add(p + "self_attention." + name, numel)
+        elif model.attention == "mla":
             for name, numel in _mla_parameters(model, tp):
                 add(p + "self_attention." + name, numel)
         else:
@@ -114,10 +120,10 @@ def _stage_parameters(model: MoEModelConfig, layout: ParallelLayout, pp_rank: in
             add(p + f"mlp.experts.local_experts.{j}.linear_fc2.weight", h * ffn, expert=True)
         if model.shared_expert_intermediate_size:
             sffn = model.shared_expert_intermediate_size // tp
+            if model.architecture.shared_expert_gated:  # megatron's SharedExpertMLP registers its gate first
+                add(p + "mlp.shared_experts.gate_weight", h)
             add(p + "mlp.shared_experts.linear_fc1.weight", 2 * sffn * h)
             add(p + "mlp.shared_experts.linear_fc2.weight", h * sffn)
-            if model.architecture.shared_expert_gated:
-                add(p + "mlp.shared_experts.gate_weight", h)
     if last:
         add("decoder.final_layernorm.weight", h)
         if not model.tie_word_embeddings:
@@ -125,6 +131,27 @@ def _stage_parameters(model: MoEModelConfig, layout: ParallelLayout, pp_rank: in
         elif not first:
             add("output_layer.weight", model.vocab_size // tp * h, shared=True)
     return params
+
+
+def gated_delta_net_parameters(model: MoEModelConfig, tp: int) -> list[tuple[str, int]]:
+    """One gated DeltaNet layer's parameters on one TP rank, in megatron's ``named_parameters()`` order
+    (``megatron/core/ssm/gated_delta_net.py``: the module's own ``dt_bias`` and ``A_log`` [value heads / tp]
+    first, then its submodules as registered: the column-parallel ``in_proj`` [(2 q/k width + 2 v width +
+    2 value heads) / tp, h] (q, k, v, the output gate z, b and a fused), the depthwise ``conv1d``
+    [(2 q/k width + v width) / tp, 1, kernel] (no bias), the gated RMSNorm ``out_norm`` [value head dim]
+    (whole on every rank) and the row-parallel ``out_proj`` [h, v width / tp])."""
+    h, heads = model.hidden_size, model.linear_num_value_heads
+    key_width = model.linear_num_key_heads * model.linear_key_head_dim
+    value_width = heads * model.linear_value_head_dim
+    conv_channels = 2 * key_width + value_width
+    return [
+        ("dt_bias", heads // tp),
+        ("A_log", heads // tp),
+        ("in_proj.weight", (conv_channels + value_width + 2 * heads) // tp * h),
+        ("conv1d.weight", conv_channels // tp * model.linear_conv_kernel_dim),
+        ("out_norm.weight", model.linear_value_head_dim),
+        ("out_proj.weight", h * value_width // tp),
+    ]
 
 
 def _mla_parameters(model: MoEModelConfig, tp: int) -> list[tuple[str, int]]:

@@ -30,6 +30,12 @@ Design decisions:
   layer instead: gate, up, SiLU and product 4 T F'. Decoding adds one token per row per step: the
   cache at the end, 2 L R (P + N) K, and the sampled logits R V (w + 2 * 4: fp32 softmax and its
   log) -- the larger of the two moments counts. R3 keeps the captured experts int32 [R, P+N, L, k].
+  A hybrid stack (Qwen3-Next, Qwen3.5: ``model.linear_attention_layers``) caches K and V on its
+  full-attention layers only (L above counts those); each gated DeltaNet layer instead carries a state of
+  constant size per row, whatever the length (transformers' ``LinearAttentionCacheLayerMixin``): the conv
+  state [conv channels, kernel] in the engine dtype and the delta rule's [value heads, key dim, value dim]
+  counted in fp32 (FLA's and the torch rule's accumulation width; an upper bound for a bf16 engine),
+  held from the prefill on (``linear_state_bytes``).
   The driver also holds the whole batch before it is scattered (its per-row bytes above, N rows).
 - Old log-probs / reference log-probs: forward-only under ``torch.no_grad`` (one layer's tensors and
   the logits at a time: ``planner.memory_of_stage``'s forward-only pass); with
@@ -116,6 +122,21 @@ def engine_weight_bytes(model: MoEModelConfig, engine: EmbeddedEngineShape) -> i
     return sum(math.prod(shape) for shape in hf_shapes(model).values()) * ENGINE_DTYPE_BYTES[engine.dtype]
 
 
+def full_attention_layers(model: MoEModelConfig) -> int:
+    """Layers whose KV cache grows with the sequence: all but the gated DeltaNet ones."""
+    return model.num_layers - len(model.linear_attention_layers)
+
+
+def linear_state_bytes(model: MoEModelConfig, rows: int, width: int) -> int:
+    """The gated DeltaNet layers' recurrent state for ``rows`` sequences: constant in their length (module
+    docstring): per layer and row, conv channels x kernel at ``width`` + value heads x dk x dv in fp32."""
+    key_width = model.linear_num_key_heads * model.linear_key_head_dim
+    conv_channels = 2 * key_width + model.linear_num_value_heads * model.linear_value_head_dim
+    conv = conv_channels * model.linear_conv_kernel_dim * width
+    delta = model.linear_num_value_heads * model.linear_key_head_dim * model.linear_value_head_dim * FP32
+    return len(model.linear_attention_layers) * rows * (conv + delta)
+
+
 def generation_bytes(
     model: MoEModelConfig,
     engine: EmbeddedEngineShape,
@@ -130,8 +151,9 @@ def generation_bytes(
     r = min(rows, engine.max_batch_size)
     t = r * prompt_tokens
     h, d, layers = model.hidden_size, model.head_dim, model.num_layers
-    kv = model.num_kv_heads * d
-    held = t * h * w + 2 * t * d * w + 2 * layers * t * kv * w + t * h * w
+    kv, kv_layers = model.num_kv_heads * d, full_attention_layers(model)
+    state = linear_state_bytes(model, r, w)
+    held = t * h * w + 2 * t * d * w + 2 * kv_layers * t * kv * w + state + t * h * w
     last = layers - 1
     if model.is_moe and last not in set(model.dense_layers):
         k, f, e = model.top_k, model.moe_intermediate_size, model.num_experts
@@ -141,7 +163,8 @@ def generation_bytes(
     else:
         layer = 2 * t * h * w + 4 * t * model.dense_intermediate_size * w  # as parameters.py: a dense layer's ffn
     prefill = held + layer
-    decode = 2 * layers * r * (prompt_tokens + new_tokens) * kv * w + r * model.vocab_size * (w + 2 * FP32)
+    cache = 2 * kv_layers * r * (prompt_tokens + new_tokens) * kv * w + state
+    decode = cache + r * model.vocab_size * (w + 2 * FP32)
     capture = r * (prompt_tokens + new_tokens) * layers * model.top_k * INT32 if routed_experts else 0
     return max(prefill, decode) + capture
 

@@ -4,8 +4,12 @@ exposed communication on the link each group spans, and the 1F1B pipeline bubble
 Design decisions (all stated, all approximate; nothing here was timed on a GPU):
 - FLOPs per token and layer on one rank: 2 x (the weights it multiplies) for the linears, with
   experts counted for the rows this rank actually computes (T_sp * etp * k rows of 6 h F), plus
-  causal attention 2 * 2 * (s/2) * heads/tp * d. Backward = 2 x forward; full recompute adds one
-  forward.
+  causal attention 2 * 2 * (s/2) * heads/tp * d (a gated full-attention layer's q projection twice as
+  wide: its output gate). A gated DeltaNet layer instead: its in/out projections 2 h (C + 2V + 2H) for
+  C = (2 key width + V) conv channels, V value width, H value heads (all / tp), the conv 2 C kernel, and
+  the chunked delta rule (FLA, chunks of 64): the state's read, correction and update 3 x 2 H dk dv plus
+  the intra-chunk products 2 x 2 x 64 H (dk + dv) per token -- linear in s, no s^2 term. Backward = 2 x
+  forward; full recompute adds one forward.
 - Communication is *not* overlapped with compute (megatron can overlap DP reduction and, with the
   alltoall dispatcher, some EP traffic; the trainer here runs with overlap_grad_reduce=False), so
   the estimate is an upper bound on the communication share.
@@ -38,6 +42,7 @@ from planning.comm import Traffic
 from planning.hardware import GPUSpec
 from planning.parameters import stage_layers
 from planning.pipeline import bubble_slots
+from planning.rl_step_memory import linear_state_bytes
 
 
 def forward_flops(
@@ -55,11 +60,15 @@ def forward_flops(
     tokens = micro.tokens / layout.cp
     sp_tokens = tokens / tp if layout.use_sequence_parallel else tokens
     q, kv = model.num_attention_heads * d / tp, model.num_kv_heads * d / tp
-    dense = set(model.dense_layers)
+    q_rows = 2 * q if model.attention_output_gate else q  # the output gate's rows in linear_qkv
+    dense, linear = set(model.dense_layers), set(model.linear_attention_layers)
     flops = 0.0
     for i in stage_layers(model, layout, pp_rank):
-        flops += 2 * tokens * h * (q + 2 * kv) + 2 * tokens * q * h  # qkv + output projection
-        flops += 2 * 2 * tokens * (micro.seq_len / 2) * q  # causal scores + weighted values
+        if i in linear:
+            flops += linear_attention_flops(model, tp, tokens)
+        else:
+            flops += 2 * tokens * h * (q_rows + 2 * kv) + 2 * tokens * q * h  # qkv + output projection
+            flops += 2 * 2 * tokens * (micro.seq_len / 2) * q  # causal scores + weighted values
         if i in dense or not model.is_moe:
             flops += 6 * tokens * h * model.dense_intermediate_size / tp
             continue
@@ -69,6 +78,19 @@ def forward_flops(
     if pp_rank == layout.pp - 1:
         flops += 2 * tokens * h * model.vocab_size / tp
     return flops
+
+
+def linear_attention_flops(model: MoEModelConfig, tp: int, tokens: float) -> float:
+    """A gated DeltaNet layer's forward FLOPs for ``tokens`` on one TP rank (module docstring)."""
+    dk, dv = model.linear_key_head_dim, model.linear_value_head_dim
+    heads = model.linear_num_value_heads / tp
+    v = heads * dv
+    c = 2 * model.linear_num_key_heads * dk / tp + v
+    projections = 2 * tokens * model.hidden_size * (c + 2 * v + 2 * heads)
+    conv = 2 * tokens * c * model.linear_conv_kernel_dim
+    chunk = 64
+    delta_rule = tokens * heads * (3 * 2 * dk * dv + 2 * 2 * chunk * (dk + dv))
+    return projections + conv + delta_rule
 
 
 def group_bandwidth(kind: str, layout: ParallelLayout, gpu: GPUSpec) -> float:
@@ -160,8 +182,11 @@ def rollout_seconds(model: MoEModelConfig, shape: RolloutShape, gpu: GPUSpec, wi
     # expected fraction of a layer's experts that some token of a decode step picks (uniform routing)
     touched = 1 - (1 - model.top_k / model.num_experts) ** per_server if model.is_moe else 1.0
     weights = (counts["total"] - expert_params + touched * expert_params) * width
-    kv_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * width
+    # K and V of the full-attention layers only; each gated DeltaNet layer reads its constant-size state
+    kv_layers = model.num_layers - len(model.linear_attention_layers)
+    kv_per_token = 2 * kv_layers * model.num_kv_heads * model.head_dim * width
     kv = per_server * (shape.prompt_tokens + shape.response_tokens / 2) * kv_per_token
+    kv += linear_state_bytes(model, per_server, width)
     memory_bound = (weights + kv) / (gpu.hbm_bandwidth * shape.engine_tp)
     compute_bound = 2 * counts["active"] * per_server / flops_rate
     return prefill + shape.response_tokens * max(memory_bound, compute_bound)

@@ -411,10 +411,7 @@ def build_model_chunks(
 
     on_meta = device == "meta"
     all_heads_qk_norm = model.qk_norm and not model.architecture.qk_norm_per_head
-    portable_only = all_heads_qk_norm or bool(model.linear_attention_layers)
-    # OLMoE's all-heads q/k norms and the hybrids' gated DeltaNet exist in the portable spec only: "auto" takes it
-    # on GPUs too
-    spec_name = "portable" if portable_only and layer_spec == "auto" else resolve_spec_name(layer_spec)
+    spec_name = "portable" if model.portable_spec_only and layer_spec == "auto" else resolve_spec_name(layer_spec)
     if spec_name == "te" and model.linear_attention_layers:
         raise ModelConfigError(
             "model.linear_attention_layers (gated DeltaNet) are built with the portable layer spec only (megatron's "

@@ -352,6 +352,13 @@ class MoEModelConfig(ConfigNode):
         active = embed + attn + layers * norms + n_moe * moe_active + n_dense * dense
         return {"total": total, "active": active}
 
+    @property
+    def portable_spec_only(self) -> bool:
+        """OLMoE's all-heads q/k norms and the hybrids' gated DeltaNet exist in the portable layer spec only:
+        ``model.layer_spec=auto`` builds them with it on GPUs too (``builder.py``; the planner plans it)."""
+        all_heads_qk_norm = self.qk_norm and not self.architecture.qk_norm_per_head
+        return all_heads_qk_norm or bool(self.linear_attention_layers)
+
     def linear_attention_parameters(self) -> int:
         """One gated DeltaNet block: input projections (q, k, v, z, b, a), conv, A_log, dt_bias, norm, output."""
         h, key_width = self.hidden_size, self.linear_num_key_heads * self.linear_key_head_dim

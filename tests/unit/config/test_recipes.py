@@ -53,6 +53,7 @@ def test_slimes_30b_job_fits_one_node_of_8_h100s_colocated():
 
 RECIPE_GPUS = {  # recipe -> (training GPUs, what its user adds beyond the checkpoint)
     "qwen3_30b_a3b_8xh100": (8, []),
+    "qwen3_5_35b_a3b_8xh100": (8, []),
     "qwen3_235b_a22b_64xh100": (64, ["rollout.sglang.urls=[http://e0:30000,http://e1:30000]"]),
 }
 EXPERIMENTS = Path(CONF_DIR) / "experiment"
