@@ -63,6 +63,20 @@ else:
 """
 
 
+def _wait_until_blocked(pid: int, bound_s: float = 60.0) -> None:
+    """Until ``pid``'s main thread sleeps in the kernel (state S: blocked in the collective's wait), bounded."""
+    import time
+
+    stat = f"/proc/{pid}/task/{pid}/stat"
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        with open(stat) as handle:
+            if handle.read().rsplit(")", 1)[1].split()[0] == "S":
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"rank 0 never blocked within {bound_s} s")
+
+
 @pytest.mark.slow
 def test_a_stop_stuck_in_a_collective_ends_the_process_with_128_plus_the_signal(tmp_path):
     """Issue 63, item 6: a SIGTERM while the main thread waits inside a gloo collective (a distributed weight
@@ -85,7 +99,8 @@ def test_a_stop_stuck_in_a_collective_ends_the_process_with_128_plus_the_signal(
         for rank in (0, 1)
     ]
     try:
-        assert ranks[0].stdout.readline() == "waiting\n"  # the line comes once rank 0 is inside the wait's call
+        assert ranks[0].stdout.readline() == "waiting\n"  # printed just before the wait's call
+        _wait_until_blocked(ranks[0].pid)  # the signal then arrives while the main thread waits inside C++
         ranks[0].send_signal(signal.SIGTERM)
         assert ranks[0].wait(timeout=120) == 143
         assert "exiting now with 143" in ranks[0].stderr.read()
