@@ -494,17 +494,13 @@ def _gated_delta_net_without_fla() -> None:
     from gspo_megatron.policy.models import gated_delta_rule
 
     for module in modules:
+        imported = names_imported_from_fla(module)  # its source parsed once
         for name in GATED_DELTA_NET_FLA_NAMES:
             # a name the module binds to None (FLA absent) or, in 0.16's module, never binds (l2norm)
-            if getattr(module, name, None) is None and (hasattr(module, name) or _imports_from_fla(module, name)):
+            if getattr(module, name, None) is None and (hasattr(module, name) or name in imported):
                 _patch(module, name, getattr(gated_delta_rule, name))
         if hasattr(module, "HAVE_FLA"):
             _patch(module, "HAVE_FLA", True)
-
-
-def _imports_from_fla(module, name: str) -> bool:
-    """Whether ``module``'s source imports ``name`` from flash-linear-attention (``from fla... import name``)."""
-    return name in names_imported_from_fla(module)
 
 
 def names_imported_from_fla(module) -> set[str]:
