@@ -169,6 +169,7 @@ class GroupBuffer(Generic[GroupT]):
         self.token_versions_of = token_versions_of
         self.dropped = 0  # groups dropped past the bound, over the run
         self._groups: deque[GroupT] = deque()
+        self._closed = False
         self._condition = threading.Condition()
 
     def __len__(self) -> int:
@@ -178,6 +179,22 @@ class GroupBuffer(Generic[GroupT]):
     def put(self, groups: Iterable[GroupT]) -> None:
         with self._condition:
             self._groups.extend(groups)
+            self._condition.notify_all()
+
+    def wait_for_room(self, limit: int, timeout_s: float) -> bool:
+        """The producer's run-ahead bound under ``drop``: until fewer than ``limit`` groups are buffered (True), or
+        the buffer is closed (False); ``TimeoutError`` after ``timeout_s`` seconds. Without it a producer that
+        re-takes the engine at once can starve the trainer's weight sync and fill memory with groups that will
+        all be dropped."""
+        with self._condition:
+            if not self._condition.wait_for(lambda: self._closed or len(self._groups) < limit, timeout_s):
+                raise TimeoutError(f"{len(self._groups)} group(s) still buffered after {timeout_s} s, limit {limit}")
+            return not self._closed
+
+    def close(self) -> None:
+        """Wakes a producer waiting for room: it stops."""
+        with self._condition:
+            self._closed = True
             self._condition.notify_all()
 
     def wait_for(self, count: int, timeout_s: float) -> None:
@@ -205,4 +222,5 @@ class GroupBuffer(Generic[GroupT]):
                 dropped += admission.dropped
                 ages.update(admission.ages)
             self.dropped += len(dropped)
+            self._condition.notify_all()  # room for a producer waiting in wait_for_room
         return Admission(admitted, dropped, ages)

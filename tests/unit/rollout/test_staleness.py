@@ -108,7 +108,10 @@ def _token_versions(group: list[Sample]) -> list[int]:
 
 class _Pipeline:
     """A fast engine and a slow trainer: the real embedded engine generates groups in its own thread into the
-    buffer; the trainer's weight sync waits for the round in flight (the engine lock), as scheduler.py's does."""
+    buffer; the trainer's weight sync waits for the round in flight (the engine lock), as scheduler.py's does.
+    Under ``drop`` (no gate) the producer keeps at most ``AHEAD`` groups buffered (``wait_for_room``)."""
+
+    AHEAD = 3
 
     def __init__(self, max_staleness: int, gate: StalenessGate | None):
         self.engine = EmbeddedEngine(_hf_config(), EmbeddedConfig())
@@ -126,6 +129,8 @@ class _Pipeline:
                     return
                 if self.gate is not None:
                     self.gate.acquire(1, WAIT_S)
+                elif not self.buffer.wait_for_room(self.AHEAD, WAIT_S):
+                    return
                 with self.lock:
                     (group,) = self.engine.generate(PROMPT, PARAMS)
                 self.buffer.put([group])
@@ -142,6 +147,7 @@ class _Pipeline:
 
     def close(self) -> None:
         self.stop.set()
+        self.buffer.close()
         if self.gate is not None:
             self.gate.close()
         self.thread.join(WAIT_S)
@@ -155,7 +161,7 @@ def test_drop_no_trained_token_is_older_than_k_while_the_engine_runs_ahead():
     trained_ages: Counter[int] = Counter()
     try:
         for step in range(steps):
-            pipeline.buffer.wait_for(3, WAIT_S)  # the engine made 3 groups while the trainer trained one
+            pipeline.buffer.wait_for(_Pipeline.AHEAD, WAIT_S)  # the engine made 3 groups while the trainer trained one
             admission = pipeline.buffer.take(1, train_version=step, timeout_s=WAIT_S)
             assert len(admission.admitted) == 1
             for group in admission.admitted:
@@ -164,8 +170,36 @@ def test_drop_no_trained_token_is_older_than_k_while_the_engine_runs_ahead():
     finally:
         pipeline.close()
     assert max(trained_ages) <= k and sum(trained_ages.values()) > 0
-    # >= 3 groups of version 0 before the first sync, steps 0 and 1 train one each: step 2 (version 2) drops
+    # 3 groups of version 0 before the first sync, steps 0 and 1 train one each: step 2 (version 2) drops the third
     assert pipeline.buffer.dropped >= 1
+
+
+def test_a_producer_that_retakes_the_engine_at_once_cannot_starve_the_weight_sync():
+    """CI (3.12): without the run-ahead bound the producer re-took the engine lock before the trainer's sync woke,
+    made all its groups on version 0, and the trainer at version 2 found nothing admissible (120 s timeout)."""
+    pipeline = _Pipeline(1, gate=None)
+    pipeline.thread.start()
+    try:
+        pipeline.buffer.wait_for(_Pipeline.AHEAD, WAIT_S)
+        pipeline.buffer.take(1, train_version=0, timeout_s=WAIT_S)
+        pipeline.sync(1)  # the producer makes at most one more group meanwhile
+        assert len(pipeline.buffer) <= _Pipeline.AHEAD
+    finally:
+        pipeline.close()
+
+
+def test_a_closed_buffer_releases_a_producer_waiting_for_room():
+    buffer: GroupBuffer[list[int]] = GroupBuffer(1, list)
+    buffer.put([[0]])
+    assert buffer.wait_for_room(2, 0.0)
+    with pytest.raises(TimeoutError, match="1 group"):
+        buffer.wait_for_room(1, 0.0)
+    results: list[bool] = []
+    waiter = threading.Thread(target=lambda: results.append(buffer.wait_for_room(1, WAIT_S)))
+    waiter.start()
+    buffer.close()
+    waiter.join(WAIT_S)
+    assert results == [False]
 
 
 def test_wait_the_producer_blocks_at_the_bound_and_nothing_is_dropped():
