@@ -63,6 +63,14 @@ class EngineDtype(ConfigChoice):
     float16 = "float16"
 
 
+class InflightUpdateMode(ConfigChoice):
+    """How a weight update lands in a running generation (``rollout/embedded/inflight.py``; SGLang's
+    ``pause_mode`` names the same two)."""
+
+    in_place = "in_place"  # the KV cache is kept: positions computed before the update keep the old weights' KV
+    retract = "retract"  # the running rows' KV is computed again under the new weights before they go on
+
+
 class AttentionImplementation(ConfigChoice):
     sdpa = "sdpa"
     eager = "eager"

@@ -24,6 +24,30 @@ Design decisions:
 - Routed experts follow SGLang's layout int32 [prompt + output - 1, num_hidden_layers, top_k]. Dense
   layers are included to keep that shape and hold -1 (no expert); they are captured by forward hooks
   on each MoE layer's router (``mlp.gate``), whose top-k is the softmax -> top-k the block itself used.
+
+In-flight weight updates (``request_update``, from another thread; the mailbox is ``inflight.py``):
+- The decode loop takes a pending update at a step boundary -- before a forward -- so every forward runs
+  under one version. A token's version is that of the forward whose logits it was sampled from: a row's
+  versions go to ``Sample.extra["token_versions"]`` when they differ (the key agents and partial rollouts
+  use), and ``Sample.weight_version`` is the oldest, as SGLang's retracted samples record it.
+- ``in_place``: the KV cache is kept. The next forward feeds the token sampled last under the old weights
+  over the old KV; every forward after computes under the new weights over that KV. A token's log-prob is
+  that of the forward that sampled it, and each position's routing row stays that of the forward that
+  computed its KV (the old weights' before the update, the new weights' from the update on), so one trainer
+  forward replaying the rows reproduces the routing every token was sampled with: R3 is exact, as under
+  SGLang's ``pause_mode=in_place`` (docs/agents.md). Without a KV cache (``use_cache=False``) there is no
+  KV to keep and ``in_place`` is refused.
+- ``retract``: the running rows' KV is computed again: the next forward feeds each row's whole sequence
+  under the new weights (SGLang re-queues a retracted request and prefills it again), so every token
+  sampled after the update has the log-prob of a full forward of the new weights. Its routing: the
+  recompute routes the earlier positions under the new weights, while the tokens before the update were
+  sampled over the old routing. One row per position cannot replay both (the rule ``RoutingVersionError``
+  applies to agents, docs/agents.md), so a row that returns routed experts and that the new weights route
+  otherwise at any of its real positions ENDS at the update (``FinishReason.ABORT``: its tokens, log-probs
+  and rows so far, all of the old version, exact; ``Sample.extra[RETRACT_REROUTED]`` counts the
+  positions) -- its trajectory ends at its last exact token, as an agent's at its last exact turn. A row the
+  new weights route alike at every position goes on: its rows are both versions'. Rows that return no
+  routing always go on. For R3 across updates use ``in_place``.
 """
 
 from __future__ import annotations
@@ -40,10 +64,17 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from gspo_megatron.contracts.samples import FinishReason, RowRequest, Sample, SamplingParams
+from gspo_megatron.contracts.samples import TOKEN_VERSIONS, FinishReason, RowRequest, Sample, SamplingParams
 from gspo_megatron.core.fp8_blocks import fake_quantize_named_tensors
 from gspo_megatron.core.model_families import family
-from gspo_megatron.rollout.config import EmbeddedConfig
+from gspo_megatron.rollout.config import EmbeddedConfig, InflightUpdateMode
+from gspo_megatron.rollout.embedded.inflight import (
+    RETRACT_REROUTED,
+    InflightUpdate,
+    UpdateMailbox,
+    UpdateTicket,
+    inflight_update_mode,
+)
 from gspo_megatron.rollout.embedded.sampling import row_generators, sample_next_tokens
 from gspo_megatron.rollout.embedded.weights import HfWeightLoader
 from gspo_megatron.rollout.engine import EngineSession, RolloutEngine, TurnRequest, TurnResult
@@ -120,6 +151,15 @@ class _KeptCache:
         return cls(tuple(layers))
 
 
+def _rerouted_positions(
+    held: torch.Tensor, fresh: torch.Tensor, mask: torch.Tensor, active: list[int]
+) -> dict[int, int]:
+    """After a retract's recompute: the chunk rows (``active``, in batch order) with real positions (``mask`` 1)
+    whose new top-k experts (``fresh``, [A, P, layers, k]) differ as a set from the held ones: {row: how many}."""
+    differs = (held.sort(-1).values != fresh.sort(-1).values).flatten(2).any(-1) & mask.bool().cpu()
+    return {row: count for row, count in zip(active, differs.sum(-1).tolist(), strict=True) if count}
+
+
 class _GroupsDone:
     """How many groups of a ``generate_rows`` call have all their rows finished, against how many are needed."""
 
@@ -159,6 +199,7 @@ class EmbeddedEngine(RolloutEngine):
         self._loader = HfWeightLoader(self.model)
         self._seed_source = torch.Generator().manual_seed(self.config.seed)
         self.weight_version = 0
+        self._updates = UpdateMailbox(self.update_weights)  # in-flight updates (``request_update``)
         self._kept: list[_KeptCache | None] = []  # the last turn chunk's rows' caches (``_generate_chunk``)
 
     # ------------------------------------------------------------------ weights
@@ -170,6 +211,21 @@ class EmbeddedEngine(RolloutEngine):
         for name, tensor in named_tensors:
             self._loader.load(name, tensor)
         self.weight_version = version
+
+    def request_update(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, mode: str
+    ) -> UpdateTicket:
+        """Thread-safe: load a new version into a running generation at its next decode step boundary
+        (``mode``: ``in_place`` or ``retract``, module docstring), or at once if none runs. ``ticket.wait
+        (timeout_s)`` returns when it is applied; the tensors must stay valid until then (``inflight.py``).
+        ``update_weights`` is for between generation calls only."""
+        chosen = inflight_update_mode(mode)
+        if chosen == InflightUpdateMode.in_place and not self.config.use_cache:
+            raise ValueError(
+                "an in_place update keeps the KV cache, and rollout.embedded.use_cache=false keeps none (every "
+                "step computes the whole sequence again): use mode retract, or rollout.embedded.use_cache=true"
+            )
+        return self._updates.request(InflightUpdate(named_tensors, version, chosen))
 
     def release_memory(self) -> None:
         """Colocated: the model's weights to host memory (on a CPU engine they are there already)."""
@@ -185,6 +241,10 @@ class EmbeddedEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
+        with self._updates.generating():
+            return self._generate(prompts, params)
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
         self._check_request(prompts, params)
         seed = self._call_seed(params)
         rows = [prompt for prompt in prompts for _ in range(params.n)]
@@ -199,6 +259,10 @@ class EmbeddedEngine(RolloutEngine):
         """``RolloutEngine.generate_rows``: rows in chunks of ``max_batch_size`` as ``generate``'s; after each
         decoded token the rows that finished count towards their groups, and once ``groups_needed`` groups
         are complete the rows still decoding stop (``ABORT``, their tokens kept) and later chunks do not start."""
+        with self._updates.generating():
+            return self._generate_rows(rows, params, groups_needed)
+
+    def _generate_rows(self, rows: list[RowRequest], params: SamplingParams, groups_needed: int) -> list[Sample]:
         self._check_request([row.prompt_ids for row in rows], params)
         seed = self._call_seed(params)
         generators = row_generators(seed, len(rows))
@@ -208,7 +272,7 @@ class EmbeddedEngine(RolloutEngine):
         for start in range(0, len(rows), step):
             chunk = rows[start : start + step]
             if done.reached:
-                samples += [self._sample(row.prompt_ids, [], [], FinishReason.ABORT, None) for row in chunk]
+                samples += [self._sample(row.prompt_ids, [], [], FinishReason.ABORT, None, [], {}) for row in chunk]
                 continue
             budgets = [row.max_new_tokens for row in chunk]
             samples += self._generate_chunk(
@@ -221,7 +285,11 @@ class EmbeddedEngine(RolloutEngine):
         only the tokens its session has not (the last turn's final token, the inserted ones), so every
         position goes through one forward, under the weights live then, and its routing row is that
         forward's. Rows of one call share a batch (with padding between a row's cached and new positions);
-        each draws from its own turn's seed."""
+        each draws from its own turn's seed. An in-flight update requested meanwhile lands as the call ends."""
+        with self._updates.generating(takes_updates=False):
+            return self._generate_turns(requests)
+
+    def _generate_turns(self, requests: list[TurnRequest]) -> list[TurnResult]:
         if not self.config.use_cache:  # no cache to keep: feed the whole context again
             return super().generate_turns(requests)
         self._check_request([request.ids for request in requests], requests[0].params if requests else SamplingParams())
@@ -337,7 +405,9 @@ class EmbeddedEngine(RolloutEngine):
             cache, mask, positions = self._resume_sessions(sessions, mask, positions)
         outputs: list[list[int]] = [[] for _ in range(batch)]
         log_probs: list[list[float]] = [[] for _ in range(batch)]
+        versions: list[list[int]] = [[] for _ in range(batch)]  # each token's weight version
         finish: list[FinishReason | None] = [None] * batch
+        extras: list[dict] = [{} for _ in range(batch)]
         # routed experts of every position this call feeds (padding included), -1 where never fed
         routing = None
         if params.return_routed_experts:
@@ -349,6 +419,11 @@ class EmbeddedEngine(RolloutEngine):
         capture = _RouterCapture(self.model) if routing is not None else None
         with capture if capture is not None else contextlib.nullcontext():
             for _ in range(max(budgets)):
+                retracted = 0  # a retract update: this forward computes positions 0..retracted-1 again
+                update = self._updates.take()  # an in-flight update lands here, between two forwards
+                if update is not None and update.mode == InflightUpdateMode.retract and fed > 0:
+                    retracted, fed, feed_ids, feed_positions = fed, 0, ids, positions
+                    cache = DynamicCache(config=self.model.config) if cache is not None else None
                 logits = self.model(
                     input_ids=feed_ids,
                     attention_mask=mask,
@@ -358,15 +433,34 @@ class EmbeddedEngine(RolloutEngine):
                     **{self._cache_argument: cache},
                 ).logits
                 new = feed_ids.shape[1] if cache is not None or fed == 0 else 1
-                if capture is not None and routing is not None:
-                    routing[active, fed : fed + new] = capture.take(len(active), new)
+                step_rows = capture.take(len(active), new) if capture is not None else None
+                rerouted: dict[int, int] = {}  # rows ended by a retract update: {row: positions routed otherwise}
+                if retracted and step_rows is not None and routing is not None:
+                    held = routing[active, :retracted]
+                    rerouted = _rerouted_positions(held, step_rows[:, :retracted], mask[:, :retracted], active)
+                going = [i for i, r in enumerate(active) if r not in rerouted]  # the rows that go on
+                if step_rows is not None and routing is not None:
+                    routing[[active[i] for i in going], fed : fed + new] = step_rows[going]
                 fed += new
                 tokens, token_log_probs = sample_next_tokens(logits[:, -1], params, [generators[r] for r in active])
-                self._record(active, tokens, token_log_probs, outputs, log_probs, finish, params, budgets)
+                going_index = torch.tensor(going, dtype=torch.long, device=tokens.device)
+                self._record(
+                    [active[i] for i in going],
+                    tokens[going_index],
+                    token_log_probs[going_index],
+                    outputs,
+                    log_probs,
+                    versions,
+                    finish,
+                    params,
+                    budgets,
+                )
+                for r, count in rerouted.items():  # it ends at its last exact token (module docstring)
+                    finish[r], extras[r] = FinishReason.ABORT, {RETRACT_REROUTED: count}
                 keep = [i for i, r in enumerate(active) if finish[r] is None]
                 if done is not None:
                     for r in active:
-                        if finish[r] is not None:
+                        if finish[r] is not None and r not in rerouted:  # an ended row is no finished sample
                             done.finish(first_row + r)
                     if done.reached:  # enough groups are complete: the rows still decoding stop here
                         for r in active:
@@ -403,17 +497,30 @@ class EmbeddedEngine(RolloutEngine):
                 log_probs[r],
                 finish[r],
                 None if routing is None else routing[r, width - len(prompts[r]) :],
+                versions[r],
+                extras[r],
             )
             for r in range(batch)
         ]
 
     def _record(
-        self, rows, tokens, token_log_probs, outputs, log_probs, finish, params: SamplingParams, budgets: list[int]
+        self,
+        rows,
+        tokens,
+        token_log_probs,
+        outputs,
+        log_probs,
+        versions,
+        finish,
+        params: SamplingParams,
+        budgets: list[int],
     ) -> None:
-        """Append each active row's sampled token (``rows[i]`` sampled ``tokens[i]``); mark rows that stop."""
+        """Append each active row's sampled token (``rows[i]`` sampled ``tokens[i]``) with the weight version that
+        sampled it; mark rows that stop."""
         for row, token, log_prob in zip(rows, tokens.tolist(), token_log_probs.tolist(), strict=True):
             outputs[row].append(token)
             log_probs[row].append(log_prob)
+            versions[row].append(self.weight_version)
             if token in params.stop_token_ids or self._hit_stop_string(outputs[row], params.stop):
                 finish[row] = FinishReason.STOP
             elif len(outputs[row]) >= budgets[row]:
@@ -428,14 +535,19 @@ class EmbeddedEngine(RolloutEngine):
         tail = self.decode(output[-window:])
         return any(stop in tail for stop in stops)
 
-    def _sample(self, prompt, output, log_probs, finish, routing) -> Sample:
+    def _sample(self, prompt, output, log_probs, finish, routing, versions: list[int], extra: dict) -> Sample:
+        """A row's sample; tokens of more than one weight version (an in-flight update) list each token's, and the
+        sample's version is the oldest (module docstring)."""
         if routing is not None:
             routing = routing[: len(prompt) + len(output) - 1].contiguous()
+        if len(set(versions)) > 1:
+            extra = {**extra, TOKEN_VERSIONS: list(versions)}
         return Sample(
             prompt_ids=list(prompt),
             output_ids=output,
             output_log_probs=torch.tensor(log_probs, dtype=torch.float32),
             finish_reason=finish,
             routed_experts=routing,
-            weight_version=self.weight_version,
+            weight_version=min(versions, default=self.weight_version),
+            extra=extra,
         )
