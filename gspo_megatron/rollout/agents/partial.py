@@ -75,9 +75,11 @@ def token_versions(sample: Sample) -> list[int]:
 def stitch(earlier: Sample | None, prompt: list[int], new: Sample, version: int) -> Sample:
     """``earlier``'s tokens (None: nothing yet) followed by ``new``, the engine's continuation of them
     (its input was ``prompt`` + earlier's tokens). Routed experts are the continuation's: it fed every token
-    but the last again, under the current weights."""
+    but the last again, under the current weights. The continuation's tokens are ``version``'s, unless the call
+    took an in-flight update (``EmbeddedEngine.request_update``): then they keep the versions it lists."""
     before = earlier.output_ids if earlier is not None else []
-    versions = (token_versions(earlier) if earlier is not None else []) + [version] * len(new.output_ids)
+    continued = new.extra.get(TOKEN_VERSIONS, [version] * len(new.output_ids))
+    versions = (token_versions(earlier) if earlier is not None else []) + list(continued)
     log_probs = earlier.output_log_probs if earlier is not None else torch.zeros(0)
     return Sample(
         prompt_ids=list(prompt),

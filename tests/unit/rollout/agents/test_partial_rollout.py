@@ -11,8 +11,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from gspo_megatron.contracts.samples import FinishReason, SamplingParams
-from gspo_megatron.rollout.agents.partial import PartialRollouts, token_versions
+from gspo_megatron.contracts.samples import TOKEN_VERSIONS, FinishReason, Sample, SamplingParams
+from gspo_megatron.rollout.agents.partial import PartialRollouts, stitch, token_versions
 from gspo_megatron.rollout.config import EmbeddedConfig, PartialRollout
 from gspo_megatron.rollout.data.records import PromptRecord
 from gspo_megatron.rollout.embedded.engine import EmbeddedEngine
@@ -165,3 +165,20 @@ def test_carried_groups_that_no_longer_fit_a_resumes_settings_are_dropped_not_tr
     for group in later.groups:
         assert len(group.samples) == resumed.n
         assert all(len(s.output_ids) <= resumed.max_new_tokens for s in group.samples)
+
+
+def test_stitching_keeps_the_versions_of_a_continuation_that_spans_an_in_flight_update():
+    """An engine call that took an in-flight update (``EmbeddedEngine.request_update``) lists each token's version;
+    the stitched sample keeps them after the earlier tokens' own."""
+    earlier = Sample([1, 2], [5, 6], torch.tensor([-0.5, -0.6]), FinishReason.ABORT, weight_version=0)
+    new = Sample(
+        [1, 2, 5, 6],
+        [7, 8, 9],
+        torch.tensor([-0.7, -0.8, -0.9]),
+        FinishReason.LENGTH,
+        weight_version=1,
+        extra={TOKEN_VERSIONS: [1, 2, 2]},
+    )
+    stitched = stitch(earlier, [1, 2], new, version=1)
+    assert token_versions(stitched) == [0, 0, 1, 2, 2]
+    assert stitched.weight_version == 0
