@@ -3,7 +3,8 @@
 Answers the GSPO paper's MoE questions (arXiv 2507.18071) from a sweep of run directories grouped by
 ``aggregate.py`` (one group per algorithm x off-policy setting, seeds aggregated):
 - reward and eval curves (mean, band = +-1 std over seeds); clip fractions per token and sequence;
-- expert sets changed per update, and experts changed per slot (per layer and token-level "in >= 1 layer"), engine vs trainer;
+- expert sets changed per update and experts changed per slot (per layer and token-level "in >= 1
+  layer"), engine vs trainer;
 - train/inference log-prob mismatch; importance-ratio dispersion by response length (token w vs
   sequence s, ``algorithms/ratio_dispersion.py``); grad-norm spikes (max over steps); reward
   collapse events (a drop of >= 0.2 in the 20-step mean);
@@ -305,7 +306,7 @@ def paper_vs_ours(groups: list[RunGroup], stats: dict[str, dict[str, Stat]]) -> 
         ours, verdict = "-", "not measured (needs rollout_vs_train in runs with and without R3)"
     else:
         ours = (
-            f"engine vs trainer changed: without R3 {_cell(free)}, with R3 {_cell(r3)}; "
+            f"engine vs trainer expert sets changed: without R3 {_cell(free)}, with R3 {_cell(r3)}; "
             f"|Δ log p| without R3 {_cell(free_mm)}, with R3 (non-routing residual) {_cell(r3_mm)}"
         )
         verdict = too_few_seeds(free, r3) or ("reproduced" if r3.mean == 0 and free.mean > 0 else "not reproduced")

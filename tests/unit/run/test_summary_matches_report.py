@@ -49,7 +49,8 @@ def _step(step: int) -> tuple[dict, list[dict]]:
 
 
 def _summary_numbers(text: str) -> dict[str, str]:
-    """The summary's numbers by the report's labels: '<name>, <window>' (routing: '<kind>: expert sets changed, ...')."""
+    """The summary's numbers by the report's labels: '<name>, <window>'
+    (routing: '<kind>: expert sets changed, ...')."""
     numbers = {}
     for name in ("reward/mean", "response length"):
         match = re.search(rf"{re.escape(name)} +first 20%: ([0-9.]+) +last 20%: ([0-9.]+)", text)
