@@ -1,4 +1,4 @@
-"""Rebuild a study's report from its store alone (``reports/<study>/store.json`` and ``runs/``), bit for bit.
+"""Rebuild a study's report from its store alone (``reports/<study>/store.json``, ``stored_runs/``), bit for bit.
 
     python3 tools/regenerate_report.py reports/routing_stability_miniature           # rewrite the report
     python3 tools/regenerate_report.py reports/routing_stability_miniature --check   # compare; write nothing
@@ -14,7 +14,7 @@ Design decisions:
   hold its numbers); an unknown kind is refused with the known ones listed.
 - The comparison leaves out the report's own provenance only (``provenance.generated_by``: the commit,
   command, directory and time of this regeneration); everything else, the runs' provenance, configs and
-  paths (``runs/<name>``, the same on every checkout) included, must match.
+  paths (``stored_runs/<name>``, the same on every checkout) included, must match.
 - The figures and pages (``*.png``, ``*.html``) are not compared: they draw the same numbers, and their bytes
   depend on the matplotlib version.
 - A study without a store is refused, naming why: its per-run data was not stored (its README.md says what

@@ -7,7 +7,7 @@
 #   bash tools/routing_study.sh routing_stability_offpolicy  # off-policy pressure arms (issue 31; hours)
 #   bash tools/routing_study.sh routing_stability trainer.steps=24   # extra Hydra overrides
 # Writes multirun/<experiment>_<timestamp>/ (one run directory per config and seed), stores its runs in
-# reports/<experiment>/ (store.json, runs/<run>/: manifest, config, gzip'd per-step metrics and routing;
+# reports/<experiment>/ (store.json, stored_runs/<run>/: manifest, config, gzip'd per-step metrics and routing;
 # tools/store_runs.py) and writes the report from that store alone (tools/regenerate_report.py:
 # study.html, study.json, comparison.*), so `python3 tools/regenerate_report.py reports/<experiment> --check`
 # rebuilds its numbers bit for bit from the repository. Every run records its commit, command, threads and

@@ -4,8 +4,8 @@ from the repository alone (``tools/regenerate_report.py``).
     python3 tools/store_runs.py multirun/<sweep> --study reports/routing_stability_miniature
 
 Arguments are run directories or sweep directories (expanded into their runs, in name order; files such as
-``multirun.yaml`` are skipped with a note). Writes ``STUDY/store.json`` and ``STUDY/runs/<run>/`` (manifest,
-config, gzip'd metrics and routing records), replacing an earlier store of that study, and prints the size.
+``multirun.yaml`` are skipped with a note). Writes ``STUDY/store.json`` and ``STUDY/stored_runs/<run>/``
+(manifest, config, gzip'd metrics and routing records), replacing an earlier store of that study, and prints the size.
 ``main(argv)`` returns the exit status (0 ok, 2 bad input).
 """
 

@@ -2,15 +2,15 @@
 
 Layout of ``reports/<study>/`` (``save_runs`` writes it, ``load_store`` reads it)::
 
-    store.json                   {"format": 1, "report": <report kind, regenerate_report.REPORTS>,
-                                  "seed_keys": [...], "runs": [run names, in the report's order]}
-    runs/<name>/manifest.json    what besides the code the run's numbers depend on (``RunManifest``):
-                                 seeds, CPU threads, commit, clean tree, warm start (weights' sha256 and
-                                 the command that makes it), the run's command, each stored file's
-                                 sha256, and the run's provenance.json verbatim
-    runs/<name>/config.yaml      the run's composed config, as the run wrote it
-    runs/<name>/metrics.jsonl.gz every step's metrics (gzip of the run's own file)
-    runs/<name>/routing.jsonl.gz every step's routing records, when the run wrote any
+    store.json                          {"format": 1, "report": <report kind, regenerate_report.REPORTS>,
+                                         "seed_keys": [...], "runs": [run names, in the report's order]}
+    stored_runs/<name>/manifest.json    what besides the code the run's numbers depend on (``RunManifest``):
+                                        seeds, CPU threads, commit, clean tree, warm start (weights'
+                                        sha256 and the command that makes it), the run's command, each
+                                        stored file's sha256, and the run's provenance.json verbatim
+    stored_runs/<name>/config.yaml      the run's composed config, as the run wrote it
+    stored_runs/<name>/metrics.jsonl.gz every step's metrics (gzip of the run's own file)
+    stored_runs/<name>/routing.jsonl.gz every step's routing records, when the run wrote any
 
 Design decisions:
 - Whole runs, not summaries: every per-step record the report reads is stored, so the report's numbers
@@ -22,8 +22,8 @@ Design decisions:
   stated in docs/studies.md.
 - The manifest holds each stored file's sha256 of its uncompressed bytes; ``load_store`` checks them and
   refuses a file that differs, naming it: a hand-edited number cannot pass as a run's.
-- Loaded runs carry the path ``runs/<name>`` (relative to the study directory), not where the store was
-  unpacked, so a report written from the store is the same wherever the repository is checked out: a
+- Loaded runs carry the path ``stored_runs/<name>`` (relative to the study directory), not where the store
+  was unpacked, so a report written from the store is the same wherever the repository is checked out: a
   regenerated report equals the stored one except its own provenance (``generated_by``).
 - Not stored: checkpoints and the warm start's weights (megabytes each); their sha256 and the command that
   makes them are, and ``tools/sft_warmstart.py`` rebuilds the same weights at the same thread count.
@@ -48,7 +48,7 @@ from gspo_megatron.core.provenance import PROVENANCE_FILE
 from gspo_megatron.core.run_dir import CONFIG_FILE, METRICS_FILE, ROUTING_FILE, RunData, RunDirError, load_run
 
 STORE_FILE = "store.json"
-RUNS_DIR = "runs"
+RUNS_DIR = "stored_runs"  # not "runs/": .gitignore keeps run directories of that name out of git
 MANIFEST_FILE = "manifest.json"
 FORMAT = 1
 COMPRESSED = (METRICS_FILE, ROUTING_FILE)  # stored as <name>.gz
@@ -62,7 +62,7 @@ class StoreError(ValueError):
 
 @dataclass(frozen=True)
 class RunManifest:
-    """What besides the code one stored run's numbers depend on (``runs/<name>/manifest.json``)."""
+    """What besides the code one stored run's numbers depend on (``stored_runs/<name>/manifest.json``)."""
 
     seeds: dict
     cpu_threads: int | None  # torch's CPU reductions depend on it (None: the run predates the record)
@@ -181,7 +181,7 @@ def _unpack_run(stored: Path, target: Path) -> RunManifest:
 
 
 def load_store(study_dir: str | Path) -> StoredStudy:
-    """Read ``study_dir``'s store: every run as ``RunData`` with the path ``runs/<name>``."""
+    """Read ``study_dir``'s store: every run as ``RunData`` with the path ``stored_runs/<name>``."""
     study_dir = Path(study_dir)
     index = _read_index(study_dir)
     runs, manifests = [], {}

@@ -96,7 +96,7 @@ def test_the_store_keeps_whole_runs_and_a_manifest_of_their_inputs(sweep, tmp_pa
     assert manifest["command"].startswith("python -m gspo_megatron.train")
     assert set(manifest["files"]) == {"config.yaml", "metrics.jsonl.gz", "routing.jsonl.gz"}
     loaded = load_store(study)
-    assert [str(run.path) for run in loaded.runs] == [f"runs/{name}" for name in index["runs"]]
+    assert [str(run.path) for run in loaded.runs] == [f"stored_runs/{name}" for name in index["runs"]]
     original = (sweep / "1_grpo_seed2" / "metrics.jsonl").read_text()
     assert loaded.runs[1].metrics == [json.loads(line) for line in original.splitlines()]
     # the same runs store as the same bytes: re-storing an unchanged study shows no diff
