@@ -124,7 +124,8 @@ def save_runs(run_dirs: Sequence[Path], study_dir: Path, report: str, seed_keys:
         raise StoreError(f"run directories must have distinct names to be stored together, got {names}")
     runs = [load_run(d) for d in run_dirs]  # refuses a directory that is no run, naming what is missing
     study_dir = Path(study_dir)
-    shutil.rmtree(study_dir / RUNS_DIR, ignore_errors=True)  # an earlier store's runs are replaced, not mixed in
+    if (study_dir / RUNS_DIR).exists():
+        shutil.rmtree(study_dir / RUNS_DIR)  # an earlier store's runs are replaced, not mixed in
     for run, name in zip(runs, names, strict=True):
         target = study_dir / RUNS_DIR / name
         target.mkdir(parents=True)
@@ -165,7 +166,10 @@ def _unpack_run(stored: Path, target: Path) -> RunManifest:
     manifest_path = stored / MANIFEST_FILE
     if not manifest_path.is_file():
         raise StoreError(f"{stored} has no {MANIFEST_FILE}")
-    manifest = RunManifest(**json.loads(manifest_path.read_text(encoding="utf-8")))
+    try:
+        manifest = RunManifest(**json.loads(manifest_path.read_text(encoding="utf-8")))
+    except (json.JSONDecodeError, TypeError) as err:
+        raise StoreError(f"{manifest_path}: not a manifest of this store format ({err})") from err
     target.mkdir(parents=True)
     for stored_name, digest in manifest.files.items():
         raw = (stored / stored_name).read_bytes()

@@ -135,3 +135,11 @@ def test_a_study_whose_runs_were_not_stored_is_refused(tmp_path, capsys):
     assert regenerate_report.main([str(lost), "--check"]) == 2
     err = capsys.readouterr().err
     assert "has no store.json: its runs were not stored" in err and "README.md" in err
+
+
+def test_a_manifest_of_another_format_is_refused_naming_it(sweep, tmp_path, capsys):
+    study = tmp_path / "study"
+    assert store_runs.main([str(sweep), "--study", str(study)]) == 0
+    (study / RUNS_DIR / "2_gspo_seed1" / "manifest.json").write_text(json.dumps({"seed": 1}))
+    assert regenerate_report.main([str(study), "--check"]) == 2
+    assert "2_gspo_seed1/manifest.json: not a manifest of this store format" in capsys.readouterr().err
