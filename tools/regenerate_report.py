@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 from compare_runs import write_reports
 
+from study_reports.shaping_report import study_files
 from study_reports.store import StoredStudy, StoreError, load_store
 
 SHOWN_DIFFERENCES = 20
@@ -51,8 +52,20 @@ def _routing_study(study: StoredStudy, out: Path) -> str:
     return write_reports(study.runs, [], out, study.seed_keys)
 
 
+def _shaping_study(study: StoredStudy, out: Path) -> str:
+    """The shaping study's report (``tools/shaping_study.py``): its runs are named ``<arm>_s<seed>``."""
+    runs_by_arm: dict[str, list[list[dict]]] = {}
+    for run in study.runs:
+        runs_by_arm.setdefault(run.path.name.rsplit("_s", 1)[0], []).append(run.metrics)
+    document, markdown = study_files(runs_by_arm, study.inputs)
+    (out / "report.json").write_text(json.dumps(document, indent=2))
+    (out / "report.md").write_text(markdown)
+    return markdown
+
+
 REPORTS: dict[str, ReportKind] = {
     "routing_study": ReportKind(_routing_study, ("study.json", "comparison.json")),
+    "shaping_study": ReportKind(_shaping_study, ("report.json",)),
 }
 
 
@@ -60,6 +73,12 @@ def report_kind(name: str) -> ReportKind:
     if name not in REPORTS:
         raise StoreError(f"store.json names report {name!r}; known: {', '.join(sorted(REPORTS))}")
     return REPORTS[name]
+
+
+def write_report(study_dir: Path) -> str:
+    """Write ``study_dir``'s report from its store (the study runners' last step); returns its text."""
+    study = load_store(study_dir)
+    return report_kind(study.report).write(study, study_dir)
 
 
 def comparable(document):

@@ -3,7 +3,9 @@
 Layout of ``reports/<study>/`` (``save_runs`` writes it, ``load_store`` reads it)::
 
     store.json                          {"format": 1, "report": <report kind, regenerate_report.REPORTS>,
-                                         "seed_keys": [...], "runs": [run names, in the report's order]}
+                                         "seed_keys": [...], "runs": [run names, in the report's order],
+                                         "inputs": {what the report reads besides the runs, e.g. the
+                                         shaping study's evaluation of its warm start}}
     stored_runs/<name>/manifest.json    what besides the code the run's numbers depend on (``RunManifest``):
                                         seeds, CPU threads, commit, clean tree, warm start (weights'
                                         sha256 and the command that makes it), the run's command, each
@@ -101,6 +103,7 @@ class StoredStudy:
     seed_keys: tuple[str, ...]
     runs: list[RunData]
     manifests: dict[str, RunManifest]
+    inputs: dict  # what the report reads besides the runs (store.json's "inputs")
 
 
 def _sha256(data: bytes) -> str:
@@ -116,9 +119,12 @@ def _stored_files(run_dir: Path) -> dict[str, bytes]:
     return files
 
 
-def save_runs(run_dirs: Sequence[Path], study_dir: Path, report: str, seed_keys: Sequence[str]) -> Path:
+def save_runs(
+    run_dirs: Sequence[Path], study_dir: Path, report: str, seed_keys: Sequence[str], inputs: dict | None = None
+) -> Path:
     """Store ``run_dirs`` (in this order) as ``study_dir``'s store, replacing any earlier store; returns
-    the store file. Run names are the directories' names (unique within a sweep)."""
+    the store file. Run names are the directories' names (unique within a sweep). ``inputs``: what the
+    report reads besides the runs (JSON-able)."""
     names = [Path(d).name for d in run_dirs]
     if len(set(names)) != len(names):
         raise StoreError(f"run directories must have distinct names to be stored together, got {names}")
@@ -137,7 +143,7 @@ def save_runs(run_dirs: Sequence[Path], study_dir: Path, report: str, seed_keys:
                 (target / stored_name).write_bytes(data)
         manifest = RunManifest.of_run(run, {n: _sha256(d) for n, d in files.items()})
         (target / MANIFEST_FILE).write_text(json.dumps(dataclasses.asdict(manifest), indent=1) + "\n")
-    index = {"format": FORMAT, "report": report, "seed_keys": list(seed_keys), "runs": names}
+    index = {"format": FORMAT, "report": report, "seed_keys": list(seed_keys), "runs": names, "inputs": inputs or {}}
     (study_dir / STORE_FILE).write_text(json.dumps(index, indent=1) + "\n")
     return study_dir / STORE_FILE
 
@@ -200,4 +206,4 @@ def load_store(study_dir: str | Path) -> StoredStudy:
             except RunDirError as err:
                 raise StoreError(f"stored run {stored}: {err}") from err
             runs.append(dataclasses.replace(run, path=Path(RUNS_DIR) / name))
-    return StoredStudy(index["report"], tuple(index["seed_keys"]), runs, manifests)
+    return StoredStudy(index["report"], tuple(index["seed_keys"]), runs, manifests, index.get("inputs", {}))

@@ -83,6 +83,12 @@ def test_the_stored_miniature_regenerates_bit_for_bit(capsys):
     assert "regenerate bit for bit from 8 stored runs" in capsys.readouterr().out
 
 
+def test_the_stored_shaping_study_regenerates_bit_for_bit(capsys):
+    """reports/shaping_study: report.json from its 21 stored runs and the inputs in its store.json."""
+    assert regenerate_report.main([str(REPORTS / "shaping_study"), "--check"]) == 0
+    assert "report.json regenerate bit for bit from 21 stored runs" in capsys.readouterr().out
+
+
 def test_the_store_keeps_whole_runs_and_a_manifest_of_their_inputs(sweep, tmp_path):
     study = tmp_path / "study"
     assert store_runs.main([str(sweep), "--study", str(study)]) == 0
