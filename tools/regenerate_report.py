@@ -12,8 +12,9 @@ means bit for bit, since Python writes a float as the shortest text that reads b
 Design decisions:
 - One registry of report kinds (``REPORTS``: the kind ``store.json`` names -> the writer and the files that
   hold its numbers); an unknown kind is refused with the known ones listed.
-- The comparison leaves out the report's own provenance only (``provenance.generated_by``: the commit,
-  command, directory and time of this regeneration); everything else, the runs' provenance, configs and
+- The comparison leaves out the report's own provenance only (``ReportKind.own_provenance``, e.g. the study
+  report's ``provenance.generated_by``: the commit, command, directory and time of this regeneration);
+  everything else, the runs' provenance, configs and
   paths (``stored_runs/<name>``, the same on every checkout) included, must match.
 - The figures and pages (``*.png``, ``*.html``) are not compared: they draw the same numbers, and their bytes
   depend on the matplotlib version.
@@ -34,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, whatever is installed
 
+from agent_report import summary_from_store
 from compare_runs import write_reports
 
 from study_reports.shaping_report import study_files
@@ -46,6 +48,7 @@ SHOWN_DIFFERENCES = 20
 class ReportKind:
     write: Callable[[StoredStudy, Path], str]  # writes the report into a directory; returns its text tables
     number_files: tuple[str, ...]  # the files that hold the report's numbers and tables
+    own_provenance: tuple[str, ...] = ()  # the key path of the report's own provenance (not compared)
 
 
 def _routing_study(study: StoredStudy, out: Path) -> str:
@@ -63,9 +66,17 @@ def _shaping_study(study: StoredStudy, out: Path) -> str:
     return markdown
 
 
+def _agent_calculator(study: StoredStudy, out: Path) -> str:
+    """The calculator-agent study's summary (``tools/agent_report.py``): its runs are named ``<name>_s<seed>``."""
+    summary = summary_from_store(study)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return json.dumps({key: value for key, value in summary.items() if key != "provenance"}, indent=2)
+
+
 REPORTS: dict[str, ReportKind] = {
-    "routing_study": ReportKind(_routing_study, ("study.json", "comparison.json")),
-    "shaping_study": ReportKind(_shaping_study, ("report.json",)),
+    "routing_study": ReportKind(_routing_study, ("study.json", "comparison.json"), ("provenance", "generated_by")),
+    "shaping_study": ReportKind(_shaping_study, ("report.json",)),  # its notes are the study's own record
+    "agent_calculator": ReportKind(_agent_calculator, ("summary.json",), ("provenance",)),
 }
 
 
@@ -81,11 +92,14 @@ def write_report(study_dir: Path) -> str:
     return report_kind(study.report).write(study, study_dir)
 
 
-def comparable(document):
-    """The JSON document less the report's own provenance (who regenerated it, when)."""
-    if isinstance(document, dict) and isinstance(document.get("provenance"), dict):
-        document = {**document, "provenance": {k: v for k, v in document["provenance"].items() if k != "generated_by"}}
-    return document
+def comparable(document, own_provenance: tuple[str, ...]):
+    """The JSON document less the report's own provenance (who regenerated it, when), at ``own_provenance``."""
+    if not own_provenance or not isinstance(document, dict) or own_provenance[0] not in document:
+        return document
+    head, rest = own_provenance[0], own_provenance[1:]
+    if not rest:
+        return {k: v for k, v in document.items() if k != head}
+    return {**document, head: comparable(document[head], rest)}
 
 
 def differences(stored, regenerated, where: str = "") -> Iterator[str]:
@@ -113,8 +127,10 @@ def check(study_dir: Path, kind: ReportKind, study: StoredStudy) -> list[str]:
             if not stored_path.is_file():
                 found.append(f"{name}: the study directory has none")
                 continue
-            stored = comparable(json.loads(stored_path.read_text(encoding="utf-8")))
-            regenerated = comparable(json.loads((Path(scratch) / name).read_text(encoding="utf-8")))
+            stored = comparable(json.loads(stored_path.read_text(encoding="utf-8")), kind.own_provenance)
+            regenerated = comparable(
+                json.loads((Path(scratch) / name).read_text(encoding="utf-8")), kind.own_provenance
+            )
             found += [f"{name}{line}" for line in differences(stored, regenerated)]
     return found
 

@@ -104,6 +104,7 @@ class StoredStudy:
     runs: list[RunData]
     manifests: dict[str, RunManifest]
     inputs: dict  # what the report reads besides the runs (store.json's "inputs")
+    directory: Path  # the study directory it was read from (the report may read its other stored files)
 
 
 def _sha256(data: bytes) -> str:
@@ -206,4 +207,4 @@ def load_store(study_dir: str | Path) -> StoredStudy:
             except RunDirError as err:
                 raise StoreError(f"stored run {stored}: {err}") from err
             runs.append(dataclasses.replace(run, path=Path(RUNS_DIR) / name))
-    return StoredStudy(index["report"], tuple(index["seed_keys"]), runs, manifests, index.get("inputs", {}))
+    return StoredStudy(index["report"], tuple(index["seed_keys"]), runs, manifests, index.get("inputs", {}), study_dir)

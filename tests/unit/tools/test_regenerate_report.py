@@ -89,6 +89,12 @@ def test_the_stored_shaping_study_regenerates_bit_for_bit(capsys):
     assert "report.json regenerate bit for bit from 21 stored runs" in capsys.readouterr().out
 
 
+def test_the_stored_agent_study_regenerates_bit_for_bit(capsys):
+    """reports/agent_calculator: summary.json from its 3 stored runs and its stored warm-start evaluation."""
+    assert regenerate_report.main([str(REPORTS / "agent_calculator"), "--check"]) == 0
+    assert "summary.json regenerate bit for bit from 3 stored runs" in capsys.readouterr().out
+
+
 def test_the_store_keeps_whole_runs_and_a_manifest_of_their_inputs(sweep, tmp_path):
     study = tmp_path / "study"
     assert store_runs.main([str(sweep), "--study", str(study)]) == 0
