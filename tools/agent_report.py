@@ -1,8 +1,11 @@
 """The calculator-agent study's summary from its stored runs (reports/agent_calculator/README.md).
 
+    python3 tools/store_runs.py runs/agent_calculator_s1 runs/agent_calculator_s2 runs/agent_calculator_s3 \
+        --study reports/agent_calculator --report agent_calculator
     python3 tools/agent_report.py reports/agent_calculator
 
-Reads every ``metrics_s<seed>.jsonl`` in the directory and writes ``summary.json`` beside them: per seed, the
+Reads the runs of the directory's study store (``study_reports/store.py``; run ``<name>_s<seed>``) and writes
+``summary.json`` beside them: per seed, the
 mean reward and the tool use of the first and the last 20% of steps, the largest engine-vs-trainer
 routing difference and log-prob gap of any step, the greedy evaluations, and whether the README's criterion
 holds; the warm start's own greedy evaluation (``warm_start_eval.jsonl``, when stored); the commit and command
@@ -17,8 +20,12 @@ import re
 import statistics
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, not an installed one
+
+if TYPE_CHECKING:
+    from study_reports.store import StoredStudy
 
 RISE, TOOL_USE = 0.3, 0.8  # the criterion (reports/agent_calculator/README.md)
 
@@ -46,18 +53,35 @@ def seed_summary(rows: list[dict]) -> dict:
     }
 
 
+def run_seed(name: str) -> str:
+    """The seed in a stored run's name ``<name>_s<seed>`` (the study's run directories)."""
+    seed = re.fullmatch(r".*_s(\d+)", name)
+    if seed is None:
+        raise SystemExit(f"stored run {name!r}: expected a name <name>_s<seed>, as runs/agent_calculator_s1")
+    return seed.group(1)
+
+
 def summarize(directory: Path) -> dict:
+    """The summary of the directory's stored runs."""
+    from study_reports.store import load_store
+
+    return summary_from_store(load_store(directory))
+
+
+def summary_from_store(study: StoredStudy) -> dict:
+    """``summary.json``'s document, with the commit and command that wrote it (``provenance``)."""
     from gspo_megatron.core.provenance import provenance
 
-    runs = {}
-    for path in sorted(directory.glob("metrics_s*.jsonl")):
-        seed = re.fullmatch(r"metrics_s(\d+)\.jsonl", path.name)
-        if seed is None:
-            continue
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        runs[seed.group(1)] = seed_summary(rows)
+    metrics = {run_seed(run.path.name): run.metrics for run in study.runs}
+    return {**summary_of(metrics, study.directory), "provenance": provenance()}
+
+
+def summary_of(metrics_by_seed: dict[str, list[dict]], directory: Path) -> dict:
+    """Per seed and over seeds, from each run's metrics records in step order; the warm start's evaluation from
+    the directory's ``warm_start_eval.jsonl`` when stored."""
+    runs = {seed: seed_summary(rows) for seed, rows in metrics_by_seed.items()}
     if not runs:
-        raise SystemExit(f"no metrics_s<seed>.jsonl in {directory}")
+        raise SystemExit(f"no stored runs in {directory}")
     rises = [run["reward_last_20pct"] - run["reward_first_20pct"] for run in runs.values()]
     warm = directory / "warm_start_eval.jsonl"  # the warm start's own evaluation (README), when stored
     warm_rows = [json.loads(line) for line in warm.read_text().splitlines() if line.strip()] if warm.is_file() else []
@@ -68,7 +92,6 @@ def summarize(directory: Path) -> dict:
         "rise_max": max(rises),
         "criterion_holds_for_every_seed": all(run["criterion_holds"] for run in runs.values()),
         "warm_start_eval_pass_at_1": warm_rows[0]["eval/pass@1"] if warm_rows else None,
-        "provenance": provenance(),
     }
 
 
@@ -78,6 +101,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     summary = summarize(args.directory)
     (args.directory / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print_summary(summary)
+
+
+def print_summary(summary: dict) -> None:
     print("seed  reward first 20%  last 20%  tool use first  last  routing diff  criterion")
     for seed, run in summary["seeds"].items():
         print(

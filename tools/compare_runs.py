@@ -66,8 +66,8 @@ PER_RUN_WINDOWS = (
 )
 
 
-def load_runs(paths: list[str]) -> list[RunData]:
-    runs = [load_run(path) for path in paths]
+def distinct_labels(runs: list[RunData]) -> list[RunData]:
+    """Runs that share a label (GRPO with and without replay) get their directory name appended."""
     counts = Counter(run.label for run in runs)
     for run in runs:
         if counts[run.label] > 1:
@@ -121,7 +121,14 @@ def compare(paths: list[str], out_dir: str | Path, seed_keys=DEFAULT_SEED_KEYS) 
         print(f"compare_runs: skipping {path} (not a run directory)", file=sys.stderr)
     if not run_paths:
         raise RunDirError(f"no run directories among {paths}")
-    runs = load_runs([str(p) for p in run_paths])
+    runs = [load_run(path) for path in run_paths]
+    return write_reports(runs, [str(p) for p in skipped], out_dir, seed_keys)
+
+
+def write_reports(runs: list[RunData], skipped: list[str], out_dir: str | Path, seed_keys=DEFAULT_SEED_KEYS) -> str:
+    """The comparison and study files of ``runs`` (read from run directories or from a study's store,
+    ``tools/regenerate_report.py``) into ``out_dir``; returns the text tables."""
+    runs = distinct_labels(runs)
     sources = runs_provenance(runs)  # before any file is written: rewriting a stored report is no "change"
     for warning in sources["warnings"]:
         print(f"compare_runs: warning: {warning}", file=sys.stderr)
@@ -145,7 +152,7 @@ def compare(paths: list[str], out_dir: str | Path, seed_keys=DEFAULT_SEED_KEYS) 
         ],
     )
     (out / "comparison.html").write_text(page, encoding="utf-8")
-    summary, study_page, study_text = study_report(group_runs(runs, seed_keys), [str(p) for p in skipped], sources)
+    summary, study_page, study_text = study_report(group_runs(runs, seed_keys), skipped, sources)
     (out / "study.json").write_text(json.dumps(json_safe(summary), indent=2) + "\n", encoding="utf-8")
     (out / "study.html").write_text(study_page, encoding="utf-8")
     return table + "\n\nseed-aggregated (study.html):\n" + study_text

@@ -6,9 +6,12 @@
 #   bash tools/routing_study.sh routing_stability_miniature  # 8 runs of 2 steps, tiny model (test reference)
 #   bash tools/routing_study.sh routing_stability_offpolicy  # off-policy pressure arms (issue 31; hours)
 #   bash tools/routing_study.sh routing_stability trainer.steps=24   # extra Hydra overrides
-# Writes multirun/<experiment>_<timestamp>/ (one run directory per config and seed) and
-# reports/<experiment>/{study.html,study.json,comparison.*}; every run records its commit and command
-# (provenance.json) and the report records them, the seeds and the composed configs.
+# Writes multirun/<experiment>_<timestamp>/ (one run directory per config and seed), stores its runs in
+# reports/<experiment>/ (store.json, stored_runs/<run>/: manifest, config, gzip'd per-step metrics and routing;
+# tools/store_runs.py) and writes the report from that store alone (tools/regenerate_report.py:
+# study.html, study.json, comparison.*), so `python3 tools/regenerate_report.py reports/<experiment> --check`
+# rebuilds its numbers bit for bit from the repository. Every run records its commit, command, threads and
+# warm start (provenance.json, kept in the manifest) and the report records them, the seeds and the configs.
 # One CPU thread per run unless OMP_NUM_THREADS says otherwise: torch's CPU results depend on the
 # thread count, so the same command reproduces a report only at the same count (runs record it).
 set -euo pipefail
@@ -29,4 +32,5 @@ if [ -n "$init" ]; then
 fi
 sweep="multirun/${experiment}_$(date +%Y%m%d_%H%M%S)"
 python3 -m gspo_megatron.train --multirun "+experiment=${experiment}" "hydra.sweep.dir=${sweep}" "$@"
-python3 tools/compare_runs.py "$sweep" --out "reports/${experiment}"
+python3 tools/store_runs.py "$sweep" --study "reports/${experiment}"
+python3 tools/regenerate_report.py "reports/${experiment}"

@@ -18,15 +18,18 @@
    GSPO, DTR only, Step-GRPO's reward only, Step-GRPO + DTR, the same with the exit tokens trained on,
    GRSP keyword, GRSP confidence). A finished run (its metrics.jsonl has the last step) of the same
    clean commit is reused, so an interrupted study resumes; a run of other code is trained again.
-5. Writes ``OUT/report.md`` and ``OUT/report.json`` (``study_reports.shaping_report``): per arm, seed
+5. Stores every run in the study store (``study_reports/store.py``: ``OUT/store.json`` with the warm
+   start's evaluation and record, the calibration and the notes as its ``inputs``; ``OUT/stored_runs/``:
+   each run's step log, config and manifest) and writes ``OUT/report.md`` and ``OUT/report.json`` from that
+   store (``tools/regenerate_report.py``, ``study_reports.shaping_report.study_files``): per arm, seed
    mean ± sample std. Learned brevity is measured on EVALUATION responses (plain decoding, no
    truncation, >= 64 prompts); rollout-token savings (DTR cuts rollouts before any update) are reported
-   separately. The report records the commit, the full command, the seeds and each run's composed
-   config (``OUT/configs/``).
+   separately. The report records the commit, the full command and the seeds; the store each run's
+   composed config. ``python3 tools/regenerate_report.py OUT --check`` rebuilds it bit for bit.
 
-Runs go to ``OUT/runs/<arm>_s<seed>`` (logs beside). The tracked outputs (report, step logs in
-``OUT/metrics/``, configs, calibration) are written only after every run finished, so no run sees a
-checkout that the study itself made dirty. Extra Hydra overrides after ``--`` apply to every arm.
+Runs go to ``OUT/runs/<arm>_s<seed>`` (logs beside). The tracked outputs (store, report, calibration) are
+written only after every run finished, so no run sees a checkout that the study itself made dirty. Extra
+Hydra overrides after ``--`` apply to every arm.
 """
 
 from __future__ import annotations
@@ -139,16 +142,10 @@ def main(argv=None) -> int:
     command = "python3 tools/shaping_study.py " + " ".join(argv if argv is not None else sys.argv[1:])
 
     import torch
+    from regenerate_report import write_report
 
     from gspo_megatron.core.provenance import code_version, warm_start_record
-    from study_reports.shaping_report import (
-        aggregate,
-        read_metrics,
-        relative_to_baseline,
-        relative_to_vanilla,
-        render_markdown,
-        summarize_run,
-    )
+    from study_reports.store import save_runs
 
     torch.set_num_threads(THREADS)  # the warm start's evaluation runs in this process
     version = code_version()
@@ -170,7 +167,7 @@ def main(argv=None) -> int:
     arm_overrides = {arm: list(ARMS[arm]) for arm in args.arms}
     if "grsp_confidence" in arm_overrides:
         arm_overrides["grsp_confidence"] += calibrated_overrides(calibration)
-    arms: dict[str, list[dict]] = {}
+    run_dirs = []
     for arm in args.arms:
         for seed in args.seeds:
             run_dir = out / "runs" / f"{arm}_s{seed}"
@@ -193,17 +190,9 @@ def main(argv=None) -> int:
                     ],
                     out / f"{arm}_s{seed}.log",
                 )
-            arms.setdefault(arm, []).append(summarize_run(read_metrics(run_dir), args.last_steps))
-    # Tracked outputs only now: the runs' step logs and composed configs, the calibration, the report.
-    for arm in args.arms:
-        for seed in args.seeds:
-            for folder, name, suffix in (("metrics", "metrics.jsonl", "jsonl"), ("configs", "config.yaml", "yaml")):
-                (out / folder).mkdir(exist_ok=True)
-                shutil.copyfile(out / "runs" / f"{arm}_s{seed}" / name, out / folder / f"{arm}_s{seed}.{suffix}")
+            run_dirs.append(run_dir)
+    # Tracked outputs only now: the runs stored with their manifests, the calibration, the report from the store.
     shutil.copyfile(calibration_path, out / "confidence_calibration.json")
-    stats = {arm: aggregate(runs) for arm, runs in arms.items()}
-    relative = relative_to_baseline(stats)
-    against_vanilla = relative_to_vanilla(stats, vanilla)
     notes = [
         f"commit: {_commit(version)}",
         f"command: {command}",
@@ -218,26 +207,20 @@ def main(argv=None) -> int:
         f"per run: mean over its last {args.last_steps} training steps (rollout tokens: DTR arms cut these "
         "before any update); eval_* = the last evaluation (held-out prompts, plain decoding, no truncation: "
         "learned brevity); ± is the sample std over seeds",
-        "arms: " + "; ".join(f"{a}: {' '.join(arm_overrides[a])}" for a in arms),
+        "arms: " + "; ".join(f"{a}: {' '.join(arm_overrides[a])}" for a in args.arms),
     ]
-    (out / "report.json").write_text(
-        json.dumps(
-            {
-                "arms": stats,
-                "relative": relative,
-                "vs_vanilla": against_vanilla,
-                "vanilla": vanilla,
-                "warm_start": warm_record,
-                "confidence_calibration": calibration["best"],
-                "notes": notes,
-                "runs": arms,
-            },
-            indent=2,
-        )
-    )
-    report = render_markdown(stats, relative, notes, against_vanilla)
-    (out / "report.md").write_text(report)
-    print(report)
+    for replaced in ("metrics", "configs"):  # the layout before the store: the runs' step logs and configs
+        if (out / replaced).is_dir():
+            shutil.rmtree(out / replaced)
+    inputs = {
+        "last_steps": args.last_steps,
+        "vanilla": vanilla,
+        "warm_start": warm_record,
+        "confidence_calibration": calibration["best"],
+        "notes": notes,
+    }
+    save_runs(run_dirs, out, "shaping_study", ("trainer.seed",), inputs)
+    print(write_report(out))
     return 0
 
 

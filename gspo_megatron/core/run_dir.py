@@ -14,7 +14,9 @@ Layout of one run directory (the trainer writes it from rank 0 only; everything 
     <run>/routing.jsonl   one JSON object per step and diagnostic kind:
                           {"step": int, "kind": "update" | "rollout_vs_train" | "minibatch",
                            "changed_frac": [L], "overlap": [L],
-                           "changed_frac_overall": float, "overlap_overall": float, "tokens": int,
+                           "changed_frac_overall": float (expert sets changed: any member differs),
+                           "overlap_overall": float, "experts_changed_per_slot": float (1 - overlap),
+                           "tokens": int,
                            "changed_any_frac": float (token-level: experts differ in >= 1 layer),
                            "expert_load": [[L x E]], "load_imbalance": [L], "load_cv": [L]}
                           (the last three are present only when the trainer measured them)

@@ -108,6 +108,7 @@ def routing_kind_summary(run: RunData, kind: str) -> dict:
         "tokens": sum(int(r.get("tokens", 0)) for r in records),
         "changed_frac_overall": finite_mean([r.get("changed_frac_overall") for r in records]),
         "overlap_overall": finite_mean([r.get("overlap_overall") for r in records]),
+        "experts_changed_per_slot": finite_mean([r.get("experts_changed_per_slot") for r in records]),
         "changed_any_frac": finite_mean([r.get("changed_any_frac") for r in records]),
         "changed_frac_overall_windows": {
             window: window_mean([r.get("changed_frac_overall") for r in records], window) for window in WINDOWS
@@ -284,7 +285,8 @@ def _summary_section(summary: dict) -> str:
         rows += [[f"{name}, {window}", values[key]] for key, name in WINDOWED_METRICS.items()]
     for kind, kind_summary in summary["routing"].items():
         for window, value in kind_summary["changed_frac_overall_windows"].items():
-            rows.append([f"{kind}: changed fraction, {window}", value])
+            rows.append([f"{kind}: expert sets changed, {window}", value])
+        rows.append([f"{kind}: experts changed per slot (step mean)", kind_summary["experts_changed_per_slot"]])
         rows.append([f"{kind}: overlap (step mean)", kind_summary["overlap_overall"]])
         rows.append([f"{kind}: tokens changed in >= 1 layer (step mean)", kind_summary["changed_any_frac"]])
     return html_table(["quantity", "value"], rows)

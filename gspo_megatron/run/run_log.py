@@ -242,17 +242,17 @@ def routing_volatility_line(history: list[dict], replay: str) -> str | None:
     if window_mean(changed, WHOLE_RUN) is not None:
         # activation volatility: the fraction of (token, layer) whose expert set an update changed
         update = (
-            f"experts changed by an update: {_format(window_mean(changed, WHOLE_RUN), 3)} of tokens per layer"
+            f"expert sets changed by an update: {_format(window_mean(changed, WHOLE_RUN), 3)} of tokens per layer"
             f" ({WHOLE_RUN}; {FIRST_FIFTH}: {_format(window_mean(changed, FIRST_FIFTH), 3)},"
             f" {LAST_FIFTH}: {_format(window_mean(changed, LAST_FIFTH), 3)})"
         )
     elif replay == ReplayMode.rollout:
         update = (
-            "experts changed by an update: not measured under R3 (routing.replay=rollout: the old-policy pass "
+            "expert sets changed by an update: not measured under R3 (routing.replay=rollout: the old-policy pass "
             "replays the engine's routing, so there is no free routing to compare)"
         )
     else:
-        update = "experts changed by an update: not measured (add update to routing.kinds)"
+        update = "expert sets changed by an update: not measured (add update to routing.kinds)"
     engine_last = window_mean(engine, LAST_FIFTH)
     if engine_last is not None:
         expected = " (R3 replays the engine's routing: 0 expected)" if replay == ReplayMode.rollout else ""

@@ -79,6 +79,7 @@ def test_update_volatility_by_hand_merged_over_data_parallel_ranks(world_size):
     expected = {
         "routing/update_changed_frac": 2 / (tokens * 2),
         "routing/update_overlap": (6 + 8 * (world_size - 1)) / (tokens * 2 * 2),
+        "routing/update_experts_changed_per_slot": 2 / (tokens * 2 * 2),  # 2 of the slots' experts swapped
         "routing/update_changed_any_frac": 1 / tokens,
     }
     for rank_metrics, rank_records in results:  # every rank returns the merged numbers and records

@@ -71,13 +71,13 @@ def test_study_miniature_report_matches_the_runs(tmp_path):
         assert group["stats"]["log-prob mismatch"]["mean"] == pytest.approx(_mean(mismatch))
         assert group["stats"]["log-prob mismatch"]["mean"] > 0  # the bf16 engine differs from the trainer
         engine = [_mean([r["routing/rollout_vs_train_changed_frac"] for r in m]) for m in metrics]
-        assert group["stats"]["engine vs trainer changed"]["mean"] == pytest.approx(_mean(engine))
+        assert group["stats"]["engine vs trainer expert sets changed"]["mean"] == pytest.approx(_mean(engine))
         if algorithm == "grpo_rollout_routing_replay":
-            assert group["stats"]["engine vs trainer changed"]["mean"] == 0.0
+            assert group["stats"]["engine vs trainer expert sets changed"]["mean"] == 0.0
         else:  # free routing after one update, from the trainer's own per-step metric
             update = [_mean([r["routing/update_changed_frac"] for r in m]) for m in metrics]
-            assert group["stats"]["experts changed / update"]["mean"] == pytest.approx(_mean(update))
-            spread = group["stats"]["experts changed / update"]["std"]
+            assert group["stats"]["expert sets changed / update"]["mean"] == pytest.approx(_mean(update))
+            spread = group["stats"]["expert sets changed / update"]["std"]
             expected = math.sqrt(sum((u - _mean(update)) ** 2 for u in update))  # n - 1 = 1
             assert spread == pytest.approx(expected, abs=1e-12)
     assert len(study["paper_vs_ours"]) == 5 and all(row["verdict"] for row in study["paper_vs_ours"])

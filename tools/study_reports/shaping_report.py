@@ -147,3 +147,26 @@ def render_markdown(
         vanilla = ", ".join(f"{k} {v:+.1f}" for k, v in (vs_vanilla or {}).get(arm, {}).items()) or "-"
         lines.append(f"| {arm} | {change} | {vanilla} | {PAPER_CLAIMS.get(arm, '-')} |")
     return "\n".join(lines + [""] + [f"- {note}" for note in notes]) + "\n"
+
+
+def study_files(runs_by_arm: dict[str, list[list[dict]]], inputs: dict) -> tuple[dict, str]:
+    """``report.json``'s document and ``report.md`` from each arm's runs' metrics (seeds in order) and the
+    study's inputs besides its runs (``inputs``: last_steps, vanilla, warm_start, confidence_calibration,
+    notes; stored in the study's store.json, ``study_reports/store.py``)."""
+    runs = {
+        arm: [summarize_run(metrics, inputs["last_steps"]) for metrics in seeds] for arm, seeds in runs_by_arm.items()
+    }
+    stats = {arm: aggregate(summaries) for arm, summaries in runs.items()}
+    relative = relative_to_baseline(stats)
+    against_vanilla = relative_to_vanilla(stats, inputs["vanilla"])
+    document = {
+        "arms": stats,
+        "relative": relative,
+        "vs_vanilla": against_vanilla,
+        "vanilla": inputs["vanilla"],
+        "warm_start": inputs["warm_start"],
+        "confidence_calibration": inputs["confidence_calibration"],
+        "notes": inputs["notes"],
+        "runs": runs,
+    }
+    return document, render_markdown(stats, relative, inputs["notes"], against_vanilla)

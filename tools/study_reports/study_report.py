@@ -3,7 +3,8 @@
 Answers the GSPO paper's MoE questions (arXiv 2507.18071) from a sweep of run directories grouped by
 ``aggregate.py`` (one group per algorithm x off-policy setting, seeds aggregated):
 - reward and eval curves (mean, band = +-1 std over seeds); clip fractions per token and sequence;
-- experts changed per update (per layer and token-level "in >= 1 layer"), engine vs trainer;
+- expert sets changed per update and experts changed per slot (per layer and token-level "in >= 1
+  layer"), engine vs trainer;
 - train/inference log-prob mismatch; importance-ratio dispersion by response length (token w vs
   sequence s, ``algorithms/ratio_dispersion.py``); grad-norm spikes (max over steps); reward
   collapse events (a drop of >= 0.2 in the 20-step mean);
@@ -75,11 +76,17 @@ METRIC_COLUMNS: list[tuple[str, str, str]] = [
     ("E|log s| changed seqs", "ratio_decomp/seq_changed_abs_log_ratio", "mean"),
     ("E|log s| unchanged seqs", "ratio_decomp/seq_unchanged_abs_log_ratio", "mean"),
 ]
+# Volatility both ways (``policy/routing/volatility.py``): "expert sets changed" counts a (token, layer) whose
+# top-k set differs in any member; "experts changed per slot" counts the (token, layer, slot) assignments whose
+# expert left the set -- up to k times smaller. Runs from before the per-slot field show "-" there.
 ROUTING_COLUMNS: list[tuple[str, str, str]] = [
-    ("experts changed / update", "update", "changed_frac_overall"),
+    ("expert sets changed / update", "update", "changed_frac_overall"),
+    ("experts changed per slot / update", "update", "experts_changed_per_slot"),
     ("tokens changed in >= 1 layer / update", "update", "changed_any_frac"),
-    ("changed across mini-batches", "minibatch", "changed_frac_overall"),
-    ("engine vs trainer changed", "rollout_vs_train", "changed_frac_overall"),
+    ("expert sets changed across mini-batches", "minibatch", "changed_frac_overall"),
+    ("experts changed per slot across mini-batches", "minibatch", "experts_changed_per_slot"),
+    ("engine vs trainer expert sets changed", "rollout_vs_train", "changed_frac_overall"),
+    ("engine vs trainer experts changed per slot", "rollout_vs_train", "experts_changed_per_slot"),
     ("engine vs trainer, tokens in >= 1 layer", "rollout_vs_train", "changed_any_frac"),
 ]
 
@@ -91,8 +98,8 @@ TERMINAL_COLUMNS = [
     "reward",
     "clip frac token",
     "clip frac seq",
-    "experts changed / update",
-    "engine vs trainer changed",
+    "expert sets changed / update",
+    "engine vs trainer expert sets changed",
     "log-prob mismatch",
 ]
 
@@ -223,17 +230,20 @@ def paper_vs_ours(groups: list[RunGroup], stats: dict[str, dict[str, Stat]]) -> 
 
     # "update" compares before/after the first update of each step only (zero when that mini-batch's
     # advantages are all 0); "minibatch" covers every consecutive pair of updates, so it decides.
-    grpo_update = _pooled(groups, "grpo", stats, "experts changed / update", top)
+    grpo_update = _pooled(groups, "grpo", stats, "expert sets changed / update", top)
+    grpo_update_slot = _pooled(groups, "grpo", stats, "experts changed per slot / update", top)
     grpo_any = _pooled(groups, "grpo", stats, "tokens changed in >= 1 layer / update", top)
-    grpo_every = _pooled(groups, "grpo", stats, "changed across mini-batches", top)
+    grpo_every = _pooled(groups, "grpo", stats, "expert sets changed across mini-batches", top)
+    grpo_every_slot = _pooled(groups, "grpo", stats, "experts changed per slot across mini-batches", top)
     decisive = grpo_every if grpo_every.mean is not None else grpo_update
     if decisive.mean is None:
         ours, verdict = "-", "not measured (needs grpo runs with the update or minibatch diagnostic)"
     else:
         ours = (
             f"GRPO, {top} updates/rollout: first update of a step {_cell(grpo_update)} of (token, layer) "
-            f"expert sets ({_cell(grpo_any)} of tokens in >= 1 layer); every update (consecutive "
-            f"mini-batches) {_cell(grpo_every)}"
+            f"expert sets, {_cell(grpo_update_slot)} of experts per slot ({_cell(grpo_any)} of tokens in >= 1 layer); "
+            f"every update (consecutive "
+            f"mini-batches) {_cell(grpo_every)} of expert sets, {_cell(grpo_every_slot)} of experts per slot"
         )
         verdict = too_few_seeds(decisive) or (
             "reproduced (>= 5% per update)"
@@ -283,9 +293,9 @@ def paper_vs_ours(groups: list[RunGroup], stats: dict[str, dict[str, Stat]]) -> 
     free = Stat.of(
         v
         for name in ("gspo", "grpo", "grpo_routing_replay")
-        for v in _pooled(groups, name, stats, "engine vs trainer changed").values
+        for v in _pooled(groups, name, stats, "engine vs trainer expert sets changed").values
     )
-    r3 = _pooled(groups, "grpo_rollout_routing_replay", stats, "engine vs trainer changed")
+    r3 = _pooled(groups, "grpo_rollout_routing_replay", stats, "engine vs trainer expert sets changed")
     free_mm = Stat.of(
         v
         for name in ("gspo", "grpo", "grpo_routing_replay")
@@ -296,7 +306,7 @@ def paper_vs_ours(groups: list[RunGroup], stats: dict[str, dict[str, Stat]]) -> 
         ours, verdict = "-", "not measured (needs rollout_vs_train in runs with and without R3)"
     else:
         ours = (
-            f"engine vs trainer changed: without R3 {_cell(free)}, with R3 {_cell(r3)}; "
+            f"engine vs trainer expert sets changed: without R3 {_cell(free)}, with R3 {_cell(r3)}; "
             f"|Δ log p| without R3 {_cell(free_mm)}, with R3 (non-routing residual) {_cell(r3_mm)}"
         )
         verdict = too_few_seeds(free, r3) or ("reproduced" if r3.mean == 0 and free.mean > 0 else "not reproduced")
@@ -357,8 +367,8 @@ def curve_panels(groups: list[RunGroup]) -> list[Panel]:
         ("eval pass@1", "eval/pass@1"),
         ("clip fraction per token", "loss/clip_frac_token"),
         ("clip fraction per sequence", "loss/clip_frac_seq"),
-        ("experts changed per update", "routing/update_changed_frac"),
-        ("engine vs trainer: experts changed", "routing/rollout_vs_train_changed_frac"),
+        ("expert sets changed per update", "routing/update_changed_frac"),
+        ("engine vs trainer: expert sets changed", "routing/rollout_vs_train_changed_frac"),
         ("log-prob mismatch |Δ log p| (engine vs trainer)", "mismatch/abs_log_prob_diff_mean"),
         ("grad norm", "grad_norm"),
     ]

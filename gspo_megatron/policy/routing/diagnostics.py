@@ -298,6 +298,7 @@ class RoutingDiagnostics:
             suffix = "" if turn is None else f"/turn_{turn}"
             metrics[f"routing/{kind}_changed_frac{suffix}"] = float(volatility.changed_frac_overall)
             metrics[f"routing/{kind}_overlap{suffix}"] = float(volatility.overlap_overall)
+            metrics[f"routing/{kind}_experts_changed_per_slot{suffix}"] = float(volatility.experts_changed_per_slot)
             metrics[f"routing/{kind}_changed_any_frac{suffix}"] = float(volatility.changed_any_frac)
             records.append(routing_record(step, kind, volatility=volatility, load=load, turn=turn))
         self.step_records = []

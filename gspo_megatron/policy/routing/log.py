@@ -32,6 +32,7 @@ def routing_record(
             overlap=volatility.overlap,
             changed_frac_overall=volatility.changed_frac_overall,
             overlap_overall=volatility.overlap_overall,
+            experts_changed_per_slot=volatility.experts_changed_per_slot,
             changed_any_frac=volatility.changed_any_frac,
             tokens=volatility.tokens,
         )

@@ -23,6 +23,13 @@ Definitions (activation volatility as measured in GSPO, arXiv 2507.18071, sectio
     changed_{n,l} = [ set(a_{n,l}) != set(b_{n,l}) ]
     overlap_{n,l} = |set(a_{n,l}) cap set(b_{n,l})| / k
     changed_any_n = OR_l changed_{n,l}   (token-level: the experts differ in at least one layer)
+Volatility is reported two ways, named so, because they differ by up to ~k times:
+- **expert sets changed** (``changed_frac_overall``, ``routing/<kind>_changed_frac``): the fraction of
+  (token, layer) pairs whose top-k set changed -- a whole set counts as changed when any one member differs;
+- **experts changed per slot** (``experts_changed_per_slot``, ``routing/<kind>_experts_changed_per_slot``):
+  the fraction of the (token, layer, slot) assignments whose expert is not in the other set,
+  1 - overlap = sum_{n,l} (k - |A cap B|) / (N L k). One of k experts swapped in every pair gives 100% of
+  expert sets changed but 1/k of the experts per slot.
 Per-layer fractions understate what a token sees: with p changed per layer, independent over L
 layers, 1 - (1 - p)^L of the tokens differ somewhere (Megatron-LM's R3 work: ~10% per layer
 compounding into ~94% of tokens). ``changed_any_frac`` is that token-level number, measured.
@@ -134,6 +141,13 @@ class RoutingVolatility:
     @property
     def overlap_overall(self) -> torch.Tensor:
         return self.intersection_count.sum().double() / (self.tokens.double() * self.num_layers * self.top_k)
+
+    @property
+    def experts_changed_per_slot(self) -> torch.Tensor:
+        """float64 []: fraction of the (token, layer, slot) assignments whose expert is not in the other
+        routing's set, sum (k - |A cap B|) / (N L k) = 1 - overlap_overall (formed from the integer counts)."""
+        slots = self.tokens * self.num_layers * self.top_k
+        return (slots - self.intersection_count.sum()).double() / slots.double()
 
     def merge(self, other: RoutingVolatility) -> RoutingVolatility:
         """The volatility of the union of both token sets (exact: sums of counts)."""

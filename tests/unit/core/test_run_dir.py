@@ -30,6 +30,7 @@ def test_routing_log_round_trip_from_tensors(tmp_path):
     assert first["changed_frac"] == pytest.approx([1 / 3, 2 / 3])
     assert first["changed_frac_overall"] == pytest.approx(0.5)
     assert first["overlap_overall"] == pytest.approx(2 / 3)
+    assert first["experts_changed_per_slot"] == pytest.approx(1 / 3)
     assert first["tokens"] == 3 and isinstance(first["tokens"], int)
     # B layer 0 picks 1,0 | 6,7 | 2,0 over 8 experts: counts [2,1,1,0,0,0,1,1] of 6 assignments
     assert first["expert_load"][0] == pytest.approx([2 / 6, 1 / 6, 1 / 6, 0, 0, 0, 1 / 6, 1 / 6])

@@ -41,7 +41,7 @@ def test_routing_volatility_is_printed_with_its_first_and_last_fifth():
     ]
     text = summary_text(history, wall_s=6.0, plot=None)
     assert (
-        "experts changed by an update: 0.050 of tokens per layer (whole run; first 20%: 0.100, last 20%: 0.000);"
+        "expert sets changed by an update: 0.050 of tokens per layer (whole run; first 20%: 0.100, last 20%: 0.000);"
         " engine vs trainer (last 20%): 0.250" in text
     )
     assert "routing" not in summary_text([_step(1, 0.5)], wall_s=6.0, plot=None)
@@ -63,7 +63,7 @@ def test_an_r3_run_keeps_its_routing_volatility_line():
     assert "not measured (add update to routing.kinds); engine vs trainer (last 20%): 0.000" in without_update
     text = summary_text(history, wall_s=6.0, plot=None, replay="rollout")
     (line,) = [line for line in text.splitlines() if "routing volatility" in line]
-    assert "experts changed by an update: not measured under R3 (routing.replay=rollout:" in line
+    assert "expert sets changed by an update: not measured under R3 (routing.replay=rollout:" in line
     assert line.endswith("; engine vs trainer (last 20%): 0.000 (R3 replays the engine's routing: 0 expected)")
 
 
@@ -153,4 +153,4 @@ def test_the_trainer_run_log_knows_the_configs_replay_mode(tmp_path):
     cfg = OmegaConf.to_object(compose(overrides + ["logging.wandb=false"]))
     log = open_run_log(cfg, tmp_path, "")
     log.log_step(1, {"reward/mean": 0.5, "routing/rollout_vs_train_changed_frac": 0.0})
-    assert "experts changed by an update: not measured under R3" in log.close()
+    assert "expert sets changed by an update: not measured under R3" in log.close()

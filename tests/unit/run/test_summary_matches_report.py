@@ -49,7 +49,8 @@ def _step(step: int) -> tuple[dict, list[dict]]:
 
 
 def _summary_numbers(text: str) -> dict[str, str]:
-    """The summary's numbers by the report's labels: '<name>, <window>' (routing: '<kind>: changed fraction, ...')."""
+    """The summary's numbers by the report's labels: '<name>, <window>'
+    (routing: '<kind>: expert sets changed, ...')."""
     numbers = {}
     for name in ("reward/mean", "response length"):
         match = re.search(rf"{re.escape(name)} +first 20%: ([0-9.]+) +last 20%: ([0-9.]+)", text)
@@ -58,13 +59,13 @@ def _summary_numbers(text: str) -> dict[str, str]:
     assert match, f"the summary's clip fractions name no window: {text}"
     numbers["clip frac (seq), last 20%"], numbers["clip frac (token), last 20%"] = match.groups()
     match = re.search(
-        r"experts changed by an update: ([0-9.]+) of tokens per layer \(whole run; first 20%: ([0-9.]+), "
+        r"expert sets changed by an update: ([0-9.]+) of tokens per layer \(whole run; first 20%: ([0-9.]+), "
         r"last 20%: ([0-9.]+)\); engine vs trainer \(last 20%\): ([0-9.]+)",
         text,
     )
     for window, value in zip(("whole run", "first 20%", "last 20%"), match.groups()[:3], strict=True):
-        numbers[f"update: changed fraction, {window}"] = value
-    numbers["rollout_vs_train: changed fraction, last 20%"] = match.group(4)
+        numbers[f"update: expert sets changed, {window}"] = value
+    numbers["rollout_vs_train: expert sets changed, last 20%"] = match.group(4)
     return numbers
 
 

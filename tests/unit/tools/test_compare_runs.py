@@ -152,6 +152,7 @@ def make_seeded_run(path, algorithm, seed, upr, rewards, update_changed, changed
                     "overlap": [0.9, 0.9],
                     "changed_frac_overall": changed,
                     "overlap_overall": 0.9,
+                    "experts_changed_per_slot": changed / 2,  # k = 2: one of the two experts swapped
                     "changed_any_frac": any_layer,
                     "tokens": 10,
                 }
@@ -190,7 +191,9 @@ def test_sweep_directory_groups_by_config_and_aggregates_seeds(sweep, tmp_path):
     assert grpo["final reward"]["mean"] == pytest.approx(0.4)
     assert grpo["final reward"]["std"] == pytest.approx(0.1414213, rel=1e-5)  # sample std of 0.3, 0.5
     assert grpo["mean reward"]["mean"] == pytest.approx((0.2 + 0.35) / 2)
-    assert grpo["experts changed / update"]["mean"] == pytest.approx((0.15 + 0.35) / 2)
+    assert grpo["expert sets changed / update"]["mean"] == pytest.approx((0.15 + 0.35) / 2)
+    assert grpo["experts changed per slot / update"]["mean"] == pytest.approx((0.15 + 0.35) / 4)  # named apart
+    assert groups["gspo"]["stats"]["experts changed per slot / update"]["mean"] is not None
     assert grpo["tokens changed in >= 1 layer / update"]["mean"] == pytest.approx((0.35 + 0.55) / 2)
     assert groups["gspo"]["layers"]["update"] == pytest.approx([0.075, 0.075])
     claims = {c["claim"][:18]: c for c in study["paper_vs_ours"]}
@@ -391,11 +394,11 @@ def test_the_terminal_table_is_narrow_and_the_page_has_every_column(sweep, tmp_p
         "reward",
         "clip frac token",
         "clip frac seq",
-        "experts changed / update",
-        "engine vs trainer changed",
+        "expert sets changed / update",
+        "engine vs trainer expert sets changed",
         "log-prob mismatch",
     ]
-    assert "all 31 columns in study.html" in "\n".join(lines)
+    assert "all 34 columns in study.html" in "\n".join(lines)
     page = (out / "study.html").read_text()
     for name, _, _ in METRIC_COLUMNS + ROUTING_COLUMNS:
         assert f"<th>{html.escape(name)}</th>" in page

@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
-STUDY_TOOLS = ["shaping_study.py", "sft_warmstart.py", "calibrate_confidence_segmentation.py", "compare_runs.py"]
+STUDY_TOOLS = [
+    "shaping_study.py",
+    "sft_warmstart.py",
+    "calibrate_confidence_segmentation.py",
+    "compare_runs.py",
+    "store_runs.py",
+    "regenerate_report.py",
+]
 
 
 @pytest.mark.slow

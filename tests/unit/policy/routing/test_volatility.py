@@ -53,6 +53,19 @@ def test_volatility_per_layer_and_overall():
     assert int(v.changed_any_count) == 3 and float(v.changed_any_frac) == 1.0
 
 
+def test_volatility_both_ways_expert_sets_changed_and_experts_changed_per_slot():
+    # k = 4, 2 tokens x 2 layers: one expert of four swapped in every (token, layer) pair
+    a = torch.tensor([[[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 1, 2, 3], [4, 5, 6, 7]]])
+    b = a.clone()
+    b[..., 3] = 9
+    v = routing_volatility(a, b)
+    assert float(v.changed_frac_overall) == 1.0  # every set counts as changed
+    assert float(v.experts_changed_per_slot) == 0.25  # but one slot in four changed
+    # the worked example above: 8 of 12 slots shared
+    assert float(routing_volatility(A, B).experts_changed_per_slot) == pytest.approx(4 / 12)
+    assert float(routing_volatility(A, A.flip(-1)).experts_changed_per_slot) == 0.0
+
+
 def test_changed_any_counts_a_token_once_however_many_layers_changed():
     a = torch.tensor([[[0, 1], [0, 1], [0, 1]], [[0, 1], [0, 1], [0, 1]], [[0, 1], [0, 1], [0, 1]]])
     b = a.clone()
