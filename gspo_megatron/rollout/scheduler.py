@@ -33,7 +33,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,6 +135,18 @@ class RolloutScheduler:
     def before_weight_sync(self) -> None:
         """Wait for an in-flight generation: the engine's weights must not change under it."""
         self._join()
+
+    def after_weight_sync(self, version: int | None) -> None:
+        """Nothing to resume: the next generation starts at the next ``take``."""
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """No generation runs inside (a checkpoint reads the task's position here)."""
+        self._join()
+        yield
+
+    def close(self) -> None:
+        """Nothing runs past the last step (``start_next``), and each generation is joined before a sync."""
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
