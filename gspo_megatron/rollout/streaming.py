@@ -163,6 +163,8 @@ class StreamingScheduler(Generic[GroupT]):
         self._idle_s = 0.0  # the producer's time at the gate or waiting for room
         self._started_at = 0.0
         self._last_take = 0.0
+        self._final_round = 0
+        self._finished = False  # the producer thread returned
 
     # ------------------------------------------------------------------ the trainer's calls
     def start(self, version: int) -> None:
@@ -171,6 +173,8 @@ class StreamingScheduler(Generic[GroupT]):
             return
         if self._next_round is None:
             self._next_round = version
+        # under wait every round is trained: the rounds the remaining steps need, no more
+        self._final_round = self._next_round + self.last_step - version
         if self.mode is StalenessMode.wait:
             self.gate = StalenessGate(self.max_staleness, self.groups_per_step, version)
         self._started_at = self._last_take = time.perf_counter()
@@ -246,9 +250,10 @@ class StreamingScheduler(Generic[GroupT]):
             return self._idle_s / wall if wall > 0 else 0.0
 
     def wait_until_blocked(self, blocks: int, timeout_s: float) -> int:
-        """Until the producer has waited for capacity or room more than ``blocks`` times; returns the count."""
+        """Until the producer has waited for capacity or room more than ``blocks`` times, or stopped; returns the
+        count."""
         with self._progress:
-            if not self._progress.wait_for(lambda: self._blocks > blocks or self._error is not None, timeout_s):
+            if not self._progress.wait_for(lambda: self._blocks > blocks or self._finished, timeout_s):
                 raise TimeoutError(f"the producer did not block again within {timeout_s} s ({self._blocks} so far)")
             self._raise_producer_error()
             return self._blocks
@@ -291,8 +296,11 @@ class StreamingScheduler(Generic[GroupT]):
         except BaseException as error:  # noqa: BLE001 - re-raised in the trainer's thread (take, before_weight_sync)
             with self._progress:
                 self._error = error
-                self._progress.notify_all()
             self.buffer.close()
+        finally:
+            with self._progress:
+                self._finished = True
+                self._progress.notify_all()
 
     def _round_index(self) -> int:
         if self._next_round is None:
@@ -303,7 +311,7 @@ class StreamingScheduler(Generic[GroupT]):
         """Wait (bounded) until the next round may start: the gate under ``wait``, room under ``drop``."""
         groups, gate = self.groups_per_step, self.gate
         if gate is not None:
-            if self._round_index() >= self.last_step:
+            if self._round_index() >= self._final_round:
                 return False  # under wait every round is trained: nothing past the last step
             self._timed(gate.capacity() < groups, lambda: gate.acquire(groups, self.wait_bound_s))
             return True
