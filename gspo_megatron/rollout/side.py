@@ -67,7 +67,9 @@ class RolloutSide:
             self.scheduler.after_weight_sync(loaded)  # streaming: the producer goes on, on ``version``
 
     def evaluate(self) -> dict[str, float]:
-        return self.producer.evaluate(self.evaluation.records, self.evaluation.params)
+        """On the engine between the producer's rounds (streaming: the engine is not generated on by two threads)."""
+        with self.scheduler.paused():
+            return self.producer.evaluate(self.evaluation.records, self.evaluation.params)
 
     def state_dict(self) -> dict:
         """What a resumed run needs to draw what the uninterrupted run would: the task's position, a

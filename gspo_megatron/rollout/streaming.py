@@ -264,9 +264,11 @@ class StreamingScheduler(Generic[GroupT]):
         return {"next_round": self._next_round, "buffered_groups": len(self.buffer)}
 
     def load_state_dict(self, state: dict) -> None:
-        """A one-step scheduler's state (``ready``) holds no round: the resumed step's index is used."""
+        """A one-step scheduler's state holds no round (the resumed step's index is used) and may hold the batch it
+        prefetched (``ready``): dropped as the buffer is, its G groups counted."""
         self._next_round = state.get("next_round")
-        self._dropped_at_resume = int(state.get("buffered_groups", 0))
+        prefetched = self.groups_per_step if state.get("ready") is not None else 0
+        self._dropped_at_resume = int(state.get("buffered_groups", prefetched))
 
     def close(self) -> None:
         """Stop the producer (bounded: it finishes the round in flight)."""

@@ -25,6 +25,7 @@ STREAMING = FAST + [
     "algorithm.mismatch.correction=token_truncate",
     "algorithm.loss.entropy_coef=0.01",  # a gradient even when every group is degenerate
     "trainer.updates_per_rollout=2",
+    "trainer.eval_every=2",  # the evaluation generates on the engine between the producer's rounds
 ]
 
 
@@ -44,6 +45,7 @@ def test_streaming_trains_no_token_older_than_k_and_replays_each_samples_routing
         if mode == "wait":
             assert m["async/groups_dropped"] == 0.0
     assert metrics[0]["async/staleness_max"] == 0.0  # the first step's groups start on its own weights
+    assert "eval/pass@1" in metrics[1] and "eval/pass@1" in metrics[3]
 
 
 def test_a_resumed_streaming_run_drops_its_buffer_and_draws_fresh_groups(tmp_path):

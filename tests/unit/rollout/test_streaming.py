@@ -4,6 +4,8 @@ passes the bound and the ages climb to k and stay there; under ``drop`` the prod
 past the bound are dropped at take, whole. The weights change at every sync, so each sample's version is the
 engine's own."""
 
+import threading
+
 import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -154,4 +156,35 @@ def test_wait_refuses_a_group_its_gate_should_have_held():
     run.sync(5)  # the weights jump five versions: rounds 0..2 (version 0) are too old at step 5
     with pytest.raises(StalenessError, match="under rollout.staleness_mode=wait"):
         run.scheduler.take(5)
+    run.scheduler.close()
+
+
+def test_a_weight_sync_waits_for_the_round_in_flight():
+    """The sync's turn comes after the round that started on the old weights: its samples keep that version."""
+    run = _Run(StalenessMode.wait)
+    started, release, order = threading.Event(), threading.Event(), []
+
+    def held_round(round_index):
+        started.set()
+        assert release.wait(BOUND_S)
+        groups = run.engine.generate([[1, 2, 3]], PARAMS)
+        order.append("round")
+        return groups
+
+    run.scheduler.draw_round = held_round
+    run.engine.update_weights(_weights(0).items(), 0)
+    run.scheduler.start(0)
+    assert started.wait(BOUND_S)
+
+    def sync():
+        run.sync(1)
+        order.append("sync")
+
+    syncing = threading.Thread(target=sync)
+    syncing.start()
+    release.set()
+    syncing.join(BOUND_S)
+    assert order[:2] == ["round", "sync"]
+    groups, _ = run.scheduler.take(1)
+    assert [s.weight_version for g in groups for s in g] == [0, 0]  # generated on version 0, trained at 1
     run.scheduler.close()
