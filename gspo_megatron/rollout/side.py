@@ -1,6 +1,6 @@
 """The rollout side, as the loop sees it on the driver: one object, built on the driver only.
 
-    batch, metrics = rollout.take(step)        # this step's batch (generated now, or one step ahead)
+    batch, metrics = rollout.take(step)        # this step's batch (generated now, one step ahead, or streamed)
     rollout.load_weights(stream, version)      # the policy's HF-named tensors into the engine
     rollout.evaluate()                         # pass@k on the run's evaluation prompts
     rollout.state_dict() / load_state_dict()   # the task's position, a prefetched batch, carried groups

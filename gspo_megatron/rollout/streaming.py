@@ -33,7 +33,8 @@ Design decisions:
   as the one-step scheduler's; the admitted tokens by age (``async/stale_token_frac``,
   ``async/stale_tokens_age_<a>``, each token at its own version); ``async/groups_dropped`` (this take) and
   ``async/groups_buffered`` (left after it). Timings under ``time/``: ``time/trainer_idle_frac`` = the take's wait
-  for groups / the step's cycle (from the previous take's return to this one's: train, sync, wait);
+  for groups / the step's cycle (from the previous take's return to this one's: train, sync, wait; the first
+  step's from the producer's start);
   ``time/engine_idle_frac`` = the producer's finished waits at the gate or for room / its wall time, since it
   started.
 - Every wait is bounded by ``wait_bound_s`` (``WAIT_BOUND_S``); a timeout raises naming what was awaited. A
