@@ -50,6 +50,13 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
             f"rollout.over_sample={cfg.rollout.over_sample} with algorithm.dynamic_sampling.enabled=true: both "
             "decide which groups a step trains and are not combined here; set one of them off"
         )
+    if cfg.rollout.async_rollout and cfg.rollout.max_staleness > 1 and cfg.algorithm.dynamic_sampling.enabled:
+        raise ConfigError(
+            f"rollout.max_staleness={cfg.rollout.max_staleness} (streaming) with "
+            "algorithm.dynamic_sampling.enabled=true: the producer's rounds are one step's prompts each and "
+            "dynamic sampling's extra rounds are not streamed; set algorithm.dynamic_sampling.enabled=false or "
+            "rollout.max_staleness=1"
+        )
     samples = t.prompts_per_step * cfg.rollout.group_size
     if samples % t.updates_per_rollout:
         raise ConfigError(

@@ -19,12 +19,13 @@ from gspo_megatron.rollout.data.tasks import Task, build_task
 from gspo_megatron.rollout.data.tokenizer import Tokenizer, build_tokenizer
 from gspo_megatron.rollout.engine import RolloutEngine
 from gspo_megatron.rollout.engines import ENGINES, ModelShape
-from gspo_megatron.rollout.producer import RolloutProducer
+from gspo_megatron.rollout.producer import DrawnGroup, RolloutProducer
 from gspo_megatron.rollout.rewards.config import RewardConfig
 from gspo_megatron.rollout.rewards.pool import RewardPool
 from gspo_megatron.rollout.scheduler import RolloutScheduler
 from gspo_megatron.rollout.shaping.config import ShapingConfig
 from gspo_megatron.rollout.side import Evaluation, RolloutSide, batch_response_tokens, batch_versions
+from gspo_megatron.rollout.streaming import StreamingScheduler
 
 if TYPE_CHECKING:
     from gspo_megatron.rollout.agents.trajectories import TrajectoryRunner
@@ -56,6 +57,8 @@ def build_rollout_side(settings: RolloutSettings) -> RolloutSide:
     """The driver's rollout side, ready to generate once the first weight sync has loaded the engine."""
     producer = build_producer(settings)
     rollout = settings.rollout
+    if rollout.async_rollout and rollout.max_staleness > 1:
+        return RolloutSide(producer, streaming_scheduler(settings, producer), evaluation(settings, producer))
     scheduler = RolloutScheduler(
         producer.produce,
         rollout.max_staleness if rollout.async_rollout else 0,
@@ -67,6 +70,28 @@ def build_rollout_side(settings: RolloutSettings) -> RolloutSide:
         tokens_of=batch_response_tokens,
     )
     return RolloutSide(producer, scheduler, evaluation(settings, producer))
+
+
+def streaming_scheduler(settings: RolloutSettings, producer: RolloutProducer) -> StreamingScheduler[DrawnGroup]:
+    """``rollout.max_staleness`` > 1 (``rollout/streaming.py``): rounds of ``trainer.prompts_per_step`` groups."""
+    rollout = settings.rollout
+    return StreamingScheduler(
+        producer.draw_round,
+        producer.assemble,
+        drawn_group_token_versions,
+        batch_versions,
+        rollout.max_staleness,
+        rollout.staleness_mode,
+        settings.prompts_per_step,
+        settings.steps,
+    )
+
+
+def drawn_group_token_versions(group: DrawnGroup) -> list[int]:
+    """The weight version of each response token of a group (what admission reads)."""
+    from gspo_megatron.rollout.agents.partial import token_versions
+
+    return [version for sample in group.samples for version in token_versions(sample)]
 
 
 def build_producer(settings: RolloutSettings) -> RolloutProducer:

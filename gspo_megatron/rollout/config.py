@@ -21,11 +21,21 @@ from gspo_megatron.rollout.sglang.config import SGLangConfig, WeightQuantization
 
 
 def check_max_staleness(max_staleness: int) -> None:
-    """``rollout.max_staleness``: the one rule, read by the config section and the rollout scheduler."""
+    """``rollout.max_staleness``: the one-step scheduler's rule (``rollout/scheduler.py``); a bound above 1 is the
+    streaming scheduler's (``rollout/streaming.py``)."""
     if max_staleness not in (0, 1):
         raise ValueError(
-            f"rollout.max_staleness={max_staleness}: one-step asynchronous rollout supports 0 (synchronous) or 1"
+            f"rollout.max_staleness={max_staleness}: one-step asynchronous rollout supports 0 (synchronous) or 1; "
+            "a bound above 1 is the streaming mode (rollout.async_rollout=true, rollout/streaming.py)"
         )
+
+
+class StalenessMode(ConfigChoice):
+    """``rollout.staleness_mode``: what the streaming mode (``rollout.max_staleness`` > 1) does with work that
+    could pass the bound (``rollout/staleness.py``)."""
+
+    wait = "wait"  # the producer waits at the gate: nothing is dropped
+    drop = "drop"  # the producer runs on; a group past the bound when taken is dropped
 
 
 class PartialRollout(ConfigChoice):
@@ -244,8 +254,10 @@ class RolloutSection(ConfigNode):
     truncated: bool = False  # dynamic truncated rollout (Step-GRPO), training rollouts only
     return_routed_experts: bool = False  # set automatically when R3 replay needs them
     async_rollout: bool = False  # generate step k+1 while step k trains (rollout/scheduler.py)
-    # policy versions a sample may lag: async mode 0 (= synchronous) or 1; partial=continue >= 1
+    # policy versions a sample may lag: async mode 0 (= synchronous), 1 (one step ahead), k > 1 (streaming,
+    # rollout/streaming.py); partial=continue >= 1
     max_staleness: int = 1
+    staleness_mode: StalenessMode = StalenessMode.wait  # streaming (max_staleness > 1): wait | drop
     # start over_sample x the step's groups, stop once the step's groups are complete (rollout/agents/partial.py)
     over_sample: float = 1.0
     partial: PartialRollout = PartialRollout.drop  # the groups not needed: drop | continue (into the next step)
@@ -289,6 +301,24 @@ class RolloutSection(ConfigNode):
                 "rollout.async_rollout=false or rollout.placement=separate"
             )
 
+    def _check_streaming(self) -> None:
+        """A bound above 1 is the streaming mode: asynchronous, on the embedded engine."""
+        if self.max_staleness < 0:
+            raise ValueError(f"rollout.max_staleness={self.max_staleness} must be >= 0 (0: synchronous)")
+        if self.max_staleness <= 1:
+            return
+        if not self.async_rollout:
+            raise ValueError(
+                f"rollout.max_staleness={self.max_staleness}: a bound above 1 is the streaming mode, which "
+                "generates beside training; set rollout.async_rollout=true, or rollout.max_staleness to 0 or 1"
+            )
+        if self.engine != RolloutEngineName.embedded:
+            raise ValueError(
+                f"rollout.max_staleness={self.max_staleness} with rollout.engine={self.engine}: the streaming mode "
+                "syncs weights between the producer's rounds on the embedded engine only; set "
+                "rollout.engine=embedded or rollout.max_staleness=1"
+            )
+
     def response_budget(self) -> tuple[str, int]:
         """The most tokens a row holds after its prompt, and the key that sets it: one response
         (``rollout.max_new_tokens``), or an agent's whole trajectory (``rollout.agent.max_tokens``: its
@@ -317,7 +347,7 @@ class RolloutSection(ConfigNode):
                     "on an older policy; set rollout.max_staleness >= 1 (the versions a token may lag)"
                 )
         else:
-            check_max_staleness(self.max_staleness)
+            self._check_streaming()
         if self.over_sample == 1.0:
             return
         refused = {

@@ -87,6 +87,18 @@ class RolloutProducer:
             drawn, extra_metrics = self._draw_partial(step, prompts_per_step)
         else:
             drawn = self._draw(step, 0, prompts_per_step)
+        return self.assemble(step, drawn, extra_metrics)
+
+    def draw_round(self, round_index: int) -> list[DrawnGroup]:
+        """The streaming mode's round (``rollout/streaming.py``): a step's worth of fresh groups, generated and
+        scored, seeded as the synchronous run's step ``round_index``."""
+        return self._draw(round_index, 0, self.prompts_per_step)
+
+    def assemble(
+        self, step: int, drawn: list[DrawnGroup], extra_metrics: dict[str, float] | None = None
+    ) -> tuple[RolloutBatch, dict[str, float]]:
+        """The batch step ``step`` trains from its scored groups: shaping at the step's strength, advantages
+        within each group, packing; and the step's rollout metrics."""
         samples = [s for group in drawn for s in group.samples]
         scored = [r for group in drawn for r in group.scored]
         rewards = torch.tensor([r.reward for r in scored], dtype=torch.float32)
@@ -110,7 +122,7 @@ class RolloutProducer:
             token_advantage_terms=token_advantage_terms(samples, scored, g, turn_weight) if turn_weight else None,
         )
         metrics = self._metrics(step, samples, scored, shaped, advantage, batch)
-        return batch, {**{k: float(v) for k, v in metrics.items()}, **extra_metrics}
+        return batch, {**{k: float(v) for k, v in metrics.items()}, **(extra_metrics or {})}
 
     def _mixed(self, rewards: torch.Tensor, shaped: torch.Tensor, step: int) -> torch.Tensor:
         """The rewards the advantages see: r + strength(step) * (r_shaped - r) (strength ramps shaping in)."""

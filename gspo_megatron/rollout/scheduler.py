@@ -1,4 +1,5 @@
-"""One-step asynchronous rollout: generate step k+1's batch while step k trains (slime/verl async mode).
+"""One-step asynchronous rollout: generate step k+1's batch while step k trains (slime/verl async mode);
+``rollout.max_staleness`` 0 or 1 (above 1: ``streaming.py``).
 
     sync (max_staleness=0):  [gen k][train k][sync] [gen k+1][train k+1][sync] ...
     async (max_staleness=1): [gen k][train k      ][join][sync][train k+1      ][join][sync]
@@ -25,7 +26,8 @@ Design decisions:
   tokens by age (``async/stale_tokens_age_<a>``, ``rollout/staleness.py``) when the bound is above 0.
 - The bound holds by construction here: step k + 1's batch starts on
   version k and the weight sync waits for it, so the producer never runs more than one version ahead (it
-  waits) and nothing can need dropping. ``rollout/staleness.py`` holds what a deeper prefetch would need.
+  waits) and nothing can need dropping. A bound above 1 is the streaming scheduler's (``streaming.py``: a
+  producer thread, the group buffer and gate of ``rollout/staleness.py``); ``rollout/build.py`` picks one.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,6 +137,18 @@ class RolloutScheduler:
     def before_weight_sync(self) -> None:
         """Wait for an in-flight generation: the engine's weights must not change under it."""
         self._join()
+
+    def after_weight_sync(self, version: int | None) -> None:
+        """Nothing to resume: the next generation starts at the next ``take``."""
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """No generation runs inside (a checkpoint reads the task's position here)."""
+        self._join()
+        yield
+
+    def close(self) -> None:
+        """Nothing runs past the last step (``start_next``), and each generation is joined before a sync."""
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

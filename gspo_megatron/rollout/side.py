@@ -1,12 +1,13 @@
 """The rollout side, as the loop sees it on the driver: one object, built on the driver only.
 
-    batch, metrics = rollout.take(step)        # this step's batch (generated now, or one step ahead)
+    batch, metrics = rollout.take(step)        # this step's batch (generated now, one step ahead, or streamed)
     rollout.load_weights(stream, version)      # the policy's HF-named tensors into the engine
     rollout.evaluate()                         # pass@k on the run's evaluation prompts
     rollout.state_dict() / load_state_dict()   # the task's position, a prefetched batch, carried groups
 
 Inside: the producer (task -> engine, or an agent over it -> rewards -> shaping -> advantages -> pack),
-the schedule that decides when it runs (synchronously, or one step ahead), the engine, the reward pool.
+the schedule that decides when it runs (synchronously, one step ahead, or streaming up to k versions ahead), the
+engine, the reward pool.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from gspo_megatron.rollout.data.records import PromptRecord
 from gspo_megatron.rollout.engine import RolloutEngine
 from gspo_megatron.rollout.producer import RolloutProducer
 from gspo_megatron.rollout.scheduler import RolloutScheduler
+from gspo_megatron.rollout.streaming import StreamingScheduler
 
 
 @dataclass
@@ -33,7 +35,12 @@ class Evaluation:
 
 
 class RolloutSide:
-    def __init__(self, producer: RolloutProducer, scheduler: RolloutScheduler, evaluation: Evaluation) -> None:
+    def __init__(
+        self,
+        producer: RolloutProducer,
+        scheduler: RolloutScheduler | StreamingScheduler,
+        evaluation: Evaluation,
+    ) -> None:
         self.producer, self.scheduler, self.evaluation = producer, scheduler, evaluation
 
     @property
@@ -52,20 +59,29 @@ class RolloutSide:
         self.scheduler.before_weight_sync()
 
     def load_weights(self, named_tensors: Iterable[NamedTensor], version: int) -> None:
-        self.engine.update_weights(named_tensors, version)
+        loaded = None
+        try:
+            self.engine.update_weights(named_tensors, version)
+            loaded = version
+        finally:
+            self.scheduler.after_weight_sync(loaded)  # streaming: the producer goes on, on ``version``
 
     def evaluate(self) -> dict[str, float]:
-        return self.producer.evaluate(self.evaluation.records, self.evaluation.params)
+        """On the engine between the producer's rounds (streaming: the engine is not generated on by two threads)."""
+        with self.scheduler.paused():
+            return self.producer.evaluate(self.evaluation.records, self.evaluation.params)
 
     def state_dict(self) -> dict:
         """What a resumed run needs to draw what the uninterrupted run would: the task's position, a
-        batch generated ahead (async), the groups over-sampling carries (``rollout.partial=continue``)."""
+        batch generated ahead (async), the groups over-sampling carries (``rollout.partial=continue``). Read
+        with no generation running, so the task's position and the scheduler's state agree."""
         partial = self.producer.partial
-        return {
-            "task": self.producer.task.state_dict(),
-            "rollout_scheduler": self.scheduler.state_dict(),
-            "partial_rollouts": partial.state_dict() if partial is not None else None,
-        }
+        with self.scheduler.paused():
+            return {
+                "task": self.producer.task.state_dict(),
+                "rollout_scheduler": self.scheduler.state_dict(),
+                "partial_rollouts": partial.state_dict() if partial is not None else None,
+            }
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("task") is not None:
@@ -77,8 +93,9 @@ class RolloutSide:
             partial.load_state_dict(state["partial_rollouts"])
 
     def close(self) -> None:
-        """Stop the reward workers and the engine (and the servers it launched)."""
+        """Stop the producer (streaming), the reward workers and the engine (and the servers it launched)."""
         try:
+            self.scheduler.close()
             self.producer.rewards.close()
             if self.producer.agent is not None:
                 self.producer.agent.close()

@@ -1,9 +1,8 @@
 """The staleness bound: how many weight versions the tokens a step trains may lag, and what becomes of work
 that would lag more (``rollout.max_staleness`` k). Partial rollouts admit carried groups through
 ``admit_groups`` and the schedulers count tokens by age (``stale_token_metrics``); ``StalenessGate`` (the
-``wait`` policy) and ``GroupBuffer`` are the pieces the k-version asynchronous mode of issue 66 will run on --
-no config key selects them yet, since no mode today can need them (docs/architecture.md, "Towards k-version
-asynchronous RL").
+``wait`` policy) and ``GroupBuffer`` are what the streaming mode runs on (``rollout.max_staleness`` > 1,
+``rollout.staleness_mode``: ``streaming.py``).
 
     age(token) = v_train - v_token      v_train: the version the step trains (its weights: steps trained so far)
                                         v_token: the version whose engine sampled the token
@@ -30,9 +29,9 @@ Design decisions:
 
 Where the bound is kept today: one-step asynchronous rollout (``scheduler.py``) keeps it by construction
 (step s + 1's batch starts on version s, and the weight sync waits for it), its ``StalenessError`` the check;
-partial rollouts (``agents/partial.py``) admit carried groups through ``admit_groups`` (``drop``). The gate and
-the buffer (``GroupBuffer``) are what a producer running more than one version ahead stands on
-(docs/architecture.md, "Towards k-version asynchronous RL").
+partial rollouts (``agents/partial.py``) admit carried groups through ``admit_groups`` (``drop``); the streaming
+mode (``streaming.py``) runs a producer up to k versions ahead on the gate (``wait``) or the buffer's room
+(``drop``), and admits each step's groups through ``GroupBuffer.take``.
 """
 
 from __future__ import annotations
@@ -159,6 +158,10 @@ class StalenessGate:
             self._condition.notify_all()
 
 
+class BufferClosed(RuntimeError):
+    """The buffer was closed while the trainer waited for groups (the producer failed or the run is ending)."""
+
+
 class GroupBuffer(Generic[GroupT]):
     """Groups generated ahead of training, oldest first. The producer puts; the trainer takes a step's groups,
     each admitted under the bound or dropped (``admit_groups``), waiting (bounded) until enough are admitted.
@@ -192,7 +195,7 @@ class GroupBuffer(Generic[GroupT]):
             return not self._closed
 
     def close(self) -> None:
-        """Wakes a producer waiting for room: it stops."""
+        """Wakes a producer waiting for room (it stops) and a trainer waiting for groups (``BufferClosed``)."""
         with self._condition:
             self._closed = True
             self._condition.notify_all()
@@ -210,11 +213,13 @@ class GroupBuffer(Generic[GroupT]):
         ages: Counter[int] = Counter()
         with self._condition:
             while len(admitted) < count:
-                if not self._condition.wait_for(lambda: bool(self._groups), timeout_s):
+                if not self._condition.wait_for(lambda: bool(self._groups) or self._closed, timeout_s):
                     raise TimeoutError(
                         f"the trainer waited {timeout_s} s for a group at version {train_version} "
                         f"({len(admitted)} of {count} admitted)"
                     )
+                if not self._groups:
+                    raise BufferClosed(f"the group buffer closed with {len(admitted)} of {count} groups admitted")
                 admission = admit_groups(
                     [self._groups.popleft()], self.token_versions_of, train_version, self.max_staleness
                 )

@@ -76,6 +76,10 @@ def _typed(overrides):
             ["rollout.over_sample=1.5", "algorithm.dynamic_sampling.enabled=true"],
             r"rollout.over_sample=1.5 with algorithm.dynamic_sampling.enabled=true: .*set one of them off",
         ),
+        (
+            ["rollout.async_rollout=true", "rollout.max_staleness=2", "algorithm.dynamic_sampling.enabled=true"],
+            r"rollout.max_staleness=2 \(streaming\) with algorithm.dynamic_sampling.enabled=true: .*=false or",
+        ),
     ],
     ids=[
         "micro_batch",
@@ -91,6 +95,7 @@ def _typed(overrides):
         "reduced_state_needs_precision_aware",
         "reduced_state_not_on_the_host",
         "over_sampling_or_dynamic_sampling",
+        "streaming_without_dynamic_sampling",
     ],
 )
 def test_bad_value_is_refused_naming_the_key(overrides, message):
@@ -120,7 +125,17 @@ SECTION_RULES = [
     ("rollout.top_k=0", r"rollout.top_k=0 must be >= 1, or -1 \(off\)"),
     ("rollout.max_new_tokens=0", r"rollout.max_new_tokens=0 must be >= 1"),
     ("rollout.group_size=1", r"rollout.group_size=1: group-relative advantages need >= 2"),
-    ("rollout.max_staleness=2", r"rollout.max_staleness=2: .* supports 0 \(synchronous\) or 1"),
+    # streaming asynchronous rollout (rollout/streaming.py)
+    ("rollout.max_staleness=2", r"rollout.max_staleness=2: a bound above 1 is the streaming mode.*async_rollout=true"),
+    ("rollout.max_staleness=-1", r"rollout.max_staleness=-1 must be >= 0 \(0: synchronous\)"),
+    (
+        "rollout.async_rollout=true rollout.max_staleness=3 rollout.engine=sglang",
+        r"rollout.max_staleness=3 with rollout.engine=sglang: .*set rollout.engine=embedded or rollout.max_staleness=1",
+    ),
+    (
+        "rollout.async_rollout=true rollout.max_staleness=2 rollout.over_sample=1.5",
+        r"rollout.over_sample=1.5 with rollout.async_rollout=true: .*set rollout.over_sample=1",
+    ),
     # over-sampling and partial rollouts (rollout/agents/partial.py)
     ("rollout.over_sample=0.5", r"rollout.over_sample=0.5 must be >= 1 \(1: no over-sampling\)"),
     ("rollout.partial=continue", r"rollout.partial=continue carries .*set rollout.over_sample > 1"),

@@ -1,0 +1,63 @@
+"""End-to-end: streaming asynchronous rollout (``rollout.max_staleness=2``) through the real training loop on the
+tiny MoE, with R3 on. The trainer is the slow side (two updates per step, each a forward-backward over the whole
+batch) and the engine the fast one (one token per response), so the producer runs ahead to the bound. No trained
+token is more than k versions old, under ``wait`` nothing is dropped, and every sample replays the routing of
+the version that sampled it: zero engine-vs-trainer routing mismatch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gspo_megatron.policy.checkpoint.store import latest_checkpoint, read_trainer_state
+from gspo_megatron.testing.distributed import run_distributed
+from gspo_megatron.testing.train_runs import FAST, train_worker
+
+pytestmark = pytest.mark.e2e
+
+K = 2
+STREAMING = FAST + [
+    "trainer.steps=4",
+    "algorithm=grpo_rollout_routing_replay",
+    "rollout.async_rollout=true",
+    f"rollout.max_staleness={K}",
+    "algorithm.mismatch.correction=token_truncate",
+    "algorithm.loss.entropy_coef=0.01",  # a gradient even when every group is degenerate
+    "trainer.updates_per_rollout=2",
+    "trainer.eval_every=2",  # the evaluation generates on the engine between the producer's rounds
+]
+
+
+@pytest.mark.parametrize("mode", ["wait", "drop"])
+def test_streaming_trains_no_token_older_than_k_and_replays_each_samples_routing(tmp_path, mode):
+    (metrics,) = run_distributed(
+        train_worker, 1, STREAMING + [f"rollout.staleness_mode={mode}"], str(tmp_path), timeout=600
+    )
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    for m in metrics:
+        assert 0.0 <= m["async/staleness_max"] <= K
+        assert m["async/staleness_max"] <= m["step"] - 1  # never older than the run's first weights
+        assert (m["async/stale_token_frac"] > 0.0) == (m["async/staleness_max"] > 0.0)
+        assert m["routing/rollout_vs_train_changed_any_frac"] == 0.0
+        assert 0.0 <= m["time/trainer_idle_frac"] <= 1.0 and 0.0 <= m["time/engine_idle_frac"] <= 1.0
+        assert math.isfinite(m["loss/policy"])
+        if mode == "wait":
+            assert m["async/groups_dropped"] == 0.0
+    assert metrics[0]["async/staleness_max"] == 0.0  # the first step's groups start on its own weights
+    assert "eval/pass@1" in metrics[1] and "eval/pass@1" in metrics[3]
+
+
+def test_a_resumed_streaming_run_drops_its_buffer_and_draws_fresh_groups(tmp_path):
+    """The resume rule (rollout/streaming.py): the checkpoint holds the next round and how many groups were
+    buffered; the resumed run counts those as dropped and trains only groups drawn on its own weights first."""
+    run_dir = tmp_path / "run"
+    run_distributed(train_worker, 1, STREAMING + ["trainer.stop_after_steps=2"], str(run_dir), timeout=600)
+    saved = read_trainer_state(latest_checkpoint(run_dir))["rollout_scheduler"]
+    assert saved["next_round"] >= 2 and saved["buffered_groups"] == (saved["next_round"] - 2) * 4  # G = 4
+    (metrics,) = run_distributed(train_worker, 1, STREAMING + ["checkpoint.resume=true"], str(run_dir), timeout=600)
+    resumed = [m for m in metrics if m["step"] > 2]
+    assert [m["step"] for m in resumed] == [3, 4]
+    assert resumed[0]["async/groups_dropped_at_resume"] == saved["buffered_groups"]
+    assert resumed[0]["async/staleness_max"] == 0.0 and resumed[0]["async/policy_version_min"] == 2.0
+    assert resumed[1]["async/groups_dropped_at_resume"] == 0.0

@@ -1,0 +1,190 @@
+"""Streaming asynchronous rollout with the real embedded engine: a fast producer and a trainer that steps only
+once the producer has run as far ahead as the policy lets it (an event, not a clock). Under ``wait`` no group
+passes the bound and the ages climb to k and stay there; under ``drop`` the producer runs further and the groups
+past the bound are dropped at take, whole. The weights change at every sync, so each sample's version is the
+engine's own."""
+
+import threading
+
+import pytest
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from gspo_megatron.contracts.samples import SamplingParams
+from gspo_megatron.rollout.config import EmbeddedConfig, StalenessMode
+from gspo_megatron.rollout.embedded.engine import EmbeddedEngine
+from gspo_megatron.rollout.scheduler import StalenessError
+from gspo_megatron.rollout.streaming import StreamingScheduler
+
+PARAMS = SamplingParams(temperature=1.0, max_new_tokens=4, n=2, seed=3, return_routed_experts=True)
+BOUND_S = 120.0  # each wait's bound; the test never races it
+
+
+def _hf_config():
+    return Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
+
+
+def _weights(seed):
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(_hf_config())
+    return dict(model.state_dict())
+
+
+def _versions(group):
+    return [s.weight_version for s in group for _ in s.output_ids]
+
+
+class _Run:
+    """The real engine under a streaming scheduler; each round is one prompt's group (G = 1)."""
+
+    def __init__(self, mode, max_staleness=2, steps=6, next_round=None, buffered=0):
+        self.engine = EmbeddedEngine(_hf_config(), EmbeddedConfig())
+        self.rounds = []  # the round indices drawn, in order
+        self.scheduler = StreamingScheduler(
+            self._draw,
+            lambda step, groups: (groups, {}),
+            _versions,
+            lambda groups: [s.weight_version for group in groups for s in group],
+            max_staleness,
+            mode,
+            groups_per_step=1,
+            last_step=steps,
+            wait_bound_s=BOUND_S,
+        )
+        if next_round is not None:
+            self.scheduler.load_state_dict({"next_round": next_round, "buffered_groups": buffered})
+
+    def _draw(self, round_index):
+        self.rounds.append(round_index)
+        return self.engine.generate([[1 + round_index % 7, 2, 3]], PARAMS)
+
+    def sync(self, version):
+        self.scheduler.before_weight_sync()
+        self.engine.update_weights(_weights(version).items(), version)
+        self.scheduler.after_weight_sync(version)
+
+    def train(self, first_step, steps):
+        """Step by step: the producer has blocked (no capacity or room) before the trainer moves on -- under
+        ``wait`` a sync gives it capacity, under ``drop`` a take gives it room."""
+        scheduler, metrics = self.scheduler, []
+        self.engine.update_weights(_weights(first_step).items(), first_step)
+        scheduler.start(first_step)
+        blocks = scheduler.wait_until_blocked(0, BOUND_S)
+        for step in range(first_step, first_step + steps):
+            groups, step_metrics = scheduler.take(step)
+            assert len(groups) == 1
+            metrics.append(step_metrics)
+            if scheduler.mode is StalenessMode.drop:
+                blocks = scheduler.wait_until_blocked(blocks, BOUND_S)
+            self.sync(step + 1)
+            if scheduler.mode is StalenessMode.wait:
+                blocks = scheduler.wait_until_blocked(blocks, BOUND_S)
+        scheduler.close()
+        return metrics
+
+
+def test_wait_holds_the_producer_at_the_gate_and_trains_every_group_within_k():
+    run = _Run(StalenessMode.wait)
+    metrics = run.train(0, 6)
+    # k = 2, G = 1: rounds 0..2 start on version 0, then one round per sync; step s trains round s
+    assert [m["async/staleness_max"] for m in metrics] == [0.0, 1.0, 2.0, 2.0, 2.0, 2.0]
+    assert [m["async/groups_dropped"] for m in metrics] == [0.0] * 6
+    assert run.rounds == [0, 1, 2, 3, 4, 5]  # nothing past the last step, nothing dropped
+    tokens = PARAMS.n * PARAMS.max_new_tokens  # no stop token in this vocabulary's sampling: full length
+    assert [m["async/stale_tokens_age_2"] for m in metrics] == [0.0, 0.0] + [float(tokens)] * 4
+    assert metrics[1]["async/stale_token_frac"] == 1.0 and metrics[0]["async/stale_token_frac"] == 0.0
+    for m in metrics:
+        assert 0.0 <= m["time/trainer_idle_frac"] <= 1.0 and 0.0 <= m["time/engine_idle_frac"] <= 1.0
+
+
+def test_drop_runs_the_producer_ahead_and_drops_whole_groups_past_k():
+    run = _Run(StalenessMode.drop)
+    metrics = run.train(0, 6)
+    # k = 2, G = 1: the buffer holds DROP_RUN_AHEAD (k + 1) G = 6 groups. Rounds 0..5 and (after take 0) 6 on
+    # version 0, 7 on 1, 8 on 2; step 3 drops rounds 3..6 (age 3) and trains round 7 (age 2)
+    assert [m["async/staleness_max"] for m in metrics] == [0.0, 1.0, 2.0, 2.0, 2.0, 2.0]
+    assert [m["async/groups_dropped"] for m in metrics] == [0.0, 0.0, 0.0, 4.0, 0.0, 0.0]
+    assert metrics[3]["async/policy_version_min"] == 1.0
+    assert run.scheduler.buffer.dropped == 4
+
+
+def test_a_resumed_producer_starts_at_the_saved_round_and_counts_the_dropped_buffer():
+    """The resume rule: the checkpoint's next round, the buffered groups counted as dropped at the first step."""
+    run = _Run(StalenessMode.wait, steps=5, next_round=7, buffered=3)
+    metrics = run.train(3, 2)
+    assert run.rounds == [7, 8] and [m["async/staleness_max"] for m in metrics] == [0.0, 1.0]
+    assert [m["async/groups_dropped_at_resume"] for m in metrics] == [3.0, 0.0]
+
+
+def test_a_producer_failure_reaches_the_trainer():
+    run = _Run(StalenessMode.wait)
+
+    def broken(round_index):
+        raise ValueError(f"round {round_index} broke")
+
+    run.scheduler.draw_round = broken
+    run.scheduler.start(0)
+    with pytest.raises(RuntimeError, match="producer thread failed") as error:
+        run.scheduler.take(0)
+    assert "round 0 broke" in str(error.value.__cause__)
+    run.scheduler.close()
+
+
+def test_streaming_needs_a_bound_above_one():
+    with pytest.raises(ValueError, match=r"rollout.max_staleness=1: streaming is for a bound above 1"):
+        _Run(StalenessMode.wait, max_staleness=1)
+
+
+def test_wait_refuses_a_group_its_gate_should_have_held():
+    """The trainer's own check: a group past the bound under wait is a bug, not a drop."""
+    run = _Run(StalenessMode.wait)
+    run.engine.update_weights(_weights(0).items(), 0)
+    run.scheduler.start(0)
+    run.scheduler.wait_until_blocked(0, BOUND_S)
+    run.sync(5)  # the weights jump five versions: rounds 0..2 (version 0) are too old at step 5
+    with pytest.raises(StalenessError, match="under rollout.staleness_mode=wait"):
+        run.scheduler.take(5)
+    run.scheduler.close()
+
+
+def test_a_weight_sync_waits_for_the_round_in_flight():
+    """The sync's turn comes after the round that started on the old weights: its samples keep that version."""
+    run = _Run(StalenessMode.wait)
+    started, release, order = threading.Event(), threading.Event(), []
+
+    def held_round(round_index):
+        started.set()
+        assert release.wait(BOUND_S)
+        groups = run.engine.generate([[1, 2, 3]], PARAMS)
+        order.append("round")
+        return groups
+
+    run.scheduler.draw_round = held_round
+    run.engine.update_weights(_weights(0).items(), 0)
+    run.scheduler.start(0)
+    assert started.wait(BOUND_S)
+
+    def sync():
+        run.sync(1)
+        order.append("sync")
+
+    syncing = threading.Thread(target=sync)
+    syncing.start()
+    release.set()
+    syncing.join(BOUND_S)
+    assert order[:2] == ["round", "sync"]
+    groups, _ = run.scheduler.take(1)
+    assert [s.weight_version for g in groups for s in g] == [0, 0]  # generated on version 0, trained at 1
+    run.scheduler.close()
