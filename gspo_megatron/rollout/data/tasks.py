@@ -30,8 +30,9 @@ from dataclasses import replace
 from gspo_megatron.core.registry import Registry
 from gspo_megatron.rollout.data.config import DatasetConfig, TaskConfig
 from gspo_megatron.rollout.data.datasets import PromptDataset
+from gspo_megatron.rollout.data.fact_lookup import Fact, world
 from gspo_megatron.rollout.data.records import PromptRecord
-from gspo_megatron.rollout.data.tokenizer import Tokenizer
+from gspo_megatron.rollout.data.tokenizer import SymbolTokenizer, Tokenizer
 
 MAX_PROMPT_TOKENS_SYNTHETIC = 12
 
@@ -230,6 +231,79 @@ class CalculatorAddTask(SyntheticDigitTask):
         total = str(int(first) + int(second))
         call = f"<calculator {first}+{second}>"
         return f"{first}+{second}=", total, f"{call} {total}\n{total}"
+
+
+@register_task("fact_lookup")
+class FactLookupTask(Task):
+    """ "code zorv=" -> "4821": the code of a made-up entity, written only in the task's corpus
+    (``fact_lookup.py``), so the one way to the answer is a ``lookup`` call (``rollout.agent.tools=[lookup]``,
+    ``rollout.agent.corpus_dir`` the shipped corpus). Record i asks about an entity drawn from
+    ``random.Random(f"fact_lookup/{seed}/{i}")``; the reward scores the trajectory's last turn. The
+    ``reference_response`` is the tool-using trajectory in the symbol format, the document between its turns.
+    A model with its own tokenizer is asked in words, through its chat template."""
+
+    default_reward = "exact_match"
+
+    def __init__(
+        self,
+        config: TaskConfig,
+        tokenizer: Tokenizer,
+        prompt_budget: int | None = None,
+        facts: tuple[Fact, ...] | None = None,
+    ):
+        """``facts``: the world asked about (None: the shipped corpus's; the warm start passes its own)."""
+        super().__init__(config, tokenizer, prompt_budget)
+        if config.eval_dataset is not None:
+            raise ValueError(
+                f"task.eval_dataset={config.eval_dataset!r} is read by the dataset tasks (jsonl, parquet); task "
+                f"{self.name!r} draws its held-out prompts from task.eval_seed: remove task.eval_dataset"
+            )
+        self.facts = world() if facts is None else facts
+        self._stop_strings = [tokenizer.decode([i]) for i in tokenizer.stop_token_ids]
+        self._index = 0
+
+    def prompt(self, fact: Fact) -> str:
+        if isinstance(self.tokenizer, SymbolTokenizer):
+            return f"code {fact.name}="
+        question = (
+            f"What is the code of {fact.name}? Look it up with the lookup tool (query: {fact.name}), "
+            "then answer with the code's digits alone."
+        )
+        return self.tokenizer.render_prompt([{"role": "user", "content": question}])
+
+    def record(self, seed: int, index: int) -> PromptRecord:
+        fact = random.Random(f"{self.name}/{seed}/{index}").choice(self.facts)
+        prompt = self.prompt(fact)
+        metadata = {
+            "entity": fact.name,
+            "reference_response": f"<lookup {fact.name}> {fact.document}\n{fact.code}",
+            "stop_strings": list(self._stop_strings),
+            "answer_pattern": r"\d+",
+        }
+        return PromptRecord(prompt, fact.code, metadata, tuple(self.tokenizer.encode(prompt)))
+
+    def next_batch(self, batch_size: int) -> list[PromptRecord]:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        start, self._index = self._index, self._index + batch_size
+        return [self.record(self.config.seed, i) for i in range(start, start + batch_size)]
+
+    def eval_records(self, count: int) -> list[PromptRecord]:
+        return [self.record(self.config.eval_seed, i) for i in range(count)]
+
+    def longest_prompt_tokens(self) -> int:
+        return max(len(self.tokenizer.encode(self.prompt(fact))) for fact in self.facts)
+
+    def state_dict(self) -> dict:
+        return {"task": self.name, "seed": self.config.seed, "index": self._index}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("task") != self.name or state.get("seed") != self.config.seed:
+            raise ValueError(
+                f"task state {state} belongs to another task or seed (this is {self.name!r}, "
+                f"seed {self.config.seed}); resume with the same task config"
+            )
+        self._index = int(state["index"])
 
 
 class DatasetTask(Task):
