@@ -60,8 +60,9 @@ def world(seed: int = WORLD_SEED, size: int = ENTITIES) -> tuple[Fact, ...]:
 
 
 def corpus_texts(facts: tuple[Fact, ...]) -> dict[str, str]:
-    """file name -> document text: the corpus the lookup tool reads."""
-    return {fact.file_name: fact.document + "\n" for fact in facts}
+    """file name -> document text: the corpus the lookup tool reads. No trailing newline: the tool answers a
+    file's text as it is, and the symbol template inserts it as `` <text>\n`` -- what the warm start shows."""
+    return {fact.file_name: fact.document for fact in facts}
 
 
 def write_corpus(directory: str | Path, facts: tuple[Fact, ...]) -> None:
