@@ -1,6 +1,6 @@
-"""The calculator-agent study's summary from its stored runs (reports/agent_calculator/README.md).
+"""An agent study's summary from its stored runs (reports/agent_calculator/, reports/agent_lookup/: README.md).
 
-    python3 tools/agent_report.py reports/agent_calculator
+    python3 tools/agent_report.py reports/agent_calculator    # or reports/agent_lookup
 
 Reads every ``metrics_s<seed>.jsonl`` in the directory and writes ``summary.json`` beside them: per seed, the
 mean reward and the tool use of the first and the last 20% of steps, the largest engine-vs-trainer
@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, not an installed one
 
-RISE, TOOL_USE = 0.3, 0.8  # the criterion (reports/agent_calculator/README.md)
+RISE, TOOL_USE = 0.3, 0.8  # the criterion (each study's README.md: the same for both)
 
 
 def seed_summary(rows: list[dict]) -> dict:
