@@ -28,11 +28,12 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from gspo_megatron.core.registry import Registry
+from gspo_megatron.rollout.agents.tools.corpus import LOOKUP_SPEC
 from gspo_megatron.rollout.data.config import DatasetConfig, TaskConfig
 from gspo_megatron.rollout.data.datasets import PromptDataset
 from gspo_megatron.rollout.data.fact_lookup import Fact, world
 from gspo_megatron.rollout.data.records import PromptRecord
-from gspo_megatron.rollout.data.tokenizer import SymbolTokenizer, Tokenizer
+from gspo_megatron.rollout.data.tokenizer import HFTokenizer, SymbolTokenizer, Tokenizer
 
 MAX_PROMPT_TOKENS_SYNTHETIC = 12
 
@@ -240,7 +241,7 @@ class FactLookupTask(Task):
     ``rollout.agent.corpus_dir`` the shipped corpus). Record i asks about an entity drawn from
     ``random.Random(f"fact_lookup/{seed}/{i}")``; the reward scores the trajectory's last turn. The
     ``reference_response`` is the tool-using trajectory in the symbol format, the document between its turns.
-    A model with its own tokenizer is asked in words, through its chat template."""
+    A model with its own tokenizer is asked in words, through its chat template with the tool's schema."""
 
     default_reward = "exact_match"
 
@@ -265,11 +266,13 @@ class FactLookupTask(Task):
     def prompt(self, fact: Fact) -> str:
         if isinstance(self.tokenizer, SymbolTokenizer):
             return f"code {fact.name}="
+        if not isinstance(self.tokenizer, HFTokenizer):
+            raise TypeError(f"task {self.name!r} has no prompt for a {type(self.tokenizer).__name__}")
         question = (
             f"What is the code of {fact.name}? Look it up with the lookup tool (query: {fact.name}), "
             "then answer with the code's digits alone."
         )
-        return self.tokenizer.render_prompt([{"role": "user", "content": question}])
+        return self.tokenizer.render_prompt([{"role": "user", "content": question}], tools=[LOOKUP_SPEC.openai()])
 
     def record(self, seed: int, index: int) -> PromptRecord:
         fact = random.Random(f"{self.name}/{seed}/{index}").choice(self.facts)

@@ -172,7 +172,8 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    def render_prompt(self, prompt: PromptInput) -> str:
+    def render_prompt(self, prompt: PromptInput, tools: list[dict] | None = None) -> str:
+        """``tools``: OpenAI-shaped tool schemas the template tells the model about (a task that asks for calls)."""
         if not getattr(self._tok, "chat_template", None):
             raise ValueError(
                 f"tokenizer in {str(self.path)!r} has no chat template; set "
@@ -180,7 +181,8 @@ class HFTokenizer:
             )
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         _check_messages(messages)
-        return str(self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        rendered = self._tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        return str(rendered)
 
 
 def build_tokenizer(kind: str, path: str | None = None, model_vocab_size: int | None = None) -> Tokenizer:

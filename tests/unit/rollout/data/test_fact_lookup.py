@@ -3,14 +3,15 @@ lookup tool over that corpus answers each record's question, and only the looked
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
-from local_hf_tokenizer import build_local_hf_tokenizer
+from local_hf_tokenizer import CHAT_TEMPLATE, build_local_hf_tokenizer
 
 from gspo_megatron.rollout.agents.templates import SymbolTemplate
 from gspo_megatron.rollout.agents.tools.base import ToolResult
-from gspo_megatron.rollout.agents.tools.corpus import NO_MATCH, CorpusLookup, read_corpus
+from gspo_megatron.rollout.agents.tools.corpus import LOOKUP_SPEC, NO_MATCH, CorpusLookup, read_corpus
 from gspo_megatron.rollout.data import HFTokenizer, SymbolTokenizer, TaskConfig, build_task
 from gspo_megatron.rollout.data.fact_lookup import (
     CORPUS_DIR,
@@ -97,11 +98,20 @@ def test_an_eval_dataset_is_refused_naming_the_key():
         _task(eval_dataset="/data/val.jsonl")
 
 
-def test_a_model_with_its_own_tokenizer_is_asked_in_words_through_its_chat_template(tmp_path):
-    build_local_hf_tokenizer(tmp_path)
+# a chat template that tells the model its tools, as Qwen3's does (in its system turn)
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t['function'] | tojson }}{% endfor %}<|im_end|>\n"
+    "{% endif %}" + CHAT_TEMPLATE
+)
+
+
+def test_a_model_with_its_own_tokenizer_is_asked_in_words_with_the_tools_schema(tmp_path):
+    build_local_hf_tokenizer(tmp_path, chat_template=TOOLS_TEMPLATE)
     tokenizer = HFTokenizer(tmp_path)
     (record,) = build_task(TaskConfig(name="fact_lookup"), tokenizer).next_batch(1)
     name = record.metadata["entity"]
-    assert record.prompt.startswith("<|im_start|>user\nWhat is the code of " + name)
+    system, user = record.prompt.split("<|im_end|>\n", 1)
+    assert json.loads(system.removeprefix("<|im_start|>system\n")) == LOOKUP_SPEC.openai()["function"]
+    assert user.startswith("<|im_start|>user\nWhat is the code of " + name)
     assert record.prompt.endswith("<|im_start|>assistant\n") and "lookup tool" in record.prompt
     assert record.prompt_ids == tuple(tokenizer.encode(record.prompt))
