@@ -5,6 +5,7 @@
         model.hf_checkpoint=checkpoints/tiny_verbose_reasoner
     python tools/sft_warmstart.py --model small_moe --out checkpoints/small_moe_reasoner   # any preset
     python -m gspo_megatron.train +experiment=multi_token_demo model.hf_checkpoint=checkpoints/small_moe_reasoner
+    python tools/sft_warmstart.py --demos lookup --model fine_moe --steps 1500 --out checkpoints/lookup   # a tool
 
 Why: the efficiency shapers (Step-GRPO, GRSP) act on a policy that *already reasons verbosely* --
 the papers start from reasoning models that hesitate ("Wait ...") more than they need to. A tiny
@@ -144,7 +145,7 @@ def demo_task(args, tokenizer):
     return build_task(TaskConfig(name=name, seed=args.seed, **digits), tokenizer)
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="HF checkpoint directory to write")
     parser.add_argument("--steps", type=int, default=300)
@@ -157,9 +158,7 @@ def main(argv=None) -> None:
         help="what to demonstrate: verbose reasoning (reasoning_max_digit), calculator tool use (calculator_add) "
         "or lookup tool use (fact_lookup, on the warm start's own world of facts)",
     )
-    parser.add_argument(
-        "--tool-fraction", type=float, default=0.3, help="tool demos: the fraction that call the tool"
-    )
+    parser.add_argument("--tool-fraction", type=float, default=0.3, help="tool demos: the fraction that call the tool")
     parser.add_argument("--max-waits", type=int, default=3)
     parser.add_argument(
         "--long-tail",
@@ -175,7 +174,11 @@ def main(argv=None) -> None:
     parser.add_argument("--model", default="tiny", help="model preset (conf/model/<name>.yaml), e.g. small_moe")
     parser.add_argument(KEEP_FLAG, action="store_true", help="keep --out if its warm_start.json says it is current")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for the model, e.g. model.hidden_size=128")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     import torch
 
     from gspo_megatron.core.provenance import WARM_START_FILE, provenance, warm_start_record, weights_sha256

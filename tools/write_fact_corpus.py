@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT))  # this checkout's package, whatever is installed
 
 
 def main(argv: list[str] | None = None) -> None:
-    from gspo_megatron.rollout.data.fact_lookup import CORPUS_DIR, write_corpus, world
+    from gspo_megatron.rollout.data.fact_lookup import CORPUS_DIR, world, write_corpus
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / CORPUS_DIR)

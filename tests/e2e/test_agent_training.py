@@ -145,5 +145,6 @@ def test_the_fact_lookup_task_trains_with_the_lookup_tool_over_its_corpus(tmp_pa
         assert step["mismatch/abs_log_prob_diff_mean"] < 1e-5 and step["agent/errors"] == 0
         if agent != "tool_calling":  # every trajectory: a turn, the entity's document, a turn
             assert step["agent/turns_mean"] == 2 and step["agent/tool_calls_mean"] == 1
-            assert step["agent/tool_used_frac"] == 1.0 and step["agent/inserted_tokens_mean"] == len(" abcd code 1234\n")
+            document = len(" abcd code 1234\n")  # a name, a code: every document's length in symbols
+            assert step["agent/tool_used_frac"] == 1.0 and step["agent/inserted_tokens_mean"] == document
             assert sum(step[f"agent/tool_errors/{kind}"] for kind in ("bad_arguments", "unknown_tool", "raised")) == 0

@@ -68,6 +68,7 @@ def test_the_qwen3_lookup_agent_recipe_is_the_30b_job_with_the_tool_calling_agen
     assert [spec.name for spec in ToolKit(agent).specs()] == ["lookup"]  # the shipped corpus, read
     assert toy_settings_notice(cfg) is None
 
+
 # --- every cluster recipe: planned on its GPUs, named in the README (issue 64) --------------------------------
 
 RECIPE_GPUS = {  # recipe -> (training GPUs, what its user adds beyond the checkpoint)
@@ -137,7 +138,11 @@ def test_no_warning_for_the_main_job_the_recipes_or_a_real_model_with_real_setti
     for overrides in (
         [],
         ["+experiment=qwen3_30b_a3b_8xh100", "rollout.sglang.model_path=/ckpt", "model.hf_checkpoint=null"],
-        ["+experiment=qwen3_30b_a3b_agent_lookup_8xh100", "rollout.sglang.model_path=/ckpt", "model.hf_checkpoint=null"],
+        [
+            "+experiment=qwen3_30b_a3b_agent_lookup_8xh100",
+            "rollout.sglang.model_path=/ckpt",
+            "model.hf_checkpoint=null",
+        ],
         real,
     ):
         assert toy_settings_notice(to_train_config(compose(overrides))) is None, overrides
