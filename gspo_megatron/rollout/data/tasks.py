@@ -98,11 +98,9 @@ def build_task(config: TaskConfig, tokenizer: Tokenizer, prompt_budget: int | No
     return TASKS.get(config.name)(config, tokenizer, prompt_budget)
 
 
-class SyntheticDigitTask(Task):
-    """Digit-string problems drawn deterministically from (seed, index)."""
-
-    default_reward = "exact_match"
-    max_digits_allowed = MAX_PROMPT_TOKENS_SYNTHETIC - 3  # "<word> " + digits + "="
+class SeededTask(Task):
+    """A synthetic task: record i of a stream is a pure function of (task name, seed, i); the training stream is
+    ``task.seed``'s, the held-out one ``task.eval_seed``'s, and resuming needs only the position."""
 
     def __init__(self, config: TaskConfig, tokenizer: Tokenizer, prompt_budget: int | None = None):
         super().__init__(config, tokenizer, prompt_budget)
@@ -111,13 +109,47 @@ class SyntheticDigitTask(Task):
                 f"task.eval_dataset={config.eval_dataset!r} is read by the dataset tasks (jsonl, parquet); task "
                 f"{self.name!r} draws its held-out prompts from task.eval_seed: remove task.eval_dataset"
             )
+        self._stop_strings = [tokenizer.decode([i]) for i in tokenizer.stop_token_ids]
+        self._index = 0
+
+    @abc.abstractmethod
+    def record(self, seed: int, index: int) -> PromptRecord:
+        """Record ``index`` of the stream ``seed`` (drawn from ``random.Random(f"{name}/{seed}/{index}")``)."""
+
+    def next_batch(self, batch_size: int) -> list[PromptRecord]:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        start, self._index = self._index, self._index + batch_size
+        return [self.record(self.config.seed, i) for i in range(start, start + batch_size)]
+
+    def eval_records(self, count: int) -> list[PromptRecord]:
+        return [self.record(self.config.eval_seed, i) for i in range(count)]
+
+    def state_dict(self) -> dict:
+        return {"task": self.name, "seed": self.config.seed, "index": self._index}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("task") != self.name or state.get("seed") != self.config.seed:
+            raise ValueError(
+                f"task state {state} belongs to another task or seed (this is {self.name!r}, "
+                f"seed {self.config.seed}); resume with the same task config"
+            )
+        self._index = int(state["index"])
+
+
+class SyntheticDigitTask(SeededTask):
+    """Digit-string problems drawn deterministically from (seed, index)."""
+
+    default_reward = "exact_match"
+    max_digits_allowed = MAX_PROMPT_TOKENS_SYNTHETIC - 3  # "<word> " + digits + "="
+
+    def __init__(self, config: TaskConfig, tokenizer: Tokenizer, prompt_budget: int | None = None):
+        super().__init__(config, tokenizer, prompt_budget)
         if config.max_digits > self.max_digits_allowed:
             raise ValueError(
                 f"task {self.name!r} allows at most {self.max_digits_allowed} digits (short prompts "
                 f"and answers for tiny models); got task.max_digits={config.max_digits}"
             )
-        self._stop_strings = [tokenizer.decode([i]) for i in tokenizer.stop_token_ids]
-        self._index = 0
 
     @abc.abstractmethod
     def problem(self, digits: str) -> tuple[str, str, str]:
@@ -136,32 +168,12 @@ class SyntheticDigitTask(Task):
         }
         return PromptRecord(prompt, answer, metadata, tuple(self.tokenizer.encode(prompt)))
 
-    def next_batch(self, batch_size: int) -> list[PromptRecord]:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        start, self._index = self._index, self._index + batch_size
-        return [self.record(self.config.seed, i) for i in range(start, start + batch_size)]
-
-    def eval_records(self, count: int) -> list[PromptRecord]:
-        return [self.record(self.config.eval_seed, i) for i in range(count)]
-
     def longest_prompt_tokens(self) -> int:
         """The prompt of ``task.max_digits`` digits, each digit repeated (``problem`` writes every digit):
         exact for the symbol tokenizer and tokenizers that split digits one by one (a token per digit);
         for a tokenizer that merges digits, the longest of these ten."""
         digits = self.config.max_digits
         return max(len(self.tokenizer.encode(self.problem(str(d) * digits)[0])) for d in range(10))
-
-    def state_dict(self) -> dict:
-        return {"task": self.name, "seed": self.config.seed, "index": self._index}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("task") != self.name or state.get("seed") != self.config.seed:
-            raise ValueError(
-                f"task state {state} belongs to another task or seed (this is {self.name!r}, "
-                f"seed {self.config.seed}); resume with the same task config"
-            )
-        self._index = int(state["index"])
 
 
 @register_task("max_digit")
@@ -235,7 +247,7 @@ class CalculatorAddTask(SyntheticDigitTask):
 
 
 @register_task("fact_lookup")
-class FactLookupTask(Task):
+class FactLookupTask(SeededTask):
     """ "code zorv=" -> "4821": the code of a made-up entity, written only in the task's corpus
     (``fact_lookup.py``), so the one way to the answer is a ``lookup`` call (``rollout.agent.tools=[lookup]``,
     ``rollout.agent.corpus_dir`` the shipped corpus). Record i asks about an entity drawn from
@@ -254,14 +266,7 @@ class FactLookupTask(Task):
     ):
         """``facts``: the world asked about (None: the shipped corpus's; the warm start passes its own)."""
         super().__init__(config, tokenizer, prompt_budget)
-        if config.eval_dataset is not None:
-            raise ValueError(
-                f"task.eval_dataset={config.eval_dataset!r} is read by the dataset tasks (jsonl, parquet); task "
-                f"{self.name!r} draws its held-out prompts from task.eval_seed: remove task.eval_dataset"
-            )
         self.facts = world() if facts is None else facts
-        self._stop_strings = [tokenizer.decode([i]) for i in tokenizer.stop_token_ids]
-        self._index = 0
 
     def prompt(self, fact: Fact) -> str:
         if isinstance(self.tokenizer, SymbolTokenizer):
@@ -285,28 +290,8 @@ class FactLookupTask(Task):
         }
         return PromptRecord(prompt, fact.code, metadata, tuple(self.tokenizer.encode(prompt)))
 
-    def next_batch(self, batch_size: int) -> list[PromptRecord]:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        start, self._index = self._index, self._index + batch_size
-        return [self.record(self.config.seed, i) for i in range(start, start + batch_size)]
-
-    def eval_records(self, count: int) -> list[PromptRecord]:
-        return [self.record(self.config.eval_seed, i) for i in range(count)]
-
     def longest_prompt_tokens(self) -> int:
         return max(len(self.tokenizer.encode(self.prompt(fact))) for fact in self.facts)
-
-    def state_dict(self) -> dict:
-        return {"task": self.name, "seed": self.config.seed, "index": self._index}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("task") != self.name or state.get("seed") != self.config.seed:
-            raise ValueError(
-                f"task state {state} belongs to another task or seed (this is {self.name!r}, "
-                f"seed {self.config.seed}); resume with the same task config"
-            )
-        self._index = int(state["index"])
 
 
 class DatasetTask(Task):
