@@ -1,8 +1,8 @@
-"""The calculator-agent study's summary from its stored runs (reports/agent_calculator/README.md).
+"""An agent study's summary from its stored runs (reports/agent_calculator/, reports/agent_lookup/: README.md).
 
     python3 tools/store_runs.py runs/agent_calculator_s1 runs/agent_calculator_s2 runs/agent_calculator_s3 \
-        --study reports/agent_calculator --report agent_calculator
-    python3 tools/agent_report.py reports/agent_calculator
+        --study reports/agent_calculator --report agent_study
+    python3 tools/agent_report.py reports/agent_calculator    # or reports/agent_lookup
 
 Reads the runs of the directory's study store (``study_reports/store.py``; run ``<name>_s<seed>``) and writes
 ``summary.json`` beside them: per seed, the
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 if TYPE_CHECKING:
     from study_reports.store import StoredStudy
 
-RISE, TOOL_USE = 0.3, 0.8  # the criterion (reports/agent_calculator/README.md)
+RISE, TOOL_USE = 0.3, 0.8  # the criterion (each study's README.md: the same for both)
 
 
 def seed_summary(rows: list[dict]) -> dict:

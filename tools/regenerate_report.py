@@ -66,8 +66,9 @@ def _shaping_study(study: StoredStudy, out: Path) -> str:
     return markdown
 
 
-def _agent_calculator(study: StoredStudy, out: Path) -> str:
-    """The calculator-agent study's summary (``tools/agent_report.py``): its runs are named ``<name>_s<seed>``."""
+def _agent_study(study: StoredStudy, out: Path) -> str:
+    """An agent study's summary (``tools/agent_report.py``: the calculator and the fact-lookup studies): its runs
+    are named ``<name>_s<seed>``."""
     summary = summary_from_store(study)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return json.dumps({key: value for key, value in summary.items() if key != "provenance"}, indent=2)
@@ -76,7 +77,7 @@ def _agent_calculator(study: StoredStudy, out: Path) -> str:
 REPORTS: dict[str, ReportKind] = {
     "routing_study": ReportKind(_routing_study, ("study.json", "comparison.json"), ("provenance", "generated_by")),
     "shaping_study": ReportKind(_shaping_study, ("report.json",)),  # its notes are the study's own record
-    "agent_calculator": ReportKind(_agent_calculator, ("summary.json",), ("provenance",)),
+    "agent_study": ReportKind(_agent_study, ("summary.json",), ("provenance",)),
 }
 
 

@@ -5,6 +5,7 @@
         model.hf_checkpoint=checkpoints/tiny_verbose_reasoner
     python tools/sft_warmstart.py --model small_moe --out checkpoints/small_moe_reasoner   # any preset
     python -m gspo_megatron.train +experiment=multi_token_demo model.hf_checkpoint=checkpoints/small_moe_reasoner
+    python tools/sft_warmstart.py --demos lookup --model fine_moe --steps 1500 --out checkpoints/lookup   # a tool
 
 Why: the efficiency shapers (Step-GRPO, GRSP) act on a policy that *already reasons verbosely* --
 the papers start from reasoning models that hesitate ("Wait ...") more than they need to. A tiny
@@ -82,12 +83,27 @@ def calculator_demo(record, rng: random.Random, tool_fraction: float) -> list[tu
     return [(guess, True)]
 
 
+def lookup_demo(record, rng: random.Random, tool_fraction: float) -> list[tuple[str, bool]]:
+    """A ``fact_lookup`` demonstration, as ``calculator_demo``'s: with probability ``tool_fraction`` the call,
+    the document (inserted: not trained) and the code copied from it; else a guessed code (almost always wrong:
+    the facts are in the corpus alone). The records come from another world than the run's (``--demos lookup``
+    asks about ``fact_lookup.WARM_START_WORLD``), so the warm start has seen none of the run's facts."""
+    if rng.random() < tool_fraction:
+        call, rest = record.metadata["reference_response"].split("> ", 1)
+        document, code = rest.split("\n", 1)
+        return [(call + ">", True), (" " + document + "\n", False), (code, True)]
+    return [(str(rng.randint(1000, 9999)), True)]
+
+
+DEMOS = {"calculator": calculator_demo, "lookup": lookup_demo}
+
+
 def demo_rows(records, tokenizer, rng, args) -> list[tuple[list[int], list[int], list[float]]]:
     """(prompt ids, response ids with EOS, per-response-token weight: 1 trained, 0 inserted) per record."""
     rows = []
     for record in records:
-        if args.demos == "calculator":
-            segments = calculator_demo(record, rng, args.tool_fraction)
+        if args.demos in DEMOS:
+            segments = DEMOS[args.demos](record, rng, args.tool_fraction)
         else:
             long_tail = (args.long_tail[0], int(args.long_tail[1]))
             segments = [(verbose_response(record, rng, args.max_waits, long_tail), True)]
@@ -116,7 +132,20 @@ def build_batch(rows, pad_token_id: int):
     return MicroBatch(tokens=tokens[:, :-1].contiguous(), targets=tokens[:, 1:].contiguous(), weights=mask)
 
 
-def main(argv=None) -> None:
+def demo_task(args, tokenizer):
+    """The task whose records the demonstrations answer (``--demos``)."""
+    from gspo_megatron.rollout.data.config import TaskConfig
+    from gspo_megatron.rollout.data.fact_lookup import WARM_START_WORLD, world
+    from gspo_megatron.rollout.data.tasks import FactLookupTask, build_task
+
+    if args.demos == "lookup":
+        return FactLookupTask(TaskConfig(name="fact_lookup", seed=args.seed), tokenizer, facts=world(WARM_START_WORLD))
+    name = "calculator_add" if args.demos == "calculator" else "reasoning_max_digit"
+    digits = {"min_digits": args.min_digits or args.digits, "max_digits": args.digits}
+    return build_task(TaskConfig(name=name, seed=args.seed, **digits), tokenizer)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="HF checkpoint directory to write")
     parser.add_argument("--steps", type=int, default=300)
@@ -124,13 +153,12 @@ def main(argv=None) -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument(
         "--demos",
-        choices=("verbose_reasoner", "calculator"),
+        choices=("verbose_reasoner", "calculator", "lookup"),
         default="verbose_reasoner",
-        help="what to demonstrate: verbose reasoning (reasoning_max_digit) or calculator tool use (calculator_add)",
+        help="what to demonstrate: verbose reasoning (reasoning_max_digit), calculator tool use (calculator_add) "
+        "or lookup tool use (fact_lookup, on the warm start's own world of facts)",
     )
-    parser.add_argument(
-        "--tool-fraction", type=float, default=0.3, help="calculator demos: the fraction that call the tool"
-    )
+    parser.add_argument("--tool-fraction", type=float, default=0.3, help="tool demos: the fraction that call the tool")
     parser.add_argument("--max-waits", type=int, default=3)
     parser.add_argument(
         "--long-tail",
@@ -146,7 +174,11 @@ def main(argv=None) -> None:
     parser.add_argument("--model", default="tiny", help="model preset (conf/model/<name>.yaml), e.g. small_moe")
     parser.add_argument(KEEP_FLAG, action="store_true", help="keep --out if its warm_start.json says it is current")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for the model, e.g. model.hidden_size=128")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     import torch
 
     from gspo_megatron.core.provenance import WARM_START_FILE, provenance, warm_start_record, weights_sha256
@@ -171,8 +203,6 @@ def main(argv=None) -> None:
     from gspo_megatron.policy.optimizer import build_optimizer
     from gspo_megatron.policy.parallel.layout import ParallelLayout
     from gspo_megatron.policy.parallel.mesh import initialize_parallel
-    from gspo_megatron.rollout.data.config import TaskConfig
-    from gspo_megatron.rollout.data.tasks import build_task
     from gspo_megatron.rollout.data.tokenizer import build_tokenizer
 
     register_configs()
@@ -182,15 +212,7 @@ def main(argv=None) -> None:
     mesh = initialize_parallel(layout, seed=args.seed)
     try:
         tokenizer = build_tokenizer("symbol", model_vocab_size=cfg.model.vocab_size)
-        task = build_task(
-            TaskConfig(
-                name="calculator_add" if args.demos == "calculator" else "reasoning_max_digit",
-                seed=args.seed,
-                min_digits=args.min_digits or args.digits,
-                max_digits=args.digits,
-            ),
-            tokenizer,
-        )
+        task = demo_task(args, tokenizer)
         model = build_model(
             cfg.model, layout, token_dispatcher=cfg.model.token_dispatcher, expert_mlp=cfg.model.expert_mlp
         )

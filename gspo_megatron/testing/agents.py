@@ -24,6 +24,15 @@ async def calls_the_calculator_twice(ctx: AgentContext) -> None:
     await ctx.conversation.generate(ctx.turn_params())
 
 
+async def looks_up_the_entity(ctx: AgentContext) -> None:
+    """The ``fact_lookup`` task's trajectory whatever a random model writes: turn, a lookup of the record's entity
+    (inserted, as if the model had called it) and the entity's document, turn: two turns, one inserted answer."""
+    await ctx.conversation.generate(ctx.turn_params())
+    call = ToolCall("lookup", {"query": ctx.record.metadata["entity"]})
+    ctx.conversation.insert(ctx.template.tool_answers([(call.name, await ctx.call_tool(call))]))
+    await ctx.conversation.generate(ctx.turn_params())
+
+
 async def fails_at_once_on_every_third(ctx: AgentContext) -> None:
     """``calls_the_calculator_twice``, but every third trajectory (by its seed) fails before its first turn, as
     a user's client does when its connection drops: an empty answer that no engine call fed."""

@@ -129,3 +129,22 @@ def test_per_turn_rewards_and_a_users_tool_in_a_training_run(tmp_path):
         assert step["agent/turns_mean"] == 3 and step["agent/turn_rewards_frac"] == 1.0
         assert all(0 <= step[f"agent/turn_reward/turn_{t}"] <= 1 for t in range(3))
         assert step["reward/errors"] == 0 and step["mismatch/abs_log_prob_diff_mean"] < 1e-5
+
+
+@pytest.mark.parametrize("agent", ["tool_calling", "import:gspo_megatron.testing.agents:looks_up_the_entity"])
+def test_the_fact_lookup_task_trains_with_the_lookup_tool_over_its_corpus(tmp_path, agent):
+    # +experiment=agent_lookup as docs/agents.md runs it, from a random model: the built-in loop (the model calls
+    # when it writes a call), and a test agent that looks the entity up in every trajectory
+    overrides = ["+experiment=agent_lookup", f"rollout.agent.name={agent}", "trainer.old_log_probs=trainer", *SHORT]
+    result = run_training(overrides, tmp_path / "run")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    metrics = read_metrics(tmp_path / "run")
+    assert len(metrics) == 2
+    for step in metrics:
+        assert step["routing/rollout_vs_train_changed_frac"] == 0.0
+        assert step["mismatch/abs_log_prob_diff_mean"] < 1e-5 and step["agent/errors"] == 0
+        if agent != "tool_calling":  # every trajectory: a turn, the entity's document, a turn
+            assert step["agent/turns_mean"] == 2 and step["agent/tool_calls_mean"] == 1
+            document = len(" abcd code 1234\n")  # a name, a code: every document's length in symbols
+            assert step["agent/tool_used_frac"] == 1.0 and step["agent/inserted_tokens_mean"] == document
+            assert sum(step[f"agent/tool_errors/{kind}"] for kind in ("bad_arguments", "unknown_tool", "raised")) == 0

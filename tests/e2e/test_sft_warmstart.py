@@ -41,6 +41,30 @@ def test_verbose_response_adds_only_correct_rechecks():
     assert waits == {0, 1, 2, 3}
 
 
+def test_lookup_demos_ask_about_another_world_and_train_only_what_the_model_writes():
+    from gspo_megatron.rollout.data.fact_lookup import world
+    from gspo_megatron.rollout.data.tokenizer import SymbolTokenizer
+
+    tokenizer = SymbolTokenizer()
+    args = sft_warmstart.build_parser().parse_args(["--out", "x", "--demos", "lookup", "--tool-fraction", "0.5"])
+    records = sft_warmstart.demo_task(args, tokenizer).next_batch(200)
+    runs_entities = {fact.name for fact in world()}
+    assert not {record.metadata["entity"] for record in records} & runs_entities  # no fact of the run shown
+    rows = sft_warmstart.demo_rows(records, tokenizer, random.Random(0), args)
+    calls = 0
+    for record, (_, response, weights) in zip(records, rows, strict=True):
+        text = tokenizer.decode(response)
+        trained = tokenizer.decode([t for t, w in zip(response, weights, strict=True) if w == 1.0])
+        if text.startswith("<lookup"):  # the call and the copied code trained, the document inserted
+            calls += 1
+            name, code = record.metadata["entity"], record.answer
+            assert text == f"<lookup {name}> {name} code {code}\n{code}<eos>"
+            assert trained == f"<lookup {name}>{code}<eos>"
+        else:  # a guessed code, trained
+            assert text == trained and len(text) == len("1234<eos>")
+    assert 60 < calls < 140  # about half, as asked
+
+
 def _sft_worker(ctx, out: str):
     sft_warmstart.main(["--out", out, "--steps", "200"])  # 3-digit problems, 0-3 re-checks
 

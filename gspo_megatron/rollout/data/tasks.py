@@ -28,10 +28,12 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from gspo_megatron.core.registry import Registry
+from gspo_megatron.rollout.agents.tools.corpus import LOOKUP_SPEC
 from gspo_megatron.rollout.data.config import DatasetConfig, TaskConfig
 from gspo_megatron.rollout.data.datasets import PromptDataset
+from gspo_megatron.rollout.data.fact_lookup import Fact, world
 from gspo_megatron.rollout.data.records import PromptRecord
-from gspo_megatron.rollout.data.tokenizer import Tokenizer
+from gspo_megatron.rollout.data.tokenizer import HFTokenizer, SymbolTokenizer, Tokenizer
 
 MAX_PROMPT_TOKENS_SYNTHETIC = 12
 
@@ -96,11 +98,9 @@ def build_task(config: TaskConfig, tokenizer: Tokenizer, prompt_budget: int | No
     return TASKS.get(config.name)(config, tokenizer, prompt_budget)
 
 
-class SyntheticDigitTask(Task):
-    """Digit-string problems drawn deterministically from (seed, index)."""
-
-    default_reward = "exact_match"
-    max_digits_allowed = MAX_PROMPT_TOKENS_SYNTHETIC - 3  # "<word> " + digits + "="
+class SeededTask(Task):
+    """A synthetic task: record i of a stream is a pure function of (task name, seed, i); the training stream is
+    ``task.seed``'s, the held-out one ``task.eval_seed``'s, and resuming needs only the position."""
 
     def __init__(self, config: TaskConfig, tokenizer: Tokenizer, prompt_budget: int | None = None):
         super().__init__(config, tokenizer, prompt_budget)
@@ -109,13 +109,47 @@ class SyntheticDigitTask(Task):
                 f"task.eval_dataset={config.eval_dataset!r} is read by the dataset tasks (jsonl, parquet); task "
                 f"{self.name!r} draws its held-out prompts from task.eval_seed: remove task.eval_dataset"
             )
+        self._stop_strings = [tokenizer.decode([i]) for i in tokenizer.stop_token_ids]
+        self._index = 0
+
+    @abc.abstractmethod
+    def record(self, seed: int, index: int) -> PromptRecord:
+        """Record ``index`` of the stream ``seed`` (drawn from ``random.Random(f"{name}/{seed}/{index}")``)."""
+
+    def next_batch(self, batch_size: int) -> list[PromptRecord]:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        start, self._index = self._index, self._index + batch_size
+        return [self.record(self.config.seed, i) for i in range(start, start + batch_size)]
+
+    def eval_records(self, count: int) -> list[PromptRecord]:
+        return [self.record(self.config.eval_seed, i) for i in range(count)]
+
+    def state_dict(self) -> dict:
+        return {"task": self.name, "seed": self.config.seed, "index": self._index}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("task") != self.name or state.get("seed") != self.config.seed:
+            raise ValueError(
+                f"task state {state} belongs to another task or seed (this is {self.name!r}, "
+                f"seed {self.config.seed}); resume with the same task config"
+            )
+        self._index = int(state["index"])
+
+
+class SyntheticDigitTask(SeededTask):
+    """Digit-string problems drawn deterministically from (seed, index)."""
+
+    default_reward = "exact_match"
+    max_digits_allowed = MAX_PROMPT_TOKENS_SYNTHETIC - 3  # "<word> " + digits + "="
+
+    def __init__(self, config: TaskConfig, tokenizer: Tokenizer, prompt_budget: int | None = None):
+        super().__init__(config, tokenizer, prompt_budget)
         if config.max_digits > self.max_digits_allowed:
             raise ValueError(
                 f"task {self.name!r} allows at most {self.max_digits_allowed} digits (short prompts "
                 f"and answers for tiny models); got task.max_digits={config.max_digits}"
             )
-        self._stop_strings = [tokenizer.decode([i]) for i in tokenizer.stop_token_ids]
-        self._index = 0
 
     @abc.abstractmethod
     def problem(self, digits: str) -> tuple[str, str, str]:
@@ -134,32 +168,12 @@ class SyntheticDigitTask(Task):
         }
         return PromptRecord(prompt, answer, metadata, tuple(self.tokenizer.encode(prompt)))
 
-    def next_batch(self, batch_size: int) -> list[PromptRecord]:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        start, self._index = self._index, self._index + batch_size
-        return [self.record(self.config.seed, i) for i in range(start, start + batch_size)]
-
-    def eval_records(self, count: int) -> list[PromptRecord]:
-        return [self.record(self.config.eval_seed, i) for i in range(count)]
-
     def longest_prompt_tokens(self) -> int:
         """The prompt of ``task.max_digits`` digits, each digit repeated (``problem`` writes every digit):
         exact for the symbol tokenizer and tokenizers that split digits one by one (a token per digit);
         for a tokenizer that merges digits, the longest of these ten."""
         digits = self.config.max_digits
         return max(len(self.tokenizer.encode(self.problem(str(d) * digits)[0])) for d in range(10))
-
-    def state_dict(self) -> dict:
-        return {"task": self.name, "seed": self.config.seed, "index": self._index}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("task") != self.name or state.get("seed") != self.config.seed:
-            raise ValueError(
-                f"task state {state} belongs to another task or seed (this is {self.name!r}, "
-                f"seed {self.config.seed}); resume with the same task config"
-            )
-        self._index = int(state["index"])
 
 
 @register_task("max_digit")
@@ -230,6 +244,54 @@ class CalculatorAddTask(SyntheticDigitTask):
         total = str(int(first) + int(second))
         call = f"<calculator {first}+{second}>"
         return f"{first}+{second}=", total, f"{call} {total}\n{total}"
+
+
+@register_task("fact_lookup")
+class FactLookupTask(SeededTask):
+    """ "code zorv=" -> "4821": the code of a made-up entity, written only in the task's corpus
+    (``fact_lookup.py``), so the one way to the answer is a ``lookup`` call (``rollout.agent.tools=[lookup]``,
+    ``rollout.agent.corpus_dir`` the shipped corpus). Record i asks about an entity drawn from
+    ``random.Random(f"fact_lookup/{seed}/{i}")``; the reward scores the trajectory's last turn. The
+    ``reference_response`` is the tool-using trajectory in the symbol format, the document between its turns.
+    A model with its own tokenizer is asked in words, through its chat template with the tool's schema."""
+
+    default_reward = "exact_match"
+
+    def __init__(
+        self,
+        config: TaskConfig,
+        tokenizer: Tokenizer,
+        prompt_budget: int | None = None,
+        facts: tuple[Fact, ...] | None = None,
+    ):
+        """``facts``: the world asked about (None: the shipped corpus's; the warm start passes its own)."""
+        super().__init__(config, tokenizer, prompt_budget)
+        self.facts = world() if facts is None else facts
+
+    def prompt(self, fact: Fact) -> str:
+        if isinstance(self.tokenizer, SymbolTokenizer):
+            return f"code {fact.name}="
+        if not isinstance(self.tokenizer, HFTokenizer):
+            raise TypeError(f"task {self.name!r} has no prompt for a {type(self.tokenizer).__name__}")
+        question = (
+            f"What is the code of {fact.name}? Look it up with the lookup tool (query: {fact.name}), "
+            "then answer with the code's digits alone."
+        )
+        return self.tokenizer.render_prompt([{"role": "user", "content": question}], tools=[LOOKUP_SPEC.openai()])
+
+    def record(self, seed: int, index: int) -> PromptRecord:
+        fact = random.Random(f"{self.name}/{seed}/{index}").choice(self.facts)
+        prompt = self.prompt(fact)
+        metadata = {
+            "entity": fact.name,
+            "reference_response": f"<lookup {fact.name}> {fact.document}\n{fact.code}",
+            "stop_strings": list(self._stop_strings),
+            "answer_pattern": r"\d+",
+        }
+        return PromptRecord(prompt, fact.code, metadata, tuple(self.tokenizer.encode(prompt)))
+
+    def longest_prompt_tokens(self) -> int:
+        return max(len(self.tokenizer.encode(self.prompt(fact))) for fact in self.facts)
 
 
 class DatasetTask(Task):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 ChatMessages = Sequence[dict]
 PromptInput = str | ChatMessages
@@ -172,7 +172,8 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    def render_prompt(self, prompt: PromptInput) -> str:
+    def render_prompt(self, prompt: PromptInput, tools: Sequence[dict] = ()) -> str:
+        """``tools``: OpenAI-shaped tool schemas the template tells the model about (a task that asks for calls)."""
         if not getattr(self._tok, "chat_template", None):
             raise ValueError(
                 f"tokenizer in {str(self.path)!r} has no chat template; set "
@@ -180,7 +181,9 @@ class HFTokenizer:
             )
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         _check_messages(messages)
-        return str(self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        schemas: list[Any] | None = list(tools) or None  # None: the template's rendering without tools
+        rendered = self._tok.apply_chat_template(messages, tools=schemas, tokenize=False, add_generation_prompt=True)
+        return str(rendered)
 
 
 def build_tokenizer(kind: str, path: str | None = None, model_vocab_size: int | None = None) -> Tokenizer:

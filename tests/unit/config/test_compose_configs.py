@@ -49,6 +49,7 @@ def test_every_group_option_composes_and_validates(group, option):
 # cluster recipes: what their user adds (the tokenizer, the prompts, the engines' URLs) and their world size
 RECIPE_NEEDS = {
     "qwen3_30b_a3b_8xh100": (["rollout.sglang.model_path=/ckpt", "model.hf_checkpoint=null"], 8),
+    "qwen3_30b_a3b_agent_lookup_8xh100": (["rollout.sglang.model_path=/ckpt", "model.hf_checkpoint=null"], 8),
     "qwen3_5_35b_a3b_8xh100": (["rollout.sglang.model_path=/ckpt", "model.hf_checkpoint=null"], 8),
     "qwen3_235b_a22b_64xh100": (
         ["rollout.sglang.model_path=/ckpt", "model.hf_checkpoint=null", "rollout.sglang.urls=[http://e0:30000]"],

@@ -15,6 +15,8 @@ from gspo_megatron.config.compose import CONF_DIR, compose
 from gspo_megatron.config.recipes import toy_settings_notice
 from gspo_megatron.config.schema import to_train_config
 from gspo_megatron.config.validate import validate_config
+from gspo_megatron.core.tool_call_formats import FAMILY_TOOL_CALL_FORMAT
+from gspo_megatron.rollout.agents.toolkit import ToolKit
 from planning.hardware import gpu_spec
 from planning.job import compose_job, plan_job
 
@@ -49,10 +51,29 @@ def test_slimes_30b_job_fits_one_node_of_8_h100s_colocated():
     assert cfg.optimizer.cpu_offload and cfg.optimizer.precision_aware and cfg.trainer.reference_offload
 
 
+def test_the_qwen3_lookup_agent_recipe_is_the_30b_job_with_the_tool_calling_agent(monkeypatch):
+    """docs/agents.md's Qwen3-MoE agent command: no checkpoint here, so the trainer's start-up validation and the
+    agent's tools (the task's corpus, read from the repository root) stand for the run."""
+    recipe = ["+experiment=qwen3_30b_a3b_agent_lookup_8xh100", "rollout.sglang.model_path=/ckpt"]
+    cfg = to_train_config(compose([*recipe, "model.hf_checkpoint=null"]))
+    validate_config(cfg, 8)
+    base = to_train_config(compose(["+experiment=qwen3_30b_a3b_8xh100", "rollout.sglang.model_path=/ckpt"]))
+    assert (cfg.parallel, cfg.optimizer, cfg.rollout.sglang) == (base.parallel, base.optimizer, base.rollout.sglang)
+    assert cfg.trainer.micro_batch_size == base.trainer.micro_batch_size  # not the toy task's
+    assert cfg.task.name == "fact_lookup" and cfg.task.reward == "last_number" and cfg.tokenizer.kind == "hf"
+    agent = cfg.rollout.agent
+    assert agent.name == "tool_calling" and agent.tools == ["lookup"] and agent.tool_format == "auto"
+    assert FAMILY_TOOL_CALL_FORMAT[cfg.model.family] == "hermes_json"  # what "auto" resolves to for Qwen3
+    monkeypatch.chdir(ROOT)
+    assert [spec.name for spec in ToolKit(agent).specs()] == ["lookup"]  # the shipped corpus, read
+    assert toy_settings_notice(cfg) is None
+
+
 # --- every cluster recipe: planned on its GPUs, named in the README (issue 64) --------------------------------
 
 RECIPE_GPUS = {  # recipe -> (training GPUs, what its user adds beyond the checkpoint)
     "qwen3_30b_a3b_8xh100": (8, []),
+    "qwen3_30b_a3b_agent_lookup_8xh100": (8, []),
     "qwen3_5_35b_a3b_8xh100": (8, []),
     "qwen3_235b_a22b_64xh100": (64, ["rollout.sglang.urls=[http://e0:30000,http://e1:30000]"]),
 }
@@ -117,6 +138,11 @@ def test_no_warning_for_the_main_job_the_recipes_or_a_real_model_with_real_setti
     for overrides in (
         [],
         ["+experiment=qwen3_30b_a3b_8xh100", "rollout.sglang.model_path=/ckpt", "model.hf_checkpoint=null"],
+        [
+            "+experiment=qwen3_30b_a3b_agent_lookup_8xh100",
+            "rollout.sglang.model_path=/ckpt",
+            "model.hf_checkpoint=null",
+        ],
         real,
     ):
         assert toy_settings_notice(to_train_config(compose(overrides))) is None, overrides

@@ -21,7 +21,7 @@ def _write(path, rewards, tools):
 
 
 def _store(study, *runs):
-    save_runs(list(runs), study, "agent_calculator", ("trainer.seed",))
+    save_runs(list(runs), study, "agent_study", ("trainer.seed",))
 
 
 def test_the_summary_reads_the_first_and_last_fifth_and_judges_the_criterion(tmp_path):

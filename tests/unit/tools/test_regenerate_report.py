@@ -89,9 +89,10 @@ def test_the_stored_shaping_study_regenerates_bit_for_bit(capsys):
     assert "report.json regenerate bit for bit from 21 stored runs" in capsys.readouterr().out
 
 
-def test_the_stored_agent_study_regenerates_bit_for_bit(capsys):
-    """reports/agent_calculator: summary.json from its 3 stored runs and its stored warm-start evaluation."""
-    assert regenerate_report.main([str(REPORTS / "agent_calculator"), "--check"]) == 0
+@pytest.mark.parametrize("study", ["agent_calculator", "agent_lookup"])
+def test_the_stored_agent_studies_regenerate_bit_for_bit(study, capsys):
+    """reports/agent_*: summary.json from the 3 stored runs and the stored warm-start evaluation."""
+    assert regenerate_report.main([str(REPORTS / study), "--check"]) == 0
     assert "summary.json regenerate bit for bit from 3 stored runs" in capsys.readouterr().out
 
 

@@ -27,6 +27,20 @@ from typing import Any
 from gspo_megatron.rollout.agents.tools.base import ToolResult, ToolSpec
 
 NO_MATCH = "no match"
+# what the model is told (a task that asks for lookups renders it into its prompts: tasks.py, fact_lookup)
+LOOKUP_SPEC = ToolSpec(
+    name="lookup",
+    description=(
+        "Look up a reference document: returns the text of the document that shares the most words "
+        "with the query, or 'no match'."
+    ),
+    parameters={
+        "type": "object",
+        "properties": {"query": {"type": "string", "description": "the words to look for"}},
+        "required": ["query"],
+        "additionalProperties": False,
+    },
+)
 _WORD = re.compile(r"\w+")
 
 
@@ -79,19 +93,7 @@ class CorpusLookup:
         self.documents = [_Document(name, texts[name], words(texts[name])) for name in sorted(texts)]
         self.max_chars = max_chars
         self.timeout_s = timeout_s
-        self.spec = ToolSpec(
-            name="lookup",
-            description=(
-                "Look up a reference document: returns the text of the document that shares the most words "
-                "with the query, or 'no match'."
-            ),
-            parameters={
-                "type": "object",
-                "properties": {"query": {"type": "string", "description": "the words to look for"}},
-                "required": ["query"],
-                "additionalProperties": False,
-            },
-        )
+        self.spec = LOOKUP_SPEC
 
     def best(self, query: str) -> _Document | None:
         """The document sharing the most words with ``query`` (ties: the smallest name); None if none shares one."""
