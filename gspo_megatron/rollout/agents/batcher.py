@@ -10,6 +10,11 @@ meanwhile, and the turns that arrive during it form the next batch.
 
 Batches are a matter of speed only: each turn draws from its own seed and continues its own session
 (``rollout/engine.py``), so which trajectories share a batch changes no token.
+
+Over-sampling (``GroupCut``): once enough groups have every trajectory ended, the trajectories still running
+are cancelled where they wait (for a turn or a tool) -- a turn the engine is computing for one of them then is
+discarded, so no turn is split across two weight versions -- and carried to the next step (``carried.py``).
+Which trajectories those are depends on when their tools answered, not only on their tokens.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
@@ -24,6 +30,22 @@ from gspo_megatron.rollout.agents.daemon_thread import in_daemon_thread
 from gspo_megatron.rollout.engine import RolloutEngine, TurnRequest, TurnResult
 
 T = TypeVar("T")
+
+
+class GroupCut:
+    """When a round has enough: ``needed`` groups (trajectories sharing ``group_of[index]``) all ended."""
+
+    def __init__(self, group_of: list[int], needed: int):
+        self.group_of, self.needed = group_of, needed
+        self.running = Counter(group_of)  # trajectories not ended, per group
+        self.complete = 0
+
+    def ended(self, index: int) -> bool:
+        """Trajectory ``index`` ended; whether the round has its groups now."""
+        group = self.group_of[index]
+        self.running[group] -= 1
+        self.complete += self.running[group] == 0
+        return self.complete >= self.needed
 
 
 class TurnBatcher:
@@ -34,6 +56,8 @@ class TurnBatcher:
         self._in_tools = 0  # of them, those waiting for a tool
         self._changed: asyncio.Event | None = None
         self.batches: list[int] = []  # the size of each engine call (metrics)
+        self._tasks: list[asyncio.Task] = []
+        self._cut: GroupCut | None = None
 
     async def generate(self, request: TurnRequest) -> TurnResult:
         """One turn, from whichever engine call it joins."""
@@ -53,14 +77,19 @@ class TurnBatcher:
             self._in_tools -= 1
             self._poke()
 
-    async def run(self, trajectories: list[Callable[[], Coroutine[Any, Any, T]]]) -> list[T | BaseException]:
+    async def run(
+        self, trajectories: list[Callable[[], Coroutine[Any, Any, T]]], cut: GroupCut | None = None
+    ) -> list[T | BaseException]:
         """Run every trajectory to its end, batching their turns; each one's result or the exception that
-        ended it, in order (one trajectory's failure does not stop the others)."""
-        self._changed = asyncio.Event()
-        tasks = [asyncio.create_task(self._tracked(run)) for run in trajectories]
-        self._live = len(tasks)
+        ended it, in order (one trajectory's failure does not stop the others). With ``cut``, the trajectories
+        still running once it has its groups end with ``asyncio.CancelledError`` (module docstring)."""
+        self._changed, self._cut = asyncio.Event(), cut
+        self._tasks = [asyncio.create_task(self._tracked(run, index)) for index, run in enumerate(trajectories)]
+        self._live = len(self._tasks)
         while self._live:
             await self._until_engine_is_needed()
+            # a cancelled trajectory's turn is cancelled with it: no engine call for it
+            self._pending = [(request, future) for request, future in self._pending if not future.done()]
             if self._pending:
                 batch, self._pending = self._pending, []
                 self.batches.append(len(batch))
@@ -69,18 +98,32 @@ class TurnBatcher:
                     results = await in_daemon_thread(call, "turn-batcher-engine")
                 except BaseException as error:  # noqa: BLE001 - each waiting trajectory gets it
                     for _, future in batch:
-                        future.set_exception(error)
+                        if not future.done():  # cancelled meanwhile (a cut)
+                            future.set_exception(error)
                 else:
                     for (_, future), result in zip(batch, results, strict=True):
-                        future.set_result(result)
-        return list(await asyncio.gather(*tasks, return_exceptions=True))
+                        if not future.done():
+                            future.set_result(result)
+        return list(await asyncio.gather(*self._tasks, return_exceptions=True))
 
-    async def _tracked(self, run: Callable[[], Awaitable[T]]) -> T:
+    async def _tracked(self, run: Callable[[], Awaitable[T]], index: int) -> T:
+        cancelled = False
         try:
             return await run()
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
         finally:
             self._live -= 1
+            if not cancelled and self._cut is not None and self._cut.ended(index):
+                self._cancel_running(index)
             self._poke()
+
+    def _cancel_running(self, ending: int) -> None:
+        """The cut: every trajectory still running but ``ending`` (in its last lines) is cancelled."""
+        for index, task in enumerate(self._tasks):
+            if index != ending and not task.done():
+                task.cancel()
 
     async def _until_engine_is_needed(self) -> None:
         """Until every live trajectory waits (for a turn or a tool) with a turn among them, or a turn has
