@@ -11,10 +11,14 @@ meanwhile, and the turns that arrive during it form the next batch.
 Batches are a matter of speed only: each turn draws from its own seed and continues its own session
 (``rollout/engine.py``), so which trajectories share a batch changes no token.
 
-Over-sampling (``GroupCut``): once enough groups have every trajectory ended, the trajectories still running
-are cancelled where they wait (for a turn or a tool) -- a turn the engine is computing for one of them then is
-discarded, so no turn is split across two weight versions -- and carried to the next step (``carried.py``).
-Which trajectories those are depends on when their tools answered, not only on their tokens.
+Over-sampling (``GroupCut``): once enough groups have every trajectory ended, no turn is started any more:
+each trajectory still running ends at its next turn, which raises ``asyncio.CancelledError`` in its agent
+(a turn waiting for the engine's next call too; one the engine is computing keeps its tokens), and is
+carried to the next step (``carried.py``). The cut falls between turns, never inside one, so no turn is split
+across two weight versions; a trajectory in a tool then ends at its next turn, or finishes. Not
+``Task.cancel``: Python 3.11's ``wait_for`` drops a cancellation that meets its result (a tool's answer), and
+the agent would run on. Which trajectories are cut depends on when their tools answered, not only on their
+tokens.
 """
 
 from __future__ import annotations
@@ -56,11 +60,13 @@ class TurnBatcher:
         self._in_tools = 0  # of them, those waiting for a tool
         self._changed: asyncio.Event | None = None
         self.batches: list[int] = []  # the size of each engine call (metrics)
-        self._tasks: list[asyncio.Task] = []
         self._cut: GroupCut | None = None
+        self._cut_reached = False
 
     async def generate(self, request: TurnRequest) -> TurnResult:
-        """One turn, from whichever engine call it joins."""
+        """One turn, from whichever engine call it joins; ``asyncio.CancelledError`` once the round is cut."""
+        if self._cut_reached:
+            raise asyncio.CancelledError("the step has its groups: this trajectory goes on in the next step")
         future: asyncio.Future[TurnResult] = asyncio.get_running_loop().create_future()
         self._pending.append((request, future))
         self._poke()
@@ -83,13 +89,11 @@ class TurnBatcher:
         """Run every trajectory to its end, batching their turns; each one's result or the exception that
         ended it, in order (one trajectory's failure does not stop the others). With ``cut``, the trajectories
         still running once it has its groups end with ``asyncio.CancelledError`` (module docstring)."""
-        self._changed, self._cut = asyncio.Event(), cut
-        self._tasks = [asyncio.create_task(self._tracked(run, index)) for index, run in enumerate(trajectories)]
-        self._live = len(self._tasks)
+        self._changed, self._cut, self._cut_reached = asyncio.Event(), cut, False
+        tasks = [asyncio.create_task(self._tracked(run, index)) for index, run in enumerate(trajectories)]
+        self._live = len(tasks)
         while self._live:
             await self._until_engine_is_needed()
-            # a cancelled trajectory's turn is cancelled with it: no engine call for it
-            self._pending = [(request, future) for request, future in self._pending if not future.done()]
             if self._pending:
                 batch, self._pending = self._pending, []
                 self.batches.append(len(batch))
@@ -98,32 +102,32 @@ class TurnBatcher:
                     results = await in_daemon_thread(call, "turn-batcher-engine")
                 except BaseException as error:  # noqa: BLE001 - each waiting trajectory gets it
                     for _, future in batch:
-                        if not future.done():  # cancelled meanwhile (a cut)
-                            future.set_exception(error)
+                        future.set_exception(error)
                 else:
                     for (_, future), result in zip(batch, results, strict=True):
-                        if not future.done():
-                            future.set_result(result)
-        return list(await asyncio.gather(*self._tasks, return_exceptions=True))
+                        future.set_result(result)
+        return list(await asyncio.gather(*tasks, return_exceptions=True))
 
     async def _tracked(self, run: Callable[[], Awaitable[T]], index: int) -> T:
-        cancelled = False
+        cut = False
         try:
             return await run()
         except asyncio.CancelledError:
-            cancelled = True
+            cut = True
             raise
         finally:
             self._live -= 1
-            if not cancelled and self._cut is not None and self._cut.ended(index):
-                self._cancel_running(index)
+            if not cut and self._cut is not None and self._cut.ended(index) and not self._cut_reached:
+                self._stop_starting_turns()
             self._poke()
 
-    def _cancel_running(self, ending: int) -> None:
-        """The cut: every trajectory still running but ``ending`` (in its last lines) is cancelled."""
-        for index, task in enumerate(self._tasks):
-            if index != ending and not task.done():
-                task.cancel()
+    def _stop_starting_turns(self) -> None:
+        """The cut: no turn starts from now on; the turns waiting for the engine's next call end their
+        trajectories (``generate`` raises for the later ones)."""
+        self._cut_reached = True
+        for _, future in self._pending:
+            future.set_exception(asyncio.CancelledError("the step has its groups"))
+        self._pending = []
 
     async def _until_engine_is_needed(self) -> None:
         """Until every live trajectory waits (for a turn or a tool) with a turn among them, or a turn has

@@ -139,6 +139,7 @@ class Conversation:
         carried, index = self._replay, len(self.spans)
         tokens, rows = carried.turn(index)
         if self.output_ids != carried.output_ids[: tokens.start]:
+            self._adopt(carried)  # the trajectory as recorded: every turn of it sampled after its own tokens
             raise ReplayDivergedError(
                 f"the agent, run again on a carried trajectory, asked for its turn {index} after other tokens than "
                 "the turn was sampled after (an agent or tool that does not answer the same way twice): the "
@@ -165,6 +166,14 @@ class Conversation:
             rows,
             self.session,
         )
+
+    def _adopt(self, carried: CarriedTrajectory) -> None:
+        """Every recorded turn of ``carried``, as recorded (nothing more is asked of the engine after it)."""
+        self.output_ids, self.log_probs = list(carried.output_ids), list(carried.log_probs)
+        self.inserted, self.versions = list(carried.inserted), list(carried.versions)
+        self.spans, self.turn_finishes = list(carried.spans), list(carried.turn_finishes)
+        self.routing, self.routing_versions = list(carried.routing), list(carried.routing_versions)
+        self.session, self.finish = carried.session, carried.turn_finishes[-1]
 
     def carried(self) -> CarriedTrajectory:
         """Everything so far, to continue in a later step (a conversation still answering a carried
