@@ -47,14 +47,21 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from gspo_megatron.contracts.samples import TOKEN_VERSIONS, FinishReason, RowRequest, Sample, SamplingParams
+from gspo_megatron.contracts.samples import (
+    TOKEN_VERSIONS,
+    FinishReason,
+    RowRequest,
+    Sample,
+    SamplingParams,
+    TurnSpan,
+)
 from gspo_megatron.rollout.agents.carried import (
     CARRIED_TRAJECTORY,
     CarriedTrajectory,
     carried_from_state,
     carried_state,
 )
-from gspo_megatron.rollout.agents.trajectories import TrajectoryStart, trajectory_seed
+from gspo_megatron.rollout.agents.trajectories import AGENT_STATS, TrajectoryStart, trajectory_seed
 from gspo_megatron.rollout.config import PARTIAL_CONTINUE, PartialRollout
 from gspo_megatron.rollout.data.records import PromptRecord
 from gspo_megatron.rollout.engine import RolloutEngine
@@ -82,7 +89,9 @@ class DrawnGroups:
 
 
 def finished(sample: Sample | None) -> bool:
-    return sample is not None and sample.finish_reason != FinishReason.ABORT
+    """A sample that needs no more generation: one the engine did not stop, or an agent's ended trajectory
+    (its counts in ``extra``: one that failed before its first turn is ``ABORT`` too, and trains as it is)."""
+    return sample is not None and (sample.finish_reason != FinishReason.ABORT or AGENT_STATS in sample.extra)
 
 
 def token_versions(sample: Sample) -> list[int]:
@@ -361,6 +370,10 @@ def _sample_state(sample: Sample, save_carried: Callable[[CarriedTrajectory], di
         "routed_experts": sample.routed_experts,
         "weight_version": sample.weight_version,
         "token_versions": token_versions(sample),
+        # a trajectory's: which tokens were inserted, its turns, its counts
+        "inserted_mask": sample.inserted_mask,
+        "turns": [[t.start, t.end, t.weight_version] for t in sample.turns] if sample.turns is not None else None,
+        "agent": sample.extra.get(AGENT_STATS),
     }
 
 
@@ -385,7 +398,12 @@ def _group_from_state(state: dict, load_carried: Callable[[dict], CarriedTraject
                 extra={
                     TOKEN_VERSIONS: list(sample["token_versions"]),
                     **({CARRIED_TRAJECTORY: load_carried(sample["carried"])} if sample.get("carried") else {}),
+                    **({AGENT_STATS: sample["agent"]} if sample.get("agent") is not None else {}),
                 },
+                inserted_mask=sample.get("inserted_mask"),
+                turns=[TurnSpan(*map(int, span)) for span in sample["turns"]]
+                if sample.get("turns") is not None
+                else None,
             )
             for sample in state["samples"]
         ],

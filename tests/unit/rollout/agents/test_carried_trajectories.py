@@ -17,7 +17,7 @@ from gspo_megatron.contracts.samples import TOKEN_VERSIONS, SamplingParams
 from gspo_megatron.core.tool_call_formats import ToolCall
 from gspo_megatron.rollout.agents.agent import AgentContext
 from gspo_megatron.rollout.agents.carried import CARRIED_TRAJECTORY, CarriedTrajectory
-from gspo_megatron.rollout.agents.partial import PartialRollouts
+from gspo_megatron.rollout.agents.partial import Group, PartialRollouts, _unfinished_sample, finished
 from gspo_megatron.rollout.agents.tools.calculator import Calculator
 from gspo_megatron.rollout.agents.tools.runner import ToolRunner
 from gspo_megatron.rollout.agents.trajectories import AGENT_STATS, TrajectoryRunner, TrajectoryStart, trajectory_seed
@@ -178,3 +178,28 @@ def test_carried_trajectories_go_into_the_next_step_and_through_a_checkpoint_exa
         rows = torch.cat(carried.routing)
         assert torch.equal(sample.routed_experts[: rows.shape[0]], rows)
         assert sample.extra[TOKEN_VERSIONS][: carried.generated_end] == [1] * carried.generated_end
+
+
+def test_a_carried_group_keeps_its_ended_trajectories_provenance_through_a_checkpoint():
+    """A carried group may hold ended trajectories beside cut ones: their inserted tokens, turns and counts
+    go through the checkpoint (else a resumed run would train inserted tokens); one that failed before its
+    first turn is ended (ABORT, no tokens), not a trajectory to start again."""
+    eng = engine(model(1))
+    long = record("add 3 4:", 3)
+    _, (cut, _) = cut_after(eng, long)
+    (ended, _) = runner(eng, turns_of_the_record()).generate([long], PARAMS)[0]
+
+    async def fails_at_once(ctx: AgentContext) -> None:
+        raise ConnectionResetError("the client's connection dropped")
+
+    (failed, _) = runner(eng, fails_at_once).generate([long], PARAMS)[0]
+    assert failed.finish_reason.value == "abort" and finished(failed) and finished(ended)
+    partial = PartialRollouts(2.0, PartialRollout("continue"), 2, eng, BUDGET)
+    partial.carried = [Group(long, [ended, failed]), Group(long, [_unfinished_sample(TrajectoryStart(long, 0), cut)])]
+    loaded = _saved_and_loaded(partial, eng)
+    (again, again_failed), (again_cut,) = (group.samples for group in loaded.carried)
+    assert int(ended.inserted_mask.sum()) > 0 and torch.equal(again.inserted_mask, ended.inserted_mask)
+    assert again.turns == ended.turns and again.extra[AGENT_STATS] == ended.extra[AGENT_STATS]
+    assert finished(again) and finished(again_failed) and not finished(again_cut)
+    assert again_failed.extra[AGENT_STATS]["error"] == failed.extra[AGENT_STATS]["error"]
+    assert again_cut.extra[CARRIED_TRAJECTORY].output_ids == cut.output_ids
