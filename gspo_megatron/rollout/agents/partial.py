@@ -186,12 +186,16 @@ class PartialRollouts:
             if already < needed
             else []
         )
-        generated = []
+        generated, added = [], 0
         for (group_index, sample_index), start, outcome in zip(places, starts, outcomes, strict=True):
             sample = _unfinished_sample(start, outcome) if not isinstance(outcome, Sample) else outcome
             _place(groups[group_index], sample_index, sample)
             generated.append(sample)
-        return self._settle(groups, needed, carried, dropped, generated, version)
+            added += len(sample.output_ids) - (start.carried.generated_end if start.carried is not None else 0)
+        drawn = self._settle(groups, needed, carried, dropped, generated, version)
+        # the tokens this step added (a continued trajectory's recorded ones are not generated again)
+        drawn.metrics["rollout/partial/generated_tokens"] = float(added)
+        return drawn
 
     def _start(
         self, needed: int, next_records: Callable[[int], list[PromptRecord]], params: SamplingParams, version: int

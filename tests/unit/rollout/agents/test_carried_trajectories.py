@@ -167,6 +167,10 @@ def test_carried_trajectories_go_into_the_next_step_and_through_a_checkpoint_exa
         results.append(
             parts.draw_trajectories(1, step_two, runner(on, turns_of_the_record()).generate_until, PARAMS, 2)
         )
+    added = sum(len(s.output_ids) - c.generated_end for s, c in zip(results[0].groups[0].samples, kept, strict=True))
+    (fresh,) = partial.carried  # the longer group, cut: carried out
+    added += sum(len(s.output_ids) for s in fresh.samples)
+    assert results[0].metrics["rollout/partial/generated_tokens"] == added  # the recorded turns are not counted
     for drawn_two in results:
         assert drawn_two.metrics["rollout/partial/groups_carried_in"] == 1.0
         assert [group.record.prompt for group in drawn_two.groups] == ["add 3 4:"]
