@@ -3,6 +3,7 @@ once over one engine (``batcher.py``), each ending as one ``Sample`` (``conversa
 
     runner = TrajectoryRunner(engine, agent, template, tools_for, config, decode)
     grouped = runner.generate(records, params)          # list[list[Sample]]: params.n per record
+    outcomes = runner.generate_until(starts, groups, params, needed)   # over-sampling: cut once enough groups end
 
 Design decisions:
 - Seeds: trajectory j of a call draws from ``params.seed + j * stride``, each turn from that plus its index
