@@ -145,7 +145,13 @@ def build_producer(settings: RolloutSettings) -> RolloutProducer:
         pad_token_id=tokenizer.pad_token_id,
         prompts_per_step=settings.prompts_per_step,
         train_on_exit_tokens=rollout.truncated and rollout.truncation.train_on_exit_tokens,
-        partial=PartialRollouts(rollout.over_sample, rollout.partial, rollout.max_staleness)
+        partial=PartialRollouts(
+            rollout.over_sample,
+            rollout.partial,
+            rollout.max_staleness,
+            engine,  # with an agent: a carried trajectory's session in a checkpoint (its KV cache)
+            rollout.response_budget(),
+        )
         if rollout.over_sample > 1
         else None,
         agent=agent,

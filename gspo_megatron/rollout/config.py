@@ -351,7 +351,6 @@ class RolloutSection(ConfigNode):
         if self.over_sample == 1.0:
             return
         refused = {
-            f"rollout.agent.name={self.agent.name}": self.agent.enabled,
             "rollout.async_rollout=true": self.async_rollout,
             "rollout.truncated=true": self.truncated,
         }
@@ -360,4 +359,34 @@ class RolloutSection(ConfigNode):
                 raise ValueError(
                     f"rollout.over_sample={self.over_sample} with {setting}: over-sampling is built for "
                     f"synchronous rollouts without truncation; set rollout.over_sample=1 or drop {setting}"
+                )
+        if self.agent.enabled:
+            self._check_carried_trajectories()
+
+    def _check_carried_trajectories(self) -> None:
+        """Over-sampling with an agent carries a trajectory's engine session across a weight update
+        (``rollout/agents/carried.py``); exact only where the session keeps the KV its routing rows came from."""
+        refused = {
+            # the client drives the trajectory from its own thread: no cut between turns, no run again
+            f"rollout.agent.name={self.agent.name}": (
+                self.agent.name == "openai_endpoint",
+                "an endpoint client's trajectory cannot be cut between turns and run again; use an agent function",
+            ),
+            # a server's prefix cache may evict a carried trajectory's KV before its next turn (and a resumed
+            # run's server has none): computed again under newer weights, that turn would be refused
+            f"rollout.engine={self.engine}": (
+                self.engine != RolloutEngineName.embedded,
+                "carried trajectories continue on the embedded engine's kept KV cache; set rollout.engine=embedded",
+            ),
+            "rollout.embedded.use_cache=false": (
+                self.engine == RolloutEngineName.embedded and not self.embedded.use_cache,
+                "without a KV cache a carried trajectory's earlier positions are computed again under the new "
+                "weights, which its routing rows were not; set rollout.embedded.use_cache=true",
+            ),
+        }
+        for setting, (on, why) in refused.items():
+            if on:
+                raise ValueError(
+                    f"rollout.over_sample={self.over_sample} with an agent, {setting}: "
+                    f"{why} (or set rollout.over_sample=1)"
                 )

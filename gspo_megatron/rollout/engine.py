@@ -110,6 +110,15 @@ class RolloutEngine(abc.ABC):
             )
         return results
 
+    def session_state(self, session: EngineSession) -> dict:
+        """A trajectory's session as plain data (tensors, numbers) for a checkpoint. This default keeps
+        ``fed`` only: it keeps no per-trajectory state (its next turn feeds the whole context again)."""
+        return {"fed": session.fed}
+
+    def session_from_state(self, state: dict) -> EngineSession:
+        """``session_state``'s inverse."""
+        return EngineSession(int(state["fed"]))
+
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load HF-named tensors (streamed; any subset of the model) and set the weight version."""

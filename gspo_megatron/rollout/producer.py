@@ -159,7 +159,11 @@ class RolloutProducer:
             _prompt_ids(records)  # every prompt tokenized (a clear error otherwise)
             return records
 
-        drawn = self.partial.draw(prompts, next_records, self.engine.generate_rows, params, self.engine.weight_version)
+        version = self.engine.weight_version
+        if self.agent is not None:  # trajectories, cut between turns and carried whole (agents/carried.py)
+            drawn = self.partial.draw_trajectories(prompts, next_records, self.agent.generate_until, params, version)
+        else:
+            drawn = self.partial.draw(prompts, next_records, self.engine.generate_rows, params, version)
         records = [group.record for group in drawn.groups]
         return self._scored(records, [group.samples for group in drawn.groups], params), drawn.metrics
 

@@ -75,3 +75,16 @@ def odd_turns(response: str, record: PromptRecord) -> RewardResult:
         True,
         turn_rewards=tuple(float(len(text) % 2) for text in turns) if record.trajectory is not None else None,
     )
+
+
+async def calls_the_calculator_by_the_prompt(ctx: AgentContext) -> None:
+    """``calls_the_calculator_twice`` with 1 + (the prompt's digit sum mod 3) turns, whatever a random model
+    writes: a step's groups end after different numbers of turns, so over-sampling cuts the longer ones
+    between turns and carries them (``rollout/agents/carried.py``)."""
+    expression = ctx.record.prompt.rstrip("=")
+    turns = 1 + sum(int(c) for c in expression if c.isdigit()) % 3
+    for _ in range(turns - 1):
+        await ctx.conversation.generate(ctx.turn_params())
+        call = ToolCall("calculator", {"expression": expression})
+        ctx.conversation.insert(ctx.template.tool_answers([(call.name, await ctx.call_tool(call))]))
+    await ctx.conversation.generate(ctx.turn_params())

@@ -10,6 +10,15 @@ meanwhile, and the turns that arrive during it form the next batch.
 
 Batches are a matter of speed only: each turn draws from its own seed and continues its own session
 (``rollout/engine.py``), so which trajectories share a batch changes no token.
+
+Over-sampling (``GroupCut``): once enough groups have every trajectory ended, no turn is started any more:
+each trajectory still running ends at its next turn, which raises ``asyncio.CancelledError`` in its agent
+(a turn waiting for the engine's next call too; one the engine is computing keeps its tokens), and is
+carried to the next step (``carried.py``). The cut falls between turns, never inside one, so no turn is split
+across two weight versions; a trajectory in a tool then ends at its next turn, or finishes. Not
+``Task.cancel``: Python 3.11's ``wait_for`` drops a cancellation that meets its result (a tool's answer), and
+the agent would run on. Which trajectories are cut depends on when their tools answered, not only on their
+tokens.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
@@ -24,6 +34,22 @@ from gspo_megatron.rollout.agents.daemon_thread import in_daemon_thread
 from gspo_megatron.rollout.engine import RolloutEngine, TurnRequest, TurnResult
 
 T = TypeVar("T")
+
+
+class GroupCut:
+    """When a round has enough: ``needed`` groups (trajectories sharing ``group_of[index]``) all ended."""
+
+    def __init__(self, group_of: list[int], needed: int):
+        self.group_of, self.needed = group_of, needed
+        self.running = Counter(group_of)  # trajectories not ended, per group
+        self.complete = 0
+
+    def ended(self, index: int) -> bool:
+        """Trajectory ``index`` ended; whether the round has its groups now."""
+        group = self.group_of[index]
+        self.running[group] -= 1
+        self.complete += self.running[group] == 0
+        return self.complete >= self.needed
 
 
 class TurnBatcher:
@@ -34,9 +60,13 @@ class TurnBatcher:
         self._in_tools = 0  # of them, those waiting for a tool
         self._changed: asyncio.Event | None = None
         self.batches: list[int] = []  # the size of each engine call (metrics)
+        self._cut: GroupCut | None = None
+        self._cut_reached = False
 
     async def generate(self, request: TurnRequest) -> TurnResult:
-        """One turn, from whichever engine call it joins."""
+        """One turn, from whichever engine call it joins; ``asyncio.CancelledError`` once the round is cut."""
+        if self._cut_reached:
+            raise asyncio.CancelledError("the step has its groups: this trajectory goes on in the next step")
         future: asyncio.Future[TurnResult] = asyncio.get_running_loop().create_future()
         self._pending.append((request, future))
         self._poke()
@@ -53,11 +83,14 @@ class TurnBatcher:
             self._in_tools -= 1
             self._poke()
 
-    async def run(self, trajectories: list[Callable[[], Coroutine[Any, Any, T]]]) -> list[T | BaseException]:
+    async def run(
+        self, trajectories: list[Callable[[], Coroutine[Any, Any, T]]], cut: GroupCut | None = None
+    ) -> list[T | BaseException]:
         """Run every trajectory to its end, batching their turns; each one's result or the exception that
-        ended it, in order (one trajectory's failure does not stop the others)."""
-        self._changed = asyncio.Event()
-        tasks = [asyncio.create_task(self._tracked(run)) for run in trajectories]
+        ended it, in order (one trajectory's failure does not stop the others). With ``cut``, the trajectories
+        still running once it has its groups end with ``asyncio.CancelledError`` (module docstring)."""
+        self._changed, self._cut, self._cut_reached = asyncio.Event(), cut, False
+        tasks = [asyncio.create_task(self._tracked(run, index)) for index, run in enumerate(trajectories)]
         self._live = len(tasks)
         while self._live:
             await self._until_engine_is_needed()
@@ -75,12 +108,26 @@ class TurnBatcher:
                         future.set_result(result)
         return list(await asyncio.gather(*tasks, return_exceptions=True))
 
-    async def _tracked(self, run: Callable[[], Awaitable[T]]) -> T:
+    async def _tracked(self, run: Callable[[], Awaitable[T]], index: int) -> T:
+        cut = False
         try:
             return await run()
+        except asyncio.CancelledError:
+            cut = True
+            raise
         finally:
             self._live -= 1
+            if not cut and self._cut is not None and self._cut.ended(index) and not self._cut_reached:
+                self._stop_starting_turns()
             self._poke()
+
+    def _stop_starting_turns(self) -> None:
+        """The cut: no turn starts from now on; the turns waiting for the engine's next call end their
+        trajectories (``generate`` raises for the later ones)."""
+        self._cut_reached = True
+        for _, future in self._pending:
+            future.set_exception(asyncio.CancelledError("the step has its groups"))
+        self._pending = []
 
     async def _until_engine_is_needed(self) -> None:
         """Until every live trajectory waits (for a turn or a tool) with a turn among them, or a turn has

@@ -27,6 +27,9 @@ Design decisions:
   positions are counted (``rerouted_positions``: ``agent/rerouted_positions``).
 - A trajectory ends after its last generated token: inserted tokens after it (a tool's answer when the turn
   limit stopped the trajectory) would train nothing and have no routing row, so ``sample`` leaves them out.
+- A trajectory cut at a step's end (``rollout.over_sample`` with an agent) is ``carried()`` and continued by a
+  conversation built with ``carried=``: its recorded turns answered from the record, the first new one on the
+  engine session it left (``carried.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from collections.abc import Awaitable, Callable
 import torch
 
 from gspo_megatron.contracts.samples import TOKEN_VERSIONS, FinishReason, Sample, SamplingParams, TurnSpan
+from gspo_megatron.rollout.agents.carried import CarriedTrajectory, ReplayDivergedError
 from gspo_megatron.rollout.engine import EngineSession, TurnRequest, TurnResult
 
 _TURN_SEED_STRIDE = 7_919  # a turn's seed: the trajectory's plus the turn's index times this
@@ -61,10 +65,14 @@ class Conversation:
         turns: Callable[[TurnRequest], Awaitable[TurnResult]],
         seed: int,
         max_turns: int | None = None,
+        carried: CarriedTrajectory | None = None,
     ):
         """``turns``: submits one turn to the engine (``batcher.TurnBatcher.generate``); ``seed``: the
         trajectory's, from which each turn's own is drawn (so its tokens do not depend on batching);
-        ``max_turns``: the most turns any agent gets (``rollout.agent.max_turns``; None: no limit)."""
+        ``max_turns``: the most turns any agent gets (``rollout.agent.max_turns``; None: no limit);
+        ``carried``: the turns an earlier step recorded, answered from the record (module docstring)."""
+        if carried is not None and (list(prompt_ids) != carried.prompt_ids or seed != carried.seed):
+            raise ValueError("a carried trajectory continues with its own prompt and seed")
         if not prompt_ids:
             raise ValueError("a conversation needs a prompt of at least one token")
         self.prompt_ids = list(prompt_ids)
@@ -79,6 +87,8 @@ class Conversation:
         self.rerouted_positions = 0  # held positions an engine computed again, same weights, other experts
         self.session: EngineSession | None = None
         self.finish = FinishReason.STOP
+        self.turn_finishes: list[FinishReason] = []
+        self._replay = carried
 
     def restart(self, prompt_ids: list[int]) -> None:
         """A different prompt, before the first turn (an endpoint's client renders its own first messages)."""
@@ -101,6 +111,8 @@ class Conversation:
         """The model's next turn after everything so far; its tokens are appended as generated."""
         if self.max_turns is not None and len(self.spans) >= self.max_turns:
             raise TurnLimitError(f"the trajectory has had its {self.max_turns} turns (rollout.agent.max_turns)")
+        if self.replaying:
+            return self._recorded_turn()
         seed = (self.seed + _TURN_SEED_STRIDE * len(self.spans)) % (2**31 - 1)
         request = TurnRequest(self.ids, dataclasses.replace(params, n=1, seed=seed), self.session)
         result = await self._turns(request)
@@ -112,7 +124,75 @@ class Conversation:
         self.versions += [result.weight_version] * len(result.output_ids)
         self.spans.append(TurnSpan(start, len(self.output_ids), result.weight_version))
         self.session, self.finish = result.session, result.finish_reason
+        self.turn_finishes.append(result.finish_reason)
         return result
+
+    @property
+    def replaying(self) -> bool:
+        """Whether the next turn is one a carried trajectory recorded."""
+        return self._replay is not None and len(self.spans) < len(self._replay.spans)
+
+    def _recorded_turn(self) -> TurnResult:
+        """The carried trajectory's next recorded turn, as the engine returned it then -- only after exactly
+        the tokens it was sampled after (``ReplayDivergedError`` otherwise: ``carried.py``)."""
+        assert self._replay is not None
+        carried, index = self._replay, len(self.spans)
+        tokens, rows = carried.turn(index)
+        if self.output_ids != carried.output_ids[: tokens.start]:
+            self._adopt(carried)  # the trajectory as recorded: every turn of it sampled after its own tokens
+            raise ReplayDivergedError(
+                f"the agent, run again on a carried trajectory, asked for its turn {index} after other tokens than "
+                "the turn was sampled after (an agent or tool that does not answer the same way twice): the "
+                "trajectory ends at its recorded turns"
+            )
+        output = carried.output_ids[tokens]
+        self.output_ids += output
+        self.log_probs += carried.log_probs[tokens]
+        self.inserted += carried.inserted[tokens]
+        self.versions += carried.versions[tokens]
+        self.spans.append(carried.spans[index])
+        if rows is not None:
+            self.routing.append(rows)
+            self.routing_versions.append(carried.routing_versions[index])
+        last = index == len(carried.spans) - 1  # the engine's session continues after the last recorded turn
+        self.session = carried.session if last else EngineSession(len(self.ids) - 1)
+        self.finish = carried.turn_finishes[index]
+        self.turn_finishes.append(self.finish)
+        return TurnResult(
+            output,
+            torch.tensor(carried.log_probs[tokens], dtype=torch.float32),
+            self.finish,
+            carried.spans[index].weight_version,
+            rows,
+            self.session,
+        )
+
+    def _adopt(self, carried: CarriedTrajectory) -> None:
+        """Every recorded turn of ``carried``, as recorded (nothing more is asked of the engine after it)."""
+        self.output_ids, self.log_probs = list(carried.output_ids), list(carried.log_probs)
+        self.inserted, self.versions = list(carried.inserted), list(carried.versions)
+        self.spans, self.turn_finishes = list(carried.spans), list(carried.turn_finishes)
+        self.routing, self.routing_versions = list(carried.routing), list(carried.routing_versions)
+        self.session, self.finish = carried.session, carried.turn_finishes[-1]
+
+    def carried(self) -> CarriedTrajectory:
+        """Everything so far, to continue in a later step (a conversation still answering a carried
+        trajectory's recorded turns carries that trajectory whole: nothing of it is lost)."""
+        if self._replay is not None and self.replaying:
+            return self._replay
+        return CarriedTrajectory(
+            prompt_ids=list(self.prompt_ids),
+            seed=self.seed,
+            output_ids=list(self.output_ids),
+            log_probs=list(self.log_probs),
+            inserted=list(self.inserted),
+            versions=list(self.versions),
+            spans=list(self.spans),
+            turn_finishes=list(self.turn_finishes),
+            routing=list(self.routing),
+            routing_versions=list(self.routing_versions),
+            session=self.session if self.session is not None else EngineSession(0),
+        )
 
     def insert(self, ids: list[int]) -> None:
         """Tokens the model did not sample (a tool's answer, the template around it)."""

@@ -3,6 +3,7 @@ once over one engine (``batcher.py``), each ending as one ``Sample`` (``conversa
 
     runner = TrajectoryRunner(engine, agent, template, tools_for, config, decode)
     grouped = runner.generate(records, params)          # list[list[Sample]]: params.n per record
+    outcomes = runner.generate_until(starts, groups, params, needed)   # over-sampling: cut once enough groups end
 
 Design decisions:
 - Seeds: trajectory j of a call draws from ``params.seed + j * stride``, each turn from that plus its index
@@ -19,12 +20,14 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from gspo_megatron.contracts.samples import FinishReason, Sample, SamplingParams
 from gspo_megatron.rollout.agents.agent import Agent, AgentContext
-from gspo_megatron.rollout.agents.batcher import TurnBatcher
+from gspo_megatron.rollout.agents.batcher import GroupCut, TurnBatcher
+from gspo_megatron.rollout.agents.carried import CarriedTrajectory
 from gspo_megatron.rollout.agents.conversation import Conversation
 from gspo_megatron.rollout.agents.templates import TurnTemplate
 from gspo_megatron.rollout.agents.tools.base import TOOL_ERRORS
@@ -38,6 +41,21 @@ from gspo_megatron.rollout.rewards.types import RewardResult
 _TRAJECTORY_SEED_STRIDE = 1_000_033
 AGENT_STATS = "agent"  # Sample.extra: a trajectory's counts (tool calls, errors by kind, malformed calls)
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrajectoryStart:
+    """One trajectory to run: its record, its seed, and what an earlier step carried of it (None: fresh)."""
+
+    record: PromptRecord
+    seed: int
+    carried: CarriedTrajectory | None = None
+
+
+def trajectory_seed(params: SamplingParams, index: int) -> int:
+    """Trajectory ``index`` of a call: ``params.seed + index * stride`` (module docstring)."""
+    seed = params.seed if params.seed is not None else 0
+    return (seed + _TRAJECTORY_SEED_STRIDE * index) % (2**31 - 1)
 
 
 class TrajectoryRunner:
@@ -60,34 +78,58 @@ class TrajectoryRunner:
     def generate(self, records: list[PromptRecord], params: SamplingParams) -> list[list[Sample]]:
         """``params.n`` trajectories per record, in record order."""
         batcher = TurnBatcher(self.engine, self.config.max_wait_s)
-        seed = params.seed if params.seed is not None else 0
-        contexts = []
-        for index, record in enumerate(r for r in records for _ in range(params.n)):
-            if record.prompt_ids is None:
-                raise ValueError(f"the task returned a prompt without token ids: {record.prompt!r}")
-            conversation = Conversation(
-                list(record.prompt_ids),
-                batcher.generate,
-                (seed + _TRAJECTORY_SEED_STRIDE * index) % (2**31 - 1),
-                self.config.max_turns,
-            )
-            contexts.append(
-                AgentContext(
-                    conversation,
-                    record,
-                    self.tools_for(record),
-                    self.template,
-                    dataclasses.replace(params, n=1),
-                    self.config,
-                    self.decode,
-                    batcher,
-                )
-            )
+        starts = [
+            TrajectoryStart(record, trajectory_seed(params, index))
+            for index, record in enumerate(r for r in records for _ in range(params.n))
+        ]
+        contexts = [self._context(start, batcher, params) for start in starts]
         outcomes = asyncio.run(batcher.run([self._bounded(context) for context in contexts]))
         self.batch_sizes = batcher.batches
         samples = [self._sample(context, outcome) for context, outcome in zip(contexts, outcomes, strict=True)]
         _log_failures(outcomes, self.config.trajectory_timeout_s)
         return [samples[i * params.n : (i + 1) * params.n] for i in range(len(records))]
+
+    def generate_until(
+        self, starts: list[TrajectoryStart], groups: list[int], params: SamplingParams, groups_needed: int
+    ) -> list[Sample | CarriedTrajectory | None]:
+        """Over-sampling (``agents/partial.py``): each start's trajectory (a carried one continued) until
+        ``groups_needed`` groups (``groups[i]``: start i's) have every trajectory ended; then those still
+        running are cut (``batcher.GroupCut``). Per start: its ``Sample`` when it ended, else what it carries
+        to the next step (None: cut before its first turn, nothing to carry)."""
+        batcher = TurnBatcher(self.engine, self.config.max_wait_s)
+        contexts = [self._context(start, batcher, params) for start in starts]
+        cut = GroupCut(groups, groups_needed)
+        outcomes = asyncio.run(batcher.run([self._bounded(context) for context in contexts], cut))
+        self.batch_sizes = batcher.batches
+        results: list[Sample | CarriedTrajectory | None] = []
+        for context, outcome in zip(contexts, outcomes, strict=True):
+            if isinstance(outcome, asyncio.CancelledError):
+                carried = context.conversation.carried()
+                results.append(carried if carried.spans else None)
+            else:
+                results.append(self._sample(context, outcome))
+        _log_failures(
+            [o for o in outcomes if not isinstance(o, asyncio.CancelledError)], self.config.trajectory_timeout_s
+        )
+        return results
+
+    def _context(self, start: TrajectoryStart, batcher: TurnBatcher, params: SamplingParams) -> AgentContext:
+        record = start.record
+        if record.prompt_ids is None:
+            raise ValueError(f"the task returned a prompt without token ids: {record.prompt!r}")
+        conversation = Conversation(
+            list(record.prompt_ids), batcher.generate, start.seed, self.config.max_turns, start.carried
+        )
+        return AgentContext(
+            conversation,
+            record,
+            self.tools_for(record),
+            self.template,
+            dataclasses.replace(params, n=1),
+            self.config,
+            self.decode,
+            batcher,
+        )
 
     def close(self) -> None:
         for close in self.closing:

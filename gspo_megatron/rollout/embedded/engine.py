@@ -328,6 +328,23 @@ class EmbeddedEngine(RolloutEngine):
             for sample, kept_cache, first, new in zip(samples, kept, fed, new_ids, strict=True)
         ]
 
+    def session_state(self, session: EngineSession) -> dict:
+        """The session's kept KV cache as CPU tensors (a carried trajectory in a checkpoint continues on the
+        very KV its positions' routing rows were computed with)."""
+        kept = session.state if isinstance(session.state, _KeptCache) else None
+        layers = [[keys.cpu(), values.cpu()] for keys, values in kept.layers] if kept is not None else None
+        return {"fed": session.fed, "kv": layers}
+
+    def session_from_state(self, state: dict) -> EngineSession:
+        layers = state.get("kv")
+        if layers is None:
+            return EngineSession(int(state["fed"]))
+        device = self.config.device
+        kept = _KeptCache(tuple((keys.to(device), values.to(device)) for keys, values in layers))
+        if kept.length != int(state["fed"]):
+            raise ValueError(f"a saved session of {state['fed']} fed positions holds KV of {kept.length}")
+        return EngineSession(int(state["fed"]), kept)
+
     def _resume_sessions(
         self, sessions: list[EngineSession | None], mask: torch.Tensor, positions: torch.Tensor
     ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:

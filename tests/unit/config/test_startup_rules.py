@@ -145,6 +145,19 @@ SECTION_RULES = [
     ),
     ("rollout.over_sample=2 rollout.async_rollout=true", r"rollout.over_sample=2.0 with rollout.async_rollout=true"),
     ("rollout.over_sample=2 rollout.truncated=true", r"rollout.over_sample=2.0 with rollout.truncated=true"),
+    # with an agent: refused where a carried trajectory's session would not keep its KV (rollout/agents/carried.py)
+    (
+        "rollout.over_sample=2 rollout.agent.name=openai_endpoint rollout.agent.client=import:a.b:c",
+        r"rollout.over_sample=2.0 with an agent, rollout.agent.name=openai_endpoint: .*use an agent function",
+    ),
+    (
+        "rollout=sglang rollout.sglang.model_path=/ckpt rollout.over_sample=2 rollout.agent.name=tool_calling",
+        r"rollout.over_sample=2.0 with an agent, rollout.engine=sglang: .*set rollout.engine=embedded",
+    ),
+    (
+        "rollout.over_sample=2 rollout.agent.name=tool_calling rollout.embedded.use_cache=false",
+        r"rollout.over_sample=2.0 with an agent, rollout.embedded.use_cache=false: .*set rollout.embedded.use_cache",
+    ),
     # D13
     ("trainer.eval_samples=0", r"trainer.eval_samples must be >= 1"),
     ("rollout.eval_temperature=-1", r"rollout.eval_temperature=-1.0 must be >= 0 \(0: greedy evaluation\)"),
@@ -186,6 +199,16 @@ def test_validate_config_refuses_a_section_value_set_after_construction():
     typed.rollout.top_p = 1.5
     with pytest.raises(ConfigError, match=r"rollout.top_p=1.5 must be in"):
         validate_config(typed, 1)
+
+
+def test_over_sampling_with_partial_rollouts_is_accepted_with_an_agent():
+    """Issue 61: an agent's trajectories are carried between steps (rollout/agents/carried.py); Dynamic Truncated
+    Rollout with an agent stays refused."""
+    agent = ["task=calculator_add", "rollout.agent.name=tool_calling", "rollout.over_sample=2"]
+    validate_config(_typed([*agent, "rollout.partial=continue"]), 1)
+    validate_config(_typed([*agent, "rollout.partial=drop"]), 1)
+    with pytest.raises(ValueError, match=r"rollout.over_sample=2.0 with rollout.truncated=true"):
+        to_train_config(compose([*agent, "rollout.truncated=true"]))
 
 
 def test_zero_means_off_where_documented():
