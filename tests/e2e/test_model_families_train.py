@@ -2,13 +2,16 @@
 embedded engine serves transformers' class of the family, weights synced from the trainer each step.
 With R3 (``routing.replay=rollout``) the trainer replays the engine's routed experts, so the
 engine-vs-trainer routing differs in no token; and the engine's log-probs equal the trainer's (the
-mismatch metrics are float noise)."""
+mismatch metrics are float noise). The hybrids train 20 steps with R3 at four decoded tokens (the engine's
+rows leave its gated DeltaNet states as they finish), and a run stopped halfway resumes exactly; under R2 every
+routing diagnostic runs on their MoE layers."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from gspo_megatron.testing.train_runs import SHORT, read_metrics, run_training
+from gspo_megatron.testing.train_runs import SHORT, checkpoint_tensors, read_metrics, run_training, without_time
 
 pytestmark = [pytest.mark.e2e]
 
@@ -65,3 +68,34 @@ def test_olmoe_all_heads_norms_train_on_tp2_and_resume_on_one_rank(tmp_path):
     for a, b in zip(full[2:], resumed[2:], strict=True):
         for key in ("loss/policy", "grad_norm", "policy/entropy_old", "reward/mean"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
+
+
+# ``python -m gspo_megatron.train model=<hybrid> trainer.steps=20`` with R3, cut to the short batches: four decoded
+# tokens, so rows finish at different steps and leave the engine's batch and its linear-attention states
+HYBRID_20_STEPS = ["task=max_digit", "rollout.max_new_tokens=4", *SHORT, "trainer.steps=20", "routing.replay=rollout"]
+
+
+def test_qwen3_5_moe_trains_20_steps_with_r3_and_resumes_exactly(tmp_path):
+    """Every step: zero engine-vs-trainer routing difference, the engine's log-probs the trainer's. Stopped after
+    step 10 and resumed (the command line both times), the run's metrics equal the uninterrupted run's step by
+    step and its step-20 checkpoint (weights and Adam's state) the uninterrupted one's bit for bit. Qwen3-Next,
+    the same layers in another family, runs the 2 steps above (20 more with a resume would double this test)."""
+    overrides = ["model=qwen3_5_moe_tiny", *HYBRID_20_STEPS]
+    full = run_training(overrides, tmp_path / "full")
+    assert full.returncode == 0, full.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "full")
+    assert [m["step"] for m in metrics] == list(range(1, 21))
+    for step in metrics:
+        assert step["routing/rollout_vs_train_changed_frac"] == 0.0, step
+        assert step["mismatch/abs_log_prob_diff_mean"] < 1e-5, step
+    assert max(m["response/length_mean"] for m in metrics) > 1  # more than one token decoded
+
+    stopped = run_training([*overrides, "trainer.stop_after_steps=10"], tmp_path / "resumed")
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    resumed = run_training([*overrides, "checkpoint.resume=true"], tmp_path / "resumed")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert without_time(read_metrics(tmp_path / "resumed")) == without_time(metrics)
+    last = "checkpoints/step_000020"
+    expected = checkpoint_tensors(tmp_path / "full" / last, tmp_path / "full")
+    got = checkpoint_tensors(tmp_path / "resumed" / last, tmp_path / "resumed")
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
