@@ -99,3 +99,50 @@ def test_qwen3_5_moe_trains_20_steps_with_r3_and_resumes_exactly(tmp_path):
     expected = checkpoint_tensors(tmp_path / "full" / last, tmp_path / "full")
     got = checkpoint_tensors(tmp_path / "resumed" / last, tmp_path / "resumed")
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+# one step of two updates whose first moves the weights (each response its own reward), every diagnostic on
+ROUTING_DIAGNOSTICS_RUN = [
+    "model=qwen3_next_tiny",
+    "task=max_digit",
+    "rollout.max_new_tokens=4",
+    *SHORT,
+    "trainer.steps=1",
+    "trainer.updates_per_rollout=2",
+    "optimizer.warmup_steps=0",
+    "task.reward=import:gspo_megatron.testing.reward_doubles:varied_by_response",
+    "routing.kinds=[update,rollout_vs_train,minibatch,ratio_decomposition]",
+]
+
+
+def _routing_records(run_dir) -> dict[str, dict]:
+    import json
+
+    lines = (run_dir / "routing.jsonl").read_text().splitlines()
+    return {record["kind"]: record for record in map(json.loads, lines)}
+
+
+def test_a_hybrid_replays_the_old_routing_and_runs_every_routing_diagnostic(tmp_path):
+    """Qwen3-Next tiny (gated DeltaNet and full attention layers, each with an MoE): under R2 the updates replay
+    the old pass's experts exactly -- the ratio decomposition finds every token's experts unchanged and no
+    routing part, while the first update moved the weights -- and each diagnostic reports every MoE layer;
+    routed freely, the same step's experts change and the decomposition measures a routing part."""
+    replayed = run_training([*ROUTING_DIAGNOSTICS_RUN, "algorithm=grpo_routing_replay"], tmp_path / "r2")
+    assert replayed.returncode == 0, replayed.stderr[-3000:]
+    (step,) = read_metrics(tmp_path / "r2")
+    assert step["ratio_decomp/token_unchanged_frac"] == 1.0
+    assert step["ratio_decomp/token_unchanged_abs_routing"] == 0.0  # bit-exact replay
+    assert step["ratio_decomp/token_unchanged_abs_weight"] > 0
+    records = _routing_records(tmp_path / "r2")
+    assert set(records) == {"update", "rollout_vs_train", "minibatch"}
+    for record in records.values():
+        assert len(record["changed_frac"]) == 3 and record["tokens"] > 0, record  # 3 layers, each an MoE
+    assert records["update"]["changed_frac_overall"] > 0  # an update moves the routers
+
+    free = run_training([*ROUTING_DIAGNOSTICS_RUN, "algorithm=grpo"], tmp_path / "free")
+    assert free.returncode == 0, free.stderr[-3000:]
+    (step,) = read_metrics(tmp_path / "free")
+    assert step["ratio_decomp/token_changed_frac"] > 0
+    assert step["ratio_decomp/token_changed_abs_routing"] > 0
+    shares = [step[f"ratio_decomp/token_var_share_{part}"] for part in ("routing", "weight", "cross")]
+    assert sum(shares) == pytest.approx(1.0)
