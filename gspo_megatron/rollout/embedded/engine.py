@@ -67,12 +67,15 @@ def keep_cache_rows(cache: DynamicCache, index: torch.Tensor) -> None:
     """Keep rows ``index`` of every layer's cache, in that order: an attention layer's keys and values
     (``batch_select_indices``); a linear-attention layer's conv and recurrent states through its
     ``reorder_cache`` -- transformers gives it no ``batch_select_indices``, and its reorder is the same
-    index_select along the batch (a layer with both kinds reorders both)."""
+    index_select along the batch (a layer with both kinds reorders both); a layer that holds nothing
+    (transformers' ``DummyLayer``) is left as it is."""
     for layer in cache.layers:
         if isinstance(layer, _LINEAR_ATTENTION_CACHE):
             layer.reorder_cache(index)
-        else:
+        elif isinstance(layer, DynamicLayer):
             layer.batch_select_indices(index)
+        elif getattr(layer, "keys", None) is not None:
+            raise TypeError(f"keep_cache_rows: a {type(layer).__name__} cache layer holds rows it cannot select")
 
 
 class _RouterCapture:
