@@ -146,3 +146,25 @@ def test_a_hybrid_replays_the_old_routing_and_runs_every_routing_diagnostic(tmp_
     assert step["ratio_decomp/token_changed_abs_routing"] > 0
     shares = [step[f"ratio_decomp/token_var_share_{part}"] for part in ("routing", "weight", "cross")]
     assert sum(shares) == pytest.approx(1.0)
+
+
+@pytest.mark.distributed
+def test_a_hybrid_trains_with_r3_under_context_parallelism_as_on_one_rank(tmp_path):
+    """Where megatron-core's gated DeltaNet has context parallelism (0.19): Qwen3.5-MoE tiny with R3 on cp2 (each
+    rank a load-balanced half of every row; the padding to 2 * cp routed to a valid top-k) trains its steps as
+    one rank does, with zero engine-vs-trainer routing difference."""
+    from gspo_megatron.policy.parallel.layout import gated_delta_net_has_context_parallel
+    from gspo_megatron.testing.distributed import run_distributed
+    from gspo_megatron.testing.train_runs import train_worker
+
+    if not gated_delta_net_has_context_parallel():
+        pytest.skip("megatron-core < 0.19: gated DeltaNet has no context parallelism (refused by name)")
+    base = ["model=qwen3_5_moe_tiny", "task=max_digit", "rollout.max_new_tokens=4", *SHORT, "routing.replay=rollout"]
+    base += ["optimizer.warmup_steps=0", "task.reward=import:gspo_megatron.testing.reward_doubles:varied_by_response"]
+    (one,) = run_distributed(train_worker, 1, base, str(tmp_path / "one"), timeout=600)
+    two = run_distributed(train_worker, 2, [*base, "parallel=cp2"], str(tmp_path / "cp2"), timeout=900)[0]
+    assert [m["step"] for m in two] == [1, 2] and one[0]["grad_norm"] > 0
+    for a, b in zip(one, two, strict=True):
+        assert b["routing/rollout_vs_train_changed_frac"] == 0.0, b
+        for key in ("loss/policy", "grad_norm", "policy/entropy_old", "reward/mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
