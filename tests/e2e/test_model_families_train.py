@@ -4,7 +4,8 @@ With R3 (``routing.replay=rollout``) the trainer replays the engine's routed exp
 engine-vs-trainer routing differs in no token; and the engine's log-probs equal the trainer's (the
 mismatch metrics are float noise). The hybrids train 20 steps with R3 at four decoded tokens (the engine's
 rows leave its gated DeltaNet states as they finish), and a run stopped halfway resumes exactly; under R2 every
-routing diagnostic runs on their MoE layers."""
+routing diagnostic runs on their MoE layers; where megatron-core has context parallelism for them (0.19), a cp2 run
+trains as one rank does."""
 
 from __future__ import annotations
 
