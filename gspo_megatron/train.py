@@ -169,9 +169,12 @@ def exit_without_teardown(code: object) -> NoReturn:
     if code is not None and not isinstance(code, int):
         print(code, file=sys.stderr)
         code = 1
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # threading's own exit, as multiprocessing's children run it (process.py ``_bootstrap``): the hooks
+    # registered with threading._register_atexit first -- concurrent.futures' wakes an executor's idle
+    # workers, which a bare join of every non-daemon thread waits on forever while the executor lives
+    # (a qwen3_5_moe_tiny run's summary printed, its main thread in Thread.join of "ThreadPoolExecutor-1_0")
+    # -- then the non-daemon threads joined
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()

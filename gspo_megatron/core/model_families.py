@@ -529,8 +529,22 @@ FAMILIES: dict[str, ModelFamily] = {
 ALIASES = {"kimi_k2": "deepseek_v3"}  # Kimi-K2: DeepSeek-V3's architecture (its config names DeepseekV3ForCausalLM)
 
 
+# model_types looked at and not built, with why (checked against transformers 5.24's modeling code)
+NOT_BUILT = {
+    "gpt_oss": (
+        "GPT-OSS is not built: its attention adds a learned per-head sink logit to each softmax "
+        "(modeling_gpt_oss.py: eager_attention_forward's `sinks`) and alternates 128-token sliding-window layers "
+        "with full ones, and its experts carry biases, interleave gate and up, and clamp their SwiGLU "
+        "((up + 1) * gate * sigmoid(1.702 * gate), gate <= 7, |up| <= 7; GptOssExperts._apply_gate) behind a "
+        "router with a bias; none of these is in the portable layers (policy/models/) yet"
+    ),
+}
+
+
 def family(model_type: str) -> ModelFamily:
-    """The registered family of ``model_type``; ``KeyError`` lists the registered ones."""
+    """The registered family of ``model_type``; ``KeyError`` lists the registered ones (and says why one looked at
+    is not built)."""
     if model_type not in FAMILIES:
-        raise KeyError(f"{model_type!r} is not a registered model family; registered: {sorted(FAMILIES)}")
+        why = f" ({NOT_BUILT[model_type]})" if model_type in NOT_BUILT else ""
+        raise KeyError(f"{model_type!r} is not a registered model family{why}; registered: {sorted(FAMILIES)}")
     return FAMILIES[model_type]

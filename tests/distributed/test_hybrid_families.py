@@ -8,7 +8,9 @@ one rank (CPU: the torch gated delta rule through ``policy/cpu_bridges.py`` brid
 - under TP=2 (sequence parallel), EP=2, TP=2 x EP=2 and PP=2 (uneven stages: 1 + 2 layers) on gloo ranks: the round trip
   is bit-exact on every rank, and the log-probs and every gradient (gathered to HF names) of a weighted
   log-likelihood through megatron's schedule equal one rank's;
-- a context-parallel layout is refused by name.
+- under CP=2 (megatron-core 0.19: its gated DeltaNet all-to-alls each rank's load-balanced half of the sequence
+  into half the heads and back) the same; on 0.16, which has no context parallelism for it, cp is refused by
+  name at start-up, as are linear-attention heads that tp * cp does not divide.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gspo_megatron.policy.parallel.layout import LayoutError, ParallelLayout, gated_delta_net_has_context_parallel
 from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.model_fixtures import (
     EQUIVALENCE_LAYOUTS,
@@ -131,10 +134,17 @@ HYBRID_LAYOUTS = {
     "tp2_ep2": EQUIVALENCE_LAYOUTS["tp2_ep2"],
     # 3 layers: a gated DeltaNet layer on the first stage; the other and the full-attention layer on the second
     "pp2": dict(pp=2, first_stage_layers=1, world_size=2),
+    # megatron-core 0.19: each rank's load-balanced half of the sequence becomes half the linear-attention heads
+    "cp2": EQUIVALENCE_LAYOUTS["cp2"],
 }
+needs_context_parallel = pytest.mark.skipif(
+    not gated_delta_net_has_context_parallel(), reason="megatron-core < 0.19: gated DeltaNet has no context parallelism"
+)
 
 
-@pytest.mark.parametrize("layout", list(HYBRID_LAYOUTS))
+@pytest.mark.parametrize(
+    "layout", [pytest.param(name, marks=[needs_context_parallel] if "cp" in name else []) for name in HYBRID_LAYOUTS]
+)
 def test_hybrid_layouts_equal_one_rank(one_rank, layout):
     cfg, state, single = one_rank
     kwargs = HYBRID_LAYOUTS[layout]
@@ -154,8 +164,15 @@ def test_hybrid_layouts_equal_one_rank(one_rank, layout):
     torch.testing.assert_close(merged, single["log_probs"][0], rtol=1e-5, atol=1e-5)
 
 
-def test_context_parallelism_is_refused_by_name():
-    from gspo_megatron.policy.parallel.layout import LayoutError, ParallelLayout
-
-    with pytest.raises(LayoutError, match=r"parallel\.cp = 2: gated DeltaNet .* set parallel\.cp=1"):
+@pytest.mark.skipif(gated_delta_net_has_context_parallel(), reason="megatron-core >= 0.19 runs it (the cp2 layout)")
+def test_context_parallelism_is_refused_by_name_where_megatron_has_none():
+    with pytest.raises(LayoutError, match=r"parallel\.cp = 2: gated DeltaNet .* set parallel\.cp=1, or install"):
         ParallelLayout(cp=2, world_size=2).validate(tiny_family_config("qwen3_next"))
+
+
+@needs_context_parallel
+def test_linear_attention_heads_that_tp_times_cp_does_not_divide_are_refused_by_name():
+    """megatron-core 0.19 asserts linear_num_key_heads % (tp * cp) == 0 inside TransformerConfig; refused first,
+    by key: the tiny models' 2 key heads split over tp2 x cp2 = 4 ranks."""
+    with pytest.raises(LayoutError, match=r"model\.linear_num_key_heads = 2 is not divisible by parallel\.tp\*cp = 4"):
+        ParallelLayout(tp=2, cp=2, world_size=4).validate(tiny_family_config("qwen3_next"))

@@ -78,3 +78,27 @@ def test_sitecustomize_marks_a_teardown_where_one_happens(tmp_path):
     )
     pid = run.stdout.strip()
     assert {f"atexit-{pid}", f"teardown-{pid}"} <= {p.name for p in markers.iterdir()}
+
+
+# An executor that lives to the exit with an idle worker thread (non-daemon, blocked on its work queue)
+LIVE_EXECUTOR = """
+import concurrent.futures
+from gspo_megatron.train import exit_without_teardown
+executor = concurrent.futures.ThreadPoolExecutor(max_workers=1)  # never shut down; a module global keeps it
+executor.submit(int).result()
+exit_without_teardown(7)
+"""
+
+
+def test_an_executor_left_open_does_not_hold_the_exit():
+    """Python's exit wakes a live executor's idle workers before it joins the non-daemon threads (the hooks
+    of threading._register_atexit); a bare join of every non-daemon thread waited on such a worker forever
+    (a qwen3_5_moe_tiny run hung after its summary). The bound is a hang's, not a timing."""
+    run = subprocess.Popen([sys.executable, "-c", LIVE_EXECUTOR], stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = run.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        run.kill()
+        run.communicate()
+        pytest.fail("exit_without_teardown still joining the executor's idle worker after 120 s")
+    assert run.returncode == 7, err[-3000:]

@@ -23,7 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from gspo_megatron.core.config_node import ConfigChoice, ConfigNode
-from gspo_megatron.core.model_families import ALIASES, DEFAULT_FAMILY, FAMILIES, DenseLayers, ModelFamily
+from gspo_megatron.core.model_families import (
+    ALIASES,
+    DEFAULT_FAMILY,
+    FAMILIES,
+    NOT_BUILT,
+    DenseLayers,
+    ModelFamily,
+)
 
 
 class ModelConfigError(ValueError):
@@ -147,7 +154,10 @@ class MoEModelConfig(ConfigNode):
 
     def validate(self) -> None:
         if self.family not in FAMILIES:
-            raise ModelConfigError(f"model.family={self.family!r} is not a model family; valid: {sorted(FAMILIES)}")
+            why = f" ({NOT_BUILT[self.family]})" if self.family in NOT_BUILT else ""
+            raise ModelConfigError(
+                f"model.family={self.family!r} is not a model family{why}; valid: {sorted(FAMILIES)}"
+            )
         self._validate_family()
         self._validate_attention()
         self._validate_linear_attention()
@@ -445,8 +455,9 @@ class MoEModelConfig(ConfigNode):
         model_type = ALIASES.get(model_type, model_type) if isinstance(model_type, str) else model_type
         if model_type not in FAMILIES:
             titles = ", ".join(f"{f.title} ({name})" for name, f in FAMILIES.items())
+            why = f" ({NOT_BUILT[model_type]})" if model_type in NOT_BUILT else ""
             raise ModelConfigError(
-                f"config.json has model_type={model_type!r}; the model families built here are {titles} "
+                f"config.json has model_type={model_type!r}{why}; the model families built here are {titles} "
                 "(docs/training.md, 'Model families')"
             )
         missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if k not in hf]

@@ -83,8 +83,11 @@ def pad_sequence_length(batch, multiple: int):
     (2*CP for the load-balanced CP split; times TP under sequence parallelism, whose reduce-scatter
     splits the sequence over TP ranks: ``contracts/token_budget.py:sequence_multiple``).
 
-    Padding goes at the end of every row with zero masks (token id 0, log-probs 0, experts 0):
-    under causal attention no real token attends to it, so real tokens' outputs are unchanged.
+    Padding goes at the end of every row with zero masks (token id 0, log-probs 0): under causal attention
+    no real token attends to it, so real tokens' outputs are unchanged. Its routed experts are 0..k-1, a
+    valid top-k as ``rollout/pack.py`` pads them: megatron-core 0.19.2's alltoall dispatcher counts a token's
+    expert slots, not its distinct experts, and failed on zeros (R3 under cp2: "split_sizes to sum exactly to
+    48 ... got [22, 4, 10, 8]").
     """
     inputs = batch.tokens.shape[1] - 1
     pad = -inputs % multiple
@@ -95,7 +98,10 @@ def pad_sequence_length(batch, multiple: int):
         value = getattr(batch, f.name)
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] in (inputs, inputs + 1):
             shape = (value.shape[0], pad, *value.shape[2:])
-            value = torch.cat([value, value.new_zeros(shape)], dim=1)
+            filler = value.new_zeros(shape)
+            if f.name == "routed_experts":  # [b, s, layers, k]: k distinct experts
+                filler = torch.arange(shape[-1], dtype=value.dtype).expand(shape).clone()
+            value = torch.cat([value, filler], dim=1)
         values[f.name] = value
     return dataclasses.replace(batch, **values)
 

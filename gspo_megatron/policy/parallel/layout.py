@@ -27,6 +27,15 @@ class LayoutError(ValueError):
     """A parallel layout that cannot work; the message names the conflicting numbers."""
 
 
+def gated_delta_net_has_context_parallel() -> bool:
+    """Whether the installed megatron-core's gated DeltaNet runs under context parallelism: 0.19's
+    ``ssm/gated_delta_net`` package all-to-alls each rank's share of the sequence into a share of the heads
+    (``tensor_a2a_cp2hp``) and back; 0.16's module has neither. The fact looked for, not the version."""
+    from megatron.core.ssm import gated_delta_net
+
+    return hasattr(gated_delta_net, "tensor_a2a_cp2hp")
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
     tp: int = 1  # tensor parallel
@@ -106,8 +115,10 @@ class ParallelLayout:
             checks.append((model.dense_intermediate_size, self.tp, "dense_intermediate_size", "tp"))
         if getattr(model, "linear_attention_layers", None):
             self._validate_linear_attention()
-            checks.append((model.linear_num_key_heads, self.tp, "linear_num_key_heads", "tp"))
-            checks.append((model.linear_num_value_heads, self.tp, "linear_num_value_heads", "tp"))
+            # megatron splits the linear-attention heads over tp, then (context parallel: heads all-to-all) cp
+            heads_split = self.tp * self.cp
+            checks.append((model.linear_num_key_heads, heads_split, "linear_num_key_heads", "tp*cp"))
+            checks.append((model.linear_num_value_heads, heads_split, "linear_num_value_heads", "tp*cp"))
         if getattr(model, "attention", "gqa") == "mla":  # megatron's column-parallel down projections
             checks.append((model.q_lora_rank, self.tp, "q_lora_rank", "tp"))
             checks.append(
@@ -133,11 +144,14 @@ class ParallelLayout:
             )
 
     def _validate_linear_attention(self) -> None:
-        if self.cp > 1:
+        if self.cp > 1 and not gated_delta_net_has_context_parallel():
+            from importlib.metadata import version
+
             raise LayoutError(
                 f"parallel.cp = {self.cp}: gated DeltaNet layers (model.linear_attention_layers) have no context "
-                "parallelism in megatron-core 0.16 (transformer_config.py:983 asserts context_parallel_size == 1; "
-                "ssm/gated_delta_net.py:223 'TODO: support CP'); set parallel.cp=1"
+                f"parallelism in megatron-core {version('megatron-core')} (0.16: transformer_config.py:983 asserts "
+                "context_parallel_size == 1; ssm/gated_delta_net.py:223 'TODO: support CP'); set parallel.cp=1, "
+                "or install megatron-core 0.19 (its gated DeltaNet turns the sequence split into a heads split)"
             )
 
     @property

@@ -8,7 +8,8 @@ Design decisions:
 - Our own decode loop (not ``model.generate``): it gives exact control of sampling, log-probs, stop
   rules and routing capture. Rows (prompt x sample) are batched with LEFT padding, an attention mask
   and position ids = (number of real tokens before) so a padded row sees the same positions as alone.
-  A row that finishes leaves the batch and the KV cache (``batch_select_indices``) after that step,
+  A row that finishes leaves the batch and the cache (``keep_cache_rows``: KV, and a gated DeltaNet's
+  conv and recurrent states) after that step,
   so long-tailed lengths cost what the rows still running cost (``generate`` in transformers and
   TRL keeps feeding finished rows to the end). Sampling draws from per-row generators, so the
   tokens do not depend on which rows share the batch.
@@ -61,7 +62,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel, cache_utils
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from gspo_megatron.contracts.samples import TOKEN_VERSIONS, FinishReason, RowRequest, Sample, SamplingParams
@@ -87,6 +88,25 @@ _STOP_TAIL_EXTRA_TOKENS = 8  # decode this many tokens beyond the longest stop s
 def _cache_argument(model_class: type[PreTrainedModel]) -> str:
     """transformers 5.x renamed the forward's KV-cache argument (``inspect`` follows the deprecation wrapper)."""
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+# transformers' cache of a linear-attention layer (gated DeltaNet: its conv and recurrent states), where it has one
+_LINEAR_ATTENTION_CACHE = getattr(cache_utils, "LinearAttentionCacheLayerMixin", ())
+
+
+def keep_cache_rows(cache: DynamicCache, index: torch.Tensor) -> None:
+    """Keep rows ``index`` of every layer's cache, in that order: an attention layer's keys and values
+    (``batch_select_indices``); a linear-attention layer's conv and recurrent states through its
+    ``reorder_cache`` -- transformers gives it no ``batch_select_indices``, and its reorder is the same
+    index_select along the batch (a layer with both kinds reorders both); a layer that holds nothing
+    (transformers' ``DummyLayer``) is left as it is."""
+    for layer in cache.layers:
+        if isinstance(layer, _LINEAR_ATTENTION_CACHE):
+            layer.reorder_cache(index)
+        elif isinstance(layer, DynamicLayer):
+            layer.batch_select_indices(index)
+        elif getattr(layer, "keys", None) is not None:
+            raise TypeError(f"keep_cache_rows: a {type(layer).__name__} cache layer holds rows it cannot select")
 
 
 class _RouterCapture:
@@ -496,7 +516,7 @@ class EmbeddedEngine(RolloutEngine):
                     active = [active[i] for i in keep]
                     ids, positions, mask, tokens = ids[index], positions[index], mask[index], tokens[index]
                     if cache is not None:
-                        cache.batch_select_indices(index)
+                        keep_cache_rows(cache, index)
                 next_ids = tokens.unsqueeze(-1)
                 next_positions = positions[:, -1:] + 1
                 ids, positions = torch.cat([ids, next_ids], -1), torch.cat([positions, next_positions], -1)

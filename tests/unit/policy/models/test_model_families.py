@@ -151,6 +151,18 @@ def test_an_unknown_model_type_lists_the_families():
         MoEModelConfig.from_hf_dict({"model_type": "gpt_oss"})
 
 
+def test_gpt_oss_is_refused_saying_why_it_is_not_built():
+    """GPT-OSS was looked at against transformers' modeling_gpt_oss.py: a checkpoint's config.json, the model.family
+    key and the family lookup each say what the portable layers lack (sinks, sliding windows, clamped SwiGLU)."""
+    why = r"GPT-OSS is not built: .*sink logit.*sliding-window.*clamp their SwiGLU"
+    with pytest.raises(ModelConfigError, match=r"model_type='gpt_oss' \(" + why):
+        MoEModelConfig.from_hf_dict({"model_type": "gpt_oss"})
+    with pytest.raises(ModelConfigError, match=r"model\.family='gpt_oss' is not a model family \(" + why):
+        tiny_test_config(family="gpt_oss").validate()
+    with pytest.raises(KeyError, match=why):
+        family("gpt_oss")
+
+
 def test_a_qwen3_config_with_attention_biases_is_refused_not_loaded_without_them():
     hf = tiny_test_config().to_hf_dict() | {"attention_bias": True}
     with pytest.raises(ModelConfigError, match=r"model\.qkv_bias=True.*Qwen3-MoE.*set model\.qkv_bias=false"):

@@ -93,6 +93,9 @@ def test_pad_for_context_parallel_pads_inputs_to_a_multiple_of_two_cp():
     padded = pad_for_context_parallel(batch, 2)
     assert padded.tokens.shape == (n, 9) and padded.response_mask.shape == (n, 8)
     assert padded.routed_experts.shape == (n, 8, 2, 2)
+    # the padding routes to experts 0..k-1: k distinct experts, as megatron 0.19's dispatcher needs (it failed on 0, 0)
+    assert padded.routed_experts[:, 6:].tolist() == [[[[0, 1], [0, 1]]] * 2] * n
+    assert torch.equal(padded.routed_experts[:, :6], batch.routed_experts)
     assert padded.response_mask[:, 6:].sum() == 0 and padded.input_mask[:, 6:].sum() == 0
     assert torch.equal(padded.rollout_log_probs[:, :6], batch.rollout_log_probs)
     assert torch.equal(padded.advantages, batch.advantages)
