@@ -19,6 +19,7 @@ from gspo_megatron.policy.routing.replay import validate_replay_mode
 from gspo_megatron.policy.routing.replay_strategy import needs_engine_routing, needs_trainer_old_pass, replays
 from gspo_megatron.rollout.agents.toolkit import load_user_tools
 from gspo_megatron.rollout.agents.tools.user_tools import UserToolError
+from gspo_megatron.rollout.config import RolloutEngineName
 from gspo_megatron.rollout.engines import ENGINES, EngineNeeds
 from gspo_megatron.rollout.shaping.triggers import check_probing_triggers
 
@@ -140,6 +141,16 @@ def _validate_agent(cfg: TrainConfig) -> None:
             load_user_tools(cfg.rollout.agent)
         except UserToolError as error:
             raise ConfigError(str(error)) from error
+        embedded = cfg.rollout.engine == RolloutEngineName.embedded
+        if embedded and cfg.rollout.embedded.use_cache and cfg.model.linear_attention_layers:
+            # the engine's sessions keep a trajectory's attention KV between turns, not a gated DeltaNet
+            # layer's recurrent state (rollout/embedded/engine.py: _KeptCache)
+            raise ConfigError(
+                f"rollout.agent.name={cfg.rollout.agent.name} with a hybrid model (model.linear_attention_layers="
+                f"{list(cfg.model.linear_attention_layers)}): the embedded engine keeps a trajectory's attention "
+                "cache between turns but not its linear-attention layers' recurrent state; set "
+                "rollout.embedded.use_cache=false (each turn computes the whole trajectory again)"
+            )
     elif cfg.algorithm.advantage.turn_reward_weight > 0:
         raise ConfigError(
             f"algorithm.advantage.turn_reward_weight={cfg.algorithm.advantage.turn_reward_weight} weighs per-turn "

@@ -80,6 +80,10 @@ def _typed(overrides):
             ["rollout.async_rollout=true", "rollout.max_staleness=2", "algorithm.dynamic_sampling.enabled=true"],
             r"rollout.max_staleness=2 \(streaming\) with algorithm.dynamic_sampling.enabled=true: .*=false or",
         ),
+        (
+            ["model=qwen3_5_moe_tiny", "task=calculator_add", "rollout.agent.name=tool_calling"],
+            r"rollout.agent.name=tool_calling with a hybrid model .*set rollout.embedded.use_cache=false",
+        ),
     ],
     ids=[
         "micro_batch",
@@ -96,6 +100,9 @@ def _typed(overrides):
         "reduced_state_not_on_the_host",
         "over_sampling_or_dynamic_sampling",
         "streaming_without_dynamic_sampling",
+        # the engine's sessions keep no linear-attention state: before this rule the run failed at the first
+        # turn's end (TypeError in _KeptCache.of_row), every trajectory lost
+        "hybrid_agent_needs_no_kept_cache",
     ],
 )
 def test_bad_value_is_refused_naming_the_key(overrides, message):
@@ -199,6 +206,11 @@ def test_validate_config_refuses_a_section_value_set_after_construction():
     typed.rollout.top_p = 1.5
     with pytest.raises(ConfigError, match=r"rollout.top_p=1.5 must be in"):
         validate_config(typed, 1)
+
+
+def test_a_hybrid_model_takes_an_agent_when_each_turn_computes_the_trajectory_again():
+    overrides = ["model=qwen3_5_moe_tiny", "task=calculator_add", "rollout.agent.name=tool_calling"]
+    validate_config(_typed([*overrides, "rollout.embedded.use_cache=false"]), 1)
 
 
 def test_over_sampling_with_partial_rollouts_is_accepted_with_an_agent():
