@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up what the tests need:  bash launch/setup_tests.sh && python3 -m pytest -q -n 2 --dist loadgroup
+# Set up what the tests need:  bash launch/setup_tests.sh && python3 -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder
 #
 # 1. launch/setup.sh (torch and the package);
 # 2. the package's test extra: pytest, pytest-timeout, pytest-xdist (the two workers of the full run), ruff, mypy,

@@ -11,10 +11,12 @@ mypy (``tests/unit/test_static_checks.py``, ~50 s on a cold cache) starts in the
 session's tests are collected, on the core the single-threaded tests leave idle; its test waits
 for it and reads its findings.
 
-Under pytest-xdist (CI's main leg: ``-n 2 --dist loadgroup``, issue 65) each worker is a session of its own:
+Under pytest-xdist (CI's main leg: ``-n 2 --dist loadgroup --no-loadscope-reorder``, issue 65) each worker
+is a session of its own:
 - every test gets an ``xdist_group``: its tier where the tier shares a session fixture (``SHARED_TIERS``:
   one live SGLang server, one contract venv per run, and the live tier's file order kept), else its module,
   so a module-scoped fixture (a shared training run) is still computed once and a file runs in its order;
+  without the reorder each worker takes the groups in collection order, a subsequence of a serial run's;
 - no worker starts mypy in the background: the worker that draws its test runs it in the foreground,
   while the other worker keeps the second core busy (the background start was for the idle core).
 """
