@@ -3,9 +3,9 @@ tests. Printed last by .ci/run, so that the tail CI keeps of its output shows it
 
     python3 .ci/timing_summary.py .ci-main.xml
 
-The leg runs on two xdist workers: the seconds are each test's own (setup, call and teardown), summed;
-their total exceeds the leg's wall time by up to the number of workers. ``--dist loadgroup`` appends ``@<group>`` to every
-test's id (tests/conftest.py names the groups); the names here leave it out.
+The leg runs on two xdist workers: the seconds are each test's own (setup, call and teardown),
+summed; their total exceeds the leg's wall time by up to the number of workers. ``--dist loadgroup``
+appends ``@<group>`` to every test's id (tests/conftest.py names the groups); the names here leave it out.
 """
 
 from __future__ import annotations
