@@ -10,6 +10,15 @@ the 2-core machine.
 mypy (``tests/unit/test_static_checks.py``, ~50 s on a cold cache) starts in the background when the
 session's tests are collected, on the core the single-threaded tests leave idle; its test waits
 for it and reads its findings.
+
+Under pytest-xdist (CI's main leg: ``-n 2 --dist loadgroup --no-loadscope-reorder``, issue 65) each worker
+is a session of its own:
+- every test gets an ``xdist_group``: its tier where the tier shares a session fixture (``SHARED_TIERS``:
+  one live SGLang server, one contract venv per run, and the live tier's file order kept), else its module,
+  so a module-scoped fixture (a shared training run) is still computed once and a file runs in its order;
+  without the reorder each worker takes the groups in collection order, a subsequence of a serial run's;
+- no worker starts mypy in the background: the worker that draws its test runs it in the foreground,
+  while the other worker keeps the second core busy (the background start was for the idle core).
 """
 
 import subprocess
@@ -29,6 +38,8 @@ if TOOLS not in sys.path:
 MYPY_TEST = "test_mypy_finds_nothing"
 _mypy = pytest.StashKey[tuple[subprocess.Popen, Path]]()
 SLOW_TIERS = ("distributed", "e2e", "faults", "gpu", "contract", "live_sglang")
+# tiers whose tests share a session-scoped fixture: one xdist group each, so one worker holds it
+SHARED_TIERS = ("contract", "live_sglang")
 
 
 # tryfirst: the tier's slow mark must be set before pytest's own hook applies `-m "not slow"`
@@ -41,10 +52,26 @@ def pytest_collection_modifyitems(config, items):
         tier = item.path.resolve().relative_to(TESTS).parts[0]
         if tier in SLOW_TIERS or any(marker in item.keywords for marker in SLOW_TIERS):
             item.add_marker(pytest.mark.slow)
+        if config.pluginmanager.hasplugin("xdist"):  # the mark is xdist's: registered only where it is installed
+            item.add_marker(pytest.mark.xdist_group(_xdist_group(item, tier)))
+
+
+def _xdist_group(item: pytest.Item, tier: str) -> str:
+    """The unit one xdist worker runs whole, in order: a shared tier, else the test's module."""
+    return tier if tier in SHARED_TIERS else str(item.path.resolve().relative_to(TESTS).with_suffix(""))
+
+
+def _is_xdist_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")  # set by xdist on its workers only
 
 
 def pytest_collection_finish(session):
-    if any(item.name == MYPY_TEST for item in session.items) and not session.config.option.collectonly:
+    config = session.config
+    if (
+        any(item.name == MYPY_TEST for item in session.items)
+        and not config.option.collectonly
+        and not _is_xdist_worker(config)
+    ):
         output = Path(tempfile.mkstemp(prefix="mypy-", suffix=".log")[1])
         with output.open("w") as log:
             process = subprocess.Popen(
