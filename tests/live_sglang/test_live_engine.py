@@ -131,7 +131,11 @@ def test_tensor_sync_changes_outputs_and_reverting_restores_them(attach):
 
 def test_an_update_pauses_and_continues_a_request_in_flight(attach):
     attach_engine = attach(weight_sync="disk", pause_mode="retract")
-    long_request = SamplingParams(temperature=1.0, max_new_tokens=48, stop_token_ids=())
+    # the update must reach the server while the request decodes: its weights are built before the request
+    # starts (building them after let a loaded machine finish 48 tokens first: version 6, the earlier test's), and
+    # 200 tokens take the CPU server ~20 s where the disk update's pause comes within a second
+    weights = hf_weights(seed=0)
+    long_request = SamplingParams(temperature=1.0, max_new_tokens=200, stop_token_ids=())
     finished = threading.Event()
     results: list = []
 
@@ -141,7 +145,7 @@ def test_an_update_pauses_and_continues_a_request_in_flight(attach):
 
     worker = threading.Thread(target=generate, daemon=True)
     worker.start()
-    attach_engine.update_weights(hf_weights(seed=0), version=5)  # the same weights: only the bracket acts
+    attach_engine.update_weights(weights, version=5)  # the same weights: only the bracket acts
     assert finished.wait(timeout=600), "the request in flight never finished after continue_generation"
     (sample,) = results
     assert sample.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
