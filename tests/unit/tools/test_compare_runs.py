@@ -380,7 +380,6 @@ def test_verdicts_read_the_summary_window_not_the_final_step(tmp_path):
     assert "ours (mean ± std over seeds, last 20%)" in page
 
 
-
 def test_the_clip_claim_is_judged_per_updates_per_rollout_not_pooled(tmp_path):
     """Issue 67: pooled over 1 and 8 updates per rollout, GSPO's reward (0.56 ± 0.27) was "within 1 std" of
     GRPO's (0.8) and the claim read "reproduced", though at 8 GSPO learned far worse (0.3 vs 0.8)."""
