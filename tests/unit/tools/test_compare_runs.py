@@ -380,6 +380,34 @@ def test_verdicts_read_the_summary_window_not_the_final_step(tmp_path):
     assert "ours (mean ± std over seeds, last 20%)" in page
 
 
+def test_the_clip_claim_is_judged_per_updates_per_rollout_not_pooled(tmp_path):
+    """Issue 67: pooled over 1 and 8 updates per rollout, GSPO's reward (0.56 ± 0.27) was "within 1 std" of
+    GRPO's (0.8) and the claim read "reproduced", though at 8 GSPO learned far worse (0.3 vs 0.8)."""
+    from gspo_megatron.core.run_dir import load_run
+    from study_reports.aggregate import group_runs
+    from study_reports.study_report import study_report
+
+    paths = []
+    for upr, gspo_reward in ((1, 0.8), (8, 0.3)):
+        for seed in range(3):
+            noise = 0.01 * seed
+            for algorithm, reward, clip in (("gspo", gspo_reward, 0.2), ("grpo", 0.8, 0.001)):
+                path = tmp_path / f"{algorithm}_upr{upr}_{seed}"
+                make_run(path, algorithm, [reward + noise] * 5, [clip] * 5, [clip] * 5)
+                (path / "config.yaml").write_text(
+                    f"algorithm:\n  name: {algorithm}\ntrainer:\n  seed: {seed}\n  updates_per_rollout: {upr}\n"
+                )
+                paths.append(path)
+    summary, _, _ = study_report(group_runs([load_run(p) for p in paths]), [])
+    row = summary["paper_vs_ours"][0]
+    assert row["claim"].startswith("GSPO clips")
+    first, second = row["ours"].split("; 8 updates/rollout: ")
+    assert first.startswith("1 updates/rollout: clip frac token GSPO 0.2")
+    assert first.endswith("(x200); reward GSPO 0.81 ± 0.01 vs GRPO 0.81 ± 0.01")
+    assert second.endswith("(x200); reward GSPO 0.31 ± 0.01 vs GRPO 0.81 ± 0.01")
+    assert row["verdict"] == "not at every setting: at 8 updates/rollout partly: clips >= 10x more, learns worse"
+
+
 def test_the_terminal_table_is_narrow_and_the_page_has_every_column(sweep, tmp_path, capsys):
     """Issue 64: the seed-aggregated terminal table had 31 columns."""
     from study_reports.study_report import METRIC_COLUMNS, ROUTING_COLUMNS
