@@ -49,7 +49,6 @@ from gspo_megatron.policy.parallel.layout import ParallelLayout
 from gspo_megatron.policy.routing.replay import REPLAY_MODES
 from planning.hardware import GB, GPUS, gpu_spec
 from planning.job import compose_job, plan_job, rank_job
-from planning.step_time import split_prediction
 from planning.planner import (
     GiB,
     Plan,
@@ -59,6 +58,7 @@ from planning.planner import (
     plan_layout,
     rank_layouts,
 )
+from planning.step_time import split_prediction
 
 LAYOUT_PART = re.compile(r"^(tp|pp|ep|etp|cp|dp|vp|first|last)(\d+)$")
 

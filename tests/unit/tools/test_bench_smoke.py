@@ -37,7 +37,10 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
         [
             r"^arm\s+steps\s+tokens/s\s+x sync\s+trainer idle\s+engine idle\s+age 0\s+age 1\s+age 2\s+age 3\s+age 4$",
             rf"^sync\s+1\s+{NUMBER}\s+1\.00x\s+{NUMBER}\s+{NUMBER}\s+1\.000(\s+0\.000){{4}}$",
-            *(rf"^{arm}\s+1\s+{NUMBER}\s+{NUMBER}x(\s+{NUMBER}){{7}}$" for arm in ("one_step", "stream_k2", "stream_k4")),
+            *(
+                rf"^{arm}\s+1\s+{NUMBER}\s+{NUMBER}x(\s+{NUMBER}){{7}}$"
+                for arm in ("one_step", "stream_k2", "stream_k4")
+            ),
         ],
     ),
     "bench_embedded_engine.py": (

@@ -6,6 +6,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+
 from planning.step_time import RLStepTime, overlapped_step_s, split_prediction
 
 
