@@ -58,6 +58,7 @@ from planning.planner import (
     plan_layout,
     rank_layouts,
 )
+from planning.step_time import split_prediction
 
 LAYOUT_PART = re.compile(r"^(tp|pp|ep|etp|cp|dp|vp|first|last)(\d+)$")
 
@@ -204,6 +205,25 @@ def print_detail(plan: Plan) -> None:
     print(f"fits: {plan.fits} {' '.join(plan.problems)}")
 
 
+def print_split(plan: Plan, rollout_gpus: int | None, mean_response_frac: float) -> None:
+    """A colocated plan's step against the same GPUs split into training and rollout GPUs, generation
+    overlapped with training (rollout.async_rollout, max_staleness k): ``planning.step_time.split_prediction``."""
+    rl = plan.rl
+    if rl is None or not plan.rollout_planned or plan.rollout_gpus or rl.overlapped:
+        return  # nothing to split: the rollout is not planned, or already on GPUs of its own
+    gpus = plan.layout.world_size
+    p = split_prediction(rl, gpus, rollout_gpus or max(1, gpus // 4), mean_response_frac)
+    print(
+        f"split {gpus - p.rollout_gpus} training + {p.rollout_gpus} rollout GPUs (each side scaled linearly with "
+        f"its GPUs; the trainer's fit on {gpus - p.rollout_gpus} not checked), mean / longest response "
+        f"{mean_response_frac:g}: rollout {p.rollout_s:.1f} s a round ({p.filled_rollout_s:.1f} with the tail's "
+        f"slots filled), training {p.training_s:.1f} s"
+    )
+    for k, how in ((0, "taking turns"), (1, "overlapped, a round waits for its longest"), (2, "overlapped, filled")):
+        label = "k >= 2" if k == 2 else f"k = {k}"
+        print(f"  {label}: {p.split_s(k):.1f} s ({how}) vs colocated {p.colocated_s:.1f} s: {p.speedup(k):.2f}x")
+
+
 def print_rl_step_memory(plan: Plan) -> None:
     """The whole RL step's peak by phase (tools/planning/rl_step_memory.py): the driver and each stage."""
     ranks = [("driver (rank 0)", plan.driver_memory)] + [(f"stage {i}", m) for i, m in enumerate(plan.rl_memory)]
@@ -280,7 +300,9 @@ def plan_config(args, gpu) -> int:
         job, gpu = run_calibration(args, job, gpu)
     print(f"assumptions: {gpu.describe()}")
     if not args.rank:
-        print_detail(plan_job(job, gpu))
+        plan = plan_job(job, gpu)
+        print_detail(plan)
+        print_split(plan, args.rollout_gpus, args.mean_response_frac)
         return 0
     return print_ranking(*rank_job(job, gpu, args.max_cp), gpu, args.top)
 
@@ -367,6 +389,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-tokens", type=int, default=1024, help="config mode: longest prompt (assumed)")
     parser.add_argument("--max-cp", type=int, default=2, help="largest cp tried when ranking")
     parser.add_argument("--top", type=int, default=5)
+    parser.add_argument(
+        "--rollout-gpus",
+        type=int,
+        default=None,
+        help="config mode, colocated rollout: also predict the same GPUs split, this many for rollout (default 1/4)",
+    )
+    parser.add_argument(
+        "--mean-response-frac",
+        type=float,
+        default=1.0,
+        help="with the split: mean / longest response length (a long tail; 1: none, the roofline's assumption)",
+    )
     cal = parser.add_argument_group("calibration (config mode): run the job, fit mfu, link efficiency, imbalance")
     cal.add_argument("--calibrate", action="store_true", help="run --calibrate-steps steps of the job and fit")
     cal.add_argument("--calibrate-steps", type=int, default=4, help="the first warms up, the last is diagnosed")

@@ -29,6 +29,10 @@ Design decisions (all stated, all approximate; nothing here was timed on a GPU):
   decode steps of the whole batch, each reading the weights the batch touches and its KV cache at
   the full HBM bandwidth, or computing 2 x active parameters per token at ``mfu``, whichever is
   longer; prefill at ``mfu``. No engine was timed here.
+- The overlapped step (``overlapped_step_s``): with the data at most k >= 1 versions behind, rollout and
+  training on disjoint GPUs cost max(gen, train) + sync per step instead of gen + train + sync; a long tail
+  (rounds of unequal length) is absorbed only over k rounds. ``split_prediction`` compares a colocated step
+  with the same GPUs split into training and rollout GPUs, each side scaled linearly with its GPUs.
 """
 
 from __future__ import annotations
@@ -209,9 +213,7 @@ class RLStepTime:
 
     @property
     def total_s(self) -> float:
-        if self.overlapped:
-            return max(self.rollout_s, self.training_s) + self.sync_s
-        return self.rollout_s + self.training_s + self.sync_s
+        return overlapped_step_s([self.rollout_s], self.training_s, self.sync_s, 1 if self.overlapped else 0)
 
 
 def rl_step_time(
@@ -235,4 +237,79 @@ def rl_step_time(
         step.total_s * updates_per_rollout,
         sync_s,
         overlapped,
+    )
+
+
+def overlapped_step_s(round_s: list[float], training_s: float, sync_s: float, max_staleness: int) -> float:
+    """Mean step time when generation and training run on disjoint GPUs, the data at most ``max_staleness``
+    (k) versions behind; ``round_s``: the generation time of successive rounds (one step's batch each),
+    repeating -- one value for a constant round, several for a long tail (most rounds short, some long).
+
+    k = 0 (synchronous):  step = mean(round) + train + sync (the two sides take turns)
+    k >= 1:               step = mean over windows w of k consecutive rounds of max(mean_w(round), train) + sync
+
+    With k >= 1 the engine generates round s + 1 while the trainer trains step s, so a constant round costs
+    max(gen, train) + sync (full overlap in steady state: k = 1 suffices). A round longer than training
+    stalls the trainer unless earlier short rounds banked it: the buffer holds at most k rounds, so the
+    trainer sees the k-round mean (an approximation of the bounded queue: exact for k = 1 and for k at or
+    above the pattern's length, where it is max(mean(round), train) + sync). The sync stalls both sides:
+    weights land between rounds (``rollout/streaming.py``)."""
+    if not round_s or min(round_s) < 0 or max_staleness < 0:
+        raise ValueError(f"round_s {round_s} must be non-empty and >= 0, max_staleness {max_staleness} >= 0")
+    mean_round = sum(round_s) / len(round_s)
+    if max_staleness == 0:
+        return mean_round + training_s + sync_s
+    window = min(max_staleness, len(round_s))
+    repeated = round_s + round_s[: window - 1]  # the pattern repeats: windows wrap around
+    means = [sum(repeated[i : i + window]) / window for i in range(len(round_s))]
+    return sum(max(m, training_s) for m in means) / len(means) + sync_s
+
+
+@dataclass(frozen=True)
+class SplitPrediction:
+    """A colocated RL step against the same GPUs split into training and rollout GPUs, generation overlapped."""
+
+    gpus: int
+    rollout_gpus: int
+    colocated_s: float  # rollout + training + sync on all GPUs, taking turns
+    rollout_s: float  # one round on rollout_gpus, waiting for its longest response
+    filled_rollout_s: float  # the same tokens with the tail's freed slots filled by the next round's requests
+    training_s: float  # old log-probs + reference + updates on the rest
+    sync_s: float
+
+    def split_s(self, max_staleness: int) -> float:
+        """k = 0: the two sides take turns; k = 1: overlapped, each round waits for its longest response;
+        k >= 2: overlapped, the next round's requests fill the slots the tail frees (continuous generation)."""
+        rollout = self.filled_rollout_s if max_staleness >= 2 else self.rollout_s
+        return overlapped_step_s([rollout], self.training_s, self.sync_s, max_staleness)
+
+    def speedup(self, max_staleness: int) -> float:
+        return self.colocated_s / self.split_s(max_staleness)
+
+
+def split_prediction(
+    colocated: RLStepTime, gpus: int, rollout_gpus: int, mean_response_frac: float = 1.0
+) -> SplitPrediction:
+    """Assumes both sides scale linearly with their GPUs (an upper bound on either side's speed on fewer
+    GPUs; whether the trainer fits on gpus - rollout_gpus is not checked here), and a long tail of
+    response lengths, mean / longest = ``mean_response_frac`` (1: every response as long as the longest,
+    the roofline's assumption):
+
+        rollout_split = rollout_colocated x gpus / rollout_gpus            (a round waits for its longest)
+        filled_rollout_split = rollout_split x mean_response_frac         (k >= 2: slots never idle)
+        training_split = training_colocated x gpus / (gpus - rollout_gpus)
+        step_split(k) = overlapped_step_s([rollout], training_split, sync, k)
+
+    Under linear scaling and no tail the split never beats colocation (max(g N / R, t N / (N - R)) >= g + t,
+    equal at the balanced R): what overlap buys comes from the tail (and from decode's better use of fewer
+    GPUs at larger batches, not modelled)."""
+    if not 0 < rollout_gpus < gpus:
+        raise ValueError(f"rollout GPUs {rollout_gpus}: give 1 .. {gpus - 1} of the {gpus} GPUs (--rollout-gpus)")
+    if not 0 < mean_response_frac <= 1:
+        raise ValueError(f"mean_response_frac {mean_response_frac}: mean / longest response, in (0, 1]")
+    rollout_s = colocated.rollout_s * gpus / rollout_gpus
+    training_s = colocated.training_s * gpus / (gpus - rollout_gpus)
+    colocated_s = colocated.rollout_s + colocated.training_s + colocated.sync_s
+    return SplitPrediction(
+        gpus, rollout_gpus, colocated_s, rollout_s, rollout_s * mean_response_frac, training_s, colocated.sync_s
     )

@@ -32,6 +32,17 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
             rf"^ratio ours / cross_entropy: time \(median\) {NUMBER}x, time \(min\) {NUMBER}x, peak memory {NUMBER}x$",
         ],
     ),
+    "bench_async.py": (
+        ["--steps", "2", "--warmup", "1", "--reps", "1", *SMALL_RUN, "model=tiny", "rollout.max_new_tokens=2"],
+        [
+            r"^arm\s+steps\s+tokens/s\s+x sync\s+trainer idle\s+engine idle\s+age 0\s+age 1\s+age 2\s+age 3\s+age 4$",
+            rf"^sync\s+1\s+{NUMBER}\s+1\.00x\s+{NUMBER}\s+{NUMBER}\s+1\.000(\s+0\.000){{4}}$",
+            *(
+                rf"^{arm}\s+1\s+{NUMBER}\s+{NUMBER}x(\s+{NUMBER}){{7}}$"
+                for arm in ("one_step", "stream_k2", "stream_k4")
+            ),
+        ],
+    ),
     "bench_embedded_engine.py": (
         ["--hidden", "32", "--layers", "1", "--experts", "2", "--batch", "2", "--new-tokens", "4", "--repeats", "1"],
         [
@@ -141,6 +152,7 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
 }
 FAST = {"bench_loss_head.py"}
 SLOW_BECAUSE = {
+    "bench_async.py": "trains four times in a rank",
     "bench_embedded_engine.py": "times the weight sync from a megatron model built in its process",
     "bench_hf_export.py": "builds a megatron model in its process",
     "bench_model.py": "starts gloo ranks",
