@@ -84,6 +84,7 @@ def streaming_scheduler(settings: RolloutSettings, producer: RolloutProducer) ->
         rollout.staleness_mode,
         settings.prompts_per_step,
         settings.steps,
+        inflight_update_mode=rollout.inflight_update_mode,
     )
 
 
