@@ -291,8 +291,8 @@ class RolloutSection(ConfigNode):
             raise ValueError(
                 f"rollout.group_size={self.group_size}: group-relative advantages need >= 2 responses per prompt"
             )
+        self._check_inflight_updates()  # before the streaming rules: an in-flight key's error names it
         self._check_partial_rollouts()
-        self._check_inflight_updates()
         if self.agent.enabled and self.truncated:
             raise ValueError(
                 f"rollout.agent.name={self.agent.name} with rollout.truncated=true: Dynamic Truncated Rollout "

@@ -39,8 +39,9 @@ Design decisions:
   holds no scored groups (rewards, shaping views) whose format would have to stay readable across versions.
 - Metrics (one set every step): ``async/staleness_max``, ``async/staleness_mean``, ``async/policy_version_min``
   as the one-step scheduler's; the admitted tokens by age (``async/stale_token_frac``,
-  ``async/stale_tokens_age_<a>``, each token at its own version); ``async/groups_dropped`` (this take) and
-  ``async/groups_buffered`` (left after it). Timings under ``time/``: ``time/trainer_idle_frac`` = the take's wait
+  ``async/stale_tokens_age_<a>``, each token at its own version); ``async/samples_spanning_versions`` (admitted
+  samples an in-flight update landed in); ``async/groups_dropped`` (this take) and ``async/groups_buffered`` (left
+  after it). Timings under ``time/``: ``time/trainer_idle_frac`` = the take's wait
   for groups / the step's cycle (from the previous take's return to this one's: train, sync, wait; the first
   step's from the producer's start);
   ``time/engine_idle_frac`` = the producer's finished waits at the gate or for room / its wall time, since it
@@ -148,11 +149,13 @@ class StreamingScheduler(Generic[GroupT]):
         last_step: int,
         wait_bound_s: float = WAIT_BOUND_S,
         inflight_update_mode: InflightUpdateMode = InflightUpdateMode.off,
+        spanning_samples_of: Callable[[GroupT], int] = lambda group: 0,
     ):
         """``draw_round(r)``: round r's groups; ``assemble(step, groups)``: the step's (batch, metrics);
         ``token_versions_of``: a group's tokens' versions (admission); ``versions_of``: a batch's samples'
         versions (the trainer's check); ``last_step``: trainer.steps (under ``wait`` no round past it);
-        ``inflight_update_mode``: off, a sync waits for the round in flight; else it lands in it (module docstring)."""
+        ``inflight_update_mode``: off, a sync waits for the round in flight; else it lands in it (module docstring);
+        ``spanning_samples_of``: how many of a group's samples hold tokens of more than one version."""
         if max_staleness < 2:
             raise ValueError(
                 f"rollout.max_staleness={max_staleness}: streaming is for a bound above 1 (rollout/scheduler.py "
@@ -163,6 +166,7 @@ class StreamingScheduler(Generic[GroupT]):
         self.max_staleness, self.mode, self.groups_per_step = max_staleness, StalenessMode(mode), groups_per_step
         self.last_step, self.wait_bound_s = last_step, wait_bound_s
         self.inflight_update_mode = InflightUpdateMode(inflight_update_mode)
+        self.spanning_samples_of = spanning_samples_of
         self.buffer: GroupBuffer[GroupT] = GroupBuffer(max_staleness, token_versions_of)
         self.turns = EngineTurns(wait_bound_s)
         self.gate: StalenessGate | None = None  # wait: built at start, at the trainer's version
@@ -224,6 +228,7 @@ class StreamingScheduler(Generic[GroupT]):
             "async/staleness_mean": sum(staleness) / len(staleness),
             "async/policy_version_min": float(min(versions)),
             **stale_token_metrics(admission.ages, self.max_staleness, "async/"),
+            "async/samples_spanning_versions": float(sum(map(self.spanning_samples_of, admission.admitted))),
             "async/groups_dropped": float(len(admission.dropped)),
             "async/groups_dropped_at_resume": float(dropped_at_resume),
             "async/groups_buffered": float(len(self.buffer)),
