@@ -19,7 +19,7 @@ from gspo_megatron.policy.routing.replay import validate_replay_mode
 from gspo_megatron.policy.routing.replay_strategy import needs_engine_routing, needs_trainer_old_pass, replays
 from gspo_megatron.rollout.agents.toolkit import load_user_tools
 from gspo_megatron.rollout.agents.tools.user_tools import UserToolError
-from gspo_megatron.rollout.config import RolloutEngineName
+from gspo_megatron.rollout.config import InflightUpdateMode, RolloutEngineName
 from gspo_megatron.rollout.engines import ENGINES, EngineNeeds
 from gspo_megatron.rollout.shaping.triggers import check_probing_triggers
 
@@ -236,6 +236,7 @@ def _validate_engine(cfg: TrainConfig) -> None:
         wants.append("rollout.return_routed_experts=true")
     if cfg.model.is_moe and cfg.routing.enabled and DiagnosticKind.rollout_vs_train in cfg.routing.kinds:
         wants.append("routing.kinds contains rollout_vs_train")
+    _refuse_retract_with_routing(cfg)
     needs = EngineNeeds(
         routed_experts=wants,
         replays_engine_routing=needs_engine_routing(cfg.routing.replay),
@@ -245,3 +246,24 @@ def _validate_engine(cfg: TrainConfig) -> None:
         spec.check(cfg.rollout, needs)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+
+
+def _refuse_retract_with_routing(cfg: TrainConfig) -> None:
+    """A ``retract`` update ends each row whose routing the new weights change (``ABORT``, ``engine.py``): one
+    routing row per position cannot hold both versions'. Where the engine returns an MoE's routing (R3, a
+    routing diagnostic: ``loop/build.py:rollout_settings``) that would cut responses short by whether the policy
+    moved their routing, a bias no loss corrects; refused rather than trained."""
+    if cfg.rollout.inflight_update_mode != InflightUpdateMode.retract or not cfg.model.is_moe:
+        return
+    wants = {
+        "rollout.return_routed_experts=true": cfg.rollout.return_routed_experts,
+        f"routing.replay={cfg.routing.replay}": needs_engine_routing(cfg.routing.replay),
+        "routing.kinds contains rollout_vs_train": DiagnosticKind.rollout_vs_train in cfg.routing.kinds,
+    }
+    if any(wants.values()):
+        raise ConfigError(
+            f"rollout.inflight_update_mode=retract with {', '.join(k for k, on in wants.items() if on)}: a retract "
+            "update ends every row whose routing the new weights change (its routing rows cannot hold both "
+            "versions'), cutting responses short by routing; set rollout.inflight_update_mode=in_place (the KV "
+            "cache and each position's routing row kept: R3 exact) or off, or return no routing"
+        )

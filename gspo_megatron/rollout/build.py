@@ -84,6 +84,8 @@ def streaming_scheduler(settings: RolloutSettings, producer: RolloutProducer) ->
         rollout.staleness_mode,
         settings.prompts_per_step,
         settings.steps,
+        inflight_update_mode=rollout.inflight_update_mode,
+        spanning_samples_of=drawn_group_spanning_samples,
     )
 
 
@@ -92,6 +94,13 @@ def drawn_group_token_versions(group: DrawnGroup) -> list[int]:
     from gspo_megatron.rollout.agents.partial import token_versions
 
     return [version for sample in group.samples for version in token_versions(sample)]
+
+
+def drawn_group_spanning_samples(group: DrawnGroup) -> int:
+    """How many of a group's samples hold tokens of more than one weight version (an in-flight update)."""
+    from gspo_megatron.rollout.agents.partial import token_versions
+
+    return sum(len(set(token_versions(sample))) > 1 for sample in group.samples)
 
 
 def build_producer(settings: RolloutSettings) -> RolloutProducer:

@@ -75,8 +75,9 @@ class EngineDtype(ConfigChoice):
 
 class InflightUpdateMode(ConfigChoice):
     """How a weight update lands in a running generation (``rollout/embedded/inflight.py``; SGLang's
-    ``pause_mode`` names the same two)."""
+    ``pause_mode`` names the same two); ``rollout.inflight_update_mode`` (streaming: ``rollout/streaming.py``)."""
 
+    off = "off"  # the key's default: a weight sync waits for the round in flight (no in-flight update)
     in_place = "in_place"  # the KV cache is kept: positions computed before the update keep the old weights' KV
     retract = "retract"  # the running rows' KV is computed again under the new weights before they go on
 
@@ -258,6 +259,8 @@ class RolloutSection(ConfigNode):
     # rollout/streaming.py); partial=continue >= 1
     max_staleness: int = 1
     staleness_mode: StalenessMode = StalenessMode.wait  # streaming (max_staleness > 1): wait | drop
+    # streaming: off (a weight sync waits for the round in flight) | in_place | retract (it lands inside the round)
+    inflight_update_mode: InflightUpdateMode = InflightUpdateMode.off
     # start over_sample x the step's groups, stop once the step's groups are complete (rollout/agents/partial.py)
     over_sample: float = 1.0
     partial: PartialRollout = PartialRollout.drop  # the groups not needed: drop | continue (into the next step)
@@ -288,6 +291,7 @@ class RolloutSection(ConfigNode):
             raise ValueError(
                 f"rollout.group_size={self.group_size}: group-relative advantages need >= 2 responses per prompt"
             )
+        self._check_inflight_updates()  # before the streaming rules: an in-flight key's error names it
         self._check_partial_rollouts()
         if self.agent.enabled and self.truncated:
             raise ValueError(
@@ -317,6 +321,30 @@ class RolloutSection(ConfigNode):
                 f"rollout.max_staleness={self.max_staleness} with rollout.engine={self.engine}: the streaming mode "
                 "syncs weights between the producer's rounds on the embedded engine only; set "
                 "rollout.engine=embedded or rollout.max_staleness=1"
+            )
+
+    def _check_inflight_updates(self) -> None:
+        """An in-flight update lands a weight sync inside the streaming producer's round, on the embedded engine."""
+        mode = self.inflight_update_mode
+        if mode == InflightUpdateMode.off:
+            return
+        key = f"rollout.inflight_update_mode={mode}"
+        if not (self.async_rollout and self.max_staleness > 1):
+            raise ValueError(
+                f"{key} lands a weight sync inside the streaming producer's round; without streaming "
+                f"(rollout.async_rollout={self.async_rollout}, rollout.max_staleness={self.max_staleness}) no "
+                "round runs beside the sync: set rollout.async_rollout=true and rollout.max_staleness >= 2, or "
+                "rollout.inflight_update_mode=off"
+            )
+        if self.engine != RolloutEngineName.embedded:
+            raise ValueError(
+                f"{key} with rollout.engine={self.engine}: in-flight updates are the embedded engine's "
+                "(rollout/embedded/inflight.py); set rollout.engine=embedded or rollout.inflight_update_mode=off"
+            )
+        if mode == InflightUpdateMode.in_place and not self.embedded.use_cache:
+            raise ValueError(
+                f"{key} keeps the KV cache, and rollout.embedded.use_cache=false keeps none: set "
+                "rollout.embedded.use_cache=true, or rollout.inflight_update_mode=retract"
             )
 
     def response_budget(self) -> tuple[str, int]:

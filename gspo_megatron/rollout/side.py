@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from gspo_megatron.contracts.batch import RolloutBatch
 from gspo_megatron.contracts.samples import SamplingParams
 from gspo_megatron.core.named_tensors import NamedTensor
+from gspo_megatron.rollout.config import InflightUpdateMode
 from gspo_megatron.rollout.data.records import PromptRecord
 from gspo_megatron.rollout.engine import RolloutEngine
+from gspo_megatron.rollout.inflight_sync import InflightEngine, load_in_flight
 from gspo_megatron.rollout.producer import RolloutProducer
 from gspo_megatron.rollout.scheduler import RolloutScheduler
 from gspo_megatron.rollout.streaming import StreamingScheduler
@@ -59,9 +61,21 @@ class RolloutSide:
         self.scheduler.before_weight_sync()
 
     def load_weights(self, named_tensors: Iterable[NamedTensor], version: int) -> None:
+        """Into the engine: between rounds, or (streaming with ``rollout.inflight_update_mode`` on) inside the
+        round in flight (``rollout/inflight_sync.py``)."""
         loaded = None
+        scheduler = self.scheduler
         try:
-            self.engine.update_weights(named_tensors, version)
+            if isinstance(scheduler, StreamingScheduler) and scheduler.inflight_update_mode != InflightUpdateMode.off:
+                engine = self.engine
+                if not isinstance(engine, InflightEngine):
+                    raise TypeError(
+                        f"rollout.inflight_update_mode={scheduler.inflight_update_mode}: the engine "
+                        f"{type(engine).__name__} takes no in-flight update; set rollout.engine=embedded"
+                    )
+                load_in_flight(engine, named_tensors, version, scheduler.inflight_update_mode, scheduler.wait_bound_s)
+            else:
+                self.engine.update_weights(named_tensors, version)
             loaded = version
         finally:
             self.scheduler.after_weight_sync(loaded)  # streaming: the producer goes on, on ``version``

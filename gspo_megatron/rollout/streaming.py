@@ -12,8 +12,16 @@ Design decisions:
   (``RolloutProducer.assemble``).
 - Rounds and weight syncs take turns on the engine (``EngineTurns``): a sync waits for the round in flight and
   goes before the next round, so weights land between rounds, never inside one. Every sample therefore carries
-  one version, the engine's (``Sample.weight_version``), and with R3 the routed experts of that version. (An
-  update inside a round is in-flight weight updating: not built here.)
+  one version, the engine's (``Sample.weight_version``), and with R3 the routed experts of that version.
+- ``rollout.inflight_update_mode=in_place|retract`` (default ``off``: the turns above): a sync does not wait
+  for the round in flight but lands in it (``RolloutSide.load_weights`` -> ``rollout/inflight_sync.py`` ->
+  ``EmbeddedEngine.request_update``, at the decode loop's next step boundary; bounded wait on the ticket), then
+  advances the gate. A sample may then span versions: each token's is in ``Sample.extra["token_versions"]``,
+  admission counts a group by its oldest token, ``Sample.weight_version`` (the batch's ``policy_versions``, the
+  trainer's bound check) is the oldest, and each token's engine log-prob is the forward that sampled it, which
+  the decoupled loss weighs against pi_old token by token. ``in_place`` keeps each position's routing row, so
+  R3 stays exact; ``retract`` with engine routing is refused at start-up (``config/validate.py``: it ends
+  rerouted rows, ``ABORT``). Checkpoints and evaluation still take the trainer's turn between rounds.
 - Admission is by group, by its oldest token (``GroupBuffer.take`` -> ``admit_groups``), at the trained version
   v_train = step (step s trains on the weights of s optimizer steps).
 - ``wait``: before a round the producer acquires G groups at the gate (group n starts on version v iff
@@ -31,8 +39,9 @@ Design decisions:
   holds no scored groups (rewards, shaping views) whose format would have to stay readable across versions.
 - Metrics (one set every step): ``async/staleness_max``, ``async/staleness_mean``, ``async/policy_version_min``
   as the one-step scheduler's; the admitted tokens by age (``async/stale_token_frac``,
-  ``async/stale_tokens_age_<a>``, each token at its own version); ``async/groups_dropped`` (this take) and
-  ``async/groups_buffered`` (left after it). Timings under ``time/``: ``time/trainer_idle_frac`` = the take's wait
+  ``async/stale_tokens_age_<a>``, each token at its own version); ``async/samples_spanning_versions`` (admitted
+  samples an in-flight update landed in); ``async/groups_dropped`` (this take) and ``async/groups_buffered`` (left
+  after it). Timings under ``time/``: ``time/trainer_idle_frac`` = the take's wait
   for groups / the step's cycle (from the previous take's return to this one's: train, sync, wait; the first
   step's from the producer's start);
   ``time/engine_idle_frac`` = the producer's finished waits at the gate or for room / its wall time, since it
@@ -49,7 +58,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Generic
 
-from gspo_megatron.rollout.config import StalenessMode
+from gspo_megatron.rollout.config import InflightUpdateMode, StalenessMode
 from gspo_megatron.rollout.scheduler import StalenessError
 from gspo_megatron.rollout.staleness import (
     BufferClosed,
@@ -139,10 +148,14 @@ class StreamingScheduler(Generic[GroupT]):
         groups_per_step: int,
         last_step: int,
         wait_bound_s: float = WAIT_BOUND_S,
+        inflight_update_mode: InflightUpdateMode = InflightUpdateMode.off,
+        spanning_samples_of: Callable[[GroupT], int] = lambda group: 0,
     ):
         """``draw_round(r)``: round r's groups; ``assemble(step, groups)``: the step's (batch, metrics);
         ``token_versions_of``: a group's tokens' versions (admission); ``versions_of``: a batch's samples'
-        versions (the trainer's check); ``last_step``: trainer.steps (under ``wait`` no round past it)."""
+        versions (the trainer's check); ``last_step``: trainer.steps (under ``wait`` no round past it);
+        ``inflight_update_mode``: off, a sync waits for the round in flight; else it lands in it (module docstring);
+        ``spanning_samples_of``: how many of a group's samples hold tokens of more than one version."""
         if max_staleness < 2:
             raise ValueError(
                 f"rollout.max_staleness={max_staleness}: streaming is for a bound above 1 (rollout/scheduler.py "
@@ -152,6 +165,8 @@ class StreamingScheduler(Generic[GroupT]):
         self.versions_of = versions_of
         self.max_staleness, self.mode, self.groups_per_step = max_staleness, StalenessMode(mode), groups_per_step
         self.last_step, self.wait_bound_s = last_step, wait_bound_s
+        self.inflight_update_mode = InflightUpdateMode(inflight_update_mode)
+        self.spanning_samples_of = spanning_samples_of
         self.buffer: GroupBuffer[GroupT] = GroupBuffer(max_staleness, token_versions_of)
         self.turns = EngineTurns(wait_bound_s)
         self.gate: StalenessGate | None = None  # wait: built at start, at the trainer's version
@@ -213,6 +228,7 @@ class StreamingScheduler(Generic[GroupT]):
             "async/staleness_mean": sum(staleness) / len(staleness),
             "async/policy_version_min": float(min(versions)),
             **stale_token_metrics(admission.ages, self.max_staleness, "async/"),
+            "async/samples_spanning_versions": float(sum(map(self.spanning_samples_of, admission.admitted))),
             "async/groups_dropped": float(len(admission.dropped)),
             "async/groups_dropped_at_resume": float(dropped_at_resume),
             "async/groups_buffered": float(len(self.buffer)),
@@ -225,9 +241,11 @@ class StreamingScheduler(Generic[GroupT]):
         """Nothing to start: the producer runs on its own (the one-step scheduler's call)."""
 
     def before_weight_sync(self) -> None:
-        """The trainer's turn on the engine: the round in flight finishes on the weights it started with."""
+        """The trainer's turn on the engine: the round in flight finishes on the weights it started with (with
+        in-flight updates no turn: the sync lands inside the round)."""
         self._raise_producer_error()
-        self.turns.begin_trainer_turn()
+        if self.inflight_update_mode == InflightUpdateMode.off:
+            self.turns.begin_trainer_turn()
 
     def after_weight_sync(self, version: int | None) -> None:
         """The engine holds ``version`` now (None: the load failed): the gate opens for it, the producer goes on."""

@@ -26,7 +26,8 @@ Design decisions:
   layers are included to keep that shape and hold -1 (no expert); they are captured by forward hooks
   on each MoE layer's router (``mlp.gate``), whose top-k is the softmax -> top-k the block itself used.
 
-In-flight weight updates (``request_update``, from another thread; the mailbox is ``inflight.py``):
+In-flight weight updates (``request_update``, from another thread; the mailbox is ``inflight.py``; the training
+loop's use is streaming's ``rollout.inflight_update_mode``, ``rollout/inflight_sync.py``):
 - The decode loop takes a pending update at a step boundary -- before a forward -- so every forward runs
   under one version. A token's version is that of the forward whose logits it was sampled from: a row's
   versions go to ``Sample.extra["token_versions"]`` when they differ (the key agents and partial rollouts
@@ -48,7 +49,8 @@ In-flight weight updates (``request_update``, from another thread; the mailbox i
   and rows so far, all of the old version, exact; ``Sample.extra[RETRACT_REROUTED]`` counts the
   positions) -- its trajectory ends at its last exact token, as an agent's at its last exact turn. A row the
   new weights route alike at every position goes on: its rows are both versions'. Rows that return no
-  routing always go on. For R3 across updates use ``in_place``.
+  routing always go on. For R3 across updates use ``in_place``: the loop refuses ``retract`` where an MoE
+  engine returns routing (``config/validate.py``), so a trained group never holds such an ``ABORT`` row.
 """
 
 from __future__ import annotations

@@ -41,12 +41,12 @@ RETRACT_REROUTED = "retract_rerouted_positions"
 
 
 def inflight_update_mode(mode: str) -> InflightUpdateMode:
-    """``mode`` as an ``InflightUpdateMode``; an unknown one raises naming the valid ones."""
-    try:
-        return InflightUpdateMode(mode)
-    except ValueError:
-        valid = ", ".join(InflightUpdateMode)
-        raise ValueError(f"in-flight update mode {mode!r} is unknown; valid: {valid}") from None
+    """``mode`` as an ``InflightUpdateMode``; an unknown one (or ``off``: the config key's, no update) raises
+    naming the valid ones."""
+    valid = [m for m in InflightUpdateMode if m != InflightUpdateMode.off]
+    if mode not in valid:
+        raise ValueError(f"in-flight update mode {mode!r} is unknown; valid: {', '.join(valid)}")
+    return InflightUpdateMode(mode)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,9 @@ def _typed(overrides):
     return OmegaConf.to_object(compose(list(overrides)))
 
 
+STREAMING_INFLIGHT = ["rollout.async_rollout=true", "rollout.max_staleness=2"]
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -84,6 +87,11 @@ def _typed(overrides):
             ["model=qwen3_5_moe_tiny", "task=calculator_add", "rollout.agent.name=tool_calling"],
             r"rollout.agent.name=tool_calling with a hybrid model .*set rollout.embedded.use_cache=false",
         ),
+        (
+            [*STREAMING_INFLIGHT, "rollout.inflight_update_mode=retract", "algorithm=grpo_rollout_routing_replay"],
+            r"rollout.inflight_update_mode=retract with routing.replay=rollout.*: a retract update ends every row "
+            r"whose routing .*set rollout.inflight_update_mode=in_place",
+        ),
     ],
     ids=[
         "micro_batch",
@@ -103,11 +111,24 @@ def _typed(overrides):
         # the engine's sessions keep no linear-attention state: before this rule the run failed at the first
         # turn's end (TypeError in _KeptCache.of_row), every trajectory lost
         "hybrid_agent_needs_no_kept_cache",
+        "retract_with_r3",
     ],
 )
 def test_bad_value_is_refused_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate_config(_typed(overrides), 1)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [*STREAMING_INFLIGHT, "rollout.inflight_update_mode=in_place", "algorithm=grpo_rollout_routing_replay"],
+        [*STREAMING_INFLIGHT, "rollout.inflight_update_mode=retract", "routing.kinds=[]"],  # no engine routing
+    ],
+    ids=["in_place_with_r3", "retract_without_routing"],
+)
+def test_in_flight_updates_are_accepted_where_they_apply(overrides):
+    validate_config(_typed(overrides), 1)
 
 
 # (override, what the error must say): each section refuses its own bad values while the composed
@@ -142,6 +163,22 @@ SECTION_RULES = [
     (
         "rollout.async_rollout=true rollout.max_staleness=2 rollout.over_sample=1.5",
         r"rollout.over_sample=1.5 with rollout.async_rollout=true: .*set rollout.over_sample=1",
+    ),
+    # in-flight weight updates land inside the streaming producer's round (rollout/inflight_sync.py)
+    (
+        "rollout.async_rollout=true rollout.inflight_update_mode=in_place",
+        r"rollout.inflight_update_mode=in_place lands .* without streaming .*rollout.max_staleness >= 2, or "
+        r"rollout.inflight_update_mode=off",
+    ),
+    (
+        "rollout.async_rollout=true rollout.max_staleness=2 rollout.engine=sglang rollout.inflight_update_mode=retract",
+        r"rollout.inflight_update_mode=retract with rollout.engine=sglang: .*set rollout.engine=embedded",
+    ),
+    (
+        "rollout.async_rollout=true rollout.max_staleness=2 rollout.inflight_update_mode=in_place "
+        "rollout.embedded.use_cache=false",
+        r"rollout.inflight_update_mode=in_place keeps the KV cache.*rollout.embedded.use_cache=true, or "
+        r"rollout.inflight_update_mode=retract",
     ),
     # over-sampling and partial rollouts (rollout/agents/partial.py)
     ("rollout.over_sample=0.5", r"rollout.over_sample=0.5 must be >= 1 \(1: no over-sampling\)"),
