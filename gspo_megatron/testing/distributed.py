@@ -30,7 +30,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from gspo_megatron.policy.parallel.mesh import free_port
+from gspo_megatron.core.ports import free_port
 
 RANK_START_ENV = "GSPO_RANK_START"
 

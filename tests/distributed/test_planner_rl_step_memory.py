@@ -89,8 +89,8 @@ def rl_steps_worker(ctx, jobs: dict[str, list[str]], run_dir: str) -> dict:
 
     from gspo_megatron.config.compose import compose
     from gspo_megatron.config.schema import to_train_config
+    from gspo_megatron.core.ports import free_port
     from gspo_megatron.loop.build import build_trainer
-    from gspo_megatron.policy.parallel.mesh import free_port
     from gspo_megatron.testing.memory import run_memory
 
     out = {}

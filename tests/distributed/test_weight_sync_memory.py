@@ -49,13 +49,14 @@ def sync_worker(
     senders: str = "driver",
     fallback_to_disk: bool = True,
 ):
+    from gspo_megatron.core.ports import free_port
     from gspo_megatron.loop.build import stage_position
     from gspo_megatron.loop.weight_sync import DriverWeightSync, FollowerWeightSync
     from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
     from gspo_megatron.policy.models.builder import build_model
     from gspo_megatron.policy.models.conversion import export_hf_tensors, load_hf_weights
     from gspo_megatron.policy.parallel.layout import ParallelLayout
-    from gspo_megatron.policy.parallel.mesh import free_port, initialize_parallel
+    from gspo_megatron.policy.parallel.mesh import initialize_parallel
     from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine
     from gspo_megatron.rollout.sglang.launcher import LaunchedServer
     from gspo_megatron.rollout.sglang.stage_turns import StageTurns

@@ -8,7 +8,6 @@ megatron-core's ``parallel_state`` because megatron's modules read their groups 
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TypeVar
@@ -192,13 +191,6 @@ class ParallelMesh:
         ps.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _init_single_process(backend: str, timeout_s: float) -> None:

@@ -66,6 +66,7 @@ import torch
 from gspo_megatron.contracts.samples import FinishReason, RowRequest, Sample, SamplingParams
 from gspo_megatron.core.fp8_blocks import QuantizedStream, quantize_named_tensors
 from gspo_megatron.core.interrupts import RunInterrupted
+from gspo_megatron.core.ports import free_port
 from gspo_megatron.core.run_dir import private_directory
 from gspo_megatron.rollout.engine import EngineSession, RolloutEngine, TurnRequest, TurnResult, split_rows
 from gspo_megatron.rollout.sglang.auth import ApiKey, key_from_environment, new_launch_key, private_key_config
@@ -73,7 +74,7 @@ from gspo_megatron.rollout.sglang.client import ServerState, SGLangHTTPClient
 from gspo_megatron.rollout.sglang.config import LaunchMode, PauseMode, SGLangConfig, WeightQuantization, WeightSync
 from gspo_megatron.rollout.sglang.disk_sync import remove_older_versions, write_safetensors_checkpoint
 from gspo_megatron.rollout.sglang.group_sender import GroupSender, SenderBrief, StagedWeights
-from gspo_megatron.rollout.sglang.launcher import LaunchedServer, build_launch_command, free_port
+from gspo_megatron.rollout.sglang.launcher import LaunchedServer, build_launch_command
 from gspo_megatron.rollout.sglang.protocol import build_generate_request, parse_generate_response
 from gspo_megatron.rollout.sglang.server_calls import LoopThread, ServerCalls, gather, make_client
 from gspo_megatron.rollout.sglang.tensor_handles import update_from_tensor_body

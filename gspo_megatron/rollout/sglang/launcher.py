@@ -21,7 +21,6 @@ import atexit
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -35,13 +34,6 @@ from gspo_megatron.rollout.sglang.health import wait_until_healthy
 
 class ServerLaunchError(RuntimeError):
     """The server process exited or did not become healthy in time."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that is free right now (the server binds it moments later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def build_launch_command(

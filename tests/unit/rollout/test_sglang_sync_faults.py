@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from gspo_megatron.contracts.samples import SamplingParams
+from gspo_megatron.core.ports import free_port
 from gspo_megatron.rollout.config import RolloutSection
 from gspo_megatron.rollout.engines import ENGINES, ModelShape
 from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine, WeightSyncError
-from gspo_megatron.rollout.sglang.launcher import LaunchedServer, free_port
+from gspo_megatron.rollout.sglang.launcher import LaunchedServer
 from gspo_megatron.testing.sglang_double import SGLangServerDouble
 from gspo_megatron.testing.sglang_double_faults import DoubleFaults
 

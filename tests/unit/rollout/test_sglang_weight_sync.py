@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from gspo_megatron.contracts.samples import SamplingParams
+from gspo_megatron.core.ports import free_port
 from gspo_megatron.rollout.sglang import SGLangConfig, SGLangEngine, WeightSyncError
-from gspo_megatron.rollout.sglang.launcher import free_port
 from gspo_megatron.rollout.sglang.weight_sync import (
     bucket_metadata,
     bucket_named_tensors,
