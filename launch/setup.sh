@@ -14,9 +14,14 @@ source launch/install_torch.sh
 
 start=$(date +%s)
 install_torch "$PYTHON"
-# Skip the (slow) resolver pass when the package is already installed.
-if ! "$PYTHON" -c "import gspo_megatron, megatron.core, hydra, transformers" 2>/dev/null \
-   || [ "${GSPO_REINSTALL:-0}" = 1 ]; then
+# Skip the (slow) resolver pass when the package is already installed -- from this checkout: -I leaves the
+# working directory off sys.path, so an editable install of another clone (moved or deleted since: every
+# subprocess that is not started from the repository root fails "No module named gspo_megatron") is reinstalled.
+installed_here() {
+  "$PYTHON" -I -c 'import sys, pathlib, gspo_megatron, megatron.core, hydra, transformers
+sys.exit(pathlib.Path(gspo_megatron.__file__).resolve().parents[1] != pathlib.Path(sys.argv[1]).resolve())' "$PWD" 2>/dev/null
+}
+if ! installed_here || [ "${GSPO_REINSTALL:-0}" = 1 ]; then
   echo "[setup] installing gspo-megatron (editable) and what training needs"
   "$PYTHON" -m pip install -q -e .
 fi
