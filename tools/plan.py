@@ -212,6 +212,8 @@ def print_split(plan: Plan, rollout_gpus: int | None, mean_response_frac: float)
     if rl is None or not plan.rollout_planned or plan.rollout_gpus or rl.overlapped:
         return  # nothing to split: the rollout is not planned, or already on GPUs of its own
     gpus = plan.layout.world_size
+    if gpus < 2 and rollout_gpus is None:
+        return  # one GPU: nothing to split (an explicit --rollout-gpus is refused by split_prediction, naming it)
     p = split_prediction(rl, gpus, rollout_gpus or max(1, gpus // 4), mean_response_frac)
     print(
         f"split {gpus - p.rollout_gpus} training + {p.rollout_gpus} rollout GPUs (each side scaled linearly with "

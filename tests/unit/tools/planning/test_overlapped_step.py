@@ -52,3 +52,14 @@ def test_plan_prints_the_split_for_the_30b_colocated_recipe(capsys):
     out = capsys.readouterr().out
     assert "split 6 training + 2 rollout GPUs" in out
     assert all(f"  {k}: " in out for k in ("k = 0", "k = 1", "k >= 2"))
+
+
+def test_a_one_gpu_plan_prints_no_split():
+    """Before: ``tools/plan.py --gpus 1`` (the calibration's default) died in the split, 'rollout GPUs 1: give 1 .. 0
+    of the 1 GPUs'; one GPU has nothing to split."""
+    tool = Path(__file__).resolve().parents[4] / "tools" / "plan.py"
+    spec = importlib.util.spec_from_file_location("plan_tool", tool)
+    assert spec is not None and spec.loader is not None
+    plan_tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan_tool)
+    assert plan_tool.main(["--gpus", "1"]) == 0
