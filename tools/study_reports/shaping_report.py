@@ -67,7 +67,7 @@ def summarize_run(metrics: list[dict], last_steps: int = 10) -> dict[str, float]
     for name, key in keys.items():
         values = [m[key] for m in train if key in m]
         if values:
-            summary[name] = sum(values) / len(values)
+            summary[name] = math.fsum(values) / len(values)
     evals = [m for m in metrics if EVAL_KEYS["eval_accuracy"] in m]
     for name, key in EVAL_KEYS.items():
         if evals and key in evals[-1]:
@@ -81,8 +81,8 @@ def aggregate(summaries: Iterable[dict[str, float]]) -> dict[str, dict[str, floa
     out = {}
     for name in sorted({k for s in summaries for k in s}):
         values = [s[name] for s in summaries if name in s]
-        mean = sum(values) / len(values)
-        var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
+        mean = math.fsum(values) / len(values)
+        var = math.fsum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
         out[name] = {"mean": mean, "std": math.sqrt(var), "n": len(values)}
     return out
 

@@ -76,3 +76,11 @@ def test_no_claim_the_sources_do_not_contain():
 def test_a_directory_without_metrics_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="finished training run"):
         read_metrics(tmp_path)
+
+
+def test_seed_means_are_exactly_rounded_so_every_python_regenerates_the_same_report():
+    """Python 3.12's sum() of floats compensates, 3.11's does not: the stored shaping report regenerated with 19
+    last-digit differences in the newest-stack leg. math.fsum rounds exactly on both (before, on 3.11:
+    0.09999999999999999)."""
+    stats = aggregate([{"x": 0.1}] * 10)
+    assert stats["x"]["mean"] == 0.1
