@@ -359,3 +359,30 @@ def _policy_callback(policy: dict, mesh):
         return loss, {"log_probs": gather_sequence(logp, cp_group), "loss": loss.detach()}
 
     return callback
+
+
+def tiny_qwen3_moe_hf_config():
+    """The rollout tests' transformers Qwen3-MoE: 2 layers, 4 experts top-2, vocabulary 64."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(  # type: ignore[call-arg]  # head_dim is a kwarg transformers reads, not in its stub
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
+
+
+def tiny_qwen3_moe_hf_weights(seed: int) -> dict[str, torch.Tensor]:
+    """transformers' own initialisation of ``tiny_qwen3_moe_hf_config`` under ``seed``."""
+    from transformers import Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    return dict(Qwen3MoeForCausalLM(tiny_qwen3_moe_hf_config()).state_dict())

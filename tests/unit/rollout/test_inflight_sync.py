@@ -15,7 +15,9 @@ from gspo_megatron.rollout.config import EmbeddedConfig, InflightUpdateMode, Sta
 from gspo_megatron.rollout.embedded.engine import EmbeddedEngine
 from gspo_megatron.rollout.inflight_sync import load_in_flight
 from gspo_megatron.rollout.streaming import StreamingScheduler
-from tests.unit.rollout.test_streaming import BOUND_S, PARAMS, _hf_config, _versions, _weights
+from gspo_megatron.testing.model_fixtures import tiny_qwen3_moe_hf_config as _hf_config
+from gspo_megatron.testing.model_fixtures import tiny_qwen3_moe_hf_weights as _weights
+from tests.unit.rollout.test_streaming import BOUND_S, PARAMS, _versions
 
 
 class _Stream:

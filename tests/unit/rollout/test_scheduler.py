@@ -6,31 +6,16 @@ import threading
 
 import pytest
 import torch
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import Qwen3MoeForCausalLM
 
 from gspo_megatron.contracts.samples import SamplingParams
 from gspo_megatron.rollout.config import EmbeddedConfig
 from gspo_megatron.rollout.embedded.engine import EmbeddedEngine
 from gspo_megatron.rollout.scheduler import RolloutScheduler, StalenessError
+from gspo_megatron.testing.model_fixtures import tiny_qwen3_moe_hf_config as _hf_config
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=3, return_routed_experts=True)
-
-
-def _hf_config():
-    return Qwen3MoeConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-    )
 
 
 def _weights(seed):

@@ -7,8 +7,6 @@ import threading
 from collections import Counter
 
 import pytest
-import torch
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from gspo_megatron.contracts.samples import Sample, SamplingParams
 from gspo_megatron.rollout.config import EmbeddedConfig
@@ -21,6 +19,8 @@ from gspo_megatron.rollout.staleness import (
     stale_token_metrics,
     token_ages,
 )
+from gspo_megatron.testing.model_fixtures import tiny_qwen3_moe_hf_config as _hf_config
+from gspo_megatron.testing.model_fixtures import tiny_qwen3_moe_hf_weights as _weights
 
 WAIT_S = 120.0  # bound on every wait below (never reached when the code is right)
 
@@ -75,27 +75,6 @@ def test_a_closed_gate_releases_a_waiting_producer():
     gate.close()
     producer.join(WAIT_S)
     assert not producer.is_alive() and len(raised) == 1
-
-
-def _hf_config():  # test_scheduler.py's tiny Qwen3-MoE
-    return Qwen3MoeConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-    )
-
-
-def _weights(seed: int) -> dict[str, torch.Tensor]:
-    torch.manual_seed(seed)
-    return dict(Qwen3MoeForCausalLM(_hf_config()).state_dict())
 
 
 PROMPT = [[1, 2, 3, 4, 5]]

@@ -7,39 +7,17 @@ engine's own."""
 import threading
 
 import pytest
-import torch
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from gspo_megatron.contracts.samples import SamplingParams
 from gspo_megatron.rollout.config import EmbeddedConfig, StalenessMode
 from gspo_megatron.rollout.embedded.engine import EmbeddedEngine
 from gspo_megatron.rollout.scheduler import StalenessError
 from gspo_megatron.rollout.streaming import StreamingScheduler
+from gspo_megatron.testing.model_fixtures import tiny_qwen3_moe_hf_config as _hf_config
+from gspo_megatron.testing.model_fixtures import tiny_qwen3_moe_hf_weights as _weights
 
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=4, n=2, seed=3, return_routed_experts=True)
 BOUND_S = 120.0  # each wait's bound; the test never races it
-
-
-def _hf_config():
-    return Qwen3MoeConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-    )
-
-
-def _weights(seed):
-    torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(_hf_config())
-    return dict(model.state_dict())
 
 
 def _versions(group):
