@@ -23,8 +23,7 @@ Design decisions:
   trained tokens / s = sum(response/length_mean x batch/fed_rows) / sum(step cycle), where a step's cycle
   is the difference of consecutive ``time/run_wall_s`` (everything the run did between two steps' records);
   its ratio to ``sync``'s. The idle fractions are cycle-weighted means. The streaming arms log them
-  (``time/trainer_idle_frac``, ``time/engine_idle_frac``; the engine's is the producer's since it started,
-  so a step's value is the run's so far, the warm-up included); for sync and one-step they are derived from
+  (``time/trainer_idle_frac``, ``time/engine_idle_frac``, each the step's own: its waits over its cycle); for sync and one-step they are derived from
   the scheduler's ``time/generation`` (the engine side's round: generate + score) and
   ``time/generation_overlap_frac``: trainer idle = generation x (1 - overlap) / cycle (it waited for
   the part that did not overlap training), engine idle = 1 - generation / cycle.

@@ -44,8 +44,9 @@ Design decisions:
   after it). Timings under ``time/``: ``time/trainer_idle_frac`` = the take's wait
   for groups / the step's cycle (from the previous take's return to this one's: train, sync, wait; the first
   step's from the producer's start);
-  ``time/engine_idle_frac`` = the producer's finished waits at the gate or for room / its wall time, since it
-  started.
+  ``time/engine_idle_frac`` = the producer's time waiting at the gate or for room within that same cycle / the
+  cycle (a wait still in progress at the take counted up to it), so each step's value is its own and a
+  cycle-weighted mean over steps is the run's.
 - Every wait is bounded by ``wait_bound_s`` (``WAIT_BOUND_S``); a timeout raises naming what was awaited. A
   failed round closes the buffer, and the trainer's take re-raises its error.
 """
@@ -150,12 +151,14 @@ class StreamingScheduler(Generic[GroupT]):
         wait_bound_s: float = WAIT_BOUND_S,
         inflight_update_mode: InflightUpdateMode = InflightUpdateMode.off,
         spanning_samples_of: Callable[[GroupT], int] = lambda group: 0,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         """``draw_round(r)``: round r's groups; ``assemble(step, groups)``: the step's (batch, metrics);
         ``token_versions_of``: a group's tokens' versions (admission); ``versions_of``: a batch's samples'
         versions (the trainer's check); ``last_step``: trainer.steps (under ``wait`` no round past it);
         ``inflight_update_mode``: off, a sync waits for the round in flight; else it lands in it (module docstring);
-        ``spanning_samples_of``: how many of a group's samples hold tokens of more than one version."""
+        ``spanning_samples_of``: how many of a group's samples hold tokens of more than one version; ``clock``: the
+        idle fractions' time source (seconds)."""
         if max_staleness < 2:
             raise ValueError(
                 f"rollout.max_staleness={max_staleness}: streaming is for a bound above 1 (rollout/scheduler.py "
@@ -167,6 +170,7 @@ class StreamingScheduler(Generic[GroupT]):
         self.last_step, self.wait_bound_s = last_step, wait_bound_s
         self.inflight_update_mode = InflightUpdateMode(inflight_update_mode)
         self.spanning_samples_of = spanning_samples_of
+        self.clock = clock
         self.buffer: GroupBuffer[GroupT] = GroupBuffer(max_staleness, token_versions_of)
         self.turns = EngineTurns(wait_bound_s)
         self.gate: StalenessGate | None = None  # wait: built at start, at the trainer's version
@@ -176,8 +180,9 @@ class StreamingScheduler(Generic[GroupT]):
         self._error: BaseException | None = None
         self._progress = threading.Condition()  # guards the counters below
         self._blocks = 0  # times the producer found no capacity or room and waited
-        self._idle_s = 0.0  # the producer's time at the gate or waiting for room
-        self._started_at = 0.0
+        self._idle_s = 0.0  # the producer's finished waits at the gate or for room
+        self._waiting_since: float | None = None  # when the producer's wait in progress began
+        self._idle_at_last_take = 0.0  # the producer's idle time up to the previous take
         self._last_take = 0.0
         self._final_round = 0
         self._finished = False  # the producer thread returned
@@ -193,20 +198,20 @@ class StreamingScheduler(Generic[GroupT]):
         self._final_round = self._next_round + self.last_step - version
         if self.mode is StalenessMode.wait:
             self.gate = StalenessGate(self.max_staleness, self.groups_per_step, version)
-        self._started_at = self._last_take = time.perf_counter()
+        self._last_take = self.clock()
         self._thread = threading.Thread(target=self._produce, name="rollout-producer", daemon=True)
         self._thread.start()
 
     def take(self, step: int) -> tuple[Any, dict[str, float]]:
         """Step ``step``'s (batch, metrics) from ``groups_per_step`` groups admitted at version ``step``."""
         self.start(step)
-        wait_start = time.perf_counter()
+        wait_start = self.clock()
         try:
             admission = self.buffer.take(self.groups_per_step, step, self.wait_bound_s)
         except BufferClosed:
             self._raise_producer_error()
             raise
-        now = time.perf_counter()
+        now = self.clock()
         if admission.dropped and self.mode is StalenessMode.wait:
             raise StalenessError(
                 f"step {step}: {len(admission.dropped)} group(s) past rollout.max_staleness={self.max_staleness} "
@@ -221,6 +226,7 @@ class StreamingScheduler(Generic[GroupT]):
                 f"{max(staleness)} exceeds rollout.max_staleness={self.max_staleness}"
             )
         cycle, self._last_take = now - self._last_take, now
+        engine_idle_s = self._engine_idle_since_last_take(now)
         dropped_at_resume, self._dropped_at_resume = self._dropped_at_resume, 0
         metrics = {
             **metrics,
@@ -233,7 +239,7 @@ class StreamingScheduler(Generic[GroupT]):
             "async/groups_dropped_at_resume": float(dropped_at_resume),
             "async/groups_buffered": float(len(self.buffer)),
             "time/trainer_idle_frac": (now - wait_start) / cycle if cycle > 0 else 0.0,
-            "time/engine_idle_frac": self.engine_idle_frac(now),
+            "time/engine_idle_frac": engine_idle_s / cycle if cycle > 0 else 0.0,
         }
         return batch, metrics
 
@@ -263,10 +269,14 @@ class StreamingScheduler(Generic[GroupT]):
         finally:
             self.turns.end_trainer_turn()
 
-    def engine_idle_frac(self, now: float) -> float:
+    def _engine_idle_since_last_take(self, now: float) -> float:
+        """The producer's waiting time between the previous take (or its start) and ``now``, a wait in progress
+        counted up to ``now``; the next call counts from ``now``."""
         with self._progress:
-            wall = now - self._started_at
-            return self._idle_s / wall if wall > 0 else 0.0
+            in_progress = now - self._waiting_since if self._waiting_since is not None else 0.0
+            idle_until_now = self._idle_s + in_progress
+            idle_s, self._idle_at_last_take = idle_until_now - self._idle_at_last_take, idle_until_now
+            return idle_s
 
     def wait_until_blocked(self, blocks: int, timeout_s: float) -> int:
         """Until the producer has waited for capacity or room more than ``blocks`` times, or stopped; returns the
@@ -341,16 +351,17 @@ class StreamingScheduler(Generic[GroupT]):
 
     def _timed(self, would_wait: bool, wait: Callable[[], Any]) -> Any:
         """Run ``wait``, counting it as a block when the producer found no capacity or room, and its time as idle."""
-        if would_wait:
-            with self._progress:
+        with self._progress:
+            started = self._waiting_since = self.clock()  # before the block is seen: a take counts it from here
+            if would_wait:
                 self._blocks += 1
                 self._progress.notify_all()
-        started = time.perf_counter()
         try:
             return wait()
         finally:
             with self._progress:
-                self._idle_s += time.perf_counter() - started
+                self._idle_s += self.clock() - started
+                self._waiting_since = None
 
     def _raise_producer_error(self) -> None:
         if self._error is not None:

@@ -27,9 +27,10 @@ def _versions(group):
 class _Run:
     """The real engine under a streaming scheduler; each round is one prompt's group (G = 1)."""
 
-    def __init__(self, mode, max_staleness=2, steps=6, next_round=None, buffered=0):
+    def __init__(self, mode, max_staleness=2, steps=6, next_round=None, buffered=0, clock=None):
         self.engine = EmbeddedEngine(_hf_config(), EmbeddedConfig())
         self.rounds = []  # the round indices drawn, in order
+        self.clock = clock
         self.scheduler = StreamingScheduler(
             self._draw,
             lambda step, groups: (groups, {}),
@@ -40,12 +41,15 @@ class _Run:
             groups_per_step=1,
             last_step=steps,
             wait_bound_s=BOUND_S,
+            **({"clock": clock} if clock is not None else {}),
         )
         if next_round is not None:
             self.scheduler.load_state_dict({"next_round": next_round, "buffered_groups": buffered})
 
     def _draw(self, round_index):
         self.rounds.append(round_index)
+        if self.clock is not None:
+            self.clock.advance(ROUND_S)
         return self.engine.generate([[1 + round_index % 7, 2, 3]], PARAMS)
 
     def sync(self, version):
@@ -85,6 +89,45 @@ def test_wait_holds_the_producer_at_the_gate_and_trains_every_group_within_k():
     assert metrics[1]["async/stale_token_frac"] == 1.0 and metrics[0]["async/stale_token_frac"] == 0.0
     for m in metrics:
         assert 0.0 <= m["time/trainer_idle_frac"] <= 1.0 and 0.0 <= m["time/engine_idle_frac"] <= 1.0
+
+
+class _ManualClock:
+    """The idle fractions' time source, moved by hand: a round takes ``ROUND_S``, the trainer's work what the test
+    says, so the fractions are exact whatever the machine's speed."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+    def advance(self, seconds):
+        self.now += seconds
+
+
+ROUND_S = 10.0
+
+
+def test_engine_idle_frac_is_each_steps_own_with_a_wait_in_progress_counted_up_to_the_take():
+    """k = 2, G = 1 under wait: rounds 0..2 (30 s) then the gate holds the producer. Step 0 takes at 100: idle
+    70 of its 100 s cycle, the wait still in progress. The sync lets round 3 run (10 s), the gate holds it again
+    from 110; step 1 takes at 200: idle 90 of 100 -- its own, not the run's so far ((70 + 90) / 200)."""
+    clock = _ManualClock()
+    run = _Run(StalenessMode.wait, clock=clock)
+    run.engine.update_weights(_weights(0).items(), 0)
+    scheduler = run.scheduler
+    scheduler.start(0)
+    blocks = scheduler.wait_until_blocked(0, BOUND_S)
+    clock.now = 100.0
+    _, first = scheduler.take(0)
+    run.sync(1)
+    scheduler.wait_until_blocked(blocks, BOUND_S)
+    clock.now = 200.0
+    _, second = scheduler.take(1)
+    scheduler.close()
+    assert run.rounds == [0, 1, 2, 3]
+    assert (first["time/engine_idle_frac"], second["time/engine_idle_frac"]) == (0.7, 0.9)
+    assert (first["time/trainer_idle_frac"], second["time/trainer_idle_frac"]) == (0.0, 0.0)
 
 
 def test_drop_runs_the_producer_ahead_and_drops_whole_groups_past_k():
