@@ -36,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, whatever is installed
 
 from agent_report import summary_from_store
+from async_report import write_report as write_async_report
 from compare_runs import write_reports
 
 from study_reports.shaping_report import study_files
@@ -78,6 +79,7 @@ REPORTS: dict[str, ReportKind] = {
     "routing_study": ReportKind(_routing_study, ("study.json", "comparison.json"), ("provenance", "generated_by")),
     "shaping_study": ReportKind(_shaping_study, ("report.json",)),  # its notes are the study's own record
     "agent_study": ReportKind(_agent_study, ("summary.json",), ("provenance",)),
+    "async_study": ReportKind(write_async_report, ("report.json",)),  # tools/async_report.py
 }
 
 
