@@ -23,10 +23,10 @@ Design decisions:
   trained tokens / s = sum(response/length_mean x batch/fed_rows) / sum(step cycle), where a step's cycle
   is the difference of consecutive ``time/run_wall_s`` (everything the run did between two steps' records);
   its ratio to ``sync``'s. The idle fractions are cycle-weighted means. The streaming arms log them
-  (``time/trainer_idle_frac``, ``time/engine_idle_frac``, each the step's own: its waits over its cycle); for sync and one-step they are derived from
-  the scheduler's ``time/generation`` (the engine side's round: generate + score) and
-  ``time/generation_overlap_frac``: trainer idle = generation x (1 - overlap) / cycle (it waited for
-  the part that did not overlap training), engine idle = 1 - generation / cycle.
+  (``time/trainer_idle_frac``, ``time/engine_idle_frac``, each the step's own: its waits over its cycle); for
+  sync and one-step they are derived from the scheduler's ``time/generation`` (the engine side's round:
+  generate + score) and ``time/generation_overlap_frac``: trainer idle = generation x (1 - overlap) / cycle
+  (it waited for the part that did not overlap training), engine idle = 1 - generation / cycle.
 - Stale tokens: ``async/stale_tokens_age_<a>`` summed over the measured steps over the trained tokens;
   age 0 is the rest. Sync logs none (all its tokens are age 0).
 - One rank: ``batch/fed_rows`` is then the whole batch. Generation and training share this process's
