@@ -19,6 +19,7 @@ STUDY_TOOLS = [
     "compare_runs.py",
     "store_runs.py",
     "regenerate_report.py",
+    "async_report.py",
 ]
 
 
