@@ -96,6 +96,12 @@ def test_the_stored_agent_studies_regenerate_bit_for_bit(study, capsys):
     assert "summary.json regenerate bit for bit from 3 stored runs" in capsys.readouterr().out
 
 
+def test_the_stored_async_study_regenerates_bit_for_bit(capsys):
+    """reports/async_long_tail: report.json from its 6 stored runs (sync and streaming k = 2, 3 seeds each)."""
+    assert regenerate_report.main([str(REPORTS / "async_long_tail"), "--check"]) == 0
+    assert "report.json regenerate bit for bit from 6 stored runs" in capsys.readouterr().out
+
+
 def test_the_store_keeps_whole_runs_and_a_manifest_of_their_inputs(sweep, tmp_path):
     study = tmp_path / "study"
     assert store_runs.main([str(sweep), "--study", str(study)]) == 0
