@@ -170,6 +170,12 @@ class SGLangServerDouble(WeightUpdateRoutes):
         self._thread.start()
         return self
 
+    def wait_in_flight(self, count: int, timeout_s: float = HOLD_TIMEOUT_S) -> bool:
+        """Until ``count`` /generate requests are in flight at once (False past ``timeout_s``): a test then
+        pauses with them certainly running, without racing a clock."""
+        with self._lock:
+            return self._in_flight_changed.wait_for(lambda: self._in_flight >= count, timeout_s)
+
     @property
     def paused(self) -> bool:
         """Between /pause_generation and /continue_generation (a stopped server is not paused)."""
