@@ -67,7 +67,9 @@ class RolloutSide:
         scheduler = self.scheduler
         try:
             if isinstance(scheduler, StreamingScheduler) and scheduler.inflight_update_mode != InflightUpdateMode.off:
-                load_in_flight(self.engine, named_tensors, version, scheduler.inflight_update_mode, scheduler.wait_bound_s)
+                load_in_flight(
+                    self.engine, named_tensors, version, scheduler.inflight_update_mode, scheduler.wait_bound_s
+                )
             else:
                 self.engine.update_weights(named_tensors, version)
             loaded = version

@@ -343,7 +343,9 @@ class SGLangEngine(RolloutEngine):
         ``rollout.sglang.pause_mode``: ``_update`` says how."""
         self._update(named_tensors, version, self.config.pause_mode)
 
-    def update_weights_in_flight(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, mode: str) -> None:
+    def update_weights_in_flight(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, mode: str
+    ) -> None:
         """An in-flight update (``rollout.inflight_update_mode``): the same bracket, paused in ``mode``
         (``in_place``: the running requests keep their KV cache; ``retract``: they are re-queued and their KV is
         computed again under the new weights), called while another thread's ``generate`` has requests running.

@@ -94,7 +94,12 @@ SGLANG = ["rollout=sglang", "rollout.sglang.model_path=/ckpt"]
             r"whose routing .*set rollout.inflight_update_mode=in_place",
         ),
         (
-            [*SGLANG, *STREAMING_INFLIGHT, "rollout.inflight_update_mode=retract", "algorithm=grpo_rollout_routing_replay"],
+            [
+                *SGLANG,
+                *STREAMING_INFLIGHT,
+                "rollout.inflight_update_mode=retract",
+                "algorithm=grpo_rollout_routing_replay",
+            ],
             r"rollout.inflight_update_mode=retract with .*routing.replay=rollout.*: a retract update ends every row "
             r"whose routing .*set rollout.inflight_update_mode=in_place",
         ),
@@ -132,7 +137,12 @@ def test_bad_value_is_refused_naming_the_key(overrides, message):
         [*STREAMING_INFLIGHT, "rollout.inflight_update_mode=in_place", "algorithm=grpo_rollout_routing_replay"],
         [*STREAMING_INFLIGHT, "rollout.inflight_update_mode=retract", "routing.kinds=[]"],  # no engine routing
         [*SGLANG, *STREAMING_INFLIGHT, "algorithm=grpo_rollout_routing_replay"],
-        [*SGLANG, *STREAMING_INFLIGHT, "rollout.inflight_update_mode=in_place", "algorithm=grpo_rollout_routing_replay"],
+        [
+            *SGLANG,
+            *STREAMING_INFLIGHT,
+            "rollout.inflight_update_mode=in_place",
+            "algorithm=grpo_rollout_routing_replay",
+        ],
         [*SGLANG, *STREAMING_INFLIGHT, "rollout.inflight_update_mode=retract", "routing.kinds=[]"],
     ],
     ids=[
