@@ -10,7 +10,8 @@
   weights' forward of the whole sequence.
 - A short streaming run (``rollout.async_rollout=true rollout.max_staleness=2``, R3) through the main job
   attached to the server: the producer thread generates while the trainer trains, the syncs take turns with
-  its rounds, no trained token is older than k, and the routing difference is zero at every step.
+  its rounds (or, ``rollout.inflight_update_mode=in_place``, land in the round in flight), no trained token is
+  older than k, and the routing difference is zero at every step.
 Every test puts the checkpoint's weights back on the server (``conftest.py``).
 """
 
@@ -128,16 +129,22 @@ def test_an_in_flight_update_gives_the_later_tokens_the_new_version_and_the_new_
     assert old_only[split:].max() > 10 * LOG_PROB_TOLERANCE  # and the check tells the versions apart
 
 
+@pytest.mark.parametrize("inflight", ["off", "in_place"])
 def test_a_streaming_run_with_r3_trains_no_token_older_than_k_with_zero_routing_difference(
-    live_engine, tiny_checkpoint, tmp_path
+    live_engine, tiny_checkpoint, tmp_path, inflight
 ):
+    """``off``: the syncs take turns with the producer's rounds. ``in_place``: they land in the round in flight
+    (``SGLangEngine.update_weights_in_flight``), responses of up to 8 tokens, so a sample may span two versions;
+    R3 stays exact either way."""
     (url,) = live_engine.server_urls
     overrides = [
         "rollout=sglang",
         "algorithm=grpo_rollout_routing_replay",
         "routing.kinds=[rollout_vs_train]",
         *TINY_JOB,
-        "trainer.steps=4",
+        *([] if inflight == "off" else ["rollout.max_new_tokens=8", "algorithm.mismatch.correction=decoupled"]),
+        f"rollout.inflight_update_mode={inflight}",
+        "trainer.steps=3",
         "trainer.prompts_per_step=4",
         "rollout.group_size=4",
         "trainer.micro_batch_size=16",
@@ -148,7 +155,7 @@ def test_a_streaming_run_with_r3_trains_no_token_older_than_k_with_zero_routing_
         "rollout.async_rollout=true",
         f"rollout.max_staleness={K}",
         "rollout.staleness_mode=wait",
-        "algorithm.mismatch.correction=token_truncate",
+        *(["algorithm.mismatch.correction=token_truncate"] if inflight == "off" else []),
         "rollout.sglang.mode=attach",
         f"rollout.sglang.api_key_env={LIVE_KEY_ENV}",
         f"rollout.sglang.urls=[{url}]",
@@ -163,11 +170,13 @@ def test_a_streaming_run_with_r3_trains_no_token_older_than_k_with_zero_routing_
     finally:
         live_engine.update_weights(hf_weights(seed=0), version=210)  # the checkpoint's weights back
     print(
-        f"\nlive streaming k={K}: staleness max {[m['async/staleness_max'] for m in metrics]}, routing changed "
+        f"\nlive streaming k={K} inflight={inflight}: spanning samples "
+        f"{[m['async/samples_spanning_versions'] for m in metrics]}, staleness max "
+        f"{[m['async/staleness_max'] for m in metrics]}, routing changed "
         f"{[m[ROUTING_CHANGED] for m in metrics]}, trainer idle "
         f"{[round(m['time/trainer_idle_frac'], 2) for m in metrics]}"
     )
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
     for m in metrics:
         assert 0.0 <= m["async/staleness_max"] <= min(K, m["step"] - 1)  # no trained token older than k
         assert m["async/groups_dropped"] == 0.0  # wait: the gate held every round within the bound
