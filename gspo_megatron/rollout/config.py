@@ -306,7 +306,7 @@ class RolloutSection(ConfigNode):
             )
 
     def _check_streaming(self) -> None:
-        """A bound above 1 is the streaming mode: asynchronous, on the embedded engine."""
+        """A bound above 1 is the streaming mode: asynchronous, on either engine (``rollout/streaming.py``)."""
         if self.max_staleness < 0:
             raise ValueError(f"rollout.max_staleness={self.max_staleness} must be >= 0 (0: synchronous)")
         if self.max_staleness <= 1:
@@ -316,15 +316,11 @@ class RolloutSection(ConfigNode):
                 f"rollout.max_staleness={self.max_staleness}: a bound above 1 is the streaming mode, which "
                 "generates beside training; set rollout.async_rollout=true, or rollout.max_staleness to 0 or 1"
             )
-        if self.engine != RolloutEngineName.embedded:
-            raise ValueError(
-                f"rollout.max_staleness={self.max_staleness} with rollout.engine={self.engine}: the streaming mode "
-                "syncs weights between the producer's rounds on the embedded engine only; set "
-                "rollout.engine=embedded or rollout.max_staleness=1"
-            )
 
     def _check_inflight_updates(self) -> None:
-        """An in-flight update lands a weight sync inside the streaming producer's round, on the embedded engine."""
+        """An in-flight update lands a weight sync inside the streaming producer's round: the embedded engine's
+        decode loop takes it between two forwards (``rollout/embedded/inflight.py``), SGLang's servers between
+        ``/pause_generation`` in that mode and ``/continue_generation`` (``SGLangEngine.update_weights_in_flight``)."""
         mode = self.inflight_update_mode
         if mode == InflightUpdateMode.off:
             return
@@ -336,12 +332,8 @@ class RolloutSection(ConfigNode):
                 "round runs beside the sync: set rollout.async_rollout=true and rollout.max_staleness >= 2, or "
                 "rollout.inflight_update_mode=off"
             )
-        if self.engine != RolloutEngineName.embedded:
-            raise ValueError(
-                f"{key} with rollout.engine={self.engine}: in-flight updates are the embedded engine's "
-                "(rollout/embedded/inflight.py); set rollout.engine=embedded or rollout.inflight_update_mode=off"
-            )
-        if mode == InflightUpdateMode.in_place and not self.embedded.use_cache:
+        embedded = self.engine == RolloutEngineName.embedded
+        if embedded and mode == InflightUpdateMode.in_place and not self.embedded.use_cache:
             raise ValueError(
                 f"{key} keeps the KV cache, and rollout.embedded.use_cache=false keeps none: set "
                 "rollout.embedded.use_cache=true, or rollout.inflight_update_mode=retract"

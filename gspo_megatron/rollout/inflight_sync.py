@@ -1,5 +1,7 @@
 """A weight sync that lands inside the streaming producer's round: the trainer's stream goes to the embedded
-engine's ``request_update`` (``rollout/embedded/inflight.py``), handed over one tensor at a time.
+engine's ``request_update`` (``rollout/embedded/inflight.py``), handed over one tensor at a time; or, to SGLang's
+servers, through their own pause in that mode (``SGLangEngine.update_weights_in_flight``: ``/pause_generation``,
+the update, ``/continue_generation`` while the producer's requests wait on the servers).
 
     ticket = engine.request_update(hand_off, version, mode)   # the decode loop takes it at a step boundary
     hand_off.feed(ticket)                                     # the trainer's thread reads the stream into it
@@ -12,6 +14,8 @@ Design decisions:
   one tensor beyond the export's own (the bounded-memory rule of ``loop/weight_sync.py``).
 - No generation running, the mailbox applies the update at once in the caller's thread, which is the
   trainer's: the hand-off then reads the stream there directly (``HandOff.__iter__``), no slot.
+- SGLang needs no hand-off: its servers pause their running requests themselves, so the trainer's thread
+  sends the update as a sync between rounds does, and the producer's requests simply take longer.
 - Bounds: every wait (the engine for the next tensor, the trainer for the slot to empty, the ticket) lasts at
   most ``wait_bound_s``. An update that fails in the generating thread stops taking tensors: the trainer sees
   the ticket done and stops feeding (the export pass left half-read is drained by the stream's owner), and
@@ -44,6 +48,13 @@ class InflightEngine(Protocol):
     """An engine that takes a weight version inside a running generation (``EmbeddedEngine``)."""
 
     def request_update(self, named_tensors: Iterable[NamedTensor], version: int, mode: str) -> UpdateTicketLike: ...
+
+
+@runtime_checkable
+class PausingEngine(Protocol):
+    """An engine whose servers pause their running requests for an update (``SGLangEngine``)."""
+
+    def update_weights_in_flight(self, named_tensors: Iterable[NamedTensor], version: int, mode: str) -> None: ...
 
 
 class HandOff:
@@ -104,13 +115,21 @@ class HandOff:
 
 
 def load_in_flight(
-    engine: InflightEngine,
+    engine: object,
     named_tensors: Iterable[NamedTensor],
     version: int,
     mode: InflightUpdateMode,
     wait_bound_s: float,
 ) -> None:
     """Land ``version`` in the engine's running generation (or at once, none running); returns once applied."""
+    if isinstance(engine, PausingEngine):
+        engine.update_weights_in_flight(named_tensors, version, str(mode))
+        return
+    if not isinstance(engine, InflightEngine):
+        raise TypeError(
+            f"rollout.inflight_update_mode={mode}: the engine {type(engine).__name__} takes no in-flight update; "
+            "set rollout.engine=embedded or sglang, or rollout.inflight_update_mode=off"
+        )
     hand_off = HandOff(named_tensors, wait_bound_s)
     ticket = engine.request_update(hand_off, version, str(mode))
     try:

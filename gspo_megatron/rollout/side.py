@@ -21,7 +21,7 @@ from gspo_megatron.core.named_tensors import NamedTensor
 from gspo_megatron.rollout.config import InflightUpdateMode
 from gspo_megatron.rollout.data.records import PromptRecord
 from gspo_megatron.rollout.engine import RolloutEngine
-from gspo_megatron.rollout.inflight_sync import InflightEngine, load_in_flight
+from gspo_megatron.rollout.inflight_sync import load_in_flight
 from gspo_megatron.rollout.producer import RolloutProducer
 from gspo_megatron.rollout.scheduler import RolloutScheduler
 from gspo_megatron.rollout.streaming import StreamingScheduler
@@ -67,13 +67,9 @@ class RolloutSide:
         scheduler = self.scheduler
         try:
             if isinstance(scheduler, StreamingScheduler) and scheduler.inflight_update_mode != InflightUpdateMode.off:
-                engine = self.engine
-                if not isinstance(engine, InflightEngine):
-                    raise TypeError(
-                        f"rollout.inflight_update_mode={scheduler.inflight_update_mode}: the engine "
-                        f"{type(engine).__name__} takes no in-flight update; set rollout.engine=embedded"
-                    )
-                load_in_flight(engine, named_tensors, version, scheduler.inflight_update_mode, scheduler.wait_bound_s)
+                load_in_flight(
+                    self.engine, named_tensors, version, scheduler.inflight_update_mode, scheduler.wait_bound_s
+                )
             else:
                 self.engine.update_weights(named_tensors, version)
             loaded = version

@@ -5,7 +5,10 @@ ahead of the trainer (``rollout.async_rollout=true``, ``rollout.max_staleness=k`
     trainer:   take(step): G groups admitted at version ``step`` -> assemble -> train -> weight sync (between rounds)
 
 Design decisions:
-- One producer thread for the run, started at the first ``take`` (the engine holds the run's weights by then). A
+- One producer thread for the run, started at the first ``take`` (the engine holds the run's weights by then),
+  whatever the engine: the embedded one, or SGLang's client (its calls run on its own event loop, so the
+  producer's requests and the trainer's weight-sync calls may come from two threads; a round's groups spread
+  over the servers by load). A
   round is a step's worth of fresh groups (``RolloutProducer.draw_round``: generate, score), seeded as the
   synchronous run's step of the round's index, so under ``wait`` step s trains round s's prompts and seeds. What
   depends on the step that trains a group -- shaping's strength, the advantages, packing -- runs at ``take``
@@ -15,10 +18,11 @@ Design decisions:
   one version, the engine's (``Sample.weight_version``), and with R3 the routed experts of that version.
 - ``rollout.inflight_update_mode=in_place|retract`` (default ``off``: the turns above): a sync does not wait
   for the round in flight but lands in it (``RolloutSide.load_weights`` -> ``rollout/inflight_sync.py`` ->
-  ``EmbeddedEngine.request_update``, at the decode loop's next step boundary; bounded wait on the ticket), then
-  advances the gate. A sample may then span versions: each token's is in ``Sample.extra["token_versions"]``,
-  admission counts a group by its oldest token, ``Sample.weight_version`` (the batch's ``policy_versions``, the
-  trainer's bound check) is the oldest, and each token's engine log-prob is the forward that sampled it, which
+  ``EmbeddedEngine.request_update``, at the decode loop's next step boundary, bounded wait on the ticket; or
+  SGLang's servers paused in that mode, ``SGLangEngine.update_weights_in_flight``), then advances the gate. A
+  sample may then span versions: each token's is in ``Sample.extra["token_versions"]``, admission counts a
+  group by its oldest token, ``Sample.weight_version`` (the batch's ``policy_versions``, the trainer's bound
+  check) is the oldest, and each token's engine log-prob is the forward that sampled it, which
   the decoupled loss weighs against pi_old token by token. ``in_place`` keeps each position's routing row, so
   R3 stays exact; ``retract`` with engine routing is refused at start-up (``config/validate.py``: it ends
   rerouted rows, ``ABORT``). Checkpoints and evaluation still take the trainer's turn between rounds.

@@ -32,6 +32,12 @@ What it follows (SGLang 0.5.x ``http_server.py`` / ``io_struct.py``):
   (several names may be open at once), ``/flush_cache`` answers 400 while requests run (an
   ``in_place`` pause keeps them running), an aborted non-streaming request answers HTTP 503, and
   ``sampling_seed`` acts only with ``deterministic_inference`` (``--enable-deterministic-inference``).
+- In-flight updates: a request held at a pause (``/pause_generation``) while the version changes answers
+  SGLang's ``meta_info.weight_versions`` spans (every answer carries them, one span when nothing landed): its
+  first half of tokens drawn under the version it started on, the rest under the new one (SGLang records each
+  live request's output length at the change, ``scheduler.py`` ``record_weight_version_change``). After an
+  ``in_place`` pause the positions fed before the update keep the routing row of the version then (their KV is
+  kept); after ``retract`` every position is computed again under the new version.
 - The weight-update routes live in ``sglang_double_weights.py`` (a mixin of the double).
 - ``api_key`` (``--api-key``, or ``api-key`` in a ``--config`` YAML file) is enforced as SGLang 0.5.23's
   middleware does (``sglang/srt/utils/auth.py``, ``decide_request_auth`` and ``add_api_key_middleware``):
@@ -121,6 +127,7 @@ class SGLangServerDouble(WeightUpdateRoutes):
         self.deterministic_inference = deterministic_inference
         self.version = version
         self.pause_mode: str | None = None
+        self.last_pause_mode: str | None = None  # the mode of the latest pause (what an update landed in)
         self._distributed_failures = 0
         self._disk_failures = 0
         self.weight_version = "default"
@@ -162,6 +169,12 @@ class SGLangServerDouble(WeightUpdateRoutes):
         )
         self._thread.start()
         return self
+
+    def wait_in_flight(self, count: int, timeout_s: float = HOLD_TIMEOUT_S) -> bool:
+        """Until ``count`` /generate requests are in flight at once (False past ``timeout_s``): a test then
+        pauses with them certainly running, without racing a clock."""
+        with self._lock:
+            return self._in_flight_changed.wait_for(lambda: self._in_flight >= count, timeout_s)
 
     @property
     def paused(self) -> bool:
@@ -220,6 +233,7 @@ class SGLangServerDouble(WeightUpdateRoutes):
             self._die()
             return None  # drop the connection without an answer
         with self._lock:
+            started = (self.weight_version, self.pause_mode)  # what an update landing in it changes
             self._in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self._in_flight)
             self._in_flight_changed.notify_all()
@@ -244,22 +258,42 @@ class SGLangServerDouble(WeightUpdateRoutes):
             return 503, {"error": {"message": "temporarily unavailable"}}
         if self.faults.malformed_json:
             return 200, '{"output_ids": [1, 2, '  # truncated on purpose
-        sample = self._sample(body, aborted=index <= self.faults.abort_first, unseeded=unseeded)
+        sample = self._sample(
+            body, aborted=index <= self.faults.abort_first, unseeded=unseeded, started_version=started[0]
+        )
         if sample["meta_info"]["finish_reason"]["type"] == "abort":
             return 503, sample  # non-streaming SGLang answers an aborted request with HTTP 503
         return 200, sample
 
-    def _sample(self, body: dict, *, aborted: bool, unseeded: int) -> dict:
+    def _sample(self, body: dict, *, aborted: bool, unseeded: int, started_version: str | None = None) -> dict:
+        """One answer. A request an update landed in (the version changed while it was held at a pause) has its
+        first half of tokens drawn under the version it started on, the rest under the new one, and answers
+        SGLang's spans (module docstring, "In-flight updates")."""
         prompt = body["input_ids"]
         params = body.get("sampling_params") or {}
         requested = params.get("max_new_tokens")
         max_new = 128 if requested is None else int(requested)
         stop_ids = list(params.get("stop_token_ids") or []) or [self.eos_token_id]
         seed = params.get("sampling_seed") if self.deterministic_inference else None
+        started_version = self.weight_version if started_version is None else started_version
+        draws = {
+            version: random.Random(
+                hashlib.sha256(
+                    json.dumps([prompt, seed if seed is not None else f"unseeded-{unseeded}", version]).encode()
+                ).hexdigest()
+            )
+            for version in (started_version, self.weight_version)
+        }
         key = json.dumps([prompt, seed if seed is not None else f"unseeded-{unseeded}", self.weight_version])
-        rng = random.Random(hashlib.sha256(key.encode()).hexdigest())
+        rng = draws[started_version]
         length = rng.randint(1, max_new) if max_new else 0
+        split = length // 2 if started_version != self.weight_version else 0  # tokens out before the update
         tokens = [_draw_token(rng, self.vocab_size, set(stop_ids)) for _ in range(length)]
+        old_log_probs = [-4.0 * rng.random() for _ in tokens]
+        if split:
+            new_draw = draws[self.weight_version]
+            tokens[split:] = [_draw_token(new_draw, self.vocab_size, set(stop_ids)) for _ in tokens[split:]]
+            old_log_probs[split:] = [-4.0 * new_draw.random() for _ in tokens[split:]]
         if 0 < length < max_new:
             tokens[-1] = stop_ids[0]
             finish = {"type": "stop", "matched": stop_ids[0]}
@@ -267,11 +301,15 @@ class SGLangServerDouble(WeightUpdateRoutes):
             finish = {"type": "length", "length": max_new}
         if aborted:
             tokens = tokens[: max(1, length // 2)] if tokens else tokens
+            old_log_probs, split = old_log_probs[: len(tokens)], min(split, len(tokens))
             finish = {"type": "abort", "message": "Abort before prefill", "status_code": 503}
-        log_probs = [[-4.0 * rng.random(), token, None] for token in tokens]
+        log_probs = [[value, token, None] for value, token in zip(old_log_probs, tokens, strict=True)]
         if self.faults.mismatched_logprob_ids and tokens:
             log_probs[0][1] = tokens[0] + 1
-        rows, cached = self._routed_rows((list(prompt) + tokens)[:-1], len(prompt))
+        # in_place keeps the KV (and routing row) of every position fed before the update: the prompt and the
+        # first split - 1 tokens; retract computes them again under the new weights
+        kept = len(prompt) + split - 1 if split and self.last_pause_mode == "in_place" else 0
+        rows, cached = self._routed_rows((list(prompt) + tokens)[:-1], len(prompt), kept, started_version)
         meta = {
             "id": hashlib.md5(key.encode()).hexdigest(),
             "finish_reason": finish,
@@ -279,6 +317,7 @@ class SGLangServerDouble(WeightUpdateRoutes):
             "completion_tokens": len(tokens),
             "cached_tokens": cached,
             "weight_version": self.weight_version,
+            "weight_versions": _weight_version_spans(started_version, self.weight_version, split, len(tokens)),
             "output_token_logprobs": log_probs,
         }
         if body.get("return_routed_experts") and self.enable_return_routed_experts:
@@ -287,9 +326,12 @@ class SGLangServerDouble(WeightUpdateRoutes):
             meta["routed_experts"] = base64.b64encode(struct.pack(f"<{len(values)}i", *values)).decode()
         return {"text": "", "output_ids": tokens, "meta_info": meta}
 
-    def _routed_rows(self, fed: list[int], prompt_length: int) -> tuple[list[list[int]], int]:
+    def _routed_rows(
+        self, fed: list[int], prompt_length: int, kept: int = 0, kept_version: str | None = None
+    ) -> tuple[list[list[int]], int]:
         """The rows of the ``fed`` positions (input and generated tokens but the last) and how many leading
-        positions the prefix cache served (module docstring)."""
+        positions the prefix cache served (module docstring); the first ``kept`` positions were computed under
+        ``kept_version`` (an in-place update landed after them)."""
         rows: list[list[int]] = []
         key, served = "", 0
         with self._lock:
@@ -300,7 +342,7 @@ class SGLangServerDouble(WeightUpdateRoutes):
                     served += 1
                     rows.append(cached)
                     continue
-                draw = random.Random(f"{key}@{self.weight_version}")
+                draw = random.Random(f"{key}@{kept_version if position < kept else self.weight_version}")
                 rows.append([draw.randrange(self.num_experts) for _ in range(self.num_layers * self.top_k)])
                 if self.radix_cache:
                     self._prefix_rows.setdefault(key, rows[-1])  # an existing entry keeps its KV (and row)
@@ -310,7 +352,7 @@ class SGLangServerDouble(WeightUpdateRoutes):
         mode = (body or {}).get("mode", "abort")
         if mode not in _PAUSE_MODES:
             return 400, {"error": {"message": f"mode {mode!r} not in {sorted(_PAUSE_MODES)}"}}
-        self.pause_mode = mode
+        self.pause_mode = self.last_pause_mode = mode
         self._running.clear()
         self._paused_event.set()
         return 200, {"message": "Generation paused successfully.", "status": "ok"}
@@ -444,6 +486,15 @@ class SGLangServerDouble(WeightUpdateRoutes):
                     self.connection.shutdown(socket.SHUT_RDWR)
 
         return Handler
+
+
+def _weight_version_spans(started: str, current: str, split: int, count: int) -> list[dict]:
+    """``meta_info.weight_versions`` as SGLang 0.5.23 answers a finished request (``utils/weight_versions.py``:
+    ``compute_weight_version_spans`` over one event (started, split) recorded when the version changed, then
+    ``add_weight_versions_to_meta_info``): one span, or two when the update landed after ``split`` tokens."""
+    if split and started != current:
+        return [{"version": started, "start": 0, "end": split}, {"version": current, "start": split, "end": count}]
+    return [{"version": current, "start": 0, "end": count}]
 
 
 def _draw_token(rng: random.Random, vocab_size: int, stop_ids: set) -> int:

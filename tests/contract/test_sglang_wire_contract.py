@@ -173,6 +173,7 @@ def test_response_fields_decode_from_what_sglang_fills(sglang_reference):
     assert torch.equal(result.routed_experts, torch.from_numpy(experts))
     assert result.output_log_probs.tolist() == [-0.5, -0.25, -1.0, -2.0]
     assert result.weight_version == 6 and result.oldest_weight_version == 5
+    assert result.token_versions(unnamed=0) == [5, 5, 6, 6]  # the update landed after 2 tokens
     assert result.weight_versions == ((5, 0, 2), (6, 2, 4))
     for finish in (FINISH_MATCHED_TOKEN(matched=2), FINISH_ABORT("aborted")):
         meta["finish_reason"] = finish.to_json()

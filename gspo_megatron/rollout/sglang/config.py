@@ -150,7 +150,9 @@ class SGLangConfig(ConfigNode):
     # writes <dir>/v<version>/ (older v* removed); a relative dir lies under the run directory (disk_sync_root)
     disk_sync_dir: str = "sglang_sync"
     fallback_to_disk: bool = True  # a failed distributed update is retried through the disk path
-    pause_mode: PauseMode = PauseMode.retract  # in-flight requests are retracted and resume on the new weights
+    # in-flight requests are retracted and resume on the new weights; the syncs between rounds and turns use it,
+    # an in-flight update (rollout.inflight_update_mode) pauses in its own mode (SGLangEngine.update_weights_in_flight)
+    pause_mode: PauseMode = PauseMode.retract
     bracket_weight_update: bool = True  # /begin_weight_update.../end_weight_update (newer 0.5.x)
 
     def disk_sync_root(self, run_dir: Path | None) -> Path:

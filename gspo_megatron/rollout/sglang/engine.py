@@ -45,8 +45,13 @@ Design decisions:
 - Seeds: SGLang honours ``sampling_seed`` only under ``--enable-deterministic-inference``; without it
   no seed is sent and a warning says samples are not reproducible.
 - The weight version is sent with every update and read back from ``meta_info.weight_version``; a
-  sample retracted across an update records the OLDEST version among ``meta_info.weight_versions``
-  (its spans are kept in ``Sample.extra``), so staleness is never under-counted.
+  sample an update landed in (an in-flight update, ``update_weights_in_flight``, either pause mode) records
+  the OLDEST version among ``meta_info.weight_versions`` (its spans are kept in ``Sample.extra``), so
+  staleness is never under-counted, and each token's version in ``Sample.extra["token_versions"]``.
+  SGLang 0.5.23 reports versions per request as spans of output tokens, not per token: the split point is
+  the request's output length when the version changed (``GenerateResult.token_versions``), exact with the
+  overlap schedule off (the CPU launch); with it on, a token whose forward was in flight at the pause may
+  be counted to the new version.
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ from typing import Any
 
 import torch
 
-from gspo_megatron.contracts.samples import FinishReason, RowRequest, Sample, SamplingParams
+from gspo_megatron.contracts.samples import TOKEN_VERSIONS, FinishReason, RowRequest, Sample, SamplingParams
 from gspo_megatron.core.fp8_blocks import QuantizedStream, quantize_named_tensors
 from gspo_megatron.core.interrupts import RunInterrupted
 from gspo_megatron.core.ports import free_port
@@ -317,8 +322,11 @@ class SGLangEngine(RolloutEngine):
         oldest = result.oldest_weight_version
         version = oldest if oldest is not None else self.weight_version
         extra: dict[str, Any] = {"abort_retries": attempt, "server": server.url if server is not None else None}
-        if len(result.weight_versions) > 1:
+        if len(result.weight_versions) > 1:  # an update landed while it ran: each token's version kept
             extra["weight_versions"] = [list(span) for span in result.weight_versions]
+            token_versions = result.token_versions(version)
+            if len(set(token_versions)) > 1:
+                extra[TOKEN_VERSIONS] = token_versions
         return Sample(
             prompt_ids=list(prompt),
             output_ids=result.output_ids,
@@ -331,7 +339,27 @@ class SGLangEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ weight sync
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Stream ``named_tensors`` into every live server, one bucket at a time (nothing is listed).
+        """Stream ``named_tensors`` into every live server, one bucket at a time (nothing is listed), paused in
+        ``rollout.sglang.pause_mode``: ``_update`` says how."""
+        self._update(named_tensors, version, self.config.pause_mode)
+
+    def update_weights_in_flight(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, mode: str
+    ) -> None:
+        """An in-flight update (``rollout.inflight_update_mode``): the same bracket, paused in ``mode``
+        (``in_place``: the running requests keep their KV cache; ``retract``: they are re-queued and their KV is
+        computed again under the new weights), called while another thread's ``generate`` has requests running.
+        Each request's tokens after the update carry the new version: SGLang 0.5.23 records, for every live
+        request, (old version, output tokens so far) when the version changes (``scheduler.py``
+        ``record_weight_version_change``) and answers them as ``meta_info.weight_versions`` spans, which
+        ``_generate_one`` turns into ``Sample.extra["token_versions"]``."""
+        if mode not in (PauseMode.in_place, PauseMode.retract):
+            raise ValueError(f"an in-flight update pauses in_place or retract, not {mode!r}")
+        self._update(named_tensors, version, PauseMode(mode))
+
+    def _update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, pause_mode: PauseMode) -> None:
+        """Stream ``named_tensors`` into every live server between ``/pause_generation`` in ``pause_mode`` and
+        ``/continue_generation``.
 
         Each attempt iterates ``named_tensors`` once. A re-iterable (a list, or the trainer's export
         stream, whose every pass is a fresh export) lets a failed distributed update be retried through
@@ -351,7 +379,7 @@ class SGLangEngine(RolloutEngine):
         servers = self._client.pool.alive()
         failure: BaseException | None = None
         try:
-            self._calls.on_all(servers, "POST", "/pause_generation", {"mode": self.config.pause_mode})
+            self._calls.on_all(servers, "POST", "/pause_generation", {"mode": pause_mode})
             direct = {WeightSync.distributed: self._sync_distributed, WeightSync.tensor: self._sync_by_tensor}
             sync = direct.get(self.config.weight_sync)
             if sync is not None:
@@ -379,7 +407,7 @@ class SGLangEngine(RolloutEngine):
                     self._in_session(servers, lambda: self._sync_from_disk(servers, named_tensors, version))
             else:
                 self._in_session(servers, lambda: self._sync_from_disk(servers, named_tensors, version))
-            if self.config.pause_mode != PauseMode.in_place:  # in_place requests stay running: SGLang refuses
+            if pause_mode != PauseMode.in_place:  # in_place requests stay running: SGLang refuses
                 self._calls.on_all(servers, "POST", "/flush_cache", None)
         except BaseException as error:  # noqa: BLE001 - re-raised below after un-pausing
             failure = error

@@ -51,6 +51,31 @@ class GenerateResult:
         versions = [version for version, _, _ in self.weight_versions if version is not None]
         return min(versions) if versions else self.weight_version
 
+    def token_versions(self, unnamed: int) -> list[int]:
+        """Each output token's weight version, from the spans: span (v, start, end) holds tokens start..end-1,
+        sampled under v (SGLang 0.5.23 ``utils/weight_versions.py``: a version change records each live
+        request's output length, and the tokens after it come from forwards under the new weights). No spans:
+        every token ``weight_version``'s; a version that is not an integer (SGLang's ``"default"``, before any
+        update named one) is ``unnamed``. The spans must cover the output exactly, else ``ProtocolError``."""
+        count = len(self.output_ids)
+        if not self.weight_versions:
+            version = self.weight_version
+            return [unnamed if version is None else version] * count
+        versions: list[int] = []
+        for version, start, end in self.weight_versions:
+            if start != len(versions) or end < start:
+                raise ProtocolError(
+                    f"meta_info.weight_versions {list(self.weight_versions)} do not tile the {count} output tokens "
+                    f"(a span starts at {start} after {len(versions)} tokens)"
+                )
+            versions += [unnamed if version is None else version] * (end - start)
+        if len(versions) != count:
+            raise ProtocolError(
+                f"meta_info.weight_versions {list(self.weight_versions)} cover {len(versions)} tokens, the output "
+                f"has {count}"
+            )
+        return versions
+
 
 def build_generate_request(
     prompt_ids: list[int],

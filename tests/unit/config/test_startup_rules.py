@@ -18,6 +18,7 @@ def _typed(overrides):
 
 
 STREAMING_INFLIGHT = ["rollout.async_rollout=true", "rollout.max_staleness=2"]
+SGLANG = ["rollout=sglang", "rollout.sglang.model_path=/ckpt"]
 
 
 @pytest.mark.parametrize(
@@ -92,6 +93,16 @@ STREAMING_INFLIGHT = ["rollout.async_rollout=true", "rollout.max_staleness=2"]
             r"rollout.inflight_update_mode=retract with routing.replay=rollout.*: a retract update ends every row "
             r"whose routing .*set rollout.inflight_update_mode=in_place",
         ),
+        (
+            [
+                *SGLANG,
+                *STREAMING_INFLIGHT,
+                "rollout.inflight_update_mode=retract",
+                "algorithm=grpo_rollout_routing_replay",
+            ],
+            r"rollout.inflight_update_mode=retract with .*routing.replay=rollout.*: a retract update ends every row "
+            r"whose routing .*set rollout.inflight_update_mode=in_place",
+        ),
     ],
     ids=[
         "micro_batch",
@@ -112,6 +123,7 @@ STREAMING_INFLIGHT = ["rollout.async_rollout=true", "rollout.max_staleness=2"]
         # turn's end (TypeError in _KeptCache.of_row), every trajectory lost
         "hybrid_agent_needs_no_kept_cache",
         "retract_with_r3",
+        "sglang_retract_with_r3",
     ],
 )
 def test_bad_value_is_refused_naming_the_key(overrides, message):
@@ -124,10 +136,24 @@ def test_bad_value_is_refused_naming_the_key(overrides, message):
     [
         [*STREAMING_INFLIGHT, "rollout.inflight_update_mode=in_place", "algorithm=grpo_rollout_routing_replay"],
         [*STREAMING_INFLIGHT, "rollout.inflight_update_mode=retract", "routing.kinds=[]"],  # no engine routing
+        [*SGLANG, *STREAMING_INFLIGHT, "algorithm=grpo_rollout_routing_replay"],
+        [
+            *SGLANG,
+            *STREAMING_INFLIGHT,
+            "rollout.inflight_update_mode=in_place",
+            "algorithm=grpo_rollout_routing_replay",
+        ],
+        [*SGLANG, *STREAMING_INFLIGHT, "rollout.inflight_update_mode=retract", "routing.kinds=[]"],
     ],
-    ids=["in_place_with_r3", "retract_without_routing"],
+    ids=[
+        "in_place_with_r3",
+        "retract_without_routing",
+        "sglang_streaming_with_r3",
+        "sglang_in_place_with_r3",
+        "sglang_retract_without_routing",
+    ],
 )
-def test_in_flight_updates_are_accepted_where_they_apply(overrides):
+def test_streaming_and_in_flight_updates_are_accepted_where_they_apply(overrides):
     validate_config(_typed(overrides), 1)
 
 
@@ -157,10 +183,6 @@ SECTION_RULES = [
     ("rollout.max_staleness=2", r"rollout.max_staleness=2: a bound above 1 is the streaming mode.*async_rollout=true"),
     ("rollout.max_staleness=-1", r"rollout.max_staleness=-1 must be >= 0 \(0: synchronous\)"),
     (
-        "rollout.async_rollout=true rollout.max_staleness=3 rollout.engine=sglang",
-        r"rollout.max_staleness=3 with rollout.engine=sglang: .*set rollout.engine=embedded or rollout.max_staleness=1",
-    ),
-    (
         "rollout.async_rollout=true rollout.max_staleness=2 rollout.over_sample=1.5",
         r"rollout.over_sample=1.5 with rollout.async_rollout=true: .*set rollout.over_sample=1",
     ),
@@ -169,10 +191,6 @@ SECTION_RULES = [
         "rollout.async_rollout=true rollout.inflight_update_mode=in_place",
         r"rollout.inflight_update_mode=in_place lands .* without streaming .*rollout.max_staleness >= 2, or "
         r"rollout.inflight_update_mode=off",
-    ),
-    (
-        "rollout.async_rollout=true rollout.max_staleness=2 rollout.engine=sglang rollout.inflight_update_mode=retract",
-        r"rollout.inflight_update_mode=retract with rollout.engine=sglang: .*set rollout.engine=embedded",
     ),
     (
         "rollout.async_rollout=true rollout.max_staleness=2 rollout.inflight_update_mode=in_place "

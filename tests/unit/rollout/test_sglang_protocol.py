@@ -72,6 +72,21 @@ def test_parse_logprobs_finish_reason_and_version():
     assert aborted.finish_reason is FinishReason.ABORT and aborted.weight_version is None
 
 
+def test_each_tokens_version_comes_from_the_spans_and_spans_that_do_not_tile_the_output_are_refused():
+    tokens, log_probs = [5, 9, 2, 7], [-0.5] * 4
+    spans = [{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 4}]
+    result = parse_generate_response(_response(tokens, log_probs, weight_version="4", weight_versions=spans), 2)
+    assert result.token_versions(unnamed=0) == [3, 4, 4, 4] and result.oldest_weight_version == 3
+    one = parse_generate_response(_response(tokens, log_probs, weight_version="default"), 2)
+    assert one.token_versions(unnamed=7) == [7, 7, 7, 7]  # no version named yet: the engine's own
+    gap = [{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 2, "end": 4}]
+    with pytest.raises(ProtocolError, match="do not tile the 4 output tokens"):
+        parse_generate_response(_response(tokens, log_probs, weight_versions=gap), 2).token_versions(0)
+    short = [{"version": "3", "start": 0, "end": 3}]
+    with pytest.raises(ProtocolError, match="cover 3 tokens, the output has 4"):
+        parse_generate_response(_response(tokens, log_probs, weight_versions=short), 2).token_versions(0)
+
+
 def test_routed_experts_decoded_little_endian_in_token_layer_topk_order():
     # prompt 2 + output 2 - 1 = 3 token rows, 2 layers, top-2: values 0..11 laid out row-major.
     encoded = _b64_int32(list(range(12)))
