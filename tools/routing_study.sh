@@ -5,6 +5,7 @@
 #   bash tools/routing_study.sh routing_stability_quick    # 8 runs, <= 15 min
 #   bash tools/routing_study.sh routing_stability_miniature  # 8 runs of 2 steps, tiny model (test reference)
 #   bash tools/routing_study.sh routing_stability_offpolicy  # off-policy pressure arms (issue 31; hours)
+#   bash tools/routing_study.sh e1_routing_shape     # E1: 4 routing shapes at width 64 (issue 67; ~50 min)
 #   bash tools/routing_study.sh routing_stability trainer.steps=24   # extra Hydra overrides
 # Writes multirun/<experiment>_<timestamp>/ (one run directory per config and seed), stores its runs in
 # reports/<experiment>/ (store.json, stored_runs/<run>/: manifest, config, gzip'd per-step metrics and routing;
@@ -23,6 +24,11 @@ shift || true
 # its warm_start.json names this command, a clean checkout of this commit and this thread count
 case "$experiment" in
   routing_stability_miniature | *random_init) init="" ;;
+  e1_routing_shape) init="" # one warm start per routing shape, checkpoints/e1_<shape> (the experiment names it)
+    for shape in width64_6x32_top4 width64_6x128_top8 width64_24x128_top8 width64_48x128_top8; do
+      python3 tools/sft_warmstart.py --model "$shape" --digits 5 --min-digits 3 --steps 100 \
+        --out "checkpoints/e1_${shape}" --keep-if-current
+    done ;;
   routing_stability_offpolicy) init=checkpoints/small_moe_reasoner_3to8 digits=8 ;;
   *) init=checkpoints/small_moe_reasoner_3to5 digits=5 ;;
 esac
