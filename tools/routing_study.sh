@@ -22,9 +22,10 @@ experiment="${1:-routing_stability}"
 shift || true
 # the supervised warm start each experiment's model.hf_checkpoint names (none: random init); kept when
 # its warm_start.json names this command, a clean checkout of this commit and this thread count
+report=routing_study  # tools/regenerate_report.py's report kind
 case "$experiment" in
   routing_stability_miniature | *random_init) init="" ;;
-  e1_routing_shape) init="" # one warm start per routing shape, checkpoints/e1_<shape> (the experiment names it)
+  e1_routing_shape) init="" report=routing_shape_study  # a warm start per shape, checkpoints/e1_<shape>
     for shape in width64_6x32_top4 width64_6x128_top8 width64_24x128_top8 width64_48x128_top8; do
       python3 tools/sft_warmstart.py --model "$shape" --digits 5 --min-digits 3 --steps 100 \
         --out "checkpoints/e1_${shape}" --keep-if-current
@@ -38,5 +39,5 @@ if [ -n "$init" ]; then
 fi
 sweep="multirun/${experiment}_$(date +%Y%m%d_%H%M%S)"
 python3 -m gspo_megatron.train --multirun "+experiment=${experiment}" "hydra.sweep.dir=${sweep}" "$@"
-python3 tools/store_runs.py "$sweep" --study "reports/${experiment}"
+python3 tools/store_runs.py "$sweep" --study "reports/${experiment}" --report "$report"
 python3 tools/regenerate_report.py "reports/${experiment}"
