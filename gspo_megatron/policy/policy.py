@@ -115,8 +115,13 @@ class Policy:
         clip: tuple[float, float] | None,
     ) -> UpdateResult:
         """One optimizer step per mini-batch (routing replayed when on); ``clip``: this step's adaptive
-        (eps_low, eps_high), None for the configured ones."""
-        merged, grad_norms = None, []
+        (eps_low, eps_high), None for the configured ones.
+
+        With >= 2 updates, ``loss/approx_kl_k3_after_one_update`` is update 1's own KL(pi_old || pi_theta)
+        estimate: its forward runs after exactly one optimizer step, on the mini-batch whose routing the
+        ``update`` volatility compares (``policy/routing/plan.py``), so the two measure one policy movement
+        (``loss/approx_kl_k3`` is the mean over every update, after 0 .. k-1 steps)."""
+        merged, after_one_update, grad_norms = None, None, []
         for update, micro_batches in enumerate(minibatches):
             with self.routing.update(update, micro_batches) as before_forward:
                 self.model.zero_grad_buffer()
@@ -131,7 +136,13 @@ class Policy:
                 grad_norms.append(self._guarded_optimizer_step(outputs, f"step {step + 1} update {update}"))
             for out in outputs:
                 merged = merge_metrics(merged, out)
+                if update == 1:
+                    after_one_update = merge_metrics(after_one_update, out)
         metrics = self._reduce_loss_metrics(merged)
+        if len(minibatches) > 1:
+            metrics["loss/approx_kl_k3_after_one_update"] = self._reduce_loss_metrics(after_one_update)[
+                "loss/approx_kl_k3"
+            ]
         metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics.update(self.nonfinite.step_metrics())
         return UpdateResult(metrics, ClipFractions(metrics["loss/clip_frac_token"], metrics["loss/clip_frac_seq"]))

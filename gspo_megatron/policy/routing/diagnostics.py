@@ -20,6 +20,10 @@ one, so there is no free routing for ``update``/``minibatch``; ``rollout_vs_trai
 engine's experts with the ones the replaying forward actually routed with (observed in megatron's
 top-k), so an R3 run measures -- rather than assumes -- that replay removed the routing mismatch.
 
+With ``update`` due, the old-policy pass's recording also gives each token's top-k margin (the k-th minus
+the (k+1)-th router score, ``policy/routing/topk_margin.py``): how close the routing the update then changes
+was to changing, logged as ``routing/topk_margin_*`` and per layer in the ``update`` record of routing.jsonl.
+
 ``ratio_decomposition`` (``policy/routing/ratio_decomposition.py``): at the last update of a due step, the
 ratio the loss uses is split into its routing part and its weight part. Cost: two forward-only
 passes over that update's mini-batch (the loss's routing -- a repeat of the training forward, whose
@@ -69,6 +73,7 @@ from gspo_megatron.policy.routing.ratio_decomposition import (
 )
 from gspo_megatron.policy.routing.recorder import Routing
 from gspo_megatron.policy.routing.replay_strategy import TargetsOf
+from gspo_megatron.policy.routing.topk_margin import TopkMargins, all_reduce_margins, topk_margins
 from gspo_megatron.policy.routing.volatility import (
     ExpertLoad,
     RoutingVolatility,
@@ -78,7 +83,7 @@ from gspo_megatron.policy.routing.volatility import (
     routing_volatility,
 )
 
-Counts = TypeVar("Counts", RoutingVolatility, ExpertLoad)
+Counts = TypeVar("Counts", RoutingVolatility, ExpertLoad, TopkMargins)
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # per micro-batch: two top-k routings [tokens, layers, k]
 # the ratio decomposition's numbers logged per turn (token level: the tokens a turn generated)
 TURN_DECOMPOSITION_KEYS = (
@@ -112,6 +117,7 @@ class RoutingDiagnostics:
         self.turn_decompositions: list[RatioDecomposition] = []
         self.decomposition_seconds = 0.0  # its cost, logged as time/ratio_decomposition
         self.previous: Routing | None = None
+        self.margins: TopkMargins | None = None  # the old pass's top-k margins (with ``update`` due)
         # (kind, volatility, load, turn): turn None for every position, t for the positions turn t fed
         self.step_records: list[tuple[str, RoutingVolatility, ExpertLoad | None, int | None]] = []
 
@@ -131,6 +137,7 @@ class RoutingDiagnostics:
         )
         self.step_records = []
         self.previous = None
+        self.margins = None
 
     def from_old_pass(
         self,
@@ -139,12 +146,19 @@ class RoutingDiagnostics:
         targets_of: TargetsOf,
         old_routing: Routing | None,
         used: Routing,
+        margins: list[list[torch.Tensor]] | None = None,
     ) -> None:
         """The old-policy pass's routing: ``old_routing`` what R2 replays and "update" compares
-        against (None under R3), ``used`` what it routed with (R3: the engine's, observed)."""
+        against (None under R3), ``used`` what it routed with (R3: the engine's, observed); ``margins``
+        its recorded top-k margins per micro-batch and layer (none when it replayed)."""
         self.old = old_routing or []
         self.old_used = used
         self.rollout_vs_train(step, micro_batches, targets_of, used)
+        if margins and self.plan.due(DiagnosticKind.update, step):
+            parts = [topk_margins(m, mask) for m, mask in zip(margins, self.old_masks, strict=True)]
+            self.margins = parts[0]
+            for part in parts[1:]:
+                self.margins = self.margins.merge(part)
 
     @property
     def has_old_routing(self) -> bool:
@@ -292,16 +306,20 @@ class RoutingDiagnostics:
                 turn_metrics = of_turn.metrics(prefix)
                 metrics.update({prefix + key: turn_metrics[prefix + key] for key in TURN_DECOMPOSITION_KEYS})
             self.decomposition, self.decomposition_seconds, self.turn_decompositions = None, 0.0, []
+        margins = self._reduce(self.margins, all_reduce_margins) if self.margins is not None else None
+        if margins is not None:
+            metrics.update(margins.metrics())
         for kind, volatility, load, turn in self.step_records:
             volatility = self._reduce(volatility, all_reduce_volatility)
             load = self._reduce(load, all_reduce_expert_load) if load is not None else None
+            of_update = margins if kind == "update" and turn is None else None
             suffix = "" if turn is None else f"/turn_{turn}"
             metrics[f"routing/{kind}_changed_frac{suffix}"] = float(volatility.changed_frac_overall)
             metrics[f"routing/{kind}_overlap{suffix}"] = float(volatility.overlap_overall)
             metrics[f"routing/{kind}_experts_changed_per_slot{suffix}"] = float(volatility.experts_changed_per_slot)
             metrics[f"routing/{kind}_changed_any_frac{suffix}"] = float(volatility.changed_any_frac)
-            records.append(routing_record(step, kind, volatility=volatility, load=load, turn=turn))
-        self.step_records = []
+            records.append(routing_record(step, kind, volatility=volatility, load=load, turn=turn, margins=of_update))
+        self.step_records, self.margins = [], None
         return RoutingResult(metrics, records)
 
     def _reduce(self, counts: Counts, all_reduce: Callable[[Counts, object], Counts]) -> Counts:

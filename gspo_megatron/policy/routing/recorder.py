@@ -34,10 +34,12 @@ Routing = list[list[torch.Tensor]]  # [micro_batch][moe_layer] -> int [tokens, k
 
 @dataclass
 class Recording:
-    """One pass's routing: ``before_forward`` for the schedule; ``routing`` filled on exit."""
+    """One pass's routing: ``before_forward`` for the schedule; ``routing`` filled on exit, and for a
+    ``record()`` pass ``margins``: each token's top-k margin, [micro_batch][moe_layer] -> float [tokens]."""
 
     before_forward: BeforeForward | None = None
     routing: Routing = field(default_factory=list)
+    margins: list[list[torch.Tensor]] = field(default_factory=list)
 
 
 class RoutingRecorder:
@@ -59,6 +61,7 @@ class RoutingRecorder:
         try:
             yield recording
             recording.routing = self._replay.recorded()
+            recording.margins = self._replay.recorded_margins()
         finally:
             self._replay.stop()
 

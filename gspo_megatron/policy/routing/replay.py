@@ -25,6 +25,9 @@ Design decisions:
 - A replaying forward can also be *observed* (``load_targets(..., observe=True)``): the indices
   megatron's top-k actually returned to the dispatcher are recorded like a RECORD pass, so the
   engine-vs-trainer routing of an R3 forward is measured (0 when replay works), not assumed.
+- A recording forward also keeps each token's top-k margin (the k-th minus the (k+1)-th score top-k
+  ranked, ``policy/routing/topk_margin.py``), from the scores megatron hands ``get_replay_topk``:
+  the indices alone cannot say how close a token was to another expert set.
 - Replay keeps the router learning: megatron gathers the replayed experts' gate scores from the
   live *dense* router scores (``scores.gather(1, replayed)``, before any top-k masking), so a
   replayed expert outside the live top-k still gets a gate weight and a gradient
@@ -36,6 +39,7 @@ from __future__ import annotations
 import torch
 
 from gspo_megatron.core.config_node import ConfigChoice
+from gspo_megatron.policy.routing.topk_margin import topk_margin
 
 
 class ReplayMode(ConfigChoice):
@@ -81,6 +85,7 @@ class RoutingReplay:
             raise ReplayError(f"{len(self.chunk_of)} chunk indices for {len(self.instances)} routers")
         self.action = RouterReplayAction
         self._recorded: list[list[torch.Tensor]] = [[] for _ in self.instances]
+        self._margins: list[list[torch.Tensor]] = [[] for _ in self.instances]  # per layer, per recorded forward
         self._targets: list[list[torch.Tensor]] = []  # per micro-batch: one tensor per layer
         self._consumed: dict[int, int] = {}  # chunk -> forwards that took their targets
         self._observe = False
@@ -130,6 +135,8 @@ class RoutingReplay:
 
     def _observed_topk(self, layer: int, replay_topk):
         def topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+            if self.instances[layer].router_replay_action == self.action.RECORD and topk < scores.shape[-1]:
+                self._margins[layer].append(topk_margin(scores, topk).to("cpu", copy=True))
             probs, indices = replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
             if self._observe and self.instances[layer].router_replay_action == self.action.REPLAY_FORWARD:
                 self._recorded[layer].append(indices.detach().to("cpu", copy=True))
@@ -140,6 +147,7 @@ class RoutingReplay:
     # --- recording -----------------------------------------------------------------------
     def start_recording(self) -> None:
         self._recorded = [[] for _ in self.instances]
+        self._margins = [[] for _ in self.instances]
         for instance in self.instances:
             instance.clear_indices()
             instance.set_router_replay_action(self.action.RECORD)
@@ -151,6 +159,15 @@ class RoutingReplay:
         if len(counts) > 1:
             raise ReplayError(f"layers recorded different numbers of forwards: {sorted(counts)}")
         n = counts.pop() if counts else 0
+        return [[per_layer[layer][mb] for layer in range(len(self.instances))] for mb in range(n)]
+
+    def recorded_margins(self) -> list[list[torch.Tensor]]:
+        """recorded_margins[micro_batch][layer] -> float [tokens]: the recording forwards' top-k margins
+        (empty when every expert is chosen: no (k+1)-th score)."""
+        per_layer = self._margins
+        if any(len(x) != len(per_layer[0]) for x in per_layer):
+            raise ReplayError(f"layers kept margins of different numbers of forwards: {[len(x) for x in per_layer]}")
+        n = len(per_layer[0]) if per_layer else 0
         return [[per_layer[layer][mb] for layer in range(len(self.instances))] for mb in range(n)]
 
     # --- replaying -----------------------------------------------------------------------

@@ -90,7 +90,9 @@ class StepRouting:
             yield recording.before_forward
         old_routing = self.strategy.old_policy_routing(recording)
         self.old_routing = old_routing or []
-        self.diagnostics.from_old_pass(step, micro_batches, self._engine_targets, old_routing, recording.routing)
+        self.diagnostics.from_old_pass(
+            step, micro_batches, self._engine_targets, old_routing, recording.routing, recording.margins
+        )
 
     # --- hook 2: each update ---------------------------------------------------------------------
     @contextmanager

@@ -89,6 +89,12 @@ def test_the_stored_shaping_study_regenerates_bit_for_bit(capsys):
     assert "report.json regenerate bit for bit from 21 stored runs" in capsys.readouterr().out
 
 
+def test_the_stored_e1_routing_shape_study_regenerates_bit_for_bit(capsys):
+    """reports/e1_routing_shape: report.json (arms, verdicts, per-layer numbers) from its 16 stored runs."""
+    assert regenerate_report.main([str(REPORTS / "e1_routing_shape"), "--check"]) == 0
+    assert "report.json regenerate bit for bit from 16 stored runs" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("study", ["agent_calculator", "agent_lookup"])
 def test_the_stored_agent_studies_regenerate_bit_for_bit(study, capsys):
     """reports/agent_*: summary.json from the 3 stored runs and the stored warm-start evaluation."""
