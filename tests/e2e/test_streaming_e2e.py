@@ -12,7 +12,7 @@ import pytest
 
 from gspo_megatron.policy.checkpoint.store import latest_checkpoint, read_trainer_state
 from gspo_megatron.testing.distributed import run_distributed
-from gspo_megatron.testing.train_runs import FAST, train_worker
+from gspo_megatron.testing.train_runs import FAST, train_worker, without_time
 
 pytestmark = pytest.mark.e2e
 
@@ -61,3 +61,33 @@ def test_a_resumed_streaming_run_drops_its_buffer_and_draws_fresh_groups(tmp_pat
     assert resumed[0]["async/groups_dropped_at_resume"] == saved["buffered_groups"]
     assert resumed[0]["async/staleness_max"] == 0.0 and resumed[0]["async/policy_version_min"] == 2.0
     assert resumed[1]["async/groups_dropped_at_resume"] == 0.0
+
+
+# Weights that never change (Adam's step at lr 1e-30 is below every weight's float32 spacing): every version is
+# the same policy, so what staleness alone could change is gone and what is left is the bookkeeping.
+FROZEN = FAST + [
+    "trainer.steps=4",
+    "rollout.max_new_tokens=4",
+    "optimizer.lr=1e-30",
+    "optimizer.min_lr=0",
+    "algorithm.mismatch.correction=decoupled",
+]
+
+
+def test_with_frozen_weights_streaming_trains_exactly_the_synchronous_runs_batches(tmp_path):
+    """Issue 66's post hoc check (reports/async_long_tail/README.md): streaming k = 2 trains round s's prompts
+    with round s's sampling seed at step s, each group's own advantages, and behaviour log-probs that are the
+    trainer's for the sampling weights. With frozen weights every metric of every step but the versions' (the loss
+    and the gradient norm included) then equals the synchronous run's; a round's prompts or seed repeated or
+    shifted, a group mixed into another step, or another version's log-probs would each change one."""
+    (sync,) = run_distributed(
+        train_worker, 1, FROZEN + ["rollout.max_staleness=0"], str(tmp_path / "sync"), timeout=600
+    )
+    streaming_overrides = FROZEN + ["rollout.async_rollout=true", f"rollout.max_staleness={K}"]
+    (streaming,) = run_distributed(train_worker, 1, streaming_overrides, str(tmp_path / "k2"), timeout=600)
+    # the engine is the fast side (one forward per token, the trainer two updates a step): it runs ahead to k
+    assert max(m["async/staleness_max"] for m in streaming) == K
+    for sync_step, streaming_step in zip(without_time(sync), without_time(streaming), strict=True):
+        shared = {k: v for k, v in sync_step.items() if not k.startswith("async/")}  # async/: the versions differ
+        assert {k: streaming_step[k] for k in shared} == shared
+        assert streaming_step["mismatch_is/masked_frac"] == 0.0
