@@ -74,12 +74,19 @@ FROZEN = FAST + [
 ]
 
 
+# The engine-vs-trainer gap of the same weights is float noise (~1e-7 a token), which may differ between two
+# processes in its last bits: compared within this bound, every other metric exactly.
+FLOAT_NOISE = 1e-6
+ENGINE_VS_TRAINER = ("mismatch/", "mismatch_is/")
+
+
 def test_with_frozen_weights_streaming_trains_exactly_the_synchronous_runs_batches(tmp_path):
     """Issue 66's post hoc check (reports/async_long_tail/README.md): streaming k = 2 trains round s's prompts
-    with round s's sampling seed at step s, each group's own advantages, and behaviour log-probs that are the
-    trainer's for the sampling weights. With frozen weights every metric of every step but the versions' (the loss
-    and the gradient norm included) then equals the synchronous run's; a round's prompts or seed repeated or
-    shifted, a group mixed into another step, or another version's log-probs would each change one."""
+    with round s's sampling seed at step s, whole groups with their own advantages, and each token's engine
+    log-prob beside it. With frozen weights (every version the same policy) every metric of every step but the
+    versions' (the loss and the gradient norm included) then equals the synchronous run's; a round's prompts or
+    seed repeated or shifted, or a group mixed into another step would change one. (Which version's log-probs a
+    token carries it cannot see: every version is the same policy here.)"""
     (sync,) = run_distributed(
         train_worker, 1, FROZEN + ["rollout.max_staleness=0"], str(tmp_path / "sync"), timeout=600
     )
@@ -88,6 +95,8 @@ def test_with_frozen_weights_streaming_trains_exactly_the_synchronous_runs_batch
     # the engine is the fast side (one forward per token, the trainer two updates a step): it runs ahead to k
     assert max(m["async/staleness_max"] for m in streaming) == K
     for sync_step, streaming_step in zip(without_time(sync), without_time(streaming), strict=True):
-        shared = {k: v for k, v in sync_step.items() if not k.startswith("async/")}  # async/: the versions differ
-        assert {k: streaming_step[k] for k in shared} == shared
+        exact = {k: v for k, v in sync_step.items() if not k.startswith(("async/", *ENGINE_VS_TRAINER))}
+        assert {k: streaming_step[k] for k in exact} == exact  # async/: the versions differ
+        noise = {k: v for k, v in sync_step.items() if k.startswith(ENGINE_VS_TRAINER)}
+        assert {k: streaming_step[k] for k in noise} == pytest.approx(noise, abs=FLOAT_NOISE)
         assert streaming_step["mismatch_is/masked_frac"] == 0.0
