@@ -63,8 +63,9 @@ def test_a_resumed_streaming_run_drops_its_buffer_and_draws_fresh_groups(tmp_pat
     assert resumed[1]["async/groups_dropped_at_resume"] == 0.0
 
 
-# Weights that never change (Adam's step at lr 1e-30 is below every weight's float32 spacing): every version is
-# the same policy, so what staleness alone could change is gone and what is left is the bookkeeping.
+# Weights frozen in effect (optimizer.lr must be > 0; Adam's steps of ~1e-30 vanish in float32 beside any weight
+# that is not itself ~0, and change no logged number): every version is the same policy, so what staleness alone
+# could change is gone and what is left is the bookkeeping.
 FROZEN = FAST + [
     "trainer.steps=4",
     "rollout.max_new_tokens=4",
