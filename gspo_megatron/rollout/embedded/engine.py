@@ -148,7 +148,7 @@ class _RouterCapture:
         return record
 
     def record(self, layer: int, top_k_indices: torch.Tensor) -> None:
-        """Layer ``layer``'s top-k expert indices [B * S, k] of the latest forward (the hook's, or the lean forward's)."""
+        """Layer ``layer``'s top-k expert indices [B * S, k] of the latest forward (the hook or the lean forward)."""
         self._latest[layer] = top_k_indices
 
     def take(self, batch: int, last: int) -> torch.Tensor:
