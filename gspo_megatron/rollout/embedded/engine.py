@@ -14,6 +14,9 @@ Design decisions:
   TRL keeps feeding finished rows to the end). Sampling draws from per-row generators, so the
   tokens do not depend on which rows share the batch.
 - ``use_cache=False`` re-runs the whole sequence each step (reference and benchmark for the cache).
+- The forward: ``lean_forward.py``'s for a Qwen3-MoE (transformers' math over the model's own parameters without
+  its per-call machinery; its KV cache grows in place) unless ``rollout.embedded.forward=transformers``; every
+  other model runs transformers' own forward. Both feed the same ``_RouterCapture``.
 - The KV cache is passed under the name the installed transformers' forward declares: ``cache``
   (5.x; ``past_key_values`` is deprecated there and removed in 5.40) or ``past_key_values`` (older
   releases), read once from the class's signature (``_cache_argument``), so no deprecated argument is ever passed.
