@@ -79,9 +79,9 @@ class GrowingKVLayer(DynamicLayer):
         room = max(2 * needed, needed + _FIRST_ROOM)
         keys = key_states.new_empty(*key_states.shape[:2], room, key_states.shape[-1])
         values = value_states.new_empty(*value_states.shape[:2], room, value_states.shape[-1])
-        if self._length:
-            keys[:, :, : self._length] = self.keys
-            values[:, :, : self._length] = self.values
+        if self._length and self._key_room is not None and self._value_room is not None:
+            keys[:, :, : self._length] = self._key_room[:, :, : self._length]
+            values[:, :, : self._length] = self._value_room[:, :, : self._length]
         self._key_room, self._value_room = keys, values
 
     def _set_length(self, length: int) -> None:
@@ -212,7 +212,10 @@ class Qwen3MoeLeanForward:
         value = F.linear(x, attn.v_proj.weight).view(shape).transpose(1, 2)
         query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
         if cache is not None:
-            key, value = cache.layers[index].update(key, value)
+            cached = cache.layers[index]
+            if not isinstance(cached, DynamicLayer):
+                raise TypeError(f"the lean forward keeps attention caches; layer {index} has a {type(cached).__name__}")
+            key, value = cached.update(key, value)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=attn.scaling, enable_gqa=True)
         return F.linear(out.transpose(1, 2).reshape(batch, length, -1), attn.o_proj.weight)
 
