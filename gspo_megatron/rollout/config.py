@@ -87,6 +87,13 @@ class AttentionImplementation(ConfigChoice):
     eager = "eager"
 
 
+class EmbeddedForward(ConfigChoice):
+    """``rollout.embedded.forward``: the model's forward in the embedded engine's decode loop."""
+
+    lean = "lean"  # embedded/lean_forward.py where it serves the model (Qwen3-MoE, SDPA), transformers' elsewhere
+    transformers = "transformers"  # transformers' own forward always (the reference)
+
+
 @dataclass
 class EmbeddedConfig(ConfigNode):
     """The transformers-based rollout engine that runs inside the trainer process."""
@@ -100,6 +107,7 @@ class EmbeddedConfig(ConfigNode):
     seed: int = 0  # seeds the engine's generator used when SamplingParams.seed is None
     use_cache: bool = True  # KV cache; False re-runs the whole sequence each step (tests/benchmark)
     attn_implementation: AttentionImplementation = AttentionImplementation.sdpa
+    forward: EmbeddedForward = EmbeddedForward.lean
     pad_token_id: int = 0  # filler for left padding; masked, so any valid id works
 
     def validate(self) -> None:

@@ -14,6 +14,9 @@ Design decisions:
   TRL keeps feeding finished rows to the end). Sampling draws from per-row generators, so the
   tokens do not depend on which rows share the batch.
 - ``use_cache=False`` re-runs the whole sequence each step (reference and benchmark for the cache).
+- The forward: ``lean_forward.py``'s for a Qwen3-MoE (transformers' math over the model's own parameters without
+  its per-call machinery; its KV cache grows in place) unless ``rollout.embedded.forward=transformers``; every
+  other model runs transformers' own forward. Both feed the same ``_RouterCapture``.
 - The KV cache is passed under the name the installed transformers' forward declares: ``cache``
   (5.x; ``past_key_values`` is deprecated there and removed in 5.40) or ``past_key_values`` (older
   releases), read once from the class's signature (``_cache_argument``), so no deprecated argument is ever passed.
@@ -70,13 +73,19 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from gspo_megatron.contracts.samples import TOKEN_VERSIONS, FinishReason, RowRequest, Sample, SamplingParams
 from gspo_megatron.core.fp8_blocks import fake_quantize_named_tensors
 from gspo_megatron.core.model_families import family
-from gspo_megatron.rollout.config import EmbeddedConfig, InflightUpdateMode
+from gspo_megatron.rollout.config import EmbeddedConfig, EmbeddedForward, InflightUpdateMode
 from gspo_megatron.rollout.embedded.inflight import (
     RETRACT_REROUTED,
     InflightUpdate,
     UpdateMailbox,
     UpdateTicket,
     inflight_update_mode,
+)
+from gspo_megatron.rollout.embedded.lean_forward import (
+    LeanForwardRefusal,
+    Qwen3MoeLeanForward,
+    growing_cache,
+    lean_forward_for,
 )
 from gspo_megatron.rollout.embedded.sampling import row_generators, sample_next_tokens
 from gspo_megatron.rollout.embedded.weights import HfWeightLoader
@@ -137,9 +146,13 @@ class _RouterCapture:
 
     def _hook(self, layer: int):
         def record(module, inputs, output):
-            self._latest[layer] = output[2].detach()  # (router_logits, scores, top-k indices)
+            self.record(layer, output[2].detach())  # (router_logits, scores, top-k indices)
 
         return record
+
+    def record(self, layer: int, top_k_indices: torch.Tensor) -> None:
+        """Layer ``layer``'s top-k expert indices [B * S, k] of the latest forward (the hook or the lean forward)."""
+        self._latest[layer] = top_k_indices
 
     def take(self, batch: int, last: int) -> torch.Tensor:
         """int32 [B, last, num_layers, top_k] for the last ``last`` positions of the latest forward."""
@@ -218,11 +231,19 @@ class EmbeddedEngine(RolloutEngine):
         _, model_class = family(hf_config.model_type).transformers_classes()
         self._cache_argument = _cache_argument(model_class)
         self.model = model_class(hf_config).to(device=self.config.device, dtype=_DTYPES[self.config.dtype]).eval()
+        self._lean = self._lean_forward()
         self._loader = HfWeightLoader(self.model)
         self._seed_source = torch.Generator().manual_seed(self.config.seed)
         self.weight_version = 0
         self._updates = UpdateMailbox(self.update_weights)  # in-flight updates (``request_update``)
         self._kept: list[_KeptCache | None] = []  # the last turn chunk's rows' caches (``_generate_chunk``)
+
+    def _lean_forward(self) -> Qwen3MoeLeanForward | None:
+        """The lean decode forward (``lean_forward.py``) where the config asks for it and it serves this model."""
+        if self.config.forward != EmbeddedForward.lean:
+            return None
+        lean = lean_forward_for(self.model)
+        return None if isinstance(lean, LeanForwardRefusal) else lean
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -439,7 +460,7 @@ class EmbeddedEngine(RolloutEngine):
             mask[row, width - len(prompt) :] = 1
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config) if self.config.use_cache else None
+        cache = self._new_cache() if self.config.use_cache else None
         if sessions is not None:  # turns: each row continues its trajectory's cached positions
             cache, mask, positions = self._resume_sessions(sessions, mask, positions)
         outputs: list[list[int]] = [[] for _ in range(batch)]
@@ -462,15 +483,8 @@ class EmbeddedEngine(RolloutEngine):
                 update = self._updates.take()  # an in-flight update lands here, between two forwards
                 if update is not None and update.mode == InflightUpdateMode.retract and fed > 0:
                     retracted, fed, feed_ids, feed_positions = fed, 0, ids, positions
-                    cache = DynamicCache(config=self.model.config) if cache is not None else None
-                logits = self.model(
-                    input_ids=feed_ids,
-                    attention_mask=mask,
-                    position_ids=feed_positions,
-                    use_cache=cache is not None,
-                    logits_to_keep=1,
-                    **{self._cache_argument: cache},
-                ).logits
+                    cache = self._new_cache() if cache is not None else None
+                logits = self._forward(feed_ids, mask, feed_positions, cache, capture)
                 new = feed_ids.shape[1] if cache is not None or fed == 0 else 1
                 step_rows = capture.take(len(active), new) if capture is not None else None
                 rerouted: dict[int, int] = {}  # rows ended by a retract update: {row: positions routed otherwise}
@@ -541,6 +555,35 @@ class EmbeddedEngine(RolloutEngine):
             )
             for r in range(batch)
         ]
+
+    def _new_cache(self) -> DynamicCache:
+        """A fresh KV cache: the lean forward's grows in place (``GrowingKVLayer``), transformers' concatenates."""
+        return growing_cache(self.model.config) if self._lean is not None else DynamicCache(config=self.model.config)
+
+    def _forward(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        cache: DynamicCache | None,
+        capture: _RouterCapture | None,
+    ) -> torch.Tensor:
+        """The last position's logits [B, 1, V] of feeding ``ids`` over ``cache``; the routers' top-k go to
+        ``capture`` (transformers' forward through its hooks, the lean forward by its return)."""
+        if self._lean is not None:
+            out = self._lean(ids, mask, positions, cache)
+            if capture is not None:
+                for layer, indices in out.routed.items():
+                    capture.record(layer, indices)
+            return out.logits
+        return self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=cache is not None,
+            logits_to_keep=1,
+            **{self._cache_argument: cache},
+        ).logits
 
     def _record(
         self,

@@ -36,7 +36,8 @@ class _Stream:
 
 
 class _PauseInForward:
-    """Forward ``step`` of the model waits for ``release`` (bounded) after setting ``reached``."""
+    """Forward ``step`` of the model (hooked on its ``lm_head``, the last module of every forward, transformers' and
+    the lean one) waits for ``release`` (bounded) after setting ``reached``."""
 
     def __init__(self, model, step):
         self.step, self.count = step, 0
@@ -69,7 +70,7 @@ def _scheduler(engine, draw_round):
 def test_an_in_place_sync_lands_inside_the_round_in_flight_read_on_the_trainers_thread():
     engine = EmbeddedEngine(_hf_config(), EmbeddedConfig())
     engine.update_weights(_weights(0).items(), 0)
-    pause = _PauseInForward(engine.model, 1)  # forward 0 is the prefill: the first token is version 0's
+    pause = _PauseInForward(engine.model.lm_head, 1)  # forward 0 is the prefill: the first token is version 0's
     scheduler = _scheduler(engine, lambda round_index: engine.generate([[1, 2, 3]], PARAMS))
     scheduler.start(0)
     assert pause.reached.wait(BOUND_S)
@@ -102,7 +103,7 @@ def test_an_idle_engine_takes_the_update_at_once_in_the_trainers_thread():
 def test_an_update_the_generating_thread_refuses_fails_the_sync_and_the_round():
     engine = EmbeddedEngine(_hf_config(), EmbeddedConfig())
     engine.update_weights(_weights(0).items(), 0)
-    pause = _PauseInForward(engine.model, 1)
+    pause = _PauseInForward(engine.model.lm_head, 1)
     failures = []
 
     def generate():

@@ -158,9 +158,8 @@ def test_finished_rows_leave_the_batch(use_cache):
     source = peaked_source_model(tiny_config(mlp_only_layers=[1]), seed=2)
     batched, alone = engine_from(source, use_cache=use_cache), engine_from(source, max_batch_size=1)
     fed_rows = []
-    batched.model.model.register_forward_pre_hook(
-        lambda module, args, kwargs: fed_rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True
-    )
+    # the token embedding sees every forward's ids, transformers' forward and the lean one alike
+    batched.model.model.embed_tokens.register_forward_pre_hook(lambda module, args: fed_rows.append(args[0].shape[0]))
     params = SamplingParams(
         temperature=1.0,
         max_new_tokens=6,

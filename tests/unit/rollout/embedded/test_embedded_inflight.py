@@ -31,7 +31,8 @@ PARAMS = SamplingParams(temperature=1.0, max_new_tokens=7, seed=11, return_route
 
 
 class PauseAfterForward:
-    """A forward hook on the engine's model: inside forward ``step`` it sets ``reached`` and waits for
+    """A forward hook on the engine model's ``lm_head`` (the last module of every forward, transformers' and the
+    lean one): inside forward ``step`` it sets ``reached`` and waits for
     ``release`` (bounded), so whatever the test does meanwhile happens while that forward runs."""
 
     def __init__(self, model, step: int):
@@ -75,7 +76,7 @@ class Worker:
 def generate_with_update(engine, weights: dict, mode: str, params=PARAMS) -> list[Sample]:
     """``engine.generate(PROMPTS)`` in a worker thread; version ``NEW`` requested from this thread while forward
     ``AFTER`` runs."""
-    pause = PauseAfterForward(engine.model, AFTER)
+    pause = PauseAfterForward(engine.model.lm_head, AFTER)
     try:
         worker = Worker(lambda: engine.generate(PROMPTS, params))
         assert pause.reached.wait(WAIT_S)
@@ -223,7 +224,7 @@ def test_an_idle_engine_applies_at_once_and_bad_requests_are_refused(models):
 def test_a_wait_that_times_out_withdraws_the_update_and_a_second_request_is_refused(models):
     old, new = models
     engine = engine_from(old)
-    pause = PauseAfterForward(engine.model, AFTER)
+    pause = PauseAfterForward(engine.model.lm_head, AFTER)
     try:
         worker = Worker(lambda: engine.generate(PROMPTS, PARAMS))
         assert pause.reached.wait(WAIT_S)
@@ -245,7 +246,7 @@ def test_a_wait_that_times_out_withdraws_the_update_and_a_second_request_is_refu
 def test_a_turn_takes_no_update_inside_it_lands_as_the_call_ends(models):
     old, new = models
     engine = engine_from(old)
-    pause = PauseAfterForward(engine.model, AFTER)
+    pause = PauseAfterForward(engine.model.lm_head, AFTER)
     try:
         worker = Worker(lambda: engine.generate_turns([TurnRequest(p, PARAMS) for p in PROMPTS]))
         assert pause.reached.wait(WAIT_S)
