@@ -19,6 +19,9 @@ is a session of its own:
   without the reorder each worker takes the groups in collection order, a subsequence of a serial run's;
 - no worker starts mypy in the background: the worker that draws its test runs it in the foreground,
   while the other worker keeps the second core busy (the background start was for the idle core).
+
+The SGLang tiers run after the distributed and e2e tiers (``TIERS_BEFORE_SGLANG``; files keep their order
+within a tier): CI's set-up makes their venv in the background meanwhile (``tests/sglang_venv_setup.py``).
 """
 
 import subprocess
@@ -40,6 +43,9 @@ _mypy = pytest.StashKey[tuple[subprocess.Popen, Path]]()
 SLOW_TIERS = ("distributed", "e2e", "faults", "gpu", "contract", "live_sglang")
 # tiers whose tests share a session-scoped fixture: one xdist group each, so one worker holds it
 SHARED_TIERS = ("contract", "live_sglang")
+SGLANG_TIERS = ("contract", "live_sglang")
+# several minutes of work on CI's two workers: long enough for the background set-up of the SGLang venv
+TIERS_BEFORE_SGLANG = ("distributed", "e2e")
 
 
 # tryfirst: the tier's slow mark must be set before pytest's own hook applies `-m "not slow"`
@@ -49,11 +55,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
-        tier = item.path.resolve().relative_to(TESTS).parts[0]
+        tier = _tier(item)
         if tier in SLOW_TIERS or any(marker in item.keywords for marker in SLOW_TIERS):
             item.add_marker(pytest.mark.slow)
         if config.pluginmanager.hasplugin("xdist"):  # the mark is xdist's: registered only where it is installed
             item.add_marker(pytest.mark.xdist_group(_xdist_group(item, tier)))
+    items.sort(key=_run_order)  # stable: each tier's files and tests keep their order
+
+
+def _tier(item: pytest.Item) -> str:
+    return item.path.resolve().relative_to(TESTS).parts[0]
+
+
+def _run_order(item: pytest.Item) -> int:
+    """0 for the tiers that run before the SGLang tiers, 1 for the SGLang tiers, 2 for the rest."""
+    tier = _tier(item)
+    return 0 if tier in TIERS_BEFORE_SGLANG else 1 if tier in SGLANG_TIERS else 2
 
 
 def _xdist_group(item: pytest.Item, tier: str) -> str:
