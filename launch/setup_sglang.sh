@@ -21,6 +21,7 @@
 # `python3 -m pytest` in the training environment runs both tiers with this venv. Idempotent: a second run
 # installs nothing unless the package's dependencies or the requirement lists changed; GSPO_REINSTALL=1
 # starts the venv afresh. GSPO_SGLANG_VENV=<dir> builds it elsewhere (the tiers look only in the default place).
+# `--check` makes nothing: exit 0 (and says so) where the venv is current, 1 where a run would install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
@@ -57,6 +58,7 @@ if [ "${GSPO_REINSTALL:-0}" != 1 ] && ready; then
   echo "[setup] SGLang venv ready: $VENV"
   exit 0
 fi
+[ "${1:-}" != --check ] || exit 1
 echo "[setup] making the SGLang venv $VENV (SGLang 0.5.23 for CPU, both SGLang tiers; about 10 minutes on 2 cores)"
 started=$SECONDS
 if [ ! -x "$VENV/bin/python" ] || [ "${GSPO_REINSTALL:-0}" = 1 ]; then

@@ -1,44 +1,106 @@
-"""The SGLang tiers' wait for CI's background set-up of their venv (tests/sglang_venv_setup.py); .ci/run's side
-is tests/unit/test_ci_script.py."""
+"""The background set-up of the SGLang venv (launch/setup_sglang_background.sh) and the SGLang tiers' wait for it
+(tests/sglang_venv_setup.py); .ci/run's side is tests/unit/test_ci_script.py."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 import threading
+from pathlib import Path
 
 import pytest
-from sglang_venv_setup import STATUS_ENV, wait_for_sglang_setup
+from sglang_venv_setup import background_setup_started, wait_for_sglang_setup
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_without_a_background_set_up_nothing_waits(monkeypatch):
-    monkeypatch.delenv(STATUS_ENV, raising=False)
-    wait_for_sglang_setup(timeout_s=0)
+def _state(tmp_path: Path, pid: int | None = None) -> Path:
+    """A background set-up's files as launch/setup_sglang_background.sh writes them at its start."""
+    state = tmp_path / ".sglang-setup"
+    state.mkdir()
+    (state / "started").touch()
+    if pid is not None:
+        (state / "pid").write_text(f"{pid}\n")
+    return state
 
 
-def test_a_status_written_while_waiting_ends_the_wait(monkeypatch, tmp_path):
-    status = tmp_path / "setup.status"
-    monkeypatch.setenv(STATUS_ENV, str(status))
-    writer = threading.Thread(target=status.write_text, args=("0\n",))
+def test_without_a_background_set_up_nothing_waits(tmp_path):
+    wait_for_sglang_setup(timeout_s=0, state=tmp_path / ".sglang-setup")
+
+
+def test_a_status_written_while_waiting_ends_the_wait(tmp_path):
+    state = _state(tmp_path, pid=os.getpgrp())  # a process group that runs: this test's
+    writer = threading.Thread(target=(state / "status").write_text, args=("0\n",))
     writer.start()
     try:
-        wait_for_sglang_setup(timeout_s=60)
+        wait_for_sglang_setup(timeout_s=60, state=state)
     finally:
         writer.join(timeout=60)
 
 
-def test_a_failed_set_up_fails_the_tier_with_its_status_and_its_log(monkeypatch, tmp_path):
-    status = tmp_path / "setup.status"
-    status.write_text("2\n")
-    (tmp_path / "setup.status.log").write_text("ERROR: No matching distribution found for sglang==0.5.23\n")
-    monkeypatch.setenv(STATUS_ENV, str(status))
+def test_a_failed_set_up_fails_the_tier_with_its_status_and_its_log(tmp_path):
+    state = _state(tmp_path)
+    (state / "log").write_text("ERROR: No matching distribution found for sglang==0.5.23\n")
+    (state / "status").write_text("2\n")
     with pytest.raises(pytest.fail.Exception) as failure:
-        wait_for_sglang_setup(timeout_s=60)
+        wait_for_sglang_setup(timeout_s=60, state=state)
     assert "exit status 2" in str(failure.value) and "No matching distribution" in str(failure.value)
 
 
-def test_a_set_up_that_has_not_ended_fails_the_tier_after_the_bound(monkeypatch, tmp_path):
-    status = tmp_path / "setup.status"
-    (tmp_path / "setup.status.log").write_text("Collecting sglang==0.5.23\n")
-    monkeypatch.setenv(STATUS_ENV, str(status))
+def test_a_set_up_that_has_not_ended_fails_the_tier_after_the_bound(tmp_path):
+    state = _state(tmp_path, pid=os.getpgrp())
+    (state / "log").write_text("Collecting sglang==0.5.23\n")
     with pytest.raises(pytest.fail.Exception) as failure:
-        wait_for_sglang_setup(timeout_s=0)
+        wait_for_sglang_setup(timeout_s=0, state=state)
     assert "had not ended after 0 s" in str(failure.value) and "Collecting sglang" in str(failure.value)
+
+
+def test_a_set_up_that_ended_without_a_status_fails_the_tier_at_once(tmp_path):
+    ended = subprocess.Popen(["true"], start_new_session=True)  # its own process group, gone once reaped
+    ended.wait(timeout=60)
+    state = _state(tmp_path, pid=ended.pid)
+    with pytest.raises(pytest.fail.Exception) as failure:
+        wait_for_sglang_setup(timeout_s=600, state=state)
+    assert "ended without writing its exit status" in str(failure.value)
+
+
+# the SGLang venv's set-up: current (--check) once `current` exists; a run ends with the code in `go`
+FAKE_SGLANG_SETUP = """[ "${{1:-}}" = --check ] && {{ [ -e {current!r} ]; exit; }}
+echo "installing"
+for _ in $(seq 600); do [ -e {go!r} ] && exit "$(cat {go!r})"; sleep 0.1; done
+exit 9
+"""
+
+
+@pytest.mark.slow  # starts bash processes
+def test_the_background_set_up_starts_the_job_returns_and_is_waited_for(tmp_path):
+    """launch/setup_sglang_background.sh, the real one, with a stand-in for launch/setup_sglang.sh: it returns
+    while the job runs (its output pipe closed: the job does not hold it), leaves a running job alone when run
+    again, and the wait ends with the job; a later run with the venv current clears the finished set-up's files,
+    so its status is not read as the next one's."""
+    (tmp_path / "launch").mkdir()
+    shutil.copy2(ROOT / "launch" / "setup_sglang_background.sh", tmp_path / "launch")
+    current, go = tmp_path / "venv_current", tmp_path / "go"
+    (tmp_path / "launch" / "setup_sglang.sh").write_text(FAKE_SGLANG_SETUP.format(current=str(current), go=str(go)))
+    env = {k: v for k, v in os.environ.items() if k != "GSPO_SKIP_SGLANG"}
+
+    def set_up() -> str:
+        script = tmp_path / "launch" / "setup_sglang_background.sh"
+        done = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60, env=env)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    state = tmp_path / ".sglang-setup"
+    try:
+        assert "making the SGLang venv in the background" in set_up()
+        assert background_setup_started(state) and not (state / "status").exists()
+        assert "still running" in set_up() and background_setup_started(state)
+        go.write_text("0")
+        wait_for_sglang_setup(timeout_s=120, state=state)
+    finally:
+        go.write_text("0")  # the job ends within a second whatever happened above
+    assert (state / "log").read_text().splitlines()[-1].startswith("[setup] SGLang venv, made in the background: exit 0")
+    current.touch()
+    set_up()
+    assert not state.exists()
