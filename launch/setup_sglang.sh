@@ -54,8 +54,14 @@ PY
 ready() {
   [ -x "$VENV/bin/python" ] && [ "$(cat "$stamp_file" 2>/dev/null)" = "$stamp" ] && imports_ok 2>/dev/null
 }
+# a background set-up that has ended (launch/setup_sglang_background.sh) stops speaking for the venv once a
+# run of this script finds it ready: its status, a failure perhaps, must not fail the tiers any longer
+forget_ended_background_setup() {
+  if [ "$VENV" = "$REPO/.venv-sglang" ] && [ -f "$REPO/.sglang-setup/status" ]; then rm -rf "$REPO/.sglang-setup"; fi
+}
 if [ "${GSPO_REINSTALL:-0}" != 1 ] && ready; then
   echo "[setup] SGLang venv ready: $VENV"
+  forget_ended_background_setup
   exit 0
 fi
 [ "${1:-}" != --check ] || exit 1
@@ -70,4 +76,5 @@ install_torch "$VENV/bin/python"
 "$VENV/bin/python" -m pip install -q --no-deps -r requirements/sglang-contract-nodeps.txt
 imports_ok || { echo "[setup] the SGLang venv does not import SGLang's app and server (errors above)" >&2; exit 1; }
 echo "$stamp" > "$stamp_file"
+forget_ended_background_setup  # in the background job itself there is no status yet: nothing to forget
 echo "[setup] SGLang venv ready: $VENV ($((SECONDS - started)) s)"

@@ -105,3 +105,39 @@ def test_the_background_set_up_starts_the_job_returns_and_is_waited_for(tmp_path
     current.touch()
     set_up()
     assert not state.exists()
+
+
+@pytest.mark.slow  # starts bash processes
+def test_a_venv_made_by_hand_after_a_failed_background_set_up_lets_the_tiers_run(tmp_path):
+    """Was: after a failed background set-up, `bash launch/setup_sglang.sh` by hand (the failure's advice) made
+    the venv and the tiers still failed with the old status. launch/setup_sglang.sh, the real one, over a venv
+    whose interpreter answers every call with success (its installs and import checks pass at once); a
+    background set-up still running keeps its files."""
+    for folder in ("launch", "requirements", ".venv-sglang/bin"):
+        (tmp_path / folder).mkdir(parents=True)
+    for name in ("setup_sglang.sh", "install_torch.sh"):
+        shutil.copy2(ROOT / "launch" / name, tmp_path / "launch")
+    shutil.copy2(ROOT / "pyproject.toml", tmp_path)
+    for name in ("sglang-contract-nodeps.txt", "sglang-live.txt"):
+        shutil.copy2(ROOT / "requirements" / name, tmp_path / "requirements")
+    python = tmp_path / ".venv-sglang" / "bin" / "python"
+    python.write_text("#!/bin/sh\nexit 0\n")
+    python.chmod(0o755)
+    state = _state(tmp_path)
+
+    def set_up_by_hand() -> None:
+        script = tmp_path / "launch" / "setup_sglang.sh"
+        env = {k: v for k, v in os.environ.items() if k not in ("GSPO_SGLANG_VENV", "GSPO_REINSTALL")}
+        done = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60, env=env)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+    set_up_by_hand()  # a background set-up without a status is still running: its files stay
+    assert background_setup_started(state)
+    (state / "status").write_text("1\n")
+    (tmp_path / ".venv-sglang" / ".gspo-sglang-stamp").unlink()  # written above; without it the venv is made again
+    set_up_by_hand()  # the venv is made
+    wait_for_sglang_setup(timeout_s=0, state=state)
+    state = _state(tmp_path)
+    (state / "status").write_text("1\n")
+    set_up_by_hand()  # the venv is found ready
+    wait_for_sglang_setup(timeout_s=0, state=state)
