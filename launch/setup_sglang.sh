@@ -22,6 +22,8 @@
 # installs nothing unless the package's dependencies or the requirement lists changed; GSPO_REINSTALL=1
 # starts the venv afresh. GSPO_SGLANG_VENV=<dir> builds it elsewhere (the tiers look only in the default place).
 # `--check` makes nothing: exit 0 (and says so) where the venv is current, 1 where a run would install.
+# launch/setup_tests.sh runs this script in the background (launch/setup_sglang_background.sh); a run of it by
+# hand that makes or finds the venv ready clears an ended background run's files (.sglang-setup/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)

@@ -60,7 +60,11 @@ def wait_for_sglang_setup(timeout_s: float = SETUP_WAIT_S, state: Path = SETUP_D
         time.sleep(POLL_S)
     code = status.read_text().strip()
     if code != "0":
-        _fail(state, f"failed with exit status {code or '(empty)'}; rerun `bash launch/setup_sglang.sh` to see it fail")
+        _fail(
+            state,
+            f"failed with exit status {code or '(empty)'}; run `bash launch/setup_sglang.sh` to see it fail, or to "
+            "make the venv after a fix (a run that succeeds clears this status)",
+        )
 
 
 def _job_running(state: Path) -> bool:
