@@ -21,6 +21,9 @@
 # `python3 -m pytest` in the training environment runs both tiers with this venv. Idempotent: a second run
 # installs nothing unless the package's dependencies or the requirement lists changed; GSPO_REINSTALL=1
 # starts the venv afresh. GSPO_SGLANG_VENV=<dir> builds it elsewhere (the tiers look only in the default place).
+# `--check` makes nothing: exit 0 (and says so) where the venv is current, 1 where a run would install.
+# launch/setup_tests.sh runs this script in the background (launch/setup_sglang_background.sh); a run of it by
+# hand that makes or finds the venv ready clears an ended background run's files (.sglang-setup/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
@@ -53,10 +56,17 @@ PY
 ready() {
   [ -x "$VENV/bin/python" ] && [ "$(cat "$stamp_file" 2>/dev/null)" = "$stamp" ] && imports_ok 2>/dev/null
 }
+# a background set-up that has ended (launch/setup_sglang_background.sh) stops speaking for the venv once a
+# run of this script finds it ready: its status, a failure perhaps, must not fail the tiers any longer
+forget_ended_background_setup() {
+  if [ "$VENV" = "$REPO/.venv-sglang" ] && [ -f "$REPO/.sglang-setup/status" ]; then rm -rf "$REPO/.sglang-setup"; fi
+}
 if [ "${GSPO_REINSTALL:-0}" != 1 ] && ready; then
   echo "[setup] SGLang venv ready: $VENV"
+  forget_ended_background_setup
   exit 0
 fi
+[ "${1:-}" != --check ] || exit 1
 echo "[setup] making the SGLang venv $VENV (SGLang 0.5.23 for CPU, both SGLang tiers; about 10 minutes on 2 cores)"
 started=$SECONDS
 if [ ! -x "$VENV/bin/python" ] || [ "${GSPO_REINSTALL:-0}" = 1 ]; then
@@ -68,4 +78,5 @@ install_torch "$VENV/bin/python"
 "$VENV/bin/python" -m pip install -q --no-deps -r requirements/sglang-contract-nodeps.txt
 imports_ok || { echo "[setup] the SGLang venv does not import SGLang's app and server (errors above)" >&2; exit 1; }
 echo "$stamp" > "$stamp_file"
+forget_ended_background_setup  # in the background job itself there is no status yet: nothing to forget
 echo "[setup] SGLang venv ready: $VENV ($((SECONDS - started)) s)"

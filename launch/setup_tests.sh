@@ -6,7 +6,10 @@
 #    openai (the agents' endpoint tests);
 # 3. the SGLang tiers' venv, .venv-sglang/ (launch/setup_sglang.sh: SGLang 0.5.23 for CPU, for the contract
 #    tier's checks against SGLang's own classes and the live tier's real server; about 10 minutes the
-#    first time on 2 cores); GSPO_SKIP_SGLANG=1 skips it and both tiers (otherwise they fail without it).
+#    first time on 2 cores), made IN THE BACKGROUND where it is missing or out of date
+#    (launch/setup_sglang_background.sh): this script returns, pytest runs the other tiers meanwhile, and the
+#    two SGLang tiers wait for it (tests/sglang_venv_setup.py); GSPO_SKIP_SGLANG=1 skips it and both tiers
+#    (otherwise they fail without it).
 # The SGLang venv stays out of the training environment (SGLang's pins never enter it). Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +20,5 @@ if ! "$PYTHON" -c "import pytest, pytest_timeout, xdist, ruff, mypy, openai" 2>/
   echo "[setup] installing the test extra (pytest, pytest-xdist, ruff, mypy)"
   "$PYTHON" -m pip install -q -e ".[test]"
 fi
-if [ "${GSPO_SKIP_SGLANG:-0}" != 1 ]; then
-  bash launch/setup_sglang.sh
-fi
+bash launch/setup_sglang_background.sh  # starts nothing under GSPO_SKIP_SGLANG=1
 echo "[setup] ready to test ($(( $(date +%s) - start )) s)"

@@ -19,6 +19,14 @@ is a session of its own:
   without the reorder each worker takes the groups in collection order, a subsequence of a serial run's;
 - no worker starts mypy in the background: the worker that draws its test runs it in the foreground,
   while the other worker keeps the second core busy (the background start was for the idle core).
+
+The order the tests run in (``_run_order``; a stable sort, so files and tests otherwise keep theirs):
+- the SGLang tiers after the distributed and e2e tiers (``TIERS_BEFORE_SGLANG``): CI's set-up makes their
+  venv in the background meanwhile (``tests/sglang_venv_setup.py``);
+- the unit tier's two longest modules (``LONG_MODULES_FIRST``: the benchmarks' smoke runs, about 140 s in
+  CI, and mypy, about 70 s) before its short ones: with each worker taking the next group when it runs
+  low, a long group last in the queue ran on one worker while the other had nothing left (a simulation
+  of CI's junit under xdist's scheduling: the workers' ends 1433/1471 s apart -> 1454/1449 s).
 """
 
 import subprocess
@@ -40,6 +48,10 @@ _mypy = pytest.StashKey[tuple[subprocess.Popen, Path]]()
 SLOW_TIERS = ("distributed", "e2e", "faults", "gpu", "contract", "live_sglang")
 # tiers whose tests share a session-scoped fixture: one xdist group each, so one worker holds it
 SHARED_TIERS = ("contract", "live_sglang")
+SGLANG_TIERS = ("contract", "live_sglang")
+# several minutes of work on CI's two workers: long enough for the background set-up of the SGLang venv
+TIERS_BEFORE_SGLANG = ("distributed", "e2e")
+LONG_MODULES_FIRST = ("unit/tools/test_bench_smoke.py", "unit/test_static_checks.py")
 
 
 # tryfirst: the tier's slow mark must be set before pytest's own hook applies `-m "not slow"`
@@ -49,11 +61,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
-        tier = item.path.resolve().relative_to(TESTS).parts[0]
+        tier = _tier(item)
         if tier in SLOW_TIERS or any(marker in item.keywords for marker in SLOW_TIERS):
             item.add_marker(pytest.mark.slow)
         if config.pluginmanager.hasplugin("xdist"):  # the mark is xdist's: registered only where it is installed
             item.add_marker(pytest.mark.xdist_group(_xdist_group(item, tier)))
+    items.sort(key=_run_order)  # stable: each tier's files and tests keep their order
+
+
+def _tier(item: pytest.Item) -> str:
+    return item.path.resolve().relative_to(TESTS).parts[0]
+
+
+def _run_order(item: pytest.Item) -> tuple[int, int]:
+    """(the tier's place: before the SGLang tiers, the SGLang tiers, the rest, unit last as collected; the
+    module's place in ``LONG_MODULES_FIRST``, or after them)."""
+    tier = _tier(item)
+    tier_rank = 0 if tier in TIERS_BEFORE_SGLANG else 1 if tier in SGLANG_TIERS else 3 if tier == "unit" else 2
+    module = item.path.resolve().relative_to(TESTS).as_posix()
+    return tier_rank, LONG_MODULES_FIRST.index(module) if module in LONG_MODULES_FIRST else len(LONG_MODULES_FIRST)
 
 
 def _xdist_group(item: pytest.Item, tier: str) -> str:

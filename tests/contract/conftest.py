@@ -9,8 +9,9 @@ invalid one 400/422. The checks the tokenizer manager would run next (``Sampling
 
 Where the tier runs (``contract_tier_placement``), so that a plain ``python3 -m pytest`` runs it once:
 - inside the contract venv: here, in this interpreter;
-- elsewhere, when the contract venv exists: in the venv, as one test
-  (``test_contract_tier_in_its_venv.py``); the tier's own tests are deselected in this interpreter;
+- elsewhere, when the contract venv exists or the set-up is making it in the background
+  (``tests/sglang_venv_setup.py``): in the venv, as one test (``test_contract_tier_in_its_venv.py``, which
+  waits for that set-up); the tier's own tests are deselected in this interpreter;
 - elsewhere, without the venv: in this interpreter (a machine with a real SGLang install). If SGLang
   cannot be imported the tier FAILS, so CI can never pass by silently skipping it; set
   ``GSPO_SKIP_SGLANG=1`` only where the contract dependencies are intentionally absent.
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sglang_venv_setup import background_setup_started, wait_for_sglang_setup
 
 SKIP_ENV = "GSPO_SKIP_SGLANG"
 VOCAB_SIZE = 1000  # the double's vocabulary; SamplingParams.verify only uses it for logit_bias
@@ -42,7 +44,8 @@ class Placement(enum.Enum):
 
 def contract_tier_placement() -> Placement:
     in_contract_venv = Path(sys.prefix).resolve() == CONTRACT_VENV.resolve()
-    if not in_contract_venv and (CONTRACT_VENV / "bin" / "python").exists():
+    venv_made_or_in_the_making = (CONTRACT_VENV / "bin" / "python").exists() or background_setup_started()
+    if not in_contract_venv and venv_made_or_in_the_making:
         return Placement.IN_VENV
     return Placement.HERE
 
@@ -131,6 +134,7 @@ _REFERENCE: SGLangReference | None = None
 
 @pytest.fixture(scope="session")
 def contract_venv() -> Path:
+    wait_for_sglang_setup()
     return CONTRACT_VENV
 
 

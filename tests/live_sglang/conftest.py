@@ -1,11 +1,12 @@
 """Live tier: a REAL SGLang 0.5.23 server on CPU, driven by the project's own ``SGLangEngine``.
 
 The server runs in its own venv (``.venv-sglang``, made by ``launch/setup_sglang.sh``, which
-``launch/setup_tests.sh`` calls) through ``launch/sglang_cpu/launch_server.py`` (the CPU workarounds);
-the tests, the engine and the trainer run in this interpreter. Where the venv is absent, an
-interpreter that imports SGLang itself serves (a machine with a real SGLang install); with neither
-the tier FAILS, so CI can never pass by silently skipping it. ``GSPO_SKIP_SGLANG=1`` skips it
-(where SGLang is intentionally absent; ``launch/setup_tests.sh`` then makes no venv either).
+``launch/setup_tests.sh`` starts in the background: the tier waits for it, ``tests/sglang_venv_setup.py``)
+through ``launch/sglang_cpu/launch_server.py`` (the CPU workarounds); the tests, the engine and the trainer
+run in this interpreter. Where the venv is absent, an interpreter that imports SGLang itself serves (a machine
+with a real SGLang install); with neither the tier FAILS, so CI can never pass by silently skipping it.
+``GSPO_SKIP_SGLANG=1`` skips it (where SGLang is intentionally absent; ``launch/setup_tests.sh`` then makes no
+venv either).
 
 One server per session (start-up takes 1-2.5 minutes on 2 loaded cores): ``live_engine`` owns it in
 launch mode; attach-mode engines and the training run attach to its URL. Every test that changes the

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from sglang_venv_setup import wait_for_sglang_setup
 
 from gspo_megatron.rollout.sglang.config import SGLangConfig
 from gspo_megatron.rollout.sglang.engine import SGLangEngine
@@ -51,6 +52,7 @@ def server_python() -> Path:
     """The interpreter the server runs in: the live venv's, else this one if it imports SGLang."""
     if os.environ.get(SKIP_ENV) == "1":
         pytest.skip(f"the live SGLang tier is switched off ({SKIP_ENV}=1)")
+    wait_for_sglang_setup()  # the set-up may be making the venv in the background while the other tiers run
     venv_python = LIVE_VENV / "bin" / "python"
     if (LIVE_VENV / ".gspo-sglang-stamp").exists():  # written by the set-up once the venv imports SGLang
         return venv_python

@@ -1,7 +1,7 @@
 """The tiny HF checkpoint a live SGLang server loads (Qwen3-MoE, or another family's), written by the project's
 own export.
 
-The shape is ``conf/model/tiny.yaml`` (the model the 20-step ``rollout=sglang`` job trains), the
+The shape is ``conf/model/tiny.yaml`` (the model the 12-step ``rollout=sglang`` job trains), the
 weights ``random_hf_state`` (HF checkpoint names, as ``policy/models/conversion.py`` exports them), written by
 ``models.hf_checkpoint.write_hf_checkpoint`` with the symbol tokenizer saved as a HF tokenizer. No hub.
 """
