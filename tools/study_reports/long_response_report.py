@@ -218,7 +218,8 @@ def _p(test: dict) -> str:
     if test["p"] is None:
         return "--"
     if "collapses" in test:
-        return f"p = {test['p']:.3g} (collapses {test['collapses'][0]}/{test['n'][0]} vs {test['collapses'][1]}/{test['n'][1]})"
+        (a, b), (n_a, n_b) = test["collapses"], test["n"]
+        return f"p = {test['p']:.3g} (collapses {a}/{n_a} vs {b}/{n_b})"
     return f"p = {test['p']:.3g} (medians {test['median_x']:.3g} vs {test['median_y']:.3g})"
 
 
@@ -244,16 +245,14 @@ def render_markdown(arms: dict, results: dict, judged: dict) -> str:
         "## Verdict (rule fixed in README.md)",
         "",
     ]
-    lines += [
-        f"- overall: **{judged['verdict']}**; the mechanism alone (tests 1 and 2): **{judged['mechanism_verdict']}**"
-    ]
+    overall, mechanism = judged["verdict"], judged["mechanism_verdict"]
+    lines += [f"- overall: **{overall}**; the mechanism alone (tests 1 and 2): **{mechanism}**"]
     lines += [f"- {part}: {'yes' if held else 'no'}" for part, held in judged["parts"].items()]
     lines += ["", "## Tests (one-sided, exact)", "", "| test | comparison | result |", "|---|---|---|"]
     for algorithm, test in results["1_token_dispersion_grows"].items():
         lines.append(f"| 1 | {algorithm}: token ratio dispersion, long > short | {_p(test)} |")
-    lines.append(
-        f"| 2 | gspo: sequence ratio dispersion, long > short | {_p(results['2_gspo_sequence_dispersion_grows'])} |"
-    )
+    bounded = _p(results["2_gspo_sequence_dispersion_grows"])
+    lines.append(f"| 2 | gspo: sequence ratio dispersion, long > short | {bounded} |")
     for number, arm in (("3", "long"), ("4", "short")):
         for algorithm, pair in results[f"{number}_{arm}_failure"].items():
             lines.append(f"| {number} | {arm}: {algorithm} collapses more than gspo | {_p(pair['collapses'])} |")
