@@ -228,7 +228,7 @@ MARKDOWN_COLUMNS = (
     ("R last 10", "reward_last"),
     ("token ratio disp. E[(w-1)^2]", "ratio_var_token"),
     ("seq ratio disp. E[(s-1)^2]", "ratio_var_seq"),
-    ("E|w - s|", "ratio_token_seq_gap"),
+    ("mean abs(w - s)", "ratio_token_seq_gap"),
     ("clip frac token", "clip_frac_token"),
     ("clip frac seq", "clip_frac_seq"),
     ("grad norm", "grad_norm"),
