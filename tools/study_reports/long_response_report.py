@@ -11,8 +11,8 @@ Design decisions:
   *collapsed* when R_last < 0.5 x R_first (pre-registered).
 - A grad-norm *spike* is a step whose ``grad_norm`` exceeds 5 x the median of the run's nonzero grad norms
   (a step where every group had zero advantage has grad norm 0 and is not a step the median should see).
-- The tests are exact and one-sided (scipy.stats ``mannwhitneyu(method="exact")``, ``fisher_exact``), five
-  runs against five; the verdict needs all of its parts (README's rule), so the parts are not corrected for
+- The tests are exact and one-sided (``exact_tests.py``: Mann-Whitney and Fisher by enumeration), four
+  runs against four; the verdict needs all of its parts (README's rule), so the parts are not corrected for
   multiplicity.
 """
 
@@ -22,10 +22,9 @@ import math
 import statistics
 from collections.abc import Iterable, Sequence
 
-from scipy.stats import fisher_exact, mannwhitneyu
-
 from gspo_megatron.core.run_dir import RunData
 from study_reports.aggregate import Stat
+from study_reports.exact_tests import fisher_greater, mann_whitney_greater
 
 ALPHA = 0.05
 COLLAPSE_FRACTION = 0.5  # collapsed: R_last < COLLAPSE_FRACTION x R_first
@@ -122,13 +121,13 @@ def greater(x: Sequence[float], y: Sequence[float]) -> dict:
     x, y = _finite(x), _finite(y)
     if not x or not y:
         return {"p": None, "median_x": None, "median_y": None, "n": [len(x), len(y)]}
-    p = float(mannwhitneyu(x, y, alternative="greater", method="exact").pvalue)
+    p = mann_whitney_greater(x, y)
     return {"p": p, "median_x": statistics.median(x), "median_y": statistics.median(y), "n": [len(x), len(y)]}
 
 
 def more_collapses(a: int, n_a: int, b: int, n_b: int) -> dict:
     """One-sided Fisher exact, H1: arm a collapses more often than arm b."""
-    p = float(fisher_exact([[a, n_a - a], [b, n_b - b]], alternative="greater")[1]) if n_a and n_b else None
+    p = fisher_greater(a, n_a, b, n_b) if n_a and n_b else None
     return {"p": p, "collapses": [a, b], "n": [n_a, n_b]}
 
 
