@@ -95,6 +95,12 @@ def test_the_stored_e1_routing_shape_study_regenerates_bit_for_bit(capsys):
     assert "report.json regenerate bit for bit from 16 stored runs" in capsys.readouterr().out
 
 
+def test_the_stored_e3_long_response_study_regenerates_bit_for_bit(capsys):
+    """reports/e3_long_responses: report.json (arms, the pre-registered tests, the verdict) from its 24 stored runs."""
+    assert regenerate_report.main([str(REPORTS / "e3_long_responses"), "--check"]) == 0
+    assert "report.json regenerate bit for bit from 24 stored runs" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("study", ["agent_calculator", "agent_lookup"])
 def test_the_stored_agent_studies_regenerate_bit_for_bit(study, capsys):
     """reports/agent_*: summary.json from the 3 stored runs and the stored warm-start evaluation."""
