@@ -114,6 +114,13 @@ def test_the_stored_async_study_regenerates_bit_for_bit(capsys):
     assert "report.json regenerate bit for bit from 6 stored runs" in capsys.readouterr().out
 
 
+def test_the_stored_second_async_study_regenerates_bit_for_bit(capsys):
+    """reports/async_long_tail_lr3e-4: report.json from its 9 stored runs (sync and streaming k = 2 on the embedded
+    engine, streaming k = 2 on the live CPU SGLang server, 3 seeds each)."""
+    assert regenerate_report.main([str(REPORTS / "async_long_tail_lr3e-4"), "--check"]) == 0
+    assert "report.json regenerate bit for bit from 9 stored runs" in capsys.readouterr().out
+
+
 def test_the_store_keeps_whole_runs_and_a_manifest_of_their_inputs(sweep, tmp_path):
     study = tmp_path / "study"
     assert store_runs.main([str(sweep), "--study", str(study)]) == 0
