@@ -169,7 +169,8 @@ def options_from_config(cfg: TrainConfig, layout: ParallelLayout, prompt_tokens:
         engine_fraction = static_memory_fraction(sg.extra_args) if colocated else None
     else:  # the embedded engine generates in the driver's process, on its GPU, between training phases
         shape = RolloutShape(sequences, prompt_tokens, rollout.max_new_tokens, 1, 1, colocated=True)
-        embedded = EmbeddedEngineShape(str(rollout.embedded.dtype), rollout.embedded.max_batch_size)
+        lean = str(rollout.embedded.forward) == "lean" and cfg.model.family == "qwen3_moe"  # lean_forward_for's rule
+        embedded = EmbeddedEngineShape(str(rollout.embedded.dtype), rollout.embedded.max_batch_size, lean)
     # the builder's rule: "auto" is TE on a GPU, but the portable spec where only it builds the model
     portable = str(cfg.model.layer_spec) == "portable" or (
         str(cfg.model.layer_spec) == "auto" and cfg.model.portable_spec_only

@@ -84,6 +84,8 @@ class EmbeddedEngineShape:
 
     dtype: str = "float32"  # rollout.embedded.dtype
     max_batch_size: int = 256  # rollout.embedded.max_batch_size
+    # rollout.embedded.forward=lean where it serves the model (rollout/embedded/lean_forward.py: Qwen3-MoE)
+    lean: bool = False
 
 
 @dataclass(frozen=True)
@@ -158,7 +160,10 @@ def generation_bytes(
     if model.is_moe and last not in set(model.dense_layers):
         k, f, e = model.top_k, model.moe_intermediate_size, model.num_experts
         routing = t * e * (w + FP32) + 2 * t * k * (FP32 + INT64)
-        experts = t * k * (h + 2 * f + f + f) * w
+        # the lean forward's grouped_experts frees each [T k, .] intermediate as the next exists and scales in
+        # place; transformers' expert loop holds its rows, gate/up, the product and the output at once
+        lean_peak, loop_peak = max(h + 2 * f, 3 * f, f + h, 2 * h), h + 2 * f + f + f
+        experts = t * k * (lean_peak if engine.lean else loop_peak) * w
         layer = 2 * t * h * w + routing + experts
     else:
         layer = 2 * t * h * w + 4 * t * model.dense_intermediate_size * w  # as parameters.py: a dense layer's ffn

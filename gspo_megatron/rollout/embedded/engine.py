@@ -460,7 +460,7 @@ class EmbeddedEngine(RolloutEngine):
             mask[row, width - len(prompt) :] = 1
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = self._new_cache() if self.config.use_cache else None
+        cache = self._new_cache(width + max(budgets)) if self.config.use_cache else None
         if sessions is not None:  # turns: each row continues its trajectory's cached positions
             cache, mask, positions = self._resume_sessions(sessions, mask, positions)
         outputs: list[list[int]] = [[] for _ in range(batch)]
@@ -483,7 +483,7 @@ class EmbeddedEngine(RolloutEngine):
                 update = self._updates.take()  # an in-flight update lands here, between two forwards
                 if update is not None and update.mode == InflightUpdateMode.retract and fed > 0:
                     retracted, fed, feed_ids, feed_positions = fed, 0, ids, positions
-                    cache = self._new_cache() if cache is not None else None
+                    cache = self._new_cache(width + max(budgets)) if cache is not None else None
                 logits = self._forward(feed_ids, mask, feed_positions, cache, capture)
                 new = feed_ids.shape[1] if cache is not None or fed == 0 else 1
                 step_rows = capture.take(len(active), new) if capture is not None else None
@@ -556,9 +556,12 @@ class EmbeddedEngine(RolloutEngine):
             for r in range(batch)
         ]
 
-    def _new_cache(self) -> DynamicCache:
-        """A fresh KV cache: the lean forward's grows in place (``GrowingKVLayer``), transformers' concatenates."""
-        return growing_cache(self.model.config) if self._lean is not None else DynamicCache(config=self.model.config)
+    def _new_cache(self, capacity: int) -> DynamicCache:
+        """A fresh KV cache for ``capacity`` positions: the lean forward's is written in place (``GrowingKVLayer``:
+        one room of that size), transformers' concatenates."""
+        if self._lean is not None:
+            return growing_cache(self.model.config, capacity)
+        return DynamicCache(config=self.model.config)
 
     def _forward(
         self,

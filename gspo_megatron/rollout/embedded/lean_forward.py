@@ -47,13 +47,17 @@ _FIRST_ROOM = 64  # positions a fresh layer reserves beyond its first update
 
 class GrowingKVLayer(DynamicLayer):
     """A ``DynamicLayer`` whose keys and values [B, kv_heads, n, head_dim] are views of preallocated room:
-    ``update`` writes the new positions in place (room doubles when full) instead of concatenating."""
+    ``update`` writes the new positions in place instead of concatenating. ``capacity``: the positions the call
+    will feed (its prompt width + its longest budget), reserved at the first update, so a generation holds one
+    room of exactly that size (the planner's KV model, ``tools/planning``); past it (a session's later turns)
+    the room doubles."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int = 0) -> None:
         super().__init__()
         self._key_room: torch.Tensor | None = None
         self._value_room: torch.Tensor | None = None
         self._length = 0
+        self._capacity = capacity
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -76,7 +80,7 @@ class GrowingKVLayer(DynamicLayer):
         self.batch_select_indices(beam_idx)
 
     def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, needed: int) -> None:
-        room = max(2 * needed, needed + _FIRST_ROOM)
+        room = self._capacity if needed <= self._capacity else max(2 * needed, needed + _FIRST_ROOM)
         keys = key_states.new_empty(*key_states.shape[:2], room, key_states.shape[-1])
         values = value_states.new_empty(*value_states.shape[:2], room, value_states.shape[-1])
         if self._length and self._key_room is not None and self._value_room is not None:
@@ -90,11 +94,11 @@ class GrowingKVLayer(DynamicLayer):
         self.keys, self.values = self._key_room[:, :, :length], self._value_room[:, :, :length]
 
 
-def growing_cache(config) -> DynamicCache:
+def growing_cache(config, capacity: int = 0) -> DynamicCache:
     """A ``DynamicCache`` of ``GrowingKVLayer`` s, one per layer of ``config`` (attention layers only: the lean
-    forward serves no linear-attention family)."""
+    forward serves no linear-attention family), each reserving ``capacity`` positions."""
     cache = DynamicCache(config=config)
-    cache.layers = [GrowingKVLayer() for _ in cache.layers]
+    cache.layers = [GrowingKVLayer(capacity) for _ in cache.layers]
     return cache
 
 
@@ -149,12 +153,18 @@ def grouped_experts(experts, rows: torch.Tensor, top_index: torch.Tensor, top_we
     flat = top_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
     counts = torch.bincount(flat, minlength=experts.num_experts)
-    sorted_rows = rows[order // top_k]
-    gate, up = _expert_products(sorted_rows, experts.gate_up_proj, counts).chunk(2, dim=-1)
-    down = _expert_products(experts.act_fn(gate) * up, experts.down_proj, counts)
-    weighted = down * top_weight.reshape(-1)[order, None]
-    slots = torch.empty_like(weighted)
-    slots[order] = weighted  # back to (token, slot) order
+    # each intermediate [T k, .] is released as soon as the next exists and the products are scaled in place:
+    # the prefill's peak stays within the planner's expert term, T k (H + 4 I) (tools/planning/rl_step_memory.py)
+    gate_up = _expert_products(rows[order // top_k], experts.gate_up_proj, counts)
+    gate, up = gate_up.chunk(2, dim=-1)
+    hidden = experts.act_fn(gate).mul_(up)
+    del gate_up, gate, up
+    down = _expert_products(hidden, experts.down_proj, counts)
+    del hidden
+    down.mul_(top_weight.reshape(-1)[order, None])
+    slots = torch.empty_like(down)
+    slots[order] = down  # back to (token, slot) order
+    del down
     return slots.view(tokens, top_k, -1).sum(dim=1)
 
 

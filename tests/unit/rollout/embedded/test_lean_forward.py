@@ -145,6 +145,21 @@ def test_growing_layer_holds_what_a_dynamic_layer_holds():
     assert grown.get_seq_length() == plain.get_seq_length() == 77
 
 
+def test_a_layer_given_its_capacity_reserves_one_room_of_exactly_that_size():
+    """The engine gives each generation's cache its prompt width + longest budget: one room, no doubling (the
+    planner's KV model; before, the room doubled: 2x the KV, 3x while it grew), and past it the room grows."""
+    grown, plain, generator = GrowingKVLayer(capacity=9), DynamicLayer(), torch.Generator().manual_seed(3)
+    for length in (6, 1, 1, 1):  # a 6-token prompt and 3 decode steps: 9 positions
+        keys, values = torch.randn(2, 2, 3, length, 4, generator=generator)
+        for got, expected in zip(grown.update(keys, values), plain.update(keys, values), strict=True):
+            assert torch.equal(got, expected)
+        assert grown._key_room is not None and grown._key_room.shape[-2] == 9
+    keys, values = torch.randn(2, 2, 3, 1, 4, generator=generator)  # a later turn outgrows it
+    for got, expected in zip(grown.update(keys, values), plain.update(keys, values), strict=True):
+        assert torch.equal(got, expected)
+    assert grown._key_room.shape[-2] > 10
+
+
 def test_other_models_keep_transformers_forward():
     assert isinstance(lean_forward_for(qwen3_moe(sliding_window=4, use_sliding_window=True)), LeanForwardRefusal)
     eager = qwen3_moe()

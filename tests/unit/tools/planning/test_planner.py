@@ -218,7 +218,8 @@ def test_job_options_come_from_the_composed_config_by_hand():
     assert o.reference_model and o.old_log_prob_pass and o.updates_per_rollout == 4
     assert o.dtype == "bfloat16" and o.dispatcher == "alltoall" and not o.recompute
     assert o.rollout is not None and o.rollout.colocated and o.rollout.sequences == 256  # embedded engine
-    assert o.embedded_engine == EmbeddedEngineShape("float32", 256)  # rollout.embedded.dtype, max_batch_size
+    # rollout.embedded.dtype, max_batch_size, and the lean forward (the default, serving the Qwen3-MoE family)
+    assert o.embedded_engine == EmbeddedEngineShape("float32", 256, lean=True)
     padded = compose_job(["parallel=tp2"], gpus=2, prompt_tokens=8 + 1).options
     assert padded.seq_len == 12  # 9 + 3 - 1 fed tokens, padded to the multiple of tp 2
     off = compose_job(["optimizer.distributed=false", "trainer.old_log_probs=rollout"], gpus=2, prompt_tokens=8)
