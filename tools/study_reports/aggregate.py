@@ -45,12 +45,16 @@ class Stat:
     values: list[float] = field(default_factory=list)
 
     @classmethod
-    def of(cls, values: Iterable[float | None]) -> Stat:
+    def of(cls, values: Iterable[float | None], *, exact: bool = False) -> Stat:
+        """``exact``: sums by ``math.fsum`` (exactly rounded), so the numbers are the same on every Python --
+        3.12's ``sum()`` of floats compensates and 3.11's does not. The older reports keep ``sum()``: their
+        stored numbers were computed with it."""
         finite = [float(v) for v in values if v is not None and math.isfinite(float(v))]
         if not finite:
             return cls(None, None, 0, [])
-        mean = sum(finite) / len(finite)
-        var = sum((v - mean) ** 2 for v in finite) / (len(finite) - 1) if len(finite) > 1 else 0.0
+        add = math.fsum if exact else sum
+        mean = add(finite) / len(finite)
+        var = add((v - mean) ** 2 for v in finite) / (len(finite) - 1) if len(finite) > 1 else 0.0
         return cls(mean, math.sqrt(var), len(finite), finite)
 
     def to_dict(self) -> dict:

@@ -59,7 +59,7 @@ def _finite(values: Iterable[float | None]) -> list[float]:
 
 def _mean(values: Iterable[float | None]) -> float | None:
     finite = _finite(values)
-    return sum(finite) / len(finite) if finite else None
+    return math.fsum(finite) / len(finite) if finite else None
 
 
 def rewards_by_step(run: RunData) -> list[float]:
@@ -71,8 +71,8 @@ def collapse(rewards: Sequence[float]) -> tuple[float | None, float | None, bool
     """(R_first: mean of the first 5 steps, R_last: mean of the last 10, R_last < 0.5 x R_first)."""
     if len(rewards) < FIRST_STEPS + LAST_STEPS:
         return None, None, False
-    first = sum(rewards[:FIRST_STEPS]) / FIRST_STEPS
-    last = sum(rewards[-LAST_STEPS:]) / LAST_STEPS
+    first = math.fsum(rewards[:FIRST_STEPS]) / FIRST_STEPS
+    last = math.fsum(rewards[-LAST_STEPS:]) / LAST_STEPS
     return first, last, last < COLLAPSE_FRACTION * first
 
 
@@ -107,7 +107,10 @@ def summarize_arms(runs: list[RunData]) -> dict[str, dict[str, dict]]:
         arm: {
             algorithm: {
                 "runs": summaries,
-                "numbers": {n: Stat.of(float(s[n]) for s in summaries if s[n] is not None).to_dict() for n in names},
+                "numbers": {
+                    n: Stat.of((float(s[n]) for s in summaries if s[n] is not None), exact=True).to_dict()
+                    for n in names
+                },
                 "collapses": sum(1 for s in summaries if s["collapsed"]),
             }
             for algorithm, summaries in by_algorithm.items()

@@ -57,7 +57,7 @@ def arm_of(run: RunData) -> tuple[str, int]:
 
 def _mean(values: Iterable[float]) -> float | None:
     finite = [v for v in values if math.isfinite(v)]
-    return sum(finite) / len(finite) if finite else None
+    return math.fsum(finite) / len(finite) if finite else None
 
 
 def volatility_per_kl(run: RunData) -> tuple[float | None, int]:
@@ -94,12 +94,12 @@ def per_layer(run: RunData) -> dict[str, list[float]]:
     histograms = [r["topk_margin_counts"] for r in records if "topk_margin_counts" in r]
     out: dict[str, list[float]] = {}
     if changed:
-        out["expert_sets_changed"] = [sum(col) / len(col) for col in zip(*changed, strict=True)]
+        out["expert_sets_changed"] = [math.fsum(col) / len(col) for col in zip(*changed, strict=True)]
     if histograms:
         edges = records[0]["topk_margin_edges"]
         summed = [[sum(bins) for bins in zip(*layer, strict=True)] for layer in zip(*histograms, strict=True)]
         means = [r["topk_margin_mean"] for r in records if "topk_margin_mean" in r]
-        out["topk_margin_mean"] = [sum(col) / len(col) for col in zip(*means, strict=True)]
+        out["topk_margin_mean"] = [math.fsum(col) / len(col) for col in zip(*means, strict=True)]
         out["topk_margin_median_bin"] = [margin_median_bin(layer, edges) for layer in summed]
     return out
 
@@ -115,12 +115,12 @@ def summarize_run(run: RunData) -> dict:
 
 
 def _stat(summaries: list[dict], name: str) -> dict:
-    return Stat.of(s[name] for s in summaries).to_dict()
+    return Stat.of((s[name] for s in summaries), exact=True).to_dict()
 
 
 def _layer_means(summaries: list[dict], name: str) -> list[float]:
     rows = [s["per_layer"][name] for s in summaries if name in s["per_layer"]]
-    return [sum(col) / len(col) for col in zip(*rows, strict=True)] if rows else []
+    return [math.fsum(col) / len(col) for col in zip(*rows, strict=True)] if rows else []
 
 
 def summarize_arms(runs: list[RunData]) -> list[dict]:
@@ -166,7 +166,9 @@ def verdicts(arms: list[dict]) -> list[dict]:
     by_arm = {(a["shape"], a["updates_per_rollout"]): a for a in arms}
     paper = [a for a in arms if a["shape"] == PAPER_SHAPE]
     out = []
-    changed = Stat.of(v for a in paper for v in a["numbers"]["experts_changed_per_slot"]["values"]).to_dict()
+    changed = Stat.of(
+        (v for a in paper for v in a["numbers"]["experts_changed_per_slot"]["values"]), exact=True
+    ).to_dict()
     verdict, rule = _threshold_verdict(changed, VOLATILITY_REPRODUCED, "reproduced", "not reproduced")
     out.append(
         {
@@ -181,7 +183,7 @@ def verdicts(arms: list[dict]) -> list[dict]:
     )
     share = by_arm.get((PAPER_SHAPE, 4), {}).get("numbers", {}).get("routing_share_var_log_w")
     verdict, rule = _threshold_verdict(
-        share or Stat.of([]).to_dict(), ROUTING_SHARE_AGAINST, "reproduced", "not reproduced"
+        share or Stat.of([], exact=True).to_dict(), ROUTING_SHARE_AGAINST, "reproduced", "not reproduced"
     )
     out.append(
         {

@@ -93,3 +93,13 @@ def test_shapes_compared_per_unit_of_kl_and_per_layer():
     document, markdown = study_files([make_run(6, 32, 4, 1, 1, [0.01], [0.0])], manifests={})
     assert document["arms"][0]["numbers"]["volatility_per_update_kl"]["n"] == 0
     assert "| 6x32 top-4 | 1 | 1 |" in markdown
+
+
+def test_means_are_exactly_rounded_so_every_python_regenerates_the_same_report():
+    """Python 3.12's sum() of floats compensates and 3.11's does not: the stored E1 report regenerated with 384
+    last-digit differences in the newest-stack leg before its means used math.fsum."""
+    from study_reports.aggregate import Stat
+    from study_reports.routing_shape_report import _mean
+
+    assert _mean([0.1] * 10) == 0.1  # sum() on 3.11: 0.9999999999999999 / 10
+    assert Stat.of([0.1] * 10, exact=True).mean == 0.1
