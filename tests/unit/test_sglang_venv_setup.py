@@ -31,7 +31,12 @@ def test_without_a_background_set_up_nothing_waits(tmp_path):
 
 def test_a_status_written_while_waiting_ends_the_wait(tmp_path):
     state = _state(tmp_path, pid=os.getpgrp())  # a process group that runs: this test's
-    writer = threading.Thread(target=(state / "status").write_text, args=("0\n",))
+
+    def write_status() -> None:  # as launch/setup_sglang_background.sh does: a temporary name, then moved, so a
+        (state / "status.tmp").write_text("0\n")  # status that exists is whole (a plain write_text raced the
+        os.replace(state / "status.tmp", state / "status")  # wait: it once read the file empty, newest leg)
+
+    writer = threading.Thread(target=write_status)
     writer.start()
     try:
         wait_for_sglang_setup(timeout_s=60, state=state)
