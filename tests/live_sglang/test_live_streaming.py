@@ -24,7 +24,7 @@ import time
 import httpx
 import pytest
 import torch
-from support.live_server import LIVE_KEY_ENV
+from support.live_server import LIVE_KEY_ENV, attached_run_overrides
 from test_live_engine import PROMPTS, TINY, hf_weights
 
 from gspo_megatron.contracts.samples import TOKEN_VERSIONS, SamplingParams
@@ -156,14 +156,7 @@ def test_a_streaming_run_with_r3_trains_no_token_older_than_k_with_zero_routing_
         f"rollout.max_staleness={K}",
         "rollout.staleness_mode=wait",
         *(["algorithm.mismatch.correction=token_truncate"] if inflight == "off" else []),
-        "rollout.sglang.mode=attach",
-        f"rollout.sglang.api_key_env={LIVE_KEY_ENV}",
-        f"rollout.sglang.urls=[{url}]",
-        f"rollout.sglang.model_path={tiny_checkpoint}",
-        f"rollout.sglang.disk_sync_dir={tmp_path / 'disk_sync'}",
-        "rollout.sglang.weight_sync=tensor",
-        "rollout.sglang.fallback_to_disk=false",
-        "rollout.sglang.request_timeout_s=600",
+        *attached_run_overrides(url, tiny_checkpoint, tmp_path),
     ]
     try:
         (metrics,) = run_distributed(train_worker, 1, overrides, str(tmp_path), timeout=840)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import threading
 import time
 
-from support.live_server import LIVE_KEY_ENV, launch_live_server
+from support.live_server import LIVE_KEY_ENV, attached_run_overrides, launch_live_server
 
 from gspo_megatron.rollout.sglang.engine import SGLangEngine
 from gspo_megatron.testing.distributed import run_distributed
@@ -147,14 +147,7 @@ def test_a_multi_turn_agent_job_runs_against_sglang_with_the_routing_exact_on_ev
         "logging.progress=false",
         "logging.tensorboard=false",
         "logging.charts=false",
-        "rollout.sglang.mode=attach",
-        f"rollout.sglang.api_key_env={LIVE_KEY_ENV}",
-        f"rollout.sglang.urls=[{url}]",
-        f"rollout.sglang.model_path={tiny_checkpoint}",
-        f"rollout.sglang.disk_sync_dir={tmp_path / 'disk_sync'}",
-        "rollout.sglang.weight_sync=tensor",
-        "rollout.sglang.fallback_to_disk=false",
-        "rollout.sglang.request_timeout_s=600",
+        *attached_run_overrides(url, tiny_checkpoint, tmp_path),
     ]
     (metrics,) = run_distributed(train_worker, 1, overrides, str(tmp_path), timeout=840)
     assert [m["step"] for m in metrics] == [1, 2]

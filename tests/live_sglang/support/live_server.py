@@ -95,3 +95,18 @@ def launch_live_server(checkpoint: Path, work: Path, group_name: str) -> SGLangE
             weight_sync_group_name=group_name,
         )
     )
+
+
+def attached_run_overrides(url: str, checkpoint, tmp_path) -> list[str]:
+    """A training run's keys to attach to the session's server ``url`` with its API key, syncing by tensor handles
+    (no disk fallback) and a long request timeout for the loaded CPU server."""
+    return [
+        "rollout.sglang.mode=attach",
+        f"rollout.sglang.api_key_env={LIVE_KEY_ENV}",
+        f"rollout.sglang.urls=[{url}]",
+        f"rollout.sglang.model_path={checkpoint}",
+        f"rollout.sglang.disk_sync_dir={tmp_path / 'disk_sync'}",
+        "rollout.sglang.weight_sync=tensor",
+        "rollout.sglang.fallback_to_disk=false",
+        "rollout.sglang.request_timeout_s=600",
+    ]

@@ -5,20 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron.core.transformer.moe.router_replay import RouterReplay
 
 from gspo_megatron.policy.routing.recorder import RoutingRecorder
 from gspo_megatron.policy.routing.replay import ReplayError, RoutingReplay
 
 K = 2
-
-
-@pytest.fixture
-def instances():
-    before = len(RouterReplay.global_router_replay_instances)
-    made = [RouterReplay() for _ in range(2)]
-    yield made
-    del RouterReplay.global_router_replay_instances[before:]
 
 
 def _topk(scores, topk, num_groups=None, group_topk=None):

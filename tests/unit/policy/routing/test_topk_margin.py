@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron.core.transformer.moe.router_replay import RouterReplay
 
 from gspo_megatron.policy.routing.recorder import RoutingRecorder
 from gspo_megatron.policy.routing.replay import RoutingReplay
@@ -57,14 +56,6 @@ def test_histograms_merge_exactly_by_addition():
     assert int(both.tokens[0]) == 6
     with pytest.raises(ValueError, match="cannot merge"):
         a.merge(TopkMargins.concat_layers([a, b]))
-
-
-@pytest.fixture
-def instances():
-    before = len(RouterReplay.global_router_replay_instances)
-    made = [RouterReplay() for _ in range(2)]
-    yield made
-    del RouterReplay.global_router_replay_instances[before:]
 
 
 def _topk(scores, topk, num_groups=None, group_topk=None):
