@@ -169,7 +169,8 @@ def _reads(result: dict, shorter_by: float) -> dict[str, bool]:
     """The pre-registered readings of one comparison."""
     if result["length_change_pct"] is None:
         return {}
-    change, accuracy, floor = result["length_change_pct"], result["accuracy_change_points"], result["noise_floor_points"]
+    change, accuracy = result["length_change_pct"], result["accuracy_change_points"]
+    floor = result["noise_floor_points"]
     return {
         "shortens": _significant(result["shorter"]) and change <= -shorter_by,
         "keeps_accuracy": accuracy >= -floor,
@@ -179,7 +180,7 @@ def _reads(result: dict, shorter_by: float) -> dict[str, bool]:
 
 
 def shortening_verdict(reads: dict[str, bool]) -> str:
-    """"Shortens without costing accuracy" (README's rule)."""
+    """The verdict on "shortens without costing accuracy" (README's rule)."""
     if not reads:
         return "no data"
     if reads["shortens"] and reads["keeps_accuracy"]:
@@ -272,13 +273,31 @@ def _comparison_cells(result: dict) -> list[str]:
     ]
 
 
-def render_markdown(arms: dict, judged: dict, prompts: int) -> str:
+def provenance_summary(arms: dict, provenance: dict) -> list[str]:
+    """One line per warm start: its runs' commits, clean-tree flags, threads and warm-start sha256."""
+    lines = []
+    for warm_start, by_arm in arms.items():
+        names = [s["run"] for entry in by_arm.values() for s in entry["runs"]]
+        known = [provenance[n] for n in names if n in provenance]
+        values = {key: sorted({str(p[key]) for p in known}) for key in ("commit", "clean_tree", "cpu_threads")}
+        shas = sorted({str(p["warm_start_sha256"])[:16] for p in known})
+        lines.append(
+            f"- {warm_start}: {len(names)} runs; commit {', '.join(c[:12] for c in values['commit'])}; clean tree "
+            f"{', '.join(values['clean_tree'])}; threads {', '.join(values['cpu_threads'])}; warm start sha256 "
+            f"{', '.join(shas)}"
+        )
+    return lines
+
+
+def render_markdown(arms: dict, judged: dict, prompts: int, provenance: dict) -> str:
     lines = [
         "# E4: length shaping against the papers' comparisons",
         "",
         f"A = pass@1 and L = mean tokens of {prompts} sampled evaluation responses (temperature 1) at the last step;",
         "mean ± sample std over seeds; p: one-sided exact Mann-Whitney (shorter; less accurate); NF: the accuracy",
         "noise floor in points (README.md). Rules fixed in README.md before the runs.",
+        "",
+        *provenance_summary(arms, provenance),
     ]
     for warm_start, by_arm in arms.items():
         lines += ["", f"## Warm start {warm_start}", ""]
@@ -364,4 +383,4 @@ def study_files(runs: list[RunData], manifests: dict) -> tuple[dict, str]:
         for name, m in manifests.items()
     }
     document = {"eval_prompts": prompts, "judged": judged, "arms": arms, "runs": provenance}
-    return document, render_markdown(arms, judged, prompts)
+    return document, render_markdown(arms, judged, prompts, provenance)
