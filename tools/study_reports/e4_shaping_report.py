@@ -34,7 +34,16 @@ PAPER_HALF_PCT = 16.0  # Step-GRPO against the vanilla model: half the paper's 3
 COLLAPSE_FRACTION = 0.5  # a collapsed run: A < COLLAPSE_FRACTION x A_0 of its seed
 LAST_STEPS = 10  # training metrics: the mean over the last LAST_STEPS steps
 VANILLA, BASELINE = "vanilla", "baseline"
-SHORTENING_ARMS = ("kimi_length", "dapo_overlong", "step_grpo_reward", "step_grpo_advantage", "grsp_descending")
+ARM_ORDER = (  # the report's row order (README's table); an arm not named here follows, in stored order
+    "vanilla",
+    "baseline",
+    "kimi_length",
+    "dapo_overlong",
+    "step_grpo_reward",
+    "step_grpo_advantage",
+    "grsp_ascending",
+    "grsp_descending",
+)
 GRSP_ASCENDING, GRSP_DESCENDING = "grsp_ascending", "grsp_descending"
 STEP_GRPO_REWARD, STEP_GRPO_ADVANTAGE = "step_grpo_reward", "step_grpo_advantage"
 TRAINING_KEYS = {  # summary name -> metrics.jsonl key, averaged over the last LAST_STEPS steps
@@ -95,7 +104,9 @@ def summarize_arms(runs: list[RunData]) -> dict[str, dict[str, dict]]:
     arms: dict[str, dict[str, dict]] = {}
     for warm_start, by_arm in grouped.items():
         arms[warm_start] = {}
-        for arm, summaries in by_arm.items():
+        ordered = [a for a in ARM_ORDER if a in by_arm] + [a for a in by_arm if a not in ARM_ORDER]
+        for arm in ordered:
+            summaries = by_arm[arm]
             summaries.sort(key=lambda s: s["seed"])
             numbers = {n: Stat.of((s[n] for s in summaries), exact=True).to_dict() for n in NUMBERS}
             arms[warm_start][arm] = {"runs": summaries, "numbers": numbers}
