@@ -46,6 +46,8 @@ ARM_ORDER = (  # the report's row order (README's table); an arm not named here 
 )
 GRSP_ASCENDING, GRSP_DESCENDING = "grsp_ascending", "grsp_descending"
 STEP_GRPO_REWARD, STEP_GRPO_ADVANTAGE = "step_grpo_reward", "step_grpo_advantage"
+SHORTENING_CLAIM = "claim: shortens without costing accuracy"
+COLLAPSE_CLAIM = "claim: ascending weights collapse accuracy"
 TRAINING_KEYS = {  # summary name -> metrics.jsonl key, averaged over the last LAST_STEPS steps
     "train_accuracy": "reward/accuracy",
     "train_length": "response/length_mean",
@@ -360,7 +362,8 @@ def render_markdown(arms: dict, judged: dict, prompts: int, provenance: dict) ->
         for arm, result in results.items():
             if arm in ("baseline_vs_vanilla", "combine_reward_vs_advantage"):
                 continue
-            line = f"- {arm}: **{result['verdict']}**"
+            claim = COLLAPSE_CLAIM if arm == GRSP_ASCENDING else SHORTENING_CLAIM
+            line = f"- {arm} ({claim}): **{result['verdict']}**"
             if "verdict_vs_paper_figure" in result:
                 line += f"; against the paper's figure (vs vanilla, >= {PAPER_HALF_PCT:g}% shorter): "
                 line += f"**{result['verdict_vs_paper_figure']}**"
