@@ -134,3 +134,33 @@ def test_zero_variance_metric_counts_groups_without_signal_after_combining():
     assert float(out.stats["advantage_abs_mean"]) == pytest.approx(float(out.advantages.abs().mean()))
     raw_only = shaped_advantages(rewards, rewards, lambda r: group_relative(r, context), 3, "advantage")
     assert float(raw_only.stats["zero_variance_group_frac"]) == pytest.approx(2 / 3)
+
+
+def test_step_grpo_combined_as_the_paper_does_hand_computed():
+    """shaping.combine=reward, Step-GRPO's formulation (study E4's step_grpo_reward arm): R_i REPLACES the reward and
+    the group normalises it, A_i = (R_i - mean R) / (std R + eps). Hand-computed: k = 1,2,3,1,2 with the first three
+    correct, so mu = (1 + 2 + 3)/3 = 2 and, alpha 0.9, beta 0.5,
+        R = 0.9 (1 - 0.5 tanh((k - 2)/2)) + 0.1 = 1.2079527, 1.0, 0.7920473 (correct);  0.1, 0.1 (format only),
+    mean R = 3.2/5 = 0.64, sample std (n - 1 = 4) = 0.5144144."""
+    from gspo_megatron.rollout.shaping import StepGRPOConfig
+    from gspo_megatron.rollout.shaping.step_grpo import step_grpo
+
+    texts = ["x", "x Wait y", "x Wait y Wait z", "x", "x Wait y"]
+    group = ShapingGroup(
+        rewards=torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0]),
+        correct=torch.tensor([True, True, True, False, False]),
+        format_ok=torch.ones(5, dtype=torch.bool),
+        response_texts=texts,
+        steps=step_counts(texts, TRIGGERS),
+        response_lengths=torch.tensor([1, 3, 5, 1, 3]),
+        max_response_length=16,
+    )
+    shaped = step_grpo(group, StepGRPOConfig()).rewards
+    torch.testing.assert_close(shaped, torch.tensor([1.2079527, 1.0, 0.7920473, 0.1, 0.1]))
+    context = AdvantageContext(group_size=5)
+    got = shaped_advantages(group.rewards, shaped, lambda r: group_relative(r, context), 5, "reward").advantages
+    std = 0.5144144
+    expected = torch.tensor([0.5679527, 0.36, 0.1520473, -0.54, -0.54]) / (std + 1e-6)
+    torch.testing.assert_close(got, expected)
+    # the task reward (1, 1, 1, 0, 0) is not what is normalised: the correct responses' advantages differ by steps
+    assert got[0] > got[1] > got[2] > 0 > got[3] == got[4]
