@@ -174,25 +174,26 @@ def _significant(test: dict) -> bool:
 def verdict(results: dict, arms: dict) -> dict:
     """README's rule for "GRPO needs Routing Replay at high off-policy pressure", and the step-size reading."""
     primary, failures = results["1_r3_eval_over_grpo"], results["2_grpo_fails_more_than_r3"]
-    grpo_failures, r3_failures = failures["failures"]
-    grpo_runs = len(arms.get(GRPO, {"runs": []})["runs"])
+    (grpo_failures, r3_failures), (grpo_runs, r3_runs) = failures["failures"], failures["n"]
+    step_size = _significant(results["4_step_size_control_rescues"]["eval"]) and not _significant(
+        results["step_size_r3_over_control"]
+    )
+    if primary["p"] is None:  # an arm without runs: nothing to judge
+        return {"parts": {}, "verdict": "undetermined at this power", "effect_is_step_size": step_size}
+    # "more runs" read as rates: the same with 8 runs a side, and fair when a cut-short study has 7 against 8
+    grpo_fails_more = grpo_failures * r3_runs > r3_failures * grpo_runs
     parts = {
         "1 R3's final eval above GRPO's (significant)": _significant(primary),
-        "GRPO fails in more runs than R3": grpo_failures > r3_failures,
+        "GRPO fails in more runs than R3": grpo_fails_more,
         "GRPO fails in at least 2 runs": grpo_failures >= FEWEST_FAILURES_TO_RESCUE,
     }
-    no_effect = primary["p"] is not None and primary["median_x"] <= primary["median_y"] and r3_failures >= grpo_failures
-    if primary["p"] is None or not grpo_runs:
-        outcome = "undetermined at this power"
-    elif parts["1 R3's final eval above GRPO's (significant)"] and parts["GRPO fails in more runs than R3"]:
+    no_effect = primary["median_x"] <= primary["median_y"] and not grpo_fails_more
+    if parts["1 R3's final eval above GRPO's (significant)"] and grpo_fails_more:
         outcome = "reproduced"
     elif no_effect or not parts["GRPO fails in at least 2 runs"]:
         outcome = "not reproduced"
     else:
         outcome = "undetermined at this power"
-    step_size = _significant(results["4_step_size_control_rescues"]["eval"]) and not _significant(
-        results["step_size_r3_over_control"]
-    )
     return {"parts": parts, "verdict": outcome, "effect_is_step_size": step_size}
 
 

@@ -123,3 +123,14 @@ def test_the_report_names_every_test_and_arm():
     assert list(document["arms"]) == list(ARMS)
     assert "| 1 (primary) | final eval: grpo_r3_upr32 > grpo_upr32 |" in markdown
     assert "| grpo_lr3e-4_upr32 | 2 | 2 | 0 | 0 | 0 |" in markdown
+
+
+def test_a_cut_short_study_compares_failure_rates_and_an_absent_arm_is_undetermined():
+    runs = [make_run("grpo_upr32", s, 0.1 + s / 1000) for s in range(1, 8)]  # 7 GRPO runs: all fail
+    runs += [make_run("grpo_r3_upr32", s, 0.6 + s / 1000) for s in range(1, 9)]  # 8 R3 runs: none fails
+    arms = summarize_arms(runs)
+    results = preregistered_tests(arms)
+    assert results["2_grpo_fails_more_than_r3"]["n"] == [7, 8]
+    assert verdict(results, arms)["verdict"] == "reproduced"
+    only_grpo = summarize_arms(runs[:7])
+    assert verdict(preregistered_tests(only_grpo), only_grpo)["verdict"] == "undetermined at this power"
