@@ -6,7 +6,8 @@ Design decisions:
 - An arm is read from the run's config, not its directory name: the algorithm (``algorithm.name``, with R3's
   preset shortened to ``grpo_r3``), the learning rate when it is not the main job's 1e-3 (``_lr3e-4``) and the
   updates per rollout (``_upr32``): ``grpo_upr32``, ``grpo_r3_upr32``, ``gspo_upr32``, ``grpo_lr3e-4_upr32``,
-  ``grpo_upr1``. A seed is ``trainer.seed`` (it sets the prompt stream and the initial weights too).
+  ``grpo_upr1``; R3 set beside another preset adds ``_r3`` (``gspo_r3_upr32``, the amendment's arm).
+  A seed is ``trainer.seed`` (it sets the prompt stream and the initial weights too).
 - Pre-registered per run: E_final = ``eval/pass@1`` at the run's last step (``trainer.steps``; a run whose
   last eval is elsewhere has none); learned = E_final >= 0.4; R_last = the mean ``reward/mean`` over the last
   20 steps; R_peak = the highest mean over 10 consecutive steps; collapsed = R_last < 0.5 x R_peak; failed =
@@ -33,7 +34,8 @@ FIRST_STEPS, LAST_STEPS, PEAK_WINDOW = 10, 20, 10
 MAIN_JOB_LR = 1.0e-3  # an arm's name carries its lr only when it differs from this
 FEWEST_FAILURES_TO_RESCUE = 2  # GRPO failing in fewer runs than this leaves nothing for replay to rescue
 ALGORITHM_SHORT = {"grpo_rollout_routing_replay": "grpo_r3"}
-GRPO, R3, GSPO = "grpo_upr32", "grpo_r3_upr32", "gspo_upr32"
+ROLLOUT_REPLAY = "rollout"  # routing.replay's value for R3
+GRPO, R3, GSPO, GSPO_R3 = "grpo_upr32", "grpo_r3_upr32", "gspo_upr32", "gspo_r3_upr32"
 STEP_SIZE_CONTROL, ON_POLICY = "grpo_lr3e-4_upr32", "grpo_upr1"
 # summary name -> metrics.jsonl key (mean over the steps that logged it)
 STEP_KEYS = {
@@ -51,6 +53,8 @@ def arm_name(config: dict) -> str:
     """``<algorithm>[_lr<lr>]_upr<updates per rollout>`` from the run's config."""
     algorithm = config["algorithm"]["name"]
     name = ALGORITHM_SHORT.get(algorithm, algorithm)
+    if config.get("routing", {}).get("replay") == ROLLOUT_REPLAY and not name.endswith("_r3"):
+        name += "_r3"  # R3 set beside another algorithm's preset (GSPO + R3: algorithm=gspo routing.replay=rollout)
     lr = float(config["optimizer"]["lr"])
     if not math.isclose(lr, MAIN_JOB_LR):
         mantissa, exponent = f"{lr:.0e}".split("e")
@@ -163,6 +167,7 @@ def preregistered_tests(arms: dict) -> dict:
         },
         "5_on_policy_over_grpo": greater(arms, ON_POLICY, GRPO),
         "6_gspo": {"gspo_over_grpo": greater(arms, GSPO, GRPO), "r3_over_gspo": greater(arms, R3, GSPO)},
+        "amendment_gspo_r3_over_gspo": greater(arms, GSPO_R3, GSPO),
         "step_size_r3_over_control": greater(arms, R3, STEP_SIZE_CONTROL),
     }
 
@@ -224,6 +229,7 @@ def _test_rows(results: dict) -> list[str]:
         ("6", "final eval: gspo_upr32 > grpo_upr32", results["6_gspo"]["gspo_over_grpo"]),
         ("6", "final eval: grpo_r3_upr32 > gspo_upr32", results["6_gspo"]["r3_over_gspo"]),
         ("step size", "final eval: grpo_r3_upr32 > grpo_lr3e-4_upr32", results["step_size_r3_over_control"]),
+        ("amendment", "final eval: gspo_r3_upr32 > gspo_upr32", results["amendment_gspo_r3_over_gspo"]),
     ]
     return [f"| {number} | {comparison} | {_p(test)} |" for number, comparison, test in rows]
 

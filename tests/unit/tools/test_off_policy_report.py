@@ -24,13 +24,15 @@ ARMS = {  # arm -> (algorithm.name, optimizer.lr, trainer.updates_per_rollout), 
     "gspo_upr32": ("gspo", 1.0e-3, 32),
     "grpo_lr3e-4_upr32": ("grpo", 3.0e-4, 32),
     "grpo_upr1": ("grpo", 1.0e-3, 1),
+    "gspo_r3_upr32": ("gspo", 1.0e-3, 32),  # with routing.replay=rollout
 }
 
 
 def config(arm: str, seed: int) -> dict:
     algorithm, lr, updates = ARMS[arm]
     trainer = {"seed": seed, "steps": STEPS, "updates_per_rollout": updates}
-    return {"algorithm": {"name": algorithm}, "optimizer": {"lr": lr}, "trainer": trainer}
+    routing = {"replay": "rollout" if arm.startswith(("grpo_r3", "gspo_r3")) else "none"}
+    return {"algorithm": {"name": algorithm}, "optimizer": {"lr": lr}, "trainer": trainer, "routing": routing}
 
 
 def make_run(arm: str, seed: int, eval_final: float, reward_last: float = 0.8) -> RunData:
