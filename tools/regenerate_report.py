@@ -39,7 +39,7 @@ from agent_report import summary_from_store
 from async_report import write_report as write_async_report
 from compare_runs import write_reports
 
-from study_reports import e4_shaping_report, long_response_report, routing_shape_report
+from study_reports import e4_shaping_report, long_response_report, off_policy_report, routing_shape_report
 from study_reports.shaping_report import study_files
 from study_reports.store import StoredStudy, StoreError, load_store
 
@@ -100,6 +100,14 @@ def _e4_shaping_study(study: StoredStudy, out: Path) -> str:
     return markdown
 
 
+def _off_policy_study(study: StoredStudy, out: Path) -> str:
+    """Study E2's report (``study_reports/off_policy_report.py``): arms by algorithm, lr and updates per rollout."""
+    document, markdown = off_policy_report.study_files(study.runs, study.manifests)
+    (out / "report.json").write_text(json.dumps(document, indent=2) + "\n")
+    (out / "report.md").write_text(markdown)
+    return markdown
+
+
 REPORTS: dict[str, ReportKind] = {
     "routing_study": ReportKind(_routing_study, ("study.json", "comparison.json"), ("provenance", "generated_by")),
     "shaping_study": ReportKind(_shaping_study, ("report.json",)),  # its notes are the study's own record
@@ -108,6 +116,7 @@ REPORTS: dict[str, ReportKind] = {
     "routing_shape_study": ReportKind(_routing_shape_study, ("report.json",)),
     "long_response_study": ReportKind(_long_response_study, ("report.json",)),
     "e4_shaping_study": ReportKind(_e4_shaping_study, ("report.json",)),
+    "off_policy_study": ReportKind(_off_policy_study, ("report.json",)),
 }
 
 

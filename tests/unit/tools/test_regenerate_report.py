@@ -108,6 +108,12 @@ def test_the_stored_e4_shaping_study_regenerates_bit_for_bit(capsys):
     assert "report.json regenerate bit for bit from 84 stored runs" in capsys.readouterr().out
 
 
+def test_the_stored_e2_off_policy_study_regenerates_bit_for_bit(capsys):
+    """reports/e2_off_policy: report.json (arms, the pre-registered tests, the verdict) from its 48 stored runs."""
+    assert regenerate_report.main([str(REPORTS / "e2_off_policy"), "--check"]) == 0
+    assert "report.json regenerate bit for bit from 48 stored runs" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("study", ["agent_calculator", "agent_lookup"])
 def test_the_stored_agent_studies_regenerate_bit_for_bit(study, capsys):
     """reports/agent_*: summary.json from the 3 stored runs and the stored warm-start evaluation."""
