@@ -13,12 +13,12 @@ Design decisions:
   microseconds, and a queue hand-off costs less than a thread start. Measured (``exact_match``, 20k
   calls, a loaded 2-core machine): 16 us a call made directly, 70 us through the thread when each call
   was its own hand-off.
-- A batch is ONE hand-off (``score_all``): the thread runs its calls back to back and posts each outcome;
-  the caller waits for each outcome at most ``reward.timeout_s`` from when it starts waiting for it, which
-  is no earlier than the call's start (the thread starts call i once call i - 1's outcome is posted), so
-  every call gets at least its budget. A hand-off per call cost two thread wake-ups per sample: 8-17 ms
-  of the main job's 256 samples on a shared 2-core machine, against about 1 ms as one batch
-  (``tools/bench_rl_step.py``'s ``reward`` phase).
+- A batch is ONE hand-off (``score_all``): the thread runs its calls back to back, noting when each
+  starts, and the caller sleeps until the whole batch is done or the running call is past
+  ``reward.timeout_s`` from ITS start (``_Batch``). A hand-off per call cost two thread wake-ups per
+  sample, and a woken caller waits for the GIL while the thread runs the next call (up to the 5 ms
+  switch interval): 8-17 ms for the main job's 256 samples on a shared 2-core machine, about 1.5 ms as
+  one batch (``tools/bench_rl_step.py``'s ``reward`` phase).
 - A thread abandoned mid-batch (a timeout, or an exception out of the caller) runs none of the batch's
   later calls (``stop`` is checked before each): the rest go to a fresh thread, so no call runs twice
   and no stale outcome reaches a later batch.
@@ -33,8 +33,10 @@ from __future__ import annotations
 import functools
 import queue
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from gspo_megatron.rollout.data.records import PromptRecord
@@ -42,38 +44,61 @@ from gspo_megatron.rollout.rewards.config import RewardConfig
 from gspo_megatron.rollout.rewards.types import RewardResult
 
 
+@dataclass
+class _Batch:
+    """A batch of calls and its progress, written by the serving thread: each call's outcome in order, the
+    (index, monotonic start) of the call running now, and ``done`` once every call has its outcome."""
+
+    calls: list[Callable[[], Any]]
+    outcomes: list[tuple[Any, BaseException | None]] = field(default_factory=list)
+    running: tuple[int, float] = (0, 0.0)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def overdue(self, timeout_s: float) -> int | None:
+        """The index of the running call when it has run ``timeout_s`` or longer without an outcome."""
+        index, started = self.running  # one read: the thread replaces the pair before each call
+        if len(self.outcomes) <= index < len(self.calls) and time.monotonic() - started >= timeout_s:
+            return index
+        return None
+
+
 class _CallThread:
-    """A daemon thread that runs the batches of callables handed to it, each call in turn, and posts each
-    call's outcome; once ``stop`` is called it runs no further call."""
+    """A daemon thread that runs the batches handed to it, each call in turn; once ``stop`` is called it
+    starts no further call."""
 
     def __init__(self, name: str):
-        self.inbox: queue.SimpleQueue[list[Callable[[], Any]] | None] = queue.SimpleQueue()
-        self.outbox: queue.SimpleQueue[tuple[Any, BaseException | None]] = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
         self._stopped = threading.Event()
         threading.Thread(target=self._serve, name=name, daemon=True).start()
 
     def _serve(self) -> None:
         while (batch := self.inbox.get()) is not None:  # idle until work comes or ``stop``
-            for work in batch:
+            for index, work in enumerate(batch.calls):
                 if self._stopped.is_set():  # abandoned: the caller gave this batch's rest to a fresh thread
                     return
+                batch.running = (index, time.monotonic())
                 try:
-                    self.outbox.put((work(), None))
+                    batch.outcomes.append((work(), None))
                 except BaseException as error:  # noqa: BLE001 - handed to the caller, who re-raises it
-                    self.outbox.put((None, error))
+                    batch.outcomes.append((None, error))
+            batch.done.set()
 
-    def hand_over(self, batch: list[Callable[[], Any]]) -> None:
+    def run(self, calls: list[Callable[[], Any]], timeout_s: float) -> tuple[list[Any], int | None]:
+        """The calls' values in order, up to the first that ran past ``timeout_s`` (its index, else None);
+        a call's exception is raised. The caller sleeps until the batch is done or the running call is due."""
+        batch = _Batch(calls, running=(0, time.monotonic()))
         self.inbox.put(batch)
-
-    def next_outcome(self, timeout_s: float) -> Any:
-        """The next call's value (or its exception, raised); ``TimeoutError`` past ``timeout_s``."""
-        try:
-            value, error = self.outbox.get(timeout=timeout_s)
-        except queue.Empty:
-            raise TimeoutError from None
-        if error is not None:
-            raise error
-        return value
+        overdue = None
+        while overdue is None:
+            _, started = batch.running
+            if batch.done.wait(max(0.0, started + timeout_s - time.monotonic())):
+                break
+            overdue = batch.overdue(timeout_s)
+        outcomes = batch.outcomes[: len(calls) if overdue is None else overdue]
+        for _, error in outcomes:
+            if error is not None:
+                raise error
+        return [value for value, _ in outcomes], overdue
 
     def stop(self) -> None:
         self._stopped.set()
@@ -104,9 +129,9 @@ class InProcessCaller:
 
     def _warm_up(self, warm_up: Callable[[], object]) -> None:
         try:
-            worker = self._worker()
-            worker.hand_over([warm_up])
-            worker.next_outcome(self.config.startup_timeout_s)
+            _, overdue = self._worker().run([warm_up], self.config.startup_timeout_s)
+            if overdue is not None:
+                raise TimeoutError
         except TimeoutError:
             raise RuntimeError(
                 f"reward {self.reward_name!r}: warm_up did not return within reward.startup_timeout_s="
@@ -126,22 +151,17 @@ class InProcessCaller:
     def _score_until_timeout(self, responses: Sequence[str], records: Sequence[PromptRecord]) -> list[RewardResult]:
         """The results of ``responses`` in order, up to and including the first that timed out."""
         timeout_s = self.config.timeout_s
-        worker = self._worker()
         self.handoffs += 1
         calls = [functools.partial(self._score_one, r, rec) for r, rec in zip(responses, records, strict=True)]
-        worker.hand_over(calls)
-        results: list[RewardResult] = []
         try:
-            for _ in responses:
-                results.append(worker.next_outcome(timeout_s))
-        except TimeoutError:
-            self._abandon()
-            timed_out = RewardResult.failed(f"verifier timed out after {timeout_s} s (reward.timeout_s)", "timeout")
-            return [*results, timed_out]
+            results, overdue = self._worker().run(calls, timeout_s)
         except BaseException:
-            self._abandon(warn=False)  # the thread's outcomes after this one must not reach a later batch
+            self._abandon(warn=False)  # a call raised past call_reward's guard: a fresh thread serves on
             raise
-        return results
+        if overdue is None:
+            return results
+        self._abandon()
+        return [*results, RewardResult.failed(f"verifier timed out after {timeout_s} s (reward.timeout_s)", "timeout")]
 
     def _abandon(self, warn: bool = True) -> None:
         assert self._thread is not None
