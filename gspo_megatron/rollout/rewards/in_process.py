@@ -1,7 +1,7 @@
 """The in-process reward path (``reward.in_process``), bounded by the pooled path's ``reward.timeout_s``.
 
     caller = InProcessCaller(score_one, warm_up, "import:my.module:fn", config)
-    results = caller.score_all(responses, records)   # score_one's RewardResults; past the timeout a ``timeout`` failure
+    results = caller.score_all(responses, records)   # score_one's results; past the timeout a ``timeout`` failure
 
 Design decisions:
 - A call in the trainer's process cannot be killed, so it runs in a daemon thread the caller waits for at
