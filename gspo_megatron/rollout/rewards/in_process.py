@@ -49,7 +49,7 @@ class _Batch:
     """A batch of calls and its progress, written by the serving thread: each call's outcome in order, the
     (index, monotonic start) of the call running now, and ``done`` once every call has its outcome."""
 
-    calls: list[Callable[[], Any]]
+    calls: Sequence[Callable[[], Any]]
     outcomes: list[tuple[Any, BaseException | None]] = field(default_factory=list)
     running: tuple[int, float] = (0, 0.0)
     done: threading.Event = field(default_factory=threading.Event)
@@ -83,7 +83,7 @@ class _CallThread:
                     batch.outcomes.append((None, error))
             batch.done.set()
 
-    def run(self, calls: list[Callable[[], Any]], timeout_s: float) -> tuple[list[Any], int | None]:
+    def run(self, calls: Sequence[Callable[[], Any]], timeout_s: float) -> tuple[list[Any], int | None]:
         """The calls' values in order, up to the first that ran past ``timeout_s`` (its index, else None);
         a call's exception is raised. The caller sleeps until the batch is done or the running call is due."""
         batch = _Batch(calls, running=(0, time.monotonic()))
