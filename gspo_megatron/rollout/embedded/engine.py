@@ -492,16 +492,21 @@ class EmbeddedEngine(RolloutEngine):
                     held = routing[active, :retracted]
                     rerouted = _rerouted_positions(held, step_rows[:, :retracted], mask[:, :retracted], active)
                 going = [i for i, r in enumerate(active) if r not in rerouted]  # the rows that go on
+                going_rows = [active[i] for i in going]
+                every = len(going) == len(active)  # no row ended by a retract: no gather needed
                 if step_rows is not None and routing is not None:
-                    routing[[active[i] for i in going], fed : fed + new] = step_rows[going]
+                    routing[_rows_index(going_rows, batch), fed : fed + new] = step_rows if every else step_rows[going]
                 fed += new
                 draws = uniforms.at(active, step) if params.temperature > 0 else None
                 tokens, token_log_probs = sample_next_tokens(logits[:, -1], params, draws)
-                going_index = torch.tensor(going, dtype=torch.long, device=tokens.device)
+                going_tokens, going_log_probs = tokens, token_log_probs  # ``tokens`` stays the active rows'
+                if not every:
+                    going_index = torch.tensor(going, dtype=torch.long, device=tokens.device)
+                    going_tokens, going_log_probs = tokens[going_index], token_log_probs[going_index]
                 self._record(
-                    [active[i] for i in going],
-                    tokens[going_index],
-                    token_log_probs[going_index],
+                    going_rows,
+                    going_tokens,
+                    going_log_probs,
                     outputs,
                     log_probs,
                     versions,
@@ -637,3 +642,9 @@ class EmbeddedEngine(RolloutEngine):
             weight_version=min(versions, default=self.weight_version),
             extra=extra,
         )
+
+
+def _rows_index(rows: list[int], batch: int) -> list[int] | slice:
+    """``rows`` of a ``batch``-row tensor as an index: a slice when they are every row in order (a plain copy,
+    where a list index scatters row by row: the prefill's routing rows, 256 x 30 positions in the main job)."""
+    return slice(None) if len(rows) == batch and rows == list(range(batch)) else rows
