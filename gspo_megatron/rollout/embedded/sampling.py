@@ -14,7 +14,7 @@ Design decisions:
 - A row's uniforms are drawn ``UNIFORM_BLOCK`` steps at a time (``RowUniforms``): torch's CPU generator
   gives ``rand(n)`` the same numbers as n calls of ``rand(())`` (tested), so the tokens are those of one
   draw per step, for one tensor op per row per block instead of one per row per token (256 rows x 3
-  tokens in the main job: about 800 ops and a 256-way stack per token, 2-3 ms of a 30 ms ``generate``).
+  tokens in the main job: 1.8 ms of draws and stacks a ``generate``, 0.7 ms by blocks; CPU time, 1 thread).
 """
 
 from __future__ import annotations
