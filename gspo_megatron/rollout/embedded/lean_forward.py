@@ -156,7 +156,7 @@ def grouped_experts(experts, rows: torch.Tensor, top_index: torch.Tensor, top_we
     # each intermediate [T k, .] is released as soon as the next exists and the products are scaled in place:
     # the prefill's peak stays within the planner's expert term, T k (H + 4 I) (tools/planning/rl_step_memory.py)
     # index_select / index_copy_ rather than advanced indexing: the same copies, 4x / 1.3x faster on CPU at the
-    # main job's prefill (7680 tokens x 4 slots: 1.5 -> 0.35 ms and 1.9 -> 1.3 ms a layer, 1 thread)
+    # main job's prefill (7680 tokens x 4 slots: 1.5 -> 0.35 ms and 1.9 -> 1.2-1.6 ms a layer, CPU time, 1 thread)
     gate_up = _expert_products(rows.index_select(0, order // top_k), experts.gate_up_proj, counts)
     gate, up = gate_up.chunk(2, dim=-1)
     hidden = experts.act_fn(gate).mul_(up)
