@@ -87,7 +87,7 @@ from gspo_megatron.rollout.embedded.lean_forward import (
     growing_cache,
     lean_forward_for,
 )
-from gspo_megatron.rollout.embedded.sampling import row_generators, sample_next_tokens
+from gspo_megatron.rollout.embedded.sampling import RowUniforms, row_generators, sample_next_tokens
 from gspo_megatron.rollout.embedded.weights import HfWeightLoader
 from gspo_megatron.rollout.engine import EngineSession, RolloutEngine, TurnRequest, TurnResult
 from gspo_megatron.rollout.sglang.config import WeightQuantization
@@ -453,12 +453,11 @@ class EmbeddedEngine(RolloutEngine):
         budgets = budgets if budgets is not None else [params.max_new_tokens] * len(prompts)
         device = self.config.device
         batch, width = len(prompts), max(len(p) for p in prompts)
+        # left padding, built from one flat tensor (a copy per row cost 256 tensor ops in the main job)
+        real = torch.arange(width) >= (width - torch.tensor([len(p) for p in prompts]))[:, None]
         ids = torch.full((batch, width), self.config.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((batch, width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            mask[row, width - len(prompt) :] = 1
-        ids, mask = ids.to(device), mask.to(device)
+        ids[real] = torch.tensor([token for prompt in prompts for token in prompt], dtype=torch.long)
+        ids, mask = ids.to(device), real.long().to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = self._new_cache(width + max(budgets)) if self.config.use_cache else None
         if sessions is not None:  # turns: each row continues its trajectory's cached positions
@@ -477,8 +476,9 @@ class EmbeddedEngine(RolloutEngine):
         kept: list[_KeptCache | None] = [None] * batch  # turns: each row's cache when it leaves the batch
         feed_ids, feed_positions, fed = ids, positions, 0
         capture = _RouterCapture(self.model) if routing is not None else None
+        uniforms = RowUniforms(generators)  # every active row draws at every step (rows only leave)
         with capture if capture is not None else contextlib.nullcontext():
-            for _ in range(max(budgets)):
+            for step in range(max(budgets)):
                 retracted = 0  # a retract update: this forward computes positions 0..retracted-1 again
                 update = self._updates.take()  # an in-flight update lands here, between two forwards
                 if update is not None and update.mode == InflightUpdateMode.retract and fed > 0:
@@ -492,15 +492,21 @@ class EmbeddedEngine(RolloutEngine):
                     held = routing[active, :retracted]
                     rerouted = _rerouted_positions(held, step_rows[:, :retracted], mask[:, :retracted], active)
                 going = [i for i, r in enumerate(active) if r not in rerouted]  # the rows that go on
+                going_rows = [active[i] for i in going]
+                every = len(going) == len(active)  # no row ended by a retract: no gather needed
                 if step_rows is not None and routing is not None:
-                    routing[[active[i] for i in going], fed : fed + new] = step_rows[going]
+                    routing[_rows_index(going_rows, batch), fed : fed + new] = step_rows if every else step_rows[going]
                 fed += new
-                tokens, token_log_probs = sample_next_tokens(logits[:, -1], params, [generators[r] for r in active])
-                going_index = torch.tensor(going, dtype=torch.long, device=tokens.device)
+                draws = uniforms.at(active, step) if params.temperature > 0 else None
+                tokens, token_log_probs = sample_next_tokens(logits[:, -1], params, draws)
+                going_tokens, going_log_probs = tokens, token_log_probs  # ``tokens`` stays the active rows'
+                if not every:
+                    going_index = torch.tensor(going, dtype=torch.long, device=tokens.device)
+                    going_tokens, going_log_probs = tokens[going_index], token_log_probs[going_index]
                 self._record(
-                    [active[i] for i in going],
-                    tokens[going_index],
-                    token_log_probs[going_index],
+                    going_rows,
+                    going_tokens,
+                    going_log_probs,
                     outputs,
                     log_probs,
                     versions,
@@ -636,3 +642,9 @@ class EmbeddedEngine(RolloutEngine):
             weight_version=min(versions, default=self.weight_version),
             extra=extra,
         )
+
+
+def _rows_index(rows: list[int], batch: int) -> list[int] | slice:
+    """``rows`` of a ``batch``-row tensor as an index: a slice when they are every row in order (a plain copy,
+    where a list index scatters row by row: the prefill's routing rows, 256 x 30 positions in the main job)."""
+    return slice(None) if len(rows) == batch and rows == list(range(batch)) else rows

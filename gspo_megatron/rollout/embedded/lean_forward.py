@@ -155,15 +155,16 @@ def grouped_experts(experts, rows: torch.Tensor, top_index: torch.Tensor, top_we
     counts = torch.bincount(flat, minlength=experts.num_experts)
     # each intermediate [T k, .] is released as soon as the next exists and the products are scaled in place:
     # the prefill's peak stays within the planner's expert term, T k (H + 4 I) (tools/planning/rl_step_memory.py)
-    gate_up = _expert_products(rows[order // top_k], experts.gate_up_proj, counts)
+    # index_select / index_copy_ rather than advanced indexing: the same copies, 4x / 1.3x faster on CPU at the
+    # main job's prefill (7680 tokens x 4 slots: 1.5 -> 0.35 ms and 1.9 -> 1.2-1.6 ms a layer, CPU time, 1 thread)
+    gate_up = _expert_products(rows.index_select(0, order // top_k), experts.gate_up_proj, counts)
     gate, up = gate_up.chunk(2, dim=-1)
     hidden = experts.act_fn(gate).mul_(up)
     del gate_up, gate, up
     down = _expert_products(hidden, experts.down_proj, counts)
     del hidden
-    down.mul_(top_weight.reshape(-1)[order, None])
-    slots = torch.empty_like(down)
-    slots[order] = down  # back to (token, slot) order
+    down.mul_(top_weight.reshape(-1).index_select(0, order)[:, None])
+    slots = torch.empty_like(down).index_copy_(0, order, down)  # back to (token, slot) order
     del down
     return slots.view(tokens, top_k, -1).sum(dim=1)
 

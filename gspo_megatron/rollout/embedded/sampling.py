@@ -11,6 +11,10 @@ Design decisions:
 - Randomness comes from one ``torch.Generator`` per row, drawn from the request seed, and one uniform
   per row per step (inverse-CDF sampling). A row's sample therefore does not depend on which other
   rows share its batch, so chunking by ``max_batch_size`` cannot change results.
+- A row's uniforms are drawn ``UNIFORM_BLOCK`` steps at a time (``RowUniforms``): torch's CPU generator
+  gives ``rand(n)`` the same numbers as n calls of ``rand(())`` (tested), so the tokens are those of one
+  draw per step, for one tensor op per row per block instead of one per row per token (256 rows x 3
+  tokens in the main job: 1.8 ms of draws and stacks a ``generate``, 0.7 ms by blocks; CPU time, 1 thread).
 """
 
 from __future__ import annotations
@@ -47,6 +51,9 @@ def filter_top_k_top_p(scaled_logits: torch.Tensor, top_k: int, top_p: float) ->
     return logits
 
 
+UNIFORM_BLOCK = 64  # steps of uniforms a row draws at once (memory: rows x 64 floats)
+
+
 def row_generators(seed: int, rows: int) -> list[torch.Generator]:
     """One generator per row; row seeds are drawn from ``seed`` so rows differ but stay reproducible."""
     root = torch.Generator().manual_seed(seed)
@@ -54,10 +61,28 @@ def row_generators(seed: int, rows: int) -> list[torch.Generator]:
     return [torch.Generator().manual_seed(int(row_seed)) for row_seed in row_seeds]
 
 
+class RowUniforms:
+    """Row r's uniform of step t is the t-th draw of ``generators[r]`` (one per step it decoded, from 0),
+    drawn ``UNIFORM_BLOCK`` steps ahead (module docstring); a row draws at every step until it leaves."""
+
+    def __init__(self, generators: list[torch.Generator]):
+        self.generators = generators
+        self._table = torch.empty(len(generators), 0)
+        self._first_step = 0
+
+    def at(self, rows: list[int], step: int) -> torch.Tensor:
+        """float [len(rows)]: each row's uniform of ``step`` (steps asked in order, every row at each)."""
+        if step >= self._first_step + self._table.shape[1]:
+            self._table = torch.stack([torch.rand(UNIFORM_BLOCK, generator=g) for g in self.generators])
+            self._first_step = step
+        return self._table[rows, step - self._first_step]
+
+
 def sample_next_tokens(
-    logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]
+    logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row of ``logits`` [B, V]; return (tokens int64 [B], log-probs float32 [B])."""
+    """Pick one token per row of ``logits`` [B, V] with the rows' ``uniforms`` [B] (``RowUniforms``; None when
+    greedy); return (tokens int64 [B], log-probs float32 [B])."""
     logits = logits.float()
     log_probs = sampling_log_probs(logits, params.temperature)
     if params.temperature == 0:
@@ -65,7 +90,9 @@ def sample_next_tokens(
     else:
         filtered = filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
         cdf = torch.cumsum(torch.softmax(filtered, dim=-1), dim=-1)
-        uniforms = torch.stack([torch.rand((), generator=g) for g in generators]).to(cdf.device)
+        if uniforms is None:
+            raise ValueError(f"sampling at temperature {params.temperature} needs the rows' uniforms (RowUniforms)")
+        uniforms = uniforms.to(cdf.device)
         # inverse CDF: first token whose cumulative mass exceeds u * total (u in [0, 1)); tokens with
         # zero mass never satisfy it, so filtered tokens are never chosen
         threshold = (uniforms * cdf[:, -1]).unsqueeze(-1)

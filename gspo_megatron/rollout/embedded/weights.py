@@ -15,6 +15,10 @@ Design decisions:
 - Tied embeddings (``tie_word_embeddings``): ``lm_head.weight`` and ``model.embed_tokens.weight`` are
   the same parameter, so either name updates both.
 - Tensors are cast to the parameter's dtype/device on copy (the trainer may export bf16 or fp32).
+- A name is resolved once and its target kept (``resolve``): every weight sync streams the same names, and
+  resolving (regexes, the layer's module lookups) was half the engine's side of the main job's sync. A
+  target holds the parameter object, whose ``.data`` the copy reads at each load, so moving the model
+  (``release_memory``) leaves it valid.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class HfWeightLoader:
         self._num_layers = model.config.num_hidden_layers
         self._memory_prefix = re.compile(rf"^(model\.layers\.\d+\.){re.escape(self._family.moe_module)}\.")
         self._checkpoint_prefix = re.compile(r"^(model\.layers\.\d+\.)mlp\.")
+        self._resolved: dict[str, WeightTarget] = {}  # name -> its target, once resolved (module docstring)
 
     def checkpoint_names(self) -> list[str]:
         """Every name a full checkpoint of this model has (per-expert names, as on disk)."""
@@ -72,6 +77,12 @@ class HfWeightLoader:
 
     def resolve(self, name: str) -> WeightTarget:
         """Map a checkpoint (or in-memory) name onto its parameter slice; KeyError names the problem."""
+        target = self._resolved.get(name)
+        if target is None:
+            target = self._resolved[name] = self._resolve(name)
+        return target
+
+    def _resolve(self, name: str) -> WeightTarget:
         direct = name if name in self._direct else self._memory_prefix.sub(r"\g<1>mlp.", name)
         if direct in self._direct:
             parameter = self._direct[direct]

@@ -256,7 +256,7 @@ class RewardPool:
         if len(responses) != len(records):
             raise ValueError(f"{len(responses)} responses but {len(records)} records; pass one record per response")
         if self._caller is not None:
-            results = [self._caller.score(r, rec) for r, rec in zip(responses, records, strict=True)]
+            results = self._caller.score_all(responses, records)
             self.stats.timeouts += sum(r.failure == "timeout" for r in results)
         else:
             if not self._workers:

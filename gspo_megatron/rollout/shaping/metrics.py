@@ -18,20 +18,22 @@ from collections.abc import Sequence
 import torch
 
 from gspo_megatron.rollout.shaping.config import ShapingConfig
-from gspo_megatron.rollout.shaping.segmentation import cluster_counts, keyword_segment_lengths
+from gspo_megatron.rollout.shaping.segmentation import keyword_segment_counts
 from gspo_megatron.rollout.shaping.types import ShapingGroup
 
 
 def group_metrics(group: ShapingGroup, shaped_rewards: torch.Tensor, cfg: ShapingConfig) -> dict[str, torch.Tensor]:
     raw = group.rewards.float()
-    lengths = group.response_lengths.tolist()
-    segments = [
-        keyword_segment_lengths(text, n, cfg.trigger_words, cfg.trigger_case_sensitive)
-        for text, n in zip(group.response_texts, lengths, strict=True)
-    ]
+    segments_per_cluster = keyword_segment_counts(
+        group.response_texts,
+        group.response_lengths.tolist(),
+        cfg.trigger_words,
+        cfg.metrics.bucket_edges,
+        cfg.trigger_case_sensitive,
+    )
     return {
         "steps_per_response": group.steps.float(),
-        "segments_per_cluster": cluster_counts(segments, cfg.metrics.bucket_edges),
+        "segments_per_cluster": segments_per_cluster,
         "tokens_per_response": group.response_lengths.float(),
         "accuracy": group.correct.float().mean(),
         "format_rate": group.format_ok.float().mean(),

@@ -53,6 +53,36 @@ def keyword_segment_lengths(
     return chars * (num_tokens / len(text))
 
 
+def keyword_segment_counts(
+    texts: Sequence[str],
+    num_tokens: Sequence[int],
+    triggers: Sequence[str],
+    bucket_edges: Sequence[float],
+    case_sensitive: bool = True,
+) -> torch.Tensor:
+    """float [G, K]: each text's keyword segments per length cluster, equal to ``cluster_counts`` of each
+    text's ``keyword_segment_lengths``: the same float32 lengths (chars * (num_tokens / len(text)), the scale
+    rounded to float32 as a tensor times a Python float rounds it), bucketed and counted in one pass of
+    tensor ops for the whole group instead of four per text -- the shaping metrics of every step of every
+    run count them (256 texts a step in the main job: 5-7 ms as per-text tensors, ``tools/bench_rl_step.py``)."""
+    chars: list[int] = []
+    scales: list[float] = []
+    rows: list[int] = []
+    for row, (text, n) in enumerate(zip(texts, num_tokens, strict=True)):
+        spans = keyword_segment_spans(text, triggers, case_sensitive)
+        if not spans:  # an empty or blank text
+            continue
+        chars += [b - a for a, b in spans]
+        scales += [n / len(text)] * len(spans)
+        rows += [row] * len(spans)
+    edges = torch.tensor(list(bucket_edges), dtype=torch.float32)
+    num_clusters = edges.numel() + 1
+    lengths = torch.tensor(chars, dtype=torch.float32) * torch.tensor(scales, dtype=torch.float32)
+    cluster = torch.bucketize(lengths, edges, right=True)
+    cells = torch.tensor(rows, dtype=torch.long) * num_clusters + cluster
+    return torch.bincount(cells, minlength=len(texts) * num_clusters).reshape(len(texts), num_clusters).float()
+
+
 def confidence_boundaries(log_probs: torch.Tensor, window: int, threshold: float) -> torch.Tensor:
     """long [B]: token positions t > 0 where a new segment starts (low-confidence local minima)."""
     if window < 1:

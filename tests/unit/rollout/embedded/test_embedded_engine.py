@@ -254,6 +254,22 @@ def test_update_weights_subset_touches_only_its_slice(source):
     assert engine.weight_version == 2
 
 
+def test_a_second_sync_reuses_each_names_target_and_lands_its_values(source):
+    """A weight name is resolved once (every sync streams the same names): the second sync's tensors
+    land in the same slices, and its names are not resolved again."""
+    engine = engine_from(source)  # the first sync: every name of the model
+    loader = engine._loader
+    resolved = dict(loader._resolved)
+    assert len(resolved) == len(source.state_dict())
+    doubled = [(name, 2 * tensor) for name, tensor in source.state_dict().items()]
+    engine.update_weights(doubled, version=2)
+    assert loader._resolved.keys() == resolved.keys()  # no name resolved again, no target replaced
+    assert all(loader._resolved[name] is target for name, target in resolved.items())
+    for name, tensor in doubled:
+        target = loader.resolve(name)
+        assert torch.equal(target.parameter.data[target.index] if target.index else target.parameter.data, tensor)
+
+
 @pytest.mark.parametrize(
     "name,shape,error,match",
     [

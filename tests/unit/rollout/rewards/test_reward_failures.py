@@ -63,6 +63,41 @@ def test_an_in_process_reward_that_never_returns_is_a_counted_timeout():
     pool.close()
 
 
+def test_an_in_process_batch_is_one_hand_off_and_a_timeout_runs_no_call_twice():
+    """The in-process path hands the thread a whole batch at once (a hand-off per sample cost two thread
+    wake-ups each); past a timeout the rest of the batch goes to a fresh thread, and the abandoned one, once
+    its call returns, runs none of it: every response is scored exactly once, in order."""
+    verifier_doubles.RELEASE.clear()
+    verifier_doubles.CALLS.clear()
+    pool = RewardPool("import:verifier_doubles:blocks_on_bad", RewardConfig(in_process=True, timeout_s=0.2))
+    batch = ["7", "8", "bad", "7", "8"]
+    caller = pool._caller
+    assert caller is not None
+    results, finished = [], threading.Event()
+
+    def score() -> None:
+        results.extend(pool.score(batch, [RECORD] * len(batch)))
+        finished.set()
+
+    try:
+        with pytest.warns(RuntimeWarning, match="abandoned"):
+            threading.Thread(target=score, daemon=True).start()
+            assert finished.wait(60), "score() did not return within 60 s"
+        abandoned = [t for t in threading.enumerate() if t.name == "reward-in-process-0"]
+    finally:
+        verifier_doubles.RELEASE.set()
+    for thread in abandoned:
+        thread.join(60)  # its blocked call returns; it must then stop, not score the batch's rest
+        assert not thread.is_alive(), "the abandoned reward thread still runs 60 s after its call returned"
+    assert [r.failure for r in results] == [None, None, "timeout", None, None]
+    assert batch == verifier_doubles.CALLS
+    assert caller.handoffs == 2  # the batch, then its rest after the timeout
+    many = [str(i % 10) for i in range(256)]
+    assert pool.score(many, [RECORD] * 256) == [RewardResult(float(r == "7"), r == "7", True) for r in many]
+    assert caller.handoffs == 3
+    pool.close()
+
+
 def test_in_process_conversion_is_guarded():
     pool = RewardPool("import:verifier_doubles:misbehaves_by_response", RewardConfig(in_process=True))
     results = pool.score(["string", "nan", "7"], [RECORD] * 3)

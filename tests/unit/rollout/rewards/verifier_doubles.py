@@ -23,10 +23,12 @@ def hangs_on_bad(response, record):
 
 
 RELEASE = threading.Event()  # blocks_on_bad waits for it; a test sets it when done, so no thread stays behind
+CALLS: list[str] = []  # blocks_on_bad's responses, in the order it was called (in-process tests read it)
 
 
 def blocks_on_bad(response, record):
     """Never returns for "bad" while the test holds RELEASE (an in-process call cannot be killed)."""
+    CALLS.append(response)
     if response == "bad":
         RELEASE.wait(600)
     return _ok(response, record)

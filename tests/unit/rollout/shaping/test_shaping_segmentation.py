@@ -6,6 +6,7 @@ from gspo_megatron.rollout.shaping.segmentation import (
     confidence_boundaries,
     confidence_segment_lengths,
     count_trigger_words,
+    keyword_segment_counts,
     keyword_segment_lengths,
     keyword_segment_spans,
     step_counts,
@@ -87,3 +88,32 @@ def test_cluster_counts_use_half_open_buckets():
     assert counts.tolist() == [[1.0, 2.0, 1.0], [0.0, 0.0, 0.0], [0.0, 0.0, 1.0]]
     assert cluster_counts([], [2.0, 5.0]).shape == (0, 3)
     assert cluster_counts([torch.zeros(0), torch.zeros(0)], [2.0]).tolist() == [[0.0, 0.0], [0.0, 0.0]]
+
+
+def test_keyword_segment_counts_equal_the_per_text_counts_bit_for_bit():
+    """The group's counts in one pass equal ``cluster_counts`` of each text's ``keyword_segment_lengths``,
+    on texts whose lengths fall on the cluster edges and on random ones (the same float32 arithmetic)."""
+    edges = [2.0, 5.0, 8.0]
+    texts = ["x" * 7 + " " + "Wait " + "y" * 3, "Wait, no. So x. Wait again", "", "  Wait a", "no triggers", "Wait"]
+    tokens = [32, 13, 0, 4, 5, 1]
+    generator = torch.Generator().manual_seed(0)
+    words = ["Wait", "so", "x", "But", "maybe", "Alternatively", "1", "+"]
+    for _ in range(200):
+        picks = torch.randint(0, len(words), (int(torch.randint(0, 12, (), generator=generator)),), generator=generator)
+        texts.append(" ".join(words[i] for i in picks.tolist()))
+        tokens.append(int(torch.randint(0, 40, (), generator=generator)))
+
+    counts = keyword_segment_counts(texts, tokens, TRIGGERS, edges)
+    assert counts.dtype == torch.float32 and counts.shape == (len(texts), 4)
+    per_text = [keyword_segment_lengths(t, n, TRIGGERS) for t, n in zip(texts, tokens, strict=True)]
+    assert torch.equal(counts, cluster_counts(per_text, edges))
+    # 16 + 16 tokens; 8 + 5; none; 6 chars of 8 at 4 tokens: 3; 11 chars at 5 tokens: 5; "Wait" at 1 token: 1
+    assert counts[:6].tolist() == [
+        [0.0, 0.0, 0.0, 2.0],
+        [0.0, 0.0, 1.0, 1.0],
+        [0.0, 0.0, 0.0, 0.0],
+        [0.0, 1.0, 0.0, 0.0],
+        [0.0, 0.0, 1.0, 0.0],
+        [1.0, 0.0, 0.0, 0.0],
+    ]
+    assert keyword_segment_counts([], [], TRIGGERS, edges).shape == (0, 4)
