@@ -15,10 +15,11 @@ Design decisions:
   median is read off the histogram's edges as the bin holding the middle margin.
 - The verdicts apply the pre-registered thresholds (``VOLATILITY_REPRODUCED``, ``ROUTING_SHARE_AGAINST``) to
   the arm means and their seed ranges; the text says which rule decided.
-- The judged shape is E1's 48 x 128 top-8 where the study has it, else the study's one shape (E1 on Qwen3.5's
-  shape, ``reports/e1_qwen35_shape``). Such a study is read beside E1's arms (``reference_runs``: E1's own
-  stored runs, summarised by the same code, not copied numbers): its shape effect is judged against E1's
-  48 x 128 top-8 and 6 x 32 top-4 at 4 updates per rollout, and its report lists E1's arms under its own.
+- The judged shape is E1's 48 x 128 top-8 where the study has it, else each of the study's shapes (E1 on
+  Qwen3.5's shape at two depths, ``reports/e1_qwen35_shape``). Such a study is read beside E1's arms
+  (``reference_runs``: E1's own stored runs, summarised by the same code, not copied numbers): each shape's
+  effect is judged against E1's 48 x 128 top-8 and 6 x 32 top-4 at 4 updates per rollout, and its report
+  lists E1's arms under its own.
 """
 
 from __future__ import annotations
@@ -170,17 +171,12 @@ def _threshold_verdict(stat: dict, threshold: float, above: str, below: str) -> 
     return "undetermined at this power", f"the seeds straddle {threshold:g} ({low:.4g} .. {high:.4g})"
 
 
-def judged_shape(arms: list[dict]) -> str:
-    """E1's 48 x 128 top-8 where the study has it, else the study's one shape."""
-    shapes = sorted({a["shape"] for a in arms})
+def judged_shapes(arms: list[dict]) -> list[str]:
+    """E1's 48 x 128 top-8 where the study has it, else every shape of the study, shallowest first."""
+    shapes = {a["shape"] for a in arms}
     if PAPER_SHAPE in shapes:
-        return PAPER_SHAPE
-    if len(shapes) != 1:
-        raise ValueError(
-            f"routing_shape_study: no {PAPER_SHAPE} arm and {len(shapes)} shapes ({shapes}): store the runs of one "
-            f"shape per study, or include {PAPER_SHAPE}"
-        )
-    return shapes[0]
+        return [PAPER_SHAPE]
+    return sorted(shapes, key=lambda shape: (int(shape.split("x")[0]), shape))
 
 
 def _layers_by_experts(shape: str) -> str:
@@ -216,9 +212,12 @@ def _shape_effect(claim: str, paper: str, deep: dict, other: dict, other_label: 
 
 
 def verdicts(arms: list[dict], reference_arms: list[dict] | None = None) -> list[dict]:
-    """The pre-registered verdicts on the judged shape; ``reference_arms``: E1's arms, for a study of another
-    shape (its shape effect is judged against E1's 48 x 128 top-8 and 6 x 32 top-4)."""
-    shape = judged_shape(arms)
+    """The pre-registered verdicts on each judged shape (``judged_shapes``); ``reference_arms``: E1's arms, for a
+    study of other shapes (their shape effect is judged against E1's 48 x 128 top-8 and 6 x 32 top-4)."""
+    return [v for shape in judged_shapes(arms) for v in _shape_verdicts(shape, arms, reference_arms)]
+
+
+def _shape_verdicts(shape: str, arms: list[dict], reference_arms: list[dict] | None) -> list[dict]:
     by_arm = {(a["shape"], a["updates_per_rollout"]): a for a in arms}
     judged = [a for a in arms if a["shape"] == shape]
     out = []
@@ -303,11 +302,11 @@ def _arm_rows(arms: list[dict], label: str = "") -> list[str]:
 
 
 def render_markdown(arms: list[dict], judged: list[dict], reference_arms: list[dict] | None = None) -> str:
-    shape = judged_shape(arms)
+    shapes = judged_shapes(arms)
     title = (
         "# E1: the GSPO paper's routing shape at tiny width"
-        if shape == PAPER_SHAPE
-        else f"# E1 on the routing shape {shape} at tiny width (beside E1's arms)"
+        if shapes == [PAPER_SHAPE]
+        else f"# E1 on the routing shapes {', '.join(shapes)} at tiny width (beside E1's arms)"
     )
     lines = [title, "", "## Verdicts (criteria fixed in README.md)", ""]
     lines += ["| claim | paper | criterion | verdict | rule |", "|---|---|---|---|---|"]
