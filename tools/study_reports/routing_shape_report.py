@@ -256,8 +256,10 @@ def _shape_verdicts(shape: str, arms: list[dict], reference_arms: list[dict] | N
     if deep and today and shape == PAPER_SHAPE:
         claim = "the paper's routing shape changes more experts per unit of policy movement"
         out.append(_shape_effect(claim, "implied (fine-grained experts, deep)", deep, today, TODAY_SHAPE))
+    if deep is None or shape == PAPER_SHAPE:
+        return out
     reference = {(a["shape"], a["updates_per_rollout"]): a for a in reference_arms or []}
-    for other_shape in REFERENCE_SHAPES if deep and shape != PAPER_SHAPE else ():
+    for other_shape in REFERENCE_SHAPES:
         other = reference.get((other_shape, 4))
         if other:
             claim = f"the {shape} shape changes more experts per unit of policy movement than E1's {other_shape}"
