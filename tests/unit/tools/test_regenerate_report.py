@@ -97,9 +97,9 @@ def test_the_stored_e1_routing_shape_study_regenerates_bit_for_bit(capsys):
 
 def test_the_stored_e1_qwen35_shape_study_regenerates_bit_for_bit(capsys):
     """reports/e1_qwen35_shape: report.json (its arms, their verdicts beside E1's stored 48 x 128 and 6 x 32 arms)
-    from its NRUNS stored runs and E1's store."""
+    from its 8 stored runs and E1's store."""
     assert regenerate_report.main([str(REPORTS / "e1_qwen35_shape"), "--check"]) == 0
-    assert "report.json regenerate bit for bit from NRUNS stored runs" in capsys.readouterr().out
+    assert "report.json regenerate bit for bit from 8 stored runs" in capsys.readouterr().out
 
 
 def test_the_stored_e3_long_response_study_regenerates_bit_for_bit(capsys):
