@@ -77,8 +77,10 @@ def _agent_study(study: StoredStudy, out: Path) -> str:
 
 
 def _routing_shape_study(study: StoredStudy, out: Path) -> str:
-    """Study E1's report (``study_reports/routing_shape_report.py``): arms by routing shape and updates per rollout."""
-    document, markdown = routing_shape_report.study_files(study.runs, study.manifests)
+    """Study E1's report (``study_reports/routing_shape_report.py``): arms by routing shape and updates per rollout;
+    a study of another shape (E1 on Qwen3.5's) read beside E1's stored arms."""
+    reference = routing_shape_report.reference_runs(study.directory, study.runs)
+    document, markdown = routing_shape_report.study_files(study.runs, study.manifests, reference)
     (out / "report.json").write_text(json.dumps(document, indent=2) + "\n")
     (out / "report.md").write_text(markdown)
     return markdown

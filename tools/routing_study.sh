@@ -6,6 +6,7 @@
 #   bash tools/routing_study.sh routing_stability_miniature  # 8 runs of 2 steps, tiny model (test reference)
 #   bash tools/routing_study.sh routing_stability_offpolicy  # off-policy pressure arms (issue 31; hours)
 #   bash tools/routing_study.sh e1_routing_shape     # E1: 4 routing shapes at width 64 (issue 67; ~50 min)
+#   bash tools/routing_study.sh e1_qwen35_shape      # E1 on Qwen3.5's shape, 8 and 40 x 256 top-8 (~40 min)
 #   bash tools/routing_study.sh routing_stability trainer.steps=24   # extra Hydra overrides
 # Writes multirun/<experiment>_<timestamp>/ (one run directory per config and seed), stores its runs in
 # reports/<experiment>/ (store.json, stored_runs/<run>/: manifest, config, gzip'd per-step metrics and routing;
@@ -25,8 +26,10 @@ shift || true
 report=routing_study  # tools/regenerate_report.py's report kind
 case "$experiment" in
   routing_stability_miniature | *random_init) init="" ;;
-  e1_routing_shape) init="" report=routing_shape_study  # a warm start per shape, checkpoints/e1_<shape>
-    for shape in width64_6x32_top4 width64_6x128_top8 width64_24x128_top8 width64_48x128_top8; do
+  e1_routing_shape | e1_qwen35_shape) init="" report=routing_shape_study  # a warm start per shape, checkpoints/e1_<shape>
+    shapes="width64_6x32_top4 width64_6x128_top8 width64_24x128_top8 width64_48x128_top8"
+    if [ "$experiment" = e1_qwen35_shape ]; then shapes="width64_qwen35_8x256_top8 width64_qwen35_40x256_top8"; fi
+    for shape in $shapes; do
       python3 tools/sft_warmstart.py --model "$shape" --digits 5 --min-digits 3 --steps 100 \
         --out "checkpoints/e1_${shape}" --keep-if-current
     done ;;

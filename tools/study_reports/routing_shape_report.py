@@ -15,21 +15,30 @@ Design decisions:
   median is read off the histogram's edges as the bin holding the middle margin.
 - The verdicts apply the pre-registered thresholds (``VOLATILITY_REPRODUCED``, ``ROUTING_SHARE_AGAINST``) to
   the arm means and their seed ranges; the text says which rule decided.
+- The judged shape is E1's 48 x 128 top-8 where the study has it, else each of the study's shapes (E1 on
+  Qwen3.5's shape at two depths, ``reports/e1_qwen35_shape``). Such a study is read beside E1's arms
+  (``reference_runs``: E1's own stored runs, summarised by the same code, not copied numbers): each shape's
+  effect is judged against E1's 48 x 128 top-8 and 6 x 32 top-4 at 4 updates per rollout, and its report
+  lists E1's arms under its own.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from pathlib import Path
 
 from gspo_megatron.core.run_dir import RunData
 from study_reports.aggregate import Stat
+from study_reports.store import load_store
 
 PAPER_SHAPE = "48x128 top-8"
 TODAY_SHAPE = "6x32 top-4"
 PAPER_VOLATILITY = 0.10  # GSPO paper: ~10% of the activated experts change per gradient update (48 x 128 top-8)
 VOLATILITY_REPRODUCED = 0.05  # pre-registered: within a factor 2 of the paper's ~10%
 ROUTING_SHARE_AGAINST = 0.15  # pre-registered: a routing share of Var(log w) below this counts against
+REFERENCE_STUDY = "e1_routing_shape"  # E1's study directory, beside the others under reports/
+REFERENCE_SHAPES = (PAPER_SHAPE, TODAY_SHAPE)  # E1's arms another shape is read beside
 # summary name -> metrics.jsonl key (mean over the run's steps)
 STEP_KEYS = {
     "experts_changed_per_slot": "routing/update_experts_changed_per_slot",
@@ -162,26 +171,72 @@ def _threshold_verdict(stat: dict, threshold: float, above: str, below: str) -> 
     return "undetermined at this power", f"the seeds straddle {threshold:g} ({low:.4g} .. {high:.4g})"
 
 
-def verdicts(arms: list[dict]) -> list[dict]:
+def judged_shapes(arms: list[dict]) -> list[str]:
+    """E1's 48 x 128 top-8 where the study has it, else every shape of the study, shallowest first."""
+    shapes = {a["shape"] for a in arms}
+    if PAPER_SHAPE in shapes:
+        return [PAPER_SHAPE]
+    return sorted(shapes, key=lambda shape: (int(shape.split("x")[0]), shape))
+
+
+def _layers_by_experts(shape: str) -> str:
+    """'48x128 top-8' -> '48 x 128'."""
+    return shape.split(" ")[0].replace("x", " x ")
+
+
+def _shape_effect(claim: str, paper: str, deep: dict, other: dict, other_label: str) -> dict:
+    """Volatility per unit of update KL, ``deep`` against ``other`` (4 updates per rollout): by seed ranges."""
+    a = _range(deep["numbers"]["volatility_per_update_kl"])
+    b = _range(other["numbers"]["volatility_per_update_kl"])
+    at = _layers_by_experts(deep["shape"])
+    if a is None or b is None:
+        verdict, rule = "undetermined at this power", "a shape has no step with update KL > 0"
+    elif a[0] > b[1]:
+        verdict, rule = f"larger at {at}", f"seed ranges {a} vs {b} do not overlap"
+    elif a[1] < b[0]:
+        verdict, rule = f"smaller at {at}", f"seed ranges {a} vs {b} do not overlap"
+    else:
+        verdict, rule = "no difference at this power", f"seed ranges {a} vs {b} overlap"
+    return {
+        "claim": claim,
+        "paper": paper,
+        "ours": {
+            deep["shape"]: deep["numbers"]["volatility_per_update_kl"],
+            other_label: other["numbers"]["volatility_per_update_kl"],
+        },
+        "criterion": "experts changed per slot / update KL after one update, 4 updates per rollout: "
+        "seed ranges that do not overlap",
+        "verdict": verdict,
+        "rule": rule,
+    }
+
+
+def verdicts(arms: list[dict], reference_arms: list[dict] | None = None) -> list[dict]:
+    """The pre-registered verdicts on each judged shape (``judged_shapes``); ``reference_arms``: E1's arms, for a
+    study of other shapes (their shape effect is judged against E1's 48 x 128 top-8 and 6 x 32 top-4)."""
+    return [v for shape in judged_shapes(arms) for v in _shape_verdicts(shape, arms, reference_arms)]
+
+
+def _shape_verdicts(shape: str, arms: list[dict], reference_arms: list[dict] | None) -> list[dict]:
     by_arm = {(a["shape"], a["updates_per_rollout"]): a for a in arms}
-    paper = [a for a in arms if a["shape"] == PAPER_SHAPE]
+    judged = [a for a in arms if a["shape"] == shape]
     out = []
     changed = Stat.of(
-        (v for a in paper for v in a["numbers"]["experts_changed_per_slot"]["values"]), exact=True
+        (v for a in judged for v in a["numbers"]["experts_changed_per_slot"]["values"]), exact=True
     ).to_dict()
     verdict, rule = _threshold_verdict(changed, VOLATILITY_REPRODUCED, "reproduced", "not reproduced")
     out.append(
         {
-            "claim": "~10% of the experts change per gradient update (48 x 128 top-8)",
+            "claim": f"~10% of the experts change per gradient update ({_layers_by_experts(shape)} {shape.split()[1]})",
             "paper": PAPER_VOLATILITY,
             "ours": changed,
-            "criterion": f"experts changed per slot per update >= {VOLATILITY_REPRODUCED:g} at {PAPER_SHAPE} "
+            "criterion": f"experts changed per slot per update >= {VOLATILITY_REPRODUCED:g} at {shape} "
             "(1 and 4 updates per rollout pooled)",
             "verdict": verdict,
             "rule": rule,
         }
     )
-    share = by_arm.get((PAPER_SHAPE, 4), {}).get("numbers", {}).get("routing_share_var_log_w")
+    share = by_arm.get((shape, 4), {}).get("numbers", {}).get("routing_share_var_log_w")
     verdict, rule = _threshold_verdict(
         share or Stat.of([], exact=True).to_dict(), ROUTING_SHARE_AGAINST, "reproduced", "not reproduced"
     )
@@ -190,38 +245,25 @@ def verdicts(arms: list[dict]) -> list[dict]:
             "claim": "expert volatility makes the token ratios fluctuate (the routing part of Var(log w))",
             "paper": "argued, not measured",
             "ours": share,
-            "criterion": f"routing share of Var(log w) >= {ROUTING_SHARE_AGAINST:g} at {PAPER_SHAPE}, "
+            "criterion": f"routing share of Var(log w) >= {ROUTING_SHARE_AGAINST:g} at {shape}, "
             "4 updates per rollout; below it counts against the mechanism",
             "verdict": verdict,
             "rule": rule,
         }
     )
-    deep, today = by_arm.get((PAPER_SHAPE, 4)), by_arm.get((TODAY_SHAPE, 4))
-    if deep and today:
-        a = _range(deep["numbers"]["volatility_per_update_kl"])
-        b = _range(today["numbers"]["volatility_per_update_kl"])
-        if a is None or b is None:
-            verdict, rule = "undetermined at this power", "a shape has no step with update KL > 0"
-        elif a[0] > b[1]:
-            verdict, rule = "larger at 48 x 128", f"seed ranges {a} vs {b} do not overlap"
-        elif a[1] < b[0]:
-            verdict, rule = "smaller at 48 x 128", f"seed ranges {a} vs {b} do not overlap"
-        else:
-            verdict, rule = "no difference at this power", f"seed ranges {a} vs {b} overlap"
-        out.append(
-            {
-                "claim": "the paper's routing shape changes more experts per unit of policy movement",
-                "paper": "implied (fine-grained experts, deep)",
-                "ours": {
-                    "48x128 top-8": deep["numbers"]["volatility_per_update_kl"],
-                    TODAY_SHAPE: today["numbers"]["volatility_per_update_kl"],
-                },
-                "criterion": "experts changed per slot / update KL after one update, 4 updates per rollout: "
-                "seed ranges that do not overlap",
-                "verdict": verdict,
-                "rule": rule,
-            }
-        )
+    deep = by_arm.get((shape, 4))
+    today = by_arm.get((TODAY_SHAPE, 4))
+    if deep and today and shape == PAPER_SHAPE:
+        claim = "the paper's routing shape changes more experts per unit of policy movement"
+        out.append(_shape_effect(claim, "implied (fine-grained experts, deep)", deep, today, TODAY_SHAPE))
+    if deep is None or shape == PAPER_SHAPE:
+        return out
+    reference = {(a["shape"], a["updates_per_rollout"]): a for a in reference_arms or []}
+    for other_shape in REFERENCE_SHAPES:
+        other = reference.get((other_shape, 4))
+        if other:
+            claim = f"the {shape} shape changes more experts per unit of policy movement than E1's {other_shape}"
+            out.append(_shape_effect(claim, "implied (more, finer experts)", deep, other, f"E1 {other_shape}"))
     return out
 
 
@@ -252,36 +294,73 @@ MARKDOWN_COLUMNS = (
 )
 
 
-def render_markdown(arms: list[dict], judged: list[dict]) -> str:
-    lines = ["# E1: the GSPO paper's routing shape at tiny width", "", "## Verdicts (criteria fixed in README.md)", ""]
+def _arm_rows(arms: list[dict], label: str = "") -> list[str]:
+    rows = []
+    for arm in arms:
+        cells = [label + arm["shape"], str(arm["updates_per_rollout"]), str(len(arm["seeds"]))]
+        cells += [_cell(arm["numbers"][key]) for _, key in MARKDOWN_COLUMNS]
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def render_markdown(arms: list[dict], judged: list[dict], reference_arms: list[dict] | None = None) -> str:
+    shapes = judged_shapes(arms)
+    title = (
+        "# E1: the GSPO paper's routing shape at tiny width"
+        if shapes == [PAPER_SHAPE]
+        else f"# E1 on the routing shapes {', '.join(shapes)} at tiny width (beside E1's arms)"
+    )
+    lines = [title, "", "## Verdicts (criteria fixed in README.md)", ""]
     lines += ["| claim | paper | criterion | verdict | rule |", "|---|---|---|---|---|"]
     for v in judged:
         lines.append(f"| {v['claim']} | {v['paper']} | {v['criterion']} | **{v['verdict']}** | {v['rule']} |")
     lines += ["", "## Per arm (mean ± sample std over seeds; each run the mean over its steps)", ""]
     header = ["shape", "updates / rollout", "seeds", *(name for name, _ in MARKDOWN_COLUMNS)]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for arm in arms:
-        cells = [arm["shape"], str(arm["updates_per_rollout"]), str(len(arm["seeds"]))]
-        cells += [_cell(arm["numbers"][key]) for _, key in MARKDOWN_COLUMNS]
-        lines.append("| " + " | ".join(cells) + " |")
+    lines += _arm_rows(arms) + _arm_rows(reference_arms or [], "E1 ")
     lines += ["", "## Per layer (min / median / max over the MoE layers; mean over seeds and steps)", ""]
     lines += ["| shape | updates / rollout | expert sets changed | top-k margin mean |", "|---|---|---|---|"]
-    for arm in arms:
-        layers = arm["per_layer_mean_over_seeds"]
-        lines.append(
-            f"| {arm['shape']} | {arm['updates_per_rollout']} | {_layer_span(layers['expert_sets_changed'])} "
-            f"| {_layer_span(layers['topk_margin_mean'])} |"
-        )
+    for label, shown in (("", arms), ("E1 ", reference_arms or [])):
+        for arm in shown:
+            layers = arm["per_layer_mean_over_seeds"]
+            lines.append(
+                f"| {label}{arm['shape']} | {arm['updates_per_rollout']} | "
+                f"{_layer_span(layers['expert_sets_changed'])} | {_layer_span(layers['topk_margin_mean'])} |"
+            )
     return "\n".join(lines) + "\n"
 
 
-def study_files(runs: list[RunData], manifests: dict) -> tuple[dict, str]:
-    """(report.json's document, report.md's text) of the stored runs."""
+def reference_runs(study_dir: Path, runs: list[RunData]) -> list[RunData]:
+    """E1's stored runs of ``REFERENCE_SHAPES`` when ``runs`` lack E1's 48 x 128 top-8 (a study of another
+    shape, read beside E1), else none. E1's store is ``reports/e1_routing_shape``, beside ``study_dir``."""
+    if any(shape_of(run) == PAPER_SHAPE for run in runs):
+        return []
+    reference_dir = study_dir.resolve().parent / REFERENCE_STUDY
+    if not (reference_dir / "store.json").is_file():
+        raise FileNotFoundError(
+            f"{study_dir}: a routing_shape_study without {PAPER_SHAPE} is read beside E1's stored runs, "
+            f"expected at {reference_dir}/store.json; restore reports/{REFERENCE_STUDY} from the repository"
+        )
+    return [run for run in load_store(reference_dir).runs if shape_of(run) in REFERENCE_SHAPES]
+
+
+def study_files(runs: list[RunData], manifests: dict, reference: list[RunData] | None = None) -> tuple[dict, str]:
+    """(report.json's document, report.md's text) of the stored runs; ``reference``: E1's runs to read beside
+    them (``reference_runs``)."""
     arms = summarize_arms(runs)
-    judged = verdicts(arms)
+    reference_arms = summarize_arms(reference) if reference else []
+    judged = verdicts(arms, reference_arms)
     provenance = {
         name: {key: getattr(m, key) for key in ("commit", "clean_tree", "cpu_threads", "warm_start_sha256", "command")}
         for name, m in manifests.items()
     }
-    document = {"verdicts": judged, "arms": arms, "runs": provenance}
-    return document, render_markdown(arms, judged)
+    document: dict = {"verdicts": judged, "arms": arms, "runs": provenance}
+    if reference_arms:
+        document["reference"] = {
+            "study": f"reports/{REFERENCE_STUDY}",
+            "arms": [
+                {key: arm[key] for key in ("shape", "updates_per_rollout", "seeds", "numbers")}
+                for arm in reference_arms
+            ],
+        }
+    return document, render_markdown(arms, judged, reference_arms)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +52,14 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
+_LONG_FLOAT = re.compile(r"\d+\.\d{5,}")
+
+
+def _rounded(text: str) -> str:
+    """A report's rule text with its full-precision floats at 4 significant digits (display only)."""
+    return _LONG_FLOAT.sub(lambda m: f"{float(m.group()):.4g}", text)
+
+
 def _stat(s: dict, fmt: Callable[[float], str]) -> str:
     return f"{fmt(s['mean'])} ± {fmt(s['std'])} (n = {s['n']})"
 
@@ -66,7 +75,9 @@ def routing_shape_rows(study: str, report: dict) -> list[VerdictRow]:
         else:  # one statistic per shape
             text = "; ".join(f"{shape}: {_stat(s, _num)}" for shape, s in ours.items())
         paper = _pct(v["paper"]) if isinstance(v["paper"], float) else str(v["paper"])
-        rows.append(VerdictRow(study, v["claim"], paper, f"{text}; {v['rule']}", v["criterion"], v["verdict"]))
+        rows.append(
+            VerdictRow(study, v["claim"], paper, f"{text}; {_rounded(v['rule'])}", v["criterion"], v["verdict"])
+        )
     return rows
 
 

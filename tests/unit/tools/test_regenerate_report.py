@@ -95,6 +95,13 @@ def test_the_stored_e1_routing_shape_study_regenerates_bit_for_bit(capsys):
     assert "report.json regenerate bit for bit from 16 stored runs" in capsys.readouterr().out
 
 
+def test_the_stored_e1_qwen35_shape_study_regenerates_bit_for_bit(capsys):
+    """reports/e1_qwen35_shape: report.json (its arms, their verdicts beside E1's stored 48 x 128 and 6 x 32 arms)
+    from its 8 stored runs and E1's store."""
+    assert regenerate_report.main([str(REPORTS / "e1_qwen35_shape"), "--check"]) == 0
+    assert "report.json regenerate bit for bit from 8 stored runs" in capsys.readouterr().out
+
+
 def test_the_stored_e3_long_response_study_regenerates_bit_for_bit(capsys):
     """reports/e3_long_responses: report.json (arms, the pre-registered tests, the verdict) from its 24 stored runs."""
     assert regenerate_report.main([str(REPORTS / "e3_long_responses"), "--check"]) == 0

@@ -1,6 +1,7 @@
 """Study E1's report (tools/study_reports/routing_shape_report.py) on hand-built runs: arms by shape and updates per
 rollout, volatility per unit of update KL formed per step (steps without movement left out), the margin
-histogram's median bin, and the pre-registered verdicts at their thresholds."""
+histogram's median bin, the pre-registered verdicts at their thresholds, and a study of another shape (E1 on
+Qwen3.5's) judged on its own shape and beside E1's arms."""
 
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 from gspo_megatron.core.run_dir import RunData
 from study_reports.routing_shape_report import (
     margin_median_bin,
+    reference_runs,
     study_files,
     summarize_arms,
     verdicts,
@@ -103,3 +105,38 @@ def test_means_are_exactly_rounded_so_every_python_regenerates_the_same_report()
 
     assert _mean([0.1] * 10) == 0.1  # sum() on 3.11: 0.9999999999999999 / 10
     assert Stat.of([0.1] * 10, exact=True).mean == 0.1
+
+
+def test_another_shape_is_judged_itself_and_beside_e1s_arms():
+    """E1 on Qwen3.5's shape: no 48 x 128 arm; the verdicts judge 8x256 top-8, and its volatility per unit of
+    update KL is compared with E1's 48 x 128 top-8 and 6 x 32 top-4 (the reference arms)."""
+    qwen = summarize_arms([make_run(8, 256, 8, 4, seed, [0.03, 0.03], [0.01, 0.01], 0.02) for seed in (1, 2)])
+    judged = verdicts(qwen, _arms((0.01, 0.01), (0.1, 0.1)))  # E1: 1 .. 1 per unit of KL at both shapes
+    assert [v["verdict"] for v in judged] == [
+        "not reproduced",
+        "not reproduced",
+        "larger at 8 x 256",
+        "larger at 8 x 256",
+    ]
+    assert "at 8x256 top-8" in judged[0]["criterion"]
+    assert set(judged[2]["ours"]) == {"8x256 top-8", "E1 48x128 top-8"}
+    assert set(judged[3]["ours"]) == {"8x256 top-8", "E1 6x32 top-4"}
+    assert len(verdicts(qwen)) == 2  # without E1's arms: no shape effect to judge
+
+
+def test_each_shape_of_a_study_without_e1s_shape_is_judged_shallowest_first():
+    runs = [make_run(40, 256, 8, 1, 1, [0.06], [0.01]), make_run(8, 256, 8, 1, 1, [0.03], [0.01])]
+    judged = verdicts(summarize_arms(runs))
+    assert [(v["criterion"].split(" at ")[1][:12], v["verdict"]) for v in judged] == [
+        ("8x256 top-8 ", "not reproduced"),
+        ("8x256 top-8,", "undetermined at this power"),  # no 4-updates arm: no routing share measured
+        ("40x256 top-8", "reproduced"),
+        ("40x256 top-8", "undetermined at this power"),
+    ]
+
+
+def test_e1s_runs_are_read_beside_another_shape_only(tmp_path):
+    e1 = [make_run(48, 128, 8, 4, 1, [0.01], [0.01])]
+    assert reference_runs(tmp_path / "e1_routing_shape", e1) == []  # E1 itself: nothing beside it
+    with pytest.raises(FileNotFoundError, match=r"e1_routing_shape/store.json"):
+        reference_runs(tmp_path / "e1_qwen35_shape", [make_run(8, 256, 8, 4, 1, [0.03], [0.01])])
