@@ -46,9 +46,12 @@ from study_reports.store import StoredStudy, StoreError, load_store
 SHOWN_DIFFERENCES = 20
 
 
+Writer = Callable[[StoredStudy, Path], str]
+
+
 @dataclass(frozen=True)
 class ReportKind:
-    write: Callable[[StoredStudy, Path], str]  # writes the report into a directory; returns its text tables
+    write: Writer  # writes the report into a directory; returns its text tables
     number_files: tuple[str, ...]  # the files that hold the report's numbers and tables
     own_provenance: tuple[str, ...] = ()  # the key path of the report's own provenance (not compared)
 
@@ -76,38 +79,28 @@ def _agent_study(study: StoredStudy, out: Path) -> str:
     return json.dumps({key: value for key, value in summary.items() if key != "provenance"}, indent=2)
 
 
+def _write_json_report(out: Path, document: dict, markdown: str) -> str:
+    """``report.json`` and ``report.md`` of a pre-registered study (E1-E4); the markdown is what is printed."""
+    (out / "report.json").write_text(json.dumps(document, indent=2) + "\n")
+    (out / "report.md").write_text(markdown)
+    return markdown
+
+
 def _routing_shape_study(study: StoredStudy, out: Path) -> str:
     """Study E1's report (``study_reports/routing_shape_report.py``): arms by routing shape and updates per rollout;
     a study of another shape (E1 on Qwen3.5's) read beside E1's stored arms."""
     reference = routing_shape_report.reference_runs(study.directory, study.runs)
-    document, markdown = routing_shape_report.study_files(study.runs, study.manifests, reference)
-    (out / "report.json").write_text(json.dumps(document, indent=2) + "\n")
-    (out / "report.md").write_text(markdown)
-    return markdown
+    return _write_json_report(out, *routing_shape_report.study_files(study.runs, study.manifests, reference))
 
 
-def _long_response_study(study: StoredStudy, out: Path) -> str:
-    """Study E3's report (``study_reports/long_response_report.py``): arms by answer length and algorithm."""
-    document, markdown = long_response_report.study_files(study.runs, study.manifests)
-    (out / "report.json").write_text(json.dumps(document, indent=2) + "\n")
-    (out / "report.md").write_text(markdown)
-    return markdown
+def _study_files_report(compute: Callable[[list, dict], tuple[dict, str]]) -> Writer:
+    """The writer of a report kind whose module computes ``(report.json, report.md)`` from the runs and their
+    manifests alone: E2 (``off_policy_report``), E3 (``long_response_report``), E4 (``e4_shaping_report``)."""
 
+    def write(study: StoredStudy, out: Path) -> str:
+        return _write_json_report(out, *compute(study.runs, study.manifests))
 
-def _e4_shaping_study(study: StoredStudy, out: Path) -> str:
-    """Study E4's report (``study_reports/e4_shaping_report.py``): arms by warm start and shaping."""
-    document, markdown = e4_shaping_report.study_files(study.runs, study.manifests)
-    (out / "report.json").write_text(json.dumps(document, indent=2) + "\n")
-    (out / "report.md").write_text(markdown)
-    return markdown
-
-
-def _off_policy_study(study: StoredStudy, out: Path) -> str:
-    """Study E2's report (``study_reports/off_policy_report.py``): arms by algorithm, lr and updates per rollout."""
-    document, markdown = off_policy_report.study_files(study.runs, study.manifests)
-    (out / "report.json").write_text(json.dumps(document, indent=2) + "\n")
-    (out / "report.md").write_text(markdown)
-    return markdown
+    return write
 
 
 REPORTS: dict[str, ReportKind] = {
@@ -116,9 +109,9 @@ REPORTS: dict[str, ReportKind] = {
     "agent_study": ReportKind(_agent_study, ("summary.json",), ("provenance",)),
     "async_study": ReportKind(write_async_report, ("report.json",)),  # tools/async_report.py
     "routing_shape_study": ReportKind(_routing_shape_study, ("report.json",)),
-    "long_response_study": ReportKind(_long_response_study, ("report.json",)),
-    "e4_shaping_study": ReportKind(_e4_shaping_study, ("report.json",)),
-    "off_policy_study": ReportKind(_off_policy_study, ("report.json",)),
+    "long_response_study": ReportKind(_study_files_report(long_response_report.study_files), ("report.json",)),
+    "e4_shaping_study": ReportKind(_study_files_report(e4_shaping_report.study_files), ("report.json",)),
+    "off_policy_study": ReportKind(_study_files_report(off_policy_report.study_files), ("report.json",)),
 }
 
 

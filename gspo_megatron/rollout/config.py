@@ -87,6 +87,11 @@ class AttentionImplementation(ConfigChoice):
     eager = "eager"
 
 
+# the HF model_type (``model.family``) the lean forward serves (``embedded/lean_forward.py:lean_forward_for``;
+# the planner's memory model reads the same rule from the config)
+LEAN_FORWARD_MODEL_TYPE = "qwen3_moe"
+
+
 class EmbeddedForward(ConfigChoice):
     """``rollout.embedded.forward``: the model's forward in the embedded engine's decode loop."""
 

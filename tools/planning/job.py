@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from gspo_megatron.policy.parallel.layout import ParallelLayout
+from gspo_megatron.rollout.config import LEAN_FORWARD_MODEL_TYPE, EmbeddedForward
 from planning.hardware import GPUSpec
 from planning.planner import Plan, PlanOptions, candidate_layouts, order_plans, plan_layout
 from planning.step_time import RolloutShape
@@ -169,7 +170,7 @@ def options_from_config(cfg: TrainConfig, layout: ParallelLayout, prompt_tokens:
         engine_fraction = static_memory_fraction(sg.extra_args) if colocated else None
     else:  # the embedded engine generates in the driver's process, on its GPU, between training phases
         shape = RolloutShape(sequences, prompt_tokens, rollout.max_new_tokens, 1, 1, colocated=True)
-        lean = str(rollout.embedded.forward) == "lean" and cfg.model.family == "qwen3_moe"  # lean_forward_for's rule
+        lean = rollout.embedded.forward == EmbeddedForward.lean and cfg.model.family == LEAN_FORWARD_MODEL_TYPE
         embedded = EmbeddedEngineShape(str(rollout.embedded.dtype), rollout.embedded.max_batch_size, lean)
     # the builder's rule: "auto" is TE on a GPU, but the portable spec where only it builds the model
     portable = str(cfg.model.layer_spec) == "portable" or (

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from gspo_megatron.core.run_dir import RunData
 from study_reports.aggregate import Stat
 from study_reports.exact_tests import fisher_greater, mann_whitney_greater
+from study_reports.table_cells import stat_cell
 
 ALPHA = 0.05
 SHORTER_BY_PCT = 10.0  # "shortens": mean L at least this much below the comparison's (and significant)
@@ -261,12 +262,6 @@ def _prompts(arms: dict) -> int:
     return counts.pop()
 
 
-def _cell(stat: dict, digits: int = 3) -> str:
-    if stat.get("mean") is None:
-        return "--"
-    return f"{stat['mean']:.{digits}g} ± {stat['std']:.2g}"
-
-
 def _p(test: dict | None) -> str:
     return "--" if not test or test.get("p") is None else f"{test['p']:.3g}"
 
@@ -348,13 +343,13 @@ def render_markdown(arms: dict, judged: dict, prompts: int, provenance: dict) ->
             cells = [
                 arm,
                 str(len(entry["runs"])),
-                _cell(numbers["accuracy"]),
-                _cell(numbers["length"]),
+                stat_cell(numbers["accuracy"]),
+                stat_cell(numbers["length"]),
                 *comparisons,
                 "--" if arm == VANILLA else f"{entry['collapses']}/{len(entry['runs'])}",
-                _cell(numbers["train_accuracy"]),
-                _cell(numbers["train_length"]),
-                _cell(numbers["train_truncated"], 2),
+                stat_cell(numbers["train_accuracy"]),
+                stat_cell(numbers["train_length"]),
+                stat_cell(numbers["train_truncated"], 2),
                 verdict,
             ]
             lines.append("| " + " | ".join(cells) + " |")

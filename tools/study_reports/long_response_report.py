@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from gspo_megatron.core.run_dir import RunData
 from study_reports.aggregate import Stat
 from study_reports.exact_tests import fisher_greater, mann_whitney_greater
+from study_reports.table_cells import exact_test_cell, stat_cell
 
 ALPHA = 0.05
 COLLAPSE_FRACTION = 0.5  # collapsed: R_last < COLLAPSE_FRACTION x R_first
@@ -210,19 +211,8 @@ def verdict(results: dict, arms: dict) -> dict:
     return {"parts": parts, "verdict": outcome, "mechanism_verdict": mechanism}
 
 
-def _cell(stat: dict | None, digits: int = 3) -> str:
-    if not stat or stat.get("mean") is None:
-        return "--"
-    return f"{stat['mean']:.{digits}g} ± {stat['std']:.2g}"
-
-
 def _p(test: dict) -> str:
-    if test["p"] is None:
-        return "--"
-    if "collapses" in test:
-        (a, b), (n_a, n_b) = test["collapses"], test["n"]
-        return f"p = {test['p']:.3g} (collapses {a}/{n_a} vs {b}/{n_b})"
-    return f"p = {test['p']:.3g} (medians {test['median_x']:.3g} vs {test['median_y']:.3g})"
+    return exact_test_cell(test, "collapses")
 
 
 MARKDOWN_COLUMNS = (
@@ -265,7 +255,7 @@ def render_markdown(arms: dict, results: dict, judged: dict) -> str:
     for arm, by_algorithm in arms.items():
         for algorithm, entry in by_algorithm.items():
             cells = [arm, algorithm, str(len(entry["runs"])), str(entry["collapses"])]
-            cells += [_cell(entry["numbers"][key]) for _, key in MARKDOWN_COLUMNS]
+            cells += [stat_cell(entry["numbers"][key]) for _, key in MARKDOWN_COLUMNS]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from gspo_megatron.core.run_dir import RunData
 from study_reports.aggregate import Stat
 from study_reports.exact_tests import fisher_greater, mann_whitney_greater
+from study_reports.table_cells import exact_test_cell, stat_cell
 
 ALPHA = 0.05
 LEARNED_EVAL = 0.4  # learned: E_final >= LEARNED_EVAL
@@ -202,20 +203,8 @@ def verdict(results: dict, arms: dict) -> dict:
     return {"parts": parts, "verdict": outcome, "effect_is_step_size": step_size}
 
 
-def _cell(stat: dict | None, digits: int = 3) -> str:
-    if not stat or stat.get("mean") is None:
-        return "--"
-    return f"{stat['mean']:.{digits}g} ± {stat['std']:.2g}"
-
-
 def _p(test: dict) -> str:
-    if test["p"] is None:
-        return "--"
-    if "failures" in test:
-        (a, b), (n_a, n_b) = test["failures"], test["n"]
-        return f"p = {test['p']:.3g} (failures {a}/{n_a} vs {b}/{n_b})"
-    (n_x, n_y), medians = test["n"], f"medians {test['median_x']:.3g} vs {test['median_y']:.3g}"
-    return f"p = {test['p']:.3g} ({medians}, n {n_x} vs {n_y})"
+    return exact_test_cell(test, "failures", show_n=True)
 
 
 def _test_rows(results: dict) -> list[str]:
@@ -264,7 +253,7 @@ def render_markdown(arms: dict, results: dict, judged: dict) -> str:
     for arm, entry in arms.items():
         counts = (entry["learned"], entry["collapses"], entry["collapses_vs_first"], entry["failures"])
         cells = [arm, str(len(entry["runs"])), *(str(c) for c in counts)]
-        cells += [_cell(entry["numbers"][key]) for _, key in MARKDOWN_COLUMNS]
+        cells += [stat_cell(entry["numbers"][key]) for _, key in MARKDOWN_COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Per run (learned: final eval >= 0.4; collapsed: R last < 0.5 x R peak)", ""]
     lines += ["| arm | seed | final eval | R peak | R last | collapsed |", "|---|---|---|---|---|---|"]

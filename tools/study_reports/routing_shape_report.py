@@ -31,6 +31,7 @@ from pathlib import Path
 from gspo_megatron.core.run_dir import RunData
 from study_reports.aggregate import Stat
 from study_reports.store import load_store
+from study_reports.table_cells import stat_cell
 
 PAPER_SHAPE = "48x128 top-8"
 TODAY_SHAPE = "6x32 top-4"
@@ -267,12 +268,6 @@ def _shape_verdicts(shape: str, arms: list[dict], reference_arms: list[dict] | N
     return out
 
 
-def _cell(stat: dict | None, digits: int = 3) -> str:
-    if not stat or stat.get("mean") is None:
-        return "--"
-    return f"{stat['mean']:.{digits}g} ± {stat['std']:.2g}"
-
-
 def _layer_span(values: list[float]) -> str:
     if not values:
         return "--"
@@ -298,7 +293,7 @@ def _arm_rows(arms: list[dict], label: str = "") -> list[str]:
     rows = []
     for arm in arms:
         cells = [label + arm["shape"], str(arm["updates_per_rollout"]), str(len(arm["seeds"]))]
-        cells += [_cell(arm["numbers"][key]) for _, key in MARKDOWN_COLUMNS]
+        cells += [stat_cell(arm["numbers"][key]) for _, key in MARKDOWN_COLUMNS]
         rows.append("| " + " | ".join(cells) + " |")
     return rows
 

@@ -41,6 +41,8 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from gspo_megatron.rollout.config import LEAN_FORWARD_MODEL_TYPE
+
 _GROUPED_MM_STRIDE_BYTES = 16  # torch._grouped_mm: every row of its operands a multiple of 16 bytes
 _FIRST_ROOM = 64  # positions a fresh layer reserves beyond its first update
 
@@ -118,7 +120,7 @@ class LeanOutput:
 def lean_forward_for(model: PreTrainedModel) -> Qwen3MoeLeanForward | LeanForwardRefusal:
     """The lean forward of ``model``, or why it keeps transformers' forward."""
     config = model.config
-    if config.model_type != "qwen3_moe":
+    if config.model_type != LEAN_FORWARD_MODEL_TYPE:
         return LeanForwardRefusal(f"model_type {config.model_type}: the lean forward is Qwen3-MoE's")
     if config._attn_implementation != "sdpa":
         return LeanForwardRefusal(f"attn_implementation={config._attn_implementation}: the lean forward uses SDPA")

@@ -75,12 +75,8 @@ def keyword_segment_counts(
         chars += [b - a for a, b in spans]
         scales += [n / len(text)] * len(spans)
         rows += [row] * len(spans)
-    edges = torch.tensor(list(bucket_edges), dtype=torch.float32)
-    num_clusters = edges.numel() + 1
     lengths = torch.tensor(chars, dtype=torch.float32) * torch.tensor(scales, dtype=torch.float32)
-    cluster = torch.bucketize(lengths, edges, right=True)
-    cells = torch.tensor(rows, dtype=torch.long) * num_clusters + cluster
-    return torch.bincount(cells, minlength=len(texts) * num_clusters).reshape(len(texts), num_clusters).float()
+    return _counts_per_row(lengths, torch.tensor(rows, dtype=torch.long), len(texts), bucket_edges)
 
 
 def confidence_boundaries(log_probs: torch.Tensor, window: int, threshold: float) -> torch.Tensor:
@@ -118,12 +114,18 @@ def cluster_counts(segment_lengths: Sequence[torch.Tensor], bucket_edges: Sequen
 
     K = len(bucket_edges) + 1: cluster 0 is [0, edge_0), the last is [edge_{K-2}, inf).
     """
+    sizes = torch.tensor([lengths.numel() for lengths in segment_lengths], dtype=torch.long)
+    rows = torch.repeat_interleave(torch.arange(len(segment_lengths)), sizes)
+    lengths = torch.cat([lengths.float() for lengths in segment_lengths]) if segment_lengths else torch.zeros(0)
+    return _counts_per_row(lengths, rows, len(segment_lengths), bucket_edges)
+
+
+def _counts_per_row(
+    lengths: torch.Tensor, rows: torch.Tensor, num_rows: int, bucket_edges: Sequence[float]
+) -> torch.Tensor:
+    """float [num_rows, K]: how many of the segments (``lengths`` [N], each of row ``rows`` [N]) fall in each
+    length cluster (``cluster_counts``' clusters), bucketed and counted in one pass for all rows."""
     edges = torch.tensor(list(bucket_edges), dtype=torch.float32)
     num_clusters = edges.numel() + 1
-    rows = []
-    for lengths in segment_lengths:
-        cluster = torch.bucketize(lengths.float(), edges, right=True)
-        rows.append(torch.bincount(cluster, minlength=num_clusters).float())
-    if not rows:
-        return torch.zeros(0, num_clusters)
-    return torch.stack(rows)
+    cells = rows * num_clusters + torch.bucketize(lengths.float(), edges, right=True)
+    return torch.bincount(cells, minlength=num_rows * num_clusters).reshape(num_rows, num_clusters).float()
