@@ -193,10 +193,12 @@ class Policy:
         return state
 
     def close(self) -> None:
-        """megatron's routers get their own methods back, and the process groups end."""
+        """megatron's routers get their own methods back, the model can be freed (``ModelChunks.release``),
+        and the process groups end."""
         try:
             if self.replay is not None:
                 self.replay.restore()
+            self.model.release()
         finally:
             self.mesh.destroy()
 

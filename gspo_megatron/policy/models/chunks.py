@@ -10,6 +10,13 @@ Design decisions:
 - Checkpoint state follows Megatron-LM's ``generate_state_dict``: key ``model`` with one chunk,
   ``model0``, ``model1``, ... with several. The sharded tensors inside carry global layer numbers
   (megatron offsets each chunk's layers), so a checkpoint resumes under any vpp.
+- ``release`` lets a closed run's chunks be freed. megatron's MoE token dispatchers keep the last
+  forward's routing probabilities (``probs``) with their autograd graph; that graph reaches the
+  parameters' gradient accumulators, whose hooks (DDP's) hold the DDP wrapper, which holds the model:
+  a cycle through C++ autograd nodes that Python's gc cannot see into. Uncut, every run in a process
+  (a Hydra multirun, a test session) kept its model, gradient buffers and process groups (16 gloo
+  groups, 48 threads, on the main job) alive for good. megatron's ``RotaryEmbedding.forward`` is an
+  ``lru_cache`` keyed on the module, which holds the context-parallel group; its entries go too.
 """
 
 from __future__ import annotations
@@ -64,6 +71,21 @@ class ModelChunks(list):
     def restore_grad_buffers(self, **kwargs) -> None:
         for chunk in self:
             chunk.restore_grad_buffers(**kwargs)
+
+    def release(self) -> None:
+        """Drop what keeps the chunks alive past their run (module docstring): every tensor attribute of
+        a MoE token dispatcher that carries an autograd graph, and megatron's rotary-embedding cache."""
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+        for chunk in self:
+            for module in chunk.modules():
+                dispatcher = getattr(module, "token_dispatcher", None)
+                if dispatcher is None:
+                    continue
+                for name, value in list(vars(dispatcher).items()):
+                    if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                        setattr(dispatcher, name, None)
+        RotaryEmbedding.forward.cache_clear()
 
     def grad_buffers(self) -> list[torch.Tensor]:
         """This rank's gradient storage: every chunk's contiguous buffers (dense and expert)."""
