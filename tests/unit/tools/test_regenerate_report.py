@@ -188,8 +188,10 @@ def test_a_hand_edited_stored_file_is_refused(sweep, tmp_path, capsys):
 
 
 def test_a_study_whose_runs_were_not_stored_is_refused(tmp_path, capsys):
-    lost = tmp_path / "routing_stability"
-    shutil.copytree(REPORTS / "routing_stability", lost)  # a report whose per-run data lived in multirun/
+    lost = tmp_path / "routing_stability"  # a report whose per-run data lived in multirun/: its numbers, no store
+    lost.mkdir()
+    for name in ("study.json", "comparison.json"):
+        shutil.copy(REPORTS / "routing_stability_miniature" / name, lost / name)
     assert regenerate_report.main([str(lost), "--check"]) == 2
     err = capsys.readouterr().err
     assert "has no store.json: its runs were not stored" in err and "README.md" in err
