@@ -13,6 +13,9 @@ Design decisions:
   20 steps; R_peak = the highest mean over 10 consecutive steps; collapsed = R_last < 0.5 x R_peak; failed =
   not learned or collapsed. The issue's example (R_last < 0.5 x the first 10 steps' mean) is reported beside
   it, not tested: from random init the first steps' reward is ~0.03.
+- When no run of any arm learned, the verdict is "undetermined at this power" whatever the rule's clauses say
+  (E2 on Qwen3.5's shape fixed this before its runs): "R3 no better than GRPO" between arms that all fail to
+  learn the task is no evidence about replay, only about the task at this power.
 - The tests are exact and one-sided (``exact_tests.py``), 8 runs against 8; the verdict rule is README's.
   Means by ``math.fsum`` (``Stat.of(..., exact=True)``), so every Python writes the same report.
 """
@@ -34,6 +37,7 @@ COLLAPSE_FRACTION = 0.5  # collapsed: R_last < COLLAPSE_FRACTION x R_peak
 FIRST_STEPS, LAST_STEPS, PEAK_WINDOW = 10, 20, 10
 MAIN_JOB_LR = 1.0e-3  # an arm's name carries its lr only when it differs from this
 FEWEST_FAILURES_TO_RESCUE = 2  # GRPO failing in fewer runs than this leaves nothing for replay to rescue
+NOTHING_LEARNED = "no run of any arm learned the task (E_final >= 0.4 in none)"
 ALGORITHM_SHORT = {"grpo_rollout_routing_replay": "grpo_r3"}
 ROLLOUT_REPLAY = "rollout"  # routing.replay's value for R3
 GRPO, R3, GSPO, GSPO_R3 = "grpo_upr32", "grpo_r3_upr32", "gspo_upr32", "gspo_r3_upr32"
@@ -199,6 +203,11 @@ def verdict(results: dict, arms: dict) -> dict:
     elif no_effect or not parts["GRPO fails in at least 2 runs"]:
         outcome = "not reproduced"
     else:
+        outcome = "undetermined at this power"
+    if not any(entry["learned"] for entry in arms.values()):
+        # reports/e2_qwen35_shape/README.md, fixed before its runs: the task not learned in any run of any arm
+        # answers nothing about replay (the key appears only then, so E2's report stays as stored)
+        parts[NOTHING_LEARNED] = True
         outcome = "undetermined at this power"
     return {"parts": parts, "verdict": outcome, "effect_is_step_size": step_size}
 

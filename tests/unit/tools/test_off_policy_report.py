@@ -95,8 +95,24 @@ def test_a_smaller_step_rescuing_grpo_as_well_as_replay_says_the_effect_is_step_
 
 
 def test_replay_no_better_than_grpo_is_not_reproduced():
-    arms = study({"grpo_upr32": 0.1, "grpo_r3_upr32": 0.09})
+    arms = study({"grpo_upr32": 0.1, "grpo_r3_upr32": 0.09, "grpo_lr3e-4_upr32": 0.5})  # the task is learnable
     assert verdict(preregistered_tests(arms), arms)["verdict"] == "not reproduced"
+
+
+def test_no_run_of_any_arm_learning_is_undetermined_not_a_verdict_on_replay():
+    arms = study({"grpo_upr32": 0.1, "grpo_r3_upr32": 0.09, "grpo_lr3e-4_upr32": 0.39})  # every run below 0.4
+    judged = verdict(preregistered_tests(arms), arms)
+    assert judged["verdict"] == "undetermined at this power"  # the clauses alone would say "not reproduced"
+    assert judged["parts"]["no run of any arm learned the task (E_final >= 0.4 in none)"] is True
+    runs = [
+        make_run(arm, s, value + s / 1000)
+        for s in range(1, 5)
+        for arm, value in (("grpo_upr32", 0.1), ("grpo_r3_upr32", 0.09))
+    ]
+    one_learned = summarize_arms([*runs, make_run("grpo_lr3e-4_upr32", 1, 0.4)])  # one run of one arm learned
+    judged = verdict(preregistered_tests(one_learned), one_learned)
+    assert judged["verdict"] == "not reproduced"  # the rule's clauses apply again
+    assert "no run of any arm learned the task (E_final >= 0.4 in none)" not in judged["parts"]
 
 
 def test_grpo_failing_in_at_most_one_run_leaves_nothing_to_rescue():

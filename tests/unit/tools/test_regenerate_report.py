@@ -121,6 +121,13 @@ def test_the_stored_e2_off_policy_study_regenerates_bit_for_bit(capsys):
     assert "report.json regenerate bit for bit from 48 stored runs" in capsys.readouterr().out
 
 
+def test_the_stored_e2_qwen35_shape_study_regenerates_bit_for_bit(capsys):
+    """reports/e2_qwen35_shape: report.json (E2's arms, tests and verdict rule on Qwen3.5's 4-layer routing shape)
+    from its 6 stored runs (a partial study: 2 seeds per arm)."""
+    assert regenerate_report.main([str(REPORTS / "e2_qwen35_shape"), "--check"]) == 0
+    assert "report.json regenerate bit for bit from 6 stored runs" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("study", ["agent_calculator", "agent_lookup"])
 def test_the_stored_agent_studies_regenerate_bit_for_bit(study, capsys):
     """reports/agent_*: summary.json from the 3 stored runs and the stored warm-start evaluation."""
