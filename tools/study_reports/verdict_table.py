@@ -37,6 +37,7 @@ STUDIES = (
     "e2_off_policy",
     "e2_qwen35_shape",
     "e3_long_responses",
+    "e3_qwen35_shape",
     "e4_shaping",
 )
 

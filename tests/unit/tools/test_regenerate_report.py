@@ -108,6 +108,13 @@ def test_the_stored_e3_long_response_study_regenerates_bit_for_bit(capsys):
     assert "report.json regenerate bit for bit from 24 stored runs" in capsys.readouterr().out
 
 
+def test_the_stored_e3_qwen35_shape_study_regenerates_bit_for_bit(capsys):
+    """reports/e3_qwen35_shape: report.json (E3's arms, tests and verdict on Qwen3.5's routing shape) from its
+    22 stored runs."""
+    assert regenerate_report.main([str(REPORTS / "e3_qwen35_shape"), "--check"]) == 0
+    assert "report.json regenerate bit for bit from 22 stored runs" in capsys.readouterr().out
+
+
 def test_the_stored_e4_shaping_study_regenerates_bit_for_bit(capsys):
     """reports/e4_shaping: report.json (arms by warm start, noise floors, the exact tests, the verdicts) from its 84
     stored runs."""

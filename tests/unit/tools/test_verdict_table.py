@@ -20,7 +20,7 @@ def test_docs_table_equals_the_one_the_stored_reports_give(capsys):
 
 def test_every_pre_registered_study_gives_rows_with_its_verdict():
     text = verdict_table.generated(REPORTS)
-    for study in ("e1_routing_shape", "e2_off_policy", "e3_long_responses", "e4_shaping"):
+    for study in ("e1_routing_shape", "e2_off_policy", "e3_long_responses", "e3_qwen35_shape", "e4_shaping"):
         assert f"`reports/{study}`" in text
     e2 = json.loads((REPORTS / "e2_off_policy" / "report.json").read_text())
     assert f"**{e2['verdict']['verdict']}" in text
