@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from gspo_megatron.core.run_dir import RunData
 from study_reports.aggregate import Stat
 from study_reports.exact_tests import fisher_greater, mann_whitney_greater
+from study_reports.store import reported_provenance
 from study_reports.table_cells import stat_cell
 
 ALPHA = 0.05
@@ -387,9 +388,6 @@ def study_files(runs: list[RunData], manifests: dict) -> tuple[dict, str]:
     arms = summarize_arms(runs)
     prompts = _prompts(arms)
     judged = {warm_start: judge_warm_start(by_arm, prompts) for warm_start, by_arm in arms.items()}
-    provenance = {
-        name: {key: getattr(m, key) for key in ("commit", "clean_tree", "cpu_threads", "warm_start_sha256", "command")}
-        for name, m in manifests.items()
-    }
+    provenance = reported_provenance(manifests)
     document = {"eval_prompts": prompts, "judged": judged, "arms": arms, "runs": provenance}
     return document, render_markdown(arms, judged, prompts, provenance)

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Sequence
 from gspo_megatron.core.run_dir import RunData
 from study_reports.aggregate import Stat
 from study_reports.exact_tests import fisher_greater, mann_whitney_greater
+from study_reports.store import reported_provenance
 from study_reports.table_cells import exact_test_cell, stat_cell
 
 ALPHA = 0.05
@@ -279,9 +280,6 @@ def study_files(runs: list[RunData], manifests: dict) -> tuple[dict, str]:
     arms = summarize_arms(runs)
     results = preregistered_tests(arms)
     judged = verdict(results, arms)
-    provenance = {
-        name: {key: getattr(m, key) for key in ("commit", "clean_tree", "cpu_threads", "warm_start_sha256", "command")}
-        for name, m in manifests.items()
-    }
+    provenance = reported_provenance(manifests)
     document = {"verdict": judged, "tests": results, "arms": arms, "runs": provenance}
     return document, render_markdown(arms, results, judged)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from gspo_megatron.core.run_dir import RunData
 from study_reports.aggregate import Stat
-from study_reports.store import load_store
+from study_reports.store import load_store, reported_provenance
 from study_reports.table_cells import stat_cell
 
 PAPER_SHAPE = "48x128 top-8"
@@ -345,10 +345,7 @@ def study_files(runs: list[RunData], manifests: dict, reference: list[RunData] |
     arms = summarize_arms(runs)
     reference_arms = summarize_arms(reference) if reference else []
     judged = verdicts(arms, reference_arms)
-    provenance = {
-        name: {key: getattr(m, key) for key in ("commit", "clean_tree", "cpu_threads", "warm_start_sha256", "command")}
-        for name, m in manifests.items()
-    }
+    provenance = reported_provenance(manifests)
     document: dict = {"verdicts": judged, "arms": arms, "runs": provenance}
     if reference_arms:
         document["reference"] = {

@@ -95,6 +95,15 @@ class RunManifest:
         )
 
 
+# what a pre-registered study's report.json records of each run (its "runs" section)
+REPORTED_PROVENANCE = ("commit", "clean_tree", "cpu_threads", "warm_start_sha256", "command")
+
+
+def reported_provenance(manifests: dict[str, RunManifest]) -> dict[str, dict]:
+    """{run: its ``REPORTED_PROVENANCE`` fields}: the ``runs`` section of the E1-E4 reports."""
+    return {name: {key: getattr(m, key) for key in REPORTED_PROVENANCE} for name, m in manifests.items()}
+
+
 @dataclass(frozen=True)
 class StoredStudy:
     """A study read from its store: the report kind and the runs in the report's order."""
