@@ -14,6 +14,11 @@ Design decisions:
   TRL keeps feeding finished rows to the end). Sampling draws from per-row generators, so the
   tokens do not depend on which rows share the batch.
 - ``use_cache=False`` re-runs the whole sequence each step (reference and benchmark for the cache).
+- The prefill feeds each distinct prompt once and copies its KV rows, last logits and routed experts to the rows
+  that repeat it (``_prefill_once_per_prompt``; SGLang's prefix cache shares a group's prompt alike): rows are
+  computed independently, so each row gets what its own prefill computes, and the main job's prefill (256 rows,
+  16 prompts) does 1/16 of the work. Engine CPU seconds of a ``generate`` at the main job's shape: 0.093-0.104
+  before, 0.023-0.036 after (issue 65, docs/benchmarks.md).
 - The forward: ``lean_forward.py``'s for a Qwen3-MoE (transformers' math over the model's own parameters without
   its per-call machinery; its KV cache grows in place) unless ``rollout.embedded.forward=transformers``; every
   other model runs transformers' own forward. Both feed the same ``_RouterCapture``.
@@ -153,6 +158,13 @@ class _RouterCapture:
     def record(self, layer: int, top_k_indices: torch.Tensor) -> None:
         """Layer ``layer``'s top-k expert indices [B * S, k] of the latest forward (the hook or the lean forward)."""
         self._latest[layer] = top_k_indices
+
+    def select_rows(self, batch: int, rows: torch.Tensor) -> None:
+        """The latest forward's indices (a batch of ``batch`` rows) as if its batch had been its rows ``rows``
+        (repeats allowed)."""
+        for layer, indices in self._latest.items():
+            by_row = indices.reshape(batch, -1, self._top_k)
+            self._latest[layer] = by_row.index_select(0, rows.to(indices.device)).reshape(-1, self._top_k)
 
     def take(self, batch: int, last: int) -> torch.Tensor:
         """int32 [B, last, num_layers, top_k] for the last ``last`` positions of the latest forward."""
@@ -484,7 +496,10 @@ class EmbeddedEngine(RolloutEngine):
                 if update is not None and update.mode == InflightUpdateMode.retract and fed > 0:
                     retracted, fed, feed_ids, feed_positions = fed, 0, ids, positions
                     cache = self._new_cache(width + max(budgets)) if cache is not None else None
-                logits = self._forward(feed_ids, mask, feed_positions, cache, capture)
+                if fed == 0 and cache is not None and sessions is None:  # the prefill: each prompt once
+                    logits = self._prefill_once_per_prompt(prompts, ids, mask, positions, cache, capture)
+                else:
+                    logits = self._forward(feed_ids, mask, feed_positions, cache, capture)
                 new = feed_ids.shape[1] if cache is not None or fed == 0 else 1
                 step_rows = capture.take(len(active), new) if capture is not None else None
                 rerouted: dict[int, int] = {}  # rows ended by a retract update: {row: positions routed otherwise}
@@ -561,6 +576,32 @@ class EmbeddedEngine(RolloutEngine):
             )
             for r in range(batch)
         ]
+
+    def _prefill_once_per_prompt(
+        self,
+        prompts: list[list[int]],
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        cache: DynamicCache,
+        capture: _RouterCapture | None,
+    ) -> torch.Tensor:
+        """The prefill of rows that repeat prompts (a group's samples): each distinct prompt is fed once, then its
+        KV cache rows, last logits and routed experts are copied to every row of it (SGLang's prefix cache does
+        the same for a shared prompt). Rows are computed independently of each other, so every row gets what
+        its own prefill computes; only the work is divided by the samples per prompt (the main job: 256 rows of
+        16 prompts)."""
+        first: dict[tuple[int, ...], int] = {}
+        source = [first.setdefault(tuple(prompt), len(first)) for prompt in prompts]
+        if len(first) == len(prompts):
+            return self._forward(ids, mask, positions, cache, capture)
+        distinct = torch.tensor([source.index(u) for u in range(len(first))], device=ids.device)
+        logits = self._forward(ids[distinct], mask[distinct], positions[distinct], cache, capture)
+        rows = torch.tensor(source, device=ids.device)
+        keep_cache_rows(cache, rows)
+        if capture is not None:
+            capture.select_rows(len(first), rows)
+        return logits.index_select(0, rows)
 
     def _new_cache(self, capacity: int) -> DynamicCache:
         """A fresh KV cache for ``capacity`` positions: the lean forward's is written in place (``GrowingKVLayer``:

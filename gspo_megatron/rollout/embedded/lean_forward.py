@@ -171,6 +171,15 @@ def grouped_experts(experts, rows: torch.Tensor, top_index: torch.Tensor, top_we
     return slots.view(tokens, top_k, -1).sum(dim=1)
 
 
+def store_transposed(weights: torch.Tensor) -> None:
+    """Lay the expert weights [E, out, in] out as [E, in, out] in memory, keeping the Parameter, its shape and its
+    values: ``weights.transpose(1, 2)``, the operand of the grouped GEMMs, is then contiguous. At decode each expert
+    gets a few rows and its weights come from L3 or memory at every step; there the contiguous [in, out] operand
+    made the expert GEMMs of the medium shape's decode 3.4 ms a step against 5.0 (4 layers, 16 experts, hidden 256,
+    FFN 128, 8 rows an expert, 1 thread). The weight loader copies into ``.data`` (strides kept)."""
+    weights.data = weights.data.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _expert_products(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """rows [S, in] sorted by expert (``counts`` [E] of each) times each expert's weights [E, out, in]^T."""
     stride_ok = all((width * rows.element_size()) % _GROUPED_MM_STRIDE_BYTES == 0 for width in weights.shape[1:])
@@ -193,6 +202,10 @@ class Qwen3MoeLeanForward:
     def __init__(self, model: PreTrainedModel):
         self.model = model
         self.moe_layers = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
+        for index in self.moe_layers:
+            experts = model.model.layers[index].mlp.experts
+            for weights in (experts.gate_up_proj, experts.down_proj):
+                store_transposed(weights)
 
     def __call__(
         self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache | None

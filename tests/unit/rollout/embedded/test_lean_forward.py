@@ -200,3 +200,25 @@ def test_engine_samples_alike_with_either_forward():
             assert ours.output_ids == expected.output_ids
             torch.testing.assert_close(ours.output_log_probs, expected.output_log_probs, atol=1e-5, rtol=1e-5)
             assert torch.equal(ours.routed_experts.sort(-1).values, expected.routed_experts.sort(-1).values)
+
+
+def test_expert_weights_are_stored_transposed_with_their_values_and_parameters():
+    """The lean forward lays each expert weight [E, out, in] out as [E, in, out] (``store_transposed``): the same
+    Parameter objects and values, the grouped GEMMs' operand contiguous, and per-expert checkpoint tensors still
+    land in their expert's rows."""
+    model = qwen3_moe()
+    experts = model.model.layers[0].mlp.experts
+    before = {name: (parameter, parameter.detach().clone()) for name, parameter in experts.named_parameters()}
+    Qwen3MoeLeanForward(model)
+    for name, (parameter, values) in before.items():
+        now = dict(experts.named_parameters())[name]
+        assert now is parameter and torch.equal(now, values)
+        assert not now.is_contiguous() and now.transpose(1, 2).is_contiguous()
+    engine = EmbeddedEngine(model.config, EmbeddedConfig())
+    engine.update_weights(model.state_dict().items(), version=1)
+    gate = torch.randn(experts.intermediate_dim, model.config.hidden_size)
+    engine.update_weights([("model.layers.0.mlp.experts.2.gate_proj.weight", gate)], version=2)
+    loaded = engine.model.model.layers[0].mlp.experts.gate_up_proj
+    assert loaded.transpose(1, 2).is_contiguous()
+    assert torch.equal(loaded[2, : experts.intermediate_dim], gate)
+    assert torch.equal(loaded[1], experts.gate_up_proj[1])
