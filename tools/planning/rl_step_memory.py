@@ -21,7 +21,9 @@ Design decisions:
   s is the fed length (``job.py``).
 - Rollout, embedded engine on the driver (``rollout/embedded/engine.py``, transformers 5.x Qwen3-MoE with
   its ``grouped_mm`` experts, SDPA): the prefill of one chunk of R = min(rows, max_batch_size) rows
-  left-padded to P prompt tokens, T = R P, is the largest moment. Live at the last layer's experts:
+  left-padded to P prompt tokens is the largest moment. It feeds each distinct prompt once
+  (``_prefill_once_per_prompt``): U prompts, the most a chunk of the prompt-major rows spans with a group size g
+  (R / g where chunks start at groups' first rows), T = U P. Live at the last layer's experts:
   the model's input embeddings T h (its forward keeps ``inputs_embeds``), rotary cos and sin 2 T d,
   the KV cache of every layer 2 L T K (K = kv_heads d), the layer's input, the residual after
   attention and the normed input 3 T h; routing: logits and fp32 probabilities T E (w + 4), top-k
@@ -147,11 +149,16 @@ def generation_bytes(
     new_tokens: int,
     *,
     routed_experts: bool = False,
+    samples_per_prompt: int = 1,
 ) -> int:
-    """The embedded engine's largest moment in ``generate`` (module docstring: prefill vs decode)."""
+    """The embedded engine's largest moment in ``generate`` (module docstring: prefill vs decode);
+    ``samples_per_prompt``: the group size g, rows that repeat one prompt (its prefill feeds it once)."""
     w = ENGINE_DTYPE_BYTES[engine.dtype]
     r = min(rows, engine.max_batch_size)
-    t = r * prompt_tokens
+    g = samples_per_prompt
+    # the most distinct prompts a chunk [start, end) of the prompt-major rows holds
+    prompts = max((min(start + r, rows) - 1) // g - start // g + 1 for start in range(0, rows, r))
+    t = prompts * prompt_tokens
     h, d, layers = model.hidden_size, model.head_dim, model.num_layers
     kv, kv_layers = model.num_kv_heads * d, full_attention_layers(model)
     state = linear_state_bytes(model, r, w)
@@ -236,6 +243,7 @@ def rl_step_memory(
                 shape.prompt_tokens,
                 shape.response_tokens,
                 routed_experts=needs_engine_routing(options.routing_replay),
+                samples_per_prompt=options.group_size,
             )
             rollout = max(rollout, generation)
     forward_only = row.old_log_prob_pass

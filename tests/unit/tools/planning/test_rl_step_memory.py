@@ -51,6 +51,12 @@ def test_generation_by_hand():
     assert generation_bytes(model, ENGINE, rows=6, prompt_tokens=5, new_tokens=3) == 33600
     capture = 4 * 8 * 2 * 2 * 4  # R3: int32 [R, P + N, layers, k]
     assert generation_bytes(model, ENGINE, 6, 5, 3, routed_experts=True) == 33600 + capture
+    # the prefill feeds each distinct prompt once: groups of 2, a chunk of 4 rows holds 2 prompts (T = 10, every
+    # prefill term above halves); groups of 3, rows 0-3 span 2 prompts (T = 10); groups of 4 or more, one
+    # prompt a chunk (T = 5), and the decode's cache of all 4 rows is the larger moment
+    assert generation_bytes(model, ENGINE, 6, 5, 3, samples_per_prompt=2) == 33600 // 2
+    assert generation_bytes(model, ENGINE, 6, 5, 3, samples_per_prompt=3) == 33600 // 2
+    assert generation_bytes(model, ENGINE, 6, 5, 3, samples_per_prompt=6) == decode > 33600 // 4
 
 
 def test_batch_row_by_hand():
@@ -80,13 +86,13 @@ def test_rl_step_by_phase_by_hand():
     assert driver.resident == 4000 + 83712  # model state + the engine's weights
     assert driver.across_phases == 3 * 288
     assert driver.phases == {
-        "rollout": 33600,  # generation > the whole batch (6 x 288) before the scatter
+        "rollout": 33600 // 2,  # generation (groups of 2: test_generation_by_hand) > the whole batch (6 x 288)
         "old_logp": 7000,
         "ref_logp": 0,  # no reference model
         "update": 53000,
         "weight_sync": 8192,
     }
-    assert driver.phase_total("rollout") == 87712 + 33600  # the rows held across phases do not exist yet
+    assert driver.phase_total("rollout") == 87712 + 33600 // 2  # the rows held across phases do not exist yet
     assert driver.peak_phase == "update" and driver.peak == 87712 + 864 + 53000
     other = rl_step_memory(model, layout, options, row, driver=False)
     assert other.resident == 4000 and other.phases["rollout"] == 864  # it receives its rows
