@@ -207,6 +207,16 @@ def _validate_shared_prefix(cfg: TrainConfig, layout) -> None:
         ),
         (model.attention == AttentionKind.mla, "model.attention=mla (its RoPE is applied apart)"),
         (model.rope_yarn, "model.rope_yarn=true (YaRN's rotary module is not hooked)"),
+        (
+            model.router_aux_loss_coef > 0,
+            f"model.router_aux_loss_coef={model.router_aux_loss_coef} (the load-balancing loss counts the fed tokens: "
+            "a shared prompt once, not once per row)",
+        ),
+        (
+            model.expert_bias_update_rate > 0,
+            f"model.expert_bias_update_rate={model.expert_bias_update_rate} (the expert-bias update counts the fed "
+            "tokens: a shared prompt once, not once per row)",
+        ),
         (model.layer_spec == LayerSpec.te, "model.layer_spec=te (TransformerEngine's attention ignores the mask)"),
         (
             layout.use_sequence_parallel and cfg.routing.enabled,
