@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -57,13 +58,17 @@ class MicroBatch:
         return {f.name: v for f in dataclasses.fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)}
 
     def map_per_token(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> MicroBatch:
-        """A copy with ``fn`` applied to every per-token field ([b, s, ...]); per-row fields kept."""
-        return dataclasses.replace(
-            self, **{k: fn(v) for k, v in self.tensors().items() if v.dim() >= 2 and v.shape[1] == self.seq_len}
-        )
+        """A copy with ``fn`` applied to every per-token field ([b, s, ...]); per-row fields kept. Not of a
+        micro-batch with a shared-prefix layout, whose packed tensors would no longer match its rows."""
+        if self.shared_prefix is not None:
+            raise ValueError("a micro-batch with a shared-prefix layout cannot be cut per token")
+        mapped: dict[str, Any] = {
+            k: fn(v) for k, v in self.tensors().items() if v.dim() >= 2 and v.shape[1] == self.seq_len
+        }
+        return dataclasses.replace(self, **mapped)
 
     def to(self, device: torch.device | str) -> MicroBatch:
-        moved: dict[str, object] = {k: v.to(device, non_blocking=True) for k, v in self.tensors().items()}
+        moved: dict[str, Any] = {k: v.to(device, non_blocking=True) for k, v in self.tensors().items()}
         if self.shared_prefix is not None:
             moved["shared_prefix"] = self.shared_prefix.to(device)
         return dataclasses.replace(self, **moved)

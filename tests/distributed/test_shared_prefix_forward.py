@@ -140,3 +140,36 @@ def test_shared_prefix_matches_row_layout(family):
     shifted = max(float((a - b).abs().max()) for a, b in zip(plain["log_probs"], result["unhooked"], strict=True))
     assert shifted > 1e-3  # the positions matter: the RoPE hook is what makes the two agree
     print(f"max |d log p| = {max_logp:.3g}, max |d grad| = {max_grad:.3g}, without positions {shifted:.3g}")
+
+
+def refusal_worker(ctx, kind: str) -> str:
+    from gspo_megatron.policy.cpu_bridges import apply_cpu_bridges
+    from gspo_megatron.policy.models.builder import build_model
+    from gspo_megatron.policy.models.shared_prefix_forward import SharedPrefixError, forward_packed
+    from gspo_megatron.policy.parallel.layout import ParallelLayout
+    from gspo_megatron.policy.parallel.mesh import initialize_parallel
+    from gspo_megatron.testing.model_fixtures import tiny_yarn_config
+
+    cfg = tiny_family_config("qwen3_next") if kind == "linear_attention" else tiny_yarn_config("qwen3_moe")
+    layout = ParallelLayout(world_size=1).validate(cfg)
+    apply_cpu_bridges()
+    mesh = initialize_parallel(layout, seed=11)
+    model = build_model(cfg, layout, layer_spec="portable")
+    mb = _micro_batch([(4, [2, 3])], cfg.vocab_size, torch.Generator().manual_seed(1))
+    mb_layout = build_shared_prefix_layout(mb.tokens, mb.response_mask, mb.input_mask)
+    assert mb_layout is not None
+    try:
+        forward_packed(model, mb_layout)
+    except SharedPrefixError as error:
+        return str(error)
+    finally:
+        mesh.destroy()
+    return "not refused"
+
+
+@pytest.mark.parametrize(
+    "kind, fragment", [("linear_attention", "softmax attention in every layer"), ("yarn", "YarnRotaryEmbedding")]
+)
+def test_the_packed_forward_refuses_models_it_cannot_serve(kind, fragment):
+    (message,) = run_distributed(refusal_worker, 1, kind)
+    assert fragment in message and "trainer.shared_prefix=false" in message, message

@@ -105,17 +105,17 @@ def _forward_step(loss_callback: LossCallback | None, before_forward, chunks: li
 
     batch: MicroBatch = next(data_iterator).to(next(model.parameters()).device)
     cp_size, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-    seq_len = batch.seq_len
-    batch = split_micro_batch(batch, cp_size, cp_rank)
     if before_forward is not None:
         before_forward(next(i for i, chunk in enumerate(chunks) if chunk is model))
     if batch.shared_prefix is not None:
-        if cp_size > 1 or ps.get_pipeline_model_parallel_world_size() > 1:
+        if cp_size > 1 or ps.get_pipeline_model_parallel_world_size() > 1 or batch.position_ids is not None:
             raise SharedPrefixError(
-                "trainer.shared_prefix=true needs parallel.cp=1 and parallel.pp=1; set trainer.shared_prefix=false"
+                "trainer.shared_prefix=true needs parallel.cp=1, parallel.pp=1 and rows at positions 0..s-1; "
+                "set trainer.shared_prefix=false"
             )
-        output = forward_packed(model, batch.shared_prefix)
-        return output, partial(_loss_func, loss_callback, batch)
+        return forward_packed(model, batch.shared_prefix), partial(_loss_func, loss_callback, batch)
+    seq_len = batch.seq_len
+    batch = split_micro_batch(batch, cp_size, cp_rank)
     tokens = batch.tokens
     positions = batch.position_ids
     if positions is None:  # global positions of this rank's tokens (RoPE splits its own table alike)

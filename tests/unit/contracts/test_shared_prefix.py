@@ -117,3 +117,18 @@ def test_gather_reproduces_row_layout_of_a_position_function():
     gathered = packed.flatten(0, 1)[layout.index]
     real = input_mask.bool()
     assert torch.equal(gathered[real], rows[real])
+
+
+def test_micro_batch_carries_the_layout():
+    import pytest
+
+    from gspo_megatron.contracts.micro_batch import MicroBatch
+
+    tokens, response_mask, input_mask = _rows([[5, 6], [5, 6]], [[1, 2], [3, 4]], width=3)
+    layout = build_shared_prefix_layout(tokens, response_mask, input_mask)
+    mb = MicroBatch(tokens=tokens, targets=tokens, response_mask=response_mask, shared_prefix=layout)
+    assert "shared_prefix" not in mb.tensors()
+    moved = mb.to("cpu")
+    assert moved.shared_prefix is not None and torch.equal(moved.shared_prefix.index, layout.index)
+    with pytest.raises(ValueError, match="shared-prefix layout"):
+        mb.map_per_token(lambda value: value[:, :1])
