@@ -198,6 +198,10 @@ def _validate_shared_prefix(cfg: TrainConfig, layout) -> None:
     model = cfg.model
     refusals = [
         (replays(cfg.routing.replay), f"routing.replay={cfg.routing.replay} (replay targets are in the row layout)"),
+        (
+            cfg.routing.enabled and DiagnosticKind.ratio_decomposition in cfg.routing.kinds,
+            "routing.kinds with ratio_decomposition (it replays the old pass's routing, kept in the row layout)",
+        ),
         (layout.cp > 1, f"parallel.cp={layout.cp} (the packed rows are not split over context-parallel ranks)"),
         (layout.pp > 1, f"parallel.pp={layout.pp} (the gather back to rows runs on the last stage only)"),
         (

@@ -222,6 +222,7 @@ def test_shared_prefix_on_the_default_config_is_valid():
     [
         (dict(routing__replay="old_policy"), 1, "routing.replay=old_policy"),
         (dict(routing__replay="rollout"), 1, "routing.replay=rollout"),
+        (dict(routing__kinds=["update", "ratio_decomposition"]), 1, "ratio_decomposition"),
         (dict(parallel__cp=2), 2, "parallel.cp=2"),
         (dict(parallel__pp=2), 2, "parallel.pp=2"),
         (dict(model__layer_spec="te"), 1, "model.layer_spec=te"),
