@@ -148,13 +148,22 @@ def refusal_worker(ctx, kind: str) -> str:
     from gspo_megatron.policy.models.shared_prefix_forward import SharedPrefixError, forward_packed
     from gspo_megatron.policy.parallel.layout import ParallelLayout
     from gspo_megatron.policy.parallel.mesh import initialize_parallel
+    from gspo_megatron.policy.routing.replay import RoutingReplay
     from gspo_megatron.testing.model_fixtures import tiny_yarn_config
 
-    cfg = tiny_family_config("qwen3_next") if kind == "linear_attention" else tiny_yarn_config("qwen3_moe")
+    configs = {
+        "linear_attention": lambda: tiny_family_config("qwen3_next"),
+        "yarn": lambda: tiny_yarn_config("qwen3_moe"),
+    }
+    cfg = configs.get(kind, lambda: tiny_family_config("qwen3_moe"))()
     layout = ParallelLayout(world_size=1).validate(cfg)
     apply_cpu_bridges()
     mesh = initialize_parallel(layout, seed=11)
+    before = RoutingReplay.instance_count()
     model = build_model(cfg, layout, layer_spec="portable")
+    if kind == "replay":  # routers armed with (row-layout) targets
+        replay = RoutingReplay.capture_new_instances(before)
+        replay.load_targets([[torch.zeros(1, cfg.top_k, dtype=torch.long) for _ in replay.instances]])
     mb = _micro_batch([(4, [2, 3])], cfg.vocab_size, torch.Generator().manual_seed(1))
     mb_layout = build_shared_prefix_layout(mb.tokens, mb.response_mask, mb.input_mask)
     assert mb_layout is not None
@@ -168,7 +177,12 @@ def refusal_worker(ctx, kind: str) -> str:
 
 
 @pytest.mark.parametrize(
-    "kind, fragment", [("linear_attention", "softmax attention in every layer"), ("yarn", "YarnRotaryEmbedding")]
+    "kind, fragment",
+    [
+        ("linear_attention", "softmax attention in every layer"),
+        ("yarn", "YarnRotaryEmbedding"),
+        ("replay", "routing replay targets are in the row layout"),
+    ],
 )
 def test_the_packed_forward_refuses_models_it_cannot_serve(kind, fragment):
     (message,) = run_distributed(refusal_worker, 1, kind)

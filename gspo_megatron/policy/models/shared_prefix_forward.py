@@ -19,7 +19,8 @@ Design decisions:
   attention layer is checked to be ``SDPACoreAttention`` (linear-attention layers have none: refused too).
 - Routing recordings stay in the row layout: each MoE router's ``RouterReplay`` is given
   ``ROUTER_TOKEN_ORDER`` (``SharedPrefixLayout.router_token_order``) for the forward, and
-  ``policy/routing/replay.py`` reorders what it records (indices, margins) by it.
+  ``policy/routing/replay.py`` reorders what it records (indices, margins) by it. A router set to replay
+  (targets in the row layout) is refused.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import torch
 
 from gspo_megatron.contracts.shared_prefix import SharedPrefixLayout
 
-ROUTER_TOKEN_ORDER = "gspo_shared_prefix_token_order"  # attribute set on RouterReplay instances (module notes)
+# attribute set on RouterReplay instances during a packed forward: (order [s * b], packed token count G * S')
+ROUTER_TOKEN_ORDER = "gspo_shared_prefix_token_order"
 
 
 class SharedPrefixError(ValueError):
@@ -91,11 +93,15 @@ def packed_positions(model: torch.nn.Module, layout: SharedPrefixLayout) -> Iter
         table = original(int(positions.max()) + 1)  # [n, 1, 1, d]: megatron's own freqs for 0..n-1
         return table[:, 0, 0][positions.to(table.device)].unsqueeze(2)  # [S', G, 1, d]
 
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
     routers = [r for m in model.modules() if (r := getattr(m, "router_replay", None)) is not None]
-    order = layout.router_token_order().cpu()
+    if any(router.router_replay_action == RouterReplayAction.REPLAY_FORWARD for router in routers):
+        raise SharedPrefixError(f"routing replay targets are in the row layout, not the packed one; {_FIX}")
+    given = (layout.router_token_order().cpu(), layout.tokens.numel())
     rotary.forward = forward
     for router in routers:
-        setattr(router, ROUTER_TOKEN_ORDER, order)
+        setattr(router, ROUTER_TOKEN_ORDER, given)
     try:
         yield
     finally:

@@ -133,14 +133,13 @@ class RoutingReplay:
 
     def _row_order(self, layer: int, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens`` ([tokens, ...]) of a forward in the row layout's token order (module notes)."""
-        order = getattr(self.instances[layer], ROUTER_TOKEN_ORDER, None)
-        if order is None:
+        given = getattr(self.instances[layer], ROUTER_TOKEN_ORDER, None)
+        if given is None:
             return tokens
-        if self.instances[layer].router_replay_action == self.action.REPLAY_FORWARD:
-            raise ReplayError("routing replay of a shared-prefix forward: set trainer.shared_prefix=false")
-        if int(order.max()) >= tokens.shape[0]:
+        order, packed_tokens = given
+        if tokens.shape[0] != packed_tokens:
             raise ReplayError(
-                f"a shared-prefix forward routed {tokens.shape[0]} tokens, its layout has more (sequence "
+                f"a shared-prefix forward routed {tokens.shape[0]} tokens of its {packed_tokens} (sequence "
                 "parallelism splits them): set trainer.shared_prefix=false or routing.enabled=false"
             )
         return tokens[order.to(tokens.device)]
