@@ -30,6 +30,10 @@ Definitions, for row r with real inputs ``L_r = sum(input_mask[r])`` (right-padd
   first prompt input (``g * S'``): real logits, masked out of every loss by ``input_mask`` /
   ``response_mask`` like any padding position.
 
+Cost: a group's token-wise work scales with P + R_1 + ... + R_n instead of n P + sum R, its attention with
+(P + sum R)^2 instead of sum (P + R)^2, and the mask holds S'^2 booleans per group: it pays where prompts are
+long next to the responses (docs/training.md).
+
 Pure tensor code (torch only): ``policy/models/shared_prefix_forward.py`` feeds the layout to the model.
 """
 
