@@ -12,8 +12,10 @@ Design decisions:
   attribute over megatron's cached method, always removed on exit) with one that returns megatron's own table
   for 0..max(position), indexed by the positions: [S', G, 1, d]. The unfused ``_apply_rotary_pos_emb_bshd``
   computes ``t * cos(freqs) + rotate_half(t) * sin(freqs)`` on [S', G, heads, d], which broadcasts the per-row
-  table over the heads (megatron-core 0.16.1 and 0.19.2 alike). Refused (``SharedPrefixError``) where that
-  does not hold: YaRN / multimodal rotary modules (another ``forward`` signature), fused RoPE, MLA.
+  table over the heads (read in megatron-core 0.16.1, 0.19.0 and main at 0.20.0.dev: main only squeezes a
+  freqs with one more dim than t, which this table does not have; ``GPTModel._preprocess`` calls it alike).
+  Refused (``SharedPrefixError``) where that does not hold: YaRN / multimodal rotary modules (another
+  ``forward`` signature), fused RoPE, MLA.
 - The mask needs a core attention that applies an arbitrary ``attention_mask``: the project's
   ``SDPACoreAttention`` (portable layer spec) does; TransformerEngine's causal attention ignores it, so every
   attention layer is checked to be ``SDPACoreAttention`` (linear-attention layers have none: refused too).
