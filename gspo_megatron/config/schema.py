@@ -46,6 +46,10 @@ class TrainerSection(ConfigNode):
     # token budget per micro-batch per data-parallel rank: rows sorted by length, each micro-batch
     # padded to its own longest row (contracts/token_budget.py); replaces micro_batch_size. null: off
     micro_batch_tokens: int | None = None
+    # compute each group's shared prompt once per micro-batch (its rows packed as prompt | response_1 | ...
+    # with a mask and RoPE positions that give every token what it sees in its own row: the same log-probs
+    # and gradients; contracts/shared_prefix.py). Refused where it cannot apply (config/validate.py)
+    shared_prefix: bool = False
     seed: int = 1234
     eval_every: int = 10  # 0: never
     eval_prompts: int = 64

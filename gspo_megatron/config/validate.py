@@ -13,6 +13,7 @@ from gspo_megatron.config.schema import TrainConfig
 from gspo_megatron.core.config_node import config_nodes
 from gspo_megatron.core.registry import UnknownNameError
 from gspo_megatron.policy.config import use_distributed_optimizer
+from gspo_megatron.policy.models.config import AttentionKind, LayerSpec
 from gspo_megatron.policy.parallel.context_parallel import validate_context_parallel
 from gspo_megatron.policy.routing.config import DiagnosticKind
 from gspo_megatron.policy.routing.replay import validate_replay_mode
@@ -89,6 +90,7 @@ def validate_config(cfg: TrainConfig, world_size: int) -> TrainConfig:
     if cfg.model.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype must be float32 or bfloat16, got {cfg.model.dtype!r}")
     _validate_old_policy_source(cfg)
+    _validate_shared_prefix(cfg, layout)
     _validate_optimizer_offload(cfg, layout)
     if t.reference_offload and cfg.algorithm.kl.coef == 0:
         raise ConfigError(
@@ -185,6 +187,52 @@ def validate_for_machine(cfg: TrainConfig) -> None:
         if getattr(cfg.logging, key.split(".")[1]) and importlib.util.find_spec(package) is None:
             raise ConfigError(
                 f"{key}=true but the {package} package is not installed here; install it, or set {key}=false"
+            )
+
+
+def _validate_shared_prefix(cfg: TrainConfig, layout) -> None:
+    """``trainer.shared_prefix=true``: what its packed forward cannot serve (``contracts/shared_prefix.py``,
+    ``policy/models/shared_prefix_forward.py``); the portable core attention is checked on the built model."""
+    if not cfg.trainer.shared_prefix:
+        return
+    model = cfg.model
+    refusals = [
+        (replays(cfg.routing.replay), f"routing.replay={cfg.routing.replay} (replay targets are in the row layout)"),
+        (
+            cfg.routing.enabled and DiagnosticKind.ratio_decomposition in cfg.routing.kinds,
+            "routing.kinds with ratio_decomposition (it replays the old pass's routing, kept in the row layout)",
+        ),
+        (layout.cp > 1, f"parallel.cp={layout.cp} (the packed rows are not split over context-parallel ranks)"),
+        (layout.pp > 1, f"parallel.pp={layout.pp} (the gather back to rows runs on the last stage only)"),
+        (
+            bool(model.linear_attention_layers),
+            f"model.linear_attention_layers={list(model.linear_attention_layers)} (linear attention sees every "
+            "earlier token of the packed row)",
+        ),
+        (model.attention == AttentionKind.mla, "model.attention=mla (its RoPE is applied apart)"),
+        (model.rope_yarn, "model.rope_yarn=true (YaRN's rotary module is not hooked)"),
+        (
+            model.router_aux_loss_coef > 0,
+            f"model.router_aux_loss_coef={model.router_aux_loss_coef} (the load-balancing loss counts the fed tokens: "
+            "a shared prompt once, not once per row)",
+        ),
+        (
+            model.expert_bias_update_rate > 0,
+            f"model.expert_bias_update_rate={model.expert_bias_update_rate} (the expert-bias update counts the fed "
+            "tokens: a shared prompt once, not once per row)",
+        ),
+        (model.layer_spec == LayerSpec.te, "model.layer_spec=te (TransformerEngine's attention ignores the mask)"),
+        (
+            layout.use_sequence_parallel and cfg.routing.enabled,
+            "sequence parallelism with routing.enabled=true (each rank routes a slice of the packed tokens, "
+            "which the routing recordings cannot put back in row order)",
+        ),
+    ]
+    for refused, what in refusals:
+        if refused:
+            raise ConfigError(
+                f"trainer.shared_prefix=true cannot serve {what}; "
+                "set trainer.shared_prefix=false or change that setting"
             )
 
 

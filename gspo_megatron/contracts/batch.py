@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from gspo_megatron.contracts.micro_batch import StepMicroBatch, UpdateMicroBatch
+from gspo_megatron.contracts.shared_prefix import build_shared_prefix_layout
 from gspo_megatron.contracts.token_budget import token_budget_plan
 
 
@@ -140,9 +141,16 @@ def planned_rows(plan: list[list[MicroBatchRows]]) -> torch.Tensor:
     return torch.cat(rows).unique(sorted=True) if rows else torch.zeros(0, dtype=torch.long)
 
 
-def cut_micro_batches(batch: RolloutBatch, plan: list[list[MicroBatchRows]]) -> list[list[StepMicroBatch]]:
-    """The micro-batches of ``plan``, cut from ``batch`` (a whole batch or a rank's rows)."""
-    return [[micro_batch(batch, rows, width) for rows, width in minibatch] for minibatch in plan]
+def cut_micro_batches(
+    batch: RolloutBatch, plan: list[list[MicroBatchRows]], *, shared_prefix_multiple: int | None = None
+) -> list[list[StepMicroBatch]]:
+    """The micro-batches of ``plan``, cut from ``batch`` (a whole batch or a rank's rows). ``shared_prefix_multiple``
+    (``trainer.shared_prefix``): each micro-batch also carries its packed layout (``contracts/shared_prefix.py``),
+    its width a multiple of this; None: off."""
+    return [
+        [micro_batch(batch, rows, width, shared_prefix_multiple=shared_prefix_multiple) for rows, width in minibatch]
+        for minibatch in plan
+    ]
 
 
 def partition(
@@ -183,25 +191,33 @@ def data_parallel_slice(num_rows: int, *, dp_size: int, dp_rank: int) -> slice:
     return slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
 
 
-def micro_batch(batch: RolloutBatch, rows: torch.Tensor, width: int) -> StepMicroBatch:
+def micro_batch(
+    batch: RolloutBatch, rows: torch.Tensor, width: int, *, shared_prefix_multiple: int | None = None
+) -> StepMicroBatch:
     """The micro-batch of the rows ``rows`` (global indices) cut to ``width`` tokens: inputs
-    ``tokens[:, :width-1]``, ``targets`` one to the right, and the rows of every per-row field."""
+    ``tokens[:, :width-1]``, ``targets`` one to the right, and the rows of every per-row field; with
+    ``shared_prefix_multiple`` its shared-prefix layout too (None where its rows share no prompt)."""
     local = batch.local(rows)
 
     def cut(value: torch.Tensor) -> torch.Tensor:
         return value[local, : width - 1] if value.dim() > 1 else value[local]
 
     tokens = batch.tokens[local, :width]
+    inputs, response_mask, input_mask = tokens[:, :-1].contiguous(), cut(batch.response_mask), cut(batch.input_mask)
+    layout = None
+    if shared_prefix_multiple is not None:
+        layout = build_shared_prefix_layout(inputs, response_mask, input_mask, multiple=shared_prefix_multiple)
     return StepMicroBatch(
-        tokens=tokens[:, :-1].contiguous(),
+        tokens=inputs,
         targets=tokens[:, 1:].contiguous(),
         rows=rows,
-        response_mask=cut(batch.response_mask),
-        input_mask=cut(batch.input_mask),
+        response_mask=response_mask,
+        input_mask=input_mask,
         advantages=cut(batch.advantages),
         rollout_log_probs=cut(batch.rollout_log_probs),
         routed_experts=None if batch.routed_experts is None else cut(batch.routed_experts),
         input_turns=None if batch.input_turns is None else cut(batch.input_turns),
+        shared_prefix=layout,
     )
 
 

@@ -8,6 +8,10 @@ Two typed kinds of it say which fields are set, so readers need no runtime check
 (cut from a step's rollout batch: rows, masks and advantages) and ``UpdateMicroBatch`` (with pi_old:
 every field the policy loss reads).
 
+``shared_prefix`` (``trainer.shared_prefix``; ``contracts/shared_prefix.py``): the packed layout the model is
+fed instead of ``tokens`` where rows share their prompt; every other field stays in the row layout, which is
+what the loss heads see (``policy/models/schedule.py`` gathers the logits back).
+
 Shapes: b rows of s fed tokens. Per-token fields are [b, s] (routed experts [b, s, layers, k]),
 aligned to the targets: position t scores ``targets[:, t]``, the token after ``tokens[:, t]``.
 """
@@ -17,8 +21,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+from gspo_megatron.contracts.shared_prefix import SharedPrefixLayout
 
 
 @dataclass
@@ -36,6 +43,7 @@ class MicroBatch:
     weights: torch.Tensor | None = None  # float [b, s]: per-token weights of a supervised loss (tools, tests)
     position_ids: torch.Tensor | None = None  # long [b, s]; None: positions 0..s-1 (global under CP)
     input_turns: torch.Tensor | None = None  # long [b, s]: the turn that fed each input (multi-turn; diagnostics)
+    shared_prefix: SharedPrefixLayout | None = None  # the packed layout fed instead of ``tokens`` (module notes)
 
     @property
     def num_rows(self) -> int:
@@ -47,16 +55,23 @@ class MicroBatch:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The fields that are set, by name (for generic per-field operations)."""
-        return {f.name: v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}
+        return {f.name: v for f in dataclasses.fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)}
 
     def map_per_token(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> MicroBatch:
-        """A copy with ``fn`` applied to every per-token field ([b, s, ...]); per-row fields kept."""
-        return dataclasses.replace(
-            self, **{k: fn(v) for k, v in self.tensors().items() if v.dim() >= 2 and v.shape[1] == self.seq_len}
-        )
+        """A copy with ``fn`` applied to every per-token field ([b, s, ...]); per-row fields kept. Not of a
+        micro-batch with a shared-prefix layout, whose packed tensors would no longer match its rows."""
+        if self.shared_prefix is not None:
+            raise ValueError("a micro-batch with a shared-prefix layout cannot be cut per token")
+        mapped: dict[str, Any] = {
+            k: fn(v) for k, v in self.tensors().items() if v.dim() >= 2 and v.shape[1] == self.seq_len
+        }
+        return dataclasses.replace(self, **mapped)
 
     def to(self, device: torch.device | str) -> MicroBatch:
-        return dataclasses.replace(self, **{k: v.to(device, non_blocking=True) for k, v in self.tensors().items()})
+        moved: dict[str, Any] = {k: v.to(device, non_blocking=True) for k, v in self.tensors().items()}
+        if self.shared_prefix is not None:
+            moved["shared_prefix"] = self.shared_prefix.to(device)
+        return dataclasses.replace(self, **moved)
 
 
 @dataclass(kw_only=True)

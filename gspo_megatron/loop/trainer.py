@@ -43,6 +43,7 @@ from gspo_megatron.loop.weight_sync import WeightSync
 from gspo_megatron.policy.checkpoint.store import latest_checkpoint
 from gspo_megatron.policy.device_memory import device_memory_peaks
 from gspo_megatron.policy.parallel.heartbeat import is_collective_failure
+from gspo_megatron.policy.parallel.layout import sequence_multiple
 from gspo_megatron.policy.policy import Policy
 
 
@@ -149,6 +150,10 @@ class RLTrainer:
         t = self.cfg.trainer
         return t.steps if t.stop_after_steps is None else min(t.steps, t.stop_after_steps)
 
+    def _shared_prefix_multiple(self) -> int | None:
+        """``trainer.shared_prefix``: the packed width's multiple (the fed length's); None: off."""
+        return sequence_multiple(self.policy.mesh.layout) if self.cfg.trainer.shared_prefix else None
+
     def _phase(self, timings: dict, name: str) -> _timed:
         self.policy.mesh.enter(f"step {self.step + 1}, {name}")
         return _timed(timings, name)
@@ -160,7 +165,7 @@ class RLTrainer:
             share = self.feed.share(self.step)
             self.placement.after_generation()
         batch, totals, metrics = share.batch, share.totals, dict(share.metrics)
-        minibatches = cut_micro_batches(batch, share.plan)
+        minibatches = cut_micro_batches(batch, share.plan, shared_prefix_multiple=self._shared_prefix_multiple())
         fed = step_fed_shape(minibatches, self.policy.mesh.layout.dp)
         metrics["batch/padded_token_frac"] = fed.padded_fraction(totals.input_tokens)
         metrics.update(fed.metrics())

@@ -14,6 +14,11 @@ Design decisions:
 - Context parallelism: ``_forward_step`` hands every micro-batch to
   ``parallel/context_parallel.split_micro_batch`` (the one place the sequence is split), so the
   model and the loss callback see this CP rank's share of every per-token tensor.
+- Shared prefix (``trainer.shared_prefix``): a micro-batch that carries a packed layout
+  (``MicroBatch.shared_prefix``) is fed packed (``policy/models/shared_prefix_forward.py``) and its logits are
+  gathered back to the row layout before the loss callback, which sees [b, s, V/tp] as always. Refused under
+  context parallelism (the packed rows are not split) and pipeline parallelism (the stages exchange the
+  packed activations, whose gather runs only on the last stage).
 - Micro-batches of one call may differ in shape (token budgets); then megatron's
   ``variable_seq_lengths`` is on for the call, so pipeline stages exchange shapes.
 - Virtual pipeline stages (a list of model chunks, ``policy/models/builder.py:build_model_chunks``): megatron's
@@ -33,6 +38,7 @@ from typing import Any, TypeVar
 import torch
 
 from gspo_megatron.contracts.micro_batch import MicroBatch
+from gspo_megatron.policy.models.shared_prefix_forward import SharedPrefixError, forward_packed
 from gspo_megatron.policy.parallel.context_parallel import chunk_positions, split_micro_batch
 
 # (loss, what comes back for the micro-batch: a metric dict, or a head's typed output); a callback may
@@ -99,23 +105,30 @@ def _forward_step(loss_callback: LossCallback | None, before_forward, chunks: li
 
     batch: MicroBatch = next(data_iterator).to(next(model.parameters()).device)
     cp_size, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-    seq_len = batch.seq_len
-    batch = split_micro_batch(batch, cp_size, cp_rank)
     if before_forward is not None:
         before_forward(next(i for i, chunk in enumerate(chunks) if chunk is model))
+    if batch.shared_prefix is not None:
+        if cp_size > 1 or ps.get_pipeline_model_parallel_world_size() > 1 or batch.position_ids is not None:
+            raise SharedPrefixError(
+                "trainer.shared_prefix=true needs parallel.cp=1, parallel.pp=1 and rows at positions 0..s-1; "
+                "set trainer.shared_prefix=false"
+            )
+        return forward_packed(model, batch.shared_prefix), partial(_loss_func, loss_callback, batch)
+    seq_len = batch.seq_len
+    batch = split_micro_batch(batch, cp_size, cp_rank)
     tokens = batch.tokens
     positions = batch.position_ids
     if positions is None:  # global positions of this rank's tokens (RoPE splits its own table alike)
         positions = chunk_positions(seq_len, cp_size, cp_rank, device=tokens.device).unsqueeze(0).expand_as(tokens)
     output = model(tokens, positions, attention_mask=None)
+    return output, partial(_loss_func, loss_callback, batch)
 
-    def loss_func(output_tensor):
-        if loss_callback is None:
-            return output_tensor.sum() * 0.0, torch.tensor(1, dtype=torch.int), {"logits": output_tensor.detach()}
-        loss, metrics = loss_callback(output_tensor, batch)
-        return loss, torch.tensor(1, dtype=torch.int), metrics
 
-    return output, loss_func
+def _loss_func(loss_callback: LossCallback | None, batch: MicroBatch, output_tensor: torch.Tensor):
+    if loss_callback is None:
+        return output_tensor.sum() * 0.0, torch.tensor(1, dtype=torch.int), {"logits": output_tensor.detach()}
+    loss, metrics = loss_callback(output_tensor, batch)
+    return loss, torch.tensor(1, dtype=torch.int), metrics
 
 
 def run_schedule(

@@ -21,6 +21,10 @@ Design decisions:
   training forwards of its batch (``assert_fully_consumed``).
 - Indices are kept in megatron's token order: the router sees this rank's [s_local * b] tokens
   sequence-first (s_local = s / tp under sequence parallelism).
+- Shared-prefix forwards (``trainer.shared_prefix``) route the packed layout's tokens; the forward gives each
+  instance that layout's ``ROUTER_TOKEN_ORDER`` (``policy/models/shared_prefix_forward.py``) and what is recorded
+  (indices, margins) is reordered by it into the row layout's [s * b] order, so every reader sees what it
+  would without the packing. Replaying a packed forward is refused (config/validate.py refuses the pairing).
 - Router fusion bypasses ``RouterReplay`` and is rejected together with replay.
 - A replaying forward can also be *observed* (``load_targets(..., observe=True)``): the indices
   megatron's top-k actually returned to the dispatcher are recorded like a RECORD pass, so the
@@ -39,6 +43,7 @@ from __future__ import annotations
 import torch
 
 from gspo_megatron.core.config_node import ConfigChoice
+from gspo_megatron.policy.models.shared_prefix_forward import ROUTER_TOKEN_ORDER
 from gspo_megatron.policy.routing.topk_margin import topk_margin
 
 
@@ -126,17 +131,30 @@ class RoutingReplay:
 
         return len(RouterReplay.global_router_replay_instances)
 
+    def _row_order(self, layer: int, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens`` ([tokens, ...]) of a forward in the row layout's token order (module notes)."""
+        given = getattr(self.instances[layer], ROUTER_TOKEN_ORDER, None)
+        if given is None:
+            return tokens
+        order, packed_tokens = given
+        if tokens.shape[0] != packed_tokens:
+            raise ReplayError(
+                f"a shared-prefix forward routed {tokens.shape[0]} tokens of its {packed_tokens} (sequence "
+                "parallelism splits them): set trainer.shared_prefix=false or routing.enabled=false"
+            )
+        return tokens[order.to(tokens.device)]
+
     def _recorder(self, layer: int):
         def record(topk_indices: torch.Tensor) -> None:
             # kept on the CPU: small ([tokens, k] ints), compared and re-sent as replay targets later
-            self._recorded[layer].append(topk_indices.detach().to("cpu", copy=True))
+            self._recorded[layer].append(self._row_order(layer, topk_indices.detach()).to("cpu", copy=True))
 
         return record
 
     def _observed_topk(self, layer: int, replay_topk):
         def topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
             if self.instances[layer].router_replay_action == self.action.RECORD and topk < scores.shape[-1]:
-                self._margins[layer].append(topk_margin(scores, topk).to("cpu", copy=True))
+                self._margins[layer].append(self._row_order(layer, topk_margin(scores, topk)).to("cpu", copy=True))
             probs, indices = replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
             if self._observe and self.instances[layer].router_replay_action == self.action.REPLAY_FORWARD:
                 self._recorded[layer].append(indices.detach().to("cpu", copy=True))

@@ -201,3 +201,51 @@ def test_rules_across_sections(overrides, message):
 @pytest.mark.parametrize("algorithm", ["grpo", "grpo_rollout_routing_replay"])
 def test_engine_old_log_probs_allowed_without_old_policy_replay(algorithm):
     validate_config(to_train_config(compose([f"algorithm={algorithm}", "trainer.old_log_probs=rollout"])), 1)
+
+
+# --- trainer.shared_prefix: what its packed forward cannot serve ---------------------------------
+def _shared_prefix(**changes) -> TrainConfig:
+    cfg = TrainConfig()
+    cfg.trainer.shared_prefix = True
+    for dotted, value in changes.items():
+        section, key = dotted.split("__")
+        setattr(getattr(cfg, section), key, value)
+    return cfg
+
+
+def test_shared_prefix_on_the_default_config_is_valid():
+    validate_config(_shared_prefix(), 1)
+
+
+@pytest.mark.parametrize(
+    "changes, world, fragment",
+    [
+        (dict(routing__replay="old_policy"), 1, "routing.replay=old_policy"),
+        (dict(routing__replay="rollout"), 1, "routing.replay=rollout"),
+        (dict(routing__kinds=["update", "ratio_decomposition"]), 1, "ratio_decomposition"),
+        (dict(parallel__cp=2), 2, "parallel.cp=2"),
+        (dict(parallel__pp=2), 2, "parallel.pp=2"),
+        (dict(model__layer_spec="te"), 1, "model.layer_spec=te"),
+        (dict(model__router_aux_loss_coef=0.01), 1, "model.router_aux_loss_coef=0.01"),
+        (dict(parallel__tp=2), 2, "sequence parallelism with routing.enabled=true"),
+    ],
+)
+def test_shared_prefix_refuses_what_it_cannot_serve(changes, world, fragment):
+    refused(
+        _shared_prefix(**changes),
+        world,
+        "trainer.shared_prefix=true cannot serve",
+        fragment,
+        "trainer.shared_prefix=false",
+    )
+
+
+def test_shared_prefix_refuses_mla_and_linear_attention():
+    cfg = to_train_config(compose(["model=deepseek_v3_tiny", "trainer.shared_prefix=true"]))
+    refused(cfg, 1, "model.attention=mla")
+    cfg = to_train_config(compose(["model=qwen3_next_tiny", "trainer.shared_prefix=true"]))
+    refused(cfg, 1, "model.linear_attention_layers=")
+
+
+def test_shared_prefix_with_tensor_parallelism_and_no_routing_diagnostics_is_valid():
+    validate_config(_shared_prefix(parallel__tp=2, routing__enabled=False), 2)
