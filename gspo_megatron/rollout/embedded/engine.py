@@ -17,7 +17,8 @@ Design decisions:
 - The prefill feeds each distinct prompt once and copies its KV rows, last logits and routed experts to the rows
   that repeat it (``_prefill_once_per_prompt``; SGLang's prefix cache shares a group's prompt alike): rows are
   computed independently, so each row gets what its own prefill computes, and the main job's prefill (256 rows,
-  16 prompts) does 1/16 of the work. Engine CPU seconds of a ``generate`` at the main job's shape: 0.093-0.104
+  16 prompts) does 1/16 of the work. A retract's recompute feeds every running row's own tokens. CPU seconds of
+  a ``generate`` of the main job's 256 rows of 16 prompts (20-40-token prompts, 3 new tokens): 0.093-0.104
   before, 0.023-0.036 after (issue 65, docs/benchmarks.md).
 - The forward: ``lean_forward.py``'s for a Qwen3-MoE (transformers' math over the model's own parameters without
   its per-call machinery; its KV cache grows in place) unless ``rollout.embedded.forward=transformers``; every
@@ -496,7 +497,9 @@ class EmbeddedEngine(RolloutEngine):
                 if update is not None and update.mode == InflightUpdateMode.retract and fed > 0:
                     retracted, fed, feed_ids, feed_positions = fed, 0, ids, positions
                     cache = self._new_cache(width + max(budgets)) if cache is not None else None
-                if fed == 0 and cache is not None and sessions is None:  # the prefill: each prompt once
+                # the prefill feeds each prompt once; a retract's recompute (fed 0 again, later) feeds every row's own
+                # prompt and tokens, which differ between the samples of one prompt
+                if step == 0 and cache is not None and sessions is None:
                     logits = self._prefill_once_per_prompt(prompts, ids, mask, positions, cache, capture)
                 else:
                     logits = self._forward(feed_ids, mask, feed_positions, cache, capture)
@@ -591,16 +594,18 @@ class EmbeddedEngine(RolloutEngine):
         the same for a shared prompt). Rows are computed independently of each other, so every row gets what
         its own prefill computes; only the work is divided by the samples per prompt (the main job: 256 rows of
         16 prompts)."""
-        first: dict[tuple[int, ...], int] = {}
-        source = [first.setdefault(tuple(prompt), len(first)) for prompt in prompts]
-        if len(first) == len(prompts):
+        first_row: dict[tuple[int, ...], int] = {}  # each distinct prompt -> the first row that has it
+        for row, prompt in enumerate(prompts):
+            first_row.setdefault(tuple(prompt), row)
+        if len(first_row) == len(prompts):
             return self._forward(ids, mask, positions, cache, capture)
-        distinct = torch.tensor([source.index(u) for u in range(len(first))], device=ids.device)
+        number = {prompt: n for n, prompt in enumerate(first_row)}
+        distinct = torch.tensor(list(first_row.values()), device=ids.device)
         logits = self._forward(ids[distinct], mask[distinct], positions[distinct], cache, capture)
-        rows = torch.tensor(source, device=ids.device)
+        rows = torch.tensor([number[tuple(prompt)] for prompt in prompts], device=ids.device)  # each row's prompt
         keep_cache_rows(cache, rows)
         if capture is not None:
-            capture.select_rows(len(first), rows)
+            capture.select_rows(len(first_row), rows)
         return logits.index_select(0, rows)
 
     def _new_cache(self, capacity: int) -> DynamicCache:

@@ -75,7 +75,11 @@ class Worker:
 
 def generate_with_update(engine, weights: dict, mode: str, params=PARAMS) -> list[Sample]:
     """``engine.generate(PROMPTS)`` in a worker thread; version ``NEW`` requested from this thread while forward
-    ``AFTER`` runs."""
+    ``AFTER`` runs. Each prompt's first sample (``generate_groups_with_update``: all of them)."""
+    return [group[0] for group in generate_groups_with_update(engine, weights, mode, params)]
+
+
+def generate_groups_with_update(engine, weights: dict, mode: str, params=PARAMS) -> list[list[Sample]]:
     pause = PauseAfterForward(engine.model.lm_head, AFTER)
     try:
         worker = Worker(lambda: engine.generate(PROMPTS, params))
@@ -89,7 +93,7 @@ def generate_with_update(engine, weights: dict, mode: str, params=PARAMS) -> lis
         pause.release.set()
         pause.remove()
     assert engine.weight_version == NEW
-    return [group[0] for group in groups]
+    return groups
 
 
 def token_versions(sample: Sample) -> list[int]:
@@ -167,6 +171,22 @@ def test_retract_scores_the_tokens_after_the_update_by_a_full_forward_of_the_new
         torch.testing.assert_close(sample.output_log_probs[:switch], old_full[:switch], atol=1e-5, rtol=0)
         torch.testing.assert_close(sample.output_log_probs[switch:], new_full[switch:], atol=1e-5, rtol=0)
         assert (new_full[switch:] - old_full[switch:]).abs().max() > 1e-2  # the versions differ measurably
+
+
+def test_retract_recomputes_each_row_of_a_repeated_prompt_from_its_own_tokens(models):
+    """The prefill feeds a repeated prompt once (``_prefill_once_per_prompt``); a retract's recompute feeds every
+    running row's own prompt and tokens, which differ between the samples of one prompt."""
+    old, new = models
+    engine = engine_from(old)
+    params = SamplingParams(**{**PARAMS.__dict__, "return_routed_experts": False, "n": 3})
+    groups = generate_groups_with_update(engine, new.state_dict(), "retract", params)
+    switch = AFTER + 1
+    assert any(len({tuple(s.output_ids[:switch]) for s in group}) > 1 for group in groups)  # the samples differ
+    for prompt, group in zip(PROMPTS, groups, strict=True):
+        for sample in group:
+            whole = prompt + sample.output_ids[:-1]
+            new_full = chosen(forward(new, whole)[0][len(prompt) - 1 :], sample.output_ids)
+            torch.testing.assert_close(sample.output_log_probs[switch:], new_full[switch:], atol=1e-5, rtol=0)
 
 
 def test_retract_ends_a_row_whose_routing_the_new_weights_change_at_its_last_exact_token(models):
