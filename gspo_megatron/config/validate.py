@@ -146,7 +146,7 @@ def _validate_agent(cfg: TrainConfig) -> None:
         embedded = cfg.rollout.engine == RolloutEngineName.embedded
         if embedded and cfg.rollout.embedded.use_cache and cfg.model.linear_attention_layers:
             # the engine's sessions keep a trajectory's attention KV between turns, not a gated DeltaNet
-            # layer's recurrent state (rollout/embedded/engine.py: _KeptCache)
+            # layer's recurrent state (rollout/embedded/kv_cache.py: KeptCache)
             raise ConfigError(
                 f"rollout.agent.name={cfg.rollout.agent.name} with a hybrid model (model.linear_attention_layers="
                 f"{list(cfg.model.linear_attention_layers)}): the embedded engine keeps a trajectory's attention "

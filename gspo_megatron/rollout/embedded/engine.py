@@ -22,10 +22,10 @@ Design decisions:
   before, 0.023-0.036 after (issue 65, docs/benchmarks.md).
 - The forward: ``lean_forward.py``'s for a Qwen3-MoE (transformers' math over the model's own parameters without
   its per-call machinery; its KV cache grows in place) unless ``rollout.embedded.forward=transformers``; every
-  other model runs transformers' own forward. Both feed the same ``_RouterCapture``.
+  other model runs transformers' own forward. Both feed the same ``RouterCapture``.
 - The KV cache is passed under the name the installed transformers' forward declares: ``cache``
   (5.x; ``past_key_values`` is deprecated there and removed in 5.40) or ``past_key_values`` (older
-  releases), read once from the class's signature (``_cache_argument``), so no deprecated argument is ever passed.
+  releases), read once from the class's signature (``cache_argument``), so no deprecated argument is ever passed.
 - Log-probs are log_softmax(logits / T) of the sampled token before top-k/top-p (see ``sampling``).
 - Stop rules (checked in this order after each token): a ``stop_token_ids`` token, a ``stop`` string
   in the decoded tail (needs ``decode``), then ``max_new_tokens``. The stop token / the tokens that
@@ -67,14 +67,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import inspect
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import torch
-from transformers import PretrainedConfig, PreTrainedModel, cache_utils
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers import PretrainedConfig
+from transformers.cache_utils import DynamicCache
 
 from gspo_megatron.contracts.samples import TOKEN_VERSIONS, FinishReason, RowRequest, Sample, SamplingParams
 from gspo_megatron.core.fp8_blocks import fake_quantize_named_tensors
@@ -87,12 +85,14 @@ from gspo_megatron.rollout.embedded.inflight import (
     UpdateTicket,
     inflight_update_mode,
 )
+from gspo_megatron.rollout.embedded.kv_cache import KeptCache, cache_argument, keep_cache_rows
 from gspo_megatron.rollout.embedded.lean_forward import (
     LeanForwardRefusal,
     Qwen3MoeLeanForward,
     growing_cache,
     lean_forward_for,
 )
+from gspo_megatron.rollout.embedded.router_capture import RouterCapture
 from gspo_megatron.rollout.embedded.sampling import RowUniforms, row_generators, sample_next_tokens
 from gspo_megatron.rollout.embedded.weights import HfWeightLoader
 from gspo_megatron.rollout.engine import EngineSession, RolloutEngine, TurnRequest, TurnResult
@@ -100,103 +100,6 @@ from gspo_megatron.rollout.sglang.config import WeightQuantization
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _STOP_TAIL_EXTRA_TOKENS = 8  # decode this many tokens beyond the longest stop string's length
-
-
-def _cache_argument(model_class: type[PreTrainedModel]) -> str:
-    """transformers 5.x renamed the forward's KV-cache argument (``inspect`` follows the deprecation wrapper)."""
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
-
-
-# transformers' cache of a linear-attention layer (gated DeltaNet: its conv and recurrent states), where it has one
-_LINEAR_ATTENTION_CACHE = getattr(cache_utils, "LinearAttentionCacheLayerMixin", ())
-
-
-def keep_cache_rows(cache: DynamicCache, index: torch.Tensor) -> None:
-    """Keep rows ``index`` of every layer's cache, in that order: an attention layer's keys and values
-    (``batch_select_indices``); a linear-attention layer's conv and recurrent states through its
-    ``reorder_cache`` -- transformers gives it no ``batch_select_indices``, and its reorder is the same
-    index_select along the batch (a layer with both kinds reorders both); a layer that holds nothing
-    (transformers' ``DummyLayer``) is left as it is."""
-    for layer in cache.layers:
-        if isinstance(layer, _LINEAR_ATTENTION_CACHE):
-            layer.reorder_cache(index)
-        elif isinstance(layer, DynamicLayer):
-            layer.batch_select_indices(index)
-        elif getattr(layer, "keys", None) is not None:
-            raise TypeError(f"keep_cache_rows: a {type(layer).__name__} cache layer holds rows it cannot select")
-
-
-class _RouterCapture:
-    """Forward hooks on every MoE router; collects top-k indices [B, S, k] per layer per forward."""
-
-    def __init__(self, model: PreTrainedModel):
-        self._routers = {
-            i: layer.mlp.gate
-            for i, layer in enumerate(model.model.layers)
-            if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")
-        }
-        self._num_layers = len(model.model.layers)
-        self._top_k = model.config.num_experts_per_tok
-        self._latest: dict[int, torch.Tensor] = {}
-        self._handles: list = []
-
-    def __enter__(self):
-        for layer, router in self._routers.items():
-            self._handles.append(router.register_forward_hook(self._hook(layer)))
-        return self
-
-    def __exit__(self, *exc):
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-    def _hook(self, layer: int):
-        def record(module, inputs, output):
-            self.record(layer, output[2].detach())  # (router_logits, scores, top-k indices)
-
-        return record
-
-    def record(self, layer: int, top_k_indices: torch.Tensor) -> None:
-        """Layer ``layer``'s top-k expert indices [B * S, k] of the latest forward (the hook or the lean forward)."""
-        self._latest[layer] = top_k_indices
-
-    def select_rows(self, batch: int, rows: torch.Tensor) -> None:
-        """The latest forward's indices (a batch of ``batch`` rows) as if its batch had been its rows ``rows``
-        (repeats allowed)."""
-        for layer, indices in self._latest.items():
-            by_row = indices.reshape(batch, -1, self._top_k)
-            self._latest[layer] = by_row.index_select(0, rows.to(indices.device)).reshape(-1, self._top_k)
-
-    def take(self, batch: int, last: int) -> torch.Tensor:
-        """int32 [B, last, num_layers, top_k] for the last ``last`` positions of the latest forward."""
-        out = torch.full((batch, last, self._num_layers, self._top_k), -1, dtype=torch.int32)
-        for layer, indices in self._latest.items():
-            out[:, :, layer] = indices.reshape(batch, -1, self._top_k)[:, -last:].to(torch.int32).cpu()
-        self._latest.clear()
-        return out
-
-
-@dataclass(frozen=True)
-class _KeptCache:
-    """One trajectory's KV cache between its turns: per layer (keys, values) [kv_heads, positions, head_dim]
-    of the positions it fed, padding removed."""
-
-    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
-
-    @property
-    def length(self) -> int:
-        return int(self.layers[0][0].shape[1]) if self.layers else 0
-
-    @classmethod
-    def of_row(cls, cache: DynamicCache, mask: torch.Tensor, row: int) -> _KeptCache:
-        """Row ``row`` of the batch's cache (its real positions: ``mask`` [B, >= cached], 1 where real)."""
-        real = mask[row, : cache.get_seq_length()].bool()
-        layers = []
-        for layer in cache.layers:
-            if not isinstance(layer, DynamicLayer) or layer.keys is None or layer.values is None:
-                raise TypeError(f"a trajectory's session keeps attention caches, not a {type(layer).__name__}")
-            layers.append((layer.keys[row][:, real].clone(), layer.values[row][:, real].clone()))
-        return cls(tuple(layers))
 
 
 def _rerouted_positions(
@@ -242,14 +145,14 @@ class EmbeddedEngine(RolloutEngine):
         hf_config = copy.deepcopy(hf_config)  # the attention choice below must not leak to the caller
         hf_config._attn_implementation = self.config.attn_implementation
         _, model_class = family(hf_config.model_type).transformers_classes()
-        self._cache_argument = _cache_argument(model_class)
+        self._cache_argument = cache_argument(model_class)
         self.model = model_class(hf_config).to(device=self.config.device, dtype=_DTYPES[self.config.dtype]).eval()
         self._lean = self._lean_forward()
         self._loader = HfWeightLoader(self.model)
         self._seed_source = torch.Generator().manual_seed(self.config.seed)
         self.weight_version = 0
         self._updates = UpdateMailbox(self.update_weights)  # in-flight updates (``request_update``)
-        self._kept: list[_KeptCache | None] = []  # the last turn chunk's rows' caches (``_generate_chunk``)
+        self._kept: list[KeptCache | None] = []  # the last turn chunk's rows' caches (``_generate_chunk``)
 
     def _lean_forward(self) -> Qwen3MoeLeanForward | None:
         """The lean decode forward (``lean_forward.py``) where the config asks for it and it serves this model."""
@@ -365,7 +268,7 @@ class EmbeddedEngine(RolloutEngine):
         sessions = [request.session for request in requests]
         fed = [session.fed if session is not None else 0 for session in sessions]
         for session in sessions:
-            if session is not None and session.fed and not isinstance(session.state, _KeptCache):
+            if session is not None and session.fed and not isinstance(session.state, KeptCache):
                 raise ValueError("a turn continues a session another engine (or no cache) kept; start it afresh")
         new_ids = [request.ids[first:] for request, first in zip(requests, fed, strict=True)]
         generators = [row_generators(self._call_seed(request.params), 1)[0] for request in requests]
@@ -387,7 +290,7 @@ class EmbeddedEngine(RolloutEngine):
     def session_state(self, session: EngineSession) -> dict:
         """The session's kept KV cache as CPU tensors (a carried trajectory in a checkpoint continues on the
         very KV its positions' routing rows were computed with)."""
-        kept = session.state if isinstance(session.state, _KeptCache) else None
+        kept = session.state if isinstance(session.state, KeptCache) else None
         layers = [[keys.cpu(), values.cpu()] for keys, values in kept.layers] if kept is not None else None
         return {"fed": session.fed, "kv": layers}
 
@@ -396,7 +299,7 @@ class EmbeddedEngine(RolloutEngine):
         if layers is None:
             return EngineSession(int(state["fed"]))
         device = self.config.device
-        kept = _KeptCache(tuple((keys.to(device), values.to(device)) for keys, values in layers))
+        kept = KeptCache(tuple((keys.to(device), values.to(device)) for keys, values in layers))
         if kept.length != int(state["fed"]):
             raise ValueError(f"a saved session of {state['fed']} fed positions holds KV of {kept.length}")
         return EngineSession(int(state["fed"]), kept)
@@ -406,7 +309,7 @@ class EmbeddedEngine(RolloutEngine):
     ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
         """The batch's KV cache of its rows' cached positions (each row's left-padded to the longest), the
         attention mask over cached and new positions, and the new positions' ids (after each row's cached)."""
-        kept = [s.state if s is not None and isinstance(s.state, _KeptCache) else None for s in sessions]
+        kept = [s.state if s is not None and isinstance(s.state, KeptCache) else None for s in sessions]
         lengths = [k.length if k is not None else 0 for k in kept]
         width, batch = max(lengths), len(sessions)
         if width == 0:
@@ -486,9 +389,9 @@ class EmbeddedEngine(RolloutEngine):
             layers, top_k = self.model.config.num_hidden_layers, self.model.config.num_experts_per_tok
             routing = torch.full((batch, width + max(budgets), layers, top_k), -1, dtype=torch.int32)
         active = list(range(batch))  # chunk rows still generating, in the order of the model's batch
-        kept: list[_KeptCache | None] = [None] * batch  # turns: each row's cache when it leaves the batch
+        kept: list[KeptCache | None] = [None] * batch  # turns: each row's cache when it leaves the batch
         feed_ids, feed_positions, fed = ids, positions, 0
-        capture = _RouterCapture(self.model) if routing is not None else None
+        capture = RouterCapture(self.model) if routing is not None else None
         uniforms = RowUniforms(generators)  # every active row draws at every step (rows only leave)
         with capture if capture is not None else contextlib.nullcontext():
             for step in range(max(budgets)):
@@ -546,7 +449,7 @@ class EmbeddedEngine(RolloutEngine):
                 if sessions is not None and cache is not None:  # a row leaving keeps its cache
                     for i, r in enumerate(active):
                         if finish[r] is not None:
-                            kept[r] = _KeptCache.of_row(cache, mask, i)
+                            kept[r] = KeptCache.of_row(cache, mask, i)
                 if not keep:
                     break
                 if len(keep) < len(active):
@@ -565,7 +468,7 @@ class EmbeddedEngine(RolloutEngine):
         if sessions is not None and cache is not None:  # rows stopped by a group count keep theirs too
             for i, r in enumerate(active):
                 if kept[r] is None:
-                    kept[r] = _KeptCache.of_row(cache, mask, i)
+                    kept[r] = KeptCache.of_row(cache, mask, i)
         self._kept = kept
         return [
             self._sample(
@@ -587,7 +490,7 @@ class EmbeddedEngine(RolloutEngine):
         mask: torch.Tensor,
         positions: torch.Tensor,
         cache: DynamicCache,
-        capture: _RouterCapture | None,
+        capture: RouterCapture | None,
     ) -> torch.Tensor:
         """The prefill of rows that repeat prompts (a group's samples): each distinct prompt is fed once, then its
         KV cache rows, last logits and routed experts are copied to every row of it (SGLang's prefix cache does
@@ -621,7 +524,7 @@ class EmbeddedEngine(RolloutEngine):
         mask: torch.Tensor,
         positions: torch.Tensor,
         cache: DynamicCache | None,
-        capture: _RouterCapture | None,
+        capture: RouterCapture | None,
     ) -> torch.Tensor:
         """The last position's logits [B, 1, V] of feeding ``ids`` over ``cache``; the routers' top-k go to
         ``capture`` (transformers' forward through its hooks, the lean forward by its return)."""

@@ -23,9 +23,9 @@ Design decisions:
   its position, and always itself, so a left-padding position never has a fully masked row (SDPA would give NaN
   there, and NaN values would leak through a zero weight into later positions).
 - The KV cache (``growing_cache``) is transformers' ``DynamicCache`` whose layers write into preallocated room
-  (``GrowingKVLayer``: doubled when full), so the engine's cache helpers (``keep_cache_rows``, a session's kept
-  cache) work on it unchanged; a cache transformers built (a resumed session) works here too.
-- Routing: the top-k indices of each MoE layer are returned (the engine's ``_RouterCapture.record``), the same
+  (``GrowingKVLayer``: doubled when full), so the engine's cache helpers (``kv_cache.py``: ``keep_cache_rows``, a
+  session's kept cache) work on it unchanged; a cache transformers built (a resumed session) works here too.
+- Routing: the top-k indices of each MoE layer are returned (``router_capture.py``'s ``RouterCapture.record``), the same
   indices transformers' router returns to its hook.
 - Which models: ``lean_forward_for`` builds it for a Qwen3-MoE with SDPA attention, no sliding window, SiLU
   experts without biases; any other model (the other families, ``attn_implementation=eager``) keeps transformers'

@@ -120,7 +120,7 @@ SGLANG = ["rollout=sglang", "rollout.sglang.model_path=/ckpt"]
         "over_sampling_or_dynamic_sampling",
         "streaming_without_dynamic_sampling",
         # the engine's sessions keep no linear-attention state: before this rule the run failed at the first
-        # turn's end (TypeError in _KeptCache.of_row), every trajectory lost
+        # turn's end (TypeError in KeptCache.of_row), every trajectory lost
         "hybrid_agent_needs_no_kept_cache",
         "retract_with_r3",
         "sglang_retract_with_r3",

@@ -19,8 +19,8 @@ from test_embedded_engine import engine_from, peaked_source_model, tiny_config
 from transformers.cache_utils import DynamicCache
 
 from gspo_megatron.contracts.samples import TOKEN_VERSIONS, FinishReason, Sample, SamplingParams
-from gspo_megatron.rollout.embedded.engine import _cache_argument
 from gspo_megatron.rollout.embedded.inflight import RETRACT_REROUTED
+from gspo_megatron.rollout.embedded.kv_cache import cache_argument
 from gspo_megatron.rollout.engine import TurnRequest
 
 WAIT_S = 60.0  # bound on every wait for the other thread (never reached when the test passes)
@@ -108,7 +108,7 @@ def forward(model, ids: list[int], cache=None):
             input_ids=torch.tensor([ids]),
             output_router_logits=True,
             use_cache=cache is not None,
-            **{_cache_argument(type(model)): cache},
+            **{cache_argument(type(model)): cache},
         )
     k = model.config.num_experts_per_tok
     experts = torch.stack([torch.topk(logits, k, dim=-1).indices for logits in out.router_logits], dim=1)

@@ -9,7 +9,8 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from gspo_megatron.contracts.samples import SamplingParams
 from gspo_megatron.rollout.config import EmbeddedConfig
-from gspo_megatron.rollout.embedded.engine import EmbeddedEngine, keep_cache_rows
+from gspo_megatron.rollout.embedded.engine import EmbeddedEngine
+from gspo_megatron.rollout.embedded.kv_cache import keep_cache_rows
 from gspo_megatron.rollout.embedded.lean_forward import (
     GrowingKVLayer,
     LeanForwardRefusal,
@@ -51,7 +52,7 @@ def qwen3_moe(**overrides) -> Qwen3MoeForCausalLM:
 
 def transformers_step(model, ids, mask, positions, cache):
     """transformers' forward as the engine called it: last logits and each MoE layer's router top-k (what its
-    router returns, by a hook as the engine's ``_RouterCapture`` takes it)."""
+    router returns, by a hook as the engine's ``RouterCapture`` takes it)."""
     routed, handles = {}, []
     for index, layer in enumerate(model.model.layers):
         if hasattr(layer.mlp, "experts"):
