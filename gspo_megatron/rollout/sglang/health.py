@@ -52,12 +52,18 @@ async def wait_until_healthy(
             if response.status_code == 200:
                 return
             last = f"HTTP {response.status_code}"
-        except httpx.ReadTimeout:
-            cut_short = probe_timeout < PROBE_TIMEOUT_S  # by the deadline: not evidence of a silent server
-            if not (cut_short and last.startswith("HTTP ")):  # so an answer seen before stays the one quoted
-                last = f"no answer within {probe_timeout:.3g}s (the connection was accepted)"
+        except httpx.TimeoutException as error:  # no connection, or no answer, within the probe's timeout
+            # a probe cut short by the deadline is not evidence of a silent server (on a busy machine even a
+            # loopback connect can outlast MIN_PROBE_TIMEOUT_S): an answer seen before stays the one quoted
+            cut_short = probe_timeout < PROBE_TIMEOUT_S
+            if not (cut_short and last.startswith("HTTP ")):
+                last = (
+                    f"no answer within {probe_timeout:.3g}s (the connection was accepted)"
+                    if isinstance(error, httpx.ReadTimeout)
+                    else _describe(error)
+                )
         except httpx.TransportError as error:
-            last = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+            last = _describe(error)
         now = loop.time()
         if now >= deadline:
             raise give_up(last)
@@ -65,3 +71,7 @@ async def wait_until_healthy(
             progress(now - start, last)
             next_report += progress_every_s
         await asyncio.sleep(poll_interval_s)
+
+
+def _describe(error: httpx.TransportError) -> str:
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__

@@ -211,6 +211,61 @@ def test_a_probe_cut_short_by_the_deadline_does_not_hide_the_last_answer():
     assert asyncio.run(scenario()) == "HTTP 503"
 
 
+def test_a_connect_cut_short_by_the_deadline_does_not_hide_the_last_answer():
+    """As above, but the later probes cannot even connect: the server answered 503 (and closed the
+    connection), then its accept queue stayed full, so the kernel drops the next SYNs and the last probe's
+    connect times out at the deadline. CI's busy machine saw exactly this (``ConnectTimeout`` quoted instead
+    of the double's 503, tests/unit/rollout/test_sglang_client.py); a full backlog makes it happen at once."""
+    import asyncio
+    import socket
+    import threading
+
+    import httpx
+
+    from gspo_megatron.rollout.sglang.health import wait_until_healthy
+
+    def serve(listener: socket.socket, finished: threading.Event) -> None:
+        conn, _ = listener.accept()
+        request = b""
+        while b"\r\n\r\n" not in request:
+            request += conn.recv(4096)
+        fillers = []  # connections nobody accepts: with backlog 1 they fill the accept queue
+        for _ in range(4):
+            filler = socket.socket()
+            filler.settimeout(0.5)
+            try:
+                filler.connect(listener.getsockname())
+            except OSError:
+                filler.close()
+                break
+            fillers.append(filler)
+        conn.sendall(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+        conn.close()
+        finished.wait(timeout=30)
+        for filler in fillers:
+            filler.close()
+
+    async def scenario() -> str:
+        listener = socket.create_server(("127.0.0.1", 0), backlog=1)
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        finished = threading.Event()
+        server = threading.Thread(target=serve, args=(listener, finished), daemon=True)
+        server.start()
+        loop = asyncio.get_running_loop()
+        try:
+            async with httpx.AsyncClient(trust_env=False) as http:
+                await wait_until_healthy(http, url, loop.time() + 1.0, 0.01, give_up=lambda last: RuntimeError(last))
+        except RuntimeError as error:
+            return str(error)
+        finally:
+            finished.set()
+            server.join(timeout=30)
+            listener.close()
+        return "healthy"
+
+    assert asyncio.run(scenario()) == "HTTP 503"
+
+
 def test_a_server_that_never_answers_generate_fails_naming_the_keys_after_a_warning(doubles):
     """Issue 63, item 6: an attached server that accepts /generate and never answers held the run silent
     for 5 x 1800 s. Now a warning names the server and the key at half the timeout, and the request fails
