@@ -4,10 +4,10 @@ megatron-core 0.16 binds ``megatron.core.jit.jit_fuser = torch.compile`` and dec
 kernels with it at import; the first decoration imports torch's dynamo and inductor (about 2 s on
 2 cores), although with the fusions this project turns off (``policy/models/builder.py``) most of them are
 never called. Deferred, the import happens only if one is called: tools and tests that import
-megatron without running a MoE forward never pay it. The main job still does, at its first
-forward: megatron's router calls the ``@jit_fuser`` function ``TopKRouter._apply_expert_bias`` on
-every forward (a no-op without expert bias), and torch's optimizers import dynamo in
-``add_param_group`` anyway.
+megatron without running a MoE forward never pay it. megatron's router calls the ``@jit_fuser``
+function ``TopKRouter._apply_expert_bias`` on every forward; where expert bias is off (a no-op) the model
+builder binds it uncompiled (``policy/models/idle_expert_bias.py``), so only expert-bias models compile it.
+torch's optimizers import dynamo in ``add_param_group`` anyway.
 
 Design decisions:
 - While ``megatron.core.jit`` itself executes, ``torch.compile`` is a deferring stand-in, so

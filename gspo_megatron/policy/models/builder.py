@@ -44,6 +44,7 @@ from gspo_megatron.policy.models.config import (
     MoEModelConfig,
     TokenDispatcher,
 )
+from gspo_megatron.policy.models.idle_expert_bias import run_idle_expert_bias_eagerly
 from gspo_megatron.policy.parallel.device import compute_device, cuda_kernels
 from gspo_megatron.policy.parallel.layout import LayoutError, ParallelLayout
 
@@ -463,6 +464,7 @@ def build_model_chunks(
                 chunks.append(GPTModel(**kwargs))
         else:
             chunks.append(GPTModel(**kwargs).to(compute_device()))
+    run_idle_expert_bias_eagerly(chunks)  # no dynamo trace of a no-op at every process's first forward
     return chunks
 
 
