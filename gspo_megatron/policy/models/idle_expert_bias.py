@@ -6,10 +6,10 @@ Every router forward calls ``_apply_expert_bias(routing_map, padding_mask)``, wh
     if self.enable_expert_bias and torch.is_grad_enabled():
         ... self.local_tokens_per_expert += routing_map.sum(dim=0)
 
-so without expert bias (``model.expert_bias=false``: every family here but DeepSeek-V3's aux-loss-free
-balancing) it does nothing, yet its first call in a process traced it with dynamo, and every new token count
-re-traced it once: about 1 s of CPU in each process that runs a MoE forward (each rank of each training run;
-issue 65, found profiling the start-up of the tests' tiny runs), for an empty graph. Such routers get the same
+so without expert bias (``model.expert_bias=false``: every family here but GLM-4.5's and DeepSeek-V3's
+aux-loss-free balancing) it does nothing, yet its first call in a process traced it with dynamo, for an empty
+graph: 0.3-0.4 s of CPU in each process that runs a MoE forward (a tiny 2-step run: 8.6-9.2 s against 9.2-9.6 s,
+three alternated pairs; issue 65, found profiling the start-up of the tests' tiny runs). Such routers get the same
 function uncompiled, bound to the instance: it does what the compiled one does (nothing), and dynamo is not
 entered. A router with expert bias keeps megatron's compiled function.
 """
