@@ -175,15 +175,28 @@ def test_attach_to_a_server_that_never_answers_fails_within_attach_timeout():
     assert f"{url} not healthy after 1s" in message and "no answer within" in message, message
 
 
-def test_a_probe_cut_short_by_the_deadline_does_not_hide_the_last_answer():
-    """A server that answered 503 and then went quiet: the last probe, bounded by the deadline, times
-    out, and the error still quotes the 503 (it used to quote the deadline's own timeout, which made
-    the message depend on how busy the machine was)."""
+async def _answer_quoted_after_polling(url: str) -> str:
+    """What ``wait_until_healthy``'s error quotes after polling ``url`` for 1 s ("healthy" if it answered 200)."""
     import asyncio
 
     import httpx
 
     from gspo_megatron.rollout.sglang.health import wait_until_healthy
+
+    loop = asyncio.get_running_loop()
+    try:
+        async with httpx.AsyncClient(trust_env=False) as http:
+            await wait_until_healthy(http, url, loop.time() + 1.0, 0.01, give_up=lambda last: RuntimeError(last))
+    except RuntimeError as error:
+        return str(error)
+    return "healthy"
+
+
+def test_a_probe_cut_short_by_the_deadline_does_not_hide_the_last_answer():
+    """A server that answered 503 and then went quiet: the last probe, bounded by the deadline, times
+    out, and the error still quotes the 503 (it used to quote the deadline's own timeout, which made
+    the message depend on how busy the machine was)."""
+    import asyncio
 
     async def scenario() -> str:
         requests = 0
@@ -197,16 +210,10 @@ def test_a_probe_cut_short_by_the_deadline_does_not_hide_the_last_answer():
                     await writer.drain()
 
         server = await asyncio.start_server(serve, "127.0.0.1", 0)
-        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        loop = asyncio.get_running_loop()
         try:
-            async with httpx.AsyncClient(trust_env=False) as http:
-                await wait_until_healthy(http, url, loop.time() + 1.0, 0.01, give_up=lambda last: RuntimeError(last))
-        except RuntimeError as error:
-            return str(error)
+            return await _answer_quoted_after_polling(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
         finally:
             server.close()
-        return "healthy"
 
     assert asyncio.run(scenario()) == "HTTP 503"
 
@@ -219,10 +226,6 @@ def test_a_connect_cut_short_by_the_deadline_does_not_hide_the_last_answer():
     import asyncio
     import socket
     import threading
-
-    import httpx
-
-    from gspo_megatron.rollout.sglang.health import wait_until_healthy
 
     def serve(listener: socket.socket, finished: threading.Event) -> None:
         conn, _ = listener.accept()
@@ -251,17 +254,12 @@ def test_a_connect_cut_short_by_the_deadline_does_not_hide_the_last_answer():
         finished = threading.Event()
         server = threading.Thread(target=serve, args=(listener, finished), daemon=True)
         server.start()
-        loop = asyncio.get_running_loop()
         try:
-            async with httpx.AsyncClient(trust_env=False) as http:
-                await wait_until_healthy(http, url, loop.time() + 1.0, 0.01, give_up=lambda last: RuntimeError(last))
-        except RuntimeError as error:
-            return str(error)
+            return await _answer_quoted_after_polling(url)
         finally:
             finished.set()
             server.join(timeout=30)
             listener.close()
-        return "healthy"
 
     assert asyncio.run(scenario()) == "HTTP 503"
 
