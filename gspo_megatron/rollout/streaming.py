@@ -215,7 +215,7 @@ class StreamingScheduler(Generic[GroupT]):
         except BufferClosed:
             self._raise_producer_error()
             raise
-        now = self.clock()
+        waited_until = self.clock()
         if admission.dropped and self.mode is StalenessMode.wait:
             raise StalenessError(
                 f"step {step}: {len(admission.dropped)} group(s) past rollout.max_staleness={self.max_staleness} "
@@ -229,8 +229,8 @@ class StreamingScheduler(Generic[GroupT]):
                 f"step {step} got samples of policy versions {sorted(set(versions))}: staleness "
                 f"{max(staleness)} exceeds rollout.max_staleness={self.max_staleness}"
             )
+        now, engine_idle_s = self._engine_idle_since_last_take()
         cycle, self._last_take = now - self._last_take, now
-        engine_idle_s = self._engine_idle_since_last_take(now)
         dropped_at_resume, self._dropped_at_resume = self._dropped_at_resume, 0
         metrics = {
             **metrics,
@@ -242,7 +242,7 @@ class StreamingScheduler(Generic[GroupT]):
             "async/groups_dropped": float(len(admission.dropped)),
             "async/groups_dropped_at_resume": float(dropped_at_resume),
             "async/groups_buffered": float(len(self.buffer)),
-            "time/trainer_idle_frac": (now - wait_start) / cycle if cycle > 0 else 0.0,
+            "time/trainer_idle_frac": (waited_until - wait_start) / cycle if cycle > 0 else 0.0,
             "time/engine_idle_frac": engine_idle_s / cycle if cycle > 0 else 0.0,
         }
         return batch, metrics
@@ -273,14 +273,17 @@ class StreamingScheduler(Generic[GroupT]):
         finally:
             self.turns.end_trainer_turn()
 
-    def _engine_idle_since_last_take(self, now: float) -> float:
-        """The producer's waiting time between the previous take (or its start) and ``now``, a wait in progress
-        counted up to ``now``; the next call counts from ``now``."""
+    def _engine_idle_since_last_take(self) -> tuple[float, float]:
+        """(now, the producer's waiting time between the previous take (or its start) and now), a wait in progress
+        counted up to now; the next call counts from now. ``now`` is read under the lock the producer records its
+        waits under: a wait that ended after a clock read taken outside it (the take frees room, the producer's wait
+        for it ends at once) counted idle time past the cycle's end, a fraction above 1 (1.019 in CI, under drop)."""
         with self._progress:
+            now = self.clock()
             in_progress = now - self._waiting_since if self._waiting_since is not None else 0.0
             idle_until_now = self._idle_s + in_progress
             idle_s, self._idle_at_last_take = idle_until_now - self._idle_at_last_take, idle_until_now
-            return idle_s
+            return now, idle_s
 
     def wait_until_blocked(self, blocks: int, timeout_s: float) -> int:
         """Until the producer has waited for capacity or room more than ``blocks`` times, or stopped; returns the

@@ -209,3 +209,80 @@ def test_a_weight_sync_waits_for_the_round_in_flight():
     groups, _ = run.scheduler.take(1)
     assert [s.weight_version for g in groups for s in g] == [0, 0]  # generated on version 0, trained at 1
     run.scheduler.close()
+
+
+class _TickingClock:
+    """Each read one second after the last. Armed, it holds the producer thread's next read until the trainer (the
+    main thread) has read it twice -- the take's reads around its wait for groups -- and that read lands
+    ``HELD_S`` later, the time the take spent assembling its batch meanwhile. That forces the interleaving CI met
+    under drop (tests/e2e/test_streaming_e2e.py, engine_idle_frac 1.019): the take frees room, and the producer's
+    wait for it ends -- and is timed -- after the take has read its clock."""
+
+    HELD_S = 100.0
+
+    def __init__(self):
+        self.now = 0.0
+        self.changed = threading.Condition()
+        self.trainer_reads: int | None = None  # None: not armed
+
+    def arm(self):
+        with self.changed:
+            self.trainer_reads = 0
+
+    def __call__(self):
+        with self.changed:
+            if self.trainer_reads is not None:
+                if threading.current_thread() is threading.main_thread():
+                    self.trainer_reads += 1
+                    self.changed.notify_all()
+                else:
+                    assert self.changed.wait_for(lambda: self.trainer_reads >= 2, BOUND_S)
+                    self.trainer_reads = None
+                    self.now += self.HELD_S
+            self.now += 1.0
+            return self.now
+
+
+def test_engine_idle_frac_counts_no_wait_past_the_end_of_its_cycle():
+    """Under drop a take frees room and the producer's wait for it ends at once. A wait that ends after the take
+    read its clock counted idle time past the cycle it was divided by (a fraction above 1); the take now reads
+    the clock for both under the lock the producer's wait is recorded under. The take's assemble returns only
+    once the producer has left its wait (it is drawing the next round)."""
+    clock, drawing, release = _TickingClock(), threading.Event(), threading.Event()
+    first_held = [None]  # the round the producer draws after the take freed room
+
+    def draw(round_index):
+        if first_held[0] is not None and round_index >= first_held[0]:
+            drawing.set()
+            release.wait(BOUND_S)
+        drawn.append(round_index)
+        return [round_index]  # the round's one group (G = 1)
+
+    def assemble(step, groups):
+        assert drawing.wait(BOUND_S)
+        return groups, {}
+
+    drawn = []
+    scheduler = StreamingScheduler(
+        draw,
+        assemble,
+        lambda group: [0],
+        lambda groups: [0] * len(groups),
+        2,
+        StalenessMode.drop,
+        groups_per_step=1,
+        last_step=6,
+        wait_bound_s=BOUND_S,
+        clock=clock,
+    )
+    scheduler.start(0)
+    scheduler.wait_until_blocked(0, BOUND_S)  # the buffer is full: the producer waits for room
+    first_held[0] = len(drawn)
+    clock.arm()
+    try:
+        _, metrics = scheduler.take(0)
+    finally:
+        release.set()
+        scheduler.close()
+    assert 0.0 <= metrics["time/engine_idle_frac"] <= 1.0, metrics
+    assert 0.0 <= metrics["time/trainer_idle_frac"] <= 1.0, metrics
