@@ -5,6 +5,7 @@
     python tools/bench_rl_step.py --world 2 parallel=tp2           # any Hydra overrides, N gloo ranks
     python tools/bench_rl_step.py --shape medium --steps 14 --compare-expert-mlp   # grouped vs sequential experts
     python tools/bench_rl_step.py --shape medium --steps 30 --compare-expert-mlp --expert-floor
+    python tools/bench_rl_step.py --shape medium --steps 5 --threads-per-rank 2 --gemm-share   # time in GEMMs
     python tools/bench_rl_step.py --steps 22 --compare-over-sample rollout.over_sample=2 rollout.partial=continue \
         rollout.max_staleness=2 task=reasoning_max_digit model.hf_checkpoint=<tools/sft_warmstart.py --long-tail>
 
@@ -35,6 +36,11 @@ and range over its steps (other work on the machine shows up as spread). ``--exp
 third arm that skips the expert GEMMs (each routed row scaled by its probability): the update time no
 expert kernel can beat, hence the largest speed-up over SequentialMLP any expert MLP can give.
 ``--torch-profile N`` prints torch.profiler's top N operators of the update phase per arm.
+``--gemm-share`` profiles the engine's ``generate``, the old-log-prob pass and the update of every step
+after the first (rank 0) and prints, per phase, its wall time, its operators' self CPU time, the part
+of it spent in matrix products (``aten::mm``, ``addmm``, ``bmm``, ``baddbmm``, ``_grouped_mm``) and
+their GFLOP/s: the time no change outside the GEMM kernels can take away (issue 65's floor). The
+profiler's bookkeeping slows the steps; the shares, not the step times, are the result.
 """
 
 from __future__ import annotations
@@ -53,6 +59,11 @@ PHASES = ["generate", "reward", "advantages", "old_logp", "update", "weight_sync
 SAMPLING_ARMS = ("all_groups", "over_sample")
 EXPERT_ARMS = ("sequential", "grouped")  # --compare-expert-mlp: step i (from 0) runs arm i % len(arms)
 NO_EXPERTS = "no_experts"  # --expert-floor: the expert MLP skipped, the update time no expert kernel beats
+# --gemm-share: the matrix products among torch's CPU operators (aten::linear and aten::matmul only dispatch to them)
+GEMM_OPERATORS = frozenset(
+    {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::_grouped_mm"}
+)
+GEMM_PHASES = ("generate", "old_logp", "update")
 
 
 def _shape_overrides(name: str) -> list[str]:
@@ -112,13 +123,15 @@ def bench_worker(
     expert_arms: tuple[str, ...] = (),
     torch_profile_top: int = 0,
     sampling_arms: tuple[str, ...] = (),
+    gemm_share: bool = False,
 ) -> list[dict]:
     """One rank of the run; the driver returns one dict of phase seconds per step. With
     ``profile_top`` the driver also prints cProfile's top functions over the steps after the first.
     With ``expert_arms`` the steps take turns over those expert-MLP arms. With ``torch_profile_top``
     rank 0 prints torch.profiler's top operators of the update phase (per arm) over the measured
     steps. With ``sampling_arms`` the steps take turns over waiting for every group (the rollout phase
-    without its over-sampling state) and over-sampling (``rollout.over_sample``, with it)."""
+    without its over-sampling state) and over-sampling (``rollout.over_sample``, with it). With
+    ``gemm_share`` rank 0 prints the GEMMs' share of the three profiled phases (``GemmShare``)."""
     import cProfile
     import pstats
     from pathlib import Path
@@ -144,8 +157,13 @@ def bench_worker(
     generate: _Timed | None = None
     score: _Timed | None = None
     producer = trainer.feed.rollout.producer if isinstance(trainer.feed, DriverFeed) else None  # the driver's
+    step_seconds: list[float] = []
+    gemms = GemmShare(measured=lambda: bool(step_seconds)) if gemm_share and ctx.rank == 0 else None
+    if gemms is not None:
+        shadow_method(trainer.policy, "old_log_probs", gemms.wrap("old_logp", trainer.policy.old_log_probs))
     if producer is not None:
-        generate = _Timed(producer.training_engine.generate)
+        engine_generate = producer.training_engine.generate
+        generate = _Timed(engine_generate if gemms is None else gemms.wrap("generate", engine_generate))
         shadow_method(producer.training_engine, "generate", generate)
         score = _Timed(producer._score)
         shadow_method(producer, "_score", score)
@@ -156,10 +174,9 @@ def bench_worker(
     if sampling_arms and producer is not None and over_sampling is None:
         raise ValueError("--compare-over-sample needs rollout.over_sample > 1 in the overrides")
     samples_per_step = typed.trainer.prompts_per_step * typed.rollout.group_size
-    step_seconds: list[float] = []
     padded_tokens: list[int] = []  # tokens of the micro-batches this rank ran, per step
     train_step = trainer.train_step
-    policy_update = trainer.policy.update
+    policy_update = trainer.policy.update if gemms is None else gemms.wrap("update", trainer.policy.update)
     profiler = cProfile.Profile() if profile_top and ctx.rank == 0 else None
 
     operator_times: dict[str, OperatorTimes] = {}
@@ -205,6 +222,9 @@ def bench_worker(
             f"--- torch.profiler, update phase ({arm}), {times.steps} steps: top {torch_profile_top} by self CPU time"
         )
         print(times.table(torch_profile_top), flush=True)
+    if gemms is not None:
+        print(f"--- GEMMs per phase, torch.profiler over steps 2..{len(step_seconds)} (rank 0)")
+        print(gemms.table(len(step_seconds) - 1), flush=True)
     if profiler is not None and len(step_seconds) > 1:
         for order in ("tottime", "cumulative"):
             print(f"--- cProfile of steps 2..{len(step_seconds)}, top {profile_top} by {order}", flush=True)
@@ -256,6 +276,55 @@ class OperatorTimes:
                 f"{self.calls[key] / self.steps:>10.0f}"
             )
         lines.append(f"{'all operators':<48} {total / 1000 / self.steps:>12.2f}")
+        return "\n".join(lines)
+
+
+class GemmShare:
+    """Per phase, summed over its profiled calls: wall seconds, the operators' self CPU seconds, and those
+    of the matrix products (``GEMM_OPERATORS``) with their FLOP (torch.profiler's count for mm-like ops)."""
+
+    def __init__(self, measured: Callable[[], bool]):
+        self.measured = measured  # false during the warm-up step
+        self.totals = {phase: {"wall": 0.0, "operators": 0.0, "gemm": 0.0, "flop": 0.0} for phase in GEMM_PHASES}
+
+    def wrap(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def profiled(*args, **kwargs):
+            if not self.measured():
+                return fn(*args, **kwargs)
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+                start = time.perf_counter()
+                result = fn(*args, **kwargs)
+                wall = time.perf_counter() - start
+            totals = self.totals[phase]
+            totals["wall"] += wall
+            for event in prof.key_averages():
+                totals["operators"] += event.self_cpu_time_total / 1e6
+                if event.key in GEMM_OPERATORS:
+                    totals["gemm"] += event.self_cpu_time_total / 1e6
+                    totals["flop"] += event.flops or 0
+            return result
+
+        return profiled
+
+    def table(self, steps: int) -> str:
+        """Per step (``steps`` profiled): each phase and the three together."""
+        rows = [
+            *self.totals.items(),
+            ("three phases", {k: sum(t[k] for t in self.totals.values()) for k in self.totals["update"]}),
+        ]
+        lines = [
+            f"{'phase':<13} {'wall s':>8} {'operators s':>11} {'GEMM s':>8} {'of wall':>7} {'GFLOP':>7} {'GFLOP/s':>8}"
+        ]
+        for phase, t in rows:
+            n = max(steps, 1)
+            lines.append(
+                f"{phase:<13} {t['wall'] / n:>8.3f} {t['operators'] / n:>11.3f} {t['gemm'] / n:>8.3f} "
+                f"{100 * t['gemm'] / max(t['wall'], 1e-12):>6.1f}% {t['flop'] / n / 1e9:>7.2f} "
+                f"{t['flop'] / max(t['gemm'], 1e-12) / 1e9:>8.1f}"
+            )
+        lines.append("(per step; wall as profiled: the profiler's bookkeeping lengthens it)")
         return "\n".join(lines)
 
 
@@ -385,12 +454,19 @@ def main(argv=None) -> None:
         action="store_true",
         help="alternate steps: every started group to its end vs rollout.over_sample (set it in the overrides)",
     )
+    parser.add_argument(
+        "--gemm-share",
+        action="store_true",
+        help="profile generate, old log-probs and update: each one's time in matrix products, and their GFLOP/s",
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. parallel=tp2 algorithm=grpo")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be >= 1")
     if args.expert_floor and not args.compare_expert_mlp:
         parser.error("--expert-floor needs --compare-expert-mlp")
+    if args.gemm_share and args.torch_profile:
+        parser.error("--gemm-share and --torch-profile each run torch.profiler over the update: pick one")
     arms = (*EXPERT_ARMS, NO_EXPERTS) if args.expert_floor else EXPERT_ARMS if args.compare_expert_mlp else ()
     overrides = [
         f"trainer.steps={args.steps}",
@@ -413,6 +489,7 @@ def main(argv=None) -> None:
             arms,
             args.torch_profile,
             SAMPLING_ARMS if args.compare_over_sample else (),
+            args.gemm_share,
             timeout=args.timeout,
             threads_per_rank=args.threads_per_rank,
         )

@@ -112,7 +112,7 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
         ],
     ),
     "bench_rl_step.py": (
-        ["--steps", "2", *SMALL_RUN],
+        ["--steps", "2", "--gemm-share", *SMALL_RUN],
         [
             r"^phase\s+first step s\s+mean s\s+share$",
             *(
@@ -120,6 +120,11 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
                 for phase in ("generate", "reward", "old_logp", "update")
             ),
             rf"^step\s+{NUMBER}\s+{NUMBER}\s+100\.0%$",
+            r"^--- GEMMs per phase, torch\.profiler over steps 2\.\.2 \(rank 0\)$",
+            *(
+                rf"^{phase}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}%\s+{NUMBER}\s+{NUMBER}$"
+                for phase in ("generate", "old_logp", "update", "three phases")
+            ),
         ],
     ),
     "bench_routing_diagnostics.py": (
