@@ -254,11 +254,13 @@ def bench_worker(
 
 
 class OperatorTimes:
-    """Self CPU time and call count per torch operator, summed over several profiled windows."""
+    """Self CPU time, call count and FLOP (counted only when profiled ``with_flops``) per torch operator, summed
+    over several profiled windows."""
 
     def __init__(self):
         self.self_us: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        self.flops: dict[str, int] = {}
         self.steps = 0
 
     def add(self, key_averages) -> None:
@@ -266,6 +268,7 @@ class OperatorTimes:
         for event in key_averages:
             self.self_us[event.key] = self.self_us.get(event.key, 0.0) + event.self_cpu_time_total
             self.calls[event.key] = self.calls.get(event.key, 0) + event.count
+            self.flops[event.key] = self.flops.get(event.key, 0) + (event.flops or 0)
 
     def table(self, top: int) -> str:
         total = sum(self.self_us.values()) or 1.0
@@ -280,60 +283,53 @@ class OperatorTimes:
 
 
 class GemmShare:
-    """Per phase, summed over its profiled calls: wall seconds, the operators' self CPU seconds, and those
-    of the matrix products (``GEMM_OPERATORS``) with their FLOP (torch.profiler's count for mm-like ops)."""
+    """Per phase, over its profiled calls: wall seconds and the operators' ``OperatorTimes`` (with FLOP), of
+    which the matrix products (``GEMM_OPERATORS``) are the share reported."""
 
     def __init__(self, measured: Callable[[], bool]):
         self.measured = measured  # false during the warm-up step
-        self.totals = {phase: {"wall": 0.0, "operators": 0.0, "gemm": 0.0, "flop": 0.0} for phase in GEMM_PHASES}
+        self.wall = dict.fromkeys(GEMM_PHASES, 0.0)
+        self.operators = {phase: OperatorTimes() for phase in GEMM_PHASES}
 
     def wrap(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def profiled(*args, **kwargs):
             if not self.measured():
                 return fn(*args, **kwargs)
-            from torch.profiler import ProfilerActivity, profile
-
-            with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+            with profile_operators(self.operators[phase], with_flops=True):
                 start = time.perf_counter()
                 result = fn(*args, **kwargs)
-                wall = time.perf_counter() - start
-            totals = self.totals[phase]
-            totals["wall"] += wall
-            for event in prof.key_averages():
-                totals["operators"] += event.self_cpu_time_total / 1e6
-                if event.key in GEMM_OPERATORS:
-                    totals["gemm"] += event.self_cpu_time_total / 1e6
-                    totals["flop"] += event.flops or 0
+                self.wall[phase] += time.perf_counter() - start
             return result
 
         return profiled
 
     def table(self, steps: int) -> str:
         """Per step (``steps`` profiled): each phase and the three together."""
-        rows = [
-            *self.totals.items(),
-            ("three phases", {k: sum(t[k] for t in self.totals.values()) for k in self.totals["update"]}),
-        ]
+        rows = {}
+        for phase, times in self.operators.items():
+            gemm_us = sum(us for key, us in times.self_us.items() if key in GEMM_OPERATORS)
+            flop = sum(n for key, n in times.flops.items() if key in GEMM_OPERATORS)
+            rows[phase] = (self.wall[phase], sum(times.self_us.values()) / 1e6, gemm_us / 1e6, flop)
+        rows["three phases"] = tuple(sum(column) for column in zip(*rows.values(), strict=True))
         lines = [
             f"{'phase':<13} {'wall s':>8} {'operators s':>11} {'GEMM s':>8} {'of wall':>7} {'GFLOP':>7} {'GFLOP/s':>8}"
         ]
-        for phase, t in rows:
-            n = max(steps, 1)
+        n = max(steps, 1)
+        for phase, (wall, operators, gemm, flop) in rows.items():
             lines.append(
-                f"{phase:<13} {t['wall'] / n:>8.3f} {t['operators'] / n:>11.3f} {t['gemm'] / n:>8.3f} "
-                f"{100 * t['gemm'] / max(t['wall'], 1e-12):>6.1f}% {t['flop'] / n / 1e9:>7.2f} "
-                f"{t['flop'] / max(t['gemm'], 1e-12) / 1e9:>8.1f}"
+                f"{phase:<13} {wall / n:>8.3f} {operators / n:>11.3f} {gemm / n:>8.3f} "
+                f"{100 * gemm / max(wall, 1e-12):>6.1f}% {flop / n / 1e9:>7.2f} {flop / max(gemm, 1e-12) / 1e9:>8.1f}"
             )
         lines.append("(per step; wall as profiled: the profiler's bookkeeping lengthens it)")
         return "\n".join(lines)
 
 
 @contextmanager
-def profile_operators(times: OperatorTimes):
+def profile_operators(times: OperatorTimes, with_flops: bool = False):
     """torch.profiler (CPU operators) over the block; its per-operator totals are added to ``times``."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], with_flops=with_flops) as prof:
         yield
     times.add(prof.key_averages())
 

@@ -250,6 +250,7 @@ def test_engine_idle_frac_counts_no_wait_past_the_end_of_its_cycle():
     once the producer has left its wait (it is drawing the next round)."""
     clock, drawing, release = _TickingClock(), threading.Event(), threading.Event()
     first_held = [None]  # the round the producer draws after the take freed room
+    drawn = []
 
     def draw(round_index):
         if first_held[0] is not None and round_index >= first_held[0]:
@@ -262,7 +263,6 @@ def test_engine_idle_frac_counts_no_wait_past_the_end_of_its_cycle():
         assert drawing.wait(BOUND_S)
         return groups, {}
 
-    drawn = []
     scheduler = StreamingScheduler(
         draw,
         assemble,
